@@ -1,0 +1,42 @@
+"""Loading the compiled ``kt`` op library and reporting what the CPU can run."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import torch
+
+_LOADED = False
+
+
+def load_library() -> None:
+    """Loads ktorch/_C*.so (op registrations only, no Python module) into torch.ops.kt, once."""
+    global _LOADED
+    if _LOADED:
+        return
+    here = os.path.dirname(os.path.abspath(__file__))
+    candidates = sorted(glob.glob(os.path.join(here, "_C*.so")))
+    if not candidates:
+        raise ImportError(
+            f"ktorch's compiled extension (ktorch/_C*.so) was not found in {here}; "
+            "build it with `pip install --no-build-isolation -e .`"
+        )
+    torch.ops.load_library(candidates[0])
+    _LOADED = True
+
+
+def cpu_features() -> dict:
+    """What this CPU offers and which kernel level ``kt.fused_moe`` will run.
+
+    Returns a dict with the vendor, the ISA flags (avx512f, avx512_bf16, avx512_vnni, amx_bf16, amx_int8,
+    os_amx, ...), ``available`` (the kernel levels this machine can run) and ``kernel`` (the level a call
+    runs at now: the best available unless the environment variable ``KT_CPU_KERNEL`` forces one).
+    """
+    info: dict = {}
+    for line in torch.ops.kt.cpu_info():
+        key, value = line.split("=", 1)
+        info[key] = value == "1" if value in ("0", "1") else value
+    info["available"] = info["available"].split(",")
+    info["kernel"] = torch.ops.kt.selected_kernel()
+    return info

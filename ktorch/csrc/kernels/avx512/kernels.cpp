@@ -1,0 +1,250 @@
+// AVX-512 kernels (AVX512F/BW/VL + AVX512_BF16 + AVX512_VNNI), for the packed layouts in kernels.h.
+//
+// Register-blocked micro-kernels: MR activation rows x NR 16-column blocks of fp32/int32 accumulators.
+// Each 64-byte weight line is loaded once and used by MR rows; each activation pair/quad is a 32-bit
+// broadcast used by NR blocks.
+//   bf16: acc += dpbf16(x_pair, W_pair)                            (vdpbf16ps)
+//   int8: acc += dpbusd(W ^ 0x80, x_quad), then (acc - 128 * sum(x)) * s_w * s_x   (vpdpbusd: u8 x s8)
+//   int4: per group: acc_g += dpbusd(W_nibble, x_quad), acc += (acc_g - 8 * sum_g(x)) * s_w[g], then * s_x
+// With M = 1 (decode) the kernels stream each block's weights once, front to back; the driver keeps
+// enough blocks in flight across threads to saturate DRAM.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "../kernels.h"
+
+namespace kt::kernels {
+namespace {
+
+inline __m512 bf16x16_to_f32(__m256i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)); }
+
+inline int32_t load_i32(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// ---------------------------------------------------------------- bf16
+template <int MR, int NR>
+void bf16_tile(const GemmArgs& a, int m0, int b0) {
+  __m512 acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int b = 0; b < NR; ++b) acc[r][b] = _mm512_setzero_ps();
+  const uint16_t* x[MR];
+  for (int r = 0; r < MR; ++r) x[r] = static_cast<const uint16_t*>(a.a_rows[m0 + r]);
+  const uint8_t* w[NR];
+  for (int b = 0; b < NR; ++b) w[b] = a.b + (b0 + b) * a.b_block_stride;
+  const int64_t pairs = a.K / 2;
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512i wv[NR];
+    for (int b = 0; b < NR; ++b) wv[b] = _mm512_loadu_si512(w[b] + p * 64);
+    for (int r = 0; r < MR; ++r) {
+      const __m512i xv = _mm512_set1_epi32(load_i32(x[r] + 2 * p));
+      for (int b = 0; b < NR; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], (__m512bh)xv, (__m512bh)wv[b]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int b = 0; b < NR; ++b) _mm512_storeu_ps(a.c + (m0 + r) * a.ldc + 16 * (b0 + b), acc[r][b]);
+}
+
+// ---------------------------------------------------------------- int8
+template <int MR, int NR>
+void int8_tile(const GemmArgs& a, int m0, int b0) {
+  __m512i acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int b = 0; b < NR; ++b) acc[r][b] = _mm512_setzero_si512();
+  const int8_t* x[MR];
+  for (int r = 0; r < MR; ++r) x[r] = static_cast<const int8_t*>(a.a_rows[m0 + r]);
+  const uint8_t* w[NR];
+  for (int b = 0; b < NR; ++b) w[b] = a.b + (b0 + b) * a.b_block_stride;
+  const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int64_t quads = a.K / 4;
+  for (int64_t q = 0; q < quads; ++q) {
+    __m512i wv[NR];
+    for (int b = 0; b < NR; ++b) wv[b] = _mm512_xor_si512(_mm512_loadu_si512(w[b] + q * 64), sign);
+    for (int r = 0; r < MR; ++r) {
+      const __m512i xv = _mm512_set1_epi32(load_i32(x[r] + 4 * q));
+      for (int b = 0; b < NR; ++b) acc[r][b] = _mm512_dpbusd_epi32(acc[r][b], wv[b], xv);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    const int m = m0 + r;
+    const __m512i offset = _mm512_set1_epi32(128 * a.a_gsum[m * a.a_gsum_stride]);
+    const __m512 xs = _mm512_set1_ps(a.a_scale[m]);
+    for (int b = 0; b < NR; ++b) {
+      const __m512 ws = _mm512_loadu_ps(a.b_scale + (b0 + b) * a.b_scale_block_stride);
+      const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][b], offset));
+      _mm512_storeu_ps(a.c + m * a.ldc + 16 * (b0 + b), _mm512_mul_ps(_mm512_mul_ps(v, ws), xs));
+    }
+  }
+}
+
+// ---------------------------------------------------------------- int4
+template <int MR, int NR>
+void int4_tile(const GemmArgs& a, int m0, int b0) {
+  __m512 acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int b = 0; b < NR; ++b) acc[r][b] = _mm512_setzero_ps();
+  const int8_t* x[MR];
+  for (int r = 0; r < MR; ++r) x[r] = static_cast<const int8_t*>(a.a_rows[m0 + r]);
+  const uint8_t* w[NR];
+  for (int b = 0; b < NR; ++b) w[b] = a.b + (b0 + b) * a.b_block_stride;
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  const int64_t groups = a.K / a.group_size;
+  const int64_t octs = a.group_size / 8;
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i gacc[MR][NR];
+    for (int r = 0; r < MR; ++r)
+      for (int b = 0; b < NR; ++b) gacc[r][b] = _mm512_setzero_si512();
+    for (int64_t o = g * octs; o < (g + 1) * octs; ++o) {
+      for (int b = 0; b < NR; ++b) {
+        const __m512i v = _mm512_loadu_si512(w[b] + o * 64);
+        const __m512i lo = _mm512_and_si512(v, low);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        for (int r = 0; r < MR; ++r) {
+          gacc[r][b] = _mm512_dpbusd_epi32(gacc[r][b], lo, _mm512_set1_epi32(load_i32(x[r] + 8 * o)));
+          gacc[r][b] = _mm512_dpbusd_epi32(gacc[r][b], hi, _mm512_set1_epi32(load_i32(x[r] + 8 * o + 4)));
+        }
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      const __m512i offset = _mm512_set1_epi32(8 * a.a_gsum[(m0 + r) * a.a_gsum_stride + g]);
+      for (int b = 0; b < NR; ++b) {
+        const __m512 ws = _mm512_loadu_ps(a.b_scale + g * a.b_scale_group_stride + (b0 + b) * a.b_scale_block_stride);
+        acc[r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(gacc[r][b], offset)), ws, acc[r][b]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    const __m512 xs = _mm512_set1_ps(a.a_scale[m0 + r]);
+    for (int b = 0; b < NR; ++b) _mm512_storeu_ps(a.c + (m0 + r) * a.ldc + 16 * (b0 + b), _mm512_mul_ps(acc[r][b], xs));
+  }
+}
+
+// Walks the M x nblocks output in MR x NR tiles, instantiating the remainder shapes.
+template <int MR, int NR, template <int, int> class Tile>
+struct TileWalker {
+  template <int R, int B>
+  static void at(const GemmArgs& a, int m0, int b0, int mr, int nr) {
+    if constexpr (R > 1) {
+      if (mr < R) return at<R - 1, B>(a, m0, b0, mr, nr);
+    }
+    if constexpr (B > 1) {
+      if (nr < B) return at<R, B - 1>(a, m0, b0, mr, nr);
+    }
+    Tile<R, B>::run(a, m0, b0);
+  }
+  static void run(const GemmArgs& a) {
+    for (int b0 = 0; b0 < a.nblocks; b0 += NR)
+      for (int m0 = 0; m0 < a.M; m0 += MR) at<MR, NR>(a, m0, b0, std::min(MR, a.M - m0), std::min(NR, a.nblocks - b0));
+  }
+};
+
+template <int R, int B> struct Bf16Tile { static void run(const GemmArgs& a, int m0, int b0) { bf16_tile<R, B>(a, m0, b0); } };
+template <int R, int B> struct Int8Tile { static void run(const GemmArgs& a, int m0, int b0) { int8_tile<R, B>(a, m0, b0); } };
+template <int R, int B> struct Int4Tile { static void run(const GemmArgs& a, int m0, int b0) { int4_tile<R, B>(a, m0, b0); } };
+
+void gemm_bf16(const GemmArgs& a) { TileWalker<6, 4, Bf16Tile>::run(a); }
+void gemm_int8(const GemmArgs& a) { TileWalker<6, 4, Int8Tile>::run(a); }
+void gemm_int4(const GemmArgs& a) { TileWalker<6, 2, Int4Tile>::run(a); }
+
+// ---------------------------------------------------------------- epilogues
+// exp(x) = 2^n * p(r), n = round(x * log2 e), r = x - n ln2 in [-ln2/2, ln2/2]; relative error ~2e-7.
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.7f)), _mm512_set1_ps(-88.7f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __m512 activate(__m512 g, Activation act) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  switch (act) {
+    case Activation::SiLU: return _mm512_div_ps(g, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    case Activation::GeluTanh: {
+      // 0.5 g (1 + tanh(u)) = g * sigmoid(2u) = g / (1 + exp(-2u))
+      const __m512 g3 = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
+      const __m512 u = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f), _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), g3, g));
+      return _mm512_div_ps(g, _mm512_add_ps(one, exp_ps(_mm512_mul_ps(_mm512_set1_ps(-2.0f), u))));
+    }
+    case Activation::Gelu: {
+      alignas(64) float v[16];
+      _mm512_store_ps(v, g);
+      for (float& e : v) e = 0.5f * e * (1.0f + std::erf(e * 0.7071067811865476f));
+      return _mm512_load_ps(v);
+    }
+    case Activation::Relu: return _mm512_max_ps(g, _mm512_setzero_ps());
+  }
+  return g;
+}
+
+inline __m256i f32_to_bf16x16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+
+template <typename Store>
+void glu_rows(const float* c, int64_t ldc, int M, int n, Activation act, Store store) {
+  for (int m = 0; m < M; ++m) {
+    const float* g = c + m * ldc;
+    int i = 0;
+    for (; i + 16 <= n; i += 16) store(m, i, _mm512_mul_ps(activate(_mm512_loadu_ps(g + i), act), _mm512_loadu_ps(g + n + i)), 0xffff);
+    if (i < n) {
+      const __mmask16 k = static_cast<__mmask16>((1u << (n - i)) - 1);
+      store(m, i, _mm512_mul_ps(activate(_mm512_maskz_loadu_ps(k, g + i), act), _mm512_maskz_loadu_ps(k, g + n + i)), k);
+    }
+  }
+}
+
+void glu_f32(const float* c, int64_t ldc, int M, int n, Activation act, float* out, int64_t ldo) {
+  glu_rows(c, ldc, M, n, act, [&](int m, int i, __m512 v, __mmask16 k) { _mm512_mask_storeu_ps(out + m * ldo + i, k, v); });
+}
+
+void glu_bf16(const float* c, int64_t ldc, int M, int n, Activation act, uint16_t* out, int64_t ldo) {
+  glu_rows(c, ldc, M, n, act,
+           [&](int m, int i, __m512 v, __mmask16 k) { _mm256_mask_storeu_epi16(out + m * ldo + i, k, f32_to_bf16x16(v)); });
+}
+
+void quantize_rows(const float* x, int64_t ldx, int M, int64_t K, int64_t group_size, int8_t* q, int64_t ldq,
+                   float* scale, int32_t* gsum) {
+  const int64_t groups = K / group_size;
+  for (int m = 0; m < M; ++m) {
+    const float* xr = x + m * ldx;
+    int64_t k = 0;
+    __m512 vmax = _mm512_setzero_ps();
+    for (; k + 16 <= K; k += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(xr + k)));
+    float amax = _mm512_reduce_max_ps(vmax);
+    for (; k < K; ++k) amax = std::max(amax, std::fabs(xr[k]));
+    scale[m] = amax / 127.0f;
+    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    const __m512i lim = _mm512_set1_epi32(127);
+    for (int64_t g = 0; g < groups; ++g) {
+      __m512i sum = _mm512_setzero_si512();
+      for (k = g * group_size; k < (g + 1) * group_size; k += 16) {  // group_size % 16 == 0 (checked by the driver)
+        __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xr + k), inv));
+        v = _mm512_max_epi32(_mm512_min_epi32(v, lim), _mm512_sub_epi32(_mm512_setzero_si512(), lim));
+        sum = _mm512_add_epi32(sum, v);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + m * ldq + k), _mm512_cvtepi32_epi8(v));
+      }
+      gsum[m * groups + g] = _mm512_reduce_add_epi32(sum);
+    }
+  }
+}
+
+}  // namespace
+
+const KernelSet& avx512_kernels() {
+  static const KernelSet set{"avx512", {gemm_bf16, gemm_int8, gemm_int4}, glu_f32, glu_bf16, quantize_rows};
+  return set;
+}
+
+}  // namespace kt::kernels

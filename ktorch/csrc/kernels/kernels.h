@@ -1,0 +1,88 @@
+// The contract between the fused-MoE driver (ktorch/csrc/moe/) and the ISA kernels
+// (ktorch/csrc/kernels/{portable,avx512,amx}/). Pure C++: no ATen, no intrinsics, so that each ISA
+// folder compiles on its own with its own -m flags and the driver picks a KernelSet at run time.
+//
+// Packed weight layouts (one expert; W is [N, K], N output channels, K reduction; N % 16 == 0):
+//   bf16: [N/16][K/2][16][2]  element (nb, p, c, j) = W[16*nb + c][2*p + j]
+//         (the AVX-512 BF16 dot-product pair layout, and also the AMX-BF16 B-tile layout)
+//   int8: [N/16][K/4][16][4]  element (nb, q, c, j) = W[16*nb + c][4*q + j], signed, symmetric per
+//         output channel: W ≈ q * scale[0][n]           (the VNNI quad layout = AMX-INT8 B-tile layout)
+//   int4: [N/16][K/8][16][4] bytes; byte (nb, o, c, j) holds W[16*nb+c][8*o+j] + 8 in its low nibble and
+//         W[16*nb+c][8*o+4+j] + 8 in its high nibble; values in [-8, 7], group-wise symmetric scales:
+//         W ≈ q * scale[k / group_size][n]
+// Scales are fp32 [G][N] per expert (G = 1 for int8, K / group_size for int4).
+// The 16-column blocks of an expert follow each other; block nb starts at nb * block_bytes(K).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace kt::kernels {
+
+enum class WeightFormat : int { BF16 = 0, INT8 = 1, INT4 = 2 };
+constexpr int kNumFormats = 3;
+
+enum class Activation : int { SiLU = 0, GeluTanh = 1, Gelu = 2, Relu = 3 };
+
+// Bytes of one 16-column block of a packed matrix with reduction length K.
+inline size_t block_bytes(WeightFormat f, int64_t K) {
+  switch (f) {
+    case WeightFormat::BF16: return static_cast<size_t>(K) * 16 * 2;
+    case WeightFormat::INT8: return static_cast<size_t>(K) * 16;
+    case WeightFormat::INT4: return static_cast<size_t>(K) * 8;
+  }
+  return 0;
+}
+
+// C[m][16*b + c] = sum_k A[m][k] * W[16*b + c][k], for m < M and b < nblocks, in fp32.
+// A rows are gathered through pointers (tokens routed to one expert are not adjacent in the batch).
+//   bf16 weights: A rows are bf16 (uint16_t) of length K.
+//   int8/int4:    A rows are int8 of length K, row m dequantizes as a_scale[m] * A[m][k];
+//                 a_gsum[m * a_gsum_stride + g] = sum of A[m][k] over k in group g (the group size of
+//                 the weights, K for int8), used to undo the unsigned offset of the weights.
+// The result is fully dequantized (a_scale and the weight scales applied).
+struct GemmArgs {
+  int M = 0;
+  int64_t K = 0;
+  const void* const* a_rows = nullptr;
+  const float* a_scale = nullptr;
+  const int32_t* a_gsum = nullptr;
+  int64_t a_gsum_stride = 0;
+  int64_t group_size = 0;  // int4 only
+  const uint8_t* b = nullptr;        // first 16-column block
+  size_t b_block_stride = 0;         // bytes from one 16-column block to the next one used
+  const float* b_scale = nullptr;    // scale of the first column in group 0 (int8/int4)
+  int64_t b_scale_group_stride = 0;  // floats from group g to g + 1 (= N)
+  int64_t b_scale_block_stride = 16; // floats from one 16-column block to the next one used
+  int nblocks = 0;                   // 16-column blocks to compute, 1..kMaxBlocks
+  float* c = nullptr;
+  int64_t ldc = 0;
+};
+constexpr int kMaxBlocks = 4;
+
+using GemmFn = void (*)(const GemmArgs&);
+
+// out[m][i] = act(C[m][i]) * C[m][n + i] for i < n (the gate columns come first, then the up columns).
+using GluF32Fn = void (*)(const float* c, int64_t ldc, int M, int n, Activation act, float* out, int64_t ldo);
+using GluBf16Fn = void (*)(const float* c, int64_t ldc, int M, int n, Activation act, uint16_t* out, int64_t ldo);
+
+// Symmetric per-row int8 quantization: q = round(x / scale), scale = max|x| / 127 (0 for an all-zero row),
+// and gsum[m][g] = sum of q over each group of group_size columns (group_size divides K).
+using QuantizeRowsFn = void (*)(const float* x, int64_t ldx, int M, int64_t K, int64_t group_size, int8_t* q,
+                                int64_t ldq, float* scale, int32_t* gsum);
+
+struct KernelSet {
+  const char* name;
+  GemmFn gemm[kNumFormats];
+  GluF32Fn glu_f32;
+  GluBf16Fn glu_bf16;
+  QuantizeRowsFn quantize_rows;
+};
+
+// Defined in the ISA folders; each returns nullptr-free tables. The amx table may fall back to avx512
+// entries for formats it does not cover.
+const KernelSet& portable_kernels();
+const KernelSet& avx512_kernels();
+const KernelSet& amx_kernels();
+
+}  // namespace kt::kernels

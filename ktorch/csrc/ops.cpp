@@ -1,0 +1,48 @@
+// Every kt op is declared here, and only here: schemas first, then the CPU kernels that implement them.
+// Fake (meta) implementations for tracing live in ktorch/ops/.
+#include <torch/library.h>
+
+#include "moe/fused_moe.h"
+#include "moe/pack.h"
+#include "runtime/cpu_features.h"
+#include "runtime/dispatch.h"
+
+namespace {
+
+// "key=value" lines describing the CPU and the kernel each call will use; parsed by ktorch.cpu_features().
+std::vector<std::string> cpu_info() {
+  const auto& f = kt::runtime::cpu_features();
+  auto b = [](bool v) { return std::string(v ? "1" : "0"); };
+  std::vector<std::string> out = {
+      "vendor=" + f.vendor,
+      "avx512f=" + b(f.avx512f), "avx512bw=" + b(f.avx512bw), "avx512vl=" + b(f.avx512vl),
+      "avx512_bf16=" + b(f.avx512_bf16), "avx512_vnni=" + b(f.avx512_vnni), "os_avx512=" + b(f.os_avx512),
+      "amx_tile=" + b(f.amx_tile), "amx_bf16=" + b(f.amx_bf16), "amx_int8=" + b(f.amx_int8), "os_amx=" + b(f.os_amx),
+      "available=" + kt::runtime::available_kernel_levels(),
+  };
+  return out;
+}
+
+std::string selected_kernel() { return kt::runtime::selected_kernel_level(); }
+
+}  // namespace
+
+TORCH_LIBRARY(kt, m) {
+  m.def("pack_bf16(Tensor weight, bool gate_up=False) -> Tensor");
+  m.def("pack_int8(Tensor weight, bool gate_up=False) -> (Tensor, Tensor)");
+  m.def("pack_int4(Tensor weight, int group_size=128, bool gate_up=False) -> (Tensor, Tensor)");
+  m.def("unpack(Tensor packed, Tensor? scales, bool gate_up=False) -> Tensor");
+  m.def(
+      "fused_moe(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor w13, Tensor? w13_scales, Tensor w2, "
+      "Tensor? w2_scales, str activation=\"silu\") -> Tensor");
+  m.def("cpu_info() -> str[]", &cpu_info);
+  m.def("selected_kernel() -> str", &selected_kernel);
+}
+
+TORCH_LIBRARY_IMPL(kt, CPU, m) {
+  m.impl("pack_bf16", &kt::moe::pack_bf16);
+  m.impl("pack_int8", &kt::moe::pack_int8);
+  m.impl("pack_int4", &kt::moe::pack_int4);
+  m.impl("unpack", &kt::moe::unpack);
+  m.impl("fused_moe", &kt::moe::fused_moe);
+}

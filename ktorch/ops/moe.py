@@ -1,0 +1,187 @@
+"""Python face of the fused-MoE ops: packing expert weights and running routed experts on the CPU.
+
+The ops themselves are ``torch.ops.kt.*`` (schemas in ktorch/csrc/ops.cpp); this module adds argument
+handling for the layouts transformers uses, a ``PackedExperts`` container, and the fake impls that let
+``torch.compile`` trace the ops without running them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+FORMATS = ("bf16", "int8", "int4")
+
+
+@dataclass
+class PackedExperts:
+    """Expert weights of one MoE layer in the kernels' packed layout (see ktorch/csrc/kernels/kernels.h).
+
+    w13: gate and up projections packed together ([E, 2I/16, H/per, 16, per]); w2: down projection
+    ([E, H/16, I/per, 16, per]); the scales are float32 [E, G, N] for int8 (G = 1) and int4 (G = K / group)
+    and None for bf16.
+    """
+
+    w13: torch.Tensor
+    w13_scales: Optional[torch.Tensor]
+    w2: torch.Tensor
+    w2_scales: Optional[torch.Tensor]
+    format: str
+    group_size: Optional[int] = None
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.w2.shape[1] * 16
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.w13.shape[1] * 8
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors() if t is not None)
+
+    def tensors(self) -> tuple:
+        return (self.w13, self.w13_scales, self.w2, self.w2_scales)
+
+    def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weights these packed tensors stand for: (gate_up_proj [E, 2I, H], down_proj [E, H, I]), fp32."""
+        gate_up = torch.ops.kt.unpack(self.w13, self.w13_scales, gate_up=True)
+        down = torch.ops.kt.unpack(self.w2, self.w2_scales, gate_up=False)
+        return gate_up, down
+
+
+def _pack(weight: torch.Tensor, fmt: str, group_size: Optional[int], gate_up: bool):
+    if fmt == "bf16":
+        return torch.ops.kt.pack_bf16(weight, gate_up=gate_up), None
+    if fmt == "int8":
+        return torch.ops.kt.pack_int8(weight, gate_up=gate_up)
+    return torch.ops.kt.pack_int4(weight, group_size=group_size, gate_up=gate_up)
+
+
+def pack_experts(
+    gate_up_proj: Optional[torch.Tensor] = None,
+    down_proj: Optional[torch.Tensor] = None,
+    dtype: str = "bf16",
+    group_size: Optional[int] = None,
+    *,
+    gate_proj: Optional[torch.Tensor] = None,
+    up_proj: Optional[torch.Tensor] = None,
+) -> PackedExperts:
+    """Packs one layer's routed experts for ``fused_moe``.
+
+    Args:
+        gate_up_proj: [E, 2I, H], gate rows first then up rows (transformers' layout); or pass
+            ``gate_proj`` and ``up_proj`` ([E, I, H] each) instead.
+        down_proj: [E, H, I].
+        dtype: "bf16", "int8" (symmetric per output channel) or "int4" (symmetric per group of
+            ``group_size`` input channels, default 128).
+        group_size: int4 only; a multiple of 32 dividing H and I.
+
+    H and I must be multiples of 32. Packing is deterministic. Weights may be in any float dtype,
+    any strides (e.g. transposed views), on the CPU.
+    """
+    if dtype not in FORMATS:
+        raise ValueError(f"pack_experts: dtype must be one of {FORMATS}, got {dtype!r}")
+    if dtype != "int4" and group_size is not None:
+        raise ValueError(f"pack_experts: group_size applies to int4 only, got group_size={group_size} with {dtype}")
+    if gate_up_proj is None:
+        if gate_proj is None or up_proj is None:
+            raise ValueError("pack_experts: pass gate_up_proj, or both gate_proj and up_proj")
+        if gate_proj.shape != up_proj.shape:
+            raise ValueError(f"pack_experts: gate_proj {tuple(gate_proj.shape)} and up_proj {tuple(up_proj.shape)} differ")
+        gate_up_proj = torch.cat([gate_proj, up_proj], dim=1)
+    elif gate_proj is not None or up_proj is not None:
+        raise ValueError("pack_experts: pass either gate_up_proj or gate_proj/up_proj, not both")
+    if down_proj is None:
+        raise ValueError("pack_experts: down_proj is required")
+    if gate_up_proj.dim() != 3 or down_proj.dim() != 3:
+        raise ValueError(
+            f"pack_experts: expected gate_up_proj [E, 2I, H] and down_proj [E, H, I], got "
+            f"{tuple(gate_up_proj.shape)} and {tuple(down_proj.shape)}"
+        )
+    E, two_i, H = gate_up_proj.shape
+    if down_proj.shape != (E, H, two_i // 2) or two_i % 2:
+        raise ValueError(
+            f"pack_experts: down_proj must be [E={E}, H={H}, I={two_i // 2}] to match gate_up_proj "
+            f"{tuple(gate_up_proj.shape)}, got {tuple(down_proj.shape)}"
+        )
+    if dtype == "int4" and group_size is None:
+        group_size = 128 if H % 128 == 0 and (two_i // 2) % 128 == 0 else 32
+    w13, s13 = _pack(gate_up_proj, dtype, group_size, gate_up=True)
+    w2, s2 = _pack(down_proj, dtype, group_size, gate_up=False)
+    return PackedExperts(w13, s13, w2, s2, dtype, group_size)
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    packed: PackedExperts,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """Routed experts of one MoE layer, on the CPU.
+
+    out[t] = sum_k topk_weights[t, k] * down_e(act(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, k];
+    a negative id skips its slot.
+
+    Args:
+        hidden: [T, H] bf16, fp16 or fp32 (CPU).
+        topk_ids: [T, K] int32 or int64, each < E or negative.
+        topk_weights: [T, K] float.
+        packed: from ``pack_experts``.
+        activation: "silu" (SwiGLU), "gelu_tanh", "gelu" or "relu".
+
+    Returns:
+        [T, H] in the dtype of ``hidden``.
+    """
+    return torch.ops.kt.fused_moe(
+        hidden, topk_ids, topk_weights, packed.w13, packed.w13_scales, packed.w2, packed.w2_scales, activation
+    )
+
+
+# ---------------------------------------------------------------- fake impls (shapes only, for tracing)
+
+
+@torch.library.register_fake("kt::pack_bf16")
+def _pack_bf16_fake(weight, gate_up=False):
+    E, N, K = weight.shape
+    return weight.new_empty((E, N // 16, K // 2, 16, 2), dtype=torch.bfloat16)
+
+
+@torch.library.register_fake("kt::pack_int8")
+def _pack_int8_fake(weight, gate_up=False):
+    E, N, K = weight.shape
+    return (
+        weight.new_empty((E, N // 16, K // 4, 16, 4), dtype=torch.int8),
+        weight.new_empty((E, 1, N), dtype=torch.float32),
+    )
+
+
+@torch.library.register_fake("kt::pack_int4")
+def _pack_int4_fake(weight, group_size=128, gate_up=False):
+    E, N, K = weight.shape
+    return (
+        weight.new_empty((E, N // 16, K // 8, 16, 4), dtype=torch.uint8),
+        weight.new_empty((E, K // group_size, N), dtype=torch.float32),
+    )
+
+
+@torch.library.register_fake("kt::unpack")
+def _unpack_fake(packed, scales, gate_up=False):
+    E, nb, kq, _, per = packed.shape
+    K = kq * (8 if packed.dtype == torch.uint8 else per)
+    return packed.new_empty((E, nb * 16, K), dtype=torch.float32)
+
+
+@torch.library.register_fake("kt::fused_moe")
+def _fused_moe_fake(hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales, activation="silu"):
+    torch._check(topk_ids.shape[0] == hidden.shape[0], lambda: "fused_moe: topk_ids must have T rows")
+    torch._check(hidden.shape[1] == w2.shape[1] * 16, lambda: "fused_moe: hidden size does not match w2")
+    return torch.empty_like(hidden, memory_format=torch.contiguous_format)

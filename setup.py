@@ -1,0 +1,60 @@
+"""Builds ktorch._C: one torch extension, with the ISA kernels compiled separately under their own flags.
+
+The kernels under ktorch/csrc/kernels/<isa>/ include no ATen headers; each folder becomes a static library
+built by setuptools' build_clib with that ISA's -m flags, and the extension (op registration, the MoE driver,
+the runtime) is compiled for the baseline ISA and links them all. Which kernels run is decided at run time
+from CPUID (ktorch/csrc/runtime/dispatch.cpp), so the extension imports on any x86-64 CPU.
+"""
+
+import glob
+import os
+
+from setuptools import setup
+from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+CSRC = os.path.join("ktorch", "csrc")
+OPT = ["-O3", "-std=c++17", "-fPIC", "-fno-math-errno"]
+
+ISA_FLAGS = {
+    "portable": [],
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni", "-mfma"],
+    "amx": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni", "-mfma",
+            "-mamx-tile", "-mamx-bf16", "-mamx-int8"],
+}
+
+
+def isa_library(isa):
+    sources = sorted(glob.glob(os.path.join(CSRC, "kernels", isa, "*.cpp")))
+    deps = {src: glob.glob(os.path.join(CSRC, "kernels", "*.h")) for src in sources}
+    return (f"kt_kernels_{isa}", {"sources": sources, "cflags": OPT + ISA_FLAGS[isa], "obj_deps": deps})
+
+
+class BuildExt(BuildExtension):
+    """Builds the ISA static libraries first (editable installs do not run build_clib on their own)."""
+
+    def run(self):
+        self.run_command("build_clib")
+        clib = self.get_finalized_command("build_clib")
+        for ext in self.extensions:
+            ext.library_dirs.append(clib.build_clib)
+        super().run()
+
+
+ext_sources = sorted(glob.glob(os.path.join(CSRC, "*.cpp")) + glob.glob(os.path.join(CSRC, "moe", "*.cpp"))
+                     + glob.glob(os.path.join(CSRC, "runtime", "*.cpp")))
+libraries = [isa_library(isa) for isa in ISA_FLAGS]
+
+setup(
+    libraries=libraries,
+    ext_modules=[
+        CppExtension(
+            "ktorch._C",
+            ext_sources,
+            extra_compile_args=OPT,
+            # the kernels reference each other (amx falls back to avx512), so group them for the linker
+            extra_link_args=["-Wl,--start-group"] + [f"-l{name}" for name, _ in libraries] + ["-Wl,--end-group"],
+        )
+    ],
+    cmdclass={"build_ext": BuildExt},
+)
