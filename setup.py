@@ -51,9 +51,10 @@ setup(
         CppExtension(
             "ktorch._C",
             ext_sources,
-            extra_compile_args=OPT,
+            # ATen's at::parallel_for is a header template: without OpenMP here it would run serially
+            extra_compile_args=OPT + ["-fopenmp"],
             # the kernels reference each other (amx falls back to avx512), so group them for the linker
-            extra_link_args=["-Wl,--start-group"] + [f"-l{name}" for name, _ in libraries] + ["-Wl,--end-group"],
+            extra_link_args=["-fopenmp", "-Wl,--start-group"] + [f"-l{name}" for name, _ in libraries] + ["-Wl,--end-group"],
         )
     ],
     cmdclass={"build_ext": BuildExt},

@@ -2,10 +2,15 @@
 // Fake (meta) implementations for tracing live in ktorch/ops/.
 #include <torch/library.h>
 
+#include <chrono>
+#include <vector>
+
+#include "kernels/probe.h"
 #include "moe/fused_moe.h"
 #include "moe/pack.h"
 #include "runtime/cpu_features.h"
 #include "runtime/dispatch.h"
+#include "runtime/parallel.h"
 
 namespace {
 
@@ -25,6 +30,23 @@ std::vector<std::string> cpu_info() {
 
 std::string selected_kernel() { return kt::runtime::selected_kernel_level(); }
 
+// Peak dot-product rate of all ktorch workers together, in operations per second (benchmarks report
+// kernels as a fraction of it). kind: "bf16" (vdpbf16ps) or "int8" (vpdpbusd).
+double dot_peak(c10::string_view kind, int64_t iters) {
+  TORCH_CHECK(kind == "bf16" || kind == "int8", "dot_peak: kind must be bf16 or int8, got '", std::string(kind), "'");
+  TORCH_CHECK(kt::runtime::cpu_features().has_avx512_kernels(), "dot_peak: needs AVX-512 BF16/VNNI");
+  const int k = kind == "bf16" ? 0 : 1;
+  // 8 slices per worker: a worker that wakes late leaves its slices to the others instead of idling them
+  const int64_t n = 8 * kt::runtime::num_workers();
+  std::vector<double> ops(n, 0.0);
+  const auto t0 = std::chrono::steady_clock::now();
+  kt::runtime::parallel_tasks(n, [&](int64_t task, int) { ops[task] = kt::kernels::avx512_dot_ops(k, iters / 8); });
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  double total = 0;
+  for (double o : ops) total += o;
+  return total / s;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kt, m) {
@@ -37,6 +59,7 @@ TORCH_LIBRARY(kt, m) {
       "Tensor? w2_scales, str activation=\"silu\") -> Tensor");
   m.def("cpu_info() -> str[]", &cpu_info);
   m.def("selected_kernel() -> str", &selected_kernel);
+  m.def("dot_peak(str kind, int iters=10000000) -> float", &dot_peak);
 }
 
 TORCH_LIBRARY_IMPL(kt, CPU, m) {

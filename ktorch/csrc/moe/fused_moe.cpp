@@ -94,7 +94,7 @@ struct Rows {
 
 // Quantizes rows of x [R, K] (fp32) in parallel.
 void quantize(const kernels::KernelSet& ks, const at::Tensor& x, int64_t group_size, at::Tensor& q, at::Tensor& scale,
-              at::Tensor& gsum, int workers) {
+              at::Tensor& gsum) {
   const int64_t R = x.size(0), K = x.size(1), G = K / group_size;
   q = at::empty({R, K}, x.options().dtype(at::kChar));
   scale = at::empty({R}, x.options());
@@ -104,7 +104,7 @@ void quantize(const kernels::KernelSet& ks, const at::Tensor& x, int64_t group_s
   int8_t* qp = q.data_ptr<int8_t>();
   float* sp = scale.data_ptr<float>();
   int32_t* gp = gsum.data_ptr<int32_t>();
-  runtime::parallel_tasks(tasks, workers, [&](int64_t t, int) {
+  runtime::parallel_tasks(tasks, [&](int64_t t, int) {
     const int64_t r0 = t * chunk, n = std::min(chunk, R - r0);
     ks.quantize_rows(xp + r0 * K, K, static_cast<int>(n), K, group_size, qp + r0 * K, K, sp + r0, gp + r0 * G);
   });
@@ -193,7 +193,7 @@ at::Tensor fused_moe(const at::Tensor& hidden_in, const at::Tensor& topk_ids_in,
     for (int64_t p = 0; p < P; ++p) x.ptr[p] = base + pair_token[p] * H * 2;
   } else {
     at::Tensor q, s, g;
-    quantize(ks, hidden_in.to(at::kFloat).contiguous(), up.group_size(), q, s, g, workers);
+    quantize(ks, hidden_in.to(at::kFloat).contiguous(), up.group_size(), q, s, g);
     x.storage = q;
     x.groups = up.groups;
     x.ptr.resize(P);
@@ -224,7 +224,7 @@ at::Tensor fused_moe(const at::Tensor& hidden_in, const at::Tensor& topk_ids_in,
       chunks.push_back({e, p0, std::min(kTokensPerTask, offset[e + 1] - p0)});
   at::Tensor scratch = at::empty({workers, kTokensPerTask, 64}, hidden_in.options().dtype(at::kFloat));
   float* scratch_p = scratch.data_ptr<float>();
-  runtime::parallel_tasks(static_cast<int64_t>(chunks.size()) * ublocks, workers, [&](int64_t task, int worker) {
+  runtime::parallel_tasks(static_cast<int64_t>(chunks.size()) * ublocks, [&](int64_t task, int worker) {
     const Chunk& ch = chunks[task / ublocks];
     const int64_t jb = task % ublocks;
     kernels::GemmArgs a;
@@ -259,7 +259,7 @@ at::Tensor fused_moe(const at::Tensor& hidden_in, const at::Tensor& topk_ids_in,
     const auto* base = static_cast<const uint8_t*>(h.data_ptr());
     for (int64_t p = 0; p < P; ++p) hr.ptr[p] = base + p * I * 2;
   } else {
-    quantize(ks, h, down.group_size(), hr.storage, hs, hg, workers);
+    quantize(ks, h, down.group_size(), hr.storage, hs, hg);
     hr.groups = down.groups;
     const int8_t* base = hr.storage.data_ptr<int8_t>();
     for (int64_t p = 0; p < P; ++p) hr.ptr[p] = base + p * I;
@@ -274,7 +274,7 @@ at::Tensor fused_moe(const at::Tensor& hidden_in, const at::Tensor& topk_ids_in,
   int nb = kernels::kMaxBlocks;
   while (nb > 1 && hblocks / nb < 4 * workers) nb /= 2;
   const int64_t dtasks = (hblocks + nb - 1) / nb;
-  runtime::parallel_tasks(dtasks, workers, [&](int64_t task, int worker) {
+  runtime::parallel_tasks(dtasks, [&](int64_t task, int worker) {
     const int64_t b0 = task * nb;
     const int nblk = static_cast<int>(std::min<int64_t>(nb, hblocks - b0));
     const int64_t c0 = 16 * b0, ncols = 16 * nblk;

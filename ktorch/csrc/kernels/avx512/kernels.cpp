@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "../kernels.h"
 
@@ -29,16 +30,16 @@ inline int32_t load_i32(const void* p) {
 
 // ---------------------------------------------------------------- bf16
 template <int MR, int NR>
-void bf16_tile(const GemmArgs& a, int m0, int b0) {
+void bf16_tile(const GemmArgs& a, int m0, int b0, int64_t k0, int64_t k1) {
   __m512 acc[MR][NR];
   for (int r = 0; r < MR; ++r)
-    for (int b = 0; b < NR; ++b) acc[r][b] = _mm512_setzero_ps();
+    for (int b = 0; b < NR; ++b)
+      acc[r][b] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(a.c + (m0 + r) * a.ldc + 16 * (b0 + b));
   const uint16_t* x[MR];
   for (int r = 0; r < MR; ++r) x[r] = static_cast<const uint16_t*>(a.a_rows[m0 + r]);
   const uint8_t* w[NR];
   for (int b = 0; b < NR; ++b) w[b] = a.b + (b0 + b) * a.b_block_stride;
-  const int64_t pairs = a.K / 2;
-  for (int64_t p = 0; p < pairs; ++p) {
+  for (int64_t p = k0 / 2; p < k1 / 2; ++p) {
     __m512i wv[NR];
     for (int b = 0; b < NR; ++b) wv[b] = _mm512_loadu_si512(w[b] + p * 64);
     for (int r = 0; r < MR; ++r) {
@@ -52,23 +53,28 @@ void bf16_tile(const GemmArgs& a, int m0, int b0) {
 
 // ---------------------------------------------------------------- int8
 template <int MR, int NR>
-void int8_tile(const GemmArgs& a, int m0, int b0) {
+void int8_tile(const GemmArgs& a, int m0, int b0, int64_t k0, int64_t k1, int32_t* partial) {
   __m512i acc[MR][NR];
   for (int r = 0; r < MR; ++r)
-    for (int b = 0; b < NR; ++b) acc[r][b] = _mm512_setzero_si512();
+    for (int b = 0; b < NR; ++b)
+      acc[r][b] = k0 == 0 ? _mm512_setzero_si512() : _mm512_loadu_si512(partial + (m0 + r) * a.ldc + 16 * (b0 + b));
   const int8_t* x[MR];
   for (int r = 0; r < MR; ++r) x[r] = static_cast<const int8_t*>(a.a_rows[m0 + r]);
   const uint8_t* w[NR];
   for (int b = 0; b < NR; ++b) w[b] = a.b + (b0 + b) * a.b_block_stride;
   const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
-  const int64_t quads = a.K / 4;
-  for (int64_t q = 0; q < quads; ++q) {
+  for (int64_t q = k0 / 4; q < k1 / 4; ++q) {
     __m512i wv[NR];
     for (int b = 0; b < NR; ++b) wv[b] = _mm512_xor_si512(_mm512_loadu_si512(w[b] + q * 64), sign);
     for (int r = 0; r < MR; ++r) {
       const __m512i xv = _mm512_set1_epi32(load_i32(x[r] + 4 * q));
       for (int b = 0; b < NR; ++b) acc[r][b] = _mm512_dpbusd_epi32(acc[r][b], wv[b], xv);
     }
+  }
+  if (k1 < a.K) {
+    for (int r = 0; r < MR; ++r)
+      for (int b = 0; b < NR; ++b) _mm512_storeu_si512(partial + (m0 + r) * a.ldc + 16 * (b0 + b), acc[r][b]);
+    return;
   }
   for (int r = 0; r < MR; ++r) {
     const int m = m0 + r;
@@ -84,18 +90,18 @@ void int8_tile(const GemmArgs& a, int m0, int b0) {
 
 // ---------------------------------------------------------------- int4
 template <int MR, int NR>
-void int4_tile(const GemmArgs& a, int m0, int b0) {
+void int4_tile(const GemmArgs& a, int m0, int b0, int64_t k0, int64_t k1) {
   __m512 acc[MR][NR];
   for (int r = 0; r < MR; ++r)
-    for (int b = 0; b < NR; ++b) acc[r][b] = _mm512_setzero_ps();
+    for (int b = 0; b < NR; ++b)
+      acc[r][b] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(a.c + (m0 + r) * a.ldc + 16 * (b0 + b));
   const int8_t* x[MR];
   for (int r = 0; r < MR; ++r) x[r] = static_cast<const int8_t*>(a.a_rows[m0 + r]);
   const uint8_t* w[NR];
   for (int b = 0; b < NR; ++b) w[b] = a.b + (b0 + b) * a.b_block_stride;
   const __m512i low = _mm512_set1_epi8(0x0f);
-  const int64_t groups = a.K / a.group_size;
   const int64_t octs = a.group_size / 8;
-  for (int64_t g = 0; g < groups; ++g) {
+  for (int64_t g = k0 / a.group_size; g < k1 / a.group_size; ++g) {
     __m512i gacc[MR][NR];
     for (int r = 0; r < MR; ++r)
       for (int b = 0; b < NR; ++b) gacc[r][b] = _mm512_setzero_si512();
@@ -119,37 +125,59 @@ void int4_tile(const GemmArgs& a, int m0, int b0) {
     }
   }
   for (int r = 0; r < MR; ++r) {
-    const __m512 xs = _mm512_set1_ps(a.a_scale[m0 + r]);
+    const __m512 xs = _mm512_set1_ps(k1 < a.K ? 1.0f : a.a_scale[m0 + r]);
     for (int b = 0; b < NR; ++b) _mm512_storeu_ps(a.c + (m0 + r) * a.ldc + 16 * (b0 + b), _mm512_mul_ps(acc[r][b], xs));
   }
 }
 
-// Walks the M x nblocks output in MR x NR tiles, instantiating the remainder shapes.
+// Walks the M x nblocks output in MR x NR tiles, instantiating the remainder shapes. The reduction is
+// cut into chunks of kc so that the NR weight blocks of a chunk stay in L1 while every row group of
+// the call passes over them (the weights are then read from L2/DRAM once per call, not once per row
+// group); tiles carry their partial sums across chunks in C (int8: in an int32 buffer).
 template <int MR, int NR, template <int, int> class Tile>
 struct TileWalker {
   template <int R, int B>
-  static void at(const GemmArgs& a, int m0, int b0, int mr, int nr) {
+  static void at(const GemmArgs& a, int m0, int b0, int mr, int nr, int64_t k0, int64_t k1) {
     if constexpr (R > 1) {
-      if (mr < R) return at<R - 1, B>(a, m0, b0, mr, nr);
+      if (mr < R) return at<R - 1, B>(a, m0, b0, mr, nr, k0, k1);
     }
     if constexpr (B > 1) {
-      if (nr < B) return at<R, B - 1>(a, m0, b0, mr, nr);
+      if (nr < B) return at<R, B - 1>(a, m0, b0, mr, nr, k0, k1);
     }
-    Tile<R, B>::run(a, m0, b0);
+    Tile<R, B>::run(a, m0, b0, k0, k1);
   }
-  static void run(const GemmArgs& a) {
+  static void run(const GemmArgs& a, int64_t kc) {
     for (int b0 = 0; b0 < a.nblocks; b0 += NR)
-      for (int m0 = 0; m0 < a.M; m0 += MR) at<MR, NR>(a, m0, b0, std::min(MR, a.M - m0), std::min(NR, a.nblocks - b0));
+      for (int64_t k0 = 0; k0 < a.K; k0 += kc)
+        for (int m0 = 0; m0 < a.M; m0 += MR)
+          at<MR, NR>(a, m0, b0, std::min(MR, a.M - m0), std::min(NR, a.nblocks - b0), k0, std::min(a.K, k0 + kc));
   }
 };
 
-template <int R, int B> struct Bf16Tile { static void run(const GemmArgs& a, int m0, int b0) { bf16_tile<R, B>(a, m0, b0); } };
-template <int R, int B> struct Int8Tile { static void run(const GemmArgs& a, int m0, int b0) { int8_tile<R, B>(a, m0, b0); } };
-template <int R, int B> struct Int4Tile { static void run(const GemmArgs& a, int m0, int b0) { int4_tile<R, B>(a, m0, b0); } };
+int32_t* int8_partials(size_t n) {
+  thread_local std::vector<int32_t> buf;
+  if (buf.size() < n) buf.resize(n);
+  return buf.data();
+}
 
-void gemm_bf16(const GemmArgs& a) { TileWalker<6, 4, Bf16Tile>::run(a); }
-void gemm_int8(const GemmArgs& a) { TileWalker<6, 4, Int8Tile>::run(a); }
-void gemm_int4(const GemmArgs& a) { TileWalker<6, 2, Int4Tile>::run(a); }
+template <int R, int B> struct Bf16Tile {
+  static void run(const GemmArgs& a, int m0, int b0, int64_t k0, int64_t k1) { bf16_tile<R, B>(a, m0, b0, k0, k1); }
+};
+template <int R, int B> struct Int8Tile {
+  static void run(const GemmArgs& a, int m0, int b0, int64_t k0, int64_t k1) {
+    int8_tile<R, B>(a, m0, b0, k0, k1, int8_partials(static_cast<size_t>(a.M) * a.ldc));
+  }
+};
+template <int R, int B> struct Int4Tile {
+  static void run(const GemmArgs& a, int m0, int b0, int64_t k0, int64_t k1) { int4_tile<R, B>(a, m0, b0, k0, k1); }
+};
+
+// Reduction chunks: 16 KiB of weights per chunk for NR blocks (a multiple of the int4 group size).
+void gemm_bf16(const GemmArgs& a) { TileWalker<6, 4, Bf16Tile>::run(a, 128); }
+void gemm_int8(const GemmArgs& a) { TileWalker<6, 4, Int8Tile>::run(a, 256); }
+void gemm_int4(const GemmArgs& a) {
+  TileWalker<6, 2, Int4Tile>::run(a, std::max<int64_t>(a.group_size, 1024 / a.group_size * a.group_size));
+}
 
 // ---------------------------------------------------------------- epilogues
 // exp(x) = 2^n * p(r), n = round(x * log2 e), r = x - n ln2 in [-ln2/2, ln2/2]; relative error ~2e-7.

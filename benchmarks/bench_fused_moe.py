@@ -1,0 +1,232 @@
+"""Side-by-side timing of one MoE layer's routed experts on the CPU.
+
+Compares ktorch's kt.fused_moe (bf16 / int8 / int4 weights) with what a transformers user runs today on
+the CPU: the experts module's "eager" loop over experts (oneDNN GEMMs per expert) and, where it runs, its
+"grouped_mm" path, on the same random bf16 inputs, in one process.
+
+Cold caches: every call draws a fresh random routing, and the layer is replicated until the weights of
+all copies exceed 4x the L3 cache; calls cycle through the copies, so a call does not find the experts
+of the previous one in cache. Random weights are generated directly in each implementation's layout
+(any bytes are valid packed weights); numerical accuracy is the test suite's job, not this script's.
+
+Columns: ms per call (median), tokens/s, effective TFLOPS = 6*H*I*K*T / time, GB/s = bytes of the
+distinct experts the routing touched / time (the decode roofline), and each as a % of what this machine
+measures for itself at start: DRAM read bandwidth (a large fp32 sum) and the dot-product peak
+(vdpbf16ps for bf16 and the eager baselines, vpdpbusd for int8/int4).
+
+    python benchmarks/bench_fused_moe.py                      # Qwen3-30B-A3B and DeepSeek-V3 layer shapes
+    python benchmarks/bench_fused_moe.py --shapes qwen3 --tokens 1 512 --impls ktorch-int8 eager
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+import ktorch
+
+SHAPES = {  # name: (E, K, H, I)
+    "qwen3": (128, 8, 2048, 768),
+    "deepseek": (256, 8, 7168, 2048),
+}
+KT_FORMATS = ("bf16", "int8", "int4")
+IMPLS = ("ktorch-bf16", "ktorch-int8", "ktorch-int4", "eager", "grouped_mm")
+
+
+def machine() -> str:
+    model = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    feats = ktorch.cpu_features()
+    return (
+        f"{model}; {os.cpu_count()} logical CPUs, {torch.get_num_threads()} threads; "
+        f"ktorch kernel {feats['kernel']} (available {','.join(feats['available'])}); torch {torch.__version__}"
+    )
+
+
+def l3_bytes() -> int:
+    best = 0
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        for idx in os.listdir(base):
+            with open(os.path.join(base, idx, "level")) as f:
+                level = int(f.read())
+            with open(os.path.join(base, idx, "size")) as f:
+                size = f.read().strip()
+            mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1], 1)
+            if level == 3:
+                best = max(best, int(size.rstrip("KMG")) * mult)
+    except (OSError, ValueError):
+        pass
+    return best or (32 << 20)
+
+
+def read_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Bytes/s of a parallel fp32 sum over a buffer far larger than the caches (best of 5)."""
+    x = torch.rand(nbytes // 4)
+    x.sum()
+    best = math.inf
+    for _ in range(5):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    del x
+    return nbytes / best
+
+
+def random_packed(E: int, H: int, I: int, fmt: str, group_size: int = 128) -> ktorch.PackedExperts:
+    """Random weights directly in the packed layout (valid packed weights; no unpacked master copy)."""
+
+    def mat(N, K):
+        if fmt == "bf16":
+            return torch.randn(E, N // 16, K // 2, 16, 2, dtype=torch.bfloat16).mul_(K**-0.5), None
+        scale_groups = 1 if fmt == "int8" else K // group_size
+        scales = torch.rand(E, scale_groups, N).add_(0.5).mul_(K**-0.5 / (64 if fmt == "int8" else 4))
+        if fmt == "int8":
+            return torch.randint(-127, 128, (E, N // 16, K // 4, 16, 4), dtype=torch.int8), scales
+        return torch.randint(0, 256, (E, N // 16, K // 8, 16, 4), dtype=torch.uint8), scales
+
+    w13, s13 = mat(2 * I, H)
+    w2, s2 = mat(H, I)
+    return ktorch.PackedExperts(w13, s13, w2, s2, fmt, group_size if fmt == "int4" else None)
+
+
+def hf_experts(E: int, H: int, I: int, impl: str) -> torch.nn.Module:
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    config = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I, num_experts=E, hidden_act="silu")
+    config._experts_implementation = impl
+    with torch.device("meta"):
+        mod = Qwen3MoeExperts(config)
+    mod.gate_up_proj = torch.nn.Parameter(torch.randn(E, 2 * I, H, dtype=torch.bfloat16).mul_(H**-0.5), requires_grad=False)
+    mod.down_proj = torch.nn.Parameter(torch.randn(E, H, I, dtype=torch.bfloat16).mul_(I**-0.5), requires_grad=False)
+    return mod
+
+
+def expert_bytes(impl: str, H: int, I: int, group_size: int = 128) -> float:
+    n = 3 * H * I
+    if impl == "ktorch-int8":
+        return n + 4 * (2 * I + H)
+    if impl == "ktorch-int4":
+        return n / 2 + 4 * (2 * I * H + H * I) / group_size
+    return 2 * n
+
+
+def time_calls(fn, layers, routings, min_calls: int, min_seconds: float) -> float:
+    fn(layers[0], *routings[0])  # warm-up: first-touch, allocator, thread pool
+    times = []
+    start = time.perf_counter()
+    i = 0
+    while i < min_calls or time.perf_counter() - start < min_seconds:
+        layer = layers[i % len(layers)]
+        ids, w, x = routings[i % len(routings)]
+        t0 = time.perf_counter()
+        fn(layer, ids, w, x)
+        times.append(time.perf_counter() - t0)
+        i += 1
+        if i >= 10 * min_calls and time.perf_counter() - start > min_seconds:
+            break
+    return statistics.median(times)
+
+
+def routings_for(T: int, E: int, K: int, H: int, n: int) -> list:
+    out = []
+    for _ in range(n):
+        logits = torch.randn(T, E)
+        w, ids = torch.softmax(logits, -1).topk(K, dim=-1)
+        out.append((ids, (w / w.sum(-1, keepdim=True)).float(), torch.randn(T, H, dtype=torch.bfloat16)))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--tokens", nargs="+", type=int, default=[1, 32, 512, 2048])
+    ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=list(IMPLS))
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: all cores)")
+    ap.add_argument("--min-calls", type=int, default=5)
+    ap.add_argument("--min-seconds", type=float, default=1.0)
+    ap.add_argument("--memory-budget-gb", type=float, default=None,
+                    help="skip an implementation whose layer copies would exceed this (default: 70%% of RAM)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+
+    budget = (args.memory_budget_gb or 0.7 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30) * 2**30
+    l3 = l3_bytes()
+    bw = read_bandwidth()
+    peak = {k: torch.ops.kt.dot_peak(k, 2_000_000) for k in ("bf16", "int8")}
+    print(f"machine: {machine()}")
+    print(f"L3 {l3 / 2**20:.0f} MiB; measured read bandwidth {bw / 1e9:.1f} GB/s; dot-product peak "
+          f"bf16 {peak['bf16'] / 1e12:.2f} TFLOPS, int8 {peak['int8'] / 1e12:.2f} TOPS (all threads)")
+
+    rows = []
+    for shape in args.shapes:
+        E, K, H, I = SHAPES[shape]
+        for impl in args.impls:
+            per_layer = E * expert_bytes(impl, H, I)
+            n_layers = max(1, math.ceil(4 * l3 / per_layer))
+            if per_layer * n_layers > budget:
+                print(f"skip {impl} on {shape}: {n_layers} x {per_layer / 2**30:.1f} GiB exceeds the memory budget")
+                continue
+            if impl.startswith("ktorch"):
+                fmt = impl.split("-")[1]
+                layers = [random_packed(E, H, I, fmt) for _ in range(n_layers)]
+
+                def fn(layer, ids, w, x):
+                    return ktorch.fused_moe(x, ids, w, layer)
+
+                peak_kind = "bf16" if fmt == "bf16" else "int8"
+            else:
+                layers = [hf_experts(E, H, I, impl) for _ in range(n_layers)]
+
+                def fn(layer, ids, w, x):
+                    with torch.no_grad():
+                        return layer(x, ids, w.to(x.dtype))
+
+                peak_kind = "bf16"
+            for T in args.tokens:
+                routings = routings_for(T, E, K, H, 8)
+                try:
+                    sec = time_calls(fn, layers, routings, args.min_calls, args.min_seconds)
+                except (RuntimeError, NotImplementedError) as err:
+                    print(f"{impl} T={T}: failed: {str(err).splitlines()[0]}")
+                    continue
+                distinct = statistics.mean(len(torch.unique(r[0])) for r in routings)
+                flops = 6 * H * I * K * T
+                gbs = distinct * expert_bytes(impl, H, I) / sec / 1e9
+                rows.append((shape, impl, T, sec * 1e3, T / sec, flops / sec / 1e12, gbs,
+                             100 * gbs * 1e9 / bw, 100 * flops / sec / peak[peak_kind]))
+                print("{:<9} {:<12} T={:<5} {:9.3f} ms {:10.0f} tok/s {:7.3f} TFLOPS {:7.1f} GB/s "
+                      "({:5.1f}% BW, {:5.1f}% peak)".format(*rows[-1]), flush=True)
+            del layers
+            gc.collect()
+
+    print()
+    print("| shape | impl | T | ms | tok/s | eff. TFLOPS | GB/s | % read BW | % dot peak | vs eager |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    eager = {(r[0], r[2]): r[3] for r in rows if r[1] == "eager"}
+    for r in rows:
+        ratio = eager.get((r[0], r[2]))
+        vs = f"{ratio / r[3]:.2f}x" if ratio else "-"
+        print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.3f} | {r[4]:.0f} | {r[5]:.3f} | {r[6]:.1f} | {r[7]:.0f}% | "
+              f"{r[8]:.0f}% | {vs} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+#include "worker_pool.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <immintrin.h>
+#include <pthread.h>
+#include <sched.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <string>
+
+namespace kt::runtime {
+namespace {
+
+int64_t env_int(const char* name, int64_t fallback) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return fallback;
+  char* end = nullptr;
+  const long long x = std::strtoll(v, &end, 10);
+  TORCH_CHECK(end && *end == '\0', name, " must be an integer, got '", v, "'");
+  return x;
+}
+
+std::vector<int> allowed_cpus() {
+  std::vector<int> cpus;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0)
+    for (int c = 0; c < CPU_SETSIZE; ++c)
+      if (CPU_ISSET(c, &set)) cpus.push_back(c);
+  return cpus;
+}
+
+}  // namespace
+
+WorkerPool& WorkerPool::instance() {
+  static WorkerPool pool(static_cast<int>(env_int("KT_NUM_THREADS", at::get_num_threads())),
+                         env_int("KT_SPIN_US", 2000), env_int("KT_PIN_THREADS", 1) != 0);
+  return pool;
+}
+
+WorkerPool::WorkerPool(int workers, int64_t spin_us, bool pin) : spin_us_(spin_us) {
+  TORCH_CHECK(workers >= 1, "KT_NUM_THREADS must be at least 1, got ", workers);
+  const std::vector<int> cpus = allowed_cpus();
+  for (int w = 1; w < workers; ++w) {
+    const int cpu = pin && !cpus.empty() ? cpus[w % cpus.size()] : -1;
+    threads_.emplace_back([this, w, cpu] { worker_loop(w, cpu); });
+  }
+}
+
+WorkerPool::~WorkerPool() {
+  {
+    std::lock_guard<std::mutex> lock(sleep_mutex_);
+    stop_.store(true);
+    generation_.fetch_add(1);
+  }
+  wake_.notify_all();
+  for (auto& t : threads_) t.join();
+}
+
+void WorkerPool::work(int worker) {
+  for (int64_t t = next_task_.fetch_add(1, std::memory_order_relaxed); t < n_tasks_;
+       t = next_task_.fetch_add(1, std::memory_order_relaxed)) {
+    try {
+      invoke_(fn_, t, worker);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(error_mutex_);
+      if (!error_) error_ = std::current_exception();
+      next_task_.store(n_tasks_, std::memory_order_relaxed);  // abandon the rest of the job
+    }
+  }
+}
+
+void WorkerPool::worker_loop(int worker, int cpu) {
+  if (cpu >= 0) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpu, &set);
+    pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+  }
+  uint64_t seen = 0;
+  for (;;) {
+    // spin for a while: the next MoE layer usually arrives within microseconds to a millisecond
+    const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
+    int polls = 0;
+    while (generation_.load(std::memory_order_acquire) == seen) {
+      _mm_pause();
+      if (++polls % 1024 == 0 && std::chrono::steady_clock::now() > spin_until) break;
+    }
+    if (generation_.load(std::memory_order_acquire) == seen) {
+      std::unique_lock<std::mutex> lock(sleep_mutex_);
+      sleepers_.fetch_add(1);
+      wake_.wait(lock, [&] { return generation_.load() != seen; });
+      sleepers_.fetch_sub(1);
+    }
+    seen = generation_.load(std::memory_order_acquire);
+    if (stop_.load()) return;
+    work(worker);
+    running_.fetch_sub(1, std::memory_order_acq_rel);
+  }
+}
+
+void WorkerPool::run_erased(int64_t n, const void* fn, Invoke invoke) {
+  if (n <= 0) return;
+  if (threads_.empty() || n == 1) {
+    for (int64_t t = 0; t < n; ++t) invoke(fn, t, 0);
+    return;
+  }
+  std::lock_guard<std::mutex> job(run_mutex_);
+  fn_ = fn;
+  invoke_ = invoke;
+  n_tasks_ = n;
+  error_ = nullptr;
+  next_task_.store(0, std::memory_order_relaxed);
+  running_.store(static_cast<int>(threads_.size()), std::memory_order_relaxed);
+  generation_.fetch_add(1);  // seq_cst: orders the job fields before it and the sleepers_ read after it
+  if (sleepers_.load() > 0) {
+    std::lock_guard<std::mutex> lock(sleep_mutex_);
+    wake_.notify_all();
+  }
+  work(0);
+  while (running_.load(std::memory_order_acquire) > 0) _mm_pause();
+  if (error_) std::rethrow_exception(error_);
+}
+
+}  // namespace kt::runtime

@@ -1,0 +1,73 @@
+// ktorch's own CPU worker pool for the fused-MoE op.
+//
+// Why not ATen's OpenMP pool: the op runs once per MoE layer per decode step (48 times per token on
+// Qwen3-30B-A3B), each call a few hundred microseconds of work; it needs workers that are already awake
+// when a call arrives. Workers here spin for KT_SPIN_US microseconds (default 2000) after each job, then
+// park on a condition variable; the calling thread takes part as worker 0, tasks are pulled from an
+// atomic counter (dynamic balancing for skewed routing).
+//
+// Thread counts: KT_NUM_THREADS workers in all (the caller included); default at::get_num_threads() at
+// the pool's creation (PyTorch's intra-op thread count, one per physical core by default). Workers are
+// pinned to the CPUs of the process's affinity mask, worker i to the i-th CPU (KT_PIN_THREADS=0 turns
+// pinning off). While workers spin, PyTorch's own intra-op threads compete with them for cores: in a
+// hybrid run the CPU does little else; on a CPU-only run ATen work between MoE layers is short.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <exception>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace kt::runtime {
+
+class WorkerPool {
+ public:
+  // The process-wide pool, created on first use.
+  static WorkerPool& instance();
+
+  explicit WorkerPool(int workers, int64_t spin_us, bool pin);
+  ~WorkerPool();
+  WorkerPool(const WorkerPool&) = delete;
+  WorkerPool& operator=(const WorkerPool&) = delete;
+
+  // Workers including the calling thread.
+  int size() const { return static_cast<int>(threads_.size()) + 1; }
+
+  // Runs fn(task, worker) for task in [0, n) on all workers; worker in [0, size()) is unique among the
+  // calls running at one time (index per-worker scratch with it). Returns when every task is done;
+  // rethrows the first exception a task threw. Calls from several threads run one after another.
+  template <typename Fn>
+  void run(int64_t n, const Fn& fn) {
+    run_erased(n, &fn, [](const void* f, int64_t task, int worker) { (*static_cast<const Fn*>(f))(task, worker); });
+  }
+
+ private:
+  using Invoke = void (*)(const void*, int64_t, int);
+  void run_erased(int64_t n, const void* fn, Invoke invoke);
+  void work(int worker);
+  void worker_loop(int worker, int cpu);
+
+  std::vector<std::thread> threads_;
+  int64_t spin_us_;
+  std::mutex run_mutex_;
+
+  // the current job
+  const void* fn_ = nullptr;
+  Invoke invoke_ = nullptr;
+  int64_t n_tasks_ = 0;
+  std::atomic<int64_t> next_task_{0};
+  std::atomic<int> running_{0};
+  std::exception_ptr error_;
+  std::mutex error_mutex_;
+
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<bool> stop_{false};
+  std::atomic<int> sleepers_{0};
+  std::mutex sleep_mutex_;
+  std::condition_variable wake_;
+};
+
+}  // namespace kt::runtime
