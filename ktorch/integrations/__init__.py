@@ -1,0 +1,25 @@
+"""Bridges from other libraries to the kt ops: transformers' experts interface (and, later, GGUF/safetensors loading)."""
+
+from ktorch.integrations.transformers_experts import (
+    IMPLEMENTATION_NAME,
+    UnsupportedExpertsError,
+    attach_packed_experts,
+    check_supported,
+    ktorch_experts_forward,
+    pack_module_experts,
+    packed_experts_of,
+    register,
+    register_when_imported,
+)
+
+__all__ = [
+    "IMPLEMENTATION_NAME",
+    "UnsupportedExpertsError",
+    "attach_packed_experts",
+    "check_supported",
+    "ktorch_experts_forward",
+    "pack_module_experts",
+    "packed_experts_of",
+    "register",
+    "register_when_imported",
+]

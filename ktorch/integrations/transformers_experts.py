@@ -1,0 +1,287 @@
+"""The ``"ktorch"`` experts implementation for transformers (>= 5).
+
+transformers dispatches the forward of every experts class decorated with ``@use_experts_implementation``
+(Qwen2/3-MoE, DeepSeek-V2/V3, Mixtral, OLMoE, GLM4-MoE, ...) through
+``transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS``, keyed by ``config._experts_implementation``.
+``register()`` adds ``"ktorch"`` there, so ``from_pretrained(..., experts_implementation="ktorch")`` and
+``model.set_experts_implementation("ktorch")`` route each MoE layer's routed experts to one
+``torch.ops.kt.fused_moe`` call: Dynamo sees one op node per layer instead of a data-dependent loop.
+
+The op reads packed weights (``ktorch.pack_experts``). ``attach_packed_experts`` (called by
+``ktorch.prepare``) replaces the module's ``gate_up_proj``/``down_proj`` parameters with buffers
+``kt_w13``, ``kt_w13_scales``, ``kt_w2``, ``kt_w2_scales`` that stay on the CPU whatever ``model.to()``
+is asked later. An experts module that was never prepared is packed (bf16) on its first eager call.
+
+What the decorator records on the module and what this implementation does with it:
+  is_transposed=True       weights are [E, H, 2I] / [E, I, H]; transposed views are packed
+  is_concatenated=False    gate/up rows interleaved (g0, u0, g1, u1, ...); de-interleaved when packing
+  has_bias=True            not supported: the op has no bias (error)
+  has_gate=False           not supported: the op always computes act(gate) * up (error)
+  has_post_expert_norm     not supported (error)
+  a custom _apply_gate     not supported, e.g. GPT-OSS's clamped SwiGLU (error)
+  act_fn                   silu, gelu (erf), gelu_tanh, relu; anything else is an error
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import sys
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ktorch.ops.moe import PackedExperts, pack_experts
+
+IMPLEMENTATION_NAME = "ktorch"
+_BUFFERS = ("kt_w13", "kt_w13_scales", "kt_w2", "kt_w2_scales")
+
+
+class UnsupportedExpertsError(ValueError):
+    """An experts module uses a feature kt.fused_moe cannot run yet (bias, no gate, custom gating, ...)."""
+
+
+# ---------------------------------------------------------------- what the module asks for
+
+
+def is_experts_module(module: nn.Module) -> bool:
+    """True for instances of classes decorated with transformers' ``@use_experts_implementation``."""
+    return hasattr(module, "has_gate") and hasattr(module, "is_transposed") and hasattr(module, "is_concatenated")
+
+
+def _activation_name(module: nn.Module) -> str:
+    """The op's name for ``module.act_fn`` ("silu", "gelu", "gelu_tanh", "relu"), or an error."""
+    act = getattr(module, "act_fn", None)
+    import functools
+
+    from transformers import activations as A
+
+    if isinstance(act, (A.SiLUActivation, nn.SiLU)):
+        return "silu"
+    if isinstance(act, nn.ReLU):
+        return "relu"
+    if isinstance(act, (A.NewGELUActivation, A.FastGELUActivation)):
+        return "gelu_tanh"
+    if isinstance(act, A.GELUTanh):
+        return "gelu_tanh"
+    if isinstance(act, nn.GELU):
+        return "gelu_tanh" if act.approximate == "tanh" else "gelu"
+    if type(act) is A.GELUActivation:
+        return "gelu"
+    if act is torch.nn.functional.silu:
+        return "silu"
+    if isinstance(act, functools.partial) and act.func is torch.nn.functional.gelu:
+        return "gelu_tanh" if act.keywords.get("approximate") == "tanh" else "gelu"
+    raise UnsupportedExpertsError(
+        f"ktorch experts: activation {type(act).__name__} of {type(module).__name__} is not supported by "
+        "kt.fused_moe (silu, gelu, gelu_tanh, relu)"
+    )
+
+
+def check_supported(module: nn.Module) -> str:
+    """Raises ``UnsupportedExpertsError`` for flag combinations the op cannot run; returns the activation name."""
+    name = type(module).__name__
+    from transformers.integrations.moe import _default_apply_gate
+
+    if getattr(module, "has_bias", False):
+        raise UnsupportedExpertsError(f"ktorch experts: {name} has expert biases (has_bias=True); kt.fused_moe has none")
+    if not getattr(module, "has_gate", True):
+        raise UnsupportedExpertsError(
+            f"ktorch experts: {name} has no gate projection (has_gate=False); kt.fused_moe computes act(gate) * up only"
+        )
+    if getattr(module, "has_post_expert_norm", False):
+        raise UnsupportedExpertsError(f"ktorch experts: {name} applies a post-expert norm, which kt.fused_moe does not")
+    if getattr(module, "_is_expert_parallel", False):
+        raise UnsupportedExpertsError(f"ktorch experts: {name} is expert-parallel; ktorch runs all experts in one process")
+    gate = getattr(type(module), "_apply_gate", _default_apply_gate)
+    if gate is not _default_apply_gate:
+        raise UnsupportedExpertsError(
+            f"ktorch experts: {name} overrides _apply_gate (custom gating such as a clamped SwiGLU); kt.fused_moe "
+            "computes act(gate) * up only"
+        )
+    return _activation_name(module)
+
+
+def _unpacked_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate_up [E, 2I, H] gate rows then up rows, down [E, H, I]) as views of the module's parameters."""
+    gate_up, down = module.gate_up_proj, module.down_proj
+    if module.is_transposed:  # [E, H, 2I] and [E, I, H]
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    if not module.is_concatenated:  # rows g0, u0, g1, u1, ...
+        gate_up = torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=1)
+    return gate_up, down
+
+
+# ---------------------------------------------------------------- packing onto the module
+
+
+class _PackedExpertsMixin:
+    """Mixed into a prepared experts module's class: its packed CPU buffers ignore ``model.to(...)``/``.half()``."""
+
+    def _apply(self, fn, recurse=True):
+        return self
+
+
+_packed_classes: dict[type, type] = {}
+
+
+def _packed_class(cls: type) -> type:
+    if issubclass(cls, _PackedExpertsMixin):
+        return cls
+    if cls not in _packed_classes:
+        _packed_classes[cls] = type(cls.__name__, (_PackedExpertsMixin, cls), {"__module__": cls.__module__})
+    return _packed_classes[cls]
+
+
+def attach_packed_experts(module: nn.Module, packed: PackedExperts, activation: Optional[str] = None) -> None:
+    """Gives an experts module its packed weights and drops its unpacked parameters.
+
+    Args:
+        module: an instance of a ``@use_experts_implementation`` class.
+        packed: this layer's experts, from ``ktorch.pack_experts`` (CPU tensors).
+        activation: the op's activation name; by default derived from ``module.act_fn``.
+
+    The packed tensors become buffers ``kt_w13``, ``kt_w13_scales``, ``kt_w2``, ``kt_w2_scales`` (the scales
+    are None for bf16); ``gate_up_proj``/``down_proj`` are deleted, so their memory is freed unless something
+    else holds them. The module's class is swapped for a subclass whose ``_apply`` is a no-op, so a later
+    ``model.to("cuda")`` or ``model.half()`` leaves the experts where they are.
+    """
+    act = check_supported(module) if activation is None else activation
+    if packed.num_experts != getattr(module, "num_experts", packed.num_experts):
+        raise ValueError(
+            f"attach_packed_experts: {type(module).__name__} has {module.num_experts} experts, packed has {packed.num_experts}"
+        )
+    for name in ("gate_up_proj", "down_proj"):
+        if name in module._parameters:
+            delattr(module, name)
+    for name, t in zip(_BUFFERS, packed.tensors()):
+        if t is not None and t.device.type != "cpu":
+            raise ValueError(f"attach_packed_experts: packed tensor {name} must be on the CPU, got {t.device}")
+        module.register_buffer(name, t, persistent=False)
+    module.kt_activation = act
+    module.kt_format = packed.format
+    module.__class__ = _packed_class(type(module))
+
+
+def pack_module_experts(module: nn.Module, dtype: str = "bf16", group_size: Optional[int] = None) -> PackedExperts:
+    """Packs ``module``'s ``gate_up_proj``/``down_proj`` into the op's layout (on the CPU) and attaches them."""
+    act = check_supported(module)
+    gate_up, down = _unpacked_weights(module)
+    if gate_up.device.type == "meta":
+        raise ValueError(
+            f"pack_module_experts: {type(module).__name__} holds meta tensors; load real weights first, or build "
+            "PackedExperts yourself and call attach_packed_experts"
+        )
+    with torch.no_grad():
+        packed = pack_experts(gate_up.detach().cpu(), down.detach().cpu(), dtype=dtype, group_size=group_size)
+    del gate_up, down
+    attach_packed_experts(module, packed, act)
+    return packed
+
+
+def packed_experts_of(module: nn.Module) -> Optional[PackedExperts]:
+    """The ``PackedExperts`` attached to ``module``, or None if it was never packed."""
+    if getattr(module, "kt_w13", None) is None:
+        return None
+    return PackedExperts(module.kt_w13, module.kt_w13_scales, module.kt_w2, module.kt_w2_scales, module.kt_format)
+
+
+# ---------------------------------------------------------------- the experts forward
+
+
+def ktorch_experts_forward(
+    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """transformers' experts interface: hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K] -> [T, H].
+
+    Runs the routed experts with ``torch.ops.kt.fused_moe`` on the CPU. Inputs on another device hop to the
+    CPU and the result hops back; under ``torch.compile(backend="ktorch")`` those hops become the
+    submit/wait pair of the async-boundary pass (ktorch/passes/async_boundary.py).
+    """
+    if getattr(self, "kt_w13", None) is None:
+        if torch.compiler.is_compiling():
+            raise RuntimeError(
+                f"ktorch experts: {type(self).__name__} was not packed; call ktorch.prepare(model) (or run one eager "
+                "forward) before torch.compile"
+            )
+        pack_module_experts(self)
+    device = hidden_states.device
+    if device.type != "cpu":
+        hidden_states = hidden_states.to("cpu")
+        top_k_index = top_k_index.to("cpu")
+        top_k_weights = top_k_weights.to("cpu")
+    out = torch.ops.kt.fused_moe(
+        hidden_states,
+        top_k_index,
+        top_k_weights,
+        self.kt_w13,
+        self.kt_w13_scales,
+        self.kt_w2,
+        self.kt_w2_scales,
+        self.kt_activation,
+    )
+    if device.type != "cpu":
+        out = out.to(device)
+    return out
+
+
+def register() -> bool:
+    """Adds ``"ktorch"`` to transformers' ``ALL_EXPERTS_FUNCTIONS``; False when transformers (>= 5) is absent.
+
+    ``get_correct_experts_implementation`` validates names against that mapping (5.17 and 5.23 alike), so the
+    registration is all ``from_pretrained(..., experts_implementation="ktorch")`` needs.
+    """
+    try:
+        from transformers.integrations.moe import ExpertsInterface
+    except ImportError:
+        return False
+    ExpertsInterface.register(IMPLEMENTATION_NAME, ktorch_experts_forward)
+    return True
+
+
+class _RegisterOnImport(importlib.abc.MetaPathFinder):
+    """Registers "ktorch" right after ``transformers.integrations.moe`` is executed, whoever imports it first.
+
+    Importing that module costs seconds, so ``import ktorch`` does not do it; transformers imports it itself
+    (modeling_utils does) before it validates any ``experts_implementation``.
+    """
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _MOE_MODULE:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return None
+        exec_module = spec.loader.exec_module
+
+        def exec_then_register(module):
+            exec_module(module)
+            _remove_hook()
+            register()
+
+        spec.loader.exec_module = exec_then_register
+        return spec
+
+
+_MOE_MODULE = "transformers.integrations.moe"
+_hook = _RegisterOnImport()
+
+
+def _remove_hook() -> None:
+    if _hook in sys.meta_path:
+        sys.meta_path.remove(_hook)
+
+
+def register_when_imported() -> None:
+    """Registers "ktorch" now if transformers' experts interface is loaded, else as soon as it is."""
+    if _MOE_MODULE in sys.modules:
+        register()
+    elif _hook not in sys.meta_path:
+        sys.meta_path.insert(0, _hook)

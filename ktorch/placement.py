@@ -1,0 +1,72 @@
+"""``ktorch.prepare``: routed experts packed in CPU memory, everything else on the accelerator."""
+
+from __future__ import annotations
+
+import gc
+from typing import Optional, Union
+
+import torch
+from torch import nn
+
+from ktorch.integrations.transformers_experts import (
+    IMPLEMENTATION_NAME,
+    check_supported,
+    is_experts_module,
+    pack_module_experts,
+    packed_experts_of,
+)
+
+
+def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(qualified name, module) of every transformers experts module in ``model``, in module order."""
+    return [(name, m) for name, m in model.named_modules() if is_experts_module(m)]
+
+
+def prepare(
+    model: nn.Module,
+    device: Union[str, torch.device, None] = "cuda",
+    experts_device: Union[str, torch.device] = "cpu",
+    experts_dtype: str = "bf16",
+    group_size: Optional[int] = None,
+) -> nn.Module:
+    """Places an MoE model for hybrid inference, in place, and returns it.
+
+    - every routed-experts module (transformers' ``@use_experts_implementation`` classes) is packed once on the
+      CPU in ``experts_dtype`` ("bf16", "int8" or "int4" with ``group_size``), and its unpacked
+      ``gate_up_proj``/``down_proj`` are freed;
+    - every other parameter and buffer (embeddings, attention, routers, shared experts, norms, lm_head) moves
+      to ``device``; the KV cache that ``generate`` creates follows them;
+    - the model's experts implementation becomes ``"ktorch"``, so each MoE layer calls ``torch.ops.kt.fused_moe``.
+
+    The result runs eagerly (hidden states hop to the CPU op and back) and under ``torch.compile``.
+    ``device="cpu"`` (or None) keeps the whole model on the CPU: no GPU is needed.
+
+    Raises ``UnsupportedExpertsError`` before touching anything if a layer needs a feature the op lacks.
+    """
+    if torch.device(experts_device).type != "cpu":
+        raise ValueError(f"prepare: kt.fused_moe runs on the CPU; experts_device must be 'cpu', got {experts_device!r}")
+    device = torch.device("cpu" if device is None else device)
+    modules = experts_modules(model)
+    if not modules:
+        raise ValueError(
+            f"prepare: {type(model).__name__} has no transformers experts modules (classes decorated with "
+            "@use_experts_implementation); ktorch needs transformers >= 5 MoE models"
+        )
+    for name, m in modules:  # fail before any change
+        if packed_experts_of(m) is None:
+            try:
+                check_supported(m)
+            except ValueError as e:
+                raise type(e)(f"{name}: {e}") from None
+    for _, m in modules:
+        if packed_experts_of(m) is None:
+            pack_module_experts(m, experts_dtype, group_size)
+    gc.collect()
+    model.to(device)  # the packed experts modules ignore it (see attach_packed_experts)
+    set_impl = getattr(model, "set_experts_implementation", None)
+    if set_impl is not None:
+        set_impl(IMPLEMENTATION_NAME)
+    else:
+        for _, m in modules:
+            m.config._experts_implementation = IMPLEMENTATION_NAME
+    return model
