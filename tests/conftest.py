@@ -1,0 +1,66 @@
+"""Fixtures shared by the op tests: the kernel level to run at, and a fresh random seed per test.
+
+Every test draws a new seed (from os.urandom) and seeds torch with it, so each run tries new inputs; a
+failing test's report carries the seed, and KT_TEST_SEED=<seed> replays exactly those inputs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import ktorch
+
+KERNEL_LEVELS = ("portable", "avx512", "amx")
+
+# What each level needs from the CPU, in words for the skip reason.
+_LEVEL_NEEDS = {
+    "avx512": ("AVX-512 BF16/VNNI", ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "os_avx512")),
+    "amx": ("AMX", ("amx_tile", "amx_bf16", "amx_int8", "os_amx")),
+}
+
+
+def kernel_skip_reason(level: str) -> str | None:
+    """Why this machine cannot run `level`, or None when it can."""
+    features = ktorch.cpu_features()
+    available = ",".join(features["available"])
+    if level in features["available"]:
+        return None
+    what, flags = _LEVEL_NEEDS[level]
+    if not all(features.get(flag) for flag in flags):
+        return f"{level}: this CPU lacks {what} (available: {available})"
+    return f"{level}: the CPU has {what} but ktorch offers no {level} kernels yet (available: {available})"
+
+
+@pytest.fixture(params=KERNEL_LEVELS)
+def kernel(request, monkeypatch) -> str:
+    """Runs the test with KT_CPU_KERNEL forced to each level; skips the levels this machine lacks."""
+    level = request.param
+    reason = kernel_skip_reason(level)
+    if reason is not None:
+        pytest.skip(reason)
+    monkeypatch.setenv("KT_CPU_KERNEL", level)
+    assert torch.ops.kt.selected_kernel() == level
+    return level
+
+
+@pytest.fixture(autouse=True)
+def seed(request) -> int:
+    """A fresh seed for torch's global generator (or KT_TEST_SEED), recorded on the test's report."""
+    forced = os.environ.get("KT_TEST_SEED")
+    value = int(forced) if forced else int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(value)
+    request.node.user_properties.append(("seed", value))
+    return value
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        seeds = [v for k, v in item.user_properties if k == "seed"]
+        if seeds:
+            report.sections.append(("seed", f"seed={seeds[0]}: rerun with KT_TEST_SEED={seeds[0]}"))

@@ -1,0 +1,320 @@
+"""kt.fused_moe at every kernel level this machine runs, against the float64 reference of tests/reference.py.
+
+The reference runs on the *dequantized* packed weights (PackedExperts.dequantize), so the tolerances measure
+the kernels' own error (bf16 rounding of activations, dynamic int8 quantization of activations) and not the
+weight quantization, which tests/test_ops_pack.py reports separately. Errors are ||out - ref|| / ||ref||.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.library import opcheck
+
+import ktorch
+from conftest import kernel_skip_reason
+from reference import ACTIVATION_ALIASES, ACTIVATIONS, fused_moe_reference, relative_error
+
+TOLERANCE = {"bf16": 1e-2, "int8": 3e-2, "int4": 8e-2}
+FORMATS = [("bf16", None), ("int8", None), ("int4", 32)]
+FORMAT_IDS = ["bf16", "int8", "int4g32"]
+
+
+def make_experts(E: int, H: int, I: int, fmt: str, group_size: int | None = None) -> ktorch.PackedExperts:
+    """Random experts scaled so that gate/up/down outputs are O(1), packed in `fmt`."""
+    gate_up = torch.randn(E, 2 * I, H) / math.sqrt(H)
+    down = torch.randn(E, H, I) / math.sqrt(I)
+    return ktorch.pack_experts(gate_up, down, fmt, group_size)
+
+
+def make_routing(T: int, E: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [T, K] int64, distinct per row when K <= E; weights [T, K] fp32 summing to 1 per row."""
+    if K <= E:
+        ids = torch.rand(T, E).argsort(dim=1)[:, :K]
+    else:
+        ids = torch.randint(0, E, (T, K))
+    weights = torch.rand(T, K) + 0.1
+    return ids, weights / weights.sum(dim=1, keepdim=True)
+
+
+def check_against_reference(out, hidden, ids, weights, packed, activation, seed, what) -> float:
+    """Asserts out's shape/dtype and its relative error against the reference; returns the error."""
+    assert out.shape == hidden.shape and out.dtype == hidden.dtype, f"{what}: got {out.dtype} {tuple(out.shape)}"
+    assert out.device.type == "cpu"
+    gate_up, down = packed.dequantize()
+    ref = fused_moe_reference(hidden, ids, weights, gate_up, down, activation)
+    err = relative_error(out, ref)
+    tol = TOLERANCE[packed.format]
+    assert err <= tol, f"seed={seed} {what}: relative error {err:.4g} > {tol} ({packed.format})"
+    return err
+
+
+# ---------------------------------------------------------------- sizes
+
+
+@pytest.mark.parametrize("T", [0, 1, 3, 17, 128, 513])
+@pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)
+def test_token_counts(kernel, fmt, group_size, T, seed):
+    E, K, H, I = 6, 2, 96, 64
+    packed = make_experts(E, H, I, fmt, group_size)
+    hidden = torch.randn(T, H).to(torch.bfloat16)
+    ids, weights = make_routing(T, E, K)
+    out = ktorch.fused_moe(hidden, ids, weights, packed)
+    if T == 0:
+        assert out.shape == (0, H) and out.dtype == torch.bfloat16
+        return
+    check_against_reference(out, hidden, ids, weights, packed, "silu", seed, f"{kernel} {fmt} T={T}")
+
+
+@pytest.mark.parametrize(
+    "E,K,H,I",
+    [(1, 1, 32, 32), (6, 2, 96, 160), (12, 4, 160, 96), (8, 3, 192, 320), (5, 5, 320, 192), (64, 8, 64, 32)],
+)
+@pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)
+def test_expert_shapes(kernel, fmt, group_size, E, K, H, I, seed):
+    T = 33
+    packed = make_experts(E, H, I, fmt, group_size)
+    hidden = torch.randn(T, H).to(torch.bfloat16)
+    ids, weights = make_routing(T, E, K)
+    out = ktorch.fused_moe(hidden, ids, weights, packed)
+    check_against_reference(out, hidden, ids, weights, packed, "silu", seed, f"{kernel} {fmt} E={E} K={K} H={H} I={I}")
+
+
+@pytest.mark.parametrize("group_size,H,I", [(32, 96, 160), (64, 192, 320), (128, 256, 128)])
+def test_int4_group_sizes(kernel, group_size, H, I, seed):
+    E, K, T = 6, 2, 40
+    packed = make_experts(E, H, I, "int4", group_size)
+    assert packed.w13_scales.shape == (E, H // group_size, 2 * I)
+    assert packed.w2_scales.shape == (E, I // group_size, H)
+    hidden = torch.randn(T, H).to(torch.bfloat16)
+    ids, weights = make_routing(T, E, K)
+    out = ktorch.fused_moe(hidden, ids, weights, packed)
+    check_against_reference(out, hidden, ids, weights, packed, "silu", seed, f"{kernel} int4 g={group_size}")
+
+
+# ---------------------------------------------------------------- routing patterns
+
+
+def routing_pattern(pattern: str, T: int, E: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids, weights = make_routing(T, E, K)
+    if pattern == "one_expert":  # every token's first slot on expert 3, the rest elsewhere
+        ids = torch.rand(T, E - 1).argsort(dim=1)[:, :K]
+        ids = torch.where(ids >= 3, ids + 1, ids)
+        ids[:, 0] = 3
+    elif pattern == "all_slots_one_expert":  # every slot of every token on expert E - 1
+        ids = torch.full((T, K), E - 1)
+    elif pattern == "repeated":  # ids drawn with replacement, and row 0 repeats one id in every slot
+        ids = torch.randint(0, E, (T, K))
+        ids[0] = 2
+    elif pattern == "negative":  # about a third of the slots skipped, with various negative ids; row 1 all skipped
+        skip = torch.rand(T, K) < 0.35
+        ids = torch.where(skip, -torch.randint(1, 100, (T, K)), ids)
+        ids[1] = torch.tensor([-1, -2, -1, -(2**31)])[:K]
+    elif pattern == "all_negative":
+        ids = torch.full((T, K), -1)
+    return ids, weights
+
+
+ROUTING_PATTERNS = ["uniform", "one_expert", "all_slots_one_expert", "repeated", "negative", "all_negative"]
+
+
+@pytest.mark.parametrize("pattern", ROUTING_PATTERNS)
+@pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)
+def test_routing_patterns(kernel, fmt, group_size, pattern, seed):
+    E, K, H, I, T = 8, 4, 96, 64, 130  # T > 2 * 64: the single busy expert spans three token chunks
+    packed = make_experts(E, H, I, fmt, group_size)
+    hidden = torch.randn(T, H).to(torch.bfloat16)
+    ids, weights = routing_pattern(pattern, T, E, K)
+    out = ktorch.fused_moe(hidden, ids, weights, packed)
+    skipped_rows = (ids < 0).all(dim=1)
+    assert (out[skipped_rows] == 0).all(), f"seed={seed}: rows whose ids are all negative must be exactly zero"
+    if pattern == "all_negative":
+        assert out.shape == (T, H) and (out == 0).all()
+        return
+    check_against_reference(out, hidden, ids, weights, packed, "silu", seed, f"{kernel} {fmt} {pattern}")
+
+
+@pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)
+def test_repeated_id_counts_once_per_slot(kernel, fmt, group_size, seed):
+    E, H, I, T = 4, 64, 96, 9
+    packed = make_experts(E, H, I, fmt, group_size)
+    hidden = torch.randn(T, H)
+    twice = ktorch.fused_moe(hidden, torch.full((T, 2), 1), torch.full((T, 2), 0.5), packed)
+    once = ktorch.fused_moe(hidden, torch.tensor([[1, -1]] * T), torch.tensor([[1.0, 7.0]] * T), packed)
+    err = relative_error(twice, once)
+    assert err < 1e-5, f"seed={seed}: ids [1, 1] with weights [0.5, 0.5] differ from [1, -1] with [1, *]: {err:.3g}"
+
+
+# ---------------------------------------------------------------- activations and dtypes
+
+
+@pytest.mark.parametrize("activation", list(ACTIVATIONS))
+@pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)
+def test_activations(kernel, fmt, group_size, activation, seed):
+    E, K, H, I, T = 6, 2, 160, 96, 21
+    packed = make_experts(E, H, I, fmt, group_size)
+    hidden = torch.randn(T, H).to(torch.bfloat16)
+    ids, weights = make_routing(T, E, K)
+    out = ktorch.fused_moe(hidden, ids, weights, packed, activation=activation)
+    check_against_reference(out, hidden, ids, weights, packed, activation, seed, f"{kernel} {fmt} {activation}")
+
+
+@pytest.mark.parametrize("alias,name", list(ACTIVATION_ALIASES.items()))
+def test_activation_aliases(alias, name):
+    packed = make_experts(4, 64, 64, "bf16")
+    hidden = torch.randn(5, 64)
+    ids, weights = make_routing(5, 4, 2)
+    want = ktorch.fused_moe(hidden, ids, weights, packed, activation=name)
+    assert torch.equal(ktorch.fused_moe(hidden, ids, weights, packed, activation=alias), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)
+def test_hidden_dtypes(kernel, fmt, group_size, dtype, seed):
+    E, K, H, I, T = 6, 3, 96, 160, 19
+    packed = make_experts(E, H, I, fmt, group_size)
+    hidden = torch.randn(T, H).to(dtype)
+    ids, weights = make_routing(T, E, K)
+    out = ktorch.fused_moe(hidden, ids, weights, packed)
+    check_against_reference(out, hidden, ids, weights, packed, "silu", seed, f"{kernel} {fmt} hidden {dtype}")
+
+
+@pytest.mark.parametrize(
+    "weights_dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64], ids=["fp32", "bf16", "fp16", "fp64"]
+)
+@pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)
+def test_ids_int32_and_int64_and_weight_dtypes(kernel, fmt, group_size, weights_dtype, seed):
+    E, K, H, I, T = 12, 2, 64, 96, 17
+    packed = make_experts(E, H, I, fmt, group_size)
+    hidden = torch.randn(T, H).to(torch.bfloat16)
+    ids, weights = make_routing(T, E, K)
+    ids[2, 1] = -1
+    weights = weights.to(weights_dtype)
+    out64 = ktorch.fused_moe(hidden, ids, weights, packed)
+    out32 = ktorch.fused_moe(hidden, ids.to(torch.int32), weights, packed)
+    assert torch.equal(out32, out64), f"seed={seed}: int32 and int64 ids give different outputs"
+    what = f"{kernel} {fmt} weights {weights_dtype}"
+    check_against_reference(out64, hidden, ids, weights, packed, "silu", seed, what)
+
+
+# ---------------------------------------------------------------- layouts
+
+
+@pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)
+def test_non_contiguous_inputs(kernel, fmt, group_size, seed):
+    E, K, H, I, T = 6, 3, 96, 64, 23
+    packed = make_experts(E, H, I, fmt, group_size)
+    ids_c, weights_c = make_routing(T, E, K)
+    hiddens = {
+        "transposed": torch.randn(H, T).to(torch.bfloat16).t(),
+        "every other row": torch.randn(2 * T, H).to(torch.bfloat16)[::2],
+        "every other column": torch.randn(T, 2 * H).to(torch.bfloat16)[:, 1::2],
+        "one row broadcast": torch.randn(1, H).to(torch.bfloat16).expand(T, H),
+    }
+    ids = ids_c.t().contiguous().t()  # column-major
+    weights = torch.stack([weights_c, torch.zeros_like(weights_c)], dim=2)[:, :, 0]  # stride 2
+    assert not ids.is_contiguous() and not weights.is_contiguous()
+    for name, hidden in hiddens.items():
+        assert not hidden.is_contiguous()
+        out = ktorch.fused_moe(hidden, ids, weights, packed)
+        want = ktorch.fused_moe(hidden.contiguous(), ids_c, weights_c, packed)
+        assert torch.equal(out, want), f"seed={seed}: {name} hidden gives another output than its contiguous copy"
+        check_against_reference(out, hidden, ids, weights, packed, "silu", seed, f"{kernel} {fmt} {name} hidden")
+
+
+@pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)
+def test_experts_packed_from_transposed_weights(kernel, fmt, group_size, seed):
+    """Checkpoints that store [E, H, 2I] / [E, I, H] (in x out) are packed from .transpose views."""
+    E, K, H, I, T = 4, 2, 160, 96, 11
+    gate_up_t = torch.randn(E, H, 2 * I) / math.sqrt(H)
+    down_t = torch.randn(E, I, H) / math.sqrt(I)
+    packed = ktorch.pack_experts(gate_up_t.transpose(1, 2), down_t.transpose(1, 2), fmt, group_size)
+    hidden = torch.randn(T, H)
+    ids, weights = make_routing(T, E, K)
+    out = ktorch.fused_moe(hidden, ids, weights, packed)
+    check_against_reference(out, hidden, ids, weights, packed, "silu", seed, f"{kernel} {fmt} transposed weights")
+    # the reference on the original weights: bounds weight quantization + kernel error together
+    ref = fused_moe_reference(hidden, ids, weights, gate_up_t.transpose(1, 2), down_t.transpose(1, 2))
+    assert relative_error(out, ref) < {"bf16": 1e-2, "int8": 5e-2, "int4": 0.25}[fmt]
+
+
+# ---------------------------------------------------------------- levels agree, runs are deterministic
+
+
+@pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)
+def test_kernel_levels_agree_with_portable(fmt, group_size, monkeypatch, seed):
+    levels = [lvl for lvl in ("avx512", "amx") if kernel_skip_reason(lvl) is None]
+    if not levels:
+        pytest.skip(f"only the portable kernels run here ({kernel_skip_reason('avx512')})")
+    E, K, H, I, T = 6, 2, 96, 160, 70
+    packed = make_experts(E, H, I, fmt, group_size)
+    hidden = torch.randn(T, H).to(torch.bfloat16)
+    ids, weights = make_routing(T, E, K)
+    monkeypatch.setenv("KT_CPU_KERNEL", "portable")
+    want = ktorch.fused_moe(hidden, ids, weights, packed).float()
+    for level in levels:
+        monkeypatch.setenv("KT_CPU_KERNEL", level)
+        err = relative_error(ktorch.fused_moe(hidden, ids, weights, packed).float(), want)
+        assert err < 3e-3, f"seed={seed}: {level} differs from portable by {err:.3g} ({fmt})"
+
+
+@pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)
+def test_same_output_for_any_thread_count(kernel, fmt, group_size, seed):
+    E, K, H, I, T = 6, 2, 320, 96, 45
+    packed = make_experts(E, H, I, fmt, group_size)
+    hidden = torch.randn(T, H)
+    ids, weights = make_routing(T, E, K)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ktorch.fused_moe(hidden, ids, weights, packed)
+    finally:
+        torch.set_num_threads(threads)
+    many = ktorch.fused_moe(hidden, ids, weights, packed)
+    assert torch.equal(one, many), f"seed={seed}: 1 thread and {threads} threads give different outputs"
+
+
+# ---------------------------------------------------------------- edge cases
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)
+def test_empty_batch_and_no_slots(kernel, fmt, group_size, dtype):
+    packed = make_experts(4, 64, 32, fmt, group_size)
+    no_ids, no_weights = torch.empty(0, 2, dtype=torch.long), torch.empty(0, 2)
+    out = ktorch.fused_moe(torch.empty(0, 64, dtype=dtype), no_ids, no_weights, packed)
+    assert out.shape == (0, 64) and out.dtype == dtype
+    no_slots, no_weights = torch.empty(3, 0, dtype=torch.long), torch.empty(3, 0)
+    out = ktorch.fused_moe(torch.randn(3, 64, dtype=dtype), no_slots, no_weights, packed)
+    assert out.shape == (3, 64) and out.dtype == dtype and (out == 0).all()
+
+
+def test_all_meta_inputs_give_a_meta_output():
+    """Shape propagation: with every tensor on 'meta', the fake impl answers [T, H] in hidden's dtype."""
+    packed = make_experts(4, 96, 64, "int8")
+    args = [torch.randn(5, 96, dtype=torch.bfloat16), torch.zeros(5, 2, dtype=torch.long), torch.rand(5, 2)]
+    args += list(packed.tensors())
+    out = torch.ops.kt.fused_moe(*[a.to("meta") for a in args], "silu")
+    assert out.device.type == "meta" and out.shape == (5, 96) and out.dtype == torch.bfloat16
+
+
+# ---------------------------------------------------------------- opcheck
+
+
+@pytest.mark.parametrize("fmt,group_size", FORMATS + [("int4", 64)], ids=FORMAT_IDS + ["int4g64"])
+def test_opcheck_fused_moe(fmt, group_size):
+    E, K, H, I = 6, 2, 192, 64
+    packed = make_experts(E, H, I, fmt, group_size)
+    ids, weights = make_routing(7, E, K)
+    ids[3, 0] = -1
+    cases = [
+        (torch.randn(7, H, dtype=torch.bfloat16), ids, weights, "silu"),
+        (torch.randn(7, H), ids.to(torch.int32), weights.to(torch.bfloat16), "gelu_tanh"),
+        (torch.randn(7, H, dtype=torch.float16), ids, weights.double(), "relu"),
+        (torch.randn(H, 7).t(), ids.t().contiguous().t(), weights, "gelu"),
+        (torch.empty(0, H, dtype=torch.bfloat16), ids[:0], weights[:0], "silu"),
+    ]
+    for hidden, i, w, act in cases:
+        opcheck(torch.ops.kt.fused_moe.default, (hidden, i, w, *packed.tensors(), act))
