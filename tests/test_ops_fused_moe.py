@@ -291,6 +291,19 @@ def test_empty_batch_and_no_slots(kernel, fmt, group_size, dtype):
     assert out.shape == (3, 64) and out.dtype == dtype and (out == 0).all()
 
 
+@pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)
+def test_zero_hidden_rows_give_zero_output_rows(kernel, fmt, group_size, seed):
+    """A zero row quantizes with scale 0 on the int paths: its output must be 0, not NaN."""
+    E, K, H, I, T = 4, 2, 64, 64, 6
+    packed = make_experts(E, H, I, fmt, group_size)
+    hidden = torch.randn(T, H)
+    hidden[[1, 4]] = 0.0
+    ids, weights = make_routing(T, E, K)
+    out = ktorch.fused_moe(hidden, ids, weights, packed)
+    assert torch.isfinite(out).all() and (out[[1, 4]] == 0).all(), f"seed={seed}: {kernel} {fmt}"
+    check_against_reference(out, hidden, ids, weights, packed, "silu", seed, f"{kernel} {fmt} zero rows")
+
+
 def test_all_meta_inputs_give_a_meta_output():
     """Shape propagation: with every tensor on 'meta', the fake impl answers [T, H] in hidden's dtype."""
     packed = make_experts(4, 96, 64, "int8")
