@@ -38,7 +38,7 @@ def prepare(
       to ``device``; the KV cache that ``generate`` creates follows them;
     - the model's experts implementation becomes ``"ktorch"``, so each MoE layer calls ``torch.ops.kt.fused_moe``.
 
-    The result runs eagerly (hidden states hop to the CPU op and back) and under ``torch.compile``.
+    Parameters stop requiring grad (the kt ops are inference-only). The result runs eagerly (hidden states hop to the CPU op and back) and under ``torch.compile``.
     ``device="cpu"`` (or None) keeps the whole model on the CPU: no GPU is needed.
 
     Raises ``UnsupportedExpertsError`` before touching anything if a layer needs a feature the op lacks.
@@ -62,6 +62,7 @@ def prepare(
         if packed_experts_of(m) is None:
             pack_module_experts(m, experts_dtype, group_size)
     gc.collect()
+    model.requires_grad_(False)  # inference only: the kt ops have no backward
     model.to(device)  # the packed experts modules ignore it (see attach_packed_experts)
     set_impl = getattr(model, "set_experts_implementation", None)
     if set_impl is not None:

@@ -111,38 +111,53 @@ def moe_experts_modules(model) -> list:
 
 
 class RoutingRecorder:
-    """Records, per call of each MoE block, the router's input [T, H] and the chosen expert set [T, K] (sorted)."""
+    """Records each routed-experts call of a model: (layer name, experts input [T, H] fp32, chosen experts [T, K]
+    sorted). For the four families tested, the experts' input is also the router's input.
+
+    Eager calls are recorded by hooks on the experts modules (which do nothing while Dynamo traces); calls made
+    by graphs of the ktorch backend are recorded by an observer of its experts runtime, on the worker thread,
+    CUDA-graph replays included."""
 
     def __init__(self, model):
-        self.calls: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (layer name, router input, sorted ids)
-        self._pending: dict[str, torch.Tensor] = {}
-        self._handles = []
+        from ktorch.compile.experts_runtime import RUNTIME
         from ktorch.placement import experts_modules
 
-        names = {name for name, _ in experts_modules(model)}
-        modules = dict(model.named_modules())
-        for name in names:
-            block = modules[name.rsplit(".", 1)[0]]
-            self._handles.append(block.register_forward_pre_hook(self._block_hook(name)))
-            self._handles.append(modules[name].register_forward_pre_hook(self._experts_hook(name)))
+        self.calls: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        self._handles = []
+        self._names = {}
+        for name, module in experts_modules(model):
+            self._handles.append(module.register_forward_pre_hook(self._hook(name)))
+            self._names[name] = module
+        self._runtime = RUNTIME
+        RUNTIME.observers.append(self._observe)
 
-    def _block_hook(self, name):
+    def _record(self, name, hidden, ids):
+        self.calls.append((name, hidden.detach().float().cpu(), ids.detach().cpu().sort(-1).values))
+
+    def _hook(self, name):
         def hook(module, args):
-            x = args[0]
-            self._pending[name] = x.detach().reshape(-1, x.shape[-1]).float().cpu()
+            if torch.compiler.is_compiling():
+                return
+            self._record(name, args[0], args[1])
 
         return hook
 
-    def _experts_hook(self, name):
-        def hook(module, args):
-            ids = args[1].detach().cpu().sort(-1).values
-            self.calls.append((name, self._pending.pop(name), ids))
+    def _observe(self, layer, hidden, ids, weights):
+        for name, module in self._names.items():
+            if getattr(module, "kt_w13", None) is layer.w13:
+                self._record(name, hidden, ids)
 
-        return hook
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.remove()
 
     def remove(self):
         for h in self._handles:
             h.remove()
+        if self._observe in self._runtime.observers:
+            self._runtime.observers.remove(self._observe)
 
 
 def first_routing_flip(ref: RoutingRecorder, test: RoutingRecorder):
@@ -152,6 +167,7 @@ def first_routing_flip(ref: RoutingRecorder, test: RoutingRecorder):
     (a forward's tokens follow the previous forward's, as in generate), and among the layers that route that
     position differently, the call is the first one. Every position before it, and every earlier layer at it,
     routed identically in both runs, so the router input of that call is computed from identical routing."""
+    assert len(ref.calls) == len(test.calls), f"{len(ref.calls)} MoE calls recorded in one run, {len(test.calls)} in the other"
     offset, best = 0, None
     seen_layers: set = set()
     for i, ((name_a, x_a, ids_a), (name_b, _, ids_b)) in enumerate(zip(ref.calls, test.calls)):
@@ -177,3 +193,80 @@ def assert_flip_is_near_tie(ref: RoutingRecorder, test: RoutingRecorder, flip, r
         f"{name} (MoE call {i}) routes token {t} to {ids_test[t].tolist()} instead of {ids_ref[t].tolist()} and its "
         f"router input differs from HF eager's by {err:.2e} (> {rtol:.0e}): not a rounding near-tie"
     )
+
+
+# ---------------------------------------------------------------- model-level comparisons
+
+# Largest logit difference to HF eager allowed where routing agrees (measured: <= 0.014 fp32, <= 0.031 bf16 with
+# logits of magnitude ~3), and the router-input difference below which a routing flip is a rounding near-tie
+# (measured: <= 0.002 fp32, <= 0.0062 bf16).
+LOGIT_ATOL = {torch.float32: 0.05, torch.bfloat16: 0.1}
+ROUTER_RTOL = {torch.float32: 1e-2, torch.bfloat16: 3e-2}
+PROMPT, NEW_TOKENS = 12, 32
+
+
+def assert_logits_match(ref_model, test_model, dtype, ids: torch.Tensor, test_forward=None) -> None:
+    """Logits of one forward agree within LOGIT_ATOL up to the first routing flip, which must be a near-tie.
+
+    ``test_forward`` (default: ``test_model``) is what runs the test side, e.g. a compiled model."""
+    test_forward = test_model if test_forward is None else test_forward
+    with torch.no_grad():
+        with RoutingRecorder(ref_model) as ref_routing, RoutingRecorder(test_model) as kt_routing:
+            want, got = ref_model(ids).logits.float(), test_forward(ids).logits.float()
+        flip = first_routing_flip(ref_routing, kt_routing)
+        n = ids.shape[1] if flip is None else flip[0]
+        if flip is not None:
+            assert_flip_is_near_tie(ref_routing, kt_routing, flip, ROUTER_RTOL[dtype])
+        diff = (got[0, :n] - want[0, :n]).abs().max().item() if n else 0.0
+        assert diff <= LOGIT_ATOL[dtype], f"max logit difference {diff:.3g} over the first {n} positions"
+
+
+def assert_greedy_matches(ref_model, test_model, dtype, prompt: torch.Tensor, new_tokens: int = NEW_TOKENS, **gen_kwargs):
+    """Greedy generate (static cache) gives the same tokens, or diverges only at a rounding near-tie.
+
+    A divergence at step s is accepted when (a) routing flipped at a near-tie at or before that token, or
+    (b) no routing flipped, the two models' logits at s agree within LOGIT_ATOL, and HF eager's own margin between
+    the two tokens is below 2 * LOGIT_ATOL. Before the divergence (or the first flip) logits must agree."""
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
+                  output_logits=True, return_dict_in_generate=True)
+    with RoutingRecorder(ref_model) as ref_routing:
+        ref = ref_model.generate(prompt, **kwargs)
+    with RoutingRecorder(test_model) as test_routing:
+        test = test_model.generate(prompt, **kwargs, **gen_kwargs)
+    p = prompt.shape[1]
+    a, b = ref.sequences[0, p:].cpu(), test.sequences[0, p:].cpu()
+    assert a.shape == b.shape == (new_tokens,)
+    differ = (a != b).nonzero().flatten()
+    s = int(differ[0]) if differ.numel() else new_tokens
+    flip = first_routing_flip(ref_routing, test_routing)
+    # Step j's logits come from the forward that saw the token at position p - 1 + j.
+    checked = min(s + 1, new_tokens) if flip is None else min(s + 1, new_tokens, flip[0] - p + 1)
+    for j in range(max(checked, 0)):
+        diff = (test.logits[j][0].float().cpu() - ref.logits[j][0].float().cpu()).abs().max().item()
+        assert diff <= LOGIT_ATOL[dtype], f"step {j}: max logit difference {diff:.3g}, tokens {a.tolist()} vs {b.tolist()}"
+    if s == new_tokens:
+        return
+    if flip is not None and flip[0] <= p - 1 + s:
+        assert_flip_is_near_tie(ref_routing, test_routing, flip, ROUTER_RTOL[dtype])
+        return
+    logits = ref.logits[s][0].float().cpu()
+    margin = (logits[a[s]] - logits[b[s]]).item()
+    assert margin <= 2 * LOGIT_ATOL[dtype], (
+        f"greedy tokens diverge at step {s} ({a.tolist()} vs {b.tolist()}) where HF eager's margin is {margin:.3g}"
+    )
+
+
+def decode_step_inputs(model, prompt_len: int = PROMPT, max_len: int = 64) -> dict:
+    """Forward kwargs of one decode step (a static cache filled by an eager prefill of a random prompt)."""
+    from transformers import StaticCache
+
+    device = next(model.parameters()).device
+    cache = StaticCache(config=model.config, max_cache_len=max_len)
+    ids = torch.randint(0, 256, (1, prompt_len), device=device)
+    with torch.no_grad():
+        out = model(ids, past_key_values=cache, cache_position=torch.arange(prompt_len, device=device), use_cache=True)
+    nxt = out.logits[:, -1:].argmax(-1)
+    pos = torch.tensor([prompt_len], device=device)
+    return dict(input_ids=nxt, past_key_values=cache, cache_position=pos, position_ids=pos[None], use_cache=True)
+
+

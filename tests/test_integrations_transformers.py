@@ -18,21 +18,17 @@ import ktorch
 from ktorch.integrations import UnsupportedExpertsError, ktorch_experts_forward, packed_experts_of
 from models import (
     FAMILIES,
-    RoutingRecorder,
-    assert_flip_is_near_tie,
-    first_routing_flip,
+    LOGIT_ATOL,
+    PROMPT,
+    assert_greedy_matches,
+    assert_logits_match,
+    decode_step_inputs,
     moe_experts_modules,
     tiny_model,
 )
 from reference import fused_moe_reference, relative_error
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-# Largest logit difference to HF eager allowed where routing agrees (measured: <= 0.014 fp32, <= 0.031 bf16 with
-# logits of magnitude ~3), and the router-input difference below which a routing flip is a rounding near-tie
-# (measured: <= 0.002 fp32, <= 0.0062 bf16).
-LOGIT_ATOL = {torch.float32: 0.05, torch.bfloat16: 0.1}
-ROUTER_RTOL = {torch.float32: 1e-2, torch.bfloat16: 3e-2}
-PROMPT, NEW_TOKENS = 12, 32
 
 
 def prepared_copy(model: nn.Module, experts_dtype: str = "bf16", group_size=None) -> nn.Module:
@@ -233,50 +229,7 @@ def test_logits_match_eager(family, dtype):
     model = tiny_model(family, dtype=dtype)
     prepared = prepared_copy(model)
     ids = torch.randint(0, 256, (1, 48))
-    ref_routing, kt_routing = RoutingRecorder(model), RoutingRecorder(prepared)
-    want, got = model(ids).logits.float(), prepared(ids).logits.float()
-    flip = first_routing_flip(ref_routing, kt_routing)
-    n = ids.shape[1] if flip is None else flip[0]
-    if flip is not None:
-        assert_flip_is_near_tie(ref_routing, kt_routing, flip, ROUTER_RTOL[dtype])
-    diff = (got[0, :n] - want[0, :n]).abs().max().item() if n else 0.0
-    assert diff <= LOGIT_ATOL[dtype], f"max logit difference {diff:.3g} over the first {n} positions"
-
-
-def assert_greedy_matches(ref_model, test_model, dtype, prompt: torch.Tensor, new_tokens: int = NEW_TOKENS, **gen_kwargs):
-    """Greedy generate (static cache) gives the same tokens, or diverges only at a rounding near-tie.
-
-    A divergence at step s is accepted when (a) routing flipped at a near-tie at or before that token, or
-    (b) no routing flipped, the two models' logits at s agree within LOGIT_ATOL, and HF eager's own margin between
-    the two tokens is below 2 * LOGIT_ATOL. Before the divergence (or the first flip) logits must agree."""
-    ref_routing, test_routing = RoutingRecorder(ref_model), RoutingRecorder(test_model)
-    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
-                  output_logits=True, return_dict_in_generate=True, **gen_kwargs)
-    ref = ref_model.generate(prompt, **kwargs)
-    test = test_model.generate(prompt, **kwargs)
-    ref_routing.remove()
-    test_routing.remove()
-    p = prompt.shape[1]
-    a, b = ref.sequences[0, p:].cpu(), test.sequences[0, p:].cpu()
-    assert a.shape == b.shape == (new_tokens,)
-    differ = (a != b).nonzero().flatten()
-    s = int(differ[0]) if differ.numel() else new_tokens
-    flip = first_routing_flip(ref_routing, test_routing)
-    # Step j's logits come from the forward that saw the token at position p - 1 + j.
-    checked = min(s + 1, new_tokens) if flip is None else min(s + 1, new_tokens, flip[0] - p + 1)
-    for j in range(max(checked, 0)):
-        diff = (test.logits[j][0].float().cpu() - ref.logits[j][0].float().cpu()).abs().max().item()
-        assert diff <= LOGIT_ATOL[dtype], f"step {j}: max logit difference {diff:.3g}, tokens {a.tolist()} vs {b.tolist()}"
-    if s == new_tokens:
-        return
-    if flip is not None and flip[0] <= p - 1 + s:
-        assert_flip_is_near_tie(ref_routing, test_routing, flip, ROUTER_RTOL[dtype])
-        return
-    logits = ref.logits[s][0].float().cpu()
-    margin = (logits[a[s]] - logits[b[s]]).item()
-    assert margin <= 2 * LOGIT_ATOL[dtype], (
-        f"greedy tokens diverge at step {s} ({a.tolist()} vs {b.tolist()}) where HF eager's margin is {margin:.3g}"
-    )
+    assert_logits_match(model, prepared, dtype, ids)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
@@ -288,20 +241,6 @@ def test_greedy_generate_matches_eager(family, dtype):
 
 
 # ---------------------------------------------------------------- tracing
-
-
-def decode_step_inputs(model: nn.Module, prompt_len: int = PROMPT, max_len: int = 64):
-    """(forward kwargs of one decode step after an eager prefill, the static cache it uses)."""
-    from transformers import StaticCache
-
-    device = next(model.parameters()).device
-    cache = StaticCache(config=model.config, max_cache_len=max_len)
-    ids = torch.randint(0, 256, (1, prompt_len), device=device)
-    with torch.no_grad():
-        out = model(ids, past_key_values=cache, cache_position=torch.arange(prompt_len, device=device), use_cache=True)
-    nxt = out.logits[:, -1:].argmax(-1)
-    pos = torch.tensor([prompt_len], device=device)
-    return dict(input_ids=nxt, past_key_values=cache, cache_position=pos, position_ids=pos[None], use_cache=True)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -1,0 +1,261 @@
+"""Submit/wait: the routed experts of a compiled graph run on the CPU while the device goes on with other work.
+
+The async-boundary pass (ktorch/passes/async_boundary.py) replaces each ``kt.fused_moe`` call, with its hops
+to the CPU and back, by two ops defined here:
+
+    ticket = torch.ops.ktorch.submit_experts(hidden, topk_ids, topk_weights, layer, site)
+    ...      work that does not need the result (e.g. DeepSeek's shared experts)
+    out    = torch.ops.ktorch.wait_experts(ticket, hidden, layer, site, after)
+
+``layer`` indexes the packed weights registered with ``ExpertsRuntime.register_layer`` at compile time, so the
+graph carries no CPU tensors and Inductor's CUDA graphs accept it; ``site`` names the call site (one per
+submit/wait pair). Calls at one site complete in order, so ``wait`` needs no value from ``submit``: the ticket
+is an empty tensor that only orders the two ops. ``after`` lists tensors the wait must be ordered after (the
+work moved between the two); its values are not read.
+
+What submit and wait do depends on where the hidden states are:
+  CPU (no GPU, CI): submit hands the op to the worker thread and returns; wait joins it.
+  CUDA, eager:      submit copies hidden/ids/weights to pinned buffers (non-blocking), records an event and
+                    hands the op to the worker, which waits for the event; wait blocks the host until the
+                    worker is done and copies the result back (non-blocking). One host sync per layer.
+  CUDA, capturing:  the same copies, but the worker is started and joined by host functions on the stream
+                    (host_func.py), so a replayed CUDA graph costs the launching thread no host sync at all.
+
+The worker is one Python thread; ``kt.fused_moe`` releases the GIL and is parallel inside.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+# ---------------------------------------------------------------- the worker
+
+
+class _Task:
+    __slots__ = ("fn", "done", "result", "error")
+
+    def __init__(self, fn: Callable[[], object]):
+        self.fn, self.done, self.result, self.error = fn, threading.Event(), None, None
+
+    def join(self):
+        self.done.wait()
+        if self.error is not None:
+            raise RuntimeError("ktorch: the CPU experts task failed") from self.error
+        return self.result
+
+
+class ExpertsWorker:
+    """One daemon thread running submitted experts calls in submission order."""
+
+    def __init__(self):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+        self._lock = threading.Lock()
+
+    def enqueue(self, fn: Callable[[], object]) -> _Task:
+        task = _Task(fn)
+        if self._thread is None:
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="ktorch-experts", daemon=True)
+                    self._thread.start()
+        self._queue.put(task)
+        return task
+
+    def _run(self):
+        while True:
+            task = self._queue.get()
+            try:
+                task.result = task.fn()
+            except BaseException as e:
+                task.error = e
+            finally:
+                task.done.set()
+
+
+# ---------------------------------------------------------------- per-layer weights and per-site state
+
+
+@dataclass
+class ExpertsLayer:
+    w13: torch.Tensor
+    w13_scales: Optional[torch.Tensor]
+    w2: torch.Tensor
+    w2_scales: Optional[torch.Tensor]
+    activation: str
+
+    observers: list = None  # set by ExpertsRuntime
+
+    def run(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        for observe in self.observers or ():
+            observe(self, hidden, topk_ids, topk_weights)
+        return torch.ops.kt.fused_moe(
+            hidden, topk_ids, topk_weights, self.w13, self.w13_scales, self.w2, self.w2_scales, self.activation
+        )
+
+
+class _Staging:
+    """Pinned host buffers of one site for one shape: inputs copied in, the result copied out."""
+
+    def __init__(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
+        def pinned(t):
+            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+
+        self.hidden, self.topk_ids, self.topk_weights = pinned(hidden), pinned(topk_ids), pinned(topk_weights)
+        self.out = pinned(hidden)
+        self.host_functions: Optional[tuple] = None  # (start, join), made on first capture
+
+    def fill(self, hidden, topk_ids, topk_weights):
+        self.hidden.copy_(hidden, non_blocking=True)
+        self.topk_ids.copy_(topk_ids, non_blocking=True)
+        self.topk_weights.copy_(topk_weights, non_blocking=True)
+
+    def run_into_out(self, layer: ExpertsLayer) -> None:
+        self.out.copy_(layer.run(self.hidden, self.topk_ids, self.topk_weights))
+
+
+class _Site:
+    def __init__(self):
+        self.pending: collections.deque = collections.deque()  # tasks submitted and not yet waited for
+        self.staging: dict = {}  # shape key -> _Staging
+        self.captured_pending: collections.deque = collections.deque()
+
+    def staging_for(self, hidden, topk_ids, topk_weights) -> _Staging:
+        key = (tuple(hidden.shape), hidden.dtype, tuple(topk_ids.shape), topk_ids.dtype, topk_weights.dtype)
+        if key not in self.staging:
+            self.staging[key] = _Staging(hidden, topk_ids, topk_weights)
+        return self.staging[key]
+
+
+class ExpertsRuntime:
+    """Packed weights by layer id, call sites, the worker, and the submit/wait implementations."""
+
+    def __init__(self):
+        self.layers: list[ExpertsLayer] = []
+        self._layer_ids: dict = {}
+        self._sites: dict[int, _Site] = collections.defaultdict(_Site)
+        self._site_ids = itertools.count()
+        self.worker = ExpertsWorker()
+        self.stats = collections.Counter()  # submits / host_waits / captured_submits, for tests and benchmarks
+        # Called on the worker thread as observe(layer, hidden, topk_ids, topk_weights) before each experts call
+        # runs, in execution order, replays of CUDA graphs included (tests record routing with it).
+        self.observers: list = []
+
+    # -- compile time
+    def register_layer(self, w13, w13_scales, w2, w2_scales, activation: str) -> int:
+        """The id of these packed weights (the same tensors always get the same id)."""
+        key = (id(w13), id(w2), w13.data_ptr(), w2.data_ptr(), activation)
+        if key not in self._layer_ids:
+            self._layer_ids[key] = len(self.layers)
+            layer = ExpertsLayer(w13, w13_scales, w2, w2_scales, activation)
+            layer.observers = self.observers
+            self.layers.append(layer)
+        return self._layer_ids[key]
+
+    def new_site(self) -> int:
+        return next(self._site_ids)
+
+    def reset(self) -> None:
+        """Forgets every layer and site (torch._dynamo.reset() calls it through the backend)."""
+        self.layers.clear()
+        self._layer_ids.clear()
+        self._sites.clear()
+
+    # -- run time
+    def submit(self, hidden, topk_ids, topk_weights, layer: int, site: int) -> torch.Tensor:
+        weights, state = self.layers[layer], self._sites[site]
+        ticket = torch.empty(0, dtype=torch.uint8, device=hidden.device)
+        if hidden.device.type == "cpu":
+            self.stats["submits"] += 1
+            state.pending.append(self.worker.enqueue(lambda: weights.run(hidden, topk_ids, topk_weights)))
+            return ticket
+        if hidden.device.type != "cuda":
+            raise RuntimeError(f"ktorch.submit_experts: hidden states on {hidden.device} are not supported")
+        staging = state.staging_for(hidden, topk_ids, topk_weights)
+        staging.fill(hidden, topk_ids, topk_weights)
+        if torch.cuda.is_current_stream_capturing():
+            self.stats["captured_submits"] += 1
+            self._host_functions(state, staging, weights)[0].launch()
+            return ticket
+        self.stats["submits"] += 1
+        copied = torch.cuda.Event()
+        copied.record()
+
+        def run():
+            copied.synchronize()
+            staging.run_into_out(weights)
+            return staging
+
+        state.pending.append(self.worker.enqueue(run))
+        return ticket
+
+    def wait(self, ticket, hidden, layer: int, site: int) -> torch.Tensor:
+        state = self._sites[site]
+        if hidden.device.type == "cpu":
+            return state.pending.popleft().join()
+        out = torch.empty_like(hidden, memory_format=torch.contiguous_format)
+        if torch.cuda.is_current_stream_capturing():
+            staging = state.captured_pending.popleft()  # the staging this capture's submit at this site used
+            staging.host_functions[1].launch()
+        else:
+            self.stats["host_waits"] += 1
+            staging = state.pending.popleft().join()
+        out.copy_(staging.out, non_blocking=True)
+        return out
+
+    def _host_functions(self, state: _Site, staging: _Staging, weights: ExpertsLayer):
+        from ktorch.compile.host_func import HostFunction
+
+        if staging.host_functions is None:
+            running: collections.deque = collections.deque()
+
+            def start():  # on the driver thread, once the inputs are in pinned memory
+                running.append(self.worker.enqueue(lambda: staging.run_into_out(weights)))
+
+            def join():  # holds the stream until the CPU result is in pinned memory
+                running.popleft().join()
+
+            staging.host_functions = (HostFunction(start), HostFunction(join))
+        state.captured_pending.append(staging)
+        return staging.host_functions
+
+
+RUNTIME = ExpertsRuntime()
+
+
+# ---------------------------------------------------------------- the ops the graph calls
+
+
+@torch.library.custom_op("ktorch::submit_experts", mutates_args=())
+def submit_experts(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer: int,
+                   site: int) -> torch.Tensor:
+    """Starts layer ``layer``'s routed experts on the CPU for hidden [T, H], topk_ids/topk_weights [T, K].
+
+    Returns an empty ticket on hidden's device; pass it to ``wait_experts`` with the same site."""
+    return RUNTIME.submit(hidden, topk_ids, topk_weights, layer, site)
+
+
+@submit_experts.register_fake
+def _submit_experts_fake(hidden, topk_ids, topk_weights, layer, site):
+    return hidden.new_empty((0,), dtype=torch.uint8)
+
+
+@torch.library.custom_op("ktorch::wait_experts", mutates_args=())
+def wait_experts(ticket: torch.Tensor, hidden: torch.Tensor, layer: int, site: int,
+                 after: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The result [T, H] (hidden's dtype and device) of the ``submit_experts`` call at ``site``.
+
+    ``hidden`` is that call's input (it gives the result's shape); ``after`` only orders this op after them."""
+    return RUNTIME.wait(ticket, hidden, layer, site)
+
+
+@wait_experts.register_fake
+def _wait_experts_fake(ticket, hidden, layer, site, after):
+    return torch.empty_like(hidden, memory_format=torch.contiguous_format)

@@ -1,0 +1,54 @@
+"""Host functions on a CUDA stream (``cuLaunchHostFunc``), from Python, so they can be captured in CUDA graphs.
+
+A host function runs on a CUDA driver thread when the stream reaches it, after everything enqueued before it
+and before everything after it; inside a stream capture it becomes a host node of the graph, replayed at its
+place with no Python on the launching thread. ktorch uses two per routed-experts call under CUDA graphs:
+one starts the CPU task once the hidden states are in pinned memory, one holds the stream until the task is
+done (see experts_runtime.py). This is the Python stand-in for a C++ ``kt.submit``/``kt.wait`` op pair: each
+call here acquires the GIL on the driver thread.
+
+A host function must not call the CUDA API. The callbacks passed here only touch Python threading objects.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Callable
+
+import torch
+
+_HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+_libcuda = None
+
+
+def _driver():
+    global _libcuda
+    if _libcuda is None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        lib.cuLaunchHostFunc.argtypes = [ctypes.c_void_p, _HOST_FN, ctypes.c_void_p]
+        lib.cuLaunchHostFunc.restype = ctypes.c_int
+        _libcuda = lib
+    return _libcuda
+
+
+class HostFunction:
+    """A Python callable made launchable on CUDA streams; keep the object alive as long as any graph using it."""
+
+    def __init__(self, fn: Callable[[], None]):
+        self._fn = fn
+
+        def trampoline(_user_data):
+            try:
+                fn()
+            except BaseException as e:  # an exception cannot cross the driver thread; record it instead
+                self.error = e
+
+        self.error = None
+        self._c_fn = _HOST_FN(trampoline)
+
+    def launch(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Enqueues the function on ``stream`` (default: the current stream), captured if the stream is capturing."""
+        stream = torch.cuda.current_stream() if stream is None else stream
+        status = _driver().cuLaunchHostFunc(ctypes.c_void_p(stream.cuda_stream), self._c_fn, None)
+        if status != 0:
+            raise RuntimeError(f"cuLaunchHostFunc failed with CUresult {status}")

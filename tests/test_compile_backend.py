@@ -1,0 +1,214 @@
+"""torch.compile(model, backend="ktorch") on tiny transformers MoE models, against HF eager.
+
+On the CPU (CI) the "GPU" side is the CPU: the graphs go through the same passes, the submit/wait ops run the
+experts on the runtime's worker thread. Most cases skip Inductor (options={"inductor": False}) to keep the
+suite fast; a few run it. The CUDA tests (skipped without a GPU) cover the hops, pinned copies and CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import ktorch
+import ktorch.compile
+from ktorch.compile import REPORTS, RUNTIME, BackendOptions
+from ktorch.passes.async_boundary import submit_op, wait_op
+from models import FAMILIES, PROMPT, assert_greedy_matches, assert_logits_match, moe_experts_modules, tiny_model
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+FAST = {"inductor": False}
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def compile_config(options=None, mode=None):
+    """transformers' CompileConfig for generate's decode steps with the ktorch backend (CPU allowed)."""
+    from transformers import CompileConfig
+
+    config = CompileConfig(backend="ktorch", mode=mode, options=options, fullgraph=True)
+    config._compile_all_devices = True
+    return config
+
+
+def fresh_reports() -> list:
+    """Empties ktorch.compile.REPORTS and returns it: it then holds the reports of the graphs compiled next."""
+    REPORTS.clear()
+    return REPORTS
+
+
+# ---------------------------------------------------------------- loading and options
+
+
+def test_backend_loads_by_name_in_fresh_interpreter():
+    """backend="ktorch" resolves through the torch_dynamo_backends entry point, with ktorch not imported."""
+    code = (
+        "import sys, torch\n"
+        "from torch._dynamo.backends.registry import lookup_backend\n"
+        "assert 'ktorch' not in sys.modules\n"
+        "fn = lookup_backend('ktorch')\n"
+        "assert 'ktorch' in sys.modules, 'backend lookup did not import ktorch'\n"
+        "f = torch.compile(lambda x: x * 2, backend='ktorch', options={'inductor': False})\n"
+        "assert f(torch.ones(2)).tolist() == [2.0, 2.0]\n"
+        "print(fn.__module__ + '.' + fn.__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "ktorch.compile.backend.ktorch_backend"
+
+
+def test_options():
+    assert BackendOptions.parse() == BackendOptions()
+    assert BackendOptions.parse("reduce-overhead").cuda_graphs
+    opts = BackendOptions.parse("max-autotune-no-cudagraphs", {"overlap": False, "inductor_config": {"a": 1}})
+    assert not opts.cuda_graphs and not opts.overlap and opts.inductor_config == {"max_autotune": True, "a": 1}
+    with pytest.raises(ValueError, match="unknown option 'fast'"):
+        BackendOptions.parse(None, {"fast": True})
+    with pytest.raises(ValueError, match="unknown mode"):
+        BackendOptions.parse("turbo")
+    with pytest.raises(NotImplementedError, match="deferral"):
+        BackendOptions.parse(None, {"n_deferred_experts": 2})
+
+
+def test_unknown_option_fails_the_compile():
+    f = torch.compile(lambda x: x + 1, backend="ktorch", options={"no_such_option": 1})
+    with pytest.raises(Exception, match="no_such_option"):
+        f(torch.ones(2))
+
+
+# ---------------------------------------------------------------- what the backend does to the graph
+
+
+def _compile_prefill(model, options, ids):
+    torch._dynamo.reset()
+    reports = fresh_reports()
+    compiled = torch.compile(model, backend="ktorch", options=options, fullgraph=True)
+    with torch.no_grad():
+        compiled(ids)
+    (report,) = reports
+    return compiled, report
+
+
+def test_every_moe_layer_becomes_submit_and_wait():
+    model = ktorch.prepare(tiny_model("qwen3_moe"), device="cpu")
+    _, report = _compile_prefill(model, FAST, torch.randint(0, 256, (1, 8)))
+    n = len(moe_experts_modules(model))
+    assert report.experts_calls == report.async_calls == n and report.skipped == []
+    targets = [node.target for node in report.graph.graph.nodes]
+    assert targets.count(submit_op()) == targets.count(wait_op()) == n
+    assert torch.ops.kt.fused_moe not in targets
+    # the packed weights are no longer graph inputs: the runtime holds them by layer id
+    placeholders = [node.name for node in report.graph.graph.nodes if node.op == "placeholder"]
+    assert not any("kt_w" in name for name in placeholders)
+
+
+def test_deepseek_shared_experts_run_between_submit_and_wait():
+    model = ktorch.prepare(tiny_model("deepseek_v3", dtype=torch.bfloat16), device="cpu")
+    _, report = _compile_prefill(model, FAST, torch.randint(0, 256, (1, 8)))
+    nodes = list(report.graph.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    submits = [n for n in nodes if n.target == submit_op()]
+    waits = [n for n in nodes if n.target == wait_op()]
+    assert len(submits) == len(waits) == 2
+    for submit, wait in zip(submits, waits):
+        between = nodes[pos[submit] + 1: pos[wait]]
+        shared = [n for n in between if "shared_experts" in " ".join(str(a) for a in n.args)]
+        assert len(shared) == 3, f"shared-expert projections between {submit} and {wait}: {shared}"
+        assert wait.args[4], "the wait must be ordered after the shared experts' result"
+
+
+def test_async_off_keeps_the_blocking_op():
+    model = ktorch.prepare(tiny_model("olmoe"), device="cpu")
+    ids = torch.randint(0, 256, (1, 8))
+    compiled, report = _compile_prefill(model, {"inductor": False, "async_experts": False}, ids)
+    assert report.async_calls == 0 and report.experts_calls == 2
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- numerics against HF eager
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_compiled_logits_match_eager(family, dtype):
+    torch._dynamo.reset()
+    model = tiny_model(family, dtype=dtype)
+    prepared = ktorch.prepare(copy.deepcopy(model), device="cpu")
+    compiled = torch.compile(prepared, backend="ktorch", options=FAST, fullgraph=True)
+    assert_logits_match(model, prepared, dtype, torch.randint(0, 256, (1, 48)), test_forward=compiled)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_compiled_greedy_generate_matches_eager(family, dtype):
+    """32 greedy tokens, static cache, the decode steps compiled by the ktorch backend (generate's compile_config)."""
+    torch._dynamo.reset()
+    model = tiny_model(family, dtype=dtype)
+    prepared = ktorch.prepare(copy.deepcopy(model), device="cpu")
+    reports = fresh_reports()
+    assert_greedy_matches(model, prepared, dtype, torch.randint(0, 256, (1, PROMPT)), compile_config=compile_config(FAST))
+    assert reports and all(r.async_calls == len(moe_experts_modules(prepared)) for r in reports)
+
+
+@pytest.mark.parametrize("family,dtype", [("deepseek_v3", torch.bfloat16)])
+def test_inductor_compiled_matches_eager(family, dtype):
+    """The full backend, Inductor included (C++ kernels on the CPU): logits of a prefill and 32 greedy tokens."""
+    torch._dynamo.reset()
+    model = tiny_model(family, dtype=dtype)
+    prepared = ktorch.prepare(copy.deepcopy(model), device="cpu")
+    compiled = torch.compile(prepared, backend="ktorch", fullgraph=True)
+    assert_logits_match(model, prepared, dtype, torch.randint(0, 256, (1, 24)), test_forward=compiled)
+    torch._dynamo.reset()
+    assert_greedy_matches(model, prepared, dtype, torch.randint(0, 256, (1, PROMPT)), compile_config=compile_config())
+
+
+# ---------------------------------------------------------------- on a GPU
+
+
+@needs_cuda
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["no_graphs", "cuda_graphs"])
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cuda_compiled_greedy_generate_matches_eager(family, dtype, cuda_graphs):
+    torch._dynamo.reset()
+    model = tiny_model(family, dtype=dtype)
+    prepared = ktorch.prepare(copy.deepcopy(model), device="cuda")
+    model = model.to("cuda")
+    prompt = torch.randint(0, 256, (1, PROMPT), device="cuda")
+    assert_logits_match(model, prepared, dtype, prompt)  # eager: hops to the CPU op and back
+    config = compile_config(mode="reduce-overhead") if cuda_graphs else compile_config()
+    reports = fresh_reports()
+    assert_greedy_matches(model, prepared, dtype, prompt, compile_config=config)
+    assert reports and all(r.devices == {"cuda"} for r in reports)
+    assert all(r.cuda_graphs == cuda_graphs for r in reports)
+
+
+@needs_cuda
+def test_cuda_graph_decode_step_costs_no_host_wait():
+    """Under CUDA graphs a replayed decode step enqueues the experts through host functions: the launching
+    thread neither submits nor waits in Python."""
+    from transformers import StaticCache
+
+    torch._dynamo.reset()
+    model = ktorch.prepare(tiny_model("deepseek_v3", dtype=torch.bfloat16), device="cuda")
+    cache = StaticCache(config=model.config, max_cache_len=64)
+    step = torch.compile(model, backend="ktorch", mode="reduce-overhead", fullgraph=True)
+    ids = torch.randint(0, 256, (1, 1), device="cuda")
+    with torch.no_grad():
+        for pos in range(6):  # warm-up and capture
+            p = torch.tensor([pos], device="cuda")
+            step(ids, past_key_values=cache, cache_position=p, position_ids=p[None], use_cache=True)
+        torch.cuda.synchronize()
+        assert RUNTIME.stats["captured_submits"] > 0
+        before = dict(RUNTIME.stats)
+        for pos in range(6, 16):
+            p = torch.tensor([pos], device="cuda")
+            logits = step(ids, past_key_values=cache, cache_position=p, position_ids=p[None], use_cache=True).logits
+        torch.cuda.synchronize()
+    assert RUNTIME.stats["host_waits"] == before.get("host_waits", 0)
+    assert RUNTIME.stats["submits"] == before.get("submits", 0)
+    assert torch.isfinite(logits).all()
