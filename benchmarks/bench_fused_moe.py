@@ -26,6 +26,7 @@ import math
 import os
 import platform
 import statistics
+import subprocess
 import time
 
 import torch
@@ -58,7 +59,8 @@ def machine() -> str:
 
 
 def l3_bytes() -> int:
-    best = 0
+    """The largest L3 size that sysfs or lscpu reports (VMs often show a per-core slice in sysfs only)."""
+    sizes = [32 << 20]
     base = "/sys/devices/system/cpu/cpu0/cache"
     try:
         for idx in os.listdir(base):
@@ -66,12 +68,18 @@ def l3_bytes() -> int:
                 level = int(f.read())
             with open(os.path.join(base, idx, "size")) as f:
                 size = f.read().strip()
-            mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1], 1)
             if level == 3:
-                best = max(best, int(size.rstrip("KMG")) * mult)
+                sizes.append(int(size.rstrip("KMG")) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1], 1))
     except (OSError, ValueError):
         pass
-    return best or (32 << 20)
+    try:
+        out = subprocess.run(["lscpu", "-B"], capture_output=True, text=True, timeout=10).stdout
+        for line in out.splitlines():
+            if line.startswith("L3 cache:"):
+                sizes.append(int(line.split(":", 1)[1].split()[0]))
+    except (OSError, ValueError, subprocess.SubprocessError):
+        pass
+    return max(sizes)
 
 
 def read_bandwidth(nbytes: int = 2 << 30) -> float:

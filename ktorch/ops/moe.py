@@ -112,6 +112,10 @@ def pack_experts(
             f"pack_experts: down_proj must be [E={E}, H={H}, I={two_i // 2}] to match gate_up_proj "
             f"{tuple(gate_up_proj.shape)}, got {tuple(down_proj.shape)}"
         )
+    I = two_i // 2
+    for name, size in (("hidden size H", H), ("intermediate size I", I)):
+        if size % 32:
+            raise ValueError(f"pack_experts: {name}={size} must be a multiple of 32 (the kernels tile it by 32)")
     if dtype == "int4" and group_size is None:
         group_size = 128 if H % 128 == 0 and (two_i // 2) % 128 == 0 else 32
     w13, s13 = _pack(gate_up_proj, dtype, group_size, gate_up=True)
@@ -147,6 +151,16 @@ def fused_moe(
 
 
 # ---------------------------------------------------------------- fake impls (shapes only, for tracing)
+# A call whose tensors sit on different devices, one of them "meta" (or fake), is dispatched here rather
+# than to the CPU kernel, so the device checks must be repeated here: a fake impl that returned a tensor
+# for such a call would hand back uninitialized memory instead of an error.
+
+
+def _check_same_device(op: str, reference: str, tensors: dict) -> None:
+    device = tensors[reference].device
+    for name, t in tensors.items():
+        if t is not None and t.device != device:
+            raise RuntimeError(f"{op}: {name} is on {t.device} but {reference} is on {device}; all tensors must be on the CPU")
 
 
 @torch.library.register_fake("kt::pack_bf16")
@@ -175,6 +189,7 @@ def _pack_int4_fake(weight, group_size=128, gate_up=False):
 
 @torch.library.register_fake("kt::unpack")
 def _unpack_fake(packed, scales, gate_up=False):
+    _check_same_device("unpack", "packed", {"packed": packed, "scales": scales})
     E, nb, kq, _, per = packed.shape
     K = kq * (8 if packed.dtype == torch.uint8 else per)
     return packed.new_empty((E, nb * 16, K), dtype=torch.float32)
@@ -182,6 +197,19 @@ def _unpack_fake(packed, scales, gate_up=False):
 
 @torch.library.register_fake("kt::fused_moe")
 def _fused_moe_fake(hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales, activation="silu"):
+    _check_same_device(
+        "fused_moe",
+        "hidden",
+        dict(hidden=hidden, topk_ids=topk_ids, topk_weights=topk_weights, w13=w13, w13_scales=w13_scales, w2=w2,
+             w2_scales=w2_scales),
+    )
     torch._check(topk_ids.shape[0] == hidden.shape[0], lambda: "fused_moe: topk_ids must have T rows")
     torch._check(hidden.shape[1] == w2.shape[1] * 16, lambda: "fused_moe: hidden size does not match w2")
     return torch.empty_like(hidden, memory_format=torch.contiguous_format)
+
+
+def _not_differentiable(ctx, grad_output):
+    raise RuntimeError("kt.fused_moe has no backward: ktorch runs MoE experts for inference only")
+
+
+torch.library.register_autograd("kt::fused_moe", _not_differentiable)

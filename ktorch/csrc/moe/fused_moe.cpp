@@ -110,6 +110,26 @@ void quantize(const kernels::KernelSet& ks, const at::Tensor& x, int64_t group_s
   });
 }
 
+// src [R, C] (any dtype, any strides) as a contiguous tensor of `dtype`, converted by the pool's workers
+// in slices small enough that ATen runs each copy serially: ATen's own intra-op threads would have to
+// compete for the cores with the pool's spinning workers.
+at::Tensor convert_rows(const at::Tensor& src, at::ScalarType dtype) {
+  if (src.scalar_type() == dtype && src.is_contiguous()) return src;
+  at::Tensor dst = at::empty(src.sizes(), src.options().dtype(dtype).memory_format(at::MemoryFormat::Contiguous));
+  const int64_t R = src.size(0), rows = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, src.size(1)));
+  runtime::parallel_tasks((R + rows - 1) / rows, [&](int64_t t, int) {
+    const int64_t r0 = t * rows, r1 = std::min(R, r0 + rows);
+    dst.slice(0, r0, r1).copy_(src.slice(0, r0, r1));
+  });
+  return dst;
+}
+
+template <typename T>
+void store_columns(const float* acc, int64_t rows, int64_t ld, int64_t c0, int64_t ncols, T* out) {
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t j = c0; j < c0 + ncols; ++j) out[t * ld + j] = static_cast<T>(acc[t * ld + j]);
+}
+
 }  // namespace
 
 at::Tensor fused_moe(const at::Tensor& hidden_in, const at::Tensor& topk_ids_in, const at::Tensor& topk_weights_in,
@@ -147,8 +167,8 @@ at::Tensor fused_moe(const at::Tensor& hidden_in, const at::Tensor& topk_ids_in,
   const Activation act = parse_activation(activation);
 
   at::Tensor out = at::empty({T, H}, hidden_in.options());
-  if (T == 0 || topk_ids_in.size(1) == 0) return out.zero_();
   const kernels::KernelSet& ks = runtime::select_kernels();
+  if (T == 0 || topk_ids_in.size(1) == 0) return out.zero_();
   const int workers = runtime::num_workers();
 
   // ---- 1. route
@@ -187,13 +207,13 @@ at::Tensor fused_moe(const at::Tensor& hidden_in, const at::Tensor& topk_ids_in,
   // ---- 2. activations for gate+up, one row per pair
   Rows x;
   if (fmt == WeightFormat::BF16) {
-    x.storage = hidden_in.to(at::kBFloat16).contiguous();
+    x.storage = convert_rows(hidden_in, at::kBFloat16);
     const auto* base = static_cast<const uint8_t*>(x.storage.data_ptr());
     x.ptr.resize(P);
     for (int64_t p = 0; p < P; ++p) x.ptr[p] = base + pair_token[p] * H * 2;
   } else {
     at::Tensor q, s, g;
-    quantize(ks, hidden_in.to(at::kFloat).contiguous(), up.group_size(), q, s, g);
+    quantize(ks, convert_rows(hidden_in, at::kFloat), up.group_size(), q, s, g);
     x.storage = q;
     x.groups = up.groups;
     x.ptr.resize(P);
@@ -308,8 +328,11 @@ at::Tensor fused_moe(const at::Tensor& hidden_in, const at::Tensor& topk_ids_in,
         }
       }
     }
+    if (hdtype == at::kBFloat16)
+      store_columns(accp, T, H, c0, ncols, out.data_ptr<at::BFloat16>());
+    else if (hdtype == at::kHalf)
+      store_columns(accp, T, H, c0, ncols, out.data_ptr<at::Half>());
   });
-  if (!acc.is_same(out)) out.copy_(acc);
   return out;
 }
 

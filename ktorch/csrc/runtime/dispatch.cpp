@@ -10,7 +10,7 @@ namespace kt::runtime {
 namespace {
 
 // Flipped when ktorch/csrc/kernels/amx/ holds real AMX kernels.
-constexpr bool kAmxKernelsWritten = false;
+constexpr bool kAmxKernelsWritten = true;
 
 bool level_available(const std::string& level) {
   const CpuFeatures& f = cpu_features();

@@ -36,7 +36,7 @@ std::vector<int> allowed_cpus() {
 
 WorkerPool& WorkerPool::instance() {
   static WorkerPool pool(static_cast<int>(env_int("KT_NUM_THREADS", at::get_num_threads())),
-                         env_int("KT_SPIN_US", 2000), env_int("KT_PIN_THREADS", 1) != 0);
+                         env_int("KT_SPIN_US", 2000), env_int("KT_PIN_THREADS", 0) != 0);
   return pool;
 }
 

@@ -7,10 +7,13 @@
 // atomic counter (dynamic balancing for skewed routing).
 //
 // Thread counts: KT_NUM_THREADS workers in all (the caller included); default at::get_num_threads() at
-// the pool's creation (PyTorch's intra-op thread count, one per physical core by default). Workers are
-// pinned to the CPUs of the process's affinity mask, worker i to the i-th CPU (KT_PIN_THREADS=0 turns
-// pinning off). While workers spin, PyTorch's own intra-op threads compete with them for cores: in a
-// hybrid run the CPU does little else; on a CPU-only run ATen work between MoE layers is short.
+// the pool's creation (PyTorch's intra-op thread count, one per physical core by default). With
+// KT_PIN_THREADS=1 worker i (i >= 1) is pinned to the i-th CPU of the process's affinity mask; off by
+// default, because the calling thread is not pinned and a caller that lands on a pinned spinning
+// worker's CPU shares it with that worker for whole scheduler time slices (milliseconds).
+// While workers spin, PyTorch's own intra-op threads compete with them for cores, so the op does its
+// own conversions on the pool instead of through ATen's parallel kernels; on a CPU-only run the ATen
+// work between MoE layers is short, and KT_SPIN_US=0 parks workers at once.
 #pragma once
 
 #include <atomic>

@@ -1,9 +1,476 @@
-// AMX kernels: not written yet (see the AMX issue). Until they are, the "amx" level is not offered by
-// the dispatcher (runtime/dispatch.cpp), so nothing reaches this table.
+// AMX kernels (AMX-TILE, AMX-BF16, AMX-INT8; AVX-512 for unpacking and epilogues), for the packed layouts
+// in kernels.h. C[m][16b + c] = sum_k A[m][k] * W[16b + c][k] for m < M, b < nblocks, fp32 out:
+//   bf16: C += TDPBF16PS(A: 16 rows x 32 k bf16, B: 16 k-pairs x 16 columns)            fp32 accumulate
+//   int8: acc += TDPBSSD(A: 16 rows x 64 k int8, B: 16 k-quads x 16 columns int8);  C = acc * s_w[n] * s_x[m]
+//   int4: per group g: acc_g = TDPBSSD(A, B_g), B_g = the nibbles unpacked to q - 8 (signed, [-8, 7]) in a
+//         thread-local buffer;  C = s_x[m] * sum_g acc_g * s_w[g][n]
+// Signed int8 x signed int8 needs no unsigned offset, so a_gsum is not read (the AVX-512 kernels need it).
+// The int8/int4 results equal the AVX-512 kernels' bit for bit (same integer sums, same fp32 operations in
+// the same order); bf16 differs in fp32 rounding order only.
+//
+// Layout: the packed weights already are AMX B tiles. bf16 [K/2][16][2] and int8 [K/4][16][4]: one 32-deep
+// (bf16) or 64-deep (int8) chunk of a 16-column block is one contiguous 1 KB tile, 16 rows of 64 B. int4
+// [K/8][16][4]: a 64-byte line (8 k of 16 columns) unpacks to two tile rows, its low nibbles (k 8o..8o+3)
+// then its high nibbles (k 8o+4..8o+7).
+//
+// Blocking: C tiles tmm0-3 form a 2 x 2 block (32 rows x 32 columns), A tiles tmm4-5, B tiles tmm6-7. Each
+// block walks the whole K with its accumulators in the tiles (int4: one group at a time, then the group's
+// sums are scaled into fp32 accumulators in L1). Column pairs are the outer loop, row pairs the inner one:
+// a column pair's weights come from memory on its first row pair (prefetched a few tiles ahead) and from
+// L2 on the others; while the last row pair runs, the next column pair is prefetched into L2.
+// Activation rows: a 16-row group whose rows are evenly strided (e.g. the driver's down-projection input)
+// is tile-loaded in place; otherwise its rows are copied into a thread-local buffer first.
+//
+// Limits: K % 32 == 0. int8 with K % 64 == 32 runs its last 32-deep step on a zero-padded copy of the B
+// tiles. int4 group_size % 32 == 0; groups of 32 use 32-deep tiles (a second tile configuration: A 32
+// bytes a row, B 8 rows). Any M (cut into calls of at most 64 rows) and nblocks.
+// Small M: below a per-format row count the call goes to the AVX-512 kernel (decode is memory-bound and
+// AVX-512 wastes no tile rows); the counts come from KT_AMX_MIN_ROWS, read on every amx_kernels() call.
+// Tile configuration: loaded (LDTILECFG) at the start of every call, since other code on the same thread
+// (oneDNN, another config of ours) may have loaded its own; never released.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <stdexcept>
+#include <string>
+
 #include "../kernels.h"
 
-namespace kt::kernels {
+#define KT_COMPILER_BARRIER() asm volatile("" ::: "memory")
 
-const KernelSet& amx_kernels() { return avx512_kernels(); }
+#if defined(KT_AMX_EMULATE)
+// Software tiles for checking the tile walk on machines without AMX (test/amx_kernels_test.cpp).
+#include "test/emulated_tiles.h"
+#define KT_TILE_CONFIG(cfg) ::kt::kernels::amx_emulation::load_config(cfg)
+#define KT_TILE_LOAD(t, base, stride) ::kt::kernels::amx_emulation::load(t, base, stride)
+#define KT_TILE_STORE(t, base, stride) ::kt::kernels::amx_emulation::store(t, base, stride)
+#define KT_TILE_ZERO(t) ::kt::kernels::amx_emulation::zero(t)
+#define KT_TILE_DP_BF16(c, a, b) ::kt::kernels::amx_emulation::dp_bf16(c, a, b)
+#define KT_TILE_DP_S8(c, a, b) ::kt::kernels::amx_emulation::dp_s8(c, a, b)
+#else
+// gcc's tile intrinsics paste the register number into the instruction text, so tile arguments must be
+// literals. Their TILELOADD asm does not declare that it reads memory: buffers filled with ordinary stores
+// are fenced with KT_COMPILER_BARRIER before their tiles are loaded (LDTILECFG likewise).
+#define KT_TILE_CONFIG(cfg) _tile_loadconfig(cfg)
+#define KT_TILE_LOAD(t, base, stride) _tile_loadd(t, base, stride)
+#define KT_TILE_STORE(t, base, stride) _tile_stored(t, base, stride)
+#define KT_TILE_ZERO(t) _tile_zero(t)
+#define KT_TILE_DP_BF16(c, a, b) _tile_dpbf16ps(c, a, b)
+#define KT_TILE_DP_S8(c, a, b) _tile_dpbssd(c, a, b)
+#endif
+
+namespace kt::kernels {
+namespace {
+
+constexpr int64_t kTileBytes = 1024;  // a full tile: 16 rows of 64 bytes
+constexpr int kPrefetchSteps = 4;     // B tiles fetched this many k steps ahead on a column pair's first pass
+constexpr int kMaxRows = 64;          // rows per tile walk (4 row groups); larger calls are cut
+
+// ---------------------------------------------------------------- small-M threshold
+// Calls with fewer rows than this go to the AVX-512 kernel. Placeholders until measured on an AMX machine
+// (benchmarks/bench_vs_kt_kernel.py sweeps them; see docs/amx.md).
+constexpr int kDefaultMinRows[kNumFormats] = {4, 4, 4};
+std::atomic<int> g_min_rows[kNumFormats] = {kDefaultMinRows[0], kDefaultMinRows[1], kDefaultMinRows[2]};
+
+[[noreturn]] void bad_min_rows(const char* env) {
+  throw std::invalid_argument(std::string("KT_AMX_MIN_ROWS must be a row count (e.g. 8) or a list like "
+                                          "'bf16=8,int8=4,int4=4'; got '") + env + "'");
+}
+
+// KT_AMX_MIN_ROWS: "N" for every format, or "bf16=N,int8=N,int4=N" (formats left out keep their default).
+// Read on every amx_kernels() call (once per fused_moe call), so one process can time several thresholds.
+void read_min_rows() {
+  int rows[kNumFormats] = {kDefaultMinRows[0], kDefaultMinRows[1], kDefaultMinRows[2]};
+  const char* env = std::getenv("KT_AMX_MIN_ROWS");
+  if (env != nullptr && *env != '\0') {
+    const char* p = env;
+    const bool per_format = std::strchr(env, '=') != nullptr;
+    while (*p != '\0') {
+      int f = -1;
+      if (per_format) {
+        static const char* const names[kNumFormats] = {"bf16=", "int8=", "int4="};
+        for (int i = 0; i < kNumFormats; ++i)
+          if (std::strncmp(p, names[i], 5) == 0) f = i;
+        if (f < 0) bad_min_rows(env);
+        p += 5;
+      }
+      char* end = nullptr;
+      errno = 0;
+      const long v = std::strtol(p, &end, 10);
+      if (end == p || errno != 0 || v < 0 || v > (1 << 20)) bad_min_rows(env);
+      if (per_format) {
+        rows[f] = static_cast<int>(v);
+      } else {
+        for (int& r : rows) r = static_cast<int>(v);
+      }
+      p = end;
+      if (*p == ',' && per_format) ++p;
+      else if (*p != '\0') bad_min_rows(env);
+    }
+  }
+  for (int f = 0; f < kNumFormats; ++f) g_min_rows[f].store(rows[f], std::memory_order_relaxed);
+}
+
+// ---------------------------------------------------------------- tile configuration
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+static_assert(sizeof(TileConfig) == 64, "LDTILECFG reads 64 bytes");
+
+// depth: bytes of k per A-tile row (64; 32 for int4 groups of 32). C tiles 0-3: 16 x 16 x 4 bytes;
+// A tiles 4-5: 16 rows x depth; B tiles 6-7: depth / 4 rows x 64 bytes.
+TileConfig make_tile_config(int depth) {
+  TileConfig c;
+  std::memset(&c, 0, sizeof(c));
+  c.palette_id = 1;
+  for (int t = 0; t < 4; ++t) c.rows[t] = 16, c.colsb[t] = 64;
+  for (int t = 4; t < 6; ++t) c.rows[t] = 16, c.colsb[t] = static_cast<uint16_t>(depth);
+  for (int t = 6; t < 8; ++t) c.rows[t] = static_cast<uint8_t>(depth / 4), c.colsb[t] = 64;
+  return c;
+}
+
+void load_tile_config(int depth) {
+  static const TileConfig deep = make_tile_config(64), shallow = make_tile_config(32);
+  KT_COMPILER_BARRIER();
+  KT_TILE_CONFIG(depth == 32 ? &shallow : &deep);
+}
+
+// ---------------------------------------------------------------- per-thread buffers
+// A growing, 64-byte aligned byte buffer; one per thread and purpose.
+class Scratch {
+ public:
+  Scratch() = default;
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  ~Scratch() { std::free(data_); }
+  uint8_t* get(size_t bytes) {
+    if (bytes > size_) {
+      std::free(data_);
+      size_ = (bytes + 4095) / 4096 * 4096;
+      data_ = static_cast<uint8_t*>(std::aligned_alloc(64, size_));
+      if (data_ == nullptr) {
+        size_ = 0;
+        throw std::bad_alloc();
+      }
+      std::memset(data_, 0, size_);
+    }
+    return data_;
+  }
+
+ private:
+  uint8_t* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+thread_local Scratch t_rows;   // activation rows that cannot be tile-loaded in place
+thread_local Scratch t_btile;  // int4: a column pair's weights unpacked; int8: zero-padded last-step B tiles
+thread_local Scratch t_ctile;  // the C tiles of one block [32][32] x 4 B, then the int4 fp32 accumulators
+
+// ---------------------------------------------------------------- activation rows
+// Where the A tiles of row group g (rows 16g..16g+15) come from: row i at base[g] + i * stride[g].
+struct ARows {
+  const uint8_t* base[kMaxRows / 16];
+  int64_t stride[kMaxRows / 16];
+};
+
+// in_place_ok: every tile load of a row stays inside the row's row_bytes (false for int8 with K % 64 != 0,
+// whose last 64-byte step would read 32 bytes past the row).
+ARows gather_rows(const GemmArgs& a, int64_t row_bytes, bool in_place_ok) {
+  ARows ar;
+  // Copied rows: 64 bytes of padding past the 64-rounded row keeps the 16 rows of a tile out of one L1 set.
+  const int64_t ld = (row_bytes + 63) / 64 * 64 + 64;
+  uint8_t* buf = nullptr;
+  for (int g = 0; g * 16 < a.M; ++g) {
+    const int m0 = 16 * g, n = std::min(16, a.M - m0);
+    const auto r0 = reinterpret_cast<uintptr_t>(a.a_rows[m0]);
+    if (in_place_ok && n == 16) {
+      const auto stride = static_cast<int64_t>(reinterpret_cast<uintptr_t>(a.a_rows[m0 + 1]) - r0);
+      bool even = true;
+      for (int i = 2; i < 16 && even; ++i)
+        even = reinterpret_cast<uintptr_t>(a.a_rows[m0 + i]) == r0 + static_cast<uintptr_t>(i * stride);
+      if (even) {
+        ar.base[g] = reinterpret_cast<const uint8_t*>(r0);
+        ar.stride[g] = stride;
+        continue;
+      }
+    }
+    if (buf == nullptr) buf = t_rows.get(static_cast<size_t>(kMaxRows * ld));
+    uint8_t* dst = buf + m0 * ld;
+    for (int i = 0; i < n; ++i) std::memcpy(dst + i * ld, a.a_rows[m0 + i], static_cast<size_t>(row_bytes));
+    // Rows n..15 keep what an earlier call left: their C rows are computed and dropped (rows are independent).
+    ar.base[g] = dst;
+    ar.stride[g] = ld;
+  }
+  KT_COMPILER_BARRIER();
+  return ar;
+}
+
+// ---------------------------------------------------------------- tile steps
+inline void prefetch(const uint8_t* p, int64_t bytes, bool to_l1) {
+  for (int64_t o = 0; o < bytes; o += 64) {
+    if (to_l1) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
+    else _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T1);
+  }
+}
+
+template <int RA, int RB>
+inline void zero_c() {
+  KT_TILE_ZERO(0);
+  if constexpr (RB > 1) KT_TILE_ZERO(1);
+  if constexpr (RA > 1) KT_TILE_ZERO(2);
+  if constexpr (RA > 1 && RB > 1) KT_TILE_ZERO(3);
+}
+
+// C tile (r, j) -> cbuf rows 16r.., columns 16j..: [32][32] values of 4 bytes, 128 bytes a row.
+template <int RA, int RB>
+inline void store_c(uint8_t* cbuf) {
+  KT_TILE_STORE(0, cbuf, 128);
+  if constexpr (RB > 1) KT_TILE_STORE(1, cbuf + 64, 128);
+  if constexpr (RA > 1) KT_TILE_STORE(2, cbuf + 16 * 128, 128);
+  if constexpr (RA > 1 && RB > 1) KT_TILE_STORE(3, cbuf + 16 * 128 + 64, 128);
+}
+
+// One k step of an RA x RB block: A tiles from a0/a1 (row strides sa0/sa1), B tiles from b0/b1 (64-byte rows).
+// Each A tile serves RB products and each B tile RA products.
+template <bool kBf16, int RA, int RB>
+inline void tile_step(const uint8_t* a0, int64_t sa0, const uint8_t* a1, int64_t sa1, const uint8_t* b0,
+                      const uint8_t* b1) {
+  KT_TILE_LOAD(4, a0, sa0);
+  KT_TILE_LOAD(6, b0, 64);
+  if constexpr (kBf16) KT_TILE_DP_BF16(0, 4, 6);
+  else KT_TILE_DP_S8(0, 4, 6);
+  if constexpr (RB > 1) {
+    KT_TILE_LOAD(7, b1, 64);
+    if constexpr (kBf16) KT_TILE_DP_BF16(1, 4, 7);
+    else KT_TILE_DP_S8(1, 4, 7);
+  }
+  if constexpr (RA > 1) {
+    KT_TILE_LOAD(5, a1, sa1);
+    if constexpr (kBf16) KT_TILE_DP_BF16(2, 5, 6);
+    else KT_TILE_DP_S8(2, 5, 6);
+    if constexpr (RB > 1) {
+      if constexpr (kBf16) KT_TILE_DP_BF16(3, 5, 7);
+      else KT_TILE_DP_S8(3, 5, 7);
+    }
+  }
+}
+
+// One block of C tiles: row groups g0 (.. g0 + RA - 1), column blocks b0 (.. b0 + RB - 1).
+struct Block {
+  int g0 = 0;
+  int b0 = 0;
+  bool first_pass = false;           // first row pair of this column pair: its weights come from memory
+  const uint8_t* next = nullptr;     // the next column pair's first block, prefetched into L2 meanwhile
+  int next_blocks = 0;
+};
+
+inline void prefetch_next_pair(const GemmArgs& a, const Block& blk, int64_t offset, int64_t bytes) {
+  for (int j = 0; j < blk.next_blocks; ++j) prefetch(blk.next + j * a.b_block_stride + offset, bytes, false);
+}
+
+// ---------------------------------------------------------------- bf16 and int8
+template <WeightFormat F, int RA, int RB>
+void dense_block(const GemmArgs& a, const ARows& ar, const Block& blk, const uint8_t* tail_b, uint8_t* cbuf) {
+  constexpr bool kBf16 = F == WeightFormat::BF16;
+  const int64_t steps = kBf16 ? a.K / 32 : a.K / 64;  // full 1 KB B tiles; A advances 64 bytes a step
+  const uint8_t* b0 = a.b + blk.b0 * a.b_block_stride;
+  const uint8_t* b1 = b0 + a.b_block_stride;  // read only when RB > 1
+  const uint8_t* a0 = ar.base[blk.g0];
+  const int64_t sa0 = ar.stride[blk.g0];
+  const uint8_t* a1 = RA > 1 ? ar.base[blk.g0 + 1] : a0;
+  const int64_t sa1 = RA > 1 ? ar.stride[blk.g0 + 1] : sa0;
+  zero_c<RA, RB>();
+  for (int64_t s = 0; s < steps; ++s) {
+    if (blk.first_pass && s + kPrefetchSteps < steps) {
+      prefetch(b0 + (s + kPrefetchSteps) * kTileBytes, kTileBytes, true);
+      if constexpr (RB > 1) prefetch(b1 + (s + kPrefetchSteps) * kTileBytes, kTileBytes, true);
+    }
+    if (blk.next != nullptr) prefetch_next_pair(a, blk, s * kTileBytes, kTileBytes);
+    tile_step<kBf16, RA, RB>(a0 + s * 64, sa0, a1 + s * 64, sa1, b0 + s * kTileBytes, b1 + s * kTileBytes);
+  }
+  if (!kBf16 && a.K % 64 != 0)  // int8: a last 32-deep step on zero-padded B tiles (A bytes past K meet zeros)
+    tile_step<false, RA, RB>(a0 + steps * 64, sa0, a1 + steps * 64, sa1, tail_b, tail_b + kTileBytes);
+  store_c<RA, RB>(cbuf);
+
+  for (int r = 0; r < 16 * RA; ++r) {
+    const int m = 16 * blk.g0 + r;
+    if (m >= a.M) break;
+    for (int j = 0; j < RB; ++j) {
+      const uint8_t* src = cbuf + r * 128 + j * 64;
+      float* dst = a.c + m * a.ldc + 16 * (blk.b0 + j);
+      if constexpr (kBf16) {
+        _mm512_storeu_ps(dst, _mm512_load_ps(reinterpret_cast<const float*>(src)));
+      } else {
+        const __m512 ws = _mm512_loadu_ps(a.b_scale + (blk.b0 + j) * a.b_scale_block_stride);
+        const __m512 v = _mm512_cvtepi32_ps(_mm512_load_si512(src));
+        _mm512_storeu_ps(dst, _mm512_mul_ps(_mm512_mul_ps(v, ws), _mm512_set1_ps(a.a_scale[m])));
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------- int4
+// Unpacks `lines` int4 lines (64 bytes: 8 k of 16 columns) into 2 * lines int8 tile rows: line o gives row
+// 2o (its low nibbles, k = 8o..8o+3) and row 2o + 1 (its high nibbles, k = 8o+4..8o+7), each as q - 8.
+inline void unpack_int4(const uint8_t* src, int lines, uint8_t* dst) {
+  const __m512i low = _mm512_set1_epi8(0x0f), eight = _mm512_set1_epi8(8);
+  for (int o = 0; o < lines; ++o) {
+    const __m512i v = _mm512_loadu_si512(src + o * 64);
+    _mm512_store_si512(dst + 128 * o, _mm512_sub_epi8(_mm512_and_si512(v, low), eight));
+    _mm512_store_si512(dst + 128 * o + 64, _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), eight));
+  }
+}
+
+// kDepth: k per step (64, or 32 for groups of 32). unpacked: RB buffers of K/4 tile rows x 64 bytes, filled
+// on the first pass of the column pair and read by its later row pairs. acc: [32][32] fp32.
+template <int RA, int RB, int kDepth>
+void int4_block(const GemmArgs& a, const ARows& ar, const Block& blk, uint8_t* unpacked, uint8_t* cbuf,
+                float* acc) {
+  constexpr int64_t kPackedStep = kDepth / 8 * 64;    // packed bytes of one block per step
+  constexpr int64_t kUnpackedStep = kDepth / 4 * 64;  // one unpacked B tile
+  const int64_t steps = a.K / kDepth, group_steps = a.group_size / kDepth;
+  const uint8_t* packed0 = a.b + blk.b0 * a.b_block_stride;
+  const uint8_t* packed1 = packed0 + a.b_block_stride;  // read only when RB > 1
+  uint8_t* u0 = unpacked;
+  uint8_t* u1 = unpacked + steps * kUnpackedStep;
+  const uint8_t* a0 = ar.base[blk.g0];
+  const int64_t sa0 = ar.stride[blk.g0];
+  const uint8_t* a1 = RA > 1 ? ar.base[blk.g0 + 1] : a0;
+  const int64_t sa1 = RA > 1 ? ar.stride[blk.g0 + 1] : sa0;
+  const int rows = std::min(16 * RA, a.M - 16 * blk.g0);
+  for (int r = 0; r < rows; ++r)
+    for (int j = 0; j < RB; ++j) _mm512_store_ps(acc + r * 32 + 16 * j, _mm512_setzero_ps());
+
+  for (int64_t g = 0; g < a.K / a.group_size; ++g) {
+    zero_c<RA, RB>();
+    for (int64_t s = g * group_steps; s < (g + 1) * group_steps; ++s) {
+      if (blk.first_pass) {
+        if (s + kPrefetchSteps < steps) {
+          prefetch(packed0 + (s + kPrefetchSteps) * kPackedStep, kPackedStep, true);
+          if constexpr (RB > 1) prefetch(packed1 + (s + kPrefetchSteps) * kPackedStep, kPackedStep, true);
+        }
+        unpack_int4(packed0 + s * kPackedStep, kDepth / 8, u0 + s * kUnpackedStep);
+        if constexpr (RB > 1) unpack_int4(packed1 + s * kPackedStep, kDepth / 8, u1 + s * kUnpackedStep);
+        KT_COMPILER_BARRIER();
+      }
+      if (blk.next != nullptr) prefetch_next_pair(a, blk, s * kPackedStep, kPackedStep);
+      tile_step<false, RA, RB>(a0 + s * kDepth, sa0, a1 + s * kDepth, sa1, u0 + s * kUnpackedStep,
+                               u1 + s * kUnpackedStep);
+    }
+    store_c<RA, RB>(cbuf);
+    for (int j = 0; j < RB; ++j) {
+      const __m512 ws = _mm512_loadu_ps(a.b_scale + g * a.b_scale_group_stride + (blk.b0 + j) * a.b_scale_block_stride);
+      for (int r = 0; r < rows; ++r) {
+        float* p = acc + r * 32 + 16 * j;
+        const __m512 v = _mm512_cvtepi32_ps(_mm512_load_si512(cbuf + r * 128 + 64 * j));
+        _mm512_store_ps(p, _mm512_fmadd_ps(v, ws, _mm512_load_ps(p)));
+      }
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    const int m = 16 * blk.g0 + r;
+    const __m512 xs = _mm512_set1_ps(a.a_scale[m]);
+    for (int j = 0; j < RB; ++j)
+      _mm512_storeu_ps(a.c + m * a.ldc + 16 * (blk.b0 + j), _mm512_mul_ps(_mm512_load_ps(acc + r * 32 + 16 * j), xs));
+  }
+}
+
+// ---------------------------------------------------------------- tile walk
+struct Buffers {
+  uint8_t* cbuf;
+  float* acc;
+  uint8_t* btile;
+};
+
+template <WeightFormat F, int RA, int RB>
+void run_block(const GemmArgs& a, const ARows& ar, const Block& blk, const Buffers& buf) {
+  if constexpr (F == WeightFormat::INT4) {
+    if (a.group_size == 32) int4_block<RA, RB, 32>(a, ar, blk, buf.btile, buf.cbuf, buf.acc);
+    else int4_block<RA, RB, 64>(a, ar, blk, buf.btile, buf.cbuf, buf.acc);
+  } else {
+    dense_block<F, RA, RB>(a, ar, blk, buf.btile, buf.cbuf);
+  }
+}
+
+// One call of at most kMaxRows rows.
+template <WeightFormat F>
+void tile_walk(const GemmArgs& a) {
+  load_tile_config(F == WeightFormat::INT4 && a.group_size == 32 ? 32 : 64);
+  const int64_t row_bytes = F == WeightFormat::BF16 ? 2 * a.K : a.K;
+  const ARows ar = gather_rows(a, row_bytes, F != WeightFormat::INT8 || a.K % 64 == 0);
+  Buffers buf;
+  buf.cbuf = t_ctile.get(32 * 128 + 32 * 32 * sizeof(float));
+  buf.acc = reinterpret_cast<float*>(buf.cbuf + 32 * 128);
+  buf.btile = nullptr;
+  const bool int8_tail = F == WeightFormat::INT8 && a.K % 64 != 0;
+  if (F == WeightFormat::INT4) buf.btile = t_btile.get(static_cast<size_t>(2 * 16 * a.K));  // 2 blocks x K/4 rows x 64 B
+  if (int8_tail) buf.btile = t_btile.get(2 * kTileBytes);
+  const int groups = (a.M + 15) / 16;
+  for (int b0 = 0; b0 < a.nblocks; b0 += 2) {
+    const int nb = std::min(2, a.nblocks - b0);
+    if (int8_tail) {  // rows 0-7: the blocks' last 8 k-quads; rows 8-15: zeros
+      for (int j = 0; j < nb; ++j) {
+        std::memcpy(buf.btile + j * kTileBytes, a.b + (b0 + j) * a.b_block_stride + a.K / 64 * kTileBytes, 512);
+        std::memset(buf.btile + j * kTileBytes + 512, 0, 512);
+      }
+      KT_COMPILER_BARRIER();
+    }
+    for (int g0 = 0; g0 < groups; g0 += 2) {
+      const int na = std::min(2, groups - g0);
+      Block blk;
+      blk.g0 = g0;
+      blk.b0 = b0;
+      blk.first_pass = g0 == 0;
+      if (g0 + 2 >= groups && b0 + 2 < a.nblocks) {
+        blk.next = a.b + (b0 + 2) * a.b_block_stride;
+        blk.next_blocks = std::min(2, a.nblocks - b0 - 2);
+      }
+      if (na == 2 && nb == 2) run_block<F, 2, 2>(a, ar, blk, buf);
+      else if (na == 2) run_block<F, 2, 1>(a, ar, blk, buf);
+      else if (nb == 2) run_block<F, 1, 2>(a, ar, blk, buf);
+      else run_block<F, 1, 1>(a, ar, blk, buf);
+    }
+  }
+}
+
+template <WeightFormat F>
+void gemm_amx(const GemmArgs& a) {
+  if (a.M < g_min_rows[static_cast<int>(F)].load(std::memory_order_relaxed))
+    return avx512_kernels().gemm[static_cast<int>(F)](a);
+  GemmArgs part = a;
+  for (int m0 = 0; m0 < a.M; m0 += kMaxRows) {
+    part.M = std::min(kMaxRows, a.M - m0);
+    part.a_rows = a.a_rows + m0;
+    if (a.a_scale != nullptr) part.a_scale = a.a_scale + m0;
+    if (a.a_gsum != nullptr) part.a_gsum = a.a_gsum + m0 * a.a_gsum_stride;
+    part.c = a.c + m0 * a.ldc;
+    tile_walk<F>(part);
+  }
+}
+
+}  // namespace
+
+const KernelSet& amx_kernels() {
+  static const KernelSet set = [] {
+    const KernelSet& avx = avx512_kernels();
+    return KernelSet{"amx",
+                     {gemm_amx<WeightFormat::BF16>, gemm_amx<WeightFormat::INT8>, gemm_amx<WeightFormat::INT4>},
+                     avx.glu_f32,
+                     avx.glu_bf16,
+                     avx.quantize_rows};
+  }();
+  read_min_rows();
+  return set;
+}
 
 }  // namespace kt::kernels

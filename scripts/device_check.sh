@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One device call: build ktorch from source, run the test suite (every kernel level the CPU offers),
+# then the benchmarks. Logs go to $OUT (the device tool brings them back). Usage from the repo root:
+#   bash scripts/device_check.sh [tests] [bench] [kt] [gpu] ...   (default: tests bench)
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+steps=${*:-tests bench}
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+log() { echo "== $(date +%T) $*"; }
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+log "machine"
+{ lscpu | grep -E "Model name|^CPU\(s\)|Thread|NUMA node\(s\)|L3|Flags" | cut -c1-300; nvidia-smi -L; python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)"; } 2>&1 | tee "$OUT/machine.txt"
+log "build"
+# editable install: builds the extension in place and registers the torch.compile backend entry point
+python3 -m pip install --no-deps --no-build-isolation --no-index -e . > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
+python3 -c "import ktorch; print(ktorch.cpu_features())" 2>&1 | tee -a "$OUT/machine.txt"
+for s in $steps; do
+  case $s in
+    tests)
+      log "tests"
+      python3 -m pytest -q --timeout=900 tests 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+    bench)
+      log "bench_fused_moe"
+      python3 benchmarks/bench_fused_moe.py --min-seconds 1 2>&1 | tee "$OUT/bench_fused_moe.log" | grep -E "^\||machine|L3|skip|fail" ;;
+    *)
+      log "step $s"
+      bash "scripts/device_step_$s.sh" 2>&1 | tee "$OUT/$s.log" | tail -40 ;;
+  esac
+done
+log "done"
