@@ -64,6 +64,7 @@ def prepare(
     gc.collect()
     model.requires_grad_(False)  # inference only: the kt ops have no backward
     model.to(device)  # the packed experts modules ignore it (see attach_packed_experts)
+    _compile_generate_with_ktorch(model)
     set_impl = getattr(model, "set_experts_implementation", None)
     if set_impl is not None:
         set_impl(IMPLEMENTATION_NAME)
@@ -71,3 +72,17 @@ def prepare(
         for _, m in modules:
             m.config._experts_implementation = IMPLEMENTATION_NAME
     return model
+
+
+def _compile_generate_with_ktorch(model: nn.Module) -> None:
+    """Points transformers' automatic compile of static-cache decoding at the ktorch backend."""
+    config = getattr(model, "generation_config", None)
+    if config is None:
+        return
+    try:
+        from transformers import CompileConfig
+    except ImportError:
+        return
+    current = getattr(config, "compile_config", None)
+    if current is None or current.backend == "inductor":
+        config.compile_config = CompileConfig(backend="ktorch", fullgraph=True)  # mode="reduce-overhead"

@@ -229,8 +229,10 @@ def assert_greedy_matches(ref_model, test_model, dtype, prompt: torch.Tensor, ne
     the two tokens is below 2 * LOGIT_ATOL. Before the divergence (or the first flip) logits must agree."""
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
                   output_logits=True, return_dict_in_generate=True)
+    # On a GPU, generate compiles static-cache decoding on its own unless told not to: eager means eager.
+    gen_kwargs.setdefault("disable_compile", "compile_config" not in gen_kwargs)
     with RoutingRecorder(ref_model) as ref_routing:
-        ref = ref_model.generate(prompt, **kwargs)
+        ref = ref_model.generate(prompt, **kwargs, disable_compile=True)
     with RoutingRecorder(test_model) as test_routing:
         test = test_model.generate(prompt, **kwargs, **gen_kwargs)
     p = prompt.shape[1]

@@ -18,7 +18,15 @@ import ktorch
 import ktorch.compile
 from ktorch.compile import REPORTS, RUNTIME, BackendOptions
 from ktorch.passes.async_boundary import submit_op, wait_op
-from models import FAMILIES, PROMPT, assert_greedy_matches, assert_logits_match, moe_experts_modules, tiny_model
+from models import (
+    FAMILIES,
+    PROMPT,
+    assert_greedy_matches,
+    assert_logits_match,
+    decode_step_inputs,
+    moe_experts_modules,
+    tiny_model,
+)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FAST = {"inductor": False}
@@ -191,24 +199,26 @@ def test_cuda_compiled_greedy_generate_matches_eager(family, dtype, cuda_graphs)
 def test_cuda_graph_decode_step_costs_no_host_wait():
     """Under CUDA graphs a replayed decode step enqueues the experts through host functions: the launching
     thread neither submits nor waits in Python."""
-    from transformers import StaticCache
-
     torch._dynamo.reset()
     model = ktorch.prepare(tiny_model("deepseek_v3", dtype=torch.bfloat16), device="cuda")
-    cache = StaticCache(config=model.config, max_cache_len=64)
+    kwargs = decode_step_inputs(model)
     step = torch.compile(model, backend="ktorch", mode="reduce-overhead", fullgraph=True)
-    ids = torch.randint(0, 256, (1, 1), device="cuda")
+
+    def decode(n):
+        for _ in range(n):
+            out = step(**kwargs)
+            kwargs["input_ids"] = out.logits[:, -1:].argmax(-1)
+            kwargs["cache_position"] = kwargs["cache_position"] + 1
+            kwargs["position_ids"] = kwargs["cache_position"][None]
+        return out
+
     with torch.no_grad():
-        for pos in range(6):  # warm-up and capture
-            p = torch.tensor([pos], device="cuda")
-            step(ids, past_key_values=cache, cache_position=p, position_ids=p[None], use_cache=True)
+        decode(4)  # warm-up and capture
         torch.cuda.synchronize()
         assert RUNTIME.stats["captured_submits"] > 0
         before = dict(RUNTIME.stats)
-        for pos in range(6, 16):
-            p = torch.tensor([pos], device="cuda")
-            logits = step(ids, past_key_values=cache, cache_position=p, position_ids=p[None], use_cache=True).logits
+        out = decode(10)
         torch.cuda.synchronize()
     assert RUNTIME.stats["host_waits"] == before.get("host_waits", 0)
     assert RUNTIME.stats["submits"] == before.get("submits", 0)
-    assert torch.isfinite(logits).all()
+    assert torch.isfinite(out.logits).all()

@@ -81,7 +81,7 @@ def test_cpu_only_graph_has_no_hops():
 
 
 def test_experts_with_weights_off_the_cpu_are_not_cpu_experts():
-    gm = annotate(cpu_layer, {}, weights_device="meta")
+    gm = annotate(cpu_layer, {"x": "cuda"}, weights_device="cuda")
     assert find_cpu_experts(gm) == []
 
 
