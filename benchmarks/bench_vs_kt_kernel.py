@@ -26,10 +26,12 @@ Columns: ms per call (median); effective TFLOPS (bf16) or TOPS (int8/int4) = 6*H
 the distinct experts the routing touched / time (the decode roofline); rel. err vs the float64 reference.
 The side-by-side table shows each side at its fastest thread count and variant for that row.
 
-kt-kernel is not part of ktorch: fetch 0.7.2 from the package registry with
-    bash shared/tools/fetch_kt_kernel.sh .peers/kt_kernel        (.peers/ is git-ignored)
-It needs the Python it was built for (CPython 3.12); without it the script prints "kt-kernel not found" and
-times ktorch alone.
+kt-kernel is not part of ktorch and nothing of it is committed: put a copy of kt-kernel 0.7.2 from the package
+registry (its kt_kernel/ folder with the _kt_kernel_ext_*.so builds, and kt_kernel.libs/) in .peers/kt_kernel/
+(git-ignored), e.g. from `pip download --no-deps --only-binary=:all: --python-version 3.12 kt-kernel==0.7.2`.
+Its extension is loaded through kt-kernel's own loader (kt_kernel/_cpu_detect.py, which picks the build for
+this CPU) without importing the rest of its package. It needs the Python it was built for (CPython 3.12);
+where it cannot load, the script prints "kt-kernel not found (...)" and times ktorch alone.
 
     python benchmarks/bench_vs_kt_kernel.py                                   # Qwen3-30B-A3B and DeepSeek-V3 shapes
     python benchmarks/bench_vs_kt_kernel.py --shapes qwen3 --tokens 512 2048 --formats int8 \\
@@ -162,12 +164,19 @@ def tiled(t, E: int):
     return t[torch.arange(E) % t.shape[0]].contiguous()
 
 
-def random_routing(T: int, E: int, K: int, gen=None):
-    """(topk_ids [T, K] int64, topk_weights [T, K] fp32 summing to 1 per token) from random router logits."""
+def random_routing(T: int, E: int, K: int, rng):
+    """(topk_ids [T, K] int64, topk_weights [T, K] fp32 summing to 1 per token) from random router logits.
+
+    Drawn with numpy on the calling thread alone: torch ops here would leave ATen's OpenMP threads spinning
+    into the timed call, competing with the pinned workers of either side."""
+    import numpy as np
     import torch
 
-    w, ids = torch.softmax(torch.randn(T, E, generator=gen), -1).topk(K, dim=-1)
-    return ids.contiguous(), (w / w.sum(-1, keepdim=True)).float().contiguous()
+    logits = rng.standard_normal((T, E), dtype=np.float32)
+    ids = np.argpartition(-logits, K - 1, axis=1)[:, :K]
+    top = np.take_along_axis(logits, ids, axis=1)
+    w = np.exp(top - top.max(axis=1, keepdims=True))
+    return torch.from_numpy(ids.astype(np.int64)), torch.from_numpy((w / w.sum(axis=1, keepdims=True)).astype(np.float32))
 
 
 def random_hidden(T: int, H: int, gen=None):
@@ -183,17 +192,18 @@ def n_layers_for(layer_bytes: float, l3: int, cold_factor: float) -> int:
 def time_calls(call, layers, T, E, K, H, min_calls, min_seconds):
     """Median seconds of call(layer, x, ids, w), cycling through layers, a fresh routing every call; and the
     mean number of distinct experts a routing touched."""
-    import torch
+    import numpy as np
 
+    rng = np.random.default_rng(T)
     inputs = [random_hidden(T, H) for _ in range(2)]
     for layer in layers[:2]:  # warm-up: first touch, allocators, thread pools
-        call(layer, inputs[0], *random_routing(T, E, K))
+        call(layer, inputs[0], *random_routing(T, E, K, rng))
     times, distinct = [], []
     start = time.perf_counter()
     i = 0
     while i < min_calls or time.perf_counter() - start < min_seconds:
-        ids, w = random_routing(T, E, K)
-        distinct.append(len(torch.unique(ids)))
+        ids, w = random_routing(T, E, K, rng)
+        distinct.append(len(np.unique(ids.numpy())))
         t0 = time.perf_counter()
         call(layers[i % len(layers)], inputs[i % 2], ids, w)
         times.append(time.perf_counter() - t0)
@@ -235,8 +245,6 @@ def ktorch_variants(names: list[str], available: list[str]):
         if level == "auto":
             runs.append((name, {}))
             continue
-        if level not in ("portable", "avx512", "amx"):
-            raise SystemExit(f"--ktorch-variants: unknown variant {name!r} (auto, portable, avx512, amx, amx:N)")
         if level not in available:
             skipped.append((name, f"kernel level {level} is not available here ({','.join(available)})"))
             continue
@@ -261,9 +269,10 @@ def error_instance(spec: dict):
     E, K, H, I = spec["shape_dims"]
     Ee, T = spec["error_experts"], spec["error_tokens"]
     gate_up, down = master_experts(Ee, H, I, seed=10_000)
-    gen = torch.Generator().manual_seed(10_001)
-    x = random_hidden(T, H, gen)
-    ids, w = random_routing(T, Ee, min(K, Ee), gen)
+    import numpy as np
+
+    x = random_hidden(T, H, torch.Generator().manual_seed(10_001))
+    ids, w = random_routing(T, Ee, min(K, Ee), np.random.default_rng(10_002))
     fused_moe_reference, _ = reference_tools()
     return gate_up, down, x, ids, w, fused_moe_reference(x, ids, w, gate_up, down)
 
@@ -485,6 +494,9 @@ def main() -> None:
         (child_ktorch if spec["side"] == "ktorch" else child_kt)(spec)
         return
 
+    for name in args.ktorch_variants:
+        if name.partition(":")[0] not in ("auto", "portable", "avx512", "amx"):
+            ap.error(f"--ktorch-variants: unknown variant {name!r} (auto, portable, avx512, amx, amx:N)")
     for line in machine_lines():
         print(line)
     cores = physical_cores()
