@@ -382,11 +382,8 @@ def child_kt(spec: dict) -> None:
     max_len = -(-max(spec["tokens"] + [spec["error_tokens"]]) // 32) * 32  # kt-kernel wants a multiple of 32
     keep = []  # what the layers' pointers refer to
 
-    def build(gate_up, down, experts: int, layer_idx: int):
-        """One kt-kernel layer from bf16 gate_up [E, 2I, H] and down [E, H, I]; it copies/quantizes them."""
-        gate = gate_up[:, :I].contiguous()
-        up = gate_up[:, I:].contiguous()
-        down = down.contiguous()
+    def build(gate, up, down, experts: int, layer_idx: int):
+        """One kt-kernel layer from contiguous bf16 gate, up [E, I, H] and down [E, H, I]; it copies/quantizes them."""
         mask = torch.zeros(experts, dtype=torch.bool)  # no expert on a GPU
         p2l = torch.arange(experts, dtype=torch.int64)
         cfg = ext.moe.MOEConfig(experts, min(K, experts), H, I, mask.data_ptr())
@@ -418,7 +415,7 @@ def child_kt(spec: dict) -> None:
     _, relative_error = reference_tools()
     if spec["error_tokens"] > 0:
         gate_up, down, x, ids, w, ref = error_instance(spec)
-        moe = build(gate_up, down, gate_up.shape[0], layer_idx=1000)
+        moe = build(gate_up[:, :I].contiguous(), gate_up[:, I:].contiguous(), down, gate_up.shape[0], layer_idx=1000)
         emit(kind="error", side="kt", variant="kt", error=relative_error(call(moe, x, ids, w), ref))
         del gate_up, down, moe, ref
         gc.collect()
@@ -429,7 +426,8 @@ def child_kt(spec: dict) -> None:
     layers = []
     for i in range(n):
         base_gate_up, base_down = master_experts(spec["distinct_experts"], H, I, seed=i)
-        layers.append(build(tiled(base_gate_up, E), tiled(base_down, E), E, layer_idx=i))
+        layers.append(build(tiled(base_gate_up[:, :I], E), tiled(base_gate_up[:, I:], E), tiled(base_down, E), E,
+                            layer_idx=i))  # the bf16 master (3 tensors) is freed on return
         del base_gate_up, base_down
         gc.collect()
     print(f"    kt-kernel {fmt}: {n} layers x {per_layer / 2**30:.2f} GiB built in {time.perf_counter() - t0:.0f} s",
