@@ -164,12 +164,33 @@ def test_compiled_greedy_generate_matches_eager(family, dtype):
 
 @pytest.mark.parametrize("family,dtype", [("deepseek_v3", torch.bfloat16)])
 def test_inductor_compiled_matches_eager(family, dtype):
-    """The full backend, Inductor included (C++ kernels on the CPU): logits of a prefill and 32 greedy tokens."""
+    """The full backend, Inductor included (C++ kernels on the CPU): logits of a prefill and 32 greedy tokens; in
+    the code Inductor generates, each layer's shared-expert matmuls still run between its submit and its wait."""
+    from torch._inductor.utils import run_and_get_code
+
     torch._dynamo.reset()
     model = tiny_model(family, dtype=dtype)
     prepared = ktorch.prepare(copy.deepcopy(model), device="cpu")
     compiled = torch.compile(prepared, backend="ktorch", fullgraph=True)
-    assert_logits_match(model, prepared, dtype, torch.randint(0, 256, (1, 24)), test_forward=compiled)
+    codes = []
+
+    def forward(ids):
+        out, code = run_and_get_code(compiled, ids)
+        codes.extend(code)
+        return out
+
+    assert_logits_match(model, prepared, dtype, torch.randint(0, 256, (1, 24)), test_forward=forward)
+    (code,) = codes
+    calls = [line.strip() for line in code.splitlines()
+             if "ktorch.submit_experts" in line or "ktorch.wait_experts" in line or "extern_kernels.mm(" in line]
+    calls = [c for c in calls if not c.startswith(("#", "assert"))]
+    kinds = "".join("s" if "submit" in c else "w" if "wait" in c else "m" for c in calls)
+    layers = kinds[kinds.index("s"):]
+    assert layers.count("s") == layers.count("w") == len(moe_experts_modules(prepared))
+    for segment in layers.split("s")[1:]:
+        between = segment.split("w")[0]
+        assert between.count("m") >= 3, f"submit/wait order in the generated code: {kinds}"
+
     torch._dynamo.reset()
     assert_greedy_matches(model, prepared, dtype, torch.randint(0, 256, (1, PROMPT)), compile_config=compile_config())
 

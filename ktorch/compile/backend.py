@@ -123,7 +123,16 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, opts: BackendOptions
     if opts.inductor:
         from torch._inductor.compile_fx import compile_fx
 
-        patches = {"triton.cudagraphs": report.cuda_graphs, **opts.inductor_config}
+        patches = {"triton.cudagraphs": report.cuda_graphs}
+        if report.async_calls:
+            # Both reorderings sink a node towards its only user: they would move each submit down to its wait,
+            # after the independent work the async-boundary pass put between them. Keep the graph's order.
+            import torch._inductor.config as inductor_config
+
+            for key in ("reorder_for_locality", "reorder_for_peak_memory"):
+                if hasattr(inductor_config, key):
+                    patches[key] = False
+        patches.update(opts.inductor_config)
         compiled = compile_fx(gm, inputs, config_patches=patches)
     else:
         compiled = gm

@@ -1,0 +1,442 @@
+"""End to end: prefill and decode tok/s of transformers MoE models whose routed experts run on the CPU.
+
+Shapes (random weights, bf16; built on the meta device, then filled fast):
+  qwen3-30b-a3b     48 layers, 128 experts top-8, H=2048, I=768, vocab 151936
+  deepseek-v2-lite  27 layers (first dense), 64 routed experts top-6 + 2 shared, H=2048, I=1408, MLA attention
+  tiny              the tests' 2-layer Qwen3-MoE (a smoke run; works on a CPU-only machine)
+
+Variants:
+  hf_offload   transformers + accelerate as a user offloads today: device_map puts every `...mlp.experts` on "cpu",
+               accelerate's hooks move those weights to the GPU for each forward (bf16 experts in CPU memory)
+  eager        ktorch: packed experts on the CPU (kt.fused_moe), the rest on the GPU, eager forward
+  compiled     torch.compile(backend="ktorch"): Inductor + async submit/wait, no CUDA graphs
+  cuda_graphs  torch.compile(backend="ktorch", mode="reduce-overhead"): the same under CUDA graphs
+
+Timing is a forward loop at batch 1 with a static KV cache (gpt-fast style): prefill = one forward over the
+prompt (logits of the last token only); decode = 1-token forwards, the next token picked by argmax on the
+device, one sync at the end. Warm-up calls (compiles, CUDA-graph capture) are not timed.
+
+--profile (CUDA): records a few decode steps with torch.profiler, writes the chrome trace, and prints per step
+the GPU busy time, the CPU experts busy time (kt::fused_moe on any thread), their overlap, and the host
+syncs of the launching thread.
+
+The table and the machine (CPU model, cores, kernel level, torch/transformers versions, GPU) go to stdout;
+--json appends one line per variant. Benchmarks never assert.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+
+import torch
+from torch import nn
+
+import ktorch
+import ktorch.compile
+from ktorch.integrations import attach_packed_experts
+from ktorch.ops.moe import PackedExperts
+from ktorch.placement import experts_modules
+
+SHAPES = {
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        max_position_embeddings=8192, tie_word_embeddings=False,
+    ),
+    "deepseek-v2-lite": dict(
+        model_type="deepseek_v2", vocab_size=102400, hidden_size=2048, intermediate_size=10944,
+        moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16,
+        n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1, kv_lora_rank=512,
+        q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, topk_method="greedy",
+        n_group=1, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0, max_position_embeddings=8192,
+        tie_word_embeddings=False,
+    ),
+    "tiny": dict(
+        model_type="qwen3_moe", vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+        num_experts_per_tok=2, max_position_embeddings=4096, tie_word_embeddings=False,
+    ),
+}
+VARIANTS = ("hf_offload", "eager", "compiled", "cuda_graphs")
+INIT_STD = 0.02
+
+
+# ---------------------------------------------------------------- the machine
+
+
+def machine_info(device: str) -> dict:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    import transformers
+
+    info = dict(cpu=cpu, cores=os.cpu_count(), torch_threads=torch.get_num_threads(),
+                kernel=ktorch.cpu_features()["kernel"], torch=torch.__version__, transformers=transformers.__version__,
+                python=platform.python_version())
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+# ---------------------------------------------------------------- building a random model fast
+
+
+def _random_block(dtype: torch.dtype, n: int, gen: torch.Generator) -> torch.Tensor:
+    if dtype == torch.int8:
+        return torch.randint(-127, 128, (n,), dtype=torch.int8, generator=gen)
+    if dtype == torch.uint8:
+        return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+    return (torch.randn(n, generator=gen) * INIT_STD).to(dtype)
+
+
+def fill_random_(t: torch.Tensor, gen: torch.Generator, block_elems: int = (1 << 24) + 4099) -> torch.Tensor:
+    """Fills ``t`` by tiling one random block (a length that divides no expert, so experts differ): real memory,
+    real values, at copy speed instead of RNG speed."""
+    flat = t.view(-1)
+    block = _random_block(t.dtype, min(block_elems, flat.numel()), gen)
+    for start in range(0, flat.numel(), block.numel()):
+        n = min(block.numel(), flat.numel() - start)
+        flat[start:start + n].copy_(block[:n])
+    return t
+
+
+def random_packed_experts(E: int, H: int, I: int, fmt: str, gen: torch.Generator, group_size=None) -> PackedExperts:
+    """Packed experts of the right shapes (taken from the pack ops' fake impls) with random contents whose
+    dequantized values have std ~INIT_STD."""
+    pack = {"bf16": lambda w, gu: (torch.ops.kt.pack_bf16(w, gate_up=gu), None),
+            "int8": lambda w, gu: torch.ops.kt.pack_int8(w, gate_up=gu),
+            "int4": lambda w, gu: torch.ops.kt.pack_int4(w, group_size=group_size or 128, gate_up=gu)}[fmt]
+    code_std = {"bf16": None, "int8": 73.3, "int4": 4.6}[fmt]
+    tensors = []
+    for shape, gate_up in (((E, 2 * I, H), True), ((E, H, I), False)):
+        meta_w, meta_s = pack(torch.empty(shape, dtype=torch.bfloat16, device="meta"), gate_up)
+        w = fill_random_(torch.empty(meta_w.shape, dtype=meta_w.dtype), gen)
+        s = None
+        if meta_s is not None:
+            s = torch.full(meta_s.shape, INIT_STD / code_std, dtype=torch.float32)
+            s.mul_(torch.rand(meta_s.shape, generator=gen) + 0.5)
+        tensors += [w, s]
+    return PackedExperts(tensors[0], tensors[1], tensors[2], tensors[3], fmt, group_size if fmt == "int4" else None)
+
+
+def _materialize(model: nn.Module, device: str, gen_device: torch.Generator) -> None:
+    """Gives every meta parameter/buffer real random storage on ``device`` (norms 1, rotary tables recomputed)."""
+    for name, module in list(model.named_modules()):
+        if hasattr(module, "inv_freq") and module.inv_freq.device.type == "meta":
+            fresh = type(module)(module.config).to(device)
+            parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+            setattr(parent, name.rsplit(".", 1)[-1], fresh)
+    for module in model.modules():
+        is_norm = "norm" in type(module).__name__.lower()
+        for pname, p in list(module._parameters.items()):
+            if p is None or p.device.type != "meta":
+                continue
+            t = torch.empty(p.shape, dtype=p.dtype, device=device)
+            if is_norm and p.dim() == 1:
+                t.fill_(1.0)
+            else:
+                t.normal_(0.0, INIT_STD, generator=gen_device)
+            module._parameters[pname] = nn.Parameter(t, requires_grad=False)
+        for bname, b in list(module._buffers.items()):
+            if b is not None and b.device.type == "meta":
+                module._buffers[bname] = torch.zeros(b.shape, dtype=b.dtype, device=device)
+
+
+def build_model(shape: str, variant: str, device: str, experts_dtype: str, seed: int = 0):
+    """A random model of ``shape`` placed for ``variant``: (model, seconds spent building)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    t0 = time.perf_counter()
+    kwargs = dict(SHAPES[shape])
+    config = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.eval().requires_grad_(False)
+    gen = torch.Generator().manual_seed(seed)
+    gen_device = torch.Generator(device=device).manual_seed(seed)
+    experts = experts_modules(model)
+    if variant == "hf_offload":
+        for _, m in experts:
+            for pname in ("gate_up_proj", "down_proj"):
+                p = getattr(m, pname)
+                setattr(m, pname, nn.Parameter(fill_random_(torch.empty(p.shape, dtype=p.dtype), gen), requires_grad=False))
+        _materialize(model, device, gen_device)
+        if device == "cuda":
+            from accelerate import dispatch_model
+
+            device_map = {"": 0} | {name: "cpu" for name, _ in experts}
+            dispatch_model(model, device_map=device_map, main_device=torch.device("cuda", 0))
+    else:
+        for _, m in experts:
+            E, I, H = m.num_experts, m.intermediate_dim, m.hidden_dim
+            attach_packed_experts(m, random_packed_experts(E, H, I, experts_dtype, gen))
+        _materialize(model, device, gen_device)
+        ktorch.prepare(model, device=device)  # experts already packed: placement and experts implementation only
+    gc.collect()
+    return model, time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------- timing
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+class Runner:
+    """The forward of one variant with a static cache: prefill(ids) and decode steps."""
+
+    def __init__(self, model, variant: str, device: str, max_len: int):
+        from transformers import StaticCache
+
+        self.model, self.variant, self.device = model, variant, device
+        self.cache = StaticCache(config=model.config, max_cache_len=max_len)
+        if variant in ("compiled", "cuda_graphs"):
+            mode = "reduce-overhead" if variant == "cuda_graphs" else None
+            self.forward = torch.compile(model, backend="ktorch", mode=mode, fullgraph=True, dynamic=False)
+        else:
+            self.forward = model
+        self.pos = 0
+
+    def _call(self, ids: torch.Tensor):
+        if self.variant == "cuda_graphs":
+            torch.compiler.cudagraph_mark_step_begin()
+        n = ids.shape[1]
+        position = torch.arange(self.pos, self.pos + n, device=self.device)
+        out = self.forward(input_ids=ids, past_key_values=self.cache, cache_position=position,
+                           position_ids=position[None], use_cache=True, logits_to_keep=1)
+        self.pos += n
+        return out.logits[:, -1].argmax(-1, keepdim=True)
+
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        self.cache.reset()
+        self.pos = 0
+        return self._call(ids)
+
+    def decode(self, first: torch.Tensor, steps: int) -> torch.Tensor:
+        nxt = first
+        for _ in range(steps):
+            nxt = self._call(nxt)
+        return nxt
+
+
+@torch.no_grad()
+def time_variant(model, variant: str, device: str, prompts: list[int], decode_tokens: int, decode_context: int,
+                 repeats: int, vocab: int) -> dict:
+    result: dict = {"variant": variant}
+    runner = Runner(model, variant, device, max_len=max(prompts + [decode_context]) + decode_tokens + 16)
+    gen = torch.Generator().manual_seed(1)
+    warm = 1 if variant in ("hf_offload", "eager") else 3
+    for p in prompts:
+        ids = torch.randint(0, vocab, (1, p), generator=gen).to(device)
+        t0 = time.perf_counter()
+        for _ in range(warm):
+            runner.prefill(ids)
+        sync(device)
+        result[f"warmup_prefill_{p}_s"] = time.perf_counter() - t0
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            runner.prefill(ids)
+            sync(device)
+            times.append(time.perf_counter() - t0)
+        result[f"prefill_{p}_tok_s"] = p / statistics.median(times)
+    if decode_tokens:
+        ids = torch.randint(0, vocab, (1, decode_context), generator=gen).to(device)
+        first = runner.prefill(ids)
+        t0 = time.perf_counter()
+        first = runner.decode(first, warm + 1)
+        sync(device)
+        result["warmup_decode_s"] = time.perf_counter() - t0
+        stats0 = dict(ktorch.compile.RUNTIME.stats)
+        t0 = time.perf_counter()
+        runner.decode(first, decode_tokens)
+        sync(device)
+        elapsed = time.perf_counter() - t0
+        result["decode_tok_s"] = decode_tokens / elapsed
+        stats = ktorch.compile.RUNTIME.stats
+        result["host_waits_per_step"] = (stats["host_waits"] - stats0.get("host_waits", 0)) / decode_tokens
+        result["python_submits_per_step"] = (stats["submits"] - stats0.get("submits", 0)) / decode_tokens
+    result["runner"] = runner
+    return result
+
+
+# ---------------------------------------------------------------- the decode-step profile
+
+
+def _union(intervals):
+    total, end = 0.0, None
+    for s, e in sorted(intervals):
+        if end is None or s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total
+
+
+def _intersection(a, b):
+    """Total length of (union a) ∩ (union b)."""
+    def merged(iv):
+        out = []
+        for s, e in sorted(iv):
+            if out and s <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], e)
+            else:
+                out.append([s, e])
+        return out
+
+    a, b = merged(a), merged(b)
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if hi > lo:
+            total += hi - lo
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+              "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize")
+
+
+@torch.no_grad()
+def profile_decode(runner: Runner, steps: int, out_dir: str, label: str) -> dict:
+    """Profiles ``steps`` decode steps (each synced at its end) and summarizes the middle one."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    nxt = runner.decode(runner.prefill(torch.zeros(1, 64, dtype=torch.long, device=runner.device)), 4)
+    sync(runner.device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            with record_function(f"decode_step_{i}"):
+                nxt = runner.decode(nxt, 1)
+                torch.cuda.synchronize()
+    path = os.path.join(out_dir, f"trace_{label}.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    step = next(e for e in events if e["name"] == f"decode_step_{steps // 2}")
+    lo, hi = step["ts"], step["ts"] + step["dur"]
+    main_tid = step["tid"]
+
+    def inside(e):
+        return e["ts"] >= lo and e["ts"] + e.get("dur", 0) <= hi
+
+    gpu = [(e["ts"], e["ts"] + e["dur"]) for e in events
+           if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and inside(e)]
+    experts = [(e["ts"], e["ts"] + e["dur"]) for e in events if e["name"] == "kt::fused_moe" and inside(e)]
+    syncs = [e["name"] for e in events if e.get("cat") == "cuda_runtime" and e["name"] in SYNC_CALLS
+             and e["tid"] == main_tid and inside(e)]
+    return dict(trace=path, step_ms=step["dur"] / 1e3, gpu_busy_ms=_union(gpu) / 1e3,
+                cpu_experts_busy_ms=_union(experts) / 1e3, overlap_ms=_intersection(gpu, experts) / 1e3,
+                experts_calls=len(experts), main_thread_syncs=len(syncs) - 1,  # minus the profiling sync
+                sync_calls=sorted(set(syncs)))
+
+
+def describe_overlap() -> str:
+    """The nodes between the first submit and its wait in the last graph the backend compiled."""
+    if not ktorch.compile.REPORTS:
+        return ""
+    graph = ktorch.compile.REPORTS[-1].graph
+    nodes = list(graph.graph.nodes)
+    names = [str(n.target) for n in nodes]
+    try:
+        i = next(k for k, n in enumerate(nodes) if n.meta.get("ktorch_async") == "submit")
+        j = next(k for k, n in enumerate(nodes) if n.meta.get("ktorch_async") == "wait" and k > i)
+    except StopIteration:
+        return ""
+    between = [f"{n.op}:{getattr(n.target, '__name__', n.target)}" for n in nodes[i + 1: j]]
+    return f"between the first submit and its wait ({len(between)} nodes): " + ", ".join(between)
+
+
+# ---------------------------------------------------------------- main
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--experts-dtype", choices=("bf16", "int8", "int4"), default="int8")
+    parser.add_argument("--prompts", default="512,2048", help="prefill prompt lengths")
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--baseline-decode-tokens", type=int, default=4, help="decode steps timed for hf_offload")
+    parser.add_argument("--decode-context", type=int, default=512, help="prompt length before decoding")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--profile", action="store_true", help="profile decode steps (CUDA; compiled variants)")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for traces")
+    parser.add_argument("--json", default=None, help="append results as JSON lines to this file")
+    args = parser.parse_args(argv)
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    os.makedirs(args.out, exist_ok=True)
+    info = machine_info(args.device)
+    print("machine:", json.dumps(info))
+    print(f"shape: {args.shape} {json.dumps(SHAPES[args.shape])}")
+    print(f"experts: {args.experts_dtype} on the CPU; device: {args.device}")
+    prompts = [int(p) for p in args.prompts.split(",") if p]
+    rows = []
+    for variant in args.variants.split(","):
+        if variant not in VARIANTS:
+            raise SystemExit(f"unknown variant {variant!r}; choose from {VARIANTS}")
+        torch._dynamo.reset()
+        model, build_s = build_model(args.shape, variant, args.device, args.experts_dtype)
+        decode = args.baseline_decode_tokens if variant == "hf_offload" else args.decode_tokens
+        repeats = 1 if variant == "hf_offload" else args.repeats
+        r = time_variant(model, variant, args.device, prompts, decode, args.decode_context, repeats,
+                         model.config.vocab_size)
+        runner = r.pop("runner")
+        r.update(shape=args.shape, experts_dtype=args.experts_dtype, build_s=build_s, machine=info)
+        if args.profile and args.device == "cuda" and variant in ("compiled", "cuda_graphs", "eager"):
+            r["profile"] = profile_decode(runner, 5, args.out, f"{args.shape}_{variant}")
+            r["overlap_nodes"] = describe_overlap()
+        rows.append(r)
+        print(json.dumps({k: v for k, v in r.items() if k != "machine"}, default=str), flush=True)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(r, default=str) + "\n")
+        del runner, model
+        gc.collect()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+
+    cols = [f"prefill_{p}_tok_s" for p in prompts] + ["decode_tok_s", "host_waits_per_step"]
+    print()
+    print("| variant | " + " | ".join(c.replace("_tok_s", " tok/s").replace("_", " ") for c in cols) + " |")
+    print("|---|" + "---|" * len(cols))
+    for r in rows:
+        print(f"| {r['variant']} | " + " | ".join(f"{r[c]:.2f}" if c in r else "-" for c in cols) + " |")
+    for r in rows:
+        if "profile" in r:
+            p = r["profile"]
+            print(f"\nprofile {r['variant']} (one decode step, synced): step {p['step_ms']:.2f} ms, GPU busy "
+                  f"{p['gpu_busy_ms']:.2f} ms, CPU experts busy {p['cpu_experts_busy_ms']:.2f} ms "
+                  f"({p['experts_calls']} kt::fused_moe calls), overlap {p['overlap_ms']:.2f} ms, "
+                  f"host syncs on the launching thread {p['main_thread_syncs']} {p['sync_calls']}; trace {p['trace']}")
+            if r.get("overlap_nodes"):
+                print("  " + r["overlap_nodes"])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
