@@ -12,6 +12,7 @@
 
 #include <ATen/ATen.h>
 
+#include <cstring>
 #include <vector>
 
 #include "../kernels/kernels.h"
@@ -24,7 +25,7 @@ namespace {
 using kernels::Activation;
 using kernels::WeightFormat;
 
-constexpr int64_t kTokensPerTask = 64;  // rows per kernel call (bounded scratch per worker)
+constexpr int64_t kTokensPerTask = 128;  // rows per kernel call (bounded scratch per worker)
 
 struct PackedMatrix {
   const at::Tensor* weights;
@@ -204,30 +205,38 @@ at::Tensor fused_moe(const at::Tensor& hidden_in, const at::Tensor& topk_ids_in,
   for (int64_t e = 0; e < E; ++e)
     if (offset[e + 1] > offset[e]) active.push_back(e);
 
-  // ---- 2. activations for gate+up, one row per pair
+  // ---- 2. activations for gate+up, one contiguous row per pair (in expert order), so that every
+  // expert's rows form one strided matrix the kernels can load in place (AMX tiles, prefetchers)
   Rows x;
+  at::Tensor rows;  // per token: bf16, or int8 quantized
   if (fmt == WeightFormat::BF16) {
-    x.storage = convert_rows(hidden_in, at::kBFloat16);
-    const auto* base = static_cast<const uint8_t*>(x.storage.data_ptr());
-    x.ptr.resize(P);
-    for (int64_t p = 0; p < P; ++p) x.ptr[p] = base + pair_token[p] * H * 2;
+    rows = convert_rows(hidden_in, at::kBFloat16);
   } else {
-    at::Tensor q, s, g;
-    quantize(ks, convert_rows(hidden_in, at::kFloat), up.group_size(), q, s, g);
-    x.storage = q;
+    at::Tensor s, g;
+    quantize(ks, convert_rows(hidden_in, at::kFloat), up.group_size(), rows, s, g);
     x.groups = up.groups;
-    x.ptr.resize(P);
     x.scale.resize(P);
     x.gsum.resize(P * x.groups);
-    const int8_t* qp = q.data_ptr<int8_t>();
     const float* sp = s.data_ptr<float>();
     const int32_t* gp = g.data_ptr<int32_t>();
     for (int64_t p = 0; p < P; ++p) {
       const int64_t t = pair_token[p];
-      x.ptr[p] = qp + t * H;
       x.scale[p] = sp[t];
       std::copy(gp + t * x.groups, gp + (t + 1) * x.groups, x.gsum.begin() + p * x.groups);
     }
+  }
+  const int64_t row_bytes = H * rows.element_size();
+  x.storage = at::empty({P, H}, rows.options());
+  {
+    const auto* src = static_cast<const uint8_t*>(rows.data_ptr());
+    auto* dst = static_cast<uint8_t*>(x.storage.data_ptr());
+    const int64_t per_task = std::max<int64_t>(1, 65536 / row_bytes);
+    runtime::parallel_tasks((P + per_task - 1) / per_task, [&](int64_t t, int) {
+      for (int64_t p = t * per_task; p < std::min(P, (t + 1) * per_task); ++p)
+        std::memcpy(dst + p * row_bytes, src + pair_token[p] * row_bytes, row_bytes);
+    });
+    x.ptr.resize(P);
+    for (int64_t p = 0; p < P; ++p) x.ptr[p] = dst + p * row_bytes;
   }
 
   // ---- 3. gate + up + activation: h[p] = act(x_p W_gate^T) * (x_p W_up^T)
