@@ -154,12 +154,14 @@ def _materialize(model: nn.Module, device: str, gen_device: torch.Generator) -> 
                 module._buffers[bname] = torch.zeros(b.shape, dtype=b.dtype, device=device)
 
 
-def build_model(shape: str, variant: str, device: str, experts_dtype: str, seed: int = 0):
+def build_model(shape: str, variant: str, device: str, experts_dtype: str, seed: int = 0, layers: int | None = None):
     """A random model of ``shape`` placed for ``variant``: (model, seconds spent building)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     t0 = time.perf_counter()
     kwargs = dict(SHAPES[shape])
+    if layers:
+        kwargs["num_hidden_layers"] = layers
     config = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -199,14 +201,15 @@ def sync(device: str) -> None:
 class Runner:
     """The forward of one variant with a static cache: prefill(ids) and decode steps."""
 
-    def __init__(self, model, variant: str, device: str, max_len: int):
+    def __init__(self, model, variant: str, device: str, max_len: int, options: dict | None = None):
         from transformers import StaticCache
 
         self.model, self.variant, self.device = model, variant, device
         self.cache = StaticCache(config=model.config, max_cache_len=max_len)
         if variant in ("compiled", "cuda_graphs"):
             mode = "reduce-overhead" if variant == "cuda_graphs" else None
-            self.forward = torch.compile(model, backend="ktorch", mode=mode, fullgraph=True, dynamic=False)
+            self.forward = torch.compile(model, backend="ktorch", mode=mode, options=options, fullgraph=True,
+                                         dynamic=False)
         else:
             self.forward = model
         self.pos = 0
@@ -235,9 +238,9 @@ class Runner:
 
 @torch.no_grad()
 def time_variant(model, variant: str, device: str, prompts: list[int], decode_tokens: int, decode_context: int,
-                 repeats: int, vocab: int) -> dict:
+                 repeats: int, vocab: int, options: dict | None = None) -> dict:
     result: dict = {"variant": variant}
-    runner = Runner(model, variant, device, max_len=max(prompts + [decode_context]) + decode_tokens + 16)
+    runner = Runner(model, variant, device, max(prompts + [decode_context]) + decode_tokens + 16, options)
     gen = torch.Generator().manual_seed(1)
     warm = 1 if variant in ("hf_offload", "eager") else 3
     for p in prompts:
@@ -383,6 +386,9 @@ def main(argv=None) -> None:
     parser.add_argument("--decode-context", type=int, default=512, help="prompt length before decoding")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--layers", type=int, default=None, help="override the layer count (smoke runs)")
+    parser.add_argument("--options", default=None,
+                        help='ktorch backend options as JSON for the compiled variants, e.g. \'{"overlap": false}\'')
     parser.add_argument("--profile", action="store_true", help="profile decode steps (CUDA; compiled variants)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for traces")
     parser.add_argument("--json", default=None, help="append results as JSON lines to this file")
@@ -396,18 +402,25 @@ def main(argv=None) -> None:
     print(f"shape: {args.shape} {json.dumps(SHAPES[args.shape])}")
     print(f"experts: {args.experts_dtype} on the CPU; device: {args.device}")
     prompts = [int(p) for p in args.prompts.split(",") if p]
-    rows = []
-    for variant in args.variants.split(","):
+    options = json.loads(args.options) if args.options else None
+    variants = args.variants.split(",")
+    for variant in variants:
         if variant not in VARIANTS:
             raise SystemExit(f"unknown variant {variant!r}; choose from {VARIANTS}")
+    rows = []
+    model = None  # the ktorch variants share one placed model
+    for variant in variants:
         torch._dynamo.reset()
-        model, build_s = build_model(args.shape, variant, args.device, args.experts_dtype)
+        build_s = 0.0
+        if variant == "hf_offload" or model is None:
+            model, build_s = build_model(args.shape, variant, args.device, args.experts_dtype, layers=args.layers)
         decode = args.baseline_decode_tokens if variant == "hf_offload" else args.decode_tokens
         repeats = 1 if variant == "hf_offload" else args.repeats
         r = time_variant(model, variant, args.device, prompts, decode, args.decode_context, repeats,
-                         model.config.vocab_size)
+                         model.config.vocab_size, options)
         runner = r.pop("runner")
-        r.update(shape=args.shape, experts_dtype=args.experts_dtype, build_s=build_s, machine=info)
+        r.update(shape=args.shape, experts_dtype=args.experts_dtype, build_s=build_s, machine=info,
+                 layers=model.config.num_hidden_layers, options=options)
         if args.profile and args.device == "cuda" and variant in ("compiled", "cuda_graphs", "eager"):
             r["profile"] = profile_decode(runner, 5, args.out, f"{args.shape}_{variant}")
             r["overlap_nodes"] = describe_overlap()
@@ -416,7 +429,9 @@ def main(argv=None) -> None:
         if args.json:
             with open(args.json, "a") as f:
                 f.write(json.dumps(r, default=str) + "\n")
-        del runner, model
+        del runner
+        if variant == "hf_offload":
+            model = None
         gc.collect()
         if args.device == "cuda":
             torch.cuda.empty_cache()
