@@ -194,9 +194,11 @@ def ktorch_experts_forward(
 ) -> torch.Tensor:
     """transformers' experts interface: hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K] -> [T, H].
 
-    Runs the routed experts with ``torch.ops.kt.fused_moe`` on the CPU. Inputs on another device hop to the
-    CPU and the result hops back; under ``torch.compile(backend="ktorch")`` those hops become the
-    submit/wait pair of the async-boundary pass (ktorch/passes/async_boundary.py).
+    Runs the routed experts with ``torch.ops.kt.fused_moe`` on the CPU. While Dynamo traces, inputs on another
+    device hop to the CPU (``.to("cpu")``) and the result hops back, so each layer is one op node between
+    copies; the ktorch backend turns them into the submit/wait pair of the async-boundary pass
+    (ktorch/passes/async_boundary.py). Run eagerly from CUDA tensors, the call goes through the same runtime
+    (pinned copies, one host sync per layer).
     """
     if getattr(self, "kt_w13", None) is None:
         if torch.compiler.is_compiling():
@@ -206,6 +208,8 @@ def ktorch_experts_forward(
             )
         pack_module_experts(self)
     device = hidden_states.device
+    if device.type == "cuda" and not torch.compiler.is_compiling():
+        return _run_on_cpu_from_cuda(self, hidden_states, top_k_index, top_k_weights)
     if device.type != "cpu":
         hidden_states = hidden_states.to("cpu")
         top_k_index = top_k_index.to("cpu")
@@ -223,6 +227,21 @@ def ktorch_experts_forward(
     if device.type != "cpu":
         out = out.to(device)
     return out
+
+
+def _run_on_cpu_from_cuda(module: nn.Module, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
+    """Eager call from CUDA tensors: the experts runtime's submit and wait back to back (pinned non-blocking
+    copies, one host sync) instead of three blocking copies to pageable memory."""
+    from ktorch.compile.experts_runtime import RUNTIME
+
+    ids = getattr(module, "_kt_runtime_ids", None)
+    if ids is None or ids[0] is not module.kt_w13:
+        layer = RUNTIME.register_layer(module.kt_w13, module.kt_w13_scales, module.kt_w2, module.kt_w2_scales,
+                                       module.kt_activation)
+        ids = module._kt_runtime_ids = (module.kt_w13, layer, RUNTIME.new_site())
+    _, layer, site = ids
+    ticket = RUNTIME.submit(hidden_states, top_k_index, top_k_weights, layer, site)
+    return RUNTIME.wait(ticket, hidden_states, layer, site)
 
 
 def register() -> bool:
