@@ -5,7 +5,7 @@ the CPU: the experts module's "eager" loop over experts (oneDNN GEMMs per expert
 "grouped_mm" path, on the same random bf16 inputs, in one process.
 
 Cold caches: every call draws a fresh random routing, and the layer is replicated until the weights of
-all copies exceed 4x the L3 cache; calls cycle through the copies, so a call does not find the experts
+all copies exceed 16x the L3 cache (as far as memory allows); calls cycle through the copies, so a call does not find the experts
 of the previous one in cache. Random weights are generated directly in each implementation's layout
 (any bytes are valid packed weights); numerical accuracy is the test suite's job, not this script's.
 
@@ -188,10 +188,11 @@ def main() -> None:
         E, K, H, I = SHAPES[shape]
         for impl in args.impls:
             per_layer = E * expert_bytes(impl, H, I)
-            n_layers = max(1, math.ceil(4 * l3 / per_layer))
+            n_layers = max(1, min(math.ceil(16 * l3 / per_layer), int(budget // per_layer)))
             if per_layer * n_layers > budget:
                 print(f"skip {impl} on {shape}: {n_layers} x {per_layer / 2**30:.1f} GiB exceeds the memory budget")
                 continue
+            print(f"{impl} on {shape}: {n_layers} layer copies of {per_layer / 2**30:.2f} GiB", flush=True)
             if impl.startswith("ktorch"):
                 fmt = impl.split("-")[1]
                 layers = [random_packed(E, H, I, fmt) for _ in range(n_layers)]

@@ -75,7 +75,7 @@ constexpr int kMaxRows = 64;          // rows per tile walk (4 row groups); larg
 // ---------------------------------------------------------------- small-M threshold
 // Calls with fewer rows than this go to the AVX-512 kernel. Placeholders until measured on an AMX machine
 // (benchmarks/bench_vs_kt_kernel.py sweeps them; see docs/amx.md).
-constexpr int kDefaultMinRows[kNumFormats] = {4, 4, 4};
+constexpr int kDefaultMinRows[kNumFormats] = {2, 8, 16};  // bf16, int8, int4: measured, docs/amx.md
 std::atomic<int> g_min_rows[kNumFormats] = {kDefaultMinRows[0], kDefaultMinRows[1], kDefaultMinRows[2]};
 
 [[noreturn]] void bad_min_rows(const char* env) {
