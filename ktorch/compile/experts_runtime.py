@@ -163,7 +163,7 @@ class ExpertsRuntime:
         return next(self._site_ids)
 
     def reset(self) -> None:
-        """Forgets every layer and site (torch._dynamo.reset() calls it through the backend)."""
+        """Forgets every layer and site, freeing the packed weights it held; graphs compiled before stop working."""
         self.layers.clear()
         self._layer_ids.clear()
         self._sites.clear()

@@ -13,6 +13,7 @@ A host function must not call the CUDA API. The callbacks passed here only touch
 from __future__ import annotations
 
 import ctypes
+import traceback
 from typing import Callable
 
 import torch
@@ -40,8 +41,9 @@ class HostFunction:
         def trampoline(_user_data):
             try:
                 fn()
-            except BaseException as e:  # an exception cannot cross the driver thread; record it instead
+            except BaseException as e:  # an exception cannot cross the driver thread: record it, say it
                 self.error = e
+                traceback.print_exc()
 
         self.error = None
         self._c_fn = _HOST_FN(trampoline)
