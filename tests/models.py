@@ -114,9 +114,9 @@ class RoutingRecorder:
     """Records each routed-experts call of a model: (layer name, experts input [T, H] fp32, chosen experts [T, K]
     sorted). For the four families tested, the experts' input is also the router's input.
 
-    Eager calls are recorded by hooks on the experts modules (which do nothing while Dynamo traces); calls made
-    by graphs of the ktorch backend are recorded by an observer of its experts runtime, on the worker thread,
-    CUDA-graph replays included."""
+    Eager calls are recorded by hooks on the experts modules (which do nothing while Dynamo traces); calls that
+    go through ktorch's experts runtime (graphs of the ktorch backend, eager calls from CUDA) are recorded by an
+    observer of the runtime, on the worker thread, CUDA-graph replays included."""
 
     def __init__(self, model):
         from ktorch.compile.experts_runtime import RUNTIME
@@ -138,6 +138,8 @@ class RoutingRecorder:
         def hook(module, args):
             if torch.compiler.is_compiling():
                 return
+            if args[0].device.type == "cuda" and getattr(module, "kt_w13", None) is not None:
+                return  # a prepared module called from CUDA goes through the runtime, whose observer records it
             self._record(name, args[0], args[1])
 
         return hook
