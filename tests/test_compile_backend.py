@@ -232,6 +232,7 @@ def test_cuda_graph_decode_step_costs_no_host_wait():
 
     def decode(n):
         for _ in range(n):
+            torch.compiler.cudagraph_mark_step_begin()
             out = step(**kwargs)
             kwargs["input_ids"] = out.logits[:, -1:].argmax(-1)
             kwargs["cache_position"] = kwargs["cache_position"] + 1
