@@ -154,6 +154,27 @@ def _materialize(model: nn.Module, device: str, gen_device: torch.Generator) -> 
                 module._buffers[bname] = torch.zeros(b.shape, dtype=b.dtype, device=device)
 
 
+def offload_device_map(model: nn.Module) -> dict:
+    """The device map a user writes (or infer_auto_device_map gives) to keep the routed experts on the CPU: the
+    largest modules holding no experts on GPU 0, each experts module on "cpu"."""
+    experts = {name for name, _ in experts_modules(model)}
+    device_map = {}
+
+    def visit(module: nn.Module, path: str):
+        if path in experts:
+            device_map[path] = "cpu"
+        elif path and not any(e.startswith(path + ".") for e in experts):
+            device_map[path] = 0
+        else:
+            if next(module.parameters(recurse=False), None) is not None or next(module.buffers(recurse=False), None) is not None:
+                raise ValueError(f"offload_device_map: {path or 'the model'} holds tensors beside its experts")
+            for child_name, child in module.named_children():
+                visit(child, f"{path}.{child_name}" if path else child_name)
+
+    visit(model, "")
+    return device_map
+
+
 def build_model(shape: str, variant: str, device: str, experts_dtype: str, seed: int = 0, layers: int | None = None):
     """A random model of ``shape`` placed for ``variant``: (model, seconds spent building)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -178,8 +199,7 @@ def build_model(shape: str, variant: str, device: str, experts_dtype: str, seed:
         if device == "cuda":
             from accelerate import dispatch_model
 
-            device_map = {"": 0} | {name: "cpu" for name, _ in experts}
-            dispatch_model(model, device_map=device_map, main_device=torch.device("cuda", 0))
+            dispatch_model(model, device_map=offload_device_map(model), main_device=torch.device("cuda", 0))
     else:
         for _, m in experts:
             E, I, H = m.num_experts, m.intermediate_dim, m.hidden_dim
