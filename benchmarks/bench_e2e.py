@@ -16,8 +16,9 @@ Timing is a forward loop at batch 1 with a static KV cache (gpt-fast style): pre
 prompt (logits of the last token only); decode = 1-token forwards, the next token picked by argmax on the
 device, one sync at the end. Warm-up calls (compiles, CUDA-graph capture) are not timed.
 
---profile (CUDA): records a few decode steps with torch.profiler, writes the chrome trace, and prints per step
-the GPU busy time, the CPU experts busy time (kt::fused_moe on any thread), their overlap, and the host
+--profile: records a few decode steps with torch.profiler, writes the chrome trace (with the CPU experts calls
+added as a thread "ktorch-experts", timed by the experts runtime since the profiler does not see its worker
+thread), and prints for one step the GPU busy time, the CPU experts busy time, their overlap, and the host
 syncs of the launching thread.
 
 The table and the machine (CPU model, cores, kernel level, torch/transformers versions, GPU) go to stdout;
@@ -348,17 +349,27 @@ def profile_decode(runner: Runner, steps: int, out_dir: str, label: str) -> dict
 
     nxt = runner.decode(runner.prefill(torch.zeros(1, 64, dtype=torch.long, device=runner.device)), 4)
     sync(runner.device)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for i in range(steps):
-            with record_function(f"decode_step_{i}"):
-                nxt = runner.decode(nxt, 1)
-                torch.cuda.synchronize()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.device == "cuda" else [])
+    runtime = ktorch.compile.RUNTIME
+    marks = []  # perf_counter_ns when each step's annotation opens: aligns the runtime's timeline with the trace
+    runtime.timeline = []
+    try:
+        with profile(activities=activities) as prof:
+            for i in range(steps):
+                marks.append(time.perf_counter_ns())
+                with record_function(f"decode_step_{i}"):
+                    nxt = runner.decode(nxt, 1)
+                    sync(runner.device)
+    finally:
+        timeline, runtime.timeline = runtime.timeline, None
     path = os.path.join(out_dir, f"trace_{label}.json")
     prof.export_chrome_trace(path)
     with open(path) as f:
         events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
-    step = next(e for e in events if e["name"] == f"decode_step_{steps // 2}")
+    k = steps // 2
+    step = next(e for e in events if e["name"] == f"decode_step_{k}")
     lo, hi = step["ts"], step["ts"] + step["dur"]
+    offset_us = step["ts"] - marks[k] / 1e3  # trace time = perf_counter time + offset (to ~1 us)
     main_tid = step["tid"]
 
     def inside(e):
@@ -366,12 +377,22 @@ def profile_decode(runner: Runner, steps: int, out_dir: str, label: str) -> dict
 
     gpu = [(e["ts"], e["ts"] + e["dur"]) for e in events
            if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and inside(e)]
-    experts = [(e["ts"], e["ts"] + e["dur"]) for e in events if e["name"] == "kt::fused_moe" and inside(e)]
+    experts = [(s / 1e3 + offset_us, t / 1e3 + offset_us) for s, t, _ in timeline]
+    experts = [(s, t) for s, t in experts if s >= lo and t <= hi]
     syncs = [e["name"] for e in events if e.get("cat") == "cuda_runtime" and e["name"] in SYNC_CALLS
              and e["tid"] == main_tid and inside(e)]
+    # Add the CPU experts to the trace as their own thread, so a trace viewer shows them under the GPU work.
+    with open(path) as f:
+        trace = json.load(f)
+    pid = step.get("pid", 0)
+    trace["traceEvents"] += [dict(ph="X", name="kt.fused_moe (experts worker)", cat="ktorch", pid=pid,
+                                  tid="ktorch-experts", ts=s / 1e3 + offset_us, dur=(t - s) / 1e3,
+                                  args={"tokens": n}) for s, t, n in timeline]
+    with open(path, "w") as f:
+        json.dump(trace, f)
     return dict(trace=path, step_ms=step["dur"] / 1e3, gpu_busy_ms=_union(gpu) / 1e3,
                 cpu_experts_busy_ms=_union(experts) / 1e3, overlap_ms=_intersection(gpu, experts) / 1e3,
-                experts_calls=len(experts), main_thread_syncs=len(syncs) - 1,  # minus the profiling sync
+                experts_calls=len(experts), main_thread_syncs=max(len(syncs) - 1, 0),  # minus the profiling sync
                 sync_calls=sorted(set(syncs)))
 
 
@@ -409,7 +430,7 @@ def main(argv=None) -> None:
     parser.add_argument("--layers", type=int, default=None, help="override the layer count (smoke runs)")
     parser.add_argument("--options", default=None,
                         help='ktorch backend options as JSON for the compiled variants, e.g. \'{"overlap": false}\'')
-    parser.add_argument("--profile", action="store_true", help="profile decode steps (CUDA; compiled variants)")
+    parser.add_argument("--profile", action="store_true", help="profile decode steps of the ktorch variants")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for traces")
     parser.add_argument("--json", default=None, help="append results as JSON lines to this file")
     args = parser.parse_args(argv)
@@ -441,7 +462,7 @@ def main(argv=None) -> None:
         runner = r.pop("runner")
         r.update(shape=args.shape, experts_dtype=args.experts_dtype, build_s=build_s, machine=info,
                  layers=model.config.num_hidden_layers, options=options)
-        if args.profile and args.device == "cuda" and variant in ("compiled", "cuda_graphs", "eager"):
+        if args.profile and variant != "hf_offload":
             r["profile"] = profile_decode(runner, 5, args.out, f"{args.shape}_{variant}")
             r["overlap_nodes"] = describe_overlap()
         rows.append(r)

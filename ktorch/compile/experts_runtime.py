@@ -30,6 +30,7 @@ import collections
 import itertools
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -91,14 +92,19 @@ class ExpertsLayer:
     w2_scales: Optional[torch.Tensor]
     activation: str
 
-    observers: list = None  # set by ExpertsRuntime
+    runtime: Optional["ExpertsRuntime"] = None  # set by ExpertsRuntime.register_layer
 
     def run(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        for observe in self.observers or ():
+        runtime = self.runtime
+        for observe in runtime.observers if runtime is not None else ():
             observe(self, hidden, topk_ids, topk_weights)
-        return torch.ops.kt.fused_moe(
+        start = time.perf_counter_ns()
+        out = torch.ops.kt.fused_moe(
             hidden, topk_ids, topk_weights, self.w13, self.w13_scales, self.w2, self.w2_scales, self.activation
         )
+        if runtime is not None and runtime.timeline is not None:
+            runtime.timeline.append((start, time.perf_counter_ns(), hidden.shape[0]))
+        return out
 
 
 class _Staging:
@@ -147,6 +153,9 @@ class ExpertsRuntime:
         # Called on the worker thread as observe(layer, hidden, topk_ids, topk_weights) before each experts call
         # runs, in execution order, replays of CUDA graphs included (tests record routing with it).
         self.observers: list = []
+        # When a list, each experts call appends (start_ns, end_ns, tokens) of its kt.fused_moe, perf_counter_ns
+        # clock (profilers do not see the worker thread; benchmarks/bench_e2e.py aligns these with its trace).
+        self.timeline: Optional[list] = None
 
     # -- compile time
     def register_layer(self, w13, w13_scales, w2, w2_scales, activation: str) -> int:
@@ -155,7 +164,7 @@ class ExpertsRuntime:
         if key not in self._layer_ids:
             self._layer_ids[key] = len(self.layers)
             layer = ExpertsLayer(w13, w13_scales, w2, w2_scales, activation)
-            layer.observers = self.observers
+            layer.runtime = self
             self.layers.append(layer)
         return self._layer_ids[key]
 
