@@ -13,8 +13,8 @@ saved (bf16 safetensors, ``save_pretrained``) with the tokenizer files, and scor
 ktorch/builtin/eval.txt. ``train_metrics.json`` beside the weights records the perplexity, the loss
 curve, the configuration and the machine.
 
-``--time-budget-s`` bounds the training loop: after the first steps the measured step time decides
-whether ``--steps`` fit; if not, the run uses fewer steps (and says so) with the schedule scaled to them.
+``--time-budget-s`` bounds the training loop: from step 30 on, the measured step time decides whether
+``--steps`` still fit; if not, the run ends earlier (and says so), the cosine schedule shortened to match.
 
 The script imports torch, transformers and tokenizers only, not the ktorch package: the training machine
 need not have the ktorch extension built.
@@ -41,6 +41,8 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parent.parent
 BUILTIN_DIR = REPO / "ktorch" / "builtin"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+# tests/test_builtin.py recomputes this slice's perplexity from the committed weights and compares.
+EVAL_SLICE_TOKENS, EVAL_SLICE_SEQ_LEN = 2049, 256
 
 
 def _load_evaluation():
@@ -123,6 +125,13 @@ def bf16_grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weig
 TRAIN_EXPERTS_IMPLEMENTATION = "bf16_grouped_mm"
 
 
+def set_experts_implementation(model, name: str) -> None:
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation(name)
+    else:  # transformers versions without the setter read the name from the shared config on every call
+        model.config._experts_implementation = name
+
+
 def register_train_experts() -> None:
     from transformers.integrations.moe import ExpertsInterface
 
@@ -167,12 +176,13 @@ def lr_at(step: int, total: int, warmup: int, peak: float, floor_ratio: float = 
     return peak * (floor_ratio + (1 - floor_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def training_loss(model, batch: torch.Tensor, aux_coef: float) -> tuple[torch.Tensor, float, float]:
-    """(cross entropy + aux_coef * load-balancing loss, cross entropy, aux loss) of a [B, L+1] batch."""
+def training_loss(model, batch: torch.Tensor, aux_coef: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(cross entropy + aux_coef * load-balancing loss, cross entropy, aux loss) of a [B, L+1] batch, as tensors
+    (reading them would wait for the GPU every step)."""
     out = model(input_ids=batch[:, :-1], output_router_logits=True, use_cache=False)
     ce = F.cross_entropy(out.logits.float().flatten(0, 1), batch[:, 1:].flatten())
     aux = out.aux_loss if out.aux_loss is not None else torch.zeros((), device=ce.device)
-    return ce + aux_coef * aux, ce.item(), aux.item()
+    return ce + aux_coef * aux, ce.detach(), aux.detach()
 
 
 def pick_experts_implementation(model, batch: torch.Tensor, device: torch.device, autocast) -> str:
@@ -182,14 +192,15 @@ def pick_experts_implementation(model, batch: torch.Tensor, device: torch.device
     """
     reference = None
     with autocast():
-        model.set_experts_implementation("eager")
-        reference = training_loss(model, batch, 0.0)[1]
+        set_experts_implementation(model, "eager")
+        reference = training_loss(model, batch, 0.0)[1].item()
     for name in (TRAIN_EXPERTS_IMPLEMENTATION, "grouped_mm"):
         try:
-            model.set_experts_implementation(name)
+            set_experts_implementation(model, name)
             with autocast():
                 loss, ce, _ = training_loss(model, batch, 0.0)
             loss.backward()
+            ce = ce.item()
             model.zero_grad(set_to_none=True)
             if abs(ce - reference) > 0.02 * abs(reference):
                 raise RuntimeError(f"loss {ce:.4f} differs from eager's {reference:.4f}")
@@ -198,9 +209,23 @@ def pick_experts_implementation(model, batch: torch.Tensor, device: torch.device
         except Exception as e:  # noqa: BLE001 -- any failure means: use the next one
             model.zero_grad(set_to_none=True)
             print(f"experts implementation {name} unusable here: {type(e).__name__}: {str(e)[:200]}", flush=True)
-    model.set_experts_implementation("eager")
+    set_experts_implementation(model, "eager")
     print("experts implementation: eager", flush=True)
     return "eager"
+
+
+def score(model, tokens: torch.Tensor, seq_len: int, batch_size: int, n_bytes) -> dict[str, float]:
+    """evaluation.perplexity with the experts implementation a fresh from_pretrained picks (grouped_mm where
+    torch has it), or eager where that fails."""
+    for impl in ("grouped_mm", "eager"):
+        try:
+            set_experts_implementation(model, impl)
+            return evaluation.perplexity(model, tokens, seq_len=seq_len, batch_size=batch_size, n_bytes=n_bytes)
+        except Exception as e:  # noqa: BLE001
+            if impl == "eager":
+                raise
+            print(f"scoring with {impl} failed ({type(e).__name__}: {str(e)[:200]}); using eager", flush=True)
+    raise AssertionError("unreachable")
 
 
 def valid_loss(model, tokens: torch.Tensor, seq_len: int, batch_size: int, autocast) -> float:
@@ -210,14 +235,16 @@ def valid_loss(model, tokens: torch.Tensor, seq_len: int, batch_size: int, autoc
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=2400, help="optimizer steps (default 2400)")
+    parser.add_argument("--steps", type=int, default=4000, help="optimizer steps (default 4000, about 16 epochs)")
     parser.add_argument("--batch-size", type=int, default=32, help="sequences per step (default 32)")
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (default 512)")
     parser.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default 2e-3)")
-    parser.add_argument("--warmup", type=int, default=100, help="linear warm-up steps (default 100)")
+    parser.add_argument("--warmup", type=int, default=200, help="linear warm-up steps (default 200)")
     parser.add_argument("--weight-decay", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-every", type=int, default=50, help="print the training loss every N steps")
     parser.add_argument("--eval-every", type=int, default=200, help="validation every N steps; the best weights are kept")
+    parser.add_argument("--valid-tokens", type=int, default=0, help="validate on the first N tokens of valid.txt (0: all)")
     parser.add_argument("--time-budget-s", type=float, default=170.0, help="upper bound on the training loop's seconds")
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
     parser.add_argument("--corpus", type=Path, default=REPO / ".corpus", help="folder with train.txt and valid.txt")
@@ -233,9 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    torch.set_float32_matmul_precision("high")  # TF32 for the few fp32 matmuls left outside autocast on CUDA
 
     def autocast():
         return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
@@ -246,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     eval_docs = evaluation.read_documents(args.eval_text)
     train_tokens = evaluation.token_stream(tokenizer, train_docs)
     valid_tokens = evaluation.token_stream(tokenizer, valid_docs)
+    if args.valid_tokens:
+        valid_tokens = valid_tokens[: args.valid_tokens]
     eval_tokens = evaluation.token_stream(tokenizer, eval_docs)
     print(
         f"tokens: train {train_tokens.numel():,}  valid {valid_tokens.numel():,}  eval {eval_tokens.numel():,}"
@@ -286,29 +313,34 @@ def main(argv: list[str] | None = None) -> int:
         with autocast():
             loss, ce, aux = training_loss(model, batch, config.router_aux_loss_coef)
         loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
 
-        if step == 20 and args.time_budget_s > 0:  # steps 10..20 measure the step time (1..10 include warm-up)
-            per_step = (time.perf_counter() - t_ten) / 10
-            fit = int((args.time_budget_s - (time.perf_counter() - t_loop)) / (per_step * 1.08)) + step
-            if fit < total_steps:
-                print(f"time budget: {per_step * 1e3:.1f} ms/step, {total_steps} steps would take "
-                      f"{per_step * total_steps:.0f} s > {args.time_budget_s:.0f} s; using {fit} steps", flush=True)
-                total_steps = fit
-        if step == 10:
-            t_ten = time.perf_counter()
+        if args.time_budget_s > 0 and (step == 10 or step == 30 or (step > 30 and step % args.log_every == 0)):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # the step time is the GPU's, not the launch queue's
+            elapsed = time.perf_counter() - t_loop
+            if step == 10:
+                t_warm = elapsed  # the first steps warm up; the step time is measured from here
+            else:
+                per_step = (elapsed - t_warm) / (step - 10)  # includes the validation passes so far
+                fit = step + int((args.time_budget_s - elapsed) / (per_step * 1.05))
+                if fit < total_steps:
+                    print(f"time budget: {per_step * 1e3:.1f} ms/step, {elapsed:.0f} s spent; {total_steps} steps "
+                          f"would end past {args.time_budget_s:.0f} s; using {max(fit, step)} steps", flush=True)
+                    total_steps = max(fit, step)
 
-        if step % 10 == 0 or step == total_steps or step <= 3:
+        if step % args.log_every == 0 or step == total_steps or step <= 3:
+            ce, aux, grad_norm = ce.item(), aux.item(), grad_norm.item()
             elapsed = time.perf_counter() - t_loop
             print(f"step {step:5d}/{total_steps}  loss {ce:.4f}  aux {aux:.3f}  lr {lr:.2e}  |g| {grad_norm:.2f}"
                   f"  epoch {sampler.epochs_done:.2f}  {elapsed:.0f} s", flush=True)
         if step % args.eval_every == 0 or step == total_steps:
             v = valid_loss(model, valid_tokens, args.seq_len, args.batch_size, autocast)
             model.train()
-            history.append({"step": step, "train_loss": round(ce, 4), "valid_loss": round(v, 4), "epoch": round(sampler.epochs_done, 3)})
+            history.append({"step": step, "train_loss": round(float(ce), 4), "valid_loss": round(v, 4), "epoch": round(sampler.epochs_done, 3)})
             mark = ""
             if best is None or v < best[1]:
                 best = (step, v, copy.deepcopy(model.state_dict()))
@@ -318,38 +350,38 @@ def main(argv: list[str] | None = None) -> int:
 
     best_step, best_valid, state = best
     model.load_state_dict(state)
+    del state
+    model.to(torch.bfloat16)  # the stored precision
     model.eval()
-    model.set_experts_implementation("eager")  # what a fresh from_pretrained on any machine picks or can pick
-    with autocast():
-        scores = evaluation.perplexity(model, eval_tokens, seq_len=args.seq_len, batch_size=args.batch_size,
-                                       n_bytes=evaluation.documents_bytes(eval_docs))
-    # The saved bf16 weights, scored the way the tests and the CLI load them (fp32 compute).
-    model_bf16 = model.to(torch.bfloat16)
-    reloaded = copy.deepcopy(model_bf16).float()
-    scores_bf16 = evaluation.perplexity(reloaded, eval_tokens, seq_len=args.seq_len, batch_size=args.batch_size,
-                                        n_bytes=evaluation.documents_bytes(eval_docs))
-    del reloaded
-    print(f"held-out ({args.eval_text.name}, {scores['tokens']:,} tokens): perplexity {scores['perplexity']:.2f}"
-          f" (bf16 weights, fp32 compute: {scores_bf16['perplexity']:.2f}), {scores_bf16['bits_per_byte']:.3f} bits/byte;"
-          f" best valid step {best_step}", flush=True)
-
-    args.out.mkdir(parents=True, exist_ok=True)
-    model_bf16.config.output_router_logits = False
-    model_bf16.generation_config = GenerationConfig(
+    model.config.output_router_logits = False
+    model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
         do_sample=False, max_new_tokens=64,
     )
-    model_bf16.save_pretrained(str(args.out))
+    args.out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(args.out))
     for name in TOKENIZER_FILES:
         src = args.tokenizer / name
         if src.exists() and src.resolve() != (args.out / name).resolve():
             shutil.copyfile(src, args.out / name)
+    size = (args.out / "model.safetensors").stat().st_size
+    print(f"saved {args.out} (model.safetensors {size / 1e6:.2f} MB)", flush=True)
+
+    # The saved bf16 weights scored as the tests and the CLI load them on a CPU: fp32 compute.
+    model.float()
+    scores = score(model, eval_tokens, args.seq_len, args.batch_size, evaluation.documents_bytes(eval_docs))
+    slice_scores = score(model, eval_tokens[:EVAL_SLICE_TOKENS], EVAL_SLICE_SEQ_LEN, args.batch_size, None)
+    print(f"held-out ({args.eval_text.name}, {scores['tokens']:,} tokens): perplexity {scores['perplexity']:.2f},"
+          f" {scores['bits_per_byte']:.3f} bits/byte; first {EVAL_SLICE_TOKENS} tokens: {slice_scores['perplexity']:.2f};"
+          f" best valid step {best_step}", flush=True)
+
     metrics = {
         "eval": {"text": str(args.eval_text.relative_to(REPO) if args.eval_text.is_relative_to(REPO) else args.eval_text),
-                 "tokens": scores_bf16["tokens"], "seq_len": args.seq_len,
-                 "perplexity": round(scores_bf16["perplexity"], 3), "loss": round(scores_bf16["loss"], 4),
-                 "bits_per_byte": round(scores_bf16["bits_per_byte"], 4),
-                 "perplexity_training_precision": round(scores["perplexity"], 3)},
+                 "tokens": scores["tokens"], "seq_len": args.seq_len, "perplexity": round(scores["perplexity"], 3),
+                 "loss": round(scores["loss"], 4), "bits_per_byte": round(scores["bits_per_byte"], 4),
+                 "compute": "fp32 on bf16 weights"},
+        "eval_slice": {"tokens": EVAL_SLICE_TOKENS, "seq_len": EVAL_SLICE_SEQ_LEN,
+                       "perplexity": round(slice_scores["perplexity"], 3)},
         "best_step": best_step, "best_valid_loss": round(best_valid, 4),
         "steps": total_steps, "steps_requested": args.steps, "epochs": round(sampler.epochs_done, 3),
         "batch_size": args.batch_size, "seq_len": args.seq_len, "lr": args.lr, "warmup": args.warmup,
@@ -363,8 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python " + " ".join([os.path.relpath(__file__, REPO)] + (sys.argv[1:] if argv is None else argv)),
     }
     (args.out / "train_metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
-    size = (args.out / "model.safetensors").stat().st_size
-    print(f"saved {args.out} (model.safetensors {size / 1e6:.2f} MB) in {time.perf_counter() - t_start:.0f} s total", flush=True)
+    print(f"wrote {args.out / 'train_metrics.json'}; {time.perf_counter() - t_start:.0f} s total", flush=True)
     return 0
 
 

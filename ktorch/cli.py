@@ -1,0 +1,368 @@
+"""The ``ktorch`` command: generate text, chat, and benchmark the CPU experts op.
+
+    ktorch generate --model builtin --prompt "The meaning of life is"
+    ktorch generate --model /path/to/Qwen3-30B-A3B --prompt "..." --experts-dtype int8 --max-new-tokens 128
+    ktorch chat --model builtin
+    ktorch bench -- --shapes qwen3 --tokens 1 512
+
+A model is a transformers checkpoint folder (config.json, safetensors, tokenizer files) or ``builtin``, the
+small MoE model shipped in ktorch/builtin. Unless ``--plain`` is given, ``ktorch.prepare`` packs the routed
+experts into CPU memory (``--experts-dtype``) where ``torch.ops.kt.fused_moe`` runs them, and puts everything
+else on ``--device``: the GPU when there is one, otherwise the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+EXPERTS_DTYPES = ("bf16", "int8", "int4")
+DTYPES = {"auto": None, "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+class CLIError(Exception):
+    """A user-facing error: printed as ``ktorch <command>: <message>``, exit status 1."""
+
+
+# ---------------------------------------------------------------- arguments
+
+
+def _add_model_arguments(p: argparse.ArgumentParser) -> None:
+    m = p.add_argument_group("model and placement")
+    m.add_argument(
+        "--model",
+        default="builtin",
+        help="a transformers checkpoint folder (config.json + safetensors + tokenizer), or 'builtin' for the small "
+        "MoE model shipped with ktorch (default: builtin). GGUF files are not supported yet.",
+    )
+    m.add_argument(
+        "--device",
+        default="auto",
+        help="where attention, routers, embeddings and the KV cache run: auto (cuda if a GPU is visible, else cpu), "
+        "cpu, cuda, cuda:N (default: auto). The routed experts always run on the CPU.",
+    )
+    m.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        default="auto",
+        help="dtype of the non-expert weights and activations: auto (the checkpoint's own, e.g. bf16), bf16, fp16, "
+        "fp32 (default: auto)",
+    )
+    m.add_argument(
+        "--experts-dtype",
+        choices=EXPERTS_DTYPES,
+        default="bf16",
+        help="format the routed experts are packed into for the CPU op: bf16 (exact for bf16 checkpoints), int8 "
+        "(per-channel), int4 (grouped, see --group-size) (default: bf16)",
+    )
+    m.add_argument(
+        "--group-size",
+        type=int,
+        default=None,
+        help="int4 only: input channels per quantization group, a multiple of 32 dividing the hidden and expert "
+        "sizes (default: 128 where it divides them, else 32)",
+    )
+    m.add_argument(
+        "--deferred-experts",
+        type=int,
+        default=0,
+        metavar="D",
+        help="run the routed experts of layer L while the GPU works on layer L+D (deferred experts); only 0 "
+        "(no deferral) is implemented yet (default: 0)",
+    )
+    m.add_argument(
+        "--plain",
+        action="store_true",
+        help="run the model as transformers loads it, without ktorch.prepare: the experts run on --device with "
+        "transformers' own implementation (a baseline for speed and quality comparisons)",
+    )
+
+
+def _add_sampling_arguments(p: argparse.ArgumentParser, temperature: float) -> None:
+    s = p.add_argument_group("generation")
+    s.add_argument("--max-new-tokens", type=int, default=64 if temperature == 0 else 256, metavar="N",
+                   help="stop after N new tokens (default: %(default)s)")
+    s.add_argument("--temperature", type=float, default=temperature,
+                   help="sampling temperature; 0 picks the most likely token (greedy) (default: %(default)s)")
+    s.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass when sampling (default: %(default)s)")
+    s.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divide the logits of tokens already present by this (1.0: off) (default: %(default)s)")
+    s.add_argument("--seed", type=int, default=0, help="random seed for sampling (default: %(default)s)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ktorch",
+        description="CPU/GPU hybrid inference of MoE language models: routed experts on the CPU "
+        "(torch.ops.kt.fused_moe), everything else on the GPU, or all of it on the CPU.",
+        epilog="Run 'ktorch <command> --help' for a command's options. Example: "
+        "ktorch generate --model builtin --prompt \"The meaning of life is\"",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="command", required=True)
+
+    gen = sub.add_parser(
+        "generate",
+        help="complete a prompt, streaming the text, then print prefill and decode tokens/s",
+        description="Complete a prompt with greedy decoding (or sampling with --temperature), printing the text "
+        "as it is generated, then prefill tokens/s (prompt tokens / time to the first new token) and decode "
+        "tokens/s (the remaining new tokens / their time) on stderr.",
+    )
+    gen.add_argument("--prompt", required=True, help="the text to complete")
+    gen.add_argument("--chat-template", action="store_true",
+                     help="wrap the prompt as a user message with the tokenizer's chat template")
+    _add_model_arguments(gen)
+    _add_sampling_arguments(gen, temperature=0.0)
+
+    chat = sub.add_parser(
+        "chat",
+        help="interactive chat session using the tokenizer's chat template",
+        description="Interactive chat: type a message and press Enter; the reply streams back. The conversation "
+        "is formatted with the tokenizer's chat template. Commands: /reset clears the history, /exit (or "
+        "Ctrl-D) quits.",
+    )
+    chat.add_argument("--system", default=None, help="a system message to start the conversation with")
+    _add_model_arguments(chat)
+    _add_sampling_arguments(chat, temperature=0.7)
+
+    bench = sub.add_parser(
+        "bench",
+        help="time one MoE layer's routed experts on the CPU (benchmarks/bench_fused_moe.py)",
+        description="Runs benchmarks/bench_fused_moe.py from the source checkout with the arguments after '--', "
+        "e.g. 'ktorch bench -- --shapes qwen3 --tokens 1 512'. 'ktorch bench -- --help' lists them.",
+    )
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for bench_fused_moe.py (after --)")
+    return parser
+
+
+# ---------------------------------------------------------------- loading and placement
+
+
+def resolve_model_path(model: str) -> Path:
+    """The checkpoint folder for ``--model``: ktorch/builtin for 'builtin', else the given folder (checked)."""
+    if model == "builtin":
+        from ktorch.builtin import BUILTIN_PATH
+
+        return BUILTIN_PATH
+    path = Path(model).expanduser()
+    if path.suffix.lower() == ".gguf" or (path.is_dir() and any(path.glob("*.gguf")) and not (path / "config.json").exists()):
+        raise CLIError(f"--model {model}: GGUF checkpoints are not supported yet; use a transformers checkpoint "
+                       "folder (config.json + safetensors + tokenizer files) or 'builtin'")
+    if not path.exists():
+        raise CLIError(f"--model {model}: no such folder; give a transformers checkpoint folder or 'builtin'")
+    if not path.is_dir() or not (path / "config.json").is_file():
+        raise CLIError(f"--model {model}: not a transformers checkpoint folder (no config.json in it); give a folder "
+                       "with config.json, safetensors weights and tokenizer files, or 'builtin'")
+    return path
+
+
+def resolve_device(device: str):
+    import torch
+
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as e:
+        raise CLIError(f"--device {device}: {e}") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise CLIError(f"--device {device}: this torch sees no CUDA GPU (torch {torch.__version__}); use --device cpu")
+    return resolved
+
+
+def load_model(args: argparse.Namespace):
+    """(model, tokenizer, device), the model placed as the arguments ask."""
+    import torch
+
+    if args.deferred_experts < 0:
+        raise CLIError(f"--deferred-experts must be >= 0, got {args.deferred_experts}")
+    if args.deferred_experts > 0:
+        raise CLIError(f"--deferred-experts {args.deferred_experts}: deferred experts are not implemented yet; "
+                       "use --deferred-experts 0")
+    if args.group_size is not None and args.experts_dtype != "int4":
+        raise CLIError(f"--group-size applies to --experts-dtype int4 only, got --experts-dtype {args.experts_dtype}")
+    path = resolve_model_path(args.model)
+    device = resolve_device(args.device)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # no loading progress bars or advice between the command and its text
+    hf_logging.disable_progress_bar()
+    dtype = "auto" if DTYPES[args.dtype] is None else getattr(torch, DTYPES[args.dtype])
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    except (OSError, ValueError, KeyError) as e:
+        raise CLIError(f"--model {args.model}: transformers could not load {path}: {e}") from None
+    model.eval()
+    if args.plain:
+        model.to(device)
+    else:
+        import ktorch
+
+        try:
+            ktorch.prepare(model, device=device, experts_device="cpu", experts_dtype=args.experts_dtype,
+                           group_size=args.group_size)
+        except ValueError as e:  # no experts modules, unsupported layer features, bad group size
+            raise CLIError(f"--model {args.model}: {e}") from None
+    return model, tokenizer, device
+
+
+# ---------------------------------------------------------------- streaming and timing
+
+
+def _make_streamer(tokenizer, out=None):
+    """A transformers TextStreamer that prints to ``out`` (default: stdout) and timestamps the tokens it receives."""
+    from transformers import TextStreamer
+
+    class TimedStreamer(TextStreamer):
+        def __init__(self):
+            super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
+            self.t_first: Optional[float] = None
+            self.t_last: Optional[float] = None
+            self.new_tokens = 0
+
+        def put(self, value):
+            prompt = self.skip_prompt and self.next_tokens_are_prompt
+            if not prompt:
+                now = time.perf_counter()
+                self.t_first = self.t_first or now
+                self.t_last = now
+                self.new_tokens += value.numel()
+            super().put(value)
+
+        def on_finalized_text(self, text: str, stream_end: bool = False):
+            print(text, end="" if not stream_end else "\n", file=out or sys.stdout, flush=True)
+
+    return TimedStreamer()
+
+
+def run_generation(model, tokenizer, input_ids, args: argparse.Namespace, out=None) -> tuple[list[int], str]:
+    """Generates from ``input_ids`` ([1, P]) streaming to ``out``; returns (new token ids, timing line)."""
+    import torch
+
+    device = model.get_input_embeddings().weight.device
+    input_ids = input_ids.to(device)
+    streamer = _make_streamer(tokenizer, out)
+    sampling = args.temperature > 0
+    kwargs = dict(do_sample=sampling, temperature=args.temperature, top_p=args.top_p) if sampling else dict(do_sample=False)
+    if args.repetition_penalty != 1.0:
+        kwargs["repetition_penalty"] = args.repetition_penalty
+    torch.manual_seed(args.seed)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        output = model.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=args.max_new_tokens,
+            streamer=streamer,
+            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+            **kwargs,
+        )
+    t_end = time.perf_counter()
+    new_ids = output[0, input_ids.shape[1]:].tolist()
+    return new_ids, timing_line(input_ids.shape[1], len(new_ids), t0, streamer.t_first, t_end)
+
+
+def timing_line(prompt_tokens: int, new_tokens: int, t0: float, t_first: Optional[float], t_end: float) -> str:
+    """"prefill: P tokens in a s (x tok/s) | decode: N tokens in b s (y tok/s)"."""
+    if t_first is None or new_tokens == 0:
+        return f"prefill: {prompt_tokens} tokens in {t_end - t0:.3f} s ({prompt_tokens / (t_end - t0):.1f} tok/s) | decode: 0 tokens"
+    prefill_s = t_first - t0
+    decode_s = t_end - t_first
+    decode_rate = f"{(new_tokens - 1) / decode_s:.1f} tok/s" if new_tokens > 1 and decode_s > 0 else "n/a tok/s"
+    return (f"prefill: {prompt_tokens} tokens in {prefill_s:.3f} s ({prompt_tokens / prefill_s:.1f} tok/s) | "
+            f"decode: {new_tokens - 1} tokens in {decode_s:.3f} s ({decode_rate})")
+
+
+def _describe(model, args: argparse.Namespace, device) -> str:
+    experts = "experts on --device (transformers)" if args.plain else f"experts {args.experts_dtype} on cpu (kt.fused_moe)"
+    n = sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers())
+    return f"[ktorch] {args.model}: {n / 1e6:.1f} M weights, {model.dtype} on {device}, {experts}"
+
+
+# ---------------------------------------------------------------- commands
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    model, tokenizer, device = load_model(args)
+    print(_describe(model, args, device), file=sys.stderr, flush=True)
+    if args.chat_template:
+        input_ids = _chat_input_ids(tokenizer, [{"role": "user", "content": args.prompt}])
+    else:
+        input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids
+        print(args.prompt, end="", flush=True)  # the completion continues the prompt on the same line
+    _, timing = run_generation(model, tokenizer, input_ids, args)
+    print(timing, file=sys.stderr, flush=True)
+    return 0
+
+
+def _chat_input_ids(tokenizer, messages: list[dict[str, str]]):
+    if not getattr(tokenizer, "chat_template", None):
+        raise CLIError("this tokenizer has no chat template (tokenizer_config.json 'chat_template' or "
+                       "chat_template.jinja); use 'ktorch generate' for plain completion")
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    return encoded["input_ids"]
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    model, tokenizer, device = load_model(args)
+    print(_describe(model, args, device), file=sys.stderr, flush=True)
+    _chat_input_ids(tokenizer, [{"role": "user", "content": "probe"}])  # fail now, not after the first message
+    print("Type a message and press Enter; /reset clears the history, /exit or Ctrl-D quits.", file=sys.stderr)
+    start = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(start)
+    while True:
+        try:
+            text = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if not text.strip():
+            continue
+        if text.strip() == "/exit":
+            return 0
+        if text.strip() == "/reset":
+            messages = list(start)
+            print("(history cleared)", file=sys.stderr)
+            continue
+        messages.append({"role": "user", "content": text})
+        new_ids, timing = run_generation(model, tokenizer, _chat_input_ids(tokenizer, messages), args)
+        reply = tokenizer.decode(new_ids, skip_special_tokens=True).strip()
+        messages.append({"role": "assistant", "content": reply})
+        print(f"[{timing}]", file=sys.stderr, flush=True)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_fused_moe.py"
+    rest = args.args[1:] if args.args[:1] == ["--"] else args.args
+    if not script.is_file():
+        raise CLIError("benchmarks/bench_fused_moe.py is not next to this installation (ktorch bench needs the source "
+                       "checkout, installed with pip install -e .); from a checkout run: "
+                       "python benchmarks/bench_fused_moe.py --help")
+    return subprocess.call([sys.executable, str(script), *rest], env=os.environ.copy())
+
+
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except CLIError as e:
+        print(f"ktorch {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""The ``ktorch`` command (ktorch/cli.py): help, generate on the built-in model, chat, bench, clear errors."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from ktorch.cli import build_parser, main
+
+TIMING = re.compile(r"prefill: \d+ tokens in [\d.]+ s \([\d.]+ tok/s\) \| decode: \d+ tokens in [\d.]+ s \([\d.]+ tok/s\)")
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``python -m ktorch.cli ARGS`` in a fresh process: what the ``ktorch`` console script runs."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "ktorch.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_help_lists_subcommands(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for command in ("generate", "chat", "bench"):
+        assert command in out
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "bench"])
+def test_every_option_has_help(command):
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices[command]
+    for action in sub._actions:
+        if action.dest != "help":
+            assert action.help and len(action.help) > 10, f"ktorch {command}: {action.option_strings or action.dest}"
+
+
+def test_generate_help_names_the_options(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    out = capsys.readouterr().out
+    for option in ("--model", "--prompt", "--max-new-tokens", "--experts-dtype", "--deferred-experts", "--device"):
+        assert option in out
+
+
+def test_console_script_is_installed():
+    path = shutil.which("ktorch")
+    if path is None:
+        pytest.skip("no 'ktorch' executable on PATH: the package is not pip-installed in this environment")
+    result = subprocess.run([path, "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "generate" in result.stdout
+
+
+def test_generate_builtin_streams_text_and_rates():
+    result = run_cli("generate", "--model", "builtin", "--prompt", "hi", "--max-new-tokens", "4")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("hi") and len(result.stdout) > len("hi")
+    assert TIMING.search(result.stderr), result.stderr
+    assert "experts bf16 on cpu (kt.fused_moe)" in result.stderr
+
+
+def test_generate_int8_experts_in_process(capsys):
+    assert main(["generate", "--model", "builtin", "--prompt", "The", "--max-new-tokens", "3", "--experts-dtype", "int8"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("The")
+    assert TIMING.search(captured.err) and "experts int8 on cpu" in captured.err
+
+
+def test_generate_plain_matches_prepared_bf16(capsys):
+    """Greedy text of transformers' own experts and of kt.fused_moe (bf16) agree on a short completion."""
+    args = ["generate", "--model", "builtin", "--prompt", "Python is", "--max-new-tokens", "6", "--dtype", "fp32"]
+    assert main(args) == 0
+    prepared = capsys.readouterr().out
+    assert main(args + ["--plain"]) == 0
+    assert capsys.readouterr().out == prepared
+
+
+def test_bad_model_path_is_a_clear_error(tmp_path):
+    missing = tmp_path / "no-such-model"
+    result = run_cli("generate", "--model", str(missing), "--prompt", "hi")
+    assert result.returncode != 0
+    assert f"--model {missing}: no such folder" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_folder_without_config_is_a_clear_error(tmp_path, capsys):
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "hi"]) == 1
+    assert "no config.json" in capsys.readouterr().err
+
+
+def test_gguf_is_not_supported_yet(tmp_path, capsys):
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert main(["generate", "--model", str(gguf), "--prompt", "hi"]) == 1
+    assert "GGUF checkpoints are not supported yet" in capsys.readouterr().err
+
+
+def test_deferred_experts_not_implemented_yet(capsys):
+    assert main(["generate", "--model", "builtin", "--prompt", "hi", "--deferred-experts", "2"]) == 1
+    assert "deferred experts are not implemented yet" in capsys.readouterr().err
+    assert main(["generate", "--model", "builtin", "--prompt", "hi", "--group-size", "32"]) == 1
+    assert "--group-size applies to --experts-dtype int4 only" in capsys.readouterr().err
+
+
+def test_chat_session(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Tell me a joke.\n/reset\nHello\n/exit\n"))
+    assert main(["chat", "--model", "builtin", "--max-new-tokens", "5", "--temperature", "0"]) == 0
+    captured = capsys.readouterr()
+    assert len(TIMING.findall(captured.err)) == 2  # one reply per message, none for the commands
+    assert "(history cleared)" in captured.err
+
+
+def test_bench_passes_arguments_through():
+    result = run_cli("bench", "--", "--help", timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "--shapes" in result.stdout
