@@ -282,8 +282,8 @@ def timing_line(prompt_tokens: int, new_tokens: int, t0: float, t_first: Optiona
 
 def _describe(model, args: argparse.Namespace, device) -> str:
     experts = "experts on --device (transformers)" if args.plain else f"experts {args.experts_dtype} on cpu (kt.fused_moe)"
-    n = sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers())
-    return f"[ktorch] {args.model}: {n / 1e6:.1f} M weights, {model.dtype} on {device}, {experts}"
+    size = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    return f"[ktorch] {args.model}: {size / 1e6:.1f} MB of weights, {model.dtype} on {device}, {experts}"
 
 
 # ---------------------------------------------------------------- commands

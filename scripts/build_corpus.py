@@ -49,7 +49,7 @@ SKIP_FORTUNE_DBS = {"ascii-art"}
 EOT = "<|endoftext|>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [EOT, IM_START, IM_END]
-VOCAB_SIZE = 8192
+VOCAB_SIZE = 4096
 # Jinja chat template; chat_text() below writes the same format for the training documents.
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"

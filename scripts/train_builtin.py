@@ -2,7 +2,7 @@
 """Trains ktorch's built-in model: a small Qwen3-MoE language model on the corpus of scripts/build_corpus.py.
 
     python scripts/build_corpus.py                      # once: .corpus/{train,valid}.txt, tokenizer, eval text
-    python scripts/train_builtin.py --out ktorch/builtin # the committed model (GPU: about 3 minutes)
+    python scripts/train_builtin.py --out ktorch/builtin # the committed model (one GPU: under 4 minutes)
     python scripts/train_builtin.py --steps 20 --batch-size 4 --seq-len 128 --out /tmp/tiny   # smoke test
 
 Plain PyTorch loop: AdamW, linear warm-up then cosine decay to 10%, bf16 autocast on CUDA, gradient
@@ -12,6 +12,8 @@ is cut into windows of ``seq_len`` + 1 tokens, shuffled per epoch by a seeded ge
 saved (bf16 safetensors, ``save_pretrained``) with the tokenizer files, and scored on the held-out text
 ktorch/builtin/eval.txt. ``train_metrics.json`` beside the weights records the perplexity, the loss
 curve, the configuration and the machine.
+
+Seeded (``--seed``): a CPU run repeats bit for bit; a GPU run up to the summation order of atomic adds.
 
 ``--time-budget-s`` bounds the training loop: from step 30 on, the measured step time decides whether
 ``--steps`` still fit; if not, the run ends earlier (and says so), the cosine schedule shortened to match.
@@ -59,7 +61,7 @@ evaluation = _load_evaluation()
 def builtin_config(vocab_size: int, eot_id: int, im_end_id: int):
     """The built-in model's architecture: 4 Qwen3-MoE layers, 16 experts (top-4) of width 128, hidden 256.
 
-    About 9.2 M parameters (18.4 MB in bf16), of which 6.3 M are routed experts; per token about 3.5 M run.
+    About 8.1 M parameters (16.3 MB in bf16), of which 6.3 M are routed experts; per token about 3.4 M run.
     Hidden and expert widths are multiples of 32 (kt.fused_moe's packing) and of 128 (int4 groups of 128).
     """
     from transformers import Qwen3MoeConfig
@@ -169,6 +171,16 @@ class WindowSampler:
 # ---------------------------------------------------------------- training
 
 
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def lr_at(step: int, total: int, warmup: int, peak: float, floor_ratio: float = 0.1) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -185,12 +197,11 @@ def training_loss(model, batch: torch.Tensor, aux_coef: float) -> tuple[torch.Te
     return ce + aux_coef * aux, ce.detach(), aux.detach()
 
 
-def pick_experts_implementation(model, batch: torch.Tensor, device: torch.device, autocast) -> str:
+def pick_experts_implementation(model, batch: torch.Tensor, autocast) -> str:
     """The first implementation that runs a forward and backward and matches eager's loss.
 
     Tries ``bf16_grouped_mm`` (fast on CUDA), then transformers' ``grouped_mm``, and falls back to ``eager``.
     """
-    reference = None
     with autocast():
         set_experts_implementation(model, "eager")
         reference = training_loss(model, batch, 0.0)[1].item()
@@ -235,7 +246,7 @@ def valid_loss(model, tokens: torch.Tensor, seq_len: int, batch_size: int, autoc
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=4000, help="optimizer steps (default 4000, about 16 epochs)")
+    parser.add_argument("--steps", type=int, default=4000, help="optimizer steps (default 4000, about 15 epochs)")
     parser.add_argument("--batch-size", type=int, default=32, help="sequences per step (default 32)")
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (default 512)")
     parser.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default 2e-3)")
@@ -251,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", type=Path, default=BUILTIN_DIR, help="folder with tokenizer.json (default ktorch/builtin)")
     parser.add_argument("--eval-text", type=Path, default=BUILTIN_DIR / "eval.txt", help="held-out text to report perplexity on")
     parser.add_argument("--out", type=Path, required=True, help="output folder (config, model.safetensors, tokenizer, train_metrics.json)")
+    parser.add_argument("--no-tokenizer-files", action="store_true",
+                        help="leave the tokenizer files out of --out (when they are there already, e.g. ktorch/builtin)")
     args = parser.parse_args(argv)
     t_start = time.perf_counter()
 
@@ -289,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sampler = WindowSampler(train_tokens, args.seq_len, args.batch_size, args.seed)
     probe = sampler.windows[: min(4, args.batch_size)].to(device)
-    experts_impl = pick_experts_implementation(model, probe, device, autocast)
+    experts_impl = pick_experts_implementation(model, probe, autocast)
 
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
@@ -360,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args.out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(args.out))
-    for name in TOKENIZER_FILES:
+    for name in () if args.no_tokenizer_files else TOKENIZER_FILES:
         src = args.tokenizer / name
         if src.exists() and src.resolve() != (args.out / name).resolve():
             shutil.copyfile(src, args.out / name)
@@ -389,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         "parameters": n_params, "routed_expert_parameters": n_experts,
         "experts_implementation": experts_impl, "train_seconds": round(train_seconds, 1),
         "total_seconds": round(time.perf_counter() - t_start, 1), "history": history,
-        "machine": {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine(),
+        "machine": {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
                     "torch": torch.__version__, "transformers": __import__("transformers").__version__,
                     "python": platform.python_version(), "cpu_count": os.cpu_count()},
         "command": "python " + " ".join([os.path.relpath(__file__, REPO)] + (sys.argv[1:] if argv is None else argv)),

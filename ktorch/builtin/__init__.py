@@ -58,7 +58,7 @@ def eval_perplexity(
     """Perplexity of ``model`` on the held-out text (its first ``max_tokens`` tokens, or all of it).
 
     Returns ``{"loss", "perplexity", "tokens"}`` and, for the whole text, ``"bits_per_byte"``. The
-    whole text (about 46 k tokens) scores in about a minute on two CPU cores; docs/builtin_model.md gives
+    whole text (about 51 k tokens) scores in a few seconds on two CPU cores; docs/builtin_model.md gives
     the reference figures.
     """
     documents = read_documents(EVAL_TEXT_PATH)
