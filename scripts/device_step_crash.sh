@@ -7,4 +7,4 @@ try:
 except RuntimeError as e:
     print("raised:", str(e).splitlines()[0])
 PY
-cuda-gdb -batch -ex run -ex bt -ex "info registers rip" --args python3 /tmp/crash.py 2>&1 | grep -vE "^\[New Thread|^\[Thread|Detaching" | tail -40
+cuda-gdb -batch -ex run -ex bt -ex "info registers rip" --args python3 /tmp/crash.py 2>&1 | grep -vE "^\[New Thread|^\[Thread|Detaching" | head -60

@@ -13,6 +13,7 @@
 #include <ATen/ATen.h>
 
 #include <cstring>
+#include <mutex>
 #include <vector>
 
 #include "../kernels/kernels.h"
@@ -93,11 +94,39 @@ struct Rows {
   int64_t groups = 1;
 };
 
+// Scratch buffers kept from call to call. Large fresh allocations are mmap'd by malloc and returned to
+// the OS on free, so every call would first-touch (page-fault) tens of MB from all workers at once,
+// which serializes in the kernel; reused buffers are already mapped. One call at a time owns the
+// shared workspace; a concurrent call gets a private one.
+class Workspace {
+ public:
+  enum Slot { kRows, kRowsF32, kGathered, kH, kHq, kAcc, kScratch, kNumSlots };
+  at::Tensor take(Slot slot, at::IntArrayRef shape, at::ScalarType dtype) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    const int64_t bytes = std::max<int64_t>(1, n * static_cast<int64_t>(c10::elementSize(dtype)));
+    at::Tensor& buf = slots_[slot];
+    if (!buf.defined() || buf.numel() < bytes) buf = at::empty({bytes + bytes / 4}, at::TensorOptions().dtype(at::kByte));
+    return buf.narrow(0, 0, bytes).view(dtype).view(shape);
+  }
+
+ private:
+  at::Tensor slots_[kNumSlots];
+};
+
+Workspace& shared_workspace() {
+  static Workspace ws;
+  return ws;
+}
+std::mutex& shared_workspace_mutex() {
+  static std::mutex m;
+  return m;
+}
+
 // Quantizes rows of x [R, K] (fp32) in parallel.
 void quantize(const kernels::KernelSet& ks, const at::Tensor& x, int64_t group_size, at::Tensor& q, at::Tensor& scale,
               at::Tensor& gsum) {
   const int64_t R = x.size(0), K = x.size(1), G = K / group_size;
-  q = at::empty({R, K}, x.options().dtype(at::kChar));
   scale = at::empty({R}, x.options());
   gsum = at::empty({R, G}, x.options().dtype(at::kInt));
   const int64_t chunk = 16, tasks = (R + chunk - 1) / chunk;
@@ -114,9 +143,8 @@ void quantize(const kernels::KernelSet& ks, const at::Tensor& x, int64_t group_s
 // src [R, C] (any dtype, any strides) as a contiguous tensor of `dtype`, converted by the pool's workers
 // in slices small enough that ATen runs each copy serially: ATen's own intra-op threads would have to
 // compete for the cores with the pool's spinning workers.
-at::Tensor convert_rows(const at::Tensor& src, at::ScalarType dtype) {
+at::Tensor convert_rows(const at::Tensor& src, at::ScalarType dtype, at::Tensor dst) {
   if (src.scalar_type() == dtype && src.is_contiguous()) return src;
-  at::Tensor dst = at::empty(src.sizes(), src.options().dtype(dtype).memory_format(at::MemoryFormat::Contiguous));
   const int64_t R = src.size(0), rows = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, src.size(1)));
   runtime::parallel_tasks((R + rows - 1) / rows, [&](int64_t t, int) {
     const int64_t r0 = t * rows, r1 = std::min(R, r0 + rows);
@@ -168,6 +196,9 @@ at::Tensor fused_moe(const at::Tensor& hidden_in, const at::Tensor& topk_ids_in,
   const Activation act = parse_activation(activation);
 
   at::Tensor out = at::empty({T, H}, hidden_in.options());
+  std::unique_lock<std::mutex> ws_lock(shared_workspace_mutex(), std::try_to_lock);
+  Workspace private_ws;
+  Workspace& ws = ws_lock.owns_lock() ? shared_workspace() : private_ws;
   const kernels::KernelSet& ks = runtime::select_kernels();
   if (T == 0 || topk_ids_in.size(1) == 0) return out.zero_();
   const int workers = runtime::num_workers();
@@ -210,10 +241,12 @@ at::Tensor fused_moe(const at::Tensor& hidden_in, const at::Tensor& topk_ids_in,
   Rows x;
   at::Tensor rows;  // per token: bf16, or int8 quantized
   if (fmt == WeightFormat::BF16) {
-    rows = convert_rows(hidden_in, at::kBFloat16);
+    rows = convert_rows(hidden_in, at::kBFloat16, ws.take(Workspace::kRows, {T, H}, at::kBFloat16));
   } else {
     at::Tensor s, g;
-    quantize(ks, convert_rows(hidden_in, at::kFloat), up.group_size(), rows, s, g);
+    rows = ws.take(Workspace::kRows, {T, H}, at::kChar);
+    quantize(ks, convert_rows(hidden_in, at::kFloat, ws.take(Workspace::kRowsF32, {T, H}, at::kFloat)), up.group_size(),
+             rows, s, g);
     x.groups = up.groups;
     x.scale.resize(P);
     x.gsum.resize(P * x.groups);
@@ -226,7 +259,7 @@ at::Tensor fused_moe(const at::Tensor& hidden_in, const at::Tensor& topk_ids_in,
     }
   }
   const int64_t row_bytes = H * rows.element_size();
-  x.storage = at::empty({P, H}, rows.options());
+  x.storage = ws.take(Workspace::kGathered, {P, H}, rows.scalar_type());
   {
     const auto* src = static_cast<const uint8_t*>(rows.data_ptr());
     auto* dst = static_cast<uint8_t*>(x.storage.data_ptr());
@@ -241,7 +274,7 @@ at::Tensor fused_moe(const at::Tensor& hidden_in, const at::Tensor& topk_ids_in,
 
   // ---- 3. gate + up + activation: h[p] = act(x_p W_gate^T) * (x_p W_up^T)
   const bool h_bf16 = fmt == WeightFormat::BF16;
-  at::Tensor h = at::empty({P, I}, hidden_in.options().dtype(h_bf16 ? at::kBFloat16 : at::kFloat));
+  at::Tensor h = ws.take(Workspace::kH, {P, I}, h_bf16 ? at::kBFloat16 : at::kFloat);
   const size_t up_block = kernels::block_bytes(fmt, up.K);
   const auto* up_base = static_cast<const uint8_t*>(w13.data_ptr());
   const float* up_scales = w13_scales ? w13_scales->data_ptr<float>() : nullptr;
@@ -251,7 +284,7 @@ at::Tensor fused_moe(const at::Tensor& hidden_in, const at::Tensor& topk_ids_in,
   for (int64_t e : active)
     for (int64_t p0 = offset[e]; p0 < offset[e + 1]; p0 += kTokensPerTask)
       chunks.push_back({e, p0, std::min(kTokensPerTask, offset[e + 1] - p0)});
-  at::Tensor scratch = at::empty({workers, kTokensPerTask, 64}, hidden_in.options().dtype(at::kFloat));
+  at::Tensor scratch = ws.take(Workspace::kScratch, {workers, kTokensPerTask, 64}, at::kFloat);
   float* scratch_p = scratch.data_ptr<float>();
   runtime::parallel_tasks(static_cast<int64_t>(chunks.size()) * ublocks, [&](int64_t task, int worker) {
     const Chunk& ch = chunks[task / ublocks];
@@ -288,12 +321,13 @@ at::Tensor fused_moe(const at::Tensor& hidden_in, const at::Tensor& topk_ids_in,
     const auto* base = static_cast<const uint8_t*>(h.data_ptr());
     for (int64_t p = 0; p < P; ++p) hr.ptr[p] = base + p * I * 2;
   } else {
+    hr.storage = ws.take(Workspace::kHq, {P, I}, at::kChar);
     quantize(ks, h, down.group_size(), hr.storage, hs, hg);
     hr.groups = down.groups;
     const int8_t* base = hr.storage.data_ptr<int8_t>();
     for (int64_t p = 0; p < P; ++p) hr.ptr[p] = base + p * I;
   }
-  at::Tensor acc = hdtype == at::kFloat ? out : at::empty({T, H}, hidden_in.options().dtype(at::kFloat));
+  at::Tensor acc = hdtype == at::kFloat ? out : ws.take(Workspace::kAcc, {T, H}, at::kFloat);
   float* accp = acc.data_ptr<float>();
   const size_t down_block = kernels::block_bytes(fmt, down.K);
   const auto* down_base = static_cast<const uint8_t*>(w2.data_ptr());
