@@ -45,6 +45,25 @@ ext_sources = sorted(glob.glob(os.path.join(CSRC, "*.cpp")) + glob.glob(os.path.
                      + glob.glob(os.path.join(CSRC, "runtime", "*.cpp")))
 libraries = [isa_library(isa) for isa in ISA_FLAGS]
 
+
+def runtime_libraries_of_torch():
+    """The shared libstdc++ and libgomp this (torch-importing) process runs with, to link against explicitly.
+
+    Some toolchains (seen: a g++ under /opt/gcc on the device machine) link libstdc++ statically into a
+    shared object by default. The extension then carries its own iostream/locale state beside torch's, and
+    formatting a number into a c10::str message (every TORCH_CHECK naming a shape) crashes on mismatched
+    locale facets. Naming torch's own shared copies before the driver's implicit -lstdc++ resolves every
+    symbol there, so nothing is pulled from a static archive.
+    """
+    found = {}
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.split()[-1]
+            for name in ("libstdc++.so", "libgomp"):
+                if name in os.path.basename(path) and name not in found and os.path.exists(path):
+                    found[name] = path
+    return ["-Wl,--no-as-needed"] + list(found.values()) + ["-Wl,--as-needed"] if found else []
+
 setup(
     libraries=libraries,
     ext_modules=[
@@ -54,7 +73,7 @@ setup(
             # ATen's at::parallel_for is a header template: without OpenMP here it would run serially
             extra_compile_args=OPT + ["-fopenmp"],
             # the kernels reference each other (amx falls back to avx512), so group them for the linker
-            extra_link_args=["-fopenmp", "-Wl,--start-group"] + [f"-l{name}" for name, _ in libraries] + ["-Wl,--end-group"],
+            extra_link_args=runtime_libraries_of_torch() + ["-fopenmp", "-Wl,--start-group"] + [f"-l{name}" for name, _ in libraries] + ["-Wl,--end-group"],
         )
     ],
     cmdclass={"build_ext": BuildExt},

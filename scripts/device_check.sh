@@ -16,19 +16,19 @@ log "machine"
 { lscpu | grep -E "Model name|^CPU\(s\)|Thread|NUMA node\(s\)|L3|Flags" | cut -c1-300; nvidia-smi -L; python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)"; } 2>&1 | tee "$OUT/machine.txt"
 log "build"
 # editable install: builds the extension in place and registers the torch.compile backend entry point
-python3 -m pip install --no-deps --no-build-isolation --no-index -e . > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
+python3 -m pip install -v --no-deps --no-build-isolation --no-index -e . > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
 python3 -c "import ktorch; print(ktorch.cpu_features())" 2>&1 | tee -a "$OUT/machine.txt"
 for s in $steps; do
   case $s in
     tests)
       log "tests"
-      python3 -m pytest -q --timeout=900 tests 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+      python3 -m pytest -q -p no:cacheprovider --timeout=900 --tb=short -rfE tests 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
     bench)
       log "bench_fused_moe"
-      python3 benchmarks/bench_fused_moe.py --min-seconds 1 2>&1 | tee "$OUT/bench_fused_moe.log" | grep -E "^\||machine|L3|skip|fail" ;;
+      python3 benchmarks/bench_fused_moe.py --min-seconds 1 > "$OUT/bench_fused_moe.log" 2>&1; grep -E "^\||machine|L3|skip|fail" "$OUT/bench_fused_moe.log" ;;
     *)
       log "step $s"
-      bash "scripts/device_step_$s.sh" 2>&1 | tee "$OUT/$s.log" | tail -40 ;;
+      bash "scripts/device_step_$s.sh" > "$OUT/$s.log" 2>&1; tail -40 "$OUT/$s.log" ;;
   esac
 done
 log "done"
