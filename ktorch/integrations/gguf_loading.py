@@ -52,6 +52,45 @@ def _auto_format(type_name: str) -> str:
     return "int8"
 
 
+def dequantize(data: np.ndarray, qtype) -> torch.Tensor:
+    """GGUF tensor bytes (numpy order, quantized rows as bytes) -> float tensor [..., K] with the file's values.
+
+    Float types are reinterpreted in place (float16/bfloat16 stay in that dtype); quantized blocks are decoded by
+    the gguf package's own ``dequantize_blocks`` of the type, called on large batches of blocks from a few threads
+    (numpy releases the GIL there), which is many times faster than ``gguf.quants.dequantize``'s 16-row groups.
+    """
+    gguf = _gguf()
+    T = gguf.GGMLQuantizationType
+    if qtype == T.F32:
+        return torch.from_numpy(np.ascontiguousarray(data).view(np.float32))
+    if qtype == T.F16:
+        return torch.from_numpy(np.ascontiguousarray(data).view(np.float16))
+    if qtype == T.BF16:
+        return torch.from_numpy(np.ascontiguousarray(data).view(np.int16)).view(torch.bfloat16)
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    decoder = getattr(gguf.quants, qtype.name, None)
+    if decoder is None or not hasattr(decoder, "dequantize_blocks"):
+        return torch.from_numpy(np.asarray(gguf.quants.dequantize(data, qtype), dtype=np.float32))
+    shape = (*data.shape[:-1], data.shape[-1] // type_size * block_size)
+    blocks = np.ascontiguousarray(data).reshape(-1, type_size)
+    out = np.empty((blocks.shape[0], block_size), dtype=np.float32)
+    step = 16384
+    spans = [(i, min(i + step, blocks.shape[0])) for i in range(0, blocks.shape[0], step)]
+
+    def run(span):
+        out[span[0]:span[1]] = decoder.dequantize_blocks(blocks[span[0]:span[1]])
+
+    if len(spans) > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=min(len(spans), torch.get_num_threads())) as pool:
+            list(pool.map(run, spans))
+    else:
+        for span in spans:
+            run(span)
+    return torch.from_numpy(out).reshape(shape)
+
+
 def _dequantizable(qtype) -> bool:
     gguf = _gguf()
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
@@ -243,10 +282,9 @@ class GGUFSource(CheckpointSource):
             return
         self._check_shape(mapped + ("" if mapped in self.tensors else ".weight"), name, shape)
 
-    def _array(self, t, first: Optional[int] = None, end: Optional[int] = None) -> np.ndarray:
-        """Tensor ``t`` (experts ``first:end`` of a stacked one) as float32 in numpy order."""
-        data = t.data if first is None else t.data[first:end]
-        return _gguf().quants.dequantize(data, t.tensor_type)
+    def _array(self, t, first: Optional[int] = None, end: Optional[int] = None) -> torch.Tensor:
+        """Tensor ``t`` (experts ``first:end`` of a stacked one) as a float tensor in numpy order."""
+        return dequantize(t.data if first is None else t.data[first:end], t.tensor_type)
 
     def read_tensor(self, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         mapped = self._gguf_name(name)
@@ -255,9 +293,9 @@ class GGUFSource(CheckpointSource):
             if f"blk.{layer}.attn_kv_b.weight" in self.tensors:
                 value = self._array(self.tensors[f"blk.{layer}.attn_kv_b.weight"])
             else:
-                k_b = self._array(self.tensors[f"blk.{layer}.attn_k_b.weight"]).transpose(0, 2, 1)  # [h, nope, lora]
-                v_b = self._array(self.tensors[f"blk.{layer}.attn_v_b.weight"])  # [h, v, lora]
-                value = np.concatenate([k_b, v_b], axis=1).reshape(-1, k_b.shape[-1])
+                k_b = self._array(self.tensors[f"blk.{layer}.attn_k_b.weight"]).float().transpose(1, 2)  # [h, nope, lora]
+                v_b = self._array(self.tensors[f"blk.{layer}.attn_v_b.weight"]).float()  # [h, v, lora]
+                value = torch.cat([k_b, v_b], dim=1).reshape(-1, k_b.shape[-1])
         else:
             gguf_name = mapped if mapped in self.tensors else mapped + ".weight"
             value = self._array(self.tensors[gguf_name])
@@ -265,7 +303,7 @@ class GGUFSource(CheckpointSource):
                 c = self.config()
                 heads = c.num_attention_heads if ".q_proj" in name else c.num_key_value_heads
                 value = _llama_unpermute(value, heads)
-        return torch.from_numpy(np.array(value, dtype=np.float32)).to(device=device, dtype=dtype)  # a writable copy
+        return value.to(device=device, dtype=dtype, copy=True)  # a copy: the file's pages stay read-only
 
     # ------------------------------------------------------------ experts
 
@@ -293,7 +331,7 @@ class GGUFSource(CheckpointSource):
                                                     torch.cat([exact["gate"][1], exact["up"][1]], dim=1), gate_up=True)
                 w2, s2 = pack_int4_from_quantized(*exact["down"], gate_up=False)
                 return PackedExperts(w13, s13, w2, s2, "int4", 32)
-        arrays = {p: torch.from_numpy(self._array(t, first, end)) for p, t in tensors.items()}
+        arrays = {p: self._array(t, first, end) for p, t in tensors.items()}
         return pack_experts(gate_proj=arrays["gate"], up_proj=arrays["up"], down_proj=arrays["down"], dtype=fmt,
                             group_size=group_size)
 
@@ -330,10 +368,10 @@ class GGUFSource(CheckpointSource):
             raise CheckpointError(self.path, f"transformers cannot build its tokenizer ({model!r}): {e}") from None
 
 
-def _llama_unpermute(weight: np.ndarray, n_head: int) -> np.ndarray:
+def _llama_unpermute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
     """Inverse of llama.cpp's ``LlamaModel.permute`` of Q/K rows."""
     rows = weight.shape[0]
-    return weight.reshape(n_head, rows // n_head // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    return weight.reshape(n_head, rows // n_head // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
 def _exact_int4(t, first: int, end: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:

@@ -360,3 +360,91 @@ def write_gguf_from_model(
     with torch.no_grad():
         out.write()
     return Path(path)
+
+
+# ---------------------------------------------------------------- synthetic benchmark files
+
+FILE_TYPES = {"Q8_0": "MOSTLY_Q8_0", "Q4_0": "MOSTLY_Q4_0", "Q4_K": "MOSTLY_Q4_K_M", "Q5_K": "MOSTLY_Q5_K_M",
+              "Q6_K": "MOSTLY_Q6_K", "BF16": "MOSTLY_BF16", "F16": "MOSTLY_F16", "F32": "ALL_F32"}
+
+
+def write_random_qwen3moe_gguf(
+    path: Path,
+    experts_type: str = "Q8_0",
+    num_layers: int = 48,
+    num_experts: int = 128,
+    experts_per_token: int = 8,
+    hidden_size: int = 2048,
+    expert_intermediate_size: int = 768,
+    num_heads: int = 32,
+    num_kv_heads: int = 4,
+    head_dim: int = 128,
+    vocab_size: int = 151936,
+    distinct_experts: int = 4,
+    seed: int = 0,
+    progress: bool = True,
+) -> Path:
+    """A random qwen3moe GGUF (Qwen3-30B-A3B's shape by default) for speed benchmarks: no tokenizer
+    (``tokenizer.ggml.model = "none"``, ``qwen3moe.vocab_size``), experts in ``experts_type``, other matrices F16.
+
+    Each layer's experts repeat ``distinct_experts`` random experts (encoded once), so every expert has its own
+    bytes in the file and the same access pattern as a real model while writing stays fast; memory stays at one
+    tensor. llama.cpp's ``llama-bench`` and ``ktorch generate --model`` accept the file.
+    """
+    from transformers import AutoConfig
+
+    gguf = _gguf()
+    if num_experts % distinct_experts:
+        raise ValueError(f"write_random_qwen3moe_gguf: num_experts={num_experts} must be a multiple of "
+                         f"distinct_experts={distinct_experts}")
+    config = AutoConfig.for_model(
+        "qwen3_moe", vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
+        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim,
+        intermediate_size=6144, moe_intermediate_size=expert_intermediate_size, num_experts=num_experts,
+        num_experts_per_tok=experts_per_token, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    )
+    rng = np.random.default_rng(seed)
+    out = GGUFFileWriter(path, "qwen3moe")
+    out.writer.add_name(f"random Qwen3-30B-A3B-shaped MoE ({experts_type} experts)")
+    out.writer.add_file_type(int(gguf.LlamaFileType[FILE_TYPES.get(experts_type, "MOSTLY_Q8_0")]))
+    add_arch_metadata(out.writer, config, "qwen3moe", vocab_size)
+    add_tokenizer_metadata(out.writer, None, vocab_size)
+    out.writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+    def normal(shape, std):
+        return lambda: rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+
+    def ones(n):
+        return lambda: np.ones(n, dtype=np.float32)
+
+    H, I, E = hidden_size, expert_intermediate_size, num_experts
+    pools = {}
+
+    def experts(proj: str, rows: int, cols: int):
+        def produce():
+            if proj not in pools:  # encoded once, reused by every layer
+                pools[proj] = encode(rng.standard_normal((distinct_experts, rows, cols), dtype=np.float32)
+                                     * np.float32(cols ** -0.5), experts_type)
+            return np.tile(pools[proj], (E // distinct_experts, 1, 1))
+        return produce
+
+    out.add(PlannedTensor("token_embd.weight", (vocab_size, H), "F16", normal((vocab_size, H), 0.02)))
+    for b in range(num_layers):
+        blk = f"blk.{b}"
+        out.add(PlannedTensor(f"{blk}.attn_norm.weight", (H,), "F32", ones(H)))
+        out.add(PlannedTensor(f"{blk}.attn_q.weight", (num_heads * head_dim, H), "F16", normal((num_heads * head_dim, H), H ** -0.5)))
+        out.add(PlannedTensor(f"{blk}.attn_k.weight", (num_kv_heads * head_dim, H), "F16", normal((num_kv_heads * head_dim, H), H ** -0.5)))
+        out.add(PlannedTensor(f"{blk}.attn_v.weight", (num_kv_heads * head_dim, H), "F16", normal((num_kv_heads * head_dim, H), H ** -0.5)))
+        out.add(PlannedTensor(f"{blk}.attn_output.weight", (H, num_heads * head_dim), "F16", normal((H, num_heads * head_dim), (num_heads * head_dim) ** -0.5)))
+        out.add(PlannedTensor(f"{blk}.attn_q_norm.weight", (head_dim,), "F32", ones(head_dim)))
+        out.add(PlannedTensor(f"{blk}.attn_k_norm.weight", (head_dim,), "F32", ones(head_dim)))
+        out.add(PlannedTensor(f"{blk}.ffn_norm.weight", (H,), "F32", ones(H)))
+        out.add(PlannedTensor(f"{blk}.ffn_gate_inp.weight", (E, H), "F32", normal((E, H), H ** -0.5)))
+        out.add(PlannedTensor(f"{blk}.ffn_gate_exps.weight", (E, I, H), experts_type, experts("gate", I, H), encoded=True))
+        out.add(PlannedTensor(f"{blk}.ffn_up_exps.weight", (E, I, H), experts_type, experts("up", I, H), encoded=True))
+        out.add(PlannedTensor(f"{blk}.ffn_down_exps.weight", (E, H, I), experts_type, experts("down", H, I), encoded=True))
+    out.add(PlannedTensor("output_norm.weight", (H,), "F32", ones(H)))
+    out.add(PlannedTensor("output.weight", (vocab_size, H), "F16", normal((vocab_size, H), H ** -0.5)))
+    out.write(progress=progress)
+    return Path(path)
