@@ -91,6 +91,35 @@ def dequantize(data: np.ndarray, qtype) -> torch.Tensor:
     return torch.from_numpy(out).reshape(shape)
 
 
+class _TruncatedTensor(ValueError):
+    def __init__(self, name: str, start: int, end: int, size: int):
+        super().__init__(name)
+        self.name, self.start, self.end, self.size = name, start, end, size
+
+
+def _reader_class():
+    """``gguf.GGUFReader`` that, before laying out the tensors, checks each one's bytes lie inside the file, so a
+    truncated file is reported with the first tensor it cuts (the plain reader fails in a numpy reshape)."""
+    gguf = _gguf()
+
+    class CheckedGGUFReader(gguf.GGUFReader):
+        def _build_tensors(self, start_offs, fields):
+            size = len(self.data)
+            for field in fields:
+                try:
+                    _, name_data, _, dims, raw_dtype, offset = field.parts
+                    block_size, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(raw_dtype[0]))]
+                    start = int(start_offs + offset[0])
+                    end = start + int(np.prod(dims)) * type_size // block_size
+                except (ValueError, KeyError, TypeError):
+                    break  # not the layout this check knows: let the reader decide
+                if end > size:
+                    raise _TruncatedTensor(bytes(name_data).decode("utf-8", "replace"), start, end, size)
+            return super()._build_tensors(start_offs, fields)
+
+    return CheckedGGUFReader
+
+
 def _dequantizable(qtype) -> bool:
     gguf = _gguf()
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
@@ -105,11 +134,13 @@ class GGUFSource(CheckpointSource):
     """One llama.cpp GGUF file (split files are not supported)."""
 
     def __init__(self, path: Path):
-        gguf = _gguf()
         self.path = Path(path)
         size = self.path.stat().st_size
         try:
-            self.reader = gguf.GGUFReader(str(self.path))
+            self.reader = _reader_class()(str(self.path))
+        except _TruncatedTensor as e:
+            raise CheckpointError(self.path, f"the file ends before the tensor's data does (bytes {e.start}..{e.end} of a "
+                                             f"{e.size}-byte file); truncated download?", tensor=e.name) from None
         except Exception as e:  # noqa: BLE001 - the reader raises ValueError, KeyError, IndexError... on bad bytes
             raise CheckpointError(self.path, f"cannot parse it as GGUF ({type(e).__name__}: {e}); the file is corrupt "
                                              f"or truncated ({size} bytes)") from None
@@ -280,7 +311,7 @@ class GGUFSource(CheckpointSource):
             self._check_shape(f"blk.{layer}.attn_k_b.weight", name, (heads, c.kv_lora_rank, c.qk_nope_head_dim))
             self._check_shape(f"blk.{layer}.attn_v_b.weight", name, (heads, c.v_head_dim, c.kv_lora_rank))
             return
-        self._check_shape(mapped + ("" if mapped in self.tensors else ".weight"), name, shape)
+        self._check_shape(_with_suffix(mapped), name, shape)
 
     def _array(self, t, first: Optional[int] = None, end: Optional[int] = None) -> torch.Tensor:
         """Tensor ``t`` (experts ``first:end`` of a stacked one) as a float tensor in numpy order."""
@@ -297,7 +328,7 @@ class GGUFSource(CheckpointSource):
                 v_b = self._array(self.tensors[f"blk.{layer}.attn_v_b.weight"]).float()  # [h, v, lora]
                 value = torch.cat([k_b, v_b], dim=1).reshape(-1, k_b.shape[-1])
         else:
-            gguf_name = mapped if mapped in self.tensors else mapped + ".weight"
+            gguf_name = _with_suffix(mapped)
             value = self._array(self.tensors[gguf_name])
             if self.arch == "llama" and name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
                 c = self.config()
@@ -366,6 +397,10 @@ class GGUFSource(CheckpointSource):
             return PreTrainedTokenizerFast.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(self.path, f"transformers cannot build its tokenizer ({model!r}): {e}") from None
+
+
+def _with_suffix(name: str) -> str:
+    return name if name.endswith((".weight", ".bias")) else name + ".weight"
 
 
 def _llama_unpermute(weight: torch.Tensor, n_head: int) -> torch.Tensor:

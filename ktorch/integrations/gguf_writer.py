@@ -121,6 +121,8 @@ def encode(data: np.ndarray, type_name: str) -> np.ndarray:
     gguf = _gguf()
     if type_name in _K_ENCODERS:
         return quantize_k(data, type_name)
+    if type_name == "F64":  # llama.cpp never writes it for weights; tests use it as a type ktorch rejects
+        return np.ascontiguousarray(data, dtype=np.float64).view(np.uint8)
     encoded = gguf.quants.quantize(np.asarray(data, dtype=np.float32), gguf.GGMLQuantizationType[type_name])
     if type_name == "BF16":
         encoded = encoded.view(np.uint8)
@@ -290,6 +292,7 @@ def write_gguf_from_model(
     other_type: str = "F16",
     tokenizer=None,
     experts_types: Optional[dict[str, str]] = None,
+    edit: Optional[Callable[[list[PlannedTensor]], list[PlannedTensor]]] = None,
 ) -> Path:
     """Writes a transformers MoE model (Qwen2/3-MoE, Mixtral, DeepSeek-V2/V3) as llama.cpp's converter would.
 
@@ -301,6 +304,7 @@ def write_gguf_from_model(
         other_type: type of the other 2-D weights (1-D tensors and routers stay F32, as llama.cpp keeps them).
         tokenizer: a byte-level BPE transformers tokenizer to embed, or None for ``tokenizer.ggml.model = "none"``.
         experts_types: per projection overrides, e.g. ``{"down": "Q6_K"}`` (as Q4_K_M files mix types).
+        edit: changes the list of tensors before writing (tests of bad files drop or reshape one).
     """
     import torch
 
@@ -357,6 +361,8 @@ def write_gguf_from_model(
             value = llama_permute(value, config.num_key_value_heads)
         keep_f32 = value.ndim == 1 or name.endswith("ffn_gate_inp.weight") or name.endswith("ffn_gate_inp_shexp.weight")
         out.add(PlannedTensor(name, value.shape, "F32" if keep_f32 else other_type, const(value)))
+    if edit is not None:
+        out.plan = edit(out.plan)
     with torch.no_grad():
         out.write()
     return Path(path)
