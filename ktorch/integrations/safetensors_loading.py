@@ -1,17 +1,21 @@
 """A Hugging Face checkpoint folder (config.json + *.safetensors) as a ``CheckpointSource``.
 
-Tensors are read with safetensors' ``safe_open``; routed experts may be stored fused (transformers >= 5 names,
+Files are checked and indexed with safetensors' ``safe_open``; tensor bytes are then read with plain positioned
+reads at the offsets of the file's header (``read_tensor``), not through ``safe_open``'s memory map, whose pages
+would stay in the process's resident set until the end of loading (measured: +50 MB per layer here, never
+released). Routed experts may be stored fused (transformers >= 5 names,
 ``...experts.gate_up_proj`` [E, 2I, H] and ``...experts.down_proj`` [E, H, I]) or one expert at a time, as
 released checkpoints and transformers' own ``save_pretrained`` write them
 (``...experts.N.gate_proj.weight`` [I, H], ``up_proj`` [I, H], ``down_proj`` [H, I]; Mixtral's ``w1``/``w3``/``w2``
 under ``block_sparse_moe``). Other renamings come from transformers' checkpoint conversion mapping when it
-offers one. Files are opened per layer and closed after it, so the pages of finished layers leave the process.
+offers one.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import struct
 from pathlib import Path
 from typing import Optional
 
@@ -22,6 +26,37 @@ from ktorch.ops.moe import PackedExperts, pack_experts
 
 _PER_EXPERT = re.compile(r"^(?P<module>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
 _PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+def read_tensor(path: Path, entry: dict, data_start: int, first: Optional[int] = None, end: Optional[int] = None) -> torch.Tensor:
+    """Tensor (or rows ``first:end`` of its first dimension) described by safetensors header ``entry``
+    (dtype, shape, data_offsets) of the file at ``path``, read into fresh memory."""
+    dtype = _DTYPES.get(entry["dtype"])
+    if dtype is None:
+        raise CheckpointError(path, f"safetensors dtype {entry['dtype']} is not supported")
+    shape = list(entry["shape"])
+    start = data_start + entry["data_offsets"][0]
+    if first is not None:
+        row = (entry["data_offsets"][1] - entry["data_offsets"][0]) // max(1, shape[0])
+        start += first * row
+        shape[0] = end - first
+    out = torch.empty(shape, dtype=dtype)
+    view = out.view(torch.uint8).reshape(-1).numpy() if out.numel() else None
+    if view is not None:
+        with open(path, "rb", buffering=0) as f:
+            f.seek(start)
+            if f.readinto(memoryview(view)) != view.nbytes:
+                raise CheckpointError(path, "the file ends before the tensor's data does (truncated?)")
+    return out
+
+
+def _header(path: Path) -> tuple[dict, int]:
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(length)), 8 + length
 
 
 def _renamer(model_type: str):
@@ -71,6 +106,7 @@ class SafetensorsSource(CheckpointSource):
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._experts: dict[str, dict[tuple[int, str], str]] = {}  # experts module -> {(expert, proj): model key}
         self._raw: list[tuple[str, str, tuple[int, ...]]] = []
+        self._headers: dict[str, tuple[dict, int]] = {}  # file -> (header, offset of the data)
         for file in files:
             full = self.path / file
             if not full.is_file():
@@ -79,9 +115,9 @@ class SafetensorsSource(CheckpointSource):
                 with safe_open(str(full), framework="pt") as f:
                     for key in f.keys():
                         self._raw.append((file, key, tuple(f.get_slice(key).get_shape())))
+                self._headers[file] = _header(full)
             except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
                 raise CheckpointError(full, f"not a readable safetensors file ({e})") from None
-        self._handles: dict[str, object] = {}
 
     def config(self):
         if self._config is None:
@@ -105,26 +141,13 @@ class SafetensorsSource(CheckpointSource):
             self._keys[name] = (file, key)
             self._shapes[name] = shape
 
-    def _file(self, file: str):
-        from safetensors import safe_open
-
-        if file not in self._handles:
-            self._handles[file] = safe_open(str(self.path / file), framework="pt")
-        return self._handles[file]
-
-    def _read(self, name: str) -> torch.Tensor:
+    def _read(self, name: str, first: Optional[int] = None, end: Optional[int] = None) -> torch.Tensor:
         file, key = self._keys[name]
+        header, data_start = self._headers[file]
         try:
-            return self._file(file).get_tensor(key)
-        except Exception as e:  # noqa: BLE001
-            raise CheckpointError(self.path / file, f"cannot read it ({e})", tensor=key) from None
-
-    def _slice(self, name: str, first: int, end: int) -> torch.Tensor:
-        file, key = self._keys[name]
-        try:
-            return self._file(file).get_slice(key)[first:end]
-        except Exception as e:  # noqa: BLE001
-            raise CheckpointError(self.path / file, f"cannot read it ({e})", tensor=key) from None
+            return read_tensor(self.path / file, header[key], data_start, first, end)
+        except CheckpointError as e:
+            raise CheckpointError(self.path / file, e.problem, tensor=key) from None
 
     def _where(self, name: str):
         return self.path / self._keys[name][0] if name in self._keys else self.path
@@ -162,17 +185,14 @@ class SafetensorsSource(CheckpointSource):
     def read_experts(self, module_name: str, first: int, end: int, fmt: str, group_size: Optional[int]) -> PackedExperts:
         fused = f"{module_name}.gate_up_proj"
         if fused in self._keys:
-            gate_up = self._slice(fused, first, end)
-            down = self._slice(f"{module_name}.down_proj", first, end)
+            gate_up = self._read(fused, first, end)
+            down = self._read(f"{module_name}.down_proj", first, end)
             return pack_experts(gate_up, down, dtype=fmt, group_size=group_size)
         names = self._experts[module_name]
         gate = torch.stack([self._read(names[(e, "gate_proj")]) for e in range(first, end)])
         up = torch.stack([self._read(names[(e, "up_proj")]) for e in range(first, end)])
         down = torch.stack([self._read(names[(e, "down_proj")]) for e in range(first, end)])
         return pack_experts(gate_proj=gate, up_proj=up, down_proj=down, dtype=fmt, group_size=group_size)
-
-    def release(self) -> None:
-        self._handles.clear()  # closes the files: their mapped pages leave the process
 
     def tokenizer(self):
         from transformers import AutoTokenizer
