@@ -113,6 +113,18 @@ def _tied_names(model: nn.Module) -> dict[str, str]:
     return dict(keys)
 
 
+def _rebuilt(module: nn.Module) -> Optional[nn.Module]:
+    """A fresh CPU instance of a buffer-only module built from its config (rotary embeddings), or None."""
+    config = getattr(module, "config", None)
+    if config is None or any(True for _ in module.parameters(recurse=False)):
+        return None
+    try:
+        with torch.device("cpu"):
+            return type(module)(config=config)
+    except Exception:  # noqa: BLE001 - not constructible from its config alone
+        return None
+
+
 def _chunk_size(num_experts: int, intermediate: int, hidden: int) -> int:
     return max(1, min(num_experts, CHUNK_ELEMENTS // max(1, 3 * intermediate * hidden)))
 
@@ -230,9 +242,14 @@ def build_model(
     for module_name, module in model.named_modules():
         meta_buffers = [n for n, b in module._buffers.items() if b is not None and b.is_meta]
         if meta_buffers:
-            for n in meta_buffers:
-                module._buffers[n] = torch.empty_like(module._buffers[n], device=device)
-            model._init_weights(module)
+            fresh = _rebuilt(module)
+            if fresh is not None:  # e.g. a rotary embedding: its constructor computes the frequencies
+                for n in meta_buffers:
+                    module._buffers[n] = fresh._buffers[n].to(device)
+            else:
+                for n in meta_buffers:
+                    module._buffers[n] = torch.empty_like(module._buffers[n], device=device)
+                model._init_weights(module)
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         if t.is_meta:
             raise CheckpointError(source.path, "no value for it in the checkpoint", tensor=name)
