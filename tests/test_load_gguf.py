@@ -70,7 +70,6 @@ def test_experts_conversion_against_file_values(wide_qwen3, file_type, experts_d
         want_down = _file_values(path, f"blk.{layer}.ffn_down_exps.weight")
         for got, want in ((gate_up, want_gate_up), (down, want_down)):
             err = ((got - want).norm() / want.norm()).item()
-            print(f"MEASURE {file_type} -> {experts_dtype}: {err:.5f}")
             assert err <= CONVERSION_BOUND[(file_type, experts_dtype)], f"{file_type} -> {experts_dtype}: {err:.4g}"
             if CONVERSION_BOUND[(file_type, experts_dtype)] == 0.0:
                 assert torch.equal(got, want)
