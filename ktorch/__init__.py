@@ -16,6 +16,7 @@ __all__ = ["PackedExperts", "cpu_features", "fused_moe", "pack_experts"]
 # and prepare() places a model for hybrid CPU-expert inference.
 from ktorch.integrations import register_when_imported as _register_experts_implementation  # noqa: E402
 from ktorch.placement import prepare  # noqa: E402
+from ktorch.loading import load  # noqa: E402
 
 _register_experts_implementation()
-__all__ += ["prepare"]
+__all__ += ["load", "prepare"]

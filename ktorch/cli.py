@@ -2,13 +2,16 @@
 
     ktorch generate --model builtin --prompt "The meaning of life is"
     ktorch generate --model /path/to/Qwen3-30B-A3B --prompt "..." --experts-dtype int8 --max-new-tokens 128
+    ktorch generate --model /path/to/Qwen3-30B-A3B-Q4_K_M.gguf --prompt "..."
     ktorch chat --model builtin
     ktorch bench -- --shapes qwen3 --tokens 1 512
 
-A model is a transformers checkpoint folder (config.json, safetensors, tokenizer files) or ``builtin``, the
-small MoE model shipped in ktorch/builtin. Unless ``--plain`` is given, ``ktorch.prepare`` packs the routed
-experts into CPU memory (``--experts-dtype``) where ``torch.ops.kt.fused_moe`` runs them, and puts everything
-else on ``--device``: the GPU when there is one, otherwise the CPU.
+A model is a transformers checkpoint folder (config.json, safetensors, tokenizer files), a llama.cpp GGUF file,
+or ``builtin``, the small MoE model shipped in ktorch/builtin. Unless ``--plain`` is given, ``ktorch.load`` builds
+the model layer by layer, packing the routed experts into CPU memory (``--experts-dtype``) where
+``torch.ops.kt.fused_moe`` runs them, and puts everything else on ``--device``: the GPU when there is one,
+otherwise the CPU. A GGUF file without a tokenizer (``tokenizer.ggml.model = "none"``, benchmark files) runs on
+token ids: the prompt's UTF-8 bytes are the input ids and the new ids are printed.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-EXPERTS_DTYPES = ("bf16", "int8", "int4")
+EXPERTS_DTYPES = ("auto", "bf16", "int8", "int4")
 DTYPES = {"auto": None, "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
@@ -37,8 +40,9 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument(
         "--model",
         default="builtin",
-        help="a transformers checkpoint folder (config.json + safetensors + tokenizer), or 'builtin' for the small "
-        "MoE model shipped with ktorch (default: builtin). GGUF files are not supported yet.",
+        help="a transformers checkpoint folder (config.json + safetensors + tokenizer), a llama.cpp .gguf file "
+        "(qwen3moe, qwen2moe, deepseek2, Mixtral), or 'builtin' for the small MoE model shipped with ktorch "
+        "(default: builtin)",
     )
     m.add_argument(
         "--device",
@@ -56,9 +60,10 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument(
         "--experts-dtype",
         choices=EXPERTS_DTYPES,
-        default="bf16",
-        help="format the routed experts are packed into for the CPU op: bf16 (exact for bf16 checkpoints), int8 "
-        "(per-channel), int4 (grouped, see --group-size) (default: bf16)",
+        default="auto",
+        help="format the routed experts are packed into for the CPU op: auto (bf16 for transformers checkpoints; "
+        "for GGUF the closest to the file's: Q4_0/Q4_K -> int4, Q8_0/Q5_K/Q6_K -> int8, floats -> bf16), bf16 "
+        "(exact for bf16 checkpoints), int8 (per-channel), int4 (grouped, see --group-size) (default: auto)",
     )
     m.add_argument(
         "--group-size",
@@ -149,11 +154,13 @@ def resolve_model_path(model: str) -> Path:
 
         return BUILTIN_PATH
     path = Path(model).expanduser()
-    if path.suffix.lower() == ".gguf" or (path.is_dir() and any(path.glob("*.gguf")) and not (path / "config.json").exists()):
-        raise CLIError(f"--model {model}: GGUF checkpoints are not supported yet; use a transformers checkpoint "
-                       "folder (config.json + safetensors + tokenizer files) or 'builtin'")
     if not path.exists():
-        raise CLIError(f"--model {model}: no such folder; give a transformers checkpoint folder or 'builtin'")
+        raise CLIError(f"--model {model}: no such file or folder; give a transformers checkpoint folder, a .gguf file "
+                       "or 'builtin'")
+    if path.is_file():
+        return path  # ktorch.load checks it is GGUF
+    if not (path / "config.json").exists() and any(path.glob("*.gguf")):
+        raise CLIError(f"--model {model}: a folder of GGUF files; give the .gguf file itself")
     if not path.is_dir() or not (path / "config.json").is_file():
         raise CLIError(f"--model {model}: not a transformers checkpoint folder (no config.json in it); give a folder "
                        "with config.json, safetensors weights and tokenizer files, or 'builtin'")
@@ -194,23 +201,46 @@ def load_model(args: argparse.Namespace):
     hf_logging.set_verbosity_error()  # no loading progress bars or advice between the command and its text
     hf_logging.disable_progress_bar()
     dtype = "auto" if DTYPES[args.dtype] is None else getattr(torch, DTYPES[args.dtype])
+    if not args.plain:
+        import ktorch
+        from ktorch.integrations.checkpoint_loading import CheckpointError
+
+        try:
+            model, tokenizer = ktorch.load(path, device=device, experts_dtype=args.experts_dtype,
+                                           group_size=args.group_size, dtype=None if dtype == "auto" else dtype,
+                                           progress=sys.stderr.isatty())
+        except (CheckpointError, ValueError, OSError) as e:
+            raise CLIError(f"--model {args.model}: {e}") from None
+        return model, (tokenizer if tokenizer is not None else TokenIdsTokenizer(model.config.vocab_size)), device
+    if path.is_file():
+        raise CLIError(f"--model {args.model}: --plain runs transformers checkpoint folders only")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     except (OSError, ValueError, KeyError) as e:
         raise CLIError(f"--model {args.model}: transformers could not load {path}: {e}") from None
     model.eval()
-    if args.plain:
-        model.to(device)
-    else:
-        import ktorch
-
-        try:
-            ktorch.prepare(model, device=device, experts_device="cpu", experts_dtype=args.experts_dtype,
-                           group_size=args.group_size)
-        except ValueError as e:  # no experts modules, unsupported layer features, bad group size
-            raise CLIError(f"--model {args.model}: {e}") from None
+    model.to(device)
     return model, tokenizer, device
+
+
+class TokenIdsTokenizer:
+    """Stands in for a tokenizer when the checkpoint has none (GGUF benchmark files): the prompt's UTF-8 bytes
+    (modulo the vocabulary) are the input ids, and decoding prints ids as numbers."""
+
+    pad_token_id = eos_token_id = chat_template = None
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def __call__(self, text: str, return_tensors: Optional[str] = None):
+        import torch
+
+        ids = [b % self.vocab_size for b in text.encode("utf-8")] or [0]
+        return argparse.Namespace(input_ids=torch.tensor([ids]))
+
+    def decode(self, ids, skip_special_tokens: bool = False, **kwargs) -> str:
+        return "".join(f" {int(i)}" for i in (ids.tolist() if hasattr(ids, "tolist") else ids))
 
 
 # ---------------------------------------------------------------- streaming and timing
@@ -281,7 +311,8 @@ def timing_line(prompt_tokens: int, new_tokens: int, t0: float, t_first: Optiona
 
 
 def _describe(model, args: argparse.Namespace, device) -> str:
-    experts = "experts on --device (transformers)" if args.plain else f"experts {args.experts_dtype} on cpu (kt.fused_moe)"
+    formats = sorted({m.kt_format for m in model.modules() if getattr(m, "kt_format", None)})
+    experts = "experts on --device (transformers)" if args.plain else f"experts {'/'.join(formats)} on cpu (kt.fused_moe)"
     size = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     return f"[ktorch] {args.model}: {size / 1e6:.1f} MB of weights, {model.dtype} on {device}, {experts}"
 
@@ -296,7 +327,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         input_ids = _chat_input_ids(tokenizer, [{"role": "user", "content": args.prompt}])
     else:
         input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids
-        print(args.prompt, end="", flush=True)  # the completion continues the prompt on the same line
+        print(args.prompt if not isinstance(tokenizer, TokenIdsTokenizer) else f"[token ids] {tokenizer.decode(input_ids[0]).strip()} ->",
+              end="", flush=True)  # the completion continues the prompt on the same line
     _, timing = run_generation(model, tokenizer, input_ids, args)
     print(timing, file=sys.stderr, flush=True)
     return 0

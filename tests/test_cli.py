@@ -85,7 +85,7 @@ def test_bad_model_path_is_a_clear_error(tmp_path):
     missing = tmp_path / "no-such-model"
     result = run_cli("generate", "--model", str(missing), "--prompt", "hi")
     assert result.returncode != 0
-    assert f"--model {missing}: no such folder" in result.stderr
+    assert f"--model {missing}: no such file or folder" in result.stderr
     assert "Traceback" not in result.stderr
 
 
@@ -94,11 +94,11 @@ def test_folder_without_config_is_a_clear_error(tmp_path, capsys):
     assert "no config.json" in capsys.readouterr().err
 
 
-def test_gguf_is_not_supported_yet(tmp_path, capsys):
+def test_gguf_header_only_is_reported_corrupt(tmp_path, capsys):
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF")
     assert main(["generate", "--model", str(gguf), "--prompt", "hi"]) == 1
-    assert "GGUF checkpoints are not supported yet" in capsys.readouterr().err
+    assert "cannot parse it as GGUF" in capsys.readouterr().err
 
 
 def test_deferred_experts_not_implemented_yet(capsys):
@@ -120,3 +120,24 @@ def test_bench_passes_arguments_through():
     result = run_cli("bench", "--", "--help", timeout=60)
     assert result.returncode == 0, result.stderr
     assert "--shapes" in result.stdout
+
+
+def test_generate_gguf_without_tokenizer_runs_on_token_ids(tmp_path):
+    """A benchmark GGUF (tokenizer.ggml.model = "none") generates from the prompt's bytes as ids."""
+    from ktorch.integrations.gguf_writer import write_random_qwen3moe_gguf
+
+    path = write_random_qwen3moe_gguf(tmp_path / "bench.gguf", experts_type="Q4_0", num_layers=2, num_experts=8,
+                                      experts_per_token=2, hidden_size=64, expert_intermediate_size=64, num_heads=4,
+                                      num_kv_heads=2, head_dim=16, vocab_size=512, distinct_experts=2, progress=False)
+    result = run_cli("generate", "--model", str(path), "--prompt", "hi", "--max-new-tokens", "4", "--device", "cpu")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("[token ids] 104 105 ->") and len(result.stdout.split("->")[1].split()) == 4
+    assert TIMING.search(result.stderr) and "experts int4 on cpu" in result.stderr
+
+
+def test_generate_rejects_a_bad_model_file(tmp_path, capsys):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"not a model at all")
+    assert main(["generate", "--model", str(path), "--prompt", "x"]) == 1
+    err = capsys.readouterr().err
+    assert f"--model {path}" in err and "not a GGUF file" in err

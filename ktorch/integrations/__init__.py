@@ -1,4 +1,4 @@
-"""Bridges from other libraries to the kt ops: transformers' experts interface (and, later, GGUF/safetensors loading)."""
+"""Bridges from other libraries to the kt ops: transformers' experts interface, and checkpoint loading (safetensors folders and GGUF files, see ktorch.load)."""
 
 from ktorch.integrations.transformers_experts import (
     IMPLEMENTATION_NAME,

@@ -213,3 +213,40 @@ def _not_differentiable(ctx, grad_output):
 
 
 torch.library.register_autograd("kt::fused_moe", _not_differentiable)
+
+
+def pack_int4_from_quantized(values: torch.Tensor, scales: torch.Tensor, gate_up: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Places already-quantized int4 weights in ``kt.pack_int4``'s layout, without requantizing them.
+
+    For weights that arrive quantized (e.g. GGUF Q4_0 blocks, ``W = scale * q`` with q in [-8, 7] per group of
+    32 input channels), so that they are used exactly as stored.
+
+    Args:
+        values: [E, N, K] integers in [-8, 7] (any integer dtype); N output channels, K input channels.
+        scales: [E, N, K / group_size] float, one per group of consecutive input channels.
+        gate_up: N = 2I rows, gate rows then up rows (as for ``pack_int4(..., gate_up=True)``).
+
+    Returns:
+        (packed uint8 [E, N/16, K/8, 16, 4], scales float32 [E, G, N]), exactly what ``kt.pack_int4`` returns for
+        weights it would quantize to these values; ``kt.unpack`` gives back ``values * scales``.
+    """
+    if values.dim() != 3 or scales.dim() != 3 or scales.shape[:2] != values.shape[:2]:
+        raise ValueError(f"pack_int4_from_quantized: expected values [E, N, K] and scales [E, N, G], got "
+                         f"{tuple(values.shape)} and {tuple(scales.shape)}")
+    E, N, K = values.shape
+    G = scales.shape[2]
+    if N % (64 if gate_up else 16) or K % 32 or G == 0 or K % G or (K // G) % 32:
+        raise ValueError(f"pack_int4_from_quantized: N={N} must be a multiple of {64 if gate_up else 16}, K={K} of 32, "
+                         f"and the group size K/G={K}/{G} a multiple of 32")
+    if values.numel() and (int(values.min()) < -8 or int(values.max()) > 7):
+        raise ValueError("pack_int4_from_quantized: values must lie in [-8, 7]")
+
+    def packed_rows(t: torch.Tensor) -> torch.Tensor:  # pack.cpp's packed_row_order: 32 gate rows, then 32 up rows
+        if not gate_up:
+            return t
+        return t.reshape(E, 2, N // 64, 32, t.shape[-1]).transpose(1, 2).reshape(E, N, t.shape[-1])
+
+    u = packed_rows(values).to(torch.int16).add(8).to(torch.uint8)
+    t = u.reshape(E, N // 16, 16, K // 8, 2, 4).permute(0, 1, 3, 2, 4, 5)
+    packed = t.select(4, 0).bitwise_or(t.select(4, 1).bitwise_left_shift(4)).contiguous()
+    return packed, packed_rows(scales.float()).transpose(1, 2).contiguous()

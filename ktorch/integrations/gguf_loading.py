@@ -1,0 +1,439 @@
+"""A llama.cpp GGUF file as a ``CheckpointSource``: metadata -> transformers config, tensors -> transformers layout.
+
+Parsing is the gguf package's (``gguf.GGUFReader``, ``gguf.quants.dequantize``, ``gguf.get_tensor_name_map``).
+
+Architectures (``general.architecture`` -> transformers ``model_type``):
+  qwen3moe -> qwen3_moe, qwen2moe -> qwen2_moe, llama with experts -> mixtral (Q/K rows un-permuted: llama.cpp's
+  converter permutes them for its rotary layout), deepseek2 -> deepseek_v3 (sigmoid gating, ``exp_probs_b``) or
+  deepseek_v2 (softmax gating); MLA's ``attn_k_b``/``attn_v_b`` are joined back into ``kv_b_proj``.
+
+Routed experts (``blk.N.ffn_{gate,up}_exps.weight`` [E, I, H], ``ffn_down_exps.weight`` [E, H, I] in numpy order)
+become the op's packed formats. With ``experts_dtype="auto"``:
+  Q4_0           -> int4, group 32, exact (Q4_0 is symmetric: ``d * (q - 8)``; the blocks are re-laid, not requantized)
+  Q4_K           -> int4, group 32: exact where a sub-block's minimum is 8 of its steps (``dmin*m == 8*d*sc``),
+                    else dequantized and requantized (Q4_K is asymmetric; the op's int4 is symmetric)
+  Q8_0, Q5_K, Q6_K and other quantized types -> int8 per output channel (dequantized, requantized)
+  BF16, F16, F32 -> bf16
+  a layer whose three tensors differ takes the widest of their formats (e.g. Q4_K gate/up with Q6_K down -> int8).
+An explicit ``experts_dtype`` converts every layer to it (Q4_0 -> int4 with group 32 stays exact).
+docs/loading.md lists what each conversion loses, measured against ``gguf.quants.dequantize``.
+"""
+
+from __future__ import annotations
+
+import mmap
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ktorch.integrations.checkpoint_loading import CheckpointError, CheckpointSource, _layer_index
+from ktorch.ops.moe import PackedExperts, pack_experts, pack_int4_from_quantized
+
+ARCHITECTURES = ("qwen3moe", "qwen2moe", "deepseek2", "llama")
+_EXPERT_PROJS = ("gate", "up", "down")
+_RANK = {"int4": 0, "int8": 1, "bf16": 2}
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError:
+        raise ImportError("loading GGUF files needs the gguf package: pip install gguf") from None
+    return gguf
+
+
+def _auto_format(type_name: str) -> str:
+    if type_name in ("Q4_0", "Q4_K"):
+        return "int4"
+    if type_name in ("F32", "F16", "BF16"):
+        return "bf16"
+    return "int8"
+
+
+def dequantize(data: np.ndarray, qtype) -> torch.Tensor:
+    """GGUF tensor bytes (numpy order, quantized rows as bytes) -> float tensor [..., K] with the file's values.
+
+    Float types are reinterpreted in place (float16/bfloat16 stay in that dtype); quantized blocks are decoded by
+    the gguf package's own ``dequantize_blocks`` of the type, called on large batches of blocks from a few threads
+    (numpy releases the GIL there), which is many times faster than ``gguf.quants.dequantize``'s 16-row groups.
+    """
+    gguf = _gguf()
+    T = gguf.GGMLQuantizationType
+    if qtype == T.F32:
+        return torch.from_numpy(np.ascontiguousarray(data).view(np.float32))
+    if qtype == T.F16:
+        return torch.from_numpy(np.ascontiguousarray(data).view(np.float16))
+    if qtype == T.BF16:
+        return torch.from_numpy(np.ascontiguousarray(data).view(np.int16)).view(torch.bfloat16)
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    decoder = getattr(gguf.quants, qtype.name, None)
+    if decoder is None or not hasattr(decoder, "dequantize_blocks"):
+        return torch.from_numpy(np.asarray(gguf.quants.dequantize(data, qtype), dtype=np.float32))
+    shape = (*data.shape[:-1], data.shape[-1] // type_size * block_size)
+    blocks = np.ascontiguousarray(data).reshape(-1, type_size)
+    out = np.empty((blocks.shape[0], block_size), dtype=np.float32)
+    step = 16384
+    spans = [(i, min(i + step, blocks.shape[0])) for i in range(0, blocks.shape[0], step)]
+
+    def run(span):
+        out[span[0]:span[1]] = decoder.dequantize_blocks(blocks[span[0]:span[1]])
+
+    if len(spans) > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=min(len(spans), torch.get_num_threads())) as pool:
+            list(pool.map(run, spans))
+    else:
+        for span in spans:
+            run(span)
+    return torch.from_numpy(out).reshape(shape)
+
+
+class _TruncatedTensor(ValueError):
+    def __init__(self, name: str, start: int, end: int, size: int):
+        super().__init__(name)
+        self.name, self.start, self.end, self.size = name, start, end, size
+
+
+def _reader_class():
+    """``gguf.GGUFReader`` that, before laying out the tensors, checks each one's bytes lie inside the file, so a
+    truncated file is reported with the first tensor it cuts (the plain reader fails in a numpy reshape)."""
+    gguf = _gguf()
+
+    class CheckedGGUFReader(gguf.GGUFReader):
+        def _build_tensors(self, start_offs, fields):
+            size = len(self.data)
+            for field in fields:
+                try:
+                    _, name_data, _, dims, raw_dtype, offset = field.parts
+                    block_size, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(raw_dtype[0]))]
+                    start = int(start_offs + offset[0])
+                    end = start + int(np.prod(dims)) * type_size // block_size
+                except (ValueError, KeyError, TypeError):
+                    break  # not the layout this check knows: let the reader decide
+                if end > size:
+                    raise _TruncatedTensor(bytes(name_data).decode("utf-8", "replace"), start, end, size)
+            return super()._build_tensors(start_offs, fields)
+
+    return CheckedGGUFReader
+
+
+def _dequantizable(qtype) -> bool:
+    gguf = _gguf()
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    try:
+        gguf.quants.dequantize(np.zeros((1, type_size), dtype=np.uint8), qtype)
+    except (NotImplementedError, ValueError, TypeError):
+        return False
+    return True
+
+
+class GGUFSource(CheckpointSource):
+    """One llama.cpp GGUF file (split files are not supported)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        size = self.path.stat().st_size
+        try:
+            self.reader = _reader_class()(str(self.path))
+        except _TruncatedTensor as e:
+            raise CheckpointError(self.path, f"the file ends before the tensor's data does (bytes {e.start}..{e.end} of a "
+                                             f"{e.size}-byte file); truncated download?", tensor=e.name) from None
+        except Exception as e:  # noqa: BLE001 - the reader raises ValueError, KeyError, IndexError... on bad bytes
+            raise CheckpointError(self.path, f"cannot parse it as GGUF ({type(e).__name__}: {e}); the file is corrupt "
+                                             f"or truncated ({size} bytes)") from None
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        for t in self.reader.tensors:  # a truncated file leaves tensors short of their bytes
+            if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
+                raise CheckpointError(self.path, f"the file ends before the tensor's data does (needs bytes "
+                                                 f"{t.data_offset}..{t.data_offset + t.n_bytes}, the file has {size}); "
+                                                 "truncated download?", tensor=t.name)
+        self.arch = self._field("general.architecture")
+        if self.arch not in ARCHITECTURES:
+            raise CheckpointError(self.path, f"architecture {self.arch!r} is not supported (ktorch loads "
+                                             f"{', '.join(ARCHITECTURES)} MoE models)")
+        self._config = None
+        self._hf_to_gguf: dict[str, str] = {}
+        self._mmap: Optional[mmap.mmap] = None
+
+    # ------------------------------------------------------------ metadata
+
+    def _field(self, key: str, default=None):
+        field = self.reader.get_field(key)
+        if field is None:
+            return default
+        value = field.contents()
+        return value
+
+    def _required(self, key: str):
+        value = self._field(f"{self.arch}.{key}")
+        if value is None:
+            raise CheckpointError(self.path, f"metadata key {self.arch}.{key} is missing; it is needed to build the model")
+        return value
+
+    def _gguf_shape(self, name: str) -> Optional[tuple[int, ...]]:
+        """The numpy-order shape of tensor ``name`` ([rows, cols] = transformers' [out, in] for matrices)."""
+        t = self.tensors.get(name)
+        return None if t is None else tuple(int(d) for d in reversed(t.shape.tolist()))
+
+    def default_dtype(self, device: torch.device) -> torch.dtype:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+    def config(self):
+        if self._config is not None:
+            return self._config
+        from transformers import AutoConfig
+
+        f = self._required
+        embed = self._gguf_shape("token_embd.weight")
+        if embed is None:
+            raise CheckpointError(self.path, "missing from the file", tensor="token_embd.weight")
+        hidden = int(f("embedding_length"))
+        heads = int(f("attention.head_count"))
+        common = dict(
+            vocab_size=embed[0],
+            hidden_size=hidden,
+            num_hidden_layers=int(f("block_count")),
+            num_attention_heads=heads,
+            num_key_value_heads=int(self._field(f"{self.arch}.attention.head_count_kv", heads)),
+            max_position_embeddings=int(self._field(f"{self.arch}.context_length", 4096)),
+            rms_norm_eps=float(self._field(f"{self.arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_parameters={"rope_type": "default", "rope_theta": float(self._field(f"{self.arch}.rope.freq_base", 10000.0))},
+            tie_word_embeddings="output.weight" not in self.tensors,
+            bos_token_id=self._field("tokenizer.ggml.bos_token_id"),
+            eos_token_id=self._field("tokenizer.ggml.eos_token_id"),
+            pad_token_id=self._field("tokenizer.ggml.padding_token_id"),
+        )
+        experts = int(f("expert_count")) if self.arch != "llama" else int(self._field("llama.expert_count", 0) or 0)
+        used = int(self._field(f"{self.arch}.expert_used_count", 0) or 0)
+        if experts == 0:
+            raise CheckpointError(self.path, f"{self.arch} model without routed experts ({self.arch}.expert_count "
+                                             "missing or 0); ktorch loads MoE models")
+        key_length = self._field(f"{self.arch}.attention.key_length")
+        if self.arch == "qwen3moe":
+            kwargs = dict(model_type="qwen3_moe", num_experts=experts, num_experts_per_tok=used,
+                          moe_intermediate_size=int(f("expert_feed_forward_length")),
+                          intermediate_size=int(self._field("qwen3moe.feed_forward_length", 0) or f("expert_feed_forward_length")),
+                          head_dim=int(key_length or hidden // heads), norm_topk_prob=True,  # llama.cpp always normalizes
+                          decoder_sparse_step=1, mlp_only_layers=[])
+        elif self.arch == "qwen2moe":
+            shared = self._gguf_shape("blk.0.ffn_up_shexp.weight")
+            kwargs = dict(model_type="qwen2_moe", num_experts=experts, num_experts_per_tok=used,
+                          moe_intermediate_size=int(f("expert_feed_forward_length")),
+                          intermediate_size=int(self._field("qwen2moe.feed_forward_length", 0) or f("expert_feed_forward_length")),
+                          shared_expert_intermediate_size=int(self._field("qwen2moe.expert_shared_feed_forward_length", 0)
+                                                              or (shared[0] if shared else 0)),
+                          norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[])
+        elif self.arch == "llama":
+            gate = self._gguf_shape("blk.0.ffn_gate_exps.weight")
+            kwargs = dict(model_type="mixtral", num_local_experts=experts, num_experts_per_tok=used,
+                          intermediate_size=gate[1] if gate else int(f("feed_forward_length")),
+                          head_dim=int(self._field("llama.rope.dimension_count", 0) or hidden // heads))
+        else:  # deepseek2
+            rope_dim = int(f("rope.dimension_count"))
+            key_mla = self._field("deepseek2.attention.key_length_mla")
+            value_mla = self._field("deepseek2.attention.value_length_mla")
+            sigmoid = int(self._field("deepseek2.expert_gating_func", 1) or 1) == 2 or "blk.1.exp_probs_b.bias" in self.tensors
+            kwargs = dict(
+                model_type="deepseek_v3" if sigmoid else "deepseek_v2",
+                n_routed_experts=experts, num_experts_per_tok=used,
+                moe_intermediate_size=int(f("expert_feed_forward_length")),
+                intermediate_size=int(self._field("deepseek2.feed_forward_length", 0) or f("expert_feed_forward_length")),
+                n_shared_experts=int(self._field("deepseek2.expert_shared_count", 0) or 0),
+                first_k_dense_replace=int(self._field("deepseek2.leading_dense_block_count", 0) or 0),
+                routed_scaling_factor=float(self._field("deepseek2.expert_weights_scale", 1.0) or 1.0),
+                norm_topk_prob=bool(self._field("deepseek2.expert_weights_norm", False)),
+                n_group=int(self._field("deepseek2.expert_group_count", 1) or 1),
+                topk_group=int(self._field("deepseek2.expert_group_used_count", 1) or 1),
+                q_lora_rank=self._field("deepseek2.attention.q_lora_rank"),
+                kv_lora_rank=int(f("attention.kv_lora_rank")),
+                qk_rope_head_dim=rope_dim,
+                qk_nope_head_dim=int(key_mla if key_mla is not None else key_length) - rope_dim,
+                v_head_dim=int(value_mla if value_mla is not None else f("attention.value_length")),
+            )
+            if not sigmoid:
+                kwargs["topk_method"] = "group_limited_greedy" if kwargs["n_group"] > 1 else "greedy"
+        model_type = kwargs.pop("model_type")
+        try:
+            self._config = AutoConfig.for_model(model_type, **common, **kwargs)
+        except (ValueError, TypeError) as e:
+            raise CheckpointError(self.path, f"its metadata does not make a valid {model_type} config: {e}") from None
+        return self._config
+
+    # ------------------------------------------------------------ names
+
+    def _gguf_name(self, name: str) -> Optional[str]:
+        gguf = _gguf()
+        if not self._hf_to_gguf:
+            arch_enum = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == self.arch)
+            self._name_map = gguf.get_tensor_name_map(arch_enum, int(self._required("block_count")))
+        if name not in self._hf_to_gguf:
+            if name.endswith("self_attn.kv_b_proj.weight"):
+                mapped = name.replace("kv_b_proj", "kv_b")  # assembled from attn_k_b/attn_v_b or attn_kv_b
+            else:
+                mapped = self._name_map.get_name(name.replace(".e_score_correction_bias", ".e_score_correction.bias"),
+                                                 try_suffixes=(".weight", ".bias"))
+            self._hf_to_gguf[name] = mapped
+        return self._hf_to_gguf[name]
+
+    def _tensor(self, gguf_name: str, hf_name: str):
+        t = self.tensors.get(gguf_name)
+        if t is None:
+            raise CheckpointError(self.path, f"missing from the file (the model's {hf_name})", tensor=gguf_name)
+        return t
+
+    def _check_dequantizable(self, t) -> None:
+        if not _dequantizable(t.tensor_type):
+            raise CheckpointError(self.path, f"tensor type {t.tensor_type.name} is not supported (the gguf package "
+                                             "cannot decode it)", tensor=t.name)
+
+    def _check_shape(self, gguf_name: str, hf_name: str, shape: tuple[int, ...]) -> None:
+        t = self._tensor(gguf_name, hf_name)
+        have = self._gguf_shape(gguf_name)
+        if have != shape:
+            raise CheckpointError(self.path, f"shape {list(have)} (numpy order), the model's {hf_name} needs "
+                                             f"{list(shape)}", tensor=gguf_name)
+        self._check_dequantizable(t)
+
+    def check_tensor(self, name: str, shape: tuple[int, ...]) -> None:
+        mapped = self._gguf_name(name)
+        if mapped is None:
+            raise CheckpointError(self.path, f"the model's {name} has no GGUF name in the gguf package's map for "
+                                             f"{self.arch}")
+        if name.endswith("self_attn.kv_b_proj.weight"):
+            layer = _layer_index(name)
+            if f"blk.{layer}.attn_kv_b.weight" in self.tensors:
+                return self._check_shape(f"blk.{layer}.attn_kv_b.weight", name, shape)
+            c = self.config()
+            heads = c.num_attention_heads
+            self._check_shape(f"blk.{layer}.attn_k_b.weight", name, (heads, c.kv_lora_rank, c.qk_nope_head_dim))
+            self._check_shape(f"blk.{layer}.attn_v_b.weight", name, (heads, c.v_head_dim, c.kv_lora_rank))
+            return
+        self._check_shape(_with_suffix(mapped), name, shape)
+
+    def _array(self, t, first: Optional[int] = None, end: Optional[int] = None) -> torch.Tensor:
+        """Tensor ``t`` (experts ``first:end`` of a stacked one) as a float tensor in numpy order."""
+        return dequantize(t.data if first is None else t.data[first:end], t.tensor_type)
+
+    def read_tensor(self, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        mapped = self._gguf_name(name)
+        if name.endswith("self_attn.kv_b_proj.weight"):
+            layer = _layer_index(name)
+            if f"blk.{layer}.attn_kv_b.weight" in self.tensors:
+                value = self._array(self.tensors[f"blk.{layer}.attn_kv_b.weight"])
+            else:
+                k_b = self._array(self.tensors[f"blk.{layer}.attn_k_b.weight"]).float().transpose(1, 2)  # [h, nope, lora]
+                v_b = self._array(self.tensors[f"blk.{layer}.attn_v_b.weight"]).float()  # [h, v, lora]
+                value = torch.cat([k_b, v_b], dim=1).reshape(-1, k_b.shape[-1])
+        else:
+            gguf_name = _with_suffix(mapped)
+            value = self._array(self.tensors[gguf_name])
+            if self.arch == "llama" and name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
+                c = self.config()
+                heads = c.num_attention_heads if ".q_proj" in name else c.num_key_value_heads
+                value = _llama_unpermute(value, heads)
+        return value.to(device=device, dtype=dtype, copy=True)  # a copy: the file's pages stay read-only
+
+    # ------------------------------------------------------------ experts
+
+    def _experts_tensors(self, module_name: str) -> dict:
+        layer = int(module_name.split(".layers.")[1].split(".")[0])
+        return {p: self._tensor(f"blk.{layer}.ffn_{p}_exps.weight", f"{module_name} ({p})") for p in _EXPERT_PROJS}
+
+    def check_experts(self, module_name: str, num_experts: int, intermediate: int, hidden: int) -> None:
+        expected = {"gate": (num_experts, intermediate, hidden), "up": (num_experts, intermediate, hidden),
+                    "down": (num_experts, hidden, intermediate)}
+        for proj, t in self._experts_tensors(module_name).items():
+            self._check_shape(t.name, f"{module_name} {proj} projections", expected[proj])
+
+    def experts_format(self, module_name: str, requested: str) -> tuple[str, Optional[int]]:
+        types = [t.tensor_type.name for t in self._experts_tensors(module_name).values()]
+        fmt = max((_auto_format(n) for n in types), key=_RANK.get) if requested == "auto" else requested
+        return fmt, (32 if fmt == "int4" else None)
+
+    def read_experts(self, module_name: str, first: int, end: int, fmt: str, group_size: Optional[int]) -> PackedExperts:
+        tensors = self._experts_tensors(module_name)
+        if fmt == "int4" and group_size == 32:
+            exact = {p: _exact_int4(t, first, end) for p, t in tensors.items()}
+            if all(v is not None for v in exact.values()):
+                w13, s13 = pack_int4_from_quantized(torch.cat([exact["gate"][0], exact["up"][0]], dim=1),
+                                                    torch.cat([exact["gate"][1], exact["up"][1]], dim=1), gate_up=True)
+                w2, s2 = pack_int4_from_quantized(*exact["down"], gate_up=False)
+                return PackedExperts(w13, s13, w2, s2, "int4", 32)
+        arrays = {p: self._array(t, first, end) for p, t in tensors.items()}
+        return pack_experts(gate_proj=arrays["gate"], up_proj=arrays["up"], down_proj=arrays["down"], dtype=fmt,
+                            group_size=group_size)
+
+    def release(self) -> None:
+        """Drops the file pages read so far from this process (they stay in the page cache)."""
+        data = self.reader.data
+        base = getattr(data, "_mmap", None)
+        if base is not None and hasattr(base, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+            try:
+                base.madvise(mmap.MADV_DONTNEED)
+            except (OSError, ValueError):
+                pass
+
+    # ------------------------------------------------------------ tokenizer
+
+    def tokenizer(self):
+        model = self._field("tokenizer.ggml.model")
+        if model in (None, "none"):
+            return None
+        try:
+            from transformers import PreTrainedTokenizerFast
+            from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+
+            architecture, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(str(self.path))
+            backend, extra = convert_gguf_tokenizer(architecture, tokenizer_dict)
+            return PreTrainedTokenizerFast(tokenizer_object=backend, **{**tokenizer_config, **extra})
+        except ImportError:
+            pass
+        try:  # transformers releases before the gguf integration package (e.g. 5.17)
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(self.path, f"transformers cannot build its tokenizer ({model!r}): {e}") from None
+
+
+def _with_suffix(name: str) -> str:
+    return name if name.endswith((".weight", ".bias")) else name + ".weight"
+
+
+def _llama_unpermute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Inverse of llama.cpp's ``LlamaModel.permute`` of Q/K rows."""
+    rows = weight.shape[0]
+    return weight.reshape(n_head, rows // n_head // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def _exact_int4(t, first: int, end: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """(values int8 [e, N, K] in [-8, 7], scales float32 [e, N, K/32]) for experts ``first:end`` of a Q4_0 tensor,
+    or of a Q4_K tensor whose sub-block minimums are all 8 steps; None when the blocks are not symmetric int4."""
+    gguf = _gguf()
+    name = t.tensor_type.name
+    data = np.asarray(t.data[first:end])
+    if name == "Q4_0":
+        blocks = data.reshape(-1, 18)
+        d = blocks[:, :2].copy().view(np.float16).astype(np.float32)  # [n, 1]
+        qs = blocks[:, 2:]
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.int8) - 8  # [n, 32]: low nibbles first
+        scales = d
+    elif name == "Q4_K":
+        blocks = data.reshape(-1, 144)
+        d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+        dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+        sc, m = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16])
+        step, low = d * sc.astype(np.float32), dmin * m.astype(np.float32)  # [n, 8]
+        if not np.array_equal(low, 8 * step):
+            return None
+        qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        q = ((qs & 0x0F).reshape(-1, 8, 32).astype(np.int8) - 8).reshape(-1, 256)
+        scales = step
+    else:
+        return None
+    e, n = data.shape[0], data.shape[1]
+    values = torch.from_numpy(q).reshape(e, n, -1)
+    return values, torch.from_numpy(np.ascontiguousarray(scales)).reshape(e, n, -1)

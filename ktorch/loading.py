@@ -1,0 +1,72 @@
+"""``ktorch.load``: a Hugging Face checkpoint folder or a GGUF file, straight into a hybrid-placed model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+from torch import nn
+
+from ktorch.integrations.checkpoint_loading import CheckpointError, CheckpointSource, build_model
+
+
+def open_checkpoint(path: Union[str, Path]) -> CheckpointSource:
+    """The ``CheckpointSource`` for ``path``: a .gguf file (the first part of a split one), or a folder with
+    config.json and safetensors files. Raises ``CheckpointError`` naming the path otherwise."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise CheckpointError(path, "no such file or folder")
+    if path.is_file():
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic == b"GGUF":
+            from ktorch.integrations.gguf_loading import GGUFSource
+
+            return GGUFSource(path)
+        raise CheckpointError(path, f"not a GGUF file (starts with {magic!r}, not b'GGUF') and not a checkpoint folder")
+    from ktorch.integrations.safetensors_loading import SafetensorsSource
+
+    return SafetensorsSource(path)
+
+
+def load(
+    path: Union[str, Path],
+    device: Union[str, torch.device, None] = None,
+    experts_dtype: str = "auto",
+    group_size: Optional[int] = None,
+    dtype: Optional[torch.dtype] = None,
+    progress: bool = True,
+    tokenizer: bool = True,
+) -> tuple[nn.Module, object]:
+    """Loads an MoE checkpoint for hybrid inference: ``(model, tokenizer)``.
+
+    Args:
+        path: a Hugging Face checkpoint folder (config.json + *.safetensors) or a llama.cpp GGUF file
+            (qwen3moe, qwen2moe, deepseek2, llama/Mixtral architectures).
+        device: where attention, routers, shared experts, embeddings and the KV cache go (default: "cuda" if a
+            GPU is visible, else "cpu"). Routed experts are always packed in CPU memory for ``kt.fused_moe``.
+        experts_dtype: "auto", "bf16", "int8" or "int4". "auto" is bf16 for safetensors and, for GGUF, the
+            format closest to the file's (Q4_0/Q4_K -> int4, Q5_K/Q6_K/Q8_0 -> int8, float -> bf16; see
+            docs/loading.md).
+        group_size: int4 only (default: 32 for GGUF Q4 blocks, else 128 where it divides the sizes).
+        dtype: dtype of the non-expert weights (default: the checkpoint config's for safetensors; for GGUF
+            bfloat16 on a GPU, float32 on the CPU).
+        progress: show a progress bar over layers.
+        tokenizer: also build the tokenizer (None when the checkpoint has none, e.g. a GGUF benchmark file with
+            ``tokenizer.ggml.model = "none"``).
+
+    The model is built on the meta device and filled layer by layer; each layer's experts are packed as they are
+    read, so loading needs about one chunk of unpacked expert weights beyond the final model. Errors in the files
+    (missing or misshapen tensors, unsupported types or architectures, truncation) raise ``CheckpointError``
+    before any long work, naming the file and the tensor.
+    """
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    source = open_checkpoint(path)
+    if dtype is None and getattr(source, "default_dtype", None) is not None:
+        dtype = source.default_dtype(device)
+    model = build_model(source, device=device, dtype=dtype, experts_dtype=experts_dtype, group_size=group_size,
+                        progress=progress)
+    return model, (source.tokenizer() if tokenizer else None)

@@ -1,0 +1,180 @@
+"""Bad checkpoints stop ktorch.load at once with a message naming the file, the tensor and the problem.
+
+GGUF: truncated, corrupt header, not GGUF at all, unknown architecture, unsupported tensor type, missing tensor,
+wrong shape. safetensors folders: no config.json, unreadable file, missing tensor, wrong shape, missing expert.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import ktorch
+from ktorch.integrations.checkpoint_loading import CheckpointError
+from ktorch.integrations.gguf_writer import write_gguf_from_model
+from models import tiny_model
+
+gguf = pytest.importorskip("gguf")
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return tiny_model("qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def good_gguf(model, tmp_path_factory):
+    return write_gguf_from_model(model, tmp_path_factory.mktemp("good") / "good.gguf", experts_type="Q8_0")
+
+
+def _load_error(path) -> str:
+    t0 = time.perf_counter()
+    with pytest.raises(CheckpointError) as info:
+        ktorch.load(path, device="cpu", progress=False)
+    assert time.perf_counter() - t0 < 30  # before any long work
+    message = str(info.value)
+    assert str(path) in message, message
+    return message
+
+
+def test_good_file_loads(good_gguf):
+    model, tokenizer = ktorch.load(good_gguf, device="cpu", progress=False)
+    assert tokenizer is None and model.config.num_hidden_layers == 2
+
+
+def test_truncated_gguf(good_gguf, tmp_path):
+    data = good_gguf.read_bytes()
+    path = tmp_path / "truncated.gguf"
+    path.write_bytes(data[: len(data) - 5000])
+    message = _load_error(path)
+    assert "truncated" in message and "tensor '" in message
+
+
+def test_corrupt_gguf_header(good_gguf, tmp_path):
+    data = bytearray(good_gguf.read_bytes())
+    data[8:24] = b"\xff" * 16  # tensor and key-value counts
+    path = tmp_path / "corrupt.gguf"
+    path.write_bytes(bytes(data))
+    message = _load_error(path)
+    assert "cannot parse it as GGUF" in message and "corrupt or truncated" in message
+
+
+def test_not_a_gguf_file(tmp_path):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"PK\x03\x04" + bytes(100))
+    assert "not a GGUF file" in _load_error(path)
+
+
+def test_unknown_architecture(tmp_path):
+    path = tmp_path / "mamba.gguf"
+    writer = gguf.GGUFWriter(str(path), "mamba")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    message = _load_error(path)
+    assert "architecture 'mamba' is not supported" in message and "qwen3moe" in message
+
+
+def test_unsupported_tensor_type(model, tmp_path):
+    def to_f64(plan):
+        return [dataclasses.replace(t, type_name="F64") if t.name == "blk.1.ffn_up_exps.weight" else t for t in plan]
+
+    path = write_gguf_from_model(model, tmp_path / "f64.gguf", experts_type="Q8_0", edit=to_f64)
+    message = _load_error(path)
+    assert "tensor 'blk.1.ffn_up_exps.weight'" in message and "tensor type F64 is not supported" in message
+
+
+def test_missing_tensor(model, tmp_path):
+    path = write_gguf_from_model(model, tmp_path / "missing.gguf", experts_type="Q8_0",
+                                 edit=lambda plan: [t for t in plan if t.name != "blk.1.attn_k.weight"])
+    message = _load_error(path)
+    assert "tensor 'blk.1.attn_k.weight'" in message and "missing from the file" in message
+
+
+def test_missing_experts_tensor(model, tmp_path):
+    path = write_gguf_from_model(model, tmp_path / "missing_exps.gguf", experts_type="Q8_0",
+                                 edit=lambda plan: [t for t in plan if t.name != "blk.0.ffn_down_exps.weight"])
+    message = _load_error(path)
+    assert "tensor 'blk.0.ffn_down_exps.weight'" in message and "missing from the file" in message
+
+
+def test_wrong_shape(model, tmp_path):
+    def shrink(plan):
+        out = []
+        for t in plan:
+            if t.name == "blk.0.ffn_gate_exps.weight":  # one expert too few
+                data = t.produce()[:-1]
+                t = dataclasses.replace(t, shape=data.shape, produce=lambda data=data: data)
+            out.append(t)
+        return out
+
+    path = write_gguf_from_model(model, tmp_path / "shape.gguf", experts_type="Q8_0", edit=shrink)
+    message = _load_error(path)
+    assert "tensor 'blk.0.ffn_gate_exps.weight'" in message and "shape [7, 64, 64]" in message and "[8, 64, 64]" in message
+
+
+# ---------------------------------------------------------------- safetensors folders
+
+
+@pytest.fixture(scope="module")
+def good_folder(model, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hf")
+    model.save_pretrained(folder)
+    return folder
+
+
+def _rewrite(folder, tmp_path, change):
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    (out / "config.json").write_text((folder / "config.json").read_text())
+    tensors = load_file(str(folder / "model.safetensors"))
+    change(tensors)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def test_folder_without_config(tmp_path):
+    message = _load_error(tmp_path)
+    assert "no config.json" in message
+
+
+def test_unreadable_safetensors(good_folder, tmp_path):
+    out = _rewrite(good_folder, tmp_path, lambda t: None)
+    (out / "model.safetensors").write_bytes(b"\x00" * 64)
+    message = _load_error(out)
+    assert "model.safetensors" in message and "not a readable safetensors file" in message
+
+
+def test_safetensors_missing_tensor(good_folder, tmp_path):
+    out = _rewrite(good_folder, tmp_path, lambda t: t.pop("model.layers.1.self_attn.o_proj.weight"))
+    message = _load_error(out)
+    assert "tensor 'model.layers.1.self_attn.o_proj.weight'" in message and "missing from the checkpoint" in message
+
+
+def test_safetensors_wrong_shape(good_folder, tmp_path):
+    def change(t):
+        t["model.layers.0.mlp.gate.weight"] = torch.zeros(7, 64)
+
+    message = _load_error(_rewrite(good_folder, tmp_path, change))
+    assert "tensor 'model.layers.0.mlp.gate.weight'" in message and "shape [7, 64], the model expects [8, 64]" in message
+
+
+def test_safetensors_missing_expert(good_folder, tmp_path):
+    def change(t):
+        for k in [k for k in t if k.startswith("model.layers.1.mlp.experts.3.")]:
+            del t[k]
+        for k in [k for k in t if k.startswith("model.layers.1.mlp.experts.gate_up_proj")]:
+            del t[k]
+
+    message = _load_error(_rewrite(good_folder, tmp_path, change))
+    assert "expert 3 gate_proj of model.layers.1.mlp.experts" in message

@@ -1,0 +1,153 @@
+"""ktorch.load on llama.cpp GGUF files written (ktorch/integrations/gguf_writer.py) from tiny random transformers
+models, names and shapes as llama.cpp's converter writes them.
+
+- conversion: for every experts type, the packed experts (``PackedExperts.dequantize``) against the file's own
+  values (``gguf.quants.dequantize``): Q4_0 exact, the others within the loss docs/loading.md states;
+- model: per architecture (qwen3moe, qwen2moe, llama/Mixtral, deepseek2), ktorch's logits against an fp32 HF eager
+  model holding the weights the file stores (each tensor round-tripped through the GGUF encoding here, with
+  gguf's own functions), routing flips at near-ties handled as tests/models.py explains;
+- tokenizer: a byte-level BPE tokenizer embedded in the file encodes like the original; "none" gives None.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import ktorch
+from ktorch.integrations import packed_experts_of
+from ktorch.integrations.gguf_writer import encode, write_gguf_from_model
+from models import LOGIT_ATOL, assert_logits_match, moe_experts_modules, tiny_model
+
+gguf = pytest.importorskip("gguf")
+
+# Largest relative error (||packed - file|| / ||file||) of each conversion, measured on these random weights
+# (Gaussian, one draw per type): the bound is the measurement with headroom. docs/loading.md has the table.
+CONVERSION_BOUND = {
+    ("Q8_0", "int8"): 0.012,
+    ("Q4_0", "int4"): 0.0,
+    ("Q4_K", "int4"): 0.11,
+    ("Q5_K", "int8"): 0.012,
+    ("Q6_K", "int8"): 0.012,
+    ("BF16", "bf16"): 0.0,
+    ("F16", "bf16"): 0.004,
+    ("F32", "bf16"): 0.004,
+    ("Q4_K", "int8"): 0.012,
+    ("Q8_0", "int4"): 0.11,
+}
+
+
+def _file_values(path, name: str) -> torch.Tensor:
+    reader = gguf.GGUFReader(str(path))
+    t = next(t for t in reader.tensors if t.name == name)
+    return torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type)))
+
+
+@pytest.fixture(scope="module")
+def wide_qwen3(tmp_path_factory):
+    """A tiny Qwen3-MoE whose rows are 256 long (K-quant blocks), and a folder for its files."""
+    torch.manual_seed(0)
+    return tiny_model("qwen3_moe", hidden_size=256, moe_intermediate_size=256, initializer_range=0.04), \
+        tmp_path_factory.mktemp("gguf")
+
+
+@pytest.mark.parametrize("file_type,experts_dtype", list(CONVERSION_BOUND))
+def test_experts_conversion_against_file_values(wide_qwen3, file_type, experts_dtype):
+    model, folder = wide_qwen3
+    path = folder / f"experts_{file_type}.gguf"
+    if not path.exists():
+        write_gguf_from_model(model, path, experts_type=file_type, other_type="F16")
+    auto = {"Q8_0": "int8", "Q4_0": "int4", "Q4_K": "int4", "Q5_K": "int8", "Q6_K": "int8"}.get(file_type, "bf16")
+    loaded, tokenizer = ktorch.load(path, device="cpu", experts_dtype="auto" if auto == experts_dtype else experts_dtype,
+                                    progress=False)
+    assert tokenizer is None
+    for layer, module in enumerate(moe_experts_modules(loaded)):
+        assert module.kt_format == experts_dtype
+        gate_up, down = packed_experts_of(module).dequantize()
+        want_gate_up = torch.cat([_file_values(path, f"blk.{layer}.ffn_gate_exps.weight"),
+                                  _file_values(path, f"blk.{layer}.ffn_up_exps.weight")], dim=1)
+        want_down = _file_values(path, f"blk.{layer}.ffn_down_exps.weight")
+        for got, want in ((gate_up, want_gate_up), (down, want_down)):
+            err = ((got - want).norm() / want.norm()).item()
+            assert err <= CONVERSION_BOUND[(file_type, experts_dtype)], f"{file_type} -> {experts_dtype}: {err:.4g}"
+            if CONVERSION_BOUND[(file_type, experts_dtype)] == 0.0:
+                assert torch.equal(got, want)
+
+
+def test_q4_k_with_symmetric_scales_is_exact(tmp_path):
+    """Q4_K blocks whose sub-block minimum is exactly 8 steps are symmetric int4 and are re-laid, not requantized."""
+    torch.manual_seed(1)
+    model = tiny_model("qwen3_moe", hidden_size=256, moe_intermediate_size=256, num_hidden_layers=1)
+    with torch.no_grad():  # weights already on a symmetric int4 grid with one step per 32-group row
+        for p in (model.model.layers[0].mlp.experts.gate_up_proj, model.model.layers[0].mlp.experts.down_proj):
+            q = torch.randint(-8, 8, p.shape).float()
+            q[..., ::32] = -8  # each 32-group reaches -8, so the encoder's minimum is exactly 8 steps
+            q[..., 1::32] = 7
+            p.copy_(q * 0.01)
+    path = write_gguf_from_model(model, tmp_path / "sym.gguf", experts_type="Q4_K")
+    loaded, _ = ktorch.load(path, device="cpu", progress=False)
+    gate_up, _ = packed_experts_of(moe_experts_modules(loaded)[0]).dequantize()
+    want = torch.cat([_file_values(path, "blk.0.ffn_gate_exps.weight"), _file_values(path, "blk.0.ffn_up_exps.weight")], 1)
+    assert torch.equal(gate_up, want)
+
+
+# ---------------------------------------------------------------- whole models
+
+
+def _model(family: str):
+    if family == "qwen2_moe":
+        from models import _COMMON  # the shared tiny sizes
+
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.for_model("qwen2_moe", **{**_COMMON, **dict(
+            num_hidden_layers=2, intermediate_size=96, moe_intermediate_size=64, shared_expert_intermediate_size=96,
+            num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=False)})
+        config._experts_implementation = "eager"
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    return tiny_model(family)
+
+
+def _as_stored(model, experts_type: str, other_type: str = "F16"):
+    """``model`` with each weight replaced by what the GGUF stores (encoded and decoded with gguf's functions)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            x = p.detach().float().numpy()
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                if name.endswith("gate_up_proj"):  # gate and up are separate GGUF tensors
+                    half = x.shape[1] // 2
+                    parts = [x[:, :half], x[:, half:]]
+                else:
+                    parts = [x]
+                qtype = gguf.GGMLQuantizationType[experts_type]
+                decoded = [gguf.quants.dequantize(encode(part, experts_type), qtype) for part in parts]
+                p.copy_(torch.from_numpy(np.concatenate(decoded, axis=1)))
+            elif x.ndim >= 2 and ".gate.weight" not in name and "shared_expert_gate" not in name:
+                p.copy_(p.half().float() if other_type == "F16" else p)
+    return model
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3"])
+def test_logits_match_hf_eager(family, tmp_path):
+    torch.manual_seed(0)
+    model = _model(family)
+    path = write_gguf_from_model(model, tmp_path / f"{family}.gguf", experts_type="Q8_0", other_type="F16")
+    reference = _as_stored(model, "Q8_0")
+    loaded, _ = ktorch.load(path, device="cpu", dtype=torch.float32, experts_dtype="bf16", progress=False)
+    assert type(loaded).__name__ == type(reference).__name__
+    assert_logits_match(reference, loaded, torch.float32, torch.randint(0, 256, (1, 48)))
+
+
+def test_tokenizer_from_file(tmp_path):
+    from ktorch.builtin import BUILTIN_PATH
+    from transformers import AutoTokenizer
+
+    original = AutoTokenizer.from_pretrained(str(BUILTIN_PATH))
+    torch.manual_seed(0)
+    model = tiny_model("qwen3_moe", vocab_size=len(original), num_hidden_layers=1)
+    path = write_gguf_from_model(model, tmp_path / "tok.gguf", experts_type="Q8_0", tokenizer=original)
+    _, tokenizer = ktorch.load(path, device="cpu", progress=False)
+    text = "The meaning of life is 42, said the model. Ünïcode too!"
+    assert tokenizer(text).input_ids == original(text).input_ids
+    assert tokenizer.decode(original(text).input_ids, skip_special_tokens=True) == text
