@@ -8,6 +8,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
+from ktorch.integrations.deferral import set_deferred_experts as set_chain
 from ktorch.integrations.transformers_experts import (
     IMPLEMENTATION_NAME,
     check_supported,
@@ -28,6 +29,7 @@ def prepare(
     experts_device: Union[str, torch.device] = "cpu",
     experts_dtype: str = "bf16",
     group_size: Optional[int] = None,
+    deferred_experts: int = 0,
 ) -> nn.Module:
     """Places an MoE model for hybrid inference, in place, and returns it.
 
@@ -37,6 +39,11 @@ def prepare(
     - every other parameter and buffer (embeddings, attention, routers, shared experts, norms, lm_head) moves
       to ``device``; the KV cache that ``generate`` creates follows them;
     - the model's experts implementation becomes ``"ktorch"``, so each MoE layer calls ``torch.ops.kt.fused_moe``.
+
+    ``deferred_experts=d`` (default 0: off): at every MoE layer but the last, each token's d lowest-weighted
+    routed experts join the next layer's output instead (docs/deferral.md); eager forwards do it through the
+    experts modules, and ``generate``'s compiled decoding through the backend option ``n_deferred_experts``.
+    ``set_deferred_experts(model, d)`` changes it later.
 
     Parameters stop requiring grad (the kt ops are inference-only). The result runs eagerly (hidden states hop to the CPU op and back) and under ``torch.compile``.
     ``device="cpu"`` (or None) keeps the whole model on the CPU: no GPU is needed.
@@ -65,12 +72,33 @@ def prepare(
     model.requires_grad_(False)  # inference only: the kt ops have no backward
     model.to(device)  # the packed experts modules ignore it (see attach_packed_experts)
     _compile_generate_with_ktorch(model)
+    set_deferred_experts(model, deferred_experts)
     set_impl = getattr(model, "set_experts_implementation", None)
     if set_impl is not None:
         set_impl(IMPLEMENTATION_NAME)
     else:
         for _, m in modules:
             m.config._experts_implementation = IMPLEMENTATION_NAME
+    return model
+
+
+def set_deferred_experts(model: nn.Module, n_deferred: int) -> nn.Module:
+    """Sets how many lowest-weighted routed experts per token each MoE layer but the last defers (0: none).
+
+    Applies to eager forwards of the prepared ``model`` and to ``generate``'s compiled decoding (its
+    ``compile_config.options["n_deferred_experts"]``). A model compiled by hand takes the option itself:
+    ``torch.compile(model, backend="ktorch", options={"n_deferred_experts": d})``."""
+    if isinstance(n_deferred, bool) or not isinstance(n_deferred, int) or n_deferred < 0:
+        raise ValueError(f"set_deferred_experts: n_deferred must be an int >= 0, got {n_deferred!r}")
+    set_chain([m for _, m in experts_modules(model)], n_deferred)
+    config = getattr(getattr(model, "generation_config", None), "compile_config", None)
+    if config is not None and config.backend == "ktorch":
+        options = dict(config.options or {})
+        if n_deferred:
+            options["n_deferred_experts"] = n_deferred
+        else:
+            options.pop("n_deferred_experts", None)
+        config.options = options or None
     return model
 
 

@@ -198,7 +198,9 @@ def ktorch_experts_forward(
     device hop to the CPU (``.to("cpu")``) and the result hops back, so each layer is one op node between
     copies; the ktorch backend turns them into the submit/wait pair of the async-boundary pass
     (ktorch/passes/async_boundary.py). Run eagerly from CUDA tensors, the call goes through the same runtime
-    (pinned copies, one host sync per layer).
+    (pinned copies, one host sync per layer). A module given ``kt_deferral`` (``ktorch.prepare(...,
+    deferred_experts=d)``) defers its lowest-weighted slots to the next layer when run eagerly
+    (ktorch/integrations/deferral.py).
     """
     if getattr(self, "kt_w13", None) is None:
         if torch.compiler.is_compiling():
@@ -207,6 +209,16 @@ def ktorch_experts_forward(
                 "forward) before torch.compile"
             )
         pack_module_experts(self)
+    if getattr(self, "kt_deferral", None) is not None and not torch.compiler.is_compiling():
+        from ktorch.integrations.deferral import deferred_experts_forward
+
+        return deferred_experts_forward(self, hidden_states, top_k_index, top_k_weights, _run_experts)
+    return _run_experts(self, hidden_states, top_k_index, top_k_weights)
+
+
+def _run_experts(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                 top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The packed module's routed experts for hidden_states [T, H], top_k_index/top_k_weights [T, K] -> [T, H]."""
     device = hidden_states.device
     if device.type == "cuda" and not torch.compiler.is_compiling():
         return _run_on_cpu_from_cuda(self, hidden_states, top_k_index, top_k_weights)
