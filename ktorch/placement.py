@@ -96,10 +96,24 @@ def set_deferred_experts(model: nn.Module, n_deferred: int) -> nn.Module:
         options = dict(config.options or {})
         if n_deferred:
             options["n_deferred_experts"] = n_deferred
+            if config.mode is not None:  # torch.compile takes a mode or options, not both: the mode becomes options
+                options.update(_mode_as_options(config.mode))
+                config.mode = None
         else:
             options.pop("n_deferred_experts", None)
         config.options = options or None
     return model
+
+
+def _mode_as_options(mode: str) -> dict:
+    """The ktorch backend options that ``mode`` stands for (see BackendOptions.parse)."""
+    from ktorch.compile.options import BackendOptions
+
+    opts = BackendOptions.parse(mode)
+    options = {"cuda_graphs": opts.cuda_graphs}
+    if opts.inductor_config:
+        options["inductor_config"] = dict(opts.inductor_config)
+    return options
 
 
 def _compile_generate_with_ktorch(model: nn.Module) -> None:
