@@ -1,0 +1,206 @@
+"""Expert deferral and hot experts on the GPU: quality on the built-in model, speed on large random models.
+
+quality  (runs on a CPU in about a minute): the built-in trained Qwen3-MoE model (4 MoE layers, 16 experts,
+         top-4; ktorch/builtin) on its held-out text (50 709 tokens, windows of 512), experts packed bf16 on the
+         CPU. For each d in 0..K, two ways of treating each token's d lowest-weighted experts at every MoE layer
+         but the last:
+           defer  computed from layer i's input, added to layer i+1's routed output (docs/deferral.md)
+           skip   not computed at all (the same slots dropped)
+         Reported: perplexity, mean loss, and top-1 agreement (the share of positions whose argmax next token
+         equals d = 0's).
+
+speed    (the device): decode tok/s of a random Qwen3-30B-A3B / DeepSeek-V2-Lite shaped model (benchmarks/
+         bench_e2e.py builds it) compiled with the ktorch backend, CUDA graphs or not, for each
+         n_deferred_experts in --deferred; per decode step the GPU busy time g, the CPU experts busy time c
+         and their overlap from a profile of a few steps (bench_e2e.profile_decode).
+
+Benchmarks never assert; they print a table and the machine. --json appends one line per row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import ktorch
+from ktorch.passes.deferral import split_topk_slots
+from ktorch.placement import experts_modules
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+# ---------------------------------------------------------------- quality on the built-in model
+
+
+class SkipLowestExperts:
+    """Drops each token's ``n_skipped`` lowest-weighted slots at every MoE layer but the last (a context manager):
+    the baseline that deferral is compared with. The slots get id -1, which kt.fused_moe skips."""
+
+    def __init__(self, model, n_skipped: int):
+        self.modules = [m for _, m in experts_modules(model)][:-1]
+        self.n_skipped, self.handles = n_skipped, []
+
+    def __enter__(self):
+        def hook(module, args):
+            hidden, ids, weights = args
+            kept, _ = split_topk_slots(ids, weights, ids.shape[-1] - min(self.n_skipped, ids.shape[-1]))
+            return hidden, kept, weights
+
+        if self.n_skipped:
+            self.handles = [m.register_forward_pre_hook(hook) for m in self.modules]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+
+
+@torch.no_grad()
+def score(model, tokens: torch.Tensor, seq_len: int, batch_size: int) -> tuple[float, torch.Tensor]:
+    """(mean next-token NLL in nats, argmax predictions [N - 1]) of ``tokens`` [N] in consecutive windows of
+    ``seq_len`` + 1 tokens (ktorch.builtin.evaluation.perplexity's windows)."""
+    starts = list(range(0, tokens.numel() - 1, seq_len))
+    nll, predictions = 0.0, []
+    for i in range(0, len(starts), batch_size):
+        group = starts[i:i + batch_size]
+        for length in sorted({min(seq_len, tokens.numel() - 1 - s) for s in group}, reverse=True):
+            same = [s for s in group if min(seq_len, tokens.numel() - 1 - s) == length]
+            batch = torch.stack([tokens[s:s + length + 1] for s in same])
+            logits = model(input_ids=batch[:, :-1], use_cache=False).logits.float()
+            nll += F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum").item()
+            predictions += [(s, logits[j].argmax(-1)) for j, s in enumerate(same)]
+    predictions.sort(key=lambda p: p[0])
+    return nll / (tokens.numel() - 1), torch.cat([p for _, p in predictions])
+
+
+def run_quality(args) -> list[dict]:
+    from ktorch.builtin import EVAL_TEXT_PATH, load_builtin, read_documents, token_stream
+
+    model, tokenizer = load_builtin("cpu")
+    ktorch.prepare(model, device="cpu", experts_dtype="bf16")
+    tokens = token_stream(tokenizer, read_documents(EVAL_TEXT_PATH))
+    if args.max_tokens:
+        tokens = tokens[:args.max_tokens]
+    k = model.config.num_experts_per_tok
+    rows, baseline = [], None
+    for d in range(k + 1):
+        for mode in ("defer", "skip"):
+            if d == 0 and mode == "skip":
+                continue
+            t0 = time.perf_counter()
+            if mode == "defer":
+                ktorch.set_deferred_experts(model, d)
+                loss, pred = score(model, tokens, args.seq_len, args.batch_size)
+                ktorch.set_deferred_experts(model, 0)
+            else:
+                with SkipLowestExperts(model, d):
+                    loss, pred = score(model, tokens, args.seq_len, args.batch_size)
+            if baseline is None:
+                baseline = pred
+            row = dict(mode=mode if d else "none", d=d, K=k, loss=loss, perplexity=float(torch.tensor(loss).exp()),
+                       top1_agreement=(pred == baseline).float().mean().item(), tokens=int(tokens.numel() - 1),
+                       seconds=time.perf_counter() - t0)
+            rows.append(row)
+            print(f"  {row['mode']:>5} d={d}: perplexity {row['perplexity']:8.2f}  top-1 agreement "
+                  f"{100 * row['top1_agreement']:6.2f}%  ({row['seconds']:.0f} s)", file=sys.stderr)
+    return rows
+
+
+def print_quality(rows: list[dict]) -> None:
+    k = rows[0]["K"]
+    print(f"\nBuilt-in model (Qwen3-MoE, 4 MoE layers, 16 experts, top-{k}), held-out text, {rows[0]['tokens']} "
+          "predicted tokens; the d lowest-weighted experts per token at every MoE layer but the last:\n")
+    print("| d | deferred: perplexity | deferred: top-1 agreement | skipped: perplexity | skipped: top-1 agreement |")
+    print("|---|---|---|---|---|")
+    by = {(r["mode"], r["d"]): r for r in rows}
+    for d in range(k + 1):
+        defer = by.get(("defer", d), by.get(("none", d)))
+        skip = by.get(("skip", d), by.get(("none", d)))
+        print(f"| {d} | {defer['perplexity']:.2f} | {100 * defer['top1_agreement']:.2f}% | "
+              f"{skip['perplexity']:.2f} | {100 * skip['top1_agreement']:.2f}% |")
+
+
+# ---------------------------------------------------------------- speed on the device
+
+
+def run_speed(args) -> list[dict]:
+    import bench_e2e
+
+    rows = []
+    variants = args.variants.split(",")
+    for variant in variants:
+        for d in [int(x) for x in args.deferred.split(",")]:
+            torch._dynamo.reset()
+            ktorch.compile.RUNTIME.reset()
+            model, build_s = bench_e2e.build_model(args.shape, "eager", args.device, args.experts_dtype,
+                                                   layers=args.layers)
+            options = {"n_deferred_experts": d, "cuda_graphs": variant == "cuda_graphs"}
+            timed_variant = "compiled"  # the options carry cuda_graphs: torch.compile takes no mode with options
+            result = bench_e2e.time_variant(model, timed_variant, args.device, [], args.decode_tokens,
+                                            args.decode_context, 1, model.config.vocab_size, options)
+            runner = result.pop("runner")
+            runner.variant = variant  # cudagraph_mark_step_begin per step under CUDA graphs
+            row = dict(shape=args.shape, variant=variant, n_deferred_experts=d, decode_tok_s=result["decode_tok_s"],
+                       host_waits_per_step=result["host_waits_per_step"], build_s=build_s)
+            if args.profile:
+                prof = bench_e2e.profile_decode(runner, 5, args.out, f"deferral_{args.shape}_{variant}_d{d}")
+                row.update(g_ms=prof["gpu_busy_ms"], c_ms=prof["cpu_experts_busy_ms"], overlap_ms=prof["overlap_ms"],
+                           step_ms=prof["step_ms"], trace=prof["trace"])
+            rows.append(row)
+            print(f"  {variant} d={d}: {row['decode_tok_s']:.2f} tok/s", file=sys.stderr)
+            del runner, model
+    return rows
+
+
+def print_speed(rows: list[dict]) -> None:
+    print("\n| shape | variant | d | decode tok/s | step ms | g: GPU busy ms | c: CPU experts ms | overlap ms |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        extra = " | ".join(f"{r[k]:.2f}" if k in r else "-" for k in ("step_ms", "g_ms", "c_ms", "overlap_ms"))
+        print(f"| {r['shape']} | {r['variant']} | {r['n_deferred_experts']} | {r['decode_tok_s']:.2f} | {extra} |")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=("quality", "speed"))
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=None, help="quality: score only the first tokens")
+    parser.add_argument("--shape", default="qwen3-30b-a3b")
+    parser.add_argument("--variants", default="compiled,cuda_graphs")
+    parser.add_argument("--deferred", default="0,1,2,4,6")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--experts-dtype", choices=("bf16", "int8", "int4"), default="int8")
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--decode-context", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--profile", action="store_true", help="speed: g, c and overlap per decode step")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--json", default=None, help="append rows as JSON lines to this file")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    import bench_e2e
+
+    print(json.dumps(bench_e2e.machine_info(args.device)))
+    if args.what == "quality":
+        rows = run_quality(args)
+        print_quality(rows)
+    else:
+        rows = run_speed(args)
+        print_speed(rows)
+    if args.json:
+        with open(args.json, "a") as f:
+            for r in rows:
+                f.write(json.dumps({"bench": f"deferral_{args.what}", **r}) + "\n")
+
+
+if __name__ == "__main__":
+    main()
