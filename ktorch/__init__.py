@@ -15,7 +15,8 @@ __all__ = ["PackedExperts", "cpu_features", "fused_moe", "pack_experts"]
 # transformers integration: "ktorch" joins transformers' experts implementations (once transformers loads them),
 # and prepare() places a model for hybrid CPU-expert inference.
 from ktorch.integrations import register_when_imported as _register_experts_implementation  # noqa: E402
-from ktorch.placement import prepare, set_deferred_experts  # noqa: E402
+from ktorch.experts_profile import ExpertsProfile, profile_experts  # noqa: E402
+from ktorch.placement import gpu_placement, prepare, set_deferred_experts  # noqa: E402
 
 _register_experts_implementation()
-__all__ += ["prepare", "set_deferred_experts"]
+__all__ += ["ExpertsProfile", "gpu_placement", "prepare", "profile_experts", "set_deferred_experts"]

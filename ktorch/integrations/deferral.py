@@ -72,11 +72,12 @@ def set_deferred_experts(modules: list[nn.Module], n_deferred: int) -> None:
 
 
 def deferred_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                             top_k_weights: torch.Tensor, run_experts) -> torch.Tensor:
+                             top_k_weights: torch.Tensor, run_experts, gpu_work=None) -> torch.Tensor:
     """One eager MoE layer with deferral: hidden_states [T, H], top_k_index/top_k_weights [T, K] -> [T, H].
 
-    ``run_experts(module, hidden, ids, weights)`` runs the routed experts at once (kt.fused_moe). Returns this
-    layer's immediate result plus the previous layer's deferred result."""
+    ``run_experts(module, hidden, ids, weights)`` runs the routed experts at once (kt.fused_moe); ``gpu_work()``,
+    when given, the device-resident experts' part (never deferred). Returns this layer's immediate CPU result plus
+    the previous layer's deferred result, plus the device part: the order the compiled graph adds them in."""
     from ktorch.passes.deferral import split_topk_slots
 
     chain, index = module.kt_deferral
@@ -93,13 +94,17 @@ def deferred_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top
         if ids_later is not None:
             ticket = RUNTIME.submit(hidden_states, ids_later, top_k_weights, layer, site_later)
             later = (ticket, hidden_states, layer, site_later)
+        gpu_out = gpu_work() if gpu_work is not None else None  # on the GPU while the CPU runs both calls
         out = RUNTIME.wait(ticket_now, hidden_states, layer, site_now)
     else:
         out = run_experts(module, hidden_states, ids_now, top_k_weights)
         later = None if ids_later is None else run_experts(module, hidden_states, ids_later, top_k_weights)
+        gpu_out = gpu_work() if gpu_work is not None else None
     previous = chain.take(index)
     if previous is not None:
         out = out + previous
+    if gpu_out is not None:
+        out = out + gpu_out
     if later is not None:
         chain.put(index, later)
     return out
