@@ -9,10 +9,13 @@ quality  (runs on a CPU in about a minute): the built-in trained Qwen3-MoE model
          Reported: perplexity, mean loss, and top-1 agreement (the share of positions whose argmax next token
          equals d = 0's).
 
-speed    (the device): decode tok/s of a random Qwen3-30B-A3B / DeepSeek-V2-Lite shaped model (benchmarks/
-         bench_e2e.py builds it) compiled with the ktorch backend, CUDA graphs or not, for each
-         n_deferred_experts in --deferred; per decode step the GPU busy time g, the CPU experts busy time c
-         and their overlap from a profile of a few steps (bench_e2e.profile_decode).
+speed    (the device): decode tok/s of a random Qwen3-30B-A3B shaped model (benchmarks/bench_e2e.py builds it)
+         compiled with the ktorch backend, CUDA graphs or not, for each n_deferred_experts in --deferred, and for
+         each fraction in --gpu-experts of every layer's hottest experts kept on the GPU. The routers get a Zipf
+         bias (--zipf s: p_e ~ 1/rank^s, a random ranking per layer) so that random weights have hot experts;
+         profile_experts finds them on one random prompt and f, the fraction of routed slots that land on GPU
+         experts, is measured on another. With --profile, per decode step: the GPU busy time g, the CPU experts
+         busy time c and their overlap (bench_e2e.profile_decode).
 
 Benchmarks never assert; they print a table and the machine. --json appends one line per row.
 """
@@ -27,6 +30,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import ktorch
 from ktorch.passes.deferral import split_topk_slots
@@ -129,41 +133,106 @@ def print_quality(rows: list[dict]) -> None:
 # ---------------------------------------------------------------- speed on the device
 
 
+class ZipfSkewedRouter(nn.Module):
+    """Qwen3-MoE's top-k router with a fixed bias ``log p_e`` added to its logits, p_e ~ 1 / rank(e)^s over a
+    random ranking of the experts: random weights then route like a trained model with hot experts."""
+
+    def __init__(self, router: nn.Module, zipf_s: float, gen: torch.Generator):
+        super().__init__()
+        self.router = router
+        E = router.num_experts
+        rank = torch.randperm(E, generator=gen) + 1
+        self.register_buffer("bias", (-zipf_s * rank.double().log()).float().to(router.weight.device))
+
+    def forward(self, hidden_states):
+        r = self.router
+        hidden_states = hidden_states.reshape(-1, r.hidden_dim)
+        logits = F.linear(hidden_states, r.weight) + self.bias.to(r.weight.dtype)
+        probs = torch.softmax(logits, dtype=torch.float, dim=-1)
+        top_value, top_index = torch.topk(probs, r.top_k, dim=-1)
+        if r.norm_topk_prob:
+            top_value = top_value / top_value.sum(dim=-1, keepdim=True)
+        return logits, top_value.to(logits.dtype), top_index
+
+
+def skew_routers(model, zipf_s: float, seed: int = 0) -> int:
+    """Replaces every Qwen3-MoE router of ``model`` by a ZipfSkewedRouter; returns how many."""
+    gen = torch.Generator().manual_seed(seed)
+    n = 0
+    for module in list(model.modules()):
+        gate = getattr(module, "gate", None)
+        if gate is not None and type(gate).__name__ == "Qwen3MoeTopKRouter":
+            module.gate = ZipfSkewedRouter(gate, zipf_s, gen)
+            n += 1
+    return n
+
+
+def attach_random_gpu_experts(model, profile, fraction: float, device: str, seed: int = 0) -> dict:
+    """Keeps the hottest ``fraction`` of each layer's experts (by ``profile``) on ``device``, with random weights
+    (the CPU ones are random too); returns the placement."""
+    from ktorch.integrations import attach_gpu_experts
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, m in experts_modules(model):
+        E = m.kt_w13.shape[0]
+        n = round(fraction * E)
+        if n == 0:
+            continue
+        H, I = m.hidden_dim, m.intermediate_dim
+        w13 = torch.empty(n, H, 2 * I, dtype=torch.bfloat16, device=device).normal_(0, 0.02, generator=gen)
+        w2 = torch.empty(n, I, H, dtype=torch.bfloat16, device=device).normal_(0, 0.02, generator=gen)
+        attach_gpu_experts(m, profile.hottest(name, n), w13, w2)
+    return ktorch.gpu_placement(model)
+
+
 def run_speed(args) -> list[dict]:
     import bench_e2e
 
     rows = []
-    variants = args.variants.split(",")
-    for variant in variants:
-        for d in [int(x) for x in args.deferred.split(",")]:
+    grid = [(d, 0.0) for d in (int(x) for x in args.deferred.split(","))]
+    grid += [(0, float(g)) for g in args.gpu_experts.split(",") if float(g) > 0]
+    for variant in args.variants.split(","):
+        for d, gpu_fraction in grid:
             torch._dynamo.reset()
             ktorch.compile.RUNTIME.reset()
             model, build_s = bench_e2e.build_model(args.shape, "eager", args.device, args.experts_dtype,
                                                    layers=args.layers)
-            options = {"n_deferred_experts": d, "cuda_graphs": variant == "cuda_graphs"}
-            timed_variant = "compiled"  # the options carry cuda_graphs: torch.compile takes no mode with options
-            result = bench_e2e.time_variant(model, timed_variant, args.device, [], args.decode_tokens,
-                                            args.decode_context, 1, model.config.vocab_size, options)
+            skewed = skew_routers(model, args.zipf) if args.zipf else 0
+            f = 0.0
+            if gpu_fraction:
+                vocab = model.config.vocab_size
+                gen = torch.Generator().manual_seed(2)
+                profile = ktorch.profile_experts(model, torch.randint(0, vocab, (1, 512), generator=gen).to(args.device))
+                placement = attach_random_gpu_experts(model, profile, gpu_fraction, args.device)
+                check = ktorch.profile_experts(model, torch.randint(0, vocab, (1, 512), generator=gen).to(args.device))
+                f = check.fraction_on(placement)  # routed slots on GPU experts, on tokens not profiled
+            options = {"n_deferred_experts": d}
+            result = bench_e2e.time_variant(model, variant, args.device, [], args.decode_tokens, args.decode_context,
+                                            1, model.config.vocab_size, options)
             runner = result.pop("runner")
-            runner.variant = variant  # cudagraph_mark_step_begin per step under CUDA graphs
-            row = dict(shape=args.shape, variant=variant, n_deferred_experts=d, decode_tok_s=result["decode_tok_s"],
+            row = dict(shape=args.shape, variant=variant, n_deferred_experts=d, gpu_experts=gpu_fraction, f=f,
+                       zipf_s=args.zipf if skewed else 0.0, decode_tok_s=result["decode_tok_s"],
                        host_waits_per_step=result["host_waits_per_step"], build_s=build_s)
             if args.profile:
-                prof = bench_e2e.profile_decode(runner, 5, args.out, f"deferral_{args.shape}_{variant}_d{d}")
+                label = f"deferral_{args.shape}_{variant}_d{d}_gpu{gpu_fraction}"
+                prof = bench_e2e.profile_decode(runner, 5, args.out, label)
                 row.update(g_ms=prof["gpu_busy_ms"], c_ms=prof["cpu_experts_busy_ms"], overlap_ms=prof["overlap_ms"],
                            step_ms=prof["step_ms"], trace=prof["trace"])
             rows.append(row)
-            print(f"  {variant} d={d}: {row['decode_tok_s']:.2f} tok/s", file=sys.stderr)
+            print(f"  {variant} d={d} gpu_experts={gpu_fraction} (f={f:.2f}): {row['decode_tok_s']:.2f} tok/s",
+                  file=sys.stderr)
             del runner, model
     return rows
 
 
 def print_speed(rows: list[dict]) -> None:
-    print("\n| shape | variant | d | decode tok/s | step ms | g: GPU busy ms | c: CPU experts ms | overlap ms |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| shape | variant | d | GPU experts | f | decode tok/s | step ms | g: GPU busy ms | c: CPU experts ms "
+          "| overlap ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         extra = " | ".join(f"{r[k]:.2f}" if k in r else "-" for k in ("step_ms", "g_ms", "c_ms", "overlap_ms"))
-        print(f"| {r['shape']} | {r['variant']} | {r['n_deferred_experts']} | {r['decode_tok_s']:.2f} | {extra} |")
+        print(f"| {r['shape']} | {r['variant']} | {r['n_deferred_experts']} | {100 * r['gpu_experts']:.0f}% | "
+              f"{r['f']:.2f} | {r['decode_tok_s']:.2f} | {extra} |")
 
 
 def main(argv=None) -> None:
@@ -174,7 +243,9 @@ def main(argv=None) -> None:
     parser.add_argument("--max-tokens", type=int, default=None, help="quality: score only the first tokens")
     parser.add_argument("--shape", default="qwen3-30b-a3b")
     parser.add_argument("--variants", default="compiled,cuda_graphs")
-    parser.add_argument("--deferred", default="0,1,2,4,6")
+    parser.add_argument("--deferred", default="0,1,2,4,6", help="speed: n_deferred_experts values (no GPU experts)")
+    parser.add_argument("--gpu-experts", default="0.1,0.25", help="speed: fractions of hot experts on the GPU (d=0)")
+    parser.add_argument("--zipf", type=float, default=1.0, help="speed: Zipf exponent of the router skew (0: none)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--experts-dtype", choices=("bf16", "int8", "int4"), default="int8")
     parser.add_argument("--decode-tokens", type=int, default=32)
