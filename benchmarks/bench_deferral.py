@@ -185,34 +185,40 @@ def attach_random_gpu_experts(model, profile, fraction: float, device: str, seed
     return ktorch.gpu_placement(model)
 
 
+def detach_gpu_experts(model) -> None:
+    for _, m in experts_modules(model):
+        for name in ("kt_gpu_slot_of", "kt_gpu_w13", "kt_gpu_w2"):
+            if hasattr(m, name):
+                delattr(m, name)
+
+
 def run_speed(args) -> list[dict]:
     import bench_e2e
 
     rows = []
-    grid = [(d, 0.0) for d in (int(x) for x in args.deferred.split(","))]
-    grid += [(0, float(g)) for g in args.gpu_experts.split(",") if float(g) > 0]
+    grid = [(d, 0.0) for d in (int(x) for x in args.deferred.split(",") if x)]
+    grid += [(0, float(g)) for g in args.gpu_experts.split(",") if g and float(g) > 0]
+    model, build_s = bench_e2e.build_model(args.shape, "eager", args.device, args.experts_dtype, layers=args.layers)
+    skewed = skew_routers(model, args.zipf) if args.zipf else 0
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(2)
+    profile = ktorch.profile_experts(model, torch.randint(0, vocab, (1, 512), generator=gen).to(args.device))
+    check_ids = torch.randint(0, vocab, (1, 512), generator=gen).to(args.device)
+    print(f"  built in {build_s:.0f} s; {skewed} routers Zipf-skewed (s={args.zipf})", file=sys.stderr)
     for variant in args.variants.split(","):
         for d, gpu_fraction in grid:
             torch._dynamo.reset()
-            ktorch.compile.RUNTIME.reset()
-            model, build_s = bench_e2e.build_model(args.shape, "eager", args.device, args.experts_dtype,
-                                                   layers=args.layers)
-            skewed = skew_routers(model, args.zipf) if args.zipf else 0
+            detach_gpu_experts(model)
             f = 0.0
             if gpu_fraction:
-                vocab = model.config.vocab_size
-                gen = torch.Generator().manual_seed(2)
-                profile = ktorch.profile_experts(model, torch.randint(0, vocab, (1, 512), generator=gen).to(args.device))
                 placement = attach_random_gpu_experts(model, profile, gpu_fraction, args.device)
-                check = ktorch.profile_experts(model, torch.randint(0, vocab, (1, 512), generator=gen).to(args.device))
-                f = check.fraction_on(placement)  # routed slots on GPU experts, on tokens not profiled
-            options = {"n_deferred_experts": d}
+                f = ktorch.profile_experts(model, check_ids).fraction_on(placement)  # on tokens not profiled
             result = bench_e2e.time_variant(model, variant, args.device, [], args.decode_tokens, args.decode_context,
-                                            1, model.config.vocab_size, options)
+                                            1, vocab, {"n_deferred_experts": d})
             runner = result.pop("runner")
             row = dict(shape=args.shape, variant=variant, n_deferred_experts=d, gpu_experts=gpu_fraction, f=f,
                        zipf_s=args.zipf if skewed else 0.0, decode_tok_s=result["decode_tok_s"],
-                       host_waits_per_step=result["host_waits_per_step"], build_s=build_s)
+                       host_waits_per_step=result["host_waits_per_step"], warmup_decode_s=result["warmup_decode_s"])
             if args.profile:
                 label = f"deferral_{args.shape}_{variant}_d{d}_gpu{gpu_fraction}"
                 prof = bench_e2e.profile_decode(runner, 5, args.out, label)
@@ -221,7 +227,7 @@ def run_speed(args) -> list[dict]:
             rows.append(row)
             print(f"  {variant} d={d} gpu_experts={gpu_fraction} (f={f:.2f}): {row['decode_tok_s']:.2f} tok/s",
                   file=sys.stderr)
-            del runner, model
+            del runner
     return rows
 
 
