@@ -105,22 +105,39 @@ def test_gpu_experts_match_hf_eager(family, dtype):
 
 
 def test_gpu_experts_with_deferral_and_inductor():
-    """Both features at once, bf16, Inductor on the CPU: greedy tokens against HF eager would differ by design
-    (deferral), so compiled is compared with the eager prepared model with the same settings."""
-    base = tiny_model("qwen3_moe", dtype=torch.bfloat16)
-    ids = torch.randint(0, 256, (1, 16))
-    profile = ktorch.profile_experts(base, ids)
-    model = ktorch.prepare(copy.deepcopy(base), device="cpu", gpu_experts=2, expert_profile=profile,
-                           gpu_experts_kernel="grouped_mm", deferred_experts=1)
-    with torch.no_grad():
-        want = model(ids).logits
-        torch._dynamo.reset()
-        compiled = torch.compile(model, backend="ktorch", options={"inductor": False, "n_deferred_experts": 1},
-                                 fullgraph=True)
-        assert torch.equal(compiled(ids).logits, want)
-        torch._dynamo.reset()
-        compiled = torch.compile(model, backend="ktorch", options={"n_deferred_experts": 1}, fullgraph=True)
-        torch.testing.assert_close(compiled(ids).logits, want, rtol=0, atol=0.1)
+    """Both features at once: compiled without Inductor equals the eager model with the same settings exactly
+    (bf16, grouped_mm); with Inductor (C++ on the CPU) within 1e-2 (fp32 activations, gather: no routing near-ties
+    from bf16 rounding)."""
+    for dtype, kernel in ((torch.bfloat16, "grouped_mm"), (torch.float32, "gather")):
+        base = tiny_model("qwen3_moe", dtype=dtype)
+        ids = torch.randint(0, 256, (1, 20))
+        profile = ktorch.profile_experts(base, ids)
+        model = ktorch.prepare(copy.deepcopy(base), device="cpu", gpu_experts=2, expert_profile=profile,
+                               gpu_experts_kernel=kernel, deferred_experts=1)
+        options = {"inductor": dtype == torch.float32, "n_deferred_experts": 1}
+        with torch.no_grad():
+            want = model(ids).logits
+            torch._dynamo.reset()
+            got = torch.compile(model, backend="ktorch", options=options, fullgraph=True)(ids).logits
+        if dtype == torch.bfloat16:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-2)  # bf16 rounding of the op's inputs
+
+
+def test_grouped_mm_kernel_compiles_with_inductor():
+    """The grouped_mm kernel as Inductor compiles it (C++ on the CPU, bf16) against eager."""
+    n, H, I, T, K = 3, 64, 32, 24, 4
+    hidden = torch.randn(T, H).bfloat16()
+    slots = torch.randint(-1, n, (T, K))
+    weights = torch.rand(T, K)
+    w13 = (torch.randn(n, H, 2 * I) / H**0.5).bfloat16()
+    w2 = (torch.randn(n, I, H) / I**0.5).bfloat16()
+    torch._dynamo.reset()
+    compiled = torch.compile(gpu_experts_forward, fullgraph=True)
+    got = compiled(hidden, slots, weights, w13, w2, "silu", "grouped_mm")
+    want = gpu_experts_forward(hidden, slots, weights, w13, w2, "silu", "grouped_mm")
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
 def _teacher_forced_decode(step, kwargs, tokens, cuda_graphs):
@@ -142,7 +159,7 @@ def _teacher_forced_decode(step, kwargs, tokens, cuda_graphs):
 def test_cuda_gpu_experts_match_hf_eager_and_compile_under_cuda_graphs(family, kernel):
     """On the GPU, the hottest 25% of experts on the GPU: the eager prefill against HF eager (bf16); then 12 decode
     steps compiled under CUDA graphs against the same steps run eagerly, teacher-forced (fp32 activations for
-    gather, whose logits must agree within 1e-3; bf16 for grouped_mm, within the bf16 logit tolerance)."""
+    gather, whose logits must agree within 1e-2; bf16 for grouped_mm, within the bf16 logit tolerance)."""
     from models import LOGIT_ATOL, decode_step_inputs
 
     if kernel == "grouped_mm" and torch.cuda.get_device_capability()[0] < 9:
@@ -166,5 +183,5 @@ def test_cuda_gpu_experts_match_hf_eager_and_compile_under_cuda_graphs(family, k
         want = _teacher_forced_decode(model, eager_kwargs, tokens, False)
         step = torch.compile(model, backend="ktorch", mode="reduce-overhead", fullgraph=True)
         got = _teacher_forced_decode(step, compiled_kwargs, tokens, True)
-    atol = 1e-3 if dtype == torch.float32 else LOGIT_ATOL[torch.bfloat16]
+    atol = 1e-2 if dtype == torch.float32 else LOGIT_ATOL[torch.bfloat16]
     torch.testing.assert_close(got, want, rtol=0, atol=atol)
