@@ -229,6 +229,9 @@ class Runner:
         self.cache = StaticCache(config=model.config, max_cache_len=max_len)
         if variant in ("compiled", "cuda_graphs"):
             mode = "reduce-overhead" if variant == "cuda_graphs" else None
+            if options:  # torch.compile takes a mode or options, not both: the mode goes into the options
+                options = {**options, "cuda_graphs": variant == "cuda_graphs"}
+                mode = None
             self.forward = torch.compile(model, backend="ktorch", mode=mode, options=options, fullgraph=True,
                                          dynamic=False)
         else:

@@ -15,8 +15,9 @@ __all__ = ["PackedExperts", "cpu_features", "fused_moe", "pack_experts"]
 # transformers integration: "ktorch" joins transformers' experts implementations (once transformers loads them),
 # and prepare() places a model for hybrid CPU-expert inference.
 from ktorch.integrations import register_when_imported as _register_experts_implementation  # noqa: E402
-from ktorch.placement import prepare  # noqa: E402
+from ktorch.experts_profile import ExpertsProfile, profile_experts  # noqa: E402
 from ktorch.loading import load  # noqa: E402
+from ktorch.placement import gpu_placement, prepare, set_deferred_experts  # noqa: E402
 
 _register_experts_implementation()
-__all__ += ["load", "prepare"]
+__all__ += ["ExpertsProfile", "gpu_placement", "load", "prepare", "profile_experts", "set_deferred_experts"]

@@ -8,8 +8,12 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
+from ktorch.integrations.deferral import set_deferred_experts as set_chain
+from ktorch.experts_profile import ExpertsProfile
 from ktorch.integrations.transformers_experts import (
     IMPLEMENTATION_NAME,
+    attach_gpu_experts,
+    gpu_expert_weights,
     check_supported,
     is_experts_module,
     pack_module_experts,
@@ -28,6 +32,10 @@ def prepare(
     experts_device: Union[str, torch.device] = "cpu",
     experts_dtype: str = "bf16",
     group_size: Optional[int] = None,
+    deferred_experts: int = 0,
+    gpu_experts: Union[int, float, str, None] = None,
+    expert_profile: Optional[ExpertsProfile] = None,
+    gpu_experts_kernel: str = "auto",
 ) -> nn.Module:
     """Places an MoE model for hybrid inference, in place, and returns it.
 
@@ -37,6 +45,17 @@ def prepare(
     - every other parameter and buffer (embeddings, attention, routers, shared experts, norms, lm_head) moves
       to ``device``; the KV cache that ``generate`` creates follows them;
     - the model's experts implementation becomes ``"ktorch"``, so each MoE layer calls ``torch.ops.kt.fused_moe``.
+
+    ``deferred_experts=d`` (default 0: off): at every MoE layer but the last, each token's d lowest-weighted
+    routed experts join the next layer's output instead (docs/deferral.md); eager forwards do it through the
+    experts modules, and ``generate``'s compiled decoding through the backend option ``n_deferred_experts``.
+    ``set_deferred_experts(model, d)`` changes it later.
+
+    ``gpu_experts`` keeps each MoE layer's most routed-to experts (``expert_profile``, from
+    ``ktorch.profile_experts``) on ``device`` as well: an int N (per layer), a float fraction of each layer's
+    experts, or a memory budget for all layers together ("4GiB", "512MB"; in the model's dtype). Their slots are
+    masked to -1 in what the CPU op receives, computed on the device (ktorch/ops/gpu_experts.py,
+    ``gpu_experts_kernel``) while the CPU works, and the two parts summed.
 
     Parameters stop requiring grad (the kt ops are inference-only). The result runs eagerly (hidden states hop to the CPU op and back) and under ``torch.compile``.
     ``device="cpu"`` (or None) keeps the whole model on the CPU: no GPU is needed.
@@ -58,13 +77,32 @@ def prepare(
                 check_supported(m)
             except ValueError as e:
                 raise type(e)(f"{name}: {e}") from None
+    n_gpu = _gpu_experts_per_layer(gpu_experts, modules)
+    if n_gpu and expert_profile is None:
+        raise ValueError("prepare: gpu_experts needs expert_profile (ktorch.profile_experts(model, inputs))")
+    hot = {}
+    for name, m in modules:
+        if n_gpu:
+            if packed_experts_of(m) is not None:
+                raise ValueError(f"prepare: {name} is already packed; gpu_experts needs its unpacked weights "
+                                 "(or attach them with ktorch.integrations.attach_gpu_experts)")
+            if name not in expert_profile.counts:
+                raise ValueError(f"prepare: expert_profile has no counts for {name}")
+            ids = expert_profile.hottest(name, n_gpu)
+            w13, w2 = gpu_expert_weights(m, ids)
+            hot[name] = (ids, w13.to(device), w2.to(device))
+            del w13, w2
     for _, m in modules:
         if packed_experts_of(m) is None:
             pack_module_experts(m, experts_dtype, group_size)
+    for name, m in modules:
+        if name in hot:
+            attach_gpu_experts(m, *hot[name], kernel=gpu_experts_kernel)
     gc.collect()
     model.requires_grad_(False)  # inference only: the kt ops have no backward
     model.to(device)  # the packed experts modules ignore it (see attach_packed_experts)
     _compile_generate_with_ktorch(model)
+    set_deferred_experts(model, deferred_experts)
     set_impl = getattr(model, "set_experts_implementation", None)
     if set_impl is not None:
         set_impl(IMPLEMENTATION_NAME)
@@ -72,6 +110,78 @@ def prepare(
         for _, m in modules:
             m.config._experts_implementation = IMPLEMENTATION_NAME
     return model
+
+
+def gpu_placement(model: nn.Module) -> dict[str, list]:
+    """Expert ids each experts module keeps on the accelerator (``prepare(..., gpu_experts=...)``), by module name."""
+    return {name: list(getattr(m, "kt_gpu_expert_ids", [])) for name, m in experts_modules(model)}
+
+
+_UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3}
+
+
+def _gpu_experts_per_layer(gpu_experts, modules) -> int:
+    """N experts per layer from an int, a fraction of the layer's experts, or a memory budget ("4GiB")."""
+    if gpu_experts is None:
+        return 0
+    m = modules[0][1]
+    n_experts = getattr(m, "num_experts", None) or m.gate_up_proj.shape[0]
+    if isinstance(gpu_experts, bool):
+        raise ValueError(f"prepare: gpu_experts must be an int, a fraction or a memory size, got {gpu_experts!r}")
+    if isinstance(gpu_experts, int):
+        n = gpu_experts
+    elif isinstance(gpu_experts, float):
+        if not 0.0 <= gpu_experts <= 1.0:
+            raise ValueError(f"prepare: a fractional gpu_experts must be in [0, 1], got {gpu_experts}")
+        n = round(gpu_experts * n_experts)
+    elif isinstance(gpu_experts, str):
+        import re
+
+        match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", gpu_experts)
+        if not match or match.group(2).lower() not in _UNITS:
+            raise ValueError(f"prepare: gpu_experts memory budget {gpu_experts!r} is not like '4GiB' or '512MB'")
+        budget = float(match.group(1)) * _UNITS[match.group(2).lower()]
+        per_expert = m.gate_up_proj[0].numel() * m.gate_up_proj.element_size() + m.down_proj[0].numel() * m.down_proj.element_size()
+        n = int(budget // (per_expert * len(modules)))
+    else:
+        raise ValueError(f"prepare: gpu_experts must be an int, a fraction or a memory size, got {gpu_experts!r}")
+    if not 0 <= n <= n_experts:
+        raise ValueError(f"prepare: gpu_experts asks for {n} experts per layer; layers have {n_experts}")
+    return n
+
+
+def set_deferred_experts(model: nn.Module, n_deferred: int) -> nn.Module:
+    """Sets how many lowest-weighted routed experts per token each MoE layer but the last defers (0: none).
+
+    Applies to eager forwards of the prepared ``model`` and to ``generate``'s compiled decoding (its
+    ``compile_config.options["n_deferred_experts"]``). A model compiled by hand takes the option itself:
+    ``torch.compile(model, backend="ktorch", options={"n_deferred_experts": d})``."""
+    if isinstance(n_deferred, bool) or not isinstance(n_deferred, int) or n_deferred < 0:
+        raise ValueError(f"set_deferred_experts: n_deferred must be an int >= 0, got {n_deferred!r}")
+    set_chain([m for _, m in experts_modules(model)], n_deferred)
+    config = getattr(getattr(model, "generation_config", None), "compile_config", None)
+    if config is not None and config.backend == "ktorch":
+        options = dict(config.options or {})
+        if n_deferred:
+            options["n_deferred_experts"] = n_deferred
+            if config.mode is not None:  # torch.compile takes a mode or options, not both: the mode becomes options
+                options.update(_mode_as_options(config.mode))
+                config.mode = None
+        else:
+            options.pop("n_deferred_experts", None)
+        config.options = options or None
+    return model
+
+
+def _mode_as_options(mode: str) -> dict:
+    """The ktorch backend options that ``mode`` stands for (see BackendOptions.parse)."""
+    from ktorch.compile.options import BackendOptions
+
+    opts = BackendOptions.parse(mode)
+    options = {"cuda_graphs": opts.cuda_graphs}
+    if opts.inductor_config:
+        options["inductor_config"] = dict(opts.inductor_config)
+    return options
 
 
 def _compile_generate_with_ktorch(model: nn.Module) -> None:

@@ -116,7 +116,9 @@ class RoutingRecorder:
 
     Eager calls are recorded by hooks on the experts modules (which do nothing while Dynamo traces); calls that
     go through ktorch's experts runtime (graphs of the ktorch backend, eager calls from CUDA) are recorded by an
-    observer of the runtime, on the worker thread, CUDA-graph replays included."""
+    observer of the runtime, on the worker thread, CUDA-graph replays included. Modules with experts on the GPU
+    (prepare(gpu_experts=...)) are recorded by their hooks only, so in eager runs only: the runtime sees their ids
+    masked."""
 
     def __init__(self, model):
         from ktorch.compile.experts_runtime import RUNTIME
@@ -138,7 +140,8 @@ class RoutingRecorder:
         def hook(module, args):
             if torch.compiler.is_compiling():
                 return
-            if args[0].device.type == "cuda" and getattr(module, "kt_w13", None) is not None:
+            if (args[0].device.type == "cuda" and getattr(module, "kt_w13", None) is not None
+                    and getattr(module, "kt_gpu_slot_of", None) is None):
                 return  # a prepared module called from CUDA goes through the runtime, whose observer records it
             self._record(name, args[0], args[1])
 
@@ -146,7 +149,8 @@ class RoutingRecorder:
 
     def _observe(self, layer, hidden, ids, weights):
         for name, module in self._names.items():
-            if getattr(module, "kt_w13", None) is layer.w13:
+            # a module with experts on the GPU sends the CPU its ids with those masked: its hook records it instead
+            if getattr(module, "kt_w13", None) is layer.w13 and getattr(module, "kt_gpu_slot_of", None) is None:
                 self._record(name, hidden, ids)
 
     def __enter__(self):

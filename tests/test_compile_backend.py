@@ -77,8 +77,7 @@ def test_options():
         BackendOptions.parse(None, {"fast": True})
     with pytest.raises(ValueError, match="unknown mode"):
         BackendOptions.parse("turbo")
-    with pytest.raises(NotImplementedError, match="deferral"):
-        BackendOptions.parse(None, {"n_deferred_experts": 2})
+    assert BackendOptions.parse(None, {"n_deferred_experts": 2}).n_deferred_experts == 2  # tests/test_compile_deferral.py
 
 
 def test_unknown_option_fails_the_compile():

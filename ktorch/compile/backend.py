@@ -3,6 +3,8 @@
     Dynamo FX graph (one kt.fused_moe node per MoE layer, packed weights as CPU graph inputs)
       1. partition       passes/partition.py       which nodes are CPU experts, which are GPU work
       2. async boundary  passes/async_boundary.py  submit/wait per experts call, independent work between
+      2c. deferral       passes/deferral.py        (n_deferred_experts > 0) the lowest-weighted slots of layer i
+                                                   are submitted apart and waited for at layer i+1's result
       3. weights out     here                      the packed weights go to the experts runtime by layer id;
                                                    their graph inputs are dropped (the graph is device-only)
       4. GPU segments    Inductor (compile_fx)     everything else, with CUDA graphs when asked
@@ -25,6 +27,7 @@ from torch import fx
 from ktorch.compile.experts_runtime import RUNTIME
 from ktorch.compile.options import BackendOptions
 from ktorch.passes.async_boundary import Boundary, insert_async_boundaries, overlap_independent_work
+from ktorch.passes.deferral import defer_experts
 from ktorch.passes.partition import ExpertsCall, mark_partition, node_device
 
 log = logging.getLogger(__name__)
@@ -39,6 +42,8 @@ class CompileReport:
     async_calls: int = 0
     skipped: list = field(default_factory=list)  # reasons for calls left blocking
     overlapped_nodes: list = field(default_factory=list)  # per boundary, how many nodes moved between submit/wait
+    deferrals: list = field(default_factory=list)  # passes/deferral.py Deferral per deferred layer
+    deferral_skipped: list = field(default_factory=list)  # reasons for layer pairs left undeferred
     devices: set = field(default_factory=set)
     cuda_graphs: bool = False
     graph: Optional[fx.GraphModule] = None  # the graph handed to Inductor (or run as is)
@@ -113,6 +118,9 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, opts: BackendOptions
         report.async_calls = len(boundaries)
         if opts.overlap:
             report.overlapped_nodes = [len(overlap_independent_work(gm, b)) for b in boundaries]
+        if opts.n_deferred_experts:
+            report.deferrals = defer_experts(gm, boundaries, opts.n_deferred_experts, RUNTIME.new_site,
+                                             report.deferral_skipped)
     keep = _drop_unused_inputs(gm, weight_inputs)
     inputs = [example_inputs[i] for i in keep]
     report.devices = _graph_devices(gm)

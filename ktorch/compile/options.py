@@ -19,7 +19,9 @@ class BackendOptions:
                      submit/wait ops are captured with them. mode="reduce-overhead" or "max-autotune" sets it.
                      Ignored (with no error) for graphs that have no CUDA tensors.
     inductor_config: extra ``torch._inductor.config`` patches, e.g. {"max_autotune": True}.
-    n_deferred_experts: reserved for the deferral pass (not implemented yet); must be 0.
+    n_deferred_experts: per token, how many of its K routed experts (the lowest-weighted) each MoE layer but the
+                     last defers to the next layer (passes/deferral.py, docs/deferral.md); 0 (default) defers
+                     nothing and leaves the graph exactly as without the pass. Needs async_experts.
     """
 
     inductor: bool = True
@@ -49,6 +51,9 @@ class BackendOptions:
                 opts.inductor_config.update(value)
             else:
                 setattr(opts, key, value)
-        if opts.n_deferred_experts:
-            raise NotImplementedError("ktorch backend: n_deferred_experts needs the deferral pass, not implemented yet")
+        d = opts.n_deferred_experts
+        if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+            raise ValueError(f"ktorch backend: n_deferred_experts must be an int >= 0, got {d!r}")
+        if d and not opts.async_experts:
+            raise ValueError("ktorch backend: n_deferred_experts needs async_experts=True (deferral moves waits)")
         return opts

@@ -3,6 +3,7 @@
 from ktorch.integrations.transformers_experts import (
     IMPLEMENTATION_NAME,
     UnsupportedExpertsError,
+    attach_gpu_experts,
     attach_packed_experts,
     check_supported,
     ktorch_experts_forward,
@@ -15,6 +16,7 @@ from ktorch.integrations.transformers_experts import (
 __all__ = [
     "IMPLEMENTATION_NAME",
     "UnsupportedExpertsError",
+    "attach_gpu_experts",
     "attach_packed_experts",
     "check_supported",
     "ktorch_experts_forward",

@@ -179,6 +179,38 @@ def pack_module_experts(module: nn.Module, dtype: str = "bf16", group_size: Opti
     return packed
 
 
+def attach_gpu_experts(module: nn.Module, expert_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                       kernel: str = "auto") -> None:
+    """Keeps the experts ``expert_ids`` [n] of a packed experts module on the accelerator as well.
+
+    w13 [n, H, 2I] (gate columns then up columns), w2 [n, I, H], in the model's dtype on its device. From then on
+    the module's forward masks those experts' slots to -1 in what it sends to the CPU op and computes them on the
+    device (ktorch/ops/gpu_experts.py, ``kernel``), summing both parts. The CPU copy of their packed weights stays
+    (the op never reads it)."""
+    if getattr(module, "kt_w13", None) is None:
+        raise ValueError(f"attach_gpu_experts: {type(module).__name__} is not packed; pack it first")
+    E = module.kt_w13.shape[0]
+    n = expert_ids.numel()
+    if w13.shape[0] != n or w2.shape[0] != n or w13.shape[2] != 2 * w2.shape[1] or w13.shape[1] != w2.shape[2]:
+        raise ValueError(f"attach_gpu_experts: w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not fit {n} experts")
+    if n and (expert_ids.min() < 0 or expert_ids.max() >= E or expert_ids.unique().numel() != n):
+        raise ValueError(f"attach_gpu_experts: expert ids must be distinct and in [0, {E}), got {expert_ids.tolist()}")
+    slot_of = torch.full((E,), -1, dtype=torch.int64)
+    slot_of[expert_ids.cpu()] = torch.arange(n)
+    module.register_buffer("kt_gpu_slot_of", slot_of.to(w13.device), persistent=False)
+    module.register_buffer("kt_gpu_w13", w13, persistent=False)
+    module.register_buffer("kt_gpu_w2", w2, persistent=False)
+    module.kt_gpu_expert_ids = expert_ids.cpu().tolist()
+    module.kt_gpu_kernel = kernel
+
+
+def gpu_expert_weights(module: nn.Module, expert_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w13 [n, H, 2I], w2 [n, I, H]) of the unpacked module's experts ``expert_ids``, contiguous, on its device."""
+    gate_up, down = _unpacked_weights(module)
+    index = expert_ids.to(gate_up.device)
+    return (gate_up[index].transpose(1, 2).contiguous().detach(), down[index].transpose(1, 2).contiguous().detach())
+
+
 def packed_experts_of(module: nn.Module) -> Optional[PackedExperts]:
     """The ``PackedExperts`` attached to ``module``, or None if it was never packed."""
     if getattr(module, "kt_w13", None) is None:
@@ -198,7 +230,9 @@ def ktorch_experts_forward(
     device hop to the CPU (``.to("cpu")``) and the result hops back, so each layer is one op node between
     copies; the ktorch backend turns them into the submit/wait pair of the async-boundary pass
     (ktorch/passes/async_boundary.py). Run eagerly from CUDA tensors, the call goes through the same runtime
-    (pinned copies, one host sync per layer).
+    (pinned copies, one host sync per layer). A module given ``kt_deferral`` (``ktorch.prepare(...,
+    deferred_experts=d)``) defers its lowest-weighted slots to the next layer when run eagerly
+    (ktorch/integrations/deferral.py).
     """
     if getattr(self, "kt_w13", None) is None:
         if torch.compiler.is_compiling():
@@ -207,9 +241,39 @@ def ktorch_experts_forward(
                 "forward) before torch.compile"
             )
         pack_module_experts(self)
+    gpu_work = None
+    if getattr(self, "kt_gpu_slot_of", None) is not None:
+        top_k_index, gpu_work = _split_gpu_experts(self, hidden_states, top_k_index, top_k_weights)
+    if getattr(self, "kt_deferral", None) is not None and not torch.compiler.is_compiling():
+        from ktorch.integrations.deferral import deferred_experts_forward
+
+        return deferred_experts_forward(self, hidden_states, top_k_index, top_k_weights, _run_experts, gpu_work)
+    return _run_experts(self, hidden_states, top_k_index, top_k_weights, gpu_work)
+
+
+def _split_gpu_experts(self: nn.Module, hidden_states, top_k_index, top_k_weights):
+    """(ids for the CPU [T, K] with the device-resident experts' slots set to -1, a callable computing those
+    experts' part [T, H] on the device). See ktorch/ops/gpu_experts.py and ``attach_gpu_experts``."""
+    from ktorch.ops.gpu_experts import gpu_experts_forward
+
+    slot_of = self.kt_gpu_slot_of  # [E] int64 on the device: index among the device experts, or -1
+    slots = torch.where(top_k_index >= 0, slot_of[top_k_index.clamp(min=0)], -1)
+    cpu_ids = torch.where(slots >= 0, -1, top_k_index)
+
+    def gpu_work() -> torch.Tensor:
+        return gpu_experts_forward(hidden_states, slots, top_k_weights, self.kt_gpu_w13, self.kt_gpu_w2,
+                                   self.kt_activation, self.kt_gpu_kernel)
+
+    return cpu_ids, gpu_work
+
+
+def _run_experts(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                 top_k_weights: torch.Tensor, gpu_work=None) -> torch.Tensor:
+    """The packed module's routed experts for hidden_states [T, H], top_k_index/top_k_weights [T, K] -> [T, H],
+    plus ``gpu_work()`` (the device-resident experts' part) when given, computed while the CPU works."""
     device = hidden_states.device
     if device.type == "cuda" and not torch.compiler.is_compiling():
-        return _run_on_cpu_from_cuda(self, hidden_states, top_k_index, top_k_weights)
+        return _run_on_cpu_from_cuda(self, hidden_states, top_k_index, top_k_weights, gpu_work)
     if device.type != "cpu":
         hidden_states = hidden_states.to("cpu")
         top_k_index = top_k_index.to("cpu")
@@ -226,10 +290,12 @@ def ktorch_experts_forward(
     )
     if device.type != "cpu":
         out = out.to(device)
+    if gpu_work is not None:  # traced after the CPU call: the async-boundary pass moves it before the wait
+        out = out + gpu_work()
     return out
 
 
-def _run_on_cpu_from_cuda(module: nn.Module, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
+def _run_on_cpu_from_cuda(module: nn.Module, hidden_states, top_k_index, top_k_weights, gpu_work=None) -> torch.Tensor:
     """Eager call from CUDA tensors: the experts runtime's submit and wait back to back (pinned non-blocking
     copies, one host sync) instead of three blocking copies to pageable memory."""
     from ktorch.compile.experts_runtime import RUNTIME
@@ -241,7 +307,9 @@ def _run_on_cpu_from_cuda(module: nn.Module, hidden_states, top_k_index, top_k_w
         ids = module._kt_runtime_ids = (module.kt_w13, layer, RUNTIME.new_site())
     _, layer, site = ids
     ticket = RUNTIME.submit(hidden_states, top_k_index, top_k_weights, layer, site)
-    return RUNTIME.wait(ticket, hidden_states, layer, site)
+    gpu_out = gpu_work() if gpu_work is not None else None  # on the GPU while the CPU runs its experts
+    out = RUNTIME.wait(ticket, hidden_states, layer, site)
+    return out if gpu_out is None else out + gpu_out
 
 
 def register() -> bool:

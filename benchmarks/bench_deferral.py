@@ -1,0 +1,283 @@
+"""Expert deferral and hot experts on the GPU: quality on the built-in model, speed on large random models.
+
+quality  (runs on a CPU in about a minute): the built-in trained Qwen3-MoE model (4 MoE layers, 16 experts,
+         top-4; ktorch/builtin) on its held-out text (50 709 tokens, windows of 512), experts packed bf16 on the
+         CPU. For each d in 0..K, two ways of treating each token's d lowest-weighted experts at every MoE layer
+         but the last:
+           defer  computed from layer i's input, added to layer i+1's routed output (docs/deferral.md)
+           skip   not computed at all (the same slots dropped)
+         Reported: perplexity, mean loss, and top-1 agreement (the share of positions whose argmax next token
+         equals d = 0's).
+
+speed    (the device): decode tok/s of a random Qwen3-30B-A3B shaped model (benchmarks/bench_e2e.py builds it)
+         compiled with the ktorch backend, CUDA graphs or not, for each n_deferred_experts in --deferred, and for
+         each fraction in --gpu-experts of every layer's hottest experts kept on the GPU. The routers get a Zipf
+         bias (--zipf s: p_e ~ 1/rank^s, a random ranking per layer) so that random weights have hot experts;
+         profile_experts finds them on one random prompt and f, the fraction of routed slots that land on GPU
+         experts, is measured on another. With --profile, per decode step: the GPU busy time g, the CPU experts
+         busy time c and their overlap (bench_e2e.profile_decode).
+
+Benchmarks never assert; they print a table and the machine. --json appends one line per row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ktorch
+from ktorch.passes.deferral import split_topk_slots
+from ktorch.placement import experts_modules
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+# ---------------------------------------------------------------- quality on the built-in model
+
+
+class SkipLowestExperts:
+    """Drops each token's ``n_skipped`` lowest-weighted slots at every MoE layer but the last (a context manager):
+    the baseline that deferral is compared with. The slots get id -1, which kt.fused_moe skips."""
+
+    def __init__(self, model, n_skipped: int):
+        self.modules = [m for _, m in experts_modules(model)][:-1]
+        self.n_skipped, self.handles = n_skipped, []
+
+    def __enter__(self):
+        def hook(module, args):
+            hidden, ids, weights = args
+            kept, _ = split_topk_slots(ids, weights, ids.shape[-1] - min(self.n_skipped, ids.shape[-1]))
+            return hidden, kept, weights
+
+        if self.n_skipped:
+            self.handles = [m.register_forward_pre_hook(hook) for m in self.modules]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+
+
+@torch.no_grad()
+def score(model, tokens: torch.Tensor, seq_len: int, batch_size: int) -> tuple[float, torch.Tensor]:
+    """(mean next-token NLL in nats, argmax predictions [N - 1]) of ``tokens`` [N] in consecutive windows of
+    ``seq_len`` + 1 tokens (ktorch.builtin.evaluation.perplexity's windows)."""
+    starts = list(range(0, tokens.numel() - 1, seq_len))
+    nll, predictions = 0.0, []
+    for i in range(0, len(starts), batch_size):
+        group = starts[i:i + batch_size]
+        for length in sorted({min(seq_len, tokens.numel() - 1 - s) for s in group}, reverse=True):
+            same = [s for s in group if min(seq_len, tokens.numel() - 1 - s) == length]
+            batch = torch.stack([tokens[s:s + length + 1] for s in same])
+            logits = model(input_ids=batch[:, :-1], use_cache=False).logits.float()
+            nll += F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum").item()
+            predictions += [(s, logits[j].argmax(-1)) for j, s in enumerate(same)]
+    predictions.sort(key=lambda p: p[0])
+    return nll / (tokens.numel() - 1), torch.cat([p for _, p in predictions])
+
+
+def run_quality(args) -> list[dict]:
+    from ktorch.builtin import EVAL_TEXT_PATH, load_builtin, read_documents, token_stream
+
+    model, tokenizer = load_builtin("cpu")
+    ktorch.prepare(model, device="cpu", experts_dtype="bf16")
+    tokens = token_stream(tokenizer, read_documents(EVAL_TEXT_PATH))
+    if args.max_tokens:
+        tokens = tokens[:args.max_tokens]
+    k = model.config.num_experts_per_tok
+    rows, baseline = [], None
+    for d in range(k + 1):
+        for mode in ("defer", "skip"):
+            if d == 0 and mode == "skip":
+                continue
+            t0 = time.perf_counter()
+            if mode == "defer":
+                ktorch.set_deferred_experts(model, d)
+                loss, pred = score(model, tokens, args.seq_len, args.batch_size)
+                ktorch.set_deferred_experts(model, 0)
+            else:
+                with SkipLowestExperts(model, d):
+                    loss, pred = score(model, tokens, args.seq_len, args.batch_size)
+            if baseline is None:
+                baseline = pred
+            row = dict(mode=mode if d else "none", d=d, K=k, loss=loss, perplexity=float(torch.tensor(loss).exp()),
+                       top1_agreement=(pred == baseline).float().mean().item(), tokens=int(tokens.numel() - 1),
+                       seconds=time.perf_counter() - t0)
+            rows.append(row)
+            print(f"  {row['mode']:>5} d={d}: perplexity {row['perplexity']:8.2f}  top-1 agreement "
+                  f"{100 * row['top1_agreement']:6.2f}%  ({row['seconds']:.0f} s)", file=sys.stderr)
+    return rows
+
+
+def print_quality(rows: list[dict]) -> None:
+    k = rows[0]["K"]
+    print(f"\nBuilt-in model (Qwen3-MoE, 4 MoE layers, 16 experts, top-{k}), held-out text, {rows[0]['tokens']} "
+          "predicted tokens; the d lowest-weighted experts per token at every MoE layer but the last:\n")
+    print("| d | deferred: perplexity | deferred: top-1 agreement | skipped: perplexity | skipped: top-1 agreement |")
+    print("|---|---|---|---|---|")
+    by = {(r["mode"], r["d"]): r for r in rows}
+    for d in range(k + 1):
+        defer = by.get(("defer", d), by.get(("none", d)))
+        skip = by.get(("skip", d), by.get(("none", d)))
+        print(f"| {d} | {defer['perplexity']:.2f} | {100 * defer['top1_agreement']:.2f}% | "
+              f"{skip['perplexity']:.2f} | {100 * skip['top1_agreement']:.2f}% |")
+
+
+# ---------------------------------------------------------------- speed on the device
+
+
+class ZipfSkewedRouter(nn.Module):
+    """Qwen3-MoE's top-k router with a fixed bias ``log p_e`` added to its logits, p_e ~ 1 / rank(e)^s over a
+    random ranking of the experts: random weights then route like a trained model with hot experts."""
+
+    def __init__(self, router: nn.Module, zipf_s: float, gen: torch.Generator):
+        super().__init__()
+        self.router = router
+        E = router.num_experts
+        rank = torch.randperm(E, generator=gen) + 1
+        self.register_buffer("bias", (-zipf_s * rank.double().log()).float().to(router.weight.device))
+
+    def forward(self, hidden_states):
+        r = self.router
+        hidden_states = hidden_states.reshape(-1, r.hidden_dim)
+        logits = F.linear(hidden_states, r.weight) + self.bias.to(r.weight.dtype)
+        probs = torch.softmax(logits, dtype=torch.float, dim=-1)
+        top_value, top_index = torch.topk(probs, r.top_k, dim=-1)
+        if r.norm_topk_prob:
+            top_value = top_value / top_value.sum(dim=-1, keepdim=True)
+        return logits, top_value.to(logits.dtype), top_index
+
+
+def skew_routers(model, zipf_s: float, seed: int = 0) -> int:
+    """Replaces every Qwen3-MoE router of ``model`` by a ZipfSkewedRouter; returns how many."""
+    gen = torch.Generator().manual_seed(seed)
+    n = 0
+    for module in list(model.modules()):
+        gate = getattr(module, "gate", None)
+        if gate is not None and type(gate).__name__ == "Qwen3MoeTopKRouter":
+            module.gate = ZipfSkewedRouter(gate, zipf_s, gen)
+            n += 1
+    return n
+
+
+def attach_random_gpu_experts(model, profile, fraction: float, device: str, seed: int = 0) -> dict:
+    """Keeps the hottest ``fraction`` of each layer's experts (by ``profile``) on ``device``, with random weights
+    (the CPU ones are random too); returns the placement."""
+    from ktorch.integrations import attach_gpu_experts
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, m in experts_modules(model):
+        E = m.kt_w13.shape[0]
+        n = round(fraction * E)
+        if n == 0:
+            continue
+        H, I = m.hidden_dim, m.intermediate_dim
+        w13 = torch.empty(n, H, 2 * I, dtype=torch.bfloat16, device=device).normal_(0, 0.02, generator=gen)
+        w2 = torch.empty(n, I, H, dtype=torch.bfloat16, device=device).normal_(0, 0.02, generator=gen)
+        attach_gpu_experts(m, profile.hottest(name, n), w13, w2)
+    return ktorch.gpu_placement(model)
+
+
+def detach_gpu_experts(model) -> None:
+    for _, m in experts_modules(model):
+        for name in ("kt_gpu_slot_of", "kt_gpu_w13", "kt_gpu_w2"):
+            if hasattr(m, name):
+                delattr(m, name)
+
+
+def run_speed(args) -> list[dict]:
+    import bench_e2e
+
+    rows = []
+    grid = [(d, 0.0) for d in (int(x) for x in args.deferred.split(",") if x)]
+    grid += [(0, float(g)) for g in args.gpu_experts.split(",") if g and float(g) > 0]
+    model, build_s = bench_e2e.build_model(args.shape, "eager", args.device, args.experts_dtype, layers=args.layers)
+    skewed = skew_routers(model, args.zipf) if args.zipf else 0
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(2)
+    profile = ktorch.profile_experts(model, torch.randint(0, vocab, (1, 512), generator=gen).to(args.device))
+    check_ids = torch.randint(0, vocab, (1, 512), generator=gen).to(args.device)
+    print(f"  built in {build_s:.0f} s; {skewed} routers Zipf-skewed (s={args.zipf})", file=sys.stderr)
+    for variant in args.variants.split(","):
+        for d, gpu_fraction in grid:
+            torch._dynamo.reset()
+            detach_gpu_experts(model)
+            f = 0.0
+            if gpu_fraction:
+                placement = attach_random_gpu_experts(model, profile, gpu_fraction, args.device)
+                f = ktorch.profile_experts(model, check_ids).fraction_on(placement)  # on tokens not profiled
+            result = bench_e2e.time_variant(model, variant, args.device, [], args.decode_tokens, args.decode_context,
+                                            1, vocab, {"n_deferred_experts": d})
+            runner = result.pop("runner")
+            row = dict(shape=args.shape, variant=variant, n_deferred_experts=d, gpu_experts=gpu_fraction, f=f,
+                       zipf_s=args.zipf if skewed else 0.0, decode_tok_s=result["decode_tok_s"],
+                       host_waits_per_step=result["host_waits_per_step"], warmup_decode_s=result["warmup_decode_s"])
+            if args.profile:
+                label = f"deferral_{args.shape}_{variant}_d{d}_gpu{gpu_fraction}"
+                prof = bench_e2e.profile_decode(runner, 5, args.out, label)
+                row.update(g_ms=prof["gpu_busy_ms"], c_ms=prof["cpu_experts_busy_ms"], overlap_ms=prof["overlap_ms"],
+                           step_ms=prof["step_ms"], trace=prof["trace"])
+            rows.append(row)
+            print(f"  {variant} d={d} gpu_experts={gpu_fraction} (f={f:.2f}): {row['decode_tok_s']:.2f} tok/s",
+                  file=sys.stderr)
+            del runner
+    return rows
+
+
+def print_speed(rows: list[dict]) -> None:
+    print("\n| shape | variant | d | GPU experts | f | decode tok/s | step ms | g: GPU busy ms | c: CPU experts ms "
+          "| overlap ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        extra = " | ".join(f"{r[k]:.2f}" if k in r else "-" for k in ("step_ms", "g_ms", "c_ms", "overlap_ms"))
+        print(f"| {r['shape']} | {r['variant']} | {r['n_deferred_experts']} | {100 * r['gpu_experts']:.0f}% | "
+              f"{r['f']:.2f} | {r['decode_tok_s']:.2f} | {extra} |")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=("quality", "speed"))
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=None, help="quality: score only the first tokens")
+    parser.add_argument("--shape", default="qwen3-30b-a3b")
+    parser.add_argument("--variants", default="compiled,cuda_graphs")
+    parser.add_argument("--deferred", default="0,1,2,4,6", help="speed: n_deferred_experts values (no GPU experts)")
+    parser.add_argument("--gpu-experts", default="0.1,0.25", help="speed: fractions of hot experts on the GPU (d=0)")
+    parser.add_argument("--zipf", type=float, default=1.0, help="speed: Zipf exponent of the router skew (0: none)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--experts-dtype", choices=("bf16", "int8", "int4"), default="int8")
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--decode-context", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--profile", action="store_true", help="speed: g, c and overlap per decode step")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--json", default=None, help="append rows as JSON lines to this file")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    import bench_e2e
+
+    print(json.dumps(bench_e2e.machine_info(args.device)))
+    if args.what == "quality":
+        rows = run_quality(args)
+        print_quality(rows)
+    else:
+        rows = run_speed(args)
+        print_speed(rows)
+    if args.json:
+        with open(args.json, "a") as f:
+            for r in rows:
+                f.write(json.dumps({"bench": f"deferral_{args.what}", **r}) + "\n")
+
+
+if __name__ == "__main__":
+    main()

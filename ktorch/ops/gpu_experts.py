@@ -1,0 +1,98 @@
+"""Routed experts kept on the accelerator (the "hot" experts of ``ktorch.prepare(..., gpu_experts=...)``).
+
+Plain torch, so it runs eagerly and Inductor compiles it as ordinary GPU work between the CPU experts' submit and
+wait. The math is kt.fused_moe's, for the experts this layer holds on the device:
+
+    out[t] = sum_k  w[t, k] * down_s(act(x_t @ gate_s) * (x_t @ up_s)),   s = slots[t, k] >= 0
+
+``slots`` [T, K] are indices into the device-resident experts (not global expert ids), -1 where the slot's expert
+is not on the device (the CPU computes it). Two kernels:
+
+  gather      for each of the K slots, gather the T tokens' expert weights and batch-multiply: reads K experts'
+              weights per token; best for decode (T small), and shape-static (CUDA graphs).
+  grouped_mm  sort the T*K (token, slot) rows by slot and run two ``torch._grouped_mm``: each weight is read once
+              per call; best for prefill. Rows whose slot is -1 are sorted last, beyond the last group, and masked.
+
+``kernel="auto"`` takes gather for T <= 16 and grouped_mm above (where ``torch._grouped_mm`` supports the device
+and dtype, else gather).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda g: F.gelu(g, approximate="tanh"),
+    "relu": F.relu,
+}
+GATHER_MAX_TOKENS = 16
+
+
+def gpu_experts_forward(
+    hidden: torch.Tensor,
+    slots: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    activation: str = "silu",
+    kernel: str = "auto",
+) -> torch.Tensor:
+    """hidden [T, H], slots [T, K] (index into the n device experts, -1: not here), topk_weights [T, K],
+    w13 [n, H, 2I] (gate columns then up columns), w2 [n, I, H] -> [T, H] in hidden's dtype.
+
+    ``kernel``: "auto", "gather" or "grouped_mm" (see the module docstring)."""
+    if kernel == "auto":
+        kernel = "gather" if hidden.shape[0] <= GATHER_MAX_TOKENS or not grouped_mm_supported(hidden) else "grouped_mm"
+    if kernel == "gather":
+        return _gather_forward(hidden, slots, topk_weights, w13, w2, ACTIVATIONS[activation])
+    if kernel == "grouped_mm":
+        if not grouped_mm_supported(hidden):
+            raise ValueError(f"gpu_experts_forward: torch._grouped_mm does not take {hidden.dtype} on {hidden.device}")
+        return _grouped_mm_forward(hidden, slots, topk_weights, w13, w2, ACTIVATIONS[activation])
+    raise ValueError(f"gpu_experts_forward: kernel must be auto, gather or grouped_mm, got {kernel!r}")
+
+
+def grouped_mm_supported(hidden: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` runs for hidden's device and dtype: bf16, on the CPU or on CUDA sm90+."""
+    if not hasattr(torch, "_grouped_mm") or hidden.dtype != torch.bfloat16:  # its meta impl takes bf16 only
+        return False
+    if hidden.device.type == "cpu":
+        return True
+    if hidden.device.type == "cuda":
+        return torch.cuda.get_device_capability(hidden.device)[0] >= 9
+    return False
+
+
+def _gather_forward(hidden, slots, topk_weights, w13, w2, act) -> torch.Tensor:
+    T, K = slots.shape
+    I = w2.shape[1]
+    out = torch.zeros_like(hidden)
+    x = hidden.unsqueeze(1)  # [T, 1, H]
+    for k in range(K):
+        here = slots[:, k] >= 0
+        index = slots[:, k].clamp(min=0)
+        gate_up = torch.bmm(x, w13[index])  # [T, 1, 2I]
+        y = torch.bmm(act(gate_up[..., :I]) * gate_up[..., I:], w2[index]).squeeze(1)  # [T, H]
+        coef = torch.where(here, topk_weights[:, k], 0).to(y.dtype)
+        out = out + y * coef[:, None]
+    return out
+
+
+def _grouped_mm_forward(hidden, slots, topk_weights, w13, w2, act) -> torch.Tensor:
+    T, K = slots.shape
+    n, I = w13.shape[0], w2.shape[1]
+    key = torch.where(slots >= 0, slots, n).reshape(-1)  # [T*K]; rows of absent slots sort last
+    order = torch.argsort(key, stable=True)
+    counts = (key[:, None] == torch.arange(n, device=key.device)).sum(0)  # [n], shape-static (no bincount)
+    offs = counts.cumsum(0).to(torch.int32)
+    token = order // K
+    rows = hidden[token]  # [T*K, H]
+    gate_up = torch._grouped_mm(rows, w13, offs=offs)  # [T*K, 2I]
+    y = torch._grouped_mm(act(gate_up[:, :I]) * gate_up[:, I:], w2, offs=offs)  # [T*K, H]
+    here = key[order] < n
+    coef = torch.where(here, topk_weights.reshape(-1)[order], 0).to(y.dtype)
+    y = torch.where(here[:, None], y * coef[:, None], 0)  # rows beyond the last group hold garbage
+    return torch.zeros_like(hidden).index_add(0, token, y)

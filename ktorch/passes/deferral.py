@@ -1,0 +1,175 @@
+"""Expert deferral: the lowest-weighted experts of MoE layer i join the residual stream one layer later.
+
+Semantics (KTransformers' "Expert Deferral", as kt-kernel implements it; docs/deferral.md). For each token, the
+``d`` slots of its K routed experts with the lowest routing weights at layer i are *deferred*: they are computed
+from layer i's input like the others, but their weighted sum ``D_i`` is not part of layer i's output. It is added
+to layer i+1's routed-experts output instead, so it joins the residual stream at the end of layer i+1's MoE block:
+
+    x_{i+1}   = h_i + Attn_{i+1}(h_i)                                  # does not see D_i
+    h_{i+1}   = x_{i+1} + Shared_{i+1}(x_{i+1}) + R_{i+1}(x_{i+1}) + D_i   # R: the K - d immediate slots
+                                                                       # router and experts of i+1 do not see D_i
+
+The last MoE layer of the graph defers nothing (nothing would join its output). ``d = 0`` leaves the graph as it
+is. Ties in the weights go to the lower slot index (a stable sort).
+
+Matches: the ``Boundary`` pairs of passes/async_boundary.py (graph order), after ``overlap_independent_work``.
+Rewrites, for every boundary but the last,
+
+    ticket = submit_experts(h_i, ids, w, layer, site)
+    ...
+    r_i = wait_experts(ticket, h_i, layer, site, after)
+    ...                                       # layer i+1's attention and router
+    r_j = wait_experts(ticket_j, h_j, layer_j, site_j, after_j)
+    <users of r_j>
+
+into
+
+    rank      = argsort(argsort(w, descending, stable), stable)         # rank of each slot by weight, [T, K]
+    keep      = rank < K - d
+    ids_now   = where(keep, ids, -1);  ids_later = where(keep, -1, ids)  # negative ids skip a slot in kt.fused_moe
+    ticket    = submit_experts(h_i, ids_now, w, layer, site)
+    deferred  = submit_experts(h_i, ids_later, w, layer, new_site)      # queued behind the immediate call
+    ...
+    r_i = wait_experts(ticket, h_i, layer, site, after)
+    ...                                       # layer i+1's attention and router run while the CPU finishes
+    r_j = wait_experts(ticket_j, h_j, layer_j, site_j, after_j)
+    d_i = wait_experts(deferred, h_i, layer, new_site, [])
+    r_j' = r_j + d_i
+    <users of r_j, now reading r_j'>
+
+Guarantees: ``d = 0`` changes nothing (the graph is returned untouched); every new wait follows its submit and
+precedes the first use of its result; the runtime runs the calls in submission order, so when layer i+1's
+immediate wait returns, layer i's deferred call is already done. Consecutive boundaries must have the same
+number of tokens (a decoder's layers do); a pair that does not is left undeferred and reported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import fx
+
+from ktorch.passes.async_boundary import ASYNC_STAGE, Boundary, submit_op, wait_op
+from ktorch.passes.partition import node_value
+
+DEFERRAL = "ktorch_deferral"  # node.meta key: "split" / "submit" / "wait" / "join"
+
+
+@dataclass
+class Deferral:
+    """One deferred call: layer ``source``'s lowest-weighted slots, joined at boundary ``target``'s result."""
+
+    source: Boundary
+    target: Boundary
+    submit: fx.Node  # submit of the deferred slots
+    wait: fx.Node  # its wait, right after the target's wait
+    join: fx.Node  # target result + deferred result
+    site: int
+    n_deferred: int
+
+
+def _with_fake_value(node: fx.Node) -> fx.Node:
+    """Sets ``node.meta["val"]`` (and ``example_value``) from its inputs' fake values, when they have them."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def val(a):
+        if isinstance(a, fx.Node):
+            return node_value(a)
+        if isinstance(a, (list, tuple)):
+            return type(a)(val(x) for x in a)
+        return a
+
+    args, kwargs = val(node.args), {k: val(v) for k, v in node.kwargs.items()}
+    flat = [a for a in list(args) + list(kwargs.values()) if isinstance(a, FakeTensor)]
+    if not flat:
+        return node
+    with flat[0].fake_mode:
+        fake = node.target(*args, **kwargs)
+    node.meta["val"] = node.meta["example_value"] = fake
+    return node
+
+
+def _call(graph: fx.Graph, target, args: tuple, kwargs: Optional[dict] = None, stage: str = "") -> fx.Node:
+    node = graph.call_function(target, args, kwargs or {})
+    node.meta[DEFERRAL] = stage
+    return _with_fake_value(node)
+
+
+def _tokens(boundary: Boundary) -> Optional[int]:
+    value = node_value(boundary.call.hidden)
+    return value.shape[0] if isinstance(value, torch.Tensor) else None
+
+
+def split_topk_slots(topk_ids: torch.Tensor, topk_weights: torch.Tensor, n_immediate: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids_now, ids_later), both [T, K] like ``topk_ids``: the same computation ``split_slots`` puts in a graph.
+
+    ids_now keeps each token's ``n_immediate`` highest-weighted slots (ties to the lower slot) and sets the others
+    to -1; ids_later holds exactly the others. Used by the eager path (ktorch/integrations/deferral.py)."""
+    order = torch.argsort(topk_weights, dim=-1, descending=True, stable=True)
+    rank = torch.argsort(order, dim=-1, stable=True)
+    keep = torch.lt(rank, n_immediate)
+    return torch.where(keep, topk_ids, -1), torch.where(keep, -1, topk_ids)
+
+
+def split_slots(graph: fx.Graph, topk_ids: fx.Node, topk_weights: fx.Node, n_immediate: int) -> tuple[fx.Node, fx.Node]:
+    """Nodes (ids_now, ids_later), inserted at the graph's current insertion point.
+
+    topk_ids, topk_weights: [T, K]. ids_now keeps each token's ``n_immediate`` highest-weighted slots (ties to the
+    lower slot) and sets the others to -1; ids_later is the complement."""
+    order = _call(graph, torch.argsort, (topk_weights,), dict(dim=-1, descending=True, stable=True), "split")
+    rank = _call(graph, torch.argsort, (order,), dict(dim=-1, stable=True), "split")
+    keep = _call(graph, torch.lt, (rank, n_immediate), None, "split")
+    ids_now = _call(graph, torch.where, (keep, topk_ids, -1), None, "split")
+    ids_later = _call(graph, torch.where, (keep, -1, topk_ids), None, "split")
+    return ids_now, ids_later
+
+
+def defer_experts(
+    gm: fx.GraphModule,
+    boundaries: list[Boundary],
+    n_deferred: int,
+    new_site: Callable[[], int],
+    skipped: Optional[list] = None,
+) -> list[Deferral]:
+    """Defers the ``n_deferred`` lowest-weighted slots of every boundary but the last to the next boundary.
+
+    ``boundaries``: the async boundaries of ``gm`` in graph order (one per MoE layer). ``n_deferred`` is capped at
+    each layer's K. Pairs that cannot be deferred (token counts differ or are unknown) are left as they are and
+    their reasons appended to ``skipped``. Returns the deferrals made, in graph order."""
+    if n_deferred < 0:
+        raise ValueError(f"defer_experts: n_deferred must be >= 0, got {n_deferred}")
+    if n_deferred == 0 or len(boundaries) < 2:
+        return []
+    graph = gm.graph
+    done: list[Deferral] = []
+    for source, target in zip(boundaries, boundaries[1:]):
+        t_source, t_target = _tokens(source), _tokens(target)
+        if t_source is None or t_source != t_target:
+            if skipped is not None:
+                skipped.append(f"layer {source.layer} -> {target.layer}: token counts {t_source} and {t_target}")
+            continue
+        hidden, topk_ids, topk_weights, layer, site = source.submit.args
+        ids_value = node_value(topk_ids)
+        k = ids_value.shape[-1]
+        d = min(n_deferred, k)
+        with graph.inserting_before(source.submit):
+            ids_now, ids_later = split_slots(graph, topk_ids, topk_weights, k - d)
+        source.submit.args = (hidden, ids_now, topk_weights, layer, site)
+        deferred_site = new_site()
+        with graph.inserting_after(source.submit):
+            submit = _call(graph, submit_op(), (hidden, ids_later, topk_weights, layer, deferred_site), None, "submit")
+        with graph.inserting_after(target.wait):
+            wait = _call(graph, wait_op(), (submit, hidden, layer, deferred_site, []), None, "wait")
+        with graph.inserting_after(wait):
+            join = _call(graph, torch.add, (target.wait, wait), None, "join")
+        target.wait.replace_all_uses_with(join, delete_user_cb=lambda user: user is not join)
+        submit.meta[ASYNC_STAGE], wait.meta[ASYNC_STAGE] = "submit", "wait"
+        for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+            if key in source.submit.meta:
+                submit.meta[key] = wait.meta[key] = source.submit.meta[key]
+        done.append(Deferral(source, target, submit, wait, join, deferred_site, d))
+    graph.lint()
+    gm.recompile()
+    return done

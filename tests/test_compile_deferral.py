@@ -1,0 +1,214 @@
+"""Expert deferral end to end on the tiny models: compiled (n_deferred_experts) and eager (prepare(deferred_experts=d))
+against a plain eager reference of the semantics (docs/deferral.md), written here apart from ktorch's code.
+
+On the CPU the compiled graphs run without Inductor (exact comparisons) except one case with Inductor; the CUDA
+tests (skipped without a GPU) run Inductor/Triton with and without CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import ktorch
+from ktorch.compile import REPORTS, RUNTIME, BackendOptions
+from ktorch.integrations.transformers_experts import ktorch_experts_forward
+from models import FAMILIES, PROMPT, decode_step_inputs, moe_experts_modules, tiny_model
+
+FAST = {"inductor": False}
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+class DeferralReference:
+    """Plain eager expert deferral on a prepared model (a context manager).
+
+    Each MoE layer but the last sorts every token's K slots by weight (ties to the lower slot) in Python, runs the
+    top K - d slots, adds the previous layer's deferred result, and computes its own d lowest slots for the next
+    layer. Experts run through ktorch's plain (non-deferred) eager forward."""
+
+    def __init__(self, model, n_deferred: int):
+        self.modules, self.n_deferred, self.pending = moe_experts_modules(model), n_deferred, None
+
+    def __enter__(self):
+        for i, m in enumerate(self.modules):
+            m.forward = lambda h, ids, w, m=m, i=i: self._forward(m, i, h, ids, w)
+        return self
+
+    def __exit__(self, *exc):
+        for m in self.modules:
+            del m.forward
+
+    def _forward(self, module, index, hidden, ids, weights):
+        last = index == len(self.modules) - 1
+        k = ids.shape[1]
+        now, later = ids.clone(), ids.clone()
+        for t in range(ids.shape[0]):
+            ranked = sorted(range(k), key=lambda j: (-weights[t, j].item(), j))
+            for j in ranked[: k - self.n_deferred]:
+                later[t, j] = -1
+            for j in ranked[k - self.n_deferred:]:
+                now[t, j] = -1
+        if last:
+            now = ids
+        if index == 0:
+            self.pending = None
+        out = ktorch_experts_forward(module, hidden, now, weights)
+        if self.pending is not None:
+            out = out + self.pending
+        self.pending = None if last else ktorch_experts_forward(module, hidden, later, weights)
+        return out
+
+
+def compiled_logits(model, ids, options):
+    torch._dynamo.reset()
+    REPORTS.clear()
+    compiled = torch.compile(model, backend="ktorch", options=options, fullgraph=True)
+    with torch.no_grad():
+        logits = compiled(ids).logits
+    (report,) = REPORTS
+    return logits, report
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_compiled_and_eager_deferral_match_the_reference(family):
+    """bf16, a 16-token prefill: d = 1 compiled and eager equal the reference bit for bit and differ from d = 0;
+    d = 0 equals the graph compiled without the option bit for bit."""
+    model = ktorch.prepare(tiny_model(family, dtype=torch.bfloat16), device="cpu")
+    n_moe = len(moe_experts_modules(model))
+    ids = torch.randint(0, 256, (1, 16))
+    with torch.no_grad():
+        with DeferralReference(model, 1):
+            want = model(ids).logits
+        plain = model(ids).logits
+        ktorch.set_deferred_experts(model, 1)
+        eager = model(ids).logits
+        eager_again = model(ids).logits  # nothing stale is left pending between forwards
+        ktorch.set_deferred_experts(model, 0)
+        assert torch.equal(model(ids).logits, plain)
+    assert torch.equal(eager, want) and torch.equal(eager_again, want)
+    assert not torch.equal(want, plain)
+    got, report = compiled_logits(model, ids, {**FAST, "n_deferred_experts": 1})
+    assert len(report.deferrals) == n_moe - 1 and report.deferral_skipped == []
+    assert torch.equal(got, want)
+    zero, report = compiled_logits(model, ids, {**FAST, "n_deferred_experts": 0})
+    without, _ = compiled_logits(model, ids, FAST)
+    assert report.deferrals == [] and torch.equal(zero, without)
+
+
+def test_all_but_one_slot_deferred_chains_through_every_layer():
+    """d = K - 1 on a 4-layer model: three layers deferred in a chain, still equal to the reference."""
+    model = ktorch.prepare(tiny_model("qwen3_moe", dtype=torch.bfloat16, num_hidden_layers=4,
+                                      num_experts_per_tok=3), device="cpu")
+    ids = torch.randint(0, 256, (1, 8))
+    with torch.no_grad(), DeferralReference(model, 2):
+        want = model(ids).logits
+    got, report = compiled_logits(model, ids, {**FAST, "n_deferred_experts": 2})
+    assert [d.n_deferred for d in report.deferrals] == [2, 2, 2]
+    assert torch.equal(got, want)
+
+
+def test_greedy_generate_with_compiled_deferral_matches_eager_deferral():
+    """32 greedy tokens (static cache): generate's compiled decode steps with n_deferred_experts=1 against the
+    eager model with deferred_experts=1 (prefill and decode steps), DeepSeek-V3 (shared experts in the overlap)."""
+    from transformers import CompileConfig
+
+    torch._dynamo.reset()
+    model = ktorch.prepare(tiny_model("deepseek_v3", dtype=torch.bfloat16), device="cpu", deferred_experts=1)
+    config = model.generation_config.compile_config  # its mode="reduce-overhead" became an option
+    assert config.mode is None and config.options == {"n_deferred_experts": 1, "cuda_graphs": True}
+    prompt = torch.randint(0, 256, (1, PROMPT))
+    kwargs = dict(max_new_tokens=32, min_new_tokens=32, do_sample=False, cache_implementation="static",
+                  output_logits=True, return_dict_in_generate=True)
+    eager = model.generate(prompt, **kwargs, disable_compile=True)
+    config = CompileConfig(backend="ktorch", mode=None, options={**FAST, "n_deferred_experts": 1}, fullgraph=True)
+    config._compile_all_devices = True
+    REPORTS.clear()
+    compiled = model.generate(prompt, **kwargs, compile_config=config)
+    assert REPORTS and all(len(r.deferrals) == 1 for r in REPORTS)
+    assert torch.equal(compiled.sequences, eager.sequences)
+    for a, b in zip(compiled.logits, eager.logits):
+        assert torch.equal(a, b)
+    ktorch.set_deferred_experts(model, 0)
+    assert model.generation_config.compile_config.options == {"cuda_graphs": True}
+
+
+def test_inductor_deferral_matches_reference_and_keeps_the_wait_late():
+    """Inductor (C++ on the CPU), fp32 activations: logits match the reference, and in the generated code layer 0's
+    deferred wait comes after layer 1's submit and immediate wait."""
+    from torch._inductor.utils import run_and_get_code
+
+    model = ktorch.prepare(tiny_model("qwen3_moe", num_hidden_layers=3), device="cpu")
+    ids = torch.randint(0, 256, (1, 12))
+    with torch.no_grad(), DeferralReference(model, 1):
+        want = model(ids).logits
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="ktorch", options={"n_deferred_experts": 1}, fullgraph=True)
+    with torch.no_grad():
+        got, (code,) = run_and_get_code(compiled, ids)
+    torch.testing.assert_close(got.logits, want, rtol=0, atol=1e-2)
+    calls = [line.strip() for line in code.splitlines()
+             if ("ktorch.submit_experts" in line or "ktorch.wait_experts" in line)
+             and not line.strip().startswith(("#", "assert"))]
+    order = "".join("s" if "submit" in c else "w" for c in calls)
+    # per layer i < 2: submit now, submit later; waits: layer 0 now | layer 1 now, layer 0 later | ...
+    assert order == "ss" + "w" + "ss" + "ww" + "s" + "ww", order
+
+
+def test_options_validate_n_deferred_experts():
+    assert BackendOptions.parse(None, {"n_deferred_experts": 2}).n_deferred_experts == 2
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="n_deferred_experts"):
+            BackendOptions.parse(None, {"n_deferred_experts": bad})
+    with pytest.raises(ValueError, match="async_experts"):
+        BackendOptions.parse(None, {"n_deferred_experts": 1, "async_experts": False})
+    with pytest.raises(ValueError, match=">= 0"):
+        ktorch.set_deferred_experts(tiny_model("qwen3_moe"), -1)
+
+
+# ---------------------------------------------------------------- on a GPU
+
+
+def _decode(step, kwargs, tokens, cuda_graphs):
+    """Logits [n, V] of decode steps fed ``tokens`` [n] (teacher-forced: every model compared sees the same)."""
+    logits = []
+    for token in tokens:
+        if cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        kwargs["input_ids"] = token.view(1, 1)
+        logits.append(step(**kwargs).logits[:, -1].float().clone())
+        kwargs["cache_position"] = kwargs["cache_position"] + 1
+        kwargs["position_ids"] = kwargs["cache_position"][None]
+    return torch.cat(logits)
+
+
+@needs_cuda
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["no_graphs", "cuda_graphs"])
+def test_cuda_compiled_deferral_decode_matches_eager_deferral(family, cuda_graphs):
+    """fp32 activations on the GPU: 12 teacher-forced decode steps compiled with n_deferred_experts=1 (Inductor/
+    Triton, CUDA graphs or not) against the same steps run eagerly with deferred_experts=1 (runtime submit/wait,
+    deferred wait at the next layer): logits within 1e-2; under CUDA graphs the replays submit nothing from Python."""
+    torch._dynamo.reset()
+    model = ktorch.prepare(tiny_model(family), device="cuda", deferred_experts=1)
+    n_moe = len(moe_experts_modules(model))
+    torch.manual_seed(1)
+    eager_kwargs = decode_step_inputs(model)
+    compiled_kwargs = copy.copy(eager_kwargs)
+    compiled_kwargs["past_key_values"] = copy.deepcopy(eager_kwargs["past_key_values"])
+    tokens = torch.randint(0, 256, (12,), device="cuda")
+    with torch.no_grad():
+        want = _decode(model, eager_kwargs, tokens, False)
+        options = {"n_deferred_experts": 1, "cuda_graphs": cuda_graphs}  # torch.compile takes no mode with options
+        step = torch.compile(model, backend="ktorch", options=options, fullgraph=True)
+        REPORTS.clear()
+        got = _decode(step, compiled_kwargs, tokens[:4], cuda_graphs)  # warm-up and capture
+        before = dict(RUNTIME.stats)
+        got = torch.cat([got, _decode(step, compiled_kwargs, tokens[4:], cuda_graphs)])
+        torch.cuda.synchronize()
+    assert REPORTS and all(len(r.deferrals) == n_moe - 1 and r.cuda_graphs == cuda_graphs for r in REPORTS)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-2)
+    if cuda_graphs:
+        assert RUNTIME.stats["submits"] == before.get("submits", 0)
+        assert RUNTIME.stats["host_waits"] == before.get("host_waits", 0)
