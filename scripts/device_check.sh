@@ -22,13 +22,19 @@ for s in $steps; do
   case $s in
     tests)
       log "tests"
-      python3 -m pytest -q -p no:cacheprovider --timeout=900 --tb=short -rfE tests 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+      timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider --timeout=240 --durations=15 --tb=short -rfE tests \
+        > "$OUT/tests.log" 2>&1; grep -E "passed|failed|^FAILED|^ERROR" "$OUT/tests.log" | tail -40 ;;
+    amxtests)
+      # the op suite with the AMX kernels forced (KT_CPU_KERNEL=amx: an error where AMX is absent)
+      log "op tests, AMX forced"
+      KT_CPU_KERNEL=amx timeout ${AMXTESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider --timeout=200 --tb=short -rfE \
+        tests/test_ops_fused_moe.py tests/test_ops_pack.py > "$OUT/amxtests.log" 2>&1; tail -15 "$OUT/amxtests.log" ;;
     bench)
       log "bench_fused_moe"
       python3 benchmarks/bench_fused_moe.py --min-seconds 1 > "$OUT/bench_fused_moe.log" 2>&1; grep -E "^\||machine|L3|skip|fail" "$OUT/bench_fused_moe.log" ;;
     *)
       log "step $s"
-      bash "scripts/device_step_$s.sh" > "$OUT/$s.log" 2>&1; tail -40 "$OUT/$s.log" ;;
+      timeout ${STEP_TIMEOUT:-600} bash "scripts/device_step_$s.sh" > "$OUT/$s.log" 2>&1; tail -40 "$OUT/$s.log" ;;
   esac
 done
 log "done"
