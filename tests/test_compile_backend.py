@@ -248,3 +248,51 @@ def test_cuda_graph_decode_step_costs_no_host_wait():
     assert RUNTIME.stats["host_waits"] == before.get("host_waits", 0)
     assert RUNTIME.stats["submits"] == before.get("submits", 0)
     assert torch.isfinite(out.logits).all()
+
+
+def test_mutated_inputs_are_marked_static_for_cuda_graphs():
+    """Inputs mutated in place (directly or through a view) get a static address; others stay as they were."""
+    import operator
+
+    from torch import fx
+
+    from ktorch.compile.backend import _mark_mutated_inputs_static
+
+    graph = fx.Graph()
+    length, keys, values, x, param = (graph.placeholder(n) for n in ("length", "keys", "values", "x", "param"))
+    param.meta["tensor_dict"] = {"_dynamo_static_input_type": "guarded"}
+    graph.call_method("add_", (length, 1))
+    graph.call_method("index_copy_", (graph.call_method("view", (keys, -1, 4)), 0, length, x))
+    graph.call_function(operator.setitem, (graph.call_function(operator.getitem, (values, 0)), 0, x))
+    out = graph.call_method("mul", (x, param))
+    graph.call_method("add_", (out, 1))  # a mutation of an intermediate: no input is marked for it
+    graph.output(out)
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    marked = _mark_mutated_inputs_static(gm)
+    assert [n.target for n in marked] == ["length", "keys", "values"]
+    for n in (length, keys, values):
+        assert n.meta["tensor_dict"]["_dynamo_static_input_type"] == "unguarded"
+    assert "tensor_dict" not in x.meta
+    assert param.meta["tensor_dict"] == {"_dynamo_static_input_type": "guarded"}
+
+
+def test_graph_copy_keeps_dynamo_metadata():
+    """The backend rewrites a copy of Dynamo's graph; AOTAutograd must still find which inputs are parameters
+    (static for CUDA graphs), so the copy carries Dynamo's metadata."""
+    from ktorch.compile.backend import _copy_graph_module
+
+    seen = {}
+
+    def backend(gm, example_inputs):
+        copy_ = _copy_graph_module(gm)
+        old = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        new = [n for n in copy_.graph.nodes if n.op == "placeholder"]
+        seen["sources"] = [getattr(n, "_dynamo_source", None) for n in new]
+        seen["expected"] = [getattr(n, "_dynamo_source", None) for n in old]
+        seen["meta"] = "dynamo_compile_id" in copy_.meta
+        return gm
+
+    model = torch.nn.Linear(8, 8)
+    torch.compile(model, backend=backend, fullgraph=True)(torch.randn(2, 8))
+    assert seen["meta"]
+    assert seen["sources"] == seen["expected"] and all(s is not None for s in seen["sources"])

@@ -151,3 +151,21 @@ def test_tokenizer_from_file(tmp_path):
     text = "The meaning of life is 42, said the model. Ünïcode too!"
     assert tokenizer(text).input_ids == original(text).input_ids
     assert tokenizer.decode(original(text).input_ids, skip_special_tokens=True) == text
+
+
+def test_add_bos_flag_is_enforced():
+    """The file's tokenizer.ggml.add_bos_token decides, whatever transformers' GGUF conversion did with it."""
+    from ktorch.builtin import BUILTIN_PATH
+    from ktorch.integrations.gguf_loading import _set_add_bos
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(BUILTIN_PATH))
+    bos = tokenizer.bos_token_id
+    assert bos is not None
+    text = "Hello there, general Kenobi."
+    plain = [i for i in tokenizer(text).input_ids if i != bos]
+    _set_add_bos(tokenizer, False)
+    assert tokenizer(text).input_ids == plain
+    _set_add_bos(tokenizer, True)
+    assert tokenizer(text).input_ids == [bos] + plain
+    assert tokenizer.decode(tokenizer(text).input_ids, skip_special_tokens=True) == text

@@ -45,6 +45,7 @@ class CompileReport:
     deferrals: list = field(default_factory=list)  # passes/deferral.py Deferral per deferred layer
     deferral_skipped: list = field(default_factory=list)  # reasons for layer pairs left undeferred
     devices: set = field(default_factory=set)
+    static_inputs_marked: list = field(default_factory=list)  # mutated inputs marked static for CUDA graphs
     cuda_graphs: bool = False
     graph: Optional[fx.GraphModule] = None  # the graph handed to Inductor (or run as is)
 
@@ -92,11 +93,66 @@ def _graph_devices(gm: fx.GraphModule) -> set:
 
 
 def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy to rewrite: Dynamo reads the graph it handed over (its inputs) after the backend returns."""
+    """A copy to rewrite: Dynamo reads the graph it handed over (its inputs) after the backend returns.
+
+    Dynamo's metadata travels with it (the module's ``meta`` and ``_param_name_to_source``, each placeholder's
+    ``_dynamo_source``): AOTAutograd reads them to tell Inductor which inputs are static (parameters, buffers,
+    ``mark_static_address`` tensors), and CUDA graphs copy every input that is not static on every replay."""
     graph = fx.Graph()
-    output = graph.graph_copy(gm.graph, {})
+    val_map: dict = {}
+    output = graph.graph_copy(gm.graph, val_map)
     graph.output(output)
-    return fx.GraphModule(gm, graph)
+    copy = fx.GraphModule(gm, graph)
+    copy.meta.update(gm.meta)
+    if hasattr(gm, "_param_name_to_source"):
+        copy._param_name_to_source = gm._param_name_to_source
+    for old, new in val_map.items():
+        if old.op == "placeholder" and hasattr(old, "_dynamo_source"):
+            new._dynamo_source = old._dynamo_source
+    return copy
+
+
+# Ops through which a mutation of the result mutates the input (views).
+_VIEW_METHODS = {"view", "reshape", "transpose", "permute", "narrow", "select", "unsqueeze", "squeeze", "expand",
+                 "__getitem__", "as_strided", "unflatten", "flatten", "view_as", "t", "diagonal", "unfold"}
+
+
+def _mark_mutated_inputs_static(gm: fx.GraphModule) -> list:
+    """Marks the graph inputs that the graph mutates in place (a static KV cache: keys, values, its length
+    counter) as static addresses for CUDA graphs, as ``torch._dynamo.mark_static_address`` would have.
+
+    transformers marks its StaticCache tensors itself, but only when the cache is filled outside a compiled
+    region (and some versions leave the length counter out); Inductor's CUDA graphs skip a graph that mutates
+    an input which is not static. The cache's tensors keep their addresses for the cache's life; a new cache
+    makes the CUDA graphs re-record. Returns the placeholders marked."""
+    import operator
+
+    def root(node):
+        while isinstance(node, fx.Node):
+            if node.op == "placeholder":
+                return node
+            view = (node.op == "call_method" and node.target in _VIEW_METHODS) or (
+                node.op == "call_function" and node.target is operator.getitem)
+            if not view or not node.args:
+                return None
+            node = node.args[0]
+        return None
+
+    marked = []
+    for node in gm.graph.nodes:
+        name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+        inplace = node.op in ("call_method", "call_function") and name.endswith("_") and not name.endswith("__")
+        if not (inplace or (node.op == "call_function" and node.target is operator.setitem)) or not node.args:
+            continue
+        ph = root(node.args[0])
+        if ph is None or ph in marked:
+            continue
+        tensor_dict = dict(ph.meta.get("tensor_dict", {}))
+        if not tensor_dict.get("_dynamo_static_input_type"):
+            tensor_dict["_dynamo_static_input_type"] = "unguarded"
+            ph.meta["tensor_dict"] = tensor_dict
+            marked.append(ph)
+    return marked
 
 
 def compile_graph(gm: fx.GraphModule, example_inputs: list, opts: BackendOptions) -> tuple[Callable, CompileReport]:
@@ -127,6 +183,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, opts: BackendOptions
     report.cuda_graphs = opts.cuda_graphs and report.devices <= {"cuda"} and "cuda" in report.devices
     if opts.cuda_graphs and not report.cuda_graphs:
         log.info("ktorch backend: CUDA graphs off for a graph on %s", sorted(report.devices))
+    if report.cuda_graphs:
+        report.static_inputs_marked = [str(n.target) for n in _mark_mutated_inputs_static(gm)]
     report.graph = gm
     if opts.inductor:
         from torch._inductor.compile_fx import compile_fx

@@ -71,6 +71,7 @@ class ExpertsWorker:
         return task
 
     def _run(self):
+        torch.set_grad_enabled(False)  # per thread; the experts ops have no autograd
         while True:
             task = self._queue.get()
             try:
@@ -112,7 +113,11 @@ class _Staging:
 
     def __init__(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
         def pinned(t):
-            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            # Normal tensors even when the first call runs under torch.inference_mode: the worker thread, which
+            # writes the result, is not in inference mode (the mode is per thread), and may not update
+            # inference tensors in place.
+            with torch.inference_mode(False):
+                return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
 
         self.hidden, self.topk_ids, self.topk_weights = pinned(hidden), pinned(topk_ids), pinned(topk_weights)
         self.out = pinned(hidden)

@@ -382,21 +382,45 @@ class GGUFSource(CheckpointSource):
         model = self._field("tokenizer.ggml.model")
         if model in (None, "none"):
             return None
+        tokenizer = None
         try:
             from transformers import PreTrainedTokenizerFast
             from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
 
             architecture, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(str(self.path))
             backend, extra = convert_gguf_tokenizer(architecture, tokenizer_dict)
-            return PreTrainedTokenizerFast(tokenizer_object=backend, **{**tokenizer_config, **extra})
+            tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, **{**tokenizer_config, **extra})
         except ImportError:
             pass
-        try:  # transformers releases before the gguf integration package (e.g. 5.17)
-            from transformers import PreTrainedTokenizerFast
+        if tokenizer is None:
+            try:  # transformers releases before the gguf integration package (e.g. 5.17)
+                from transformers import PreTrainedTokenizerFast
 
-            return PreTrainedTokenizerFast.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
-        except Exception as e:  # noqa: BLE001
-            raise CheckpointError(self.path, f"transformers cannot build its tokenizer ({model!r}): {e}") from None
+                tokenizer = PreTrainedTokenizerFast.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
+            except Exception as e:  # noqa: BLE001
+                raise CheckpointError(self.path, f"transformers cannot build its tokenizer ({model!r}): {e}") from None
+        add_bos = self._field("tokenizer.ggml.add_bos_token")
+        if add_bos is not None:
+            _set_add_bos(tokenizer, bool(add_bos))
+        return tokenizer
+
+
+def _set_add_bos(tokenizer, add_bos: bool) -> None:
+    """Makes ``tokenizer`` prepend its BOS token exactly when the file's ``tokenizer.ggml.add_bos_token`` says
+    so (transformers' GGUF conversion does not read that key in every release)."""
+    bos, bos_id = tokenizer.bos_token, tokenizer.bos_token_id
+    if bos is None or bos_id is None or (tokenizer("a").input_ids[:1] == [bos_id]) == add_bos:
+        return
+    from tokenizers import processors
+
+    backend = tokenizer.backend_tokenizer
+    steps = [] if backend.post_processor is None else [backend.post_processor]
+    if add_bos:
+        steps.append(processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                   special_tokens=[(bos, bos_id)]))
+        backend.post_processor = processors.Sequence(steps) if len(steps) > 1 else steps[0]
+    else:
+        backend.post_processor = processors.ByteLevel(trim_offsets=False)
 
 
 def _with_suffix(name: str) -> str:
