@@ -164,8 +164,8 @@ def test_add_bos_flag_is_enforced():
     assert bos is not None
     text = "Hello there, general Kenobi."
     plain = [i for i in tokenizer(text).input_ids if i != bos]
-    _set_add_bos(tokenizer, False)
+    _set_add_bos(tokenizer, False, bos)
     assert tokenizer(text).input_ids == plain
-    _set_add_bos(tokenizer, True)
+    _set_add_bos(tokenizer, True, bos)
     assert tokenizer(text).input_ids == [bos] + plain
     assert tokenizer.decode(tokenizer(text).input_ids, skip_special_tokens=True) == text

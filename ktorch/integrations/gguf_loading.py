@@ -399,17 +399,30 @@ class GGUFSource(CheckpointSource):
                 tokenizer = PreTrainedTokenizerFast.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
             except Exception as e:  # noqa: BLE001
                 raise CheckpointError(self.path, f"transformers cannot build its tokenizer ({model!r}): {e}") from None
-        add_bos = self._field("tokenizer.ggml.add_bos_token")
-        if add_bos is not None:
-            _set_add_bos(tokenizer, bool(add_bos))
+        if self._field("tokenizer.ggml.pre") == "gpt-2":
+            # GPT-2's own split (ByteLevel's regex, no normalizer), as llama.cpp reads this key. Some transformers
+            # releases pick the pre-tokenizer by architecture instead (qwen3moe: Qwen2's regex, NFC).
+            from tokenizers import pre_tokenizers
+
+            backend = tokenizer.backend_tokenizer
+            backend.normalizer = None
+            backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        add_bos, bos_id = self._field("tokenizer.ggml.add_bos_token"), self._field("tokenizer.ggml.bos_token_id")
+        if add_bos is not None and bos_id is not None:
+            _set_add_bos(tokenizer, bool(add_bos), int(bos_id))
         return tokenizer
 
 
-def _set_add_bos(tokenizer, add_bos: bool) -> None:
-    """Makes ``tokenizer`` prepend its BOS token exactly when the file's ``tokenizer.ggml.add_bos_token`` says
-    so (transformers' GGUF conversion does not read that key in every release)."""
-    bos, bos_id = tokenizer.bos_token, tokenizer.bos_token_id
-    if bos is None or bos_id is None or (tokenizer("a").input_ids[:1] == [bos_id]) == add_bos:
+def _set_add_bos(tokenizer, add_bos: bool, bos_id: int) -> None:
+    """Makes ``tokenizer`` prepend the file's BOS token (id ``bos_id``) exactly when the file's
+    ``tokenizer.ggml.add_bos_token`` says so. transformers' GGUF conversion does not read that key in every
+    release, and some releases give the tokenizer a BOS string outside the file's vocabulary."""
+    bos = tokenizer.convert_ids_to_tokens(bos_id)
+    if bos is None:
+        return
+    if tokenizer.bos_token_id != bos_id:
+        tokenizer.bos_token = bos
+    if (tokenizer("a").input_ids[:1] == [bos_id]) == add_bos:
         return
     from tokenizers import processors
 

@@ -12,6 +12,9 @@
 
 #include <ATen/ATen.h>
 
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <vector>
@@ -84,6 +87,48 @@ Activation parse_activation(c10::string_view a) {
   if (a == "relu") return Activation::Relu;
   TORCH_CHECK(false, "fused_moe: activation must be one of silu, gelu_tanh, gelu, relu; got '", std::string(a), "'");
 }
+
+// KT_PROFILE=1: one line per call on stderr with the wall time of each phase (read on every call, so a
+// process can switch it; when off, each phase mark is one branch).
+class PhaseTimer {
+ public:
+  using Clock = std::chrono::steady_clock;
+  PhaseTimer() {
+    const char* env = std::getenv("KT_PROFILE");
+    on_ = env != nullptr && *env != '\0' && std::strcmp(env, "0") != 0;
+    if (on_) start_ = last_ = Clock::now();
+  }
+  bool on() const { return on_; }
+  void mark(const char* phase) {
+    if (!on_ || n_ == kMaxPhases) return;
+    const Clock::time_point now = Clock::now();
+    phases_[n_] = phase;
+    ms_[n_++] = std::chrono::duration<double, std::milli>(now - last_).count();
+    last_ = now;
+  }
+  // Prints "kt.fused_moe <what>: phase ms, ..., total ms".
+  void print(const std::string& what) const {
+    if (!on_) return;
+    std::string line = "kt.fused_moe " + what + ":";
+    char buf[64];
+    for (int i = 0; i < n_; ++i) {
+      std::snprintf(buf, sizeof(buf), " %s %.3f", phases_[i], ms_[i]);
+      line += buf;
+    }
+    std::snprintf(buf, sizeof(buf), " total %.3f ms\n",
+                  std::chrono::duration<double, std::milli>(last_ - start_).count());
+    line += buf;
+    std::fputs(line.c_str(), stderr);
+  }
+
+ private:
+  static constexpr int kMaxPhases = 16;
+  bool on_ = false;
+  Clock::time_point start_, last_;
+  const char* phases_[kMaxPhases];
+  double ms_[kMaxPhases];
+  int n_ = 0;
+};
 
 // Activations in the form the kernels read, one row per (token, slot) pair of the routing.
 struct Rows {
@@ -194,6 +239,7 @@ at::Tensor fused_moe(const at::Tensor& hidden_in, const at::Tensor& topk_ids_in,
               ", w2 produces N=", down.N);
   TORCH_CHECK(down.K == I, "fused_moe: intermediate size mismatch: w13 gives I=", I, " (N/2), w2 expects K=", down.K);
   const Activation act = parse_activation(activation);
+  PhaseTimer timer;
 
   at::Tensor out = at::empty({T, H}, hidden_in.options());
   std::unique_lock<std::mutex> ws_lock(shared_workspace_mutex(), std::try_to_lock);
@@ -203,6 +249,7 @@ at::Tensor fused_moe(const at::Tensor& hidden_in, const at::Tensor& topk_ids_in,
   if (T == 0 || topk_ids_in.size(1) == 0) return out.zero_();
   const int workers = runtime::num_workers();
 
+  timer.mark("setup");
   // ---- 1. route
   const int64_t Ksel = topk_ids_in.size(1);
   const at::Tensor ids = topk_ids_in.to(at::kLong).contiguous();
@@ -236,6 +283,7 @@ at::Tensor fused_moe(const at::Tensor& hidden_in, const at::Tensor& topk_ids_in,
   for (int64_t e = 0; e < E; ++e)
     if (offset[e + 1] > offset[e]) active.push_back(e);
 
+  timer.mark("route");
   // ---- 2. activations for gate+up, one contiguous row per pair (in expert order), so that every
   // expert's rows form one strided matrix the kernels can load in place (AMX tiles, prefetchers)
   Rows x;
@@ -258,6 +306,7 @@ at::Tensor fused_moe(const at::Tensor& hidden_in, const at::Tensor& topk_ids_in,
       std::copy(gp + t * x.groups, gp + (t + 1) * x.groups, x.gsum.begin() + p * x.groups);
     }
   }
+  timer.mark("activations");
   const int64_t row_bytes = H * rows.element_size();
   x.storage = ws.take(Workspace::kGathered, {P, H}, rows.scalar_type());
   {
@@ -272,6 +321,7 @@ at::Tensor fused_moe(const at::Tensor& hidden_in, const at::Tensor& topk_ids_in,
     for (int64_t p = 0; p < P; ++p) x.ptr[p] = dst + p * row_bytes;
   }
 
+  timer.mark("gather");
   // ---- 3. gate + up + activation: h[p] = act(x_p W_gate^T) * (x_p W_up^T)
   const bool h_bf16 = fmt == WeightFormat::BF16;
   at::Tensor h = ws.take(Workspace::kH, {P, I}, h_bf16 ? at::kBFloat16 : at::kFloat);
@@ -313,6 +363,7 @@ at::Tensor fused_moe(const at::Tensor& hidden_in, const at::Tensor& topk_ids_in,
       ks.glu_f32(a.c, 64, a.M, 32, act, h.data_ptr<float>() + ch.p0 * I + 32 * jb, I);
   });
 
+  timer.mark("gate_up");
   // ---- 4. down projection + weighted sum into each token's row
   Rows hr;
   hr.ptr.resize(P);
@@ -327,6 +378,7 @@ at::Tensor fused_moe(const at::Tensor& hidden_in, const at::Tensor& topk_ids_in,
     const int8_t* base = hr.storage.data_ptr<int8_t>();
     for (int64_t p = 0; p < P; ++p) hr.ptr[p] = base + p * I;
   }
+  timer.mark("h_quantize");
   at::Tensor acc = hdtype == at::kFloat ? out : ws.take(Workspace::kAcc, {T, H}, at::kFloat);
   float* accp = acc.data_ptr<float>();
   const size_t down_block = kernels::block_bytes(fmt, down.K);
@@ -376,6 +428,10 @@ at::Tensor fused_moe(const at::Tensor& hidden_in, const at::Tensor& topk_ids_in,
     else if (hdtype == at::kHalf)
       store_columns(accp, T, H, c0, ncols, out.data_ptr<at::Half>());
   });
+  timer.mark("down");
+  if (timer.on())
+    timer.print("T=" + std::to_string(T) + " pairs=" + std::to_string(P) + " experts=" + std::to_string(active.size()) +
+                " " + (fmt == WeightFormat::BF16 ? "bf16" : fmt == WeightFormat::INT8 ? "int8" : "int4") + " " + ks.name);
   return out;
 }
 
