@@ -225,6 +225,9 @@ def run_speed(args) -> list[dict]:
                 row.update(g_ms=prof["gpu_busy_ms"], c_ms=prof["cpu_experts_busy_ms"], overlap_ms=prof["overlap_ms"],
                            step_ms=prof["step_ms"], trace=prof["trace"])
             rows.append(row)
+            if args.json:  # row by row: a run cut short keeps what it measured
+                with open(args.json, "a") as fh:
+                    fh.write(json.dumps({"bench": "deferral_speed", **row}) + "\n")
             print(f"  {variant} d={d} gpu_experts={gpu_fraction} (f={f:.2f}): {row['decode_tok_s']:.2f} tok/s",
                   file=sys.stderr)
             del runner
@@ -273,6 +276,7 @@ def main(argv=None) -> None:
     else:
         rows = run_speed(args)
         print_speed(rows)
+        return  # rows were written as they came
     if args.json:
         with open(args.json, "a") as f:
             for r in rows:

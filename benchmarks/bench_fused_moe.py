@@ -16,6 +16,10 @@ measures for itself at start: DRAM read bandwidth (a large fp32 sum) and the dot
 
     python benchmarks/bench_fused_moe.py                      # Qwen3-30B-A3B and DeepSeek-V3 layer shapes
     python benchmarks/bench_fused_moe.py --shapes qwen3 --tokens 1 512 --impls ktorch-int8 eager
+    python benchmarks/bench_fused_moe.py --shapes qwen3 --tokens 512 --impls ktorch-int8 --profile
+
+--profile: after timing each ktorch row, a few more calls run with KT_PROFILE=1 (the op prints its phase
+times to stderr, see ktorch/csrc/moe/fused_moe.cpp); their per-phase medians are printed under the row.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import os
 import platform
 import statistics
 import subprocess
+import tempfile
 import time
 
 import torch
@@ -151,6 +156,30 @@ def time_calls(fn, layers, routings, min_calls: int, min_seconds: float) -> floa
     return statistics.median(times)
 
 
+def profile_phases(fn, layers, routings, calls: int = 5) -> dict[str, float]:
+    """Median ms per phase of `calls` ktorch calls run with KT_PROFILE=1 (stderr captured at the fd level)."""
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+") as tmp:
+        os.dup2(tmp.fileno(), 2)
+        os.environ["KT_PROFILE"] = "1"
+        try:
+            for i in range(calls):
+                ids, w, x = routings[i % len(routings)]
+                fn(layers[i % len(layers)], ids, w, x)
+        finally:
+            os.environ.pop("KT_PROFILE")
+            os.dup2(saved, 2)
+            os.close(saved)
+        tmp.seek(0)
+        lines = [line for line in tmp.read().splitlines() if line.startswith("kt.fused_moe ")]
+    phases: dict[str, list[float]] = {}
+    for line in lines:  # "kt.fused_moe <what>: phase ms ... total ms ms"
+        words = line.split(":", 1)[1].split()
+        for name, value in zip(words[0::2], words[1::2]):
+            phases.setdefault(name, []).append(float(value))
+    return {name: statistics.median(v) for name, v in phases.items()}
+
+
 def routings_for(T: int, E: int, K: int, H: int, n: int) -> list:
     out = []
     for _ in range(n):
@@ -168,6 +197,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: all cores)")
     ap.add_argument("--min-calls", type=int, default=5)
     ap.add_argument("--min-seconds", type=float, default=1.0)
+    ap.add_argument("--profile", action="store_true", help="print the op's per-phase medians (KT_PROFILE=1)")
     ap.add_argument("--memory-budget-gb", type=float, default=None,
                     help="skip an implementation whose layer copies would exceed this (default: 70%% of RAM)")
     args = ap.parse_args()
@@ -223,6 +253,9 @@ def main() -> None:
                              100 * gbs * 1e9 / bw, 100 * flops / sec / peak[peak_kind]))
                 print("{:<9} {:<12} T={:<5} {:9.3f} ms {:10.0f} tok/s {:7.3f} TFLOPS {:7.1f} GB/s "
                       "({:5.1f}% BW, {:5.1f}% peak)".format(*rows[-1]), flush=True)
+                if args.profile and impl.startswith("ktorch"):
+                    phases = profile_phases(fn, layers, routings)
+                    print("    phases (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in phases.items()), flush=True)
             del layers
             gc.collect()
 

@@ -1,0 +1,505 @@
+"""ktorch against llama.cpp on the same machine and the same weights (issue 7): prefill and decode tok/s.
+
+For each experts type in --types (Q8_0, Q4_0) this writes ONE random Qwen3-30B-A3B-shaped GGUF
+(``write_random_qwen3moe_gguf``, as benchmarks/make_gguf.py: 128 experts top-8, H=2048, I=768, 32 query / 4 KV
+heads of 128, vocab 151936, no tokenizer; experts in the type, other matrices F16; --layers of them, default 12),
+then on that one file:
+
+llama.cpp  ``llama-bench -m FILE -ngl 99 -ot exps=CPU`` (routed experts in CPU memory, everything else on the GPU,
+           what people run for big MoE models on one GPU), -o jsonl. Each test is its own invocation over a sweep
+           of settings, and the table takes llama.cpp's BEST setting per test (never a handicapped one), naming it:
+             -t      CPU threads (--threads, default 15,16: one thread fewer than the cores often wins decode)
+             -fa     flash attention off/on (--flash-attn, default 0,1)
+             -lm     load mode (--load-mode, default auto,none): auto mmaps the file, so the CPU experts live in
+                     page-cache memory; none reads them into a CUDA host (pinned) buffer, which llama.cpp itself
+                     advises with -ot ...=CPU (faster copies when it moves expert weights to the GPU for big batches)
+             -ub     micro-batch (--ubatch, default 512,2048; prefill tests only, values above the prompt are skipped):
+                     llama.cpp streams the CPU experts to the GPU once per micro-batch on prompts
+           Timing is llama-bench's: a warm-up run, then -r (--llama-reps, default 5) repetitions; tok/s is the mean
+           over repetitions (avg_ts). ppN = one N-token prompt from an empty cache; tgN = N single-token steps
+           from an empty cache. The model is loaded before timing (not timed), the file is in the page cache
+           (just written), so both sides are measured warm.
+ktorch     ``ktorch.load(FILE, device="cuda", experts_dtype="auto")`` on the SAME file: Q8_0 -> int8 per output
+           channel (requantized from the Q8_0 values, relative error ~0.007), Q4_0 -> int4 group 32 (the blocks
+           re-laid, no requantization); everything else bf16 on the GPU. Then benchmarks/bench_e2e.py's
+           ``time_variant`` (imported, not copied): batch 1, static KV cache, greedy argmax on the device,
+           torch.compile(backend="ktorch") with (``cuda_graphs``) and without (``compiled``) CUDA graphs; warm-up
+           calls (compiles, graph capture) are not timed. ppN = one forward over N random tokens (median of
+           --repeats); tgN = N one-token forwards after a --decode-context-token prompt (default 1, so decode
+           starts near an empty cache as llama-bench's does), one sync at the end. The ktorch worker pool has
+           --kt-threads threads (default: torch's thread count, i.e. KT_NUM_THREADS unset).
+
+The table: rows (experts type, test), columns llama.cpp best tok/s and its setting, ktorch best tok/s and its
+variant, and ktorch / llama.cpp. --json appends one line per llama-bench record, per ktorch variant and per table
+row (``kind``: machine, llama.cpp, ktorch, comparison); ``--report FILE`` prints the table again from such lines
+(e.g. after one device call per experts type). The machine (CPU model, cores, kernel level, GPU, versions,
+llama.cpp build) is printed first. Benchmarks never assert.
+
+Degrades: no llama-bench (--llama-bench, else /tmp/lcpp/bin/llama-bench, else PATH) -> llama.cpp columns skipped
+with a message; no GPU -> ktorch runs everything on the CPU (a smoke run, not a result).
+
+Memory and disk on the device (128 GiB, 64 GiB disk): 12 layers are ~8 GB (Q8_0) / ~4.5 GB (Q4_0), 48 layers
+~32 / ~18 GB. Types run one after the other; each file is deleted after its type unless --keep (an existing file
+of the same name, e.g. kept by an earlier call, is reused instead of written again).
+
+    python benchmarks/bench_vs_llamacpp.py --types Q8_0 --llama-bench /tmp/lcpp/bin/llama-bench --json $OUT/vs.jsonl
+    python benchmarks/bench_vs_llamacpp.py --report $OUT/vs.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterable, Iterator, Optional
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_LLAMA_BENCH = "/tmp/lcpp/bin/llama-bench"  # where scripts/device_step_llamacpp_build.sh builds it
+EXPERTS_TYPES = ("Q8_0", "Q4_0")
+KTORCH_VARIANTS = ("compiled", "cuda_graphs", "eager")
+
+
+# ---------------------------------------------------------------- llama-bench output
+
+
+def _load_json_value(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        # llama-bench prints doubles with std::to_string: a failed test can give "nan"/"inf", which JSON lacks
+        return json.loads(re.sub(r"(?<=[:\[,\s])-?(nan|inf)\b", "null", text))
+
+
+def parse_llama_bench(text: str) -> list[dict]:
+    """The test records in llama-bench's ``-o json`` (one array) or ``-o jsonl`` (one object per line) output.
+
+    Each record has llama-bench's fields (``n_prompt``, ``n_gen``, ``n_threads``, ``flash_attn``, ``n_ubatch``,
+    ``load_mode``, ``avg_ts``, ``stddev_ts``, ``samples_ts``, ``build_commit``, ``cpu_info``, ``gpu_info``, ...).
+    Lines that are not JSON objects are skipped (a run cut off midway leaves its finished tests readable).
+    """
+    text = text.strip()
+    if not text:
+        return []
+    if text.startswith("["):
+        try:
+            return [r for r in _load_json_value(text) if isinstance(r, dict)]
+        except json.JSONDecodeError:
+            pass  # an array cut off midway: read it object by object below
+    records = []
+    for chunk in re.split(r"\n(?=\s*\{)", text.lstrip("[")):
+        chunk = chunk.strip().rstrip(",]").strip()
+        if not chunk.startswith("{"):
+            continue
+        try:
+            value = _load_json_value(chunk)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(value, dict):
+            records.append(value)
+    return records
+
+
+def test_name(record: dict) -> str:
+    """llama-bench's name of a test: ``pp512``, ``tg64`` or ``pp512+tg64``."""
+    p, g = int(record.get("n_prompt", 0)), int(record.get("n_gen", 0))
+    if p and g:
+        return f"pp{p}+tg{g}"
+    return f"pp{p}" if p else f"tg{g}"
+
+
+FLASH_ATTN = {-1: "auto", 0: "0", 1: "1"}  # llama_flash_attn_type as llama-bench's JSON writes it (an int)
+
+
+def setting_label(record: dict) -> str:
+    """The llama-bench options that the sweep varies, as they would be written: ``-t 16 -fa 1 -lm none -ub 512``."""
+    fa = record.get("flash_attn")
+    fa = FLASH_ATTN.get(fa, str(fa)) if not isinstance(fa, bool) else str(int(fa))
+    parts = [f"-t {record.get('n_threads')}", f"-fa {fa}"]
+    if "load_mode" in record:
+        parts.append(f"-lm {record['load_mode']}")
+    if int(record.get("n_prompt", 0)):
+        parts.append(f"-ub {record.get('n_ubatch')}")
+    return " ".join(parts)
+
+
+def best_per_test(records: Iterable[dict]) -> dict[str, dict]:
+    """For each test name, the record with the highest mean tok/s (``avg_ts``); records without a number are
+    ignored."""
+    best: dict[str, dict] = {}
+    for r in records:
+        ts = r.get("avg_ts")
+        if not isinstance(ts, (int, float)) or not math.isfinite(ts):
+            continue
+        name = test_name(r)
+        if name not in best or ts > best[name]["avg_ts"]:
+            best[name] = r
+    return best
+
+
+def llama_bench_commands(binary: str, gguf: str, prompts: list[int], gen: int, threads: str, flash_attn: str,
+                         load_mode: str, ubatch: str, reps: int, extra: list[str]) -> list[list[str]]:
+    """One llama-bench command per test (ppN for each prompt length, then tgN): each sweeps the settings that can
+    matter for it (the micro-batch only for prompts, and only sizes up to the prompt length)."""
+    common = [binary, "-m", gguf, "-ngl", "99", "-ot", "exps=CPU", "-t", threads, "-fa", flash_attn,
+              "-lm", load_mode, "-r", str(reps), "-o", "jsonl", "--progress", *extra]
+    commands = []
+    ubatches = [int(u) for u in ubatch.split(",") if u]
+    for p in prompts:
+        ub = sorted({u for u in ubatches if u <= p}) or [min(ubatches + [p])]
+        commands.append(common + ["-p", str(p), "-n", "0", "-b", str(max(p, 2048)), "-ub", ",".join(map(str, ub))])
+    if gen:
+        commands.append(common + ["-p", "0", "-n", str(gen)])
+    return commands
+
+
+def run_llama_bench(commands: list[list[str]], log_path: Path, timeout_s: float) -> list[dict]:
+    """Runs the commands one after another; stdout (jsonl) is parsed, stderr appended to ``log_path``. A command
+    that fails or runs past ``timeout_s`` contributes the tests it finished."""
+    records = []
+    for cmd in commands:
+        print("$ " + " ".join(cmd), flush=True)
+        t0 = time.perf_counter()
+        with open(log_path, "a") as log:
+            log.write("$ " + " ".join(cmd) + "\n")
+            log.flush()
+            try:
+                proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, text=True, timeout=timeout_s)
+                out, rc = proc.stdout, proc.returncode
+            except subprocess.TimeoutExpired as e:
+                out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+                rc = "timeout"
+        found = parse_llama_bench(out)
+        print(f"  {len(found)} results in {time.perf_counter() - t0:.0f} s" + (f" (exit {rc}; see {log_path})" if rc else ""),
+              flush=True)
+        records += found
+    return records
+
+
+def find_llama_bench(path: Optional[str]) -> Optional[str]:
+    """The llama-bench to run: ``path`` if given (None if it is not an executable), else the build script's
+    output, else llama-bench on PATH."""
+    if path:
+        return path if os.path.isfile(path) and os.access(path, os.X_OK) else None
+    if os.access(DEFAULT_LLAMA_BENCH, os.X_OK):
+        return DEFAULT_LLAMA_BENCH
+    return shutil.which("llama-bench")
+
+
+# ---------------------------------------------------------------- ktorch on the same file
+
+
+def run_ktorch(gguf: Path, device: str, variants: list[str], prompts: list[int], gen: int, decode_context: int,
+               repeats: int, options: Optional[dict]) -> Iterator[dict]:
+    """Loads ``gguf`` with ktorch.load and times each variant with bench_e2e's ``time_variant``; yields one dict
+    per variant, as soon as it is measured, with ``tests`` {"pp512": tok/s, ..., "tg64": tok/s} and bench_e2e's
+    raw fields (or ``error``)."""
+    import traceback
+
+    import torch
+
+    import ktorch
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import bench_e2e
+
+    t0 = time.perf_counter()
+    try:
+        model, _ = ktorch.load(gguf, device=device, experts_dtype="auto", progress=False, tokenizer=False)
+    except Exception as e:  # benchmarks never assert: report, and let the other types run
+        traceback.print_exc()
+        yield dict(variant="load", error=f"{type(e).__name__}: {e}", tests={})
+        return
+    load_s = time.perf_counter() - t0
+    experts = {getattr(m, "kt_format", "?") for _, m in _experts_modules(model)}
+    print(f"ktorch.load: {load_s:.1f} s, experts {sorted(experts) or '?'}, other weights "
+          f"{next(model.parameters()).dtype} on {device}", flush=True)
+    for variant in variants:
+        torch._dynamo.reset()
+        t0 = time.perf_counter()
+        try:
+            r = bench_e2e.time_variant(model, variant, device, prompts, gen, decode_context, repeats,
+                                       model.config.vocab_size, options)
+        except Exception as e:  # one variant failing must not lose the others (benchmarks never assert)
+            traceback.print_exc()
+            print(f"ktorch {variant}: failed: {type(e).__name__}: {e}", flush=True)
+            yield dict(variant=variant, error=f"{type(e).__name__}: {e}", tests={})
+            continue
+        r.pop("runner", None)
+        tests = {f"pp{p}": r[f"prefill_{p}_tok_s"] for p in prompts if f"prefill_{p}_tok_s" in r}
+        if "decode_tok_s" in r:
+            tests[f"tg{gen}"] = r["decode_tok_s"]
+        r.update(tests=tests, load_s=load_s, experts_format=sorted(experts), seconds=time.perf_counter() - t0,
+                 decode_context=decode_context, options=options)
+        print(f"ktorch {variant}: " + ", ".join(f"{k} {v:.1f} tok/s" for k, v in tests.items())
+              + f" ({r['seconds']:.0f} s with compiles)", flush=True)
+        yield r
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    del model
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _experts_modules(model):
+    from ktorch.placement import experts_modules
+
+    return experts_modules(model)
+
+
+# ---------------------------------------------------------------- the table
+
+
+def comparison_rows(lines: list[dict]) -> list[dict]:
+    """Table rows from the JSON lines of one or more runs (kinds "llama.cpp" and "ktorch"): for each (experts
+    type, layers, test), llama.cpp's best record and ktorch's best variant, and their ratio. Later lines of the
+    same (type, layers, test, setting or variant) replace earlier ones."""
+    llama: dict[tuple, dict] = {}
+    kt: dict[tuple, dict] = {}
+    order: list[tuple] = []
+
+    def seen(key):
+        if key not in order:
+            order.append(key)
+
+    for line in lines:
+        if line.get("kind") == "llama.cpp":
+            key = (line["experts_type"], line["layers"], line["test"])
+            seen(key)
+            llama.setdefault(key, {})[line["setting"]] = line
+        elif line.get("kind") == "ktorch":
+            for test, ts in line.get("tests", {}).items():
+                key = (line["experts_type"], line["layers"], test)
+                seen(key)
+                kt.setdefault(key, {})[line["variant"]] = dict(tok_s=ts, variant=line["variant"], device=line.get("device"))
+    rows = []
+    groups = list(dict.fromkeys(k[:2] for k in order))  # (type, layers) in the order they were run
+    for key in sorted(order, key=lambda k: (groups.index(k[:2]), _test_order(k[2]))):
+        type_name, layers, test = key
+        row = dict(kind="comparison", experts_type=type_name, layers=layers, test=test)
+        if key in llama:
+            best = max(llama[key].values(), key=lambda r: r["tok_s"])
+            row.update(llama_tok_s=best["tok_s"], llama_setting=best["setting"],
+                       llama_settings_tried=len(llama[key]))
+        if key in kt:
+            best = max(kt[key].values(), key=lambda r: r["tok_s"])
+            row.update(ktorch_tok_s=best["tok_s"], ktorch_variant=best["variant"], ktorch_device=best["device"])
+        if row.get("llama_tok_s") and row.get("ktorch_tok_s"):
+            row["ratio"] = row["ktorch_tok_s"] / row["llama_tok_s"]
+        rows.append(row)
+    return rows
+
+
+def _test_order(test: str) -> tuple:
+    m = re.match(r"(pp|tg)(\d+)", test)
+    return (0 if m and m.group(1) == "pp" else 1, int(m.group(2)) if m else 0, test)
+
+
+def format_table(rows: list[dict]) -> str:
+    out = ["| experts | test | llama.cpp tok/s (best setting) | ktorch tok/s (variant) | ktorch / llama.cpp |",
+           "|---|---|---|---|---|"]
+    for r in rows:
+        llama = f"{r['llama_tok_s']:.1f} (`{r['llama_setting']}`)" if "llama_tok_s" in r else "-"
+        kt = f"{r['ktorch_tok_s']:.1f} ({r['ktorch_variant']}" + (
+            f", {r['ktorch_device']}" if r.get("ktorch_device") not in (None, "cuda") else "") + ")" \
+            if "ktorch_tok_s" in r else "-"
+        ratio = f"{r['ratio']:.2f}x" if "ratio" in r else "-"
+        out.append(f"| {r['experts_type']} ({r['layers']} layers) | {r['test']} | {llama} | {kt} | {ratio} |")
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------- main
+
+
+def machine_info(device: str, llama_records: list[dict]) -> dict:
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import bench_e2e
+    import torch
+
+    info = bench_e2e.machine_info(device)
+    info["kt_num_threads"] = os.environ.get("KT_NUM_THREADS")
+    if device == "cuda":
+        info["cuda"] = torch.version.cuda
+    if llama_records:
+        r = llama_records[0]
+        info["llama_cpp"] = dict(build_commit=r.get("build_commit"), build_number=r.get("build_number"),
+                                 backends=r.get("backends"), cpu_info=r.get("cpu_info"), gpu_info=r.get("gpu_info"))
+    return info
+
+
+def gguf_path(directory: str, type_name: str, layers: int, experts: int) -> Path:
+    # the name benchmarks/gguf_device_run.sh uses for the same file (make_gguf.py's defaults: 4 distinct experts)
+    suffix = "" if experts == 128 else f"-{experts}e"
+    return Path(directory) / f"qwen3-30b-a3b-random-{type_name}-{layers}l{suffix}.gguf"
+
+
+def write_gguf(path: Path, type_name: str, layers: int, experts: int) -> tuple[bool, float]:
+    """Writes the file unless it exists: (written now, seconds). Written under a temporary name, renamed when
+    complete, so that a cut-off write is never reused."""
+    if path.exists():
+        print(f"reusing {path} ({path.stat().st_size / 1e9:.2f} GB)", flush=True)
+        return False, 0.0
+    sys.path.insert(0, str(REPO))
+    from ktorch.integrations.gguf_writer import write_random_qwen3moe_gguf
+
+    t0 = time.perf_counter()
+    partial = path.with_name(path.name + ".partial")
+    write_random_qwen3moe_gguf(partial, experts_type=type_name, num_layers=layers, num_experts=experts,
+                               progress=False)
+    os.replace(partial, path)
+    seconds = time.perf_counter() - t0
+    print(f"wrote {path}: {path.stat().st_size / 1e9:.2f} GB, {layers} layers, {type_name} experts, "
+          f"in {seconds:.1f} s", flush=True)
+    return True, seconds
+
+
+def _append(json_path: Optional[str], line: dict) -> None:
+    if json_path:
+        with open(json_path, "a") as f:
+            f.write(json.dumps(line, default=str) + "\n")
+
+
+def _csv(text: str) -> list[str]:
+    return [t for t in text.split(",") if t]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--types", default=",".join(EXPERTS_TYPES), help="experts types, one file each (default: Q8_0,Q4_0)")
+    p.add_argument("--layers", type=int, default=12, help="decoder layers of the file (default: 12; the model has 48)")
+    p.add_argument("--experts", type=int, default=128, help="routed experts per layer (default: 128)")
+    p.add_argument("--prompts", default="512,2048", help="prompt lengths of the prefill tests (default: 512,2048)")
+    p.add_argument("--gen", type=int, default=64, help="decode steps of the tg test (default: 64; 0: none)")
+    p.add_argument("--gguf-dir", default="/tmp", help="where the GGUF files go (default: /tmp)")
+    p.add_argument("--keep", action="store_true", help="keep the GGUF files (default: deleted after each type)")
+    p.add_argument("--llama-bench", default=None,
+                   help=f"llama-bench binary (default: {DEFAULT_LLAMA_BENCH} if built, else PATH)")
+    p.add_argument("--threads", default="15,16", help="llama-bench -t values (default: 15,16)")
+    p.add_argument("--flash-attn", default="0,1", help="llama-bench -fa values (default: 0,1)")
+    p.add_argument("--load-mode", default="auto,none", help="llama-bench -lm values (default: auto,none)")
+    p.add_argument("--ubatch", default="512,2048", help="llama-bench -ub values for prompts (default: 512,2048)")
+    p.add_argument("--llama-reps", type=int, default=5, help="llama-bench -r (default: 5)")
+    p.add_argument("--llama-args", default="", help="more llama-bench arguments, e.g. '--poll 100'")
+    p.add_argument("--llama-timeout", type=float, default=480, help="seconds per llama-bench command (default: 480)")
+    p.add_argument("--skip-llamacpp", action="store_true", help="run ktorch only")
+    p.add_argument("--skip-ktorch", action="store_true", help="run llama.cpp only")
+    p.add_argument("--device", default=None, help="ktorch's device (default: cuda if available, else cpu)")
+    p.add_argument("--variants", default="compiled,cuda_graphs",
+                   help=f"ktorch variants, from {KTORCH_VARIANTS} (default: compiled,cuda_graphs; cuda_graphs needs CUDA)")
+    p.add_argument("--repeats", type=int, default=3, help="ktorch prefill repetitions, median (default: 3)")
+    p.add_argument("--decode-context", type=int, default=1, help="ktorch prompt length before decoding (default: 1)")
+    p.add_argument("--kt-threads", type=int, default=None, help="ktorch worker threads (KT_NUM_THREADS)")
+    p.add_argument("--kt-options", default=None, help="ktorch backend options as JSON (see bench_e2e.py --options)")
+    p.add_argument("--out", default=os.environ.get("OUT", "/tmp"), help="folder for llama-bench's log (default: $OUT or /tmp)")
+    p.add_argument("--json", default=None, help="append JSON lines to this file")
+    p.add_argument("--report", default=None, metavar="JSONL", help="only print the table from these JSON lines")
+    return p
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.report:
+        with open(args.report) as f:
+            lines = [json.loads(line) for line in f if line.strip()]
+        machine_lines = [line for line in lines if line.get("kind") == "machine"]
+        for m in dict.fromkeys(json.dumps({k: v for k, v in line.items() if k not in ("kind", "llama_cpp")})
+                               for line in machine_lines):
+            print("machine:", m)
+        for b in dict.fromkeys(json.dumps(line["llama_cpp"]) for line in machine_lines if "llama_cpp" in line):
+            print("llama.cpp:", b)
+        print(format_table(comparison_rows(lines)))
+        return
+    # `timeout` sends SIGTERM: exit through Python, so that files are deleted and a running llama-bench killed
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.kt_threads:
+        os.environ["KT_NUM_THREADS"] = str(args.kt_threads)  # read once, when ktorch's worker pool starts
+
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    types = _csv(args.types)
+    prompts = [int(p) for p in _csv(args.prompts)]
+    variants = _csv(args.variants)
+    for v in variants:
+        if v not in KTORCH_VARIANTS:
+            raise SystemExit(f"unknown ktorch variant {v!r}; choose from {KTORCH_VARIANTS}")
+    if device != "cuda" and "cuda_graphs" in variants:
+        print("no GPU: ktorch runs on the CPU (a smoke run, not a result); cuda_graphs skipped", flush=True)
+        variants = [v for v in variants if v != "cuda_graphs"]
+    options = json.loads(args.kt_options) if args.kt_options else None
+    llama_bench = None
+    if not args.skip_llamacpp:
+        llama_bench = find_llama_bench(args.llama_bench)
+        if llama_bench is None:
+            print(f"llama-bench not found ({args.llama_bench or DEFAULT_LLAMA_BENCH + ' or PATH'}): llama.cpp columns "
+                  "skipped (build it with scripts/device_step_llamacpp_build.sh)", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    log_path = Path(args.out) / "llama_bench.log"
+
+    info = machine_info(device, [])
+    print("machine:", json.dumps(info), flush=True)
+    _append(args.json, dict(kind="machine", **info))
+    lines: list[dict] = []
+    all_llama: list[dict] = []
+    for type_name in types:
+        path = gguf_path(args.gguf_dir, type_name, args.layers, args.experts)
+        try:
+            _, write_s = write_gguf(path, type_name, args.layers, args.experts)
+            if llama_bench:
+                commands = llama_bench_commands(llama_bench, str(path), prompts, args.gen, args.threads,
+                                                args.flash_attn, args.load_mode, args.ubatch, args.llama_reps,
+                                                args.llama_args.split())
+                records = []
+                for command in commands:  # each test's lines are written as soon as it is done
+                    found = run_llama_bench([command], log_path, args.llama_timeout)
+                    for r in found:
+                        line = dict(kind="llama.cpp", experts_type=type_name, layers=args.layers, test=test_name(r),
+                                    setting=setting_label(r), tok_s=r.get("avg_ts"),
+                                    stddev_tok_s=r.get("stddev_ts"), record=r)
+                        lines.append(line)
+                        _append(args.json, line)
+                    records += found
+                all_llama += records
+                best = best_per_test(records)
+                for test, r in best.items():
+                    print(f"llama.cpp {type_name} {test}: best {r['avg_ts']:.1f} tok/s with {setting_label(r)}",
+                          flush=True)
+            if not args.skip_ktorch:
+                for r in run_ktorch(path, device, variants, prompts, args.gen, args.decode_context, args.repeats,
+                                    options):
+                    line = dict(kind="ktorch", experts_type=type_name, layers=args.layers, device=device,
+                                gguf_write_s=write_s, **r)
+                    lines.append(line)
+                    _append(args.json, line)
+        finally:
+            if not args.keep:
+                for p in (path, path.with_name(path.name + ".partial")):
+                    if p.exists():
+                        p.unlink()
+                        print(f"deleted {p}", flush=True)
+
+    info = machine_info(device, all_llama)
+    if all_llama:
+        _append(args.json, dict(kind="machine", **info))
+    rows = comparison_rows(lines)
+    for row in rows:
+        _append(args.json, row)
+    print()
+    print("machine:", json.dumps(info))
+    print(f"model: random Qwen3-30B-A3B shape, {args.layers} layers, {args.experts} experts top-8; "
+          f"ktorch on {device}, variants {','.join(variants)}")
+    print(format_table(rows))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
