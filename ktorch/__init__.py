@@ -4,13 +4,13 @@ Importing ktorch loads the ``kt`` op library (``torch.ops.kt.*``) and registers 
 ``torch.compile`` trace the ops.
 """
 
-from ktorch._library import cpu_features, load_library
+from ktorch._library import cpu_features, get_num_threads, load_library, set_num_threads
 
 load_library()
 
 from ktorch.ops import PackedExperts, fused_moe, pack_experts  # noqa: E402
 
-__all__ = ["PackedExperts", "cpu_features", "fused_moe", "pack_experts"]
+__all__ = ["PackedExperts", "cpu_features", "fused_moe", "get_num_threads", "pack_experts", "set_num_threads"]
 
 # transformers integration: "ktorch" joins transformers' experts implementations (once transformers loads them),
 # and prepare() places a model for hybrid CPU-expert inference.

@@ -40,3 +40,21 @@ def cpu_features() -> dict:
     info["available"] = info["available"].split(",")
     info["kernel"] = torch.ops.kt.selected_kernel()
     return info
+
+
+def get_num_threads() -> int:
+    """Threads of ktorch's CPU worker pool (the calling thread included), which run ``kt.fused_moe``."""
+    return int(torch.ops.kt.get_num_threads())
+
+
+def set_num_threads(n: int) -> None:
+    """Resizes ktorch's CPU worker pool to ``n`` threads (the calling thread included); call it between ops.
+
+    Default: ``KT_NUM_THREADS``, else ``torch.get_num_threads()`` when the pool is first used. In hybrid
+    CPU/GPU inference the thread launching GPU work (and waiting for it) needs a core of its own: with every
+    core given to spinning workers, some worker is always descheduled and calls stretch to scheduler time
+    slices. ``ktorch.prepare(..., device="cuda")`` therefore leaves one core free unless ``KT_NUM_THREADS`` is
+    set."""
+    if n < 1:
+        raise ValueError(f"set_num_threads: need at least 1 thread, got {n}")
+    torch.ops.kt.set_num_threads(int(n))

@@ -30,6 +30,9 @@ std::vector<std::string> cpu_info() {
 
 std::string selected_kernel() { return kt::runtime::selected_kernel_level(); }
 
+int64_t get_num_threads() { return kt::runtime::num_workers(); }
+void set_num_threads(int64_t n) { kt::runtime::WorkerPool::resize(static_cast<int>(n)); }
+
 // Peak dot-product rate of all ktorch workers together, in operations per second (benchmarks report
 // kernels as a fraction of it). kind: "bf16" (vdpbf16ps) or "int8" (vpdpbusd).
 double dot_peak(c10::string_view kind, int64_t iters) {
@@ -60,6 +63,8 @@ TORCH_LIBRARY(kt, m) {
   m.def("cpu_info() -> str[]", &cpu_info);
   m.def("selected_kernel() -> str", &selected_kernel);
   m.def("dot_peak(str kind, int iters=10000000) -> float", &dot_peak);
+  m.def("get_num_threads() -> int", &get_num_threads);
+  m.def("set_num_threads(int n) -> ()", &set_num_threads);
 }
 
 TORCH_LIBRARY_IMPL(kt, CPU, m) {

@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <memory>
 #include <string>
 
 namespace kt::runtime {
@@ -34,10 +35,31 @@ std::vector<int> allowed_cpus() {
 
 }  // namespace
 
+namespace {
+std::mutex g_pool_mutex;
+std::unique_ptr<WorkerPool> g_pool;  // never freed at exit: joining threads during static destruction hangs
+}  // namespace
+
 WorkerPool& WorkerPool::instance() {
-  static WorkerPool pool(static_cast<int>(env_int("KT_NUM_THREADS", at::get_num_threads())),
-                         env_int("KT_SPIN_US", 2000), env_int("KT_PIN_THREADS", 0) != 0);
-  return pool;
+  std::lock_guard<std::mutex> lock(g_pool_mutex);
+  if (!g_pool)
+    g_pool = std::make_unique<WorkerPool>(static_cast<int>(env_int("KT_NUM_THREADS", at::get_num_threads())),
+                                          env_int("KT_SPIN_US", 2000), env_int("KT_PIN_THREADS", 0) != 0);
+  return *g_pool;
+}
+
+void WorkerPool::resize(int workers) {
+  TORCH_CHECK(workers >= 1, "set_num_threads: the pool needs at least 1 thread, got ", workers);
+  std::lock_guard<std::mutex> lock(g_pool_mutex);
+  if (g_pool && g_pool->size() == workers) return;
+  std::unique_ptr<WorkerPool> fresh = std::make_unique<WorkerPool>(workers, env_int("KT_SPIN_US", 2000),
+                                                                   env_int("KT_PIN_THREADS", 0) != 0);
+  if (g_pool) {
+    std::lock_guard<std::mutex> idle(g_pool->run_mutex_);  // a call in flight finishes first
+  }
+  std::unique_ptr<WorkerPool> old = std::move(g_pool);
+  g_pool = std::move(fresh);
+  old.reset();
 }
 
 WorkerPool::WorkerPool(int workers, int64_t spin_us, bool pin) : spin_us_(spin_us) {
@@ -62,13 +84,16 @@ WorkerPool::~WorkerPool() {
 void WorkerPool::work(int worker) {
   for (int64_t t = next_task_.fetch_add(1, std::memory_order_relaxed); t < n_tasks_;
        t = next_task_.fetch_add(1, std::memory_order_relaxed)) {
-    try {
-      invoke_(fn_, t, worker);
-    } catch (...) {
-      std::lock_guard<std::mutex> lock(error_mutex_);
-      if (!error_) error_ = std::current_exception();
-      next_task_.store(n_tasks_, std::memory_order_relaxed);  // abandon the rest of the job
+    if (!abort_.load(std::memory_order_relaxed)) {
+      try {
+        invoke_(fn_, t, worker);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(error_mutex_);
+        if (!error_) error_ = std::current_exception();
+        abort_.store(true, std::memory_order_relaxed);  // the remaining tasks are skipped (still counted)
+      }
     }
+    done_tasks_.fetch_add(1, std::memory_order_acq_rel);
   }
 }
 
@@ -96,8 +121,9 @@ void WorkerPool::worker_loop(int worker, int cpu) {
     }
     seen = generation_.load(std::memory_order_acquire);
     if (stop_.load()) return;
-    work(worker);
-    running_.fetch_sub(1, std::memory_order_acq_rel);
+    inside_.fetch_add(1);  // seq_cst, then read open_: see the handshake in worker_pool.h
+    if (open_.load() && generation_.load() == seen) work(worker);
+    inside_.fetch_sub(1, std::memory_order_acq_rel);
   }
 }
 
@@ -112,15 +138,19 @@ void WorkerPool::run_erased(int64_t n, const void* fn, Invoke invoke) {
   invoke_ = invoke;
   n_tasks_ = n;
   error_ = nullptr;
+  abort_.store(false, std::memory_order_relaxed);
   next_task_.store(0, std::memory_order_relaxed);
-  running_.store(static_cast<int>(threads_.size()), std::memory_order_relaxed);
+  done_tasks_.store(0, std::memory_order_relaxed);
+  open_.store(true);
   generation_.fetch_add(1);  // seq_cst: orders the job fields before it and the sleepers_ read after it
   if (sleepers_.load() > 0) {
     std::lock_guard<std::mutex> lock(sleep_mutex_);
     wake_.notify_all();
   }
   work(0);
-  while (running_.load(std::memory_order_acquire) > 0) _mm_pause();
+  while (done_tasks_.load(std::memory_order_acquire) < n) _mm_pause();
+  open_.store(false);  // seq_cst, then read inside_: a worker either is counted here or sees the job closed
+  while (inside_.load() > 0) _mm_pause();
   if (error_) std::rethrow_exception(error_);
 }
 

@@ -4,7 +4,10 @@
 // Qwen3-30B-A3B), each call a few hundred microseconds of work; it needs workers that are already awake
 // when a call arrives. Workers here spin for KT_SPIN_US microseconds (default 2000) after each job, then
 // park on a condition variable; the calling thread takes part as worker 0, tasks are pulled from an
-// atomic counter (dynamic balancing for skewed routing).
+// atomic counter (dynamic balancing for skewed routing). A call waits for its tasks, not for every worker:
+// with more runnable threads than cores (the GPU launch thread, CUDA's host-function thread, other
+// processes), a worker the scheduler has not run yet simply misses the call instead of stalling it for a
+// scheduler time slice.
 //
 // Thread counts: KT_NUM_THREADS workers in all (the caller included); default at::get_num_threads() at
 // the pool's creation (PyTorch's intra-op thread count, one per physical core by default). With
@@ -30,6 +33,10 @@ class WorkerPool {
  public:
   // The process-wide pool, created on first use.
   static WorkerPool& instance();
+  // Replaces the process-wide pool by one of `workers` threads (the caller included). Waits for a call in
+  // flight on the old pool; call it between ops (a call that has already looked up the pool must not be
+  // running on another thread).
+  static void resize(int workers);
 
   explicit WorkerPool(int workers, int64_t spin_us, bool pin);
   ~WorkerPool();
@@ -57,12 +64,19 @@ class WorkerPool {
   int64_t spin_us_;
   std::mutex run_mutex_;
 
-  // the current job
+  // The current job. A call returns when all its tasks are done and no worker is inside it: a worker that
+  // has not joined by then (descheduled, or still waking from its park) never enters it, so one late
+  // thread costs the call nothing unless it holds a task. Joining is a Dekker handshake on seq_cst
+  // atomics: the worker counts itself in (inside_), then checks that the job is still open; the caller
+  // closes the job, then waits for inside_ to drain.
   const void* fn_ = nullptr;
   Invoke invoke_ = nullptr;
   int64_t n_tasks_ = 0;
   std::atomic<int64_t> next_task_{0};
-  std::atomic<int> running_{0};
+  std::atomic<int64_t> done_tasks_{0};
+  std::atomic<int> inside_{0};
+  std::atomic<bool> open_{false};
+  std::atomic<bool> abort_{false};  // a task threw: the rest are counted done without running
   std::exception_ptr error_;
   std::mutex error_mutex_;
 

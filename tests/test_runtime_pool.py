@@ -1,0 +1,56 @@
+"""ktorch's CPU worker pool seen from Python: resizing (ktorch.set_num_threads) and calls from several threads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ktorch
+
+
+def test_pool_resize_keeps_results():
+    """ktorch.set_num_threads resizes the worker pool; results do not depend on the thread count beyond fp32
+    reduction order (tasks own disjoint outputs: here they are identical)."""
+    torch.manual_seed(11)
+    E, H, I, T = 12, 256, 192, 37
+    packed = ktorch.pack_experts(torch.randn(E, 2 * I, H) * 0.05, torch.randn(E, H, I) * 0.05, "int8")
+    x, ids, w = torch.randn(T, H), torch.randint(-1, E, (T, 4)), torch.rand(T, 4)
+    before = ktorch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 3, 2):
+            ktorch.set_num_threads(n)
+            assert ktorch.get_num_threads() == n
+            results.append(ktorch.fused_moe(x, ids, w, packed))
+        assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+        with pytest.raises(ValueError, match="at least 1 thread"):
+            ktorch.set_num_threads(0)
+    finally:
+        ktorch.set_num_threads(before)
+
+
+def test_pool_calls_from_several_threads():
+    """Calls from several Python threads at once (the pool runs them one after another) stay correct."""
+    import threading
+
+    torch.manual_seed(12)
+    E, H, I = 8, 128, 64
+    packed = ktorch.pack_experts(torch.randn(E, 2 * I, H) * 0.05, torch.randn(E, H, I) * 0.05, "bf16")
+    cases = [(torch.randn(t, H), torch.randint(0, E, (t, 2)), torch.rand(t, 2)) for t in (1, 5, 33, 2)]
+    want = [ktorch.fused_moe(*c, packed) for c in cases]
+    errors = []
+
+    def hammer(i):
+        try:
+            for _ in range(50):
+                if not torch.equal(ktorch.fused_moe(*cases[i], packed), want[i]):
+                    errors.append(i)
+        except Exception as e:  # noqa: BLE001
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=hammer, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
