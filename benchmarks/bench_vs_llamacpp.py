@@ -27,7 +27,8 @@ ktorch     ``ktorch.load(FILE, device="cuda", experts_dtype="auto")`` on the SAM
            calls (compiles, graph capture) are not timed. ppN = one forward over N random tokens (median of
            --repeats); tgN = N one-token forwards after a --decode-context-token prompt (default 1, so decode
            starts near an empty cache as llama-bench's does), one sync at the end. The ktorch worker pool has
-           --kt-threads threads (default: torch's thread count, i.e. KT_NUM_THREADS unset).
+           --kt-threads threads (KT_NUM_THREADS; default ktorch's: torch's thread count, one fewer when
+           ktorch.prepare places the model on a GPU, so the launching thread keeps a core); the JSON says how many.
 
 The table: rows (experts type, test), columns llama.cpp best tok/s and its setting, ktorch best tok/s and its
 variant, and ktorch / llama.cpp. --json appends one line per llama-bench record, per ktorch variant and per table
@@ -108,7 +109,7 @@ def parse_llama_bench(text: str) -> list[dict]:
     return records
 
 
-def test_name(record: dict) -> str:
+def llama_test_name(record: dict) -> str:
     """llama-bench's name of a test: ``pp512``, ``tg64`` or ``pp512+tg64``."""
     p, g = int(record.get("n_prompt", 0)), int(record.get("n_gen", 0))
     if p and g:
@@ -139,7 +140,7 @@ def best_per_test(records: Iterable[dict]) -> dict[str, dict]:
         ts = r.get("avg_ts")
         if not isinstance(ts, (int, float)) or not math.isfinite(ts):
             continue
-        name = test_name(r)
+        name = llama_test_name(r)
         if name not in best or ts > best[name]["avg_ts"]:
             best[name] = r
     return best
@@ -178,8 +179,8 @@ def run_llama_bench(commands: list[list[str]], log_path: Path, timeout_s: float)
                 out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
                 rc = "timeout"
         found = parse_llama_bench(out)
-        print(f"  {len(found)} results in {time.perf_counter() - t0:.0f} s" + (f" (exit {rc}; see {log_path})" if rc else ""),
-              flush=True)
+        failed = f" (exit {rc}; see {log_path})" if rc else ""
+        print(f"  {len(found)} results in {time.perf_counter() - t0:.0f} s{failed}", flush=True)
         records += found
     return records
 
@@ -237,10 +238,11 @@ def run_ktorch(gguf: Path, device: str, variants: list[str], prompts: list[int],
         tests = {f"pp{p}": r[f"prefill_{p}_tok_s"] for p in prompts if f"prefill_{p}_tok_s" in r}
         if "decode_tok_s" in r:
             tests[f"tg{gen}"] = r["decode_tok_s"]
+        kt_threads = ktorch.get_num_threads() if hasattr(ktorch, "get_num_threads") else None
         r.update(tests=tests, load_s=load_s, experts_format=sorted(experts), seconds=time.perf_counter() - t0,
-                 decode_context=decode_context, options=options)
+                 decode_context=decode_context, options=options, kt_threads=kt_threads)
         print(f"ktorch {variant}: " + ", ".join(f"{k} {v:.1f} tok/s" for k, v in tests.items())
-              + f" ({r['seconds']:.0f} s with compiles)", flush=True)
+              + f" ({r['seconds']:.0f} s with compiles; {kt_threads} CPU threads)", flush=True)
         yield r
         gc.collect()
         if device == "cuda":
@@ -281,7 +283,8 @@ def comparison_rows(lines: list[dict]) -> list[dict]:
             for test, ts in line.get("tests", {}).items():
                 key = (line["experts_type"], line["layers"], test)
                 seen(key)
-                kt.setdefault(key, {})[line["variant"]] = dict(tok_s=ts, variant=line["variant"], device=line.get("device"))
+                kt.setdefault(key, {})[line["variant"]] = dict(tok_s=ts, variant=line["variant"],
+                                                               device=line.get("device"))
     rows = []
     groups = list(dict.fromkeys(k[:2] for k in order))  # (type, layers) in the order they were run
     for key in sorted(order, key=lambda k: (groups.index(k[:2]), _test_order(k[2]))):
@@ -395,12 +398,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-ktorch", action="store_true", help="run llama.cpp only")
     p.add_argument("--device", default=None, help="ktorch's device (default: cuda if available, else cpu)")
     p.add_argument("--variants", default="compiled,cuda_graphs",
-                   help=f"ktorch variants, from {KTORCH_VARIANTS} (default: compiled,cuda_graphs; cuda_graphs needs CUDA)")
+                   help=f"ktorch variants, from {KTORCH_VARIANTS} (default: compiled,cuda_graphs)")
     p.add_argument("--repeats", type=int, default=3, help="ktorch prefill repetitions, median (default: 3)")
     p.add_argument("--decode-context", type=int, default=1, help="ktorch prompt length before decoding (default: 1)")
     p.add_argument("--kt-threads", type=int, default=None, help="ktorch worker threads (KT_NUM_THREADS)")
     p.add_argument("--kt-options", default=None, help="ktorch backend options as JSON (see bench_e2e.py --options)")
-    p.add_argument("--out", default=os.environ.get("OUT", "/tmp"), help="folder for llama-bench's log (default: $OUT or /tmp)")
+    p.add_argument("--out", default=os.environ.get("OUT", "/tmp"),
+                   help="folder for llama-bench's log (default: $OUT or /tmp)")
     p.add_argument("--json", default=None, help="append JSON lines to this file")
     p.add_argument("--report", default=None, metavar="JSONL", help="only print the table from these JSON lines")
     return p
@@ -463,8 +467,8 @@ def main(argv=None) -> None:
                 for command in commands:  # each test's lines are written as soon as it is done
                     found = run_llama_bench([command], log_path, args.llama_timeout)
                     for r in found:
-                        line = dict(kind="llama.cpp", experts_type=type_name, layers=args.layers, test=test_name(r),
-                                    setting=setting_label(r), tok_s=r.get("avg_ts"),
+                        line = dict(kind="llama.cpp", experts_type=type_name, layers=args.layers,
+                                    test=llama_test_name(r), setting=setting_label(r), tok_s=r.get("avg_ts"),
                                     stddev_tok_s=r.get("stddev_ts"), record=r)
                         lines.append(line)
                         _append(args.json, line)

@@ -48,12 +48,22 @@ fi
 ARCH=${LCPP_CUDA_ARCH:-$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d '. ')}
 ARCH=${ARCH:-90}
 
-pid_alive() { [ -f "$B/build.pid" ] && kill -0 "$(cat "$B/build.pid")" 2>/dev/null; }
+progress() {  # ninja's last [done/total] since the latest start
+  awk '/^== build started/ {p = "starting"} /^\[[0-9]+\/[0-9]+\]/ {p = $1} END {print p}' "$B/build.log"
+}
 
-if pid_alive; then
+pid_alive() {  # the detached build still runs (a zombie left by a killed call does not count)
+  local pid state
+  pid=$(cat "$B/build.pid" 2>/dev/null) || return 1
+  state=$(sed 's/.*) //' "/proc/$pid/stat" 2>/dev/null | cut -d' ' -f1) || return 1
+  [ -n "$state" ] && [ "${state:0:1}" != Z ]
+}
+
+if [ -f "$B/build.rc" ]; then
+  echo "a detached build has ended since the last call"
+elif pid_alive; then
   echo "a build is already running (pid $(cat "$B/build.pid")): waiting for it"
 else
-  rm -f "$B/build.rc"
   touch "$B/build.running"
   [ -f "$B/build.started" ] || date +%s > "$B/build.started"
   # The header of /work/shared/tools/fetch_llama_cpp.sh (and issue 7) give this configuration.
@@ -68,6 +78,7 @@ else
   echo "build: cmake --build $B -j$JOBS --target llama-bench (log: $B/build.log)"
   # configure only once (build.ninja present): re-running cmake would be harmless but costs time
   rm -f "$B/build.pid"
+  echo "== build started $(date -u +%FT%TZ)" >> "$B/build.log"
   # setsid: its own session, so that it may outlive this call; it writes its own pid (setsid may fork)
   setsid nohup bash -c "
     echo \$\$ > '$B/build.pid'
@@ -82,10 +93,11 @@ last=0
 while :; do
   if [ -f "$B/build.rc" ]; then
     rc=$(cat "$B/build.rc")
-    rm -f "$B/build.running" "$B/build.pid"
+    rm -f "$B/build.rc" "$B/build.running" "$B/build.pid"  # consumed: the next call starts afresh
     if [ "$rc" = 0 ] && [ -x "$BIN" ]; then
       echo "built in $(( $(date +%s) - $(cat "$B/build.started") )) s since the first start" \
            "($(( $(date +%s) - t0 )) s in this call)"
+      rm -f "$B/build.started"
       report
       exit 0
     fi
@@ -100,12 +112,12 @@ while :; do
   fi
   now=$(date +%s)
   if (( now - t0 >= WAIT_S )); then
-    echo "still building after $(( now - t0 )) s in this call: $(grep -o '^\[[0-9]*/[0-9]*\]' "$B/build.log" | tail -1)"
+    echo "still building after $(( now - t0 )) s in this call: $(progress)"
     echo "call this script again to keep waiting (it resumes the same build)"
     exit 75
   fi
   if (( now - last >= 30 )); then
-    echo "$(( now - t0 )) s: $(grep -o '^\[[0-9]*/[0-9]*\]' "$B/build.log" | tail -1)"
+    echo "$(( now - t0 )) s: $(progress)"
     last=$now
   fi
   sleep 5
