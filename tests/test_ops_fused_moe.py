@@ -8,6 +8,7 @@ weight quantization, which tests/test_ops_pack.py reports separately. Errors are
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -274,6 +275,35 @@ def test_same_output_for_any_thread_count(kernel, fmt, group_size, seed):
         torch.set_num_threads(threads)
     many = ktorch.fused_moe(hidden, ids, weights, packed)
     assert torch.equal(one, many), f"seed={seed}: 1 thread and {threads} threads give different outputs"
+
+
+_WORKER_COUNT_SCRIPT = """
+import sys, torch, ktorch
+hidden, ids, weights, packed = torch.load(sys.argv[1], weights_only=False)
+torch.save(ktorch.fused_moe(hidden, ids, weights, packed), sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)
+def test_same_output_for_any_worker_count(kernel, fmt, group_size, seed, tmp_path):
+    """ktorch's pool size (KT_NUM_THREADS, fixed for a process) changes how the op splits its work into tasks
+    (gate/up channel splits, down column ranges), never the order of any sum: outputs are equal bit for bit."""
+    import subprocess
+    import sys
+
+    E, K, H, I, T = 8, 3, 320, 96, 40
+    packed = make_experts(E, H, I, fmt, group_size)
+    inputs = tmp_path / "inputs.pt"
+    torch.save((torch.randn(T, H).to(torch.bfloat16), *make_routing(T, E, K), packed), inputs)
+    outs = []
+    for workers in (1, 3, 8):
+        env = dict(os.environ, KT_NUM_THREADS=str(workers), KT_SPIN_US="0", KT_CPU_KERNEL=kernel)
+        path = tmp_path / f"out{workers}.pt"
+        subprocess.run([sys.executable, "-c", _WORKER_COUNT_SCRIPT, str(inputs), str(path)], env=env, check=True,
+                       timeout=120)
+        outs.append(torch.load(path))
+    for workers, out in zip((3, 8), outs[1:]):
+        assert torch.equal(outs[0], out), f"seed={seed}: 1 worker and {workers} workers give different outputs ({fmt})"
 
 
 # ---------------------------------------------------------------- edge cases

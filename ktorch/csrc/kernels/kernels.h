@@ -57,8 +57,11 @@ struct GemmArgs {
   int nblocks = 0;                   // 16-column blocks to compute, 1..kMaxBlocks
   float* c = nullptr;
   int64_t ldc = 0;
+  // A hint: the b of the caller's next call (same format, K, b_block_stride and nblocks), or nullptr.
+  // The AVX-512 kernels prefetch its first weights during their last ones; other kernels may ignore it.
+  const uint8_t* next_b = nullptr;
 };
-constexpr int kMaxBlocks = 4;
+constexpr int kMaxBlocks = 8;  // the driver sizes its kernel-output buffers by it; the kernels take any count
 
 using GemmFn = void (*)(const GemmArgs&);
 

@@ -1,17 +1,27 @@
 // kt::fused_moe on the CPU: out[t] = sum_k w[t,k] * down_e(act(gate_e(x_t)) * up_e(x_t)), e = ids[t,k],
 // with negative ids skipped. One call, no Python in between:
 //   1. route: group the (token, slot) pairs by expert (stable in token order); ids >= E are errors.
-//   2. prepare activations: bf16 rows, or int8 rows with per-row scales and group sums.
-//   3. gate+up: tasks = (expert, chunk of its tokens, 32 intermediate channels); each computes 32 gate
-//      and 32 up columns in one kernel call and writes act(gate) * up into h[pair].
-//   4. down: tasks = (block of output columns); each walks every active expert, computes its tokens'
-//      rows of h · W_down^T for those columns and adds w[t,k] times them into the token's output row.
-//      Tasks own disjoint output columns, so no atomics and no per-pair output buffer are needed.
+//   2. activations: each token's row once, as bf16, or as int8 with a per-row scale and group sums.
+//   3. gate+up: tasks = (chunk of one expert's tokens, range of intermediate channels). A task copies its
+//      tokens' rows next to each other into its worker's buffer (evenly strided rows: AMX tile loads read
+//      them in place), then computes 32 gate + 32 up columns per kernel call and writes act(gate) * up into
+//      h[pair]. When there are enough chunks to keep every worker busy, a task covers all I channels of
+//      its rows, so it quantizes its h rows for the down projection itself (int formats) while they are in
+//      its cache; otherwise the channels are split over tasks and a separate pass quantizes h.
+//   4. down: tasks = (range of output columns, group of experts: ids in the lower or upper half). A task
+//      walks its experts in order, computes their tokens' rows of h . W_down^T for its columns and adds
+//      w[t,k] times them into its group's accumulator rows; the last task of a column range sums the two
+//      groups' accumulators into the output. Ranges are wide (every range reads all of h), the groups
+//      double the tasks for the same h traffic. No atomics on data, and each token's sum runs in the same
+//      order whatever the batch, the worker count or the order tasks run in.
 // Tasks are pulled dynamically by the workers (runtime/parallel.h), so skewed routing balances.
+// KT_PROFILE=1 prints each call's phase times to stderr.
 #include "fused_moe.h"
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -29,7 +39,10 @@ namespace {
 using kernels::Activation;
 using kernels::WeightFormat;
 
-constexpr int64_t kTokensPerTask = 128;  // rows per kernel call (bounded scratch per worker)
+constexpr int64_t kGateUpRows = 256;  // rows per gate/up task (bounded per-worker buffers)
+constexpr int64_t kDownRows = 128;    // rows per down kernel call
+constexpr int64_t kDownCols = 16 * kernels::kMaxBlocks;  // columns per down kernel call
+constexpr int64_t kDownGroups = 2;    // down-projection expert groups (see step 4)
 
 struct PackedMatrix {
   const at::Tensor* weights;
@@ -130,22 +143,20 @@ class PhaseTimer {
   int n_ = 0;
 };
 
-// Activations in the form the kernels read, one row per (token, slot) pair of the routing.
-struct Rows {
-  at::Tensor storage;                 // bf16 or int8 rows
-  std::vector<const void*> ptr;       // per pair
-  std::vector<float> scale;           // per pair (int formats)
-  std::vector<int32_t> gsum;          // per pair x groups (int formats)
-  int64_t groups = 1;
-};
-
 // Scratch buffers kept from call to call. Large fresh allocations are mmap'd by malloc and returned to
 // the OS on free, so every call would first-touch (page-fault) tens of MB from all workers at once,
 // which serializes in the kernel; reused buffers are already mapped. One call at a time owns the
 // shared workspace; a concurrent call gets a private one.
 class Workspace {
  public:
-  enum Slot { kRows, kRowsF32, kGathered, kH, kHq, kAcc, kScratch, kNumSlots };
+  enum Slot {
+    kRows, kRowScale, kRowGsum,            // per token (step 2)
+    kH, kHq, kHScale, kHGsum,              // per pair (steps 3, 4)
+    kWorkerA, kWorkerScale, kWorkerGsum,   // per worker: a gate/up task's gathered rows
+    kWorkerH, kWorkerC,                    // per worker: its h rows (fp32), kernel output
+    kAcc,                                  // down accumulators [groups, T, H]
+    kNumSlots
+  };
   at::Tensor take(Slot slot, at::IntArrayRef shape, at::ScalarType dtype) {
     int64_t n = 1;
     for (int64_t d : shape) n *= d;
@@ -168,40 +179,37 @@ std::mutex& shared_workspace_mutex() {
   return m;
 }
 
-// Quantizes rows of x [R, K] (fp32) in parallel.
-void quantize(const kernels::KernelSet& ks, const at::Tensor& x, int64_t group_size, at::Tensor& q, at::Tensor& scale,
-              at::Tensor& gsum) {
-  const int64_t R = x.size(0), K = x.size(1), G = K / group_size;
-  scale = at::empty({R}, x.options());
-  gsum = at::empty({R, G}, x.options().dtype(at::kInt));
-  const int64_t chunk = 16, tasks = (R + chunk - 1) / chunk;
-  const float* xp = x.data_ptr<float>();
-  int8_t* qp = q.data_ptr<int8_t>();
-  float* sp = scale.data_ptr<float>();
-  int32_t* gp = gsum.data_ptr<int32_t>();
-  runtime::parallel_tasks(tasks, [&](int64_t t, int) {
-    const int64_t r0 = t * chunk, n = std::min(chunk, R - r0);
-    ks.quantize_rows(xp + r0 * K, K, static_cast<int>(n), K, group_size, qp + r0 * K, K, sp + r0, gp + r0 * G);
-  });
+// Row r of src ([R, C], any strides, bf16/fp16/fp32) as C floats. Plain C++: the driver holds no intrinsics.
+void row_to_f32(const at::Tensor& src, int64_t r, float* dst) {
+  const int64_t C = src.size(1), st = src.stride(1);
+  switch (src.scalar_type()) {
+    case at::kFloat: {
+      const float* p = src.data_ptr<float>() + r * src.stride(0);
+      for (int64_t c = 0; c < C; ++c) dst[c] = p[c * st];
+      break;
+    }
+    case at::kBFloat16: {
+      const uint16_t* p = reinterpret_cast<const uint16_t*>(src.data_ptr<at::BFloat16>()) + r * src.stride(0);
+      for (int64_t c = 0; c < C; ++c) {
+        const uint32_t bits = static_cast<uint32_t>(p[c * st]) << 16;
+        std::memcpy(dst + c, &bits, 4);
+      }
+      break;
+    }
+    default: {
+      const at::Half* p = src.data_ptr<at::Half>() + r * src.stride(0);
+      for (int64_t c = 0; c < C; ++c) dst[c] = static_cast<float>(p[c * st]);
+    }
+  }
 }
 
-// src [R, C] (any dtype, any strides) as a contiguous tensor of `dtype`, converted by the pool's workers
-// in slices small enough that ATen runs each copy serially: ATen's own intra-op threads would have to
-// compete for the cores with the pool's spinning workers.
-at::Tensor convert_rows(const at::Tensor& src, at::ScalarType dtype, at::Tensor dst) {
-  if (src.scalar_type() == dtype && src.is_contiguous()) return src;
-  const int64_t R = src.size(0), rows = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, src.size(1)));
-  runtime::parallel_tasks((R + rows - 1) / rows, [&](int64_t t, int) {
-    const int64_t r0 = t * rows, r1 = std::min(R, r0 + rows);
-    dst.slice(0, r0, r1).copy_(src.slice(0, r0, r1));
-  });
-  return dst;
-}
-
-template <typename T>
-void store_columns(const float* acc, int64_t rows, int64_t ld, int64_t c0, int64_t ncols, T* out) {
-  for (int64_t t = 0; t < rows; ++t)
-    for (int64_t j = c0; j < c0 + ncols; ++j) out[t * ld + j] = static_cast<T>(acc[t * ld + j]);
+// Round to nearest even (NaN kept quiet), as the kernels' own bf16 conversions.
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
 }
 
 }  // namespace
@@ -284,149 +292,229 @@ at::Tensor fused_moe(const at::Tensor& hidden_in, const at::Tensor& topk_ids_in,
     if (offset[e + 1] > offset[e]) active.push_back(e);
 
   timer.mark("route");
-  // ---- 2. activations for gate+up, one contiguous row per pair (in expert order), so that every
-  // expert's rows form one strided matrix the kernels can load in place (AMX tiles, prefetchers)
-  Rows x;
-  at::Tensor rows;  // per token: bf16, or int8 quantized
-  if (fmt == WeightFormat::BF16) {
-    rows = convert_rows(hidden_in, at::kBFloat16, ws.take(Workspace::kRows, {T, H}, at::kBFloat16));
+  // ---- 2. each token's activation row once: bf16, or int8 with a scale and group sums (int formats)
+  const bool int_fmt = fmt != WeightFormat::BF16;
+  const int64_t x_groups = int_fmt ? up.groups : 1;
+  const int64_t x_row_bytes = int_fmt ? H : 2 * H;
+  const uint8_t* rows = nullptr;
+  const float* row_scale = nullptr;
+  const int32_t* row_gsum = nullptr;
+  at::Tensor wf32 = ws.take(Workspace::kWorkerH, {workers, std::max(kGateUpRows * I, 16 * H)}, at::kFloat);
+  if (!int_fmt && hdtype == at::kBFloat16 && hidden_in.stride(1) == 1) {
+    rows = static_cast<const uint8_t*>(hidden_in.data_ptr());  // rows read in place (any row stride)
   } else {
-    at::Tensor s, g;
-    rows = ws.take(Workspace::kRows, {T, H}, at::kChar);
-    quantize(ks, convert_rows(hidden_in, at::kFloat, ws.take(Workspace::kRowsF32, {T, H}, at::kFloat)), up.group_size(),
-             rows, s, g);
-    x.groups = up.groups;
-    x.scale.resize(P);
-    x.gsum.resize(P * x.groups);
-    const float* sp = s.data_ptr<float>();
-    const int32_t* gp = g.data_ptr<int32_t>();
-    for (int64_t p = 0; p < P; ++p) {
-      const int64_t t = pair_token[p];
-      x.scale[p] = sp[t];
-      std::copy(gp + t * x.groups, gp + (t + 1) * x.groups, x.gsum.begin() + p * x.groups);
+    at::Tensor r = ws.take(Workspace::kRows, {T, x_row_bytes}, at::kByte);
+    at::Tensor sc = ws.take(Workspace::kRowScale, {T}, at::kFloat);
+    at::Tensor gs = ws.take(Workspace::kRowGsum, {T, x_groups}, at::kInt);
+    uint8_t* rp = r.data_ptr<uint8_t>();
+    runtime::parallel_tasks((T + 15) / 16, [&](int64_t task, int worker) {
+      const int64_t t0 = task * 16, n = std::min<int64_t>(16, T - t0);
+      float* f = wf32.data_ptr<float>() + worker * wf32.size(1);
+      for (int64_t i = 0; i < n; ++i) row_to_f32(hidden_in, t0 + i, f + i * H);
+      if (int_fmt) {
+        ks.quantize_rows(f, H, static_cast<int>(n), H, up.group_size(), reinterpret_cast<int8_t*>(rp) + t0 * H, H,
+                         sc.data_ptr<float>() + t0, gs.data_ptr<int32_t>() + t0 * x_groups);
+      } else {
+        auto* dst = reinterpret_cast<uint16_t*>(rp) + t0 * H;
+        for (int64_t i = 0; i < n * H; ++i) dst[i] = f32_to_bf16(f[i]);
+      }
+    });
+    rows = rp;
+    row_scale = sc.data_ptr<float>();
+    row_gsum = gs.data_ptr<int32_t>();
+  }
+  const int64_t x_row_stride = rows == hidden_in.data_ptr() ? hidden_in.stride(0) * 2 : x_row_bytes;
+  timer.mark("activations");
+
+  // ---- 3. gate + up + activation: h[p] = act(x_p W_gate^T) * (x_p W_up^T)
+  // Chunks: an expert's tokens cut into equal chunks of at most kGateUpRows, largest first (the dynamic
+  // schedule then ends on small tasks). splits: channel ranges per chunk, 1 when the chunks alone give
+  // every worker several tasks.
+  struct Chunk { int64_t e, p0, n; };
+  std::vector<Chunk> chunks;
+  for (int64_t e : active) {
+    const int64_t cnt = offset[e + 1] - offset[e], pieces = (cnt + kGateUpRows - 1) / kGateUpRows;
+    for (int64_t i = 0; i < pieces; ++i) {
+      const int64_t a0 = cnt * i / pieces, a1 = cnt * (i + 1) / pieces;
+      chunks.push_back({e, offset[e] + a0, a1 - a0});
     }
   }
-  timer.mark("activations");
-  const int64_t row_bytes = H * rows.element_size();
-  x.storage = ws.take(Workspace::kGathered, {P, H}, rows.scalar_type());
-  {
-    const auto* src = static_cast<const uint8_t*>(rows.data_ptr());
-    auto* dst = static_cast<uint8_t*>(x.storage.data_ptr());
-    const int64_t per_task = std::max<int64_t>(1, 65536 / row_bytes);
-    runtime::parallel_tasks((P + per_task - 1) / per_task, [&](int64_t t, int) {
-      for (int64_t p = t * per_task; p < std::min(P, (t + 1) * per_task); ++p)
-        std::memcpy(dst + p * row_bytes, src + pair_token[p] * row_bytes, row_bytes);
-    });
-    x.ptr.resize(P);
-    for (int64_t p = 0; p < P; ++p) x.ptr[p] = dst + p * row_bytes;
+  std::stable_sort(chunks.begin(), chunks.end(), [](const Chunk& a, const Chunk& b) { return a.n > b.n; });
+  const int64_t ugroups = I / 32;  // kernel calls of 32 gate + 32 up columns = 4 packed 16-column blocks
+  const int64_t nchunks = static_cast<int64_t>(chunks.size());
+  const int64_t splits = workers == 1 ? 1 : std::min(ugroups, (3 * workers + nchunks - 1) / nchunks);
+  const bool full_rows = splits == 1;
+  const bool h_bf16 = !int_fmt;
+  // h: bf16 [P, I] (bf16 weights); int formats: int8 [P, I] + scale + group sums, through fp32 [P, I] when split
+  at::Tensor h = ws.take(Workspace::kH, {h_bf16 ? P * I / 2 : (full_rows ? 1 : P * I)}, at::kFloat);
+  at::Tensor hq, hs, hg;
+  if (int_fmt) {
+    hq = ws.take(Workspace::kHq, {P, I}, at::kChar);
+    hs = ws.take(Workspace::kHScale, {P}, at::kFloat);
+    hg = ws.take(Workspace::kHGsum, {P, down.groups}, at::kInt);
   }
-
-  timer.mark("gather");
-  // ---- 3. gate + up + activation: h[p] = act(x_p W_gate^T) * (x_p W_up^T)
-  const bool h_bf16 = fmt == WeightFormat::BF16;
-  at::Tensor h = ws.take(Workspace::kH, {P, I}, h_bf16 ? at::kBFloat16 : at::kFloat);
   const size_t up_block = kernels::block_bytes(fmt, up.K);
   const auto* up_base = static_cast<const uint8_t*>(w13.data_ptr());
   const float* up_scales = w13_scales ? w13_scales->data_ptr<float>() : nullptr;
-  const int64_t ublocks = I / 32;  // each task: 32 gate + 32 up columns = 4 packed 16-column blocks
-  struct Chunk { int64_t e, p0, n; };
-  std::vector<Chunk> chunks;
-  for (int64_t e : active)
-    for (int64_t p0 = offset[e]; p0 < offset[e + 1]; p0 += kTokensPerTask)
-      chunks.push_back({e, p0, std::min(kTokensPerTask, offset[e + 1] - p0)});
-  at::Tensor scratch = ws.take(Workspace::kScratch, {workers, kTokensPerTask, 64}, at::kFloat);
-  float* scratch_p = scratch.data_ptr<float>();
-  runtime::parallel_tasks(static_cast<int64_t>(chunks.size()) * ublocks, [&](int64_t task, int worker) {
-    const Chunk& ch = chunks[task / ublocks];
-    const int64_t jb = task % ublocks;
-    kernels::GemmArgs a;
-    a.M = static_cast<int>(ch.n);
-    a.K = up.K;
-    a.a_rows = x.ptr.data() + ch.p0;
-    if (fmt != WeightFormat::BF16) {
-      a.a_scale = x.scale.data() + ch.p0;
-      a.a_gsum = x.gsum.data() + ch.p0 * x.groups;
-      a.a_gsum_stride = x.groups;
-      a.group_size = up.group_size();
-      a.b_scale = up_scales + ch.e * up.groups * up.N + 64 * jb;
-      a.b_scale_group_stride = up.N;
+  const int64_t max_rows = std::max<int64_t>(kGateUpRows, kDownRows);
+  at::Tensor wa = ws.take(Workspace::kWorkerA, {workers, kGateUpRows * x_row_bytes}, at::kByte);
+  at::Tensor wsc = ws.take(Workspace::kWorkerScale, {workers, kGateUpRows}, at::kFloat);
+  at::Tensor wgs = ws.take(Workspace::kWorkerGsum, {workers, kGateUpRows * x_groups}, at::kInt);
+  at::Tensor wc = ws.take(Workspace::kWorkerC, {workers, max_rows * kDownCols}, at::kFloat);
+  runtime::parallel_tasks(nchunks * splits, [&](int64_t task, int worker) {
+    const Chunk& ch = chunks[task / splits];
+    const int64_t split = task % splits;
+    const int64_t g0 = ugroups * split / splits, g1 = ugroups * (split + 1) / splits;
+    // the chunk's rows, next to each other
+    uint8_t* a_buf = wa.data_ptr<uint8_t>() + worker * wa.size(1);
+    float* a_scale = wsc.data_ptr<float>() + worker * kGateUpRows;
+    int32_t* a_gsum = wgs.data_ptr<int32_t>() + worker * wgs.size(1);
+    const void* a_rows[kGateUpRows];
+    for (int64_t m = 0; m < ch.n; ++m) {
+      const int64_t t = pair_token[ch.p0 + m];
+      std::memcpy(a_buf + m * x_row_bytes, rows + t * x_row_stride, x_row_bytes);
+      a_rows[m] = a_buf + m * x_row_bytes;
+      if (int_fmt) {
+        a_scale[m] = row_scale[t];
+        std::copy(row_gsum + t * x_groups, row_gsum + (t + 1) * x_groups, a_gsum + m * x_groups);
+      }
     }
-    a.b = up_base + (ch.e * (up.N / 16) + 4 * jb) * up_block;
-    a.b_block_stride = up_block;
-    a.nblocks = 4;
-    a.c = scratch_p + static_cast<int64_t>(worker) * kTokensPerTask * 64;
-    a.ldc = 64;
-    ks.gemm[static_cast<int>(fmt)](a);
-    if (h_bf16)
-      ks.glu_bf16(a.c, 64, a.M, 32, act, static_cast<uint16_t*>(h.data_ptr()) + ch.p0 * I + 32 * jb, I);
-    else
-      ks.glu_f32(a.c, 64, a.M, 32, act, h.data_ptr<float>() + ch.p0 * I + 32 * jb, I);
+    float* c = wc.data_ptr<float>() + worker * wc.size(1);
+    float* hrows = wf32.data_ptr<float>() + worker * wf32.size(1);  // full rows: this task's h, fp32 [n, I]
+    for (int64_t g = g0; g < g1; ++g) {
+      kernels::GemmArgs a;
+      a.M = static_cast<int>(ch.n);
+      a.K = up.K;
+      a.a_rows = a_rows;
+      if (int_fmt) {
+        a.a_scale = a_scale;
+        a.a_gsum = a_gsum;
+        a.a_gsum_stride = x_groups;
+        a.group_size = up.group_size();
+        a.b_scale = up_scales + ch.e * up.groups * up.N + 64 * g;
+        a.b_scale_group_stride = up.N;
+      }
+      a.b = up_base + (ch.e * (up.N / 16) + 4 * g) * up_block;
+      a.b_block_stride = up_block;
+      if (g + 1 < g1) a.next_b = a.b + 4 * up_block;
+      a.nblocks = 4;
+      a.c = c;
+      a.ldc = 64;
+      ks.gemm[static_cast<int>(fmt)](a);
+      if (h_bf16)
+        ks.glu_bf16(c, 64, a.M, 32, act, static_cast<uint16_t*>(h.data_ptr()) + ch.p0 * I + 32 * g, I);
+      else if (full_rows)
+        ks.glu_f32(c, 64, a.M, 32, act, hrows + 32 * g, I);
+      else
+        ks.glu_f32(c, 64, a.M, 32, act, h.data_ptr<float>() + ch.p0 * I + 32 * g, I);
+    }
+    if (int_fmt && full_rows)
+      ks.quantize_rows(hrows, I, static_cast<int>(ch.n), I, down.group_size(), hq.data_ptr<int8_t>() + ch.p0 * I, I,
+                       hs.data_ptr<float>() + ch.p0, hg.data_ptr<int32_t>() + ch.p0 * down.groups);
   });
-
   timer.mark("gate_up");
-  // ---- 4. down projection + weighted sum into each token's row
-  Rows hr;
-  hr.ptr.resize(P);
-  at::Tensor hs, hg;
-  if (h_bf16) {
-    const auto* base = static_cast<const uint8_t*>(h.data_ptr());
-    for (int64_t p = 0; p < P; ++p) hr.ptr[p] = base + p * I * 2;
-  } else {
-    hr.storage = ws.take(Workspace::kHq, {P, I}, at::kChar);
-    quantize(ks, h, down.group_size(), hr.storage, hs, hg);
-    hr.groups = down.groups;
-    const int8_t* base = hr.storage.data_ptr<int8_t>();
-    for (int64_t p = 0; p < P; ++p) hr.ptr[p] = base + p * I;
+  if (int_fmt && !full_rows) {
+    const int64_t per = 16;
+    runtime::parallel_tasks((P + per - 1) / per, [&](int64_t task, int) {
+      const int64_t p0 = task * per, n = std::min(per, P - p0);
+      ks.quantize_rows(h.data_ptr<float>() + p0 * I, I, static_cast<int>(n), I, down.group_size(),
+                       hq.data_ptr<int8_t>() + p0 * I, I, hs.data_ptr<float>() + p0,
+                       hg.data_ptr<int32_t>() + p0 * down.groups);
+    });
+    timer.mark("h_quantize");
   }
-  timer.mark("h_quantize");
-  at::Tensor acc = hdtype == at::kFloat ? out : ws.take(Workspace::kAcc, {T, H}, at::kFloat);
+
+  // ---- 4. down projection + weighted sum into each token's row
+  std::vector<const void*> h_rows(P);
+  {
+    const auto* base = int_fmt ? static_cast<const uint8_t*>(hq.data_ptr()) : static_cast<const uint8_t*>(h.data_ptr());
+    const int64_t row_bytes = int_fmt ? I : 2 * I;
+    for (int64_t p = 0; p < P; ++p) h_rows[p] = base + p * row_bytes;
+  }
+  // ranges: a few per worker on small machines, one per worker on larger ones (every range reads all of h).
+  // groups: the experts by id halves, each with its own [T, H] fp32 accumulator: twice the tasks for the
+  // same h traffic. Both are fixed by the shapes, never by the routing or the worker count, so every
+  // token's sum runs in the same order (expert order within a group, then group 0 + group 1) whatever
+  // the batch, the routing of other tokens or the number of workers.
+  const int64_t hblocks = H / 16;
+  const int64_t nactive = static_cast<int64_t>(active.size());
+  const int64_t ranges = std::min(hblocks, static_cast<int64_t>(workers <= 4 ? 2 * workers : workers));
+  const int64_t groups = std::min<int64_t>(kDownGroups, E);
+  std::vector<int64_t> group_start(groups + 1, nactive);  // group g: active[group_start[g] .. group_start[g + 1])
+  for (int64_t g = 0, i = 0; g < groups; ++g) {
+    while (i < nactive && active[i] * groups < E * g) ++i;
+    group_start[g] = i;
+  }
+  const bool acc_is_out = groups == 1 && hdtype == at::kFloat;
+  at::Tensor acc = acc_is_out ? out : ws.take(Workspace::kAcc, {groups, T, H}, at::kFloat);
   float* accp = acc.data_ptr<float>();
+  std::vector<std::atomic<int>> range_done(ranges);
+  for (auto& d : range_done) d.store(0, std::memory_order_relaxed);
   const size_t down_block = kernels::block_bytes(fmt, down.K);
   const auto* down_base = static_cast<const uint8_t*>(w2.data_ptr());
   const float* down_scales = w2_scales ? w2_scales->data_ptr<float>() : nullptr;
-  const int64_t hblocks = H / 16;
-  // Column blocks per task: wide for reuse of each activation row, narrow enough to keep every worker busy.
-  int nb = kernels::kMaxBlocks;
-  while (nb > 1 && hblocks / nb < 4 * workers) nb /= 2;
-  const int64_t dtasks = (hblocks + nb - 1) / nb;
-  runtime::parallel_tasks(dtasks, [&](int64_t task, int worker) {
-    const int64_t b0 = task * nb;
-    const int nblk = static_cast<int>(std::min<int64_t>(nb, hblocks - b0));
-    const int64_t c0 = 16 * b0, ncols = 16 * nblk;
-    for (int64_t t = 0; t < T; ++t) std::fill_n(accp + t * H + c0, ncols, 0.0f);
-    float* c = scratch_p + static_cast<int64_t>(worker) * kTokensPerTask * 64;
-    for (int64_t e : active) {
-      for (int64_t p0 = offset[e]; p0 < offset[e + 1]; p0 += kTokensPerTask) {
-        kernels::GemmArgs a;
-        a.M = static_cast<int>(std::min(kTokensPerTask, offset[e + 1] - p0));
-        a.K = down.K;
-        a.a_rows = hr.ptr.data() + p0;
-        if (!h_bf16) {
-          a.a_scale = hs.data_ptr<float>() + p0;
-          a.a_gsum = hg.data_ptr<int32_t>() + p0 * hr.groups;
-          a.a_gsum_stride = hr.groups;
-          a.group_size = down.group_size();
-          a.b_scale = down_scales + e * down.groups * down.N + c0;
-          a.b_scale_group_stride = down.N;
-        }
-        a.b = down_base + (e * hblocks + b0) * down_block;
-        a.b_block_stride = down_block;
-        a.nblocks = nblk;
-        a.c = c;
-        a.ldc = 64;
-        ks.gemm[static_cast<int>(fmt)](a);
-        for (int m = 0; m < a.M; ++m) {
-          const float w = pair_weight[p0 + m];
-          float* dst = accp + pair_token[p0 + m] * H + c0;
-          const float* src = c + m * 64;
-          for (int64_t j = 0; j < ncols; ++j) dst[j] += w * src[j];
+  runtime::parallel_tasks(ranges * groups, [&](int64_t task, int worker) {
+    const int64_t r = task / groups, g = task % groups;
+    const int64_t b0 = hblocks * r / ranges, b1 = hblocks * (r + 1) / ranges;
+    const int64_t c0 = 16 * b0, c1 = 16 * b1;
+    float* accg = accp + g * T * H;
+    for (int64_t t = 0; t < T; ++t) std::fill(accg + t * H + c0, accg + t * H + c1, 0.0f);
+    float* c = wc.data_ptr<float>() + worker * wc.size(1);
+    for (int64_t i = group_start[g]; i < group_start[g + 1]; ++i) {
+      const int64_t e = active[i];
+      for (int64_t p0 = offset[e]; p0 < offset[e + 1]; p0 += kDownRows) {
+        const int M = static_cast<int>(std::min(kDownRows, offset[e + 1] - p0));
+        for (int64_t cb = b0; cb < b1; cb += kernels::kMaxBlocks) {
+          kernels::GemmArgs a;
+          a.M = M;
+          a.K = down.K;
+          a.a_rows = h_rows.data() + p0;
+          if (int_fmt) {
+            a.a_scale = hs.data_ptr<float>() + p0;
+            a.a_gsum = hg.data_ptr<int32_t>() + p0 * down.groups;
+            a.a_gsum_stride = down.groups;
+            a.group_size = down.group_size();
+            a.b_scale = down_scales + e * down.groups * down.N + 16 * cb;
+            a.b_scale_group_stride = down.N;
+          }
+          a.b = down_base + (e * hblocks + cb) * down_block;
+          a.b_block_stride = down_block;
+          a.nblocks = static_cast<int>(std::min<int64_t>(kernels::kMaxBlocks, b1 - cb));
+          if (cb + kernels::kMaxBlocks < b1)
+            a.next_b = a.b + kernels::kMaxBlocks * down_block;
+          else if (p0 + kDownRows >= offset[e + 1] && i + 1 < group_start[g + 1])
+            a.next_b = down_base + (active[i + 1] * hblocks + b0) * down_block;
+          a.c = c;
+          a.ldc = kDownCols;
+          ks.gemm[static_cast<int>(fmt)](a);
+          const int64_t ncols = 16 * a.nblocks;
+          for (int m = 0; m < M; ++m) {
+            const float w = pair_weight[p0 + m];
+            float* __restrict__ dst = accg + pair_token[p0 + m] * H + 16 * cb;
+            const float* __restrict__ src = c + m * kDownCols;
+            for (int64_t j = 0; j < ncols; ++j) dst[j] += w * src[j];
+          }
         }
       }
     }
-    if (hdtype == at::kBFloat16)
-      store_columns(accp, T, H, c0, ncols, out.data_ptr<at::BFloat16>());
-    else if (hdtype == at::kHalf)
-      store_columns(accp, T, H, c0, ncols, out.data_ptr<at::Half>());
+    // the last group task of this range sums the groups, in group order, into the output
+    if (range_done[r].fetch_add(1, std::memory_order_acq_rel) != groups - 1 || acc_is_out) return;
+    for (int64_t t = 0; t < T; ++t) {
+      float* row = accp + t * H;
+      for (int64_t gg = 1; gg < groups; ++gg) {
+        const float* add = accp + gg * T * H + t * H;
+        for (int64_t j = c0; j < c1; ++j) row[j] += add[j];
+      }
+      if (hdtype == at::kFloat) {
+        std::copy(row + c0, row + c1, out.data_ptr<float>() + t * H + c0);
+      } else if (hdtype == at::kBFloat16) {
+        auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + t * H;
+        for (int64_t j = c0; j < c1; ++j) o[j] = f32_to_bf16(row[j]);
+      } else {
+        at::Half* o = out.data_ptr<at::Half>() + t * H;
+        for (int64_t j = c0; j < c1; ++j) o[j] = static_cast<at::Half>(row[j]);
+      }
+    }
   });
   timer.mark("down");
   if (timer.on())
