@@ -7,9 +7,11 @@
 
 #include "kernels/probe.h"
 #include "moe/fused_moe.h"
+#include "moe/numa_split.h"
 #include "moe/pack.h"
 #include "runtime/cpu_features.h"
 #include "runtime/dispatch.h"
+#include "runtime/numa.h"
 #include "runtime/parallel.h"
 
 namespace {
@@ -32,6 +34,9 @@ std::string selected_kernel() { return kt::runtime::selected_kernel_level(); }
 
 int64_t get_num_threads() { return kt::runtime::num_workers(); }
 void set_num_threads(int64_t n) { kt::runtime::WorkerPool::resize(static_cast<int>(n)); }
+
+// NUMA nodes that have CPUs this process may use ("auto" for KT_NUMA_SPLIT).
+int64_t numa_node_count() { return static_cast<int64_t>(kt::runtime::numa_nodes().size()); }
 
 // Peak dot-product rate of all ktorch workers together, in operations per second (benchmarks report
 // kernels as a fraction of it). kind: "bf16" (vdpbf16ps) or "int8" (vpdpbusd).
@@ -60,6 +65,13 @@ TORCH_LIBRARY(kt, m) {
   m.def(
       "fused_moe(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor w13, Tensor? w13_scales, Tensor w2, "
       "Tensor? w2_scales, str activation=\"silu\") -> Tensor");
+  m.def(
+      "numa_split_experts(Tensor w13, Tensor? w13_scales, Tensor w2, Tensor? w2_scales, int n) -> "
+      "(Tensor[], Tensor[], Tensor[], Tensor[])");
+  m.def(
+      "fused_moe_numa(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor[] w13, Tensor[] w13_scales, "
+      "Tensor[] w2, Tensor[] w2_scales, str activation=\"silu\") -> Tensor");
+  m.def("numa_node_count() -> int", &numa_node_count);
   m.def("cpu_info() -> str[]", &cpu_info);
   m.def("selected_kernel() -> str", &selected_kernel);
   m.def("dot_peak(str kind, int iters=10000000) -> float", &dot_peak);
@@ -73,4 +85,6 @@ TORCH_LIBRARY_IMPL(kt, CPU, m) {
   m.impl("pack_int4", &kt::moe::pack_int4);
   m.impl("unpack", &kt::moe::unpack);
   m.impl("fused_moe", &kt::moe::fused_moe);
+  m.impl("numa_split_experts", &kt::moe::numa_split_experts);
+  m.impl("fused_moe_numa", &kt::moe::fused_moe_numa);
 }

@@ -7,10 +7,14 @@ handling for the layouts transformers uses, a ``PackedExperts`` container, and t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Optional, Union
 
 import torch
+
+from ktorch.ops.numa_split import NumaSplitExperts, fused_moe_split, numa_split_count, split_packed_experts
 
 FORMATS = ("bf16", "int8", "int4")
 
@@ -30,6 +34,8 @@ class PackedExperts:
     w2_scales: Optional[torch.Tensor]
     format: str
     group_size: Optional[int] = None
+    # KT_NUMA_SPLIT on a plain PackedExperts: fused_moe splits it once and keeps the split here
+    _numa_split_cache: Optional[object] = field(default=None, repr=False, compare=False)
 
     @property
     def num_experts(self) -> int:
@@ -56,6 +62,15 @@ class PackedExperts:
         down = torch.ops.kt.unpack(self.w2, self.w2_scales, gate_up=False)
         return gate_up, down
 
+    def split_numa(self, n: Union[int, str, None] = None):
+        """These experts cut into n slices of the intermediate dimension, slice g in NUMA node g's memory.
+
+        n: slices; "auto": one per NUMA node; None: ``KT_NUMA_SPLIT`` (unset: 1). Returns a
+        ``NumaSplitExperts`` (ktorch/ops/numa_split.py) that ``fused_moe`` accepts; this object is left as is.
+        Raises if I cannot be cut into n slices of multiples of 32 channels (int4: and of the group size).
+        """
+        return split_packed_experts(self, n)
+
 
 def _pack(weight: torch.Tensor, fmt: str, group_size: Optional[int], gate_up: bool):
     if fmt == "bf16":
@@ -73,7 +88,8 @@ def pack_experts(
     *,
     gate_proj: Optional[torch.Tensor] = None,
     up_proj: Optional[torch.Tensor] = None,
-) -> PackedExperts:
+    numa_split: Union[int, str, None] = 1,
+):
     """Packs one layer's routed experts for ``fused_moe``.
 
     Args:
@@ -83,6 +99,9 @@ def pack_experts(
         dtype: "bf16", "int8" (symmetric per output channel) or "int4" (symmetric per group of
             ``group_size`` input channels, default 128).
         group_size: int4 only; a multiple of 32 dividing H and I.
+        numa_split: 1 (default): a ``PackedExperts``; n >= 2, "auto" (one slice per NUMA node) or None
+            (``KT_NUMA_SPLIT``): a ``NumaSplitExperts`` when that gives more than one slice
+            (``PackedExperts.split_numa``).
 
     H and I must be multiples of 32. Packing is deterministic. Weights may be in any float dtype,
     any strides (e.g. transposed views), on the CPU.
@@ -120,14 +139,17 @@ def pack_experts(
         group_size = 128 if H % 128 == 0 and (two_i // 2) % 128 == 0 else 32
     w13, s13 = _pack(gate_up_proj, dtype, group_size, gate_up=True)
     w2, s2 = _pack(down_proj, dtype, group_size, gate_up=False)
-    return PackedExperts(w13, s13, w2, s2, dtype, group_size)
+    packed = PackedExperts(w13, s13, w2, s2, dtype, group_size)
+    if numa_split == 1:
+        return packed
+    return packed.split_numa(numa_split) if numa_split_count(numa_split) > 1 else packed
 
 
 def fused_moe(
     hidden: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
-    packed: PackedExperts,
+    packed,
     activation: str = "silu",
 ) -> torch.Tensor:
     """Routed experts of one MoE layer, on the CPU.
@@ -139,15 +161,41 @@ def fused_moe(
         hidden: [T, H] bf16, fp16 or fp32 (CPU).
         topk_ids: [T, K] int32 or int64, each < E or negative.
         topk_weights: [T, K] float.
-        packed: from ``pack_experts``.
+        packed: from ``pack_experts``: a ``PackedExperts``, or a ``NumaSplitExperts`` (slices run on their NUMA
+            nodes' threads at once, ``kt.fused_moe_numa``). With ``KT_NUMA_SPLIT`` > 1 a ``PackedExperts`` is
+            split on its first call and the split kept on it (both copies stay in memory: split at packing
+            time instead, ``pack_experts(..., numa_split=n)``, to hold one).
         activation: "silu" (SwiGLU), "gelu_tanh", "gelu" or "relu".
 
     Returns:
         [T, H] in the dtype of ``hidden``.
     """
+    if os.environ.get("KT_NUMA_SPLIT") and not isinstance(packed, NumaSplitExperts):
+        packed = _env_split(packed)
+    if isinstance(packed, NumaSplitExperts):
+        return fused_moe_split(hidden, topk_ids, topk_weights, packed, activation)
     return torch.ops.kt.fused_moe(
         hidden, topk_ids, topk_weights, packed.w13, packed.w13_scales, packed.w2, packed.w2_scales, activation
     )
+
+
+def _env_split(packed: PackedExperts):
+    """``packed`` split as ``KT_NUMA_SPLIT`` asks, made once and kept on it; ``packed`` itself when the variable
+    asks for one slice, while tracing, or (with a warning, once) when its I cannot be cut into that many slices."""
+    n = numa_split_count()
+    if n == 1 or torch.compiler.is_compiling():
+        return packed
+    cached = packed._numa_split_cache
+    if cached is None or (cached != "unsplittable" and cached.num_slices != n):
+        try:
+            cached = packed.split_numa(n)
+        except RuntimeError as e:
+            if "cannot split" not in str(e):
+                raise
+            warnings.warn(f"KT_NUMA_SPLIT={n}: runs these experts unsplit: {e}", stacklevel=3)
+            cached = "unsplittable"
+        packed._numa_split_cache = cached
+    return packed if cached == "unsplittable" else cached
 
 
 # ---------------------------------------------------------------- fake impls (shapes only, for tracing)

@@ -40,7 +40,14 @@ std::mutex g_pool_mutex;
 std::unique_ptr<WorkerPool> g_pool;  // never freed at exit: joining threads during static destruction hangs
 }  // namespace
 
+namespace {
+thread_local WorkerPool* t_pool = nullptr;  // use_on_this_thread
+}  // namespace
+
+void WorkerPool::use_on_this_thread(WorkerPool* pool) { t_pool = pool; }
+
 WorkerPool& WorkerPool::instance() {
+  if (t_pool) return *t_pool;
   std::lock_guard<std::mutex> lock(g_pool_mutex);
   if (!g_pool)
     g_pool = std::make_unique<WorkerPool>(static_cast<int>(env_int("KT_NUM_THREADS", at::get_num_threads())),
@@ -69,6 +76,12 @@ WorkerPool::WorkerPool(int workers, int64_t spin_us, bool pin) : spin_us_(spin_u
     const int cpu = pin && !cpus.empty() ? cpus[w % cpus.size()] : -1;
     threads_.emplace_back([this, w, cpu] { worker_loop(w, cpu); });
   }
+}
+
+WorkerPool::WorkerPool(int workers, int64_t spin_us, const std::vector<int>& bind_cpus)
+    : spin_us_(spin_us), bind_cpus_(bind_cpus) {
+  TORCH_CHECK(workers >= 1, "WorkerPool: needs at least 1 thread, got ", workers);
+  for (int w = 1; w < workers; ++w) threads_.emplace_back([this, w] { worker_loop(w, -1); });
 }
 
 WorkerPool::~WorkerPool() {
@@ -102,6 +115,11 @@ void WorkerPool::worker_loop(int worker, int cpu) {
     cpu_set_t set;
     CPU_ZERO(&set);
     CPU_SET(cpu, &set);
+    pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+  } else if (!bind_cpus_.empty()) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    for (int c : bind_cpus_) CPU_SET(c, &set);
     pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
   }
   uint64_t seen = 0;

@@ -17,6 +17,12 @@
 // While workers spin, PyTorch's own intra-op threads compete with them for cores, so the op does its
 // own conversions on the pool instead of through ATen's parallel kernels; on a CPU-only run the ATen
 // work between MoE layers is short, and KT_SPIN_US=0 parks workers at once.
+//
+// Other pools (NUMA split, runtime/numa.h): a pool can also be built bound to a set of CPUs (all its
+// workers may run on any CPU of the set, e.g. one NUMA node), and a thread can be given its own pool with
+// use_on_this_thread(): instance() on that thread then returns that pool, so code written against the
+// process-wide pool (parallel.h, the fused-MoE driver) runs on the thread's pool unchanged. Threads that
+// never call it see the process-wide pool as before.
 #pragma once
 
 #include <atomic>
@@ -37,8 +43,13 @@ class WorkerPool {
   // flight on the old pool; call it between ops (a call that has already looked up the pool must not be
   // running on another thread).
   static void resize(int workers);
+  // instance() on the calling thread returns `pool` from now on (nullptr: the process-wide pool again).
+  // The pool must outlive its use on this thread.
+  static void use_on_this_thread(WorkerPool* pool);
 
   explicit WorkerPool(int workers, int64_t spin_us, bool pin);
+  // A pool whose worker threads (not the caller) may run on the CPUs in bind_cpus only (empty: anywhere).
+  WorkerPool(int workers, int64_t spin_us, const std::vector<int>& bind_cpus);
   ~WorkerPool();
   WorkerPool(const WorkerPool&) = delete;
   WorkerPool& operator=(const WorkerPool&) = delete;
@@ -62,6 +73,7 @@ class WorkerPool {
 
   std::vector<std::thread> threads_;
   int64_t spin_us_;
+  std::vector<int> bind_cpus_;  // when not empty: every worker's affinity mask
   std::mutex run_mutex_;
 
   // The current job. A call returns when all its tasks are done and no worker is inside it: a worker that

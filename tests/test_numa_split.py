@@ -1,0 +1,259 @@
+"""NUMA split of the fused-MoE op (ktorch/ops/numa_split.py, ktorch/csrc/moe/numa_split.cpp).
+
+This machine may have one NUMA node: a split into n then cuts its CPUs into n groups (a forced split), which
+runs the same code as a real one. What is checked:
+  - slicing: the slices put back together dequantize to exactly the unsplit weights; each slice tensor is
+    contiguous and its memory is its own;
+  - the concurrent run and the reduction: split output == sum over slices of kt.fused_moe on that slice alone,
+    added in slice order in fp32, bit for bit;
+  - against the unsplit op: bf16 differs only by fp32 summation order (the down projection's sum over I is
+    regrouped); int8/int4 also by the quantization of h, which the driver scales per row over the channels it
+    sees (each slice has its own, never larger, scale), so the split must be as close to the float64 reference
+    as the unsplit op, and close to it;
+  - KT_NUMA_SPLIT in a fresh process, the errors, opcheck of both new ops.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.library import opcheck
+
+import ktorch
+from ktorch.ops import NumaSplitExperts, numa_split_count
+from reference import fused_moe_reference, relative_error
+
+TOLERANCE = {"bf16": 1e-2, "int8": 3e-2, "int4": 8e-2}
+FORMATS = [("bf16", None), ("int8", None), ("int4", 32), ("int4", 64)]
+FORMAT_IDS = ["bf16", "int8", "int4g32", "int4g64"]
+
+
+def make_experts(E: int, H: int, I: int, fmt: str, group_size: int | None = None) -> ktorch.PackedExperts:
+    gate_up = torch.randn(E, 2 * I, H) / math.sqrt(H)
+    down = torch.randn(E, H, I) / math.sqrt(I)
+    return ktorch.pack_experts(gate_up, down, fmt, group_size)
+
+
+def make_routing(T: int, E: int, K: int, skip: float = 0.2) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [T, K] distinct per row, about `skip` of the slots negative (skipped); weights [T, K] fp32."""
+    ids = torch.rand(T, E).argsort(dim=1)[:, :K]
+    ids[torch.rand(T, K) < skip] = -1
+    weights = torch.rand(T, K) + 0.1
+    return ids, weights / weights.sum(dim=1, keepdim=True)
+
+
+def sum_of_slices(hidden, ids, weights, split: NumaSplitExperts) -> torch.Tensor:
+    """What the split must compute: each slice through the unsplit op (fp32 out), added in slice order."""
+    out = None
+    for s in split.slices:
+        part = torch.ops.kt.fused_moe(hidden.float(), ids, weights, *s.tensors(), "silu")
+        out = part if out is None else out + part
+    return out
+
+
+def test_split_count_parsing(monkeypatch):
+    monkeypatch.delenv("KT_NUMA_SPLIT", raising=False)
+    assert numa_split_count() == 1
+    monkeypatch.setenv("KT_NUMA_SPLIT", "3")
+    assert numa_split_count() == 3
+    monkeypatch.setenv("KT_NUMA_SPLIT", "auto")
+    assert numa_split_count() == torch.ops.kt.numa_node_count() >= 1
+    assert numa_split_count(2) == 2 and numa_split_count("2") == 2
+    for bad in ("0", "two", -1, 0):
+        with pytest.raises(ValueError, match="positive integer"):
+            numa_split_count(bad)
+
+
+# ---------------------------------------------------------------- slicing
+
+
+@pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("n", [2, 3])
+def test_slices_reassemble_exactly(fmt, group_size, n):
+    E, H, I = 5, 64, 192  # 192 = 6 x 32 = 3 x 64: n=2 and 3 for every group size here
+    packed = make_experts(E, H, I, fmt, group_size)
+    split = packed.split_numa(n)
+    assert split.num_slices == n and split.intermediate_size == I and split.format == fmt
+    sizes = [s.intermediate_size for s in split.slices]
+    assert sum(sizes) == I and max(sizes) - min(sizes) <= (math.lcm(32, group_size) if group_size else 32)
+    gate_up, down = packed.dequantize()
+    gate_up_s, down_s = split.dequantize()
+    assert torch.equal(gate_up, gate_up_s) and torch.equal(down, down_s)
+
+
+@pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)
+def test_slice_tensors_contiguous_and_distinct(fmt, group_size):
+    packed = make_experts(4, 64, 192, fmt, group_size)
+    split = packed.split_numa(3)
+    spans = [(t.data_ptr(), t.data_ptr() + t.nbytes) for t in packed.tensors() if t is not None]
+    for s in split.slices:
+        for t in s.tensors():
+            if t is None:
+                assert fmt == "bf16"
+                continue
+            assert t.is_contiguous() and t.device.type == "cpu"
+            spans.append((t.data_ptr(), t.data_ptr() + t.nbytes))
+    spans.sort()
+    for (a0, a1), (b0, b1) in zip(spans, spans[1:]):
+        assert a1 <= b0, "two tensors share memory"
+    assert split.nbytes >= packed.nbytes  # int8 down scales are copied to every slice
+
+
+def test_unsplittable_intermediate_size_is_a_clear_error():
+    with pytest.raises(RuntimeError, match=r"cannot split the intermediate size I=32 into 2 slices"):
+        make_experts(3, 64, 32, "int8").split_numa(2)
+    with pytest.raises(RuntimeError, match=r"I=96 into 4 slices: every slice needs a multiple of 32"):
+        make_experts(3, 64, 96, "bf16").split_numa(4)
+    # int4 with group 64: slices must hold whole groups of the down projection's scales
+    with pytest.raises(RuntimeError, match=r"I=128 into 3 slices: every slice needs a multiple of 64"):
+        make_experts(3, 64, 128, "int4", 64).split_numa(3)
+    with pytest.raises(ValueError, match="positive integer"):
+        make_experts(3, 64, 64, "bf16").split_numa(0)
+
+
+def test_pack_experts_numa_split_argument():
+    gate_up, down = torch.randn(4, 128, 64), torch.randn(4, 64, 64)
+    assert isinstance(ktorch.pack_experts(gate_up, down, "int8"), ktorch.PackedExperts)
+    split = ktorch.pack_experts(gate_up, down, "int8", numa_split=2)
+    assert isinstance(split, NumaSplitExperts) and split.num_slices == 2
+    assert torch.equal(split.dequantize()[1], ktorch.pack_experts(gate_up, down, "int8").dequantize()[1])
+
+
+# ---------------------------------------------------------------- results
+
+
+@pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("T", [1, 7, 33, 130])
+def test_split_equals_sum_of_slices_bit_for_bit(kernel, fmt, group_size, n, T, seed):
+    E, K, H, I = 8, 3, 128, 192
+    packed = make_experts(E, H, I, fmt, group_size)
+    split = packed.split_numa(n)
+    hidden = torch.randn(T, H)
+    ids, weights = make_routing(T, E, K)
+    out = ktorch.fused_moe(hidden, ids, weights, split)
+    assert out.dtype == torch.float32 and out.shape == (T, H)
+    assert torch.equal(out, sum_of_slices(hidden, ids, weights, split)), f"seed={seed} {kernel} {fmt} n={n} T={T}"
+    out_bf16 = ktorch.fused_moe(hidden.bfloat16(), ids, weights, split)
+    assert out_bf16.dtype == torch.bfloat16
+    assert torch.equal(out_bf16, sum_of_slices(hidden.bfloat16(), ids, weights, split).bfloat16())
+
+
+@pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_split_matches_unsplit(kernel, fmt, group_size, n, dtype, seed):
+    E, K, H, I, T = 16, 4, 128, 384, 41
+    packed = make_experts(E, H, I, fmt, group_size)
+    split = packed.split_numa(n)
+    hidden = torch.randn(T, H).to(dtype)
+    ids, weights = make_routing(T, E, K)
+    whole = ktorch.fused_moe(hidden, ids, weights, packed)
+    parts = ktorch.fused_moe(hidden, ids, weights, split)
+    assert parts.dtype == dtype and parts.shape == (T, H)
+    skipped = (ids < 0).all(dim=1)
+    assert (parts[skipped] == 0).all()
+    what = f"seed={seed} {kernel} {fmt} n={n} {dtype}"
+    if fmt == "bf16":
+        # the same h; only the down projection's fp32 sum is regrouped, then one rounding to the output dtype
+        if dtype == torch.float32:
+            assert relative_error(parts, whole.double()) < 1e-6, what
+        else:
+            ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
+            bound = ulp * torch.maximum(whole.float().abs(), parts.float().abs()) + 1e-6
+            assert ((parts.float() - whole.float()).abs() <= bound).all(), what
+        return
+    # int8/int4: h is quantized per slice; as accurate as the unsplit op, and close to it
+    gate_up, down = packed.dequantize()
+    ref = fused_moe_reference(hidden, ids, weights, gate_up, down)
+    err_whole, err_parts = relative_error(whole, ref), relative_error(parts, ref)
+    assert err_parts <= TOLERANCE[fmt], f"{what}: split error {err_parts:.3g}"
+    assert err_parts <= 1.2 * err_whole + 2e-3, f"{what}: split error {err_parts:.3g} vs unsplit {err_whole:.3g}"
+    assert relative_error(parts, whole.double()) <= TOLERANCE[fmt], what
+
+
+@pytest.mark.parametrize("fmt,group_size", [("bf16", None), ("int8", None), ("int4", 32)], ids=["bf16", "int8", "int4"])
+def test_empty_batch_no_slots_and_all_skipped(fmt, group_size):
+    split = make_experts(4, 64, 64, fmt, group_size).split_numa(2)
+    out = ktorch.fused_moe(torch.empty(0, 64, dtype=torch.bfloat16), torch.empty(0, 2, dtype=torch.long),
+                           torch.empty(0, 2), split)
+    assert out.shape == (0, 64) and out.dtype == torch.bfloat16
+    out = ktorch.fused_moe(torch.randn(3, 64), torch.empty(3, 0, dtype=torch.long), torch.empty(3, 0), split)
+    assert out.shape == (3, 64) and (out == 0).all()
+    out = ktorch.fused_moe(torch.randn(3, 64), torch.full((3, 2), -1), torch.rand(3, 2), split)
+    assert (out == 0).all()
+
+
+def test_bad_ids_raise_through_the_split():
+    split = make_experts(4, 64, 64, "int8").split_numa(2)
+    with pytest.raises(RuntimeError, match=r"topk_ids\[1, 0\] = 4 is out of range for 4 experts"):
+        ktorch.fused_moe(torch.randn(2, 64), torch.tensor([[0, 1], [4, 1]]), torch.rand(2, 2), split)
+    # the groups still work after an error
+    assert ktorch.fused_moe(torch.randn(2, 64), torch.tensor([[0, 1], [3, 1]]), torch.rand(2, 2), split).shape == (2, 64)
+
+
+# ---------------------------------------------------------------- KT_NUMA_SPLIT
+
+
+_ENV_SCRIPT = """
+import sys, torch, ktorch
+from ktorch.ops import NumaSplitExperts
+hidden, ids, weights, packed = torch.load(sys.argv[1], weights_only=False)
+out = ktorch.fused_moe(hidden, ids, weights, packed)
+cache = packed._numa_split_cache
+slices = cache.num_slices if isinstance(cache, NumaSplitExperts) else 1
+torch.save((out, slices), sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize("fmt,group_size", [("bf16", None), ("int8", None), ("int4", 32)], ids=["bf16", "int8", "int4"])
+def test_kt_numa_split_env_in_a_fresh_process(fmt, group_size, seed, tmp_path):
+    """KT_NUMA_SPLIT=n makes ktorch.fused_moe split a plain PackedExperts (once) and run the split."""
+    E, K, H, I, T = 8, 3, 96, 96, 19
+    packed = make_experts(E, H, I, fmt, group_size)
+    hidden = torch.randn(T, H).to(torch.bfloat16)
+    ids, weights = make_routing(T, E, K)
+    inputs = tmp_path / "inputs.pt"
+    torch.save((hidden, ids, weights, packed), inputs)
+    for n in ("1", "2", "3"):
+        env = dict(os.environ, KT_NUMA_SPLIT=n, KT_SPIN_US="0")
+        path = tmp_path / f"out{n}.pt"
+        subprocess.run([sys.executable, "-c", _ENV_SCRIPT, str(inputs), str(path)], env=env, check=True, timeout=120)
+        out, slices = torch.load(path)
+        assert slices == int(n)
+        want = ktorch.fused_moe(hidden, ids, weights, packed.split_numa(int(n)) if n != "1" else packed)
+        assert torch.equal(out, want), f"seed={seed} KT_NUMA_SPLIT={n} {fmt}"
+
+
+def test_kt_numa_split_env_leaves_unsplittable_layers_whole(monkeypatch):
+    monkeypatch.setenv("KT_NUMA_SPLIT", "2")
+    packed = make_experts(4, 64, 32, "bf16")
+    hidden, (ids, weights) = torch.randn(3, 64), make_routing(3, 4, 2)
+    with pytest.warns(UserWarning, match="runs these experts unsplit"):
+        out = ktorch.fused_moe(hidden, ids, weights, packed)
+    assert torch.equal(out, torch.ops.kt.fused_moe(hidden, ids, weights, *packed.tensors(), "silu"))
+
+
+# ---------------------------------------------------------------- opcheck
+
+
+@pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)
+def test_opcheck_numa_split_ops(fmt, group_size):
+    E, K, H, I = 6, 2, 64, 192
+    packed = make_experts(E, H, I, fmt, group_size)
+    opcheck(torch.ops.kt.numa_split_experts.default, (*packed.tensors(), 3))
+    split = packed.split_numa(3)
+    ids, weights = make_routing(7, E, K)
+    cases = [
+        (torch.randn(7, H, dtype=torch.bfloat16), ids, weights, "silu"),
+        (torch.randn(7, H), ids.to(torch.int32), weights.to(torch.bfloat16), "gelu_tanh"),
+        (torch.randn(H, 7).t(), ids, weights, "relu"),
+        (torch.empty(0, H, dtype=torch.bfloat16), ids[:0], weights[:0], "silu"),
+    ]
+    for hidden, i, w, act in cases:
+        opcheck(torch.ops.kt.fused_moe_numa.default, (hidden, i, w, *split.op_args(), act))
