@@ -356,6 +356,7 @@ def profile_decode(runner: Runner, steps: int, out_dir: str, label: str) -> dict
     runtime = ktorch.compile.RUNTIME
     marks = []  # perf_counter_ns when each step's annotation opens: aligns the runtime's timeline with the trace
     runtime.timeline = []
+    runtime.take_native_timeline()  # KT_HOST_FUNCTIONS=native: calls made before the profile are not ours
     try:
         with profile(activities=activities) as prof:
             for i in range(steps):
@@ -365,6 +366,7 @@ def profile_decode(runner: Runner, steps: int, out_dir: str, label: str) -> dict
                     sync(runner.device)
     finally:
         timeline, runtime.timeline = runtime.timeline, None
+        timeline = sorted(timeline + runtime.take_native_timeline())
     path = os.path.join(out_dir, f"trace_{label}.json")
     prof.export_chrome_trace(path)
     with open(path) as f:

@@ -161,6 +161,7 @@ class ExpertsRuntime:
         # When a list, each experts call appends (start_ns, end_ns, tokens) of its kt.fused_moe, perf_counter_ns
         # clock (profilers do not see the worker thread; benchmarks/bench_e2e.py aligns these with its trace).
         self.timeline: Optional[list] = None
+        self._native_tasks: list = []  # _NativeHostFunctions made for captures (their timings are drained here)
 
     # -- compile time
     def register_layer(self, w13, w13_scales, w2, w2_scales, activation: str) -> int:
@@ -175,6 +176,15 @@ class ExpertsRuntime:
 
     def new_site(self) -> int:
         return next(self._site_ids)
+
+    def take_native_timeline(self) -> list:
+        """(start_ns, end_ns, tokens) of the experts calls the native host tasks ran since the last call (the
+        perf_counter_ns clock, like ``timeline``), for profiles of CUDA-graph replays."""
+        out = []
+        for task in self._native_tasks:
+            times = torch.ops.kt.host_task_take_times(task.handle)
+            out += [(times[i], times[i + 1], task.tokens) for i in range(0, len(times), 2)]
+        return sorted(out)
 
     def reset(self) -> None:
         """Forgets every layer and site, freeing the packed weights it held; graphs compiled before stop working."""
@@ -227,6 +237,9 @@ class ExpertsRuntime:
     def _host_functions(self, state: _Site, staging: _Staging, weights: ExpertsLayer):
         from ktorch.compile.host_func import HostFunction
 
+        if staging.host_functions is None and native_host_tasks() and not self.observers:
+            staging.host_functions = _NativeHostFunctions(staging, weights)
+            self._native_tasks.append(staging.host_functions)
         if staging.host_functions is None:
             running: collections.deque = collections.deque()
 
@@ -239,6 +252,56 @@ class ExpertsRuntime:
             staging.host_functions = (HostFunction(start), HostFunction(join))
         state.captured_pending.append(staging)
         return staging.host_functions
+
+
+def native_host_tasks() -> bool:
+    """Whether CUDA-graph captures start and join the CPU experts with native host functions (C++, no GIL on
+    CUDA's callback thread) instead of Python ones: ``KT_HOST_FUNCTIONS=native`` (experimental, default
+    ``python``). Test observers (``ExpertsRuntime.observers``) need the Python ones."""
+    import os
+
+    value = os.environ.get("KT_HOST_FUNCTIONS", "python")
+    if value not in ("python", "native"):
+        raise ValueError(f"KT_HOST_FUNCTIONS must be 'python' or 'native', got {value!r}")
+    return value == "native"
+
+
+class _NativeHostFunctions:
+    """The start/join pair of one staging as C host functions (runtime/host_tasks.cpp): indexable like the
+    Python pair, ``[0].launch()`` starts, ``[1].launch()`` joins."""
+
+    class _Fn:
+        def __init__(self, ptr: int, handle: int):
+            self.ptr, self.handle = ptr, handle
+
+        def launch(self) -> None:
+            from ktorch.compile.host_func import launch_native
+
+            launch_native(self.ptr, self.handle)
+
+    def __init__(self, staging: "_Staging", layer: ExpertsLayer):
+        self.staging, self.layer = staging, layer  # the task holds these tensors; keep them referenced too
+        self.tokens = staging.hidden.shape[0]
+        self.handle = torch.ops.kt.host_task_new(staging.hidden, staging.topk_ids, staging.topk_weights, staging.out,
+                                                 layer.w13, layer.w13_scales, layer.w2, layer.w2_scales,
+                                                 layer.activation, True)
+        start, join = torch.ops.kt.host_task_functions()
+        self._fns = (self._Fn(start, self.handle), self._Fn(join, self.handle))
+
+    def __getitem__(self, i: int):
+        return self._fns[i]
+
+    def run(self) -> None:
+        """Start and join on this thread (what the two host functions do), for tests without CUDA."""
+        torch.ops.kt.host_task_run(self.handle)
+
+    def error(self) -> str:
+        return torch.ops.kt.host_task_error(self.handle)
+
+    def __del__(self):
+        handle, self.handle = getattr(self, "handle", 0), 0
+        if handle:
+            torch.ops.kt.host_task_free(handle)
 
 
 RUNTIME = ExpertsRuntime()

@@ -54,3 +54,22 @@ class HostFunction:
         status = _driver().cuLaunchHostFunc(ctypes.c_void_p(stream.cuda_stream), self._c_fn, None)
         if status != 0:
             raise RuntimeError(f"cuLaunchHostFunc failed with CUresult {status}")
+
+
+_RAW_LAUNCH = None
+
+
+def launch_native(fn_ptr: int, user_data: int, stream: torch.cuda.Stream | None = None) -> None:
+    """Enqueues the C function at address ``fn_ptr`` (``void fn(void*)``) with ``user_data`` on ``stream``: no
+    Python and no GIL when the stream reaches it (ktorch's host tasks, runtime/host_tasks.cpp)."""
+    global _RAW_LAUNCH
+    if _RAW_LAUNCH is None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        fn = lib.cuLaunchHostFunc
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        _RAW_LAUNCH = fn
+    stream = torch.cuda.current_stream() if stream is None else stream
+    status = _RAW_LAUNCH(ctypes.c_void_p(stream.cuda_stream), ctypes.c_void_p(fn_ptr), ctypes.c_void_p(user_data))
+    if status != 0:
+        raise RuntimeError(f"cuLaunchHostFunc failed with CUresult {status}")

@@ -11,6 +11,7 @@
 #include "moe/pack.h"
 #include "runtime/cpu_features.h"
 #include "runtime/dispatch.h"
+#include "runtime/host_tasks.h"
 #include "runtime/numa.h"
 #include "runtime/parallel.h"
 
@@ -77,6 +78,16 @@ TORCH_LIBRARY(kt, m) {
   m.def("dot_peak(str kind, int iters=10000000) -> float", &dot_peak);
   m.def("get_num_threads() -> int", &get_num_threads);
   m.def("set_num_threads(int n) -> ()", &set_num_threads);
+  // host tasks (runtime/host_tasks.h): experts calls that CUDA host functions start and join without Python
+  m.def(
+      "host_task_new(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor out, Tensor w13, Tensor? w13_scales, "
+      "Tensor w2, Tensor? w2_scales, str activation, bool record_times=False) -> int",
+      &kt::runtime::host_task_new);
+  m.def("host_task_free(int handle) -> ()", &kt::runtime::host_task_free);
+  m.def("host_task_run(int handle) -> ()", &kt::runtime::host_task_run);
+  m.def("host_task_error(int handle) -> str", &kt::runtime::host_task_error);
+  m.def("host_task_take_times(int handle) -> int[]", &kt::runtime::host_task_take_times);
+  m.def("host_task_functions() -> int[]", &kt::runtime::host_task_functions);
 }
 
 TORCH_LIBRARY_IMPL(kt, CPU, m) {
