@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 
@@ -58,13 +57,11 @@ def main() -> None:
     tensors = packed.tensors()
     op = torch.ops.kt.fused_moe
     spin_s = int(os.environ.get("KT_SPIN_US", "2000")) / 1e6
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    print(f"machine: {cpu}, {os.cpu_count()} CPUs, kernel {ktorch.cpu_features()['kernel']}, torch {torch.__version__}")
+    from bench_e2e import machine_info  # this folder is on sys.path when the script runs
+
+    info = machine_info("cpu")
+    cpu = info["cpu"]
+    print("machine:", json.dumps(info))
     a, b = torch.ones(1), torch.ones(1)
     rows = [("torch.add (1 element), dispatcher round trip", 1, timed_calls(lambda: torch.add(a, b), args.calls))]
     before = ktorch.get_num_threads()

@@ -18,6 +18,8 @@
 // KT_PROFILE=1 prints each call's phase times to stderr.
 #include "fused_moe.h"
 
+#include "bf16.h"
+
 #include <ATen/ATen.h>
 
 #include <algorithm>
@@ -201,15 +203,6 @@ void row_to_f32(const at::Tensor& src, int64_t r, float* dst) {
       for (int64_t c = 0; c < C; ++c) dst[c] = static_cast<float>(p[c * st]);
     }
   }
-}
-
-// Round to nearest even (NaN kept quiet), as the kernels' own bf16 conversions.
-inline uint16_t f32_to_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
 }
 
 }  // namespace

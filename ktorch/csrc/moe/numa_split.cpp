@@ -28,6 +28,7 @@
 
 #include "../runtime/numa.h"
 #include "../runtime/parallel.h"
+#include "bf16.h"
 #include "fused_moe.h"
 
 namespace kt::moe {
@@ -82,15 +83,6 @@ at::Tensor copy_range(const at::Tensor& src, int64_t dim, int64_t a0, int64_t a1
   });
   if (node >= 0) runtime::bind_memory_to_node(d, dst.nbytes(), node);
   return dst;
-}
-
-// Round to nearest even (NaN kept quiet), as the driver's own bf16 output.
-inline uint16_t f32_to_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
 }
 
 }  // namespace

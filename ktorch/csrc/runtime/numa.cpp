@@ -1,5 +1,7 @@
 #include "numa.h"
 
+#include "worker_pool.h"
+
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <pthread.h>
@@ -32,15 +34,6 @@ std::vector<int> parse_cpulist(const std::string& text) {  // "0-3,8-11,16"
   return cpus;
 }
 
-std::vector<int> process_cpus() {
-  std::vector<int> cpus;
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof(set), &set) == 0)
-    for (int c = 0; c < CPU_SETSIZE; ++c)
-      if (CPU_ISSET(c, &set)) cpus.push_back(c);
-  return cpus;
-}
 
 std::vector<NumaNode> read_nodes() {
   const std::vector<int> allowed = process_cpus();
@@ -62,14 +55,6 @@ std::vector<NumaNode> read_nodes() {
   return nodes;
 }
 
-int64_t env_int(const char* name, int64_t fallback) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) return fallback;
-  char* end = nullptr;
-  const long long x = std::strtoll(v, &end, 10);
-  TORCH_CHECK(end && *end == '\0', name, " must be an integer, got '", v, "'");
-  return x;
-}
 
 void bind_this_thread(const std::vector<int>& cpus) {
   cpu_set_t set;

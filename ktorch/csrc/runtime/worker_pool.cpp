@@ -12,7 +12,6 @@
 #include <string>
 
 namespace kt::runtime {
-namespace {
 
 int64_t env_int(const char* name, int64_t fallback) {
   const char* v = std::getenv(name);
@@ -23,7 +22,7 @@ int64_t env_int(const char* name, int64_t fallback) {
   return x;
 }
 
-std::vector<int> allowed_cpus() {
+std::vector<int> process_cpus() {
   std::vector<int> cpus;
   cpu_set_t set;
   CPU_ZERO(&set);
@@ -32,8 +31,6 @@ std::vector<int> allowed_cpus() {
       if (CPU_ISSET(c, &set)) cpus.push_back(c);
   return cpus;
 }
-
-}  // namespace
 
 namespace {
 std::mutex g_pool_mutex;
@@ -71,7 +68,7 @@ void WorkerPool::resize(int workers) {
 
 WorkerPool::WorkerPool(int workers, int64_t spin_us, bool pin) : spin_us_(spin_us) {
   TORCH_CHECK(workers >= 1, "KT_NUM_THREADS must be at least 1, got ", workers);
-  const std::vector<int> cpus = allowed_cpus();
+  const std::vector<int> cpus = process_cpus();
   for (int w = 1; w < workers; ++w) {
     const int cpu = pin && !cpus.empty() ? cpus[w % cpus.size()] : -1;
     threads_.emplace_back([this, w, cpu] { worker_loop(w, cpu); });

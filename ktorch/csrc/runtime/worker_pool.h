@@ -35,6 +35,11 @@
 
 namespace kt::runtime {
 
+// The CPUs this process may run on (its affinity mask), in order.
+std::vector<int> process_cpus();
+// An integer environment variable (fallback when unset or empty); anything else is an error naming it.
+int64_t env_int(const char* name, int64_t fallback);
+
 class WorkerPool {
  public:
   // The process-wide pool, created on first use.

@@ -1,0 +1,18 @@
+// fp32 -> bf16 rounding shared by the op driver and the NUMA split.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace kt::moe {
+
+// Round to nearest even (NaN kept quiet), as the kernels' own bf16 conversions.
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+}  // namespace kt::moe
