@@ -250,6 +250,38 @@ def test_cuda_graph_decode_step_costs_no_host_wait():
     assert torch.isfinite(out.logits).all()
 
 
+
+@needs_cuda
+def test_cuda_graph_native_host_functions_match_python(monkeypatch):
+    """KT_HOST_FUNCTIONS=native (C host functions, no GIL) computes what the Python host functions compute:
+    teacher-forced decode steps under CUDA graphs, same model, same tokens."""
+    logits = {}
+    for mode in ("python", "native"):
+        monkeypatch.setenv("KT_HOST_FUNCTIONS", mode)
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = ktorch.prepare(tiny_model("deepseek_v3", dtype=torch.bfloat16), device="cuda")
+        torch.manual_seed(1)
+        kwargs = decode_step_inputs(model)
+        step = torch.compile(model, backend="ktorch", mode="reduce-overhead", fullgraph=True)
+        native_before = len(RUNTIME._native_tasks)
+        outs = []
+        with torch.no_grad():
+            for i in range(8):  # the first steps warm up and capture; all are compared
+                torch.compiler.cudagraph_mark_step_begin()
+                out = step(**kwargs)
+                outs.append(out.logits[:, -1].float().clone())
+                kwargs["input_ids"] = torch.full_like(kwargs["input_ids"], (7 * i + 3) % 256)
+                kwargs["cache_position"] = kwargs["cache_position"] + 1
+                kwargs["position_ids"] = kwargs["cache_position"][None]
+            torch.cuda.synchronize()
+        logits[mode] = torch.stack(outs).cpu()
+        assert (len(RUNTIME._native_tasks) > native_before) == (mode == "native")
+        assert RUNTIME.stats["captured_submits"] > 0
+    assert torch.isfinite(logits["native"]).all()
+    torch.testing.assert_close(logits["native"], logits["python"], atol=2e-2, rtol=2e-2)
+
+
 def test_mutated_inputs_are_marked_static_for_cuda_graphs():
     """Inputs mutated in place (directly or through a view) get a static address; others stay as they were."""
     import operator
