@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: build ktorch from source, run the test suite (every kernel level the CPU offers),
 # then the benchmarks. Logs go to $OUT (the device tool brings them back). Usage from the repo root:
-#   bash scripts/device_check.sh [tests] [bench] [kt] [gpu] ...   (default: tests bench)
+#   bash scripts/device_check.sh [tests] [amxtests] [forcedtests] [bench] [STEP] ...   (default: tests bench;
+#   STEP runs scripts/device_step_STEP.sh). Run it from a snapshot of HEAD: scripts/make_device_snapshot.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -24,6 +25,11 @@ for s in $steps; do
       log "tests"
       timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider --timeout=240 --durations=15 --tb=short -rfE tests \
         > "$OUT/tests.log" 2>&1; grep -E "passed|failed|^FAILED|^ERROR" "$OUT/tests.log" | tail -40 ;;
+    forcedtests)
+      # issue 3: the whole suite with the AMX kernels and a 2-way NUMA split forced
+      log "full suite, AMX and NUMA split forced"
+      KT_CPU_KERNEL=amx KT_NUMA_SPLIT=2 timeout ${FORCED_TIMEOUT:-480} python3 -m pytest -q -p no:cacheprovider --timeout=240 \
+        --tb=short -rfE tests > "$OUT/forcedtests.log" 2>&1; grep -E "passed|failed|^FAILED|^ERROR" "$OUT/forcedtests.log" | tail -30 ;;
     amxtests)
       # the op suite with the AMX kernels forced (KT_CPU_KERNEL=amx: an error where AMX is absent)
       log "op tests, AMX forced"
