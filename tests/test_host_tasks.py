@@ -28,7 +28,8 @@ def make_task(seed: int, T: int = 7, E: int = 6, H: int = 128, I: int = 64, fmt:
 
 
 def expected(staging, packed):
-    return ktorch.fused_moe(staging.hidden, staging.topk_ids, staging.topk_weights, packed)
+    """What the task runs: the op itself (not ktorch.fused_moe, which KT_NUMA_SPLIT may route to the split)."""
+    return torch.ops.kt.fused_moe(staging.hidden, staging.topk_ids, staging.topk_weights, *packed.tensors(), "silu")
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])

@@ -212,8 +212,9 @@ torch.save((out, slices), sys.argv[2])
 
 
 @pytest.mark.parametrize("fmt,group_size", [("bf16", None), ("int8", None), ("int4", 32)], ids=["bf16", "int8", "int4"])
-def test_kt_numa_split_env_in_a_fresh_process(fmt, group_size, seed, tmp_path):
+def test_kt_numa_split_env_in_a_fresh_process(fmt, group_size, seed, tmp_path, monkeypatch):
     """KT_NUMA_SPLIT=n makes ktorch.fused_moe split a plain PackedExperts (once) and run the split."""
+    monkeypatch.delenv("KT_NUMA_SPLIT", raising=False)  # the in-process reference runs unsplit unless told
     E, K, H, I, T = 8, 3, 96, 96, 19
     packed = make_experts(E, H, I, fmt, group_size)
     hidden = torch.randn(T, H).to(torch.bfloat16)
