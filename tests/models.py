@@ -278,3 +278,15 @@ def decode_step_inputs(model, prompt_len: int = PROMPT, max_len: int = 64) -> di
     return dict(input_ids=nxt, past_key_values=cache, cache_position=pos, position_ids=pos[None], use_cache=True)
 
 
+def teacher_forced_decode(step, kwargs, tokens, cuda_graphs: bool) -> torch.Tensor:
+    """Logits [n, V] of decode steps fed ``tokens`` [n] (teacher-forced: every model compared sees the same
+    inputs); ``kwargs`` as from decode_step_inputs, advanced in place."""
+    logits = []
+    for token in tokens:
+        if cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        kwargs["input_ids"] = token.view(1, 1)
+        logits.append(step(**kwargs).logits[:, -1].float().clone())
+        kwargs["cache_position"] = kwargs["cache_position"] + 1
+        kwargs["position_ids"] = kwargs["cache_position"][None]
+    return torch.cat(logits)

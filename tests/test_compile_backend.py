@@ -25,6 +25,7 @@ from models import (
     assert_logits_match,
     decode_step_inputs,
     moe_experts_modules,
+    teacher_forced_decode,
     tiny_model,
 )
 
@@ -265,17 +266,10 @@ def test_cuda_graph_native_host_functions_match_python(monkeypatch):
         kwargs = decode_step_inputs(model)
         step = torch.compile(model, backend="ktorch", mode="reduce-overhead", fullgraph=True)
         native_before = len(RUNTIME._native_tasks)
-        outs = []
-        with torch.no_grad():
-            for i in range(8):  # the first steps warm up and capture; all are compared
-                torch.compiler.cudagraph_mark_step_begin()
-                out = step(**kwargs)
-                outs.append(out.logits[:, -1].float().clone())
-                kwargs["input_ids"] = torch.full_like(kwargs["input_ids"], (7 * i + 3) % 256)
-                kwargs["cache_position"] = kwargs["cache_position"] + 1
-                kwargs["position_ids"] = kwargs["cache_position"][None]
+        tokens = torch.tensor([(7 * i + 3) % 256 for i in range(8)], device="cuda")
+        with torch.no_grad():  # the first steps warm up and capture; all are compared
+            logits[mode] = teacher_forced_decode(step, kwargs, tokens, cuda_graphs=True).cpu()
             torch.cuda.synchronize()
-        logits[mode] = torch.stack(outs).cpu()
         assert (len(RUNTIME._native_tasks) > native_before) == (mode == "native")
         assert RUNTIME.stats["captured_submits"] > 0
     assert torch.isfinite(logits["native"]).all()

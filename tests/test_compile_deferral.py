@@ -15,7 +15,7 @@ import torch
 import ktorch
 from ktorch.compile import REPORTS, RUNTIME, BackendOptions
 from ktorch.integrations.transformers_experts import ktorch_experts_forward
-from models import FAMILIES, PROMPT, decode_step_inputs, moe_experts_modules, tiny_model
+from models import FAMILIES, PROMPT, decode_step_inputs, moe_experts_modules, teacher_forced_decode, tiny_model
 
 FAST = {"inductor": False}
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -170,19 +170,6 @@ def test_options_validate_n_deferred_experts():
 # ---------------------------------------------------------------- on a GPU
 
 
-def _decode(step, kwargs, tokens, cuda_graphs):
-    """Logits [n, V] of decode steps fed ``tokens`` [n] (teacher-forced: every model compared sees the same)."""
-    logits = []
-    for token in tokens:
-        if cuda_graphs:
-            torch.compiler.cudagraph_mark_step_begin()
-        kwargs["input_ids"] = token.view(1, 1)
-        logits.append(step(**kwargs).logits[:, -1].float().clone())
-        kwargs["cache_position"] = kwargs["cache_position"] + 1
-        kwargs["position_ids"] = kwargs["cache_position"][None]
-    return torch.cat(logits)
-
-
 @needs_cuda
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("cuda_graphs", [False, True], ids=["no_graphs", "cuda_graphs"])
@@ -199,13 +186,13 @@ def test_cuda_compiled_deferral_decode_matches_eager_deferral(family, cuda_graph
     compiled_kwargs["past_key_values"] = copy.deepcopy(eager_kwargs["past_key_values"])
     tokens = torch.randint(0, 256, (12,), device="cuda")
     with torch.no_grad():
-        want = _decode(model, eager_kwargs, tokens, False)
+        want = teacher_forced_decode(model, eager_kwargs, tokens, False)
         options = {"n_deferred_experts": 1, "cuda_graphs": cuda_graphs}  # torch.compile takes no mode with options
         step = torch.compile(model, backend="ktorch", options=options, fullgraph=True)
         REPORTS.clear()
-        got = _decode(step, compiled_kwargs, tokens[:4], cuda_graphs)  # warm-up and capture
+        got = teacher_forced_decode(step, compiled_kwargs, tokens[:4], cuda_graphs)  # warm-up and capture
         before = dict(RUNTIME.stats)
-        got = torch.cat([got, _decode(step, compiled_kwargs, tokens[4:], cuda_graphs)])
+        got = torch.cat([got, teacher_forced_decode(step, compiled_kwargs, tokens[4:], cuda_graphs)])
         torch.cuda.synchronize()
     assert REPORTS and all(len(r.deferrals) == n_moe - 1 and r.cuda_graphs == cuda_graphs for r in REPORTS)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-2)

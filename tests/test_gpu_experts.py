@@ -15,7 +15,15 @@ import torch
 import ktorch
 from ktorch.compile import REPORTS
 from ktorch.ops.gpu_experts import gpu_experts_forward, grouped_mm_supported
-from models import FAMILIES, PROMPT, assert_greedy_matches, assert_logits_match, moe_experts_modules, tiny_model
+from models import (
+    FAMILIES,
+    PROMPT,
+    assert_greedy_matches,
+    assert_logits_match,
+    moe_experts_modules,
+    teacher_forced_decode,
+    tiny_model,
+)
 from reference import fused_moe_reference, relative_error
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -140,19 +148,6 @@ def test_grouped_mm_kernel_compiles_with_inductor():
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
-def _teacher_forced_decode(step, kwargs, tokens, cuda_graphs):
-    """Logits [n, V] of decode steps fed ``tokens`` [n] (the same inputs for every model compared)."""
-    logits = []
-    for token in tokens:
-        if cuda_graphs:
-            torch.compiler.cudagraph_mark_step_begin()
-        kwargs["input_ids"] = token.view(1, 1)
-        logits.append(step(**kwargs).logits[:, -1].float().clone())
-        kwargs["cache_position"] = kwargs["cache_position"] + 1
-        kwargs["position_ids"] = kwargs["cache_position"][None]
-    return torch.cat(logits)
-
-
 @needs_cuda
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("kernel", ["gather", "grouped_mm"])
@@ -180,8 +175,8 @@ def test_cuda_gpu_experts_match_hf_eager_and_compile_under_cuda_graphs(family, k
     compiled_kwargs = dict(eager_kwargs, past_key_values=copy.deepcopy(eager_kwargs["past_key_values"]))
     tokens = torch.randint(0, 256, (12,), device="cuda")
     with torch.no_grad():
-        want = _teacher_forced_decode(model, eager_kwargs, tokens, False)
+        want = teacher_forced_decode(model, eager_kwargs, tokens, False)
         step = torch.compile(model, backend="ktorch", mode="reduce-overhead", fullgraph=True)
-        got = _teacher_forced_decode(step, compiled_kwargs, tokens, True)
+        got = teacher_forced_decode(step, compiled_kwargs, tokens, True)
     atol = 1e-2 if dtype == torch.float32 else LOGIT_ATOL[torch.bfloat16]
     torch.testing.assert_close(got, want, rtol=0, atol=atol)

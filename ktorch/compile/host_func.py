@@ -19,17 +19,23 @@ from typing import Callable
 import torch
 
 _HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-_libcuda = None
+_launch_host_func = None
 
 
-def _driver():
-    global _libcuda
-    if _libcuda is None:
-        lib = ctypes.CDLL("libcuda.so.1")
-        lib.cuLaunchHostFunc.argtypes = [ctypes.c_void_p, _HOST_FN, ctypes.c_void_p]
-        lib.cuLaunchHostFunc.restype = ctypes.c_int
-        _libcuda = lib
-    return _libcuda
+def launch_native(fn_ptr: int, user_data: int, stream: torch.cuda.Stream | None = None) -> None:
+    """Enqueues the C function at address ``fn_ptr`` (``void fn(void*)``) with ``user_data`` on ``stream``
+    (default: the current stream), captured if the stream is capturing. A C function from ktorch's host tasks
+    (runtime/host_tasks.cpp) runs with no Python and no GIL; HostFunction passes its ctypes trampoline."""
+    global _launch_host_func
+    if _launch_host_func is None:
+        fn = ctypes.CDLL("libcuda.so.1").cuLaunchHostFunc
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        _launch_host_func = fn
+    stream = torch.cuda.current_stream() if stream is None else stream
+    status = _launch_host_func(ctypes.c_void_p(stream.cuda_stream), ctypes.c_void_p(fn_ptr), ctypes.c_void_p(user_data))
+    if status != 0:
+        raise RuntimeError(f"cuLaunchHostFunc failed with CUresult {status}")
 
 
 class HostFunction:
@@ -50,26 +56,4 @@ class HostFunction:
 
     def launch(self, stream: torch.cuda.Stream | None = None) -> None:
         """Enqueues the function on ``stream`` (default: the current stream), captured if the stream is capturing."""
-        stream = torch.cuda.current_stream() if stream is None else stream
-        status = _driver().cuLaunchHostFunc(ctypes.c_void_p(stream.cuda_stream), self._c_fn, None)
-        if status != 0:
-            raise RuntimeError(f"cuLaunchHostFunc failed with CUresult {status}")
-
-
-_RAW_LAUNCH = None
-
-
-def launch_native(fn_ptr: int, user_data: int, stream: torch.cuda.Stream | None = None) -> None:
-    """Enqueues the C function at address ``fn_ptr`` (``void fn(void*)``) with ``user_data`` on ``stream``: no
-    Python and no GIL when the stream reaches it (ktorch's host tasks, runtime/host_tasks.cpp)."""
-    global _RAW_LAUNCH
-    if _RAW_LAUNCH is None:
-        lib = ctypes.CDLL("libcuda.so.1")
-        fn = lib.cuLaunchHostFunc
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-        fn.restype = ctypes.c_int
-        _RAW_LAUNCH = fn
-    stream = torch.cuda.current_stream() if stream is None else stream
-    status = _RAW_LAUNCH(ctypes.c_void_p(stream.cuda_stream), ctypes.c_void_p(fn_ptr), ctypes.c_void_p(user_data))
-    if status != 0:
-        raise RuntimeError(f"cuLaunchHostFunc failed with CUresult {status}")
+        launch_native(ctypes.cast(self._c_fn, ctypes.c_void_p).value, 0, stream)

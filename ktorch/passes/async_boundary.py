@@ -35,7 +35,7 @@ from typing import Callable, Optional
 import torch
 from torch import fx
 
-from ktorch.passes.partition import ExpertsCall, node_value
+from ktorch.passes.partition import ExpertsCall, node_value, set_fake_value
 
 ASYNC_STAGE = "ktorch_async"  # node.meta key: "submit" / "wait" / "overlapped"
 
@@ -65,25 +65,6 @@ def _index(graph: fx.Graph) -> dict:
     return {n: i for i, n in enumerate(graph.nodes)}
 
 
-def _fake_value(target, args):
-    """The op's fake result from the args' example values, or None when the graph carries none."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    def val(a):
-        if isinstance(a, fx.Node):
-            return node_value(a)
-        if isinstance(a, (list, tuple)):
-            return type(a)(val(x) for x in a)
-        return a
-
-    values = val(args)
-    fakes = [v for v in values if isinstance(v, FakeTensor)]
-    if not fakes or any(v is None for v in values[:3]):
-        return None
-    with fakes[0].fake_mode:
-        return target(*values)
-
-
 def insert_async_boundaries(
     gm: fx.GraphModule,
     calls: list[ExpertsCall],
@@ -107,9 +88,7 @@ def insert_async_boundaries(
         with graph.inserting_before(call.result):
             wait = graph.call_function(wait_op(), wait_args)
         for node in (submit, wait):
-            fake = _fake_value(node.target, node.args)
-            if fake is not None:
-                node.meta["val"] = node.meta["example_value"] = fake
+            set_fake_value(node, required=3)
         submit.meta[ASYNC_STAGE], wait.meta[ASYNC_STAGE] = "submit", "wait"
         for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
             if key in call.node.meta:

@@ -52,7 +52,7 @@ import torch
 from torch import fx
 
 from ktorch.passes.async_boundary import ASYNC_STAGE, Boundary, submit_op, wait_op
-from ktorch.passes.partition import node_value
+from ktorch.passes.partition import node_value, set_fake_value
 
 DEFERRAL = "ktorch_deferral"  # node.meta key: "split" / "submit" / "wait" / "join"
 
@@ -70,31 +70,10 @@ class Deferral:
     n_deferred: int
 
 
-def _with_fake_value(node: fx.Node) -> fx.Node:
-    """Sets ``node.meta["val"]`` (and ``example_value``) from its inputs' fake values, when they have them."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    def val(a):
-        if isinstance(a, fx.Node):
-            return node_value(a)
-        if isinstance(a, (list, tuple)):
-            return type(a)(val(x) for x in a)
-        return a
-
-    args, kwargs = val(node.args), {k: val(v) for k, v in node.kwargs.items()}
-    flat = [a for a in list(args) + list(kwargs.values()) if isinstance(a, FakeTensor)]
-    if not flat:
-        return node
-    with flat[0].fake_mode:
-        fake = node.target(*args, **kwargs)
-    node.meta["val"] = node.meta["example_value"] = fake
-    return node
-
-
 def _call(graph: fx.Graph, target, args: tuple, kwargs: Optional[dict] = None, stage: str = "") -> fx.Node:
     node = graph.call_function(target, args, kwargs or {})
     node.meta[DEFERRAL] = stage
-    return _with_fake_value(node)
+    return set_fake_value(node)
 
 
 def _tokens(boundary: Boundary) -> Optional[int]:

@@ -47,6 +47,28 @@ def node_value(node: fx.Node, gm: Optional[fx.GraphModule] = None):
     return None
 
 
+def set_fake_value(node: fx.Node, required: int = 0) -> fx.Node:
+    """Sets ``node.meta["val"]`` (and ``example_value``) to the fake result of ``node.target`` on its inputs'
+    example values, as Dynamo would have; leaves ``node`` as it is when no input carries a fake value or one of
+    its first ``required`` positional inputs carries none. Returns ``node``."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def val(a):
+        if isinstance(a, fx.Node):
+            return node_value(a)
+        if isinstance(a, (list, tuple)):
+            return type(a)(val(x) for x in a)
+        return a
+
+    args, kwargs = val(node.args), {k: val(v) for k, v in node.kwargs.items()}
+    fakes = [a for a in list(args) + list(kwargs.values()) if isinstance(a, FakeTensor)]
+    if not fakes or any(a is None for a in args[:required]):
+        return node
+    with fakes[0].fake_mode:
+        node.meta["val"] = node.meta["example_value"] = node.target(*args, **kwargs)
+    return node
+
+
 def node_device(node, gm: Optional[fx.GraphModule] = None) -> Optional[torch.device]:
     value = node_value(node, gm) if isinstance(node, fx.Node) else node
     return value.device if isinstance(value, torch.Tensor) else None
