@@ -54,7 +54,19 @@ def set_num_threads(n: int) -> None:
     CPU/GPU inference the thread launching GPU work (and waiting for it) needs a core of its own: with every
     core given to spinning workers, some worker is always descheduled and calls stretch to scheduler time
     slices. ``ktorch.prepare(..., device="cuda")`` therefore leaves one core free unless ``KT_NUM_THREADS`` is
-    set."""
+    set or this function was called."""
+    global _threads_chosen
     if n < 1:
         raise ValueError(f"set_num_threads: need at least 1 thread, got {n}")
     torch.ops.kt.set_num_threads(int(n))
+    _threads_chosen = True
+
+
+_threads_chosen = False  # set by set_num_threads: a size the user chose is never changed behind their back
+
+
+def leave_a_core_for_the_launcher() -> None:
+    """Hybrid CPU/GPU placement: one pool thread fewer than torch's, unless the size was chosen (KT_NUM_THREADS
+    or set_num_threads)."""
+    if not _threads_chosen and not os.environ.get("KT_NUM_THREADS"):
+        torch.ops.kt.set_num_threads(max(1, torch.get_num_threads() - 1))

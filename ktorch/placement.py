@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import gc
-import os
 from typing import Optional, Union
 
 import torch
 from torch import nn
 
-from ktorch._library import set_num_threads
+from ktorch._library import leave_a_core_for_the_launcher
 
 from ktorch.integrations.deferral import set_deferred_experts as set_chain
 from ktorch.experts_profile import ExpertsProfile
@@ -80,9 +79,8 @@ def prepare(
                 check_supported(m)
             except ValueError as e:
                 raise type(e)(f"{name}: {e}") from None
-    if device.type != "cpu" and not os.environ.get("KT_NUM_THREADS"):
-        # the launching thread keeps a core of its own (see ktorch.set_num_threads)
-        set_num_threads(max(1, torch.get_num_threads() - 1))
+    if device.type != "cpu":
+        leave_a_core_for_the_launcher()  # see ktorch.set_num_threads
     n_gpu = _gpu_experts_per_layer(gpu_experts, modules)
     if n_gpu and expert_profile is None:
         raise ValueError("prepare: gpu_experts needs expert_profile (ktorch.profile_experts(model, inputs))")

@@ -99,3 +99,18 @@ def test_host_functions_switch(monkeypatch):
     monkeypatch.setenv("KT_HOST_FUNCTIONS", "cpp")
     with pytest.raises(ValueError, match="'python' or 'native'"):
         native_host_tasks()
+
+
+def test_python_host_function_address_calls_its_callable():
+    """HostFunction hands CUDA the address of its ctypes trampoline; called as a C function it runs the callable."""
+    from ktorch.compile.host_func import HostFunction
+
+    hits = []
+    fn = HostFunction(lambda: hits.append(1))
+    _FN(ctypes.cast(fn._c_fn, ctypes.c_void_p).value)(None)
+    assert hits == [1] and fn.error is None
+
+
+def test_null_handle_is_an_error():
+    with pytest.raises(RuntimeError, match="host task: null handle"):
+        torch.ops.kt.host_task_run(0)

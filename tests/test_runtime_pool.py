@@ -54,3 +54,29 @@ def test_pool_calls_from_several_threads():
     for t in threads:
         t.join()
     assert errors == []
+
+
+_LAUNCHER_SCRIPT = """
+import torch, ktorch
+from ktorch._library import leave_a_core_for_the_launcher
+torch.set_num_threads(4)
+leave_a_core_for_the_launcher()
+first = ktorch.get_num_threads()
+ktorch.set_num_threads(4)
+leave_a_core_for_the_launcher()
+print(first, ktorch.get_num_threads())
+"""
+
+
+@pytest.mark.parametrize("env,want", [({}, "3 4"), ({"KT_NUM_THREADS": "2"}, "2 4")])
+def test_hybrid_placement_leaves_a_core_unless_the_size_was_chosen(env, want):
+    """prepare(device="cuda") takes one pool thread fewer than torch's, but never overrides KT_NUM_THREADS or
+    an explicit ktorch.set_num_threads."""
+    import os
+    import subprocess
+    import sys
+
+    clean = {k: v for k, v in os.environ.items() if k != "KT_NUM_THREADS"}
+    out = subprocess.run([sys.executable, "-c", _LAUNCHER_SCRIPT], env={**clean, **env}, check=True, timeout=120,
+                         capture_output=True, text=True).stdout.split()
+    assert " ".join(out[-2:]) == want

@@ -191,6 +191,7 @@ class ExpertsRuntime:
         self.layers.clear()
         self._layer_ids.clear()
         self._sites.clear()
+        self._native_tasks.clear()
 
     # -- run time
     def submit(self, hidden, topk_ids, topk_weights, layer: int, site: int) -> torch.Tensor:

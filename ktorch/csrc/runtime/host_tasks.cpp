@@ -38,7 +38,6 @@ struct HostTask {
   at::Tensor hidden, topk_ids, topk_weights, out, w13, w2;
   std::optional<at::Tensor> w13_scales, w2_scales;
   std::string activation;
-  std::atomic<int> pending{0};  // starts not yet joined
   std::atomic<int64_t> done{0};  // calls finished
   std::atomic<int64_t> started{0};
   std::mutex mutex;  // guards error, times

@@ -33,22 +33,23 @@ std::vector<int> process_cpus() {
 }
 
 namespace {
-std::mutex g_pool_mutex;
-std::unique_ptr<WorkerPool> g_pool;  // never freed at exit: joining threads during static destruction hangs
-}  // namespace
-
-namespace {
-thread_local WorkerPool* t_pool = nullptr;  // use_on_this_thread
+std::mutex g_pool_mutex;                   // guards creating and replacing g_pool
+std::unique_ptr<WorkerPool> g_pool;        // the process-wide pool
+std::atomic<WorkerPool*> g_current{nullptr};  // g_pool.get(), read without the lock on every parallel loop
+thread_local WorkerPool* t_pool = nullptr;    // use_on_this_thread
 }  // namespace
 
 void WorkerPool::use_on_this_thread(WorkerPool* pool) { t_pool = pool; }
 
 WorkerPool& WorkerPool::instance() {
   if (t_pool) return *t_pool;
+  if (WorkerPool* pool = g_current.load(std::memory_order_acquire)) return *pool;
   std::lock_guard<std::mutex> lock(g_pool_mutex);
-  if (!g_pool)
+  if (!g_pool) {
     g_pool = std::make_unique<WorkerPool>(static_cast<int>(env_int("KT_NUM_THREADS", at::get_num_threads())),
                                           env_int("KT_SPIN_US", 2000), env_int("KT_PIN_THREADS", 0) != 0);
+    g_current.store(g_pool.get(), std::memory_order_release);
+  }
   return *g_pool;
 }
 
@@ -63,6 +64,7 @@ void WorkerPool::resize(int workers) {
   }
   std::unique_ptr<WorkerPool> old = std::move(g_pool);
   g_pool = std::move(fresh);
+  g_current.store(g_pool.get(), std::memory_order_release);
   old.reset();
 }
 
