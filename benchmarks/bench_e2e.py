@@ -16,6 +16,10 @@ Timing is a forward loop at batch 1 with a static KV cache (gpt-fast style): pre
 prompt (logits of the last token only); decode = 1-token forwards, the next token picked by argmax on the
 device, one sync at the end. Warm-up calls (compiles, CUDA-graph capture) are not timed.
 
+--stream-experts "off;auto;512:0.3,2048:0.45": prefill with a prefix of each layer's experts streamed to the GPU
+(ktorch.set_stream_experts): one row per setting and ktorch variant ("auto" also prints what it measured); decode
+never streams, so rows after the first time prefill only.
+
 --profile: records a few decode steps with torch.profiler, writes the chrome trace (with the CPU experts calls
 added as a thread "ktorch-experts", timed by the experts runtime since the profiler does not see its worker
 thread), and prints for one step the GPU busy time, the CPU experts busy time, their overlap, and the host
@@ -288,13 +292,22 @@ def time_variant(model, variant: str, device: str, prompts: list[int], decode_to
         first = runner.decode(first, warm + 1)
         sync(device)
         result["warmup_decode_s"] = time.perf_counter() - t0
-        stats0 = dict(ktorch.compile.RUNTIME.stats)
+        runtime = ktorch.compile.RUNTIME
+        runtime.take_native_timeline()  # drop what the warm-up recorded
+        stats0 = dict(runtime.stats)
         t0 = time.perf_counter()
         runner.decode(first, decode_tokens)
         sync(device)
         elapsed = time.perf_counter() - t0
         result["decode_tok_s"] = decode_tokens / elapsed
-        stats = ktorch.compile.RUNTIME.stats
+        stats = runtime.stats
+        native = runtime.take_native_timeline()
+        experts_ns = stats["experts_ns"] - stats0.get("experts_ns", 0) + sum(end - start for start, end, _ in native)
+        experts_calls = stats["experts_calls"] - stats0.get("experts_calls", 0) + len(native)
+        # c without a profiler: the kt.fused_moe calls' own time per decode step (0 for the variants that do not
+        # go through the experts runtime, e.g. compiled on a CPU-only machine runs the op in the graph)
+        result["cpu_experts_ms_per_step"] = experts_ns / 1e6 / decode_tokens
+        result["experts_calls_per_step"] = experts_calls / decode_tokens
         result["host_waits_per_step"] = (stats["host_waits"] - stats0.get("host_waits", 0)) / decode_tokens
         result["python_submits_per_step"] = (stats["submits"] - stats0.get("submits", 0)) / decode_tokens
     result["runner"] = runner
@@ -420,6 +433,43 @@ def describe_overlap() -> str:
 # ---------------------------------------------------------------- main
 
 
+@torch.no_grad()
+def standalone_experts_ms(model, rounds: int = 5, tokens: int = 1, seed: int = 2) -> float:
+    """ms per decode step of the model's kt.fused_moe calls run back to back on this thread, outside the model:
+    every MoE layer once per round with ``tokens`` random tokens routed uniformly (the first round not timed).
+    Against the decode's cpu_experts_ms_per_step it tells what running inside the step costs the op."""
+    gen = torch.Generator().manual_seed(seed)
+    modules = [m for _, m in experts_modules(model)]
+    k = getattr(model.config, "num_experts_per_tok", 8)
+    calls = []
+    for m in modules:
+        E, H = m.kt_w13.shape[0], m.kt_w2.shape[1] * 16
+        x = torch.randn(tokens, H, generator=gen).to(torch.bfloat16)
+        calls.append((m, x, E))
+    elapsed = 0.0
+    for r in range(rounds + 1):
+        for m, x, E in calls:
+            ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(tokens)]).to(torch.int32)
+            w = torch.full((tokens, k), 1.0 / k)
+            t0 = time.perf_counter()
+            torch.ops.kt.fused_moe(x, ids, w, m.kt_w13, m.kt_w13_scales, m.kt_w2, m.kt_w2_scales, m.kt_activation)
+            if r:
+                elapsed += time.perf_counter() - t0
+    return elapsed * 1e3 / rounds
+
+
+def parse_stream_spec(spec: str):
+    """'off' | 'auto' | 'min_tokens:experts_or_fraction,...' -> what ktorch.set_stream_experts takes."""
+    spec = spec.strip()
+    if spec in ("off", "auto"):
+        return spec
+    table = {}
+    for item in spec.split(","):
+        tokens, share = item.split(":")
+        table[int(tokens)] = float(share) if "." in share else int(share)
+    return table
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
@@ -436,6 +486,12 @@ def main(argv=None) -> None:
     parser.add_argument("--options", default=None,
                         help='ktorch backend options as JSON for the compiled variants, e.g. \'{"overlap": false}\'')
     parser.add_argument("--profile", action="store_true", help="profile decode steps of the ktorch variants")
+    parser.add_argument("--op-check", action="store_true",
+                        help="also time the model's experts ops back to back outside the model (standalone ms per "
+                             "decode step), to compare with the decode's cpu_experts_ms_per_step")
+    parser.add_argument("--stream-experts", default="off",
+                        help="';'-separated prefill streaming settings for the ktorch variants: off, auto, or "
+                             "'min_tokens:experts_or_fraction,...' (e.g. 512:0.3,2048:0.45)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for traces")
     parser.add_argument("--json", default=None, help="append results as JSON lines to this file")
     args = parser.parse_args(argv)
@@ -453,20 +509,34 @@ def main(argv=None) -> None:
     for variant in variants:
         if variant not in VARIANTS:
             raise SystemExit(f"unknown variant {variant!r}; choose from {VARIANTS}")
+    streams = [parse_stream_spec(spec) for spec in args.stream_experts.split(";") if spec.strip()]
+    runs = [(v, stream) for v in variants for stream in (streams if v != "hf_offload" else ["off"])]
     rows = []
     model = None  # the ktorch variants share one placed model
-    for variant in variants:
+    for i, (variant, stream) in enumerate(runs):
         torch._dynamo.reset()
         build_s = 0.0
         if variant == "hf_offload" or model is None:
             model, build_s = build_model(args.shape, variant, args.device, args.experts_dtype, layers=args.layers)
+        calibration = None
+        if variant != "hf_offload":
+            ktorch.set_stream_experts(model, stream)
+            calibration = getattr(model, "kt_stream_calibration", None) if stream == "auto" else None
+        first_of_variant = i == 0 or runs[i - 1][0] != variant
         decode = args.baseline_decode_tokens if variant == "hf_offload" else args.decode_tokens
+        decode = decode if first_of_variant else 0
         repeats = 1 if variant == "hf_offload" else args.repeats
         r = time_variant(model, variant, args.device, prompts, decode, args.decode_context, repeats,
                          model.config.vocab_size, options)
         runner = r.pop("runner")
         r.update(shape=args.shape, experts_dtype=args.experts_dtype, build_s=build_s, machine=info,
                  layers=model.config.num_hidden_layers, options=options)
+        if variant != "hf_offload":
+            r.update(stream_experts=stream, stream_plan=ktorch.stream_plan(model))
+            if args.op_check and decode:
+                r["standalone_experts_ms_per_step"] = standalone_experts_ms(model)
+            if calibration is not None:
+                r["stream_calibration"] = dict(h2d_gbps=calibration.h2d_gbps, cpu_ms=calibration.cpu_ms)
         if args.profile and variant != "hf_offload":
             r["profile"] = profile_decode(runner, 5, args.out, f"{args.shape}_{variant}")
             r["overlap_nodes"] = describe_overlap()
@@ -482,12 +552,22 @@ def main(argv=None) -> None:
         if args.device == "cuda":
             torch.cuda.empty_cache()
 
-    cols = [f"prefill_{p}_tok_s" for p in prompts] + ["decode_tok_s", "host_waits_per_step"]
+    cols = [f"prefill_{p}_tok_s" for p in prompts] + ["decode_tok_s", "host_waits_per_step", "cpu_experts_ms_per_step"]
+    if args.op_check:
+        cols.append("standalone_experts_ms_per_step")
     print()
-    print("| variant | " + " | ".join(c.replace("_tok_s", " tok/s").replace("_", " ") for c in cols) + " |")
-    print("|---|" + "---|" * len(cols))
+    print("| variant | streamed experts per layer | " +
+          " | ".join(c.replace("_tok_s", " tok/s").replace("_", " ") for c in cols) + " |")
+    print("|---|---|" + "---|" * len(cols))
     for r in rows:
-        print(f"| {r['variant']} | " + " | ".join(f"{r[c]:.2f}" if c in r else "-" for c in cols) + " |")
+        plan = r.get("stream_plan") or {}
+        streamed = ", ".join(f"{n} from {t} tokens" for t, n in plan.items()) or "none"
+        print(f"| {r['variant']} | {streamed} | " + " | ".join(f"{r[c]:.2f}" if c in r else "-" for c in cols) + " |")
+    for r in rows:
+        if "stream_calibration" in r:
+            c = r["stream_calibration"]
+            print(f"\nstream_experts=auto measured: host-to-device {c['h2d_gbps']:.1f} GB/s, CPU op per layer "
+                  + ", ".join(f"{t} tokens {ms:.2f} ms" for t, ms in sorted(c["cpu_ms"].items())))
     for r in rows:
         if "profile" in r:
             p = r["profile"]

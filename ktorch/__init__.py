@@ -17,7 +17,7 @@ __all__ = ["PackedExperts", "cpu_features", "fused_moe", "get_num_threads", "pac
 from ktorch.integrations import register_when_imported as _register_experts_implementation  # noqa: E402
 from ktorch.experts_profile import ExpertsProfile, profile_experts  # noqa: E402
 from ktorch.loading import load  # noqa: E402
-from ktorch.placement import gpu_placement, prepare, set_deferred_experts  # noqa: E402
+from ktorch.placement import gpu_placement, prepare, set_deferred_experts, set_stream_experts, stream_plan  # noqa: E402
 
 _register_experts_implementation()
-__all__ += ["ExpertsProfile", "gpu_placement", "load", "prepare", "profile_experts", "set_deferred_experts"]
+__all__ += ["ExpertsProfile", "gpu_placement", "load", "prepare", "profile_experts", "set_deferred_experts", "set_stream_experts", "stream_plan"]

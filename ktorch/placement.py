@@ -15,6 +15,7 @@ from ktorch.experts_profile import ExpertsProfile
 from ktorch.integrations.transformers_experts import (
     IMPLEMENTATION_NAME,
     attach_gpu_experts,
+    attach_streamed_experts,
     gpu_expert_weights,
     check_supported,
     is_experts_module,
@@ -38,6 +39,7 @@ def prepare(
     gpu_experts: Union[int, float, str, None] = None,
     expert_profile: Optional[ExpertsProfile] = None,
     gpu_experts_kernel: str = "auto",
+    stream_experts: Union[str, dict, None] = None,
 ) -> nn.Module:
     """Places an MoE model for hybrid inference, in place, and returns it.
 
@@ -59,6 +61,14 @@ def prepare(
     masked to -1 in what the CPU op receives, computed on the device (ktorch/ops/gpu_experts.py,
     ``gpu_experts_kernel``) while the CPU works, and the two parts summed.
 
+    ``stream_experts`` (GPU only; default None: off) lets long inputs (prefill) use the GPU for part of every MoE
+    layer's routed experts: from some token count on, a prefix of the layer's experts has its packed weights copied
+    to the GPU per call (page-locked, asynchronous) and computed there while the CPU computes the rest
+    (ktorch/ops/streamed_experts.py). ``"auto"`` measures the copy bandwidth and the CPU op on the first layer
+    (about a second) and picks, per prompt length, the share that balances the two (``model.kt_stream_calibration``
+    keeps what was measured); a table ``{min_tokens: experts or fraction}`` sets it by hand, e.g. ``{512: 0.4}``.
+    Decode never streams. ``ktorch.stream_plan(model)`` shows the plan; ``set_stream_experts`` changes it later.
+
     Parameters stop requiring grad (the kt ops are inference-only). The result runs eagerly (hidden states hop to the CPU op and back) and under ``torch.compile``.
     ``device="cpu"`` (or None) keeps the whole model on the CPU: no GPU is needed.
 
@@ -79,6 +89,8 @@ def prepare(
                 check_supported(m)
             except ValueError as e:
                 raise type(e)(f"{name}: {e}") from None
+    if stream_experts is not None and device.type != "cuda":
+        raise ValueError(f"prepare: stream_experts copies experts to a CUDA device; device is {device}")
     if device.type != "cpu":
         leave_a_core_for_the_launcher()  # see ktorch.set_num_threads
     n_gpu = _gpu_experts_per_layer(gpu_experts, modules)
@@ -105,6 +117,8 @@ def prepare(
     gc.collect()
     model.requires_grad_(False)  # inference only: the kt ops have no backward
     model.to(device)  # the packed experts modules ignore it (see attach_packed_experts)
+    if stream_experts is not None:
+        set_stream_experts(model, stream_experts, gpu_experts_kernel)
     _compile_generate_with_ktorch(model)
     set_deferred_experts(model, deferred_experts)
     set_impl = getattr(model, "set_experts_implementation", None)
@@ -114,6 +128,56 @@ def prepare(
         for _, m in modules:
             m.config._experts_implementation = IMPLEMENTATION_NAME
     return model
+
+
+def set_stream_experts(model: nn.Module, stream_experts: Union[str, dict, None], kernel: str = "auto") -> nn.Module:
+    """Sets which experts of every MoE layer long inputs stream to the GPU (``prepare(..., stream_experts=...)``).
+
+    ``stream_experts``: ``"auto"`` (measure and balance, see ``prepare``), a table ``{min_tokens: experts or
+    fraction}``, or None / ``"off"`` (no streaming). The model must be prepared for a CUDA device (its experts
+    packed). Replaces any plan set before (its page-locked memory is released)."""
+    from ktorch.ops.streamed_experts import StreamedExperts, StreamPlan, calibrate_stream_plan, streamed_experts_of
+
+    modules = experts_modules(model)
+    if not modules or any(packed_experts_of(m) is None for _, m in modules):
+        raise ValueError("set_stream_experts: prepare the model first (its experts must be packed)")
+    if stream_experts is None or stream_experts == "off":
+        for _, m in modules:
+            if getattr(m, "kt_stream_handle", None) is not None:
+                streamed_experts_of(m.kt_stream_handle).unpin()
+                m.kt_stream_handle = m.kt_stream_plan = None
+        return model
+    first = modules[0][1]
+    num_experts = first.kt_w13.shape[0]
+    if stream_experts == "auto":
+        device = next((p.device for p in model.parameters() if p.device.type == "cuda"), None)
+        if device is None:
+            raise ValueError("set_stream_experts: 'auto' measures copies to the GPU; the model has no CUDA parameters")
+        probe = StreamedExperts(first.kt_w13, first.kt_w13_scales, first.kt_w2, first.kt_w2_scales,
+                                first.kt_activation, kernel)
+        probe.pin_prefix(min(8, num_experts))
+        try:
+            top_k = getattr(model.config, "num_experts_per_tok", None) or 8
+            plan, model.kt_stream_calibration = calibrate_stream_plan(probe, first.kt_w2.shape[1] * 16, top_k, device)
+        finally:
+            probe.unpin()
+    elif isinstance(stream_experts, dict):
+        plan = StreamPlan.from_table(stream_experts, num_experts)
+    else:
+        raise ValueError(f"stream_experts must be 'auto', 'off', None or a {{min_tokens: experts}} table, got "
+                         f"{stream_experts!r}")
+    for _, m in modules:
+        attach_streamed_experts(m, plan, kernel=kernel)
+    return model
+
+
+def stream_plan(model: nn.Module) -> dict[int, int]:
+    """{min_tokens: experts streamed per MoE layer} of ``prepare(..., stream_experts=...)`` (empty when off)."""
+    for _, m in experts_modules(model):
+        plan = getattr(m, "kt_stream_plan", None)
+        if plan is not None:
+            return dict(zip(plan.thresholds, plan.experts))
+    return {}
 
 
 def gpu_placement(model: nn.Module) -> dict[str, list]:

@@ -103,8 +103,12 @@ class ExpertsLayer:
         out = torch.ops.kt.fused_moe(
             hidden, topk_ids, topk_weights, self.w13, self.w13_scales, self.w2, self.w2_scales, self.activation
         )
-        if runtime is not None and runtime.timeline is not None:
-            runtime.timeline.append((start, time.perf_counter_ns(), hidden.shape[0]))
+        if runtime is not None:
+            end = time.perf_counter_ns()
+            runtime.stats["experts_ns"] += end - start  # written by the worker thread only
+            runtime.stats["experts_calls"] += 1
+            if runtime.timeline is not None:
+                runtime.timeline.append((start, end, hidden.shape[0]))
         return out
 
 
@@ -154,7 +158,9 @@ class ExpertsRuntime:
         self._sites: dict[int, _Site] = collections.defaultdict(_Site)
         self._site_ids = itertools.count()
         self.worker = ExpertsWorker()
-        self.stats = collections.Counter()  # submits / host_waits / captured_submits, for tests and benchmarks
+        # submits / host_waits / captured_submits, and experts_calls / experts_ns (kt.fused_moe time, Python host
+        # functions and eager calls; the native host tasks' calls are in take_native_timeline), for tests and benchmarks
+        self.stats = collections.Counter()
         # Called on the worker thread as observe(layer, hidden, topk_ids, topk_weights) before each experts call
         # runs, in execution order, replays of CUDA graphs included (tests record routing with it).
         self.observers: list = []

@@ -244,6 +244,10 @@ def ktorch_experts_forward(
     gpu_work = None
     if getattr(self, "kt_gpu_slot_of", None) is not None:
         top_k_index, gpu_work = _split_gpu_experts(self, hidden_states, top_k_index, top_k_weights)
+    plan = getattr(self, "kt_stream_plan", None)
+    if plan is not None and plan.experts_for(hidden_states.shape[0]):
+        top_k_index, gpu_work = _split_streamed_experts(self, hidden_states, top_k_index, top_k_weights,
+                                                        plan.experts_for(hidden_states.shape[0]), gpu_work)
     if getattr(self, "kt_deferral", None) is not None and not torch.compiler.is_compiling():
         from ktorch.integrations.deferral import deferred_experts_forward
 
@@ -265,6 +269,52 @@ def _split_gpu_experts(self: nn.Module, hidden_states, top_k_index, top_k_weight
                                    self.kt_activation, self.kt_gpu_kernel)
 
     return cpu_ids, gpu_work
+
+
+def _split_streamed_experts(self: nn.Module, hidden_states, top_k_index, top_k_weights, n: int, gpu_work=None):
+    """(ids for the CPU [T, K] with experts [0, n) set to -1, a callable computing those experts' part [T, H] on
+    hidden's device by streaming their packed weights there, plus ``gpu_work()`` if given). See
+    ktorch/ops/streamed_experts.py and ``attach_streamed_experts``. ``top_k_index`` already has the
+    device-resident experts masked, so they are not streamed again."""
+    from ktorch.ops.streamed_experts import cpu_ids_without
+
+    handle = self.kt_stream_handle
+
+    def stream_work() -> torch.Tensor:
+        out = torch.ops.ktorch.streamed_experts(hidden_states, top_k_index, top_k_weights, handle, n)
+        return out if gpu_work is None else out + gpu_work()
+
+    return cpu_ids_without(top_k_index, n), stream_work
+
+
+def attach_streamed_experts(module: nn.Module, plan, kernel: str = "auto", pin: Optional[bool] = None) -> None:
+    """Lets a packed experts module stream a prefix of its experts to the accelerator on long inputs.
+
+    ``plan``: a ``ktorch.ops.streamed_experts.StreamPlan`` (or a {min_tokens: experts or fraction} table): from
+    ``plan.experts_for(T)`` = n > 0 on, a call with T tokens computes experts [0, n) on the hidden states' device,
+    their packed weights copied there per call, while the CPU op computes the rest (their slots masked to -1);
+    the two parts are summed. ``pin`` (default: when CUDA is available) page-locks those experts' packed bytes so
+    that the copies are asynchronous and can be captured in CUDA graphs."""
+    from ktorch.ops.streamed_experts import StreamedExperts, StreamPlan, register_streamed_experts
+
+    if getattr(module, "kt_w13", None) is None:
+        raise ValueError(f"attach_streamed_experts: {type(module).__name__} is not packed; pack it first")
+    E = module.kt_w13.shape[0]
+    if isinstance(plan, dict):
+        plan = StreamPlan.from_table(plan, E)
+    if plan.max_experts > E:
+        raise ValueError(f"attach_streamed_experts: the plan streams {plan.max_experts} experts; the layer has {E}")
+    old = getattr(module, "kt_stream_handle", None)
+    if old is not None:
+        from ktorch.ops.streamed_experts import streamed_experts_of
+
+        streamed_experts_of(old).unpin()
+    streamed = StreamedExperts(module.kt_w13, module.kt_w13_scales, module.kt_w2, module.kt_w2_scales,
+                               module.kt_activation, kernel)
+    if pin if pin is not None else torch.cuda.is_available():
+        streamed.pin_prefix(plan.max_experts)
+    module.kt_stream_handle = register_streamed_experts(streamed)
+    module.kt_stream_plan = plan
 
 
 def _run_experts(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

@@ -2,5 +2,6 @@
 
 from ktorch.ops.moe import FORMATS, PackedExperts, fused_moe, pack_experts
 from ktorch.ops.numa_split import NumaSplitExperts, numa_split_count
+from ktorch.ops.streamed_experts import StreamPlan  # also defines torch.ops.ktorch.streamed_experts
 
-__all__ = ["FORMATS", "NumaSplitExperts", "PackedExperts", "fused_moe", "numa_split_count", "pack_experts"]
+__all__ = ["FORMATS", "NumaSplitExperts", "PackedExperts", "StreamPlan", "fused_moe", "numa_split_count", "pack_experts"]

@@ -1,0 +1,304 @@
+"""Prefill with the GPU's help: a share of a layer's CPU-resident experts streamed to the accelerator per call.
+
+A long prompt routes tokens to nearly every expert of a layer, so the CPU op must read all of the layer's expert
+weights once per call (Qwen3-30B-A3B, int8: 604 MB a layer), at DRAM speed or at the AMX units' speed, whichever
+is slower. Meanwhile the GPU idles. ``StreamedExperts`` lets it take the experts ``[0, n)`` of the layer: their
+packed bytes are copied host-to-device (from page-locked memory, so the copy runs on the DMA engines while the CPU
+computes the other experts), dequantized there and run through ``gpu_experts_forward``; the CPU op gets their slots
+masked to -1. Both parts run at once and are summed: the layer costs max(CPU on E - n experts, copy of n experts)
+instead of CPU on E. llama.cpp does the opposite extreme for large batches (every expert to the GPU); decode,
+where a token reads 8 experts, never streams (the copy would be slower than the CPU reading them).
+
+The share depends on the prompt length T: ``StreamPlan`` maps T to n (a table, or ``calibrate_stream_plan``'s
+balance of the measured copy bandwidth against the measured CPU op time). The experts always form a prefix of the
+packed tensors, so each copy is one contiguous range per tensor.
+
+The device part is the custom op ``torch.ops.ktorch.streamed_experts(hidden, topk_ids, topk_weights, handle, n,
+activation, kernel)``: the packed CPU tensors stay out of the graph (``handle`` indexes this module's registry,
+as the compile backend does for the CPU op's weights), so a compiled graph holds device tensors only and
+Inductor's CUDA graphs take it; the copies from page-locked memory are captured as memcpy nodes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from ktorch.ops.gpu_experts import gpu_experts_forward
+
+# ---------------------------------------------------------------- packed layout -> [n, K, N] on any device
+
+
+def dequantize_packed(packed: torch.Tensor, scales: Optional[torch.Tensor], gate_up: bool,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """Packed experts (``kt.pack_*`` layout, any device) -> their weights transposed, [n, K, N] in ``dtype``.
+
+    packed [n, N/16, K/per, 16, per] (bf16 per=2, int8 per=4; int4 uint8 [n, N/16, K/8, 16, 4]), scales float32
+    [n, G, N] (None for bf16). With ``gate_up`` the N = 2I columns come back in the original order (gate then up),
+    undoing the packing's 32-row interleave. [n, K, N] is what ``torch._grouped_mm`` and ``gpu_experts_forward``
+    take (w13 [n, H, 2I], w2 [n, I, H]). Equals ``kt.unpack(packed, scales, gate_up).transpose(1, 2)`` up to the
+    rounding to ``dtype``; plain torch ops, so it runs where the tensors are (two passes over the weights)."""
+    if packed.dim() != 5 or packed.shape[3] != 16:
+        raise ValueError(f"dequantize_packed: packed must be [n, N/16, K/per, 16, per], got {tuple(packed.shape)}")
+    n, N = packed.shape[0], packed.shape[1] * 16
+    if packed.dtype == torch.uint8:  # int4: low nibbles are k 8o..8o+3, high nibbles 8o+4..8o+7, stored + 8
+        K = packed.shape[2] * 8
+        nibbles = torch.stack([packed & 0xF, packed >> 4], dim=3)  # [n, N/16, K/8, 2, 16, 4]
+        q = nibbles.permute(0, 1, 4, 2, 3, 5).reshape(n, N, K).to(torch.int8) - 8
+    else:
+        per = packed.shape[4]
+        K = packed.shape[2] * per
+        q = packed.permute(0, 1, 3, 2, 4).reshape(n, N, K)  # rows in packed order
+    out = torch.empty(n, K, N, dtype=dtype, device=packed.device)
+    # out seen as [n, rows, K] with the rows in packed order, so that one elementwise pass writes it transposed
+    if gate_up:
+        rows_view = out.view(n, K, 2, N // 64, 32).permute(0, 3, 2, 4, 1)  # [n, N/64, 2, 32, K]
+        q = q.view(n, N // 64, 2, 32, K)
+    else:
+        rows_view = out.transpose(1, 2)  # [n, N, K]
+    if scales is None:
+        if packed.dtype != torch.bfloat16:
+            raise ValueError(f"dequantize_packed: {packed.dtype} packed weights need their scales")
+        rows_view.copy_(q)
+        return out
+    G = scales.shape[1]
+    if scales.shape != (n, G, N) or K % G:
+        raise ValueError(f"dequantize_packed: scales must be [n={n}, G, N={N}] with G dividing K={K}, "
+                         f"got {tuple(scales.shape)}")
+    s = scales.transpose(1, 2)  # [n, N, G], rows in packed order
+    lead = (n, N // 64, 2, 32) if gate_up else (n, N)
+    q_groups = q.reshape(*lead, G, K // G)
+    torch.mul(q_groups, s.reshape(*lead, G, 1), out=rows_view.unflatten(-1, (G, K // G)))
+    return out
+
+
+# ---------------------------------------------------------------- which experts stream, by prompt length
+
+
+@dataclass
+class StreamPlan:
+    """Experts streamed to the device per call, by token count: the entry with the largest ``min_tokens <= T``.
+
+    ``thresholds`` ascending token counts, ``experts`` the number of experts (a prefix of the layer's) streamed at
+    and above each; below the first threshold nothing streams."""
+
+    thresholds: list = field(default_factory=list)
+    experts: list = field(default_factory=list)
+
+    def experts_for(self, tokens: int) -> int:
+        n = 0  # a plain loop, which Dynamo folds for a static T (and guards on for a dynamic one)
+        for threshold, experts in zip(self.thresholds, self.experts):
+            if tokens >= threshold:
+                n = experts
+        return n
+
+    @property
+    def max_experts(self) -> int:
+        return max(self.experts, default=0)
+
+    @classmethod
+    def from_table(cls, table: dict, num_experts: int) -> "StreamPlan":
+        """{min_tokens: experts (int) or fraction of the layer's experts (float in [0, 1])}."""
+        items = sorted(table.items())
+        thresholds, experts = [], []
+        for tokens, share in items:
+            if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+                raise ValueError(f"stream_experts: token thresholds must be ints >= 1, got {tokens!r}")
+            if isinstance(share, float):
+                if not 0.0 <= share <= 1.0:
+                    raise ValueError(f"stream_experts: a fraction must be in [0, 1], got {share} at {tokens} tokens")
+                share = round(share * num_experts)
+            if isinstance(share, bool) or not isinstance(share, int) or not 0 <= share <= num_experts:
+                raise ValueError(f"stream_experts: at {tokens} tokens, {share!r} is not a count in [0, {num_experts}] "
+                                 "or a fraction")
+            thresholds.append(tokens)
+            experts.append(share)
+        return cls(thresholds, experts)
+
+
+# ---------------------------------------------------------------- the streamed experts of one layer
+
+
+class StreamedExperts:
+    """One layer's packed CPU experts, of which a prefix is copied to the device and computed there per call."""
+
+    # A tensor at least this large came from its own mmap (glibc's largest dynamic mmap threshold is 32 MiB), so
+    # page-locking it in place cannot collide with another registration on a shared page; smaller ones (scales,
+    # tiny models) are copied into torch's pinned memory instead.
+    REGISTER_IN_PLACE_BYTES = 32 << 20
+
+    def __init__(self, w13: torch.Tensor, w13_scales: Optional[torch.Tensor], w2: torch.Tensor,
+                 w2_scales: Optional[torch.Tensor], activation: str, kernel: str = "auto"):
+        self.tensors = (w13, w13_scales, w2, w2_scales)
+        self.sources = self.tensors  # what the copies read: the tensors, or page-locked copies of their prefix
+        self.pinned_experts = 0
+        self.activation = activation
+        self.kernel = kernel
+        self._registered: list = []  # pointers page-locked in place by pin_prefix
+
+    @property
+    def num_experts(self) -> int:
+        return self.tensors[0].shape[0]
+
+    def bytes_per_expert(self) -> int:
+        return sum(t[0].numel() * t.element_size() for t in self.tensors if t is not None)
+
+    def pin_prefix(self, n: int) -> None:
+        """Page-locks the first ``n`` experts of every packed tensor, so that their copies to the GPU are
+        asynchronous DMA and can be captured in CUDA graphs: large tensors in place (``cudaHostRegister``), small
+        ones as a pinned copy of the prefix. Raises if CUDA refuses."""
+        self.unpin()
+        if n <= 0:
+            return
+        cudart = torch.cuda.cudart()
+        sources = []
+        for t in self.tensors:
+            if t is None:
+                sources.append(None)
+                continue
+            nbytes = t[:n].numel() * t.element_size()
+            if nbytes < self.REGISTER_IN_PLACE_BYTES:
+                sources.append(t[:n].pin_memory())
+                continue
+            err = int(cudart.cudaHostRegister(t.data_ptr(), nbytes, 0))
+            if err != 0:
+                raise RuntimeError(f"stream_experts: cudaHostRegister of {nbytes} bytes failed (cudaError {err}); the "
+                                   "streamed experts must be page-locked (check `ulimit -l` and free memory)")
+            self._registered.append(t.data_ptr())
+            sources.append(t)
+        self.sources = tuple(sources)
+        self.pinned_experts = n
+
+    def unpin(self) -> None:
+        if self._registered:
+            cudart = torch.cuda.cudart()
+            for ptr in self._registered:
+                cudart.cudaHostUnregister(ptr)
+        self._registered = []
+        self.sources = self.tensors
+        self.pinned_experts = 0
+
+    def device_weights(self, n: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13 [n, H, 2I], w2 [n, I, H]) of experts [0, n) on ``device`` in ``dtype``: copied (non-blocking from
+        page-locked memory) and dequantized there."""
+        if device.type == "cuda" and n > self.pinned_experts:
+            raise RuntimeError(f"streamed_experts: {n} experts asked, {self.pinned_experts} page-locked; call "
+                               "pin_prefix(n) first (attach_streamed_experts does)")
+        w13, s13, w2, s2 = (None if t is None else t[:n].to(device, non_blocking=True) for t in self.sources)
+        return dequantize_packed(w13, s13, True, dtype), dequantize_packed(w2, s2, False, dtype)
+
+    def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, n: int) -> torch.Tensor:
+        """The part of experts [0, n) in the layer's output: [T, H] in hidden's dtype on hidden's device."""
+        w13, w2 = self.device_weights(n, hidden.device, hidden.dtype)
+        slots = torch.where((topk_ids >= 0) & (topk_ids < n), topk_ids, -1)
+        return gpu_experts_forward(hidden, slots, topk_weights, w13, w2, self.activation, self.kernel)
+
+
+_REGISTRY: list[StreamedExperts] = []
+
+
+def register_streamed_experts(streamed: StreamedExperts) -> int:
+    """Keeps ``streamed`` for the life of the process; returns the handle the op takes."""
+    _REGISTRY.append(streamed)
+    return len(_REGISTRY) - 1
+
+
+def streamed_experts_of(handle: int) -> StreamedExperts:
+    if not 0 <= handle < len(_REGISTRY):
+        raise ValueError(f"streamed_experts: no streamed experts under handle {handle} (have {len(_REGISTRY)})")
+    return _REGISTRY[handle]
+
+
+@torch.library.custom_op("ktorch::streamed_experts", mutates_args=())
+def streamed_experts(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, handle: int,
+                     n: int) -> torch.Tensor:
+    """hidden [T, H], topk_ids/topk_weights [T, K] on the device -> [T, H]: the routed output of experts [0, n) of
+    the layer registered under ``handle``, computed on hidden's device (zeros where no slot picks them)."""
+    return streamed_experts_of(handle).forward(hidden, topk_ids, topk_weights, n)
+
+
+@streamed_experts.register_fake
+def _(hidden, topk_ids, topk_weights, handle, n):
+    return torch.empty_like(hidden)
+
+
+def cpu_ids_without(topk_ids: torch.Tensor, n: int) -> torch.Tensor:
+    """topk_ids with the slots of experts [0, n) set to -1: what the CPU op computes beside the streamed part."""
+    return torch.where(topk_ids < n, -1, topk_ids)
+
+
+# ---------------------------------------------------------------- choosing n from measurements
+
+
+@dataclass
+class StreamCalibration:
+    """What ``calibrate_stream_plan`` measured: host-to-device GB/s and the CPU op's ms per layer by T."""
+
+    h2d_gbps: float
+    cpu_ms: dict
+    bytes_per_expert: int
+    num_experts: int
+
+    def best_experts(self, tokens: int) -> int:
+        """n that balances the copy of n experts against the CPU op on the other E - n (ms per layer)."""
+        cpu = self._cpu_ms(tokens)
+        copy_per_expert = self.bytes_per_expert / (self.h2d_gbps * 1e6)  # ms
+        best, best_ms = 0, cpu
+        for n in range(1, self.num_experts + 1):
+            ms = max(cpu * (self.num_experts - n) / self.num_experts, copy_per_expert * n)
+            if ms < best_ms:
+                best, best_ms = n, ms
+        return best
+
+    def _cpu_ms(self, tokens: int) -> float:
+        points = sorted(self.cpu_ms.items())
+        if tokens <= points[0][0]:
+            return points[0][1] * tokens / points[0][0]
+        for (t0, m0), (t1, m1) in zip(points, points[1:]):
+            if tokens <= t1:
+                return m0 + (m1 - m0) * (tokens - t0) / (t1 - t0)
+        (t0, m0), (t1, m1) = points[-2:] if len(points) > 1 else ((0, 0.0), points[-1])
+        return m1 + (m1 - m0) * (tokens - t1) / (t1 - t0)
+
+
+def calibrate_stream_plan(streamed: StreamedExperts, hidden_size: int, top_k: int, device: torch.device,
+                          tokens: Sequence[int] = (128, 512, 2048), min_gain: float = 0.1,
+                          repeats: int = 2) -> tuple[StreamPlan, StreamCalibration]:
+    """Measures the copy bandwidth to ``device`` and the CPU op at ``tokens`` (random uniform routing, this
+    layer's weights) and returns the plan that balances the two, with what was measured. A length streams only
+    where the balance saves at least ``min_gain`` of the CPU time; lengths between the measured ones take the
+    entry of the next smaller one.
+
+    Run it once per model (all layers share a shape): about ``repeats * sum(tokens)`` tokens of CPU work."""
+    E = streamed.num_experts
+    w13, s13, w2, s2 = streamed.tensors
+    probe = max(1, min(E, 8, streamed.pinned_experts))
+    src = streamed.sources[0][:probe]
+    src.to(device, non_blocking=True)  # first touch of the context's copy engines
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        src.to(device, non_blocking=True)
+    torch.cuda.synchronize(device)
+    h2d_gbps = repeats * src.numel() * src.element_size() / (time.perf_counter() - start) / 1e9
+    cpu_ms = {}
+    for T in tokens:
+        x = torch.randn(T, hidden_size, dtype=torch.bfloat16)
+        ids = torch.stack([torch.randperm(E)[:top_k] for _ in range(T)]).to(torch.int32)
+        weights = torch.full((T, top_k), 1.0 / top_k)
+        torch.ops.kt.fused_moe(x, ids, weights, w13, s13, w2, s2, streamed.activation)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            torch.ops.kt.fused_moe(x, ids, weights, w13, s13, w2, s2, streamed.activation)
+        cpu_ms[T] = (time.perf_counter() - start) * 1e3 / repeats
+    calibration = StreamCalibration(h2d_gbps, cpu_ms, streamed.bytes_per_expert(), E)
+    table = {}
+    for T in sorted(tokens):
+        n = calibration.best_experts(T)
+        cpu = calibration._cpu_ms(T)
+        saved = cpu - max(cpu * (E - n) / E, n * calibration.bytes_per_expert / (h2d_gbps * 1e6))
+        table[T] = n if saved >= min_gain * cpu else 0
+    return StreamPlan.from_table(table, E), calibration
