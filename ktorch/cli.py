@@ -77,8 +77,17 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         metavar="D",
-        help="run the routed experts of layer L while the GPU works on layer L+D (deferred experts); only 0 "
-        "(no deferral) is implemented yet (default: 0)",
+        help="expert deferral: at every MoE layer but the last, each token's D lowest-weighted routed experts "
+        "join the next layer's output instead, so the CPU finishes them while the GPU runs on (docs/deferral.md; "
+        "0 <= D <= the model's experts per token; changes results slightly by design) (default: 0)",
+    )
+    m.add_argument(
+        "--stream-experts",
+        default="off",
+        metavar="PLAN",
+        help="GPU only: long prompts copy a share of each layer's experts to the GPU and compute them there while "
+        "the CPU does the rest (docs/prefill_streaming.md): off, auto (measure and balance at load), or "
+        "MIN_TOKENS:SHARE,... with SHARE a fraction or an expert count, e.g. 512:0.4,2048:0.45 (default: off)",
     )
     m.add_argument(
         "--plain",
@@ -167,6 +176,22 @@ def resolve_model_path(model: str) -> Path:
     return path
 
 
+def parse_stream_plan(text: str):
+    """--stream-experts: 'off' | 'auto' | 'MIN_TOKENS:SHARE,...' -> what ktorch.set_stream_experts takes."""
+    text = text.strip()
+    if text in ("off", "auto"):
+        return text
+    table = {}
+    for item in text.split(","):
+        try:
+            tokens, share = item.split(":")
+            table[int(tokens)] = float(share) if "." in share else int(share)
+        except ValueError:
+            raise CLIError(f"--stream-experts {text}: expected off, auto or MIN_TOKENS:SHARE,... (e.g. "
+                           "512:0.4,2048:0.45), got {item!r}") from None
+    return table
+
+
 def resolve_device(device: str):
     import torch
 
@@ -187,9 +212,9 @@ def load_model(args: argparse.Namespace):
 
     if args.deferred_experts < 0:
         raise CLIError(f"--deferred-experts must be >= 0, got {args.deferred_experts}")
-    if args.deferred_experts > 0:
-        raise CLIError(f"--deferred-experts {args.deferred_experts}: deferred experts are not implemented yet; "
-                       "use --deferred-experts 0")
+    stream = parse_stream_plan(args.stream_experts)
+    if args.plain and (args.deferred_experts or stream != "off"):
+        raise CLIError("--plain runs transformers' own experts: --deferred-experts and --stream-experts need ktorch")
     if args.group_size is not None and args.experts_dtype != "int4":
         raise CLIError(f"--group-size applies to --experts-dtype int4 only, got --experts-dtype {args.experts_dtype}")
     path = resolve_model_path(args.model)
@@ -211,6 +236,15 @@ def load_model(args: argparse.Namespace):
                                            progress=sys.stderr.isatty())
         except (CheckpointError, ValueError, OSError) as e:
             raise CLIError(f"--model {args.model}: {e}") from None
+        top_k = getattr(model.config, "num_experts_per_tok", None)
+        if top_k is not None and args.deferred_experts > top_k:
+            raise CLIError(f"--deferred-experts {args.deferred_experts}: the model routes each token to {top_k} "
+                           "experts; D must be at most that")
+        ktorch.set_deferred_experts(model, args.deferred_experts)
+        if stream != "off":
+            if device.type != "cuda":
+                raise CLIError(f"--stream-experts copies experts to a GPU; --device is {device}")
+            ktorch.set_stream_experts(model, stream)
         return model, (tokenizer if tokenizer is not None else TokenIdsTokenizer(model.config.vocab_size)), device
     if path.is_file():
         raise CLIError(f"--model {args.model}: --plain runs transformers checkpoint folders only")

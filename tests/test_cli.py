@@ -101,11 +101,30 @@ def test_gguf_header_only_is_reported_corrupt(tmp_path, capsys):
     assert "cannot parse it as GGUF" in capsys.readouterr().err
 
 
-def test_deferred_experts_not_implemented_yet(capsys):
-    assert main(["generate", "--model", "builtin", "--prompt", "hi", "--deferred-experts", "2"]) == 1
-    assert "deferred experts are not implemented yet" in capsys.readouterr().err
+def test_generate_with_deferred_experts(capsys, monkeypatch):
+    """--deferred-experts 2 on the built-in model (top-4): the experts modules defer, text and rates come out."""
+    import ktorch
+
+    seen = []
+    set_deferred = ktorch.set_deferred_experts
+    monkeypatch.setattr(ktorch, "set_deferred_experts", lambda model, d: seen.append(d) or set_deferred(model, d))
+    assert main(["generate", "--model", "builtin", "--prompt", "Once upon a time", "--max-new-tokens", "6",
+                 "--deferred-experts", "2", "--device", "cpu"]) == 0
+    captured = capsys.readouterr()
+    assert seen == [2] and TIMING.search(captured.err) and captured.out.strip()
+
+
+def test_placement_option_errors(capsys):
+    assert main(["generate", "--model", "builtin", "--prompt", "hi", "--deferred-experts", "5", "--device", "cpu"]) == 1
+    assert "routes each token to 4 experts" in capsys.readouterr().err
+    assert main(["generate", "--model", "builtin", "--prompt", "hi", "--deferred-experts", "-1"]) == 1
+    assert "--deferred-experts must be >= 0" in capsys.readouterr().err
     assert main(["generate", "--model", "builtin", "--prompt", "hi", "--group-size", "32"]) == 1
     assert "--group-size applies to --experts-dtype int4 only" in capsys.readouterr().err
+    assert main(["generate", "--model", "builtin", "--prompt", "hi", "--stream-experts", "auto", "--device", "cpu"]) == 1
+    assert "copies experts to a GPU" in capsys.readouterr().err
+    assert main(["generate", "--model", "builtin", "--prompt", "hi", "--stream-experts", "512=0.4"]) == 1
+    assert "expected off, auto or MIN_TOKENS:SHARE" in capsys.readouterr().err
 
 
 def test_chat_session(monkeypatch, capsys):
