@@ -61,7 +61,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterable, Iterator, Optional
+from typing import Iterable, Iterator, Optional, Sequence
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_LLAMA_BENCH = "/tmp/lcpp/bin/llama-bench"  # where scripts/device_step_llamacpp_build.sh builds it
@@ -199,10 +199,12 @@ def find_llama_bench(path: Optional[str]) -> Optional[str]:
 
 
 def run_ktorch(gguf: Path, device: str, variants: list[str], prompts: list[int], gen: int, decode_context: int,
-               repeats: int, options: Optional[dict]) -> Iterator[dict]:
+               repeats: int, options: Optional[dict], streams: Sequence = ("off",)) -> Iterator[dict]:
     """Loads ``gguf`` with ktorch.load and times each variant with bench_e2e's ``time_variant``; yields one dict
     per variant, as soon as it is measured, with ``tests`` {"pp512": tok/s, ..., "tg64": tok/s} and bench_e2e's
-    raw fields (or ``error``)."""
+    raw fields (or ``error``). Each prefill streaming setting in ``streams`` (``ktorch.set_stream_experts``: "off",
+    "auto" or a table) gets its own line per variant, the variant named "VARIANT+stream=SETTING"; decode is timed
+    with the first setting only (decode never streams)."""
     import traceback
 
     import torch
@@ -223,16 +225,21 @@ def run_ktorch(gguf: Path, device: str, variants: list[str], prompts: list[int],
     experts = {getattr(m, "kt_format", "?") for _, m in _experts_modules(model)}
     print(f"ktorch.load: {load_s:.1f} s, experts {sorted(experts) or '?'}, other weights "
           f"{next(model.parameters()).dtype} on {device}", flush=True)
-    for variant in variants:
+    for variant, stream in [(v, st) for v in variants for st in streams]:
+        first = stream == streams[0]
+        label = variant if stream == "off" else f"{variant}+stream={json.dumps(stream) if isinstance(stream, dict) else stream}"
         torch._dynamo.reset()
         t0 = time.perf_counter()
         try:
-            r = bench_e2e.time_variant(model, variant, device, prompts, gen, decode_context, repeats,
+            ktorch.set_stream_experts(model, stream)
+            r = bench_e2e.time_variant(model, variant, device, prompts, gen if first else 0, decode_context, repeats,
                                        model.config.vocab_size, options)
+            r["variant"] = label
+            r["stream_plan"] = ktorch.stream_plan(model)
         except Exception as e:  # one variant failing must not lose the others (benchmarks never assert)
             traceback.print_exc()
-            print(f"ktorch {variant}: failed: {type(e).__name__}: {e}", flush=True)
-            yield dict(variant=variant, error=f"{type(e).__name__}: {e}", tests={})
+            print(f"ktorch {label}: failed: {type(e).__name__}: {e}", flush=True)
+            yield dict(variant=label, error=f"{type(e).__name__}: {e}", tests={})
             continue
         r.pop("runner", None)
         tests = {f"pp{p}": r[f"prefill_{p}_tok_s"] for p in prompts if f"prefill_{p}_tok_s" in r}
@@ -241,7 +248,7 @@ def run_ktorch(gguf: Path, device: str, variants: list[str], prompts: list[int],
         kt_threads = ktorch.get_num_threads() if hasattr(ktorch, "get_num_threads") else None
         r.update(tests=tests, load_s=load_s, experts_format=sorted(experts), seconds=time.perf_counter() - t0,
                  decode_context=decode_context, options=options, kt_threads=kt_threads)
-        print(f"ktorch {variant}: " + ", ".join(f"{k} {v:.1f} tok/s" for k, v in tests.items())
+        print(f"ktorch {label}: " + ", ".join(f"{k} {v:.1f} tok/s" for k, v in tests.items())
               + f" ({r['seconds']:.0f} s with compiles; {kt_threads} CPU threads)", flush=True)
         yield r
         gc.collect()
@@ -251,6 +258,13 @@ def run_ktorch(gguf: Path, device: str, variants: list[str], prompts: list[int],
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
+
+
+def bench_e2e_stream_spec(spec: str):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import bench_e2e
+
+    return bench_e2e.parse_stream_spec(spec)
 
 
 def _experts_modules(model):
@@ -402,6 +416,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="ktorch prefill repetitions, median (default: 3)")
     p.add_argument("--decode-context", type=int, default=1, help="ktorch prompt length before decoding (default: 1)")
     p.add_argument("--kt-threads", type=int, default=None, help="ktorch worker threads (KT_NUM_THREADS)")
+    p.add_argument("--stream-experts", default="off",
+                   help="';'-separated ktorch prefill streaming settings, one line each (off, auto, "
+                        "'512:0.4,2048:0.45'; see bench_e2e.py) (default: off)")
     p.add_argument("--kt-options", default=None, help="ktorch backend options as JSON (see bench_e2e.py --options)")
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp"),
                    help="folder for llama-bench's log (default: $OUT or /tmp)")
@@ -479,8 +496,9 @@ def main(argv=None) -> None:
                     print(f"llama.cpp {type_name} {test}: best {r['avg_ts']:.1f} tok/s with {setting_label(r)}",
                           flush=True)
             if not args.skip_ktorch:
+                streams = [bench_e2e_stream_spec(spec) for spec in args.stream_experts.split(";") if spec.strip()]
                 for r in run_ktorch(path, device, variants, prompts, args.gen, args.decode_context, args.repeats,
-                                    options):
+                                    options, streams):
                     line = dict(kind="ktorch", experts_type=type_name, layers=args.layers, device=device,
                                 gguf_write_s=write_s, **r)
                     lines.append(line)
