@@ -93,6 +93,8 @@ def prepare(
         raise ValueError(f"prepare: stream_experts copies experts to a CUDA device; device is {device}")
     if device.type != "cpu":
         leave_a_core_for_the_launcher()  # see ktorch.set_num_threads
+    if device.type == "cuda":
+        _set_cuda_sync()
     n_gpu = _gpu_experts_per_layer(gpu_experts, modules)
     if n_gpu and expert_profile is None:
         raise ValueError("prepare: gpu_experts needs expert_profile (ktorch.profile_experts(model, inputs))")
@@ -128,6 +130,23 @@ def prepare(
         for _, m in modules:
             m.config._experts_implementation = IMPLEMENTATION_NAME
     return model
+
+
+def _set_cuda_sync() -> None:
+    """The launching thread sleeps while it waits for the GPU (``KT_CUDA_SYNC``, default "block"; "spin" keeps
+    CUDA's busy wait): in hybrid inference the GPU mostly waits for the CPU experts, and a launching thread that
+    spins through every decode step's sync takes a core from the experts' worker pool."""
+    import os
+    import warnings
+
+    from ktorch.compile.host_func import set_context_sync
+
+    mode = os.environ.get("KT_CUDA_SYNC", "block")
+    if mode == "keep":
+        return
+    if not set_context_sync(mode):
+        warnings.warn(f"ktorch.prepare: could not set the CUDA context's sync mode to {mode!r} (cuCtxSetFlags needs a "
+                      "CUDA 12.1+ driver); the launching thread may spin while it waits for the GPU", stacklevel=3)
 
 
 def set_stream_experts(model: nn.Module, stream_experts: Union[str, dict, None], kernel: str = "auto") -> nn.Module:

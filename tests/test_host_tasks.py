@@ -114,3 +114,40 @@ def test_python_host_function_address_calls_its_callable():
 def test_null_handle_is_an_error():
     with pytest.raises(RuntimeError, match="host task: null handle"):
         torch.ops.kt.host_task_run(0)
+
+
+@pytest.mark.parametrize("variable", ["KT_JOIN_SPIN_US", "KT_SPIN_US"])
+def test_bad_spin_setting_raises_when_the_task_is_made(variable):
+    """The worker and the join's spin read their settings when the first task is made (a Python thread, where an
+    error can raise), never first on CUDA's callback thread, where it could only abort the process."""
+    import subprocess
+    import sys
+
+    code = ("import torch, ktorch, test_host_tasks as h\n"
+            "from ktorch.compile.experts_runtime import _NativeHostFunctions\n"
+            "staging, layer, packed = h.make_task(3)\n"
+            "try:\n    _NativeHostFunctions(staging, layer)\nexcept RuntimeError as e:\n    print('raised:', e)\n")
+    import os
+
+    env = dict(os.environ, **{variable: "soon"}, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__),
+                                                                            os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr
+    assert f"raised: {variable} must be an integer, got 'soon'" in result.stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_prepare_makes_the_launching_thread_sleep_in_cuda_waits():
+    """prepare(device="cuda") sets the context's sync mode to blocking (KT_CUDA_SYNC, default "block"); "spin"
+    sets CUDA's busy wait; an unknown mode is an error naming the choices."""
+    import copy
+
+    from ktorch.compile.host_func import context_sync, set_context_sync
+    from models import tiny_model
+
+    ktorch.prepare(copy.deepcopy(tiny_model("qwen3_moe")), device="cuda")
+    assert context_sync() == "block"
+    assert set_context_sync("spin") and context_sync() == "spin"
+    assert set_context_sync("block") and context_sync() == "block"
+    with pytest.raises(ValueError, match="auto"):
+        set_context_sync("sleepy")

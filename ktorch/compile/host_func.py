@@ -57,3 +57,38 @@ class HostFunction:
     def launch(self, stream: torch.cuda.Stream | None = None) -> None:
         """Enqueues the function on ``stream`` (default: the current stream), captured if the stream is capturing."""
         launch_native(ctypes.cast(self._c_fn, ctypes.c_void_p).value, 0, stream)
+
+
+# CUDA driver context scheduling flags (cuda.h CUctx_flags)
+_CTX_SCHED = {"auto": 0x0, "spin": 0x1, "yield": 0x2, "block": 0x4}
+_CTX_SCHED_MASK = 0x7
+
+
+def set_context_sync(mode: str) -> bool:
+    """How the launching thread waits for the GPU (``torch.cuda.synchronize``, a ``.item()``, a blocking copy) on
+    the current device's context: "block" (sleep until woken: frees a core for the CPU experts), "spin" (CUDA's
+    default with fewer contexts than cores: lowest latency, one core busy for the whole wait), "yield" or "auto".
+
+    Uses ``cuCtxSetFlags`` (CUDA 12.1+ drivers), which changes the flags of a context already in use. Returns
+    False where the driver does not offer it (the context keeps its flags)."""
+    if mode not in _CTX_SCHED:
+        raise ValueError(f"CUDA context sync mode must be one of {sorted(_CTX_SCHED)}, got {mode!r}")
+    torch.cuda.init()
+    torch.cuda.current_stream()  # makes the device's primary context current on this thread
+    lib = ctypes.CDLL("libcuda.so.1")
+    if not hasattr(lib, "cuCtxSetFlags") or not hasattr(lib, "cuCtxGetFlags"):
+        return False
+    flags = ctypes.c_uint(0)
+    if lib.cuCtxGetFlags(ctypes.byref(flags)) != 0:
+        return False
+    new = (flags.value & ~_CTX_SCHED_MASK) | _CTX_SCHED[mode]
+    return lib.cuCtxSetFlags(ctypes.c_uint(new)) == 0
+
+
+def context_sync() -> str:
+    """The scheduling flag of the current device's context ("auto", "spin", "yield", "block"), or "unknown"."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    flags = ctypes.c_uint(0)
+    if not hasattr(lib, "cuCtxGetFlags") or lib.cuCtxGetFlags(ctypes.byref(flags)) != 0:
+        return "unknown"
+    return {v: k for k, v in _CTX_SCHED.items()}.get(flags.value & _CTX_SCHED_MASK, "unknown")

@@ -7,7 +7,10 @@
 // stream resumes late. Here the two host functions are plain C functions:
 //   kt_host_task_start(task): queue the task to one C++ worker thread (which runs kt::moe::fused_moe on the
 //                             task's pinned tensors and copies the result into the task's pinned output);
-//   kt_host_task_join(task):  wait until the worker is done with it (spin a little, then block).
+//   kt_host_task_join(task):  wait until the worker is done with it (spin KT_JOIN_SPIN_US, default 1000, then
+//                             block).
+// The worker spins KT_SPIN_US (as the pool's workers do, default 2000) after each call before it parks, so that the
+// next layer's start reaches a thread that is awake.
 // Their addresses come from kt::host_task_functions(); a task is an opaque int64 handle made by
 // kt::host_task_new and kept alive by the caller as long as any CUDA graph uses it.
 // A failing call cannot raise on CUDA's callback thread: it prints the error, fills the output with NaN (never a
@@ -28,6 +31,7 @@
 #include <vector>
 
 #include "host_tasks.h"
+#include "worker_pool.h"
 
 #include "../moe/fused_moe.h"
 
@@ -54,7 +58,7 @@ int64_t now_ns() {
 
 class Worker {
  public:
-  Worker() : thread_([this] { loop(); }) {}
+  Worker() : spin_us_(env_int("KT_SPIN_US", 2000)), thread_([this] { loop(); }) {}
   ~Worker() {
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -67,13 +71,21 @@ class Worker {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       queue_.push_back(t);
+      pushed_.fetch_add(1, std::memory_order_release);
     }
-    cv_.notify_one();
+    cv_.notify_one();  // no system call when the worker is spinning (nobody waits on the condition variable)
   }
 
  private:
   void loop() {
+    int64_t taken = 0;
     for (;;) {
+      const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
+      int polls = 0;
+      while (pushed_.load(std::memory_order_acquire) == taken) {
+        _mm_pause();
+        if (++polls % 256 == 0 && std::chrono::steady_clock::now() > spin_until) break;
+      }
       HostTask* t = nullptr;
       {
         std::unique_lock<std::mutex> lock(mutex_);
@@ -82,6 +94,7 @@ class Worker {
         t = queue_.front();
         queue_.pop_front();
       }
+      ++taken;
       run(t);
     }
   }
@@ -110,16 +123,25 @@ class Worker {
     t->cv.notify_all();
   }
 
+  int64_t spin_us_;
+  std::atomic<int64_t> pushed_{0};  // tasks pushed so far; the worker spins while it has taken them all
   std::mutex mutex_;
   std::condition_variable cv_;
   std::deque<HostTask*> queue_;
   bool stop_ = false;
-  std::thread thread_;
+  std::thread thread_;  // last: starts after the fields above are built
 };
 
+// Both are first called by host_task_new (a Python thread, where a bad environment variable raises), never first
+// on CUDA's callback thread.
 Worker& worker() {
   static Worker* w = new Worker();  // never destroyed: CUDA may call a host function during interpreter exit
   return *w;
+}
+
+int64_t join_spin_us() {
+  static const int64_t us = env_int("KT_JOIN_SPIN_US", 1000);
+  return us;
 }
 
 HostTask* task_of(int64_t handle) {
@@ -142,9 +164,13 @@ __attribute__((visibility("default"))) void kt_host_task_start(void* p) {
 __attribute__((visibility("default"))) void kt_host_task_join(void* p) {
   auto* t = static_cast<kt::runtime::HostTask*>(p);
   const int64_t want = t->started.load(std::memory_order_relaxed);
-  for (int i = 0; i < 20000; ++i) {  // the call usually ends within a few hundred microseconds
+  const int64_t spin_us = kt::runtime::join_spin_us();
+  // a decode call ends within a few hundred microseconds: spin, so that the stream resumes at once
+  const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us);
+  for (int polls = 1;; ++polls) {
     if (t->done.load(std::memory_order_acquire) >= want) return;
     _mm_pause();
+    if (polls % 256 == 0 && std::chrono::steady_clock::now() > spin_until) break;
   }
   std::unique_lock<std::mutex> lock(t->mutex);
   t->cv.wait(lock, [&] { return t->done.load(std::memory_order_acquire) >= want; });
@@ -163,6 +189,8 @@ int64_t host_task_new(const at::Tensor& hidden, const at::Tensor& topk_ids, cons
               ", got ", out.sizes(), " ", out.scalar_type());
   for (const at::Tensor* t : {&hidden, &topk_ids, &topk_weights, &out})
     TORCH_CHECK(t->device().is_cpu(), "host_task_new: staging tensors must be on the CPU (pinned), got ", t->device());
+  worker();        // started here, where errors (KT_SPIN_US) can raise
+  join_spin_us();  // KT_JOIN_SPIN_US, likewise
   auto* t = new HostTask();
   t->hidden = hidden;
   t->topk_ids = topk_ids;
