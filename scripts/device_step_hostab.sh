@@ -1,0 +1,14 @@
+# Decode overheads A/B (issues 4, 5, 7): Qwen3-30B-A3B shape cut to ${HOSTAB_LAYERS:-12} layers (the per-layer costs
+# are the same, the compiles 4x shorter), CUDA graphs, int8 experts: host functions python / native x the launching
+# thread's CUDA wait block (ktorch's default) / keep (CUDA's spin). Each row reports decode tok/s, the experts'
+# own time per step without a profiler (cpu_experts_ms_per_step) and the same ops run back to back outside the
+# model (standalone_experts_ms_per_step): their gap is what running inside the step costs the op.
+cd benchmarks
+for hf in ${HOSTAB_HF:-native python}; do
+  for sync in ${HOSTAB_SYNC:-block keep}; do
+    echo "== KT_HOST_FUNCTIONS=$hf KT_CUDA_SYNC=$sync"
+    KT_HOST_FUNCTIONS=$hf KT_CUDA_SYNC=$sync timeout ${HOSTAB_TIMEOUT:-140} python3 bench_e2e.py --shape qwen3-30b-a3b \
+        --layers ${HOSTAB_LAYERS:-12} --variants cuda_graphs --prompts 64 --decode-context 64 --decode-tokens 64 \
+        --repeats 1 --op-check --json "$OUT/hostab.jsonl" 2>&1 | grep -E "^\|"
+  done
+done
