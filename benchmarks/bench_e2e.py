@@ -92,6 +92,7 @@ def machine_info(device: str) -> dict:
                 python=platform.python_version())
     if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name()
+    info["env"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith("KT_")}  # ktorch's settings
     return info
 
 
