@@ -235,3 +235,17 @@ def test_cuda_stream_experts_auto_calibrates():
     assert cal.h2d_gbps > 0 and set(cal.cpu_ms) == {128, 512, 2048}
     plan = ktorch.stream_plan(model)
     assert set(plan) == {128, 512, 2048} and all(0 <= n <= 8 for n in plan.values())
+
+
+def test_streamed_experts_with_deferral_compiled_equals_eager():
+    """Streaming at prefill with deferral on: the deferral pass splits the CPU op's slots only (streamed experts join
+    in their own layer, as in eager), so the compiled graph (no Inductor) equals the eager model exactly."""
+    base = tiny_model("qwen3_moe", dtype=torch.bfloat16)
+    model = _stream(ktorch.prepare(copy.deepcopy(base), device="cpu", deferred_experts=1), {8: 3})
+    ids = torch.randint(0, 256, (1, 20))
+    with torch.no_grad():
+        want = model(ids).logits
+        torch._dynamo.reset()
+        got = torch.compile(model, backend="ktorch", options={"inductor": False, "n_deferred_experts": 1},
+                            fullgraph=True)(ids).logits
+    assert torch.equal(got, want)
