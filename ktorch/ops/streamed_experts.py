@@ -272,28 +272,52 @@ def calibrate_stream_plan(streamed: StreamedExperts, hidden_size: int, top_k: in
     where the balance saves at least ``min_gain`` of the CPU time; lengths between the measured ones take the
     entry of the next smaller one.
 
-    Run it once per model (all layers share a shape): about ``repeats * sum(tokens)`` tokens of CPU work."""
+    Both are measured while the other runs (copies on a side stream while the CPU op runs on this thread), since
+    the copies and the CPU op read the same DRAM. Run it once per model (all layers share a shape): about
+    ``2 * repeats * sum(tokens)`` tokens of CPU work and as long again of copying."""
     E = streamed.num_experts
     w13, s13, w2, s2 = streamed.tensors
     probe = max(1, min(E, 8, streamed.pinned_experts))
     src = streamed.sources[0][:probe]
-    src.to(device, non_blocking=True)  # first touch of the context's copy engines
-    torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        src.to(device, non_blocking=True)
-    torch.cuda.synchronize(device)
-    h2d_gbps = repeats * src.numel() * src.element_size() / (time.perf_counter() - start) / 1e9
+    dst = torch.empty(src.shape, dtype=src.dtype, device=device)
+    copy_bytes = src.numel() * src.element_size()
+    side = torch.cuda.Stream(device)
+
+    def copies(n: int) -> tuple:
+        """n copies of the probe on the side stream, enqueued now; (start, end) events around them."""
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(side):
+            begin.record()
+            for _ in range(n):
+                dst.copy_(src, non_blocking=True)
+            end.record()
+        return begin, end
+
+    def run_cpu(x, ids, weights) -> float:
+        start = time.perf_counter()
+        for _ in range(repeats):
+            torch.ops.kt.fused_moe(x, ids, weights, w13, s13, w2, s2, streamed.activation)
+        return (time.perf_counter() - start) * 1e3 / repeats
+
+    begin, end = copies(2)  # first use of the copy engines, then the copy time alone
+    side.synchronize()
+    begin, end = copies(repeats * 4)
+    side.synchronize()
+    copy_ms = begin.elapsed_time(end) / (repeats * 4)
+    loaded_ms, loaded_bytes = 0.0, 0
     cpu_ms = {}
     for T in tokens:
         x = torch.randn(T, hidden_size, dtype=torch.bfloat16)
         ids = torch.stack([torch.randperm(E)[:top_k] for _ in range(T)]).to(torch.int32)
         weights = torch.full((T, top_k), 1.0 / top_k)
-        torch.ops.kt.fused_moe(x, ids, weights, w13, s13, w2, s2, streamed.activation)
-        start = time.perf_counter()
-        for _ in range(repeats):
-            torch.ops.kt.fused_moe(x, ids, weights, w13, s13, w2, s2, streamed.activation)
-        cpu_ms[T] = (time.perf_counter() - start) * 1e3 / repeats
+        alone = run_cpu(x, ids, weights)  # also the warm-up
+        n = max(1, round(alone * repeats / copy_ms))  # copies lasting about as long as the timed CPU calls
+        begin, end = copies(n)
+        cpu_ms[T] = run_cpu(x, ids, weights)
+        side.synchronize()
+        loaded_ms += begin.elapsed_time(end)
+        loaded_bytes += n * copy_bytes
+    h2d_gbps = loaded_bytes / (loaded_ms * 1e6)
     calibration = StreamCalibration(h2d_gbps, cpu_ms, streamed.bytes_per_expert(), E)
     table = {}
     for T in sorted(tokens):
