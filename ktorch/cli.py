@@ -90,6 +90,13 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
         "MIN_TOKENS:SHARE,... with SHARE a fraction or an expert count, e.g. 512:0.4,2048:0.45 (default: off)",
     )
     m.add_argument(
+        "--compile",
+        action="store_true",
+        help="GPU only: decode with a static KV cache, the decode step compiled by torch.compile with the ktorch "
+        "backend under CUDA graphs (the fast path; the first tokens wait for the compile, a minute or more on a big "
+        "model) (default: eager decoding)",
+    )
+    m.add_argument(
         "--plain",
         action="store_true",
         help="run the model as transformers loads it, without ktorch.prepare: the experts run on --device with "
@@ -213,6 +220,8 @@ def load_model(args: argparse.Namespace):
     if args.deferred_experts < 0:
         raise CLIError(f"--deferred-experts must be >= 0, got {args.deferred_experts}")
     stream = parse_stream_plan(args.stream_experts)
+    if args.compile and resolve_device(args.device).type != "cuda":
+        raise CLIError("--compile compiles the decode step under CUDA graphs: it needs --device cuda (a GPU)")
     if args.plain and (args.deferred_experts or stream != "off"):
         raise CLIError("--plain runs transformers' own experts: --deferred-experts and --stream-experts need ktorch")
     if args.group_size is not None and args.experts_dtype != "int4":
@@ -317,6 +326,8 @@ def run_generation(model, tokenizer, input_ids, args: argparse.Namespace, out=No
     kwargs = dict(do_sample=sampling, temperature=args.temperature, top_p=args.top_p) if sampling else dict(do_sample=False)
     if args.repetition_penalty != 1.0:
         kwargs["repetition_penalty"] = args.repetition_penalty
+    if getattr(args, "compile", False):  # transformers compiles static-cache decoding with model.generation_config's
+        kwargs["cache_implementation"] = "static"  # compile_config, which ktorch.prepare points at the ktorch backend
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
     with torch.inference_mode():

@@ -123,6 +123,8 @@ def test_placement_option_errors(capsys):
     assert "--group-size applies to --experts-dtype int4 only" in capsys.readouterr().err
     assert main(["generate", "--model", "builtin", "--prompt", "hi", "--stream-experts", "auto", "--device", "cpu"]) == 1
     assert "copies experts to a GPU" in capsys.readouterr().err
+    assert main(["generate", "--model", "builtin", "--prompt", "hi", "--compile", "--device", "cpu"]) == 1
+    assert "--compile compiles the decode step under CUDA graphs" in capsys.readouterr().err
     assert main(["generate", "--model", "builtin", "--prompt", "hi", "--stream-experts", "512=0.4"]) == 1
     assert "expected off, auto or MIN_TOKENS:SHARE" in capsys.readouterr().err
 
@@ -160,3 +162,11 @@ def test_generate_rejects_a_bad_model_file(tmp_path, capsys):
     assert main(["generate", "--model", str(path), "--prompt", "x"]) == 1
     err = capsys.readouterr().err
     assert f"--model {path}" in err and "not a GGUF file" in err
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_generate_compiled_on_the_gpu():
+    result = run_cli("generate", "--model", "builtin", "--prompt", "Once upon a time", "--max-new-tokens", "12",
+                     "--compile", "--device", "cuda", timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert TIMING.search(result.stderr) and result.stdout.strip()
