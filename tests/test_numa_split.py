@@ -54,6 +54,11 @@ def make_routing(T: int, E: int, K: int, skip: float = 0.2, skewed: bool = False
     return ids, weights / weights.sum(dim=1, keepdim=True)
 
 
+def unsplit(hidden, ids, weights, packed: ktorch.PackedExperts) -> torch.Tensor:
+    """The unsplit op itself (ktorch.fused_moe would split a PackedExperts when KT_NUMA_SPLIT is set)."""
+    return torch.ops.kt.fused_moe(hidden, ids, weights, *packed.tensors(), "silu")
+
+
 def sum_of_slices(hidden, ids, weights, split: NumaSplitExperts) -> torch.Tensor:
     """What the split must compute: each slice through the unsplit op (fp32 out), added in slice order."""
     out = None
@@ -164,7 +169,7 @@ def test_split_matches_unsplit(kernel, fmt, group_size, n, T, routing, seed):
     split = packed.split_numa(n)
     hidden = torch.randn(T, H)
     ids, weights = make_routing(T, E, K, skewed=routing == "skewed")
-    whole = ktorch.fused_moe(hidden, ids, weights, packed)
+    whole = unsplit(hidden, ids, weights, packed)
     parts = ktorch.fused_moe(hidden, ids, weights, split)
     what = f"seed={seed} {kernel} {fmt} n={n} T={T} {routing}"
     assert_split_matches_unsplit(parts, whole, hidden, ids, weights, packed, what)
@@ -179,7 +184,7 @@ def test_split_matches_unsplit_low_precision_hidden(kernel, fmt, group_size, dty
     packed = make_experts(E, H, I, fmt, group_size)
     hidden = torch.randn(T, H).to(dtype)
     ids, weights = make_routing(T, E, K)
-    whole = ktorch.fused_moe(hidden, ids, weights, packed)
+    whole = unsplit(hidden, ids, weights, packed)
     for n in (2, 3):
         parts = ktorch.fused_moe(hidden, ids, weights, packed.split_numa(n))
         assert_split_matches_unsplit(parts, whole, hidden, ids, weights, packed, f"seed={seed} {kernel} {fmt} n={n} {dtype}")
@@ -208,7 +213,7 @@ def test_int_split_slices_share_the_h_scale(fmt, group_size, seed):
     split = packed.split_numa(2)
     hidden = torch.randn(T, H)
     ids, weights = make_routing(T, E, K, skip=0.0)
-    whole = ktorch.fused_moe(hidden, ids, weights, packed)
+    whole = unsplit(hidden, ids, weights, packed)
     alone = sum_of_slices(hidden, ids, weights, split)
     parts = ktorch.fused_moe(hidden, ids, weights, split)
     assert (parts - whole).abs().max() < 1e-3 * (alone - whole).abs().max(), f"seed={seed} {fmt}"

@@ -265,9 +265,9 @@ at::Tensor fused_moe_numa(const at::Tensor& hidden, const at::Tensor& topk_ids, 
   SharedRowMax shared(static_cast<int>(n));
   runtime::NumaGroups& groups = runtime::NumaGroups::for_split(static_cast<int>(n));
   groups.run([&](int g) {
-    // int8/int4: every slice quantizes h with the whole row's scale (the header comment)
+    // int8/int4: every slice quantizes h with the whole row's scale (the header comment); one slice has it
     QuantizeH quantize_h;
-    if (quantized)
+    if (quantized && n > 1)
       quantize_h = [&shared](const float* h, int64_t P, int64_t I, int64_t gs, int8_t* q, float* s, int32_t* gsum) {
         quantize_h_with_shared_max(shared, h, P, I, gs, q, s, gsum);
       };
