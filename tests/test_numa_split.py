@@ -190,6 +190,15 @@ def test_split_matches_unsplit_low_precision_hidden(kernel, fmt, group_size, dty
         assert_split_matches_unsplit(parts, whole, hidden, ids, weights, packed, f"seed={seed} {kernel} {fmt} n={n} {dtype}")
 
 
+@pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)
+def test_one_slice_is_the_unsplit_op(fmt, group_size, seed):
+    packed = make_experts(8, 128, 192, fmt, group_size)
+    hidden = torch.randn(33, 128)
+    ids, weights = make_routing(33, 8, 3)
+    out = ktorch.fused_moe(hidden, ids, weights, packed.split_numa(1))
+    assert torch.equal(out, unsplit(hidden, ids, weights, packed)), f"seed={seed} {fmt}"
+
+
 @pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.parametrize("T", [1, 7, 33, 130])
 def test_bf16_split_equals_sum_of_slices_bit_for_bit(kernel, n, T, seed):
