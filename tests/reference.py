@@ -2,6 +2,7 @@
 
 Written to be read, not to be fast: if a test and a kernel disagree, this file says who is right.
   fused_moe_reference:      out[t] = sum_k w[t,k] * down_e(act(gate_e(x_t)) * up_e(x_t)), e = ids[t,k] >= 0
+                            (magnitudes=True: the same sums over the terms' absolute values)
   quantize_int8_reference:  per output channel, scale = max|W| / 127, q = round-half-even(W / scale)
   quantize_int4_reference:  per group of K, scale = max|W| / 7, q = round-half-even(W / scale) in [-8, 7]
   relative_error:           ||out - ref|| / ||ref|| over all elements
@@ -29,10 +30,13 @@ def fused_moe_reference(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     activation: str = "silu",
+    magnitudes: bool = False,
 ) -> torch.Tensor:
     """hidden [T, H], topk_ids/topk_weights [T, K], gate_up [E, 2I, H] (gate rows then up rows), down [E, H, I].
 
     Returns float64 [T, H]. Negative ids skip their slot; a repeated id counts once per slot.
+    magnitudes=True: instead, out[t, j] = sum_k |w[t,k]| sum_i |h_i| |down_e[j, i]|, the size of the terms the
+    down projection and the weighted sum add up (h = act(gate) * up), to bound what their summation order changes.
     """
     act = ACTIVATIONS[ACTIVATION_ALIASES.get(activation, activation)]
     x, gate_up, down = hidden.double(), gate_up.double(), down.double()
@@ -44,8 +48,12 @@ def fused_moe_reference(
         if tokens.numel() == 0:
             continue
         gu = x[tokens] @ gate_up[e].T
-        y = (act(gu[:, :I]) * gu[:, I:]) @ down[e].T
-        out.index_add_(0, tokens, weights[tokens, slots, None] * y)
+        h = act(gu[:, :I]) * gu[:, I:]
+        w = weights[tokens, slots, None]
+        if magnitudes:
+            out.index_add_(0, tokens, w.abs() * (h.abs() @ down[e].abs().T))
+        else:
+            out.index_add_(0, tokens, w * (h @ down[e].T))
     return out
 
 

@@ -4,12 +4,14 @@ This machine may have one NUMA node: a split into n then cuts its CPUs into n gr
 runs the same code as a real one. What is checked:
   - slicing: the slices put back together dequantize to exactly the unsplit weights; each slice tensor is
     contiguous and its memory is its own;
-  - the concurrent run and the reduction: split output == sum over slices of kt.fused_moe on that slice alone,
-    added in slice order in fp32, bit for bit;
-  - against the unsplit op: bf16 differs only by fp32 summation order (the down projection's sum over I is
-    regrouped); int8/int4 also by the quantization of h, which the driver scales per row over the channels it
-    sees (each slice has its own, never larger, scale), so the split must be as close to the float64 reference
-    as the unsplit op, and close to it;
+  - against the unsplit op, every format: the split gives its result up to fp32 summation order (the down
+    projection's sum over I is regrouped by slice), i.e. within a few fp32 roundings of the terms' magnitudes
+    (reference.fused_moe_reference(magnitudes=True)), plus one rounding to a bf16/fp16 output. int8/int4 need
+    the slices to quantize h = act(gate) * up with the scale of the whole row, as the unsplit op does, not
+    each with its own slice's max: without that the difference would be ~1e-2, here it is ~1e-7;
+  - bf16: the split output equals the per-slice ops summed in slice order in fp32, bit for bit (the
+    concurrent run and the reduction); int8/int4 slices run alone would use their own h scales instead;
+  - a slice that fails while the others wait for its h scales releases them (no hang), its error raised;
   - KT_NUMA_SPLIT in a fresh process, the errors, opcheck of both new ops.
 """
 
@@ -26,9 +28,8 @@ from torch.library import opcheck
 
 import ktorch
 from ktorch.ops import NumaSplitExperts, numa_split_count
-from reference import fused_moe_reference, relative_error
+from reference import fused_moe_reference
 
-TOLERANCE = {"bf16": 1e-2, "int8": 3e-2, "int4": 8e-2}
 FORMATS = [("bf16", None), ("int8", None), ("int4", 32), ("int4", 64)]
 FORMAT_IDS = ["bf16", "int8", "int4g32", "int4g64"]
 
@@ -39,12 +40,23 @@ def make_experts(E: int, H: int, I: int, fmt: str, group_size: int | None = None
     return ktorch.pack_experts(gate_up, down, fmt, group_size)
 
 
-def make_routing(T: int, E: int, K: int, skip: float = 0.2) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids [T, K] distinct per row, about `skip` of the slots negative (skipped); weights [T, K] fp32."""
-    ids = torch.rand(T, E).argsort(dim=1)[:, :K]
+def make_routing(T: int, E: int, K: int, skip: float = 0.2, skewed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [T, K] distinct per row, about `skip` of the slots negative (skipped); weights [T, K] fp32.
+
+    skewed: expert e drawn with probability ~ 1/(e+1)^2 (a few hot experts take most tokens), else uniformly.
+    """
+    if skewed:
+        ids = torch.multinomial((torch.arange(E) + 1.0).pow(-2).expand(T, E), K, replacement=False)
+    else:
+        ids = torch.rand(T, E).argsort(dim=1)[:, :K]
     ids[torch.rand(T, K) < skip] = -1
     weights = torch.rand(T, K) + 0.1
     return ids, weights / weights.sum(dim=1, keepdim=True)
+
+
+def unsplit(hidden, ids, weights, packed: ktorch.PackedExperts) -> torch.Tensor:
+    """The unsplit op itself (ktorch.fused_moe would split a PackedExperts when KT_NUMA_SPLIT is set)."""
+    return torch.ops.kt.fused_moe(hidden, ids, weights, *packed.tensors(), "silu")
 
 
 def sum_of_slices(hidden, ids, weights, split: NumaSplitExperts) -> torch.Tensor:
@@ -127,54 +139,93 @@ def test_pack_experts_numa_split_argument():
 # ---------------------------------------------------------------- results
 
 
+# Differences the split may show against the unsplit op, in units of the fp32 rounding (2^-24) of the sum of
+# the terms' magnitudes: measured up to ~3 over these shapes (bf16 and int formats alike); without the shared
+# h scale int8/int4 differ by ~1e5 of these units.
+REGROUPING_ROUNDINGS = 32
+
+
+def assert_split_matches_unsplit(parts, whole, hidden, ids, weights, packed, what):
+    """|parts - whole| <= REGROUPING_ROUNDINGS * 2^-24 * sum of |terms|, plus one rounding to a bf16/fp16 output."""
+    assert parts.dtype == whole.dtype and parts.shape == whole.shape, what
+    gate_up, down = packed.dequantize()
+    size = fused_moe_reference(hidden, ids, weights, gate_up, down, magnitudes=True)
+    bound = REGROUPING_ROUNDINGS * 2.0**-24 * size
+    if parts.dtype != torch.float32:
+        ulp = 2.0**-7 if parts.dtype == torch.bfloat16 else 2.0**-10
+        bound = bound + ulp * torch.maximum(whole.double().abs(), parts.double().abs())
+    diff = (parts.double() - whole.double()).abs()
+    worst = (diff / bound.clamp_min(1e-300)).max().item() if diff.numel() else 0.0
+    assert (diff <= bound).all(), f"{what}: split differs from unsplit by up to {worst:.3g}x the bound"
+
+
 @pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)
 @pytest.mark.parametrize("n", [2, 3])
-@pytest.mark.parametrize("T", [1, 7, 33, 130])
-def test_split_equals_sum_of_slices_bit_for_bit(kernel, fmt, group_size, n, T, seed):
-    E, K, H, I = 8, 3, 128, 192
+@pytest.mark.parametrize("T", [1, 3, 17, 130, 520])
+@pytest.mark.parametrize("routing", ["uniform", "skewed"])
+def test_split_matches_unsplit(kernel, fmt, group_size, n, T, routing, seed):
+    E, K, H, I = 16, 4, 128, 384
     packed = make_experts(E, H, I, fmt, group_size)
     split = packed.split_numa(n)
+    hidden = torch.randn(T, H)
+    ids, weights = make_routing(T, E, K, skewed=routing == "skewed")
+    whole = unsplit(hidden, ids, weights, packed)
+    parts = ktorch.fused_moe(hidden, ids, weights, split)
+    what = f"seed={seed} {kernel} {fmt} n={n} T={T} {routing}"
+    assert_split_matches_unsplit(parts, whole, hidden, ids, weights, packed, what)
+    assert (parts[(ids < 0).all(dim=1)] == 0).all(), what
+    assert torch.equal(ktorch.fused_moe(hidden, ids, weights, split), parts), f"{what}: not deterministic"
+
+
+@pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_split_matches_unsplit_low_precision_hidden(kernel, fmt, group_size, dtype, seed):
+    E, K, H, I, T = 16, 4, 128, 384, 41
+    packed = make_experts(E, H, I, fmt, group_size)
+    hidden = torch.randn(T, H).to(dtype)
+    ids, weights = make_routing(T, E, K)
+    whole = unsplit(hidden, ids, weights, packed)
+    for n in (2, 3):
+        parts = ktorch.fused_moe(hidden, ids, weights, packed.split_numa(n))
+        assert_split_matches_unsplit(parts, whole, hidden, ids, weights, packed, f"seed={seed} {kernel} {fmt} n={n} {dtype}")
+
+
+@pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)
+def test_one_slice_is_the_unsplit_op(fmt, group_size, seed):
+    packed = make_experts(8, 128, 192, fmt, group_size)
+    hidden = torch.randn(33, 128)
+    ids, weights = make_routing(33, 8, 3)
+    out = ktorch.fused_moe(hidden, ids, weights, packed.split_numa(1))
+    assert torch.equal(out, unsplit(hidden, ids, weights, packed)), f"seed={seed} {fmt}"
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("T", [1, 7, 33, 130])
+def test_bf16_split_equals_sum_of_slices_bit_for_bit(kernel, n, T, seed):
+    E, K, H, I = 8, 3, 128, 192
+    split = make_experts(E, H, I, "bf16").split_numa(n)
     hidden = torch.randn(T, H)
     ids, weights = make_routing(T, E, K)
     out = ktorch.fused_moe(hidden, ids, weights, split)
     assert out.dtype == torch.float32 and out.shape == (T, H)
-    assert torch.equal(out, sum_of_slices(hidden, ids, weights, split)), f"seed={seed} {kernel} {fmt} n={n} T={T}"
+    assert torch.equal(out, sum_of_slices(hidden, ids, weights, split)), f"seed={seed} {kernel} n={n} T={T}"
     out_bf16 = ktorch.fused_moe(hidden.bfloat16(), ids, weights, split)
     assert out_bf16.dtype == torch.bfloat16
     assert torch.equal(out_bf16, sum_of_slices(hidden.bfloat16(), ids, weights, split).bfloat16())
 
 
-@pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)
-@pytest.mark.parametrize("n", [2, 3])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
-def test_split_matches_unsplit(kernel, fmt, group_size, n, dtype, seed):
-    E, K, H, I, T = 16, 4, 128, 384, 41
+@pytest.mark.parametrize("fmt,group_size", [("int8", None), ("int4", 32)], ids=["int8", "int4"])
+def test_int_split_slices_share_the_h_scale(fmt, group_size, seed):
+    """Each slice alone scales h by its own channels' max; inside the split they use the whole row's."""
+    E, K, H, I, T = 8, 3, 128, 192, 33
     packed = make_experts(E, H, I, fmt, group_size)
-    split = packed.split_numa(n)
-    hidden = torch.randn(T, H).to(dtype)
-    ids, weights = make_routing(T, E, K)
-    whole = ktorch.fused_moe(hidden, ids, weights, packed)
+    split = packed.split_numa(2)
+    hidden = torch.randn(T, H)
+    ids, weights = make_routing(T, E, K, skip=0.0)
+    whole = unsplit(hidden, ids, weights, packed)
+    alone = sum_of_slices(hidden, ids, weights, split)
     parts = ktorch.fused_moe(hidden, ids, weights, split)
-    assert parts.dtype == dtype and parts.shape == (T, H)
-    skipped = (ids < 0).all(dim=1)
-    assert (parts[skipped] == 0).all()
-    what = f"seed={seed} {kernel} {fmt} n={n} {dtype}"
-    if fmt == "bf16":
-        # the same h; only the down projection's fp32 sum is regrouped, then one rounding to the output dtype
-        if dtype == torch.float32:
-            assert relative_error(parts, whole.double()) < 1e-6, what
-        else:
-            ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
-            bound = ulp * torch.maximum(whole.float().abs(), parts.float().abs()) + 1e-6
-            assert ((parts.float() - whole.float()).abs() <= bound).all(), what
-        return
-    # int8/int4: h is quantized per slice; as accurate as the unsplit op, and close to it
-    gate_up, down = packed.dequantize()
-    ref = fused_moe_reference(hidden, ids, weights, gate_up, down)
-    err_whole, err_parts = relative_error(whole, ref), relative_error(parts, ref)
-    assert err_parts <= TOLERANCE[fmt], f"{what}: split error {err_parts:.3g}"
-    assert err_parts <= 1.2 * err_whole + 2e-3, f"{what}: split error {err_parts:.3g} vs unsplit {err_whole:.3g}"
-    assert relative_error(parts, whole.double()) <= TOLERANCE[fmt], what
+    assert (parts - whole).abs().max() < 1e-3 * (alone - whole).abs().max(), f"seed={seed} {fmt}"
 
 
 @pytest.mark.parametrize("fmt,group_size", [("bf16", None), ("int8", None), ("int4", 32)], ids=["bf16", "int8", "int4"])
@@ -195,6 +246,47 @@ def test_bad_ids_raise_through_the_split():
         ktorch.fused_moe(torch.randn(2, 64), torch.tensor([[0, 1], [4, 1]]), torch.rand(2, 2), split)
     # the groups still work after an error
     assert ktorch.fused_moe(torch.randn(2, 64), torch.tensor([[0, 1], [3, 1]]), torch.rand(2, 2), split).shape == (2, 64)
+
+
+def test_slices_of_different_formats_are_an_error():
+    int8 = make_experts(4, 64, 64, "int8").split_numa(2)
+    int4 = make_experts(4, 64, 64, "int4", 32).split_numa(2)
+    w13, s13, w2, s2 = (list(a) for a in int8.op_args())
+    w13[1], s13[1], w2[1], s2[1] = int4.slices[1].tensors()
+    with pytest.raises(RuntimeError, match="every slice must be packed in the same format"):
+        torch.ops.kt.fused_moe_numa(torch.randn(2, 64), torch.tensor([[0, 1], [2, 3]]), torch.rand(2, 2), w13, s13, w2,
+                                    s2, "silu")
+
+
+_FAILING_SLICE_SCRIPT = """
+import torch, ktorch
+torch.manual_seed(0)
+def split(E):
+    gate_up, down = torch.randn(E, 128, 64), torch.randn(E, 64, 64)
+    return ktorch.pack_experts(gate_up, down, "int8").split_numa(2)
+four, five = split(4).op_args(), split(5).op_args()
+hidden, weights = torch.randn(3, 64), torch.rand(3, 2)
+for first, second in ((four, five), (five, four)):
+    # the slice with 4 experts rejects id 4; the one with 5 reaches the exchange of h scales and waits for it
+    args = [[a[0], b[1]] for a, b in zip(first, second)]
+    try:
+        torch.ops.kt.fused_moe_numa(hidden, torch.tensor([[0, 1], [4, 1], [2, 3]]), weights, *args, "silu")
+    except RuntimeError as e:
+        assert "= 4 is out of range for 4 experts" in str(e), e
+    else:
+        raise AssertionError("no error")
+out = ktorch.fused_moe(hidden, torch.tensor([[0, 1], [3, 1], [2, 3]]), weights, ktorch.pack_experts(
+    torch.randn(4, 128, 64), torch.randn(4, 64, 64), "int8", numa_split=2))
+assert out.shape == (3, 64)
+print("ok")
+"""
+
+
+def test_a_failing_slice_releases_the_others():
+    """One slice throws before the h-scale exchange while the other waits there: the error comes out, no hang."""
+    result = subprocess.run([sys.executable, "-c", _FAILING_SLICE_SCRIPT], env=dict(os.environ, KT_SPIN_US="0"),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
 
 
 # ---------------------------------------------------------------- KT_NUMA_SPLIT

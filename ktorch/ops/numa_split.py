@@ -5,7 +5,9 @@
 with ``torch.ops.kt.numa_split_experts``: slice g's tensors are allocated and first written by threads bound
 to node g's CPUs (and mbind(2) to node g), so they live in node g's memory. ``ktorch.ops.fused_moe`` then runs
 ``torch.ops.kt.fused_moe_numa``: each slice on its own node's threads at the same time, and the fp32 partial
-outputs summed in slice order. ``torch.ops.kt.fused_moe`` itself is unchanged.
+outputs summed in slice order. int8/int4 slices quantize the down projection's input h with each row's scale
+over all slices (exchanged between gate/up and the down projection), as the unsplit op does, so every format
+gives the unsplit result up to fp32 summation order. ``torch.ops.kt.fused_moe`` itself is unchanged.
 
 ``KT_NUMA_SPLIT`` (read on every ``ktorch.ops.fused_moe`` call and by ``split_numa()`` without an argument):
 unset, empty or 1: off; ``auto``: the number of NUMA nodes with CPUs this process may use; n >= 2: n slices.

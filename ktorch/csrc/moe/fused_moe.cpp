@@ -7,7 +7,8 @@
 //      them in place), then computes 32 gate + 32 up columns per kernel call and writes act(gate) * up into
 //      h[pair]. When there are enough chunks to keep every worker busy, a task covers all I channels of
 //      its rows, so it quantizes its h rows for the down projection itself (int formats) while they are in
-//      its cache; otherwise the channels are split over tasks and a separate pass quantizes h.
+//      its cache; otherwise the channels are split over tasks and a separate pass quantizes h (or the
+//      caller's quantize_h, fused_moe.h: the NUMA split).
 //   4. down: tasks = (range of output columns, group of experts: ids in the lower or upper half). A task
 //      walks its experts in order, computes their tokens' rows of h . W_down^T for its columns and adds
 //      w[t,k] times them into its group's accumulator rows; the last task of a column range sums the two
@@ -210,6 +211,15 @@ void row_to_f32(const at::Tensor& src, int64_t r, float* dst) {
 at::Tensor fused_moe(const at::Tensor& hidden_in, const at::Tensor& topk_ids_in, const at::Tensor& topk_weights_in,
                      const at::Tensor& w13, const std::optional<at::Tensor>& w13_scales, const at::Tensor& w2,
                      const std::optional<at::Tensor>& w2_scales, c10::string_view activation) {
+  return fused_moe_with_h_quantizer(hidden_in, topk_ids_in, topk_weights_in, w13, w13_scales, w2, w2_scales, activation,
+                                    QuantizeH());
+}
+
+at::Tensor fused_moe_with_h_quantizer(const at::Tensor& hidden_in, const at::Tensor& topk_ids_in,
+                                      const at::Tensor& topk_weights_in, const at::Tensor& w13,
+                                      const std::optional<at::Tensor>& w13_scales, const at::Tensor& w2,
+                                      const std::optional<at::Tensor>& w2_scales, c10::string_view activation,
+                                      const QuantizeH& quantize_h) {
   // ---- checks
   TORCH_CHECK(hidden_in.device().is_cpu(), "fused_moe: hidden must be a CPU tensor, got device ", hidden_in.device());
   TORCH_CHECK(hidden_in.dim() == 2, "fused_moe: hidden must be [T, H] (2-D), got shape ", hidden_in.sizes());
@@ -336,7 +346,7 @@ at::Tensor fused_moe(const at::Tensor& hidden_in, const at::Tensor& topk_ids_in,
   const int64_t ugroups = I / 32;  // kernel calls of 32 gate + 32 up columns = 4 packed 16-column blocks
   const int64_t nchunks = static_cast<int64_t>(chunks.size());
   const int64_t splits = workers == 1 ? 1 : std::min(ugroups, (3 * workers + nchunks - 1) / nchunks);
-  const bool full_rows = splits == 1;
+  const bool full_rows = splits == 1 && !quantize_h;  // a caller's quantize_h takes all of h at once
   const bool h_bf16 = !int_fmt;
   // h: bf16 [P, I] (bf16 weights); int formats: int8 [P, I] + scale + group sums, through fp32 [P, I] when split
   at::Tensor h = ws.take(Workspace::kH, {h_bf16 ? P * I / 2 : (full_rows ? 1 : P * I)}, at::kFloat);
@@ -406,7 +416,11 @@ at::Tensor fused_moe(const at::Tensor& hidden_in, const at::Tensor& topk_ids_in,
                        hs.data_ptr<float>() + ch.p0, hg.data_ptr<int32_t>() + ch.p0 * down.groups);
   });
   timer.mark("gate_up");
-  if (int_fmt && !full_rows) {
+  if (int_fmt && quantize_h) {
+    quantize_h(h.data_ptr<float>(), P, I, down.group_size(), hq.data_ptr<int8_t>(), hs.data_ptr<float>(),
+               hg.data_ptr<int32_t>());
+    timer.mark("h_quantize");
+  } else if (int_fmt && !full_rows) {
     const int64_t per = 16;
     runtime::parallel_tasks((P + per - 1) / per, [&](int64_t task, int) {
       const int64_t p0 = task * per, n = std::min(per, P - p0);

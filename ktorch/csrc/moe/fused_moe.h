@@ -3,6 +3,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/string_view.h>
 
+#include <functional>
 #include <optional>
 
 namespace kt::moe {
@@ -10,5 +11,21 @@ namespace kt::moe {
 at::Tensor fused_moe(const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                      const at::Tensor& w13, const std::optional<at::Tensor>& w13_scales, const at::Tensor& w2,
                      const std::optional<at::Tensor>& w2_scales, c10::string_view activation);
+
+// How a caller can quantize h = act(gate) * up, the down projection's input, in the driver's place (int8/int4
+// weights): the NUMA split (numa_split.cpp) has each slice quantize its channels of a row with the scale of the
+// whole row, as the unsplit op does. Called once per call, on the calling thread, after gate/up: h is fp32
+// [P, I], one row per routed (token, slot) pair in the driver's order (grouped by expert, set by topk_ids
+// alone); it fills q int8 [P, I], scale [P] and gsum [P, I / group_size] as kernels::QuantizeRowsFn defines
+// them. Not called when nothing is routed (T, K or the routed pairs 0).
+using QuantizeH = std::function<void(const float* h, int64_t P, int64_t I, int64_t group_size, int8_t* q,
+                                     float* scale, int32_t* gsum)>;
+
+// fused_moe with h quantized by quantize_h when it is set and the weights are int8/int4.
+at::Tensor fused_moe_with_h_quantizer(const at::Tensor& hidden, const at::Tensor& topk_ids,
+                                      const at::Tensor& topk_weights, const at::Tensor& w13,
+                                      const std::optional<at::Tensor>& w13_scales, const at::Tensor& w2,
+                                      const std::optional<at::Tensor>& w2_scales, c10::string_view activation,
+                                      const QuantizeH& quantize_h);
 
 }  // namespace kt::moe

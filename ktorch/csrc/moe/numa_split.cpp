@@ -1,13 +1,19 @@
-// NUMA tensor parallelism for kt::fused_moe, as a layer above the op (the driver and kernels are untouched).
+// NUMA tensor parallelism for kt::fused_moe, as a layer above the op (the kernels are untouched; the driver
+// only lets a caller quantize h, fused_moe.h).
 //
 // Math: out[t] = sum_k w[t,k] * W2_e (act(W1_e x) * (W3_e x)) is a sum over the intermediate channels i,
 // so with I cut into slices S_0..S_{n-1}, out = sum_g fused_moe(x, slice g), each slice holding the gate/up
 // rows i in S_g and the down columns i in S_g. The sum runs in fp32, in slice order, then rounds once to
-// the hidden dtype. bf16 weights: h = act(gate) * up is the same per channel, only the down projection's
-// sum over i is regrouped (fp32 reduction order). int8/int4: the driver quantizes each row of h with one
-// scale per row (its max over the channels it sees), so a slice quantizes its part of h with its own,
-// smaller or equal scale: results differ from the unsplit op by h's quantization rounding, not only by
-// summation order (the split is never less precise; tests bound the difference).
+// the hidden dtype. h = act(gate) * up is the same per channel in a slice as in the unsplit op. bf16
+// weights: only the down projection's sum over i is regrouped (fp32 reduction order). int8/int4: the down
+// projection reads h quantized per row, one scale per row from its max |h|; a slice alone would see only
+// its channels' max. So the slices of one call share it, in two phases: each slice runs gate/up and gives
+// its rows' max |h|, waits for the other slices (SharedRowMax), then quantizes its channels with the max
+// over all of them, the unsplit op's scale, with the kernels' arithmetic, and runs its down projection.
+// Its q, row scale and group sums are then the unsplit op's bytes for its channels, so int8/int4 results
+// also differ from the unsplit op only by the fp32 summation order (the split adds the scaled partial dot
+// products of its slices where the unsplit op scales one). The price: a slice keeps h in fp32 until the
+// exchange (the driver's in-cache quantization of full rows is off) and waits for the slowest slice's gate/up.
 //
 // Layouts (moe/pack.cpp): w13 [E, 2I/16, H/per, 16, per] with gate_up=True, every 4 blocks of 16 packed
 // rows = 32 gate rows then their 32 up rows, so channels [i0, i1) (multiples of 32) are the blocks
@@ -23,7 +29,12 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <cmath>
+#include <condition_variable>
 #include <cstring>
+#include <exception>
+#include <mutex>
 #include <numeric>
 
 #include "../runtime/numa.h"
@@ -83,6 +94,93 @@ at::Tensor copy_range(const at::Tensor& src, int64_t dim, int64_t a0, int64_t a1
   });
   if (node >= 0) runtime::bind_memory_to_node(d, dst.nbytes(), node);
   return dst;
+}
+
+// Per-row max |h| shared by the slices of one fused_moe_numa call: each slice gives the maxima over its own
+// channels and waits until every slice has given its own; all then read the max over all channels, which is
+// the unsplit op's (a max has no rounding). A slice that ends without giving its maxima (an error, or
+// nothing routed) releases the others, which then stop with SliceAbandoned.
+struct SliceAbandoned {};
+
+class SharedRowMax {
+ public:
+  explicit SharedRowMax(int n) : n_(n) {}
+
+  void reduce(std::vector<float>& amax) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (abandoned_) throw SliceAbandoned{};
+    if (given_ == 0) {
+      max_ = amax;
+    } else {
+      TORCH_CHECK(max_.size() == amax.size(), "fused_moe_numa: slices routed ", max_.size(), " and ", amax.size(),
+                  " pairs for the same topk_ids");
+      for (size_t p = 0; p < amax.size(); ++p) max_[p] = std::max(max_[p], amax[p]);
+    }
+    if (++given_ == n_)
+      all_given_.notify_all();
+    else
+      all_given_.wait(lock, [&] { return given_ == n_ || abandoned_; });
+    if (given_ != n_) throw SliceAbandoned{};
+    amax = max_;
+  }
+
+  // Called by every slice when its fused_moe returns or throws; releases the waiting slices if it never gave.
+  void leave() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (given_ < n_) {
+      abandoned_ = true;
+      all_given_.notify_all();
+    }
+  }
+
+ private:
+  const int n_;
+  std::mutex mutex_;
+  std::condition_variable all_given_;
+  std::vector<float> max_;
+  int given_ = 0;
+  bool abandoned_ = false;
+};
+
+// One slice's h quantization (fused_moe.h, QuantizeH): its rows' max |h|, shared, then kernels::QuantizeRowsFn's
+// arithmetic with the shared max (kernels/kernels.h): scale = amax / 127, q = x * (127 / amax) rounded half to
+// even, clamped to +-127, gsum per group of the down projection's scales. The same operations on the same
+// values as the unsplit op's kernel, so the slice's q, scale and gsum are the unsplit op's bytes for its channels.
+void quantize_h_with_shared_max(SharedRowMax& shared, const float* h, int64_t P, int64_t I, int64_t group_size,
+                                int8_t* q, float* scale, int32_t* gsum) {
+  constexpr int64_t kRowsPerTask = 16;
+  const int64_t tasks = (P + kRowsPerTask - 1) / kRowsPerTask;
+  std::vector<float> amax(P);
+  runtime::parallel_tasks(tasks, [&](int64_t task, int) {
+    for (int64_t p = task * kRowsPerTask; p < std::min(P, (task + 1) * kRowsPerTask); ++p) {
+      const float* x = h + p * I;
+      float m[16] = {};  // independent maxima: the loop is not one chain of dependent max operations
+      for (int64_t k = 0; k < I; k += 16)  // I is a multiple of 32
+        for (int j = 0; j < 16; ++j) m[j] = std::max(m[j], std::fabs(x[k + j]));
+      amax[p] = *std::max_element(m, m + 16);
+    }
+  });
+  shared.reduce(amax);
+  const int64_t groups = I / group_size;
+  runtime::parallel_tasks(tasks, [&](int64_t task, int) {
+    // adding then subtracting 1.5 * 2^23 rounds |y| < 2^22 to the nearest integer, ties to even (what
+    // nearbyint and the AVX-512 conversion do in the default rounding mode); here |y| <= 127 up to rounding
+    constexpr float kRound = 12582912.0f;
+    for (int64_t p = task * kRowsPerTask; p < std::min(P, (task + 1) * kRowsPerTask); ++p) {
+      const float* x = h + p * I;
+      const float inv = amax[p] > 0.0f ? 127.0f / amax[p] : 0.0f;
+      scale[p] = amax[p] / 127.0f;
+      for (int64_t g = 0; g < groups; ++g) {
+        int32_t sum = 0;
+        for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k) {
+          const int32_t v = std::clamp(static_cast<int32_t>((x[k] * inv + kRound) - kRound), -127, 127);
+          q[p * I + k] = static_cast<int8_t>(v);
+          sum += v;
+        }
+        gsum[p * groups + g] = sum;
+      }
+    }
+  });
 }
 
 }  // namespace
@@ -153,16 +251,40 @@ at::Tensor fused_moe_numa(const at::Tensor& hidden, const at::Tensor& topk_ids, 
               "fused_moe_numa: hidden must be bfloat16, float16 or float32, got ", dtype);
   const int64_t T = hidden.size(0), H = hidden.size(1);
   const bool quantized = !w13_scales.empty();
+  for (int64_t g = 1; g < n; ++g)
+    TORCH_CHECK(w13[g].scalar_type() == w13[0].scalar_type() && w2[g].scalar_type() == w2[0].scalar_type(),
+                "fused_moe_numa: every slice must be packed in the same format, slice 0 has ", w13[0].scalar_type(),
+                " and slice ", g, " has ", w13[g].scalar_type());
   auto scales = [&](at::TensorList l, int g) { return quantized ? std::optional<at::Tensor>(l[g]) : std::nullopt; };
   // fp32 in, so each slice returns fp32 partial sums (bf16/fp16 -> fp32 is exact: the slices read the same
   // activations as the unsplit op)
   const at::Tensor x = hidden.to(at::kFloat);
   std::vector<at::Tensor> partial(n);
+  std::vector<std::exception_ptr> errors(n);
+  std::vector<char> abandoned(n, 0);
+  SharedRowMax shared(static_cast<int>(n));
   runtime::NumaGroups& groups = runtime::NumaGroups::for_split(static_cast<int>(n));
   groups.run([&](int g) {
-    partial[g] = fused_moe(x, topk_ids, topk_weights, w13[g], scales(w13_scales, g), w2[g], scales(w2_scales, g),
-                           activation);
+    // int8/int4: every slice quantizes h with the whole row's scale (the header comment); one slice has it
+    QuantizeH quantize_h;
+    if (quantized && n > 1)
+      quantize_h = [&shared](const float* h, int64_t P, int64_t I, int64_t gs, int8_t* q, float* s, int32_t* gsum) {
+        quantize_h_with_shared_max(shared, h, P, I, gs, q, s, gsum);
+      };
+    try {
+      partial[g] = fused_moe_with_h_quantizer(x, topk_ids, topk_weights, w13[g], scales(w13_scales, g), w2[g],
+                                              scales(w2_scales, g), activation, quantize_h);
+    } catch (const SliceAbandoned&) {
+      abandoned[g] = 1;
+    } catch (...) {
+      errors[g] = std::current_exception();
+    }
+    shared.leave();
   });
+  for (const std::exception_ptr& e : errors)
+    if (e) std::rethrow_exception(e);  // the lowest slice's error; the others stopped because of it
+  for (int64_t g = 0; g < n; ++g)
+    TORCH_CHECK(!abandoned[g], "fused_moe_numa: slice ", g, " stopped because another slice ended without quantizing h");
   at::Tensor out = at::empty({T, H}, hidden.options().memory_format(at::MemoryFormat::Contiguous));
   if (T == 0) return out;
   // out = partial[0] + partial[1] + ... in this order for every element; rows shared out over the groups

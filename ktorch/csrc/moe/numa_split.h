@@ -15,7 +15,8 @@ numa_split_experts(const at::Tensor& w13, const std::optional<at::Tensor>& w13_s
                    const std::optional<at::Tensor>& w2_scales, int64_t n);
 
 // fused_moe over slices from numa_split_experts: slice g runs on group g's threads, the fp32 partial
-// outputs are summed in slice order.
+// outputs are summed in slice order. int8/int4: the slices quantize h with shared per-row scales (the
+// unsplit op's), exchanged between gate/up and the down projection.
 at::Tensor fused_moe_numa(const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                           at::TensorList w13, at::TensorList w13_scales, at::TensorList w2, at::TensorList w2_scales,
                           c10::string_view activation);
