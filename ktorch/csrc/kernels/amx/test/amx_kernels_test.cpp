@@ -2,9 +2,11 @@
 // kernels, over the calls the fused-MoE driver makes and their edges: M 1..100 (tile walks of 1-4 row
 // groups, partial groups, calls cut at 64 rows), nblocks 1-4, K with and without a 64-deep int8 tail,
 // int4 groups of 32/64/128, activation rows evenly strided (tile-loaded in place) or gathered (copied),
-// and the output rows/columns a call must leave alone. Also checks KT_AMX_MIN_ROWS parsing.
-// With --bench (real AMX only) it times one thread's AMX and AVX-512 gemm per M, for choosing the
-// small-M threshold.
+// and the output rows/columns a call must leave alone, under every tile walk (KT_AMX_WALK: pairs, rows,
+// kblock with chunks of 1, 3 and 8 k steps, with and without +pfa; M up to 300 for the walks of 256 rows).
+// Also checks KT_AMX_MIN_ROWS and KT_AMX_WALK parsing.
+// With --bench (real AMX only) it times one thread's AVX-512 gemm and AMX gemm under each walk per M, for
+// choosing the small-M threshold and the walk.
 //
 // Build and run with run.sh beside this file:
 //   bash ktorch/csrc/kernels/amx/test/run.sh emulated     # any AVX-512 BF16/VNNI machine, under ASan
@@ -192,6 +194,7 @@ std::vector<float> run(const Problem& p, GemmFn fn, int64_t ldc, int extra_rows)
   a.nblocks = p.nblocks;
   a.c = c.data();
   a.ldc = ldc;
+  a.next_b = p.packed.data();  // a prefetch hint only: any readable weights
   fn(a);
   return c;
 }
@@ -256,13 +259,45 @@ void check_min_rows_parsing() {
       std::printf("FAIL KT_AMX_MIN_ROWS='%s' accepted\n", v);
     }
   }
+  unsetenv("KT_AMX_MIN_ROWS");
 }
 
-void check_all() {
-  check_min_rows_parsing();
-  setenv("KT_AMX_MIN_ROWS", "0", 1);  // every M through the tiles
+void check_walk_parsing() {
+  const char* good[] = {"", "pairs", "rows", "kblock", "kblock:1", "kblock:16", "rows+pfa", "kblock:4+pfa", "pairs+pfa"};
+  for (const char* v : good) {
+    setenv("KT_AMX_WALK", v, 1);
+    try {
+      amx_kernels();
+    } catch (const std::exception& e) {
+      ++failures;
+      std::printf("FAIL KT_AMX_WALK='%s' rejected: %s\n", v, e.what());
+    }
+  }
+  const char* bad[] = {"row", "kblock:", "kblock:0", "kblock:x", "rows+", "rows+pfb", "kblock8", "pairs:2x"};
+  for (const char* v : bad) {
+    setenv("KT_AMX_WALK", v, 1);
+    bool threw = false;
+    try {
+      amx_kernels();
+    } catch (const std::invalid_argument&) {
+      threw = true;
+    }
+    if (!threw) {
+      ++failures;
+      std::printf("FAIL KT_AMX_WALK='%s' accepted\n", v);
+    }
+  }
+  unsetenv("KT_AMX_WALK");
+}
+
+// Every case under the walk that KT_AMX_WALK names (set by the caller).
+int check_walk(const char* walk) {
+  setenv("KT_AMX_WALK", walk, 1);
   amx_kernels();
-  const int Ms[] = {1, 2, 3, 5, 8, 15, 16, 17, 24, 31, 32, 33, 40, 47, 48, 49, 63, 64, 65, 100};
+  const int before = failures;
+  const bool long_walk = std::strcmp(walk, "pairs") != 0;  // walks of 256 rows: cut at 256, not 64
+  std::vector<int> Ms = {1, 2, 3, 5, 8, 15, 16, 17, 24, 31, 32, 33, 40, 47, 48, 49, 63, 64, 65, 100};
+  if (long_walk) Ms.insert(Ms.end(), {129, 256, 300});
   int cases = 0;
   for (bool strided : {true, false})
     for (int M : Ms)
@@ -279,13 +314,26 @@ void check_all() {
         check_case(WeightFormat::INT4, M, 96, nb, 32, strided);
         ++cases;
       }
-  // a driver-sized reduction for each format
-  for (int M : {7, 37, 64}) {
+  // a driver-sized reduction for each format (kblock: 3 chunks of bf16, 2 of int8 plus its 32-deep tail)
+  for (int M : {7, 37, 64, 130}) {
     check_case(WeightFormat::BF16, M, 768, 4, 0, M % 2 == 1);
     check_case(WeightFormat::INT8, M, 800, 2, 0, M % 2 == 1);
     check_case(WeightFormat::INT4, M, 768, 3, 128, M % 2 == 1);
     cases += 3;
   }
+  std::printf("walk %-14s %d cases, %d failed\n", walk, cases, failures - before);
+  return cases;
+}
+
+void check_all() {
+  check_min_rows_parsing();
+  check_walk_parsing();
+  setenv("KT_AMX_MIN_ROWS", "0", 1);  // every M through the tiles
+  amx_kernels();
+  int cases = 0;
+  for (const char* walk : {"pairs", "rows", "rows+pfa", "kblock", "kblock:1", "kblock:3+pfa"}) cases += check_walk(walk);
+  unsetenv("KT_AMX_WALK");
+  amx_kernels();
   // the default threshold sends small M to AVX-512: results must still be right
   unsetenv("KT_AMX_MIN_ROWS");
   amx_kernels();
@@ -305,14 +353,23 @@ void bench() {
   struct Shape { const char* what; int64_t K; int nblocks; };
   const Shape shapes[] = {{"qwen3 gate/up", 2048, 4}, {"qwen3 down", 768, 2}, {"deepseek gate/up", 7168, 4},
                           {"deepseek down", 2048, 4}};
-  std::printf("%-18s %-5s %4s %12s %12s %8s\n", "shape", "fmt", "M", "amx GOPS", "avx512 GOPS", "amx/avx");
+  // AVX-512, then AMX under each walk (the column "amx/avx" compares the default walk, pairs)
+  const char* walks[] = {"pairs", "rows", "rows+pfa", "kblock", "kblock+pfa"};
+  constexpr int kWalks = sizeof(walks) / sizeof(walks[0]);
+  std::printf("%-18s %-5s %4s %12s", "shape", "fmt", "M", "avx512 GOPS");
+  for (const char* w : walks) std::printf(" %11s", w);
+  std::printf(" %8s\n", "amx/avx");
   for (const Shape& s : shapes)
     for (WeightFormat f : {WeightFormat::BF16, WeightFormat::INT8, WeightFormat::INT4})
-      for (int M : {1, 2, 4, 8, 12, 16, 24, 32, 48, 64}) {
+      for (int M : {1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256}) {
         const Problem p = make_problem(f, M, s.K, s.nblocks, 128, false);
-        double gops[2];
-        for (int which = 0; which < 2; ++which) {
-          const GemmFn fn = which == 0 ? amx_kernels().gemm[static_cast<int>(f)] : avx512_kernels().gemm[static_cast<int>(f)];
+        double gops[1 + kWalks];
+        for (int which = 0; which <= kWalks; ++which) {
+          if (which > 0) {
+            setenv("KT_AMX_WALK", walks[which - 1], 1);
+            amx_kernels();
+          }
+          const GemmFn fn = which > 0 ? amx_kernels().gemm[static_cast<int>(f)] : avx512_kernels().gemm[static_cast<int>(f)];
           run(p, fn, 16 * s.nblocks, 0);
           int iters = 0;
           const auto t0 = std::chrono::steady_clock::now();
@@ -324,7 +381,9 @@ void bench() {
           }
           gops[which] = 2.0 * M * s.K * 16 * s.nblocks * iters / sec / 1e9;
         }
-        std::printf("%-18s %-5s %4d %12.1f %12.1f %8.2f\n", s.what, name(f), M, gops[0], gops[1], gops[0] / gops[1]);
+        std::printf("%-18s %-5s %4d %12.1f", s.what, name(f), M, gops[0]);
+        for (int i = 1; i <= kWalks; ++i) std::printf(" %11.1f", gops[i]);
+        std::printf(" %8.2f\n", gops[1] / gops[0]);
       }
 }
 #endif
