@@ -5,13 +5,15 @@
 // and the output rows/columns a call must leave alone, under every tile walk (KT_AMX_WALK: pairs, rows,
 // kblock with chunks of 1, 3 and 8 k steps, with and without +pfa; M up to 300 for the walks of 256 rows).
 // Also checks KT_AMX_MIN_ROWS and KT_AMX_WALK parsing.
-// With --bench (real AMX only) it times one thread's AVX-512 gemm and AMX gemm under each walk per M, for
-// choosing the small-M threshold and the walk.
+// With --bench (real AMX only) it times one thread's AVX-512 gemm and AMX gemm under each walk per M on hot
+// weights, for choosing the small-M threshold and the walk; --bench-cold the same streaming the weights from
+// memory (GB/s of weights a core pulls under each walk's prefetching).
 //
 // Build and run with run.sh beside this file:
 //   bash ktorch/csrc/kernels/amx/test/run.sh emulated     # any AVX-512 BF16/VNNI machine, under ASan
 //   bash ktorch/csrc/kernels/amx/test/run.sh native       # on AMX hardware
 //   bash ktorch/csrc/kernels/amx/test/run.sh native --bench
+//   bash ktorch/csrc/kernels/amx/test/run.sh native --bench-cold
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -386,6 +388,80 @@ void bench() {
         std::printf(" %8.2f\n", gops[1] / gops[0]);
       }
 }
+
+// One thread streaming weights from memory: consecutive calls take consecutive weights of a 1 GiB pool (past
+// any L3), each naming the next as next_b like the driver's calls of one expert, so the walks' prefetching
+// is what is measured. Prints GB/s of weights read, AVX-512 and each AMX walk, per M.
+void bench_cold() {
+  setenv("KT_AMX_MIN_ROWS", "0", 1);
+  struct Shape { const char* what; int64_t K; int nblocks; };
+  const Shape shapes[] = {{"qwen3 gate/up", 2048, 4}, {"qwen3 down", 768, 8}, {"deepseek gate/up", 7168, 4}};
+  const char* walks[] = {"pairs", "rows", "rows+pfa", "kblock", "kblock+pfa"};
+  constexpr int kWalks = sizeof(walks) / sizeof(walks[0]);
+  const size_t pool_bytes = size_t(1) << 30;
+  auto* pool = static_cast<uint16_t*>(std::aligned_alloc(64, pool_bytes));
+  uint64_t x = 88172645463325252ull;
+  for (size_t i = 0; i < pool_bytes / 2; ++i) {  // as bf16: normal numbers near 2^-7; as int8/int4: any bytes
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    pool[i] = static_cast<uint16_t>((x & 0x807f) | 0x3c00);
+  }
+  const auto* base = reinterpret_cast<const uint8_t*>(pool);
+  std::printf("one thread, weights from memory: GB/s of weights\n%-18s %-5s %4s %12s", "shape", "fmt", "M", "avx512");
+  for (const char* w : walks) std::printf(" %11s", w);
+  std::printf("\n");
+  for (const Shape& s : shapes)
+    for (WeightFormat f : {WeightFormat::BF16, WeightFormat::INT8, WeightFormat::INT4})
+      for (int M : {16, 32, 64, 128}) {
+        const int64_t N = 16 * s.nblocks, G = f == WeightFormat::INT4 ? s.K / 128 : 1;
+        const size_t bb = block_bytes(f, s.K), call_bytes = bb * s.nblocks, calls = pool_bytes / call_bytes;
+        const int64_t row_bytes = f == WeightFormat::BF16 ? 2 * s.K : s.K;
+        std::vector<uint8_t> arows(M * row_bytes);
+        for (size_t i = 0; i < arows.size(); ++i) arows[i] = static_cast<uint8_t>(f == WeightFormat::BF16 && i % 2 ? 0x3c : i * 7);
+        std::vector<const void*> rows(M);
+        for (int m = 0; m < M; ++m) rows[m] = arows.data() + m * row_bytes;
+        std::vector<float> ascale(M, 1.0f / 127), wscale(G * N, 1.0f / 64), c(M * N);
+        std::vector<int32_t> gsum(M * G, 0);
+        GemmArgs a;
+        a.M = M;
+        a.K = s.K;
+        a.a_rows = rows.data();
+        a.a_scale = ascale.data();
+        a.a_gsum = gsum.data();
+        a.a_gsum_stride = G;
+        a.group_size = f == WeightFormat::INT4 ? 128 : s.K;
+        a.b_block_stride = bb;
+        a.b_scale = wscale.data();
+        a.b_scale_group_stride = N;
+        a.nblocks = s.nblocks;
+        a.c = c.data();
+        a.ldc = N;
+        double gbs[1 + kWalks];
+        size_t i = 0;
+        for (int which = 0; which <= kWalks; ++which) {
+          if (which > 0) {
+            setenv("KT_AMX_WALK", walks[which - 1], 1);
+            amx_kernels();
+          }
+          const GemmFn fn = which > 0 ? amx_kernels().gemm[static_cast<int>(f)] : avx512_kernels().gemm[static_cast<int>(f)];
+          size_t n = 0;
+          const auto t0 = std::chrono::steady_clock::now();
+          double sec = 0;
+          while (sec < 0.15) {
+            for (int r = 0; r < 16; ++r, ++n, i = (i + 1) % calls) {
+              a.b = base + i * call_bytes;
+              a.next_b = base + (i + 1) % calls * call_bytes;
+              fn(a);
+            }
+            sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+          }
+          gbs[which] = static_cast<double>(n * call_bytes) / sec / 1e9;
+        }
+        std::printf("%-18s %-5s %4d %12.2f", s.what, name(f), M, gbs[0]);
+        for (int w = 1; w <= kWalks; ++w) std::printf(" %11.2f", gbs[w]);
+        std::printf("\n");
+      }
+  std::free(pool);
+}
 #endif
 
 }  // namespace
@@ -399,6 +475,10 @@ int main(int argc, char** argv) {
   }
   if (argc > 1 && std::string(argv[1]) == "--bench") {
     bench();
+    return 0;
+  }
+  if (argc > 1 && std::string(argv[1]) == "--bench-cold") {
+    bench_cold();
     return 0;
   }
 #else
