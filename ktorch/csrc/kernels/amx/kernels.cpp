@@ -56,6 +56,7 @@
 #define KT_TILE_ZERO(t) ::kt::kernels::amx_emulation::zero(t)
 #define KT_TILE_DP_BF16(c, a, b) ::kt::kernels::amx_emulation::dp_bf16(c, a, b)
 #define KT_TILE_DP_S8(c, a, b) ::kt::kernels::amx_emulation::dp_s8(c, a, b)
+#define KT_RECORD_PREFETCH(p, to_l1) ::kt::kernels::amx_emulation::record_prefetch(p, to_l1)
 #else
 // gcc's tile intrinsics paste the register number into the instruction text, so tile arguments must be
 // literals. Their TILELOADD asm does not declare that it reads memory: buffers filled with ordinary stores
@@ -66,6 +67,7 @@
 #define KT_TILE_ZERO(t) _tile_zero(t)
 #define KT_TILE_DP_BF16(c, a, b) _tile_dpbf16ps(c, a, b)
 #define KT_TILE_DP_S8(c, a, b) _tile_dpbssd(c, a, b)
+#define KT_RECORD_PREFETCH(p, to_l1) ((void)0)
 #endif
 
 namespace kt::kernels {
@@ -289,8 +291,10 @@ ARows gather_rows(const GemmArgs& a, int64_t row_bytes, bool in_place_ok) {
 }
 
 // ---------------------------------------------------------------- tile steps
+// Weights into L1 (to_l1) or L2; the emulated build records the lines for the test to check.
 inline void prefetch(const uint8_t* p, int64_t bytes, bool to_l1) {
   for (int64_t o = 0; o < bytes; o += 64) {
+    KT_RECORD_PREFETCH(p + o, to_l1);
     if (to_l1) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
     else _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T1);
   }

@@ -3,7 +3,8 @@
 // groups, partial groups, calls cut at 64 rows), nblocks 1-4, K with and without a 64-deep int8 tail,
 // int4 groups of 32/64/128, activation rows evenly strided (tile-loaded in place) or gathered (copied),
 // and the output rows/columns a call must leave alone, under every tile walk (KT_AMX_WALK: pairs, rows,
-// kblock with chunks of 1, 3 and 8 k steps, with and without +pfa; M up to 300 for the walks of 256 rows).
+// kblock with chunks of 1, 3 and 8 k steps, with and without +pfa; M up to 300 for the walks of 256 rows),
+// and (emulated) that the weight prefetches stay inside the weights and cover what each walk fetches ahead.
 // Also checks KT_AMX_MIN_ROWS and KT_AMX_WALK parsing.
 // With --bench (real AMX only) it times one thread's AVX-512 gemm and AMX gemm under each walk per M on hot
 // weights, for choosing the small-M threshold and the walk; --bench-cold the same streaming the weights from
@@ -32,6 +33,9 @@
 #endif
 
 #include "../../kernels.h"
+#if defined(KT_AMX_EMULATE)
+#include "emulated_tiles.h"
+#endif
 
 using namespace kt::kernels;
 
@@ -174,8 +178,9 @@ void reference(const Problem& p, std::vector<double>& out, std::vector<double>& 
     }
 }
 
-// Runs one gemm into a C buffer with a wider ldc and extra rows, all pre-filled with a sentinel.
-std::vector<float> run(const Problem& p, GemmFn fn, int64_t ldc, int extra_rows) {
+// Runs one gemm into a C buffer with a wider ldc and extra rows, all pre-filled with a sentinel. next_b: the
+// hint of the caller's next call (default: these weights again).
+std::vector<float> run(const Problem& p, GemmFn fn, int64_t ldc, int extra_rows, const uint8_t* next_b = nullptr) {
   std::vector<float> c((p.M + extra_rows) * ldc, -12345.0f);
   GemmArgs a;
   a.M = p.M;
@@ -196,17 +201,64 @@ std::vector<float> run(const Problem& p, GemmFn fn, int64_t ldc, int extra_rows)
   a.nblocks = p.nblocks;
   a.c = c.data();
   a.ldc = ldc;
-  a.next_b = p.packed.data();  // a prefetch hint only: any readable weights
+  a.next_b = next_b != nullptr ? next_b : p.packed.data();  // a prefetch hint only: any readable weights
   fn(a);
   return c;
 }
 
 int failures = 0;
 
+// Set by check_walk: the walk under test prefetches the next column pair and the next call's first pair into
+// L2 in full ('rows', 'kblock'); every walk keeps its weight prefetches inside the weights.
+bool g_check_prefetch = false;
+bool g_full_next = false;
+
+#if defined(KT_AMX_EMULATE)
+// The weight lines the last call prefetched: inside the call's weights or the next call's, and with
+// g_full_next every line of the call's blocks 2.. and of the next call's first two blocks fetched into L2.
+// Returns what is wrong, or an empty string.
+std::string check_prefetches(const Problem& p, const std::vector<uint8_t>& next) {
+  const auto& lines = amx_emulation::prefetch_log().lines;
+  const auto in = [](const void* q, const uint8_t* lo, size_t n) {
+    return static_cast<const uint8_t*>(q) >= lo && static_cast<const uint8_t*>(q) < lo + n;
+  };
+  for (const auto& l : lines)
+    if (!in(l.line, p.packed.data(), p.packed.size()) && !in(l.line, next.data(), next.size()))
+      return "prefetched a line outside the weights";
+  if (!g_full_next) return "";
+  const size_t bb = block_bytes(p.f, p.K);
+  const int64_t steps = p.f == WeightFormat::BF16 ? p.K / 32 : p.f == WeightFormat::INT8 ? p.K / 64 : p.K / 64;
+  if (steps == 0) return "";
+  std::vector<char> seen_call(p.packed.size() / 64, 0), seen_next(next.size() / 64, 0);
+  for (const auto& l : lines) {
+    if (l.to_l1) continue;
+    const auto* q = static_cast<const uint8_t*>(l.line);
+    if (in(q, p.packed.data(), p.packed.size())) seen_call[(q - p.packed.data()) / 64] = 1;
+    else seen_next[(q - next.data()) / 64] = 1;
+  }
+  const size_t first = (p.total_blocks - p.nblocks) * bb;  // the call's block 0
+  for (size_t o = first + 2 * bb; o < p.packed.size(); o += 64)
+    if (!seen_call[o / 64]) return "a later column pair of the call was not prefetched into L2 in full";
+  for (size_t o = 0; o < std::min<size_t>(2, p.nblocks) * bb; o += 64)
+    if (!seen_next[o / 64]) return "the next call's first column pair was not prefetched into L2 in full";
+  return "";
+}
+#endif
+
 void check_case(WeightFormat f, int M, int64_t K, int nblocks, int64_t group, bool strided) {
   const Problem p = make_problem(f, M, K, nblocks, group, strided);
   const int64_t cols = 16 * nblocks, ldc = cols + 16;
-  const std::vector<float> amx = run(p, amx_kernels().gemm[static_cast<int>(f)], ldc, 3);
+  std::vector<uint8_t> next(block_bytes(f, K) * nblocks, 0);  // the caller's next call's weights
+  std::string prefetch_error;
+#if defined(KT_AMX_EMULATE)
+  amx_emulation::prefetch_log().lines.clear();
+  amx_emulation::prefetch_log().on = g_check_prefetch;
+#endif
+  const std::vector<float> amx = run(p, amx_kernels().gemm[static_cast<int>(f)], ldc, 3, next.data());
+#if defined(KT_AMX_EMULATE)
+  amx_emulation::prefetch_log().on = false;
+  if (g_check_prefetch) prefetch_error = check_prefetches(p, next);
+#endif
   const std::vector<float> avx = run(p, avx512_kernels().gemm[static_cast<int>(f)], ldc, 3);
   std::vector<double> ref, mag;
   reference(p, ref, mag);
@@ -228,11 +280,12 @@ void check_case(WeightFormat f, int M, int64_t K, int nblocks, int64_t group, bo
     }
   // int formats: same integer sums and fp32 operations in the same order as AVX-512, so bit-identical
   const bool exact = f == WeightFormat::BF16 || worst_vs_avx == 0.0;
-  if (worst > 1.0 || !untouched || !exact) {
+  if (worst > 1.0 || !untouched || !exact || !prefetch_error.empty()) {
     ++failures;
-    std::printf("FAIL %s M=%d K=%lld nblocks=%d group=%lld %s: error/bound %.3g, |amx-avx512| max %.3g%s\n", name(f), M,
-                static_cast<long long>(K), nblocks, static_cast<long long>(group), strided ? "strided" : "gathered",
-                worst, worst_vs_avx, untouched ? "" : ", wrote outside its rows/columns");
+    std::printf("FAIL %s M=%d K=%lld nblocks=%d group=%lld %s: error/bound %.3g, |amx-avx512| max %.3g%s%s%s\n", name(f),
+                M, static_cast<long long>(K), nblocks, static_cast<long long>(group), strided ? "strided" : "gathered",
+                worst, worst_vs_avx, untouched ? "" : ", wrote outside its rows/columns",
+                prefetch_error.empty() ? "" : ", ", prefetch_error.c_str());
   }
 }
 
@@ -298,6 +351,8 @@ int check_walk(const char* walk) {
   amx_kernels();
   const int before = failures;
   const bool long_walk = std::strcmp(walk, "pairs") != 0;  // walks of 256 rows: cut at 256, not 64
+  g_check_prefetch = true;
+  g_full_next = long_walk;
   std::vector<int> Ms = {1, 2, 3, 5, 8, 15, 16, 17, 24, 31, 32, 33, 40, 47, 48, 49, 63, 64, 65, 100};
   if (long_walk) Ms.insert(Ms.end(), {129, 256, 300});
   int cases = 0;
@@ -323,6 +378,7 @@ int check_walk(const char* walk) {
     check_case(WeightFormat::INT4, M, 768, 3, 128, M % 2 == 1);
     cases += 3;
   }
+  g_check_prefetch = g_full_next = false;
   std::printf("walk %-14s %d cases, %d failed\n", walk, cases, failures - before);
   return cases;
 }
