@@ -133,7 +133,7 @@ void read_min_rows() {
 //                pair, or of the caller's next call (next_b), prefetched into L2 spread over every pass
 //   kblock[:N]   rows, with k cut into chunks of N steps (default 8): a column pair's chunk stays in L1
 //                while every row pair passes over it; the sums wait in an L1 buffer between chunks
-//                (bf16/int8; int4 walks as 'rows')
+//                (bf16/int8 with more than 32 rows; otherwise it walks as 'rows')
 //   ...+pfa      also prefetch each pass's A tiles (and, for 'rows', B tiles) into L1 a few steps ahead
 enum class Walk : int { Pairs = 0, Rows = 1, KBlock = 2 };
 struct WalkOptions {
@@ -544,7 +544,8 @@ void tile_walk(const GemmArgs& a, const WalkOptions& w) {
   const int groups = (a.M + 15) / 16, row_pairs = (groups + 1) / 2;
   // k steps of full B tiles
   const int64_t steps = F == WeightFormat::BF16 ? a.K / 32 : F == WeightFormat::INT8 ? a.K / 64 : a.K / depth;
-  const bool kblock = w.walk == Walk::KBlock && F != WeightFormat::INT4;
+  // (one row pair leaves nothing to reuse a chunk: kblock walks as rows then)
+  const bool kblock = w.walk == Walk::KBlock && F != WeightFormat::INT4 && row_pairs > 1;
   const int64_t chunk = kblock ? std::max<int64_t>(1, std::min<int64_t>(w.kblock_steps, steps)) : std::max<int64_t>(1, steps);
   const int64_t chunks = std::max<int64_t>(1, (steps + chunk - 1) / chunk);
   uint8_t* cacc = chunks > 1 ? t_cacc.get(static_cast<size_t>(row_pairs) * 32 * 128) : nullptr;
