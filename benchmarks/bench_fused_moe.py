@@ -20,11 +20,19 @@ measures for itself at start: DRAM read bandwidth (a large fp32 sum) and the dot
 
 --profile: after timing each ktorch row, a few more calls run with KT_PROFILE=1 (the op prints its phase
 times to stderr, see ktorch/csrc/moe/fused_moe.cpp); their per-phase medians are printed under the row.
+
+--amx-walks: each ktorch row is timed once per AMX tile walk (KT_AMX_WALK, read by the op on every call; see
+docs/amx.md), on the same layer copies and routings, the walks taking turns at each T; the rows are named
+e.g. ktorch-int8/rows. Only meaningful where the AMX kernels run (KT_CPU_KERNEL=amx or auto on an AMX CPU):
+
+    KT_CPU_KERNEL=amx python benchmarks/bench_fused_moe.py --shapes qwen3 --tokens 512 2048 \
+        --impls ktorch-int8 --amx-walks pairs rows kblock --profile
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import math
 import os
@@ -180,6 +188,21 @@ def profile_phases(fn, layers, routings, calls: int = 5) -> dict[str, float]:
     return {name: statistics.median(v) for name, v in phases.items()}
 
 
+@contextlib.contextmanager
+def env_set(name: str, value: str | None):
+    """os.environ[name] = value inside the block, restored after; None leaves the environment alone."""
+    saved = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if value is not None and saved is None:
+            os.environ.pop(name, None)
+        elif value is not None:
+            os.environ[name] = saved
+
+
 def routings_for(T: int, E: int, K: int, H: int, n: int) -> list:
     out = []
     for _ in range(n):
@@ -198,6 +221,8 @@ def main() -> None:
     ap.add_argument("--min-calls", type=int, default=5)
     ap.add_argument("--min-seconds", type=float, default=1.0)
     ap.add_argument("--profile", action="store_true", help="print the op's per-phase medians (KT_PROFILE=1)")
+    ap.add_argument("--amx-walks", nargs="+", default=None,
+                    help="time each ktorch row under each of these KT_AMX_WALK values (default: the environment's)")
     ap.add_argument("--memory-budget-gb", type=float, default=None,
                     help="skip an implementation whose layer copies would exceed this (default: 70%% of RAM)")
     args = ap.parse_args()
@@ -239,23 +264,28 @@ def main() -> None:
                         return layer(x, ids, w.to(x.dtype))
 
                 peak_kind = "bf16"
+            walks = args.amx_walks if args.amx_walks and impl.startswith("ktorch") else [None]
             for T in args.tokens:
                 routings = routings_for(T, E, K, H, 8)
-                try:
-                    sec = time_calls(fn, layers, routings, args.min_calls, args.min_seconds)
-                except (RuntimeError, NotImplementedError) as err:
-                    print(f"{impl} T={T}: failed: {str(err).splitlines()[0]}")
-                    continue
-                distinct = statistics.mean(len(torch.unique(r[0])) for r in routings)
-                flops = 6 * H * I * K * T
-                gbs = distinct * expert_bytes(impl, H, I) / sec / 1e9
-                rows.append((shape, impl, T, sec * 1e3, T / sec, flops / sec / 1e12, gbs,
-                             100 * gbs * 1e9 / bw, 100 * flops / sec / peak[peak_kind]))
-                print("{:<9} {:<12} T={:<5} {:9.3f} ms {:10.0f} tok/s {:7.3f} TFLOPS {:7.1f} GB/s "
-                      "({:5.1f}% BW, {:5.1f}% peak)".format(*rows[-1]), flush=True)
-                if args.profile and impl.startswith("ktorch"):
-                    phases = profile_phases(fn, layers, routings)
-                    print("    phases (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in phases.items()), flush=True)
+                for walk in walks:
+                    label = impl if walk is None else f"{impl}/{walk}"
+                    try:
+                        with env_set("KT_AMX_WALK", walk):
+                            sec = time_calls(fn, layers, routings, args.min_calls, args.min_seconds)
+                    except (RuntimeError, NotImplementedError) as err:
+                        print(f"{label} T={T}: failed: {str(err).splitlines()[0]}")
+                        continue
+                    distinct = statistics.mean(len(torch.unique(r[0])) for r in routings)
+                    flops = 6 * H * I * K * T
+                    gbs = distinct * expert_bytes(impl, H, I) / sec / 1e9
+                    rows.append((shape, label, T, sec * 1e3, T / sec, flops / sec / 1e12, gbs,
+                                 100 * gbs * 1e9 / bw, 100 * flops / sec / peak[peak_kind]))
+                    print("{:<9} {:<12} T={:<5} {:9.3f} ms {:10.0f} tok/s {:7.3f} TFLOPS {:7.1f} GB/s "
+                          "({:5.1f}% BW, {:5.1f}% peak)".format(*rows[-1]), flush=True)
+                    if args.profile and impl.startswith("ktorch"):
+                        with env_set("KT_AMX_WALK", walk):
+                            phases = profile_phases(fn, layers, routings)
+                        print("    phases (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in phases.items()), flush=True)
             del layers
             gc.collect()
 

@@ -3,7 +3,7 @@
 //   1. route: group the (token, slot) pairs by expert (stable in token order); ids >= E are errors.
 //   2. activations: each token's row once, as bf16, or as int8 with a per-row scale and group sums.
 //   3. gate+up: tasks = (chunk of one expert's tokens, range of intermediate channels). A task copies its
-//      tokens' rows next to each other into its worker's buffer (evenly strided rows: AMX tile loads read
+//      tokens' rows one line apart into its worker's buffer (evenly strided rows: AMX tile loads read
 //      them in place), then computes 32 gate + 32 up columns per kernel call and writes act(gate) * up into
 //      h[pair]. When there are enough chunks to keep every worker busy, a task covers all I channels of
 //      its rows, so it quantizes its h rows for the down projection itself (int formats) while they are in
@@ -43,7 +43,9 @@ using kernels::Activation;
 using kernels::WeightFormat;
 
 constexpr int64_t kGateUpRows = 256;  // rows per gate/up task (bounded per-worker buffers)
-constexpr int64_t kDownRows = 128;    // rows per down kernel call
+// rows per down kernel call: all of an expert's rows in one call up to 256 (Qwen3 at T=2048 has 128 +- 11 an
+// expert; with 128 half the experts made a second call of ~10 rows that read the weights again)
+constexpr int64_t kDownRows = 256;
 constexpr int64_t kDownCols = 16 * kernels::kMaxBlocks;  // columns per down kernel call
 constexpr int64_t kDownGroups = 2;    // down-projection expert groups (see step 4)
 
@@ -360,7 +362,11 @@ at::Tensor fused_moe_with_h_quantizer(const at::Tensor& hidden_in, const at::Ten
   const auto* up_base = static_cast<const uint8_t*>(w13.data_ptr());
   const float* up_scales = w13_scales ? w13_scales->data_ptr<float>() : nullptr;
   const int64_t max_rows = std::max<int64_t>(kGateUpRows, kDownRows);
-  at::Tensor wa = ws.take(Workspace::kWorkerA, {workers, kGateUpRows * x_row_bytes}, at::kByte);
+  // A task's rows are a_ld apart: one 64-byte line more than the row, so that the 16 rows an AMX tile load
+  // reads in place do not share one or two L1 sets (H = 2048: rows 2048 (int8) or 4096 (bf16) bytes apart
+  // fall into 2 or 1 of the 64 sets of a 12-way L1, and evict each other and the weights).
+  const int64_t a_ld = (x_row_bytes + 63) / 64 * 64 + 64;
+  at::Tensor wa = ws.take(Workspace::kWorkerA, {workers, kGateUpRows * a_ld}, at::kByte);
   at::Tensor wsc = ws.take(Workspace::kWorkerScale, {workers, kGateUpRows}, at::kFloat);
   at::Tensor wgs = ws.take(Workspace::kWorkerGsum, {workers, kGateUpRows * x_groups}, at::kInt);
   at::Tensor wc = ws.take(Workspace::kWorkerC, {workers, max_rows * kDownCols}, at::kFloat);
@@ -368,15 +374,15 @@ at::Tensor fused_moe_with_h_quantizer(const at::Tensor& hidden_in, const at::Ten
     const Chunk& ch = chunks[task / splits];
     const int64_t split = task % splits;
     const int64_t g0 = ugroups * split / splits, g1 = ugroups * (split + 1) / splits;
-    // the chunk's rows, next to each other
+    // the chunk's rows, a_ld apart
     uint8_t* a_buf = wa.data_ptr<uint8_t>() + worker * wa.size(1);
     float* a_scale = wsc.data_ptr<float>() + worker * kGateUpRows;
     int32_t* a_gsum = wgs.data_ptr<int32_t>() + worker * wgs.size(1);
     const void* a_rows[kGateUpRows];
     for (int64_t m = 0; m < ch.n; ++m) {
       const int64_t t = pair_token[ch.p0 + m];
-      std::memcpy(a_buf + m * x_row_bytes, rows + t * x_row_stride, x_row_bytes);
-      a_rows[m] = a_buf + m * x_row_bytes;
+      std::memcpy(a_buf + m * a_ld, rows + t * x_row_stride, x_row_bytes);
+      a_rows[m] = a_buf + m * a_ld;
       if (int_fmt) {
         a_scale[m] = row_scale[t];
         std::copy(row_gsum + t * x_groups, row_gsum + (t + 1) * x_groups, a_gsum + m * x_groups);

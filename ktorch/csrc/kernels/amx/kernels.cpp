@@ -17,13 +17,16 @@
 // block walks the whole K with its accumulators in the tiles (int4: one group at a time, then the group's
 // sums are scaled into fp32 accumulators in L1). Column pairs are the outer loop, row pairs the inner one:
 // a column pair's weights come from memory on its first row pair (prefetched a few tiles ahead) and from
-// L2 on the others; while the last row pair runs, the next column pair is prefetched into L2.
+// L2 on the others; while the last row pair runs, the next column pair is prefetched into L2. KT_AMX_WALK
+// selects variants of this walk for large M (walks of 256 rows, the next call's weights prefetched, k cut
+// into chunks that stay in L1, A tiles prefetched into L1); see "tile walk selection" and docs/amx.md.
 // Activation rows: a 16-row group whose rows are evenly strided (e.g. the driver's down-projection input)
 // is tile-loaded in place; otherwise its rows are copied into a thread-local buffer first.
 //
 // Limits: K % 32 == 0. int8 with K % 64 == 32 runs its last 32-deep step on a zero-padded copy of the B
 // tiles. int4 group_size % 32 == 0; groups of 32 use 32-deep tiles (a second tile configuration: A 32
-// bytes a row, B 8 rows). Any M (cut into calls of at most 64 rows) and nblocks.
+// bytes a row, B 8 rows). Any M (cut into walks of at most 64 rows, 256 for the 'rows' and 'kblock' walks)
+// and nblocks.
 // Small M: below a per-format row count the call goes to the AVX-512 kernel (decode is memory-bound and
 // AVX-512 wastes no tile rows); the counts come from KT_AMX_MIN_ROWS, read on every amx_kernels() call.
 // Tile configuration: loaded (LDTILECFG) at the start of every call, since other code on the same thread
@@ -53,6 +56,7 @@
 #define KT_TILE_ZERO(t) ::kt::kernels::amx_emulation::zero(t)
 #define KT_TILE_DP_BF16(c, a, b) ::kt::kernels::amx_emulation::dp_bf16(c, a, b)
 #define KT_TILE_DP_S8(c, a, b) ::kt::kernels::amx_emulation::dp_s8(c, a, b)
+#define KT_RECORD_PREFETCH(p, to_l1) ::kt::kernels::amx_emulation::record_prefetch(p, to_l1)
 #else
 // gcc's tile intrinsics paste the register number into the instruction text, so tile arguments must be
 // literals. Their TILELOADD asm does not declare that it reads memory: buffers filled with ordinary stores
@@ -63,6 +67,7 @@
 #define KT_TILE_ZERO(t) _tile_zero(t)
 #define KT_TILE_DP_BF16(c, a, b) _tile_dpbf16ps(c, a, b)
 #define KT_TILE_DP_S8(c, a, b) _tile_dpbssd(c, a, b)
+#define KT_RECORD_PREFETCH(p, to_l1) ((void)0)
 #endif
 
 namespace kt::kernels {
@@ -70,7 +75,10 @@ namespace {
 
 constexpr int64_t kTileBytes = 1024;  // a full tile: 16 rows of 64 bytes
 constexpr int kPrefetchSteps = 4;     // B tiles fetched this many k steps ahead on a column pair's first pass
-constexpr int kMaxRows = 64;          // rows per tile walk (4 row groups); larger calls are cut
+constexpr int kMaxRows = 64;          // rows per tile walk of the 'pairs' walk (4 row groups); larger calls are cut
+constexpr int kMaxWalkRows = 256;     // rows per tile walk of the 'rows' and 'kblock' walks (16 row groups)
+constexpr int kPrefetchASteps = 2;    // '+pfa': A tiles fetched into L1 this many k steps ahead
+constexpr int kDefaultKBlockSteps = 8;  // 'kblock': k steps per chunk (int8 512 k, bf16 256 k: 16 KB of a column pair)
 
 // ---------------------------------------------------------------- small-M threshold
 // Calls with fewer rows than this go to the AVX-512 kernel. Placeholders until measured on an AMX machine
@@ -115,6 +123,72 @@ void read_min_rows() {
     }
   }
   for (int f = 0; f < kNumFormats; ++f) g_min_rows[f].store(rows[f], std::memory_order_relaxed);
+}
+
+// ---------------------------------------------------------------- tile walk selection
+// KT_AMX_WALK (read on every amx_kernels() call, like KT_AMX_MIN_ROWS) picks the order of the tile walk, so
+// that one process can time them side by side (docs/amx.md, "Large M"):
+//   pairs        column pairs outer, row pairs inner, calls cut into walks of 64 rows (the default)
+//   rows         the same over all rows of a call (walks of up to 256), and the weights of the next column
+//                pair, or of the caller's next call (next_b), prefetched into L2 spread over every pass
+//   kblock[:N]   rows, with k cut into chunks of N steps (default 8): a column pair's chunk stays in L1
+//                while every row pair passes over it; the sums wait in an L1 buffer between chunks
+//                (bf16/int8 with more than 32 rows; otherwise it walks as 'rows')
+//   ...+pfa      also prefetch each pass's A tiles (and, for 'rows', B tiles) into L1 a few steps ahead
+enum class Walk : int { Pairs = 0, Rows = 1, KBlock = 2 };
+struct WalkOptions {
+  Walk walk = Walk::Pairs;
+  int kblock_steps = kDefaultKBlockSteps;
+  bool prefetch_a = false;
+};
+std::atomic<int> g_walk{0};  // Walk | prefetch_a << 4 | kblock_steps << 8
+
+[[noreturn]] void bad_walk(const char* env) {
+  throw std::invalid_argument(std::string("KT_AMX_WALK must be pairs, rows or kblock[:N] (N k steps a chunk, "
+                                          "1..4096), optionally followed by +pfa; got '") + env + "'");
+}
+
+WalkOptions parse_walk(const char* env) {
+  WalkOptions w;
+  if (env == nullptr || *env == '\0') return w;
+  const char* p = env;
+  if (std::strncmp(p, "pairs", 5) == 0) {
+    w.walk = Walk::Pairs;
+    p += 5;
+  } else if (std::strncmp(p, "rows", 4) == 0) {
+    w.walk = Walk::Rows;
+    p += 4;
+  } else if (std::strncmp(p, "kblock", 6) == 0) {
+    w.walk = Walk::KBlock;
+    p += 6;
+    if (*p == ':') {
+      char* end = nullptr;
+      errno = 0;
+      const long v = std::strtol(p + 1, &end, 10);
+      if (end == p + 1 || errno != 0 || v < 1 || v > 4096) bad_walk(env);
+      w.kblock_steps = static_cast<int>(v);
+      p = end;
+    }
+  } else {
+    bad_walk(env);
+  }
+  if (std::strcmp(p, "+pfa") == 0) w.prefetch_a = true;
+  else if (*p != '\0') bad_walk(env);
+  return w;
+}
+
+void read_walk() {
+  const WalkOptions w = parse_walk(std::getenv("KT_AMX_WALK"));
+  g_walk.store(static_cast<int>(w.walk) | (w.prefetch_a ? 1 << 4 : 0) | w.kblock_steps << 8, std::memory_order_relaxed);
+}
+
+WalkOptions current_walk() {
+  const int v = g_walk.load(std::memory_order_relaxed);
+  WalkOptions w;
+  w.walk = static_cast<Walk>(v & 15);
+  w.prefetch_a = (v >> 4) & 1;
+  w.kblock_steps = v >> 8;
+  return w;
 }
 
 // ---------------------------------------------------------------- tile configuration
@@ -175,12 +249,13 @@ class Scratch {
 thread_local Scratch t_rows;   // activation rows that cannot be tile-loaded in place
 thread_local Scratch t_btile;  // int4: a column pair's weights unpacked; int8: zero-padded last-step B tiles
 thread_local Scratch t_ctile;  // the C tiles of one block [32][32] x 4 B, then the int4 fp32 accumulators
+thread_local Scratch t_cacc;   // 'kblock': every row pair's C tiles between k chunks, [row pair][32][32] x 4 B
 
 // ---------------------------------------------------------------- activation rows
 // Where the A tiles of row group g (rows 16g..16g+15) come from: row i at base[g] + i * stride[g].
 struct ARows {
-  const uint8_t* base[kMaxRows / 16];
-  int64_t stride[kMaxRows / 16];
+  const uint8_t* base[kMaxWalkRows / 16];
+  int64_t stride[kMaxWalkRows / 16];
 };
 
 // in_place_ok: every tile load of a row stays inside the row's row_bytes (false for int8 with K % 64 != 0,
@@ -204,7 +279,7 @@ ARows gather_rows(const GemmArgs& a, int64_t row_bytes, bool in_place_ok) {
         continue;
       }
     }
-    if (buf == nullptr) buf = t_rows.get(static_cast<size_t>(kMaxRows * ld));
+    if (buf == nullptr) buf = t_rows.get(static_cast<size_t>((a.M + 15) / 16 * 16 * ld));
     uint8_t* dst = buf + m0 * ld;
     for (int i = 0; i < n; ++i) std::memcpy(dst + i * ld, a.a_rows[m0 + i], static_cast<size_t>(row_bytes));
     // Rows n..15 keep what an earlier call left: their C rows are computed and dropped (rows are independent).
@@ -216,11 +291,18 @@ ARows gather_rows(const GemmArgs& a, int64_t row_bytes, bool in_place_ok) {
 }
 
 // ---------------------------------------------------------------- tile steps
+// Weights into L1 (to_l1) or L2; the emulated build records the lines for the test to check.
 inline void prefetch(const uint8_t* p, int64_t bytes, bool to_l1) {
   for (int64_t o = 0; o < bytes; o += 64) {
+    KT_RECORD_PREFETCH(p + o, to_l1);
     if (to_l1) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
     else _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T1);
   }
+}
+
+// The 16 rows of an A tile into L1.
+inline void prefetch_a(const uint8_t* base, int64_t stride) {
+  for (int i = 0; i < 16; ++i) _mm_prefetch(reinterpret_cast<const char*>(base + i * stride), _MM_HINT_T0);
 }
 
 template <int RA, int RB>
@@ -238,6 +320,15 @@ inline void store_c(uint8_t* cbuf) {
   if constexpr (RB > 1) KT_TILE_STORE(1, cbuf + 64, 128);
   if constexpr (RA > 1) KT_TILE_STORE(2, cbuf + 16 * 128, 128);
   if constexpr (RA > 1 && RB > 1) KT_TILE_STORE(3, cbuf + 16 * 128 + 64, 128);
+}
+
+// The inverse of store_c: a k chunk resumes the sums an earlier one left.
+template <int RA, int RB>
+inline void load_c(const uint8_t* cbuf) {
+  KT_TILE_LOAD(0, cbuf, 128);
+  if constexpr (RB > 1) KT_TILE_LOAD(1, cbuf + 64, 128);
+  if constexpr (RA > 1) KT_TILE_LOAD(2, cbuf + 16 * 128, 128);
+  if constexpr (RA > 1 && RB > 1) KT_TILE_LOAD(3, cbuf + 16 * 128 + 64, 128);
 }
 
 // One k step of an RA x RB block: A tiles from a0/a1 (row strides sa0/sa1), B tiles from b0/b1 (64-byte rows).
@@ -265,17 +356,47 @@ inline void tile_step(const uint8_t* a0, int64_t sa0, const uint8_t* a1, int64_t
   }
 }
 
-// One block of C tiles: row groups g0 (.. g0 + RA - 1), column blocks b0 (.. b0 + RB - 1).
+// One pass of a block of C tiles over k steps [s0, s1): row groups g0 (.. g0 + RA - 1), column blocks b0
+// (.. b0 + RB - 1). The walk (tile_walk) decides what each pass prefetches.
 struct Block {
   int g0 = 0;
   int b0 = 0;
-  bool first_pass = false;           // first row pair of this column pair: its weights come from memory
-  const uint8_t* next = nullptr;     // the next column pair's first block, prefetched into L2 meanwhile
-  int next_blocks = 0;
+  int64_t s0 = 0, s1 = 0;            // k steps of this pass (full B tiles; the int8 32-deep tail is extra)
+  bool resume = false;               // the C tiles start from cacc (an earlier k chunk), not from zero
+  bool finish = true;                // the last k chunk: scale and write C; otherwise park the tiles in cacc
+  uint8_t* cacc = nullptr;
+  bool unpack = false;               // int4: first pass of this column pair: unpack its weights
+  int64_t l1_from = 0, l1_to = 0;    // B tiles of steps in [l1_from, l1_to) prefetched into L1 kPrefetchSteps ahead
+  bool prefetch_a = false;           // A tiles prefetched into L1 kPrefetchASteps ahead (within the pass)
+  const uint8_t* next = nullptr;     // weights of the next column pair (or call): bytes [next_begin, next_end)
+  int next_blocks = 0;               //   of each of its next_blocks blocks prefetched into L2, next_step a k step
+  int64_t next_begin = 0, next_end = 0, next_step = 0;
 };
 
-inline void prefetch_next_pair(const GemmArgs& a, const Block& blk, int64_t offset, int64_t bytes) {
-  for (int j = 0; j < blk.next_blocks; ++j) prefetch(blk.next + j * a.b_block_stride + offset, bytes, false);
+// The part of the next column pair's weights that step s of this pass prefetches into L2.
+inline void prefetch_next(const GemmArgs& a, const Block& blk, int64_t s) {
+  const int64_t off = blk.next_begin + (s - blk.s0) * blk.next_step;
+  if (off >= blk.next_end) return;
+  const int64_t bytes = std::min(blk.next_step, blk.next_end - off);
+  for (int j = 0; j < blk.next_blocks; ++j) prefetch(blk.next + j * a.b_block_stride + off, bytes, false);
+}
+
+// Prefetch for step s of a pass: B tiles kPrefetchSteps ahead into L1 (packed: bytes of a block per step),
+// A tiles kPrefetchASteps ahead (a_step: bytes of an A row per step), the next weights into L2.
+template <int RA, int RB>
+inline void prefetch_step(const GemmArgs& a, const Block& blk, int64_t s, const uint8_t* b0, const uint8_t* b1,
+                          int64_t packed, const uint8_t* a0, int64_t sa0, const uint8_t* a1, int64_t sa1,
+                          int64_t a_step) {
+  const int64_t t = s + kPrefetchSteps;
+  if (t >= blk.l1_from && t < blk.l1_to) {
+    prefetch(b0 + t * packed, packed, true);
+    if constexpr (RB > 1) prefetch(b1 + t * packed, packed, true);
+  }
+  if (blk.prefetch_a && s + kPrefetchASteps < blk.s1) {
+    prefetch_a(a0 + (s + kPrefetchASteps) * a_step, sa0);
+    if constexpr (RA > 1) prefetch_a(a1 + (s + kPrefetchASteps) * a_step, sa1);
+  }
+  if (blk.next != nullptr) prefetch_next(a, blk, s);
 }
 
 // ---------------------------------------------------------------- bf16 and int8
@@ -289,14 +410,15 @@ void dense_block(const GemmArgs& a, const ARows& ar, const Block& blk, const uin
   const int64_t sa0 = ar.stride[blk.g0];
   const uint8_t* a1 = RA > 1 ? ar.base[blk.g0 + 1] : a0;
   const int64_t sa1 = RA > 1 ? ar.stride[blk.g0 + 1] : sa0;
-  zero_c<RA, RB>();
-  for (int64_t s = 0; s < steps; ++s) {
-    if (blk.first_pass && s + kPrefetchSteps < steps) {
-      prefetch(b0 + (s + kPrefetchSteps) * kTileBytes, kTileBytes, true);
-      if constexpr (RB > 1) prefetch(b1 + (s + kPrefetchSteps) * kTileBytes, kTileBytes, true);
-    }
-    if (blk.next != nullptr) prefetch_next_pair(a, blk, s * kTileBytes, kTileBytes);
+  if (blk.resume) load_c<RA, RB>(blk.cacc);
+  else zero_c<RA, RB>();
+  for (int64_t s = blk.s0; s < blk.s1; ++s) {
+    prefetch_step<RA, RB>(a, blk, s, b0, b1, kTileBytes, a0, sa0, a1, sa1, 64);
     tile_step<kBf16, RA, RB>(a0 + s * 64, sa0, a1 + s * 64, sa1, b0 + s * kTileBytes, b1 + s * kTileBytes);
+  }
+  if (!blk.finish) {
+    store_c<RA, RB>(blk.cacc);
+    return;
   }
   if (!kBf16 && a.K % 64 != 0)  // int8: a last 32-deep step on zero-padded B tiles (A bytes past K meet zeros)
     tile_step<false, RA, RB>(a0 + steps * 64, sa0, a1 + steps * 64, sa1, tail_b, tail_b + kTileBytes);
@@ -332,7 +454,8 @@ inline void unpack_int4(const uint8_t* src, int lines, uint8_t* dst) {
 }
 
 // kDepth: k per step (64, or 32 for groups of 32). unpacked: RB buffers of K/4 tile rows x 64 bytes, filled
-// on the first pass of the column pair and read by its later row pairs. acc: [32][32] fp32.
+// on the first pass of the column pair and read by its later row pairs. acc: [32][32] fp32. Every pass
+// covers all of K (the walks never cut int4 into k chunks).
 template <int RA, int RB, int kDepth>
 void int4_block(const GemmArgs& a, const ARows& ar, const Block& blk, uint8_t* unpacked, uint8_t* cbuf,
                 float* acc) {
@@ -354,16 +477,12 @@ void int4_block(const GemmArgs& a, const ARows& ar, const Block& blk, uint8_t* u
   for (int64_t g = 0; g < a.K / a.group_size; ++g) {
     zero_c<RA, RB>();
     for (int64_t s = g * group_steps; s < (g + 1) * group_steps; ++s) {
-      if (blk.first_pass) {
-        if (s + kPrefetchSteps < steps) {
-          prefetch(packed0 + (s + kPrefetchSteps) * kPackedStep, kPackedStep, true);
-          if constexpr (RB > 1) prefetch(packed1 + (s + kPrefetchSteps) * kPackedStep, kPackedStep, true);
-        }
+      prefetch_step<RA, RB>(a, blk, s, packed0, packed1, kPackedStep, a0, sa0, a1, sa1, kDepth);
+      if (blk.unpack) {
         unpack_int4(packed0 + s * kPackedStep, kDepth / 8, u0 + s * kUnpackedStep);
         if constexpr (RB > 1) unpack_int4(packed1 + s * kPackedStep, kDepth / 8, u1 + s * kUnpackedStep);
         KT_COMPILER_BARRIER();
       }
-      if (blk.next != nullptr) prefetch_next_pair(a, blk, s * kPackedStep, kPackedStep);
       tile_step<false, RA, RB>(a0 + s * kDepth, sa0, a1 + s * kDepth, sa1, u0 + s * kUnpackedStep,
                                u1 + s * kUnpackedStep);
     }
@@ -402,10 +521,17 @@ void run_block(const GemmArgs& a, const ARows& ar, const Block& blk, const Buffe
   }
 }
 
-// One call of at most kMaxRows rows.
+// One call of at most kMaxRows ('pairs') or kMaxWalkRows rows. Column pairs outer; per column pair, k chunks
+// ('kblock'; one chunk of all K otherwise), then row pairs. What each pass prefetches:
+//   pairs   first row pair: its B tiles into L1; last row pair: the next column pair of this call into L2
+//   rows    first row pair (every pass with +pfa): its B tiles into L1; every pass: 1/passes of the next
+//           column pair, or of the first column pair of the caller's next call (next_b), into L2
+//   kblock  first row pair of a chunk: the chunk's B tiles into L1; last row pair: the next chunk's first
+//           ones; every pass: 1/passes of the next column pair (or call) into L2
 template <WeightFormat F>
-void tile_walk(const GemmArgs& a) {
-  load_tile_config(F == WeightFormat::INT4 && a.group_size == 32 ? 32 : 64);
+void tile_walk(const GemmArgs& a, const WalkOptions& w) {
+  const int depth = F == WeightFormat::INT4 && a.group_size == 32 ? 32 : 64;
+  load_tile_config(depth);
   const int64_t row_bytes = F == WeightFormat::BF16 ? 2 * a.K : a.K;
   const ARows ar = gather_rows(a, row_bytes, F != WeightFormat::INT8 || a.K % 64 == 0);
   Buffers buf;
@@ -415,7 +541,15 @@ void tile_walk(const GemmArgs& a) {
   const bool int8_tail = F == WeightFormat::INT8 && a.K % 64 != 0;
   if (F == WeightFormat::INT4) buf.btile = t_btile.get(static_cast<size_t>(2 * 16 * a.K));  // 2 blocks x K/4 rows x 64 B
   if (int8_tail) buf.btile = t_btile.get(2 * kTileBytes);
-  const int groups = (a.M + 15) / 16;
+  const int groups = (a.M + 15) / 16, row_pairs = (groups + 1) / 2;
+  // k steps of full B tiles
+  const int64_t steps = F == WeightFormat::BF16 ? a.K / 32 : F == WeightFormat::INT8 ? a.K / 64 : a.K / depth;
+  // (one row pair leaves nothing to reuse a chunk: kblock walks as rows then)
+  const bool kblock = w.walk == Walk::KBlock && F != WeightFormat::INT4 && row_pairs > 1;
+  const int64_t chunk = kblock ? std::max<int64_t>(1, std::min<int64_t>(w.kblock_steps, steps)) : std::max<int64_t>(1, steps);
+  const int64_t chunks = std::max<int64_t>(1, (steps + chunk - 1) / chunk);
+  uint8_t* cacc = chunks > 1 ? t_cacc.get(static_cast<size_t>(row_pairs) * 32 * 128) : nullptr;
+  const int64_t bb = static_cast<int64_t>(block_bytes(F, a.K));
   for (int b0 = 0; b0 < a.nblocks; b0 += 2) {
     const int nb = std::min(2, a.nblocks - b0);
     if (int8_tail) {  // rows 0-7: the blocks' last 8 k-quads; rows 8-15: zeros
@@ -425,20 +559,54 @@ void tile_walk(const GemmArgs& a) {
       }
       KT_COMPILER_BARRIER();
     }
-    for (int g0 = 0; g0 < groups; g0 += 2) {
-      const int na = std::min(2, groups - g0);
-      Block blk;
-      blk.g0 = g0;
-      blk.b0 = b0;
-      blk.first_pass = g0 == 0;
-      if (g0 + 2 >= groups && b0 + 2 < a.nblocks) {
-        blk.next = a.b + (b0 + 2) * a.b_block_stride;
-        blk.next_blocks = std::min(2, a.nblocks - b0 - 2);
+    const uint8_t* next = nullptr;
+    int next_blocks = 0;
+    if (b0 + 2 < a.nblocks) {
+      next = a.b + (b0 + 2) * a.b_block_stride;
+      next_blocks = std::min(2, a.nblocks - b0 - 2);
+    } else if (w.walk != Walk::Pairs && a.next_b != nullptr) {
+      next = a.next_b;
+      next_blocks = std::min(2, a.nblocks);
+    }
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t s0 = c * chunk, s1 = std::min(steps, s0 + chunk);
+      for (int r = 0; r < row_pairs; ++r) {
+        const int g0 = 2 * r, na = std::min(2, groups - g0);
+        Block blk;
+        blk.g0 = g0;
+        blk.b0 = b0;
+        blk.s0 = s0;
+        blk.s1 = s1;
+        blk.resume = c > 0;
+        blk.finish = c == chunks - 1;
+        blk.cacc = cacc != nullptr ? cacc + r * 32 * 128 : nullptr;
+        blk.unpack = c == 0 && r == 0;
+        blk.prefetch_a = w.prefetch_a;
+        if (kblock) {  // the chunk into L1 on its first row pair, the next chunk's first steps on its last
+          blk.l1_from = r == 0 ? s0 : s1;
+          blk.l1_to = r == row_pairs - 1 ? std::min(steps, s1 + kPrefetchSteps) : r == 0 ? s1 : 0;
+        } else if (r == 0 || (w.walk == Walk::Rows && w.prefetch_a && F != WeightFormat::INT4)) {
+          // (int4 reads its packed B only while unpacking, on the first row pair)
+          blk.l1_from = 0;
+          blk.l1_to = steps;
+        }
+        if (next != nullptr && s1 > s0) {
+          // pairs: all of the next pair during the last row pair; otherwise 1/passes of it during each pass
+          const int64_t passes = w.walk == Walk::Pairs ? 1 : chunks * row_pairs;
+          const int64_t pass = w.walk == Walk::Pairs ? 0 : c * row_pairs + r;
+          if (w.walk != Walk::Pairs || r == row_pairs - 1) {
+            blk.next = next;
+            blk.next_blocks = next_blocks;
+            blk.next_begin = bb * pass / passes / 64 * 64;
+            blk.next_end = pass + 1 == passes ? bb : bb * (pass + 1) / passes / 64 * 64;
+            blk.next_step = (blk.next_end - blk.next_begin + (s1 - s0) * 64 - 1) / ((s1 - s0) * 64) * 64;
+          }
+        }
+        if (na == 2 && nb == 2) run_block<F, 2, 2>(a, ar, blk, buf);
+        else if (na == 2) run_block<F, 2, 1>(a, ar, blk, buf);
+        else if (nb == 2) run_block<F, 1, 2>(a, ar, blk, buf);
+        else run_block<F, 1, 1>(a, ar, blk, buf);
       }
-      if (na == 2 && nb == 2) run_block<F, 2, 2>(a, ar, blk, buf);
-      else if (na == 2) run_block<F, 2, 1>(a, ar, blk, buf);
-      else if (nb == 2) run_block<F, 1, 2>(a, ar, blk, buf);
-      else run_block<F, 1, 1>(a, ar, blk, buf);
     }
   }
 }
@@ -447,14 +615,17 @@ template <WeightFormat F>
 void gemm_amx(const GemmArgs& a) {
   if (a.M < g_min_rows[static_cast<int>(F)].load(std::memory_order_relaxed))
     return avx512_kernels().gemm[static_cast<int>(F)](a);
+  const WalkOptions w = current_walk();
+  const int max_rows = w.walk == Walk::Pairs ? kMaxRows : kMaxWalkRows;
   GemmArgs part = a;
-  for (int m0 = 0; m0 < a.M; m0 += kMaxRows) {
-    part.M = std::min(kMaxRows, a.M - m0);
+  for (int m0 = 0; m0 < a.M; m0 += max_rows) {
+    part.M = std::min(max_rows, a.M - m0);
     part.a_rows = a.a_rows + m0;
     if (a.a_scale != nullptr) part.a_scale = a.a_scale + m0;
     if (a.a_gsum != nullptr) part.a_gsum = a.a_gsum + m0 * a.a_gsum_stride;
     part.c = a.c + m0 * a.ldc;
-    tile_walk<F>(part);
+    part.next_b = m0 + max_rows < a.M ? nullptr : a.next_b;  // a later walk of this call reuses this b from L2
+    tile_walk<F>(part, w);
   }
 }
 
@@ -470,6 +641,7 @@ const KernelSet& amx_kernels() {
                      avx.quantize_rows};
   }();
   read_min_rows();
+  read_walk();
   return set;
 }
 

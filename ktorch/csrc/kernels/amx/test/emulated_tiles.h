@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 namespace kt::kernels::amx_emulation {
 
@@ -131,6 +132,27 @@ inline void dp_bf16(int c, int a, int b) {
         for (int j = 0; j < 2; ++j) acc += bf16_to_float(&A.data[m][4 * k + 2 * j]) * bf16_to_float(&B.data[k][4 * n + 2 * j]);
       std::memcpy(&C.data[m][4 * n], &acc, 4);
     }
+}
+
+// The weight lines the kernels prefetch (not an instruction of AMX: a record, so that the test can check
+// that prefetches stay inside the weights and cover what each walk promises to fetch ahead).
+struct Prefetch {
+  const void* line;
+  bool to_l1;
+};
+struct PrefetchLog {
+  bool on = false;
+  std::vector<Prefetch> lines;
+};
+
+inline PrefetchLog& prefetch_log() {
+  thread_local PrefetchLog log;
+  return log;
+}
+
+inline void record_prefetch(const void* p, bool to_l1) {
+  PrefetchLog& log = prefetch_log();
+  if (log.on) log.lines.push_back({p, to_l1});
 }
 
 }  // namespace kt::kernels::amx_emulation
