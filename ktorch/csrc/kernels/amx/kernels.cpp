@@ -81,7 +81,7 @@ constexpr int kPrefetchASteps = 2;    // '+pfa': A tiles fetched into L1 this ma
 constexpr int kDefaultKBlockSteps = 8;  // 'kblock': k steps per chunk (int8 512 k, bf16 256 k: 16 KB of a column pair)
 
 // ---------------------------------------------------------------- small-M threshold
-// Calls with fewer rows than this go to the AVX-512 kernel. Placeholders until measured on an AMX machine
+// Calls with fewer rows than this go to the AVX-512 kernel. Chosen from a device sweep of whole layers
 // (benchmarks/bench_vs_kt_kernel.py sweeps them; see docs/amx.md).
 constexpr int kDefaultMinRows[kNumFormats] = {2, 8, 16};  // bf16, int8, int4: measured, docs/amx.md
 std::atomic<int> g_min_rows[kNumFormats] = {kDefaultMinRows[0], kDefaultMinRows[1], kDefaultMinRows[2]};
