@@ -143,7 +143,7 @@ def test_streamed_model_matches_hf_eager(family, dtype):
 
 def test_streamed_model_compiled_overlaps_and_equals_eager():
     """Compiled (no Inductor): the streamed experts run between each layer's submit and wait, and the logits equal
-    the eager model's exactly; with Inductor (C++ on the CPU), within bf16 rounding of the op's inputs."""
+    the eager model's exactly (bf16, int8 experts, grouped_mm)."""
     base = tiny_model("qwen3_moe", dtype=torch.bfloat16)
     model = _stream(ktorch.prepare(copy.deepcopy(base), device="cpu", experts_dtype="int8"), {8: 3})
     ids = torch.randint(0, 256, (1, 20))
@@ -152,14 +152,24 @@ def test_streamed_model_compiled_overlaps_and_equals_eager():
         torch._dynamo.reset()
         REPORTS.clear()
         got = torch.compile(model, backend="ktorch", options={"inductor": False}, fullgraph=True)(ids).logits
-        assert torch.equal(got, want)
-        (report,) = REPORTS
-        assert report.async_calls == len(moe_experts_modules(model))
-        streamed = [n.meta.get("ktorch_async") for n in report.graph.graph.nodes if "streamed_experts" in str(n.target)]
-        assert streamed == ["overlapped"] * len(moe_experts_modules(model))
+    assert torch.equal(got, want)
+    (report,) = REPORTS
+    assert report.async_calls == len(moe_experts_modules(model))
+    streamed = [n.meta.get("ktorch_async") for n in report.graph.graph.nodes if "streamed_experts" in str(n.target)]
+    assert streamed == ["overlapped"] * len(moe_experts_modules(model))
+
+
+def test_streamed_model_with_inductor():
+    """With Inductor (C++ on the CPU): within 1e-2 of the eager model. fp32 activations (gather kernel), as in the
+    hot-experts test: in bf16, Inductor's own rounding flips near-tie routing decisions now and then."""
+    base = tiny_model("qwen3_moe")
+    model = _stream(ktorch.prepare(copy.deepcopy(base), device="cpu"), {8: 3})
+    ids = torch.randint(0, 256, (1, 20))
+    with torch.no_grad():
+        want = model(ids).logits
         torch._dynamo.reset()
-        inductor = torch.compile(model, backend="ktorch", fullgraph=True)(ids).logits
-    torch.testing.assert_close(inductor.float(), want.float(), rtol=0, atol=0.1)
+        got = torch.compile(model, backend="ktorch", fullgraph=True)(ids).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-2)  # bf16 rounding of the CPU op's inputs
 
 
 def test_streamed_and_hot_experts_together():
