@@ -355,19 +355,20 @@ def timing_line(prompt_tokens: int, new_tokens: int, t0: float, t_first: Optiona
             f"decode: {new_tokens - 1} tokens in {decode_s:.3f} s ({decode_rate})")
 
 
-def _describe(model, args: argparse.Namespace, device) -> str:
+def _describe(model, args: argparse.Namespace, device, load_s: float) -> str:
     formats = sorted({m.kt_format for m in model.modules() if getattr(m, "kt_format", None)})
     experts = "experts on --device (transformers)" if args.plain else f"experts {'/'.join(formats)} on cpu (kt.fused_moe)"
     size = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    return f"[ktorch] {args.model}: {size / 1e6:.1f} MB of weights, {model.dtype} on {device}, {experts}"
+    return f"[ktorch] {args.model}: {size / 1e6:.1f} MB of weights, {model.dtype} on {device}, {experts}; loaded in {load_s:.1f} s"
 
 
 # ---------------------------------------------------------------- commands
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
     model, tokenizer, device = load_model(args)
-    print(_describe(model, args, device), file=sys.stderr, flush=True)
+    print(_describe(model, args, device, time.perf_counter() - t0), file=sys.stderr, flush=True)
     if args.chat_template:
         input_ids = _chat_input_ids(tokenizer, [{"role": "user", "content": args.prompt}])
     else:
@@ -388,8 +389,9 @@ def _chat_input_ids(tokenizer, messages: list[dict[str, str]]):
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
     model, tokenizer, device = load_model(args)
-    print(_describe(model, args, device), file=sys.stderr, flush=True)
+    print(_describe(model, args, device, time.perf_counter() - t0), file=sys.stderr, flush=True)
     _chat_input_ids(tokenizer, [{"role": "user", "content": "probe"}])  # fail now, not after the first message
     print("Type a message and press Enter; /reset clears the history, /exit or Ctrl-D quits.", file=sys.stderr)
     start = [{"role": "system", "content": args.system}] if args.system else []

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call: build ktorch from source, run the test suite (every kernel level the CPU offers),
 # then the benchmarks. Logs go to $OUT (the device tool brings them back). Usage from the repo root:
-#   bash scripts/device_check.sh [tests] [amxtests] [forcedtests] [bench] [STEP] ...   (default: tests bench;
-#   STEP runs scripts/device_step_STEP.sh). Run it from a snapshot of HEAD: scripts/make_device_snapshot.sh
+#   bash scripts/device_check.sh [tests|ptests] [amxtests] [forcedtests] [bench] [STEP] ...   (default: tests bench;
+#   STEP runs scripts/device_step_STEP.sh; TESTS="paths" narrows the tests step). Run it from a snapshot of HEAD: scripts/make_device_snapshot.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -23,8 +23,21 @@ for s in $steps; do
   case $s in
     tests)
       log "tests"
-      timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider --timeout=240 --durations=15 --tb=short -rfE tests \
+      timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider --timeout=240 --durations=15 --tb=short -rfE ${TESTS:-tests} \
         > "$OUT/tests.log" 2>&1; grep -E "passed|failed|^FAILED|^ERROR" "$OUT/tests.log" | tail -40 ;;
+    ptests)
+      # the whole suite as two concurrent halves (the GPU/compile files, and the rest with half the cores each)
+      log "tests, two halves at once"
+      gpu="tests/test_compile_backend.py tests/test_compile_deferral.py tests/test_gpu_experts.py tests/test_host_tasks.py
+           tests/test_integrations_transformers.py tests/test_streamed_experts.py tests/test_cli.py"
+      cpu=$(ls tests/test_*.py | grep -vxF "$(echo $gpu | tr ' ' '\n')")
+      half=$(( $(nproc) / 2 ))
+      for part in gpu cpu; do
+        OMP_NUM_THREADS=$half KT_NUM_THREADS=$(( half - 1 )) timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q \
+          -p no:cacheprovider --timeout=240 --durations=10 --tb=short -rfE ${!part} > "$OUT/tests_$part.log" 2>&1 &
+      done
+      wait
+      for part in gpu cpu; do echo "[$part]"; grep -E "passed|failed|^FAILED|^ERROR" "$OUT/tests_$part.log" | tail -25; done ;;
     forcedtests)
       # issue 3: the whole suite with the AMX kernels and a 2-way NUMA split forced
       log "full suite, AMX and NUMA split forced"

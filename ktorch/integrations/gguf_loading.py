@@ -22,6 +22,7 @@ docs/loading.md lists what each conversion loses, measured against ``gguf.quants
 from __future__ import annotations
 
 import mmap
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -52,6 +53,14 @@ def _auto_format(type_name: str) -> str:
     return "int8"
 
 
+
+def _from_file(array: np.ndarray) -> torch.Tensor:
+    """``torch.from_numpy`` of an array that may view the read-only file mapping, without torch's one-time warning
+    about non-writable arrays: these tensors are only read (converted, packed or copied to the GPU), never written."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(array)
+
 def dequantize(data: np.ndarray, qtype) -> torch.Tensor:
     """GGUF tensor bytes (numpy order, quantized rows as bytes) -> float tensor [..., K] with the file's values.
 
@@ -62,11 +71,11 @@ def dequantize(data: np.ndarray, qtype) -> torch.Tensor:
     gguf = _gguf()
     T = gguf.GGMLQuantizationType
     if qtype == T.F32:
-        return torch.from_numpy(np.ascontiguousarray(data).view(np.float32))
+        return _from_file(np.ascontiguousarray(data).view(np.float32))
     if qtype == T.F16:
-        return torch.from_numpy(np.ascontiguousarray(data).view(np.float16))
+        return _from_file(np.ascontiguousarray(data).view(np.float16))
     if qtype == T.BF16:
-        return torch.from_numpy(np.ascontiguousarray(data).view(np.int16)).view(torch.bfloat16)
+        return _from_file(np.ascontiguousarray(data).view(np.int16)).view(torch.bfloat16)
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
     decoder = getattr(gguf.quants, qtype.name, None)
     if decoder is None or not hasattr(decoder, "dequantize_blocks"):
