@@ -23,7 +23,7 @@ for s in $steps; do
   case $s in
     tests)
       log "tests"
-      timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider --timeout=240 --durations=15 --tb=short -rfE ${TESTS:-tests} \
+      timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider --timeout=240 --durations=15 --tb=short -rfE ${TESTS_ARGS:-} ${TESTS:-tests} \
         > "$OUT/tests.log" 2>&1; grep -E "passed|failed|^FAILED|^ERROR" "$OUT/tests.log" | tail -40 ;;
     ptests)
       # the whole suite as two concurrent halves (the GPU/compile files, and the rest with half the cores each)
