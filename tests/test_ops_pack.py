@@ -118,6 +118,17 @@ def test_all_zero_rows_quantize_to_zero(fmt, group_size):
     assert (got[0, 5] == 0).all() and (got[1, :, :32] == 0).all()
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("fmt,group_size", [("int8", None), ("int4", 32)])
+def test_non_finite_weights_refuse_quantization(fmt, group_size, bad):
+    w = torch.randn(3, 32, 64)
+    w[2, 17, 40] = bad  # expert 2, row 17, column 40 (int4 group 32: columns from 32)
+    w[2, 17, 0] = 100.0  # a larger finite value first must not hide it
+    col = "32" if fmt == "int4" else "0"
+    with pytest.raises(RuntimeError, match=rf"non-finite value .* in expert 2, output row 17 .*columns from {col}"):
+        pack(w, fmt, group_size)
+
+
 # ---------------------------------------------------------------- packed layouts of kernels.h, element by element
 
 

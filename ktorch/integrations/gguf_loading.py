@@ -455,6 +455,14 @@ def _llama_unpermute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
     return weight.reshape(n_head, rows // n_head // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
+def _q4k_symmetric(gguf, blocks: np.ndarray) -> bool:
+    """Whether every sub-block of these Q4_K blocks has its minimum at 8 steps of its scale (symmetric int4)."""
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, m = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16])
+    return bool(np.array_equal(dmin * m.astype(np.float32), 8 * (d * sc.astype(np.float32))))
+
+
 def _exact_int4(t, first: int, end: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """(values int8 [e, N, K] in [-8, 7], scales float32 [e, N, K/32]) for experts ``first:end`` of a Q4_0 tensor,
     or of a Q4_K tensor whose sub-block minimums are all 8 steps; None when the blocks are not symmetric int4."""
@@ -469,6 +477,8 @@ def _exact_int4(t, first: int, end: int) -> Optional[tuple[torch.Tensor, torch.T
         scales = d
     elif name == "Q4_K":
         blocks = data.reshape(-1, 144)
+        if not _q4k_symmetric(gguf, blocks[:256]):  # a sample first: most Q4_K files are not, and the check is slow
+            return None
         d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
         dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
         sc, m = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16])

@@ -80,6 +80,21 @@ def _pack(weight: torch.Tensor, fmt: str, group_size: Optional[int], gate_up: bo
     return torch.ops.kt.pack_int4(weight, group_size=group_size, gate_up=gate_up)
 
 
+def _pack_gate_and_up(gate: torch.Tensor, up: torch.Tensor, fmt: str, group_size: Optional[int]):
+    """``_pack(cat([gate, up], 1), gate_up=True)`` without the concatenated float copy: each half packed on its own
+    (quantization is per row, so the codes and scales are the same), then their 32-row blocks interleaved as the
+    gate_up layout orders them (32 gate rows, the 32 matching up rows, ...): a copy of packed bytes only."""
+    (wg, sg), (wu, su) = _pack(gate, fmt, group_size, False), _pack(up, fmt, group_size, False)
+    E, nb = wg.shape[:2]  # [E, I/16, K/per, 16, per]: two 16-row blocks make 32 rows
+    w = torch.stack([wg.view(E, nb // 2, 2, *wg.shape[2:]), wu.view(E, nb // 2, 2, *wu.shape[2:])], dim=2)
+    w = w.reshape(E, 2 * nb, *wg.shape[2:])
+    if sg is None:
+        return w, None
+    G, I = sg.shape[1:]  # [E, G, I]
+    s = torch.stack([sg.view(E, G, I // 32, 32), su.view(E, G, I // 32, 32)], dim=3).reshape(E, G, 2 * I)
+    return w, s
+
+
 def pack_experts(
     gate_up_proj: Optional[torch.Tensor] = None,
     down_proj: Optional[torch.Tensor] = None,
@@ -115,21 +130,27 @@ def pack_experts(
             raise ValueError("pack_experts: pass gate_up_proj, or both gate_proj and up_proj")
         if gate_proj.shape != up_proj.shape:
             raise ValueError(f"pack_experts: gate_proj {tuple(gate_proj.shape)} and up_proj {tuple(up_proj.shape)} differ")
-        gate_up_proj = torch.cat([gate_proj, up_proj], dim=1)
+        gate_up_proj = None
     elif gate_proj is not None or up_proj is not None:
         raise ValueError("pack_experts: pass either gate_up_proj or gate_proj/up_proj, not both")
     if down_proj is None:
         raise ValueError("pack_experts: down_proj is required")
-    if gate_up_proj.dim() != 3 or down_proj.dim() != 3:
+    if gate_up_proj is None:
+        if gate_proj.dim() != 3:
+            raise ValueError(f"pack_experts: expected gate_proj and up_proj [E, I, H], got {tuple(gate_proj.shape)}")
+        shape = (gate_proj.shape[0], 2 * gate_proj.shape[1], gate_proj.shape[2])
+    else:
+        shape = tuple(gate_up_proj.shape)
+    if len(shape) != 3 or down_proj.dim() != 3:
         raise ValueError(
             f"pack_experts: expected gate_up_proj [E, 2I, H] and down_proj [E, H, I], got "
-            f"{tuple(gate_up_proj.shape)} and {tuple(down_proj.shape)}"
+            f"{shape} and {tuple(down_proj.shape)}"
         )
-    E, two_i, H = gate_up_proj.shape
+    E, two_i, H = shape
     if down_proj.shape != (E, H, two_i // 2) or two_i % 2:
         raise ValueError(
             f"pack_experts: down_proj must be [E={E}, H={H}, I={two_i // 2}] to match gate_up_proj "
-            f"{tuple(gate_up_proj.shape)}, got {tuple(down_proj.shape)}"
+            f"{shape}, got {tuple(down_proj.shape)}"
         )
     I = two_i // 2
     for name, size in (("hidden size H", H), ("intermediate size I", I)):
@@ -137,7 +158,10 @@ def pack_experts(
             raise ValueError(f"pack_experts: {name}={size} must be a multiple of 32 (the kernels tile it by 32)")
     if dtype == "int4" and group_size is None:
         group_size = 128 if H % 128 == 0 and (two_i // 2) % 128 == 0 else 32
-    w13, s13 = _pack(gate_up_proj, dtype, group_size, gate_up=True)
+    if gate_up_proj is None:
+        w13, s13 = _pack_gate_and_up(gate_proj, up_proj, dtype, group_size)
+    else:
+        w13, s13 = _pack(gate_up_proj, dtype, group_size, gate_up=True)
     w2, s2 = _pack(down_proj, dtype, group_size, gate_up=False)
     packed = PackedExperts(w13, s13, w2, s2, dtype, group_size)
     if numa_split == 1:

@@ -11,6 +11,13 @@
 #include "pack.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
 
 namespace kt::moe {
 namespace {
@@ -58,29 +65,123 @@ void for_expert_chunks(int64_t E, const Fn& fn) {
   for (int64_t e0 = 0; e0 < E; e0 += kExpertsPerChunk) fn(e0, std::min(E, e0 + kExpertsPerChunk));
 }
 
+// The rows of experts [e0, e1) in packed order as fp32. A contiguous fp32 weight is read in place (packed row p of a
+// gate_up weight is its row (p % 64) / 32 * N/2 + p / 64 * 32 + p % 32); any other dtype or strides is first copied,
+// one chunk at a time, into a reused fp32 buffer.
+class PackedRows {
+ public:
+  PackedRows(const at::Tensor& weight, bool gate_up)
+      : weight_(weight), gate_up_(gate_up), N_(weight.size(1)), K_(weight.size(2)),
+        direct_(weight.scalar_type() == at::kFloat && weight.is_contiguous()) {}
+
+  void load(int64_t e0, int64_t e1) {
+    e0_ = e0;
+    if (direct_) {
+      base_ = weight_.data_ptr<float>() + e0 * N_ * K_;
+      return;
+    }
+    const int64_t e = e1 - e0;
+    if (!buffer_.defined() || buffer_.size(0) < e) buffer_ = at::empty({e, N_, K_}, weight_.options().dtype(at::kFloat));
+    at::Tensor out = buffer_.narrow(0, 0, e);
+    at::Tensor w = weight_.slice(0, e0, e1);
+    if (gate_up_) {
+      out.view({e, N_ / 64, 2, 32, K_}).copy_(w.reshape({e, 2, N_ / 64, 32, K_}).transpose(1, 2));
+    } else {
+      out.copy_(w);
+    }
+    base_ = buffer_.data_ptr<float>();
+  }
+
+  // Row n (packed order) of expert e (e0 <= e < e1 of the last load).
+  const float* row(int64_t e, int64_t n) const {
+    const int64_t src = direct_ && gate_up_ ? (n % 64) / 32 * (N_ / 2) + n / 64 * 32 + n % 32 : n;
+    return base_ + ((e - e0_) * N_ + src) * K_;
+  }
+
+ private:
+  const at::Tensor& weight_;
+  const bool gate_up_;
+  const int64_t N_, K_;
+  const bool direct_;
+  at::Tensor buffer_;
+  const float* base_ = nullptr;
+  int64_t e0_ = 0;
+};
+
+[[noreturn]] void non_finite(const char* op, int64_t expert, int64_t row, int64_t col) {
+  TORCH_CHECK(false, op, ": weight has a non-finite value (inf or nan) in expert ", expert, ", output row ", row,
+              " (packed order), columns from ", col, ": it cannot be quantized");
+}
+
+// max |x[k]| over n floats (n a multiple of 8), nan if any x[k] is nan; eight independent lanes so that the
+// compiler vectorizes it.
+inline float abs_max(const float* x, int64_t n) {
+  float m[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  bool nan = false;
+  for (int64_t k = 0; k < n; k += 8) {
+    for (int j = 0; j < 8; ++j) {
+      const float a = std::abs(x[k + j]);
+      m[j] = a > m[j] ? a : m[j];
+      nan |= a != a;
+    }
+  }
+  float r = 0.0f;
+  for (int j = 0; j < 8; ++j) r = std::max(r, m[j]);
+  return nan ? std::numeric_limits<float>::quiet_NaN() : r;
+}
+
+// q = round_half_even(x / d) clamped to [lo, hi]; d > 0 and x finite. The clamp comes first (|x / d| can be far
+// beyond hi only for d = 1e-30 on a zero row, where x = 0 anyway), then rounding by adding and subtracting 1.5 * 2^23:
+// for |v| <= 2^22 the sum's last place is 1, so the float addition itself rounds v to the nearest integer, ties to
+// even, exactly as torch.round (this vectorizes at the baseline ISA, where std::nearbyint is a library call).
+inline int quantize(float x, float d, float lo, float hi) {
+  constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23
+  const float v = std::min(std::max(x / d, lo), hi);
+  return static_cast<int>((v + kMagic) - kMagic);
+}
+
 }  // namespace
 
 at::Tensor pack_bf16(const at::Tensor& weight, bool gate_up) {
   check_weight(weight, "pack_bf16", gate_up, 32);
   const int64_t E = weight.size(0), N = weight.size(1), K = weight.size(2);
   at::Tensor out = at::empty({E, N / 16, K / 2, 16, 2}, weight.options().dtype(at::kBFloat16));
-  for_expert_chunks(E, [&](int64_t e0, int64_t e1) {
+  for_expert_chunks(E, [&](int64_t e0, int64_t e1) {  // the conversion is torch's own (nan bits included)
     out.slice(0, e0, e1).copy_(to_lanes(packed_row_order(weight.slice(0, e0, e1), gate_up), 2));
   });
   return out;
 }
 
+
+// The quantizing packers run one pass per chunk of experts, parallel over blocks of 16 output rows: the scales of
+// a row (group), then its codes written straight into the lane layout.
 std::tuple<at::Tensor, at::Tensor> pack_int8(const at::Tensor& weight, bool gate_up) {
   check_weight(weight, "pack_int8", gate_up, 32);
   const int64_t E = weight.size(0), N = weight.size(1), K = weight.size(2);
   at::Tensor out = at::empty({E, N / 16, K / 4, 16, 4}, weight.options().dtype(at::kChar));
   at::Tensor scales = at::empty({E, 1, N}, weight.options().dtype(at::kFloat));
+  int8_t* o = out.data_ptr<int8_t>();
+  float* sc = scales.data_ptr<float>();
+  PackedRows rows(weight, gate_up);
   for_expert_chunks(E, [&](int64_t e0, int64_t e1) {
-    at::Tensor w = packed_row_order(weight.slice(0, e0, e1), gate_up).to(at::kFloat);
-    at::Tensor scale = w.abs().amax(-1, /*keepdim=*/true).div_(127.0f);
-    at::Tensor q = w.div(scale.clamp_min(1e-30f)).round_().clamp_(-127, 127).to(at::kChar);
-    out.slice(0, e0, e1).copy_(to_lanes(q, 4));
-    scales.slice(0, e0, e1).copy_(scale.transpose(1, 2));
+    rows.load(e0, e1);
+    at::parallel_for(0, (e1 - e0) * (N / 16), 1, [&](int64_t b0, int64_t b1) {
+      std::vector<int8_t> q(K);
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t e = e0 + b / (N / 16), nb = b % (N / 16);
+        int8_t* blk = o + (e * (N / 16) + nb) * K * 16;
+        for (int64_t r = 0; r < 16; ++r) {
+          const int64_t n = nb * 16 + r;
+          const float* row = rows.row(e, n);
+          const float amax = abs_max(row, K);
+          if (!std::isfinite(amax)) non_finite("pack_int8", e, n, 0);
+          const float scale = amax / 127.0f, d = std::max(scale, 1e-30f);
+          sc[e * N + n] = scale;
+          for (int64_t k = 0; k < K; ++k) q[k] = static_cast<int8_t>(quantize(row[k], d, -127.0f, 127.0f));
+          for (int64_t k = 0; k < K; k += 4) std::memcpy(blk + k * 16 + r * 4, q.data() + k, 4);  // (k/4)*64 + r*4
+        }
+      }
+    });
   });
   return {out, scales};
 }
@@ -93,15 +194,36 @@ std::tuple<at::Tensor, at::Tensor> pack_int4(const at::Tensor& weight, int64_t g
   const int64_t G = K / group_size;
   at::Tensor out = at::empty({E, N / 16, K / 8, 16, 4}, weight.options().dtype(at::kByte));
   at::Tensor scales = at::empty({E, G, N}, weight.options().dtype(at::kFloat));
+  uint8_t* o = out.data_ptr<uint8_t>();
+  float* sc = scales.data_ptr<float>();
+  PackedRows rows(weight, gate_up);
   for_expert_chunks(E, [&](int64_t e0, int64_t e1) {
-    const int64_t e = e1 - e0;
-    at::Tensor w = packed_row_order(weight.slice(0, e0, e1), gate_up).to(at::kFloat).reshape({e, N, G, group_size});
-    at::Tensor scale = w.abs().amax(-1, /*keepdim=*/true).div_(7.0f);  // [e, N, G, 1]
-    at::Tensor u = w.div(scale.clamp_min(1e-30f)).round_().clamp_(-8, 7).add_(8).to(at::kByte).reshape({e, N, K});
-    // [e, N/16, 16, K/8, 2, 4] -> [e, N/16, K/8, 16, 2, 4]; halves 0/1 become the low/high nibbles
-    at::Tensor t = u.reshape({e, N / 16, 16, K / 8, 2, 4}).permute({0, 1, 3, 2, 4, 5});
-    out.slice(0, e0, e1).copy_(t.select(4, 0).bitwise_or(t.select(4, 1).bitwise_left_shift(4)));
-    scales.slice(0, e0, e1).copy_(scale.squeeze(-1).transpose(1, 2));
+    rows.load(e0, e1);
+    at::parallel_for(0, (e1 - e0) * (N / 16), 1, [&](int64_t b0, int64_t b1) {
+      std::vector<uint8_t> u(K);
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t e = e0 + b / (N / 16), nb = b % (N / 16);
+        uint8_t* blk = o + (e * (N / 16) + nb) * (K / 2) * 16;
+        for (int64_t r = 0; r < 16; ++r) {
+          const int64_t n = nb * 16 + r;
+          const float* row = rows.row(e, n);
+          for (int64_t g = 0; g < G; ++g) {
+            const float* x = row + g * group_size;
+            const float amax = abs_max(x, group_size);
+            if (!std::isfinite(amax)) non_finite("pack_int4", e, n, g * group_size);
+            const float scale = amax / 7.0f, d = std::max(scale, 1e-30f);
+            sc[(e * G + g) * N + n] = scale;
+            for (int64_t k = 0; k < group_size; ++k) u[g * group_size + k] = static_cast<uint8_t>(quantize(x[k], d, -8.0f, 7.0f) + 8);
+          }
+          // 8 values per 4 bytes: byte j holds value j (low nibble) and value 4 + j (high nibble)
+          for (int64_t kb = 0; kb < K / 8; ++kb) {
+            for (int64_t j = 0; j < 4; ++j) {
+              blk[kb * 64 + r * 4 + j] = static_cast<uint8_t>(u[kb * 8 + j] | (u[kb * 8 + 4 + j] << 4));
+            }
+          }
+        }
+      }
+    });
   });
   return {out, scales};
 }
