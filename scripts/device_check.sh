@@ -23,7 +23,7 @@ for s in $steps; do
   case $s in
     tests)
       log "tests"
-      timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider --timeout=240 --durations=15 --tb=short -rfE ${TESTS_ARGS:-} ${TESTS:-tests} \
+      KT_FAILURES_LOG="$OUT/failures.log" timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider --timeout=240 --durations=15 --tb=short -rfE ${TESTS_ARGS:-} ${TESTS:-tests} \
         > "$OUT/tests.log" 2>&1; grep -E "passed|failed|^FAILED|^ERROR" "$OUT/tests.log" | tail -40 ;;
     ptests)
       # the whole suite as two concurrent halves (the GPU/compile files, and the rest with half the cores each)
@@ -33,7 +33,7 @@ for s in $steps; do
       cpu=$(ls tests/test_*.py | grep -vxF "$(echo $gpu | tr ' ' '\n')")
       half=$(( $(nproc) / 2 ))
       for part in gpu cpu; do
-        OMP_NUM_THREADS=$half KT_NUM_THREADS=$(( half - 1 )) timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q \
+        KT_FAILURES_LOG="$OUT/failures_$part.log" OMP_NUM_THREADS=$half KT_NUM_THREADS=$(( half - 1 )) timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q \
           -p no:cacheprovider --timeout=240 --durations=10 --tb=short -rfE ${!part} > "$OUT/tests_$part.log" 2>&1 &
       done
       wait

@@ -64,3 +64,13 @@ def pytest_runtest_makereport(item, call):
         seeds = [v for k, v in item.user_properties if k == "seed"]
         if seeds:
             report.sections.append(("seed", f"seed={seeds[0]}: rerun with KT_TEST_SEED={seeds[0]}"))
+
+
+def pytest_runtest_logreport(report):
+    """With KT_FAILURES_LOG=<file>, each failure's report (seed included) is appended there as it happens, so a run
+    cut off by a time limit (the device's calls are) still leaves the tracebacks of what failed before the cut."""
+    path = os.environ.get("KT_FAILURES_LOG")
+    if path and report.failed:
+        seed = "".join(f"\n{content}" for name, content in report.sections if name == "seed")
+        with open(path, "a") as f:
+            f.write(f"==== {report.nodeid} ({report.when}){seed}\n{report.longreprtext}\n\n")
