@@ -12,6 +12,6 @@ FILE=$GGUF_DIR/qwen3-30b-a3b-random-${TYPE}-${LAYERS}l.gguf
 for args in ${GGUF_RUNS:-eager --compile}; do
   [ "$args" = eager ] && args=""
   echo "--- ktorch generate ${args:-(eager)}"
-  GGUF_GENERATE_ARGS="--max-new-tokens ${GGUF_NEW_TOKENS:-64} $args" timeout ${GGUF_TIMEOUT:-240} \
-      bash benchmarks/gguf_device_run.sh "$TYPE" "$LAYERS"
+  GGUF_GENERATE_ARGS="--max-new-tokens ${GGUF_NEW_TOKENS:-64} $args" GGUF_LOG=${GGUF_LOG:-${OUT:-/tmp}/gguf_stderr.log} \
+      timeout ${GGUF_TIMEOUT:-240} bash benchmarks/gguf_device_run.sh "$TYPE" "$LAYERS"
 done
