@@ -42,7 +42,7 @@ class BuildExt(BuildExtension):
 
 
 ext_sources = sorted(glob.glob(os.path.join(CSRC, "*.cpp")) + glob.glob(os.path.join(CSRC, "moe", "*.cpp"))
-                     + glob.glob(os.path.join(CSRC, "runtime", "*.cpp")))
+                     + glob.glob(os.path.join(CSRC, "runtime", "*.cpp")) + glob.glob(os.path.join(CSRC, "formats", "*.cpp")))
 libraries = [isa_library(isa) for isa in ISA_FLAGS]
 
 

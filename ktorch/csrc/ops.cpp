@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "kernels/probe.h"
+#include "formats/gguf.h"
 #include "moe/fused_moe.h"
 #include "moe/numa_split.h"
 #include "moe/pack.h"
@@ -63,6 +64,8 @@ TORCH_LIBRARY(kt, m) {
   m.def("pack_int8(Tensor weight, bool gate_up=False) -> (Tensor, Tensor)");
   m.def("pack_int4(Tensor weight, int group_size=128, bool gate_up=False) -> (Tensor, Tensor)");
   m.def("unpack(Tensor packed, Tensor? scales, bool gate_up=False) -> Tensor");
+  m.def("gguf_dequantize(Tensor blocks, str qtype) -> Tensor");
+  m.def("gguf_dequantize_into(Tensor blocks, str qtype, Tensor(a!) out) -> ()");
   m.def(
       "fused_moe(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor w13, Tensor? w13_scales, Tensor w2, "
       "Tensor? w2_scales, str activation=\"silu\") -> Tensor");
@@ -95,6 +98,8 @@ TORCH_LIBRARY_IMPL(kt, CPU, m) {
   m.impl("pack_int8", &kt::moe::pack_int8);
   m.impl("pack_int4", &kt::moe::pack_int4);
   m.impl("unpack", &kt::moe::unpack);
+  m.impl("gguf_dequantize", &kt::formats::gguf_dequantize);
+  m.impl("gguf_dequantize_into", &kt::formats::gguf_dequantize_into);
   m.impl("fused_moe", &kt::moe::fused_moe);
   m.impl("numa_split_experts", &kt::moe::numa_split_experts);
   m.impl("fused_moe_numa", &kt::moe::fused_moe_numa);

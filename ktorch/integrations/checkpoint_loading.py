@@ -230,7 +230,7 @@ def build_model(
                 packed = pack_experts_in_chunks(source, name, *sizes[name], fmt, group)
                 attach_packed_experts(module, packed)
             source.release()
-            gc.collect()
+            gc.collect(1)  # the young generations: a layer's cyclic garbage, without walking the whole model each time
             if bar is not None and step is not None:
                 bar.update(1)
     if bar is not None:

@@ -61,12 +61,17 @@ def _from_file(array: np.ndarray) -> torch.Tensor:
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         return torch.from_numpy(array)
 
-def dequantize(data: np.ndarray, qtype) -> torch.Tensor:
+_NATIVE_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
+
+
+def dequantize(data: np.ndarray, qtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """GGUF tensor bytes (numpy order, quantized rows as bytes) -> float tensor [..., K] with the file's values.
 
-    Float types are reinterpreted in place (float16/bfloat16 stay in that dtype); quantized blocks are decoded by
-    the gguf package's own ``dequantize_blocks`` of the type, called on large batches of blocks from a few threads
-    (numpy releases the GIL there), which is many times faster than ``gguf.quants.dequantize``'s 16-row groups.
+    Float types are reinterpreted in place (float16/bfloat16 stay in that dtype). Q8_0, Q4_0, Q4_K, Q5_K and Q6_K
+    blocks are decoded by ``kt.gguf_dequantize`` (all cores, the same float32 operations as the gguf package);
+    other quantized types by the gguf package's own ``dequantize_blocks`` of the type, called on large batches of
+    blocks from a few threads (numpy releases the GIL there). ``out``: a contiguous float32 tensor of the result's
+    size that the native types decode into (and return, reshaped); ignored otherwise.
     """
     gguf = _gguf()
     T = gguf.GGMLQuantizationType
@@ -77,6 +82,13 @@ def dequantize(data: np.ndarray, qtype) -> torch.Tensor:
     if qtype == T.BF16:
         return _from_file(np.ascontiguousarray(data).view(np.int16)).view(torch.bfloat16)
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    if qtype.name in _NATIVE_TYPES:  # ktorch's own decoder (csrc/formats/gguf.cpp): bit-identical, one parallel pass
+        shape = (*data.shape[:-1], data.shape[-1] // type_size * block_size)
+        blocks = _from_file(np.ascontiguousarray(data).reshape(-1, type_size))
+        if out is None:
+            return torch.ops.kt.gguf_dequantize(blocks, qtype.name).reshape(shape)
+        torch.ops.kt.gguf_dequantize_into(blocks, qtype.name, out)
+        return out.view(shape)
     decoder = getattr(gguf.quants, qtype.name, None)
     if decoder is None or not hasattr(decoder, "dequantize_blocks"):
         return torch.from_numpy(np.asarray(gguf.quants.dequantize(data, qtype), dtype=np.float32))
@@ -165,6 +177,7 @@ class GGUFSource(CheckpointSource):
                                              f"{', '.join(ARCHITECTURES)} MoE models)")
         self._config = None
         self._hf_to_gguf: dict[str, str] = {}
+        self._buffers: dict[str, torch.Tensor] = {}  # read_experts' decode buffers, one per projection
         self._mmap: Optional[mmap.mmap] = None
 
     # ------------------------------------------------------------ metadata
@@ -371,9 +384,28 @@ class GGUFSource(CheckpointSource):
                                                     torch.cat([exact["gate"][1], exact["up"][1]], dim=1), gate_up=True)
                 w2, s2 = pack_int4_from_quantized(*exact["down"], gate_up=False)
                 return PackedExperts(w13, s13, w2, s2, "int4", 32)
-        arrays = {p: self._array(t, first, end) for p, t in tensors.items()}
+        arrays = {p: dequantize(t.data[first:end], t.tensor_type, self._scratch(p, end - first, t))
+                  for p, t in tensors.items()}
         return pack_experts(gate_proj=arrays["gate"], up_proj=arrays["up"], down_proj=arrays["down"], dtype=fmt,
                             group_size=group_size)
+
+    def _scratch(self, proj: str, experts: int, t) -> Optional[torch.Tensor]:
+        """A float32 buffer for ``experts`` experts of ``t`` decoded, reused from chunk to chunk and layer to layer
+        (a fresh quarter-gigabyte tensor per chunk spent more time in page faults than in decoding); None for
+        the types ``dequantize`` does not decode natively."""
+        if t.tensor_type.name not in _NATIVE_TYPES:
+            return None
+        numel = experts * int(np.prod(t.data.shape[1:-1])) * (t.data.shape[-1] // self._type_size(t) * self._block_size(t))
+        buf = self._buffers.get(proj)
+        if buf is None or buf.numel() < numel:
+            buf = self._buffers[proj] = torch.empty(numel, dtype=torch.float32)
+        return buf[:numel]
+
+    def _type_size(self, t) -> int:
+        return _gguf().GGML_QUANT_SIZES[t.tensor_type][1]
+
+    def _block_size(self, t) -> int:
+        return _gguf().GGML_QUANT_SIZES[t.tensor_type][0]
 
     def release(self) -> None:
         """Drops the file pages read so far from this process (they stay in the page cache)."""

@@ -260,6 +260,19 @@ def _pack_int4_fake(weight, group_size=128, gate_up=False):
     )
 
 
+_GGUF_BLOCK_SIZES = {"Q8_0": 32, "Q4_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
+
+
+@torch.library.register_fake("kt::gguf_dequantize")
+def _gguf_dequantize_fake(blocks, qtype):
+    return blocks.new_empty((blocks.shape[0], _GGUF_BLOCK_SIZES[qtype]), dtype=torch.float32)
+
+
+@torch.library.register_fake("kt::gguf_dequantize_into")
+def _gguf_dequantize_into_fake(blocks, qtype, out):
+    return None
+
+
 @torch.library.register_fake("kt::unpack")
 def _unpack_fake(packed, scales, gate_up=False):
     _check_same_device("unpack", "packed", {"packed": packed, "scales": scales})
