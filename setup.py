@@ -64,6 +64,16 @@ def runtime_libraries_of_torch():
                     found[name] = path
     return ["-Wl,--no-as-needed"] + list(found.values()) + ["-Wl,--as-needed"] if found else []
 
+# KT_PREBUILT_EXTENSION=<path of a _C*.so built from this same source with this same torch>: install without
+# compiling (the device scripts build once per machine image and reuse the result; see scripts/device_check.sh).
+prebuilt = os.environ.get("KT_PREBUILT_EXTENSION")
+if prebuilt:
+    import shutil
+
+    shutil.copy(prebuilt, os.path.join(os.path.dirname(os.path.abspath(__file__)), "ktorch", os.path.basename(prebuilt)))
+    setup()
+    raise SystemExit(0)
+
 setup(
     libraries=libraries,
     ext_modules=[

@@ -15,9 +15,25 @@ if [ -d .whl ]; then
 fi
 log "machine"
 { lscpu | grep -E "Model name|^CPU\(s\)|Thread|NUMA node\(s\)|L3|Flags" | cut -c1-300; nvidia-smi -L; python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)"; } 2>&1 | tee "$OUT/machine.txt"
-log "build"
-# editable install: builds the extension in place and registers the torch.compile backend entry point
-python3 -m pip install -v --no-deps --no-build-isolation --no-index -e . > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
+# editable install: builds the extension in place and registers the torch.compile backend entry point. A build
+# costs a minute of device time per call (a machine is given back 30 s after each call), so each fresh build leaves
+# its extension (stripped) and an id of its sources + torch + python in $OUT; copied back into
+# .device-out/prebuilt/ (git-ignored) and carried, a later call with the same id installs it without compiling:
+#   mkdir -p .device-out/prebuilt && cp /work/.device/N/_C*.so /work/.device/N/prebuilt.id .device-out/prebuilt/
+#   carry [..., ".device-out/prebuilt"], and in the command: cp -r .device-out/prebuilt /tmp/src/.device-out/
+src_id=$({ cat setup.py pyproject.toml; find ktorch/csrc -type f | LC_ALL=C sort | xargs cat; } | sha256sum | cut -c1-16)
+src_id="$src_id-$(python3 -c 'import sys, torch; print(torch.__version__, *sys.version_info[:2], sep="-")')"
+pre=${KT_PREBUILT_DIR:-.device-out/prebuilt}
+if [ -f "$pre/prebuilt.id" ] && [ "$(cat "$pre/prebuilt.id")" = "$src_id" ] && ls "$pre"/_C*.so > /dev/null 2>&1; then
+  log "build: prebuilt extension ($src_id)"
+  KT_PREBUILT_EXTENSION=$(ls "$pre"/_C*.so | head -1) python3 -m pip install -v --no-deps --no-build-isolation --no-index -e . \
+    > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
+else
+  log "build ($src_id)"
+  python3 -m pip install -v --no-deps --no-build-isolation --no-index -e . > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
+  so=$(ls ktorch/_C*.so | head -1)
+  strip --strip-debug -o "$OUT/$(basename "$so")" "$so" && echo "$src_id" > "$OUT/prebuilt.id"
+fi
 python3 -c "import ktorch; print(ktorch.cpu_features())" 2>&1 | tee -a "$OUT/machine.txt"
 for s in $steps; do
   case $s in
