@@ -159,10 +159,17 @@ void int4_tile(const GemmArgs& a, int m0, int b0, int64_t k0, int64_t k1, const 
   const __m512i low = _mm512_set1_epi8(0x0f);
   const int64_t octs = a.group_size / 8;
   Prefetch::Cursor next = pf.cursor();
+  // Few rows (decode): the low and high nibbles go to separate accumulators, so each accumulator takes one
+  // vpdpbusd per weight line instead of a dependent pair (with one row and two blocks the pair's latency, not
+  // DRAM, was the limit). With more rows there are enough independent chains, and not enough registers.
+  constexpr bool kSplitNibbles = MR <= 2;
+  constexpr int kHiRows = kSplitNibbles ? MR : 1, kHiBlocks = kSplitNibbles ? NR : 1;
   for (int64_t g = k0 / a.group_size; g < k1 / a.group_size; ++g) {
-    __m512i gacc[MR][NR];
+    __m512i gacc[MR][NR], gacc_hi[kHiRows][kHiBlocks];
     for (int r = 0; r < MR; ++r)
       for (int b = 0; b < NR; ++b) gacc[r][b] = _mm512_setzero_si512();
+    for (int r = 0; r < kHiRows; ++r)
+      for (int b = 0; b < kHiBlocks; ++b) gacc_hi[r][b] = _mm512_setzero_si512();
     for (int64_t o = g * octs; o < (g + 1) * octs; ++o) {
       if constexpr (kPrefetch) next.step();
       for (int b = 0; b < NR; ++b) {
@@ -171,9 +178,17 @@ void int4_tile(const GemmArgs& a, int m0, int b0, int64_t k0, int64_t k1, const 
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
         for (int r = 0; r < MR; ++r) {
           gacc[r][b] = dpbusd(gacc[r][b], lo, _mm512_set1_epi32(load_i32(x[r] + 8 * o)));
-          gacc[r][b] = dpbusd(gacc[r][b], hi, _mm512_set1_epi32(load_i32(x[r] + 8 * o + 4)));
+          if constexpr (kSplitNibbles) {
+            gacc_hi[r][b] = dpbusd(gacc_hi[r][b], hi, _mm512_set1_epi32(load_i32(x[r] + 8 * o + 4)));
+          } else {
+            gacc[r][b] = dpbusd(gacc[r][b], hi, _mm512_set1_epi32(load_i32(x[r] + 8 * o + 4)));
+          }
         }
       }
+    }
+    if constexpr (kSplitNibbles) {
+      for (int r = 0; r < MR; ++r)
+        for (int b = 0; b < NR; ++b) gacc[r][b] = _mm512_add_epi32(gacc[r][b], gacc_hi[r][b]);
     }
     for (int r = 0; r < MR; ++r) {
       const __m512i offset = _mm512_set1_epi32(8 * a.a_gsum[(m0 + r) * a.a_gsum_stride + g]);
@@ -273,7 +288,10 @@ void gemm_int8(const GemmArgs& a) {
   int8_dequantize(a, int8_partials(static_cast<size_t>(a.M) * a.ldc));
 }
 void gemm_int4(const GemmArgs& a) {
-  TileWalker<6, 2, Int4Tile>::run(a, std::max<int64_t>(a.group_size, 1024 / a.group_size * a.group_size), 8);
+  const int64_t kc = std::max<int64_t>(a.group_size, 1024 / a.group_size * a.group_size);
+  // one or two rows: four blocks per tile (eight independent accumulator chains with the nibbles split)
+  if (a.M <= 2) TileWalker<2, 4, Int4Tile>::run(a, kc, 8);
+  else TileWalker<6, 2, Int4Tile>::run(a, kc, 8);
 }
 
 // ---------------------------------------------------------------- epilogues
