@@ -48,6 +48,7 @@ import ktorch
 import ktorch.compile
 from ktorch.integrations import attach_packed_experts
 from ktorch.ops.moe import PackedExperts
+from ktorch.ops.streamed_experts import parse_stream_plan
 from ktorch.placement import experts_modules
 
 SHAPES = {
@@ -459,18 +460,6 @@ def standalone_experts_ms(model, rounds: int = 5, tokens: int = 1, seed: int = 2
     return elapsed * 1e3 / rounds
 
 
-def parse_stream_spec(spec: str):
-    """'off' | 'auto' | 'min_tokens:experts_or_fraction,...' -> what ktorch.set_stream_experts takes."""
-    spec = spec.strip()
-    if spec in ("off", "auto"):
-        return spec
-    table = {}
-    for item in spec.split(","):
-        tokens, share = item.split(":")
-        table[int(tokens)] = float(share) if "." in share else int(share)
-    return table
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
@@ -510,7 +499,7 @@ def main(argv=None) -> None:
     for variant in variants:
         if variant not in VARIANTS:
             raise SystemExit(f"unknown variant {variant!r}; choose from {VARIANTS}")
-    streams = [parse_stream_spec(spec) for spec in args.stream_experts.split(";") if spec.strip()]
+    streams = [parse_stream_plan(spec) for spec in args.stream_experts.split(";") if spec.strip()]
     runs = [(v, stream) for v in variants for stream in (streams if v != "hf_offload" else ["off"])]
     rows = []
     model = None  # the ktorch variants share one placed model

@@ -260,13 +260,6 @@ def run_ktorch(gguf: Path, device: str, variants: list[str], prompts: list[int],
         torch.cuda.empty_cache()
 
 
-def bench_e2e_stream_spec(spec: str):
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import bench_e2e
-
-    return bench_e2e.parse_stream_spec(spec)
-
-
 def _experts_modules(model):
     from ktorch.placement import experts_modules
 
@@ -496,7 +489,9 @@ def main(argv=None) -> None:
                     print(f"llama.cpp {type_name} {test}: best {r['avg_ts']:.1f} tok/s with {setting_label(r)}",
                           flush=True)
             if not args.skip_ktorch:
-                streams = [bench_e2e_stream_spec(spec) for spec in args.stream_experts.split(";") if spec.strip()]
+                from ktorch.ops.streamed_experts import parse_stream_plan
+
+                streams = [parse_stream_plan(spec) for spec in args.stream_experts.split(";") if spec.strip()]
                 for r in run_ktorch(path, device, variants, prompts, args.gen, args.decode_context, args.repeats,
                                     options, streams):
                     line = dict(kind="ktorch", experts_type=type_name, layers=args.layers, device=device,

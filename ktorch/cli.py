@@ -183,22 +183,6 @@ def resolve_model_path(model: str) -> Path:
     return path
 
 
-def parse_stream_plan(text: str):
-    """--stream-experts: 'off' | 'auto' | 'MIN_TOKENS:SHARE,...' -> what ktorch.set_stream_experts takes."""
-    text = text.strip()
-    if text in ("off", "auto"):
-        return text
-    table = {}
-    for item in text.split(","):
-        try:
-            tokens, share = item.split(":")
-            table[int(tokens)] = float(share) if "." in share else int(share)
-        except ValueError:
-            raise CLIError(f"--stream-experts {text}: expected off, auto or MIN_TOKENS:SHARE,... (e.g. "
-                           "512:0.4,2048:0.45), got {item!r}") from None
-    return table
-
-
 def resolve_device(device: str):
     import torch
 
@@ -219,7 +203,12 @@ def load_model(args: argparse.Namespace):
 
     if args.deferred_experts < 0:
         raise CLIError(f"--deferred-experts must be >= 0, got {args.deferred_experts}")
-    stream = parse_stream_plan(args.stream_experts)
+    from ktorch.ops.streamed_experts import parse_stream_plan
+
+    try:
+        stream = parse_stream_plan(args.stream_experts)
+    except ValueError as e:
+        raise CLIError(f"--stream-experts {args.stream_experts}: {e}") from None
     if args.compile and resolve_device(args.device).type != "cuda":
         raise CLIError("--compile compiles the decode step under CUDA graphs: it needs --device cuda (a GPU)")
     if args.plain and (args.deferred_experts or stream != "off"):

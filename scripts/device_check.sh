@@ -24,13 +24,14 @@ log "machine"
 src_id=$({ cat setup.py pyproject.toml; find ktorch/csrc -type f | LC_ALL=C sort | xargs cat; } | sha256sum | cut -c1-16)
 src_id="$src_id-$(python3 -c 'import sys, torch; print(torch.__version__, *sys.version_info[:2], sep="-")')"
 pre=${KT_PREBUILT_DIR:-.device-out/prebuilt}
+prebuilt=""
 if [ -f "$pre/prebuilt.id" ] && [ "$(cat "$pre/prebuilt.id")" = "$src_id" ] && ls "$pre"/_C*.so > /dev/null 2>&1; then
-  log "build: prebuilt extension ($src_id)"
-  KT_PREBUILT_EXTENSION=$(ls "$pre"/_C*.so | head -1) python3 -m pip install -v --no-deps --no-build-isolation --no-index -e . \
-    > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
-else
-  log "build ($src_id)"
-  python3 -m pip install -v --no-deps --no-build-isolation --no-index -e . > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
+  prebuilt=$(ls "$pre"/_C*.so | head -1)
+fi
+log "build (${prebuilt:+prebuilt extension, }$src_id)"
+KT_PREBUILT_EXTENSION=$prebuilt python3 -m pip install -v --no-deps --no-build-isolation --no-index -e . > "$OUT/build.log" 2>&1 \
+  || { tail -50 "$OUT/build.log"; exit 1; }
+if [ -z "$prebuilt" ]; then
   so=$(ls ktorch/_C*.so | head -1)
   strip --strip-debug -o "$OUT/$(basename "$so")" "$so" && echo "$src_id" > "$OUT/prebuilt.id"
 fi

@@ -21,6 +21,7 @@ docs/loading.md lists what each conversion loses, measured against ``gguf.quants
 
 from __future__ import annotations
 
+import math
 import mmap
 import warnings
 from pathlib import Path
@@ -53,7 +54,6 @@ def _auto_format(type_name: str) -> str:
     return "int8"
 
 
-
 def _from_file(array: np.ndarray) -> torch.Tensor:
     """``torch.from_numpy`` of an array that may view the read-only file mapping, without torch's one-time warning
     about non-writable arrays: these tensors are only read (converted, packed or copied to the GPU), never written."""
@@ -61,7 +61,14 @@ def _from_file(array: np.ndarray) -> torch.Tensor:
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         return torch.from_numpy(array)
 
+
 _NATIVE_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
+
+
+def decoded_shape(shape: tuple, qtype) -> tuple:
+    """The value shape of a quantized GGUF tensor whose bytes (numpy order, rows as bytes) have ``shape``."""
+    block_size, type_size = _gguf().GGML_QUANT_SIZES[qtype]
+    return (*shape[:-1], shape[-1] // type_size * block_size)
 
 
 def dequantize(data: np.ndarray, qtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -82,8 +89,8 @@ def dequantize(data: np.ndarray, qtype, out: Optional[torch.Tensor] = None) -> t
     if qtype == T.BF16:
         return _from_file(np.ascontiguousarray(data).view(np.int16)).view(torch.bfloat16)
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    shape = decoded_shape(data.shape, qtype)
     if qtype.name in _NATIVE_TYPES:  # ktorch's own decoder (csrc/formats/gguf.cpp): bit-identical, one parallel pass
-        shape = (*data.shape[:-1], data.shape[-1] // type_size * block_size)
         blocks = _from_file(np.ascontiguousarray(data).reshape(-1, type_size))
         if out is None:
             return torch.ops.kt.gguf_dequantize(blocks, qtype.name).reshape(shape)
@@ -92,7 +99,6 @@ def dequantize(data: np.ndarray, qtype, out: Optional[torch.Tensor] = None) -> t
     decoder = getattr(gguf.quants, qtype.name, None)
     if decoder is None or not hasattr(decoder, "dequantize_blocks"):
         return torch.from_numpy(np.asarray(gguf.quants.dequantize(data, qtype), dtype=np.float32))
-    shape = (*data.shape[:-1], data.shape[-1] // type_size * block_size)
     blocks = np.ascontiguousarray(data).reshape(-1, type_size)
     out = np.empty((blocks.shape[0], block_size), dtype=np.float32)
     step = 16384
@@ -395,17 +401,11 @@ class GGUFSource(CheckpointSource):
         the types ``dequantize`` does not decode natively."""
         if t.tensor_type.name not in _NATIVE_TYPES:
             return None
-        numel = experts * int(np.prod(t.data.shape[1:-1])) * (t.data.shape[-1] // self._type_size(t) * self._block_size(t))
+        numel = math.prod(decoded_shape((experts, *t.data.shape[1:]), t.tensor_type))
         buf = self._buffers.get(proj)
         if buf is None or buf.numel() < numel:
             buf = self._buffers[proj] = torch.empty(numel, dtype=torch.float32)
         return buf[:numel]
-
-    def _type_size(self, t) -> int:
-        return _gguf().GGML_QUANT_SIZES[t.tensor_type][1]
-
-    def _block_size(self, t) -> int:
-        return _gguf().GGML_QUANT_SIZES[t.tensor_type][0]
 
     def release(self) -> None:
         """Drops the file pages read so far from this process (they stay in the page cache)."""
@@ -487,12 +487,12 @@ def _llama_unpermute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
     return weight.reshape(n_head, rows // n_head // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
-def _q4k_symmetric(gguf, blocks: np.ndarray) -> bool:
-    """Whether every sub-block of these Q4_K blocks has its minimum at 8 steps of its scale (symmetric int4)."""
+def _q4k_steps(gguf, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(step, low) [n, 8] of Q4_K blocks: each sub-block's value is step * q - low; symmetric int4 when low = 8 step."""
     d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
     dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
     sc, m = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16])
-    return bool(np.array_equal(dmin * m.astype(np.float32), 8 * (d * sc.astype(np.float32))))
+    return d * sc.astype(np.float32), dmin * m.astype(np.float32)
 
 
 def _exact_int4(t, first: int, end: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
@@ -509,12 +509,10 @@ def _exact_int4(t, first: int, end: int) -> Optional[tuple[torch.Tensor, torch.T
         scales = d
     elif name == "Q4_K":
         blocks = data.reshape(-1, 144)
-        if not _q4k_symmetric(gguf, blocks[:256]):  # a sample first: most Q4_K files are not, and the check is slow
+        step, low = _q4k_steps(gguf, blocks[:256])  # a sample first: most Q4_K files are not symmetric
+        if not np.array_equal(low, 8 * step):
             return None
-        d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
-        dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
-        sc, m = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16])
-        step, low = d * sc.astype(np.float32), dmin * m.astype(np.float32)  # [n, 8]
+        step, low = _q4k_steps(gguf, blocks)
         if not np.array_equal(low, 8 * step):
             return None
         qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)

@@ -119,6 +119,22 @@ class StreamPlan:
         return cls(thresholds, experts)
 
 
+def parse_stream_plan(text: str):
+    """'off' | 'auto' | 'MIN_TOKENS:SHARE,...' (SHARE a fraction or an expert count, e.g. '512:0.4,2048:0.45') ->
+    what ``ktorch.set_stream_experts`` takes; ValueError naming the item that is neither."""
+    text = text.strip()
+    if text in ("off", "auto"):
+        return text
+    table = {}
+    for item in text.split(","):
+        try:
+            tokens, share = item.split(":")
+            table[int(tokens)] = float(share) if "." in share else int(share)
+        except ValueError:
+            raise ValueError(f"expected off, auto or MIN_TOKENS:SHARE,... (e.g. 512:0.4,2048:0.45), got {item!r}") from None
+    return table
+
+
 # ---------------------------------------------------------------- the streamed experts of one layer
 
 

@@ -99,10 +99,6 @@ constexpr Format kFormats[] = {
     {"Q5_K", 176, 256, qk_4_5<true>}, {"Q6_K", 210, 256, q6_k},
 };
 
-}  // namespace
-
-namespace {
-
 const Format& checked_format(const at::Tensor& blocks, const std::string& qtype, const char* op) {
   const Format* fmt = nullptr;
   for (const Format& f : kFormats) {

@@ -152,7 +152,6 @@ at::Tensor pack_bf16(const at::Tensor& weight, bool gate_up) {
   return out;
 }
 
-
 // The quantizing packers run one pass per chunk of experts, parallel over blocks of 16 output rows: the scales of
 // a row (group), then its codes written straight into the lane layout.
 std::tuple<at::Tensor, at::Tensor> pack_int8(const at::Tensor& weight, bool gate_up) {
