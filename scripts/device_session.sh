@@ -55,7 +55,8 @@ case $phase in
     # does not work with) one process
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     xdist="-n ${TEST_WORKERS:-3}"
-    PYTHONPATH=/tmp/site python3 -m pytest -p no:cacheprovider -q $xdist --co tests/test_host_tasks.py > /dev/null 2>&1 \
+    mkdir -p /tmp/xd && echo "def test_x(): pass" > /tmp/xd/test_x.py
+    (cd /tmp/xd && PYTHONPATH=/tmp/site python3 -m pytest -p no:cacheprovider -q $xdist test_x.py > /dev/null 2>&1) \
       || { xdist=""; log "no xdist"; }
     OMP_NUM_THREADS=3 KT_NUM_THREADS=3 TESTS="$gpu" TESTS_ARGS="$xdist" TESTS_TIMEOUT=${TESTS_TIMEOUT:-380} \
       bash scripts/device_check.sh tests
