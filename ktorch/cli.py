@@ -93,8 +93,9 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
         "--compile",
         action="store_true",
         help="GPU only: decode with a static KV cache, the decode step compiled by torch.compile with the ktorch "
-        "backend under CUDA graphs (the fast path; the first tokens wait for the compile, a minute or more on a big "
-        "model) (default: eager decoding)",
+        "backend under CUDA graphs (the fast path; `generate` first runs a few untimed warm-up steps that compile the "
+        "step and capture its graph, a minute or more on a big model, so that the rates it prints are the compiled "
+        "step's; in `chat` the first turn waits for the compile) (default: eager decoding)",
     )
     m.add_argument(
         "--plain",
@@ -304,8 +305,15 @@ def _make_streamer(tokenizer, out=None):
     return TimedStreamer()
 
 
-def run_generation(model, tokenizer, input_ids, args: argparse.Namespace, out=None) -> tuple[list[int], str]:
-    """Generates from ``input_ids`` ([1, P]) streaming to ``out``; returns (new token ids, timing line)."""
+WARMUP_TOKENS = 4  # decode steps of the untimed warm-up under --compile (cudagraph trees record on the second)
+
+
+def run_generation(model, tokenizer, input_ids, args: argparse.Namespace, out=None,
+                   warmup: bool = False) -> tuple[list[int], str]:
+    """Generates from ``input_ids`` ([1, P]) streaming to ``out``; returns (new token ids, timing line).
+
+    ``warmup`` (with ``args.compile``): first an untimed generation of the same shapes stopped after
+    WARMUP_TOKENS, so that the compile and the CUDA graph capture are not in the decode rate."""
     import torch
 
     device = model.get_input_embeddings().weight.device
@@ -317,17 +325,29 @@ def run_generation(model, tokenizer, input_ids, args: argparse.Namespace, out=No
         kwargs["repetition_penalty"] = args.repetition_penalty
     if getattr(args, "compile", False):  # transformers compiles static-cache decoding with model.generation_config's
         kwargs["cache_implementation"] = "static"  # compile_config, which ktorch.prepare points at the ktorch backend
+    common = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=args.max_new_tokens,
+                  pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+                  **kwargs)
+    if warmup and getattr(args, "compile", False):
+        # The first decode steps compile the step and capture its CUDA graph (a minute or more on a big model):
+        # run them once, untimed, with the same cache size (same max_new_tokens, stopped after a few tokens), so
+        # that the rates printed are those of the compiled step.
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
+        class _After(StoppingCriteria):
+            def __call__(self, ids, scores, **kw):
+                return torch.full((ids.shape[0],), ids.shape[1] >= input_ids.shape[1] + WARMUP_TOKENS,
+                                  dtype=torch.bool, device=ids.device)
+
+        print("[ktorch] compiling the decode step (warm-up, not timed)...", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(stopping_criteria=StoppingCriteriaList([_After()]), **common)
+        print(f"[ktorch] warm-up: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        output = model.generate(
-            input_ids=input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            max_new_tokens=args.max_new_tokens,
-            streamer=streamer,
-            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
-            **kwargs,
-        )
+        output = model.generate(streamer=streamer, **common)
     t_end = time.perf_counter()
     new_ids = output[0, input_ids.shape[1]:].tolist()
     return new_ids, timing_line(input_ids.shape[1], len(new_ids), t0, streamer.t_first, t_end)
@@ -364,7 +384,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids
         print(args.prompt if not isinstance(tokenizer, TokenIdsTokenizer) else f"[token ids] {tokenizer.decode(input_ids[0]).strip()} ->",
               end="", flush=True)  # the completion continues the prompt on the same line
-    _, timing = run_generation(model, tokenizer, input_ids, args)
+    _, timing = run_generation(model, tokenizer, input_ids, args, warmup=True)
     print(timing, file=sys.stderr, flush=True)
     return 0
 

@@ -81,6 +81,24 @@ def test_generate_plain_matches_prepared_bf16(capsys):
     assert capsys.readouterr().out == prepared
 
 
+def test_compile_warmup_leaves_the_generation_unchanged(capsys):
+    """``generate --compile`` first runs an untimed warm-up stopped after WARMUP_TOKENS (the compile and the graph
+    capture stay out of the rates): the timed generation after it is the same greedy text. On the CPU
+    transformers does not compile, so this checks the warm-up's stopping and that it leaves no state behind."""
+    import ktorch
+    from ktorch.builtin import BUILTIN_PATH
+    from ktorch.cli import WARMUP_TOKENS, run_generation
+
+    model, tokenizer = ktorch.load(str(BUILTIN_PATH), device="cpu")[:2]
+    ids = tokenizer("Once upon a time", return_tensors="pt").input_ids
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--max-new-tokens", "9"])
+    want, _ = run_generation(model, tokenizer, ids, args, out=io.StringIO())
+    args.compile = True
+    got, timing = run_generation(model, tokenizer, ids, args, out=io.StringIO(), warmup=True)
+    assert got == want and len(got) > WARMUP_TOKENS and TIMING.search(timing)
+    assert "warm-up:" in capsys.readouterr().err
+
+
 def test_bad_model_path_is_a_clear_error(tmp_path):
     missing = tmp_path / "no-such-model"
     result = run_cli("generate", "--model", str(missing), "--prompt", "hi")
@@ -170,3 +188,4 @@ def test_generate_compiled_on_the_gpu():
                      "--compile", "--device", "cuda", timeout=600)
     assert result.returncode == 0, result.stderr
     assert TIMING.search(result.stderr) and result.stdout.strip()
+    assert "warm-up:" in result.stderr  # the compile and the graph capture are not in the decode rate

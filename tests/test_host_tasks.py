@@ -93,6 +93,8 @@ def test_bad_staging_is_an_error():
 
 def test_host_functions_switch(monkeypatch):
     monkeypatch.delenv("KT_HOST_FUNCTIONS", raising=False)
+    assert native_host_tasks()  # the default
+    monkeypatch.setenv("KT_HOST_FUNCTIONS", "python")
     assert not native_host_tasks()
     monkeypatch.setenv("KT_HOST_FUNCTIONS", "native")
     assert native_host_tasks()
