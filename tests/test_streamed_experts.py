@@ -217,8 +217,9 @@ def test_set_stream_experts_off_restores_the_plain_model():
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_cuda_streamed_prefill_matches_hf_eager_and_captures(family):
     """On the GPU: the streamed experts' packed bytes are page-locked; a 48-token bf16 prefill (eager) agrees with
-    HF eager; compiled with CUDA graphs (the copies captured as memcpy nodes) the logits equal the eager ones
-    within bf16 rounding, on two replays with different prompts."""
+    HF eager; compiled with CUDA graphs (the copies captured as memcpy nodes) the logits equal those of the same
+    graph compiled without CUDA graphs, on replays with different prompts. (Not against eager: Inductor's bf16
+    rounding can flip a router near-tie, seen on the device as one position of 48 off by 0.6.)"""
     torch._dynamo.reset()
     base = tiny_model(family, dtype=torch.bfloat16)
     model = ktorch.prepare(copy.deepcopy(base), device="cuda", experts_dtype="int8", stream_experts={32: 0.5})
@@ -227,14 +228,16 @@ def test_cuda_streamed_prefill_matches_hf_eager_and_captures(family):
         assert streamed.pinned_experts == 4 and all(t is None or t.is_pinned() for t in streamed.sources)
     ids = torch.randint(0, 256, (1, 48), device="cuda")
     assert_logits_match(base.to("cuda"), model, torch.bfloat16, ids)
-    compiled = torch.compile(model, backend="ktorch", mode="reduce-overhead", fullgraph=True)
+    prompts = [torch.randint(0, 256, (1, 48), device="cuda") for _ in range(3)]
     with torch.no_grad():
-        for _ in range(3):
-            ids = torch.randint(0, 256, (1, 48), device="cuda")
-            want = model(ids).logits.float()
+        no_graphs = torch.compile(model, backend="ktorch", fullgraph=True)
+        want = [no_graphs(ids).logits.float() for ids in prompts]
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="ktorch", mode="reduce-overhead", fullgraph=True)
+        for ids, w in zip(prompts, want):
             torch.compiler.cudagraph_mark_step_begin()
             got = compiled(ids).logits.float()
-            torch.testing.assert_close(got, want, rtol=0, atol=0.1)
+            torch.testing.assert_close(got, w, rtol=0, atol=1e-2)
 
 
 @needs_cuda

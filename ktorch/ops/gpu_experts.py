@@ -88,11 +88,13 @@ def _grouped_mm_forward(hidden, slots, topk_weights, w13, w2, act) -> torch.Tens
     order = torch.argsort(key, stable=True)
     counts = (key[:, None] == torch.arange(n, device=key.device)).sum(0)  # [n], shape-static (no bincount)
     offs = counts.cumsum(0).to(torch.int32)
-    token = order // K
-    rows = hidden[token]  # [T*K, H]
+    rows = hidden[order // K]  # [T*K, H]
     gate_up = torch._grouped_mm(rows, w13, offs=offs)  # [T*K, 2I]
     y = torch._grouped_mm(act(gate_up[:, :I]) * gate_up[:, I:], w2, offs=offs)  # [T*K, H]
-    here = key[order] < n
-    coef = torch.where(here, topk_weights.reshape(-1)[order], 0).to(y.dtype)
-    y = torch.where(here[:, None], y * coef[:, None], 0)  # rows beyond the last group hold garbage
-    return torch.zeros_like(hidden).index_add(0, token, y)
+    # Back to (token, slot) order and summed over the K slots in a fixed order: no atomic adds (index_add is
+    # one per row on a GPU, and its order, hence the bf16 rounding, varied between runs of the same graph).
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    y = y[inverse].view(T, K, -1)
+    here = (slots >= 0)[..., None]
+    y = torch.where(here, y * topk_weights[..., None].to(y.dtype), 0)  # rows past the last group hold garbage
+    return y.sum(1, dtype=torch.float32).to(hidden.dtype)
