@@ -78,6 +78,8 @@ case $phase in
       STEP_TIMEOUT=$(( $(left) - 10 )) bash scripts/device_check.sh vs_llamacpp
     save_prebuilt ;;
   gguf)
+    # a detached llama.cpp build still running takes 6 cores: load times and tokens/s would not be results
+    [ -e $LCPP_BUILD/build.running ] && log "WARNING: the llama.cpp build is still running; timings are not results"
     unpack_ktorch
     cd /tmp/src || exit 1
     GGUF_TIMEOUT=$(( $(left) - 150 )) STEP_TIMEOUT=$(( $(left) - 10 )) bash scripts/device_check.sh gguf
