@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
 # One device session as a chain of back-to-back calls on the same warm machine (a machine is given back 30 s
 # after a call, so the next call must follow at once; its /tmp survives, and so does a detached llama.cpp build).
-# Run from the device's repo root (the working tree copy), with carry [".whl", ".device-out"]:
-#   bash scripts/device_session.sh tests       # 1: start the llama.cpp build (detached, LCPP_JOBS=6), build
-#                                               #    ktorch, the GPU/compile tests (xdist), then wait for llama.cpp
-#   bash scripts/device_session.sh vs          # 2: ktorch vs llama.cpp, 12 layers, VS_TYPES (default Q8_0)
-#   bash scripts/device_session.sh gguf        # 3: issue 6's 48-layer Q4_K GGUF: load time, peak RSS, tok/s
-# Every phase unpacks .device-out/src.tar (scripts/make_device_snapshot.sh) into /tmp/src and runs there; the
-# ktorch extension built in phase 1 is kept in /tmp/prebuilt (and returned in $OUT) so later phases install it
-# in seconds. The llama.cpp source is carried once, in phase 1, as .device-out/llama_cpp.tar (see
-# scripts/device_step_llamacpp_build.sh); the built binaries are returned in $OUT as lcpp_bin.tgz.* chunks, and
-# a cold machine takes them back from .device-out/lcpp/ (copy the chunks there) instead of building again.
+# Run from the device's repo root (the working tree copy), with carry [".whl", ".device-out"] (.device-out holds
+# src.tar from scripts/make_device_snapshot.sh, and optionally prebuilt/, llama_cpp.tar, lcpp/):
+#   bash scripts/device_session.sh tests    # build ktorch; the test files TEST_FILES (default: all) under xdist
+#                                           # (TEST_WORKERS=4 processes of 3 threads); LCPP_JOBS=n > 0 also starts
+#                                           # the llama.cpp build, detached, on the cores left (default 0: none)
+#   bash scripts/device_session.sh kernels  # issue 2's AVX-512 table with the eager loop beside it (idle machine)
+#   bash scripts/device_session.sh vs       # 2: ktorch vs llama.cpp, 12 layers, VS_TYPES (default Q8_0)
+#   bash scripts/device_session.sh gguf     # issue 6's 48-layer Q4_K GGUF: load time, peak RSS, tok/s
+#   bash scripts/device_session.sh e2e      # issue 5: deferral d = DEFERRED and hot experts, Qwen3 shape
+# Every phase unpacks .device-out/src.tar into /tmp/src and runs there; the ktorch extension built in the first
+# phase is kept in /tmp/prebuilt (and returned in $OUT: copy _C*.so and prebuilt.id to .device-out/prebuilt/ to
+# skip the build on a later fresh machine) so later phases install it in seconds. The llama.cpp source travels
+# as .device-out/llama_cpp.tar (tar czf .device-out/llama_cpp.tar -C .peers/llama_cpp .); the built binaries
+# come back in $OUT as lcpp_bin.tgz.* chunks, and a fresh machine takes them from .device-out/lcpp/ (copy the
+# chunks there) instead of building again. Measuring phases warn while a build is running (its cores are taken).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -38,37 +43,60 @@ save_prebuilt() {
   rm -f "$OUT/build.log"  # (device_check.sh prints its end when a build fails)
 }
 
-phase=${1:?phase: tests, vs or gguf}
+start_llamacpp() {  # LCPP_JOBS > 0: the detached build (device_step_llamacpp_build.sh) on that many cores
+  restore_llamacpp
+  if [ "${LCPP_JOBS:-0}" -gt 0 ] && [ ! -x $LCPP_BUILD/bin/llama-bench ] && [ -f .device-out/llama_cpp.tar ]; then
+    log "llama.cpp build, detached, $LCPP_JOBS jobs"
+    mkdir -p $LCPP_SRC && tar xf .device-out/llama_cpp.tar -C $LCPP_SRC
+    LCPP_WAIT_S=0 bash scripts/device_step_llamacpp_build.sh
+  fi
+}
+
+return_llamacpp() {  # the built binaries back to this machine in $OUT (at most 8 files come back in all)
+  if [ -x $LCPP_BUILD/bin/llama-bench ] && [ ! -e $LCPP_BUILD/build.running ]; then
+    tar czf - -C $LCPP_BUILD bin | split -b 15M - "$OUT/lcpp_bin.tgz."
+    ls -l "$OUT"/lcpp_bin.tgz.*
+  fi
+}
+
+busy_warning() {
+  [ -e $LCPP_BUILD/build.running ] && log "WARNING: the llama.cpp build is still running; timings are not results"
+}
+
+phase=${1:?phase: tests, kernels, vs, gguf or e2e}
 case $phase in
   tests)
-    log "llama.cpp build, detached"
-    restore_llamacpp
-    if [ ! -x $LCPP_BUILD/bin/llama-bench ] && [ -f .device-out/llama_cpp.tar ]; then
-      mkdir -p $LCPP_SRC && tar xf .device-out/llama_cpp.tar -C $LCPP_SRC
-      LCPP_JOBS=${LCPP_JOBS:-6} LCPP_WAIT_S=0 bash scripts/device_step_llamacpp_build.sh
-    fi
+    start_llamacpp
     unpack_ktorch
     cd /tmp/src || exit 1
-    gpu="tests/test_compile_backend.py tests/test_compile_deferral.py tests/test_gpu_experts.py tests/test_host_tasks.py
-         tests/test_integrations_transformers.py tests/test_streamed_experts.py tests/test_cli.py"
-    # three xdist workers of 3 threads each (the llama.cpp build has 6 cores); without xdist (or with a pytest it
-    # does not work with) one process
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    xdist="-n ${TEST_WORKERS:-3}"
+    xdist="-n ${TEST_WORKERS:-4}"
     mkdir -p /tmp/xd && echo "def test_x(): pass" > /tmp/xd/test_x.py
     (cd /tmp/xd && PYTHONPATH=/tmp/site python3 -m pytest -p no:cacheprovider -q $xdist test_x.py > /dev/null 2>&1) \
-      || { xdist=""; log "no xdist"; }
-    OMP_NUM_THREADS=3 KT_NUM_THREADS=3 TESTS="$gpu" TESTS_ARGS="$xdist" TESTS_TIMEOUT=${TESTS_TIMEOUT:-380} \
-      bash scripts/device_check.sh tests
+      || { xdist=""; log "no xdist: one process"; }
+    OMP_NUM_THREADS=${TEST_THREADS:-3} KT_NUM_THREADS=${TEST_THREADS:-3} TESTS="${TEST_FILES:-tests}" TESTS_ARGS="$xdist" \
+      TESTS_TIMEOUT=${TESTS_TIMEOUT:-$(( $(left) - 80 ))} bash scripts/device_check.sh tests
     save_prebuilt
     cd "$REPO" || exit 1
-    log "waiting for llama.cpp"
-    LCPP_WAIT_S=$(( $(left) - 25 )) bash /tmp/src/scripts/device_step_llamacpp_build.sh
-    if [ -x $LCPP_BUILD/bin/llama-bench ]; then
-      du -sh $LCPP_BUILD/bin
-      tar czf - -C $LCPP_BUILD bin | split -b 15M - "$OUT/lcpp_bin.tgz."
-      ls -l "$OUT"/lcpp_bin.tgz.*
-    fi ;;
+    if [ -e $LCPP_BUILD/build.running ]; then
+      log "waiting for llama.cpp"
+      LCPP_WAIT_S=$(( $(left) - 25 )) bash /tmp/src/scripts/device_step_llamacpp_build.sh
+    fi
+    return_llamacpp ;;
+  kernels)
+    busy_warning
+    unpack_ktorch
+    cd /tmp/src || exit 1
+    KERNELS_OVERHEAD=${KERNELS_OVERHEAD:-0} KERNELS_AVX_TIMEOUT=${KERNELS_AVX_TIMEOUT:-$(( $(left) - 60 ))} \
+      KERNELS_KT_TIMEOUT=${KERNELS_KT_TIMEOUT:-1} STEP_TIMEOUT=$(( $(left) - 10 )) bash scripts/device_check.sh kernels
+    save_prebuilt ;;
+  e2e)
+    busy_warning
+    unpack_ktorch
+    cd /tmp/src || exit 1
+    DEFERRED=${DEFERRED:-0,2} GPU_EXPERTS=${GPU_EXPERTS:-0.25} DEFER_TIMEOUT=${DEFER_TIMEOUT:-$(( $(left) - 90 ))} \
+      E2E_TIMEOUT=${E2E_TIMEOUT:-1} STEP_TIMEOUT=$(( $(left) - 10 )) bash scripts/device_check.sh e2e
+    save_prebuilt ;;
   vs)
     restore_llamacpp
     LCPP_WAIT_S=${LCPP_WAIT_S:-150} bash scripts/device_step_llamacpp_build.sh
@@ -78,8 +106,7 @@ case $phase in
       STEP_TIMEOUT=$(( $(left) - 10 )) bash scripts/device_check.sh vs_llamacpp
     save_prebuilt ;;
   gguf)
-    # a detached llama.cpp build still running takes 6 cores: load times and tokens/s would not be results
-    [ -e $LCPP_BUILD/build.running ] && log "WARNING: the llama.cpp build is still running; timings are not results"
+    busy_warning
     unpack_ktorch
     cd /tmp/src || exit 1
     GGUF_TIMEOUT=$(( $(left) - 150 )) STEP_TIMEOUT=$(( $(left) - 10 )) bash scripts/device_check.sh gguf
