@@ -45,7 +45,7 @@ def test_dequantize_packed_is_kt_unpack_transposed(fmt, group_size, E, H, I):
         w13 = dequantize_packed(packed.w13, packed.w13_scales, True, dtype)
         w2 = dequantize_packed(packed.w2, packed.w2_scales, False, dtype)
         assert w13.shape == (E, H, 2 * I) and w2.shape == (E, I, H) and w13.dtype == w2.dtype == dtype
-        assert w13.is_contiguous() and w2.is_contiguous()
+        assert w13.transpose(1, 2).is_contiguous() and w2.transpose(1, 2).is_contiguous()  # column-major, K inner
         if dtype == torch.float32:
             assert torch.equal(w13, want_gu.transpose(1, 2)) and torch.equal(w2, want_down.transpose(1, 2))
         else:

@@ -40,39 +40,51 @@ def dequantize_packed(packed: torch.Tensor, scales: Optional[torch.Tensor], gate
     [n, G, N] (None for bf16). With ``gate_up`` the N = 2I columns come back in the original order (gate then up),
     undoing the packing's 32-row interleave. [n, K, N] is what ``torch._grouped_mm`` and ``gpu_experts_forward``
     take (w13 [n, H, 2I], w2 [n, I, H]). Equals ``kt.unpack(packed, scales, gate_up).transpose(1, 2)`` up to the
-    rounding to ``dtype``; plain torch ops, so it runs where the tensors are (two passes over the weights)."""
+    rounding to ``dtype``; plain torch ops, so it runs where the tensors are.
+
+    The result is the transposed view of an [n, N, K] buffer (column-major [n, K, N], as transformers hands
+    its expert weights to ``torch._grouped_mm``): every pass reads and writes along K, which is contiguous in
+    the packed blocks too, so on a GPU the writes coalesce (a row-major [n, K, N] result made the last pass write
+    one element per N-strided address). One elementwise pass over the weights reads the packed blocks in place,
+    applies the scales and writes ``dtype`` (int4: two more split the nibbles first)."""
     if packed.dim() != 5 or packed.shape[3] != 16:
         raise ValueError(f"dequantize_packed: packed must be [n, N/16, K/per, 16, per], got {tuple(packed.shape)}")
     n, N = packed.shape[0], packed.shape[1] * 16
+    blocks = packed.permute(0, 1, 3, 2, 4)  # [n, N/16, 16, K/per, per]: rows in packed order, K along each row
     if packed.dtype == torch.uint8:  # int4: low nibbles are k 8o..8o+3, high nibbles 8o+4..8o+7, stored + 8
         K = packed.shape[2] * 8
-        nibbles = torch.stack([packed & 0xF, packed >> 4], dim=3)  # [n, N/16, K/8, 2, 16, 4]
-        q = nibbles.permute(0, 1, 4, 2, 3, 5).reshape(n, N, K).to(torch.int8) - 8
-    else:
+        q = torch.empty(*blocks.shape[:4], 2, 4, dtype=torch.uint8, device=packed.device)  # [.., K/8, 2, 4]
+        torch.bitwise_and(blocks, 0xF, out=q[..., 0, :])
+        torch.bitwise_right_shift(blocks, 4, out=q[..., 1, :])
+        offset = -8.0
+    else:  # bf16, int8: read in place, as [n, N/16, 16, K/per, per] blocks (rows in packed order)
         per = packed.shape[4]
         K = packed.shape[2] * per
-        q = packed.permute(0, 1, 3, 2, 4).reshape(n, N, K)  # rows in packed order
-    out = torch.empty(n, K, N, dtype=dtype, device=packed.device)
-    # out seen as [n, rows, K] with the rows in packed order, so that one elementwise pass writes it transposed
-    if gate_up:
-        rows_view = out.view(n, K, 2, N // 64, 32).permute(0, 3, 2, 4, 1)  # [n, N/64, 2, 32, K]
-        q = q.view(n, N // 64, 2, 32, K)
-    else:
-        rows_view = out.transpose(1, 2)  # [n, N, K]
+        q, offset = blocks, 0.0
+    out = torch.empty(n, N, K, dtype=dtype, device=packed.device)
+    # out's rows seen in q's shape with the rows in packed order, so that one elementwise pass writes them where
+    # they belong: [n, N/16, 16, K/per, per]; gate/up rows 64b + 32h + 16c + r go to row h*N/2 + 32b + 16c + r
+    inner = q.shape[3:]  # (K/per, per), or (K/8, 2, 4) for int4
+    rows = out.view(n, 2, N // 64, 2, 16, *inner).transpose(1, 2) if gate_up else out.view(n, N // 16, 16, *inner)
+    q = q.view(rows.shape)  # [n, N/64, 2, 2, 16, ...] or [n, N/16, 16, ...]
     if scales is None:
         if packed.dtype != torch.bfloat16:
             raise ValueError(f"dequantize_packed: {packed.dtype} packed weights need their scales")
-        rows_view.copy_(q)
-        return out
+        rows.copy_(q)
+        return out.transpose(1, 2)
     G = scales.shape[1]
-    if scales.shape != (n, G, N) or K % G:
-        raise ValueError(f"dequantize_packed: scales must be [n={n}, G, N={N}] with G dividing K={K}, "
-                         f"got {tuple(scales.shape)}")
-    s = scales.transpose(1, 2)  # [n, N, G], rows in packed order
-    lead = (n, N // 64, 2, 32) if gate_up else (n, N)
-    q_groups = q.reshape(*lead, G, K // G)
-    torch.mul(q_groups, s.reshape(*lead, G, 1), out=rows_view.unflatten(-1, (G, K // G)))
-    return out
+    if scales.shape != (n, G, N) or K % G or (K // G) % (8 if packed.dtype == torch.uint8 else per):
+        raise ValueError(f"dequantize_packed: scales must be [n={n}, G, N={N}] with G dividing K={K} into "
+                         f"whole blocks, got {tuple(scales.shape)}")
+    lead = rows.shape[:-len(inner)]
+    s = scales.transpose(1, 2).reshape(*lead, G, *(1,) * len(inner))  # rows in packed order
+    q_groups = q.unflatten(len(lead), (G, -1))  # K/per (K/8 for int4) split into G groups: a view
+    target = rows.unflatten(len(lead), (G, -1))
+    if offset:
+        torch.addcmul(s * offset, q_groups, s, out=target)  # (q - 8) * s in one pass (an FMA: exact on the CPU)
+    else:
+        torch.mul(q_groups, s, out=target)
+    return out.transpose(1, 2)
 
 
 # ---------------------------------------------------------------- which experts stream, by prompt length
