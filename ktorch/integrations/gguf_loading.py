@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from ktorch.integrations.checkpoint_loading import CheckpointError, CheckpointSource, _layer_index
-from ktorch.ops.moe import PackedExperts, pack_experts, pack_int4_from_quantized
+from ktorch.ops.moe import GGUF_NATIVE_BLOCK_SIZES, PackedExperts, pack_experts, pack_int4_from_quantized
 
 ARCHITECTURES = ("qwen3moe", "qwen2moe", "deepseek2", "llama")
 _EXPERT_PROJS = ("gate", "up", "down")
@@ -62,9 +62,6 @@ def _from_file(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array)
 
 
-_NATIVE_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
-
-
 def decoded_shape(shape: tuple, qtype) -> tuple:
     """The value shape of a quantized GGUF tensor whose bytes (numpy order, rows as bytes) have ``shape``."""
     block_size, type_size = _gguf().GGML_QUANT_SIZES[qtype]
@@ -90,7 +87,7 @@ def dequantize(data: np.ndarray, qtype, out: Optional[torch.Tensor] = None) -> t
         return _from_file(np.ascontiguousarray(data).view(np.int16)).view(torch.bfloat16)
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
     shape = decoded_shape(data.shape, qtype)
-    if qtype.name in _NATIVE_TYPES:  # ktorch's own decoder (csrc/formats/gguf.cpp): bit-identical, one parallel pass
+    if qtype.name in GGUF_NATIVE_BLOCK_SIZES:  # ktorch's own decoder (csrc/formats/gguf.cpp): bit-identical, one parallel pass
         blocks = _from_file(np.ascontiguousarray(data).reshape(-1, type_size))
         if out is None:
             return torch.ops.kt.gguf_dequantize(blocks, qtype.name).reshape(shape)
@@ -399,7 +396,7 @@ class GGUFSource(CheckpointSource):
         """A float32 buffer for ``experts`` experts of ``t`` decoded, reused from chunk to chunk and layer to layer
         (a fresh quarter-gigabyte tensor per chunk spent more time in page faults than in decoding); None for
         the types ``dequantize`` does not decode natively."""
-        if t.tensor_type.name not in _NATIVE_TYPES:
+        if t.tensor_type.name not in GGUF_NATIVE_BLOCK_SIZES:
             return None
         numel = math.prod(decoded_shape((experts, *t.data.shape[1:]), t.tensor_type))
         buf = self._buffers.get(proj)

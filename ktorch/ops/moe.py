@@ -260,12 +260,13 @@ def _pack_int4_fake(weight, group_size=128, gate_up=False):
     )
 
 
-_GGUF_BLOCK_SIZES = {"Q8_0": 32, "Q4_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
+# The GGUF types kt.gguf_dequantize decodes (csrc/formats/gguf.cpp) and their values per block.
+GGUF_NATIVE_BLOCK_SIZES = {"Q8_0": 32, "Q4_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
 
 
 @torch.library.register_fake("kt::gguf_dequantize")
 def _gguf_dequantize_fake(blocks, qtype):
-    return blocks.new_empty((blocks.shape[0], _GGUF_BLOCK_SIZES[qtype]), dtype=torch.float32)
+    return blocks.new_empty((blocks.shape[0], GGUF_NATIVE_BLOCK_SIZES[qtype]), dtype=torch.float32)
 
 
 @torch.library.register_fake("kt::gguf_dequantize_into")
