@@ -374,10 +374,16 @@ def _describe(model, args: argparse.Namespace, device, load_s: float) -> str:
 # ---------------------------------------------------------------- commands
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
+def _load_and_describe(args: argparse.Namespace):
+    """load_model, then the one-line description of what was loaded and how long it took (stderr)."""
     t0 = time.perf_counter()
     model, tokenizer, device = load_model(args)
     print(_describe(model, args, device, time.perf_counter() - t0), file=sys.stderr, flush=True)
+    return model, tokenizer
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    model, tokenizer = _load_and_describe(args)
     if args.chat_template:
         input_ids = _chat_input_ids(tokenizer, [{"role": "user", "content": args.prompt}])
     else:
@@ -398,9 +404,7 @@ def _chat_input_ids(tokenizer, messages: list[dict[str, str]]):
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    t0 = time.perf_counter()
-    model, tokenizer, device = load_model(args)
-    print(_describe(model, args, device, time.perf_counter() - t0), file=sys.stderr, flush=True)
+    model, tokenizer = _load_and_describe(args)
     _chat_input_ids(tokenizer, [{"role": "user", "content": "probe"}])  # fail now, not after the first message
     print("Type a message and press Enter; /reset clears the history, /exit or Ctrl-D quits.", file=sys.stderr)
     start = [{"role": "system", "content": args.system}] if args.system else []
