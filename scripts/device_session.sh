@@ -7,7 +7,7 @@
 #                                           # (TEST_WORKERS=4 processes of 3 threads); LCPP_JOBS=n > 0 also starts
 #                                           # the llama.cpp build, detached, on the cores left (default 0: none)
 #   bash scripts/device_session.sh kernels  # issue 2's AVX-512 table with the eager loop beside it (idle machine)
-#   bash scripts/device_session.sh vs       # 2: ktorch vs llama.cpp, 12 layers, VS_TYPES (default Q8_0)
+#   bash scripts/device_session.sh vs       # ktorch vs llama.cpp, 12 layers, VS_TYPES (default Q8_0)
 #   bash scripts/device_session.sh gguf     # issue 6's 48-layer Q4_K GGUF: load time, peak RSS, tok/s
 #   bash scripts/device_session.sh e2e      # issue 5: deferral d = DEFERRED and hot experts, Qwen3 shape
 # Every phase unpacks .device-out/src.tar into /tmp/src and runs there; the ktorch extension built in the first

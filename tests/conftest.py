@@ -70,7 +70,8 @@ def pytest_runtest_logreport(report):
     """With KT_FAILURES_LOG=<file>, each failure's report (seed included) is appended there as it happens, so a run
     cut off by a time limit (the device's calls are) still leaves the tracebacks of what failed before the cut."""
     path = os.environ.get("KT_FAILURES_LOG")
-    if path and report.failed:
+    # under pytest-xdist the controller sees each worker's report again (report.node): the worker wrote it already
+    if path and report.failed and getattr(report, "node", None) is None:
         seed = "".join(f"\n{content}" for name, content in report.sections if name == "seed")
         with open(path, "a") as f:
             f.write(f"==== {report.nodeid} ({report.when}){seed}\n{report.longreprtext}\n\n")
