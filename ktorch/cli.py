@@ -1,10 +1,11 @@
-"""The ``ktorch`` command: generate text, chat, and benchmark the CPU experts op.
+"""The ``ktorch`` command: generate text, chat, and run the benchmarks (the CPU experts op, end to end, ...).
 
     ktorch generate --model builtin --prompt "The meaning of life is"
     ktorch generate --model /path/to/Qwen3-30B-A3B --prompt "..." --experts-dtype int8 --max-new-tokens 128
     ktorch generate --model /path/to/Qwen3-30B-A3B-Q4_K_M.gguf --prompt "..."
     ktorch chat --model builtin
     ktorch bench -- --shapes qwen3 --tokens 1 512
+    ktorch bench e2e -- --shape qwen3-30b-a3b --variants cuda_graphs --prompts 512
 
 A model is a transformers checkpoint folder (config.json, safetensors, tokenizer files), a llama.cpp GGUF file,
 or ``builtin``, the small MoE model shipped in ktorch/builtin. Unless ``--plain`` is given, ``ktorch.load`` builds
@@ -25,6 +26,16 @@ from pathlib import Path
 from typing import Optional
 
 EXPERTS_DTYPES = ("auto", "bf16", "int8", "int4")
+# ktorch bench NAME: the script under benchmarks/ and what it measures
+BENCHMARKS = {
+    "op": ("bench_fused_moe.py", "one MoE layer's routed experts on the CPU, per dtype, against the eager loop"),
+    "e2e": ("bench_e2e.py", "prefill and decode tokens/s of a whole random-weight model, ktorch variants against "
+            "transformers + accelerate offload"),
+    "deferral": ("bench_deferral.py", "expert deferral and hot experts: quality on the built-in model, decode speed"),
+    "overhead": ("bench_overhead.py", "the fixed cost of one kt.fused_moe call"),
+    "vs-kt-kernel": ("bench_vs_kt_kernel.py", "the op against KTransformers' kt-kernel on the same layers"),
+    "vs-llamacpp": ("bench_vs_llamacpp.py", "end to end against llama.cpp on the same GGUF weights"),
+}
 DTYPES = {"auto": None, "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
@@ -153,11 +164,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser(
         "bench",
-        help="time one MoE layer's routed experts on the CPU (benchmarks/bench_fused_moe.py)",
-        description="Runs benchmarks/bench_fused_moe.py from the source checkout with the arguments after '--', "
-        "e.g. 'ktorch bench -- --shapes qwen3 --tokens 1 512'. 'ktorch bench -- --help' lists them.",
+        help="run one of the benchmarks: the CPU experts op (default), end to end, deferral, the peers",
+        description="Runs a benchmark script of the source checkout's benchmarks/ with the arguments after '--': "
+        "'ktorch bench [NAME] -- ARGS', NAME one of "
+        + ", ".join(f"{name} ({script}: {what})" for name, (script, what) in BENCHMARKS.items())
+        + ". NAME defaults to op. 'ktorch bench NAME -- --help' lists a benchmark's own options. Examples: "
+        "'ktorch bench -- --shapes qwen3 --tokens 1 512'; "
+        "'ktorch bench e2e -- --shape qwen3-30b-a3b --variants cuda_graphs --prompts 512'.",
     )
-    bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for bench_fused_moe.py (after --)")
+    bench.add_argument("args", nargs=argparse.REMAINDER,
+                       help="[NAME] then the benchmark's own arguments after -- (NAME: " + ", ".join(BENCHMARKS) + ")")
     return parser
 
 
@@ -431,12 +447,18 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_fused_moe.py"
-    rest = args.args[1:] if args.args[:1] == ["--"] else args.args
+    rest = list(args.args)
+    name = rest.pop(0) if rest[:1] and rest[0] in BENCHMARKS else "op"
+    if rest[:1] == ["--"]:
+        rest = rest[1:]
+    elif rest and not rest[0].startswith("-"):
+        raise CLIError(f"unknown benchmark {rest[0]!r}: choose one of {', '.join(BENCHMARKS)} "
+                       "(then -- and its arguments)")
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / BENCHMARKS[name][0]
     if not script.is_file():
-        raise CLIError("benchmarks/bench_fused_moe.py is not next to this installation (ktorch bench needs the source "
+        raise CLIError(f"benchmarks/{script.name} is not next to this installation (ktorch bench needs the source "
                        "checkout, installed with pip install -e .); from a checkout run: "
-                       "python benchmarks/bench_fused_moe.py --help")
+                       f"python benchmarks/{script.name} --help")
     return subprocess.call([sys.executable, str(script), *rest], env=os.environ.copy())
 
 

@@ -161,6 +161,30 @@ def test_bench_passes_arguments_through():
     assert "--shapes" in result.stdout
 
 
+@pytest.mark.parametrize("name, option", [("op", "--shapes"), ("e2e", "--variants"), ("deferral", "--deferred"),
+                                          ("overhead", "--calls"), ("vs-llamacpp", "--llama-reps"),
+                                          ("vs-kt-kernel", "--kt-threads")])
+def test_bench_names_pick_the_script(name, option):
+    result = run_cli("bench", name, "--", "--help", timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert option in result.stdout
+
+
+def test_bench_e2e_runs_end_to_end_on_a_tiny_model():
+    result = run_cli("bench", "e2e", "--", "--shape", "tiny", "--variants", "eager", "--prompts", "16",
+                     "--decode-tokens", "4", "--repeats", "1", timeout=300)
+    assert result.returncode == 0, result.stderr
+    row = re.search(r"^\| eager \| none \| ([0-9.]+) \| ([0-9.]+) \|", result.stdout, re.M)
+    assert row is not None, result.stdout
+    assert float(row.group(1)) > 0 and float(row.group(2)) > 0
+
+
+def test_bench_unknown_name_is_an_error():
+    result = run_cli("bench", "nosuch", "--", "--help", timeout=60)
+    assert result.returncode != 0
+    assert "unknown benchmark 'nosuch'" in result.stderr and "e2e" in result.stderr
+
+
 def test_generate_gguf_without_tokenizer_runs_on_token_ids(tmp_path):
     """A benchmark GGUF (tokenizer.ggml.model = "none") generates from the prompt's bytes as ids."""
     from ktorch.integrations.gguf_writer import write_random_qwen3moe_gguf
