@@ -10,6 +10,7 @@
 #   bash scripts/device_session.sh vs       # ktorch vs llama.cpp, 12 layers, VS_TYPES (default Q8_0)
 #   bash scripts/device_session.sh gguf     # issue 6's 48-layer Q4_K GGUF: load time, peak RSS, tok/s
 #   bash scripts/device_session.sh e2e      # issue 5: deferral d = DEFERRED and hot experts, Qwen3 shape
+#   bash scripts/device_session.sh step S   # any device_check.sh step S (hostab, amxwalks, ...) on the idle machine
 # Every phase unpacks .device-out/src.tar into /tmp/src and runs there; the ktorch extension built in the first
 # phase is kept in /tmp/prebuilt (and returned in $OUT: copy _C*.so and prebuilt.id to .device-out/prebuilt/ to
 # skip the build on a later fresh machine) so later phases install it in seconds. The llama.cpp source travels
@@ -63,7 +64,7 @@ busy_warning() {
   [ -e $LCPP_BUILD/build.running ] && log "WARNING: the llama.cpp build is still running; timings are not results"
 }
 
-phase=${1:?phase: tests, kernels, vs, gguf or e2e}
+phase=${1:?phase: tests, kernels, vs, gguf, e2e or step}
 case $phase in
   tests)
     start_llamacpp
@@ -110,6 +111,12 @@ case $phase in
     unpack_ktorch
     cd /tmp/src || exit 1
     GGUF_TIMEOUT=$(( $(left) - 150 )) STEP_TIMEOUT=$(( $(left) - 10 )) bash scripts/device_check.sh gguf
+    save_prebuilt ;;
+  step)
+    busy_warning
+    unpack_ktorch
+    cd /tmp/src || exit 1
+    STEP_TIMEOUT=$(( $(left) - 10 )) bash scripts/device_check.sh "${2:?step: which device_check.sh step}"
     save_prebuilt ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac

@@ -3,12 +3,18 @@
 # thread's CUDA wait block (ktorch's default) / keep (CUDA's spin). Each row reports decode tok/s, the experts'
 # own time per step without a profiler (cpu_experts_ms_per_step) and the same ops run back to back outside the
 # model (standalone_experts_ms_per_step): their gap is what running inside the step costs the op.
+# HOSTAB_START="hostfn doorbell" also compares how native calls start (KT_HOST_START; python ignores it);
+# HOSTAB_TOKENS decode steps per row (default 64).
 cd benchmarks
 for hf in ${HOSTAB_HF:-native python}; do
   for sync in ${HOSTAB_SYNC:-block keep}; do
-    echo "== KT_HOST_FUNCTIONS=$hf KT_CUDA_SYNC=$sync"
-    KT_HOST_FUNCTIONS=$hf KT_CUDA_SYNC=$sync timeout ${HOSTAB_TIMEOUT:-140} python3 bench_e2e.py --shape qwen3-30b-a3b \
-        --layers ${HOSTAB_LAYERS:-12} --variants cuda_graphs --prompts 64 --decode-context 64 --decode-tokens 64 \
-        --repeats 1 --op-check --json "$OUT/hostab.jsonl" 2>&1 | grep -E "^\|"
+    for start in ${HOSTAB_START:-hostfn}; do
+      [ "$hf" = python ] && [ "$start" != hostfn ] && continue
+      echo "== KT_HOST_FUNCTIONS=$hf KT_CUDA_SYNC=$sync KT_HOST_START=$start"
+      KT_HOST_FUNCTIONS=$hf KT_CUDA_SYNC=$sync KT_HOST_START=$start timeout ${HOSTAB_TIMEOUT:-140} python3 bench_e2e.py \
+          --shape ${HOSTAB_SHAPE:-qwen3-30b-a3b} --layers ${HOSTAB_LAYERS:-12} --variants cuda_graphs --prompts 64 \
+          --decode-context 64 --decode-tokens ${HOSTAB_TOKENS:-64} --repeats 1 --op-check --json "$OUT/hostab.jsonl" 2>&1 \
+          | grep -E "^\|"
+    done
   done
 done

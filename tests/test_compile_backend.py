@@ -255,10 +255,12 @@ def test_cuda_graph_decode_step_costs_no_host_wait():
 @needs_cuda
 def test_cuda_graph_native_host_functions_match_python(monkeypatch):
     """KT_HOST_FUNCTIONS=native (C host functions, no GIL) computes what the Python host functions compute:
-    teacher-forced decode steps under CUDA graphs, same model, same tokens."""
+    teacher-forced decode steps under CUDA graphs, same model, same tokens; and so do native ones started by the
+    GPU's doorbell writes (KT_HOST_START=doorbell)."""
     logits = {}
-    for mode in ("python", "native"):
-        monkeypatch.setenv("KT_HOST_FUNCTIONS", mode)
+    for mode in ("python", "native", "doorbell"):
+        monkeypatch.setenv("KT_HOST_FUNCTIONS", "python" if mode == "python" else "native")
+        monkeypatch.setenv("KT_HOST_START", "doorbell" if mode == "doorbell" else "hostfn")
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = ktorch.prepare(tiny_model("deepseek_v3", dtype=torch.bfloat16), device="cuda")
@@ -270,10 +272,16 @@ def test_cuda_graph_native_host_functions_match_python(monkeypatch):
         with torch.no_grad():  # the first steps warm up and capture; all are compared
             logits[mode] = teacher_forced_decode(step, kwargs, tokens, cuda_graphs=True).cpu()
             torch.cuda.synchronize()
-        assert (len(RUNTIME._native_tasks) > native_before) == (mode == "native")
+        made = RUNTIME._native_tasks[native_before:]
+        assert bool(made) == (mode != "python")
+        # doorbell tasks, each rung by the replays (the counter's numbers), and none without one
+        assert all((task.doorbell is not None) == (mode == "doorbell") for task in made)
+        if mode == "doorbell":
+            assert all(int(task.doorbell) > 0 for task in made)
         assert RUNTIME.stats["captured_submits"] > 0
-    assert torch.isfinite(logits["native"]).all()
-    torch.testing.assert_close(logits["native"], logits["python"], atol=2e-2, rtol=2e-2)
+    for mode in ("native", "doorbell"):
+        assert torch.isfinite(logits[mode]).all()
+        torch.testing.assert_close(logits[mode], logits["python"], atol=2e-2, rtol=2e-2)
 
 
 def test_mutated_inputs_are_marked_static_for_cuda_graphs():

@@ -172,11 +172,15 @@ def test_options_validate_n_deferred_experts():
 
 @needs_cuda
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["no_graphs", "cuda_graphs"])
-def test_cuda_compiled_deferral_decode_matches_eager_deferral(family, cuda_graphs):
+@pytest.mark.parametrize("cuda_graphs,start", [(False, "hostfn"), (True, "hostfn"), (True, "doorbell")],
+                         ids=["no_graphs", "cuda_graphs", "cuda_graphs-doorbell"])
+def test_cuda_compiled_deferral_decode_matches_eager_deferral(family, cuda_graphs, start, monkeypatch):
     """fp32 activations on the GPU: 12 teacher-forced decode steps compiled with n_deferred_experts=1 (Inductor/
     Triton, CUDA graphs or not) against the same steps run eagerly with deferred_experts=1 (runtime submit/wait,
-    deferred wait at the next layer): logits within 1e-2; under CUDA graphs the replays submit nothing from Python."""
+    deferred wait at the next layer): logits within 1e-2; under CUDA graphs the replays submit nothing from Python.
+    With KT_HOST_START=doorbell two calls a layer are posted back to back (the layer's and the deferred ones):
+    the worker runs them in the order posted."""
+    monkeypatch.setenv("KT_HOST_START", start)
     torch._dynamo.reset()
     model = ktorch.prepare(tiny_model(family), device="cuda", deferred_experts=1)
     n_moe = len(moe_experts_modules(model))

@@ -5,7 +5,9 @@ the CPU, against kt.fused_moe."""
 from __future__ import annotations
 
 import ctypes
+import itertools
 import threading
+import time
 import types
 
 import pytest
@@ -153,3 +155,101 @@ def test_prepare_makes_the_launching_thread_sleep_in_cuda_waits():
     assert set_context_sync("block") and context_sync() == "block"
     with pytest.raises(ValueError, match="auto"):
         set_context_sync("sleepy")
+
+
+# ---------------------------------------------------------------- doorbells (KT_HOST_START=doorbell)
+# The GPU's part (a counter +1 and its copy into the pinned doorbell after the input copies) is played here by
+# writing the doorbell from Python; the numbers only have to grow, as the device counter's do.
+
+_RING = itertools.count(1)
+
+
+def ring(task) -> int:
+    seq = next(_RING)
+    task.doorbell.fill_(seq)
+    return seq
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_doorbell_task_runs_what_its_doorbell_says(fmt):
+    staging, layer, packed = make_task(11, T=9, fmt=fmt)
+    task = _NativeHostFunctions(staging, layer, doorbell=True)
+    assert task.doorbell is not None and int(task.doorbell) == 0
+    for step in range(4):
+        staging.hidden.copy_(torch.randn_like(staging.hidden))
+        staging.topk_ids.copy_(torch.randint(-1, 6, staging.topk_ids.shape))
+        ring(task)
+        task.run()  # start (wakes a parked worker) + join (waits for the doorbell's number)
+        assert torch.equal(staging.out, expected(staging, packed)), f"step {step}"
+    assert task.error() == ""
+
+
+def test_doorbell_task_runs_without_its_start_function():
+    """A rung doorbell is enough: the join alone returns once the worker ran it (the worker picks it up while it
+    spins; a parked one is woken by the join before it blocks)."""
+    staging, layer, packed = make_task(12, T=5)
+    task = _NativeHostFunctions(staging, layer, doorbell=True)
+    join = _FN(task[1].ptr)
+    for _ in range(3):
+        staging.hidden.copy_(torch.randn_like(staging.hidden))
+        staging.out.zero_()
+        ring(task)
+        j = threading.Thread(target=join, args=(task.handle,))
+        j.start()
+        j.join(timeout=60)
+        assert not j.is_alive()
+        assert torch.equal(staging.out, expected(staging, packed))
+
+
+def test_rung_doorbells_run_lowest_number_first():
+    """Two doorbells rung while the worker is busy run in the order of their numbers (the order the GPU posted
+    them), not the order they were written or made."""
+    first, first_layer, first_packed = make_task(13, T=3)
+    second, second_layer, second_packed = make_task(14, T=3)
+    b = _NativeHostFunctions(second, second_layer, doorbell=True)  # made (registered with the worker) first
+    a = _NativeHostFunctions(first, first_layer, doorbell=True)
+    for tokens in (1024, 4096, 16384):  # a longer busy call if the worker finished before both were written
+        busy, busy_layer, _ = make_task(15, T=tokens, E=8, H=512, I=512, fmt="bf16")
+        c = _NativeHostFunctions(busy, busy_layer)  # a pushed task: keeps the worker busy
+        threading.Thread(target=_FN(c[0].ptr), args=(c.handle,)).start()
+        time.sleep(0.005)
+        seq_a, seq_b = next(_RING), next(_RING)
+        b.doorbell.fill_(seq_b)  # the later number written first
+        a.doorbell.fill_(seq_a)
+        written = time.perf_counter_ns()
+        _FN(c[1].ptr)(c.handle)  # join c
+        a.run()
+        b.run()
+        (c_start, c_end), (a_start, _), (b_start, _) = (torch.ops.kt.host_task_take_times(t.handle)[:2]
+                                                        for t in (c, a, b))
+        if c_end > written:  # both were rung before the worker was free
+            assert a_start < b_start
+            break
+    else:
+        pytest.fail("the busy call never outlasted writing two doorbells")
+    assert torch.equal(first.out, expected(first, first_packed))
+    assert torch.equal(second.out, expected(second, second_packed))
+
+
+def test_doorbell_must_be_one_int64_reading_zero():
+    staging, layer, _ = make_task(16)
+    w13, s13, w2, s2 = layer.w13, layer.w13_scales, layer.w2, layer.w2_scales
+    args = (staging.hidden, staging.topk_ids, staging.topk_weights, staging.out, w13, s13, w2, s2, "silu", False)
+    with pytest.raises(RuntimeError, match="the doorbell must be one int64"):
+        torch.ops.kt.host_task_new(*args, torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(RuntimeError, match="the doorbell must be one int64"):
+        torch.ops.kt.host_task_new(*args, torch.zeros(1, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="a new doorbell must read 0, got 7"):
+        torch.ops.kt.host_task_new(*args, torch.full((1,), 7, dtype=torch.int64))
+
+
+def test_host_start_switch(monkeypatch):
+    from ktorch.compile.experts_runtime import host_start
+
+    monkeypatch.delenv("KT_HOST_START", raising=False)
+    assert host_start() == "hostfn"  # the default until the doorbell is measured on the device
+    monkeypatch.setenv("KT_HOST_START", "doorbell")
+    assert host_start() == "doorbell"
+    monkeypatch.setenv("KT_HOST_START", "bell")
+    with pytest.raises(ValueError, match="'hostfn' or 'doorbell'"):
+        host_start()

@@ -20,6 +20,10 @@ What submit and wait do depends on where the hidden states are:
                     worker is done and copies the result back (non-blocking). One host sync per layer.
   CUDA, capturing:  the same copies, but the worker is started and joined by host functions on the stream
                     (host_func.py), so a replayed CUDA graph costs the launching thread no host sync at all.
+                    With ``KT_HOST_START=doorbell`` (native host functions only) the stream also copies a
+                    sequence number into the task's pinned doorbell after the inputs, and the spinning C++
+                    worker starts the call from that, without waiting for CUDA to run the start host function
+                    (~50-60 us later on the H100 host); see runtime/host_tasks.cpp.
 
 The worker is one Python thread; ``kt.fused_moe`` releases the GIL and is parallel inside.
 """
@@ -125,6 +129,10 @@ class _Staging:
 
         self.hidden, self.topk_ids, self.topk_weights = pinned(hidden), pinned(topk_ids), pinned(topk_weights)
         self.out = pinned(hidden)
+        # KT_HOST_START=doorbell: the sequence number the GPU copies in after the inputs (made here, with the
+        # other pinned buffers, by the uncaptured first call rather than inside a capture)
+        with torch.inference_mode(False):
+            self.doorbell = torch.zeros(1, dtype=torch.int64, pin_memory=True)
         self.host_functions: Optional[tuple] = None  # (start, join), made on first capture
 
     def fill(self, hidden, topk_ids, topk_weights):
@@ -168,6 +176,8 @@ class ExpertsRuntime:
         # clock (profilers do not see the worker thread; benchmarks/bench_e2e.py aligns these with its trace).
         self.timeline: Optional[list] = None
         self._native_tasks: list = []  # _NativeHostFunctions made for captures (their timings are drained here)
+        # KT_HOST_START=doorbell: one int64 counter per CUDA device, +1 per captured submit (never reset)
+        self._doorbell_counters: dict = {}
 
     # -- compile time
     def register_layer(self, w13, w13_scales, w2, w2_scales, activation: str) -> int:
@@ -213,8 +223,19 @@ class ExpertsRuntime:
         staging.fill(hidden, topk_ids, topk_weights)
         if torch.cuda.is_current_stream_capturing():
             self.stats["captured_submits"] += 1
-            self._host_functions(state, staging, weights)[0].launch()
+            functions = self._host_functions(state, staging, weights, hidden.device)
+            doorbell = getattr(functions, "doorbell", None)
+            if doorbell is not None:  # after the input copies: the worker may start as soon as this lands
+                counter = self._doorbell_counters[hidden.device]
+                counter.add_(1)
+                doorbell.copy_(counter, non_blocking=True)
+            functions[0].launch()
             return ticket
+        if native_host_tasks() and host_start() == "doorbell" and hidden.device not in self._doorbell_counters:
+            # made outside any capture (a capture's allocations belong to its graph's pool); never replaced, so
+            # the numbers it hands out only grow for the life of the process
+            with torch.inference_mode(False):  # updated in place later, whatever mode the caller is in then
+                self._doorbell_counters[hidden.device] = torch.zeros(1, dtype=torch.int64, device=hidden.device)
         self.stats["submits"] += 1
         copied = torch.cuda.Event()
         copied.record()
@@ -241,11 +262,14 @@ class ExpertsRuntime:
         out.copy_(staging.out, non_blocking=True)
         return out
 
-    def _host_functions(self, state: _Site, staging: _Staging, weights: ExpertsLayer):
+    def _host_functions(self, state: _Site, staging: _Staging, weights: ExpertsLayer, device=None):
         from ktorch.compile.host_func import HostFunction
 
         if staging.host_functions is None and native_host_tasks() and not self.observers:
-            staging.host_functions = _NativeHostFunctions(staging, weights)
+            # a doorbell needs the device's counter, made by an earlier uncaptured call (compiled graphs run
+            # once eagerly before their capture); without one the start host function starts the call
+            doorbell = host_start() == "doorbell" and device in self._doorbell_counters
+            staging.host_functions = _NativeHostFunctions(staging, weights, doorbell=doorbell)
             self._native_tasks.append(staging.host_functions)
         if staging.host_functions is None:
             running: collections.deque = collections.deque()
@@ -274,6 +298,18 @@ def native_host_tasks() -> bool:
     return value == "native"
 
 
+def host_start() -> str:
+    """How a captured experts call starts with native host functions: ``KT_HOST_START=hostfn`` (the default: the
+    start host function queues it) or ``doorbell`` (the GPU writes a sequence number to pinned memory after the
+    inputs and the spinning worker starts the call from it; the host function only wakes a parked worker)."""
+    import os
+
+    value = os.environ.get("KT_HOST_START", "hostfn")
+    if value not in ("hostfn", "doorbell"):
+        raise ValueError(f"KT_HOST_START must be 'hostfn' or 'doorbell', got {value!r}")
+    return value
+
+
 class _NativeHostFunctions:
     """The start/join pair of one staging as C host functions (runtime/host_tasks.cpp): indexable like the
     Python pair, ``[0].launch()`` starts, ``[1].launch()`` joins."""
@@ -287,12 +323,18 @@ class _NativeHostFunctions:
 
             launch_native(self.ptr, self.handle)
 
-    def __init__(self, staging: "_Staging", layer: ExpertsLayer):
+    def __init__(self, staging: "_Staging", layer: ExpertsLayer, doorbell: bool = False):
         self.staging, self.layer = staging, layer  # the task holds these tensors; keep them referenced too
         self.tokens = staging.hidden.shape[0]
+        # the GPU copies a sequence number here after the inputs (pinned where CUDA is; a plain tensor in tests)
+        self.doorbell = None
+        if doorbell:  # _Staging's pinned one; tests on the CPU pass stagings without one
+            self.doorbell = getattr(staging, "doorbell", None)
+            if self.doorbell is None:
+                self.doorbell = torch.zeros(1, dtype=torch.int64)
         self.handle = torch.ops.kt.host_task_new(staging.hidden, staging.topk_ids, staging.topk_weights, staging.out,
                                                  layer.w13, layer.w13_scales, layer.w2, layer.w2_scales,
-                                                 layer.activation, True)
+                                                 layer.activation, True, self.doorbell)
         start, join = torch.ops.kt.host_task_functions()
         self._fns = (self._Fn(start, self.handle), self._Fn(join, self.handle))
 

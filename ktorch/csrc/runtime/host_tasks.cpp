@@ -11,6 +11,15 @@
 //                             block).
 // The worker spins KT_SPIN_US (as the pool's workers do, default 2000) after each call before it parks, so that the
 // next layer's start reaches a thread that is awake.
+//
+// Doorbells (a task made with one): CUDA runs a host function ~50-60 us after the copies before it complete (the
+// driver's callback thread; measured on the H100 host), and the CPU call cannot start before. A doorbell task
+// is also started by the GPU itself: after the input copies the stream copies a sequence number (one counter
+// per device, +1 per submit) into the task's pinned int64 doorbell, and the worker, while it spins, watches the
+// doorbells of all such tasks and runs a task whose doorbell moved past the number it last ran, the lowest
+// number first (the order the GPU posted them). The start host function then only wakes a parked worker, and
+// the join waits until the task has run the number in its doorbell. Copies on one stream complete in order, so a
+// doorbell that moved means the inputs before it are in memory.
 // Their addresses come from kt::host_task_functions(); a task is an opaque int64 handle made by
 // kt::host_task_new and kept alive by the caller as long as any CUDA graph uses it.
 // A failing call cannot raise on CUDA's callback thread: it prints the error, fills the output with NaN (never a
@@ -18,6 +27,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/InferenceMode.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -49,7 +59,14 @@ struct HostTask {
   std::string error;
   bool record_times = false;
   std::vector<int64_t> times;  // start_ns, end_ns pairs (CLOCK_MONOTONIC, as Python's perf_counter_ns)
+  // doorbell tasks: the pinned int64 the GPU writes, the number the worker took last, the number it finished last
+  at::Tensor doorbell;
+  int64_t* bell = nullptr;
+  int64_t taken_seq = 0;  // the worker's own
+  std::atomic<int64_t> done_seq{0};
 };
+
+int64_t ring_of(const HostTask* t) { return __atomic_load_n(t->bell, __ATOMIC_ACQUIRE); }
 
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
@@ -75,30 +92,78 @@ class Worker {
     }
     cv_.notify_one();  // no system call when the worker is spinning (nobody waits on the condition variable)
   }
+  // A doorbell rang: wake the worker if it is parked (when it spins, it has seen the doorbell already).
+  void kick() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      ++kicks_;
+    }
+    cv_.notify_one();
+  }
+  void add_bell(HostTask* t) {
+    std::lock_guard<std::mutex> lock(bells_mutex_);
+    bells_.push_back(t);
+  }
+  void remove_bell(HostTask* t) {
+    std::lock_guard<std::mutex> lock(bells_mutex_);
+    bells_.erase(std::remove(bells_.begin(), bells_.end(), t), bells_.end());
+  }
 
  private:
+  // The doorbell task with the lowest number not yet taken, marked taken; nullptr if none rang.
+  HostTask* take_rung() {
+    std::lock_guard<std::mutex> lock(bells_mutex_);
+    HostTask* best = nullptr;
+    int64_t best_seq = 0;
+    for (HostTask* t : bells_) {
+      const int64_t seq = ring_of(t);
+      if (seq > t->taken_seq && (best == nullptr || seq < best_seq)) {
+        best = t;
+        best_seq = seq;
+      }
+    }
+    if (best != nullptr) best->taken_seq = best_seq;
+    return best;
+  }
+
   void loop() {
     int64_t taken = 0;
-    for (;;) {
-      const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
-      int polls = 0;
-      while (pushed_.load(std::memory_order_acquire) == taken) {
+    int64_t kicks_seen = 0;
+    auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
+    for (int polls = 1;; ++polls) {
+      if (pushed_.load(std::memory_order_acquire) != taken) {
+        HostTask* t = nullptr;
+        {
+          std::lock_guard<std::mutex> lock(mutex_);
+          t = queue_.front();
+          queue_.pop_front();
+        }
+        ++taken;
+        run(t, 0);
+        spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
+        continue;
+      }
+      if (HostTask* t = take_rung()) {
+        run(t, t->taken_seq);
+        spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
+        continue;
+      }
+      if (polls % 256 != 0 || std::chrono::steady_clock::now() <= spin_until) {
         _mm_pause();
-        if (++polls % 256 == 0 && std::chrono::steady_clock::now() > spin_until) break;
+        continue;
       }
-      HostTask* t = nullptr;
-      {
-        std::unique_lock<std::mutex> lock(mutex_);
-        cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-        if (stop_ && queue_.empty()) return;
-        t = queue_.front();
-        queue_.pop_front();
-      }
-      ++taken;
-      run(t);
+      // park until a push, a kick (a doorbell's start host function) or the end
+      std::unique_lock<std::mutex> lock(mutex_);
+      cv_.wait(lock, [&] {
+        return stop_ || pushed_.load(std::memory_order_acquire) != taken || kicks_ != kicks_seen;
+      });
+      if (stop_ && pushed_.load(std::memory_order_acquire) == taken) return;
+      kicks_seen = kicks_;
+      spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
     }
   }
-  static void run(HostTask* t) {
+  // seq: the doorbell number this run answers (0 for a pushed task)
+  static void run(HostTask* t, int64_t seq) {
     const int64_t t0 = now_ns();
     try {
       c10::InferenceMode inference;  // per thread; the experts ops have no autograd
@@ -118,7 +183,10 @@ class Worker {
         t->times.push_back(t0);
         t->times.push_back(now_ns());
       }
-      t->done.fetch_add(1, std::memory_order_release);
+      if (seq > 0)
+        t->done_seq.store(seq, std::memory_order_release);
+      else
+        t->done.fetch_add(1, std::memory_order_release);
     }
     t->cv.notify_all();
   }
@@ -128,7 +196,10 @@ class Worker {
   std::mutex mutex_;
   std::condition_variable cv_;
   std::deque<HostTask*> queue_;
+  int64_t kicks_ = 0;  // guarded by mutex_
   bool stop_ = false;
+  std::mutex bells_mutex_;
+  std::vector<HostTask*> bells_;  // the doorbell tasks
   std::thread thread_;  // last: starts after the fields above are built
 };
 
@@ -157,23 +228,33 @@ extern "C" {
 // cudaHostFn_t-compatible: void (*)(void*).
 __attribute__((visibility("default"))) void kt_host_task_start(void* p) {
   auto* t = static_cast<kt::runtime::HostTask*>(p);
+  if (t->bell != nullptr) {  // the GPU rang the doorbell before this; a spinning worker has it already
+    kt::runtime::worker().kick();
+    return;
+  }
   t->started.fetch_add(1, std::memory_order_relaxed);
   kt::runtime::worker().push(t);
 }
 
 __attribute__((visibility("default"))) void kt_host_task_join(void* p) {
   auto* t = static_cast<kt::runtime::HostTask*>(p);
-  const int64_t want = t->started.load(std::memory_order_relaxed);
+  const bool bell = t->bell != nullptr;
+  // a pushed task: all the calls started so far; a doorbell task: the number in its doorbell
+  const int64_t want = bell ? kt::runtime::ring_of(t) : t->started.load(std::memory_order_relaxed);
+  auto finished = [&] {
+    return (bell ? t->done_seq.load(std::memory_order_acquire) : t->done.load(std::memory_order_acquire)) >= want;
+  };
   const int64_t spin_us = kt::runtime::join_spin_us();
   // a decode call ends within a few hundred microseconds: spin, so that the stream resumes at once
   const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us);
   for (int polls = 1;; ++polls) {
-    if (t->done.load(std::memory_order_acquire) >= want) return;
+    if (finished()) return;
     _mm_pause();
     if (polls % 256 == 0 && std::chrono::steady_clock::now() > spin_until) break;
   }
+  if (bell) kt::runtime::worker().kick();  // the worker may have parked before the doorbell rang
   std::unique_lock<std::mutex> lock(t->mutex);
-  t->cv.wait(lock, [&] { return t->done.load(std::memory_order_acquire) >= want; });
+  t->cv.wait(lock, finished);
 }
 
 }  // extern "C"
@@ -183,7 +264,7 @@ namespace kt::runtime {
 int64_t host_task_new(const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                       const at::Tensor& out, const at::Tensor& w13, const std::optional<at::Tensor>& w13_scales,
                       const at::Tensor& w2, const std::optional<at::Tensor>& w2_scales, c10::string_view activation,
-                      bool record_times) {
+                      bool record_times, const std::optional<at::Tensor>& doorbell) {
   TORCH_CHECK(out.sizes() == hidden.sizes() && out.scalar_type() == hidden.scalar_type() && out.is_contiguous(),
               "host_task_new: out must be a contiguous tensor like hidden ", hidden.sizes(), " ", hidden.scalar_type(),
               ", got ", out.sizes(), " ", out.scalar_type());
@@ -202,12 +283,23 @@ int64_t host_task_new(const at::Tensor& hidden, const at::Tensor& topk_ids, cons
   t->w2_scales = w2_scales;
   t->activation = std::string(activation);
   t->record_times = record_times;
+  if (doorbell.has_value()) {
+    const at::Tensor& d = *doorbell;
+    TORCH_CHECK(d.device().is_cpu() && d.scalar_type() == at::kLong && d.numel() == 1 && d.is_contiguous(),
+                "host_task_new: the doorbell must be one int64 in CPU (pinned) memory, got ", d.sizes(), " ",
+                d.scalar_type(), " on ", d.device());
+    TORCH_CHECK(d.item<int64_t>() == 0, "host_task_new: a new doorbell must read 0, got ", d.item<int64_t>());
+    t->doorbell = d;
+    t->bell = d.data_ptr<int64_t>();
+    worker().add_bell(t);
+  }
   return reinterpret_cast<int64_t>(t);
 }
 
 void host_task_free(int64_t handle) {
   auto* t = task_of(handle);
   kt_host_task_join(t);  // never free a task the worker still holds
+  if (t->bell != nullptr) worker().remove_bell(t);
   delete t;
 }
 
