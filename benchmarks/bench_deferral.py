@@ -223,7 +223,8 @@ def run_speed(args) -> list[dict]:
                 label = f"deferral_{args.shape}_{variant}_d{d}_gpu{gpu_fraction}"
                 prof = bench_e2e.profile_decode(runner, 5, args.out, label)
                 row.update(g_ms=prof["gpu_busy_ms"], c_ms=prof["cpu_experts_busy_ms"], overlap_ms=prof["overlap_ms"],
-                           step_ms=prof["step_ms"], trace=prof["trace"])
+                           overlap_min_ms=prof["overlap_min_ms"], align_us=prof["align_us"], step_ms=prof["step_ms"],
+                           trace=prof["trace"])
             rows.append(row)
             if args.json:  # row by row: a run cut short keeps what it measured
                 with open(args.json, "a") as fh:
@@ -236,10 +237,11 @@ def run_speed(args) -> list[dict]:
 
 def print_speed(rows: list[dict]) -> None:
     print("\n| shape | variant | d | GPU experts | f | decode tok/s | step ms | g: GPU busy ms | c: CPU experts ms "
-          "| overlap ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| overlap ms | overlap at least ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        extra = " | ".join(f"{r[k]:.2f}" if k in r else "-" for k in ("step_ms", "g_ms", "c_ms", "overlap_ms"))
+        extra = " | ".join(f"{r[k]:.2f}" if k in r else "-"
+                           for k in ("step_ms", "g_ms", "c_ms", "overlap_ms", "overlap_min_ms"))
         print(f"| {r['shape']} | {r['variant']} | {r['n_deferred_experts']} | {100 * r['gpu_experts']:.0f}% | "
               f"{r['f']:.2f} | {r['decode_tok_s']:.2f} | {extra} |")
 
