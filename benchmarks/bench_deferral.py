@@ -224,6 +224,7 @@ def run_speed(args) -> list[dict]:
                 prof = bench_e2e.profile_decode(runner, 5, args.out, label)
                 row.update(g_ms=prof["gpu_busy_ms"], c_ms=prof["cpu_experts_busy_ms"], overlap_ms=prof["overlap_ms"],
                            overlap_min_ms=prof["overlap_min_ms"], align_us=prof["align_us"], step_ms=prof["step_ms"],
+                           gpu_under_experts_ms=prof["gpu_under_experts_ms"],
                            trace=prof["trace"])
             rows.append(row)
             if args.json:  # row by row: a run cut short keeps what it measured
@@ -237,11 +238,11 @@ def run_speed(args) -> list[dict]:
 
 def print_speed(rows: list[dict]) -> None:
     print("\n| shape | variant | d | GPU experts | f | decode tok/s | step ms | g: GPU busy ms | c: CPU experts ms "
-          "| overlap ms | overlap at least ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| overlap ms | overlap at least ms | GPU under calls ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         extra = " | ".join(f"{r[k]:.2f}" if k in r else "-"
-                           for k in ("step_ms", "g_ms", "c_ms", "overlap_ms", "overlap_min_ms"))
+                           for k in ("step_ms", "g_ms", "c_ms", "overlap_ms", "overlap_min_ms", "gpu_under_experts_ms"))
         print(f"| {r['shape']} | {r['variant']} | {r['n_deferred_experts']} | {100 * r['gpu_experts']:.0f}% | "
               f"{r['f']:.2f} | {r['decode_tok_s']:.2f} | {extra} |")
 

@@ -415,7 +415,9 @@ def profile_decode(runner: Runner, steps: int, out_dir: str, label: str) -> dict
                                   args={"tokens": n}) for s, t, n in timeline]
     with open(path, "w") as f:
         json.dump(trace, f)
+    under_us, windows = gpu_work_under_experts(events, lo, hi)
     return dict(trace=path, step_ms=step["dur"] / 1e3, gpu_busy_ms=_union(gpu) / 1e3,
+                gpu_under_experts_ms=under_us / 1e3, experts_windows=windows,
                 cpu_experts_busy_ms=_union(experts) / 1e3, overlap_ms=_intersection(gpu, experts) / 1e3,
                 # the overlap that holds however the alignment errs: each CPU call shrunk by align_us both sides
                 overlap_min_ms=_intersection(gpu, [(a + align_us, b - align_us) for a, b in experts
@@ -423,6 +425,26 @@ def profile_decode(runner: Runner, steps: int, out_dir: str, label: str) -> dict
                 experts_calls=len(experts), align_us=align_us,
                 main_thread_syncs=max(len(syncs) - 1, 0),  # minus the profiling sync
                 sync_calls=sorted(set(syncs)))
+
+
+def gpu_work_under_experts(events: list, lo: float, hi: float) -> tuple[float, int]:
+    """(us, windows): GPU kernel time that ran while a CPU experts call was in flight, read off the GPU timeline
+    alone, in [lo, hi]. A call's inputs are copied device -> pinned, its start host function then hands it to the
+    worker, and its result is copied pinned -> device once the worker is done; the stream runs in order, so a
+    kernel after a call's last input copy and before its result copy ran after the call started and before it
+    ended. Exact for d = 0 (one call in flight at a time); with deferral it counts only the layer's own window."""
+    copies = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+                    if e.get("cat") == "gpu_memcpy" and lo <= e["ts"] <= hi)
+    kernels = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel" and lo <= e["ts"] <= hi]
+    windows, last_in = [], None
+    for start, end, name in copies:
+        if "DtoH" in name:
+            last_in = end
+        elif "HtoD" in name and last_in is not None:
+            windows.append((last_in, start))
+            last_in = None
+    inside = [(max(a, w0), min(b, w1)) for a, b in kernels for w0, w1 in windows if a < w1 and b > w0]
+    return _union(inside), len(windows)
 
 
 def describe_overlap() -> str:
@@ -573,7 +595,9 @@ def main(argv=None) -> None:
             print(f"\nprofile {r['variant']} (one decode step, synced): step {p['step_ms']:.2f} ms, GPU busy "
                   f"{p['gpu_busy_ms']:.2f} ms, CPU experts busy {p['cpu_experts_busy_ms']:.2f} ms "
                   f"({p['experts_calls']} kt::fused_moe calls), overlap {p['overlap_ms']:.2f} ms (at least "
-                  f"{p['overlap_min_ms']:.2f} ms: the CPU timeline aligns to +-{p['align_us']:.0f} us), "
+                  f"{p['overlap_min_ms']:.2f} ms: the CPU timeline aligns to +-{p['align_us']:.0f} us); GPU "
+                  f"kernels between a call's input copies and its result copy {p['gpu_under_experts_ms']:.3f} ms "
+                  f"({p['experts_windows']} calls), "
                   f"host syncs on the launching thread {p['main_thread_syncs']} {p['sync_calls']}; trace {p['trace']}")
             if r.get("overlap_nodes"):
                 print("  " + r["overlap_nodes"])

@@ -1,0 +1,63 @@
+"""benchmarks/bench_e2e.py's decode-profile arithmetic on hand-made trace events (no GPU): the union and
+intersection of busy intervals, and the GPU work that ran while a CPU experts call was in flight, read off the
+GPU timeline alone (between a call's last input copy and its result copy)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_e2e.py"
+sys.path.insert(0, str(_PATH.parent))
+_spec = importlib.util.spec_from_file_location("bench_e2e", _PATH)
+e2e = importlib.util.module_from_spec(_spec)
+sys.modules.setdefault("bench_e2e", e2e)
+_spec.loader.exec_module(e2e)
+
+
+def kernel(ts, dur):
+    return {"ph": "X", "cat": "kernel", "name": "k", "ts": ts, "dur": dur}
+
+
+def copy(ts, dur, direction):
+    name = "Memcpy DtoH (Device -> Pinned)" if direction == "DtoH" else "Memcpy HtoD (Pinned -> Device)"
+    return {"ph": "X", "cat": "gpu_memcpy", "name": name, "ts": ts, "dur": dur}
+
+
+def test_union_and_intersection():
+    assert e2e._union([(0, 10), (5, 15), (20, 30)]) == 25
+    assert e2e._union([]) == 0
+    assert e2e._intersection([(0, 10), (20, 30)], [(5, 25)]) == 10
+    assert e2e._intersection([(0, 10)], [(10, 20)]) == 0
+
+
+def test_gpu_work_under_experts_counts_kernels_between_input_and_result_copies():
+    # layer 1: inputs copied (three copies), a 25 us kernel (shared experts) and a 5 us one, the result copy;
+    # then kernels outside any call (attention of the next layer); layer 2: inputs, nothing, result
+    events = [copy(0, 2, "DtoH"), copy(3, 2, "DtoH"), copy(6, 2, "DtoH"),
+              kernel(60, 25), kernel(90, 5),
+              copy(400, 3, "HtoD"),
+              kernel(410, 80),
+              copy(500, 2, "DtoH"), copy(503, 2, "DtoH"),
+              copy(900, 3, "HtoD"),
+              kernel(910, 10)]
+    us, windows = e2e.gpu_work_under_experts(events, 0, 1000)
+    assert windows == 2
+    assert us == pytest.approx(30)
+
+
+def test_gpu_work_under_experts_clips_to_the_window_and_to_the_step():
+    events = [copy(0, 2, "DtoH"), kernel(1, 10), copy(50, 2, "HtoD"),  # a kernel overlapping the input copy
+              copy(100, 2, "DtoH"), kernel(120, 10), copy(200, 2, "HtoD")]
+    us, windows = e2e.gpu_work_under_experts(events, 0, 1000)
+    assert windows == 2 and us == pytest.approx(9 + 10)  # 2..11 of the first kernel, all of the second
+    us, windows = e2e.gpu_work_under_experts(events, 90, 1000)  # the step starts after the first call
+    assert windows == 1 and us == pytest.approx(10)
+
+
+def test_a_result_copy_without_input_copies_opens_no_window():
+    events = [copy(0, 2, "HtoD"), kernel(10, 10), copy(30, 2, "HtoD")]
+    assert e2e.gpu_work_under_experts(events, 0, 100) == (0, 0)
