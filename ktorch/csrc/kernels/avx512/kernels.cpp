@@ -146,6 +146,8 @@ void int8_dequantize(const GemmArgs& a, const int32_t* partial) {
 }
 
 // ---------------------------------------------------------------- int4
+constexpr int64_t kScaleAhead = 4;  // groups ahead whose scales a tile prefetches
+
 template <int MR, int NR, bool kPrefetch>
 void int4_tile(const GemmArgs& a, int m0, int b0, int64_t k0, int64_t k1, const Prefetch& pf) {
   __m512 acc[MR][NR];
@@ -164,7 +166,15 @@ void int4_tile(const GemmArgs& a, int m0, int b0, int64_t k0, int64_t k1, const 
   // DRAM, was the limit). With more rows there are enough independent chains, and not enough registers.
   constexpr bool kSplitNibbles = MR <= 2;
   constexpr int kHiRows = kSplitNibbles ? MR : 1, kHiBlocks = kSplitNibbles ? NR : 1;
+  const int64_t groups = a.K / a.group_size;
   for (int64_t g = k0 / a.group_size; g < k1 / a.group_size; ++g) {
+    // The scales of a group are one line per block, a group's lines a row of scales apart (another page for most
+    // shapes), which the hardware prefetchers do not follow: fetch them a few groups ahead.
+    if (g + kScaleAhead < groups)
+      for (int b = 0; b < NR; ++b)
+        _mm_prefetch(reinterpret_cast<const char*>(a.b_scale + (g + kScaleAhead) * a.b_scale_group_stride +
+                                                   (b0 + b) * a.b_scale_block_stride),
+                     _MM_HINT_T0);
     __m512i gacc[MR][NR], gacc_hi[kHiRows][kHiBlocks];
     for (int r = 0; r < MR; ++r)
       for (int b = 0; b < NR; ++b) gacc[r][b] = _mm512_setzero_si512();
