@@ -6,7 +6,8 @@
 #   bash scripts/device_session.sh tests    # build ktorch; the test files TEST_FILES (default: all) under xdist
 #                                           # (TEST_WORKERS=4 processes of 3 threads); LCPP_JOBS=n > 0 also starts
 #                                           # the llama.cpp build, detached, on the cores left (default 0: none)
-#   bash scripts/device_session.sh kernels  # issue 2's AVX-512 table with the eager loop beside it (idle machine)
+#   bash scripts/device_session.sh kernels  # the per-call overhead on 16 cores (KERNELS_OVERHEAD=0 skips it), then
+#                                           # issue 2's AVX-512 table with eager and grouped_mm beside it (idle)
 #   bash scripts/device_session.sh vs       # ktorch vs llama.cpp, 12 layers, VS_TYPES (default Q8_0)
 #   bash scripts/device_session.sh gguf     # issue 6's 48-layer Q4_K GGUF: load time, peak RSS, tok/s
 #   bash scripts/device_session.sh e2e      # issue 5: deferral d = DEFERRED and hot experts, Qwen3 shape
@@ -88,7 +89,7 @@ case $phase in
     busy_warning
     unpack_ktorch
     cd /tmp/src || exit 1
-    KERNELS_OVERHEAD=${KERNELS_OVERHEAD:-0} KERNELS_AVX_TIMEOUT=${KERNELS_AVX_TIMEOUT:-$(( $(left) - 60 ))} \
+    KERNELS_OVERHEAD=${KERNELS_OVERHEAD:-1} KERNELS_AVX_TIMEOUT=${KERNELS_AVX_TIMEOUT:-$(( $(left) - 60 ))} \
       KERNELS_KT_TIMEOUT=${KERNELS_KT_TIMEOUT:-1} STEP_TIMEOUT=$(( $(left) - 10 )) bash scripts/device_check.sh kernels
     save_prebuilt ;;
   e2e)
