@@ -4,17 +4,22 @@
 # own time per step without a profiler (cpu_experts_ms_per_step) and the same ops run back to back outside the
 # model (standalone_experts_ms_per_step): their gap is what running inside the step costs the op.
 # HOSTAB_START="hostfn doorbell" also compares how native calls start (KT_HOST_START; python ignores it);
+# HOSTAB_THREADS="15 14 13" the experts pool size (KT_NUM_THREADS, caller included; "auto" = prepare's choice,
+# one fewer than torch's): whether the launching thread, CUDA's callback thread and the pool fight for the cores;
 # HOSTAB_TOKENS decode steps per row (default 64).
 cd benchmarks
 for hf in ${HOSTAB_HF:-native python}; do
   for sync in ${HOSTAB_SYNC:-block keep}; do
     for start in ${HOSTAB_START:-hostfn}; do
-      [ "$hf" = python ] && [ "$start" != hostfn ] && continue
-      echo "== KT_HOST_FUNCTIONS=$hf KT_CUDA_SYNC=$sync KT_HOST_START=$start"
-      KT_HOST_FUNCTIONS=$hf KT_CUDA_SYNC=$sync KT_HOST_START=$start timeout ${HOSTAB_TIMEOUT:-140} python3 bench_e2e.py \
-          --shape ${HOSTAB_SHAPE:-qwen3-30b-a3b} --layers ${HOSTAB_LAYERS:-12} --variants cuda_graphs --prompts 64 \
-          --decode-context 64 --decode-tokens ${HOSTAB_TOKENS:-64} --repeats 1 --op-check --json "$OUT/hostab.jsonl" 2>&1 \
-          | grep -E "^\|"
+      for threads in ${HOSTAB_THREADS:-auto}; do
+        [ "$hf" = python ] && [ "$start" != hostfn ] && continue
+        echo "== KT_HOST_FUNCTIONS=$hf KT_CUDA_SYNC=$sync KT_HOST_START=$start KT_NUM_THREADS=$threads"
+        ( [ "$threads" = auto ] || export KT_NUM_THREADS=$threads
+          KT_HOST_FUNCTIONS=$hf KT_CUDA_SYNC=$sync KT_HOST_START=$start timeout ${HOSTAB_TIMEOUT:-140} python3 bench_e2e.py \
+            --shape ${HOSTAB_SHAPE:-qwen3-30b-a3b} --layers ${HOSTAB_LAYERS:-12} --variants cuda_graphs --prompts 64 \
+            --decode-context 64 --decode-tokens ${HOSTAB_TOKENS:-64} --repeats 1 --op-check --json "$OUT/hostab.jsonl" 2>&1 \
+            | grep -E "^\|" )
+      done
     done
   done
 done
