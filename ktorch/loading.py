@@ -12,8 +12,13 @@ from ktorch.integrations.checkpoint_loading import CheckpointError, CheckpointSo
 
 
 def open_checkpoint(path: Union[str, Path]) -> CheckpointSource:
-    """The ``CheckpointSource`` for ``path``: a .gguf file (the first part of a split one), or a folder with
-    config.json and safetensors files. Raises ``CheckpointError`` naming the path otherwise."""
+    """The ``CheckpointSource`` for ``path``: a .gguf file (the first part of a split one), a folder with
+    config.json and safetensors files, or "builtin" (the small model shipped in ktorch/builtin, as on the command
+    line) where no such file exists. Raises ``CheckpointError`` naming the path otherwise."""
+    if str(path) == "builtin" and not Path("builtin").exists():
+        from ktorch.builtin import BUILTIN_PATH
+
+        path = BUILTIN_PATH
     path = Path(path).expanduser()
     if not path.exists():
         raise CheckpointError(path, "no such file or folder")
@@ -42,8 +47,9 @@ def load(
     """Loads an MoE checkpoint for hybrid inference: ``(model, tokenizer)``.
 
     Args:
-        path: a Hugging Face checkpoint folder (config.json + *.safetensors) or a llama.cpp GGUF file
-            (qwen3moe, qwen2moe, deepseek2, llama/Mixtral architectures).
+        path: a Hugging Face checkpoint folder (config.json + *.safetensors), a llama.cpp GGUF file
+            (qwen3moe, qwen2moe, deepseek2, llama/Mixtral architectures), or "builtin" for the small model
+            shipped with ktorch.
         device: where attention, routers, shared experts, embeddings and the KV cache go (default: "cuda" if a
             GPU is visible, else "cpu"). Routed experts are always packed in CPU memory for ``kt.fused_moe``.
         experts_dtype: "auto", "bf16", "int8" or "int4". "auto" is bf16 for safetensors and, for GGUF, the

@@ -94,3 +94,16 @@ def test_peak_memory_is_packed_model_plus_about_one_layer(tmp_path):
           f"checkpoint experts {checkpoint_experts / 1e6:.0f} MB")
     assert bound < checkpoint_experts  # the bound means something: holding the checkpoint would break it
     assert grew <= bound, f"loading grew RSS by {grew / 1e6:.0f} MB > {bound / 1e6:.0f} MB"
+
+
+def test_builtin_name_loads_the_shipped_model():
+    """ktorch.load("builtin") is the model `ktorch generate --model builtin` runs: the shipped checkpoint, experts
+    packed, logits equal to loading its folder by path."""
+    from ktorch.builtin import BUILTIN_PATH
+
+    model, tokenizer = ktorch.load("builtin", device="cpu", experts_dtype="bf16", progress=False)
+    by_path, _ = ktorch.load(BUILTIN_PATH, device="cpu", experts_dtype="bf16", progress=False, tokenizer=False)
+    ids = tokenizer("The meaning of life is", return_tensors="pt").input_ids
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, by_path(ids).logits, rtol=0, atol=0)
+    assert any(getattr(m, "kt_format", None) == "bf16" for m in model.modules())
