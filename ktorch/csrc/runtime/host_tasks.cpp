@@ -187,8 +187,9 @@ class Worker {
         t->done_seq.store(seq, std::memory_order_release);
       else
         t->done.fetch_add(1, std::memory_order_release);
+      // under the lock: host_task_free takes it after its join, so the task outlives this last touch
+      t->cv.notify_all();
     }
-    t->cv.notify_all();
   }
 
   int64_t spin_us_;
@@ -299,6 +300,7 @@ int64_t host_task_new(const at::Tensor& hidden, const at::Tensor& topk_ids, cons
 void host_task_free(int64_t handle) {
   auto* t = task_of(handle);
   kt_host_task_join(t);  // never free a task the worker still holds
+  { std::lock_guard<std::mutex> lock(t->mutex); }  // ... nor one it is still notifying (a spinning join returns first)
   if (t->bell != nullptr) worker().remove_bell(t);
   delete t;
 }
