@@ -205,18 +205,29 @@ def run_speed(args) -> list[dict]:
     profile = ktorch.profile_experts(model, torch.randint(0, vocab, (1, 512), generator=gen).to(args.device))
     check_ids = torch.randint(0, vocab, (1, 512), generator=gen).to(args.device)
     print(f"  built in {build_s:.0f} s; {skewed} routers Zipf-skewed (s={args.zipf})", file=sys.stderr)
+    from ktorch.compile import set_runtime_deferred_experts
+
     for variant in args.variants.split(","):
+        shared = None  # --one-compile: the runner compiled with n_deferred_experts="runtime", for every d > 0
         for d, gpu_fraction in grid:
-            torch._dynamo.reset()
+            one = args.one_compile and d > 0 and not gpu_fraction
+            if not (one and shared is not None):
+                torch._dynamo.reset()
+                shared = None
             detach_gpu_experts(model)
             f = 0.0
             if gpu_fraction:
                 placement = attach_random_gpu_experts(model, profile, gpu_fraction, args.device)
                 f = ktorch.profile_experts(model, check_ids).fraction_on(placement)  # on tokens not profiled
+            set_runtime_deferred_experts(d if one else 0)
             result = bench_e2e.time_variant(model, variant, args.device, [], args.decode_tokens, args.decode_context,
-                                            1, vocab, {"n_deferred_experts": d})
+                                            1, vocab, {"n_deferred_experts": "runtime" if one else d},
+                                            runner=shared if one else None)
             runner = result.pop("runner")
-            row = dict(shape=args.shape, variant=variant, n_deferred_experts=d, gpu_experts=gpu_fraction, f=f,
+            if one:
+                shared = runner
+            row = dict(shape=args.shape, variant=variant, n_deferred_experts=d, one_compile=one,
+                       gpu_experts=gpu_fraction, f=f,
                        zipf_s=args.zipf if skewed else 0.0, decode_tok_s=result["decode_tok_s"],
                        host_waits_per_step=result["host_waits_per_step"], warmup_decode_s=result["warmup_decode_s"])
             if args.profile:
@@ -233,6 +244,7 @@ def run_speed(args) -> list[dict]:
             print(f"  {variant} d={d} gpu_experts={gpu_fraction} (f={f:.2f}): {row['decode_tok_s']:.2f} tok/s",
                   file=sys.stderr)
             del runner
+    set_runtime_deferred_experts(0)
     return rows
 
 
@@ -265,6 +277,9 @@ def main(argv=None) -> None:
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--profile", action="store_true", help="speed: g, c and overlap per decode step")
+    parser.add_argument("--one-compile", action="store_true",
+                        help="speed: the d > 0 rows share one compile (n_deferred_experts='runtime', d set between "
+                             "runs with set_runtime_deferred_experts) instead of compiling per d")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--json", default=None, help="append rows as JSON lines to this file")
     args = parser.parse_args(argv)

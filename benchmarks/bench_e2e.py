@@ -268,9 +268,12 @@ class Runner:
 
 @torch.no_grad()
 def time_variant(model, variant: str, device: str, prompts: list[int], decode_tokens: int, decode_context: int,
-                 repeats: int, vocab: int, options: dict | None = None) -> dict:
+                 repeats: int, vocab: int, options: dict | None = None, runner: Runner | None = None) -> dict:
+    """Times prefill per prompt length and decode; ``runner`` reuses one made (and compiled) by an earlier call
+    with the same lengths (result["runner"])."""
     result: dict = {"variant": variant}
-    runner = Runner(model, variant, device, max(prompts + [decode_context]) + decode_tokens + 16, options)
+    if runner is None:
+        runner = Runner(model, variant, device, max(prompts + [decode_context]) + decode_tokens + 16, options)
     gen = torch.Generator().manual_seed(1)
     warm = 1 if variant in ("hf_offload", "eager") else 3
     for p in prompts:

@@ -156,6 +156,57 @@ def test_inductor_deferral_matches_reference_and_keeps_the_wait_late():
     assert order == "ss" + "w" + "ss" + "ww" + "s" + "ww", order
 
 
+@pytest.mark.parametrize("inductor", [False, True], ids=["fx", "inductor"])
+def test_runtime_deferral_count_serves_every_d_from_one_compile(inductor):
+    """n_deferred_experts="runtime": one compiled graph, d changed between calls with
+    set_runtime_deferred_experts, no recompile; each d equals the reference for that d (the FX graph bit for bit,
+    Inductor within 1e-2), and d = 0 equals the graph compiled without deferral."""
+    from ktorch.compile import set_runtime_deferred_experts
+
+    model = ktorch.prepare(tiny_model("qwen3_moe", dtype=torch.bfloat16 if not inductor else torch.float32,
+                                      num_hidden_layers=3, num_experts_per_tok=3), device="cpu")
+    torch.manual_seed(5)
+    ids = torch.randint(0, 256, (1, 11))
+    torch._dynamo.reset()
+    REPORTS.clear()
+    options = {"n_deferred_experts": "runtime", "inductor": inductor}
+    compiled = torch.compile(model, backend="ktorch", options=options, fullgraph=True)
+    try:
+        got = {}
+        with torch.no_grad():
+            for d in (2, 0, 1, 3, 1):
+                set_runtime_deferred_experts(d)
+                got[d] = compiled(ids).logits
+        assert len(REPORTS) == 1  # one compile for all
+        assert [x.n_deferred for x in REPORTS[0].deferrals] == [None, None]
+    finally:
+        set_runtime_deferred_experts(0)
+    with torch.no_grad():
+        plain, _ = compiled_logits(model, ids, {"inductor": inductor})
+        for d in (0, 1, 2, 3):
+            with DeferralReference(model, min(d, 3)):
+                want = model(ids).logits
+            if inductor:
+                torch.testing.assert_close(got[d], want, rtol=0, atol=1e-2)
+            else:
+                assert torch.equal(got[d], want), d
+    if not inductor:
+        assert torch.equal(got[0], plain)
+    assert not torch.equal(got[1], got[0]) and not torch.equal(got[2], got[1])
+
+
+def test_runtime_deferral_count_is_validated():
+    from ktorch.compile import set_runtime_deferred_experts
+
+    assert BackendOptions.parse(None, {"n_deferred_experts": "runtime"}).n_deferred_experts == "runtime"
+    with pytest.raises(ValueError, match="'runtime'"):
+        BackendOptions.parse(None, {"n_deferred_experts": "later"})
+    for bad in (-1, 2.0, True, "1"):
+        with pytest.raises(ValueError, match="n_deferred must be an int >= 0"):
+            set_runtime_deferred_experts(bad)
+    assert RUNTIME.runtime_deferred == 0
+
+
 def test_options_validate_n_deferred_experts():
     assert BackendOptions.parse(None, {"n_deferred_experts": 2}).n_deferred_experts == 2
     for bad in (-1, 1.5, True):
@@ -203,3 +254,42 @@ def test_cuda_compiled_deferral_decode_matches_eager_deferral(family, cuda_graph
     if cuda_graphs:
         assert RUNTIME.stats["submits"] == before.get("submits", 0)
         assert RUNTIME.stats["host_waits"] == before.get("host_waits", 0)
+
+
+@needs_cuda
+def test_cuda_graph_runtime_deferral_count_changes_between_replays():
+    """n_deferred_experts="runtime" under CUDA graphs: one capture, d set between replays (the count tensor is
+    read by a captured copy): 12 teacher-forced fp32 decode steps per d against the eager model deferring d."""
+    from ktorch.compile import set_runtime_deferred_experts
+
+    torch._dynamo.reset()
+    model = ktorch.prepare(tiny_model("qwen3_moe"), device="cuda")
+    torch.manual_seed(1)
+    start = decode_step_inputs(model)
+    tokens = torch.randint(0, 256, (12,), device="cuda")
+
+    def fresh():
+        kwargs = copy.copy(start)
+        kwargs["past_key_values"] = copy.deepcopy(start["past_key_values"])
+        return kwargs
+
+    options = {"n_deferred_experts": "runtime", "cuda_graphs": True}
+    step = torch.compile(model, backend="ktorch", options=options, fullgraph=True)
+    got = {}
+    REPORTS.clear()
+    try:
+        with torch.no_grad():
+            for d in (1, 2, 0, 1):
+                set_runtime_deferred_experts(d)
+                got[d] = teacher_forced_decode(step, fresh(), tokens, True)
+            torch.cuda.synchronize()
+    finally:
+        set_runtime_deferred_experts(0)
+    assert len(REPORTS) == 1 and REPORTS[0].cuda_graphs
+    for d in (0, 1, 2):  # eager after all compiled runs (the eager chain changes the modules)
+        ktorch.set_deferred_experts(model, d)
+        with torch.no_grad():
+            want = teacher_forced_decode(model, fresh(), tokens, False)
+        torch.testing.assert_close(got[d], want, rtol=0, atol=1e-2)
+    ktorch.set_deferred_experts(model, 0)
+    assert not torch.equal(got[1], got[0])

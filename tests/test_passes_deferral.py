@@ -173,3 +173,41 @@ def test_rewritten_graph_computes_deferral_semantics(n_deferred):
     else:
         assert not torch.equal(got, no_deferral)
 
+
+
+def test_runtime_count_graph_computes_each_d():
+    """n_deferred="runtime": the split reads ktorch::deferred_experts_count, and one rewritten graph computes the
+    semantics of whatever d set_runtime_deferred_experts last set (0 included), exactly."""
+    from ktorch.compile import set_runtime_deferred_experts
+
+    gate_up = torch.randn(E, 2 * I, H) / H**0.5
+    down = torch.randn(E, H, I) / I**0.5
+    packed = ktorch.pack_experts(gate_up, down, "bf16")
+    args = dict(x=torch.randn(T, H, dtype=torch.bfloat16), ids=torch.zeros(T, K, dtype=torch.int64),
+                w=torch.zeros(T, K), w13=packed.w13, w2=packed.w2,
+                shared=torch.randn(I, H, dtype=torch.bfloat16) / H**0.5)
+    gm = fx.symbolic_trace(three_layers_cpu)
+    FakeTensorProp(gm).propagate(*[args[n.target] for n in gm.graph.nodes if n.op == "placeholder"])
+    layer = RUNTIME.register_layer(packed.w13, None, packed.w2, None, "silu")
+    _, deferrals = rewrite(gm, "runtime", lambda call: layer)
+    assert [d.n_deferred for d in deferrals] == [None, None]
+    counts = [n for n in gm.graph.nodes if n.target is torch.ops.ktorch.deferred_experts_count.default]
+    assert len(counts) == 2 and all(n.meta[DEFERRAL] == "split" for n in counts)
+
+    def op(hidden, ids, weights):
+        return torch.ops.kt.fused_moe(hidden, ids, weights, packed.w13, None, packed.w2, None, "silu")
+
+    try:
+        for d in (2, 0, 1, K):
+            set_runtime_deferred_experts(d)
+            torch.testing.assert_close(gm(**args), deferred_by_hand(args, d, op), rtol=0, atol=0)
+    finally:
+        set_runtime_deferred_experts(0)
+
+
+def test_bad_n_deferred_is_an_error():
+    gm = annotate(two_layers_gpu, {"x": "cuda"})
+    boundaries = insert_async_boundaries(gm, find_cpu_experts(gm), lambda call: 0, lambda: next(_sites))
+    for bad in ("later", 1.5, True):
+        with pytest.raises(ValueError, match="int >= 0 or 'runtime'"):
+            defer_experts(gm, boundaries, bad, lambda: next(_sites))

@@ -4,7 +4,8 @@ See backend.py for the stages, options.py for the options, experts_runtime.py fo
 """
 
 from ktorch.compile.backend import REPORTS, CompileReport, compile_graph, ktorch_backend
-from ktorch.compile.experts_runtime import RUNTIME, ExpertsRuntime
+from ktorch.compile.experts_runtime import RUNTIME, ExpertsRuntime, set_runtime_deferred_experts
 from ktorch.compile.options import BackendOptions
 
-__all__ = ["REPORTS", "RUNTIME", "BackendOptions", "CompileReport", "ExpertsRuntime", "compile_graph", "ktorch_backend"]
+__all__ = ["REPORTS", "RUNTIME", "BackendOptions", "CompileReport", "ExpertsRuntime", "compile_graph", "ktorch_backend",
+           "set_runtime_deferred_experts"]

@@ -178,6 +178,10 @@ class ExpertsRuntime:
         self._native_tasks: list = []  # _NativeHostFunctions made for captures (their timings are drained here)
         # KT_HOST_START=doorbell: one int64 counter per CUDA device, +1 per captured submit (never reset)
         self._doorbell_counters: dict = {}
+        # n_deferred_experts="runtime": how many slots per token graphs compiled so defer, one 0-dim int64 per
+        # device, set by set_runtime_deferred_experts and read by the graphs at run time (CUDA graphs included)
+        self.runtime_deferred = 0
+        self._deferred_counts: dict = {}
 
     # -- compile time
     def register_layer(self, w13, w13_scales, w2, w2_scales, activation: str) -> int:
@@ -201,6 +205,27 @@ class ExpertsRuntime:
             times = torch.ops.kt.host_task_take_times(task.handle)
             out += [(times[i], times[i + 1], task.tokens) for i in range(0, len(times), 2)]
         return sorted(out)
+
+    def set_runtime_deferred(self, n_deferred: int) -> None:
+        if isinstance(n_deferred, bool) or not isinstance(n_deferred, int) or n_deferred < 0:
+            raise ValueError(f"set_runtime_deferred_experts: n_deferred must be an int >= 0, got {n_deferred!r}")
+        self.runtime_deferred = n_deferred
+        for count in self._deferred_counts.values():
+            count.fill_(n_deferred)
+
+    def deferred_count(self, like: torch.Tensor) -> torch.Tensor:
+        """A copy of the deferred-slot count on ``like``'s device (under a CUDA-graph capture: a captured copy
+        of the device's count tensor, so replays read what set_runtime_deferred last wrote)."""
+        count = self._deferred_counts.get(like.device)
+        if count is None:
+            if like.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("ktorch: a graph compiled with n_deferred_experts='runtime' is being captured "
+                                   "before it ever ran uncaptured on this device (the count tensor must not come "
+                                   "from the capture's memory pool)")
+            with torch.inference_mode(False):
+                count = torch.full((), self.runtime_deferred, dtype=torch.int64, device=like.device)
+            self._deferred_counts[like.device] = count
+        return count.clone()
 
     def reset(self) -> None:
         """Forgets every layer and site, freeing the packed weights it held; graphs compiled before stop working."""
@@ -372,6 +397,26 @@ def submit_experts(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
 @submit_experts.register_fake
 def _submit_experts_fake(hidden, topk_ids, topk_weights, layer, site):
     return hidden.new_empty((0,), dtype=torch.uint8)
+
+
+@torch.library.custom_op("ktorch::deferred_experts_count", mutates_args=())
+def deferred_experts_count(like: torch.Tensor) -> torch.Tensor:
+    """How many slots per token a graph compiled with ``n_deferred_experts="runtime"`` defers now: a 0-dim int64
+    on ``like``'s device (``ktorch.compile.set_runtime_deferred_experts`` sets it)."""
+    return RUNTIME.deferred_count(like)
+
+
+@deferred_experts_count.register_fake
+def _deferred_experts_count_fake(like):
+    return like.new_empty((), dtype=torch.int64)
+
+
+def set_runtime_deferred_experts(n_deferred: int) -> None:
+    """Sets how many of each token's routed experts (the lowest-weighted) the graphs compiled with
+    ``options={"n_deferred_experts": "runtime"}`` defer, from their next run on, CUDA-graph replays included: one
+    compile serves every d (benchmarks sweep d without compiling again). Process-wide; d >= K defers all slots but
+    the last layer's; 0 defers nothing (the deferred calls then skip every slot)."""
+    RUNTIME.set_runtime_deferred(n_deferred)
 
 
 @torch.library.custom_op("ktorch::wait_experts", mutates_args=())

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Optional
+from typing import Optional, Union
 
 
 @dataclass
@@ -22,6 +22,9 @@ class BackendOptions:
     n_deferred_experts: per token, how many of its K routed experts (the lowest-weighted) each MoE layer but the
                      last defers to the next layer (passes/deferral.py, docs/deferral.md); 0 (default) defers
                      nothing and leaves the graph exactly as without the pass. Needs async_experts.
+                     "runtime": every deferred call is built and the count is read when the graph runs
+                     (``ktorch.compile.set_runtime_deferred_experts(d)``, process-wide, default 0), so one
+                     compile serves every d, CUDA-graph replays included (sweeps, A/B runs).
     """
 
     inductor: bool = True
@@ -29,7 +32,7 @@ class BackendOptions:
     overlap: bool = True
     cuda_graphs: bool = False
     inductor_config: dict = field(default_factory=dict)
-    n_deferred_experts: int = 0
+    n_deferred_experts: Union[int, str] = 0
 
     @classmethod
     def parse(cls, mode: Optional[str] = None, options: Optional[dict] = None) -> "BackendOptions":
@@ -52,8 +55,8 @@ class BackendOptions:
             else:
                 setattr(opts, key, value)
         d = opts.n_deferred_experts
-        if isinstance(d, bool) or not isinstance(d, int) or d < 0:
-            raise ValueError(f"ktorch backend: n_deferred_experts must be an int >= 0, got {d!r}")
+        if d != "runtime" and (isinstance(d, bool) or not isinstance(d, int) or d < 0):
+            raise ValueError(f"ktorch backend: n_deferred_experts must be an int >= 0 or 'runtime', got {d!r}")
         if d and not opts.async_experts:
             raise ValueError("ktorch backend: n_deferred_experts needs async_experts=True (deferral moves waits)")
         return opts

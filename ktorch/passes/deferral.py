@@ -67,7 +67,7 @@ class Deferral:
     wait: fx.Node  # its wait, right after the target's wait
     join: fx.Node  # target result + deferred result
     site: int
-    n_deferred: int
+    n_deferred: Optional[int]  # None: read at run time (n_deferred_experts="runtime")
 
 
 def _call(graph: fx.Graph, target, args: tuple, kwargs: Optional[dict] = None, stage: str = "") -> fx.Node:
@@ -92,14 +92,21 @@ def split_topk_slots(topk_ids: torch.Tensor, topk_weights: torch.Tensor, n_immed
     return torch.where(keep, topk_ids, -1), torch.where(keep, -1, topk_ids)
 
 
-def split_slots(graph: fx.Graph, topk_ids: fx.Node, topk_weights: fx.Node, n_immediate: int) -> tuple[fx.Node, fx.Node]:
+def split_slots(graph: fx.Graph, topk_ids: fx.Node, topk_weights: fx.Node, n_immediate: Optional[int],
+                k: Optional[int] = None) -> tuple[fx.Node, fx.Node]:
     """Nodes (ids_now, ids_later), inserted at the graph's current insertion point.
 
     topk_ids, topk_weights: [T, K]. ids_now keeps each token's ``n_immediate`` highest-weighted slots (ties to the
-    lower slot) and sets the others to -1; ids_later is the complement."""
+    lower slot) and sets the others to -1; ids_later is the complement. ``n_immediate=None``: K minus the
+    count ``ktorch::deferred_experts_count`` reads at run time (``k`` gives K)."""
     order = _call(graph, torch.argsort, (topk_weights,), dict(dim=-1, descending=True, stable=True), "split")
     rank = _call(graph, torch.argsort, (order,), dict(dim=-1, stable=True), "split")
-    keep = _call(graph, torch.lt, (rank, n_immediate), None, "split")
+    if n_immediate is None:  # rank + d < K
+        count = _call(graph, torch.ops.ktorch.deferred_experts_count.default, (topk_ids,), None, "split")
+        ranked = _call(graph, torch.add, (rank, count), None, "split")
+        keep = _call(graph, torch.lt, (ranked, k), None, "split")
+    else:
+        keep = _call(graph, torch.lt, (rank, n_immediate), None, "split")
     ids_now = _call(graph, torch.where, (keep, topk_ids, -1), None, "split")
     ids_later = _call(graph, torch.where, (keep, -1, topk_ids), None, "split")
     return ids_now, ids_later
@@ -108,17 +115,20 @@ def split_slots(graph: fx.Graph, topk_ids: fx.Node, topk_weights: fx.Node, n_imm
 def defer_experts(
     gm: fx.GraphModule,
     boundaries: list[Boundary],
-    n_deferred: int,
+    n_deferred,
     new_site: Callable[[], int],
     skipped: Optional[list] = None,
 ) -> list[Deferral]:
     """Defers the ``n_deferred`` lowest-weighted slots of every boundary but the last to the next boundary.
 
     ``boundaries``: the async boundaries of ``gm`` in graph order (one per MoE layer). ``n_deferred`` is capped at
-    each layer's K. Pairs that cannot be deferred (token counts differ or are unknown) are left as they are and
-    their reasons appended to ``skipped``. Returns the deferrals made, in graph order."""
-    if n_deferred < 0:
-        raise ValueError(f"defer_experts: n_deferred must be >= 0, got {n_deferred}")
+    each layer's K; ``"runtime"`` builds every deferred call and reads the count at run time
+    (``ktorch.compile.set_runtime_deferred_experts``), so one graph serves every d (its Deferral records carry
+    ``n_deferred=None``). Pairs that cannot be deferred (token counts differ or are unknown) are left as they are
+    and their reasons appended to ``skipped``. Returns the deferrals made, in graph order."""
+    runtime = n_deferred == "runtime"
+    if not runtime and (isinstance(n_deferred, bool) or not isinstance(n_deferred, int) or n_deferred < 0):
+        raise ValueError(f"defer_experts: n_deferred must be an int >= 0 or 'runtime', got {n_deferred!r}")
     if n_deferred == 0 or len(boundaries) < 2:
         return []
     graph = gm.graph
@@ -132,9 +142,9 @@ def defer_experts(
         hidden, topk_ids, topk_weights, layer, site = source.submit.args
         ids_value = node_value(topk_ids)
         k = ids_value.shape[-1]
-        d = min(n_deferred, k)
+        d = None if runtime else min(n_deferred, k)
         with graph.inserting_before(source.submit):
-            ids_now, ids_later = split_slots(graph, topk_ids, topk_weights, k - d)
+            ids_now, ids_later = split_slots(graph, topk_ids, topk_weights, None if runtime else k - d, k)
         source.submit.args = (hidden, ids_now, topk_weights, layer, site)
         deferred_site = new_site()
         with graph.inserting_after(source.submit):
