@@ -147,14 +147,20 @@ def deferred_by_hand(args, n_deferred, experts):
     return h
 
 
-@pytest.mark.parametrize("n_deferred", [0, 1, 2])
-def test_rewritten_graph_computes_deferral_semantics(n_deferred):
+def three_layer_args():
+    """Inputs of three_layers_cpu (random packed bf16 experts) and the packed experts."""
     gate_up = torch.randn(E, 2 * I, H) / H**0.5
     down = torch.randn(E, H, I) / I**0.5
     packed = ktorch.pack_experts(gate_up, down, "bf16")
     args = dict(x=torch.randn(T, H, dtype=torch.bfloat16), ids=torch.zeros(T, K, dtype=torch.int64),
                 w=torch.zeros(T, K), w13=packed.w13, w2=packed.w2,
                 shared=torch.randn(I, H, dtype=torch.bfloat16) / H**0.5)
+    return args, packed
+
+
+@pytest.mark.parametrize("n_deferred", [0, 1, 2])
+def test_rewritten_graph_computes_deferral_semantics(n_deferred):
+    args, packed = three_layer_args()
     gm = fx.symbolic_trace(three_layers_cpu)
     no_deferral = gm(**args)
     FakeTensorProp(gm).propagate(*[args[n.target] for n in gm.graph.nodes if n.op == "placeholder"])
@@ -180,12 +186,7 @@ def test_runtime_count_graph_computes_each_d():
     semantics of whatever d set_runtime_deferred_experts last set (0 included), exactly."""
     from ktorch.compile import set_runtime_deferred_experts
 
-    gate_up = torch.randn(E, 2 * I, H) / H**0.5
-    down = torch.randn(E, H, I) / I**0.5
-    packed = ktorch.pack_experts(gate_up, down, "bf16")
-    args = dict(x=torch.randn(T, H, dtype=torch.bfloat16), ids=torch.zeros(T, K, dtype=torch.int64),
-                w=torch.zeros(T, K), w13=packed.w13, w2=packed.w2,
-                shared=torch.randn(I, H, dtype=torch.bfloat16) / H**0.5)
+    args, packed = three_layer_args()
     gm = fx.symbolic_trace(three_layers_cpu)
     FakeTensorProp(gm).propagate(*[args[n.target] for n in gm.graph.nodes if n.op == "placeholder"])
     layer = RUNTIME.register_layer(packed.w13, None, packed.w2, None, "silu")
