@@ -144,8 +144,13 @@ def test_grouped_mm_kernel_compiles_with_inductor():
     torch._dynamo.reset()
     compiled = torch.compile(gpu_experts_forward, fullgraph=True)
     got = compiled(hidden, slots, weights, w13, w2, "silu", "grouped_mm")
-    want = gpu_experts_forward(hidden, slots, weights, w13, w2, "silu", "grouped_mm")
-    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    eager = gpu_experts_forward(hidden, slots, weights, w13, w2, "silu", "grouped_mm")
+    # Norm-wise errors: Inductor keeps some bf16 intermediates in fp32 where eager rounds them, and an output that
+    # is a small difference of O(1) terms can then move by a bf16 ulp of the terms (seen: 0.025 on a 0.16).
+    want = fused_moe_reference(hidden, slots, weights, w13.transpose(1, 2), w2.transpose(1, 2))
+    assert relative_error(eager, want) < 2e-2
+    assert relative_error(got, want) < 2e-2
+    assert relative_error(got, eager) < 2e-2
 
 
 @needs_cuda
