@@ -182,11 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def resolve_model_path(model: str) -> Path:
     """The checkpoint folder for ``--model``: ktorch/builtin for 'builtin', else the given folder (checked)."""
-    if model == "builtin":
-        from ktorch.builtin import BUILTIN_PATH
+    from ktorch.loading import builtin_or_path
 
-        return BUILTIN_PATH
-    path = Path(model).expanduser()
+    path = builtin_or_path(model)
     if not path.exists():
         raise CLIError(f"--model {model}: no such file or folder; give a transformers checkpoint folder, a .gguf file "
                        "or 'builtin'")

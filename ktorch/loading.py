@@ -11,15 +11,21 @@ from torch import nn
 from ktorch.integrations.checkpoint_loading import CheckpointError, CheckpointSource, build_model
 
 
-def open_checkpoint(path: Union[str, Path]) -> CheckpointSource:
-    """The ``CheckpointSource`` for ``path``: a .gguf file (the first part of a split one), a folder with
-    config.json and safetensors files, or "builtin" (the small model shipped in ktorch/builtin, as on the command
-    line) where no such file exists. Raises ``CheckpointError`` naming the path otherwise."""
-    if str(path) == "builtin" and not Path("builtin").exists():
+def builtin_or_path(path: Union[str, Path]) -> Path:
+    """The name "builtin" -> the small model shipped in ktorch/builtin (a folder of that name is "./builtin");
+    anything else -> that path, user-expanded. ``load`` and the command line's ``--model`` both read names so."""
+    if str(path) == "builtin":
         from ktorch.builtin import BUILTIN_PATH
 
-        path = BUILTIN_PATH
-    path = Path(path).expanduser()
+        return BUILTIN_PATH
+    return Path(path).expanduser()
+
+
+def open_checkpoint(path: Union[str, Path]) -> CheckpointSource:
+    """The ``CheckpointSource`` for ``path``: a .gguf file (the first part of a split one), a folder with
+    config.json and safetensors files, or "builtin" (``builtin_or_path``). Raises ``CheckpointError`` naming the
+    path otherwise."""
+    path = builtin_or_path(path)
     if not path.exists():
         raise CheckpointError(path, "no such file or folder")
     if path.is_file():
