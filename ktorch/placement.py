@@ -11,6 +11,7 @@ from torch import nn
 from ktorch._library import leave_a_core_for_the_launcher
 
 from ktorch.integrations.deferral import set_deferred_experts as set_chain
+from ktorch.passes.deferral import is_deferred_count
 from ktorch.experts_profile import ExpertsProfile
 from ktorch.integrations.transformers_experts import (
     IMPLEMENTATION_NAME,
@@ -243,7 +244,7 @@ def set_deferred_experts(model: nn.Module, n_deferred: int) -> nn.Module:
     Applies to eager forwards of the prepared ``model`` and to ``generate``'s compiled decoding (its
     ``compile_config.options["n_deferred_experts"]``). A model compiled by hand takes the option itself:
     ``torch.compile(model, backend="ktorch", options={"n_deferred_experts": d})``."""
-    if isinstance(n_deferred, bool) or not isinstance(n_deferred, int) or n_deferred < 0:
+    if not is_deferred_count(n_deferred):
         raise ValueError(f"set_deferred_experts: n_deferred must be an int >= 0, got {n_deferred!r}")
     set_chain([m for _, m in experts_modules(model)], n_deferred)
     config = getattr(getattr(model, "generation_config", None), "compile_config", None)

@@ -207,7 +207,9 @@ class ExpertsRuntime:
         return sorted(out)
 
     def set_runtime_deferred(self, n_deferred: int) -> None:
-        if isinstance(n_deferred, bool) or not isinstance(n_deferred, int) or n_deferred < 0:
+        from ktorch.passes.deferral import is_deferred_count
+
+        if not is_deferred_count(n_deferred):
             raise ValueError(f"set_runtime_deferred_experts: n_deferred must be an int >= 0, got {n_deferred!r}")
         self.runtime_deferred = n_deferred
         for count in self._deferred_counts.values():

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Optional, Union
 
+from ktorch.passes.deferral import is_deferred_count
+
 
 @dataclass
 class BackendOptions:
@@ -55,7 +57,7 @@ class BackendOptions:
             else:
                 setattr(opts, key, value)
         d = opts.n_deferred_experts
-        if d != "runtime" and (isinstance(d, bool) or not isinstance(d, int) or d < 0):
+        if not is_deferred_count(d, runtime_ok=True):
             raise ValueError(f"ktorch backend: n_deferred_experts must be an int >= 0 or 'runtime', got {d!r}")
         if d and not opts.async_experts:
             raise ValueError("ktorch backend: n_deferred_experts needs async_experts=True (deferral moves waits)")

@@ -70,6 +70,13 @@ class Deferral:
     n_deferred: Optional[int]  # None: read at run time (n_deferred_experts="runtime")
 
 
+def is_deferred_count(value, runtime_ok: bool = False) -> bool:
+    """Whether ``value`` is a number of deferred slots: an int >= 0 (not a bool), or "runtime" if ``runtime_ok``."""
+    if runtime_ok and value == "runtime":
+        return True
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def _call(graph: fx.Graph, target, args: tuple, kwargs: Optional[dict] = None, stage: str = "") -> fx.Node:
     node = graph.call_function(target, args, kwargs or {})
     node.meta[DEFERRAL] = stage
@@ -127,7 +134,7 @@ def defer_experts(
     ``n_deferred=None``). Pairs that cannot be deferred (token counts differ or are unknown) are left as they are
     and their reasons appended to ``skipped``. Returns the deferrals made, in graph order."""
     runtime = n_deferred == "runtime"
-    if not runtime and (isinstance(n_deferred, bool) or not isinstance(n_deferred, int) or n_deferred < 0):
+    if not is_deferred_count(n_deferred, runtime_ok=True):
         raise ValueError(f"defer_experts: n_deferred must be an int >= 0 or 'runtime', got {n_deferred!r}")
     if n_deferred == 0 or len(boundaries) < 2:
         return []
