@@ -38,6 +38,7 @@ unpack_ktorch() {
   rm -rf /tmp/src && mkdir -p /tmp/src && tar xf "$REPO/.device-out/src.tar" -C /tmp/src && cp -r "$REPO/.whl" /tmp/src/
   [ -f "$REPO/.device-out/prebuilt/prebuilt.id" ] && [ ! -f /tmp/prebuilt/prebuilt.id ] && cp -r "$REPO/.device-out/prebuilt" /tmp/
   export KT_PREBUILT_DIR=/tmp/prebuilt
+  cd /tmp/src || exit 1  # every phase runs there
 }
 
 save_prebuilt() {
@@ -70,7 +71,6 @@ case $phase in
   tests)
     start_llamacpp
     unpack_ktorch
-    cd /tmp/src || exit 1
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     xdist="-n ${TEST_WORKERS:-4}"
     mkdir -p /tmp/xd && echo "def test_x(): pass" > /tmp/xd/test_x.py
@@ -88,14 +88,12 @@ case $phase in
   kernels)
     busy_warning
     unpack_ktorch
-    cd /tmp/src || exit 1
     KERNELS_OVERHEAD=${KERNELS_OVERHEAD:-1} KERNELS_AVX_TIMEOUT=${KERNELS_AVX_TIMEOUT:-$(( $(left) - 60 ))} \
       KERNELS_KT_TIMEOUT=${KERNELS_KT_TIMEOUT:-1} STEP_TIMEOUT=$(( $(left) - 10 )) bash scripts/device_check.sh kernels
     save_prebuilt ;;
   e2e)
     busy_warning
     unpack_ktorch
-    cd /tmp/src || exit 1
     DEFERRED=${DEFERRED:-0,2} GPU_EXPERTS=${GPU_EXPERTS:-0.25} DEFER_TIMEOUT=${DEFER_TIMEOUT:-$(( $(left) - 90 ))} \
       E2E_TIMEOUT=${E2E_TIMEOUT:-1} STEP_TIMEOUT=$(( $(left) - 10 )) bash scripts/device_check.sh e2e
     save_prebuilt ;;
@@ -103,20 +101,17 @@ case $phase in
     restore_llamacpp
     LCPP_WAIT_S=${LCPP_WAIT_S:-150} bash scripts/device_step_llamacpp_build.sh
     unpack_ktorch
-    cd /tmp/src || exit 1
     VS_TYPES=${VS_TYPES:-Q8_0} VS_TIMEOUT=$(( $(left) - 60 )) VS_ARGS=${VS_ARGS:---variants cuda_graphs --llama-reps 3} \
       STEP_TIMEOUT=$(( $(left) - 10 )) bash scripts/device_check.sh vs_llamacpp
     save_prebuilt ;;
   gguf)
     busy_warning
     unpack_ktorch
-    cd /tmp/src || exit 1
     GGUF_TIMEOUT=$(( $(left) - 150 )) STEP_TIMEOUT=$(( $(left) - 10 )) bash scripts/device_check.sh gguf
     save_prebuilt ;;
   step)
     busy_warning
     unpack_ktorch
-    cd /tmp/src || exit 1
     STEP_TIMEOUT=$(( $(left) - 10 )) bash scripts/device_check.sh "${2:?step: which device_check.sh step}"
     save_prebuilt ;;
   *) echo "unknown phase $phase"; exit 2 ;;
