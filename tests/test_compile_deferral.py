@@ -14,6 +14,7 @@ import torch
 
 import ktorch
 from ktorch.compile import REPORTS, RUNTIME, BackendOptions
+from ktorch.compile.experts_runtime import native_host_tasks
 from ktorch.integrations.transformers_experts import ktorch_experts_forward
 from models import FAMILIES, PROMPT, decode_step_inputs, moe_experts_modules, teacher_forced_decode, tiny_model
 
@@ -235,6 +236,7 @@ def test_cuda_compiled_deferral_decode_matches_eager_deferral(family, cuda_graph
     torch._dynamo.reset()
     model = ktorch.prepare(tiny_model(family), device="cuda", deferred_experts=1)
     n_moe = len(moe_experts_modules(model))
+    implied_before = RUNTIME.stats["implied_joins"]
     torch.manual_seed(1)
     eager_kwargs = decode_step_inputs(model)
     compiled_kwargs = copy.copy(eager_kwargs)
@@ -254,6 +256,8 @@ def test_cuda_compiled_deferral_decode_matches_eager_deferral(family, cuda_graph
     if cuda_graphs:
         assert RUNTIME.stats["submits"] == before.get("submits", 0)
         assert RUNTIME.stats["host_waits"] == before.get("host_waits", 0)
+        # native host functions: each deferred wait rides on the next layer's join (no host function of its own)
+        assert RUNTIME.stats["implied_joins"] - implied_before >= (n_moe - 1 if native_host_tasks() else 0)
 
 
 @needs_cuda

@@ -148,7 +148,7 @@ class _Site:
     def __init__(self):
         self.pending: collections.deque = collections.deque()  # tasks submitted and not yet waited for
         self.staging: dict = {}  # shape key -> _Staging
-        self.captured_pending: collections.deque = collections.deque()
+        self.captured_pending: collections.deque = collections.deque()  # (staging, capture number)
 
     def staging_for(self, hidden, topk_ids, topk_weights) -> _Staging:
         key = (tuple(hidden.shape), hidden.dtype, tuple(topk_ids.shape), topk_ids.dtype, topk_weights.dtype)
@@ -166,7 +166,7 @@ class ExpertsRuntime:
         self._sites: dict[int, _Site] = collections.defaultdict(_Site)
         self._site_ids = itertools.count()
         self.worker = ExpertsWorker()
-        # submits / host_waits / captured_submits, and experts_calls / experts_ns (kt.fused_moe time, Python host
+        # submits / host_waits / captured_submits / implied_joins, and experts_calls / experts_ns (kt.fused_moe time, Python host
         # functions and eager calls; the native host tasks' calls are in take_native_timeline), for tests and benchmarks
         self.stats = collections.Counter()
         # Called on the worker thread as observe(layer, hidden, topk_ids, topk_weights) before each experts call
@@ -176,6 +176,11 @@ class ExpertsRuntime:
         # clock (profilers do not see the worker thread; benchmarks/bench_e2e.py aligns these with its trace).
         self.timeline: Optional[list] = None
         self._native_tasks: list = []  # _NativeHostFunctions made for captures (their timings are drained here)
+        # Captured submits are numbered in stream order; _joined_through is the highest number whose join host
+        # function a capture has launched. The native worker runs calls in that order, so a captured wait of an
+        # earlier call needs no join of its own (deferral's waits, each behind the next layer's join).
+        self._capture_numbers = itertools.count(1)
+        self._joined_through = 0
         # KT_HOST_START=doorbell: one int64 counter per CUDA device, +1 per captured submit (never reset)
         self._doorbell_counters: dict = {}
         # n_deferred_experts="runtime": how many slots per token graphs compiled so defer, one 0-dim int64 per
@@ -281,8 +286,13 @@ class ExpertsRuntime:
             return state.pending.popleft().join()
         out = torch.empty_like(hidden, memory_format=torch.contiguous_format)
         if torch.cuda.is_current_stream_capturing():
-            staging = state.captured_pending.popleft()  # the staging this capture's submit at this site used
-            staging.host_functions[1].launch()
+            # the staging this capture's submit at this site used, and that submit's number
+            staging, number = state.captured_pending.popleft()
+            if self.join_implied(staging, number):
+                self.stats["implied_joins"] += 1
+            else:
+                staging.host_functions[1].launch()
+                self._joined_through = max(self._joined_through, number)
         else:
             self.stats["host_waits"] += 1
             staging = state.pending.popleft().join()
@@ -308,8 +318,17 @@ class ExpertsRuntime:
                 running.popleft().join()
 
             staging.host_functions = (HostFunction(start), HostFunction(join))
-        state.captured_pending.append(staging)
+        state.captured_pending.append((staging, next(self._capture_numbers)))
         return staging.host_functions
+
+    def join_implied(self, staging: _Staging, number: int) -> bool:
+        """Whether a captured wait for the submit numbered ``number`` can go without its join host function: the
+        capture has already joined a later submit, and native host tasks run one at a time in submission order
+        (one C++ worker; doorbell tasks by their sequence numbers, which follow the stream), so the stream is past
+        the end of this call too. Python host functions keep every join (their join pops the call it waits for).
+        Deferral's waits are such: layer i's deferred call is submitted before layer i+1's and waited for after
+        it, so each would otherwise cost the stream one more host function round trip (~50 us on the H100 host)."""
+        return isinstance(staging.host_functions, _NativeHostFunctions) and number < self._joined_through
 
 
 def native_host_tasks() -> bool:
