@@ -220,6 +220,19 @@ class ExpertsRuntime:
         for count in self._deferred_counts.values():
             count.fill_(n_deferred)
 
+    def prepare_device(self, device: torch.device) -> None:
+        """Makes ``device``'s deferred-slot count and doorbell counter (CUDA devices), if not made yet. Called by the
+        backend at compile time: made lazily by a graph's first run instead, they would come from the memory pool
+        of CUDA-graph trees (its warm-up run allocates there), which must hold no tensor outliving a replay."""
+        if device.type != "cuda":
+            return
+        with torch.inference_mode(False):  # updated in place later, whatever mode the caller is in then
+            if device not in self._deferred_counts:
+                self._deferred_counts[device] = torch.full((), self.runtime_deferred, dtype=torch.int64,
+                                                           device=device)
+            if device not in self._doorbell_counters:  # its numbers only grow for the life of the process
+                self._doorbell_counters[device] = torch.zeros(1, dtype=torch.int64, device=device)
+
     def deferred_count(self, like: torch.Tensor) -> torch.Tensor:
         """A copy of the deferred-slot count on ``like``'s device (under a CUDA-graph capture: a captured copy
         of the device's count tensor, so replays read what set_runtime_deferred last wrote)."""
