@@ -9,6 +9,9 @@ mkdir -p "$OUT"
 steps=${*:-tests bench}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 log() { echo "== $(date +%T) $*"; }
+# pytest under `timeout` dies alone: its xdist workers (execnet children) go on running tests, and a measurement
+# after them reads a loaded machine (seen: Qwen3 decode at half speed). Every test step ends with this sweep.
+sweep() { pkill -9 -f "exec\(eval\(sys.stdin" 2> /dev/null; sleep 1; }  # (no command line of ours holds it)
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
@@ -36,12 +39,14 @@ if [ -z "$prebuilt" ]; then
   strip --strip-debug -o "$OUT/$(basename "$so")" "$so" && echo "$src_id" > "$OUT/prebuilt.id"
 fi
 python3 -c "import ktorch; print(ktorch.cpu_features())" 2>&1 | tee -a "$OUT/machine.txt"
+# what else runs (a measurement on a busy machine is not a result): the top CPU users, over 5% of a core
+ps -eo pcpu=,comm=,args= --sort=-pcpu | awk '$1 > 5' | head -5 | cut -c1-160 | sed 's/^/busy: /'
 for s in $steps; do
   case $s in
     tests)
       log "tests"
       KT_FAILURES_LOG="$OUT/failures.log" timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider --timeout=240 --durations=15 --tb=short -rfE ${TESTS_ARGS:-} ${TESTS:-tests} \
-        > "$OUT/tests.log" 2>&1; grep -E "passed|failed|^FAILED|^ERROR" "$OUT/tests.log" | tail -40 ;;
+        > "$OUT/tests.log" 2>&1; sweep; grep -E "passed|failed|^FAILED|^ERROR" "$OUT/tests.log" | tail -40 ;;
     ptests)
       # the whole suite as two concurrent halves (the GPU/compile files, and the rest with half the cores each)
       log "tests, two halves at once"
@@ -53,18 +58,18 @@ for s in $steps; do
         KT_FAILURES_LOG="$OUT/failures_$part.log" OMP_NUM_THREADS=$half KT_NUM_THREADS=$(( half - 1 )) timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q \
           -p no:cacheprovider --timeout=240 --durations=10 --tb=short -rfE ${!part} > "$OUT/tests_$part.log" 2>&1 &
       done
-      wait
+      wait; sweep
       for part in gpu cpu; do echo "[$part]"; grep -E "passed|failed|^FAILED|^ERROR" "$OUT/tests_$part.log" | tail -25; done ;;
     forcedtests)
       # issue 3: the whole suite with the AMX kernels and a 2-way NUMA split forced
       log "full suite, AMX and NUMA split forced"
       KT_CPU_KERNEL=amx KT_NUMA_SPLIT=2 timeout ${FORCED_TIMEOUT:-480} python3 -m pytest -q -p no:cacheprovider --timeout=240 \
-        --tb=short -rfE tests > "$OUT/forcedtests.log" 2>&1; grep -E "passed|failed|^FAILED|^ERROR" "$OUT/forcedtests.log" | tail -30 ;;
+        --tb=short -rfE tests > "$OUT/forcedtests.log" 2>&1; sweep; grep -E "passed|failed|^FAILED|^ERROR" "$OUT/forcedtests.log" | tail -30 ;;
     amxtests)
       # the op suite with the AMX kernels forced (KT_CPU_KERNEL=amx: an error where AMX is absent)
       log "op tests, AMX forced"
       KT_CPU_KERNEL=amx timeout ${AMXTESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider --timeout=200 --tb=short -rfE \
-        tests/test_ops_fused_moe.py tests/test_ops_pack.py > "$OUT/amxtests.log" 2>&1; tail -15 "$OUT/amxtests.log" ;;
+        tests/test_ops_fused_moe.py tests/test_ops_pack.py > "$OUT/amxtests.log" 2>&1; sweep; tail -15 "$OUT/amxtests.log" ;;
     bench)
       log "bench_fused_moe"
       python3 benchmarks/bench_fused_moe.py --min-seconds 1 > "$OUT/bench_fused_moe.log" 2>&1; grep -E "^\||machine|L3|skip|fail" "$OUT/bench_fused_moe.log" ;;
