@@ -5,8 +5,9 @@ test's KT_TEST_SEED; the eager logits check the test makes first draws no random
 variant, the tokens, the largest logit difference per step against HF eager and, for ktorch (whose runtime
 records its experts calls), the relative difference of each experts (= router) input against HF eager's:
     python scripts/diag_greedy_flip.py --seed 769923218 --family deepseek_v3
-Variants: ktorch under CUDA graphs (the failing case), ktorch compiled without them, and the unprepared HF model
-compiled by Inductor under CUDA graphs (no ktorch: a difference there is not ktorch's).
+Variants: ktorch under CUDA graphs (the failing case) and ktorch compiled without them. (HF's own DeepSeek-V3
+experts loop cannot be compiled with fullgraph, so there is no plain-Inductor variant.) What it found in session 8:
+the recorder's fp32 copies aliased the runtime's pinned staging buffer (fixed in tests/models.py).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seed", type=int, required=True)
     parser.add_argument("--family", default="deepseek_v3")
-    parser.add_argument("--variants", default="ktorch_graphs,ktorch,inductor_graphs")
+    parser.add_argument("--variants", default="ktorch_graphs,ktorch")
     parser.add_argument("--calls", type=int, default=80, help="experts calls to print")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (variant ktorch)")
     args = parser.parse_args()

@@ -134,7 +134,10 @@ class RoutingRecorder:
         RUNTIME.observers.append(self._observe)
 
     def _record(self, name, hidden, ids):
-        self.calls.append((name, hidden.detach().float().cpu(), ids.detach().cpu().sort(-1).values))
+        # a copy whatever the dtype and device: an fp32 CPU tensor's .float().cpu() is the tensor itself, and the
+        # runtime's observer is handed its pinned staging buffer, which the next call at that site overwrites
+        hidden = hidden.detach().to("cpu", torch.float32, copy=True)
+        self.calls.append((name, hidden, ids.detach().cpu().sort(-1).values))
 
     def _hook(self, name):
         def hook(module, args):
