@@ -315,8 +315,71 @@ def time_variant(model, variant: str, device: str, prompts: list[int], decode_to
         result["experts_calls_per_step"] = experts_calls / decode_tokens
         result["host_waits_per_step"] = (stats["host_waits"] - stats0.get("host_waits", 0)) / decode_tokens
         result["python_submits_per_step"] = (stats["submits"] - stats0.get("submits", 0)) / decode_tokens
+        result.update(call_gap_stats(native))
     result["runner"] = runner
     return result
+
+
+def call_gap_stats(timeline: list) -> dict:
+    """Distribution of the CPU experts calls (native host tasks, under CUDA graphs) without a profiler: each
+    call's duration and the gap from one call's end to the next one's start (the hop to the GPU and back, plus
+    the GPU work between, in a healthy decode step ~0.1-0.3 ms; a thread the scheduler left waiting shows as a
+    call or gap milliseconds long). Microseconds; empty without a timeline."""
+    if len(timeline) < 2:
+        return {}
+    calls = sorted((end - start) / 1e3 for start, end, _ in timeline)
+    gaps = sorted((b[0] - a[1]) / 1e3 for a, b in zip(timeline, timeline[1:]) if b[0] >= a[1])
+
+    def q(xs, f):
+        return xs[min(len(xs) - 1, int(f * len(xs)))] if xs else 0.0
+
+    return {"call_us_p50": q(calls, 0.5), "call_us_p99": q(calls, 0.99), "call_us_max": calls[-1],
+            "gap_us_p50": q(gaps, 0.5), "gap_us_p90": q(gaps, 0.9), "gap_us_max": gaps[-1] if gaps else 0.0,
+            "calls_over_1ms": sum(c > 1000 for c in calls), "gaps_over_1ms": sum(g > 1000 for g in gaps)}
+
+
+def parse_pool_sweep(spec: str) -> list[tuple[int, int]]:
+    """'15:2000,13:400' -> [(15, 2000), (13, 400)]: (pool threads, KT_SPIN_US) per decode re-timing."""
+    out = []
+    for item in spec.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        threads, _, spin = item.partition(":")
+        try:
+            out.append((int(threads), int(spin) if spin else int(os.environ.get("KT_SPIN_US", "2000"))))
+        except ValueError:
+            raise SystemExit(f"--pool-sweep: want THREADS[:SPIN_US],..., got {item!r}") from None
+        if out[-1][0] < 1 or out[-1][1] < 0:
+            raise SystemExit(f"--pool-sweep: threads >= 1 and spin >= 0, got {item!r}")
+    return out
+
+
+@torch.no_grad()
+def pool_sweep(model, runner, variant: str, device: str, decode_tokens: int, decode_context: int, vocab: int,
+               settings: list[tuple[int, int]]) -> list[dict]:
+    """Decode re-timed on the same compiled model (no new compile or capture) for each (pool threads, KT_SPIN_US):
+    the pool is rebuilt between runs (ktorch.set_num_threads re-reads KT_SPIN_US), the host-task worker and
+    CUDA's callback thread stay. Restores the pool size and KT_SPIN_US it found."""
+    size, spin = ktorch.get_num_threads(), os.environ.get("KT_SPIN_US")
+    rows = []
+    try:
+        for threads, spin_us in settings:
+            sync(device)
+            os.environ["KT_SPIN_US"] = str(spin_us)
+            torch.ops.kt.set_num_threads(threads)  # (the op: leaves ktorch's "size chosen" flag alone)
+            r = time_variant(model, variant, device, [], decode_tokens, decode_context, 1, vocab, runner=runner)
+            r.pop("runner")
+            r.update(pool_threads=threads, spin_us=spin_us)
+            rows.append(r)
+    finally:
+        sync(device)
+        if spin is None:
+            os.environ.pop("KT_SPIN_US", None)
+        else:
+            os.environ["KT_SPIN_US"] = spin
+        torch.ops.kt.set_num_threads(size)
+    return rows
 
 
 # ---------------------------------------------------------------- the decode-step profile
@@ -516,6 +579,10 @@ def main(argv=None) -> None:
     parser.add_argument("--stream-experts", default="off",
                         help="';'-separated prefill streaming settings for the ktorch variants: off, auto, or "
                              "'min_tokens:experts_or_fraction,...' (e.g. 512:0.3,2048:0.45)")
+    parser.add_argument("--pool-sweep", default="",
+                        help="after each ktorch variant's decode, re-time it (same compile) per pool setting "
+                             "THREADS[:KT_SPIN_US],... e.g. '15:2000,13:2000,15:300' (whether the pool's spinning "
+                             "workers and CUDA's host-function thread fight for the cores)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for traces")
     parser.add_argument("--json", default=None, help="append results as JSON lines to this file")
     args = parser.parse_args(argv)
@@ -534,6 +601,7 @@ def main(argv=None) -> None:
         if variant not in VARIANTS:
             raise SystemExit(f"unknown variant {variant!r}; choose from {VARIANTS}")
     streams = [parse_stream_plan(spec) for spec in args.stream_experts.split(";") if spec.strip()]
+    sweep = parse_pool_sweep(args.pool_sweep)
     runs = [(v, stream) for v in variants for stream in (streams if v != "hf_offload" else ["off"])]
     rows = []
     model = None  # the ktorch variants share one placed model
@@ -564,6 +632,9 @@ def main(argv=None) -> None:
         if args.profile and variant != "hf_offload":
             r["profile"] = profile_decode(runner, 5, args.out, f"{args.shape}_{variant}")
             r["overlap_nodes"] = describe_overlap()
+        if sweep and decode and variant != "hf_offload":
+            r["pool_sweep"] = pool_sweep(model, runner, variant, args.device, decode, args.decode_context,
+                                         model.config.vocab_size, sweep)
         rows.append(r)
         print(json.dumps({k: v for k, v in r.items() if k != "machine"}, default=str), flush=True)
         if args.json:
@@ -587,6 +658,17 @@ def main(argv=None) -> None:
         plan = r.get("stream_plan") or {}
         streamed = ", ".join(f"{n} from {t} tokens" for t, n in plan.items()) or "none"
         print(f"| {r['variant']} | {streamed} | " + " | ".join(f"{r[c]:.2f}" if c in r else "-" for c in cols) + " |")
+    gap_cols = ("call_us_p50", "call_us_p99", "gap_us_p50", "gap_us_p90", "gap_us_max", "calls_over_1ms", "gaps_over_1ms")
+    for r in rows:
+        if "pool_sweep" not in r:
+            continue
+        print(f"\npool sweep, {r['variant']} (decode re-timed on the same compiled model; CPU calls and the gaps "
+              "between them from the native host tasks' timeline, us):")
+        print("| pool threads | KT_SPIN_US | decode tok/s | cpu experts ms per step | " + " | ".join(gap_cols) + " |")
+        print("|---|---|---|---|" + "---|" * len(gap_cols))
+        for p in r["pool_sweep"]:
+            print(f"| {p['pool_threads']} | {p['spin_us']} | {p['decode_tok_s']:.2f} | {p['cpu_experts_ms_per_step']:.2f} | "
+                  + " | ".join(f"{p.get(c, 0):.0f}" for c in gap_cols) + " |")
     for r in rows:
         if "stream_calibration" in r:
             c = r["stream_calibration"]

@@ -61,3 +61,26 @@ def test_gpu_work_under_experts_clips_to_the_window_and_to_the_step():
 def test_a_result_copy_without_input_copies_opens_no_window():
     events = [copy(0, 2, "HtoD"), kernel(10, 10), copy(30, 2, "HtoD")]
     assert e2e.gpu_work_under_experts(events, 0, 100) == (0, 0)
+
+
+def test_call_gap_stats_show_a_stalled_call_and_gap():
+    # (start_ns, end_ns, tokens): 20 calls of 400 us with 200 us gaps, one call stretched by 1.9 ms and one gap too
+    timeline, t = [], 0
+    for i in range(20):
+        dur = 400_000 + (1_900_000 if i == 7 else 0)
+        timeline.append((t, t + dur, 1))
+        t += dur + 200_000 + (1_900_000 if i == 12 else 0)
+    stats = e2e.call_gap_stats(timeline)
+    assert stats["call_us_p50"] == pytest.approx(400) and stats["call_us_max"] == pytest.approx(2300)
+    assert stats["gap_us_p50"] == pytest.approx(200) and stats["gap_us_max"] == pytest.approx(2100)
+    assert stats["calls_over_1ms"] == 1 and stats["gaps_over_1ms"] == 1
+    assert e2e.call_gap_stats(timeline[:1]) == {}
+
+
+def test_parse_pool_sweep(monkeypatch):
+    monkeypatch.setenv("KT_SPIN_US", "777")
+    assert e2e.parse_pool_sweep("15:2000, 13,") == [(15, 2000), (13, 777)]
+    assert e2e.parse_pool_sweep("") == []
+    for bad in ("x:1", "0:100", "4:-1"):
+        with pytest.raises(SystemExit, match="--pool-sweep"):
+            e2e.parse_pool_sweep(bad)
