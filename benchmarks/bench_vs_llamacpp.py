@@ -199,12 +199,13 @@ def find_llama_bench(path: Optional[str]) -> Optional[str]:
 
 
 def run_ktorch(gguf: Path, device: str, variants: list[str], prompts: list[int], gen: int, decode_context: int,
-               repeats: int, options: Optional[dict], streams: Sequence = ("off",)) -> Iterator[dict]:
+               repeats: int, options: Optional[dict] | Sequence[Optional[dict]], streams: Sequence = ("off",)) -> Iterator[dict]:
     """Loads ``gguf`` with ktorch.load and times each variant with bench_e2e's ``time_variant``; yields one dict
     per variant, as soon as it is measured, with ``tests`` {"pp512": tok/s, ..., "tg64": tok/s} and bench_e2e's
     raw fields (or ``error``). Each prefill streaming setting in ``streams`` (``ktorch.set_stream_experts``: "off",
     "auto" or a table) gets its own line per variant, the variant named "VARIANT+stream=SETTING"; decode is timed
-    with the first setting only (decode never streams)."""
+    with the first setting only (decode never streams). ``options`` may be a list of backend option sets (e.g.
+    ``[None, {"n_deferred_experts": 2}]``): each runs every variant, named "VARIANT+OPTIONS" when not None."""
     import traceback
 
     import torch
@@ -225,15 +226,18 @@ def run_ktorch(gguf: Path, device: str, variants: list[str], prompts: list[int],
     experts = {getattr(m, "kt_format", "?") for _, m in _experts_modules(model)}
     print(f"ktorch.load: {load_s:.1f} s, experts {sorted(experts) or '?'}, other weights "
           f"{next(model.parameters()).dtype} on {device}", flush=True)
-    for variant, stream in [(v, st) for v in variants for st in streams]:
+    option_sets = list(options) if isinstance(options, (list, tuple)) else [options]
+    for variant, opts, stream in [(v, o, st) for v in variants for o in option_sets for st in streams]:
         first = stream == streams[0]
-        label = variant if stream == "off" else f"{variant}+stream={json.dumps(stream) if isinstance(stream, dict) else stream}"
+        label = variant if not opts else f"{variant}+{json.dumps(opts, separators=(',', ':'))}"
+        if stream != "off":
+            label += f"+stream={json.dumps(stream) if isinstance(stream, dict) else stream}"
         torch._dynamo.reset()
         t0 = time.perf_counter()
         try:
             ktorch.set_stream_experts(model, stream)
             r = bench_e2e.time_variant(model, variant, device, prompts, gen if first else 0, decode_context, repeats,
-                                       model.config.vocab_size, options)
+                                       model.config.vocab_size, opts)
             r["variant"] = label
             r["stream_plan"] = ktorch.stream_plan(model)
         except Exception as e:  # one variant failing must not lose the others (benchmarks never assert)
@@ -247,7 +251,7 @@ def run_ktorch(gguf: Path, device: str, variants: list[str], prompts: list[int],
             tests[f"tg{gen}"] = r["decode_tok_s"]
         kt_threads = ktorch.get_num_threads() if hasattr(ktorch, "get_num_threads") else None
         r.update(tests=tests, load_s=load_s, experts_format=sorted(experts), seconds=time.perf_counter() - t0,
-                 decode_context=decode_context, options=options, kt_threads=kt_threads)
+                 decode_context=decode_context, options=opts, kt_threads=kt_threads)
         print(f"ktorch {label}: " + ", ".join(f"{k} {v:.1f} tok/s" for k, v in tests.items())
               + f" ({r['seconds']:.0f} s with compiles; {kt_threads} CPU threads)", flush=True)
         yield r
@@ -412,7 +416,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream-experts", default="off",
                    help="';'-separated ktorch prefill streaming settings, one line each (off, auto, "
                         "'512:0.4,2048:0.45'; see bench_e2e.py) (default: off)")
-    p.add_argument("--kt-options", default=None, help="ktorch backend options as JSON (see bench_e2e.py --options)")
+    p.add_argument("--kt-options", default=None,
+                   help="ktorch backend options as JSON (see bench_e2e.py --options); ';'-separated sets run each "
+                        "variant once per set, 'none' = no options, e.g. 'none;{\"n_deferred_experts\": 2}'")
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp"),
                    help="folder for llama-bench's log (default: $OUT or /tmp)")
     p.add_argument("--json", default=None, help="append JSON lines to this file")
@@ -450,7 +456,8 @@ def main(argv=None) -> None:
     if device != "cuda" and "cuda_graphs" in variants:
         print("no GPU: ktorch runs on the CPU (a smoke run, not a result); cuda_graphs skipped", flush=True)
         variants = [v for v in variants if v != "cuda_graphs"]
-    options = json.loads(args.kt_options) if args.kt_options else None
+    options = [json.loads(o) if o.strip() not in ("", "none", "null") else None
+               for o in args.kt_options.split(";")] if args.kt_options else [None]
     llama_bench = None
     if not args.skip_llamacpp:
         llama_bench = find_llama_bench(args.llama_bench)
