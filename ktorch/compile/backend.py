@@ -177,8 +177,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, opts: BackendOptions
         if opts.n_deferred_experts:
             report.deferrals = defer_experts(gm, boundaries, opts.n_deferred_experts, RUNTIME.new_site,
                                              report.deferral_skipped)
-        # per-device tensors the graph's runs update in place, made now: a first run under CUDA-graph trees is a
-        # warm-up whose allocations belong to the graphs' memory pool, where a tensor kept alive breaks replays
+        # per-device tensors the graph's runs read, made now: a first run under CUDA-graph trees is a warm-up
+        # whose allocations belong to the graphs' memory pool, where a tensor kept alive breaks replays
         for node in gm.graph.nodes:
             if node.target is torch.ops.ktorch.submit_experts.default:
                 device = node_device(node.args[0], gm)

@@ -166,8 +166,9 @@ class ExpertsRuntime:
         self._sites: dict[int, _Site] = collections.defaultdict(_Site)
         self._site_ids = itertools.count()
         self.worker = ExpertsWorker()
-        # submits / host_waits / captured_submits / implied_joins, and experts_calls / experts_ns (kt.fused_moe time, Python host
-        # functions and eager calls; the native host tasks' calls are in take_native_timeline), for tests and benchmarks
+        # submits / host_waits / captured_submits / implied_joins, and experts_calls / experts_ns (kt.fused_moe time,
+        # Python host functions and eager calls; the native host tasks' calls are in take_native_timeline), for tests
+        # and benchmarks
         self.stats = collections.Counter()
         # Called on the worker thread as observe(layer, hidden, topk_ids, topk_weights) before each experts call
         # runs, in execution order, replays of CUDA graphs included (tests record routing with it).
@@ -221,31 +222,27 @@ class ExpertsRuntime:
             count.fill_(n_deferred)
 
     def prepare_device(self, device: torch.device) -> None:
-        """Makes ``device``'s deferred-slot count and doorbell counter (CUDA devices), if not made yet. Called by the
-        backend at compile time: made lazily by a graph's first run instead, they would come from the memory pool
-        of CUDA-graph trees (its warm-up run allocates there), which must hold no tensor outliving a replay."""
-        if device.type != "cuda":
-            return
+        """Makes ``device``'s deferred-slot count and (CUDA devices) doorbell counter, if not made yet; the one
+        place they are made. The backend calls it at compile time: made lazily by a graph's first run instead, they
+        would come from the memory pool of CUDA-graph trees (its warm-up run allocates there), which must hold no
+        tensor outliving a replay. Must not run inside a capture (its allocations belong to the graph's pool)."""
         with torch.inference_mode(False):  # updated in place later, whatever mode the caller is in then
             if device not in self._deferred_counts:
                 self._deferred_counts[device] = torch.full((), self.runtime_deferred, dtype=torch.int64,
                                                            device=device)
-            if device not in self._doorbell_counters:  # its numbers only grow for the life of the process
+            if device.type == "cuda" and device not in self._doorbell_counters:  # its numbers only ever grow
                 self._doorbell_counters[device] = torch.zeros(1, dtype=torch.int64, device=device)
 
     def deferred_count(self, like: torch.Tensor) -> torch.Tensor:
         """A copy of the deferred-slot count on ``like``'s device (under a CUDA-graph capture: a captured copy
         of the device's count tensor, so replays read what set_runtime_deferred last wrote)."""
-        count = self._deferred_counts.get(like.device)
-        if count is None:
+        if like.device not in self._deferred_counts:
             if like.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("ktorch: a graph compiled with n_deferred_experts='runtime' is being captured "
                                    "before it ever ran uncaptured on this device (the count tensor must not come "
                                    "from the capture's memory pool)")
-            with torch.inference_mode(False):
-                count = torch.full((), self.runtime_deferred, dtype=torch.int64, device=like.device)
-            self._deferred_counts[like.device] = count
-        return count.clone()
+            self.prepare_device(like.device)
+        return self._deferred_counts[like.device].clone()
 
     def reset(self) -> None:
         """Forgets every layer and site, freeing the packed weights it held; graphs compiled before stop working."""
@@ -276,11 +273,8 @@ class ExpertsRuntime:
                 doorbell.copy_(counter, non_blocking=True)
             functions[0].launch()
             return ticket
-        if native_host_tasks() and host_start() == "doorbell" and hidden.device not in self._doorbell_counters:
-            # made outside any capture (a capture's allocations belong to its graph's pool); never replaced, so
-            # the numbers it hands out only grow for the life of the process
-            with torch.inference_mode(False):  # updated in place later, whatever mode the caller is in then
-                self._doorbell_counters[hidden.device] = torch.zeros(1, dtype=torch.int64, device=hidden.device)
+        if native_host_tasks() and host_start() == "doorbell":
+            self.prepare_device(hidden.device)  # (uncompiled callers: outside any capture, as it must be)
         self.stats["submits"] += 1
         copied = torch.cuda.Event()
         copied.record()
