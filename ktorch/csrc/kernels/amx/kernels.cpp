@@ -128,23 +128,25 @@ void read_min_rows() {
 // ---------------------------------------------------------------- tile walk selection
 // KT_AMX_WALK (read on every amx_kernels() call, like KT_AMX_MIN_ROWS) picks the order of the tile walk, so
 // that one process can time them side by side (docs/amx.md, "Large M"):
-//   pairs        column pairs outer, row pairs inner, calls cut into walks of 64 rows (the default)
+//   auto         rows for bf16 and int8, pairs for int4 (the default: what the device measured fastest,
+//                docs/amx.md "Large M")
+//   pairs        column pairs outer, row pairs inner, calls cut into walks of 64 rows
 //   rows         the same over all rows of a call (walks of up to 256), and the weights of the next column
 //                pair, or of the caller's next call (next_b), prefetched into L2 spread over every pass
 //   kblock[:N]   rows, with k cut into chunks of N steps (default 8): a column pair's chunk stays in L1
 //                while every row pair passes over it; the sums wait in an L1 buffer between chunks
 //                (bf16/int8 with more than 32 rows; otherwise it walks as 'rows')
 //   ...+pfa      also prefetch each pass's A tiles (and, for 'rows', B tiles) into L1 a few steps ahead
-enum class Walk : int { Pairs = 0, Rows = 1, KBlock = 2 };
+enum class Walk : int { Pairs = 0, Rows = 1, KBlock = 2, Auto = 3 };
 struct WalkOptions {
-  Walk walk = Walk::Pairs;
+  Walk walk = Walk::Auto;
   int kblock_steps = kDefaultKBlockSteps;
   bool prefetch_a = false;
 };
-std::atomic<int> g_walk{0};  // Walk | prefetch_a << 4 | kblock_steps << 8
+std::atomic<int> g_walk{static_cast<int>(Walk::Auto) | kDefaultKBlockSteps << 8};  // Walk | prefetch_a << 4 | kblock_steps << 8
 
 [[noreturn]] void bad_walk(const char* env) {
-  throw std::invalid_argument(std::string("KT_AMX_WALK must be pairs, rows or kblock[:N] (N k steps a chunk, "
+  throw std::invalid_argument(std::string("KT_AMX_WALK must be auto, pairs, rows or kblock[:N] (N k steps a chunk, "
                                           "1..4096), optionally followed by +pfa; got '") + env + "'");
 }
 
@@ -152,7 +154,10 @@ WalkOptions parse_walk(const char* env) {
   WalkOptions w;
   if (env == nullptr || *env == '\0') return w;
   const char* p = env;
-  if (std::strncmp(p, "pairs", 5) == 0) {
+  if (std::strncmp(p, "auto", 4) == 0) {
+    w.walk = Walk::Auto;
+    p += 4;
+  } else if (std::strncmp(p, "pairs", 5) == 0) {
     w.walk = Walk::Pairs;
     p += 5;
   } else if (std::strncmp(p, "rows", 4) == 0) {
@@ -615,7 +620,8 @@ template <WeightFormat F>
 void gemm_amx(const GemmArgs& a) {
   if (a.M < g_min_rows[static_cast<int>(F)].load(std::memory_order_relaxed))
     return avx512_kernels().gemm[static_cast<int>(F)](a);
-  const WalkOptions w = current_walk();
+  WalkOptions w = current_walk();
+  if (w.walk == Walk::Auto) w.walk = F == WeightFormat::INT4 ? Walk::Pairs : Walk::Rows;
   const int max_rows = w.walk == Walk::Pairs ? kMaxRows : kMaxWalkRows;
   GemmArgs part = a;
   for (int m0 = 0; m0 < a.M; m0 += max_rows) {

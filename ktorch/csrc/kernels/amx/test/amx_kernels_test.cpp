@@ -2,7 +2,7 @@
 // kernels, over the calls the fused-MoE driver makes and their edges: M 1..100 (tile walks of 1-4 row
 // groups, partial groups, calls cut at 64 rows), nblocks 1-4, K with and without a 64-deep int8 tail,
 // int4 groups of 32/64/128, activation rows evenly strided (tile-loaded in place) or gathered (copied),
-// and the output rows/columns a call must leave alone, under every tile walk (KT_AMX_WALK: pairs, rows,
+// and the output rows/columns a call must leave alone, under every tile walk (KT_AMX_WALK: auto, pairs, rows,
 // kblock with chunks of 1, 3 and 8 k steps, with and without +pfa; M up to 300 for the walks of 256 rows),
 // and (emulated) that the weight prefetches stay inside the weights and cover what each walk fetches ahead.
 // Also checks KT_AMX_MIN_ROWS and KT_AMX_WALK parsing.
@@ -212,6 +212,7 @@ int failures = 0;
 // L2 in full ('rows', 'kblock'); every walk keeps its weight prefetches inside the weights.
 bool g_check_prefetch = false;
 bool g_full_next = false;
+bool g_full_next_int4 = false;  // 'auto' walks int4 as 'pairs'
 
 #if defined(KT_AMX_EMULATE)
 // The weight lines the last call prefetched: inside the call's weights or the next call's, and with
@@ -225,7 +226,7 @@ std::string check_prefetches(const Problem& p, const std::vector<uint8_t>& next)
   for (const auto& l : lines)
     if (!in(l.line, p.packed.data(), p.packed.size()) && !in(l.line, next.data(), next.size()))
       return "prefetched a line outside the weights";
-  if (!g_full_next) return "";
+  if (!g_full_next || (p.f == WeightFormat::INT4 && !g_full_next_int4)) return "";
   const size_t bb = block_bytes(p.f, p.K);
   const int64_t steps = p.f == WeightFormat::BF16 ? p.K / 32 : p.f == WeightFormat::INT8 ? p.K / 64 : p.K / 64;
   if (steps == 0) return "";
@@ -318,7 +319,7 @@ void check_min_rows_parsing() {
 }
 
 void check_walk_parsing() {
-  const char* good[] = {"", "pairs", "rows", "kblock", "kblock:1", "kblock:16", "rows+pfa", "kblock:4+pfa", "pairs+pfa"};
+  const char* good[] = {"", "auto", "auto+pfa", "pairs", "rows", "kblock", "kblock:1", "kblock:16", "rows+pfa", "kblock:4+pfa", "pairs+pfa"};
   for (const char* v : good) {
     setenv("KT_AMX_WALK", v, 1);
     try {
@@ -328,7 +329,7 @@ void check_walk_parsing() {
       std::printf("FAIL KT_AMX_WALK='%s' rejected: %s\n", v, e.what());
     }
   }
-  const char* bad[] = {"row", "kblock:", "kblock:0", "kblock:x", "rows+", "rows+pfb", "kblock8", "pairs:2x"};
+  const char* bad[] = {"autos", "row", "kblock:", "kblock:0", "kblock:x", "rows+", "rows+pfb", "kblock8", "pairs:2x"};
   for (const char* v : bad) {
     setenv("KT_AMX_WALK", v, 1);
     bool threw = false;
@@ -353,6 +354,7 @@ int check_walk(const char* walk) {
   const bool long_walk = std::strcmp(walk, "pairs") != 0;  // walks of 256 rows: cut at 256, not 64
   g_check_prefetch = true;
   g_full_next = long_walk;
+  g_full_next_int4 = long_walk && std::strncmp(walk, "auto", 4) != 0;
   std::vector<int> Ms = {1, 2, 3, 5, 8, 15, 16, 17, 24, 31, 32, 33, 40, 47, 48, 49, 63, 64, 65, 100};
   if (long_walk) Ms.insert(Ms.end(), {129, 256, 300});
   int cases = 0;
@@ -378,7 +380,7 @@ int check_walk(const char* walk) {
     check_case(WeightFormat::INT4, M, 768, 3, 128, M % 2 == 1);
     cases += 3;
   }
-  g_check_prefetch = g_full_next = false;
+  g_check_prefetch = g_full_next = g_full_next_int4 = false;
   std::printf("walk %-14s %d cases, %d failed\n", walk, cases, failures - before);
   return cases;
 }
@@ -389,7 +391,7 @@ void check_all() {
   setenv("KT_AMX_MIN_ROWS", "0", 1);  // every M through the tiles
   amx_kernels();
   int cases = 0;
-  for (const char* walk : {"pairs", "rows", "rows+pfa", "kblock", "kblock:1", "kblock:3+pfa"}) cases += check_walk(walk);
+  for (const char* walk : {"auto", "pairs", "rows", "rows+pfa", "kblock", "kblock:1", "kblock:3+pfa"}) cases += check_walk(walk);
   unsetenv("KT_AMX_WALK");
   amx_kernels();
   // the default threshold sends small M to AVX-512: results must still be right
