@@ -338,46 +338,59 @@ def call_gap_stats(timeline: list) -> dict:
             "calls_over_1ms": sum(c > 1000 for c in calls), "gaps_over_1ms": sum(g > 1000 for g in gaps)}
 
 
-def parse_pool_sweep(spec: str) -> list[tuple[int, int]]:
-    """'15:2000,13:400' -> [(15, 2000), (13, 400)]: (pool threads, KT_SPIN_US) per decode re-timing."""
+def parse_pool_sweep(spec: str) -> list[tuple[int, int, int]]:
+    """'15:2000,13:400:1' -> [(15, 2000, 0), (13, 400, 1)]: (pool threads, KT_SPIN_US, KT_SPIN_YIELD) per decode
+    re-timing; the spin and yield default to the environment's."""
     out = []
     for item in spec.split(","):
         item = item.strip()
         if not item:
             continue
-        threads, _, spin = item.partition(":")
+        parts = item.split(":")
         try:
-            out.append((int(threads), int(spin) if spin else int(os.environ.get("KT_SPIN_US", "2000"))))
+            if len(parts) > 3:
+                raise ValueError
+            threads = int(parts[0])
+            spin = int(parts[1]) if len(parts) > 1 and parts[1] else int(os.environ.get("KT_SPIN_US", "2000"))
+            yld = int(parts[2]) if len(parts) > 2 else int(os.environ.get("KT_SPIN_YIELD", "0") or 0)
         except ValueError:
-            raise SystemExit(f"--pool-sweep: want THREADS[:SPIN_US],..., got {item!r}") from None
-        if out[-1][0] < 1 or out[-1][1] < 0:
-            raise SystemExit(f"--pool-sweep: threads >= 1 and spin >= 0, got {item!r}")
+            raise SystemExit(f"--pool-sweep: want THREADS[:SPIN_US[:YIELD]],..., got {item!r}") from None
+        if threads < 1 or spin < 0 or yld not in (0, 1):
+            raise SystemExit(f"--pool-sweep: threads >= 1, spin >= 0 and yield 0 or 1, got {item!r}")
+        out.append((threads, spin, yld))
     return out
 
 
 @torch.no_grad()
 def pool_sweep(model, runner, variant: str, device: str, decode_tokens: int, decode_context: int, vocab: int,
-               settings: list[tuple[int, int]]) -> list[dict]:
-    """Decode re-timed on the same compiled model (no new compile or capture) for each (pool threads, KT_SPIN_US):
-    the pool is rebuilt between runs (ktorch.set_num_threads re-reads KT_SPIN_US), the host-task worker and
-    CUDA's callback thread stay. Restores the pool size and KT_SPIN_US it found."""
-    size, spin = ktorch.get_num_threads(), os.environ.get("KT_SPIN_US")
+               settings: list[tuple[int, int, int]]) -> list[dict]:
+    """Decode re-timed on the same compiled model (no new compile or capture) for each (pool threads, KT_SPIN_US,
+    KT_SPIN_YIELD): the pool is rebuilt between runs (ktorch.set_num_threads re-reads both), while the host-task
+    worker (its spin and yield fixed at its start: KT_HOST_SPIN_US, KT_SPIN_YIELD) and CUDA's callback thread stay.
+    Restores the pool size and the variables it found."""
+    size = ktorch.get_num_threads()
+    saved = {k: os.environ.get(k) for k in ("KT_SPIN_US", "KT_SPIN_YIELD")}
     rows = []
     try:
-        for threads, spin_us in settings:
+        for threads, spin_us, spin_yield in settings:
             sync(device)
             os.environ["KT_SPIN_US"] = str(spin_us)
+            os.environ["KT_SPIN_YIELD"] = str(spin_yield)
+            # rebuilt even at the same size (a resize to the same size keeps the pool): via one thread more
+            torch.ops.kt.set_num_threads(threads + 1)
             torch.ops.kt.set_num_threads(threads)  # (the op: leaves ktorch's "size chosen" flag alone)
             r = time_variant(model, variant, device, [], decode_tokens, decode_context, 1, vocab, runner=runner)
             r.pop("runner")
-            r.update(pool_threads=threads, spin_us=spin_us)
+            r.update(pool_threads=threads, spin_us=spin_us, spin_yield=spin_yield)
             rows.append(r)
     finally:
         sync(device)
-        if spin is None:
-            os.environ.pop("KT_SPIN_US", None)
-        else:
-            os.environ["KT_SPIN_US"] = spin
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        torch.ops.kt.set_num_threads(size + 1)
         torch.ops.kt.set_num_threads(size)
     return rows
 
@@ -581,7 +594,7 @@ def main(argv=None) -> None:
                              "'min_tokens:experts_or_fraction,...' (e.g. 512:0.3,2048:0.45)")
     parser.add_argument("--pool-sweep", default="",
                         help="after each ktorch variant's decode, re-time it (same compile) per pool setting "
-                             "THREADS[:KT_SPIN_US],... e.g. '15:2000,13:2000,15:300' (whether the pool's spinning "
+                             "THREADS[:KT_SPIN_US[:KT_SPIN_YIELD]],... e.g. '15:2000,13:2000,15:2000:1' (whether the pool's spinning "
                              "workers and CUDA's host-function thread fight for the cores)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for traces")
     parser.add_argument("--json", default=None, help="append results as JSON lines to this file")
@@ -664,10 +677,11 @@ def main(argv=None) -> None:
             continue
         print(f"\npool sweep, {r['variant']} (decode re-timed on the same compiled model; CPU calls and the gaps "
               "between them from the native host tasks' timeline, us):")
-        print("| pool threads | KT_SPIN_US | decode tok/s | cpu experts ms per step | " + " | ".join(gap_cols) + " |")
-        print("|---|---|---|---|" + "---|" * len(gap_cols))
+        print("| pool threads | KT_SPIN_US | KT_SPIN_YIELD | decode tok/s | cpu experts ms per step | "
+              + " | ".join(gap_cols) + " |")
+        print("|---|---|---|---|---|" + "---|" * len(gap_cols))
         for p in r["pool_sweep"]:
-            print(f"| {p['pool_threads']} | {p['spin_us']} | {p['decode_tok_s']:.2f} | {p['cpu_experts_ms_per_step']:.2f} | "
+            print(f"| {p['pool_threads']} | {p['spin_us']} | {p.get('spin_yield', 0)} | {p['decode_tok_s']:.2f} | {p['cpu_experts_ms_per_step']:.2f} | "
                   + " | ".join(f"{p.get(c, 0):.0f}" for c in gap_cols) + " |")
     for r in rows:
         if "stream_calibration" in r:

@@ -7,7 +7,8 @@
 # HOSTAB_THREADS="15 14 13" the experts pool size (KT_NUM_THREADS, caller included; "auto" = prepare's choice,
 # one fewer than torch's): whether the launching thread, CUDA's callback thread and the pool fight for the cores;
 # HOSTAB_TOKENS decode steps per row (default 64); HOSTAB_POOL_SWEEP="15:2000,14:2000,13:2000,15:300" re-times each
-# row's decode on the same compile per pool size:KT_SPIN_US (bench_e2e --pool-sweep), with the CPU calls' durations
+# row's decode on the same compile per pool size:KT_SPIN_US[:KT_SPIN_YIELD] (bench_e2e --pool-sweep; the host-task
+# worker keeps the spin and yield it started with: set KT_HOST_SPIN_US / KT_SPIN_YIELD for the whole call), with the CPU calls' durations
 # and the gaps between them (a thread left waiting by the scheduler shows as a ~2 ms call or gap: session 8 traces).
 cd benchmarks
 for hf in ${HOSTAB_HF:-native python}; do

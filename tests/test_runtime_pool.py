@@ -80,3 +80,48 @@ def test_hybrid_placement_leaves_a_core_unless_the_size_was_chosen(env, want):
     out = subprocess.run([sys.executable, "-c", _LAUNCHER_SCRIPT], env={**clean, **env}, check=True, timeout=120,
                          capture_output=True, text=True).stdout.split()
     assert " ".join(out[-2:]) == want
+
+
+_SPIN_SCRIPT = """
+import torch, ktorch
+torch.manual_seed(13)
+E, H, I, T = 10, 128, 96, 29
+packed = ktorch.pack_experts(torch.randn(E, 2 * I, H) * 0.05, torch.randn(E, H, I) * 0.05, "int8")
+x, ids, w = torch.randn(T, H), torch.randint(-1, E, (T, 3)), torch.rand(T, 3)
+outs = [ktorch.fused_moe(x, ids, w, packed) for _ in range(20)]
+assert all(torch.equal(o, outs[0]) for o in outs)
+ktorch.set_num_threads(2)  # a pool rebuilt from the environment too
+outs.append(ktorch.fused_moe(x, ids, w, packed))
+torch.save(outs, {path!r})
+"""
+
+
+@pytest.mark.parametrize("env", [{"KT_SPIN_YIELD": "1"}, {"KT_SPIN_YIELD": "1", "KT_SPIN_US": "50"},
+                                 {"KT_SPIN_US": "0"}])
+def test_spin_settings_keep_results(env, tmp_path):
+    """KT_SPIN_YIELD / KT_SPIN_US change only how idle workers wait: the results equal the default's bit for bit
+    (the pool's tasks own disjoint outputs), with workers parking after every call or yielding while they spin."""
+    import os
+    import subprocess
+    import sys
+
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("KT_SPIN") and k != "KT_NUM_THREADS"}
+    results = []
+    for i, extra in enumerate(({}, env)):
+        path = str(tmp_path / f"out{i}.pt")
+        subprocess.run([sys.executable, "-c", _SPIN_SCRIPT.format(path=path)],
+                       env={**clean, "KT_NUM_THREADS": "3", **extra}, check=True, timeout=120)
+        results.append(torch.load(path))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_spin_yield_rejects_other_values():
+    import os
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", "import torch, ktorch; ktorch.set_num_threads(2); "
+                        "ktorch.set_num_threads(3)"],
+                       env={**os.environ, "KT_SPIN_YIELD": "2"}, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "KT_SPIN_YIELD must be 0 or 1, got 2" in r.stderr

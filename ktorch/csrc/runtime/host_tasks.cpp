@@ -9,8 +9,10 @@
 //                             task's pinned tensors and copies the result into the task's pinned output);
 //   kt_host_task_join(task):  wait until the worker is done with it (spin KT_JOIN_SPIN_US, default 1000, then
 //                             block).
-// The worker spins KT_SPIN_US (as the pool's workers do, default 2000) after each call before it parks, so that the
-// next layer's start reaches a thread that is awake.
+// The worker spins KT_HOST_SPIN_US (default: KT_SPIN_US, as the pool's workers, 2000) after each call before it
+// parks, so that the next layer's start reaches a thread that is awake (its own knob so that the pool's spin can
+// be shortened alone). With KT_SPIN_YIELD=1 the worker and the join's spin yield the core every kYieldPolls polls
+// (worker_pool.h).
 //
 // Doorbells (a task made with one): CUDA runs a host function ~50-60 us after the copies before it complete (the
 // driver's callback thread; measured on the H100 host), and the CPU call cannot start before. A doorbell task
@@ -35,6 +37,7 @@
 #include <deque>
 #include <immintrin.h>
 #include <limits>
+#include <sched.h>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -75,7 +78,10 @@ int64_t now_ns() {
 
 class Worker {
  public:
-  Worker() : spin_us_(env_int("KT_SPIN_US", 2000)), thread_([this] { loop(); }) {}
+  Worker()
+      : spin_us_(env_int("KT_HOST_SPIN_US", env_int("KT_SPIN_US", 2000))),
+        spin_yield_(env_spin_yield()),
+        thread_([this] { loop(); }) {}
   ~Worker() {
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -148,6 +154,7 @@ class Worker {
         spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
         continue;
       }
+      if (spin_yield_ && polls % kYieldPolls == 0) sched_yield();
       if (polls % 256 != 0 || std::chrono::steady_clock::now() <= spin_until) {
         _mm_pause();
         continue;
@@ -193,6 +200,7 @@ class Worker {
   }
 
   int64_t spin_us_;
+  bool spin_yield_;
   std::atomic<int64_t> pushed_{0};  // tasks pushed so far; the worker spins while it has taken them all
   std::mutex mutex_;
   std::condition_variable cv_;
@@ -214,6 +222,11 @@ Worker& worker() {
 int64_t join_spin_us() {
   static const int64_t us = env_int("KT_JOIN_SPIN_US", 1000);
   return us;
+}
+
+bool join_spin_yield() {
+  static const bool y = env_spin_yield();
+  return y;
 }
 
 HostTask* task_of(int64_t handle) {
@@ -246,11 +259,13 @@ __attribute__((visibility("default"))) void kt_host_task_join(void* p) {
     return (bell ? t->done_seq.load(std::memory_order_acquire) : t->done.load(std::memory_order_acquire)) >= want;
   };
   const int64_t spin_us = kt::runtime::join_spin_us();
+  const bool spin_yield = kt::runtime::join_spin_yield();
   // a decode call ends within a few hundred microseconds: spin, so that the stream resumes at once
   const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us);
   for (int polls = 1;; ++polls) {
     if (finished()) return;
     _mm_pause();
+    if (spin_yield && polls % kt::runtime::kYieldPolls == 0) sched_yield();
     if (polls % 256 == 0 && std::chrono::steady_clock::now() > spin_until) break;
   }
   if (bell) kt::runtime::worker().kick();  // the worker may have parked before the doorbell rang
@@ -273,6 +288,7 @@ int64_t host_task_new(const at::Tensor& hidden, const at::Tensor& topk_ids, cons
     TORCH_CHECK(t->device().is_cpu(), "host_task_new: staging tensors must be on the CPU (pinned), got ", t->device());
   worker();        // started here, where errors (KT_SPIN_US) can raise
   join_spin_us();  // KT_JOIN_SPIN_US, likewise
+  join_spin_yield();  // KT_SPIN_YIELD, likewise
   auto* t = new HostTask();
   t->hidden = hidden;
   t->topk_ids = topk_ids;

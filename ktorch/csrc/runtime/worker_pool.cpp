@@ -22,6 +22,12 @@ int64_t env_int(const char* name, int64_t fallback) {
   return x;
 }
 
+bool env_spin_yield() {
+  const int64_t v = env_int("KT_SPIN_YIELD", 0);
+  TORCH_CHECK(v == 0 || v == 1, "KT_SPIN_YIELD must be 0 or 1, got ", v);
+  return v == 1;
+}
+
 std::vector<int> process_cpus() {
   std::vector<int> cpus;
   cpu_set_t set;
@@ -47,7 +53,8 @@ WorkerPool& WorkerPool::instance() {
   std::lock_guard<std::mutex> lock(g_pool_mutex);
   if (!g_pool) {
     g_pool = std::make_unique<WorkerPool>(static_cast<int>(env_int("KT_NUM_THREADS", at::get_num_threads())),
-                                          env_int("KT_SPIN_US", 2000), env_int("KT_PIN_THREADS", 0) != 0);
+                                          env_int("KT_SPIN_US", 2000), env_int("KT_PIN_THREADS", 0) != 0,
+                                          env_spin_yield());
     g_current.store(g_pool.get(), std::memory_order_release);
   }
   return *g_pool;
@@ -57,8 +64,8 @@ void WorkerPool::resize(int workers) {
   TORCH_CHECK(workers >= 1, "set_num_threads: the pool needs at least 1 thread, got ", workers);
   std::lock_guard<std::mutex> lock(g_pool_mutex);
   if (g_pool && g_pool->size() == workers) return;
-  std::unique_ptr<WorkerPool> fresh = std::make_unique<WorkerPool>(workers, env_int("KT_SPIN_US", 2000),
-                                                                   env_int("KT_PIN_THREADS", 0) != 0);
+  std::unique_ptr<WorkerPool> fresh = std::make_unique<WorkerPool>(
+      workers, env_int("KT_SPIN_US", 2000), env_int("KT_PIN_THREADS", 0) != 0, env_spin_yield());
   if (g_pool) {
     std::lock_guard<std::mutex> idle(g_pool->run_mutex_);  // a call in flight finishes first
   }
@@ -68,7 +75,8 @@ void WorkerPool::resize(int workers) {
   old.reset();
 }
 
-WorkerPool::WorkerPool(int workers, int64_t spin_us, bool pin) : spin_us_(spin_us) {
+WorkerPool::WorkerPool(int workers, int64_t spin_us, bool pin, bool spin_yield)
+    : spin_us_(spin_us), spin_yield_(spin_yield) {
   TORCH_CHECK(workers >= 1, "KT_NUM_THREADS must be at least 1, got ", workers);
   const std::vector<int> cpus = process_cpus();
   for (int w = 1; w < workers; ++w) {
@@ -128,7 +136,9 @@ void WorkerPool::worker_loop(int worker, int cpu) {
     int polls = 0;
     while (generation_.load(std::memory_order_acquire) == seen) {
       _mm_pause();
-      if (++polls % 1024 == 0 && std::chrono::steady_clock::now() > spin_until) break;
+      if (++polls % kYieldPolls != 0) continue;
+      if (spin_yield_) sched_yield();
+      if (polls % 1024 == 0 && std::chrono::steady_clock::now() > spin_until) break;
     }
     if (generation_.load(std::memory_order_acquire) == seen) {
       std::unique_lock<std::mutex> lock(sleep_mutex_);

@@ -17,6 +17,10 @@
 // While workers spin, PyTorch's own intra-op threads compete with them for cores, so the op does its
 // own conversions on the pool instead of through ATen's parallel kernels; on a CPU-only run the ATen
 // work between MoE layers is short, and KT_SPIN_US=0 parks workers at once.
+// KT_SPIN_YIELD=1 (default 0, an experiment knob): a spinning worker gives its core up (sched_yield) every
+// kYieldPolls polls, so that a thread woken onto that core (the GPU launcher, CUDA's host-function thread) runs
+// within microseconds instead of waiting for the spinner's time slice or its park (benchmarks/RESULTS.md,
+// "Decode overheads A/B", session 9: ~1.3 gaps of over 1 ms a decode step with 15 spinning threads on 16 cores).
 //
 // Other pools (NUMA split, runtime/numa.h): a pool can also be built bound to a set of CPUs (all its
 // workers may run on any CPU of the set, e.g. one NUMA node), and a thread can be given its own pool with
@@ -39,6 +43,10 @@ namespace kt::runtime {
 std::vector<int> process_cpus();
 // An integer environment variable (fallback when unset or empty); anything else is an error naming it.
 int64_t env_int(const char* name, int64_t fallback);
+// KT_SPIN_YIELD: 0 or 1 (default 0); anything else is an error.
+bool env_spin_yield();
+// Polls between two sched_yield calls of a spinning thread under KT_SPIN_YIELD=1 (~10 us of PAUSEs).
+constexpr int kYieldPolls = 64;
 
 class WorkerPool {
  public:
@@ -52,7 +60,7 @@ class WorkerPool {
   // The pool must outlive its use on this thread.
   static void use_on_this_thread(WorkerPool* pool);
 
-  explicit WorkerPool(int workers, int64_t spin_us, bool pin);
+  explicit WorkerPool(int workers, int64_t spin_us, bool pin, bool spin_yield = false);
   // A pool whose worker threads (not the caller) may run on the CPUs in bind_cpus only (empty: anywhere).
   WorkerPool(int workers, int64_t spin_us, const std::vector<int>& bind_cpus);
   ~WorkerPool();
@@ -78,6 +86,7 @@ class WorkerPool {
 
   std::vector<std::thread> threads_;
   int64_t spin_us_;
+  bool spin_yield_ = false;
   std::vector<int> bind_cpus_;  // when not empty: every worker's affinity mask
   std::mutex run_mutex_;
 
