@@ -365,7 +365,8 @@ def parse_pool_sweep(spec: str) -> list[tuple[int, int, int]]:
 def pool_sweep(model, runner, variant: str, device: str, decode_tokens: int, decode_context: int, vocab: int,
                settings: list[tuple[int, int, int]]) -> list[dict]:
     """Decode re-timed on the same compiled model (no new compile or capture) for each (pool threads, KT_SPIN_US,
-    KT_SPIN_YIELD): the pool is rebuilt between runs (ktorch.set_num_threads re-reads both), while the host-task
+    KT_SPIN_YIELD): the pool is rebuilt between runs (set_num_threads rebuilds it when the size or either variable
+    changed), while the host-task
     worker (its spin and yield fixed at its start: KT_HOST_SPIN_US, KT_SPIN_YIELD) and CUDA's callback thread stay.
     Restores the pool size and the variables it found."""
     size = ktorch.get_num_threads()
@@ -376,8 +377,6 @@ def pool_sweep(model, runner, variant: str, device: str, decode_tokens: int, dec
             sync(device)
             os.environ["KT_SPIN_US"] = str(spin_us)
             os.environ["KT_SPIN_YIELD"] = str(spin_yield)
-            # rebuilt even at the same size (a resize to the same size keeps the pool): via one thread more
-            torch.ops.kt.set_num_threads(threads + 1)
             torch.ops.kt.set_num_threads(threads)  # (the op: leaves ktorch's "size chosen" flag alone)
             r = time_variant(model, variant, device, [], decode_tokens, decode_context, 1, vocab, runner=runner)
             r.pop("runner")
@@ -390,7 +389,6 @@ def pool_sweep(model, runner, variant: str, device: str, decode_tokens: int, dec
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        torch.ops.kt.set_num_threads(size + 1)
         torch.ops.kt.set_num_threads(size)
     return rows
 

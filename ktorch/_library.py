@@ -48,7 +48,8 @@ def get_num_threads() -> int:
 
 
 def set_num_threads(n: int) -> None:
-    """Resizes ktorch's CPU worker pool to ``n`` threads (the calling thread included); call it between ops.
+    """Resizes ktorch's CPU worker pool to ``n`` threads (the calling thread included); call it between ops. The
+    pool is also rebuilt at the same size when ``KT_SPIN_US`` or ``KT_SPIN_YIELD`` changed since it was built.
 
     Default: ``KT_NUM_THREADS``, else ``torch.get_num_threads()`` when the pool is first used. In hybrid
     CPU/GPU inference the thread launching GPU work (and waiting for it) needs a core of its own: with every

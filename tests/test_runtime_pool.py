@@ -97,17 +97,20 @@ torch.save(outs, {path!r})
 
 
 @pytest.mark.parametrize("env", [{"KT_SPIN_YIELD": "1"}, {"KT_SPIN_YIELD": "1", "KT_SPIN_US": "50"},
-                                 {"KT_SPIN_US": "0"}])
+                                 {"KT_SPIN_US": "0"}, {"KT_SPIN_YIELD": "1", "KT_NUMA_SPLIT": "2"}])
 def test_spin_settings_keep_results(env, tmp_path):
     """KT_SPIN_YIELD / KT_SPIN_US change only how idle workers wait: the results equal the default's bit for bit
-    (the pool's tasks own disjoint outputs), with workers parking after every call or yielding while they spin."""
+    (the pool's tasks own disjoint outputs), with workers parking after every call or yielding while they spin;
+    with KT_NUMA_SPLIT the node groups' own pools yield too (compared with the same split without yielding)."""
     import os
     import subprocess
     import sys
 
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("KT_SPIN") and k != "KT_NUM_THREADS"}
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith("KT_SPIN") and k not in ("KT_NUM_THREADS", "KT_NUMA_SPLIT")}
     results = []
-    for i, extra in enumerate(({}, env)):
+    baseline = {"KT_NUMA_SPLIT": env["KT_NUMA_SPLIT"]} if "KT_NUMA_SPLIT" in env else {}
+    for i, extra in enumerate((baseline, env)):
         path = str(tmp_path / f"out{i}.pt")
         subprocess.run([sys.executable, "-c", _SPIN_SCRIPT.format(path=path)],
                        env={**clean, "KT_NUM_THREADS": "3", **extra}, check=True, timeout=120)
@@ -116,12 +119,17 @@ def test_spin_settings_keep_results(env, tmp_path):
         assert torch.equal(a, b)
 
 
-def test_spin_yield_rejects_other_values():
+@pytest.mark.parametrize("script,env", [
+    ("ktorch.set_num_threads(2); ktorch.set_num_threads(3)", {"KT_SPIN_YIELD": "2"}),
+    # a pool of the same size is rebuilt when the variables changed, so a bad value is seen there too
+    ("ktorch.set_num_threads(2); os.environ['KT_SPIN_YIELD'] = '2'; ktorch.set_num_threads(2)", {}),
+])
+def test_spin_yield_rejects_other_values(script, env):
     import os
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-c", "import torch, ktorch; ktorch.set_num_threads(2); "
-                        "ktorch.set_num_threads(3)"],
-                       env={**os.environ, "KT_SPIN_YIELD": "2"}, capture_output=True, text=True, timeout=120)
+    clean = {k: v for k, v in os.environ.items() if k != "KT_SPIN_YIELD"}
+    r = subprocess.run([sys.executable, "-c", "import os, torch, ktorch; " + script],
+                       env={**clean, **env}, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "KT_SPIN_YIELD must be 0 or 1, got 2" in r.stderr

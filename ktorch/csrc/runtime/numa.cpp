@@ -138,9 +138,10 @@ NumaGroups::NumaGroups(int n) : groups_(cpu_groups(n)), errors_(n) {
   int64_t cpus = 0;
   for (const auto& g : groups_) cpus += static_cast<int64_t>(g.cpus.size());
   const int64_t spin_us = env_int("KT_SPIN_US", 2000);
+  const bool spin_yield = env_spin_yield();
   for (const auto& g : groups_) {
     const int64_t share = std::max<int64_t>(1, total * static_cast<int64_t>(g.cpus.size()) / std::max<int64_t>(1, cpus));
-    pools_.push_back(std::make_unique<WorkerPool>(static_cast<int>(share), spin_us, g.cpus));
+    pools_.push_back(std::make_unique<WorkerPool>(static_cast<int>(share), spin_us, spin_yield, g.cpus));
   }
   for (int g = 0; g < n; ++g) leaders_.emplace_back([this, g] { leader_loop(g); });
 }

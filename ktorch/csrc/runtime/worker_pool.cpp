@@ -62,10 +62,12 @@ WorkerPool& WorkerPool::instance() {
 
 void WorkerPool::resize(int workers) {
   TORCH_CHECK(workers >= 1, "set_num_threads: the pool needs at least 1 thread, got ", workers);
+  const int64_t spin_us = env_int("KT_SPIN_US", 2000);
+  const bool spin_yield = env_spin_yield();
   std::lock_guard<std::mutex> lock(g_pool_mutex);
-  if (g_pool && g_pool->size() == workers) return;
-  std::unique_ptr<WorkerPool> fresh = std::make_unique<WorkerPool>(
-      workers, env_int("KT_SPIN_US", 2000), env_int("KT_PIN_THREADS", 0) != 0, env_spin_yield());
+  if (g_pool && g_pool->size() == workers && g_pool->spin_us_ == spin_us && g_pool->spin_yield_ == spin_yield) return;
+  std::unique_ptr<WorkerPool> fresh =
+      std::make_unique<WorkerPool>(workers, spin_us, env_int("KT_PIN_THREADS", 0) != 0, spin_yield);
   if (g_pool) {
     std::lock_guard<std::mutex> idle(g_pool->run_mutex_);  // a call in flight finishes first
   }
@@ -85,8 +87,8 @@ WorkerPool::WorkerPool(int workers, int64_t spin_us, bool pin, bool spin_yield)
   }
 }
 
-WorkerPool::WorkerPool(int workers, int64_t spin_us, const std::vector<int>& bind_cpus)
-    : spin_us_(spin_us), bind_cpus_(bind_cpus) {
+WorkerPool::WorkerPool(int workers, int64_t spin_us, bool spin_yield, const std::vector<int>& bind_cpus)
+    : spin_us_(spin_us), spin_yield_(spin_yield), bind_cpus_(bind_cpus) {
   TORCH_CHECK(workers >= 1, "WorkerPool: needs at least 1 thread, got ", workers);
   for (int w = 1; w < workers; ++w) threads_.emplace_back([this, w] { worker_loop(w, -1); });
 }

@@ -52,17 +52,17 @@ class WorkerPool {
  public:
   // The process-wide pool, created on first use.
   static WorkerPool& instance();
-  // Replaces the process-wide pool by one of `workers` threads (the caller included). Waits for a call in
-  // flight on the old pool; call it between ops (a call that has already looked up the pool must not be
-  // running on another thread).
+  // Replaces the process-wide pool by one of `workers` threads (the caller included), unless it has that size
+  // and KT_SPIN_US / KT_SPIN_YIELD still read as it was built with. Waits for a call in flight on the old pool;
+  // call it between ops (a call that has already looked up the pool must not be running on another thread).
   static void resize(int workers);
   // instance() on the calling thread returns `pool` from now on (nullptr: the process-wide pool again).
   // The pool must outlive its use on this thread.
   static void use_on_this_thread(WorkerPool* pool);
 
-  explicit WorkerPool(int workers, int64_t spin_us, bool pin, bool spin_yield = false);
+  WorkerPool(int workers, int64_t spin_us, bool pin, bool spin_yield);
   // A pool whose worker threads (not the caller) may run on the CPUs in bind_cpus only (empty: anywhere).
-  WorkerPool(int workers, int64_t spin_us, const std::vector<int>& bind_cpus);
+  WorkerPool(int workers, int64_t spin_us, bool spin_yield, const std::vector<int>& bind_cpus);
   ~WorkerPool();
   WorkerPool(const WorkerPool&) = delete;
   WorkerPool& operator=(const WorkerPool&) = delete;
