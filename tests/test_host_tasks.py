@@ -120,7 +120,7 @@ def test_null_handle_is_an_error():
         torch.ops.kt.host_task_run(0)
 
 
-@pytest.mark.parametrize("variable", ["KT_JOIN_SPIN_US", "KT_SPIN_US"])
+@pytest.mark.parametrize("variable", ["KT_JOIN_SPIN_US", "KT_SPIN_US", "KT_HOST_SPIN_US"])
 def test_bad_spin_setting_raises_when_the_task_is_made(variable):
     """The worker and the join's spin read their settings when the first task is made (a Python thread, where an
     error can raise), never first on CUDA's callback thread, where it could only abort the process."""
