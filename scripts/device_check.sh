@@ -24,7 +24,7 @@ log "machine"
 # .device-out/prebuilt/ (git-ignored) and carried, a later call with the same id installs it without compiling:
 #   mkdir -p .device-out/prebuilt && cp /work/.device/N/_C*.so /work/.device/N/prebuilt.id .device-out/prebuilt/
 #   carry [..., ".device-out/prebuilt"], and in the command: cp -r .device-out/prebuilt /tmp/src/.device-out/
-src_id=$({ cat setup.py pyproject.toml; find ktorch/csrc -type f | LC_ALL=C sort | xargs cat; } | sha256sum | cut -c1-16)
+src_id=$({ cat setup.py pyproject.toml; find ktorch/csrc -type f -not -path '*/test/*' | LC_ALL=C sort | xargs cat; } | sha256sum | cut -c1-16)
 src_id="$src_id-$(python3 -c 'import sys, torch; print(torch.__version__, *sys.version_info[:2], sep="-")')"
 pre=${KT_PREBUILT_DIR:-.device-out/prebuilt}
 prebuilt=""
