@@ -29,8 +29,14 @@ REPO=$PWD
 export LCPP_BUILD=/tmp/lcpp LCPP_SRC=/tmp/lcpp_src
 
 restore_llamacpp() {  # binaries returned by an earlier call, when this machine is a fresh one
-  if [ ! -x $LCPP_BUILD/bin/llama-bench ] && ls "$REPO"/.device-out/lcpp/lcpp_bin.tgz.* > /dev/null 2>&1; then
-    mkdir -p $LCPP_BUILD && cat "$REPO"/.device-out/lcpp/lcpp_bin.tgz.* | tar xzf - -C $LCPP_BUILD && log "llama.cpp binaries restored"
+  # (lcpp_bin.txz.*: the same binaries stripped and xz-compressed, 42 MB instead of 47, to fit the carry's 64 MiB)
+  if [ ! -x $LCPP_BUILD/bin/llama-bench ] && ls "$REPO"/.device-out/lcpp/lcpp_bin.t?z.* > /dev/null 2>&1; then
+    mkdir -p $LCPP_BUILD
+    if ls "$REPO"/.device-out/lcpp/lcpp_bin.txz.* > /dev/null 2>&1; then
+      cat "$REPO"/.device-out/lcpp/lcpp_bin.txz.* | tar xJf - -C $LCPP_BUILD
+    else
+      cat "$REPO"/.device-out/lcpp/lcpp_bin.tgz.* | tar xzf - -C $LCPP_BUILD
+    fi && log "llama.cpp binaries restored"
   fi
 }
 
