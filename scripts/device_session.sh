@@ -43,6 +43,7 @@ restore_llamacpp() {  # binaries returned by an earlier call, when this machine 
 unpack_ktorch() {
   rm -rf /tmp/src && mkdir -p /tmp/src && tar xf "$REPO/.device-out/src.tar" -C /tmp/src && cp -r "$REPO/.whl" /tmp/src/
   cp "$REPO/ktorch/builtin/model.safetensors" /tmp/src/ktorch/builtin/  # (not in the snapshot)
+  [ -d "$REPO/.peers" ] && ln -sfn "$REPO/.peers" /tmp/src/.peers  # carried peers (kt_kernel) for the benchmarks
   [ -f "$REPO/.device-out/prebuilt/prebuilt.id" ] && [ ! -f /tmp/prebuilt/prebuilt.id ] && cp -r "$REPO/.device-out/prebuilt" /tmp/
   export KT_PREBUILT_DIR=/tmp/prebuilt
   cd /tmp/src || exit 1  # every phase runs there
