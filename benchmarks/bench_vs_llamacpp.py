@@ -27,8 +27,9 @@ ktorch     ``ktorch.load(FILE, device="cuda", experts_dtype="auto")`` on the SAM
            calls (compiles, graph capture) are not timed. ppN = one forward over N random tokens (median of
            --repeats); tgN = N one-token forwards after a --decode-context-token prompt (default 1, so decode
            starts near an empty cache as llama-bench's does), one sync at the end. The ktorch worker pool has
-           --kt-threads threads (KT_NUM_THREADS; default ktorch's: torch's thread count, one fewer when
-           ktorch.prepare places the model on a GPU, so the launching thread keeps a core); the JSON says how many.
+           --kt-threads threads (KT_NUM_THREADS; default ktorch's: torch's thread count, three fewer when
+           ktorch.prepare places the model on a GPU, leaving cores to CUDA's callback thread and the launcher); the
+           JSON says how many.
 
 The table: rows (experts type, test), columns llama.cpp best tok/s and its setting, ktorch best tok/s and its
 variant, and ktorch / llama.cpp. --json appends one line per llama-bench record, per ktorch variant and per table

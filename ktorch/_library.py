@@ -52,10 +52,14 @@ def set_num_threads(n: int) -> None:
     pool is also rebuilt at the same size when ``KT_SPIN_US`` or ``KT_SPIN_YIELD`` changed since it was built.
 
     Default: ``KT_NUM_THREADS``, else ``torch.get_num_threads()`` when the pool is first used. In hybrid
-    CPU/GPU inference the thread launching GPU work (and waiting for it) needs a core of its own: with every
-    core given to spinning workers, some worker is always descheduled and calls stretch to scheduler time
-    slices. ``ktorch.prepare(..., device="cuda")`` therefore leaves one core free unless ``KT_NUM_THREADS`` is
-    set or this function was called."""
+    CPU/GPU inference other threads need cores while the pool's workers spin between calls: CUDA's callback
+    thread (it runs the host functions that start and join each call), the thread launching GPU work, and the
+    driver's own; with every core given to spinning workers one of them is descheduled and calls stretch to
+    scheduler time slices (~2 ms stalls). ``ktorch.prepare(..., device="cuda")`` therefore leaves
+    ``HYBRID_SPARE_CORES`` (3) cores free unless ``KT_NUM_THREADS`` is set or this function was called: on the
+    16-core device, 13 pool threads decoded 8-25% faster than 15, with 5-10x fewer gaps over 1 ms between calls
+    (benchmarks/RESULTS.md, "Decode overheads A/B"); decode is memory-bound, so 13 threads still read at the
+    DRAM limit."""
     global _threads_chosen
     if n < 1:
         raise ValueError(f"set_num_threads: need at least 1 thread, got {n}")
@@ -66,8 +70,11 @@ def set_num_threads(n: int) -> None:
 _threads_chosen = False  # set by set_num_threads: a size the user chose is never changed behind their back
 
 
-def leave_a_core_for_the_launcher() -> None:
-    """Hybrid CPU/GPU placement: one pool thread fewer than torch's, unless the size was chosen (KT_NUM_THREADS
-    or set_num_threads)."""
+HYBRID_SPARE_CORES = 3  # cores a hybrid placement leaves to CUDA's callback thread, the launcher and the driver
+
+
+def leave_cores_for_the_gpu_side() -> None:
+    """Hybrid CPU/GPU placement: HYBRID_SPARE_CORES pool threads fewer than torch's (at least 1), unless the size
+    was chosen (KT_NUM_THREADS or set_num_threads)."""
     if not _threads_chosen and not os.environ.get("KT_NUM_THREADS"):
-        torch.ops.kt.set_num_threads(max(1, torch.get_num_threads() - 1))
+        torch.ops.kt.set_num_threads(max(1, torch.get_num_threads() - HYBRID_SPARE_CORES))

@@ -8,7 +8,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from ktorch._library import leave_a_core_for_the_launcher
+from ktorch._library import leave_cores_for_the_gpu_side
 
 from ktorch.integrations.deferral import set_deferred_experts as set_chain
 from ktorch.passes.deferral import is_deferred_count
@@ -93,7 +93,7 @@ def prepare(
     if stream_experts is not None and device.type != "cuda":
         raise ValueError(f"prepare: stream_experts copies experts to a CUDA device; device is {device}")
     if device.type != "cpu":
-        leave_a_core_for_the_launcher()  # see ktorch.set_num_threads
+        leave_cores_for_the_gpu_side()  # see ktorch.set_num_threads
     if device.type == "cuda":
         _set_cuda_sync()
     n_gpu = _gpu_experts_per_layer(gpu_experts, modules)

@@ -58,20 +58,24 @@ def test_pool_calls_from_several_threads():
 
 _LAUNCHER_SCRIPT = """
 import torch, ktorch
-from ktorch._library import leave_a_core_for_the_launcher
-torch.set_num_threads(4)
-leave_a_core_for_the_launcher()
+from ktorch._library import leave_cores_for_the_gpu_side
+torch.set_num_threads(5)
+leave_cores_for_the_gpu_side()
 first = ktorch.get_num_threads()
 ktorch.set_num_threads(4)
-leave_a_core_for_the_launcher()
-print(first, ktorch.get_num_threads())
+leave_cores_for_the_gpu_side()
+second = ktorch.get_num_threads()
+torch.set_num_threads(2)
+ktorch._library._threads_chosen = False
+leave_cores_for_the_gpu_side()  # never below one thread
+print(first, second, ktorch.get_num_threads())
 """
 
 
-@pytest.mark.parametrize("env,want", [({}, "3 4"), ({"KT_NUM_THREADS": "2"}, "2 4")])
-def test_hybrid_placement_leaves_a_core_unless_the_size_was_chosen(env, want):
-    """prepare(device="cuda") takes one pool thread fewer than torch's, but never overrides KT_NUM_THREADS or
-    an explicit ktorch.set_num_threads."""
+@pytest.mark.parametrize("env,want", [({}, "2 4 1"), ({"KT_NUM_THREADS": "2"}, "2 4 4")])
+def test_hybrid_placement_leaves_cores_unless_the_size_was_chosen(env, want):
+    """prepare(device="cuda") takes HYBRID_SPARE_CORES (3) pool threads fewer than torch's (at least one), but
+    never overrides KT_NUM_THREADS or an explicit ktorch.set_num_threads."""
     import os
     import subprocess
     import sys
@@ -79,7 +83,7 @@ def test_hybrid_placement_leaves_a_core_unless_the_size_was_chosen(env, want):
     clean = {k: v for k, v in os.environ.items() if k != "KT_NUM_THREADS"}
     out = subprocess.run([sys.executable, "-c", _LAUNCHER_SCRIPT], env={**clean, **env}, check=True, timeout=120,
                          capture_output=True, text=True).stdout.split()
-    assert " ".join(out[-2:]) == want
+    assert " ".join(out[-3:]) == want
 
 
 _SPIN_SCRIPT = """
