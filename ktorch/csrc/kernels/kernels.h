@@ -74,12 +74,17 @@ using GluBf16Fn = void (*)(const float* c, int64_t ldc, int M, int n, Activation
 using QuantizeRowsFn = void (*)(const float* x, int64_t ldx, int M, int64_t K, int64_t group_size, int8_t* q,
                                 int64_t ldq, float* scale, int32_t* gsum);
 
+// The down projection's weighted scatter: dst[rows[m] * ldd + j] += w[m] * src[m * lds + j] for m < M, j < n.
+using ScatterAddFn = void (*)(const float* src, int64_t lds, int M, int64_t n, const float* w, const int64_t* rows,
+                              float* dst, int64_t ldd);
+
 struct KernelSet {
   const char* name;
   GemmFn gemm[kNumFormats];
   GluF32Fn glu_f32;
   GluBf16Fn glu_bf16;
   QuantizeRowsFn quantize_rows;
+  ScatterAddFn scatter_add;
 };
 
 // Defined in the ISA folders; each returns nullptr-free tables. The amx table may fall back to avx512

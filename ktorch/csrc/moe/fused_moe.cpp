@@ -124,6 +124,12 @@ class PhaseTimer {
     ms_[n_++] = std::chrono::duration<double, std::milli>(now - last_).count();
     last_ = now;
   }
+  // An extra entry (not a phase: the wall clock does not move), e.g. a worker breakdown of the phase before it.
+  void add(const char* name, double ms) {
+    if (!on_ || n_ == kMaxPhases) return;
+    phases_[n_] = name;
+    ms_[n_++] = ms;
+  }
   // Prints "kt.fused_moe <what>: phase ms, ..., total ms".
   void print(const std::string& what) const {
     if (!on_) return;
@@ -140,12 +146,51 @@ class PhaseTimer {
   }
 
  private:
-  static constexpr int kMaxPhases = 16;
+  static constexpr int kMaxPhases = 24;
   bool on_ = false;
   Clock::time_point start_, last_;
   const char* phases_[kMaxPhases];
   double ms_[kMaxPhases];
   int n_ = 0;
+};
+
+// KT_PROFILE=1: where each worker's time in a parallel phase goes, summed over its tasks. Added to the phase
+// line as <phase>.kernel (the gemm kernel calls), <phase>.epilogue (the driver's work on their output: GLU and
+// h quantization, or down's weighted scatter), <phase>.other (the rest of the tasks: row copies, accumulator
+// zeroing and the group sums), each the mean over workers in ms, and <phase>.busiest (the largest sum of the
+// three for one worker): a phase far longer than its busiest worker waited on wake-ups or scheduling, one
+// far longer than the kernel share spent it in the epilogue.
+class WorkerTimes {
+ public:
+  using Clock = std::chrono::steady_clock;
+  WorkerTimes(bool on, int workers) : on_(on), t_(on ? workers : 0) {}
+  bool on() const { return on_; }
+  static Clock::time_point now() { return Clock::now(); }
+  // kind: 0 kernel, 1 epilogue, 2 other
+  void add(int worker, int kind, Clock::time_point t0, Clock::time_point t1) {
+    if (on_) t_[worker].ns[kind] += std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count();
+  }
+  void report(PhaseTimer& timer, const char* kernel, const char* epilogue, const char* other,
+              const char* busiest) const {
+    if (!on_) return;
+    double sum[3] = {0, 0, 0}, most = 0;
+    for (const Slot& w : t_) {
+      for (int k = 0; k < 3; ++k) sum[k] += w.ns[k];
+      most = std::max(most, static_cast<double>(w.ns[0] + w.ns[1] + w.ns[2]));
+    }
+    const double n = static_cast<double>(t_.size()) * 1e6;
+    timer.add(kernel, sum[0] / n);
+    timer.add(epilogue, sum[1] / n);
+    timer.add(other, sum[2] / n);
+    timer.add(busiest, most / 1e6);
+  }
+
+ private:
+  struct alignas(64) Slot {
+    int64_t ns[3] = {0, 0, 0};
+  };
+  bool on_;
+  std::vector<Slot> t_;
 };
 
 // Scratch buffers kept from call to call. Large fresh allocations are mmap'd by malloc and returned to
@@ -372,7 +417,9 @@ at::Tensor fused_moe_with_h_quantizer(const at::Tensor& hidden_in, const at::Ten
   at::Tensor wsc = ws.take(Workspace::kWorkerScale, {workers, kGateUpRows}, at::kFloat);
   at::Tensor wgs = ws.take(Workspace::kWorkerGsum, {workers, kGateUpRows * x_groups}, at::kInt);
   at::Tensor wc = ws.take(Workspace::kWorkerC, {workers, max_rows * kDownCols}, at::kFloat);
+  WorkerTimes gu_times(timer.on(), workers);
   runtime::parallel_tasks(nchunks * splits, [&](int64_t task, int worker) {
+    const auto t_task = gu_times.on() ? WorkerTimes::now() : WorkerTimes::Clock::time_point();
     const Chunk& ch = chunks[task / splits];
     const int64_t split = task % splits;
     const int64_t g0 = ugroups * split / splits, g1 = ugroups * (split + 1) / splits;
@@ -392,6 +439,8 @@ at::Tensor fused_moe_with_h_quantizer(const at::Tensor& hidden_in, const at::Ten
     }
     float* c = wc.data_ptr<float>() + worker * wc.size(1);
     float* hrows = wf32.data_ptr<float>() + worker * wf32.size(1);  // full rows: this task's h, fp32 [n, I]
+    auto t_mark = t_task;
+    if (gu_times.on()) gu_times.add(worker, 2, t_task, t_mark = WorkerTimes::now());
     for (int64_t g = g0; g < g1; ++g) {
       kernels::GemmArgs a;
       a.M = static_cast<int>(ch.n);
@@ -412,18 +461,30 @@ at::Tensor fused_moe_with_h_quantizer(const at::Tensor& hidden_in, const at::Ten
       a.c = c;
       a.ldc = 64;
       ks.gemm[static_cast<int>(fmt)](a);
+      if (gu_times.on()) {
+        const auto t = WorkerTimes::now();
+        gu_times.add(worker, 0, t_mark, t);
+        t_mark = t;
+      }
       if (h_bf16)
         ks.glu_bf16(c, 64, a.M, 32, act, static_cast<uint16_t*>(h.data_ptr()) + ch.p0 * I + 32 * g, I);
       else if (full_rows)
         ks.glu_f32(c, 64, a.M, 32, act, hrows + 32 * g, I);
       else
         ks.glu_f32(c, 64, a.M, 32, act, h.data_ptr<float>() + ch.p0 * I + 32 * g, I);
+      if (gu_times.on()) {
+        const auto t = WorkerTimes::now();
+        gu_times.add(worker, 1, t_mark, t);
+        t_mark = t;
+      }
     }
     if (int_fmt && full_rows)
       ks.quantize_rows(hrows, I, static_cast<int>(ch.n), I, down.group_size(), hq.data_ptr<int8_t>() + ch.p0 * I, I,
                        hs.data_ptr<float>() + ch.p0, hg.data_ptr<int32_t>() + ch.p0 * down.groups);
+    if (gu_times.on()) gu_times.add(worker, 1, t_mark, WorkerTimes::now());
   });
   timer.mark("gate_up");
+  gu_times.report(timer, "gate_up.kernel", "gate_up.epilogue", "gate_up.other", "gate_up.busiest");
   if (int_fmt && quantize_h) {
     quantize_h(h.data_ptr<float>(), P, I, down.group_size(), hq.data_ptr<int8_t>(), hs.data_ptr<float>(),
                hg.data_ptr<int32_t>());
@@ -468,13 +529,20 @@ at::Tensor fused_moe_with_h_quantizer(const at::Tensor& hidden_in, const at::Ten
   const size_t down_block = kernels::block_bytes(fmt, down.K);
   const auto* down_base = static_cast<const uint8_t*>(w2.data_ptr());
   const float* down_scales = w2_scales ? w2_scales->data_ptr<float>() : nullptr;
+  WorkerTimes down_times(timer.on(), workers);
   runtime::parallel_tasks(ranges * groups, [&](int64_t task, int worker) {
+    auto t_mark = down_times.on() ? WorkerTimes::now() : WorkerTimes::Clock::time_point();
     const int64_t r = task / groups, g = task % groups;
     const int64_t b0 = hblocks * r / ranges, b1 = hblocks * (r + 1) / ranges;
     const int64_t c0 = 16 * b0, c1 = 16 * b1;
     float* accg = accp + g * T * H;
     for (int64_t t = 0; t < T; ++t) std::fill(accg + t * H + c0, accg + t * H + c1, 0.0f);
     float* c = wc.data_ptr<float>() + worker * wc.size(1);
+    if (down_times.on()) {
+      const auto t = WorkerTimes::now();
+      down_times.add(worker, 2, t_mark, t);
+      t_mark = t;
+    }
     for (int64_t i = group_start[g]; i < group_start[g + 1]; ++i) {
       const int64_t e = active[i];
       for (int64_t p0 = offset[e]; p0 < offset[e + 1]; p0 += kDownRows) {
@@ -502,17 +570,30 @@ at::Tensor fused_moe_with_h_quantizer(const at::Tensor& hidden_in, const at::Ten
           a.c = c;
           a.ldc = kDownCols;
           ks.gemm[static_cast<int>(fmt)](a);
-          const int64_t ncols = 16 * a.nblocks;
-          for (int m = 0; m < M; ++m) {
-            const float w = pair_weight[p0 + m];
-            float* __restrict__ dst = accg + pair_token[p0 + m] * H + 16 * cb;
-            const float* __restrict__ src = c + m * kDownCols;
-            for (int64_t j = 0; j < ncols; ++j) dst[j] += w * src[j];
+          if (down_times.on()) {
+            const auto t = WorkerTimes::now();
+            down_times.add(worker, 0, t_mark, t);
+            t_mark = t;
+          }
+          ks.scatter_add(c, kDownCols, M, 16 * a.nblocks, pair_weight.data() + p0, pair_token.data() + p0,
+                         accg + 16 * cb, H);
+          if (down_times.on()) {
+            const auto t = WorkerTimes::now();
+            down_times.add(worker, 1, t_mark, t);
+            t_mark = t;
           }
         }
       }
     }
     // the last group task of this range sums the groups, in group order, into the output
+    struct OtherTime {  // the group sum below, or nothing when another task does it
+      WorkerTimes& times;
+      int worker;
+      WorkerTimes::Clock::time_point t0;
+      ~OtherTime() {
+        if (times.on()) times.add(worker, 2, t0, WorkerTimes::now());
+      }
+    } other_time{down_times, worker, t_mark};
     if (range_done[r].fetch_add(1, std::memory_order_acq_rel) != groups - 1 || acc_is_out) return;
     for (int64_t t = 0; t < T; ++t) {
       float* row = accp + t * H;
@@ -532,6 +613,7 @@ at::Tensor fused_moe_with_h_quantizer(const at::Tensor& hidden_in, const at::Ten
     }
   });
   timer.mark("down");
+  down_times.report(timer, "down.kernel", "down.scatter", "down.other", "down.busiest");
   if (timer.on())
     timer.print("T=" + std::to_string(T) + " pairs=" + std::to_string(P) + " experts=" + std::to_string(active.size()) +
                 " " + (fmt == WeightFormat::BF16 ? "bf16" : fmt == WeightFormat::INT8 ? "int8" : "int4") + " " + ks.name);

@@ -644,7 +644,8 @@ const KernelSet& amx_kernels() {
                      {gemm_amx<WeightFormat::BF16>, gemm_amx<WeightFormat::INT8>, gemm_amx<WeightFormat::INT4>},
                      avx.glu_f32,
                      avx.glu_bf16,
-                     avx.quantize_rows};
+                     avx.quantize_rows,
+                     avx.scatter_add};
   }();
   read_min_rows();
   read_walk();
