@@ -267,11 +267,34 @@ class Runner:
 
 
 @torch.no_grad()
+def split_decode_deferral(options: dict | None) -> tuple[dict | None, int | None]:
+    """The bench-only option ``decode_deferred_experts: d`` (deferral in decode only: prefill runs d = 0, where
+    deferring splits each layer's CPU work into two calls for nothing to overlap) taken out of backend
+    ``options``; the graphs are then compiled with ``n_deferred_experts="runtime"`` so that one compile serves
+    both. Returns (backend options, d or None)."""
+    if not options or "decode_deferred_experts" not in options:
+        return options, None
+    rest = {k: v for k, v in options.items() if k != "decode_deferred_experts"}
+    d = options["decode_deferred_experts"]
+    if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+        raise ValueError(f"decode_deferred_experts must be an int >= 0, got {d!r}")
+    if rest.get("n_deferred_experts", "runtime") != "runtime":
+        raise ValueError("decode_deferred_experts needs n_deferred_experts='runtime' (or unset), got "
+                         f"{rest['n_deferred_experts']!r}")
+    rest["n_deferred_experts"] = "runtime"
+    return rest, d
+
+
 def time_variant(model, variant: str, device: str, prompts: list[int], decode_tokens: int, decode_context: int,
                  repeats: int, vocab: int, options: dict | None = None, runner: Runner | None = None) -> dict:
     """Times prefill per prompt length and decode; ``runner`` reuses one made (and compiled) by an earlier call
-    with the same lengths (result["runner"])."""
+    with the same lengths (result["runner"]). ``options`` may hold ``decode_deferred_experts`` (see
+    split_decode_deferral): prefill then runs with no deferral and decode with that many deferred slots."""
     result: dict = {"variant": variant}
+    options, decode_deferred = split_decode_deferral(options)
+    if decode_deferred is not None:
+        ktorch.compile.set_runtime_deferred_experts(0)
+        result["decode_deferred_experts"] = decode_deferred
     if runner is None:
         runner = Runner(model, variant, device, max(prompts + [decode_context]) + decode_tokens + 16, options)
     gen = torch.Generator().manual_seed(1)
@@ -293,6 +316,9 @@ def time_variant(model, variant: str, device: str, prompts: list[int], decode_to
     if decode_tokens:
         ids = torch.randint(0, vocab, (1, decode_context), generator=gen).to(device)
         first = runner.prefill(ids)
+        if decode_deferred is not None:
+            sync(device)
+            ktorch.compile.set_runtime_deferred_experts(decode_deferred)
         t0 = time.perf_counter()
         first = runner.decode(first, warm + 1)
         sync(device)
@@ -316,6 +342,9 @@ def time_variant(model, variant: str, device: str, prompts: list[int], decode_to
         result["host_waits_per_step"] = (stats["host_waits"] - stats0.get("host_waits", 0)) / decode_tokens
         result["python_submits_per_step"] = (stats["submits"] - stats0.get("submits", 0)) / decode_tokens
         result.update(call_gap_stats(native))
+    if decode_deferred is not None:
+        sync(device)
+        ktorch.compile.set_runtime_deferred_experts(0)
     result["runner"] = runner
     return result
 

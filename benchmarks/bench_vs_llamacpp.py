@@ -419,7 +419,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "'512:0.4,2048:0.45'; see bench_e2e.py) (default: off)")
     p.add_argument("--kt-options", default=None,
                    help="ktorch backend options as JSON (see bench_e2e.py --options); ';'-separated sets run each "
-                        "variant once per set, 'none' = no options, e.g. 'none;{\"n_deferred_experts\": 2}'")
+                        "variant once per set, 'none' = no options, e.g. 'none;{\"n_deferred_experts\": 2}'; "
+                        "'{\"decode_deferred_experts\": 2}' defers in decode only, one compile (prefill d = 0)")
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp"),
                    help="folder for llama-bench's log (default: $OUT or /tmp)")
     p.add_argument("--json", default=None, help="append JSON lines to this file")

@@ -88,3 +88,41 @@ def test_parse_pool_sweep(monkeypatch):
     for bad in ("x:1", "0:100", "4:-1", "4:100:2", "4:100:1:0", "4:100:y"):
         with pytest.raises(SystemExit, match="--pool-sweep"):
             e2e.parse_pool_sweep(bad)
+
+
+def test_split_decode_deferral():
+    assert e2e.split_decode_deferral(None) == (None, None)
+    assert e2e.split_decode_deferral({"n_deferred_experts": 2}) == ({"n_deferred_experts": 2}, None)
+    assert e2e.split_decode_deferral({"decode_deferred_experts": 3}) == ({"n_deferred_experts": "runtime"}, 3)
+    assert e2e.split_decode_deferral({"decode_deferred_experts": 0, "n_deferred_experts": "runtime"}) == (
+        {"n_deferred_experts": "runtime"}, 0)
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="decode_deferred_experts"):
+            e2e.split_decode_deferral({"decode_deferred_experts": bad})
+    with pytest.raises(ValueError, match="n_deferred_experts='runtime'"):
+        e2e.split_decode_deferral({"decode_deferred_experts": 2, "n_deferred_experts": 2})
+
+
+def test_decode_only_deferral_runs_prefill_at_zero_and_decode_at_d():
+    import torch
+
+    import ktorch.compile
+
+    seen = []
+
+    class FakeRunner:
+        def prefill(self, ids):
+            seen.append(("prefill", ids.shape[1], ktorch.compile.RUNTIME.runtime_deferred))
+            return torch.zeros(1, 1, dtype=torch.long)
+
+        def decode(self, first, n):
+            seen.append(("decode", n, ktorch.compile.RUNTIME.runtime_deferred))
+            return first
+
+    ktorch.compile.set_runtime_deferred_experts(5)  # whatever was set before is not what prefill runs with
+    r = e2e.time_variant(None, "compiled", "cpu", [7], 4, 3, 1, 50, options={"decode_deferred_experts": 2},
+                         runner=FakeRunner())
+    assert r["decode_deferred_experts"] == 2 and "decode_tok_s" in r and "prefill_7_tok_s" in r
+    assert {d for kind, _, d in seen if kind == "prefill"} == {0}
+    assert {d for kind, _, d in seen if kind == "decode"} == {2}
+    assert ktorch.compile.RUNTIME.runtime_deferred == 0  # reset after the decode
