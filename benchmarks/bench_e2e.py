@@ -266,7 +266,6 @@ class Runner:
         return nxt
 
 
-@torch.no_grad()
 def split_decode_deferral(options: dict | None) -> tuple[dict | None, int | None]:
     """The bench-only option ``decode_deferred_experts: d`` (deferral in decode only: prefill runs d = 0, where
     deferring splits each layer's CPU work into two calls for nothing to overlap) taken out of backend
@@ -285,6 +284,7 @@ def split_decode_deferral(options: dict | None) -> tuple[dict | None, int | None
     return rest, d
 
 
+@torch.no_grad()
 def time_variant(model, variant: str, device: str, prompts: list[int], decode_tokens: int, decode_context: int,
                  repeats: int, vocab: int, options: dict | None = None, runner: Runner | None = None) -> dict:
     """Times prefill per prompt length and decode; ``runner`` reuses one made (and compiled) by an earlier call

@@ -112,6 +112,7 @@ def test_decode_only_deferral_runs_prefill_at_zero_and_decode_at_d():
 
     class FakeRunner:
         def prefill(self, ids):
+            assert not torch.is_grad_enabled()  # the timed forwards build no autograd graph
             seen.append(("prefill", ids.shape[1], ktorch.compile.RUNTIME.runtime_deferred))
             return torch.zeros(1, 1, dtype=torch.long)
 
