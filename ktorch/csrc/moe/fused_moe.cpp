@@ -164,11 +164,15 @@ class WorkerTimes {
  public:
   using Clock = std::chrono::steady_clock;
   WorkerTimes(bool on, int workers) : on_(on), t_(on ? workers : 0) {}
-  bool on() const { return on_; }
-  static Clock::time_point now() { return Clock::now(); }
-  // kind: 0 kernel, 1 epilogue, 2 other
-  void add(int worker, int kind, Clock::time_point t0, Clock::time_point t1) {
-    if (on_) t_[worker].ns[kind] += std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count();
+  enum Kind { kKernel = 0, kEpilogue = 1, kOther = 2 };
+  // The mark a task's first lap starts from (read only when on).
+  Clock::time_point start() const { return on_ ? Clock::now() : Clock::time_point(); }
+  // Adds the time since `mark` to the worker's `kind` and moves `mark` to now; one branch when off.
+  void lap(int worker, Kind kind, Clock::time_point& mark) {
+    if (!on_) return;
+    const Clock::time_point now = Clock::now();
+    t_[worker].ns[kind] += std::chrono::duration_cast<std::chrono::nanoseconds>(now - mark).count();
+    mark = now;
   }
   void report(PhaseTimer& timer, const char* kernel, const char* epilogue, const char* other,
               const char* busiest) const {
@@ -419,7 +423,7 @@ at::Tensor fused_moe_with_h_quantizer(const at::Tensor& hidden_in, const at::Ten
   at::Tensor wc = ws.take(Workspace::kWorkerC, {workers, max_rows * kDownCols}, at::kFloat);
   WorkerTimes gu_times(timer.on(), workers);
   runtime::parallel_tasks(nchunks * splits, [&](int64_t task, int worker) {
-    const auto t_task = gu_times.on() ? WorkerTimes::now() : WorkerTimes::Clock::time_point();
+    auto t_mark = gu_times.start();
     const Chunk& ch = chunks[task / splits];
     const int64_t split = task % splits;
     const int64_t g0 = ugroups * split / splits, g1 = ugroups * (split + 1) / splits;
@@ -439,8 +443,7 @@ at::Tensor fused_moe_with_h_quantizer(const at::Tensor& hidden_in, const at::Ten
     }
     float* c = wc.data_ptr<float>() + worker * wc.size(1);
     float* hrows = wf32.data_ptr<float>() + worker * wf32.size(1);  // full rows: this task's h, fp32 [n, I]
-    auto t_mark = t_task;
-    if (gu_times.on()) gu_times.add(worker, 2, t_task, t_mark = WorkerTimes::now());
+    gu_times.lap(worker, WorkerTimes::kOther, t_mark);
     for (int64_t g = g0; g < g1; ++g) {
       kernels::GemmArgs a;
       a.M = static_cast<int>(ch.n);
@@ -461,27 +464,19 @@ at::Tensor fused_moe_with_h_quantizer(const at::Tensor& hidden_in, const at::Ten
       a.c = c;
       a.ldc = 64;
       ks.gemm[static_cast<int>(fmt)](a);
-      if (gu_times.on()) {
-        const auto t = WorkerTimes::now();
-        gu_times.add(worker, 0, t_mark, t);
-        t_mark = t;
-      }
+      gu_times.lap(worker, WorkerTimes::kKernel, t_mark);
       if (h_bf16)
         ks.glu_bf16(c, 64, a.M, 32, act, static_cast<uint16_t*>(h.data_ptr()) + ch.p0 * I + 32 * g, I);
       else if (full_rows)
         ks.glu_f32(c, 64, a.M, 32, act, hrows + 32 * g, I);
       else
         ks.glu_f32(c, 64, a.M, 32, act, h.data_ptr<float>() + ch.p0 * I + 32 * g, I);
-      if (gu_times.on()) {
-        const auto t = WorkerTimes::now();
-        gu_times.add(worker, 1, t_mark, t);
-        t_mark = t;
-      }
+      gu_times.lap(worker, WorkerTimes::kEpilogue, t_mark);
     }
     if (int_fmt && full_rows)
       ks.quantize_rows(hrows, I, static_cast<int>(ch.n), I, down.group_size(), hq.data_ptr<int8_t>() + ch.p0 * I, I,
                        hs.data_ptr<float>() + ch.p0, hg.data_ptr<int32_t>() + ch.p0 * down.groups);
-    if (gu_times.on()) gu_times.add(worker, 1, t_mark, WorkerTimes::now());
+    gu_times.lap(worker, WorkerTimes::kEpilogue, t_mark);
   });
   timer.mark("gate_up");
   gu_times.report(timer, "gate_up.kernel", "gate_up.epilogue", "gate_up.other", "gate_up.busiest");
@@ -531,18 +526,14 @@ at::Tensor fused_moe_with_h_quantizer(const at::Tensor& hidden_in, const at::Ten
   const float* down_scales = w2_scales ? w2_scales->data_ptr<float>() : nullptr;
   WorkerTimes down_times(timer.on(), workers);
   runtime::parallel_tasks(ranges * groups, [&](int64_t task, int worker) {
-    auto t_mark = down_times.on() ? WorkerTimes::now() : WorkerTimes::Clock::time_point();
+    auto t_mark = down_times.start();
     const int64_t r = task / groups, g = task % groups;
     const int64_t b0 = hblocks * r / ranges, b1 = hblocks * (r + 1) / ranges;
     const int64_t c0 = 16 * b0, c1 = 16 * b1;
     float* accg = accp + g * T * H;
     for (int64_t t = 0; t < T; ++t) std::fill(accg + t * H + c0, accg + t * H + c1, 0.0f);
     float* c = wc.data_ptr<float>() + worker * wc.size(1);
-    if (down_times.on()) {
-      const auto t = WorkerTimes::now();
-      down_times.add(worker, 2, t_mark, t);
-      t_mark = t;
-    }
+    down_times.lap(worker, WorkerTimes::kOther, t_mark);
     for (int64_t i = group_start[g]; i < group_start[g + 1]; ++i) {
       const int64_t e = active[i];
       for (int64_t p0 = offset[e]; p0 < offset[e + 1]; p0 += kDownRows) {
@@ -570,30 +561,14 @@ at::Tensor fused_moe_with_h_quantizer(const at::Tensor& hidden_in, const at::Ten
           a.c = c;
           a.ldc = kDownCols;
           ks.gemm[static_cast<int>(fmt)](a);
-          if (down_times.on()) {
-            const auto t = WorkerTimes::now();
-            down_times.add(worker, 0, t_mark, t);
-            t_mark = t;
-          }
+          down_times.lap(worker, WorkerTimes::kKernel, t_mark);
           ks.scatter_add(c, kDownCols, M, 16 * a.nblocks, pair_weight.data() + p0, pair_token.data() + p0,
                          accg + 16 * cb, H);
-          if (down_times.on()) {
-            const auto t = WorkerTimes::now();
-            down_times.add(worker, 1, t_mark, t);
-            t_mark = t;
-          }
+          down_times.lap(worker, WorkerTimes::kEpilogue, t_mark);
         }
       }
     }
     // the last group task of this range sums the groups, in group order, into the output
-    struct OtherTime {  // the group sum below, or nothing when another task does it
-      WorkerTimes& times;
-      int worker;
-      WorkerTimes::Clock::time_point t0;
-      ~OtherTime() {
-        if (times.on()) times.add(worker, 2, t0, WorkerTimes::now());
-      }
-    } other_time{down_times, worker, t_mark};
     if (range_done[r].fetch_add(1, std::memory_order_acq_rel) != groups - 1 || acc_is_out) return;
     for (int64_t t = 0; t < T; ++t) {
       float* row = accp + t * H;
@@ -611,6 +586,7 @@ at::Tensor fused_moe_with_h_quantizer(const at::Tensor& hidden_in, const at::Ten
         for (int64_t j = c0; j < c1; ++j) o[j] = static_cast<at::Half>(row[j]);
       }
     }
+    down_times.lap(worker, WorkerTimes::kOther, t_mark);
   });
   timer.mark("down");
   down_times.report(timer, "down.kernel", "down.scatter", "down.other", "down.busiest");
