@@ -189,6 +189,21 @@ def profile_phases(fn, layers, routings, calls: int = 5) -> dict[str, float]:
 
 
 @contextlib.contextmanager
+def variant_env(variant: str | None, is_env_list: bool):
+    """The environment of one timed variant: a KT_AMX_WALK value, or with --env-variants 'NAME=V,NAME=V' ('-': none)."""
+    if not is_env_list:
+        with env_set("KT_AMX_WALK", variant):
+            yield
+        return
+    with contextlib.ExitStack() as stack:
+        for item in variant.split(","):
+            if item and item != "-":
+                name, _, value = item.partition("=")
+                stack.enter_context(env_set(name, value))
+        yield
+
+
+@contextlib.contextmanager
 def env_set(name: str, value: str | None):
     """os.environ[name] = value inside the block, restored after; None leaves the environment alone."""
     saved = os.environ.get(name)
@@ -221,6 +236,9 @@ def main() -> None:
     ap.add_argument("--min-calls", type=int, default=5)
     ap.add_argument("--min-seconds", type=float, default=1.0)
     ap.add_argument("--profile", action="store_true", help="print the op's per-phase medians (KT_PROFILE=1)")
+    ap.add_argument("--env-variants", nargs="+", default=None, metavar="NAME=V[,NAME=V]",
+                    help="time each ktorch row under each of these environment settings (knobs the op reads on "
+                         "every call, e.g. KT_DOWN_RANGES=32,KT_DOWN_GROUPS=2; '-' for none); replaces --amx-walks")
     ap.add_argument("--amx-walks", nargs="+", default=None,
                     help="time each ktorch row under each of these KT_AMX_WALK values (default: the environment's)")
     ap.add_argument("--memory-budget-gb", type=float, default=None,
@@ -265,12 +283,14 @@ def main() -> None:
 
                 peak_kind = "bf16"
             walks = args.amx_walks if args.amx_walks and impl.startswith("ktorch") else [None]
+            if args.env_variants and impl.startswith("ktorch"):
+                walks = args.env_variants
             for T in args.tokens:
                 routings = routings_for(T, E, K, H, 8)
                 for walk in walks:
                     label = impl if walk is None else f"{impl}/{walk}"
                     try:
-                        with env_set("KT_AMX_WALK", walk):
+                        with variant_env(walk, bool(args.env_variants)):
                             sec = time_calls(fn, layers, routings, args.min_calls, args.min_seconds)
                     except (RuntimeError, NotImplementedError) as err:
                         print(f"{label} T={T}: failed: {str(err).splitlines()[0]}")
@@ -283,7 +303,7 @@ def main() -> None:
                     print("{:<9} {:<12} T={:<5} {:9.3f} ms {:10.0f} tok/s {:7.3f} TFLOPS {:7.1f} GB/s "
                           "({:5.1f}% BW, {:5.1f}% peak)".format(*rows[-1]), flush=True)
                     if args.profile and impl.startswith("ktorch"):
-                        with env_set("KT_AMX_WALK", walk):
+                        with variant_env(walk, bool(args.env_variants)):
                             phases = profile_phases(fn, layers, routings)
                         print("    phases (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in phases.items()), flush=True)
             del layers

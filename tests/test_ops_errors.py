@@ -227,6 +227,15 @@ def test_forcing_an_unavailable_kernel_level(level, monkeypatch):
         call()
 
 
+@pytest.mark.parametrize("name,value", [("KT_DOWN_RANGES", "0"), ("KT_DOWN_RANGES", "two"), ("KT_DOWN_GROUPS", "17"),
+                                        ("KT_DOWN_GROUPS", "-1"), ("KT_DOWN_RANGES", "4096x")])
+def test_bad_down_task_grid_knob(name, value, monkeypatch):
+    monkeypatch.setenv(name, value)
+    most = 4096 if name == "KT_DOWN_RANGES" else 16
+    with raises(re.escape(f"{name} must be a count from 1 to {most}, got '{value}'")):
+        call()
+
+
 # ---------------------------------------------------------------- pack ops
 
 

@@ -277,6 +277,29 @@ def test_same_output_for_any_thread_count(kernel, fmt, group_size, seed):
     assert torch.equal(one, many), f"seed={seed}: 1 thread and {threads} threads give different outputs"
 
 
+@pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("ranges,groups", [(1, 1), (3, 1), (5, 2), (40, 3), (7, 16)])
+def test_down_task_grid_knobs(kernel, fmt, group_size, ranges, groups, monkeypatch, seed):
+    """KT_DOWN_RANGES / KT_DOWN_GROUPS reshape the down projection's task grid (column ranges x expert groups,
+    each group with its own accumulator): the result stays within tolerance of the reference, and with one group
+    the sum order does not depend on the ranges, so outputs are equal bit for bit."""
+    E, K, H, I, T = 9, 3, 160, 96, 37
+    packed = make_experts(E, H, I, fmt, group_size)
+    hidden = torch.randn(T, H).to(torch.bfloat16)
+    ids, weights = make_routing(T, E, K)
+    monkeypatch.setenv("KT_DOWN_RANGES", str(ranges))
+    monkeypatch.setenv("KT_DOWN_GROUPS", str(groups))
+    out = ktorch.fused_moe(hidden, ids, weights, packed)
+    check_against_reference(out, hidden, ids, weights, packed, "silu", seed, f"ranges={ranges} groups={groups}")
+    monkeypatch.setenv("KT_DOWN_RANGES", "1")
+    base = ktorch.fused_moe(hidden, ids, weights, packed)
+    monkeypatch.setenv("KT_DOWN_RANGES", str(ranges))
+    again = ktorch.fused_moe(hidden, ids, weights, packed)
+    if groups == 1:
+        monkeypatch.setenv("KT_DOWN_GROUPS", "1")
+        assert torch.equal(again, base), f"seed={seed}: ranges={ranges} changed the result with one group"
+
+
 _WORKER_COUNT_SCRIPT = """
 import sys, torch, ktorch
 hidden, ids, weights, packed = torch.load(sys.argv[1], weights_only=False)

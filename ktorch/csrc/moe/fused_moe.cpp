@@ -235,6 +235,17 @@ std::mutex& shared_workspace_mutex() {
   return m;
 }
 
+// A tuning knob of the down projection's task grid (KT_DOWN_RANGES, KT_DOWN_GROUPS: read on every call, so one
+// process can time several; benchmarks/bench_fused_moe.py --env-variants): a count in [1, most], else `fallback`.
+int64_t env_count(const char* name, int64_t fallback, int64_t most) {
+  const char* env = std::getenv(name);
+  if (env == nullptr || *env == '\0') return fallback;
+  char* end = nullptr;
+  const long long v = std::strtoll(env, &end, 10);
+  TORCH_CHECK(*end == '\0' && v >= 1 && v <= most, name, " must be a count from 1 to ", most, ", got '", env, "'");
+  return v;
+}
+
 // Row r of src ([R, C], any strides, bf16/fp16/fp32) as C floats. Plain C++: the driver holds no intrinsics.
 void row_to_f32(const at::Tensor& src, int64_t r, float* dst) {
   const int64_t C = src.size(1), st = src.stride(1);
@@ -509,8 +520,8 @@ at::Tensor fused_moe_with_h_quantizer(const at::Tensor& hidden_in, const at::Ten
   // the batch, the routing of other tokens or the number of workers.
   const int64_t hblocks = H / 16;
   const int64_t nactive = static_cast<int64_t>(active.size());
-  const int64_t ranges = std::min(hblocks, static_cast<int64_t>(workers <= 4 ? 2 * workers : workers));
-  const int64_t groups = std::min<int64_t>(kDownGroups, E);
+  const int64_t ranges = std::min(hblocks, env_count("KT_DOWN_RANGES", workers <= 4 ? 2 * workers : workers, 4096));
+  const int64_t groups = std::min<int64_t>(env_count("KT_DOWN_GROUPS", kDownGroups, 16), E);
   std::vector<int64_t> group_start(groups + 1, nactive);  // group g: active[group_start[g] .. group_start[g + 1])
   for (int64_t g = 0, i = 0; g < groups; ++g) {
     while (i < nactive && active[i] * groups < E * g) ++i;

@@ -8,7 +8,8 @@
 // Also checks KT_AMX_MIN_ROWS and KT_AMX_WALK parsing.
 // With --bench (real AMX only) it times one thread's AVX-512 gemm and AMX gemm under each walk per M on hot
 // weights, for choosing the small-M threshold and the walk; --bench-cold the same streaming the weights from
-// memory (GB/s of weights a core pulls under each walk's prefetching).
+// memory (GB/s of weights a core pulls under each walk's prefetching); --bench-peak one core's tile ceilings
+// (dot products alone, then with tile loads from L1, L2 and L3) and its clock.
 //
 // Build and run with run.sh beside this file:
 //   bash ktorch/csrc/kernels/amx/test/run.sh emulated     # any AVX-512 BF16/VNNI machine, under ASan
@@ -22,12 +23,16 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <atomic>
 #include <random>
+#include <thread>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #if !defined(KT_AMX_EMULATE)
+#include <immintrin.h>
+#include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -406,6 +411,36 @@ void check_all() {
 }
 
 #if !defined(KT_AMX_EMULATE)
+// The benches lay activation rows out as the driver does (fused_moe.cpp): evenly strided, one 64-byte line
+// more apart than a row, so the kernels tile-load them in place (no copy) and a tile's 16 rows do not share
+// L1 sets. Returns the storage; rows[m] point into it.
+std::vector<uint8_t> driver_rows(const std::vector<const void*>& src, int64_t row_bytes, std::vector<const void*>& rows) {
+  const int64_t ld = (row_bytes + 63) / 64 * 64 + 64;
+  std::vector<uint8_t> store(src.size() * ld + 64);
+  const size_t skew = (64 - reinterpret_cast<uintptr_t>(store.data()) % 64) % 64;
+  rows.resize(src.size());
+  for (size_t m = 0; m < src.size(); ++m) {
+    uint8_t* dst = store.data() + skew + m * ld;
+    std::memcpy(dst, src[m], row_bytes);
+    rows[m] = dst;
+  }
+  return store;
+}
+
+// Row counts to time: KT_BENCH_M="16,128" (default: 1..256).
+std::vector<int> bench_rows(std::vector<int> fallback) {
+  const char* env = std::getenv("KT_BENCH_M");
+  if (env == nullptr || *env == '\0') return fallback;
+  std::vector<int> ms;
+  for (const char* p = env; *p != '\0';) {
+    char* end = nullptr;
+    ms.push_back(static_cast<int>(std::strtol(p, &end, 10)));
+    p = *end == ',' ? end + 1 : end;
+    if (end == p && *p != '\0') break;
+  }
+  return ms;
+}
+
 // One thread: AMX vs AVX-512 per M on hot (L2-resident) weights, for the small-M threshold.
 void bench() {
   setenv("KT_AMX_MIN_ROWS", "0", 1);
@@ -421,8 +456,9 @@ void bench() {
   std::printf(" %8s\n", "amx/avx");
   for (const Shape& s : shapes)
     for (WeightFormat f : {WeightFormat::BF16, WeightFormat::INT8, WeightFormat::INT4})
-      for (int M : {1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256}) {
-        const Problem p = make_problem(f, M, s.K, s.nblocks, 128, false);
+      for (int M : bench_rows({1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256})) {
+        Problem p = make_problem(f, M, s.K, s.nblocks, 128, false);
+        const std::vector<uint8_t> store = driver_rows(p.rows, f == WeightFormat::BF16 ? 2 * s.K : s.K, p.rows);
         double gops[1 + kWalks];
         for (int which = 0; which <= kWalks; ++which) {
           if (which > 0) {
@@ -469,14 +505,15 @@ void bench_cold() {
   std::printf("\n");
   for (const Shape& s : shapes)
     for (WeightFormat f : {WeightFormat::BF16, WeightFormat::INT8, WeightFormat::INT4})
-      for (int M : {16, 32, 128}) {
+      for (int M : bench_rows({16, 32, 128})) {
         const int64_t N = 16 * s.nblocks, G = f == WeightFormat::INT4 ? s.K / 128 : 1;
         const size_t bb = block_bytes(f, s.K), call_bytes = bb * s.nblocks, calls = pool_bytes / call_bytes;
         const int64_t row_bytes = f == WeightFormat::BF16 ? 2 * s.K : s.K;
         std::vector<uint8_t> arows(M * row_bytes);
         for (size_t i = 0; i < arows.size(); ++i) arows[i] = static_cast<uint8_t>(f == WeightFormat::BF16 && i % 2 ? 0x3c : i * 7);
-        std::vector<const void*> rows(M);
-        for (int m = 0; m < M; ++m) rows[m] = arows.data() + m * row_bytes;
+        std::vector<const void*> packed_rows(M), rows;
+        for (int m = 0; m < M; ++m) packed_rows[m] = arows.data() + m * row_bytes;
+        const std::vector<uint8_t> store = driver_rows(packed_rows, row_bytes, rows);
         std::vector<float> ascale(M, 1.0f / 127), wscale(G * N, 1.0f / 64), c(M * N);
         std::vector<int32_t> gsum(M * G, 0);
         GemmArgs a;
@@ -520,6 +557,316 @@ void bench_cold() {
       }
   std::free(pool);
 }
+
+// What one core's tiles can do on this machine, as ceilings for the walks above (int8 TDPBSSD and bf16
+// TDPBF16PS, a 2 x 2 block of C tiles as in the kernels): the dot products alone (tiles loaded once), then
+// each step also loading its 2 A + 2 B tiles. B tiles are 1 KB contiguous (the packed weights); A tiles are
+// 16 rows `lda` bytes apart (64: contiguous; 2112: the driver's activation rows for K = 2048). The data is
+// cycled through a buffer of a given size (16 KB: L1; 256 KB-1.5 MB: L2; 64 MB: L3 and memory), with the
+// tiles of the step `ahead` steps on prefetched into L1 (none, A, B or both). Best of 3 runs each.
+struct alignas(64) PeakConfig {
+  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+};
+
+enum PeakPrefetch { kNone = 0, kA = 1, kB = 2, kAB = 3 };
+
+// A region: `steps` k steps of an A panel (32 rows x 64 B a step, rows lda apart) and a B panel (2 blocks
+// of 1 KB tiles), laid out in `bytes`.
+template <bool kBf16>
+double peak_run(const uint8_t* buf, size_t bytes, int64_t lda, int pf, int ahead, int64_t total_steps, bool loads) {
+  // A panel: 32 rows x (steps * 64) bytes at stride lda (lda >= steps * 64 or lda = 64: tile-contiguous)
+  const int64_t a_step = lda == 64 ? 2048 : 64;   // bytes from one step's A tile to the next's
+  const int64_t a_row = lda;                      // bytes between rows of one A tile
+  const int64_t a_half = lda == 64 ? 1024 : 16 * lda;  // the second A tile of a step
+  int64_t steps = static_cast<int64_t>(bytes / 2 / 2048);  // half the bytes for A, half for B
+  if (lda != 64) steps = std::min<int64_t>(steps, lda / 64);
+  if (steps < 1) steps = 1;
+  const uint8_t* A = buf;
+  const uint8_t* B = buf + (lda == 64 ? steps * 2048 : 32 * lda);
+  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  _tile_loadd(4, A, a_row); _tile_loadd(5, A + a_half, a_row); _tile_loadd(6, B, 64); _tile_loadd(7, B + 1024, 64);
+  int64_t s = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int64_t i = 0; i < total_steps; ++i) {
+    if (loads) {
+      const uint8_t* a0 = A + s * a_step;
+      const uint8_t* b0 = B + s * 2048;
+      if (pf != kNone) {
+        int64_t t = s + ahead;
+        if (t >= steps) t -= steps;
+        if (pf & kA) {
+          const uint8_t* q = A + t * a_step;
+          for (int r = 0; r < 16; ++r) {
+            _mm_prefetch(reinterpret_cast<const char*>(q + r * a_row), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(q + a_half + r * a_row), _MM_HINT_T0);
+          }
+        }
+        if (pf & kB) {
+          const uint8_t* q = B + t * 2048;
+          for (int o = 0; o < 2048; o += 64) _mm_prefetch(reinterpret_cast<const char*>(q + o), _MM_HINT_T0);
+        }
+      }
+      s = s + 1 == steps ? 0 : s + 1;
+      _tile_loadd(4, a0, a_row);
+      _tile_loadd(6, b0, 64);
+      if constexpr (kBf16) _tile_dpbf16ps(0, 4, 6); else _tile_dpbssd(0, 4, 6);
+      _tile_loadd(7, b0 + 1024, 64);
+      if constexpr (kBf16) _tile_dpbf16ps(1, 4, 7); else _tile_dpbssd(1, 4, 7);
+      _tile_loadd(5, a0 + a_half, a_row);
+      if constexpr (kBf16) { _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7); }
+      else { _tile_dpbssd(2, 5, 6); _tile_dpbssd(3, 5, 7); }
+    } else {
+      if constexpr (kBf16) { _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7); }
+      else { _tile_dpbssd(0, 4, 6); _tile_dpbssd(1, 4, 7); _tile_dpbssd(2, 5, 6); _tile_dpbssd(3, 5, 7); }
+    }
+  }
+  alignas(64) static int32_t sink[16 * 16];
+  _tile_stored(0, sink, 64);
+  const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return 4.0 * 16 * 16 * 64 * 2 * static_cast<double>(total_steps) / sec / 1e9;  // int8 ops; bf16 flops are half
+}
+
+// The kernel's 'rows' walk against bare replicas of it on the same data (int8, M rows laid out as the driver
+// does, hot weights), in one process: which part of the walk costs what. Replicas: the same tile steps with no
+// prefetches and no epilogue; + B prefetched into L1 on every pass; with the two blocks of a column pair
+// interleaved a step apart (1 KB) instead of a block apart (K * 16 bytes); with row pairs outer.
+// A tiles: group g, step s at arow0[g] + s * a_step, rows lda apart (rows: a_step 64; tiled: a_step 1024, lda 64).
+template <bool kPrefetchB, bool kRowsOuter>
+void replica(const uint8_t* const* arow0, int64_t lda, int64_t a_step, int row_pairs, const uint8_t* b,
+             int64_t blk_stride, int64_t pair_stride, int pairs, int64_t steps, uint8_t* cbuf) {
+  for (int o = 0; o < (kRowsOuter ? row_pairs : pairs); ++o)
+    for (int i = 0; i < (kRowsOuter ? pairs : row_pairs); ++i) {
+      const int rp = kRowsOuter ? o : i, cp = kRowsOuter ? i : o;
+      const uint8_t* a0 = arow0[2 * rp];
+      const uint8_t* a1 = arow0[2 * rp + 1];
+      const uint8_t* b0 = b + cp * pair_stride;
+      const uint8_t* b1 = b0 + blk_stride;
+      _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+      for (int64_t s = 0; s < steps; ++s) {
+        if (kPrefetchB && s + 4 < steps)
+          for (int l = 0; l < 16; ++l) {
+            _mm_prefetch(reinterpret_cast<const char*>(b0 + (s + 4) * (blk_stride == 1024 ? 2048 : 1024) + 64 * l), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(b1 + (s + 4) * (blk_stride == 1024 ? 2048 : 1024) + 64 * l), _MM_HINT_T0);
+          }
+        const int64_t bs = blk_stride == 1024 ? 2048 : 1024;
+        _tile_loadd(4, a0 + s * a_step, lda);
+        _tile_loadd(6, b0 + s * bs, 64);
+        _tile_dpbssd(0, 4, 6);
+        _tile_loadd(7, b1 + s * bs, 64);
+        _tile_dpbssd(1, 4, 7);
+        _tile_loadd(5, a1 + s * a_step, lda);
+        _tile_dpbssd(2, 5, 6);
+        _tile_dpbssd(3, 5, 7);
+      }
+      _tile_stored(0, cbuf, 128); _tile_stored(1, cbuf + 64, 128);
+      _tile_stored(2, cbuf + 2048, 128); _tile_stored(3, cbuf + 2112, 128);
+    }
+}
+
+void bench_replica() {
+  setenv("KT_AMX_MIN_ROWS", "0", 1);
+  setenv("KT_AMX_WALK", "rows", 1);
+  amx_kernels();
+  static const PeakConfig cfg;
+  alignas(64) static uint8_t cbuf[32 * 128];
+  struct Shape { const char* what; int64_t K; int nblocks; };
+  const Shape shapes[] = {{"qwen3 gate/up", 2048, 4}, {"qwen3 down", 768, 8}};
+  std::printf("int8, one thread, hot weights, GOPS (best of 5). A: rows (the driver's) or tiled ([group][step] 1 KB tiles);\n"
+              "B: blk (blocks K*16 B apart) or il (a pair's blocks interleaved per step); hp: copies in MADV_HUGEPAGE memory\n"
+              "%-14s %4s %8s %8s %8s %8s %8s %8s %8s %8s %8s %8s %8s\n", "shape", "M", "kernel", "rows/blk", "+pfB", "rows/il",
+              "tile/blk", "tile/il", "t/il+pfB", "hp r/blk", "hp r/il", "hp t/blk", "hp t/il");
+  for (const Shape& sh : shapes)
+    for (int M : bench_rows({64, 128, 256})) {
+      Problem p = make_problem(WeightFormat::INT8, M, sh.K, sh.nblocks, 128, false);
+      const std::vector<uint8_t> store = driver_rows(p.rows, sh.K, p.rows);
+      const int64_t lda = static_cast<const uint8_t*>(p.rows[1]) - static_cast<const uint8_t*>(p.rows[0]);
+      const int groups = (M + 15) / 16, row_pairs = groups / 2;
+      std::vector<const uint8_t*> arow0(groups);
+      for (int g = 0; g < groups; ++g) arow0[g] = static_cast<const uint8_t*>(p.rows[16 * g]);
+      const int64_t bb = static_cast<int64_t>(block_bytes(WeightFormat::INT8, sh.K)), steps = sh.K / 64;
+      const uint8_t* b = p.packed.data() + bb;  // the call's blocks (make_problem puts one unused block first)
+      // interleaved: per column pair [steps][2][1 KB]
+      std::vector<uint8_t> il(bb * sh.nblocks + 64);
+      uint8_t* ilb = il.data() + (64 - reinterpret_cast<uintptr_t>(il.data()) % 64) % 64;
+      for (int cp = 0; cp < sh.nblocks / 2; ++cp)
+        for (int64_t st = 0; st < steps; ++st)
+          for (int j = 0; j < 2; ++j)
+            std::memcpy(ilb + cp * 2 * bb + (st * 2 + j) * 1024, b + (2 * cp + j) * bb + st * 1024, 1024);
+      const double ops = 2.0 * 16 * row_pairs * 2 * sh.K * 16 * sh.nblocks;
+      auto time = [&](auto&& fn) {
+        double best = 0;
+        for (int r = 0; r < 5; ++r) {
+          int iters = 0;
+          const auto t0 = std::chrono::steady_clock::now();
+          double sec = 0;
+          while (sec < 0.02) {
+            for (int i = 0; i < 8; ++i) fn();
+            iters += 8;
+            sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+          }
+          best = std::max(best, ops * iters / sec / 1e9);
+        }
+        return best;
+      };
+      const GemmFn kernel = amx_kernels().gemm[static_cast<int>(WeightFormat::INT8)];
+      std::vector<float> c(M * 16 * sh.nblocks);
+      GemmArgs ga;
+      ga.M = 32 * row_pairs;
+      ga.K = sh.K;
+      ga.a_rows = p.rows.data();
+      ga.a_scale = p.ascale.data();
+      ga.a_gsum = p.gsum.data();
+      ga.a_gsum_stride = 1;
+      ga.group_size = sh.K;
+      ga.b = b;
+      ga.b_block_stride = bb;
+      ga.b_scale = p.wscale.data() + 16;
+      ga.b_scale_group_stride = p.N();
+      ga.nblocks = sh.nblocks;
+      ga.c = c.data();
+      ga.ldc = 16 * sh.nblocks;
+      const double g_kernel = time([&] { kernel(ga); });
+      _tile_loadconfig(&cfg);
+      // huge pages: a 2 MB-aligned region with MADV_HUGEPAGE holding copies of A (rows, tiled) and B (both layouts)
+      const int64_t a_rows_bytes = groups * 16 * lda, a_tiled_bytes = groups * steps * 1024, b_bytes = bb * sh.nblocks;
+      const size_t huge_bytes = ((a_rows_bytes + a_tiled_bytes + 2 * b_bytes) / (2 << 20) + 1) * (2 << 20);
+      auto* huge = static_cast<uint8_t*>(std::aligned_alloc(2 << 20, huge_bytes));
+      const int madv = madvise(huge, huge_bytes, MADV_HUGEPAGE);
+      std::memset(huge, 0, huge_bytes);
+      uint8_t* h_rows = huge;
+      uint8_t* h_tiled = h_rows + a_rows_bytes;
+      uint8_t* h_b = h_tiled + a_tiled_bytes;
+      uint8_t* h_il = h_b + b_bytes;
+      std::memcpy(h_rows, p.rows[0], a_rows_bytes - lda + sh.K);
+      std::memcpy(h_b, b, b_bytes);
+      std::memcpy(h_il, ilb, b_bytes);
+      std::vector<uint8_t> tiled_store(a_tiled_bytes + 64);
+      uint8_t* tiled = tiled_store.data() + (64 - reinterpret_cast<uintptr_t>(tiled_store.data()) % 64) % 64;
+      for (int g = 0; g < groups; ++g)
+        for (int64_t st = 0; st < steps; ++st)
+          for (int r = 0; r < 16; ++r)
+            std::memcpy(tiled + (g * steps + st) * 1024 + r * 64, static_cast<const uint8_t*>(p.rows[16 * g + r]) + st * 64, 64);
+      std::memcpy(h_tiled, tiled, a_tiled_bytes);
+      std::vector<const uint8_t*> tiled0(groups), h_rows0(groups), h_tiled0(groups);
+      for (int g = 0; g < groups; ++g) {
+        tiled0[g] = tiled + g * steps * 1024;
+        h_rows0[g] = h_rows + 16 * g * lda;
+        h_tiled0[g] = h_tiled + g * steps * 1024;
+      }
+      const int pairs = sh.nblocks / 2;
+      double g[10];
+      g[0] = time([&] { replica<false, false>(arow0.data(), lda, 64, row_pairs, b, bb, 2 * bb, pairs, steps, cbuf); });
+      g[1] = time([&] { replica<true, false>(arow0.data(), lda, 64, row_pairs, b, bb, 2 * bb, pairs, steps, cbuf); });
+      g[2] = time([&] { replica<false, false>(arow0.data(), lda, 64, row_pairs, ilb, 1024, 2 * bb, pairs, steps, cbuf); });
+      g[3] = time([&] { replica<false, false>(tiled0.data(), 64, 1024, row_pairs, b, bb, 2 * bb, pairs, steps, cbuf); });
+      g[4] = time([&] { replica<false, false>(tiled0.data(), 64, 1024, row_pairs, ilb, 1024, 2 * bb, pairs, steps, cbuf); });
+      g[5] = time([&] { replica<true, false>(tiled0.data(), 64, 1024, row_pairs, ilb, 1024, 2 * bb, pairs, steps, cbuf); });
+      g[6] = time([&] { replica<false, false>(h_rows0.data(), lda, 64, row_pairs, h_b, bb, 2 * bb, pairs, steps, cbuf); });
+      g[7] = time([&] { replica<false, false>(h_rows0.data(), lda, 64, row_pairs, h_il, 1024, 2 * bb, pairs, steps, cbuf); });
+      g[8] = time([&] { replica<false, false>(h_tiled0.data(), 64, 1024, row_pairs, h_b, bb, 2 * bb, pairs, steps, cbuf); });
+      g[9] = time([&] { replica<false, false>(h_tiled0.data(), 64, 1024, row_pairs, h_il, 1024, 2 * bb, pairs, steps, cbuf); });
+      std::printf("%-14s %4d %8.0f", sh.what, 32 * row_pairs, g_kernel);
+      for (double v : g) std::printf(" %8.0f", v);
+      std::printf("  (madvise %d)\n", madv);
+      std::free(huge);
+    }
+  unsetenv("KT_AMX_WALK");
+}
+
+// All-core tile ceiling: n threads, thread i pinned to CPU i, each running the L1-resident 2 x 2 loop of
+// bench_peak (dot products + 4 tile loads a step from 16 KB) for ~1 s at the same time; then one thread's rate
+// in 50 ms samples with the machine's steal time (/proc/stat) beside it, to see whether the tile rate is steady.
+long long steal_ticks() {
+  FILE* f = std::fopen("/proc/stat", "r");
+  if (f == nullptr) return -1;
+  char cpu[16];
+  long long v[8] = {0};
+  const int n = std::fscanf(f, "%15s %lld %lld %lld %lld %lld %lld %lld %lld", cpu, &v[0], &v[1], &v[2], &v[3], &v[4],
+                            &v[5], &v[6], &v[7]);
+  std::fclose(f);
+  return n == 9 ? v[7] : -1;
+}
+
+template <bool kBf16>
+void bench_peak_threads(int n) {
+  static const PeakConfig cfg;
+  std::vector<double> gops(n, 0);
+  std::vector<std::thread> threads;
+  std::atomic<int> ready{0};
+  for (int t = 0; t < n; ++t)
+    threads.emplace_back([&, t] {
+      cpu_set_t set;
+      CPU_ZERO(&set);
+      CPU_SET(t, &set);
+      pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+      _tile_loadconfig(&cfg);
+      auto* buf = static_cast<uint8_t*>(std::aligned_alloc(64, 16 << 10));
+      for (int i = 0; i < (16 << 10); ++i) buf[i] = static_cast<uint8_t>(i * 37 + 11);
+      for (int i = 1; i < (16 << 10); i += 2) buf[i] = kBf16 ? 0x3c : buf[i];  // as bf16: normal numbers
+      peak_run<kBf16>(buf, 16 << 10, 64, kNone, 0, 2000000, true);  // warm up
+      ready.fetch_add(1);
+      while (ready.load() < n) {}
+      gops[t] = peak_run<kBf16>(buf, 16 << 10, 64, kNone, 0, 8000000, true) / (kBf16 ? 2 : 1);
+      _tile_release();
+      std::free(buf);
+    });
+  for (auto& th : threads) th.join();
+  double sum = 0, lo = 1e30, hi = 0;
+  for (double g : gops) sum += g, lo = std::min(lo, g), hi = std::max(hi, g);
+  std::printf("%2d threads at once, %s 2x2 from L1: %8.0f G%s in all (per thread %6.0f..%6.0f)\n", n,
+              kBf16 ? "bf16" : "int8", sum, kBf16 ? "FLOPS" : "OPS", lo, hi);
+}
+
+void bench_peak_series() {
+  static const PeakConfig cfg;
+  _tile_loadconfig(&cfg);
+  auto* buf = static_cast<uint8_t*>(std::aligned_alloc(64, 16 << 10));
+  for (int i = 0; i < (16 << 10); ++i) buf[i] = static_cast<uint8_t>(i * 37 + 11);
+  std::printf("one thread, int8 2x2 from L1, 50 ms samples: GOPS (steal ticks)\n");
+  for (int i = 0; i < 60; ++i) {
+    const long long s0 = steal_ticks();
+    const double g = peak_run<false>(buf, 16 << 10, 64, kNone, 0, 400000, true);
+    std::printf("%6.0f(%lld)%s", g, steal_ticks() - s0, i % 10 == 9 ? "\n" : " ");
+  }
+  _tile_release();
+  std::free(buf);
+}
+
+void bench_peak() {
+  static const PeakConfig cfg;
+  _tile_loadconfig(&cfg);
+  const size_t big = size_t(64) << 20;
+  auto* buf = static_cast<uint8_t*>(std::aligned_alloc(64, big));
+  for (size_t i = 0; i < big; ++i) buf[i] = static_cast<uint8_t>(i * 37 + 11);
+  for (size_t i = 1; i < big; i += 2) buf[i] = 0x3c;  // as bf16: normal numbers
+  peak_run<false>(buf, 4096, 64, kNone, 0, 4000000, false);  // warm up the tile unit's clock
+  std::printf("%-5s %-6s %6s %-5s %5s %9s\n", "fmt", "KB", "lda", "pf", "ahead", "GOPS");
+  static const char* const pf_name[] = {"none", "A", "B", "A+B"};
+  for (int bf = 0; bf < 2; ++bf) {
+    auto best = [&](size_t kb, int64_t lda, int pf, int ahead, bool loads) {
+      double g = 0;
+      for (int r = 0; r < 3; ++r)
+        g = std::max(g, bf ? peak_run<true>(buf, kb << 10, lda, pf, ahead, 1000000, loads) / 2
+                           : peak_run<false>(buf, kb << 10, lda, pf, ahead, 1000000, loads));
+      return g;
+    };
+    const char* f = bf ? "bf16" : "int8";
+    std::printf("%-5s %-6s %6s %-5s %5s %9.1f\n", f, "-", "-", "dots", "-", best(4, 64, kNone, 0, false));
+    for (size_t kb : {16, 256, 1536, 65536})
+      for (int64_t lda : {64, 2112})
+        for (int pf : {kNone, kA, kB, kAB})
+          for (int ahead : {1, 2, 4}) {
+            if (pf == kNone && ahead > 1) continue;
+            if (lda != 64 && kb > 256) continue;  // a strided panel is 64 KB + its B: an L2 case only
+            std::printf("%-5s %-6zu %6ld %-5s %5d %9.1f\n", f, kb, static_cast<long>(lda), pf_name[pf],
+                        pf == kNone ? 0 : ahead, best(kb, lda, pf, ahead, true));
+          }
+  }
+  _tile_release();
+  std::free(buf);
+}
 #endif
 
 }  // namespace
@@ -533,6 +880,21 @@ int main(int argc, char** argv) {
   }
   if (argc > 1 && std::string(argv[1]) == "--bench") {
     bench();
+    return 0;
+  }
+  if (argc > 1 && std::string(argv[1]) == "--bench-peak-threads") {
+    bench_peak_series();
+    for (int n : {1, 2, 4, 8, 12, 15, 16}) bench_peak_threads<false>(n);
+    for (int n : {1, 8, 15, 16}) bench_peak_threads<true>(n);
+    bench_peak_series();
+    return 0;
+  }
+  if (argc > 1 && std::string(argv[1]) == "--bench-replica") {
+    bench_replica();
+    return 0;
+  }
+  if (argc > 1 && std::string(argv[1]) == "--bench-peak") {
+    bench_peak();
     return 0;
   }
   if (argc > 1 && std::string(argv[1]) == "--bench-cold") {

@@ -19,5 +19,5 @@ case $mode in
   native) flags="-O3 $isa -mamx-tile -mamx-bf16 -mamx-int8" ;;
   *) echo "usage: run.sh emulated|native [--bench|--bench-cold]" >&2; exit 2 ;;
 esac
-${CXX:-g++} -std=c++17 $flags -o "$out" "$here/amx_kernels_test.cpp" "$kernels/amx/kernels.cpp" "$kernels/avx512/kernels.cpp"
+${CXX:-g++} -std=c++17 $flags -pthread -o "$out" "$here/amx_kernels_test.cpp" "$kernels/amx/kernels.cpp" "$kernels/avx512/kernels.cpp"
 "$out" "$@"
