@@ -300,6 +300,30 @@ def test_down_task_grid_knobs(kernel, fmt, group_size, ranges, groups, monkeypat
         assert torch.equal(again, base), f"seed={seed}: ranges={ranges} changed the result with one group"
 
 
+@pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("groups", [1, 2, 3])
+def test_accumulators_left_by_an_earlier_call_do_not_leak(kernel, fmt, group_size, dtype, groups, monkeypatch, seed):
+    """The down projection's accumulators are reused from call to call and never zeroed (a token's first expert in
+    a group writes its row): after a call that fills them, tokens whose slots are all skipped come out exactly
+    zero, and tokens that some groups do not see match the reference (fp32 with one group accumulates in the
+    output itself)."""
+    E, K, H, I, T = 7, 3, 160, 64, 29
+    monkeypatch.setenv("KT_DOWN_GROUPS", str(groups))
+    packed = make_experts(E, H, I, fmt, group_size)
+    hidden = (torch.randn(T, H) * 3).to(dtype)
+    ids, weights = make_routing(T, E, K)
+    ktorch.fused_moe(hidden, ids, weights, packed)  # fills the workspace with this call's sums
+    ids2 = ids.clone()
+    ids2[::4] = -1                     # every 4th token: no expert at all
+    ids2[1::4, 1:] = -1                # others: one expert, so most groups lack them
+    ids2[2::4] = torch.tensor([0, 0, E - 1])[: K]  # repeated ids: the first of a pair writes, the second adds
+    hidden2 = torch.randn(T, H).to(dtype)
+    out = ktorch.fused_moe(hidden2, ids2, weights, packed)
+    assert torch.equal(out[::4], torch.zeros_like(out[::4])), f"seed={seed}: skipped tokens are not exactly zero"
+    check_against_reference(out, hidden2, ids2, weights, packed, "silu", seed, f"after a full call, groups={groups}")
+
+
 _WORKER_COUNT_SCRIPT = """
 import sys, torch, ktorch
 hidden, ids, weights, packed = torch.load(sys.argv[1], weights_only=False)

@@ -74,9 +74,11 @@ using GluBf16Fn = void (*)(const float* c, int64_t ldc, int M, int n, Activation
 using QuantizeRowsFn = void (*)(const float* x, int64_t ldx, int M, int64_t K, int64_t group_size, int8_t* q,
                                 int64_t ldq, float* scale, int32_t* gsum);
 
-// The down projection's weighted scatter: dst[rows[m] * ldd + j] += w[m] * src[m * lds + j] for m < M, j < n.
+// The down projection's weighted scatter: dst[rows[m] * ldd + j] += w[m] * src[m * lds + j] for m < M, j < n;
+// rows with assign != nullptr and assign[m] != 0 are written instead (= w[m] * src[...]: the first expert of a
+// token in an accumulator, which then needs no zeroing; the same value as adding to +0).
 using ScatterAddFn = void (*)(const float* src, int64_t lds, int M, int64_t n, const float* w, const int64_t* rows,
-                              float* dst, int64_t ldd);
+                              const uint8_t* assign, float* dst, int64_t ldd);
 
 struct KernelSet {
   const char* name;

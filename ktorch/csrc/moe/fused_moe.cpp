@@ -11,8 +11,9 @@
 //      caller's quantize_h, fused_moe.h: the NUMA split).
 //   4. down: tasks = (range of output columns, group of experts: ids in the lower or upper half). A task
 //      walks its experts in order, computes their tokens' rows of h . W_down^T for its columns and adds
-//      w[t,k] times them into its group's accumulator rows; the last task of a column range sums the two
-//      groups' accumulators into the output. Ranges are wide (every range reads all of h), the groups
+//      w[t,k] times them into its group's accumulator rows (a token's first pair in the group writes its row:
+//      the accumulators are never zeroed); the last task of a column range sums the groups' accumulators
+//      that hold the token into the output. Ranges are wide (every range reads all of h), the groups
 //      double the tasks for the same h traffic. No atomics on data, and each token's sum runs in the same
 //      order whatever the batch, the worker count or the order tasks run in.
 // Tasks are pulled dynamically by the workers (runtime/parallel.h), so skewed routing balances.
@@ -156,8 +157,8 @@ class PhaseTimer {
 
 // KT_PROFILE=1: where each worker's time in a parallel phase goes, summed over its tasks. Added to the phase
 // line as <phase>.kernel (the gemm kernel calls), <phase>.epilogue (the driver's work on their output: GLU and
-// h quantization, or down's weighted scatter), <phase>.other (the rest of the tasks: row copies, accumulator
-// zeroing and the group sums), each the mean over workers in ms, and <phase>.busiest (the largest sum of the
+// h quantization, or down's weighted scatter), <phase>.other (the rest of the tasks: row copies, the group
+// sums), each the mean over workers in ms, and <phase>.busiest (the largest sum of the
 // three for one worker): a phase far longer than its busiest worker waited on wake-ups or scheduling, one
 // far longer than the kernel share spent it in the epilogue.
 class WorkerTimes {
@@ -530,6 +531,17 @@ at::Tensor fused_moe_with_h_quantizer(const at::Tensor& hidden_in, const at::Ten
   const bool acc_is_out = groups == 1 && hdtype == at::kFloat;
   at::Tensor acc = acc_is_out ? out : ws.take(Workspace::kAcc, {groups, T, H}, at::kFloat);
   float* accp = acc.data_ptr<float>();
+  // The first pair of each token in each group writes its accumulator row instead of adding to it (the
+  // accumulators are never zeroed: at T=2048 that was 32 MB of stores a call); seen[g][t]: group g has a pair
+  // of token t (rows of the others are stale and left out of the final sum).
+  std::vector<uint8_t> pair_first(P, 0), seen(groups * T, 0);
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t i = group_start[g]; i < group_start[g + 1]; ++i)
+      for (int64_t p = offset[active[i]]; p < offset[active[i] + 1]; ++p) {
+        uint8_t& s = seen[g * T + pair_token[p]];
+        pair_first[p] = s == 0;
+        s = 1;
+      }
   std::vector<std::atomic<int>> range_done(ranges);
   for (auto& d : range_done) d.store(0, std::memory_order_relaxed);
   const size_t down_block = kernels::block_bytes(fmt, down.K);
@@ -542,7 +554,9 @@ at::Tensor fused_moe_with_h_quantizer(const at::Tensor& hidden_in, const at::Ten
     const int64_t b0 = hblocks * r / ranges, b1 = hblocks * (r + 1) / ranges;
     const int64_t c0 = 16 * b0, c1 = 16 * b1;
     float* accg = accp + g * T * H;
-    for (int64_t t = 0; t < T; ++t) std::fill(accg + t * H + c0, accg + t * H + c1, 0.0f);
+    if (acc_is_out)  // the output itself: rows no pair writes are zeros
+      for (int64_t t = 0; t < T; ++t)
+        if (seen[t] == 0) std::fill(accg + t * H + c0, accg + t * H + c1, 0.0f);
     float* c = wc.data_ptr<float>() + worker * wc.size(1);
     down_times.lap(worker, WorkerTimes::kOther, t_mark);
     for (int64_t i = group_start[g]; i < group_start[g + 1]; ++i) {
@@ -574,16 +588,25 @@ at::Tensor fused_moe_with_h_quantizer(const at::Tensor& hidden_in, const at::Ten
           ks.gemm[static_cast<int>(fmt)](a);
           down_times.lap(worker, WorkerTimes::kKernel, t_mark);
           ks.scatter_add(c, kDownCols, M, 16 * a.nblocks, pair_weight.data() + p0, pair_token.data() + p0,
-                         accg + 16 * cb, H);
+                         pair_first.data() + p0, accg + 16 * cb, H);
           down_times.lap(worker, WorkerTimes::kEpilogue, t_mark);
         }
       }
     }
-    // the last group task of this range sums the groups, in group order, into the output
+    // the last group task of this range sums the groups that have the token, in group order, into the output
     if (range_done[r].fetch_add(1, std::memory_order_acq_rel) != groups - 1 || acc_is_out) return;
     for (int64_t t = 0; t < T; ++t) {
-      float* row = accp + t * H;
-      for (int64_t gg = 1; gg < groups; ++gg) {
+      int64_t first = 0;
+      while (first < groups && seen[first * T + t] == 0) ++first;
+      if (first == groups) {  // no pair: a zero row
+        if (hdtype == at::kFloat) std::fill(out.data_ptr<float>() + t * H + c0, out.data_ptr<float>() + t * H + c1, 0.0f);
+        else if (hdtype == at::kBFloat16) std::fill(out.data_ptr<at::BFloat16>() + t * H + c0, out.data_ptr<at::BFloat16>() + t * H + c1, at::BFloat16(0.0f));
+        else std::fill(out.data_ptr<at::Half>() + t * H + c0, out.data_ptr<at::Half>() + t * H + c1, at::Half(0.0f));
+        continue;
+      }
+      float* row = accp + first * T * H + t * H;
+      for (int64_t gg = first + 1; gg < groups; ++gg) {
+        if (seen[gg * T + t] == 0) continue;
         const float* add = accp + gg * T * H + t * H;
         for (int64_t j = c0; j < c1; ++j) row[j] += add[j];
       }

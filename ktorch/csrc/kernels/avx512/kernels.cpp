@@ -394,14 +394,19 @@ void quantize_rows(const float* x, int64_t ldx, int M, int64_t K, int64_t group_
 }
 
 // 16 lanes a step, a masked tail; one fused multiply-add per element (the portable set rounds twice).
-void scatter_add(const float* src, int64_t lds, int M, int64_t n, const float* w, const int64_t* rows, float* dst,
-                 int64_t ldd) {
+void scatter_add(const float* src, int64_t lds, int M, int64_t n, const float* w, const int64_t* rows,
+                 const uint8_t* assign, float* dst, int64_t ldd) {
   const __mmask16 tail = static_cast<__mmask16>((1u << (n % 16)) - 1);
   const int64_t full = n / 16 * 16;
   for (int m = 0; m < M; ++m) {
     float* d = dst + rows[m] * ldd;
     const float* s = src + m * lds;
     const __m512 wm = _mm512_set1_ps(w[m]);
+    if (assign != nullptr && assign[m] != 0) {
+      for (int64_t j = 0; j < full; j += 16) _mm512_storeu_ps(d + j, _mm512_mul_ps(wm, _mm512_loadu_ps(s + j)));
+      if (tail) _mm512_mask_storeu_ps(d + full, tail, _mm512_mul_ps(wm, _mm512_maskz_loadu_ps(tail, s + full)));
+      continue;
+    }
     for (int64_t j = 0; j < full; j += 16)
       _mm512_storeu_ps(d + j, _mm512_fmadd_ps(wm, _mm512_loadu_ps(s + j), _mm512_loadu_ps(d + j)));
     if (tail)

@@ -136,12 +136,16 @@ void quantize_rows(const float* x, int64_t ldx, int M, int64_t K, int64_t group_
   }
 }
 
-void scatter_add(const float* src, int64_t lds, int M, int64_t n, const float* w, const int64_t* rows, float* dst,
-                 int64_t ldd) {
+void scatter_add(const float* src, int64_t lds, int M, int64_t n, const float* w, const int64_t* rows,
+                 const uint8_t* assign, float* dst, int64_t ldd) {
   for (int m = 0; m < M; ++m) {
     float* __restrict__ d = dst + rows[m] * ldd;
     const float* __restrict__ s = src + m * lds;
-    for (int64_t j = 0; j < n; ++j) d[j] += w[m] * s[j];
+    if (assign != nullptr && assign[m] != 0) {
+      for (int64_t j = 0; j < n; ++j) d[j] = w[m] * s[j];
+    } else {
+      for (int64_t j = 0; j < n; ++j) d[j] += w[m] * s[j];
+    }
   }
 }
 
