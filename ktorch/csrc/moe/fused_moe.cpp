@@ -598,13 +598,8 @@ at::Tensor fused_moe_with_h_quantizer(const at::Tensor& hidden_in, const at::Ten
     for (int64_t t = 0; t < T; ++t) {
       int64_t first = 0;
       while (first < groups && seen[first * T + t] == 0) ++first;
-      if (first == groups) {  // no pair: a zero row
-        if (hdtype == at::kFloat) std::fill(out.data_ptr<float>() + t * H + c0, out.data_ptr<float>() + t * H + c1, 0.0f);
-        else if (hdtype == at::kBFloat16) std::fill(out.data_ptr<at::BFloat16>() + t * H + c0, out.data_ptr<at::BFloat16>() + t * H + c1, at::BFloat16(0.0f));
-        else std::fill(out.data_ptr<at::Half>() + t * H + c0, out.data_ptr<at::Half>() + t * H + c1, at::Half(0.0f));
-        continue;
-      }
-      float* row = accp + first * T * H + t * H;
+      float* row = accp + (first < groups ? first : 0) * T * H + t * H;
+      if (first == groups) std::fill(row + c0, row + c1, 0.0f);  // no pair: a zero row
       for (int64_t gg = first + 1; gg < groups; ++gg) {
         if (seen[gg * T + t] == 0) continue;
         const float* add = accp + gg * T * H + t * H;

@@ -631,14 +631,15 @@ double peak_run(const uint8_t* buf, size_t bytes, int64_t lda, int pf, int ahead
 // The kernel's 'rows' walk against bare replicas of it on the same data (int8, M rows laid out as the driver
 // does, hot weights), in one process: which part of the walk costs what. Replicas: the same tile steps with no
 // prefetches and no epilogue; + B prefetched into L1 on every pass; with the two blocks of a column pair
-// interleaved a step apart (1 KB) instead of a block apart (K * 16 bytes); with row pairs outer.
+// interleaved a step apart (1 KB) instead of a block apart (K * 16 bytes); A packed in tile order; huge pages.
 // A tiles: group g, step s at arow0[g] + s * a_step, rows lda apart (rows: a_step 64; tiled: a_step 1024, lda 64).
-template <bool kPrefetchB, bool kRowsOuter>
+// B: block 1 of a pair blk_stride after block 0; interleaved (blk_stride 1024) steps are 2 KB apart, else 1 KB.
+template <bool kPrefetchB>
 void replica(const uint8_t* const* arow0, int64_t lda, int64_t a_step, int row_pairs, const uint8_t* b,
              int64_t blk_stride, int64_t pair_stride, int pairs, int64_t steps, uint8_t* cbuf) {
-  for (int o = 0; o < (kRowsOuter ? row_pairs : pairs); ++o)
-    for (int i = 0; i < (kRowsOuter ? pairs : row_pairs); ++i) {
-      const int rp = kRowsOuter ? o : i, cp = kRowsOuter ? i : o;
+  const int64_t bs = blk_stride == 1024 ? 2048 : 1024;
+  for (int cp = 0; cp < pairs; ++cp)
+    for (int rp = 0; rp < row_pairs; ++rp) {
       const uint8_t* a0 = arow0[2 * rp];
       const uint8_t* a1 = arow0[2 * rp + 1];
       const uint8_t* b0 = b + cp * pair_stride;
@@ -647,10 +648,9 @@ void replica(const uint8_t* const* arow0, int64_t lda, int64_t a_step, int row_p
       for (int64_t s = 0; s < steps; ++s) {
         if (kPrefetchB && s + 4 < steps)
           for (int l = 0; l < 16; ++l) {
-            _mm_prefetch(reinterpret_cast<const char*>(b0 + (s + 4) * (blk_stride == 1024 ? 2048 : 1024) + 64 * l), _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(b1 + (s + 4) * (blk_stride == 1024 ? 2048 : 1024) + 64 * l), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(b0 + (s + 4) * bs + 64 * l), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(b1 + (s + 4) * bs + 64 * l), _MM_HINT_T0);
           }
-        const int64_t bs = blk_stride == 1024 ? 2048 : 1024;
         _tile_loadd(4, a0 + s * a_step, lda);
         _tile_loadd(6, b0 + s * bs, 64);
         _tile_dpbssd(0, 4, 6);
@@ -757,16 +757,16 @@ void bench_replica() {
       }
       const int pairs = sh.nblocks / 2;
       double g[10];
-      g[0] = time([&] { replica<false, false>(arow0.data(), lda, 64, row_pairs, b, bb, 2 * bb, pairs, steps, cbuf); });
-      g[1] = time([&] { replica<true, false>(arow0.data(), lda, 64, row_pairs, b, bb, 2 * bb, pairs, steps, cbuf); });
-      g[2] = time([&] { replica<false, false>(arow0.data(), lda, 64, row_pairs, ilb, 1024, 2 * bb, pairs, steps, cbuf); });
-      g[3] = time([&] { replica<false, false>(tiled0.data(), 64, 1024, row_pairs, b, bb, 2 * bb, pairs, steps, cbuf); });
-      g[4] = time([&] { replica<false, false>(tiled0.data(), 64, 1024, row_pairs, ilb, 1024, 2 * bb, pairs, steps, cbuf); });
-      g[5] = time([&] { replica<true, false>(tiled0.data(), 64, 1024, row_pairs, ilb, 1024, 2 * bb, pairs, steps, cbuf); });
-      g[6] = time([&] { replica<false, false>(h_rows0.data(), lda, 64, row_pairs, h_b, bb, 2 * bb, pairs, steps, cbuf); });
-      g[7] = time([&] { replica<false, false>(h_rows0.data(), lda, 64, row_pairs, h_il, 1024, 2 * bb, pairs, steps, cbuf); });
-      g[8] = time([&] { replica<false, false>(h_tiled0.data(), 64, 1024, row_pairs, h_b, bb, 2 * bb, pairs, steps, cbuf); });
-      g[9] = time([&] { replica<false, false>(h_tiled0.data(), 64, 1024, row_pairs, h_il, 1024, 2 * bb, pairs, steps, cbuf); });
+      g[0] = time([&] { replica<false>(arow0.data(), lda, 64, row_pairs, b, bb, 2 * bb, pairs, steps, cbuf); });
+      g[1] = time([&] { replica<true>(arow0.data(), lda, 64, row_pairs, b, bb, 2 * bb, pairs, steps, cbuf); });
+      g[2] = time([&] { replica<false>(arow0.data(), lda, 64, row_pairs, ilb, 1024, 2 * bb, pairs, steps, cbuf); });
+      g[3] = time([&] { replica<false>(tiled0.data(), 64, 1024, row_pairs, b, bb, 2 * bb, pairs, steps, cbuf); });
+      g[4] = time([&] { replica<false>(tiled0.data(), 64, 1024, row_pairs, ilb, 1024, 2 * bb, pairs, steps, cbuf); });
+      g[5] = time([&] { replica<true>(tiled0.data(), 64, 1024, row_pairs, ilb, 1024, 2 * bb, pairs, steps, cbuf); });
+      g[6] = time([&] { replica<false>(h_rows0.data(), lda, 64, row_pairs, h_b, bb, 2 * bb, pairs, steps, cbuf); });
+      g[7] = time([&] { replica<false>(h_rows0.data(), lda, 64, row_pairs, h_il, 1024, 2 * bb, pairs, steps, cbuf); });
+      g[8] = time([&] { replica<false>(h_tiled0.data(), 64, 1024, row_pairs, h_b, bb, 2 * bb, pairs, steps, cbuf); });
+      g[9] = time([&] { replica<false>(h_tiled0.data(), 64, 1024, row_pairs, h_il, 1024, 2 * bb, pairs, steps, cbuf); });
       std::printf("%-14s %4d %8.0f", sh.what, 32 * row_pairs, g_kernel);
       for (double v : g) std::printf(" %8.0f", v);
       std::printf("  (madvise %d)\n", madv);
@@ -834,6 +834,14 @@ void bench_peak_series() {
   std::free(buf);
 }
 
+// --bench-peak-threads: the one-thread series, 1..16 threads int8 and bf16, then the series again.
+void bench_peak_all() {
+  bench_peak_series();
+  for (int n : {1, 2, 4, 8, 12, 15, 16}) bench_peak_threads<false>(n);
+  for (int n : {1, 8, 15, 16}) bench_peak_threads<true>(n);
+  bench_peak_series();
+}
+
 void bench_peak() {
   static const PeakConfig cfg;
   _tile_loadconfig(&cfg);
@@ -878,29 +886,14 @@ int main(int argc, char** argv) {
     std::printf("this machine/OS does not grant AMX (arch_prctl ARCH_REQ_XCOMP_PERM failed)\n");
     return 2;
   }
-  if (argc > 1 && std::string(argv[1]) == "--bench") {
-    bench();
-    return 0;
-  }
-  if (argc > 1 && std::string(argv[1]) == "--bench-peak-threads") {
-    bench_peak_series();
-    for (int n : {1, 2, 4, 8, 12, 15, 16}) bench_peak_threads<false>(n);
-    for (int n : {1, 8, 15, 16}) bench_peak_threads<true>(n);
-    bench_peak_series();
-    return 0;
-  }
-  if (argc > 1 && std::string(argv[1]) == "--bench-replica") {
-    bench_replica();
-    return 0;
-  }
-  if (argc > 1 && std::string(argv[1]) == "--bench-peak") {
-    bench_peak();
-    return 0;
-  }
-  if (argc > 1 && std::string(argv[1]) == "--bench-cold") {
-    bench_cold();
-    return 0;
-  }
+  struct Bench { const char* flag; void (*run)(); };
+  static const Bench benches[] = {{"--bench", bench}, {"--bench-cold", bench_cold}, {"--bench-peak", bench_peak},
+                                  {"--bench-replica", bench_replica}, {"--bench-peak-threads", bench_peak_all}};
+  for (const Bench& b : benches)
+    if (argc > 1 && std::string(argv[1]) == b.flag) {
+      b.run();
+      return 0;
+    }
 #else
   (void)argc;
   (void)argv;
