@@ -152,9 +152,10 @@ def test_inductor_deferral_matches_reference_and_keeps_the_wait_late():
     calls = [line.strip() for line in code.splitlines()
              if ("ktorch.submit_experts" in line or "ktorch.wait_experts" in line)
              and not line.strip().startswith(("#", "assert"))]
-    order = "".join("s" if "submit" in c else "w" for c in calls)
-    # per layer i < 2: submit now, submit later; waits: layer 0 now | layer 1 now, layer 0 later | ...
-    assert order == "ss" + "w" + "ss" + "ww" + "s" + "ww", order
+    order = "".join(("S" if "submit_experts_split" in c else "s") if "submit" in c else "w" for c in calls)
+    # layers 0 and 1 submit once each (split), layer 2 plainly; waits: layer 0 now | layer 1 now, layer 0 later |
+    # layer 2 now, layer 1 later
+    assert order == "S" + "w" + "S" + "ww" + "s" + "ww", order
 
 
 @pytest.mark.parametrize("inductor", [False, True], ids=["fx", "inductor"])
@@ -224,15 +225,19 @@ def test_options_validate_n_deferred_experts():
 
 @needs_cuda
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("cuda_graphs,start", [(False, "hostfn"), (True, "hostfn"), (True, "doorbell")],
-                         ids=["no_graphs", "cuda_graphs", "cuda_graphs-doorbell"])
+@pytest.mark.parametrize("cuda_graphs,start", [(False, "hostfn"), (True, "hostfn"), (True, "doorbell"),
+                                               (True, "python")],
+                         ids=["no_graphs", "cuda_graphs", "cuda_graphs-doorbell", "cuda_graphs-python_host_functions"])
 def test_cuda_compiled_deferral_decode_matches_eager_deferral(family, cuda_graphs, start, monkeypatch):
     """fp32 activations on the GPU: 12 teacher-forced decode steps compiled with n_deferred_experts=1 (Inductor/
     Triton, CUDA graphs or not) against the same steps run eagerly with deferred_experts=1 (runtime submit/wait,
     deferred wait at the next layer): logits within 1e-2; under CUDA graphs the replays submit nothing from Python.
-    With KT_HOST_START=doorbell two calls a layer are posted back to back (the layer's and the deferred ones):
-    the worker runs them in the order posted."""
-    monkeypatch.setenv("KT_HOST_START", start)
+    A deferring layer is one split call on the CPU (both parts run back to back), started by a host function, by a
+    doorbell (KT_HOST_START=doorbell) or by Python host functions (KT_HOST_FUNCTIONS=python)."""
+    if start == "python":
+        monkeypatch.setenv("KT_HOST_FUNCTIONS", "python")
+    else:
+        monkeypatch.setenv("KT_HOST_START", start)
     torch._dynamo.reset()
     model = ktorch.prepare(tiny_model(family), device="cuda", deferred_experts=1)
     n_moe = len(moe_experts_modules(model))

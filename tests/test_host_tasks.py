@@ -64,6 +64,113 @@ def test_start_and_join_from_other_threads():
         assert torch.equal(staging.out, expected(staging, packed))
 
 
+def split_task(seed: int, d: int, T: int = 9, K: int = 4, ids_dtype=torch.int64, weights_dtype=torch.float32,
+               doorbell: bool = False):
+    """A split (deferral) host task: K slots per token, d read from its own int64 at each run."""
+    staging, layer, packed = make_task(seed, T=T)
+    staging.topk_ids = torch.randint(-1, 6, (T, K), dtype=ids_dtype)
+    staging.topk_weights = torch.randint(0, 4, (T, K)).to(weights_dtype) / 4  # many ties
+    staging.deferred = torch.tensor(d)
+    staging.out_later = torch.full((T, staging.hidden.shape[1]), 5.0)
+    return staging, _NativeHostFunctions(staging, layer, doorbell=doorbell), packed
+
+
+def expected_split(staging, packed, d):
+    from ktorch.passes.deferral import split_topk_slots
+
+    K = staging.topk_ids.shape[1]
+    now, later = split_topk_slots(staging.topk_ids, staging.topk_weights, K - min(d, K))
+    run = lambda ids: torch.ops.kt.fused_moe(staging.hidden, ids, staging.topk_weights, *packed.tensors(), "silu")
+    return run(now), (run(later) if min(d, K) > 0 else torch.zeros_like(staging.hidden))
+
+
+@pytest.mark.parametrize("ids_dtype,weights_dtype", [(torch.int64, torch.float32), (torch.int32, torch.bfloat16)])
+def test_split_task_runs_the_highest_weighted_slots_then_the_rest(ids_dtype, weights_dtype):
+    """The C++ split ranks slots as split_topk_slots does (stable, descending; ties to the lower slot), reads d at
+    each run (0, more than K, any in between), runs both parts, and leaves zeros in out_later when d = 0."""
+    staging, task, packed = split_task(21, 2, ids_dtype=ids_dtype, weights_dtype=weights_dtype)
+    assert len(task._fns) == 3
+    for d in (2, 0, 1, 4, 3, 9, 0):
+        staging.deferred.fill_(d)
+        staging.hidden.copy_(torch.randn_like(staging.hidden))
+        staging.topk_ids.copy_(torch.randint(-1, 6, staging.topk_ids.shape))
+        task.run()
+        now, later = expected_split(staging, packed, d)
+        assert torch.equal(staging.out, now), f"d={d}"
+        assert torch.equal(staging.out_later, later), f"d={d}"
+    assert task.error() == ""
+
+
+def test_split_task_parts_sum_to_the_whole_call():
+    staging, task, packed = split_task(22, 1, T=17, K=6)
+    task.run()
+    whole = torch.ops.kt.fused_moe(staging.hidden, staging.topk_ids, staging.topk_weights, *packed.tensors(), "silu")
+    torch.testing.assert_close(staging.out + staging.out_later, whole, rtol=2e-2, atol=2e-2)
+
+
+def test_split_task_first_join_returns_before_the_deferred_part_ends():
+    """kt_host_task_join waits for the first part only: its return may precede the deferred part's end, and
+    kt_host_task_join_later waits for that."""
+    staging, task, packed = split_task(23, 3, T=2048, K=4)
+    start, join, join_later = (_FN(task[i].ptr) for i in range(3))
+    early = 0
+    for _ in range(5):
+        staging.out_later.fill_(5.0)
+        start(task.handle)
+        join(task.handle)
+        early += bool((staging.out_later == 5.0).all())  # the deferred part had not written yet
+        join_later(task.handle)
+        now, later = expected_split(staging, packed, 3)
+        assert torch.equal(staging.out, now) and torch.equal(staging.out_later, later)
+    assert early > 0, "the first join never returned before the deferred part was written"
+
+
+def test_split_doorbell_task():
+    staging, task, packed = split_task(24, 1, doorbell=True)
+    for d in (1, 0, 2):
+        staging.deferred.fill_(d)
+        staging.hidden.copy_(torch.randn_like(staging.hidden))
+        ring(task)
+        task.run()
+        now, later = expected_split(staging, packed, d)
+        assert torch.equal(staging.out, now) and torch.equal(staging.out_later, later), f"d={d}"
+
+
+def test_split_task_failure_gives_nan_in_both_parts():
+    staging, task, _ = split_task(25, 2)
+    staging.topk_ids[0, :] = 99  # out of range for 6 experts, in both parts
+    task.run()
+    assert torch.isnan(staging.out).all() and torch.isnan(staging.out_later).all()
+    assert "out of range for 6 experts" in task.error()
+
+
+def test_split_task_timeline_has_one_interval_per_part_run():
+    staging, task, _ = split_task(26, 1)
+    runtime = ExpertsRuntime()
+    runtime._native_tasks.append(task)
+    task.run()
+    staging.deferred.fill_(0)
+    task.run()
+    assert len(runtime.take_native_timeline()) == 3  # two parts, then one (d = 0 runs nothing second)
+
+
+def test_split_task_arguments_are_checked():
+    staging, layer, _ = make_task(27)
+    w13, s13, w2, s2 = layer.w13, layer.w13_scales, layer.w2, layer.w2_scales
+    args = (staging.hidden, staging.topk_ids, staging.topk_weights, staging.out, w13, s13, w2, s2, "silu", False, None)
+    with pytest.raises(RuntimeError, match="needs both out_later and deferred"):
+        torch.ops.kt.host_task_new(*args, torch.zeros_like(staging.out), None)
+    with pytest.raises(RuntimeError, match="out_later must be a contiguous CPU tensor like out"):
+        torch.ops.kt.host_task_new(*args, torch.zeros(3, 3), torch.tensor(1))
+    with pytest.raises(RuntimeError, match="deferred must be one int64"):
+        torch.ops.kt.host_task_new(*args, torch.zeros_like(staging.out), torch.tensor([1, 2]))
+    with pytest.raises(RuntimeError, match="deferred must be one int64"):
+        torch.ops.kt.host_task_new(*args, torch.zeros_like(staging.out), torch.tensor(1.0))
+    bad = (staging.hidden, staging.topk_ids, staging.topk_weights[:, :2].contiguous()) + args[3:]
+    with pytest.raises(RuntimeError, match="split task needs contiguous int32/int64 topk_ids"):
+        torch.ops.kt.host_task_new(*bad, torch.zeros_like(staging.out), torch.tensor(1))
+
+
 def test_failure_gives_nan_and_a_message(capfd):
     staging, layer, _ = make_task(3)
     staging.topk_ids[0, 0] = 99  # out of range for 6 experts

@@ -1,4 +1,4 @@
-"""passes/deferral.py on hand-built FX graphs: where the split, the extra submit/wait and the join go, and results.
+"""passes/deferral.py on hand-built FX graphs: where the split submit, the extra wait and the join go, and results.
 
 Structure is checked on graphs annotated with fake CUDA tensors; results on CPU-only graphs run for real through
 the experts runtime, against the semantics written out by hand (with the op itself, so the comparison is exact;
@@ -17,7 +17,8 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 import ktorch
 from ktorch.compile.experts_runtime import RUNTIME
-from ktorch.passes.async_boundary import insert_async_boundaries, overlap_independent_work, submit_op, wait_op
+from ktorch.passes.async_boundary import (ASYNC_STAGE, insert_async_boundaries, overlap_independent_work,
+                                          split_submit_op, submit_op, wait_op)
 from ktorch.passes.deferral import DEFERRAL, defer_experts, split_topk_slots
 from ktorch.passes.partition import find_cpu_experts
 from test_passes_partition import E, H, I, K, T, annotate, to_cuda
@@ -47,30 +48,48 @@ def position(gm) -> dict:
     return {n: i for i, n in enumerate(gm.graph.nodes)}
 
 
-def test_deferred_slots_are_submitted_apart_and_joined_at_the_next_layer():
+def test_deferring_layer_submits_once_and_joins_its_deferred_part_at_the_next_layer():
     gm = annotate(two_layers_gpu, {"x": "cuda"})
+    before = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     (b0, b1), (deferral,) = rewrite(gm, 1)
     pos = position(gm)
     assert deferral.source is b0 and deferral.target is b1 and deferral.n_deferred == 1
-    # layer 0: split, immediate submit, deferred submit right behind it (same hidden, weights and layer)
-    ids_now, ids_later = b0.submit.args[1], deferral.submit.args[1]
-    assert ids_now.meta[DEFERRAL] == ids_later.meta[DEFERRAL] == "split"
-    assert ids_now.target is torch.where and ids_later.target is torch.where
-    assert pos[ids_later] < pos[b0.submit] < pos[deferral.submit] == pos[b0.submit] + 1
-    assert deferral.submit.args[0] is b0.submit.args[0] and deferral.submit.args[2] is b0.submit.args[2]
-    assert deferral.submit.args[3] == b0.layer and deferral.site not in (b0.site, b1.site)
-    # its wait: after layer 1's attention, router and immediate wait; then one add, read where r1 was read
+    # layer 0: one split submit in the plain submit's place, on the router's own ids and weights (the CPU side
+    # splits the slots: no sorting or masking nodes in the graph), with the deferred part's site and d
+    assert b0.submit is deferral.submit and b0.submit.target is split_submit_op()
+    assert b0.wait.args[0] is b0.submit and b0.submit.meta[ASYNC_STAGE] == "submit"
+    hidden, ids, weights, layer, site, later_site, d = b0.submit.args
+    assert [n.name for n in (hidden, ids, weights)] == ["x", "ids", "w"]
+    assert (layer, site, later_site, d) == (0, b0.site, deferral.site, 1)
+    assert deferral.site not in (b0.site, b1.site)
+    assert not any(n.target in (torch.argsort, torch.where) for n in gm.graph.nodes)
+    assert [n.name for n in gm.graph.nodes if n.op == "placeholder"] == before
+    # its deferred part's wait: after layer 1's attention, router and immediate wait; then one add, read where r1 was
     attention = [n for n in gm.graph.nodes if n.target is F.linear][:2]
     topk = next(n for n in gm.graph.nodes if n.target is torch.topk)
     assert all(pos[b0.wait] < pos[n] < pos[deferral.wait] for n in attention + [topk, b1.submit])
     assert pos[b1.wait] < pos[deferral.wait] < pos[deferral.join]
     assert deferral.wait.target is wait_op() and deferral.wait.args[0] is deferral.submit
+    assert deferral.wait.args[1:4] == (hidden, 0, deferral.site) and deferral.wait.meta[DEFERRAL] == "wait"
     assert deferral.join.args == (b1.wait, deferral.wait)
     assert list(b1.wait.users) == [deferral.join]
     assert deferral.join.meta["val"].device == torch.device("cuda", 0) and deferral.join.meta["val"].shape == (T, H)
-    # the last layer defers nothing
-    assert b1.submit.args[1].target is not torch.where
-    assert [n.target for n in gm.graph.nodes].count(submit_op()) == 3
+    # the last layer defers nothing: a plain submit
+    assert b1.submit.target is submit_op()
+    targets = [n.target for n in gm.graph.nodes]
+    assert targets.count(submit_op()) == 1 and targets.count(split_submit_op()) == 1 and targets.count(wait_op()) == 3
+
+
+def test_runtime_count_is_minus_one_in_the_graph():
+    gm = annotate(two_layers_gpu, {"x": "cuda"})
+    (b0, _), (deferral,) = rewrite(gm, "runtime")
+    assert deferral.n_deferred is None and b0.submit.args[-1] == -1
+
+
+def test_deferred_count_is_capped_at_k():
+    gm = annotate(two_layers_gpu, {"x": "cuda"})
+    (b0, _), (deferral,) = rewrite(gm, K + 3)
+    assert deferral.n_deferred == K and b0.submit.args[-1] == K
 
 
 def test_zero_deferred_leaves_the_graph_untouched():
@@ -182,8 +201,8 @@ def test_rewritten_graph_computes_deferral_semantics(n_deferred):
 
 
 def test_runtime_count_graph_computes_each_d():
-    """n_deferred="runtime": the split reads ktorch::deferred_experts_count, and one rewritten graph computes the
-    semantics of whatever d set_runtime_deferred_experts last set (0 included), exactly."""
+    """n_deferred="runtime": the split calls read the count when they run, so one rewritten graph computes the
+    semantics of whatever d set_runtime_deferred_experts last set (0 and more than K included), exactly."""
     from ktorch.compile import set_runtime_deferred_experts
 
     args, packed = three_layer_args()
@@ -192,16 +211,15 @@ def test_runtime_count_graph_computes_each_d():
     layer = RUNTIME.register_layer(packed.w13, None, packed.w2, None, "silu")
     _, deferrals = rewrite(gm, "runtime", lambda call: layer)
     assert [d.n_deferred for d in deferrals] == [None, None]
-    counts = [n for n in gm.graph.nodes if n.target is torch.ops.ktorch.deferred_experts_count.default]
-    assert len(counts) == 2 and all(n.meta[DEFERRAL] == "split" for n in counts)
+    assert [n.args[-1] for n in gm.graph.nodes if n.target is split_submit_op()] == [-1, -1]
 
     def op(hidden, ids, weights):
         return torch.ops.kt.fused_moe(hidden, ids, weights, packed.w13, None, packed.w2, None, "silu")
 
     try:
-        for d in (2, 0, 1, K):
+        for d in (2, 0, 1, K, K + 5):
             set_runtime_deferred_experts(d)
-            torch.testing.assert_close(gm(**args), deferred_by_hand(args, d, op), rtol=0, atol=0)
+            torch.testing.assert_close(gm(**args), deferred_by_hand(args, min(d, K), op), rtol=0, atol=0)
     finally:
         set_runtime_deferred_experts(0)
 

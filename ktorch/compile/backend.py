@@ -4,7 +4,7 @@
       1. partition       passes/partition.py       which nodes are CPU experts, which are GPU work
       2. async boundary  passes/async_boundary.py  submit/wait per experts call, independent work between
       2c. deferral       passes/deferral.py        (n_deferred_experts > 0) the lowest-weighted slots of layer i
-                                                   are submitted apart and waited for at layer i+1's result
+                                                   run second in the same CPU call, waited for at layer i+1
       3. weights out     here                      the packed weights go to the experts runtime by layer id;
                                                    their graph inputs are dropped (the graph is device-only)
       4. GPU segments    Inductor (compile_fx)     everything else, with CUDA graphs when asked
@@ -180,7 +180,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, opts: BackendOptions
         # per-device tensors the graph's runs read, made now: a first run under CUDA-graph trees is a warm-up
         # whose allocations belong to the graphs' memory pool, where a tensor kept alive breaks replays
         for node in gm.graph.nodes:
-            if node.target is torch.ops.ktorch.submit_experts.default:
+            if node.target in (torch.ops.ktorch.submit_experts.default, torch.ops.ktorch.submit_experts_split.default):
                 device = node_device(node.args[0], gm)
                 if device is not None:
                     RUNTIME.prepare_device(device)

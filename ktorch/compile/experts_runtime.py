@@ -25,6 +25,11 @@ What submit and wait do depends on where the hidden states are:
                     worker starts the call from that, without waiting for CUDA to run the start host function
                     (~50-60 us later on the H100 host); see runtime/host_tasks.cpp.
 
+Expert deferral (passes/deferral.py) submits a layer once with ``submit_experts_split`` instead: the CPU side
+ranks each token's slots by weight, runs the ``K - d`` highest (waited for at ``site``) and then the ``d`` lowest
+(waited for at ``later_site``, one layer on). The stream pays what a plain layer costs: one set of input copies,
+one start host function, no sorting or masking kernels.
+
 The worker is one Python thread; ``kt.fused_moe`` releases the GIL and is parallel inside.
 """
 
@@ -119,7 +124,8 @@ class ExpertsLayer:
 class _Staging:
     """Pinned host buffers of one site for one shape: inputs copied in, the result copied out."""
 
-    def __init__(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
+    def __init__(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 deferred: Optional[torch.Tensor] = None):
         def pinned(t):
             # Normal tensors even when the first call runs under torch.inference_mode: the worker thread, which
             # writes the result, is not in inference mode (the mode is per thread), and may not update
@@ -133,7 +139,12 @@ class _Staging:
         # other pinned buffers, by the uncaptured first call rather than inside a capture)
         with torch.inference_mode(False):
             self.doorbell = torch.zeros(1, dtype=torch.int64, pin_memory=True)
-        self.host_functions: Optional[tuple] = None  # (start, join), made on first capture
+        self.host_functions: Optional[tuple] = None  # (start, join[, join_later]), made on first capture
+        # split stagings (submit_experts_split): the deferred slots' result, and d (one int64 read at each run:
+        # RUNTIME's count for n_deferred="runtime", else the site's own)
+        self.deferred = deferred
+        self.out_later = pinned(hidden) if deferred is not None else None
+        self._ids_later: Optional[torch.Tensor] = None  # the Python path's deferred ids, between its two parts
 
     def fill(self, hidden, topk_ids, topk_weights):
         self.hidden.copy_(hidden, non_blocking=True)
@@ -143,17 +154,68 @@ class _Staging:
     def run_into_out(self, layer: ExpertsLayer) -> None:
         self.out.copy_(layer.run(self.hidden, self.topk_ids, self.topk_weights))
 
+    def run_split_now(self, layer: ExpertsLayer) -> None:
+        """A split staging's first part: ranks the slots, runs the K - d highest-weighted into ``out``."""
+        from ktorch.passes.deferral import split_topk_slots
+
+        k = self.topk_ids.shape[-1]
+        d = min(max(int(self.deferred), 0), k)
+        ids_now, self._ids_later = (self.topk_ids, None) if d == 0 else split_topk_slots(
+            self.topk_ids, self.topk_weights, k - d)
+        self.out.copy_(layer.run(self.hidden, ids_now, self.topk_weights))
+
+    def run_split_later(self, layer: ExpertsLayer) -> "_Later":
+        """The second part: the d lowest-weighted slots into ``out_later`` (zeros when d = 0)."""
+        ids, self._ids_later = self._ids_later, None
+        if ids is None:
+            self.out_later.zero_()
+        else:
+            self.out_later.copy_(layer.run(self.hidden, ids, self.topk_weights))
+        return _Later(self.out_later)
+
+
+class _Later:
+    """What a deferred site's wait reads: the result buffer of a split staging's second part."""
+
+    __slots__ = ("out",)
+
+    def __init__(self, out: torch.Tensor):
+        self.out = out
+
+
+class _CpuSplit:
+    """A split call on CPU hidden states (no staging: each part's result is a new tensor); d is read at submit."""
+
+    def __init__(self, hidden, topk_ids, topk_weights, deferred: torch.Tensor):
+        from ktorch.passes.deferral import split_topk_slots
+
+        k = topk_ids.shape[-1]
+        d = min(max(int(deferred), 0), k)
+        self.hidden, self.topk_weights = hidden, topk_weights
+        self.ids_now, self.ids_later = (topk_ids, None) if d == 0 else split_topk_slots(topk_ids, topk_weights, k - d)
+
+    def now(self, layer: ExpertsLayer) -> torch.Tensor:
+        return layer.run(self.hidden, self.ids_now, self.topk_weights)
+
+    def later(self, layer: ExpertsLayer) -> torch.Tensor:
+        if self.ids_later is None:
+            return torch.zeros_like(self.hidden, memory_format=torch.contiguous_format)
+        return layer.run(self.hidden, self.ids_later, self.topk_weights)
+
 
 class _Site:
     def __init__(self):
         self.pending: collections.deque = collections.deque()  # tasks submitted and not yet waited for
         self.staging: dict = {}  # shape key -> _Staging
-        self.captured_pending: collections.deque = collections.deque()  # (staging, capture number)
+        self.static_deferred: dict = {}  # d -> the int64 holding it, for split submits with a fixed d
+        # (staging, capture number, which join host function: 1 = the call's, 2 = a split call's deferred part,
+        # the buffer the result is copied from), one per captured submit this site's waits have not taken yet
+        self.captured_pending: collections.deque = collections.deque()
 
-    def staging_for(self, hidden, topk_ids, topk_weights) -> _Staging:
+    def staging_for(self, hidden, topk_ids, topk_weights, deferred: Optional[torch.Tensor] = None) -> _Staging:
         key = (tuple(hidden.shape), hidden.dtype, tuple(topk_ids.shape), topk_ids.dtype, topk_weights.dtype)
         if key not in self.staging:
-            self.staging[key] = _Staging(hidden, topk_ids, topk_weights)
+            self.staging[key] = _Staging(hidden, topk_ids, topk_weights, deferred)
         return self.staging[key]
 
 
@@ -184,10 +246,10 @@ class ExpertsRuntime:
         self._joined_through = 0
         # KT_HOST_START=doorbell: one int64 counter per CUDA device, +1 per captured submit (never reset)
         self._doorbell_counters: dict = {}
-        # n_deferred_experts="runtime": how many slots per token graphs compiled so defer, one 0-dim int64 per
-        # device, set by set_runtime_deferred_experts and read by the graphs at run time (CUDA graphs included)
+        # n_deferred_experts="runtime": how many slots per token graphs compiled so defer, as an int and as the
+        # int64 the split calls read when they run (CUDA-graph replays included)
         self.runtime_deferred = 0
-        self._deferred_counts: dict = {}
+        self._runtime_deferred_host = torch.zeros((), dtype=torch.int64)
 
     # -- compile time
     def register_layer(self, w13, w13_scales, w2, w2_scales, activation: str) -> int:
@@ -218,31 +280,16 @@ class ExpertsRuntime:
         if not is_deferred_count(n_deferred):
             raise ValueError(f"set_runtime_deferred_experts: n_deferred must be an int >= 0, got {n_deferred!r}")
         self.runtime_deferred = n_deferred
-        for count in self._deferred_counts.values():
-            count.fill_(n_deferred)
+        self._runtime_deferred_host.fill_(n_deferred)
 
     def prepare_device(self, device: torch.device) -> None:
-        """Makes ``device``'s deferred-slot count and (CUDA devices) doorbell counter, if not made yet; the one
-        place they are made. The backend calls it at compile time: made lazily by a graph's first run instead, they
-        would come from the memory pool of CUDA-graph trees (its warm-up run allocates there), which must hold no
-        tensor outliving a replay. Must not run inside a capture (its allocations belong to the graph's pool)."""
+        """Makes ``device``'s doorbell counter (CUDA devices), if not made yet; the one place it is made. The
+        backend calls it at compile time: made lazily by a graph's first run instead, it would come from the memory
+        pool of CUDA-graph trees (its warm-up run allocates there), which must hold no tensor outliving a replay.
+        Must not run inside a capture (its allocations belong to the graph's pool)."""
         with torch.inference_mode(False):  # updated in place later, whatever mode the caller is in then
-            if device not in self._deferred_counts:
-                self._deferred_counts[device] = torch.full((), self.runtime_deferred, dtype=torch.int64,
-                                                           device=device)
             if device.type == "cuda" and device not in self._doorbell_counters:  # its numbers only ever grow
                 self._doorbell_counters[device] = torch.zeros(1, dtype=torch.int64, device=device)
-
-    def deferred_count(self, like: torch.Tensor) -> torch.Tensor:
-        """A copy of the deferred-slot count on ``like``'s device (under a CUDA-graph capture: a captured copy
-        of the device's count tensor, so replays read what set_runtime_deferred last wrote)."""
-        if like.device not in self._deferred_counts:
-            if like.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("ktorch: a graph compiled with n_deferred_experts='runtime' is being captured "
-                                   "before it ever ran uncaptured on this device (the count tensor must not come "
-                                   "from the capture's memory pool)")
-            self.prepare_device(like.device)
-        return self._deferred_counts[like.device].clone()
 
     def reset(self) -> None:
         """Forgets every layer and site, freeing the packed weights it held; graphs compiled before stop working."""
@@ -253,19 +300,45 @@ class ExpertsRuntime:
 
     # -- run time
     def submit(self, hidden, topk_ids, topk_weights, layer: int, site: int) -> torch.Tensor:
+        return self._submit(hidden, topk_ids, topk_weights, layer, site)
+
+    def submit_split(self, hidden, topk_ids, topk_weights, layer: int, site: int, later_site: int,
+                     n_deferred: int) -> torch.Tensor:
+        """One submit for a deferring layer: the K - d highest-weighted slots per token are waited for at ``site``,
+        the d lowest at ``later_site`` (``n_deferred`` = d >= 0, or -1: the runtime count, read as the call runs)."""
+        if n_deferred < -1:
+            raise ValueError(f"submit_experts_split: n_deferred must be >= 0 or -1 (runtime), got {n_deferred}")
+        if topk_ids.dim() != 2:
+            raise ValueError(f"submit_experts_split: topk_ids must be [T, K], got {tuple(topk_ids.shape)}")
+        if n_deferred < 0:
+            deferred = self._runtime_deferred_host
+        else:
+            deferred = self._sites[site].static_deferred.get(n_deferred)
+            if deferred is None:
+                deferred = self._sites[site].static_deferred[n_deferred] = torch.tensor(n_deferred)
+        return self._submit(hidden, topk_ids, topk_weights, layer, site, later_site, deferred)
+
+    def _submit(self, hidden, topk_ids, topk_weights, layer: int, site: int, later_site: Optional[int] = None,
+                deferred: Optional[torch.Tensor] = None) -> torch.Tensor:
         weights, state = self.layers[layer], self._sites[site]
+        later_state = self._sites[later_site] if later_site is not None else None
         ticket = torch.empty(0, dtype=torch.uint8, device=hidden.device)
         if hidden.device.type == "cpu":
             self.stats["submits"] += 1
-            state.pending.append(self.worker.enqueue(lambda: weights.run(hidden, topk_ids, topk_weights)))
+            if later_state is None:
+                state.pending.append(self.worker.enqueue(lambda: weights.run(hidden, topk_ids, topk_weights)))
+                return ticket
+            split = _CpuSplit(hidden, topk_ids, topk_weights, deferred)
+            state.pending.append(self.worker.enqueue(lambda: split.now(weights)))
+            later_state.pending.append(self.worker.enqueue(lambda: split.later(weights)))
             return ticket
         if hidden.device.type != "cuda":
             raise RuntimeError(f"ktorch.submit_experts: hidden states on {hidden.device} are not supported")
-        staging = state.staging_for(hidden, topk_ids, topk_weights)
+        staging = state.staging_for(hidden, topk_ids, topk_weights, deferred)
         staging.fill(hidden, topk_ids, topk_weights)
         if torch.cuda.is_current_stream_capturing():
             self.stats["captured_submits"] += 1
-            functions = self._host_functions(state, staging, weights, hidden.device)
+            functions = self._host_functions(state, staging, weights, hidden.device, later_state)
             doorbell = getattr(functions, "doorbell", None)
             if doorbell is not None:  # after the input copies: the worker may start as soon as this lands
                 counter = self._doorbell_counters[hidden.device]
@@ -281,10 +354,15 @@ class ExpertsRuntime:
 
         def run():
             copied.synchronize()
-            staging.run_into_out(weights)
+            if later_state is None:
+                staging.run_into_out(weights)
+            else:
+                staging.run_split_now(weights)
             return staging
 
         state.pending.append(self.worker.enqueue(run))
+        if later_state is not None:
+            later_state.pending.append(self.worker.enqueue(lambda: staging.run_split_later(weights)))
         return ticket
 
     def wait(self, ticket, hidden, layer: int, site: int) -> torch.Tensor:
@@ -293,20 +371,21 @@ class ExpertsRuntime:
             return state.pending.popleft().join()
         out = torch.empty_like(hidden, memory_format=torch.contiguous_format)
         if torch.cuda.is_current_stream_capturing():
-            # the staging this capture's submit at this site used, and that submit's number
-            staging, number = state.captured_pending.popleft()
+            # the staging this capture's submit at this site used, that submit's number, its join and result
+            staging, number, join, result = state.captured_pending.popleft()
             if self.join_implied(staging, number):
                 self.stats["implied_joins"] += 1
             else:
-                staging.host_functions[1].launch()
+                staging.host_functions[join].launch()
                 self._joined_through = max(self._joined_through, number)
         else:
             self.stats["host_waits"] += 1
-            staging = state.pending.popleft().join()
-        out.copy_(staging.out, non_blocking=True)
+            result = state.pending.popleft().join().out
+        out.copy_(result, non_blocking=True)
         return out
 
-    def _host_functions(self, state: _Site, staging: _Staging, weights: ExpertsLayer, device=None):
+    def _host_functions(self, state: _Site, staging: _Staging, weights: ExpertsLayer, device=None,
+                        later_state: Optional[_Site] = None):
         from ktorch.compile.host_func import HostFunction
 
         if staging.host_functions is None and native_host_tasks() and not self.observers:
@@ -316,25 +395,38 @@ class ExpertsRuntime:
             staging.host_functions = _NativeHostFunctions(staging, weights, doorbell=doorbell)
             self._native_tasks.append(staging.host_functions)
         if staging.host_functions is None:
+            split = staging.deferred is not None
             running: collections.deque = collections.deque()
+            running_later: collections.deque = collections.deque()
 
             def start():  # on the driver thread, once the inputs are in pinned memory
-                running.append(self.worker.enqueue(lambda: staging.run_into_out(weights)))
+                if not split:
+                    running.append(self.worker.enqueue(lambda: staging.run_into_out(weights)))
+                    return
+                running.append(self.worker.enqueue(lambda: staging.run_split_now(weights)))
+                running_later.append(self.worker.enqueue(lambda: staging.run_split_later(weights)))
 
             def join():  # holds the stream until the CPU result is in pinned memory
                 running.popleft().join()
 
-            staging.host_functions = (HostFunction(start), HostFunction(join))
-        state.captured_pending.append((staging, next(self._capture_numbers)))
+            def join_later():  # a split call's second part
+                running_later.popleft().join()
+
+            staging.host_functions = (HostFunction(start), HostFunction(join), HostFunction(join_later))
+        number = next(self._capture_numbers)
+        state.captured_pending.append((staging, number, 1, staging.out))
+        if later_state is not None:
+            later_state.captured_pending.append((staging, number, 2, staging.out_later))
         return staging.host_functions
 
     def join_implied(self, staging: _Staging, number: int) -> bool:
         """Whether a captured wait for the submit numbered ``number`` can go without its join host function: the
         capture has already joined a later submit, and native host tasks run one at a time in submission order
-        (one C++ worker; doorbell tasks by their sequence numbers, which follow the stream), so the stream is past
-        the end of this call too. Python host functions keep every join (their join pops the call it waits for).
-        Deferral's waits are such: layer i's deferred call is submitted before layer i+1's and waited for after
-        it, so each would otherwise cost the stream one more host function round trip (~50 us on the H100 host)."""
+        (one C++ worker, both parts of a split call before the next call; doorbell tasks by their sequence numbers,
+        which follow the stream), so the stream is past the end of this call too. Python host functions keep every
+        join (their join pops the call it waits for). Deferral's waits are such: layer i's deferred part is waited
+        for after layer i+1's join, so each would otherwise cost the stream one more host function round trip
+        (~50 us on the H100 host)."""
         return isinstance(staging.host_functions, _NativeHostFunctions) and number < self._joined_through
 
 
@@ -364,8 +456,9 @@ def host_start() -> str:
 
 
 class _NativeHostFunctions:
-    """The start/join pair of one staging as C host functions (runtime/host_tasks.cpp): indexable like the
-    Python pair, ``[0].launch()`` starts, ``[1].launch()`` joins."""
+    """The start/join host functions of one staging as C functions (runtime/host_tasks.cpp): indexable like the
+    Python ones, ``[0].launch()`` starts, ``[1].launch()`` joins, ``[2].launch()`` joins a split call's deferred
+    part."""
 
     class _Fn:
         def __init__(self, ptr: int, handle: int):
@@ -385,17 +478,20 @@ class _NativeHostFunctions:
             self.doorbell = getattr(staging, "doorbell", None)
             if self.doorbell is None:
                 self.doorbell = torch.zeros(1, dtype=torch.int64)
+        # a split staging (deferral): the task also runs the deferred slots into out_later, d read from deferred
+        deferred = getattr(staging, "deferred", None)
         self.handle = torch.ops.kt.host_task_new(staging.hidden, staging.topk_ids, staging.topk_weights, staging.out,
                                                  layer.w13, layer.w13_scales, layer.w2, layer.w2_scales,
-                                                 layer.activation, True, self.doorbell)
-        start, join = torch.ops.kt.host_task_functions()
-        self._fns = (self._Fn(start, self.handle), self._Fn(join, self.handle))
+                                                 layer.activation, True, self.doorbell,
+                                                 staging.out_later if deferred is not None else None, deferred)
+        self._fns = tuple(self._Fn(fn, self.handle) for fn in torch.ops.kt.host_task_functions())
 
     def __getitem__(self, i: int):
         return self._fns[i]
 
     def run(self) -> None:
-        """Start and join on this thread (what the two host functions do), for tests without CUDA."""
+        """Start and join (both parts of a split call) on this thread, as the host functions do, for tests without
+        CUDA."""
         torch.ops.kt.host_task_run(self.handle)
 
     def error(self) -> str:
@@ -427,23 +523,26 @@ def _submit_experts_fake(hidden, topk_ids, topk_weights, layer, site):
     return hidden.new_empty((0,), dtype=torch.uint8)
 
 
-@torch.library.custom_op("ktorch::deferred_experts_count", mutates_args=())
-def deferred_experts_count(like: torch.Tensor) -> torch.Tensor:
-    """How many slots per token a graph compiled with ``n_deferred_experts="runtime"`` defers now: a 0-dim int64
-    on ``like``'s device (``ktorch.compile.set_runtime_deferred_experts`` sets it)."""
-    return RUNTIME.deferred_count(like)
+@torch.library.custom_op("ktorch::submit_experts_split", mutates_args=())
+def submit_experts_split(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer: int,
+                         site: int, later_site: int, n_deferred: int) -> torch.Tensor:
+    """``submit_experts`` for a deferring layer: per token, the ``K - n_deferred`` highest-weighted slots (ties to
+    the lower slot) are waited for at ``site``, the others at ``later_site`` (``wait_experts`` with the same ticket;
+    zeros when none is deferred). ``n_deferred = -1``: the count ``set_runtime_deferred_experts`` set, read when
+    the call runs (CUDA-graph replays included). The CPU side splits the slots: the device does no extra work."""
+    return RUNTIME.submit_split(hidden, topk_ids, topk_weights, layer, site, later_site, n_deferred)
 
 
-@deferred_experts_count.register_fake
-def _deferred_experts_count_fake(like):
-    return like.new_empty((), dtype=torch.int64)
+@submit_experts_split.register_fake
+def _submit_experts_split_fake(hidden, topk_ids, topk_weights, layer, site, later_site, n_deferred):
+    return hidden.new_empty((0,), dtype=torch.uint8)
 
 
 def set_runtime_deferred_experts(n_deferred: int) -> None:
     """Sets how many of each token's routed experts (the lowest-weighted) the graphs compiled with
     ``options={"n_deferred_experts": "runtime"}`` defer, from their next run on, CUDA-graph replays included: one
     compile serves every d (benchmarks sweep d without compiling again). Process-wide; d >= K defers all slots but
-    the last layer's; 0 defers nothing (the deferred calls then skip every slot)."""
+    the last layer's; 0 defers nothing (the deferred parts then return zeros without running)."""
     RUNTIME.set_runtime_deferred(n_deferred)
 
 

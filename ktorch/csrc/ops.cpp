@@ -84,7 +84,8 @@ TORCH_LIBRARY(kt, m) {
   // host tasks (runtime/host_tasks.h): experts calls that CUDA host functions start and join without Python
   m.def(
       "host_task_new(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor out, Tensor w13, Tensor? w13_scales, "
-      "Tensor w2, Tensor? w2_scales, str activation, bool record_times=False, Tensor? doorbell=None) -> int",
+      "Tensor w2, Tensor? w2_scales, str activation, bool record_times=False, Tensor? doorbell=None, "
+      "Tensor? out_later=None, Tensor? deferred=None) -> int",
       &kt::runtime::host_task_new);
   m.def("host_task_free(int handle) -> ()", &kt::runtime::host_task_free);
   m.def("host_task_run(int handle) -> ()", &kt::runtime::host_task_run);

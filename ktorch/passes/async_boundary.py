@@ -46,6 +46,12 @@ def submit_op():
     return torch.ops.ktorch.submit_experts.default
 
 
+def split_submit_op():
+    from ktorch.compile import experts_runtime  # noqa: F401
+
+    return torch.ops.ktorch.submit_experts_split.default
+
+
 def wait_op():
     from ktorch.compile import experts_runtime  # noqa: F401
 
@@ -127,7 +133,7 @@ def is_pure(node: fx.Node) -> bool:
     target = node.target
     if "out" in node.kwargs or node.kwargs.get("inplace", False):
         return False
-    if target in _IMPURE_OPERATORS or target in (submit_op(), wait_op()):
+    if target in _IMPURE_OPERATORS or target in (submit_op(), split_submit_op(), wait_op()):
         return False
     if isinstance(target, torch._ops.OpOverload):
         return not target._schema.is_mutable and not node.is_impure()

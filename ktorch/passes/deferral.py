@@ -24,23 +24,25 @@ Rewrites, for every boundary but the last,
 
 into
 
-    rank      = argsort(argsort(w, descending, stable), stable)         # rank of each slot by weight, [T, K]
-    keep      = rank < K - d
-    ids_now   = where(keep, ids, -1);  ids_later = where(keep, -1, ids)  # negative ids skip a slot in kt.fused_moe
-    ticket    = submit_experts(h_i, ids_now, w, layer, site)
-    deferred  = submit_experts(h_i, ids_later, w, layer, new_site)      # queued behind the immediate call
+    ticket = submit_experts_split(h_i, ids, w, layer, site, new_site, d)  # d = -1: the runtime count
     ...
-    r_i = wait_experts(ticket, h_i, layer, site, after)
+    r_i = wait_experts(ticket, h_i, layer, site, after)                   # the K - d highest-weighted slots
     ...                                       # layer i+1's attention and router run while the CPU finishes
     r_j = wait_experts(ticket_j, h_j, layer_j, site_j, after_j)
-    d_i = wait_experts(deferred, h_i, layer, new_site, [])
+    d_i = wait_experts(ticket, h_i, layer, new_site, [])                  # the d lowest-weighted slots
     r_j' = r_j + d_i
     <users of r_j, now reading r_j'>
 
+The slots are split on the CPU, by the runtime (ktorch/compile/experts_runtime.py): rank each token's slots by
+weight (stable, descending) and run ranks < K - d first, the rest second, as ``split_topk_slots`` does. The graph
+gets no sorting or masking kernels and no second set of input copies: a deferring layer costs the device what a
+plain one does, plus the join's copy and add.
+
 Guarantees: ``d = 0`` changes nothing (the graph is returned untouched); every new wait follows its submit and
-precedes the first use of its result; the runtime runs the calls in submission order, so when layer i+1's
-immediate wait returns, layer i's deferred call is already done. Consecutive boundaries must have the same
-number of tokens (a decoder's layers do); a pair that does not is left undeferred and reported.
+precedes the first use of its result; the runtime runs a split call's two parts back to back and the calls in
+submission order, so when layer i+1's immediate wait returns, layer i's deferred part is already done.
+Consecutive boundaries must have the same number of tokens (a decoder's layers do); a pair that does not is left
+undeferred and reported.
 """
 
 from __future__ import annotations
@@ -51,10 +53,10 @@ from typing import Callable, Optional
 import torch
 from torch import fx
 
-from ktorch.passes.async_boundary import ASYNC_STAGE, Boundary, submit_op, wait_op
+from ktorch.passes.async_boundary import ASYNC_STAGE, Boundary, split_submit_op, wait_op
 from ktorch.passes.partition import node_value, set_fake_value
 
-DEFERRAL = "ktorch_deferral"  # node.meta key: "split" / "submit" / "wait" / "join"
+DEFERRAL = "ktorch_deferral"  # node.meta key: "submit" / "wait" / "join"
 
 
 @dataclass
@@ -63,8 +65,8 @@ class Deferral:
 
     source: Boundary
     target: Boundary
-    submit: fx.Node  # submit of the deferred slots
-    wait: fx.Node  # its wait, right after the target's wait
+    submit: fx.Node  # the split submit of the source layer (also source.submit now)
+    wait: fx.Node  # the wait of its deferred part, right after the target's wait
     join: fx.Node  # target result + deferred result
     site: int
     n_deferred: Optional[int]  # None: read at run time (n_deferred_experts="runtime")
@@ -89,34 +91,15 @@ def _tokens(boundary: Boundary) -> Optional[int]:
 
 
 def split_topk_slots(topk_ids: torch.Tensor, topk_weights: torch.Tensor, n_immediate: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids_now, ids_later), both [T, K] like ``topk_ids``: the same computation ``split_slots`` puts in a graph.
+    """(ids_now, ids_later), both [T, K] like ``topk_ids``: what the runtime's split calls run in their two parts.
 
     ids_now keeps each token's ``n_immediate`` highest-weighted slots (ties to the lower slot) and sets the others
-    to -1; ids_later holds exactly the others. Used by the eager path (ktorch/integrations/deferral.py)."""
+    to -1; ids_later holds exactly the others. Used by the eager path (ktorch/integrations/deferral.py) and the
+    runtime's Python paths (the native host tasks compute the same ranks in C++)."""
     order = torch.argsort(topk_weights, dim=-1, descending=True, stable=True)
     rank = torch.argsort(order, dim=-1, stable=True)
     keep = torch.lt(rank, n_immediate)
     return torch.where(keep, topk_ids, -1), torch.where(keep, -1, topk_ids)
-
-
-def split_slots(graph: fx.Graph, topk_ids: fx.Node, topk_weights: fx.Node, n_immediate: Optional[int],
-                k: Optional[int] = None) -> tuple[fx.Node, fx.Node]:
-    """Nodes (ids_now, ids_later), inserted at the graph's current insertion point.
-
-    topk_ids, topk_weights: [T, K]. ids_now keeps each token's ``n_immediate`` highest-weighted slots (ties to the
-    lower slot) and sets the others to -1; ids_later is the complement. ``n_immediate=None``: K minus the
-    count ``ktorch::deferred_experts_count`` reads at run time (``k`` gives K)."""
-    order = _call(graph, torch.argsort, (topk_weights,), dict(dim=-1, descending=True, stable=True), "split")
-    rank = _call(graph, torch.argsort, (order,), dict(dim=-1, stable=True), "split")
-    if n_immediate is None:  # rank + d < K
-        count = _call(graph, torch.ops.ktorch.deferred_experts_count.default, (topk_ids,), None, "split")
-        ranked = _call(graph, torch.add, (rank, count), None, "split")
-        keep = _call(graph, torch.lt, (ranked, k), None, "split")
-    else:
-        keep = _call(graph, torch.lt, (rank, n_immediate), None, "split")
-    ids_now = _call(graph, torch.where, (keep, topk_ids, -1), None, "split")
-    ids_later = _call(graph, torch.where, (keep, -1, topk_ids), None, "split")
-    return ids_now, ids_later
 
 
 def defer_experts(
@@ -147,24 +130,28 @@ def defer_experts(
                 skipped.append(f"layer {source.layer} -> {target.layer}: token counts {t_source} and {t_target}")
             continue
         hidden, topk_ids, topk_weights, layer, site = source.submit.args
-        ids_value = node_value(topk_ids)
-        k = ids_value.shape[-1]
+        k = node_value(topk_ids).shape[-1]
         d = None if runtime else min(n_deferred, k)
-        with graph.inserting_before(source.submit):
-            ids_now, ids_later = split_slots(graph, topk_ids, topk_weights, None if runtime else k - d, k)
-        source.submit.args = (hidden, ids_now, topk_weights, layer, site)
         deferred_site = new_site()
-        with graph.inserting_after(source.submit):
-            submit = _call(graph, submit_op(), (hidden, ids_later, topk_weights, layer, deferred_site), None, "submit")
+        with graph.inserting_before(source.submit):
+            submit = _call(graph, split_submit_op(),
+                           (hidden, topk_ids, topk_weights, layer, site, deferred_site, -1 if d is None else d), None,
+                           "submit")
+        source.submit.replace_all_uses_with(submit)
+        for key in (ASYNC_STAGE, "stack_trace", "nn_module_stack", "source_fn_stack"):
+            if key in source.submit.meta:
+                submit.meta[key] = source.submit.meta[key]
+        graph.erase_node(source.submit)
+        source.submit = submit
         with graph.inserting_after(target.wait):
             wait = _call(graph, wait_op(), (submit, hidden, layer, deferred_site, []), None, "wait")
         with graph.inserting_after(wait):
             join = _call(graph, torch.add, (target.wait, wait), None, "join")
         target.wait.replace_all_uses_with(join, delete_user_cb=lambda user: user is not join)
-        submit.meta[ASYNC_STAGE], wait.meta[ASYNC_STAGE] = "submit", "wait"
+        wait.meta[ASYNC_STAGE] = "wait"
         for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
-            if key in source.submit.meta:
-                submit.meta[key] = wait.meta[key] = source.submit.meta[key]
+            if key in submit.meta:
+                wait.meta[key] = submit.meta[key]
         done.append(Deferral(source, target, submit, wait, join, deferred_site, d))
     graph.lint()
     gm.recompile()

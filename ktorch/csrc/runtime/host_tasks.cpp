@@ -24,6 +24,12 @@
 // doorbell that moved means the inputs before it are in memory.
 // Their addresses come from kt::host_task_functions(); a task is an opaque int64 handle made by
 // kt::host_task_new and kept alive by the caller as long as any CUDA graph uses it.
+// Split tasks (expert deferral, passes/deferral.py): a task made with out_later and a deferred count d runs two
+// calls per start. It ranks each token's K slots by routing weight (descending; ties to the lower slot, as a stable
+// sort), runs the K - d highest into out and marks the task joined for kt_host_task_join, then runs the d lowest
+// into out_later (zeros when d = 0) for kt_host_task_join_later. d is read from its int64 at each run, so one
+// captured graph serves every d. The split happens here rather than on the GPU so that a deferring layer costs the
+// stream what a plain one does: one set of input copies and one start host function, no sort or masking kernels.
 // A failing call cannot raise on CUDA's callback thread: it prints the error, fills the output with NaN (never a
 // silent wrong answer) and keeps the message for kt::host_task_error.
 #include <ATen/ATen.h>
@@ -67,6 +73,13 @@ struct HostTask {
   int64_t* bell = nullptr;
   int64_t taken_seq = 0;  // the worker's own
   std::atomic<int64_t> done_seq{0};
+  // split tasks: the deferred slots' result, the count d (one int64, read at each run), the two id sets (the
+  // worker's), whether out_later holds zeros, and the second part's progress (as done / done_seq)
+  bool split = false;
+  at::Tensor out_later, deferred, ids_now, ids_later;
+  bool later_zero = false;
+  std::atomic<int64_t> done_later{0};
+  std::atomic<int64_t> done_later_seq{0};
 };
 
 int64_t ring_of(const HostTask* t) { return __atomic_load_n(t->bell, __ATOMIC_ACQUIRE); }
@@ -176,31 +189,87 @@ class Worker {
   // seq: the doorbell number this run answers (0 for a pushed task)
   static void run(HostTask* t, int64_t seq) {
     const int64_t t0 = now_ns();
+    int64_t d = 0;
+    if (t->split) {
+      try {
+        d = split_slots(t);
+      } catch (const std::exception& e) {
+        fail(t, e, t->out);
+        fail(t, e, t->out_later);
+        finish(t, seq, false, t0);
+        finish(t, seq, true, -1);
+        return;
+      }
+    }
+    call(t, d > 0 ? t->ids_now : t->topk_ids, t->out);
+    finish(t, seq, false, t0);
+    if (!t->split) return;
+    const int64_t t1 = now_ns();
+    if (d > 0) {
+      t->later_zero = false;
+      call(t, t->ids_later, t->out_later);
+    } else if (!t->later_zero) {
+      t->out_later.zero_();
+      t->later_zero = true;
+    }
+    finish(t, seq, true, d > 0 ? t1 : -1);
+  }
+  // One experts call on the task's tensors with these ids, into out (NaN and the message kept on failure).
+  static void call(HostTask* t, const at::Tensor& ids, const at::Tensor& out) {
     try {
       c10::InferenceMode inference;  // per thread; the experts ops have no autograd
-      const at::Tensor r = kt::moe::fused_moe(t->hidden, t->topk_ids, t->topk_weights, t->w13, t->w13_scales, t->w2,
+      const at::Tensor r = kt::moe::fused_moe(t->hidden, ids, t->topk_weights, t->w13, t->w13_scales, t->w2,
                                               t->w2_scales, t->activation);
-      t->out.copy_(r);
+      out.copy_(r);
     } catch (const std::exception& e) {
-      std::lock_guard<std::mutex> lock(t->mutex);
-      t->error = e.what();
-      std::fprintf(stderr, "ktorch: CPU experts call failed on the host-task worker (output set to NaN): %s\n",
-                   e.what());
-      t->out.fill_(std::numeric_limits<float>::quiet_NaN());
+      fail(t, e, out);
     }
-    {
-      std::lock_guard<std::mutex> lock(t->mutex);
-      if (t->record_times && t->times.size() < 8192) {  // bounded: drained by host_task_take_times
-        t->times.push_back(t0);
-        t->times.push_back(now_ns());
+  }
+  static void fail(HostTask* t, const std::exception& e, const at::Tensor& out) {
+    std::lock_guard<std::mutex> lock(t->mutex);
+    t->error = e.what();
+    std::fprintf(stderr, "ktorch: CPU experts call failed on the host-task worker (output set to NaN): %s\n",
+                 e.what());
+    out.fill_(std::numeric_limits<float>::quiet_NaN());
+  }
+  // Marks the first part (later = false) or the deferred part of this run done; t0 >= 0: records (t0, now).
+  static void finish(HostTask* t, int64_t seq, bool later, int64_t t0) {
+    std::lock_guard<std::mutex> lock(t->mutex);
+    if (t0 >= 0 && t->record_times && t->times.size() < 8192) {  // bounded: drained by host_task_take_times
+      t->times.push_back(t0);
+      t->times.push_back(now_ns());
+    }
+    if (seq > 0)
+      (later ? t->done_later_seq : t->done_seq).store(seq, std::memory_order_release);
+    else
+      (later ? t->done_later : t->done).fetch_add(1, std::memory_order_release);
+    // under the lock: host_task_free takes it after its joins, so the task outlives this last touch
+    t->cv.notify_all();
+  }
+  // Fills ids_now / ids_later from topk_ids by each slot's rank in its token's weights (stable, descending):
+  // rank < K - d stays now, the rest goes later (-1 where a slot is in the other set). Returns d, clamped to [0, K].
+  static int64_t split_slots(HostTask* t) {
+    const int64_t T = t->topk_ids.size(0), K = t->topk_ids.size(1);
+    const int64_t d = std::clamp<int64_t>(__atomic_load_n(t->deferred.data_ptr<int64_t>(), __ATOMIC_ACQUIRE), 0, K);
+    if (d == 0) return 0;
+    const int64_t keep = K - d;
+    const at::Tensor w = t->topk_weights.scalar_type() == at::kFloat ? t->topk_weights
+                                                                     : t->topk_weights.to(at::kFloat);
+    const float* wp = w.data_ptr<float>();
+    AT_DISPATCH_INDEX_TYPES(t->topk_ids.scalar_type(), "host_task_split", [&] {
+      const index_t* ids = t->topk_ids.data_ptr<index_t>();
+      index_t* now = t->ids_now.data_ptr<index_t>();
+      index_t* later = t->ids_later.data_ptr<index_t>();
+      for (int64_t i = 0; i < T * K; i += K) {
+        for (int64_t j = 0; j < K; ++j) {
+          int64_t rank = 0;
+          for (int64_t k = 0; k < K; ++k) rank += wp[i + k] > wp[i + j] || (wp[i + k] == wp[i + j] && k < j);
+          now[i + j] = rank < keep ? ids[i + j] : index_t(-1);
+          later[i + j] = rank < keep ? index_t(-1) : ids[i + j];
+        }
       }
-      if (seq > 0)
-        t->done_seq.store(seq, std::memory_order_release);
-      else
-        t->done.fetch_add(1, std::memory_order_release);
-      // under the lock: host_task_free takes it after its join, so the task outlives this last touch
-      t->cv.notify_all();
-    }
+    });
+    return d;
   }
 
   int64_t spin_us_;
@@ -234,6 +303,28 @@ bool join_spin_yield() {
   return y;
 }
 
+// Waits until the task's calls started so far (a doorbell task: the number in its doorbell) have finished their
+// first part (later = false) or their deferred part.
+void join_part(HostTask* t, bool later) {
+  const bool bell = t->bell != nullptr;
+  const int64_t want = bell ? ring_of(t) : t->started.load(std::memory_order_relaxed);
+  const std::atomic<int64_t>& counter = bell ? (later ? t->done_later_seq : t->done_seq)
+                                             : (later ? t->done_later : t->done);
+  auto finished = [&] { return counter.load(std::memory_order_acquire) >= want; };
+  // a decode call ends within a few hundred microseconds: spin, so that the stream resumes at once
+  const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(join_spin_us());
+  const bool spin_yield = join_spin_yield();
+  for (int polls = 1;; ++polls) {
+    if (finished()) return;
+    _mm_pause();
+    if (spin_yield && polls % kYieldPolls == 0) sched_yield();
+    if (polls % 256 == 0 && std::chrono::steady_clock::now() > spin_until) break;
+  }
+  if (bell) worker().kick();  // the worker may have parked before the doorbell rang
+  std::unique_lock<std::mutex> lock(t->mutex);
+  t->cv.wait(lock, finished);
+}
+
 HostTask* task_of(int64_t handle) {
   TORCH_CHECK(handle != 0, "host task: null handle");
   return reinterpret_cast<HostTask*>(handle);
@@ -256,26 +347,12 @@ __attribute__((visibility("default"))) void kt_host_task_start(void* p) {
 }
 
 __attribute__((visibility("default"))) void kt_host_task_join(void* p) {
-  auto* t = static_cast<kt::runtime::HostTask*>(p);
-  const bool bell = t->bell != nullptr;
-  // a pushed task: all the calls started so far; a doorbell task: the number in its doorbell
-  const int64_t want = bell ? kt::runtime::ring_of(t) : t->started.load(std::memory_order_relaxed);
-  auto finished = [&] {
-    return (bell ? t->done_seq.load(std::memory_order_acquire) : t->done.load(std::memory_order_acquire)) >= want;
-  };
-  const int64_t spin_us = kt::runtime::join_spin_us();
-  const bool spin_yield = kt::runtime::join_spin_yield();
-  // a decode call ends within a few hundred microseconds: spin, so that the stream resumes at once
-  const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us);
-  for (int polls = 1;; ++polls) {
-    if (finished()) return;
-    _mm_pause();
-    if (spin_yield && polls % kt::runtime::kYieldPolls == 0) sched_yield();
-    if (polls % 256 == 0 && std::chrono::steady_clock::now() > spin_until) break;
-  }
-  if (bell) kt::runtime::worker().kick();  // the worker may have parked before the doorbell rang
-  std::unique_lock<std::mutex> lock(t->mutex);
-  t->cv.wait(lock, finished);
+  kt::runtime::join_part(static_cast<kt::runtime::HostTask*>(p), false);
+}
+
+// A split task's deferred part (cudaHostFn_t-compatible, like the two above).
+__attribute__((visibility("default"))) void kt_host_task_join_later(void* p) {
+  kt::runtime::join_part(static_cast<kt::runtime::HostTask*>(p), true);
 }
 
 }  // extern "C"
@@ -285,12 +362,31 @@ namespace kt::runtime {
 int64_t host_task_new(const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                       const at::Tensor& out, const at::Tensor& w13, const std::optional<at::Tensor>& w13_scales,
                       const at::Tensor& w2, const std::optional<at::Tensor>& w2_scales, c10::string_view activation,
-                      bool record_times, const std::optional<at::Tensor>& doorbell) {
+                      bool record_times, const std::optional<at::Tensor>& doorbell,
+                      const std::optional<at::Tensor>& out_later, const std::optional<at::Tensor>& deferred) {
   TORCH_CHECK(out.sizes() == hidden.sizes() && out.scalar_type() == hidden.scalar_type() && out.is_contiguous(),
               "host_task_new: out must be a contiguous tensor like hidden ", hidden.sizes(), " ", hidden.scalar_type(),
               ", got ", out.sizes(), " ", out.scalar_type());
   for (const at::Tensor* t : {&hidden, &topk_ids, &topk_weights, &out})
     TORCH_CHECK(t->device().is_cpu(), "host_task_new: staging tensors must be on the CPU (pinned), got ", t->device());
+  TORCH_CHECK(out_later.has_value() == deferred.has_value(),
+              "host_task_new: a split task needs both out_later and deferred (got only one)");
+  if (out_later.has_value()) {
+    const at::Tensor &o = *out_later, &d = *deferred;
+    TORCH_CHECK(o.sizes() == out.sizes() && o.scalar_type() == out.scalar_type() && o.is_contiguous() &&
+                    o.device().is_cpu(),
+                "host_task_new: out_later must be a contiguous CPU tensor like out ", out.sizes(), " ",
+                out.scalar_type(), ", got ", o.sizes(), " ", o.scalar_type(), " on ", o.device());
+    TORCH_CHECK(d.device().is_cpu() && d.scalar_type() == at::kLong && d.numel() == 1 && d.is_contiguous(),
+                "host_task_new: deferred must be one int64 in CPU memory, got ", d.sizes(), " ", d.scalar_type(),
+                " on ", d.device());
+    TORCH_CHECK(topk_ids.dim() == 2 && topk_weights.sizes() == topk_ids.sizes() && topk_ids.is_contiguous() &&
+                    (topk_ids.scalar_type() == at::kInt || topk_ids.scalar_type() == at::kLong) &&
+                    at::isFloatingType(topk_weights.scalar_type()),
+                "host_task_new: a split task needs contiguous int32/int64 topk_ids [T, K] and floating topk_weights "
+                "of the same shape, got ", topk_ids.sizes(), " ", topk_ids.scalar_type(), " and ",
+                topk_weights.sizes(), " ", topk_weights.scalar_type());
+  }
   worker();        // started here, where errors (KT_SPIN_US) can raise
   join_spin_us();  // KT_JOIN_SPIN_US, likewise
   join_spin_yield();  // KT_SPIN_YIELD, likewise
@@ -305,6 +401,13 @@ int64_t host_task_new(const at::Tensor& hidden, const at::Tensor& topk_ids, cons
   t->w2_scales = w2_scales;
   t->activation = std::string(activation);
   t->record_times = record_times;
+  if (out_later.has_value()) {
+    t->split = true;
+    t->out_later = *out_later;
+    t->deferred = *deferred;
+    t->ids_now = at::empty_like(topk_ids);
+    t->ids_later = at::empty_like(topk_ids);
+  }
   if (doorbell.has_value()) {
     const at::Tensor& d = *doorbell;
     TORCH_CHECK(d.device().is_cpu() && d.scalar_type() == at::kLong && d.numel() == 1 && d.is_contiguous(),
@@ -321,6 +424,7 @@ int64_t host_task_new(const at::Tensor& hidden, const at::Tensor& topk_ids, cons
 void host_task_free(int64_t handle) {
   auto* t = task_of(handle);
   kt_host_task_join(t);  // never free a task the worker still holds
+  if (t->split) kt_host_task_join_later(t);
   { std::lock_guard<std::mutex> lock(t->mutex); }  // ... nor one it is still notifying (a spinning join returns first)
   if (t->bell != nullptr) worker().remove_bell(t);
   delete t;
@@ -331,6 +435,7 @@ void host_task_run(int64_t handle) {
   auto* t = task_of(handle);
   kt_host_task_start(t);
   kt_host_task_join(t);
+  if (t->split) kt_host_task_join_later(t);
 }
 
 std::string host_task_error(int64_t handle) {
@@ -349,7 +454,8 @@ std::vector<int64_t> host_task_take_times(int64_t handle) {
 }
 
 std::vector<int64_t> host_task_functions() {
-  return {reinterpret_cast<int64_t>(&kt_host_task_start), reinterpret_cast<int64_t>(&kt_host_task_join)};
+  return {reinterpret_cast<int64_t>(&kt_host_task_start), reinterpret_cast<int64_t>(&kt_host_task_join),
+          reinterpret_cast<int64_t>(&kt_host_task_join_later)};
 }
 
 }  // namespace kt::runtime
