@@ -156,12 +156,7 @@ class _Staging:
 
     def run_split_now(self, layer: ExpertsLayer) -> None:
         """A split staging's first part: ranks the slots, runs the K - d highest-weighted into ``out``."""
-        from ktorch.passes.deferral import split_topk_slots
-
-        k = self.topk_ids.shape[-1]
-        d = min(max(int(self.deferred), 0), k)
-        ids_now, self._ids_later = (self.topk_ids, None) if d == 0 else split_topk_slots(
-            self.topk_ids, self.topk_weights, k - d)
+        ids_now, self._ids_later = _split_ids(self.topk_ids, self.topk_weights, self.deferred)
         self.out.copy_(layer.run(self.hidden, ids_now, self.topk_weights))
 
     def run_split_later(self, layer: ExpertsLayer) -> "_Later":
@@ -172,6 +167,16 @@ class _Staging:
         else:
             self.out_later.copy_(layer.run(self.hidden, ids, self.topk_weights))
         return _Later(self.out_later)
+
+
+def _split_ids(topk_ids, topk_weights, deferred: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(ids of the K - d highest-weighted slots, ids of the d others or None when d = 0), d = ``deferred`` read
+    now and clamped to [0, K]: the split the native host tasks make in C++ (runtime/host_tasks.cpp)."""
+    from ktorch.passes.deferral import split_topk_slots
+
+    k = topk_ids.shape[-1]
+    d = min(max(int(deferred), 0), k)
+    return (topk_ids, None) if d == 0 else split_topk_slots(topk_ids, topk_weights, k - d)
 
 
 class _Later:
@@ -187,12 +192,8 @@ class _CpuSplit:
     """A split call on CPU hidden states (no staging: each part's result is a new tensor); d is read at submit."""
 
     def __init__(self, hidden, topk_ids, topk_weights, deferred: torch.Tensor):
-        from ktorch.passes.deferral import split_topk_slots
-
-        k = topk_ids.shape[-1]
-        d = min(max(int(deferred), 0), k)
         self.hidden, self.topk_weights = hidden, topk_weights
-        self.ids_now, self.ids_later = (topk_ids, None) if d == 0 else split_topk_slots(topk_ids, topk_weights, k - d)
+        self.ids_now, self.ids_later = _split_ids(topk_ids, topk_weights, deferred)
 
     def now(self, layer: ExpertsLayer) -> torch.Tensor:
         return layer.run(self.hidden, self.ids_now, self.topk_weights)
