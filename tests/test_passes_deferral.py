@@ -230,3 +230,13 @@ def test_bad_n_deferred_is_an_error():
     for bad in ("later", 1.5, True):
         with pytest.raises(ValueError, match="int >= 0 or 'runtime'"):
             defer_experts(gm, boundaries, bad, lambda: next(_sites))
+
+
+def test_split_submit_rejects_bad_arguments():
+    _, packed = three_layer_args()
+    layer = RUNTIME.register_layer(packed.w13, None, packed.w2, None, "silu")
+    x, ids, w = torch.randn(T, H), torch.zeros(T, K, dtype=torch.int64), torch.rand(T, K)
+    with pytest.raises(ValueError, match=r"n_deferred must be >= 0 or -1 \(runtime\), got -2"):
+        torch.ops.ktorch.submit_experts_split(x, ids, w, layer, next(_sites), next(_sites), -2)
+    with pytest.raises(ValueError, match=rf"topk_ids must be \[T, K\], got \({T * K},\)"):
+        torch.ops.ktorch.submit_experts_split(x, ids.flatten(), w, layer, next(_sites), next(_sites), 1)

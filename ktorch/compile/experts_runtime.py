@@ -159,14 +159,14 @@ class _Staging:
         ids_now, self._ids_later = _split_ids(self.topk_ids, self.topk_weights, self.deferred)
         self.out.copy_(layer.run(self.hidden, ids_now, self.topk_weights))
 
-    def run_split_later(self, layer: ExpertsLayer) -> "_Later":
-        """The second part: the d lowest-weighted slots into ``out_later`` (zeros when d = 0)."""
+    def run_split_later(self, layer: ExpertsLayer) -> torch.Tensor:
+        """The second part: the d lowest-weighted slots into ``out_later`` (zeros when d = 0); returns it."""
         ids, self._ids_later = self._ids_later, None
         if ids is None:
             self.out_later.zero_()
         else:
             self.out_later.copy_(layer.run(self.hidden, ids, self.topk_weights))
-        return _Later(self.out_later)
+        return self.out_later
 
 
 def _split_ids(topk_ids, topk_weights, deferred: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -177,15 +177,6 @@ def _split_ids(topk_ids, topk_weights, deferred: torch.Tensor) -> tuple[torch.Te
     k = topk_ids.shape[-1]
     d = min(max(int(deferred), 0), k)
     return (topk_ids, None) if d == 0 else split_topk_slots(topk_ids, topk_weights, k - d)
-
-
-class _Later:
-    """What a deferred site's wait reads: the result buffer of a split staging's second part."""
-
-    __slots__ = ("out",)
-
-    def __init__(self, out: torch.Tensor):
-        self.out = out
 
 
 class _CpuSplit:
@@ -359,7 +350,7 @@ class ExpertsRuntime:
                 staging.run_into_out(weights)
             else:
                 staging.run_split_now(weights)
-            return staging
+            return staging.out  # what the wait copies back
 
         state.pending.append(self.worker.enqueue(run))
         if later_state is not None:
@@ -381,7 +372,7 @@ class ExpertsRuntime:
                 self._joined_through = max(self._joined_through, number)
         else:
             self.stats["host_waits"] += 1
-            result = state.pending.popleft().join().out
+            result = state.pending.popleft().join()
         out.copy_(result, non_blocking=True)
         return out
 

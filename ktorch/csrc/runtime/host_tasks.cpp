@@ -73,13 +73,13 @@ struct HostTask {
   int64_t* bell = nullptr;
   int64_t taken_seq = 0;  // the worker's own
   std::atomic<int64_t> done_seq{0};
-  // split tasks: the deferred slots' result, the count d (one int64, read at each run), the two id sets (the
-  // worker's), whether out_later holds zeros, and the second part's progress (as done / done_seq)
-  bool split = false;
+  // split tasks (out_later defined): the deferred slots' result, the count d (one int64, read at each run), the two
+  // id sets (the worker's), whether out_later holds zeros, and the second part's progress (as done / done_seq)
   at::Tensor out_later, deferred, ids_now, ids_later;
   bool later_zero = false;
   std::atomic<int64_t> done_later{0};
   std::atomic<int64_t> done_later_seq{0};
+  bool split() const { return out_later.defined(); }
 };
 
 int64_t ring_of(const HostTask* t) { return __atomic_load_n(t->bell, __ATOMIC_ACQUIRE); }
@@ -190,7 +190,7 @@ class Worker {
   static void run(HostTask* t, int64_t seq) {
     const int64_t t0 = now_ns();
     int64_t d = 0;
-    if (t->split) {
+    if (t->split()) {
       try {
         d = split_slots(t);
       } catch (const std::exception& e) {
@@ -203,7 +203,7 @@ class Worker {
     }
     call(t, d > 0 ? t->ids_now : t->topk_ids, t->out);
     finish(t, seq, false, t0);
-    if (!t->split) return;
+    if (!t->split()) return;
     const int64_t t1 = now_ns();
     if (d > 0) {
       t->later_zero = false;
@@ -402,7 +402,6 @@ int64_t host_task_new(const at::Tensor& hidden, const at::Tensor& topk_ids, cons
   t->activation = std::string(activation);
   t->record_times = record_times;
   if (out_later.has_value()) {
-    t->split = true;
     t->out_later = *out_later;
     t->deferred = *deferred;
     t->ids_now = at::empty_like(topk_ids);
@@ -424,7 +423,7 @@ int64_t host_task_new(const at::Tensor& hidden, const at::Tensor& topk_ids, cons
 void host_task_free(int64_t handle) {
   auto* t = task_of(handle);
   kt_host_task_join(t);  // never free a task the worker still holds
-  if (t->split) kt_host_task_join_later(t);
+  if (t->split()) kt_host_task_join_later(t);
   { std::lock_guard<std::mutex> lock(t->mutex); }  // ... nor one it is still notifying (a spinning join returns first)
   if (t->bell != nullptr) worker().remove_bell(t);
   delete t;
@@ -435,7 +434,7 @@ void host_task_run(int64_t handle) {
   auto* t = task_of(handle);
   kt_host_task_start(t);
   kt_host_task_join(t);
-  if (t->split) kt_host_task_join_later(t);
+  if (t->split()) kt_host_task_join_later(t);
 }
 
 std::string host_task_error(int64_t handle) {
