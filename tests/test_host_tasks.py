@@ -101,6 +101,63 @@ def test_split_task_runs_the_highest_weighted_slots_then_the_rest(ids_dtype, wei
     assert task.error() == ""
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("T,K,dtype", [(1, 8, torch.float32), (5, 3, torch.bfloat16), (77, 6, torch.float16),
+                                       (600, 4, torch.float32)])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_split_task_one_call_gives_each_part_as_its_own_call(fmt, T, K, dtype, threads):
+    """A split task runs both parts in one kt::moe::fused_moe_split call (one pool dispatch, the first part
+    published from inside it): each output is bit for bit what a fused_moe call with that part's ids gives, for
+    every format, hidden dtype, decode to prefill-sized T (chunks of several sizes, channels split or not) and a
+    pool of one thread (every task on the caller, in order) or several."""
+    before = ktorch.get_num_threads()
+    try:
+        ktorch.set_num_threads(threads)
+        gen = torch.Generator().manual_seed(1000 * T + K)
+        E, H, I = 9, 256, 192
+        packed = ktorch.pack_experts(torch.randn(E, 2 * I, H, generator=gen) * 0.05,
+                                     torch.randn(E, H, I, generator=gen) * 0.05, fmt)
+        layer = ExpertsLayer(*packed.tensors(), "silu")
+        staging = types.SimpleNamespace(
+            hidden=torch.randn(T, H, generator=gen).to(dtype), topk_ids=torch.randint(-1, E, (T, K), generator=gen),
+            topk_weights=torch.rand(T, K, generator=gen), out=torch.zeros(T, H, dtype=dtype),
+            out_later=torch.full((T, H), 3.0, dtype=dtype), deferred=torch.tensor(K // 2))
+        task = _NativeHostFunctions(staging, layer)
+        for d in (K // 2, K - 1, 1):
+            staging.deferred.fill_(d)
+            task.run()
+            now, later = expected_split(staging, packed, d)
+            assert torch.equal(staging.out, now), f"d={d}"
+            assert torch.equal(staging.out_later, later), f"d={d}"
+        assert task.error() == ""
+    finally:
+        ktorch.set_num_threads(before)
+
+
+def test_split_task_all_deferred_slots_skipped():
+    """A deferred part that routes no pair (every deferred slot's id negative) gives zeros; the first part runs."""
+    staging, task, packed = split_task(28, 2, K=4)
+    staging.topk_weights.copy_(torch.tensor([0.4, 0.3, 0.2, 0.1]).expand_as(staging.topk_weights))
+    staging.topk_ids[:, 2:] = -1  # the two lowest-weighted slots
+    task.run()
+    now, _ = expected_split(staging, packed, 2)
+    assert torch.equal(staging.out, now)
+    assert torch.equal(staging.out_later, torch.zeros_like(staging.out_later))
+
+
+@pytest.mark.parametrize("calls", ["1", "2"])
+def test_defer_calls_setting(monkeypatch, calls):
+    """KT_DEFER_CALLS=2 runs the parts as two fused_moe calls (the way to compare): the same outputs."""
+    monkeypatch.setenv("KT_DEFER_CALLS", calls)
+    staging, task, packed = split_task(29, 2, T=13, K=5)
+    task.run()
+    now, later = expected_split(staging, packed, 2)
+    assert torch.equal(staging.out, now) and torch.equal(staging.out_later, later)
+    monkeypatch.setenv("KT_DEFER_CALLS", "3")
+    with pytest.raises(RuntimeError, match="KT_DEFER_CALLS must be 1 or 2, got 3"):
+        split_task(29, 2)
+
+
 def test_split_task_parts_sum_to_the_whole_call():
     staging, task, packed = split_task(22, 1, T=17, K=6)
     task.run()

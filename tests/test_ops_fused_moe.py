@@ -278,6 +278,22 @@ def test_same_output_for_any_thread_count(kernel, fmt, group_size, seed):
 
 
 @pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("T", [1, 45, 300])
+def test_one_dispatch_and_a_dispatch_per_stage_agree(kernel, fmt, group_size, T, monkeypatch, seed):
+    """A call's stages (activations, gate/up, h quantization, down) run in one pool dispatch, a task waiting for
+    the stages before its own, or with KT_ONE_DISPATCH=0 one dispatch a stage: the same tasks, so the same output
+    bit for bit, and within tolerance of the float64 reference."""
+    E, K, H, I = 7, 3, 192, 160
+    packed = make_experts(E, H, I, fmt, group_size)
+    hidden = torch.randn(T, H).to(torch.bfloat16)
+    ids, weights = make_routing(T, E, K)
+    out = ktorch.fused_moe(hidden, ids, weights, packed)
+    check_against_reference(out, hidden, ids, weights, packed, "silu", seed, f"T={T}")
+    monkeypatch.setenv("KT_ONE_DISPATCH", "0")
+    assert torch.equal(ktorch.fused_moe(hidden, ids, weights, packed), out), f"seed={seed}: T={T}"
+
+
+@pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)
 @pytest.mark.parametrize("ranges,groups", [(1, 1), (3, 1), (5, 2), (40, 3), (7, 16)])
 def test_down_task_grid_knobs(kernel, fmt, group_size, ranges, groups, monkeypatch, seed):
     """KT_DOWN_RANGES / KT_DOWN_GROUPS reshape the down projection's task grid (column ranges x expert groups,

@@ -16,7 +16,11 @@
 //      that hold the token into the output. Ranges are wide (every range reads all of h), the groups
 //      double the tasks for the same h traffic. No atomics on data, and each token's sum runs in the same
 //      order whatever the batch, the worker count or the order tasks run in.
-// Tasks are pulled dynamically by the workers (runtime/parallel.h), so skewed routing balances.
+// Tasks are pulled dynamically by the workers (runtime/parallel.h), so skewed routing balances. Steps 2-4 are
+// stages of one pool dispatch (run_stages): a task waits, spinning, for the stages before it to finish, instead of
+// the pool closing and reopening a job between phases (KT_ONE_DISPATCH=0: one dispatch a stage, to compare).
+// Expert deferral runs two parts in one call (fused_moe_split, fused_moe.h): the stages of the deferred part come
+// after the first part's, and the first part's result is published as soon as its down projection is done.
 // KT_PROFILE=1 prints each call's phase times to stderr.
 #include "fused_moe.h"
 
@@ -30,7 +34,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <memory>
 #include <mutex>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "../kernels/kernels.h"
@@ -124,6 +132,14 @@ class PhaseTimer {
     phases_[n_] = phase;
     ms_[n_++] = std::chrono::duration<double, std::milli>(now - last_).count();
     last_ = now;
+  }
+  // A phase that ended at `at` (not before the last one: phases of one dispatch can end out of order).
+  void mark_at(const char* phase, Clock::time_point at) {
+    if (!on_ || n_ == kMaxPhases) return;
+    at = std::max(at, last_);
+    phases_[n_] = phase;
+    ms_[n_++] = std::chrono::duration<double, std::milli>(at - last_).count();
+    last_ = at;
   }
   // An extra entry (not a phase: the wall clock does not move), e.g. a worker breakdown of the phase before it.
   void add(const char* name, double ms) {
@@ -271,6 +287,529 @@ void row_to_f32(const at::Tensor& src, int64_t r, float* dst) {
   }
 }
 
+void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+// A stage of a call: n independent tasks run(task, worker), which may start once every task of the stages in
+// `after` has finished; `done` (optional) is called once, by the thread that finishes the stage's last task.
+struct Stage {
+  const char* name = "";
+  int64_t n = 0;
+  std::function<void(int64_t, int)> run;
+  std::vector<int> after;
+  std::function<void()> done;
+};
+
+// Runs a call's stages. one_dispatch: all of them in one dispatch of the pool, in list order, a task spinning
+// first until the stages it comes after are finished. Tasks are pulled in index order and wait only on stages
+// listed before their own, so every task a waiter waits for was pulled already by a running thread: no deadlock,
+// and between stages no barrier of the pool (close the job, wait for the workers to leave it, wake them for the
+// next), whose tail and wake-up a decode call paid once a phase. A task that throws ends the call: the tasks
+// after it are counted without running (their waiters are released) and no `done` is called after it. Otherwise
+// (a caller's quantize_h, which runs on the calling thread) one dispatch a stage, a one-task stage on the
+// calling thread.
+void run_stages(std::vector<Stage>& stages, bool one_dispatch, PhaseTimer& timer) {
+  const int ns = static_cast<int>(stages.size());
+  if (!one_dispatch) {
+    for (Stage& s : stages) {
+      runtime::parallel_tasks(s.n, s.run);
+      if (s.done) s.done();
+      if (s.n > 0) timer.mark(s.name);
+    }
+    return;
+  }
+  std::vector<int64_t> first(ns + 1, 0);
+  for (int i = 0; i < ns; ++i) first[i + 1] = first[i] + stages[i].n;
+  std::unique_ptr<std::atomic<int64_t>[]> finished(new std::atomic<int64_t>[ns]);
+  for (int i = 0; i < ns; ++i) finished[i].store(0, std::memory_order_relaxed);
+  std::vector<PhaseTimer::Clock::time_point> end(ns);
+  // a stage with no tasks and nothing to wait for is done before the dispatch (a part that routes no pair)
+  for (Stage& s : stages) {
+    bool ready = s.n == 0;
+    for (int a : s.after) ready = ready && stages[a].n == 0;
+    TORCH_INTERNAL_ASSERT(!s.done || s.n > 0 || ready, "fused_moe: an empty stage with a callback waits on work");
+    if (ready && s.done) s.done();
+  }
+  std::atomic<bool> failed{false};
+  runtime::parallel_tasks(first[ns], [&](int64_t task, int worker) {
+    int s = 0;
+    while (task >= first[s + 1]) ++s;
+    const Stage& st = stages[s];
+    for (int a : st.after)
+      while (finished[a].load(std::memory_order_acquire) < stages[a].n) cpu_relax();
+    auto finish = [&] {
+      if (finished[s].fetch_add(1, std::memory_order_acq_rel) + 1 != st.n) return false;
+      if (timer.on()) end[s] = PhaseTimer::Clock::now();
+      return true;
+    };
+    if (!failed.load(std::memory_order_acquire)) {
+      try {
+        st.run(task - first[s], worker);
+      } catch (...) {
+        failed.store(true, std::memory_order_release);
+        finish();
+        throw;
+      }
+    }
+    if (finish() && st.done && !failed.load(std::memory_order_acquire)) st.done();
+  });
+  for (int i = 0; i < ns; ++i)
+    if (stages[i].n > 0) timer.mark_at(stages[i].name, end[i]);
+}
+
+// What the parts of a call share: the shapes, the kernels, each token's activation row and per-worker scratch.
+struct Shared {
+  const at::Tensor& hidden;
+  at::ScalarType hdtype;
+  int64_t T, H, I, E;
+  WeightFormat fmt;
+  bool int_fmt;
+  PackedMatrix up, down;
+  Activation act;
+  const kernels::KernelSet& ks;
+  int workers;
+  const uint8_t* up_base;
+  const float* up_scales;
+  const uint8_t* down_base;
+  const float* down_scales;
+  // step 2: the rows (read in place, or made by the activations stage), one a_ld-strided copy per task row
+  int64_t x_groups, x_row_bytes, x_row_stride, a_ld;
+  const uint8_t* rows = nullptr;
+  float* row_scale = nullptr;
+  int32_t* row_gsum = nullptr;
+  uint8_t* rows_out = nullptr;  // where the activations stage writes them (nullptr: read in place)
+  at::Tensor wf32, wa, wsc, wgs, wc;
+
+  // the activations stage: 16 tokens a task
+  int64_t activation_tasks() const { return rows_out == nullptr ? 0 : (T + 15) / 16; }
+  void activations(int64_t task, int worker) const {
+    const int64_t t0 = task * 16, n = std::min<int64_t>(16, T - t0);
+    float* f = wf32.data_ptr<float>() + worker * wf32.size(1);
+    for (int64_t i = 0; i < n; ++i) row_to_f32(hidden, t0 + i, f + i * H);
+    if (int_fmt) {
+      ks.quantize_rows(f, H, static_cast<int>(n), H, up.group_size(), reinterpret_cast<int8_t*>(rows_out) + t0 * H, H,
+                       row_scale + t0, row_gsum + t0 * x_groups);
+    } else {
+      auto* dst = reinterpret_cast<uint16_t*>(rows_out) + t0 * H;
+      for (int64_t i = 0; i < n * H; ++i) dst[i] = f32_to_bf16(f[i]);
+    }
+  }
+};
+
+// One part of a call: the pairs that one set of ids routes, steps 1, 3 and 4 for them, into `out` [T, H].
+class Part {
+ public:
+  // wp: the routing weights as fp32 [T, K], contiguous. Checks the ids (>= E is an error).
+  Part(const Shared& s, const at::Tensor& topk_ids, const float* wp, at::Tensor out, Workspace& ws,
+       bool caller_quantizes_h)
+      : s_(s), out_(std::move(out)) {
+    // ---- 1. route
+    const int64_t T = s.T, E = s.E, K = topk_ids.size(1);
+    const at::Tensor ids = topk_ids.to(at::kLong).contiguous();
+    const int64_t* idp = ids.data_ptr<int64_t>();
+    offset_.assign(E + 1, 0);
+    for (int64_t i = 0; i < T * K; ++i) {
+      const int64_t e = idp[i];
+      TORCH_CHECK(e < E, "fused_moe: topk_ids[", i / K, ", ", i % K, "] = ", e, " is out of range for ", E,
+                  " experts (negative ids mean 'skip')");
+      if (e >= 0) ++offset_[e + 1];
+    }
+    for (int64_t e = 0; e < E; ++e) offset_[e + 1] += offset_[e];
+    P_ = offset_[E];
+    if (P_ == 0) {
+      out_.zero_();
+      return;
+    }
+    pair_token_.resize(P_);
+    pair_weight_.resize(P_);
+    {
+      std::vector<int64_t> fill(offset_.begin(), offset_.end() - 1);
+      for (int64_t i = 0; i < T * K; ++i) {
+        const int64_t e = idp[i];
+        if (e < 0) continue;
+        const int64_t p = fill[e]++;
+        pair_token_[p] = i / K;
+        pair_weight_[p] = wp[i];
+      }
+    }
+    for (int64_t e = 0; e < E; ++e)
+      if (offset_[e + 1] > offset_[e]) active_.push_back(e);
+
+    // ---- 3. plan: chunks of an expert's tokens (equal, at most kGateUpRows, largest first: the dynamic
+    // schedule then ends on small tasks) and channel ranges per chunk (1 when the chunks alone give every worker
+    // several tasks)
+    for (int64_t e : active_) {
+      const int64_t cnt = offset_[e + 1] - offset_[e], pieces = (cnt + kGateUpRows - 1) / kGateUpRows;
+      for (int64_t i = 0; i < pieces; ++i) {
+        const int64_t a0 = cnt * i / pieces, a1 = cnt * (i + 1) / pieces;
+        chunks_.push_back({e, offset_[e] + a0, a1 - a0});
+      }
+    }
+    std::stable_sort(chunks_.begin(), chunks_.end(), [](const Chunk& a, const Chunk& b) { return a.n > b.n; });
+    const int64_t I = s.I, nchunks = static_cast<int64_t>(chunks_.size());
+    ugroups_ = I / 32;  // kernel calls of 32 gate + 32 up columns = 4 packed 16-column blocks
+    splits_ = s.workers == 1 ? 1 : std::min(ugroups_, (3 * s.workers + nchunks - 1) / nchunks);
+    full_rows_ = splits_ == 1 && !caller_quantizes_h;  // a caller's quantize_h takes all of h at once
+    separate_quantize_ = s.int_fmt && !full_rows_ && !caller_quantizes_h;
+    // h: bf16 [P, I] (bf16 weights); int formats: int8 [P, I] + scale + group sums, through fp32 [P, I] when split
+    h_ = ws.take(Workspace::kH, {!s.int_fmt ? P_ * I / 2 : (full_rows_ ? 1 : P_ * I)}, at::kFloat);
+    if (s.int_fmt) {
+      hq_ = ws.take(Workspace::kHq, {P_, I}, at::kChar);
+      hs_ = ws.take(Workspace::kHScale, {P_}, at::kFloat);
+      hg_ = ws.take(Workspace::kHGsum, {P_, s.down.groups}, at::kInt);
+    }
+
+    // ---- 4. plan. ranges: a few per worker on small machines, one per worker on larger ones (every range reads
+    // all of h). groups: the experts by id halves, each with its own [T, H] fp32 accumulator: twice the tasks for
+    // the same h traffic. Both are fixed by the shapes, never by the routing or the worker count, so every
+    // token's sum runs in the same order (expert order within a group, then group 0 + group 1) whatever the
+    // batch, the routing of other tokens or the number of workers.
+    h_rows_.resize(P_);
+    {
+      const auto* base = s.int_fmt ? static_cast<const uint8_t*>(hq_.data_ptr()) : static_cast<const uint8_t*>(h_.data_ptr());
+      const int64_t row_bytes = s.int_fmt ? I : 2 * I;
+      for (int64_t p = 0; p < P_; ++p) h_rows_[p] = base + p * row_bytes;
+    }
+    const int64_t hblocks = s.H / 16, nactive = static_cast<int64_t>(active_.size());
+    ranges_ = std::min(hblocks, env_count("KT_DOWN_RANGES", s.workers <= 4 ? 2 * s.workers : s.workers, 4096));
+    groups_ = std::min<int64_t>(env_count("KT_DOWN_GROUPS", kDownGroups, 16), E);
+    group_start_.assign(groups_ + 1, nactive);  // group g: active[group_start[g] .. group_start[g + 1])
+    for (int64_t g = 0, i = 0; g < groups_; ++g) {
+      while (i < nactive && active_[i] * groups_ < E * g) ++i;
+      group_start_[g] = i;
+    }
+    acc_is_out_ = groups_ == 1 && s.hdtype == at::kFloat;
+    acc_ = acc_is_out_ ? out_ : ws.take(Workspace::kAcc, {groups_, T, s.H}, at::kFloat);
+    // The first pair of each token in each group writes its accumulator row instead of adding to it (the
+    // accumulators are never zeroed: at T=2048 that was 32 MB of stores a call); seen[g][t]: group g has a pair
+    // of token t (rows of the others are stale and left out of the final sum).
+    pair_first_.assign(P_, 0);
+    seen_.assign(groups_ * T, 0);
+    for (int64_t g = 0; g < groups_; ++g)
+      for (int64_t i = group_start_[g]; i < group_start_[g + 1]; ++i)
+        for (int64_t p = offset_[active_[i]]; p < offset_[active_[i] + 1]; ++p) {
+          uint8_t& seen = seen_[g * T + pair_token_[p]];
+          pair_first_[p] = seen == 0;
+          seen = 1;
+        }
+    range_done_.reset(new std::atomic<int>[ranges_]);
+    for (int64_t r = 0; r < ranges_; ++r) range_done_[r].store(0, std::memory_order_relaxed);
+  }
+
+  int64_t pairs() const { return P_; }
+  int64_t experts() const { return static_cast<int64_t>(active_.size()); }
+  int64_t gate_up_tasks() const { return static_cast<int64_t>(chunks_.size()) * splits_; }
+  int64_t quantize_tasks() const { return separate_quantize_ ? (P_ + 15) / 16 : 0; }
+  int64_t down_tasks() const { return P_ == 0 ? 0 : ranges_ * groups_; }
+
+  // ---- 3. gate + up + activation: h[p] = act(x_p W_gate^T) * (x_p W_up^T)
+  void gate_up(int64_t task, int worker, WorkerTimes& times) const {
+    const Shared& s = s_;
+    auto t_mark = times.start();
+    const Chunk& ch = chunks_[task / splits_];
+    const int64_t split = task % splits_, I = s.I;
+    const int64_t g0 = ugroups_ * split / splits_, g1 = ugroups_ * (split + 1) / splits_;
+    // the chunk's rows, a_ld apart
+    uint8_t* a_buf = s.wa.data_ptr<uint8_t>() + worker * s.wa.size(1);
+    float* a_scale = s.wsc.data_ptr<float>() + worker * kGateUpRows;
+    int32_t* a_gsum = s.wgs.data_ptr<int32_t>() + worker * s.wgs.size(1);
+    const void* a_rows[kGateUpRows];
+    for (int64_t m = 0; m < ch.n; ++m) {
+      const int64_t t = pair_token_[ch.p0 + m];
+      std::memcpy(a_buf + m * s.a_ld, s.rows + t * s.x_row_stride, s.x_row_bytes);
+      a_rows[m] = a_buf + m * s.a_ld;
+      if (s.int_fmt) {
+        a_scale[m] = s.row_scale[t];
+        std::copy(s.row_gsum + t * s.x_groups, s.row_gsum + (t + 1) * s.x_groups, a_gsum + m * s.x_groups);
+      }
+    }
+    float* c = s.wc.data_ptr<float>() + worker * s.wc.size(1);
+    float* hrows = s.wf32.data_ptr<float>() + worker * s.wf32.size(1);  // full rows: this task's h, fp32 [n, I]
+    times.lap(worker, WorkerTimes::kOther, t_mark);
+    const size_t up_block = kernels::block_bytes(s.fmt, s.up.K);
+    for (int64_t g = g0; g < g1; ++g) {
+      kernels::GemmArgs a;
+      a.M = static_cast<int>(ch.n);
+      a.K = s.up.K;
+      a.a_rows = a_rows;
+      if (s.int_fmt) {
+        a.a_scale = a_scale;
+        a.a_gsum = a_gsum;
+        a.a_gsum_stride = s.x_groups;
+        a.group_size = s.up.group_size();
+        a.b_scale = s.up_scales + ch.e * s.up.groups * s.up.N + 64 * g;
+        a.b_scale_group_stride = s.up.N;
+      }
+      a.b = s.up_base + (ch.e * (s.up.N / 16) + 4 * g) * up_block;
+      a.b_block_stride = up_block;
+      if (g + 1 < g1) a.next_b = a.b + 4 * up_block;
+      a.nblocks = 4;
+      a.c = c;
+      a.ldc = 64;
+      s.ks.gemm[static_cast<int>(s.fmt)](a);
+      times.lap(worker, WorkerTimes::kKernel, t_mark);
+      if (!s.int_fmt)
+        s.ks.glu_bf16(c, 64, a.M, 32, s.act, static_cast<uint16_t*>(h_.data_ptr()) + ch.p0 * I + 32 * g, I);
+      else if (full_rows_)
+        s.ks.glu_f32(c, 64, a.M, 32, s.act, hrows + 32 * g, I);
+      else
+        s.ks.glu_f32(c, 64, a.M, 32, s.act, h_.data_ptr<float>() + ch.p0 * I + 32 * g, I);
+      times.lap(worker, WorkerTimes::kEpilogue, t_mark);
+    }
+    if (s.int_fmt && full_rows_)
+      s.ks.quantize_rows(hrows, I, static_cast<int>(ch.n), I, s.down.group_size(), hq_.data_ptr<int8_t>() + ch.p0 * I,
+                         I, hs_.data_ptr<float>() + ch.p0, hg_.data_ptr<int32_t>() + ch.p0 * s.down.groups);
+    times.lap(worker, WorkerTimes::kEpilogue, t_mark);
+  }
+
+  // h quantized when the channels were split over tasks: 16 rows a task
+  void quantize(int64_t task) const {
+    const int64_t p0 = task * 16, n = std::min<int64_t>(16, P_ - p0), I = s_.I;
+    s_.ks.quantize_rows(h_.data_ptr<float>() + p0 * I, I, static_cast<int>(n), I, s_.down.group_size(),
+                        hq_.data_ptr<int8_t>() + p0 * I, I, hs_.data_ptr<float>() + p0,
+                        hg_.data_ptr<int32_t>() + p0 * s_.down.groups);
+  }
+  void quantize_with(const QuantizeH& quantize_h) const {
+    quantize_h(h_.data_ptr<float>(), P_, s_.I, s_.down.group_size(), hq_.data_ptr<int8_t>(), hs_.data_ptr<float>(),
+               hg_.data_ptr<int32_t>());
+  }
+
+  // ---- 4. down projection + weighted sum into each token's row: task = (range of output columns, group)
+  void down(int64_t task, int worker, WorkerTimes& times) const {
+    const Shared& s = s_;
+    auto t_mark = times.start();
+    const int64_t T = s.T, H = s.H, hblocks = H / 16;
+    const int64_t r = task / groups_, g = task % groups_;
+    const int64_t b0 = hblocks * r / ranges_, b1 = hblocks * (r + 1) / ranges_;
+    const int64_t c0 = 16 * b0, c1 = 16 * b1;
+    float* accp = acc_.data_ptr<float>();
+    float* accg = accp + g * T * H;
+    if (acc_is_out_)  // the output itself: rows no pair writes are zeros
+      for (int64_t t = 0; t < T; ++t)
+        if (seen_[t] == 0) std::fill(accg + t * H + c0, accg + t * H + c1, 0.0f);
+    float* c = s.wc.data_ptr<float>() + worker * s.wc.size(1);
+    const size_t down_block = kernels::block_bytes(s.fmt, s.down.K);
+    times.lap(worker, WorkerTimes::kOther, t_mark);
+    for (int64_t i = group_start_[g]; i < group_start_[g + 1]; ++i) {
+      const int64_t e = active_[i];
+      for (int64_t p0 = offset_[e]; p0 < offset_[e + 1]; p0 += kDownRows) {
+        const int M = static_cast<int>(std::min(kDownRows, offset_[e + 1] - p0));
+        for (int64_t cb = b0; cb < b1; cb += kernels::kMaxBlocks) {
+          kernels::GemmArgs a;
+          a.M = M;
+          a.K = s.down.K;
+          a.a_rows = h_rows_.data() + p0;
+          if (s.int_fmt) {
+            a.a_scale = hs_.data_ptr<float>() + p0;
+            a.a_gsum = hg_.data_ptr<int32_t>() + p0 * s.down.groups;
+            a.a_gsum_stride = s.down.groups;
+            a.group_size = s.down.group_size();
+            a.b_scale = s.down_scales + e * s.down.groups * s.down.N + 16 * cb;
+            a.b_scale_group_stride = s.down.N;
+          }
+          a.b = s.down_base + (e * hblocks + cb) * down_block;
+          a.b_block_stride = down_block;
+          a.nblocks = static_cast<int>(std::min<int64_t>(kernels::kMaxBlocks, b1 - cb));
+          if (cb + kernels::kMaxBlocks < b1)
+            a.next_b = a.b + kernels::kMaxBlocks * down_block;
+          else if (p0 + kDownRows >= offset_[e + 1] && i + 1 < group_start_[g + 1])
+            a.next_b = s.down_base + (active_[i + 1] * hblocks + b0) * down_block;
+          a.c = c;
+          a.ldc = kDownCols;
+          s.ks.gemm[static_cast<int>(s.fmt)](a);
+          times.lap(worker, WorkerTimes::kKernel, t_mark);
+          s.ks.scatter_add(c, kDownCols, M, 16 * a.nblocks, pair_weight_.data() + p0, pair_token_.data() + p0,
+                           pair_first_.data() + p0, accg + 16 * cb, H);
+          times.lap(worker, WorkerTimes::kEpilogue, t_mark);
+        }
+      }
+    }
+    // the last group task of this range sums the groups that have the token, in group order, into the output
+    if (range_done_[r].fetch_add(1, std::memory_order_acq_rel) != groups_ - 1 || acc_is_out_) return;
+    for (int64_t t = 0; t < T; ++t) {
+      int64_t first = 0;
+      while (first < groups_ && seen_[first * T + t] == 0) ++first;
+      float* row = accp + (first < groups_ ? first : 0) * T * H + t * H;
+      if (first == groups_) std::fill(row + c0, row + c1, 0.0f);  // no pair: a zero row
+      for (int64_t gg = first + 1; gg < groups_; ++gg) {
+        if (seen_[gg * T + t] == 0) continue;
+        const float* add = accp + gg * T * H + t * H;
+        for (int64_t j = c0; j < c1; ++j) row[j] += add[j];
+      }
+      if (s.hdtype == at::kFloat) {
+        std::copy(row + c0, row + c1, out_.data_ptr<float>() + t * H + c0);
+      } else if (s.hdtype == at::kBFloat16) {
+        auto* o = reinterpret_cast<uint16_t*>(out_.data_ptr<at::BFloat16>()) + t * H;
+        for (int64_t j = c0; j < c1; ++j) o[j] = f32_to_bf16(row[j]);
+      } else {
+        at::Half* o = out_.data_ptr<at::Half>() + t * H;
+        for (int64_t j = c0; j < c1; ++j) o[j] = static_cast<at::Half>(row[j]);
+      }
+    }
+    times.lap(worker, WorkerTimes::kOther, t_mark);
+  }
+
+ private:
+  struct Chunk {
+    int64_t e, p0, n;
+  };
+  const Shared& s_;
+  at::Tensor out_;
+  int64_t P_ = 0;
+  std::vector<int64_t> offset_, pair_token_, active_;
+  std::vector<float> pair_weight_;
+  std::vector<Chunk> chunks_;
+  int64_t ugroups_ = 0, splits_ = 1;
+  bool full_rows_ = false, separate_quantize_ = false;
+  at::Tensor h_, hq_, hs_, hg_, acc_;
+  std::vector<const void*> h_rows_;
+  int64_t ranges_ = 1, groups_ = 1;
+  std::vector<int64_t> group_start_;
+  bool acc_is_out_ = false;
+  std::vector<uint8_t> pair_first_, seen_;
+  std::unique_ptr<std::atomic<int>[]> range_done_;
+};
+
+// The checks every entry point makes; returns the weight format.
+WeightFormat check_call(const at::Tensor& hidden_in, const at::Tensor& topk_ids_in, const at::Tensor& topk_weights_in,
+                        const at::Tensor& w13, const at::Tensor& w2) {
+  TORCH_CHECK(hidden_in.device().is_cpu(), "fused_moe: hidden must be a CPU tensor, got device ", hidden_in.device());
+  TORCH_CHECK(hidden_in.dim() == 2, "fused_moe: hidden must be [T, H] (2-D), got shape ", hidden_in.sizes());
+  const auto hdtype = hidden_in.scalar_type();
+  TORCH_CHECK(hdtype == at::kBFloat16 || hdtype == at::kFloat || hdtype == at::kHalf,
+              "fused_moe: hidden must be bfloat16, float16 or float32, got ", hdtype);
+  TORCH_CHECK(topk_ids_in.device().is_cpu() && topk_weights_in.device().is_cpu(),
+              "fused_moe: topk_ids and topk_weights must be CPU tensors, got ", topk_ids_in.device(), " and ",
+              topk_weights_in.device());
+  TORCH_CHECK(topk_ids_in.scalar_type() == at::kInt || topk_ids_in.scalar_type() == at::kLong,
+              "fused_moe: topk_ids must be int32 or int64, got ", topk_ids_in.scalar_type());
+  TORCH_CHECK(topk_weights_in.is_floating_point(), "fused_moe: topk_weights must be floating point, got ",
+              topk_weights_in.scalar_type());
+  const int64_t T = hidden_in.size(0);
+  TORCH_CHECK(topk_ids_in.dim() == 2 && topk_ids_in.size(0) == T, "fused_moe: topk_ids must be [T=", T,
+              ", K], got shape ", topk_ids_in.sizes());
+  TORCH_CHECK(topk_weights_in.sizes() == topk_ids_in.sizes(), "fused_moe: topk_weights must have the shape of topk_ids ",
+              topk_ids_in.sizes(), ", got ", topk_weights_in.sizes());
+  const WeightFormat fmt = format_of(w13, "w13");
+  TORCH_CHECK(w2.scalar_type() == w13.scalar_type(), "fused_moe: w13 and w2 must be packed in the same format, got ",
+              w13.scalar_type(), " and ", w2.scalar_type());
+  return fmt;
+}
+
+Workspace& second_shared_workspace() {
+  static Workspace ws;
+  return ws;
+}
+
+// A call in one or two parts (out_later defined: the pairs of ids_later into out_later, after out_now is
+// published with on_now). Both outputs are [T, H] tensors of hidden's dtype, contiguous.
+void run_call(const at::Tensor& hidden_in, const at::Tensor& ids_now, const at::Tensor* ids_later,
+              const at::Tensor& topk_weights_in, const at::Tensor& w13, const std::optional<at::Tensor>& w13_scales,
+              const at::Tensor& w2, const std::optional<at::Tensor>& w2_scales, c10::string_view activation,
+              const QuantizeH& quantize_h, const at::Tensor& out_now, const at::Tensor* out_later,
+              const std::function<void()>& on_now) {
+  const WeightFormat fmt = check_call(hidden_in, ids_now, topk_weights_in, w13, w2);
+  const PackedMatrix up = describe(w13, w13_scales, fmt, "w13", "w13_scales");
+  const PackedMatrix down = describe(w2, w2_scales, fmt, "w2", "w2_scales");
+  const int64_t T = hidden_in.size(0), H = hidden_in.size(1), E = up.E, I = up.N / 2;
+  TORCH_CHECK(down.E == E, "fused_moe: w13 has ", E, " experts but w2 has ", down.E);
+  TORCH_CHECK(up.N % 64 == 0, "fused_moe: w13 must be packed with gate_up=True (2I a multiple of 64), got N=", up.N);
+  TORCH_CHECK(up.K == H && down.N == H, "fused_moe: hidden size mismatch: hidden has H=", H, ", w13 expects K=", up.K,
+              ", w2 produces N=", down.N);
+  TORCH_CHECK(down.K == I, "fused_moe: intermediate size mismatch: w13 gives I=", I, " (N/2), w2 expects K=", down.K);
+  const Activation act = parse_activation(activation);
+  PhaseTimer timer;
+
+  std::unique_lock<std::mutex> ws_lock(shared_workspace_mutex(), std::try_to_lock);
+  Workspace private_ws, private_ws2;
+  Workspace& ws = ws_lock.owns_lock() ? shared_workspace() : private_ws;
+  Workspace& ws2 = ws_lock.owns_lock() ? second_shared_workspace() : private_ws2;
+  const kernels::KernelSet& ks = runtime::select_kernels();
+  if (T == 0 || ids_now.size(1) == 0) {
+    out_now.zero_();
+    if (on_now) on_now();
+    if (out_later != nullptr) out_later->zero_();
+    return;
+  }
+  const int workers = runtime::num_workers();
+  timer.mark("setup");
+
+  const bool int_fmt = fmt != WeightFormat::BF16;
+  Shared s{hidden_in, hidden_in.scalar_type(), T, H, I, E, fmt, int_fmt, up, down, act, ks, workers,
+           static_cast<const uint8_t*>(w13.data_ptr()), w13_scales ? w13_scales->data_ptr<float>() : nullptr,
+           static_cast<const uint8_t*>(w2.data_ptr()), w2_scales ? w2_scales->data_ptr<float>() : nullptr,
+           int_fmt ? up.groups : 1, int_fmt ? H : 2 * H, 0, 0};
+  // ---- 1. route (each part)
+  const at::Tensor wts = topk_weights_in.to(at::kFloat).contiguous();
+  Part now(s, ids_now, wts.data_ptr<float>(), out_now, ws, static_cast<bool>(quantize_h));
+  std::optional<Part> later;
+  if (ids_later != nullptr) later.emplace(s, *ids_later, wts.data_ptr<float>(), *out_later, ws2, false);
+  if (now.pairs() == 0 && (!later || later->pairs() == 0)) {  // outputs zeroed by the parts
+    if (on_now) on_now();
+    return;
+  }
+  timer.mark("route");
+
+  // ---- 2. each token's activation row once: bf16, or int8 with a scale and group sums (int formats)
+  s.wf32 = ws.take(Workspace::kWorkerH, {workers, std::max(kGateUpRows * I, 16 * H)}, at::kFloat);
+  if (!int_fmt && s.hdtype == at::kBFloat16 && hidden_in.stride(1) == 1) {
+    s.rows = static_cast<const uint8_t*>(hidden_in.data_ptr());  // rows read in place (any row stride)
+    s.x_row_stride = hidden_in.stride(0) * 2;
+  } else {
+    s.rows_out = ws.take(Workspace::kRows, {T, s.x_row_bytes}, at::kByte).data_ptr<uint8_t>();
+    s.rows = s.rows_out;
+    s.row_scale = ws.take(Workspace::kRowScale, {T}, at::kFloat).data_ptr<float>();
+    s.row_gsum = ws.take(Workspace::kRowGsum, {T, s.x_groups}, at::kInt).data_ptr<int32_t>();
+    s.x_row_stride = s.x_row_bytes;
+  }
+  // A task's rows are a_ld apart: one 64-byte line more than the row, so that the 16 rows an AMX tile load
+  // reads in place do not share one or two L1 sets (H = 2048: rows 2048 (int8) or 4096 (bf16) bytes apart
+  // fall into 2 or 1 of the 64 sets of a 12-way L1, and evict each other and the weights).
+  s.a_ld = (s.x_row_bytes + 63) / 64 * 64 + 64;
+  s.wa = ws.take(Workspace::kWorkerA, {workers, kGateUpRows * s.a_ld}, at::kByte);
+  s.wsc = ws.take(Workspace::kWorkerScale, {workers, kGateUpRows}, at::kFloat);
+  s.wgs = ws.take(Workspace::kWorkerGsum, {workers, kGateUpRows * s.x_groups}, at::kInt);
+  s.wc = ws.take(Workspace::kWorkerC, {workers, std::max(kGateUpRows, kDownRows) * kDownCols}, at::kFloat);
+
+  // ---- 3, 4 for each part, as stages: activations; then per part gate/up, h quantization, down
+  WorkerTimes gu_times(timer.on(), workers), down_times(timer.on(), workers);
+  std::vector<Stage> stages;
+  stages.push_back({"activations", s.activation_tasks(), [&s](int64_t t, int w) { s.activations(t, w); }, {}, {}});
+  auto add_part = [&](const Part& part, bool first, const std::function<void()>& done) {
+    const int gu = static_cast<int>(stages.size());
+    stages.push_back({first ? "gate_up" : "gate_up.later", part.gate_up_tasks(),
+                      [&part, &gu_times](int64_t t, int w) { part.gate_up(t, w, gu_times); }, {0}, {}});
+    std::vector<int> before_down = {gu};
+    if (first && quantize_h) {
+      stages.push_back({"h_quantize", 1, [&part, &quantize_h](int64_t, int) { part.quantize_with(quantize_h); }, {gu}, {}});
+      before_down.push_back(gu + 1);
+    } else if (part.quantize_tasks() > 0) {
+      stages.push_back({first ? "h_quantize" : "h_quantize.later", part.quantize_tasks(),
+                        [&part](int64_t t, int) { part.quantize(t); }, {gu}, {}});
+      before_down.push_back(gu + 1);
+    }
+    stages.push_back({first ? "down" : "down.later", part.down_tasks(),
+                      [&part, &down_times](int64_t t, int w) { part.down(t, w, down_times); }, before_down, done});
+  };
+  add_part(now, true, on_now);
+  if (later) add_part(*later, false, {});
+  // KT_ONE_DISPATCH=0 (read per call, to compare): one pool dispatch a stage, as before the stages were chained
+  const char* one = std::getenv("KT_ONE_DISPATCH");
+  run_stages(stages, !quantize_h && !(one != nullptr && std::strcmp(one, "0") == 0), timer);
+  gu_times.report(timer, "gate_up.kernel", "gate_up.epilogue", "gate_up.other", "gate_up.busiest");
+  down_times.report(timer, "down.kernel", "down.scatter", "down.other", "down.busiest");
+  if (timer.on()) {
+    std::string what = "T=" + std::to_string(T) + " pairs=" + std::to_string(now.pairs()) +
+                       " experts=" + std::to_string(now.experts());
+    if (later) what += " later_pairs=" + std::to_string(later->pairs()) + " later_experts=" + std::to_string(later->experts());
+    timer.print(what + " " + (fmt == WeightFormat::BF16 ? "bf16" : fmt == WeightFormat::INT8 ? "int8" : "int4") + " " +
+                ks.name);
+  }
+}
+
 }  // namespace
 
 at::Tensor fused_moe(const at::Tensor& hidden_in, const at::Tensor& topk_ids_in, const at::Tensor& topk_weights_in,
@@ -285,344 +824,29 @@ at::Tensor fused_moe_with_h_quantizer(const at::Tensor& hidden_in, const at::Ten
                                       const std::optional<at::Tensor>& w13_scales, const at::Tensor& w2,
                                       const std::optional<at::Tensor>& w2_scales, c10::string_view activation,
                                       const QuantizeH& quantize_h) {
-  // ---- checks
-  TORCH_CHECK(hidden_in.device().is_cpu(), "fused_moe: hidden must be a CPU tensor, got device ", hidden_in.device());
-  TORCH_CHECK(hidden_in.dim() == 2, "fused_moe: hidden must be [T, H] (2-D), got shape ", hidden_in.sizes());
-  const auto hdtype = hidden_in.scalar_type();
-  TORCH_CHECK(hdtype == at::kBFloat16 || hdtype == at::kFloat || hdtype == at::kHalf,
-              "fused_moe: hidden must be bfloat16, float16 or float32, got ", hdtype);
-  TORCH_CHECK(topk_ids_in.device().is_cpu() && topk_weights_in.device().is_cpu(),
-              "fused_moe: topk_ids and topk_weights must be CPU tensors, got ", topk_ids_in.device(), " and ",
-              topk_weights_in.device());
-  TORCH_CHECK(topk_ids_in.scalar_type() == at::kInt || topk_ids_in.scalar_type() == at::kLong,
-              "fused_moe: topk_ids must be int32 or int64, got ", topk_ids_in.scalar_type());
-  TORCH_CHECK(topk_weights_in.is_floating_point(), "fused_moe: topk_weights must be floating point, got ",
-              topk_weights_in.scalar_type());
-  const int64_t T = hidden_in.size(0), H = hidden_in.size(1);
-  TORCH_CHECK(topk_ids_in.dim() == 2 && topk_ids_in.size(0) == T, "fused_moe: topk_ids must be [T=", T,
-              ", K], got shape ", topk_ids_in.sizes());
-  TORCH_CHECK(topk_weights_in.sizes() == topk_ids_in.sizes(), "fused_moe: topk_weights must have the shape of topk_ids ",
-              topk_ids_in.sizes(), ", got ", topk_weights_in.sizes());
-  const WeightFormat fmt = format_of(w13, "w13");
-  TORCH_CHECK(w2.scalar_type() == w13.scalar_type(), "fused_moe: w13 and w2 must be packed in the same format, got ",
-              w13.scalar_type(), " and ", w2.scalar_type());
-  const PackedMatrix up = describe(w13, w13_scales, fmt, "w13", "w13_scales");
-  const PackedMatrix down = describe(w2, w2_scales, fmt, "w2", "w2_scales");
-  const int64_t E = up.E, I = up.N / 2;
-  TORCH_CHECK(down.E == E, "fused_moe: w13 has ", E, " experts but w2 has ", down.E);
-  TORCH_CHECK(up.N % 64 == 0, "fused_moe: w13 must be packed with gate_up=True (2I a multiple of 64), got N=", up.N);
-  TORCH_CHECK(up.K == H && down.N == H, "fused_moe: hidden size mismatch: hidden has H=", H, ", w13 expects K=", up.K,
-              ", w2 produces N=", down.N);
-  TORCH_CHECK(down.K == I, "fused_moe: intermediate size mismatch: w13 gives I=", I, " (N/2), w2 expects K=", down.K);
-  const Activation act = parse_activation(activation);
-  PhaseTimer timer;
-
-  at::Tensor out = at::empty({T, H}, hidden_in.options());
-  std::unique_lock<std::mutex> ws_lock(shared_workspace_mutex(), std::try_to_lock);
-  Workspace private_ws;
-  Workspace& ws = ws_lock.owns_lock() ? shared_workspace() : private_ws;
-  const kernels::KernelSet& ks = runtime::select_kernels();
-  if (T == 0 || topk_ids_in.size(1) == 0) return out.zero_();
-  const int workers = runtime::num_workers();
-
-  timer.mark("setup");
-  // ---- 1. route
-  const int64_t Ksel = topk_ids_in.size(1);
-  const at::Tensor ids = topk_ids_in.to(at::kLong).contiguous();
-  const at::Tensor wts = topk_weights_in.to(at::kFloat).contiguous();
-  const int64_t* idp = ids.data_ptr<int64_t>();
-  const float* wp = wts.data_ptr<float>();
-  std::vector<int64_t> count(E + 1, 0);
-  for (int64_t i = 0; i < T * Ksel; ++i) {
-    const int64_t e = idp[i];
-    TORCH_CHECK(e < E, "fused_moe: topk_ids[", i / Ksel, ", ", i % Ksel, "] = ", e, " is out of range for ", E,
-                " experts (negative ids mean 'skip')");
-    if (e >= 0) ++count[e + 1];
-  }
-  std::vector<int64_t> offset(E + 1, 0);
-  for (int64_t e = 0; e < E; ++e) offset[e + 1] = offset[e] + count[e + 1];
-  const int64_t P = offset[E];
-  if (P == 0) return out.zero_();
-  std::vector<int64_t> pair_token(P);
-  std::vector<float> pair_weight(P);
-  {
-    std::vector<int64_t> fill(offset.begin(), offset.end() - 1);
-    for (int64_t i = 0; i < T * Ksel; ++i) {
-      const int64_t e = idp[i];
-      if (e < 0) continue;
-      const int64_t p = fill[e]++;
-      pair_token[p] = i / Ksel;
-      pair_weight[p] = wp[i];
-    }
-  }
-  std::vector<int64_t> active;
-  for (int64_t e = 0; e < E; ++e)
-    if (offset[e + 1] > offset[e]) active.push_back(e);
-
-  timer.mark("route");
-  // ---- 2. each token's activation row once: bf16, or int8 with a scale and group sums (int formats)
-  const bool int_fmt = fmt != WeightFormat::BF16;
-  const int64_t x_groups = int_fmt ? up.groups : 1;
-  const int64_t x_row_bytes = int_fmt ? H : 2 * H;
-  const uint8_t* rows = nullptr;
-  const float* row_scale = nullptr;
-  const int32_t* row_gsum = nullptr;
-  at::Tensor wf32 = ws.take(Workspace::kWorkerH, {workers, std::max(kGateUpRows * I, 16 * H)}, at::kFloat);
-  if (!int_fmt && hdtype == at::kBFloat16 && hidden_in.stride(1) == 1) {
-    rows = static_cast<const uint8_t*>(hidden_in.data_ptr());  // rows read in place (any row stride)
-  } else {
-    at::Tensor r = ws.take(Workspace::kRows, {T, x_row_bytes}, at::kByte);
-    at::Tensor sc = ws.take(Workspace::kRowScale, {T}, at::kFloat);
-    at::Tensor gs = ws.take(Workspace::kRowGsum, {T, x_groups}, at::kInt);
-    uint8_t* rp = r.data_ptr<uint8_t>();
-    runtime::parallel_tasks((T + 15) / 16, [&](int64_t task, int worker) {
-      const int64_t t0 = task * 16, n = std::min<int64_t>(16, T - t0);
-      float* f = wf32.data_ptr<float>() + worker * wf32.size(1);
-      for (int64_t i = 0; i < n; ++i) row_to_f32(hidden_in, t0 + i, f + i * H);
-      if (int_fmt) {
-        ks.quantize_rows(f, H, static_cast<int>(n), H, up.group_size(), reinterpret_cast<int8_t*>(rp) + t0 * H, H,
-                         sc.data_ptr<float>() + t0, gs.data_ptr<int32_t>() + t0 * x_groups);
-      } else {
-        auto* dst = reinterpret_cast<uint16_t*>(rp) + t0 * H;
-        for (int64_t i = 0; i < n * H; ++i) dst[i] = f32_to_bf16(f[i]);
-      }
-    });
-    rows = rp;
-    row_scale = sc.data_ptr<float>();
-    row_gsum = gs.data_ptr<int32_t>();
-  }
-  const int64_t x_row_stride = rows == hidden_in.data_ptr() ? hidden_in.stride(0) * 2 : x_row_bytes;
-  timer.mark("activations");
-
-  // ---- 3. gate + up + activation: h[p] = act(x_p W_gate^T) * (x_p W_up^T)
-  // Chunks: an expert's tokens cut into equal chunks of at most kGateUpRows, largest first (the dynamic
-  // schedule then ends on small tasks). splits: channel ranges per chunk, 1 when the chunks alone give
-  // every worker several tasks.
-  struct Chunk { int64_t e, p0, n; };
-  std::vector<Chunk> chunks;
-  for (int64_t e : active) {
-    const int64_t cnt = offset[e + 1] - offset[e], pieces = (cnt + kGateUpRows - 1) / kGateUpRows;
-    for (int64_t i = 0; i < pieces; ++i) {
-      const int64_t a0 = cnt * i / pieces, a1 = cnt * (i + 1) / pieces;
-      chunks.push_back({e, offset[e] + a0, a1 - a0});
-    }
-  }
-  std::stable_sort(chunks.begin(), chunks.end(), [](const Chunk& a, const Chunk& b) { return a.n > b.n; });
-  const int64_t ugroups = I / 32;  // kernel calls of 32 gate + 32 up columns = 4 packed 16-column blocks
-  const int64_t nchunks = static_cast<int64_t>(chunks.size());
-  const int64_t splits = workers == 1 ? 1 : std::min(ugroups, (3 * workers + nchunks - 1) / nchunks);
-  const bool full_rows = splits == 1 && !quantize_h;  // a caller's quantize_h takes all of h at once
-  const bool h_bf16 = !int_fmt;
-  // h: bf16 [P, I] (bf16 weights); int formats: int8 [P, I] + scale + group sums, through fp32 [P, I] when split
-  at::Tensor h = ws.take(Workspace::kH, {h_bf16 ? P * I / 2 : (full_rows ? 1 : P * I)}, at::kFloat);
-  at::Tensor hq, hs, hg;
-  if (int_fmt) {
-    hq = ws.take(Workspace::kHq, {P, I}, at::kChar);
-    hs = ws.take(Workspace::kHScale, {P}, at::kFloat);
-    hg = ws.take(Workspace::kHGsum, {P, down.groups}, at::kInt);
-  }
-  const size_t up_block = kernels::block_bytes(fmt, up.K);
-  const auto* up_base = static_cast<const uint8_t*>(w13.data_ptr());
-  const float* up_scales = w13_scales ? w13_scales->data_ptr<float>() : nullptr;
-  const int64_t max_rows = std::max<int64_t>(kGateUpRows, kDownRows);
-  // A task's rows are a_ld apart: one 64-byte line more than the row, so that the 16 rows an AMX tile load
-  // reads in place do not share one or two L1 sets (H = 2048: rows 2048 (int8) or 4096 (bf16) bytes apart
-  // fall into 2 or 1 of the 64 sets of a 12-way L1, and evict each other and the weights).
-  const int64_t a_ld = (x_row_bytes + 63) / 64 * 64 + 64;
-  at::Tensor wa = ws.take(Workspace::kWorkerA, {workers, kGateUpRows * a_ld}, at::kByte);
-  at::Tensor wsc = ws.take(Workspace::kWorkerScale, {workers, kGateUpRows}, at::kFloat);
-  at::Tensor wgs = ws.take(Workspace::kWorkerGsum, {workers, kGateUpRows * x_groups}, at::kInt);
-  at::Tensor wc = ws.take(Workspace::kWorkerC, {workers, max_rows * kDownCols}, at::kFloat);
-  WorkerTimes gu_times(timer.on(), workers);
-  runtime::parallel_tasks(nchunks * splits, [&](int64_t task, int worker) {
-    auto t_mark = gu_times.start();
-    const Chunk& ch = chunks[task / splits];
-    const int64_t split = task % splits;
-    const int64_t g0 = ugroups * split / splits, g1 = ugroups * (split + 1) / splits;
-    // the chunk's rows, a_ld apart
-    uint8_t* a_buf = wa.data_ptr<uint8_t>() + worker * wa.size(1);
-    float* a_scale = wsc.data_ptr<float>() + worker * kGateUpRows;
-    int32_t* a_gsum = wgs.data_ptr<int32_t>() + worker * wgs.size(1);
-    const void* a_rows[kGateUpRows];
-    for (int64_t m = 0; m < ch.n; ++m) {
-      const int64_t t = pair_token[ch.p0 + m];
-      std::memcpy(a_buf + m * a_ld, rows + t * x_row_stride, x_row_bytes);
-      a_rows[m] = a_buf + m * a_ld;
-      if (int_fmt) {
-        a_scale[m] = row_scale[t];
-        std::copy(row_gsum + t * x_groups, row_gsum + (t + 1) * x_groups, a_gsum + m * x_groups);
-      }
-    }
-    float* c = wc.data_ptr<float>() + worker * wc.size(1);
-    float* hrows = wf32.data_ptr<float>() + worker * wf32.size(1);  // full rows: this task's h, fp32 [n, I]
-    gu_times.lap(worker, WorkerTimes::kOther, t_mark);
-    for (int64_t g = g0; g < g1; ++g) {
-      kernels::GemmArgs a;
-      a.M = static_cast<int>(ch.n);
-      a.K = up.K;
-      a.a_rows = a_rows;
-      if (int_fmt) {
-        a.a_scale = a_scale;
-        a.a_gsum = a_gsum;
-        a.a_gsum_stride = x_groups;
-        a.group_size = up.group_size();
-        a.b_scale = up_scales + ch.e * up.groups * up.N + 64 * g;
-        a.b_scale_group_stride = up.N;
-      }
-      a.b = up_base + (ch.e * (up.N / 16) + 4 * g) * up_block;
-      a.b_block_stride = up_block;
-      if (g + 1 < g1) a.next_b = a.b + 4 * up_block;
-      a.nblocks = 4;
-      a.c = c;
-      a.ldc = 64;
-      ks.gemm[static_cast<int>(fmt)](a);
-      gu_times.lap(worker, WorkerTimes::kKernel, t_mark);
-      if (h_bf16)
-        ks.glu_bf16(c, 64, a.M, 32, act, static_cast<uint16_t*>(h.data_ptr()) + ch.p0 * I + 32 * g, I);
-      else if (full_rows)
-        ks.glu_f32(c, 64, a.M, 32, act, hrows + 32 * g, I);
-      else
-        ks.glu_f32(c, 64, a.M, 32, act, h.data_ptr<float>() + ch.p0 * I + 32 * g, I);
-      gu_times.lap(worker, WorkerTimes::kEpilogue, t_mark);
-    }
-    if (int_fmt && full_rows)
-      ks.quantize_rows(hrows, I, static_cast<int>(ch.n), I, down.group_size(), hq.data_ptr<int8_t>() + ch.p0 * I, I,
-                       hs.data_ptr<float>() + ch.p0, hg.data_ptr<int32_t>() + ch.p0 * down.groups);
-    gu_times.lap(worker, WorkerTimes::kEpilogue, t_mark);
-  });
-  timer.mark("gate_up");
-  gu_times.report(timer, "gate_up.kernel", "gate_up.epilogue", "gate_up.other", "gate_up.busiest");
-  if (int_fmt && quantize_h) {
-    quantize_h(h.data_ptr<float>(), P, I, down.group_size(), hq.data_ptr<int8_t>(), hs.data_ptr<float>(),
-               hg.data_ptr<int32_t>());
-    timer.mark("h_quantize");
-  } else if (int_fmt && !full_rows) {
-    const int64_t per = 16;
-    runtime::parallel_tasks((P + per - 1) / per, [&](int64_t task, int) {
-      const int64_t p0 = task * per, n = std::min(per, P - p0);
-      ks.quantize_rows(h.data_ptr<float>() + p0 * I, I, static_cast<int>(n), I, down.group_size(),
-                       hq.data_ptr<int8_t>() + p0 * I, I, hs.data_ptr<float>() + p0,
-                       hg.data_ptr<int32_t>() + p0 * down.groups);
-    });
-    timer.mark("h_quantize");
-  }
-
-  // ---- 4. down projection + weighted sum into each token's row
-  std::vector<const void*> h_rows(P);
-  {
-    const auto* base = int_fmt ? static_cast<const uint8_t*>(hq.data_ptr()) : static_cast<const uint8_t*>(h.data_ptr());
-    const int64_t row_bytes = int_fmt ? I : 2 * I;
-    for (int64_t p = 0; p < P; ++p) h_rows[p] = base + p * row_bytes;
-  }
-  // ranges: a few per worker on small machines, one per worker on larger ones (every range reads all of h).
-  // groups: the experts by id halves, each with its own [T, H] fp32 accumulator: twice the tasks for the
-  // same h traffic. Both are fixed by the shapes, never by the routing or the worker count, so every
-  // token's sum runs in the same order (expert order within a group, then group 0 + group 1) whatever
-  // the batch, the routing of other tokens or the number of workers.
-  const int64_t hblocks = H / 16;
-  const int64_t nactive = static_cast<int64_t>(active.size());
-  const int64_t ranges = std::min(hblocks, env_count("KT_DOWN_RANGES", workers <= 4 ? 2 * workers : workers, 4096));
-  const int64_t groups = std::min<int64_t>(env_count("KT_DOWN_GROUPS", kDownGroups, 16), E);
-  std::vector<int64_t> group_start(groups + 1, nactive);  // group g: active[group_start[g] .. group_start[g + 1])
-  for (int64_t g = 0, i = 0; g < groups; ++g) {
-    while (i < nactive && active[i] * groups < E * g) ++i;
-    group_start[g] = i;
-  }
-  const bool acc_is_out = groups == 1 && hdtype == at::kFloat;
-  at::Tensor acc = acc_is_out ? out : ws.take(Workspace::kAcc, {groups, T, H}, at::kFloat);
-  float* accp = acc.data_ptr<float>();
-  // The first pair of each token in each group writes its accumulator row instead of adding to it (the
-  // accumulators are never zeroed: at T=2048 that was 32 MB of stores a call); seen[g][t]: group g has a pair
-  // of token t (rows of the others are stale and left out of the final sum).
-  std::vector<uint8_t> pair_first(P, 0), seen(groups * T, 0);
-  for (int64_t g = 0; g < groups; ++g)
-    for (int64_t i = group_start[g]; i < group_start[g + 1]; ++i)
-      for (int64_t p = offset[active[i]]; p < offset[active[i] + 1]; ++p) {
-        uint8_t& s = seen[g * T + pair_token[p]];
-        pair_first[p] = s == 0;
-        s = 1;
-      }
-  std::vector<std::atomic<int>> range_done(ranges);
-  for (auto& d : range_done) d.store(0, std::memory_order_relaxed);
-  const size_t down_block = kernels::block_bytes(fmt, down.K);
-  const auto* down_base = static_cast<const uint8_t*>(w2.data_ptr());
-  const float* down_scales = w2_scales ? w2_scales->data_ptr<float>() : nullptr;
-  WorkerTimes down_times(timer.on(), workers);
-  runtime::parallel_tasks(ranges * groups, [&](int64_t task, int worker) {
-    auto t_mark = down_times.start();
-    const int64_t r = task / groups, g = task % groups;
-    const int64_t b0 = hblocks * r / ranges, b1 = hblocks * (r + 1) / ranges;
-    const int64_t c0 = 16 * b0, c1 = 16 * b1;
-    float* accg = accp + g * T * H;
-    if (acc_is_out)  // the output itself: rows no pair writes are zeros
-      for (int64_t t = 0; t < T; ++t)
-        if (seen[t] == 0) std::fill(accg + t * H + c0, accg + t * H + c1, 0.0f);
-    float* c = wc.data_ptr<float>() + worker * wc.size(1);
-    down_times.lap(worker, WorkerTimes::kOther, t_mark);
-    for (int64_t i = group_start[g]; i < group_start[g + 1]; ++i) {
-      const int64_t e = active[i];
-      for (int64_t p0 = offset[e]; p0 < offset[e + 1]; p0 += kDownRows) {
-        const int M = static_cast<int>(std::min(kDownRows, offset[e + 1] - p0));
-        for (int64_t cb = b0; cb < b1; cb += kernels::kMaxBlocks) {
-          kernels::GemmArgs a;
-          a.M = M;
-          a.K = down.K;
-          a.a_rows = h_rows.data() + p0;
-          if (int_fmt) {
-            a.a_scale = hs.data_ptr<float>() + p0;
-            a.a_gsum = hg.data_ptr<int32_t>() + p0 * down.groups;
-            a.a_gsum_stride = down.groups;
-            a.group_size = down.group_size();
-            a.b_scale = down_scales + e * down.groups * down.N + 16 * cb;
-            a.b_scale_group_stride = down.N;
-          }
-          a.b = down_base + (e * hblocks + cb) * down_block;
-          a.b_block_stride = down_block;
-          a.nblocks = static_cast<int>(std::min<int64_t>(kernels::kMaxBlocks, b1 - cb));
-          if (cb + kernels::kMaxBlocks < b1)
-            a.next_b = a.b + kernels::kMaxBlocks * down_block;
-          else if (p0 + kDownRows >= offset[e + 1] && i + 1 < group_start[g + 1])
-            a.next_b = down_base + (active[i + 1] * hblocks + b0) * down_block;
-          a.c = c;
-          a.ldc = kDownCols;
-          ks.gemm[static_cast<int>(fmt)](a);
-          down_times.lap(worker, WorkerTimes::kKernel, t_mark);
-          ks.scatter_add(c, kDownCols, M, 16 * a.nblocks, pair_weight.data() + p0, pair_token.data() + p0,
-                         pair_first.data() + p0, accg + 16 * cb, H);
-          down_times.lap(worker, WorkerTimes::kEpilogue, t_mark);
-        }
-      }
-    }
-    // the last group task of this range sums the groups that have the token, in group order, into the output
-    if (range_done[r].fetch_add(1, std::memory_order_acq_rel) != groups - 1 || acc_is_out) return;
-    for (int64_t t = 0; t < T; ++t) {
-      int64_t first = 0;
-      while (first < groups && seen[first * T + t] == 0) ++first;
-      float* row = accp + (first < groups ? first : 0) * T * H + t * H;
-      if (first == groups) std::fill(row + c0, row + c1, 0.0f);  // no pair: a zero row
-      for (int64_t gg = first + 1; gg < groups; ++gg) {
-        if (seen[gg * T + t] == 0) continue;
-        const float* add = accp + gg * T * H + t * H;
-        for (int64_t j = c0; j < c1; ++j) row[j] += add[j];
-      }
-      if (hdtype == at::kFloat) {
-        std::copy(row + c0, row + c1, out.data_ptr<float>() + t * H + c0);
-      } else if (hdtype == at::kBFloat16) {
-        auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + t * H;
-        for (int64_t j = c0; j < c1; ++j) o[j] = f32_to_bf16(row[j]);
-      } else {
-        at::Half* o = out.data_ptr<at::Half>() + t * H;
-        for (int64_t j = c0; j < c1; ++j) o[j] = static_cast<at::Half>(row[j]);
-      }
-    }
-    down_times.lap(worker, WorkerTimes::kOther, t_mark);
-  });
-  timer.mark("down");
-  down_times.report(timer, "down.kernel", "down.scatter", "down.other", "down.busiest");
-  if (timer.on())
-    timer.print("T=" + std::to_string(T) + " pairs=" + std::to_string(P) + " experts=" + std::to_string(active.size()) +
-                " " + (fmt == WeightFormat::BF16 ? "bf16" : fmt == WeightFormat::INT8 ? "int8" : "int4") + " " + ks.name);
+  check_call(hidden_in, topk_ids_in, topk_weights_in, w13, w2);
+  at::Tensor out = at::empty({hidden_in.size(0), hidden_in.size(1)}, hidden_in.options());
+  run_call(hidden_in, topk_ids_in, nullptr, topk_weights_in, w13, w13_scales, w2, w2_scales, activation, quantize_h,
+           out, nullptr, {});
   return out;
+}
+
+void fused_moe_split(const at::Tensor& hidden, const at::Tensor& ids_now, const at::Tensor& ids_later,
+                     const at::Tensor& topk_weights, const at::Tensor& w13, const std::optional<at::Tensor>& w13_scales,
+                     const at::Tensor& w2, const std::optional<at::Tensor>& w2_scales, c10::string_view activation,
+                     const at::Tensor& out_now, const at::Tensor& out_later, const std::function<void()>& on_now) {
+  check_call(hidden, ids_now, topk_weights, w13, w2);
+  TORCH_CHECK(ids_later.sizes() == ids_now.sizes() && ids_later.device().is_cpu() &&
+                  (ids_later.scalar_type() == at::kInt || ids_later.scalar_type() == at::kLong),
+              "fused_moe_split: ids_later must be an int32/int64 CPU tensor shaped like ids_now ", ids_now.sizes(),
+              ", got ", ids_later.sizes(), " ", ids_later.scalar_type(), " on ", ids_later.device());
+  for (const at::Tensor* o : {&out_now, &out_later})
+    TORCH_CHECK(o->device().is_cpu() && o->sizes() == hidden.sizes() && o->scalar_type() == hidden.scalar_type() &&
+                    o->is_contiguous(),
+                "fused_moe_split: the outputs must be contiguous CPU tensors like hidden ", hidden.sizes(), " ",
+                hidden.scalar_type(), ", got ", o->sizes(), " ", o->scalar_type(), " on ", o->device());
+  run_call(hidden, ids_now, &ids_later, topk_weights, w13, w13_scales, w2, w2_scales, activation, QuantizeH(), out_now,
+           &out_later, on_now);
 }
 
 }  // namespace kt::moe

@@ -28,4 +28,15 @@ at::Tensor fused_moe_with_h_quantizer(const at::Tensor& hidden, const at::Tensor
                                       const std::optional<at::Tensor>& w2_scales, c10::string_view activation,
                                       const QuantizeH& quantize_h);
 
+// One call in two parts (expert deferral): the slots that ids_now routes into out_now, then those that ids_later
+// routes into out_later (negative ids skipped in each; the same hidden and topk_weights), in one dispatch of the
+// worker pool: the later part's tasks run behind the first part's and fill its tail. on_now (optional) is called as
+// soon as out_now is complete, on whichever thread finished it, while the later part may still run; it is not
+// called when the call fails. Each output is what kt::fused_moe returns for its ids, bit for bit. Both outputs:
+// contiguous CPU tensors shaped and typed like hidden.
+void fused_moe_split(const at::Tensor& hidden, const at::Tensor& ids_now, const at::Tensor& ids_later,
+                     const at::Tensor& topk_weights, const at::Tensor& w13, const std::optional<at::Tensor>& w13_scales,
+                     const at::Tensor& w2, const std::optional<at::Tensor>& w2_scales, c10::string_view activation,
+                     const at::Tensor& out_now, const at::Tensor& out_later, const std::function<void()>& on_now);
+
 }  // namespace kt::moe

@@ -24,12 +24,17 @@
 // doorbell that moved means the inputs before it are in memory.
 // Their addresses come from kt::host_task_functions(); a task is an opaque int64 handle made by
 // kt::host_task_new and kept alive by the caller as long as any CUDA graph uses it.
-// Split tasks (expert deferral, passes/deferral.py): a task made with out_later and a deferred count d runs two
-// calls per start. It ranks each token's K slots by routing weight (descending; ties to the lower slot, as a stable
-// sort), runs the K - d highest into out and marks the task joined for kt_host_task_join, then runs the d lowest
-// into out_later (zeros when d = 0) for kt_host_task_join_later. d is read from its int64 at each run, so one
-// captured graph serves every d. The split happens here rather than on the GPU so that a deferring layer costs the
-// stream what a plain one does: one set of input copies and one start host function, no sort or masking kernels.
+// Split tasks (expert deferral, passes/deferral.py): a task made with out_later and a deferred count d runs its
+// experts in two parts per start. It ranks each token's K slots by routing weight (descending; ties to the lower
+// slot, as a stable sort) and runs the K - d highest into out and the d lowest into out_later (zeros when d = 0,
+// without a second part) in one kt::moe::fused_moe_split call: the first part is marked joined for
+// kt_host_task_join as soon as out is complete, while the deferred part's tasks run on behind it in the same pool
+// dispatch (kt_host_task_join_later waits for them). One call rather than two: a second call per layer cost its
+// fixed overhead and ran its few experts' weights at a lower bandwidth, ~100-220 us a layer on the H100 host
+// (benchmarks/RESULTS.md); KT_DEFER_CALLS=2 keeps the two-call way to compare. d is read from its int64 at each
+// run, so one captured graph serves every d. The split happens here rather than on the GPU so that a deferring
+// layer costs the stream what a plain one does: one set of input copies and one start host function, no sort or
+// masking kernels.
 // A failing call cannot raise on CUDA's callback thread: it prints the error, fills the output with NaN (never a
 // silent wrong answer) and keeps the message for kt::host_task_error.
 #include <ATen/ATen.h>
@@ -77,6 +82,7 @@ struct HostTask {
   // id sets (the worker's), whether out_later holds zeros, and the second part's progress (as done / done_seq)
   at::Tensor out_later, deferred, ids_now, ids_later;
   bool later_zero = false;
+  bool two_calls = false;  // KT_DEFER_CALLS=2 when the task was made: the parts as two fused_moe calls
   std::atomic<int64_t> done_later{0};
   std::atomic<int64_t> done_later_seq{0};
   bool split() const { return out_later.defined(); }
@@ -189,30 +195,58 @@ class Worker {
   // seq: the doorbell number this run answers (0 for a pushed task)
   static void run(HostTask* t, int64_t seq) {
     const int64_t t0 = now_ns();
+    if (!t->split()) {
+      call(t, t->topk_ids, t->out);
+      finish(t, seq, false, t0);
+      return;
+    }
     int64_t d = 0;
-    if (t->split()) {
-      try {
-        d = split_slots(t);
-      } catch (const std::exception& e) {
-        fail(t, e, t->out);
-        fail(t, e, t->out_later);
-        finish(t, seq, false, t0);
-        finish(t, seq, true, -1);
-        return;
+    try {
+      d = split_slots(t);
+    } catch (const std::exception& e) {
+      fail(t, e, t->out);
+      fail(t, e, t->out_later);
+      finish(t, seq, false, t0);
+      finish(t, seq, true, -1);
+      return;
+    }
+    if (d == 0) {
+      call(t, t->topk_ids, t->out);
+      finish(t, seq, false, t0);
+      if (!t->later_zero) {
+        t->out_later.zero_();
+        t->later_zero = true;
       }
+      finish(t, seq, true, -1);
+      return;
     }
-    call(t, d > 0 ? t->ids_now : t->topk_ids, t->out);
-    finish(t, seq, false, t0);
-    if (!t->split()) return;
-    const int64_t t1 = now_ns();
-    if (d > 0) {
-      t->later_zero = false;
+    t->later_zero = false;
+    if (t->two_calls) {
+      call(t, t->ids_now, t->out);
+      finish(t, seq, false, t0);
+      const int64_t t1 = now_ns();
       call(t, t->ids_later, t->out_later);
-    } else if (!t->later_zero) {
-      t->out_later.zero_();
-      t->later_zero = true;
+      finish(t, seq, true, t1);
+      return;
     }
-    finish(t, seq, true, d > 0 ? t1 : -1);
+    // one call: the first part is published from inside it (on a pool thread) while the deferred part runs on
+    std::atomic<int64_t> published{-1};  // when the first part was marked joined
+    try {
+      c10::InferenceMode inference;
+      kt::moe::fused_moe_split(t->hidden, t->ids_now, t->ids_later, t->topk_weights, t->w13, t->w13_scales, t->w2,
+                               t->w2_scales, t->activation, t->out, t->out_later, [&] {
+                                 finish(t, seq, false, t0);
+                                 published.store(now_ns(), std::memory_order_release);
+                               });
+    } catch (const std::exception& e) {
+      if (published.load(std::memory_order_acquire) < 0) {
+        fail(t, e, t->out);
+        finish(t, seq, false, t0);
+      }
+      fail(t, e, t->out_later);
+    }
+    const int64_t t1 = published.load(std::memory_order_acquire);
+    finish(t, seq, true, t1 >= 0 ? t1 : -1);
   }
   // One experts call on the task's tensors with these ids, into out (NaN and the message kept on failure).
   static void call(HostTask* t, const at::Tensor& ids, const at::Tensor& out) {
@@ -291,6 +325,14 @@ class Worker {
 Worker& worker() {
   static Worker* w = new Worker();  // never destroyed: CUDA may call a host function during interpreter exit
   return *w;
+}
+
+// KT_DEFER_CALLS: how a split task runs its two parts: 1 (default) one kt::moe::fused_moe_split call, the first
+// part published from inside it; 2 two fused_moe calls one after the other (the earlier way, kept to compare).
+int64_t defer_calls() {
+  const int64_t n = env_int("KT_DEFER_CALLS", 1);
+  TORCH_CHECK(n == 1 || n == 2, "KT_DEFER_CALLS must be 1 or 2, got ", n);
+  return n;
 }
 
 int64_t join_spin_us() {
@@ -406,6 +448,7 @@ int64_t host_task_new(const at::Tensor& hidden, const at::Tensor& topk_ids, cons
     t->deferred = *deferred;
     t->ids_now = at::empty_like(topk_ids);
     t->ids_later = at::empty_like(topk_ids);
+    t->two_calls = defer_calls() == 2;
   }
   if (doorbell.has_value()) {
     const at::Tensor& d = *doorbell;

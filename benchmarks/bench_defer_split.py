@@ -1,0 +1,134 @@
+"""What expert deferral costs the CPU per layer: one decode layer's routed experts run as one call, or split into
+the K - d highest-weighted slots and the d lowest (issue 5), through the native host tasks the compiled decode step
+uses (runtime/host_tasks.cpp), with cold caches.
+
+Rows, each timed over the same layer copies and routings, the modes taking turns call by call:
+  op                 kt.fused_moe on the calling thread, all K slots: one pool dispatch for its stages (the default)
+  op/stage-dispatch  the same with KT_ONE_DISPATCH=0 (one pool dispatch a stage, the way before)
+  task d=0           a split host task with d = 0: one call of all K slots on the host-task worker
+  task d=D 1 call    d = D: both parts in one fused_moe_split call, the first part published from inside it
+  task d=D 2 calls   d = D with KT_DEFER_CALLS=2: two fused_moe calls one after the other (the way before)
+Columns: first = ms until the first part is joinable (the task's own timeline), total = ms until both parts are
+done (for d = 0 and the op the two are one). What deferral can hide per layer is bounded by the GPU work between
+two layers; what it costs is total(d) - total(d=0).
+
+    python benchmarks/bench_defer_split.py --shapes qwen3 deepseek-v2-lite --threads 13 16 --deferred 2
+
+Cold caches: the layer is replicated until the copies exceed 8x the L3 cache (bench_fused_moe.py), every call
+draws a fresh routing. Benchmarks never assert; they print a table and the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+import types
+
+import torch
+
+import ktorch
+from bench_fused_moe import l3_bytes, machine, random_packed, routings_for
+from ktorch.compile.experts_runtime import ExpertsLayer, _NativeHostFunctions
+
+SHAPES = {  # name: (E, K, H, I)
+    "qwen3": (128, 8, 2048, 768),
+    "deepseek-v2-lite": (64, 6, 2048, 1408),
+}
+
+
+def make_tasks(layers, T: int, K: int, H: int, d: int):
+    """Per layer copy: a split task in each mode (KT_DEFER_CALLS is read when a task is made)."""
+    tasks = {}
+    for mode, calls in (("task d=0", "1"), (f"task d={d} 1 call", "1"), (f"task d={d} 2 calls", "2")):
+        os.environ["KT_DEFER_CALLS"] = calls
+        per_layer = []
+        for packed in layers:
+            staging = types.SimpleNamespace(
+                hidden=torch.zeros(T, H, dtype=torch.bfloat16), topk_ids=torch.zeros(T, K, dtype=torch.int64),
+                topk_weights=torch.zeros(T, K), out=torch.zeros(T, H, dtype=torch.bfloat16),
+                out_later=torch.zeros(T, H, dtype=torch.bfloat16), deferred=torch.tensor(0 if mode == "task d=0" else d))
+            per_layer.append((staging, _NativeHostFunctions(staging, ExpertsLayer(*packed.tensors(), "silu"))))
+        tasks[mode] = per_layer
+    os.environ.pop("KT_DEFER_CALLS")
+    return tasks
+
+
+def run_task(staging, task, ids, w, x):
+    staging.hidden.copy_(x)
+    staging.topk_ids.copy_(ids)
+    staging.topk_weights.copy_(w)
+    torch.ops.kt.host_task_take_times(task.handle)
+    t0 = time.perf_counter_ns()
+    task.run()
+    t1 = time.perf_counter_ns()
+    times = torch.ops.kt.host_task_take_times(task.handle)
+    first = (times[1] - times[0]) / 1e6 if times else (t1 - t0) / 1e6
+    return first, (t1 - t0) / 1e6
+
+
+def run_op(packed, ids, w, x, one_dispatch: bool):
+    os.environ["KT_ONE_DISPATCH"] = "1" if one_dispatch else "0"
+    t0 = time.perf_counter_ns()
+    torch.ops.kt.fused_moe(x, ids, w, *packed.tensors(), "silu")
+    ms = (time.perf_counter_ns() - t0) / 1e6
+    return ms, ms
+
+
+def take_turns(modes: dict, routings: list, calls: int) -> dict:
+    """(first, total) of `calls` calls of each mode, the modes taking turns on the same routings."""
+    results = {mode: [] for mode in modes}
+    for i in range(calls + 8):  # the first 8 rounds warm up
+        r = routings[i % len(routings)]
+        for j, (mode, fn) in enumerate(modes.items()):
+            res = fn(i * len(modes) + j + i, r)  # a different layer copy for each mode, each mode on every copy: all cold
+            if i >= 8:
+                results[mode].append(res)
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="+", default=["qwen3", "deepseek-v2-lite"], choices=sorted(SHAPES))
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1])
+    ap.add_argument("--threads", type=int, nargs="+", default=[ktorch.get_num_threads()])
+    ap.add_argument("--deferred", type=int, default=2)
+    ap.add_argument("--format", default="int8", choices=["bf16", "int8", "int4"])
+    ap.add_argument("--calls", type=int, default=400, help="calls per mode")
+    ap.add_argument("--cold-factor", type=float, default=8.0, help="layer copies until their bytes exceed this x L3")
+    args = ap.parse_args()
+
+    print(f"# {machine()}; torch {torch.__version__}; kernel {torch.ops.kt.selected_kernel()}; {args.format}; "
+          f"L3 {l3_bytes() / 2**20:.0f} MiB")
+    print("| shape | T | threads | mode | first ms (median) | total ms (median) | total p90 |")
+    print("|---|---|---|---|---|---|---|")
+    for shape in args.shapes:
+        E, K, H, I = SHAPES[shape]
+        one = random_packed(E, H, I, args.format)
+        nbytes = sum(t.numel() * t.element_size() for t in one.tensors() if t is not None)
+        copies = max(2, int(args.cold_factor * l3_bytes() / nbytes) + 1)
+        layers = [one] + [random_packed(E, H, I, args.format) for _ in range(copies - 1)]
+        for T in args.tokens:
+            routings = routings_for(T, E, K, H, 64)
+            for threads in args.threads:
+                ktorch.set_num_threads(threads)
+                # the op rows first, alone: the host-task worker spins KT_HOST_SPIN_US after each task run and
+                # would take a core from them
+                op_modes = {"op": lambda i, r: run_op(layers[i % len(layers)], *r, True),
+                            "op/stage-dispatch": lambda i, r: run_op(layers[i % len(layers)], *r, False)}
+                results = take_turns(op_modes, routings, args.calls)
+                os.environ.pop("KT_ONE_DISPATCH", None)
+                tasks = make_tasks(layers, T, K, H, args.deferred)
+                task_modes = {mode: (lambda i, r, per_layer=per_layer: run_task(*per_layer[i % len(per_layer)], *r))
+                              for mode, per_layer in tasks.items()}
+                results.update(take_turns(task_modes, routings, args.calls))
+                for mode, res in results.items():
+                    firsts, totals = [f for f, _ in res], sorted(t for _, t in res)
+                    print(f"| {shape} | {T} | {threads} | {mode} | {statistics.median(firsts):.3f} | "
+                          f"{statistics.median(totals):.3f} | {totals[int(0.9 * len(totals))]:.3f} |", flush=True)
+                del tasks
+
+
+if __name__ == "__main__":
+    main()
