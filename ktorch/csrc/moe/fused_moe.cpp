@@ -38,6 +38,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <sched.h>
 #include <string>
 #include <vector>
 
@@ -339,7 +340,14 @@ void run_stages(std::vector<Stage>& stages, bool one_dispatch, PhaseTimer& timer
     while (task >= first[s + 1]) ++s;
     const Stage& st = stages[s];
     for (int a : st.after)
-      while (finished[a].load(std::memory_order_acquire) < stages[a].n) cpu_relax();
+      for (int polls = 1; finished[a].load(std::memory_order_acquire) < stages[a].n; ++polls) {
+        cpu_relax();
+        // a long wait means a thread holding an earlier task was preempted (more runnable threads than cores: the
+        // GPU's launch and callback threads beside the pool); give this core up now and then so that it runs,
+        // instead of a dozen waiters spinning until the scheduler's time slice ends (decode calls of 5-13 ms
+        // seen on the H100 host, 48 layers with deferral)
+        if (polls % runtime::kYieldPolls == 0) sched_yield();
+      }
     auto finish = [&] {
       if (finished[s].fetch_add(1, std::memory_order_acq_rel) + 1 != st.n) return false;
       if (timer.on()) end[s] = PhaseTimer::Clock::now();
