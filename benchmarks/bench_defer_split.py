@@ -35,6 +35,7 @@ from ktorch.compile.experts_runtime import ExpertsLayer, _NativeHostFunctions
 SHAPES = {  # name: (E, K, H, I)
     "qwen3": (128, 8, 2048, 768),
     "deepseek-v2-lite": (64, 6, 2048, 1408),
+    "tiny": (8, 4, 256, 128),  # a smoke run (tests/test_bench_defer_split.py), not a measurement
 }
 
 
@@ -88,7 +89,7 @@ def take_turns(modes: dict, routings: list, calls: int) -> dict:
     return results
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=["qwen3", "deepseek-v2-lite"], choices=sorted(SHAPES))
     ap.add_argument("--tokens", type=int, nargs="+", default=[1])
@@ -97,7 +98,8 @@ def main() -> None:
     ap.add_argument("--format", default="int8", choices=["bf16", "int8", "int4"])
     ap.add_argument("--calls", type=int, default=400, help="calls per mode")
     ap.add_argument("--cold-factor", type=float, default=8.0, help="layer copies until their bytes exceed this x L3")
-    args = ap.parse_args()
+    ap.add_argument("--max-copies", type=int, default=64, help="at most this many layer copies")
+    args = ap.parse_args(argv)
 
     print(f"# {machine()}; torch {torch.__version__}; kernel {torch.ops.kt.selected_kernel()}; {args.format}; "
           f"L3 {l3_bytes() / 2**20:.0f} MiB")
@@ -107,7 +109,7 @@ def main() -> None:
         E, K, H, I = SHAPES[shape]
         one = random_packed(E, H, I, args.format)
         nbytes = sum(t.numel() * t.element_size() for t in one.tensors() if t is not None)
-        copies = max(2, int(args.cold_factor * l3_bytes() / nbytes) + 1)
+        copies = min(args.max_copies, max(2, int(args.cold_factor * l3_bytes() / nbytes) + 1))
         layers = [one] + [random_packed(E, H, I, args.format) for _ in range(copies - 1)]
         for T in args.tokens:
             routings = routings_for(T, E, K, H, 64)

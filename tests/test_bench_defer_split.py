@@ -1,0 +1,34 @@
+"""benchmarks/bench_defer_split.py runs end to end on a tiny layer (a smoke run: the script must not rot between
+device sessions; its numbers here mean nothing): every mode prints a row, and the environment knobs it sets for
+its modes are gone afterwards."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_defer_split.py"
+sys.path.insert(0, str(_PATH.parent))
+_spec = importlib.util.spec_from_file_location("bench_defer_split", _PATH)
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+
+def test_smoke_run_prints_every_mode(capsys):
+    import ktorch
+
+    before = ktorch.get_num_threads()
+    try:
+        bench.main(["--shapes", "tiny", "--tokens", "1", "3", "--threads", "2", "--deferred", "1", "--calls", "3",
+                    "--max-copies", "2"])
+    finally:
+        ktorch.set_num_threads(before)
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny")]
+    modes = ["op", "op/stage-dispatch", "task d=0", "task d=1 1 call", "task d=1 2 calls"]
+    assert [row.split(" | ")[3] for row in rows] == modes * 2
+    for row in rows:
+        first, total = (float(x) for x in row.split(" | ")[4:6])
+        assert 0 < first <= total
+    assert "KT_ONE_DISPATCH" not in os.environ and "KT_DEFER_CALLS" not in os.environ
