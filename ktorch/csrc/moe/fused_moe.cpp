@@ -714,12 +714,12 @@ Workspace& second_shared_workspace() {
 
 // A call in one or two parts (out_later defined: the pairs of ids_later into out_later, after out_now is
 // published with on_now). Both outputs are [T, H] tensors of hidden's dtype, contiguous.
-void run_call(const at::Tensor& hidden_in, const at::Tensor& ids_now, const at::Tensor* ids_later,
+// fmt: what check_call, which the entry point ran, returned.
+void run_call(WeightFormat fmt, const at::Tensor& hidden_in, const at::Tensor& ids_now, const at::Tensor* ids_later,
               const at::Tensor& topk_weights_in, const at::Tensor& w13, const std::optional<at::Tensor>& w13_scales,
               const at::Tensor& w2, const std::optional<at::Tensor>& w2_scales, c10::string_view activation,
               const QuantizeH& quantize_h, const at::Tensor& out_now, const at::Tensor* out_later,
               const std::function<void()>& on_now) {
-  const WeightFormat fmt = check_call(hidden_in, ids_now, topk_weights_in, w13, w2);
   const PackedMatrix up = describe(w13, w13_scales, fmt, "w13", "w13_scales");
   const PackedMatrix down = describe(w2, w2_scales, fmt, "w2", "w2_scales");
   const int64_t T = hidden_in.size(0), H = hidden_in.size(1), E = up.E, I = up.N / 2;
@@ -746,13 +746,14 @@ void run_call(const at::Tensor& hidden_in, const at::Tensor& ids_now, const at::
   timer.mark("setup");
 
   const bool int_fmt = fmt != WeightFormat::BF16;
+  const bool caller_quantizes_h = int_fmt && quantize_h;  // bf16 weights have no h to quantize (fused_moe.h)
   Shared s{hidden_in, hidden_in.scalar_type(), T, H, I, E, fmt, int_fmt, up, down, act, ks, workers,
            static_cast<const uint8_t*>(w13.data_ptr()), w13_scales ? w13_scales->data_ptr<float>() : nullptr,
            static_cast<const uint8_t*>(w2.data_ptr()), w2_scales ? w2_scales->data_ptr<float>() : nullptr,
            int_fmt ? up.groups : 1, int_fmt ? H : 2 * H, 0, 0};
   // ---- 1. route (each part)
   const at::Tensor wts = topk_weights_in.to(at::kFloat).contiguous();
-  Part now(s, ids_now, wts.data_ptr<float>(), out_now, ws, static_cast<bool>(quantize_h));
+  Part now(s, ids_now, wts.data_ptr<float>(), out_now, ws, caller_quantizes_h);
   std::optional<Part> later;
   if (ids_later != nullptr) later.emplace(s, *ids_later, wts.data_ptr<float>(), *out_later, ws2, false);
   if (now.pairs() == 0 && (!later || later->pairs() == 0)) {  // outputs zeroed by the parts
@@ -791,7 +792,7 @@ void run_call(const at::Tensor& hidden_in, const at::Tensor& ids_now, const at::
     stages.push_back({first ? "gate_up" : "gate_up.later", part.gate_up_tasks(),
                       [&part, &gu_times](int64_t t, int w) { part.gate_up(t, w, gu_times); }, {0}, {}});
     std::vector<int> before_down = {gu};
-    if (first && quantize_h) {
+    if (first && caller_quantizes_h) {
       stages.push_back({"h_quantize", 1, [&part, &quantize_h](int64_t, int) { part.quantize_with(quantize_h); }, {gu}, {}});
       before_down.push_back(gu + 1);
     } else if (part.quantize_tasks() > 0) {
@@ -806,7 +807,7 @@ void run_call(const at::Tensor& hidden_in, const at::Tensor& ids_now, const at::
   if (later) add_part(*later, false, {});
   // KT_ONE_DISPATCH=0 (read per call, to compare): one pool dispatch a stage, as before the stages were chained
   const char* one = std::getenv("KT_ONE_DISPATCH");
-  run_stages(stages, !quantize_h && !(one != nullptr && std::strcmp(one, "0") == 0), timer);
+  run_stages(stages, !caller_quantizes_h && !(one != nullptr && std::strcmp(one, "0") == 0), timer);
   gu_times.report(timer, "gate_up.kernel", "gate_up.epilogue", "gate_up.other", "gate_up.busiest");
   down_times.report(timer, "down.kernel", "down.scatter", "down.other", "down.busiest");
   if (timer.on()) {
@@ -832,9 +833,9 @@ at::Tensor fused_moe_with_h_quantizer(const at::Tensor& hidden_in, const at::Ten
                                       const std::optional<at::Tensor>& w13_scales, const at::Tensor& w2,
                                       const std::optional<at::Tensor>& w2_scales, c10::string_view activation,
                                       const QuantizeH& quantize_h) {
-  check_call(hidden_in, topk_ids_in, topk_weights_in, w13, w2);
+  const WeightFormat fmt = check_call(hidden_in, topk_ids_in, topk_weights_in, w13, w2);
   at::Tensor out = at::empty({hidden_in.size(0), hidden_in.size(1)}, hidden_in.options());
-  run_call(hidden_in, topk_ids_in, nullptr, topk_weights_in, w13, w13_scales, w2, w2_scales, activation, quantize_h,
+  run_call(fmt, hidden_in, topk_ids_in, nullptr, topk_weights_in, w13, w13_scales, w2, w2_scales, activation, quantize_h,
            out, nullptr, {});
   return out;
 }
@@ -843,7 +844,7 @@ void fused_moe_split(const at::Tensor& hidden, const at::Tensor& ids_now, const 
                      const at::Tensor& topk_weights, const at::Tensor& w13, const std::optional<at::Tensor>& w13_scales,
                      const at::Tensor& w2, const std::optional<at::Tensor>& w2_scales, c10::string_view activation,
                      const at::Tensor& out_now, const at::Tensor& out_later, const std::function<void()>& on_now) {
-  check_call(hidden, ids_now, topk_weights, w13, w2);
+  const WeightFormat fmt = check_call(hidden, ids_now, topk_weights, w13, w2);
   TORCH_CHECK(ids_later.sizes() == ids_now.sizes() && ids_later.device().is_cpu() &&
                   (ids_later.scalar_type() == at::kInt || ids_later.scalar_type() == at::kLong),
               "fused_moe_split: ids_later must be an int32/int64 CPU tensor shaped like ids_now ", ids_now.sizes(),
@@ -853,7 +854,7 @@ void fused_moe_split(const at::Tensor& hidden, const at::Tensor& ids_now, const 
                     o->is_contiguous(),
                 "fused_moe_split: the outputs must be contiguous CPU tensors like hidden ", hidden.sizes(), " ",
                 hidden.scalar_type(), ", got ", o->sizes(), " ", o->scalar_type(), " on ", o->device());
-  run_call(hidden, ids_now, &ids_later, topk_weights, w13, w13_scales, w2, w2_scales, activation, QuantizeH(), out_now,
+  run_call(fmt, hidden, ids_now, &ids_later, topk_weights, w13, w13_scales, w2, w2_scales, activation, QuantizeH(), out_now,
            &out_later, on_now);
 }
 

@@ -245,8 +245,7 @@ class Worker {
       }
       fail(t, e, t->out_later);
     }
-    const int64_t t1 = published.load(std::memory_order_acquire);
-    finish(t, seq, true, t1 >= 0 ? t1 : -1);
+    finish(t, seq, true, published.load(std::memory_order_acquire));  // -1 (nothing recorded) if never published
   }
   // One experts call on the task's tensors with these ids, into out (NaN and the message kept on failure).
   static void call(HostTask* t, const at::Tensor& ids, const at::Tensor& out) {
