@@ -6,7 +6,10 @@ failing test's report carries the seed, and KT_TEST_SEED=<seed> replays exactly 
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +17,15 @@ import torch
 import ktorch
 
 KERNEL_LEVELS = ("portable", "avx512", "amx")
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def load_benchmark(name: str):
+    """benchmarks/<name>.py as a module. The folder goes on sys.path, as when a script runs from it: the benchmarks
+    import each other by name."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    return importlib.import_module(name)
 
 # What each level needs from the CPU, in words for the skip reason.
 _LEVEL_NEEDS = {

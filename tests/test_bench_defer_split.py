@@ -4,16 +4,11 @@ its modes are gone afterwards."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
-from pathlib import Path
 
-_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_defer_split.py"
-sys.path.insert(0, str(_PATH.parent))
-_spec = importlib.util.spec_from_file_location("bench_defer_split", _PATH)
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+from conftest import load_benchmark
+
+bench = load_benchmark("bench_defer_split")
 
 
 def test_smoke_run_prints_every_mode(capsys):

@@ -4,18 +4,13 @@ including on an error; without --env-variants a variant is a KT_AMX_WALK value."
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_fused_moe.py"
-sys.path.insert(0, str(_PATH.parent))
-_spec = importlib.util.spec_from_file_location("bench_fused_moe", _PATH)
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+from conftest import load_benchmark
+
+bench = load_benchmark("bench_fused_moe")
 
 
 def test_env_variant_sets_and_restores(monkeypatch):

@@ -4,18 +4,12 @@ GPU timeline alone (between a call's last input copy and its result copy)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_e2e.py"
-sys.path.insert(0, str(_PATH.parent))
-_spec = importlib.util.spec_from_file_location("bench_e2e", _PATH)
-e2e = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("bench_e2e", e2e)
-_spec.loader.exec_module(e2e)
+from conftest import load_benchmark
+
+e2e = load_benchmark("bench_e2e")
 
 
 def kernel(ts, dur):

@@ -4,20 +4,16 @@ fake llama-bench run through the script's subprocess path, and the comparison ta
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import stat
-import sys
 from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_vs_llamacpp.py"
-_spec = importlib.util.spec_from_file_location("bench_vs_llamacpp", _PATH)
-vs = importlib.util.module_from_spec(_spec)
-sys.modules["bench_vs_llamacpp"] = vs
-_spec.loader.exec_module(vs)
+from conftest import load_benchmark
+
+vs = load_benchmark("bench_vs_llamacpp")
 
 # One record as llama-bench (CPU build, this repo's fetched llama.cpp) printed it with -o jsonl.
 JSONL_RECORD = (
