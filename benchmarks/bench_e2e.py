@@ -392,12 +392,13 @@ def parse_pool_sweep(spec: str) -> list[tuple[int, int, int]]:
 
 @torch.no_grad()
 def pool_sweep(model, runner, variant: str, device: str, decode_tokens: int, decode_context: int, vocab: int,
-               settings: list[tuple[int, int, int]]) -> list[dict]:
+               settings: list[tuple[int, int, int]], options: dict | None = None) -> list[dict]:
     """Decode re-timed on the same compiled model (no new compile or capture) for each (pool threads, KT_SPIN_US,
     KT_SPIN_YIELD): the pool is rebuilt between runs (set_num_threads rebuilds it when the size or either variable
     changed), while the host-task
     worker (its spin and yield fixed at its start: KT_HOST_SPIN_US, KT_SPIN_YIELD) and CUDA's callback thread stay.
-    Restores the pool size and the variables it found."""
+    ``options`` are time_variant's (a ``decode_deferred_experts`` in them holds for every re-timing). Restores the
+    pool size and the variables it found."""
     size = ktorch.get_num_threads()
     saved = {k: os.environ.get(k) for k in ("KT_SPIN_US", "KT_SPIN_YIELD")}
     rows = []
@@ -407,7 +408,8 @@ def pool_sweep(model, runner, variant: str, device: str, decode_tokens: int, dec
             os.environ["KT_SPIN_US"] = str(spin_us)
             os.environ["KT_SPIN_YIELD"] = str(spin_yield)
             torch.ops.kt.set_num_threads(threads)  # (the op: leaves ktorch's "size chosen" flag alone)
-            r = time_variant(model, variant, device, [], decode_tokens, decode_context, 1, vocab, runner=runner)
+            r = time_variant(model, variant, device, [], decode_tokens, decode_context, 1, vocab, options,
+                             runner=runner)
             r.pop("runner")
             r.update(pool_threads=threads, spin_us=spin_us, spin_yield=spin_yield)
             rows.append(r)

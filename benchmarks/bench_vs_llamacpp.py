@@ -200,13 +200,17 @@ def find_llama_bench(path: Optional[str]) -> Optional[str]:
 
 
 def run_ktorch(gguf: Path, device: str, variants: list[str], prompts: list[int], gen: int, decode_context: int,
-               repeats: int, options: Optional[dict] | Sequence[Optional[dict]], streams: Sequence = ("off",)) -> Iterator[dict]:
+               repeats: int, options: Optional[dict] | Sequence[Optional[dict]], streams: Sequence = ("off",),
+               pool_sweep: Sequence[tuple[int, int, int]] = ()) -> Iterator[dict]:
     """Loads ``gguf`` with ktorch.load and times each variant with bench_e2e's ``time_variant``; yields one dict
     per variant, as soon as it is measured, with ``tests`` {"pp512": tok/s, ..., "tg64": tok/s} and bench_e2e's
     raw fields (or ``error``). Each prefill streaming setting in ``streams`` (``ktorch.set_stream_experts``: "off",
     "auto" or a table) gets its own line per variant, the variant named "VARIANT+stream=SETTING"; decode is timed
     with the first setting only (decode never streams). ``options`` may be a list of backend option sets (e.g.
-    ``[None, {"n_deferred_experts": 2}]``): each runs every variant, named "VARIANT+OPTIONS" when not None."""
+    ``[None, {"n_deferred_experts": 2}]``): each runs every variant, named "VARIANT+OPTIONS" when not None.
+    Option sets that differ only in ``decode_deferred_experts`` (a runtime setting) share one compile: the next
+    set reuses the runner the previous one made. ``pool_sweep`` ((pool threads, KT_SPIN_US, KT_SPIN_YIELD), see
+    bench_e2e.py --pool-sweep) re-times decode on that runner per setting, a line each named "...+threads=N"."""
     import traceback
 
     import torch
@@ -228,41 +232,59 @@ def run_ktorch(gguf: Path, device: str, variants: list[str], prompts: list[int],
     print(f"ktorch.load: {load_s:.1f} s, experts {sorted(experts) or '?'}, other weights "
           f"{next(model.parameters()).dtype} on {device}", flush=True)
     option_sets = list(options) if isinstance(options, (list, tuple)) else [options]
+    runner, runner_key = None, None  # the last compiled runner, and what it was compiled for
     for variant, opts, stream in [(v, o, st) for v in variants for o in option_sets for st in streams]:
         first = stream == streams[0]
         label = variant if not opts else f"{variant}+{json.dumps(opts, separators=(',', ':'))}"
         if stream != "off":
             label += f"+stream={json.dumps(stream) if isinstance(stream, dict) else stream}"
-        torch._dynamo.reset()
+        key = (variant, json.dumps(bench_e2e.split_decode_deferral(opts)[0], sort_keys=True), json.dumps(stream))
+        if key != runner_key:
+            runner, runner_key = None, None
+            gc.collect()
+            if device == "cuda":
+                torch.cuda.empty_cache()
+            torch._dynamo.reset()
         t0 = time.perf_counter()
         try:
             ktorch.set_stream_experts(model, stream)
             r = bench_e2e.time_variant(model, variant, device, prompts, gen if first else 0, decode_context, repeats,
-                                       model.config.vocab_size, opts)
+                                       model.config.vocab_size, opts, runner=runner)
             r["variant"] = label
             r["stream_plan"] = ktorch.stream_plan(model)
         except Exception as e:  # one variant failing must not lose the others (benchmarks never assert)
             traceback.print_exc()
             print(f"ktorch {label}: failed: {type(e).__name__}: {e}", flush=True)
             yield dict(variant=label, error=f"{type(e).__name__}: {e}", tests={})
+            runner, runner_key = None, None
             continue
-        r.pop("runner", None)
-        tests = {f"pp{p}": r[f"prefill_{p}_tok_s"] for p in prompts if f"prefill_{p}_tok_s" in r}
-        if "decode_tok_s" in r:
-            tests[f"tg{gen}"] = r["decode_tok_s"]
+        runner, runner_key = r.pop("runner"), key
         kt_threads = ktorch.get_num_threads() if hasattr(ktorch, "get_num_threads") else None
-        r.update(tests=tests, load_s=load_s, experts_format=sorted(experts), seconds=time.perf_counter() - t0,
-                 decode_context=decode_context, options=opts, kt_threads=kt_threads)
-        print(f"ktorch {label}: " + ", ".join(f"{k} {v:.1f} tok/s" for k, v in tests.items())
-              + f" ({r['seconds']:.0f} s with compiles; {kt_threads} CPU threads)", flush=True)
-        yield r
-        gc.collect()
-        if device == "cuda":
-            torch.cuda.empty_cache()
+        yield _ktorch_line(r, label, prompts, gen, kt_threads, load_s=load_s, experts_format=sorted(experts),
+                           seconds=time.perf_counter() - t0, decode_context=decode_context, options=opts)
+        if gen and first and pool_sweep:
+            for row in bench_e2e.pool_sweep(model, runner, variant, device, gen, decode_context,
+                                            model.config.vocab_size, list(pool_sweep), opts):
+                threads = row.pop("pool_threads")
+                yield _ktorch_line(row, f"{label}+threads={threads}", [], gen, threads, load_s=load_s,
+                                   experts_format=sorted(experts), decode_context=decode_context, options=opts)
+    del runner
     del model
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
+
+
+def _ktorch_line(r: dict, label: str, prompts: list[int], gen: int, kt_threads, **fields) -> dict:
+    """``r`` (time_variant's result) as one ktorch line: its tests {"pp512": tok/s, ..., "tg64": tok/s}, printed."""
+    tests = {f"pp{p}": r[f"prefill_{p}_tok_s"] for p in prompts if f"prefill_{p}_tok_s" in r}
+    if "decode_tok_s" in r:
+        tests[f"tg{gen}"] = r["decode_tok_s"]
+    r.update(variant=label, tests=tests, kt_threads=kt_threads, **fields)
+    took = f" ({r['seconds']:.0f} s with compiles;" if "seconds" in r else " (same compile;"
+    print(f"ktorch {label}: " + ", ".join(f"{k} {v:.1f} tok/s" for k, v in tests.items())
+          + f"{took} {kt_threads} CPU threads)", flush=True)
+    return r
 
 
 def _experts_modules(model):
@@ -414,6 +436,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="ktorch prefill repetitions, median (default: 3)")
     p.add_argument("--decode-context", type=int, default=1, help="ktorch prompt length before decoding (default: 1)")
     p.add_argument("--kt-threads", type=int, default=None, help="ktorch worker threads (KT_NUM_THREADS)")
+    p.add_argument("--pool-sweep", default="",
+                   help="decode re-timed on the same compile per THREADS[:SPIN_US[:YIELD]],... (ktorch's worker "
+                        "pool size, KT_SPIN_US, KT_SPIN_YIELD; see bench_e2e.py --pool-sweep), a line each")
     p.add_argument("--stream-experts", default="off",
                    help="';'-separated ktorch prefill streaming settings, one line each (off, auto, "
                         "'512:0.4,2048:0.45'; see bench_e2e.py) (default: off)")
@@ -448,6 +473,10 @@ def main(argv=None) -> None:
 
     import torch
 
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import bench_e2e
+
+    pool_sweep = bench_e2e.parse_pool_sweep(args.pool_sweep)  # (a bad spec fails before a file is written)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     types = _csv(args.types)
     prompts = [int(p) for p in _csv(args.prompts)]
@@ -502,7 +531,7 @@ def main(argv=None) -> None:
 
                 streams = [parse_stream_plan(spec) for spec in args.stream_experts.split(";") if spec.strip()]
                 for r in run_ktorch(path, device, variants, prompts, args.gen, args.decode_context, args.repeats,
-                                    options, streams):
+                                    options, streams, pool_sweep):
                     line = dict(kind="ktorch", experts_type=type_name, layers=args.layers, device=device,
                                 gguf_write_s=write_s, **r)
                     lines.append(line)

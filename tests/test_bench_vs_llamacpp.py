@@ -192,3 +192,48 @@ def test_report_prints_the_table(tmp_path, capsys):
     assert "| experts | test | llama.cpp tok/s (best setting) |" in out
     assert out.count("| Q8_0 (12 layers) |") == 3
     assert not math.isnan(vs.comparison_rows(_lines())[0]["ratio"])
+
+
+def test_run_ktorch_one_compile_for_decode_deferral_sets_and_a_pool_sweep(monkeypatch):
+    """Option sets that differ only in decode_deferred_experts (a runtime setting) share one runner (one compile);
+    another option set gets a new one; --pool-sweep re-times decode on the same runner per pool size, with the
+    set's d, and restores the pool size."""
+    import torch
+
+    import ktorch
+    import ktorch.compile
+    from ktorch.builtin import load_builtin
+
+    e2e = load_benchmark("bench_e2e")
+    model = ktorch.prepare(load_builtin()[0], device="cpu", experts_dtype="int8")
+    monkeypatch.setattr(ktorch, "load", lambda *args, **kwargs: (model, None))
+    made, seen = [], []
+
+    class FakeRunner:
+        def __init__(self, model, variant, device, max_len, options=None):
+            made.append(options)
+
+        def prefill(self, ids):
+            return torch.zeros(1, 1, dtype=torch.long)
+
+        def decode(self, first, n):
+            seen.append((len(made), ktorch.compile.RUNTIME.runtime_deferred, ktorch.get_num_threads()))
+            return first
+
+    monkeypatch.setattr(e2e, "Runner", FakeRunner)
+    size = ktorch.get_num_threads()
+    options = [{"decode_deferred_experts": 2}, {"decode_deferred_experts": 3}, None]
+    lines = list(vs.run_ktorch(Path("unused.gguf"), "cpu", ["compiled"], [], 4, 1, 1, options,
+                               pool_sweep=[(1, 300, 0), (2, 300, 0)]))
+    assert [line["variant"] for line in lines] == [
+        'compiled+{"decode_deferred_experts":2}', 'compiled+{"decode_deferred_experts":2}+threads=1',
+        'compiled+{"decode_deferred_experts":2}+threads=2', 'compiled+{"decode_deferred_experts":3}',
+        'compiled+{"decode_deferred_experts":3}+threads=1', 'compiled+{"decode_deferred_experts":3}+threads=2',
+        "compiled", "compiled+threads=1", "compiled+threads=2"]
+    assert all("error" not in line and line["tests"]["tg4"] > 0 for line in lines)
+    assert made == [{"n_deferred_experts": "runtime"}, None]  # d = 2 and 3 on one runner, no options on another
+    assert [line["kt_threads"] for line in lines] == [size, 1, 2] * 3
+    timed = [s for s in seen if s[0] > 0]  # (runner count, d, pool threads) of every decode, warm-ups included
+    assert {(n, d) for n, d, _ in timed} == {(1, 2), (1, 3), (2, 0)}
+    assert {t for _, _, t in timed} == {size, 1, 2}
+    assert ktorch.get_num_threads() == size and ktorch.compile.RUNTIME.runtime_deferred == 0
