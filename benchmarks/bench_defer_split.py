@@ -29,7 +29,7 @@ import types
 import torch
 
 import ktorch
-from bench_fused_moe import l3_bytes, machine, random_packed, routings_for
+from bench_fused_moe import huge_pages_note, l3_bytes, machine, random_packed, routings_for
 from ktorch.compile.experts_runtime import ExpertsLayer, _NativeHostFunctions
 
 SHAPES = {  # name: (E, K, H, I)
@@ -111,6 +111,7 @@ def main(argv: list[str] | None = None) -> None:
         nbytes = sum(t.numel() * t.element_size() for t in one.tensors() if t is not None)
         copies = min(args.max_copies, max(2, int(args.cold_factor * l3_bytes() / nbytes) + 1))
         layers = [one] + [random_packed(E, H, I, args.format) for _ in range(copies - 1)]
+        print(f"# {shape}: {copies} layer copies; {huge_pages_note()}", flush=True)
         for T in args.tokens:
             routings = routings_for(T, E, K, H, 64)
             for threads in args.threads:

@@ -326,10 +326,12 @@ def time_variant(model, variant: str, device: str, prompts: list[int], decode_to
         runtime = ktorch.compile.RUNTIME
         runtime.take_native_timeline()  # drop what the warm-up recorded
         stats0 = dict(runtime.stats)
+        cpu0 = host_cpu_times()
         t0 = time.perf_counter()
         runner.decode(first, decode_tokens)
         sync(device)
         elapsed = time.perf_counter() - t0
+        result.update(host_cpu_shares(cpu0, host_cpu_times()))
         result["decode_tok_s"] = decode_tokens / elapsed
         stats = runtime.stats
         native = runtime.take_native_timeline()
@@ -347,6 +349,34 @@ def time_variant(model, variant: str, device: str, prompts: list[int], decode_to
         ktorch.compile.set_runtime_deferred_experts(0)
     result["runner"] = runner
     return result
+
+
+def host_cpu_times() -> dict[str, int]:
+    """The machine's CPU time by kind since boot (the "cpu" line of /proc/stat, in clock ticks); {} elsewhere."""
+    names = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return {}
+    if not fields or fields[0] != "cpu":
+        return {}
+    return {name: int(v) for name, v in zip(names, fields[1:])}
+
+
+def host_cpu_shares(before: dict, after: dict) -> dict:
+    """Between two host_cpu_times: the share of all CPUs' time that was busy (user + system + irq), idle, and
+    stolen by the hypervisor (steal: a virtual CPU that was ready to run while the host ran something else), in
+    percent: a decode that stalls while steal is high lost its cores to other tenants, not to its own threads."""
+    if not before or not after:
+        return {}
+    delta = {k: after[k] - before.get(k, 0) for k in after}
+    total = sum(delta.values())
+    if total <= 0:
+        return {}
+    busy = sum(delta.get(k, 0) for k in ("user", "nice", "system", "irq", "softirq"))
+    return {"host_busy_pct": 100.0 * busy / total, "host_idle_pct": 100.0 * (delta.get("idle", 0) + delta.get("iowait", 0)) / total,
+            "host_steal_pct": 100.0 * delta.get("steal", 0) / total}
 
 
 def call_gap_stats(timeline: list) -> dict:
@@ -367,51 +397,56 @@ def call_gap_stats(timeline: list) -> dict:
             "calls_over_1ms": sum(c > 1000 for c in calls), "gaps_over_1ms": sum(g > 1000 for g in gaps)}
 
 
-def parse_pool_sweep(spec: str) -> list[tuple[int, int, int]]:
-    """'15:2000,13:400:1' -> [(15, 2000, 0), (13, 400, 1)]: (pool threads, KT_SPIN_US, KT_SPIN_YIELD) per decode
-    re-timing; the spin and yield default to the environment's."""
+def parse_pool_sweep(spec: str) -> list[tuple[int, int, int, int]]:
+    """'15:2000,13:400:1,13:300:0:1' -> [(15, 2000, 0, 0), (13, 400, 1, 0), (13, 300, 0, 1)]: (pool threads,
+    KT_SPIN_US, KT_SPIN_YIELD, KT_PIN_THREADS) per decode re-timing; spin, yield and pin default to the
+    environment's."""
     out = []
     for item in spec.split(","):
         item = item.strip()
         if not item:
             continue
         parts = item.split(":")
+
+        def field(i, name, fallback):
+            return int(parts[i]) if len(parts) > i and parts[i] else int(os.environ.get(name, fallback) or fallback)
+
         try:
-            if len(parts) > 3:
+            if len(parts) > 4:
                 raise ValueError
             threads = int(parts[0])
-            spin = int(parts[1]) if len(parts) > 1 and parts[1] else int(os.environ.get("KT_SPIN_US", "2000"))
-            yld = int(parts[2]) if len(parts) > 2 else int(os.environ.get("KT_SPIN_YIELD", "0") or 0)
+            spin, yld, pin = field(1, "KT_SPIN_US", "2000"), field(2, "KT_SPIN_YIELD", "0"), field(3, "KT_PIN_THREADS", "0")
         except ValueError:
-            raise SystemExit(f"--pool-sweep: want THREADS[:SPIN_US[:YIELD]],..., got {item!r}") from None
-        if threads < 1 or spin < 0 or yld not in (0, 1):
-            raise SystemExit(f"--pool-sweep: threads >= 1, spin >= 0 and yield 0 or 1, got {item!r}")
-        out.append((threads, spin, yld))
+            raise SystemExit(f"--pool-sweep: want THREADS[:SPIN_US[:YIELD[:PIN]]],..., got {item!r}") from None
+        if threads < 1 or spin < 0 or yld not in (0, 1) or pin not in (0, 1):
+            raise SystemExit(f"--pool-sweep: threads >= 1, spin >= 0, yield and pin 0 or 1, got {item!r}")
+        out.append((threads, spin, yld, pin))
     return out
 
 
 @torch.no_grad()
 def pool_sweep(model, runner, variant: str, device: str, decode_tokens: int, decode_context: int, vocab: int,
-               settings: list[tuple[int, int, int]], options: dict | None = None) -> list[dict]:
+               settings: list[tuple[int, int, int, int]], options: dict | None = None) -> list[dict]:
     """Decode re-timed on the same compiled model (no new compile or capture) for each (pool threads, KT_SPIN_US,
-    KT_SPIN_YIELD): the pool is rebuilt between runs (set_num_threads rebuilds it when the size or either variable
-    changed), while the host-task
+    KT_SPIN_YIELD, KT_PIN_THREADS): the pool is rebuilt between runs (set_num_threads rebuilds it when the size or
+    a variable changed), while the host-task
     worker (its spin and yield fixed at its start: KT_HOST_SPIN_US, KT_SPIN_YIELD) and CUDA's callback thread stay.
     ``options`` are time_variant's (a ``decode_deferred_experts`` in them holds for every re-timing). Restores the
     pool size and the variables it found."""
     size = ktorch.get_num_threads()
-    saved = {k: os.environ.get(k) for k in ("KT_SPIN_US", "KT_SPIN_YIELD")}
+    saved = {k: os.environ.get(k) for k in ("KT_SPIN_US", "KT_SPIN_YIELD", "KT_PIN_THREADS")}
     rows = []
     try:
-        for threads, spin_us, spin_yield in settings:
+        for threads, spin_us, spin_yield, pin in settings:
             sync(device)
             os.environ["KT_SPIN_US"] = str(spin_us)
             os.environ["KT_SPIN_YIELD"] = str(spin_yield)
+            os.environ["KT_PIN_THREADS"] = str(pin)
             torch.ops.kt.set_num_threads(threads)  # (the op: leaves ktorch's "size chosen" flag alone)
             r = time_variant(model, variant, device, [], decode_tokens, decode_context, 1, vocab, options,
                              runner=runner)
             r.pop("runner")
-            r.update(pool_threads=threads, spin_us=spin_us, spin_yield=spin_yield)
+            r.update(pool_threads=threads, spin_us=spin_us, spin_yield=spin_yield, pin_threads=pin)
             rows.append(r)
     finally:
         sync(device)
@@ -623,7 +658,8 @@ def main(argv=None) -> None:
                              "'min_tokens:experts_or_fraction,...' (e.g. 512:0.3,2048:0.45)")
     parser.add_argument("--pool-sweep", default="",
                         help="after each ktorch variant's decode, re-time it (same compile) per pool setting "
-                             "THREADS[:KT_SPIN_US[:KT_SPIN_YIELD]],... e.g. '15:2000,13:2000,15:2000:1' (whether the pool's spinning "
+                             "THREADS[:KT_SPIN_US[:KT_SPIN_YIELD[:KT_PIN_THREADS]]],... e.g. "
+                             "'15:2000,13:2000,15:2000:1,13:300:0:1' (whether the pool's spinning "
                              "workers and CUDA's host-function thread fight for the cores)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for traces")
     parser.add_argument("--json", default=None, help="append results as JSON lines to this file")
@@ -706,11 +742,12 @@ def main(argv=None) -> None:
             continue
         print(f"\npool sweep, {r['variant']} (decode re-timed on the same compiled model; CPU calls and the gaps "
               "between them from the native host tasks' timeline, us):")
-        print("| pool threads | KT_SPIN_US | KT_SPIN_YIELD | decode tok/s | cpu experts ms per step | "
+        print("| pool threads | KT_SPIN_US | KT_SPIN_YIELD | KT_PIN_THREADS | decode tok/s | cpu experts ms per step | "
               + " | ".join(gap_cols) + " |")
-        print("|---|---|---|---|---|" + "---|" * len(gap_cols))
+        print("|---|---|---|---|---|---|" + "---|" * len(gap_cols))
         for p in r["pool_sweep"]:
-            print(f"| {p['pool_threads']} | {p['spin_us']} | {p.get('spin_yield', 0)} | {p['decode_tok_s']:.2f} | {p['cpu_experts_ms_per_step']:.2f} | "
+            print(f"| {p['pool_threads']} | {p['spin_us']} | {p.get('spin_yield', 0)} | {p.get('pin_threads', 0)} | "
+                  f"{p['decode_tok_s']:.2f} | {p['cpu_experts_ms_per_step']:.2f} | "
                   + " | ".join(f"{p.get(c, 0):.0f}" for c in gap_cols) + " |")
     for r in rows:
         if "stream_calibration" in r:

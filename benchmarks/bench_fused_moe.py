@@ -71,6 +71,20 @@ def machine() -> str:
     )
 
 
+def huge_pages_note() -> str:
+    """This process's memory on transparent huge pages (AnonHugePages of /proc/self/smaps_rollup) and the
+    kernel's THP mode, e.g. "2048 MiB of 2400 MiB on huge pages (THP madvise)"; "" where Linux does not say."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            kb = {line.split(":")[0]: int(line.split()[1]) for line in f if line.split()[-1:] == ["kB"]}
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            mode = f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError, ValueError):
+        return ""
+    return (f"{kb.get('AnonHugePages', 0) >> 10} MiB of {kb.get('Anonymous', 0) >> 10} MiB anonymous memory on huge "
+            f"pages (THP {mode}, THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', '')!r})")
+
+
 def l3_bytes() -> int:
     """The largest L3 size that sysfs or lscpu reports (VMs often show a per-core slice in sysfs only)."""
     sizes = [32 << 20]

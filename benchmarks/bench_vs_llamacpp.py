@@ -229,8 +229,10 @@ def run_ktorch(gguf: Path, device: str, variants: list[str], prompts: list[int],
         return
     load_s = time.perf_counter() - t0
     experts = {getattr(m, "kt_format", "?") for _, m in _experts_modules(model)}
+    from bench_fused_moe import huge_pages_note
+
     print(f"ktorch.load: {load_s:.1f} s, experts {sorted(experts) or '?'}, other weights "
-          f"{next(model.parameters()).dtype} on {device}", flush=True)
+          f"{next(model.parameters()).dtype} on {device}; {huge_pages_note()}", flush=True)
     option_sets = list(options) if isinstance(options, (list, tuple)) else [options]
     runner, runner_key = None, None  # the last compiled runner, and what it was compiled for
     for variant, opts, stream in [(v, o, st) for v in variants for o in option_sets for st in streams]:
@@ -282,8 +284,10 @@ def _ktorch_line(r: dict, label: str, prompts: list[int], gen: int, kt_threads, 
         tests[f"tg{gen}"] = r["decode_tok_s"]
     r.update(variant=label, tests=tests, kt_threads=kt_threads, **fields)
     took = f" ({r['seconds']:.0f} s with compiles;" if "seconds" in r else " (same compile;"
+    host = (f"; CPU experts {r['cpu_experts_ms_per_step']:.1f} ms a step, {r.get('calls_over_1ms', 0)} calls over "
+            f"1 ms, host steal {r.get('host_steal_pct', float('nan')):.1f}%" if "cpu_experts_ms_per_step" in r else "")
     print(f"ktorch {label}: " + ", ".join(f"{k} {v:.1f} tok/s" for k, v in tests.items())
-          + f"{took} {kt_threads} CPU threads)", flush=True)
+          + f"{took} {kt_threads} CPU threads{host})", flush=True)
     return r
 
 

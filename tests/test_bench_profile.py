@@ -74,12 +74,15 @@ def test_call_gap_stats_show_a_stalled_call_and_gap():
 def test_parse_pool_sweep(monkeypatch):
     monkeypatch.setenv("KT_SPIN_US", "777")
     monkeypatch.delenv("KT_SPIN_YIELD", raising=False)
-    assert e2e.parse_pool_sweep("15:2000, 13,") == [(15, 2000, 0), (13, 777, 0)]
-    assert e2e.parse_pool_sweep("15:2000:1,13::1") == [(15, 2000, 1), (13, 777, 1)]
+    monkeypatch.delenv("KT_PIN_THREADS", raising=False)
+    assert e2e.parse_pool_sweep("15:2000, 13,") == [(15, 2000, 0, 0), (13, 777, 0, 0)]
+    assert e2e.parse_pool_sweep("15:2000:1,13::1") == [(15, 2000, 1, 0), (13, 777, 1, 0)]
+    assert e2e.parse_pool_sweep("13:300:0:1,13:::1") == [(13, 300, 0, 1), (13, 777, 0, 1)]
     monkeypatch.setenv("KT_SPIN_YIELD", "1")
-    assert e2e.parse_pool_sweep("12:300") == [(12, 300, 1)]
+    monkeypatch.setenv("KT_PIN_THREADS", "1")
+    assert e2e.parse_pool_sweep("12:300") == [(12, 300, 1, 1)]
     assert e2e.parse_pool_sweep("") == []
-    for bad in ("x:1", "0:100", "4:-1", "4:100:2", "4:100:1:0", "4:100:y"):
+    for bad in ("x:1", "0:100", "4:-1", "4:100:2", "4:100:1:2", "4:100:1:0:0", "4:100:y"):
         with pytest.raises(SystemExit, match="--pool-sweep"):
             e2e.parse_pool_sweep(bad)
 
@@ -121,3 +124,15 @@ def test_decode_only_deferral_runs_prefill_at_zero_and_decode_at_d():
     assert {d for kind, _, d in seen if kind == "prefill"} == {0}
     assert {d for kind, _, d in seen if kind == "decode"} == {2}
     assert ktorch.compile.RUNTIME.runtime_deferred == 0  # reset after the decode
+
+
+def test_host_cpu_shares():
+    before = dict(user=100, nice=0, system=50, idle=800, iowait=10, irq=5, softirq=5, steal=30)
+    after = dict(user=160, nice=0, system=70, idle=880, iowait=10, irq=5, softirq=5, steal=50)  # 180 ticks
+    shares = e2e.host_cpu_shares(before, after)
+    assert shares["host_busy_pct"] == pytest.approx(100 * 80 / 180)
+    assert shares["host_idle_pct"] == pytest.approx(100 * 80 / 180)
+    assert shares["host_steal_pct"] == pytest.approx(100 * 20 / 180)
+    assert e2e.host_cpu_shares({}, after) == {} and e2e.host_cpu_shares(after, after) == {}
+    now = e2e.host_cpu_times()  # this machine's, where /proc/stat exists
+    assert not now or {"user", "idle", "steal"} <= now.keys()

@@ -224,7 +224,7 @@ def test_run_ktorch_one_compile_for_decode_deferral_sets_and_a_pool_sweep(monkey
     size = ktorch.get_num_threads()
     options = [{"decode_deferred_experts": 2}, {"decode_deferred_experts": 3}, None]
     lines = list(vs.run_ktorch(Path("unused.gguf"), "cpu", ["compiled"], [], 4, 1, 1, options,
-                               pool_sweep=[(1, 300, 0), (2, 300, 0)]))
+                               pool_sweep=[(1, 300, 0, 0), (2, 300, 0, 1)]))
     assert [line["variant"] for line in lines] == [
         'compiled+{"decode_deferred_experts":2}', 'compiled+{"decode_deferred_experts":2}+threads=1',
         'compiled+{"decode_deferred_experts":2}+threads=2', 'compiled+{"decode_deferred_experts":3}',

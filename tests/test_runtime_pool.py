@@ -137,3 +137,47 @@ def test_spin_yield_rejects_other_values(script, env):
     r = subprocess.run([sys.executable, "-c", "import os, torch, ktorch; " + script],
                        env={**clean, **env}, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "KT_SPIN_YIELD must be 0 or 1, got 2" in r.stderr
+
+
+_PIN_SCRIPT = """
+import os, torch, ktorch
+
+def pinned_threads():  # this process's threads whose affinity is one CPU
+    out = []
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/status") as f:
+            allowed = [l.split()[1] for l in f if l.startswith("Cpus_allowed_list")]
+        if allowed and allowed[0].isdigit():
+            out.append(int(allowed[0]))
+    return sorted(out)
+
+torch.manual_seed(3)
+packed = ktorch.pack_experts(torch.randn(6, 128, 64) * 0.05, torch.randn(6, 64, 64) * 0.05, "int8")
+x, ids, w = torch.randn(5, 64), torch.randint(0, 6, (5, 2)), torch.rand(5, 2)
+cpus = sorted(os.sched_getaffinity(0))
+ktorch.set_num_threads(2)
+base = pinned_threads()
+want = ktorch.fused_moe(x, ids, w, packed)
+os.environ["KT_PIN_THREADS"] = "1"
+ktorch.set_num_threads(2)  # the same size: rebuilt because KT_PIN_THREADS changed, worker 1 on the 2nd CPU
+assert torch.equal(ktorch.fused_moe(x, ids, w, packed), want)
+assert pinned_threads() == sorted(base + [cpus[1]]), (pinned_threads(), base, cpus)
+os.environ["KT_PIN_THREADS"] = "0"
+ktorch.set_num_threads(2)
+assert torch.equal(ktorch.fused_moe(x, ids, w, packed), want)
+assert pinned_threads() == base, (pinned_threads(), base)
+"""
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "sched_getaffinity") or len(__import__("os").sched_getaffinity(0)) < 2,
+                    reason="needs Linux and at least 2 CPUs in the affinity mask")
+def test_pin_threads_rebuilds_the_pool_and_keeps_results():
+    """KT_PIN_THREADS=1 pins worker i to the i-th CPU of the process's mask; set_num_threads rebuilds a pool of
+    the same size when it changed (bench_e2e --pool-sweep times both on one compile); results stay bit for bit."""
+    import os
+    import subprocess
+    import sys
+
+    clean = {k: v for k, v in os.environ.items() if k not in ("KT_PIN_THREADS", "KT_NUM_THREADS")}
+    r = subprocess.run([sys.executable, "-c", _PIN_SCRIPT], env=clean, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr

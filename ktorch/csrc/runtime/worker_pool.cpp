@@ -64,10 +64,12 @@ void WorkerPool::resize(int workers) {
   TORCH_CHECK(workers >= 1, "set_num_threads: the pool needs at least 1 thread, got ", workers);
   const int64_t spin_us = env_int("KT_SPIN_US", 2000);
   const bool spin_yield = env_spin_yield();
+  const bool pin = env_int("KT_PIN_THREADS", 0) != 0;
   std::lock_guard<std::mutex> lock(g_pool_mutex);
-  if (g_pool && g_pool->size() == workers && g_pool->spin_us_ == spin_us && g_pool->spin_yield_ == spin_yield) return;
-  std::unique_ptr<WorkerPool> fresh =
-      std::make_unique<WorkerPool>(workers, spin_us, env_int("KT_PIN_THREADS", 0) != 0, spin_yield);
+  if (g_pool && g_pool->size() == workers && g_pool->spin_us_ == spin_us && g_pool->spin_yield_ == spin_yield &&
+      g_pool->pin_ == pin)
+    return;
+  std::unique_ptr<WorkerPool> fresh = std::make_unique<WorkerPool>(workers, spin_us, pin, spin_yield);
   if (g_pool) {
     std::lock_guard<std::mutex> idle(g_pool->run_mutex_);  // a call in flight finishes first
   }
@@ -78,7 +80,7 @@ void WorkerPool::resize(int workers) {
 }
 
 WorkerPool::WorkerPool(int workers, int64_t spin_us, bool pin, bool spin_yield)
-    : spin_us_(spin_us), spin_yield_(spin_yield) {
+    : spin_us_(spin_us), spin_yield_(spin_yield), pin_(pin) {
   TORCH_CHECK(workers >= 1, "KT_NUM_THREADS must be at least 1, got ", workers);
   const std::vector<int> cpus = process_cpus();
   for (int w = 1; w < workers; ++w) {

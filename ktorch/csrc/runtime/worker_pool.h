@@ -53,7 +53,7 @@ class WorkerPool {
   // The process-wide pool, created on first use.
   static WorkerPool& instance();
   // Replaces the process-wide pool by one of `workers` threads (the caller included), unless it has that size
-  // and KT_SPIN_US / KT_SPIN_YIELD still read as it was built with. Waits for a call in flight on the old pool;
+  // and KT_SPIN_US / KT_SPIN_YIELD / KT_PIN_THREADS still read as it was built with. Waits for a call in flight on the old pool;
   // call it between ops (a call that has already looked up the pool must not be running on another thread).
   static void resize(int workers);
   // instance() on the calling thread returns `pool` from now on (nullptr: the process-wide pool again).
@@ -87,6 +87,7 @@ class WorkerPool {
   std::vector<std::thread> threads_;
   int64_t spin_us_;
   bool spin_yield_ = false;
+  bool pin_ = false;  // KT_PIN_THREADS as the pool was built with
   std::vector<int> bind_cpus_;  // when not empty: every worker's affinity mask
   std::mutex run_mutex_;
 
