@@ -77,6 +77,30 @@ def run_op(packed, ids, w, x, one_dispatch: bool):
     return ms, ms
 
 
+def advised_copy(t: torch.Tensor, huge: bool) -> torch.Tensor:
+    """A copy of ``t`` in fresh memory advised (madvise, before its first touch) onto transparent huge pages or
+    kept off them, whatever THP_MEM_ALLOC_ENABLE says: the A/B of --huge-pages."""
+    import ctypes
+    import mmap
+
+    out = torch.empty_like(t)  # a large allocation: fresh pages from mmap, not yet touched
+    page = mmap.PAGESIZE
+    start = -(-out.data_ptr() // page) * page
+    end = (out.data_ptr() + out.numel() * out.element_size()) // page * page
+    if end > start:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        if libc.madvise(start, end - start, 14 if huge else 15) != 0:  # MADV_HUGEPAGE / MADV_NOHUGEPAGE
+            raise OSError(ctypes.get_errno(), "madvise failed")
+    return out.copy_(t)
+
+
+def advised_packed(packed: ktorch.PackedExperts, huge: bool) -> ktorch.PackedExperts:
+    w13, s13, w2, s2 = packed.tensors()
+    return ktorch.PackedExperts(advised_copy(w13, huge), s13, advised_copy(w2, huge), s2, packed.format,
+                                packed.group_size)
+
+
 def take_turns(modes: dict, routings: list, calls: int) -> dict:
     """(first, total) of `calls` calls of each mode, the modes taking turns on the same routings."""
     results = {mode: [] for mode in modes}
@@ -99,6 +123,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--calls", type=int, default=400, help="calls per mode")
     ap.add_argument("--cold-factor", type=float, default=8.0, help="layer copies until their bytes exceed this x L3")
     ap.add_argument("--max-copies", type=int, default=64, help="at most this many layer copies")
+    ap.add_argument("--huge-pages", action="store_true",
+                    help="A/B instead: the op and the tasks on layer copies in 4 KiB pages against copies on "
+                         "transparent huge pages (madvise), taking turns")
     args = ap.parse_args(argv)
 
     print(f"# {machine()}; torch {torch.__version__}; kernel {torch.ops.kt.selected_kernel()}; {args.format}; "
@@ -111,26 +138,38 @@ def main(argv: list[str] | None = None) -> None:
         nbytes = sum(t.numel() * t.element_size() for t in one.tensors() if t is not None)
         copies = min(args.max_copies, max(2, int(args.cold_factor * l3_bytes() / nbytes) + 1))
         layers = [one] + [random_packed(E, H, I, args.format) for _ in range(copies - 1)]
-        print(f"# {shape}: {copies} layer copies; {huge_pages_note()}", flush=True)
+        sets = {"": layers}
+        if args.huge_pages:
+            sets = {f"/{name}": [advised_packed(packed, huge) for packed in layers]
+                    for name, huge in (("4K", False), ("huge", True))}
+            del layers
+        print(f"# {shape}: {copies} layer copies a set; {huge_pages_note()}", flush=True)
         for T in args.tokens:
             routings = routings_for(T, E, K, H, 64)
             for threads in args.threads:
                 ktorch.set_num_threads(threads)
                 # the op rows first, alone: the host-task worker spins KT_HOST_SPIN_US after each task run and
                 # would take a core from them
-                op_modes = {"op": lambda i, r: run_op(layers[i % len(layers)], *r, True),
-                            "op/stage-dispatch": lambda i, r: run_op(layers[i % len(layers)], *r, False)}
+                op_modes = {}
+                for suffix, ls in sets.items():
+                    op_modes[f"op{suffix}"] = lambda i, r, ls=ls: run_op(ls[i % len(ls)], *r, True)
+                    if not args.huge_pages:
+                        op_modes["op/stage-dispatch"] = lambda i, r, ls=ls: run_op(ls[i % len(ls)], *r, False)
                 results = take_turns(op_modes, routings, args.calls)
                 os.environ.pop("KT_ONE_DISPATCH", None)
-                tasks = make_tasks(layers, T, K, H, args.deferred)
-                task_modes = {mode: (lambda i, r, per_layer=per_layer: run_task(*per_layer[i % len(per_layer)], *r))
-                              for mode, per_layer in tasks.items()}
+                task_modes = {}
+                for suffix, ls in sets.items():
+                    for mode, per_layer in make_tasks(ls, T, K, H, args.deferred).items():
+                        if args.huge_pages and "2 calls" in mode:
+                            continue
+                        task_modes[mode + suffix] = (
+                            lambda i, r, per_layer=per_layer: run_task(*per_layer[i % len(per_layer)], *r))
                 results.update(take_turns(task_modes, routings, args.calls))
                 for mode, res in results.items():
                     firsts, totals = [f for f, _ in res], sorted(t for _, t in res)
                     print(f"| {shape} | {T} | {threads} | {mode} | {statistics.median(firsts):.3f} | "
                           f"{statistics.median(totals):.3f} | {totals[int(0.9 * len(totals))]:.3f} |", flush=True)
-                del tasks
+                del task_modes
 
 
 if __name__ == "__main__":

@@ -210,7 +210,8 @@ def run_ktorch(gguf: Path, device: str, variants: list[str], prompts: list[int],
     ``[None, {"n_deferred_experts": 2}]``): each runs every variant, named "VARIANT+OPTIONS" when not None.
     Option sets that differ only in ``decode_deferred_experts`` (a runtime setting) share one compile: the next
     set reuses the runner the previous one made. ``pool_sweep`` ((pool threads, KT_SPIN_US, KT_SPIN_YIELD), see
-    bench_e2e.py --pool-sweep) re-times decode on that runner per setting, a line each named "...+threads=N"."""
+    bench_e2e.py --pool-sweep) re-times decode on that runner per setting, a line each named "...+threads=N"
+    (+yield, +pin when those are on)."""
     import traceback
 
     import torch
@@ -268,7 +269,9 @@ def run_ktorch(gguf: Path, device: str, variants: list[str], prompts: list[int],
             for row in bench_e2e.pool_sweep(model, runner, variant, device, gen, decode_context,
                                             model.config.vocab_size, list(pool_sweep), opts):
                 threads = row.pop("pool_threads")
-                yield _ktorch_line(row, f"{label}+threads={threads}", [], gen, threads, load_s=load_s,
+                setting = f"+threads={threads}" + ("+yield" if row["spin_yield"] else "") + (
+                    "+pin" if row["pin_threads"] else "")
+                yield _ktorch_line(row, label + setting, [], gen, threads, load_s=load_s,
                                    experts_format=sorted(experts), decode_context=decode_context, options=opts)
     del runner
     del model

@@ -27,3 +27,28 @@ def test_smoke_run_prints_every_mode(capsys):
         first, total = (float(x) for x in row.split(" | ")[4:6])
         assert 0 < first <= total
     assert "KT_ONE_DISPATCH" not in os.environ and "KT_DEFER_CALLS" not in os.environ
+
+
+def test_huge_pages_ab_prints_both_sets_and_copies_exactly():
+    """--huge-pages: the op and the tasks on a 4 KiB-page set and a huge-page set of the same layers; the copies
+    (madvise before their first touch) hold the same bytes."""
+    import torch
+
+    import ktorch
+
+    before = ktorch.get_num_threads()
+    try:
+        import contextlib
+        import io
+
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            bench.main(["--shapes", "tiny", "--threads", "2", "--deferred", "1", "--calls", "3", "--max-copies", "2",
+                        "--huge-pages"])
+    finally:
+        ktorch.set_num_threads(before)
+    rows = [line.split(" | ")[3] for line in out.getvalue().splitlines() if line.startswith("| tiny")]
+    assert rows == ["op/4K", "op/huge", "task d=0/4K", "task d=1 1 call/4K", "task d=0/huge", "task d=1 1 call/huge"]
+    t = torch.randint(-127, 128, (9 << 20,), dtype=torch.int8)
+    for huge in (False, True):
+        assert torch.equal(bench.advised_copy(t, huge), t)
