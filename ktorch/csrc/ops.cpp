@@ -13,6 +13,7 @@
 #include "runtime/cpu_features.h"
 #include "runtime/dispatch.h"
 #include "runtime/host_tasks.h"
+#include "runtime/memory.h"
 #include "runtime/numa.h"
 #include "runtime/parallel.h"
 
@@ -81,6 +82,7 @@ TORCH_LIBRARY(kt, m) {
   m.def("dot_peak(str kind, int iters=10000000) -> float", &dot_peak);
   m.def("get_num_threads() -> int", &get_num_threads);
   m.def("set_num_threads(int n) -> ()", &set_num_threads);
+  m.def("advise_huge_pages(Tensor t) -> ()");
   // host tasks (runtime/host_tasks.h): experts calls that CUDA host functions start and join without Python
   m.def(
       "host_task_new(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor out, Tensor w13, Tensor? w13_scales, "
@@ -98,6 +100,7 @@ TORCH_LIBRARY_IMPL(kt, CPU, m) {
   m.impl("pack_bf16", &kt::moe::pack_bf16);
   m.impl("pack_int8", &kt::moe::pack_int8);
   m.impl("pack_int4", &kt::moe::pack_int4);
+  m.impl("advise_huge_pages", &kt::runtime::advise_huge_pages);
   m.impl("unpack", &kt::moe::unpack);
   m.impl("gguf_dequantize", &kt::formats::gguf_dequantize);
   m.impl("gguf_dequantize_into", &kt::formats::gguf_dequantize_into);

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ktorch.integrations.transformers_experts import _unpacked_weights, attach_packed_experts, check_supported
-from ktorch.ops.moe import FORMATS, PackedExperts, pack_experts
+from ktorch.ops.moe import FORMATS, PackedExperts, empty_weights, pack_experts
 
 # Unpacked fp32 elements read per chunk of experts (about 256 MB): bounds loading memory beyond the packed model.
 CHUNK_ELEMENTS = 64 * 1024 * 1024
@@ -139,7 +139,7 @@ def pack_experts_in_chunks(source: CheckpointSource, module_name: str, num_exper
         end = min(num_experts, first + chunk)
         part = source.read_experts(module_name, first, end, fmt, group_size)
         if out is None:
-            out = [None if t is None else t.new_empty((num_experts, *t.shape[1:])) for t in part.tensors()]
+            out = [None if t is None else empty_weights((num_experts, *t.shape[1:]), t.dtype) for t in part.tensors()]
             packed_format, packed_group = part.format, part.group_size
         for dst, src in zip(out, part.tensors()):
             if dst is not None:

@@ -86,8 +86,9 @@ def _pack_gate_and_up(gate: torch.Tensor, up: torch.Tensor, fmt: str, group_size
     gate_up layout orders them (32 gate rows, the 32 matching up rows, ...): a copy of packed bytes only."""
     (wg, sg), (wu, su) = _pack(gate, fmt, group_size, False), _pack(up, fmt, group_size, False)
     E, nb = wg.shape[:2]  # [E, I/16, K/per, 16, per]: two 16-row blocks make 32 rows
-    w = torch.stack([wg.view(E, nb // 2, 2, *wg.shape[2:]), wu.view(E, nb // 2, 2, *wu.shape[2:])], dim=2)
-    w = w.reshape(E, 2 * nb, *wg.shape[2:])
+    w = empty_weights((E, nb // 2, 2, 2, *wg.shape[2:]), wg.dtype)
+    torch.stack([wg.view(E, nb // 2, 2, *wg.shape[2:]), wu.view(E, nb // 2, 2, *wu.shape[2:])], dim=2, out=w)
+    w = w.view(E, 2 * nb, *wg.shape[2:])
     if sg is None:
         return w, None
     G, I = sg.shape[1:]  # [E, G, I]
@@ -234,6 +235,19 @@ def _check_same_device(op: str, reference: str, tensors: dict) -> None:
     for name, t in tensors.items():
         if t is not None and t.device != device:
             raise RuntimeError(f"{op}: {name} is on {t.device} but {reference} is on {device}; all tensors must be on the CPU")
+
+
+def empty_weights(shape, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized CPU tensor for packed weights, advised onto transparent huge pages before its first touch
+    (``KT_HUGE_PAGES``, runtime/memory.h): what the pack ops allocate their outputs with."""
+    out = torch.empty(shape, dtype=dtype)
+    torch.ops.kt.advise_huge_pages(out)
+    return out
+
+
+@torch.library.register_fake("kt::advise_huge_pages")
+def _advise_huge_pages_fake(t):
+    return None
 
 
 @torch.library.register_fake("kt::pack_bf16")

@@ -19,6 +19,8 @@
 #include <limits>
 #include <vector>
 
+#include "../runtime/memory.h"
+
 namespace kt::moe {
 namespace {
 
@@ -145,7 +147,7 @@ inline int quantize(float x, float d, float lo, float hi) {
 at::Tensor pack_bf16(const at::Tensor& weight, bool gate_up) {
   check_weight(weight, "pack_bf16", gate_up, 32);
   const int64_t E = weight.size(0), N = weight.size(1), K = weight.size(2);
-  at::Tensor out = at::empty({E, N / 16, K / 2, 16, 2}, weight.options().dtype(at::kBFloat16));
+  at::Tensor out = kt::runtime::empty_weights({E, N / 16, K / 2, 16, 2}, weight.options().dtype(at::kBFloat16));
   for_expert_chunks(E, [&](int64_t e0, int64_t e1) {  // the conversion is torch's own (nan bits included)
     out.slice(0, e0, e1).copy_(to_lanes(packed_row_order(weight.slice(0, e0, e1), gate_up), 2));
   });
@@ -157,7 +159,7 @@ at::Tensor pack_bf16(const at::Tensor& weight, bool gate_up) {
 std::tuple<at::Tensor, at::Tensor> pack_int8(const at::Tensor& weight, bool gate_up) {
   check_weight(weight, "pack_int8", gate_up, 32);
   const int64_t E = weight.size(0), N = weight.size(1), K = weight.size(2);
-  at::Tensor out = at::empty({E, N / 16, K / 4, 16, 4}, weight.options().dtype(at::kChar));
+  at::Tensor out = kt::runtime::empty_weights({E, N / 16, K / 4, 16, 4}, weight.options().dtype(at::kChar));
   at::Tensor scales = at::empty({E, 1, N}, weight.options().dtype(at::kFloat));
   int8_t* o = out.data_ptr<int8_t>();
   float* sc = scales.data_ptr<float>();
@@ -191,7 +193,7 @@ std::tuple<at::Tensor, at::Tensor> pack_int4(const at::Tensor& weight, int64_t g
   TORCH_CHECK(group_size > 0 && group_size % 32 == 0 && K % group_size == 0,
               "pack_int4: group_size must be a positive multiple of 32 that divides K=", K, ", got ", group_size);
   const int64_t G = K / group_size;
-  at::Tensor out = at::empty({E, N / 16, K / 8, 16, 4}, weight.options().dtype(at::kByte));
+  at::Tensor out = kt::runtime::empty_weights({E, N / 16, K / 8, 16, 4}, weight.options().dtype(at::kByte));
   at::Tensor scales = at::empty({E, G, N}, weight.options().dtype(at::kFloat));
   uint8_t* o = out.data_ptr<uint8_t>();
   float* sc = scales.data_ptr<float>();
