@@ -43,6 +43,13 @@ std::mutex g_pool_mutex;                   // guards creating and replacing g_po
 std::unique_ptr<WorkerPool> g_pool;        // the process-wide pool
 std::atomic<WorkerPool*> g_current{nullptr};  // g_pool.get(), read without the lock on every parallel loop
 thread_local WorkerPool* t_pool = nullptr;    // use_on_this_thread
+
+// What the process-wide pool is built with besides its size, read from the environment at each build or resize.
+struct PoolEnv {
+  int64_t spin_us = env_int("KT_SPIN_US", 2000);
+  bool pin = env_int("KT_PIN_THREADS", 0) != 0;
+  bool spin_yield = env_spin_yield();
+};
 }  // namespace
 
 void WorkerPool::use_on_this_thread(WorkerPool* pool) { t_pool = pool; }
@@ -52,9 +59,9 @@ WorkerPool& WorkerPool::instance() {
   if (WorkerPool* pool = g_current.load(std::memory_order_acquire)) return *pool;
   std::lock_guard<std::mutex> lock(g_pool_mutex);
   if (!g_pool) {
+    const PoolEnv env;
     g_pool = std::make_unique<WorkerPool>(static_cast<int>(env_int("KT_NUM_THREADS", at::get_num_threads())),
-                                          env_int("KT_SPIN_US", 2000), env_int("KT_PIN_THREADS", 0) != 0,
-                                          env_spin_yield());
+                                          env.spin_us, env.pin, env.spin_yield);
     g_current.store(g_pool.get(), std::memory_order_release);
   }
   return *g_pool;
@@ -62,14 +69,12 @@ WorkerPool& WorkerPool::instance() {
 
 void WorkerPool::resize(int workers) {
   TORCH_CHECK(workers >= 1, "set_num_threads: the pool needs at least 1 thread, got ", workers);
-  const int64_t spin_us = env_int("KT_SPIN_US", 2000);
-  const bool spin_yield = env_spin_yield();
-  const bool pin = env_int("KT_PIN_THREADS", 0) != 0;
+  const PoolEnv env;
   std::lock_guard<std::mutex> lock(g_pool_mutex);
-  if (g_pool && g_pool->size() == workers && g_pool->spin_us_ == spin_us && g_pool->spin_yield_ == spin_yield &&
-      g_pool->pin_ == pin)
+  if (g_pool && g_pool->size() == workers && g_pool->spin_us_ == env.spin_us && g_pool->spin_yield_ == env.spin_yield &&
+      g_pool->pin_ == env.pin)
     return;
-  std::unique_ptr<WorkerPool> fresh = std::make_unique<WorkerPool>(workers, spin_us, pin, spin_yield);
+  std::unique_ptr<WorkerPool> fresh = std::make_unique<WorkerPool>(workers, env.spin_us, env.pin, env.spin_yield);
   if (g_pool) {
     std::lock_guard<std::mutex> idle(g_pool->run_mutex_);  // a call in flight finishes first
   }
