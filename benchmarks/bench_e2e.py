@@ -375,7 +375,8 @@ def host_cpu_shares(before: dict, after: dict) -> dict:
     if total <= 0:
         return {}
     busy = sum(delta.get(k, 0) for k in ("user", "nice", "system", "irq", "softirq"))
-    return {"host_busy_pct": 100.0 * busy / total, "host_idle_pct": 100.0 * (delta.get("idle", 0) + delta.get("iowait", 0)) / total,
+    idle = delta.get("idle", 0) + delta.get("iowait", 0)
+    return {"host_busy_pct": 100.0 * busy / total, "host_idle_pct": 100.0 * idle / total,
             "host_steal_pct": 100.0 * delta.get("steal", 0) / total}
 
 
@@ -415,7 +416,8 @@ def parse_pool_sweep(spec: str) -> list[tuple[int, int, int, int]]:
             if len(parts) > 4:
                 raise ValueError
             threads = int(parts[0])
-            spin, yld, pin = field(1, "KT_SPIN_US", "2000"), field(2, "KT_SPIN_YIELD", "0"), field(3, "KT_PIN_THREADS", "0")
+            spin, yld = field(1, "KT_SPIN_US", "2000"), field(2, "KT_SPIN_YIELD", "0")
+            pin = field(3, "KT_PIN_THREADS", "0")
         except ValueError:
             raise SystemExit(f"--pool-sweep: want THREADS[:SPIN_US[:YIELD[:PIN]]],..., got {item!r}") from None
         if threads < 1 or spin < 0 or yld not in (0, 1) or pin not in (0, 1):

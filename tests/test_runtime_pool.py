@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -169,7 +171,7 @@ assert pinned_threads() == base, (pinned_threads(), base)
 """
 
 
-@pytest.mark.skipif(not hasattr(__import__("os"), "sched_getaffinity") or len(__import__("os").sched_getaffinity(0)) < 2,
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
                     reason="needs Linux and at least 2 CPUs in the affinity mask")
 def test_pin_threads_rebuilds_the_pool_and_keeps_results():
     """KT_PIN_THREADS=1 pins worker i to the i-th CPU of the process's mask; set_num_threads rebuilds a pool of
