@@ -8,6 +8,9 @@ Rows, each timed over the same layer copies and routings, the modes taking turns
   task d=0           a split host task with d = 0: one call of all K slots on the host-task worker
   task d=D 1 call    d = D: both parts in one fused_moe_split call, the first part published from inside it
   task d=D 2 calls   d = D with KT_DEFER_CALLS=2: two fused_moe calls one after the other (the way before)
+With --env-variants the rows are instead the op, task d=0 and task d=D (one call) under each environment setting
+(knobs the op reads on every call: KT_WAIT_PREFETCH_KB, KT_GATE_UP_TASKS, KT_DOWN_RANGES, ...), all taking turns;
+the host-task worker's spin after each task takes a core from the op rows there, the same in every variant.
 Columns: first = ms until the first part is joinable (the task's own timeline), total = ms until both parts are
 done (for d = 0 and the op the two are one). What deferral can hide per layer is bounded by the GPU work between
 two layers; what it costs is total(d) - total(d=0).
@@ -29,7 +32,7 @@ import types
 import torch
 
 import ktorch
-from bench_fused_moe import huge_pages_note, l3_bytes, machine, random_packed, routings_for
+from bench_fused_moe import huge_pages_note, l3_bytes, machine, random_packed, routings_for, variant_env
 from ktorch.compile.experts_runtime import ExpertsLayer, _NativeHostFunctions
 
 SHAPES = {  # name: (E, K, H, I)
@@ -123,10 +126,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--calls", type=int, default=400, help="calls per mode")
     ap.add_argument("--cold-factor", type=float, default=8.0, help="layer copies until their bytes exceed this x L3")
     ap.add_argument("--max-copies", type=int, default=64, help="at most this many layer copies")
+    ap.add_argument("--env-variants", nargs="+", default=None, metavar="NAME=V[,NAME=V]",
+                    help="A/B of environment settings the op reads on every call (e.g. KT_WAIT_PREFETCH_KB=0, "
+                         "KT_GATE_UP_TASKS=6, KT_DOWN_RANGES=26; '-': none): the op, task d=0 and task d=D in one "
+                         "call under each, all taking turns on the same layer copies")
     ap.add_argument("--huge-pages", action="store_true",
                     help="A/B instead: the op and the tasks on layer copies in 4 KiB pages against copies on "
                          "transparent huge pages (madvise), taking turns")
     args = ap.parse_args(argv)
+    if args.env_variants and args.huge_pages:
+        ap.error("--env-variants and --huge-pages are separate A/Bs: give one")
 
     print(f"# {machine()}; torch {torch.__version__}; kernel {torch.ops.kt.selected_kernel()}; {args.format}; "
           f"L3 {l3_bytes() / 2**20:.0f} MiB")
@@ -148,6 +157,11 @@ def main(argv: list[str] | None = None) -> None:
             routings = routings_for(T, E, K, H, 64)
             for threads in args.threads:
                 ktorch.set_num_threads(threads)
+                if args.env_variants:
+                    results = take_turns(env_modes(layers, args.env_variants, T, K, H, args.deferred), routings,
+                                         args.calls)
+                    print_rows(shape, T, threads, results)
+                    continue
                 # the op rows first, alone: the host-task worker spins KT_HOST_SPIN_US after each task run and
                 # would take a core from them
                 op_modes = {}
@@ -165,11 +179,32 @@ def main(argv: list[str] | None = None) -> None:
                         task_modes[mode + suffix] = (
                             lambda i, r, per_layer=per_layer: run_task(*per_layer[i % len(per_layer)], *r))
                 results.update(take_turns(task_modes, routings, args.calls))
-                for mode, res in results.items():
-                    firsts, totals = [f for f, _ in res], sorted(t for _, t in res)
-                    print(f"| {shape} | {T} | {threads} | {mode} | {statistics.median(firsts):.3f} | "
-                          f"{statistics.median(totals):.3f} | {totals[int(0.9 * len(totals))]:.3f} |", flush=True)
+                print_rows(shape, T, threads, results)
                 del task_modes
+
+
+def env_modes(layers, variants: list[str], T: int, K: int, H: int, d: int) -> dict:
+    """--env-variants: per variant the op, task d=0 and task d=D in one call, each run under the variant's environment
+    (the op's knobs are read on every call, on whichever thread makes it)."""
+    modes = {}
+    tasks = make_tasks(layers, T, K, H, d)
+    for variant in variants:
+        def under(fn, variant=variant):
+            def run(i, r):
+                with variant_env(variant, True):
+                    return fn(i, r)
+            return run
+        modes[f"op [{variant}]"] = under(lambda i, r: run_op(layers[i % len(layers)], *r, True))
+        for mode in ("task d=0", f"task d={d} 1 call"):
+            modes[f"{mode} [{variant}]"] = under(lambda i, r, pl=tasks[mode]: run_task(*pl[i % len(pl)], *r))
+    return modes
+
+
+def print_rows(shape: str, T: int, threads: int, results: dict) -> None:
+    for mode, res in results.items():
+        firsts, totals = [f for f, _ in res], sorted(t for _, t in res)
+        print(f"| {shape} | {T} | {threads} | {mode} | {statistics.median(firsts):.3f} | "
+              f"{statistics.median(totals):.3f} | {totals[int(0.9 * len(totals))]:.3f} |", flush=True)
 
 
 if __name__ == "__main__":

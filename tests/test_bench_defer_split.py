@@ -52,3 +52,21 @@ def test_huge_pages_ab_prints_both_sets_and_copies_exactly():
     t = torch.randint(-127, 128, (9 << 20,), dtype=torch.int8)
     for huge in (False, True):
         assert torch.equal(bench.advised_copy(t, huge), t)
+
+
+def test_env_variants_ab_prints_each_mode_under_each_variant_and_restores_the_environment(capsys, monkeypatch):
+    """--env-variants: the op, task d=0 and task d=D under each environment setting, taking turns; the knobs are
+    set only around each call (a variable set before the run keeps its value after it)."""
+    import ktorch
+
+    monkeypatch.setenv("KT_DOWN_RANGES", "3")
+    before = ktorch.get_num_threads()
+    try:
+        bench.main(["--shapes", "tiny", "--threads", "2", "--deferred", "1", "--calls", "3", "--max-copies", "2",
+                    "--env-variants", "-", "KT_WAIT_PREFETCH_KB=0,KT_DOWN_RANGES=5"])
+    finally:
+        ktorch.set_num_threads(before)
+    rows = [line.split(" | ")[3] for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny")]
+    assert rows == [f"{mode} [{variant}]" for variant in ("-", "KT_WAIT_PREFETCH_KB=0,KT_DOWN_RANGES=5")
+                    for mode in ("op", "task d=0", "task d=1 1 call")]
+    assert os.environ["KT_DOWN_RANGES"] == "3" and "KT_WAIT_PREFETCH_KB" not in os.environ

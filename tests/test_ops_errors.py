@@ -228,11 +228,19 @@ def test_forcing_an_unavailable_kernel_level(level, monkeypatch):
 
 
 @pytest.mark.parametrize("name,value", [("KT_DOWN_RANGES", "0"), ("KT_DOWN_RANGES", "two"), ("KT_DOWN_GROUPS", "17"),
-                                        ("KT_DOWN_GROUPS", "-1"), ("KT_DOWN_RANGES", "4096x")])
-def test_bad_down_task_grid_knob(name, value, monkeypatch):
+                                        ("KT_DOWN_GROUPS", "-1"), ("KT_DOWN_RANGES", "4096x"),
+                                        ("KT_GATE_UP_TASKS", "0"), ("KT_GATE_UP_TASKS", "65")])
+def test_bad_task_grid_knob(name, value, monkeypatch):
     monkeypatch.setenv(name, value)
-    most = 4096 if name == "KT_DOWN_RANGES" else 16
+    most = {"KT_DOWN_RANGES": 4096, "KT_DOWN_GROUPS": 16, "KT_GATE_UP_TASKS": 64}[name]
     with raises(re.escape(f"{name} must be a count from 1 to {most}, got '{value}'")):
+        call()
+
+
+@pytest.mark.parametrize("value", ["-1", "1m", "1048577"])
+def test_bad_wait_prefetch_size(value, monkeypatch):
+    monkeypatch.setenv("KT_WAIT_PREFETCH_KB", value)
+    with raises(re.escape(f"KT_WAIT_PREFETCH_KB must be a size in KiB from 0 (off) to 1048576, got '{value}'")):
         call()
 
 

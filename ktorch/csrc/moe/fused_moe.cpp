@@ -18,7 +18,8 @@
 //      order whatever the batch, the worker count or the order tasks run in.
 // Tasks are pulled dynamically by the workers (runtime/parallel.h), so skewed routing balances. Steps 2-4 are
 // stages of one pool dispatch (run_stages): a task waits, spinning, for the stages before it to finish, instead of
-// the pool closing and reopening a job between phases (KT_ONE_DISPATCH=0: one dispatch a stage, to compare).
+// the pool closing and reopening a job between phases (KT_ONE_DISPATCH=0: one dispatch a stage, to compare); while
+// it waits it fetches its own weights into its core's L2 (WaitPrefetch), so DRAM does not idle through a stage's tail.
 // Expert deferral runs two parts in one call (fused_moe_split, fused_moe.h): the stages of the deferred part come
 // after the first part's, and the first part's result is published as soon as its down projection is done.
 // KT_PROFILE=1 prints each call's phase times to stderr.
@@ -294,14 +295,63 @@ void cpu_relax() {
 #endif
 }
 
+// The bytes a claimed task will read (its weights), fetched into the waiting core's L2 while the task waits for
+// the stages before it: with one token the tail of gate/up (a few tasks left, most cores idle) and the
+// h quantization leave DRAM idle while every down task is already claimed; each waiter streams its own down
+// weights meanwhile instead of spinning. A waiter issues a few lines between polls, so it starts its task as soon
+// as it may, and at most `limit` bytes (KT_WAIT_PREFETCH_KB, default 1024: half the L2 of the device's cores;
+// 0 turns it off; read on every call).
+class WaitPrefetch {
+ public:
+  explicit WaitPrefetch(size_t limit) : left_(limit) {}
+  void add(const void* p, size_t bytes) {
+    if (bytes > 0 && ranges_.size() < kMaxRanges) ranges_.push_back({static_cast<const char*>(p), bytes});
+  }
+  // Issues up to `lines` prefetches; false once there is nothing left to fetch.
+  bool step(int lines) {
+    for (; lines > 0; --lines) {
+      while (next_ < ranges_.size() && offset_ >= ranges_[next_].bytes) {
+        ++next_;
+        offset_ = 0;
+      }
+      if (next_ == ranges_.size() || left_ < 64) return false;
+      __builtin_prefetch(ranges_[next_].p + offset_, 0, 2);  // prefetcht1: to L2
+      offset_ += 64;
+      left_ -= 64;
+    }
+    return true;
+  }
+
+ private:
+  static constexpr size_t kMaxRanges = 64;
+  struct Range {
+    const char* p;
+    size_t bytes;
+  };
+  std::vector<Range> ranges_;
+  size_t next_ = 0, offset_ = 0, left_;
+};
+
+size_t wait_prefetch_bytes() {
+  const char* env = std::getenv("KT_WAIT_PREFETCH_KB");
+  if (env == nullptr || *env == '\0') return size_t{1024} << 10;
+  char* end = nullptr;
+  const long long v = std::strtoll(env, &end, 10);
+  TORCH_CHECK(*end == '\0' && v >= 0 && v <= (1 << 20), "KT_WAIT_PREFETCH_KB must be a size in KiB from 0 (off) to ",
+              1 << 20, ", got '", env, "'");
+  return static_cast<size_t>(v) << 10;
+}
+
 // A stage of a call: n independent tasks run(task, worker), which may start once every task of the stages in
-// `after` has finished; `done` (optional) is called once, by the thread that finishes the stage's last task.
+// `after` has finished; `done` (optional) is called once, by the thread that finishes the stage's last task;
+// `reads` (optional) lists the bytes a task will read, for WaitPrefetch.
 struct Stage {
   const char* name = "";
   int64_t n = 0;
   std::function<void(int64_t, int)> run;
   std::vector<int> after;
   std::function<void()> done;
+  std::function<void(int64_t, WaitPrefetch&)> reads = {};
 };
 
 // Runs a call's stages. one_dispatch: all of them in one dispatch of the pool, in list order, a task spinning
@@ -335,13 +385,22 @@ void run_stages(std::vector<Stage>& stages, bool one_dispatch, PhaseTimer& timer
     if (ready && s.done) s.done();
   }
   std::atomic<bool> failed{false};
+  const size_t prefetch_bytes = wait_prefetch_bytes();
   runtime::parallel_tasks(first[ns], [&](int64_t task, int worker) {
     int s = 0;
     while (task >= first[s + 1]) ++s;
     const Stage& st = stages[s];
+    std::optional<WaitPrefetch> prefetch;
+    bool fetching = false;
     for (int a : st.after)
       for (int polls = 1; finished[a].load(std::memory_order_acquire) < stages[a].n; ++polls) {
-        cpu_relax();
+        if (!prefetch && st.reads && prefetch_bytes > 0) {  // the first time this task waits
+          prefetch.emplace(prefetch_bytes);
+          st.reads(task - first[s], *prefetch);
+          fetching = true;
+        }
+        if (fetching) fetching = prefetch->step(8);
+        else cpu_relax();
         // a long wait means a thread holding an earlier task was preempted (more runnable threads than cores: the
         // GPU's launch and callback threads beside the pool); give this core up now and then so that it runs,
         // instead of a dozen waiters spinning until the scheduler's time slice ends (decode calls of 5-13 ms
@@ -459,7 +518,8 @@ class Part {
     std::stable_sort(chunks_.begin(), chunks_.end(), [](const Chunk& a, const Chunk& b) { return a.n > b.n; });
     const int64_t I = s.I, nchunks = static_cast<int64_t>(chunks_.size());
     ugroups_ = I / 32;  // kernel calls of 32 gate + 32 up columns = 4 packed 16-column blocks
-    splits_ = s.workers == 1 ? 1 : std::min(ugroups_, (3 * s.workers + nchunks - 1) / nchunks);
+    const int64_t per_worker = env_count("KT_GATE_UP_TASKS", 3, 64);  // tasks a worker (read on every call)
+    splits_ = s.workers == 1 ? 1 : std::min(ugroups_, (per_worker * s.workers + nchunks - 1) / nchunks);
     full_rows_ = splits_ == 1 && !caller_quantizes_h;  // a caller's quantize_h takes all of h at once
     separate_quantize_ = s.int_fmt && !full_rows_ && !caller_quantizes_h;
     // h: bf16 [P, I] (bf16 weights); int formats: int8 [P, I] + scale + group sums, through fp32 [P, I] when split
@@ -571,6 +631,26 @@ class Part {
       s.ks.quantize_rows(hrows, I, static_cast<int>(ch.n), I, s.down.group_size(), hq_.data_ptr<int8_t>() + ch.p0 * I,
                          I, hs_.data_ptr<float>() + ch.p0, hg_.data_ptr<int32_t>() + ch.p0 * s.down.groups);
     times.lap(worker, WorkerTimes::kEpilogue, t_mark);
+  }
+
+  // What gate_up(task) reads from the weights: its chunk's expert, its channel groups (4 blocks each, contiguous).
+  void gate_up_reads(int64_t task, WaitPrefetch& pf) const {
+    const Shared& s = s_;
+    const Chunk& ch = chunks_[task / splits_];
+    const int64_t split = task % splits_;
+    const int64_t g0 = ugroups_ * split / splits_, g1 = ugroups_ * (split + 1) / splits_;
+    const size_t up_block = kernels::block_bytes(s.fmt, s.up.K);
+    pf.add(s.up_base + (ch.e * (s.up.N / 16) + 4 * g0) * up_block, 4 * (g1 - g0) * up_block);
+  }
+
+  // What down(task) reads from the weights: its column range of each expert of its group.
+  void down_reads(int64_t task, WaitPrefetch& pf) const {
+    const Shared& s = s_;
+    const int64_t hblocks = s.H / 16, r = task / groups_, g = task % groups_;
+    const int64_t b0 = hblocks * r / ranges_, b1 = hblocks * (r + 1) / ranges_;
+    const size_t down_block = kernels::block_bytes(s.fmt, s.down.K);
+    for (int64_t i = group_start_[g]; i < group_start_[g + 1]; ++i)
+      pf.add(s.down_base + (active_[i] * hblocks + b0) * down_block, (b1 - b0) * down_block);
   }
 
   // h quantized when the channels were split over tasks: 16 rows a task
@@ -790,7 +870,8 @@ void run_call(WeightFormat fmt, const at::Tensor& hidden_in, const at::Tensor& i
   auto add_part = [&](const Part& part, bool first, const std::function<void()>& done) {
     const int gu = static_cast<int>(stages.size());
     stages.push_back({first ? "gate_up" : "gate_up.later", part.gate_up_tasks(),
-                      [&part, &gu_times](int64_t t, int w) { part.gate_up(t, w, gu_times); }, {0}, {}});
+                      [&part, &gu_times](int64_t t, int w) { part.gate_up(t, w, gu_times); }, {0}, {},
+                      [&part](int64_t t, WaitPrefetch& pf) { part.gate_up_reads(t, pf); }});
     std::vector<int> before_down = {gu};
     if (first && caller_quantizes_h) {
       stages.push_back({"h_quantize", 1, [&part, &quantize_h](int64_t, int) { part.quantize_with(quantize_h); }, {gu}, {}});
@@ -801,7 +882,8 @@ void run_call(WeightFormat fmt, const at::Tensor& hidden_in, const at::Tensor& i
       before_down.push_back(gu + 1);
     }
     stages.push_back({first ? "down" : "down.later", part.down_tasks(),
-                      [&part, &down_times](int64_t t, int w) { part.down(t, w, down_times); }, before_down, done});
+                      [&part, &down_times](int64_t t, int w) { part.down(t, w, down_times); }, before_down, done,
+                      [&part](int64_t t, WaitPrefetch& pf) { part.down_reads(t, pf); }});
   };
   add_part(now, true, on_now);
   if (later) add_part(*later, false, {});
