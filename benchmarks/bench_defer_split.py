@@ -105,12 +105,15 @@ def advised_packed(packed: ktorch.PackedExperts, huge: bool) -> ktorch.PackedExp
 
 
 def take_turns(modes: dict, routings: list, calls: int) -> dict:
-    """(first, total) of `calls` calls of each mode, the modes taking turns on the same routings."""
+    """(first, total) of `calls` calls of each mode, the modes taking turns. Every call takes the next routing and
+    the next layer copy (each mode visits every copy): two calls a few apart never read the same experts of the same
+    copy, so none finds the other's weights in the L3 (a round that gave every mode the same routing let the modes
+    5 copies apart read from the L3 what the earlier one had fetched: the later modes looked faster)."""
     results = {mode: [] for mode in modes}
     for i in range(calls + 8):  # the first 8 rounds warm up
-        r = routings[i % len(routings)]
         for j, (mode, fn) in enumerate(modes.items()):
-            res = fn(i * len(modes) + j + i, r)  # a different layer copy for each mode, each mode on every copy: all cold
+            k = i * len(modes) + j
+            res = fn(k + i, routings[k % len(routings)])
             if i >= 8:
                 results[mode].append(res)
     return results
