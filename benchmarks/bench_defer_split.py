@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[ktorch.get_num_threads()])
     ap.add_argument("--deferred", type=int, default=2)
     ap.add_argument("--format", default="int8", choices=["bf16", "int8", "int4"])
+    ap.add_argument("--group-size", type=int, default=128, help="int4 scale group (32: what GGUF Q4_0 loads as)")
     ap.add_argument("--calls", type=int, default=400, help="calls per mode")
     ap.add_argument("--cold-factor", type=float, default=8.0, help="layer copies until their bytes exceed this x L3")
     ap.add_argument("--max-copies", type=int, default=64, help="at most this many layer copies")
@@ -140,16 +141,17 @@ def main(argv: list[str] | None = None) -> None:
     if args.env_variants and args.huge_pages:
         ap.error("--env-variants and --huge-pages are separate A/Bs: give one")
 
-    print(f"# {machine()}; torch {torch.__version__}; kernel {torch.ops.kt.selected_kernel()}; {args.format}; "
+    fmt = args.format + (f" g{args.group_size}" if args.format == "int4" else "")
+    print(f"# {machine()}; torch {torch.__version__}; kernel {torch.ops.kt.selected_kernel()}; {fmt}; "
           f"L3 {l3_bytes() / 2**20:.0f} MiB")
     print("| shape | T | threads | mode | first ms (median) | total ms (median) | total p90 |")
     print("|---|---|---|---|---|---|---|")
     for shape in args.shapes:
         E, K, H, I = SHAPES[shape]
-        one = random_packed(E, H, I, args.format)
+        one = random_packed(E, H, I, args.format, args.group_size)
         nbytes = sum(t.numel() * t.element_size() for t in one.tensors() if t is not None)
         copies = min(args.max_copies, max(2, int(args.cold_factor * l3_bytes() / nbytes) + 1))
-        layers = [one] + [random_packed(E, H, I, args.format) for _ in range(copies - 1)]
+        layers = [one] + [random_packed(E, H, I, args.format, args.group_size) for _ in range(copies - 1)]
         sets = {"": layers}
         if args.huge_pages:
             sets = {f"/{name}": [advised_packed(packed, huge) for packed in layers]

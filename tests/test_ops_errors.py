@@ -229,11 +229,13 @@ def test_forcing_an_unavailable_kernel_level(level, monkeypatch):
 
 @pytest.mark.parametrize("name,value", [("KT_DOWN_RANGES", "0"), ("KT_DOWN_RANGES", "two"), ("KT_DOWN_GROUPS", "17"),
                                         ("KT_DOWN_GROUPS", "-1"), ("KT_DOWN_RANGES", "4096x"),
-                                        ("KT_GATE_UP_TASKS", "0"), ("KT_GATE_UP_TASKS", "65")])
-def test_bad_task_grid_knob(name, value, monkeypatch):
+                                        ("KT_GATE_UP_TASKS", "0"), ("KT_GATE_UP_TASKS", "65"),
+                                        ("KT_PREFETCH_AHEAD", "-1"), ("KT_PREFETCH_AHEAD", "257")])
+def test_bad_task_grid_or_prefetch_knob(name, value, monkeypatch):
     monkeypatch.setenv(name, value)
-    most = {"KT_DOWN_RANGES": 4096, "KT_DOWN_GROUPS": 16, "KT_GATE_UP_TASKS": 64}[name]
-    with raises(re.escape(f"{name} must be a count from 1 to {most}, got '{value}'")):
+    least, most = {"KT_DOWN_RANGES": (1, 4096), "KT_DOWN_GROUPS": (1, 16), "KT_GATE_UP_TASKS": (1, 64),
+                   "KT_PREFETCH_AHEAD": (0, 256)}[name]
+    with raises(re.escape(f"{name} must be a count from {least} to {most}, got '{value}'")):
         call()
 
 

@@ -296,10 +296,11 @@ def test_one_dispatch_and_a_dispatch_per_stage_agree(kernel, fmt, group_size, T,
 @pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)
 @pytest.mark.parametrize("T", [1, 6, 45])
 @pytest.mark.parametrize("tasks", [1, 7, 64])
-def test_gate_up_task_count_and_wait_prefetch(kernel, fmt, group_size, T, tasks, monkeypatch, seed):
-    """KT_GATE_UP_TASKS (gate/up tasks a worker) only re-cuts each expert's intermediate channels over tasks and
-    KT_WAIT_PREFETCH_KB only fetches a waiting task's weights ahead (0: off, 1: one KiB, the default: 1024): the
-    same arithmetic per channel, so the output is equal bit for bit under every setting, and within tolerance of
+def test_task_count_and_prefetch_knobs_keep_the_result(kernel, fmt, group_size, T, tasks, monkeypatch, seed):
+    """KT_GATE_UP_TASKS (gate/up tasks a worker) only re-cuts each expert's intermediate channels over tasks,
+    KT_WAIT_PREFETCH_KB only fetches a waiting task's weights ahead (0: off, 1: one KiB, the default: 1024) and
+    KT_PREFETCH_AHEAD only prefetches decode-sized kernel calls' weights (0: off; 256 lines runs past the end
+    of the last expert's weights, which a prefetch may): the same arithmetic per channel, so the output is equal bit for bit under every setting, and within tolerance of
     the float64 reference."""
     E, K, H, I = 7, 3, 192, 320
     packed = make_experts(E, H, I, fmt, group_size)
@@ -308,10 +309,12 @@ def test_gate_up_task_count_and_wait_prefetch(kernel, fmt, group_size, T, tasks,
     base = ktorch.fused_moe(hidden, ids, weights, packed)
     check_against_reference(base, hidden, ids, weights, packed, "silu", seed, f"T={T}")
     monkeypatch.setenv("KT_GATE_UP_TASKS", str(tasks))
-    for kb in ("0", "1", "1024"):
+    for kb, ahead in (("0", "0"), ("1", "3"), ("1024", "256")):
         monkeypatch.setenv("KT_WAIT_PREFETCH_KB", kb)
+        monkeypatch.setenv("KT_PREFETCH_AHEAD", ahead)
         out = ktorch.fused_moe(hidden, ids, weights, packed)
-        assert torch.equal(out, base), f"seed={seed}: T={T} KT_GATE_UP_TASKS={tasks} KT_WAIT_PREFETCH_KB={kb}"
+        assert torch.equal(out, base), (f"seed={seed}: T={T} KT_GATE_UP_TASKS={tasks} KT_WAIT_PREFETCH_KB={kb} "
+                                        f"KT_PREFETCH_AHEAD={ahead}")
 
 
 @pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)

@@ -60,6 +60,9 @@ struct GemmArgs {
   // A hint: the b of the caller's next call (same format, K, b_block_stride and nblocks), or nullptr.
   // The AVX-512 kernels prefetch its first weights during their last ones; other kernels may ignore it.
   const uint8_t* next_b = nullptr;
+  // Calls of a few rows (decode): each weight stream is prefetched this many 64-byte lines ahead of the one read
+  // (0: left to the hardware prefetchers). A hint; kernels other than AVX-512 ignore it.
+  int prefetch_ahead = 0;
 };
 constexpr int kMaxBlocks = 8;  // the driver sizes its kernel-output buffers by it; the kernels take any count
 

@@ -256,12 +256,13 @@ std::mutex& shared_workspace_mutex() {
 
 // A tuning knob of the down projection's task grid (KT_DOWN_RANGES, KT_DOWN_GROUPS: read on every call, so one
 // process can time several; benchmarks/bench_fused_moe.py --env-variants): a count in [1, most], else `fallback`.
-int64_t env_count(const char* name, int64_t fallback, int64_t most) {
+int64_t env_count(const char* name, int64_t fallback, int64_t most, int64_t least = 1) {
   const char* env = std::getenv(name);
   if (env == nullptr || *env == '\0') return fallback;
   char* end = nullptr;
   const long long v = std::strtoll(env, &end, 10);
-  TORCH_CHECK(*end == '\0' && v >= 1 && v <= most, name, " must be a count from 1 to ", most, ", got '", env, "'");
+  TORCH_CHECK(*end == '\0' && v >= least && v <= most, name, " must be a count from ", least, " to ", most, ", got '",
+              env, "'");
   return v;
 }
 
@@ -448,6 +449,7 @@ struct Shared {
   float* row_scale = nullptr;
   int32_t* row_gsum = nullptr;
   uint8_t* rows_out = nullptr;  // where the activations stage writes them (nullptr: read in place)
+  int prefetch_ahead = 0;       // GemmArgs::prefetch_ahead (KT_PREFETCH_AHEAD)
   at::Tensor wf32, wa, wsc, wgs, wc;
 
   // the activations stage: 16 tokens a task
@@ -612,6 +614,7 @@ class Part {
         a.b_scale_group_stride = s.up.N;
       }
       a.b = s.up_base + (ch.e * (s.up.N / 16) + 4 * g) * up_block;
+      a.prefetch_ahead = s.prefetch_ahead;
       a.b_block_stride = up_block;
       if (g + 1 < g1) a.next_b = a.b + 4 * up_block;
       a.nblocks = 4;
@@ -699,6 +702,7 @@ class Part {
             a.b_scale_group_stride = s.down.N;
           }
           a.b = s.down_base + (e * hblocks + cb) * down_block;
+          a.prefetch_ahead = s.prefetch_ahead;
           a.b_block_stride = down_block;
           a.nblocks = static_cast<int>(std::min<int64_t>(kernels::kMaxBlocks, b1 - cb));
           if (cb + kernels::kMaxBlocks < b1)
@@ -831,6 +835,8 @@ void run_call(WeightFormat fmt, const at::Tensor& hidden_in, const at::Tensor& i
            static_cast<const uint8_t*>(w13.data_ptr()), w13_scales ? w13_scales->data_ptr<float>() : nullptr,
            static_cast<const uint8_t*>(w2.data_ptr()), w2_scales ? w2_scales->data_ptr<float>() : nullptr,
            int_fmt ? up.groups : 1, int_fmt ? H : 2 * H, 0, 0};
+  // KT_PREFETCH_AHEAD=n (read on every call): decode-sized kernel calls prefetch each weight stream n lines ahead
+  s.prefetch_ahead = static_cast<int>(env_count("KT_PREFETCH_AHEAD", 0, 256, 0));
   // ---- 1. route (each part)
   const at::Tensor wts = topk_weights_in.to(at::kFloat).contiguous();
   Part now(s, ids_now, wts.data_ptr<float>(), out_now, ws, caller_quantizes_h);

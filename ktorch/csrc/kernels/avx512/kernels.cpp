@@ -47,6 +47,7 @@ struct Prefetch {
   size_t stride = 0;              // bytes from block to block
   int64_t lines = 0;              // 64-byte lines per block
   int64_t l0 = 0, l1 = 0;         // this tile's share: lines [l0, l1) of all blocks' lines, block-major
+  int64_t ahead = 0;              // few rows: lines ahead of the read one in each block (GemmArgs::prefetch_ahead)
   struct Cursor {
     const uint8_t* p = nullptr;
     int64_t left = 0, in_block = 0;
@@ -92,6 +93,8 @@ void bf16_tile(const GemmArgs& a, int m0, int b0, int64_t k0, int64_t k1, const 
   Prefetch::Cursor next = pf.cursor();
   for (int64_t p = k0 / 2; p < k1 / 2; ++p) {
     if constexpr (kPrefetch) next.step();
+    if (pf.ahead > 0)
+      for (int b = 0; b < NR; ++b) _mm_prefetch(reinterpret_cast<const char*>(w[b] + (p + pf.ahead) * 64), _MM_HINT_T0);
     __m512i wv[NR];
     for (int b = 0; b < NR; ++b) wv[b] = _mm512_loadu_si512(w[b] + p * 64);
     for (int r = 0; r < MR; ++r) {
@@ -121,6 +124,8 @@ void int8_tile(const GemmArgs& a, int m0, int b0, int64_t k0, int64_t k1, const 
   Prefetch::Cursor next = pf.cursor();
   for (int64_t q = k0 / 4; q < k1 / 4; ++q) {
     if constexpr (kPrefetch) next.step();
+    if (pf.ahead > 0)
+      for (int b = 0; b < NR; ++b) _mm_prefetch(reinterpret_cast<const char*>(w[b] + (q + pf.ahead) * 64), _MM_HINT_T0);
     __m512i wv[NR];
     for (int b = 0; b < NR; ++b) wv[b] = _mm512_xor_si512(_mm512_loadu_si512(w[b] + q * 64), sign);
     for (int r = 0; r < MR; ++r) {
@@ -182,6 +187,8 @@ void int4_tile(const GemmArgs& a, int m0, int b0, int64_t k0, int64_t k1, const 
       for (int b = 0; b < kHiBlocks; ++b) gacc_hi[r][b] = _mm512_setzero_si512();
     for (int64_t o = g * octs; o < (g + 1) * octs; ++o) {
       if constexpr (kPrefetch) next.step();
+      if (pf.ahead > 0)
+        for (int b = 0; b < NR; ++b) _mm_prefetch(reinterpret_cast<const char*>(w[b] + (o + pf.ahead) * 64), _MM_HINT_T0);
       for (int b = 0; b < NR; ++b) {
         const __m512i v = _mm512_loadu_si512(w[b] + o * 64);
         const __m512i lo = _mm512_and_si512(v, low);
@@ -240,7 +247,9 @@ struct TileWalker {
         Prefetch pf;  // the chunk after this one
         int blocks = 0;
         if (a.M <= kNoPrefetchRows) {
-          // one row tile streams the weights steadily: the hardware prefetchers keep up on their own
+          // one row tile streams the weights steadily: the hardware prefetchers keep up on their own, unless the
+          // caller asks for software prefetches a fixed distance ahead in each block
+          pf.ahead = a.prefetch_ahead;
         } else if (k0 + kc < a.K) {
           pf.base = a.b + b0 * a.b_block_stride + (k0 + kc) * k_bytes;
           blocks = std::min(NR, a.nblocks - b0);
