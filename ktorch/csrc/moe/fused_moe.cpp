@@ -835,8 +835,10 @@ void run_call(WeightFormat fmt, const at::Tensor& hidden_in, const at::Tensor& i
            static_cast<const uint8_t*>(w13.data_ptr()), w13_scales ? w13_scales->data_ptr<float>() : nullptr,
            static_cast<const uint8_t*>(w2.data_ptr()), w2_scales ? w2_scales->data_ptr<float>() : nullptr,
            int_fmt ? up.groups : 1, int_fmt ? H : 2 * H, 0, 0};
-  // KT_PREFETCH_AHEAD=n (read on every call): decode-sized kernel calls prefetch each weight stream n lines ahead
-  s.prefetch_ahead = static_cast<int>(env_count("KT_PREFETCH_AHEAD", 0, 256, 0));
+  // KT_PREFETCH_AHEAD=n (read on every call): decode-sized kernel calls prefetch each weight stream n lines ahead.
+  // 16 by default: a Qwen3 decode layer on the device (T = 1, 13 threads, interleaved A/B) ran 6% (int8) and 8%
+  // (int4 g32) faster with 8-32 than with the hardware prefetchers alone (0), 64 less so.
+  s.prefetch_ahead = static_cast<int>(env_count("KT_PREFETCH_AHEAD", 16, 256, 0));
   // ---- 1. route (each part)
   const at::Tensor wts = topk_weights_in.to(at::kFloat).contiguous();
   Part now(s, ids_now, wts.data_ptr<float>(), out_now, ws, caller_quantizes_h);
