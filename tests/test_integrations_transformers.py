@@ -18,7 +18,6 @@ import ktorch
 from ktorch.integrations import UnsupportedExpertsError, ktorch_experts_forward, packed_experts_of
 from models import (
     FAMILIES,
-    LOGIT_ATOL,
     PROMPT,
     assert_greedy_matches,
     assert_logits_match,
@@ -53,13 +52,14 @@ def test_from_config_and_set_experts_implementation_accept_ktorch():
 
 
 def test_unprepared_model_packs_on_first_call():
+    """An experts module never prepared is packed (bf16) on its first call; the logits match HF eager's up to the
+    first routing flip, which must be a near-tie (bf16 experts against fp32 ones: some seeds flip one)."""
     model = tiny_model("olmoe")
+    ref = copy.deepcopy(model)
     ids = torch.randint(0, 256, (1, 10))
-    want = model(ids).logits
     model.set_experts_implementation("ktorch")
-    got = model(ids).logits
+    assert_logits_match(ref, model, torch.float32, ids)
     assert all(packed_experts_of(m) is not None for m in moe_experts_modules(model))
-    assert (got - want).abs().max() <= LOGIT_ATOL[torch.float32]
 
 
 # ---------------------------------------------------------------- prepare

@@ -242,7 +242,7 @@ def test_bad_task_grid_or_prefetch_knob(name, value, monkeypatch):
 @pytest.mark.parametrize("value", ["-1", "1m", "1048577"])
 def test_bad_wait_prefetch_size(value, monkeypatch):
     monkeypatch.setenv("KT_WAIT_PREFETCH_KB", value)
-    with raises(re.escape(f"KT_WAIT_PREFETCH_KB must be a size in KiB from 0 (off) to 1048576, got '{value}'")):
+    with raises(re.escape(f"KT_WAIT_PREFETCH_KB must be a count from 0 to 1048576, got '{value}'")):
         call()
 
 

@@ -278,30 +278,16 @@ def test_same_output_for_any_thread_count(kernel, fmt, group_size, seed):
 
 
 @pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)
-@pytest.mark.parametrize("T", [1, 45, 300])
-def test_one_dispatch_and_a_dispatch_per_stage_agree(kernel, fmt, group_size, T, monkeypatch, seed):
-    """A call's stages (activations, gate/up, h quantization, down) run in one pool dispatch, a task waiting for
-    the stages before its own, or with KT_ONE_DISPATCH=0 one dispatch a stage: the same tasks, so the same output
-    bit for bit, and within tolerance of the float64 reference."""
-    E, K, H, I = 7, 3, 192, 160
-    packed = make_experts(E, H, I, fmt, group_size)
-    hidden = torch.randn(T, H).to(torch.bfloat16)
-    ids, weights = make_routing(T, E, K)
-    out = ktorch.fused_moe(hidden, ids, weights, packed)
-    check_against_reference(out, hidden, ids, weights, packed, "silu", seed, f"T={T}")
-    monkeypatch.setenv("KT_ONE_DISPATCH", "0")
-    assert torch.equal(ktorch.fused_moe(hidden, ids, weights, packed), out), f"seed={seed}: T={T}"
-
-
-@pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)
-@pytest.mark.parametrize("T", [1, 6, 45])
+@pytest.mark.parametrize("T", [1, 6, 45, 300])
 @pytest.mark.parametrize("tasks", [1, 7, 64])
-def test_task_count_and_prefetch_knobs_keep_the_result(kernel, fmt, group_size, T, tasks, monkeypatch, seed):
-    """KT_GATE_UP_TASKS (gate/up tasks a worker) only re-cuts each expert's intermediate channels over tasks,
-    KT_WAIT_PREFETCH_KB only fetches a waiting task's weights ahead (0: off, 1: one KiB, the default: 1024) and
-    KT_PREFETCH_AHEAD only prefetches decode-sized kernel calls' weights (0: off; 256 lines runs past the end
-    of the last expert's weights, which a prefetch may): the same arithmetic per channel, so the output is equal bit for bit under every setting, and within tolerance of
-    the float64 reference."""
+def test_dispatch_task_count_and_prefetch_knobs_keep_the_result(kernel, fmt, group_size, T, tasks, monkeypatch, seed):
+    """Knobs that change how a call runs, never what it computes, so the output is equal bit for bit under every
+    setting (and within tolerance of the float64 reference): KT_ONE_DISPATCH=0 (one pool dispatch a stage instead
+    of one for all, a task waiting for the stages before its own), KT_GATE_UP_TASKS (gate/up tasks a worker: each
+    expert's intermediate channels cut differently over tasks), KT_WAIT_PREFETCH_KB (a waiting task fetches its
+    weights ahead; 0: off, 1: one KiB, the default: 1024) and KT_PREFETCH_AHEAD (decode-sized kernel calls
+    prefetch their weights; 0: off; 256 lines runs past the end of the last expert's weights, which a prefetch
+    may)."""
     E, K, H, I = 7, 3, 192, 320
     packed = make_experts(E, H, I, fmt, group_size)
     hidden = torch.randn(T, H).to(torch.bfloat16)
@@ -309,12 +295,13 @@ def test_task_count_and_prefetch_knobs_keep_the_result(kernel, fmt, group_size, 
     base = ktorch.fused_moe(hidden, ids, weights, packed)
     check_against_reference(base, hidden, ids, weights, packed, "silu", seed, f"T={T}")
     monkeypatch.setenv("KT_GATE_UP_TASKS", str(tasks))
-    for kb, ahead in (("0", "0"), ("1", "3"), ("1024", "256")):
+    for one, kb, ahead in (("1", "0", "0"), ("1", "1", "3"), ("1", "1024", "256"), ("0", "1024", "16")):
+        monkeypatch.setenv("KT_ONE_DISPATCH", one)
         monkeypatch.setenv("KT_WAIT_PREFETCH_KB", kb)
         monkeypatch.setenv("KT_PREFETCH_AHEAD", ahead)
         out = ktorch.fused_moe(hidden, ids, weights, packed)
-        assert torch.equal(out, base), (f"seed={seed}: T={T} KT_GATE_UP_TASKS={tasks} KT_WAIT_PREFETCH_KB={kb} "
-                                        f"KT_PREFETCH_AHEAD={ahead}")
+        assert torch.equal(out, base), (f"seed={seed}: T={T} KT_ONE_DISPATCH={one} KT_GATE_UP_TASKS={tasks} "
+                                        f"KT_WAIT_PREFETCH_KB={kb} KT_PREFETCH_AHEAD={ahead}")
 
 
 @pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)

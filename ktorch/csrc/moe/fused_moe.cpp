@@ -333,15 +333,7 @@ class WaitPrefetch {
   size_t next_ = 0, offset_ = 0, left_;
 };
 
-size_t wait_prefetch_bytes() {
-  const char* env = std::getenv("KT_WAIT_PREFETCH_KB");
-  if (env == nullptr || *env == '\0') return size_t{1024} << 10;
-  char* end = nullptr;
-  const long long v = std::strtoll(env, &end, 10);
-  TORCH_CHECK(*end == '\0' && v >= 0 && v <= (1 << 20), "KT_WAIT_PREFETCH_KB must be a size in KiB from 0 (off) to ",
-              1 << 20, ", got '", env, "'");
-  return static_cast<size_t>(v) << 10;
-}
+size_t wait_prefetch_bytes() { return static_cast<size_t>(env_count("KT_WAIT_PREFETCH_KB", 1024, 1 << 20, 0)) << 10; }
 
 // A stage of a call: n independent tasks run(task, worker), which may start once every task of the stages in
 // `after` has finished; `done` (optional) is called once, by the thread that finishes the stage's last task;

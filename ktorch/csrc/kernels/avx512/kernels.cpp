@@ -79,6 +79,14 @@ struct Prefetch {
   }
 };
 
+// Prefetch::ahead: line i + ahead of each of the tile's NR weight blocks (it may run past a block's end into the
+// next block, which a prefetch may).
+template <int NR>
+inline void prefetch_ahead(const uint8_t* const* w, int64_t i, int64_t ahead) {
+  if (ahead > 0)
+    for (int b = 0; b < NR; ++b) _mm_prefetch(reinterpret_cast<const char*>(w[b] + (i + ahead) * 64), _MM_HINT_T0);
+}
+
 // ---------------------------------------------------------------- bf16
 template <int MR, int NR, bool kPrefetch>
 void bf16_tile(const GemmArgs& a, int m0, int b0, int64_t k0, int64_t k1, const Prefetch& pf) {
@@ -93,8 +101,7 @@ void bf16_tile(const GemmArgs& a, int m0, int b0, int64_t k0, int64_t k1, const 
   Prefetch::Cursor next = pf.cursor();
   for (int64_t p = k0 / 2; p < k1 / 2; ++p) {
     if constexpr (kPrefetch) next.step();
-    if (pf.ahead > 0)
-      for (int b = 0; b < NR; ++b) _mm_prefetch(reinterpret_cast<const char*>(w[b] + (p + pf.ahead) * 64), _MM_HINT_T0);
+    prefetch_ahead<NR>(w, p, pf.ahead);
     __m512i wv[NR];
     for (int b = 0; b < NR; ++b) wv[b] = _mm512_loadu_si512(w[b] + p * 64);
     for (int r = 0; r < MR; ++r) {
@@ -124,8 +131,7 @@ void int8_tile(const GemmArgs& a, int m0, int b0, int64_t k0, int64_t k1, const 
   Prefetch::Cursor next = pf.cursor();
   for (int64_t q = k0 / 4; q < k1 / 4; ++q) {
     if constexpr (kPrefetch) next.step();
-    if (pf.ahead > 0)
-      for (int b = 0; b < NR; ++b) _mm_prefetch(reinterpret_cast<const char*>(w[b] + (q + pf.ahead) * 64), _MM_HINT_T0);
+    prefetch_ahead<NR>(w, q, pf.ahead);
     __m512i wv[NR];
     for (int b = 0; b < NR; ++b) wv[b] = _mm512_xor_si512(_mm512_loadu_si512(w[b] + q * 64), sign);
     for (int r = 0; r < MR; ++r) {
@@ -187,8 +193,7 @@ void int4_tile(const GemmArgs& a, int m0, int b0, int64_t k0, int64_t k1, const 
       for (int b = 0; b < kHiBlocks; ++b) gacc_hi[r][b] = _mm512_setzero_si512();
     for (int64_t o = g * octs; o < (g + 1) * octs; ++o) {
       if constexpr (kPrefetch) next.step();
-      if (pf.ahead > 0)
-        for (int b = 0; b < NR; ++b) _mm_prefetch(reinterpret_cast<const char*>(w[b] + (o + pf.ahead) * 64), _MM_HINT_T0);
+      prefetch_ahead<NR>(w, o, pf.ahead);
       for (int b = 0; b < NR; ++b) {
         const __m512i v = _mm512_loadu_si512(w[b] + o * 64);
         const __m512i lo = _mm512_and_si512(v, low);
