@@ -42,10 +42,12 @@ SHAPES = {  # name: (E, K, H, I)
 }
 
 
-def make_tasks(layers, T: int, K: int, H: int, d: int):
-    """Per layer copy: a split task in each mode (KT_DEFER_CALLS is read when a task is made)."""
+def make_tasks(layers, T: int, K: int, H: int, d: int, two_calls: bool = True):
+    """Per layer copy: a split task in each mode (KT_DEFER_CALLS is read when a task is made); two_calls=False leaves
+    out the "2 calls" mode."""
     tasks = {}
-    for mode, calls in (("task d=0", "1"), (f"task d={d} 1 call", "1"), (f"task d={d} 2 calls", "2")):
+    modes = (("task d=0", "1"), (f"task d={d} 1 call", "1")) + (((f"task d={d} 2 calls", "2"),) if two_calls else ())
+    for mode, calls in modes:
         os.environ["KT_DEFER_CALLS"] = calls
         per_layer = []
         for packed in layers:
@@ -178,9 +180,7 @@ def main(argv: list[str] | None = None) -> None:
                 os.environ.pop("KT_ONE_DISPATCH", None)
                 task_modes = {}
                 for suffix, ls in sets.items():
-                    for mode, per_layer in make_tasks(ls, T, K, H, args.deferred).items():
-                        if args.huge_pages and "2 calls" in mode:
-                            continue
+                    for mode, per_layer in make_tasks(ls, T, K, H, args.deferred, not args.huge_pages).items():
                         task_modes[mode + suffix] = (
                             lambda i, r, per_layer=per_layer: run_task(*per_layer[i % len(per_layer)], *r))
                 results.update(take_turns(task_modes, routings, args.calls))
@@ -192,7 +192,7 @@ def env_modes(layers, variants: list[str], T: int, K: int, H: int, d: int) -> di
     """--env-variants: per variant the op, task d=0 and task d=D in one call, each run under the variant's environment
     (the op's knobs are read on every call, on whichever thread makes it)."""
     modes = {}
-    tasks = make_tasks(layers, T, K, H, d)
+    tasks = make_tasks(layers, T, K, H, d, two_calls=False)
     for variant in variants:
         def under(fn, variant=variant):
             def run(i, r):
@@ -200,8 +200,8 @@ def env_modes(layers, variants: list[str], T: int, K: int, H: int, d: int) -> di
                     return fn(i, r)
             return run
         modes[f"op [{variant}]"] = under(lambda i, r: run_op(layers[i % len(layers)], *r, True))
-        for mode in ("task d=0", f"task d={d} 1 call"):
-            modes[f"{mode} [{variant}]"] = under(lambda i, r, pl=tasks[mode]: run_task(*pl[i % len(pl)], *r))
+        for mode, pl in tasks.items():
+            modes[f"{mode} [{variant}]"] = under(lambda i, r, pl=pl: run_task(*pl[i % len(pl)], *r))
     return modes
 
 

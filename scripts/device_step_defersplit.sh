@@ -4,4 +4,5 @@
 # 4 KiB-page against huge-page A/B instead.
 cd benchmarks
 python3 bench_defer_split.py --shapes ${DS_SHAPES:-qwen3 deepseek-v2-lite} --tokens ${DS_TOKENS:-1} \
-    --threads ${DS_THREADS:-13 16} --deferred ${DS_DEFERRED:-2} --calls ${DS_CALLS:-400} ${DS_ARGS:-} 2>&1 | grep -vE "Warning|warn"
+    --threads ${DS_THREADS:-13 16} --deferred ${DS_DEFERRED:-2} --calls ${DS_CALLS:-400} ${DS_ARGS:-} 2>&1 \
+    | grep -vE "Warning|warn"

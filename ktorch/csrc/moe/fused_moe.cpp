@@ -254,8 +254,9 @@ std::mutex& shared_workspace_mutex() {
   return m;
 }
 
-// A tuning knob of the down projection's task grid (KT_DOWN_RANGES, KT_DOWN_GROUPS: read on every call, so one
-// process can time several; benchmarks/bench_fused_moe.py --env-variants): a count in [1, most], else `fallback`.
+// A tuning knob of a call (KT_DOWN_RANGES, KT_DOWN_GROUPS, KT_GATE_UP_TASKS, KT_WAIT_PREFETCH_KB, KT_PREFETCH_AHEAD:
+// read on every call, so one process can time several; benchmarks' --env-variants): a count in [least, most], else
+// `fallback`; anything else is an error naming the variable.
 int64_t env_count(const char* name, int64_t fallback, int64_t most, int64_t least = 1) {
   const char* env = std::getenv(name);
   if (env == nullptr || *env == '\0') return fallback;
@@ -567,13 +568,33 @@ class Part {
   int64_t quantize_tasks() const { return separate_quantize_ ? (P_ + 15) / 16 : 0; }
   int64_t down_tasks() const { return P_ == 0 ? 0 : ranges_ * groups_; }
 
+  // The task grids, shared by the tasks and by what they read (gate_up_reads, down_reads). Gate/up task `task`:
+  // chunk chunks_[task / splits_], channel groups [g0, g1) of 32 gate + 32 up columns (4 packed blocks each).
+  std::pair<int64_t, int64_t> gate_up_groups(int64_t task) const {
+    const int64_t split = task % splits_;
+    return {ugroups_ * split / splits_, ugroups_ * (split + 1) / splits_};
+  }
+  // The 4 packed w13 blocks of expert e's channel group g (the groups of an expert follow each other).
+  const uint8_t* up_group(int64_t e, int64_t g) const {
+    return s_.up_base + (e * (s_.up.N / 16) + 4 * g) * kernels::block_bytes(s_.fmt, s_.up.K);
+  }
+  // Down task = (range r, group): the range's 16-column blocks [b0, b1) of H.
+  std::pair<int64_t, int64_t> down_blocks(int64_t r) const {
+    const int64_t hblocks = s_.H / 16;
+    return {hblocks * r / ranges_, hblocks * (r + 1) / ranges_};
+  }
+  // Packed w2 block b of expert e (the blocks of an expert follow each other).
+  const uint8_t* down_block_at(int64_t e, int64_t b) const {
+    return s_.down_base + (e * (s_.H / 16) + b) * kernels::block_bytes(s_.fmt, s_.down.K);
+  }
+
   // ---- 3. gate + up + activation: h[p] = act(x_p W_gate^T) * (x_p W_up^T)
   void gate_up(int64_t task, int worker, WorkerTimes& times) const {
     const Shared& s = s_;
     auto t_mark = times.start();
     const Chunk& ch = chunks_[task / splits_];
-    const int64_t split = task % splits_, I = s.I;
-    const int64_t g0 = ugroups_ * split / splits_, g1 = ugroups_ * (split + 1) / splits_;
+    const int64_t I = s.I;
+    const auto [g0, g1] = gate_up_groups(task);
     // the chunk's rows, a_ld apart
     uint8_t* a_buf = s.wa.data_ptr<uint8_t>() + worker * s.wa.size(1);
     float* a_scale = s.wsc.data_ptr<float>() + worker * kGateUpRows;
@@ -605,7 +626,7 @@ class Part {
         a.b_scale = s.up_scales + ch.e * s.up.groups * s.up.N + 64 * g;
         a.b_scale_group_stride = s.up.N;
       }
-      a.b = s.up_base + (ch.e * (s.up.N / 16) + 4 * g) * up_block;
+      a.b = up_group(ch.e, g);
       a.prefetch_ahead = s.prefetch_ahead;
       a.b_block_stride = up_block;
       if (g + 1 < g1) a.next_b = a.b + 4 * up_block;
@@ -630,22 +651,17 @@ class Part {
 
   // What gate_up(task) reads from the weights: its chunk's expert, its channel groups (4 blocks each, contiguous).
   void gate_up_reads(int64_t task, WaitPrefetch& pf) const {
-    const Shared& s = s_;
-    const Chunk& ch = chunks_[task / splits_];
-    const int64_t split = task % splits_;
-    const int64_t g0 = ugroups_ * split / splits_, g1 = ugroups_ * (split + 1) / splits_;
-    const size_t up_block = kernels::block_bytes(s.fmt, s.up.K);
-    pf.add(s.up_base + (ch.e * (s.up.N / 16) + 4 * g0) * up_block, 4 * (g1 - g0) * up_block);
+    const int64_t e = chunks_[task / splits_].e;
+    const auto [g0, g1] = gate_up_groups(task);
+    pf.add(up_group(e, g0), up_group(e, g1) - up_group(e, g0));
   }
 
   // What down(task) reads from the weights: its column range of each expert of its group.
   void down_reads(int64_t task, WaitPrefetch& pf) const {
-    const Shared& s = s_;
-    const int64_t hblocks = s.H / 16, r = task / groups_, g = task % groups_;
-    const int64_t b0 = hblocks * r / ranges_, b1 = hblocks * (r + 1) / ranges_;
-    const size_t down_block = kernels::block_bytes(s.fmt, s.down.K);
+    const int64_t g = task % groups_;
+    const auto [b0, b1] = down_blocks(task / groups_);
     for (int64_t i = group_start_[g]; i < group_start_[g + 1]; ++i)
-      pf.add(s.down_base + (active_[i] * hblocks + b0) * down_block, (b1 - b0) * down_block);
+      pf.add(down_block_at(active_[i], b0), down_block_at(active_[i], b1) - down_block_at(active_[i], b0));
   }
 
   // h quantized when the channels were split over tasks: 16 rows a task
@@ -664,9 +680,9 @@ class Part {
   void down(int64_t task, int worker, WorkerTimes& times) const {
     const Shared& s = s_;
     auto t_mark = times.start();
-    const int64_t T = s.T, H = s.H, hblocks = H / 16;
+    const int64_t T = s.T, H = s.H;
     const int64_t r = task / groups_, g = task % groups_;
-    const int64_t b0 = hblocks * r / ranges_, b1 = hblocks * (r + 1) / ranges_;
+    const auto [b0, b1] = down_blocks(r);
     const int64_t c0 = 16 * b0, c1 = 16 * b1;
     float* accp = acc_.data_ptr<float>();
     float* accg = accp + g * T * H;
@@ -693,14 +709,14 @@ class Part {
             a.b_scale = s.down_scales + e * s.down.groups * s.down.N + 16 * cb;
             a.b_scale_group_stride = s.down.N;
           }
-          a.b = s.down_base + (e * hblocks + cb) * down_block;
+          a.b = down_block_at(e, cb);
           a.prefetch_ahead = s.prefetch_ahead;
           a.b_block_stride = down_block;
           a.nblocks = static_cast<int>(std::min<int64_t>(kernels::kMaxBlocks, b1 - cb));
           if (cb + kernels::kMaxBlocks < b1)
             a.next_b = a.b + kernels::kMaxBlocks * down_block;
           else if (p0 + kDownRows >= offset_[e + 1] && i + 1 < group_start_[g + 1])
-            a.next_b = s.down_base + (active_[i + 1] * hblocks + b0) * down_block;
+            a.next_b = down_block_at(active_[i + 1], b0);
           a.c = c;
           a.ldc = kDownCols;
           s.ks.gemm[static_cast<int>(s.fmt)](a);

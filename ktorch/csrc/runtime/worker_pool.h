@@ -53,8 +53,9 @@ class WorkerPool {
   // The process-wide pool, created on first use.
   static WorkerPool& instance();
   // Replaces the process-wide pool by one of `workers` threads (the caller included), unless it has that size
-  // and KT_SPIN_US / KT_SPIN_YIELD / KT_PIN_THREADS still read as it was built with. Waits for a call in flight on the old pool;
-  // call it between ops (a call that has already looked up the pool must not be running on another thread).
+  // and KT_SPIN_US / KT_SPIN_YIELD / KT_PIN_THREADS still read as it was built with. Waits for a call in flight on
+  // the old pool; call it between ops (a call that has already looked up the pool must not be running on another
+  // thread).
   static void resize(int workers);
   // instance() on the calling thread returns `pool` from now on (nullptr: the process-wide pool again).
   // The pool must outlive its use on this thread.
