@@ -70,3 +70,11 @@ def test_env_variants_ab_prints_each_mode_under_each_variant_and_restores_the_en
     assert rows == [f"{mode} [{variant}]" for variant in ("-", "KT_WAIT_PREFETCH_KB=0,KT_DOWN_RANGES=5")
                     for mode in ("op", "task d=0", "task d=1 1 call")]
     assert os.environ["KT_DOWN_RANGES"] == "3" and "KT_WAIT_PREFETCH_KB" not in os.environ
+
+
+def test_env_variants_and_huge_pages_are_refused_together(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        bench.main(["--shapes", "tiny", "--env-variants", "-", "--huge-pages"])
+    assert "--env-variants and --huge-pages are separate A/Bs: give one" in capsys.readouterr().err
