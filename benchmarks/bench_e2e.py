@@ -18,7 +18,8 @@ device, one sync at the end. Warm-up calls (compiles, CUDA-graph capture) are no
 
 --stream-experts "off;auto;512:0.3,2048:0.45": prefill with a prefix of each layer's experts streamed to the GPU
 (ktorch.set_stream_experts): one row per setting and ktorch variant ("auto" also prints what it measured); decode
-never streams, so rows after the first time prefill only.
+never streams, so rows after the first time prefill only. A setting ending in "@serial" copies each layer's experts
+when the GPU reaches the layer instead of a layer ahead (set_stream_experts(copy_ahead=False)), for an A/B.
 
 --profile: records a few decode steps with torch.profiler, writes the chrome trace (with the CPU experts calls
 added as a thread "ktorch-experts", timed by the experts runtime since the profiler does not see its worker
@@ -636,6 +637,14 @@ def standalone_experts_ms(model, rounds: int = 5, tokens: int = 1, seed: int = 2
     return elapsed * 1e3 / rounds
 
 
+def parse_stream_setting(spec: str) -> tuple:
+    """'SETTING' or 'SETTING@serial' (SETTING as ``parse_stream_plan`` reads it) -> (what ``set_stream_experts``
+    takes, copy_ahead)."""
+    spec = spec.strip()
+    serial = spec.endswith("@serial")
+    return parse_stream_plan(spec.removesuffix("@serial")), not serial
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
@@ -657,7 +666,8 @@ def main(argv=None) -> None:
                              "decode step), to compare with the decode's cpu_experts_ms_per_step")
     parser.add_argument("--stream-experts", default="off",
                         help="';'-separated prefill streaming settings for the ktorch variants: off, auto, or "
-                             "'min_tokens:experts_or_fraction,...' (e.g. 512:0.3,2048:0.45)")
+                             "'min_tokens:experts_or_fraction,...' (e.g. 512:0.3,2048:0.45); '@serial' at the end: "
+                             "no copies a layer ahead")
     parser.add_argument("--pool-sweep", default="",
                         help="after each ktorch variant's decode, re-time it (same compile) per pool setting "
                              "THREADS[:KT_SPIN_US[:KT_SPIN_YIELD[:KT_PIN_THREADS]]],... e.g. "
@@ -680,19 +690,19 @@ def main(argv=None) -> None:
     for variant in variants:
         if variant not in VARIANTS:
             raise SystemExit(f"unknown variant {variant!r}; choose from {VARIANTS}")
-    streams = [parse_stream_plan(spec) for spec in args.stream_experts.split(";") if spec.strip()]
+    streams = [parse_stream_setting(spec) for spec in args.stream_experts.split(";") if spec.strip()]
     sweep = parse_pool_sweep(args.pool_sweep)
-    runs = [(v, stream) for v in variants for stream in (streams if v != "hf_offload" else ["off"])]
+    runs = [(v, stream) for v in variants for stream in (streams if v != "hf_offload" else [("off", True)])]
     rows = []
     model = None  # the ktorch variants share one placed model
-    for i, (variant, stream) in enumerate(runs):
+    for i, (variant, (stream, ahead)) in enumerate(runs):
         torch._dynamo.reset()
         build_s = 0.0
         if variant == "hf_offload" or model is None:
             model, build_s = build_model(args.shape, variant, args.device, args.experts_dtype, layers=args.layers)
         calibration = None
         if variant != "hf_offload":
-            ktorch.set_stream_experts(model, stream)
+            ktorch.set_stream_experts(model, stream, copy_ahead=ahead)
             calibration = getattr(model, "kt_stream_calibration", None) if stream == "auto" else None
         first_of_variant = i == 0 or runs[i - 1][0] != variant
         decode = args.baseline_decode_tokens if variant == "hf_offload" else args.decode_tokens
@@ -704,7 +714,7 @@ def main(argv=None) -> None:
         r.update(shape=args.shape, experts_dtype=args.experts_dtype, build_s=build_s, machine=info,
                  layers=model.config.num_hidden_layers, options=options)
         if variant != "hf_offload":
-            r.update(stream_experts=stream, stream_plan=ktorch.stream_plan(model))
+            r.update(stream_experts=stream, copy_ahead=ahead, stream_plan=ktorch.stream_plan(model))
             if args.op_check and decode:
                 r["standalone_experts_ms_per_step"] = standalone_experts_ms(model)
             if calibration is not None:
@@ -737,6 +747,8 @@ def main(argv=None) -> None:
     for r in rows:
         plan = r.get("stream_plan") or {}
         streamed = ", ".join(f"{n} from {t} tokens" for t, n in plan.items()) or "none"
+        if plan and not r.get("copy_ahead", True):
+            streamed += " (serial copies)"
         print(f"| {r['variant']} | {streamed} | " + " | ".join(f"{r[c]:.2f}" if c in r else "-" for c in cols) + " |")
     gap_cols = ("call_us_p50", "call_us_p99", "gap_us_p50", "gap_us_p90", "gap_us_max", "calls_over_1ms", "gaps_over_1ms")
     for r in rows:

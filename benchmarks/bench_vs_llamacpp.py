@@ -204,9 +204,9 @@ def run_ktorch(gguf: Path, device: str, variants: list[str], prompts: list[int],
                pool_sweep: Sequence[tuple[int, int, int, int]] = ()) -> Iterator[dict]:
     """Loads ``gguf`` with ktorch.load and times each variant with bench_e2e's ``time_variant``; yields one dict
     per variant, as soon as it is measured, with ``tests`` {"pp512": tok/s, ..., "tg64": tok/s} and bench_e2e's
-    raw fields (or ``error``). Each prefill streaming setting in ``streams`` (``ktorch.set_stream_experts``: "off",
-    "auto" or a table) gets its own line per variant, the variant named "VARIANT+stream=SETTING"; decode is timed
-    with the first setting only (decode never streams). ``options`` may be a list of backend option sets (e.g.
+    raw fields (or ``error``). Each prefill streaming setting in ``streams`` ("off", "auto" or "512:0.4,2048:0.45",
+    optionally ending in "@serial": bench_e2e.parse_stream_setting) gets its own line per variant, the variant named
+    "VARIANT+stream=SETTING"; decode is timed with the first setting only (decode never streams). ``options`` may be a list of backend option sets (e.g.
     ``[None, {"n_deferred_experts": 2}]``): each runs every variant, named "VARIANT+OPTIONS" when not None.
     Option sets that differ only in ``decode_deferred_experts`` (a runtime setting) share one compile: the next
     set reuses the runner the previous one made. ``pool_sweep`` ((pool threads, KT_SPIN_US, KT_SPIN_YIELD,
@@ -240,9 +240,11 @@ def run_ktorch(gguf: Path, device: str, variants: list[str], prompts: list[int],
     for variant, opts, stream in [(v, o, st) for v in variants for o in option_sets for st in streams]:
         first = stream == streams[0]
         label = variant if not opts else f"{variant}+{json.dumps(opts, separators=(',', ':'))}"
-        if stream != "off":
-            label += f"+stream={json.dumps(stream) if isinstance(stream, dict) else stream}"
-        key = (variant, json.dumps(bench_e2e.split_decode_deferral(opts)[0], sort_keys=True), json.dumps(stream))
+        setting, ahead = bench_e2e.parse_stream_setting(stream)
+        if setting != "off":
+            label += f"+stream={json.dumps(setting) if isinstance(setting, dict) else setting}"
+            label += "" if ahead else "@serial"
+        key = (variant, json.dumps(bench_e2e.split_decode_deferral(opts)[0], sort_keys=True), json.dumps(setting))
         if key != runner_key:
             runner, runner_key = None, None
             gc.collect()
@@ -251,7 +253,7 @@ def run_ktorch(gguf: Path, device: str, variants: list[str], prompts: list[int],
             torch._dynamo.reset()
         t0 = time.perf_counter()
         try:
-            ktorch.set_stream_experts(model, stream)
+            ktorch.set_stream_experts(model, setting, copy_ahead=ahead)
             r = bench_e2e.time_variant(model, variant, device, prompts, gen if first else 0, decode_context, repeats,
                                        model.config.vocab_size, opts, runner=runner)
             r["variant"] = label
@@ -536,9 +538,7 @@ def main(argv=None) -> None:
                     print(f"llama.cpp {type_name} {test}: best {r['avg_ts']:.1f} tok/s with {setting_label(r)}",
                           flush=True)
             if not args.skip_ktorch:
-                from ktorch.ops.streamed_experts import parse_stream_plan
-
-                streams = [parse_stream_plan(spec) for spec in args.stream_experts.split(";") if spec.strip()]
+                streams = [spec.strip() for spec in args.stream_experts.split(";") if spec.strip()]
                 for r in run_ktorch(path, device, variants, prompts, args.gen, args.decode_context, args.repeats,
                                     options, streams, pool_sweep):
                     line = dict(kind="ktorch", experts_type=type_name, layers=args.layers, device=device,

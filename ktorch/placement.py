@@ -150,13 +150,17 @@ def _set_cuda_sync() -> None:
                       "CUDA 12.1+ driver); the launching thread may spin while it waits for the GPU", stacklevel=3)
 
 
-def set_stream_experts(model: nn.Module, stream_experts: Union[str, dict, None], kernel: str = "auto") -> nn.Module:
+def set_stream_experts(model: nn.Module, stream_experts: Union[str, dict, None], kernel: str = "auto",
+                       copy_ahead: bool = True) -> nn.Module:
     """Sets which experts of every MoE layer long inputs stream to the GPU (``prepare(..., stream_experts=...)``).
 
     ``stream_experts``: ``"auto"`` (measure and balance, see ``prepare``), a table ``{min_tokens: experts or
     fraction}``, or None / ``"off"`` (no streaming). The model must be prepared for a CUDA device (its experts
-    packed). Replaces any plan set before (its page-locked memory is released)."""
-    from ktorch.ops.streamed_experts import StreamedExperts, StreamPlan, calibrate_stream_plan, streamed_experts_of
+    packed). Replaces any plan set before (its page-locked memory is released). ``copy_ahead`` (default) copies
+    layer i+1's streamed experts while layer i computes, into two device buffers of one layer's streamed bytes
+    (``ktorch.ops.streamed_experts.CopyAhead``); False copies each layer's when the device reaches it."""
+    from ktorch.ops.streamed_experts import (StreamedExperts, StreamPlan, calibrate_stream_plan, link_streamed_layers,
+                                             streamed_experts_of)
 
     modules = experts_modules(model)
     if not modules or any(packed_experts_of(m) is None for _, m in modules):
@@ -188,6 +192,9 @@ def set_stream_experts(model: nn.Module, stream_experts: Union[str, dict, None],
                          f"{stream_experts!r}")
     for _, m in modules:
         attach_streamed_experts(m, plan, kernel=kernel)
+    device = next((p.device for p in model.parameters() if p.device.type == "cuda"), None)
+    if copy_ahead and device is not None:
+        link_streamed_layers([streamed_experts_of(m.kt_stream_handle) for _, m in modules], device)
     return model
 
 

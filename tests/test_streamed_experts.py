@@ -21,6 +21,7 @@ from ktorch.ops.streamed_experts import (
     StreamPlan,
     cpu_ids_without,
     dequantize_packed,
+    link_streamed_layers,
     register_streamed_experts,
 )
 from models import FAMILIES, assert_logits_match, moe_experts_modules, tiny_model
@@ -238,6 +239,87 @@ def test_cuda_streamed_prefill_matches_hf_eager_and_captures(family):
             torch.compiler.cudagraph_mark_step_begin()
             got = compiled(ids).logits.float()
             torch.testing.assert_close(got, w, rtol=0, atol=1e-2)
+
+
+@needs_cuda
+@pytest.mark.parametrize("fmt,group_size", [("int8", None), ("int4", 32), ("bf16", None)], ids=["int8", "int4g32", "bf16"])
+def test_cuda_copy_ahead_equals_copies_in_place(fmt, group_size):
+    """CopyAhead (the next layer's experts copied on a side stream while this layer computes, two buffers taking
+    turns) gives bit for bit what each layer's own copies give: layers in order, out of order (a queued copy never
+    taken), with an expert count other than the one queued, with layers that do not stream, and captured in a CUDA
+    graph replayed on new inputs. Every layer has other weights, so a wrong buffer shows."""
+    E, H, I, K, L = 8, 128, 64, 3, 4
+    plan = StreamPlan([1, 40], [3, 5])  # T < 40: 3 experts; T >= 40: 5
+    linked, plain = [], []
+    for _ in range(L):
+        packed = ktorch.pack_experts(torch.randn(E, 2 * I, H) / H**0.5, torch.randn(E, H, I) / I**0.5, fmt, group_size)
+        for chain in (linked, plain):
+            s = StreamedExperts(*packed.tensors(), "silu")
+            s.plan = plan
+            s.pin_prefix(plan.max_experts)
+            chain.append(s)
+    ahead = link_streamed_layers(linked, torch.device("cuda"))
+    assert ahead is not None and all(s.copy_ahead is ahead for s in linked)
+    assert [s.next_layer for s in linked] == linked[1:] + [None]
+
+    def inputs(T):
+        return (torch.randn(T, H, device="cuda", dtype=torch.bfloat16), torch.randint(-1, E, (T, K), device="cuda"),
+                torch.rand(T, K, device="cuda"))
+
+    def run(chain, order, x, ids, w):
+        return [chain[i].forward(x, ids, w, plan.experts_for(x.shape[0])) for i in order]
+
+    for order, T in [([0, 1, 2, 3], 45), ([0, 2, 3], 45), ([1, 3, 0], 12), ([0, 1, 2, 3], 12), ([2, 3, 0, 1], 64)]:
+        args = inputs(T)
+        got, want = run(linked, order, *args), run(plain, order, *args)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w), (order, T)
+    args = inputs(45)  # n differs from the queued one: layer 1 queued with 5 experts, taken with 3
+    linked[0].forward(*args, 5)
+    assert ahead.pending is not None and ahead.pending.layer is linked[1] and ahead.pending.n == 5
+    assert torch.equal(linked[1].forward(*args, 3), plain[1].forward(*args, 3))
+    linked[2].plan = None  # a layer that does not stream: layer 1 queues nothing for it
+    linked[1].forward(*args, 5)
+    assert ahead.pending is None
+    linked[2].plan = plan
+    torch.cuda.synchronize()
+
+    static = inputs(45)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run(linked, range(L), *static)  # warm-up, as graph capture wants
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run(linked, range(L), *static)
+    assert ahead.pending is None  # the last layer queues nothing: no side-stream work left open
+    for _ in range(2):
+        new = inputs(45)
+        for dst, src in zip(static, new):
+            dst.copy_(src)
+        graph.replay()
+        want = run(plain, range(L), *new)
+        for g, w in zip(captured, want):
+            assert torch.equal(g, w)
+    for s in linked + plain:
+        s.unpin()
+    assert all(s.copy_ahead is None and s.next_layer is None for s in linked)
+
+
+@needs_cuda
+def test_cuda_prepare_stream_experts_copy_ahead_is_exact():
+    """A prefill with copies queued a layer ahead (the default) equals the one with each layer's own copies."""
+    base = tiny_model("qwen3_moe", dtype=torch.bfloat16)
+    model = ktorch.prepare(copy.deepcopy(base), device="cuda", experts_dtype="int8", stream_experts={32: 0.5})
+    first = ktorch.ops.streamed_experts.streamed_experts_of(moe_experts_modules(model)[0].kt_stream_handle)
+    assert first.copy_ahead is not None
+    ids = torch.randint(0, 256, (1, 48), device="cuda")
+    with torch.no_grad():
+        ahead = model(ids).logits
+        ktorch.set_stream_experts(model, {32: 0.5}, copy_ahead=False)
+        plain = model(ids).logits
+    torch.testing.assert_close(ahead, plain, rtol=0, atol=0)
 
 
 @needs_cuda

@@ -313,6 +313,7 @@ def attach_streamed_experts(module: nn.Module, plan, kernel: str = "auto", pin: 
                                module.kt_activation, kernel)
     if pin if pin is not None else torch.cuda.is_available():
         streamed.pin_prefix(plan.max_experts)
+    streamed.plan = plan
     module.kt_stream_handle = register_streamed_experts(streamed)
     module.kt_stream_plan = plan
 

@@ -166,6 +166,10 @@ class StreamedExperts:
         self.activation = activation
         self.kernel = kernel
         self._registered: list = []  # pointers page-locked in place by pin_prefix
+        # copies queued a layer ahead (link_streamed_layers): the plan, the next layer, the device's CopyAhead
+        self.plan: Optional[StreamPlan] = None
+        self.next_layer: Optional["StreamedExperts"] = None
+        self.copy_ahead: Optional["CopyAhead"] = None
 
     @property
     def num_experts(self) -> int:
@@ -201,6 +205,7 @@ class StreamedExperts:
         self.pinned_experts = n
 
     def unpin(self) -> None:
+        self.next_layer = self.copy_ahead = None  # (their device buffers go with the last layer that holds them)
         if self._registered:
             cudart = torch.cuda.cudart()
             for ptr in self._registered:
@@ -215,14 +220,127 @@ class StreamedExperts:
         if device.type == "cuda" and n > self.pinned_experts:
             raise RuntimeError(f"streamed_experts: {n} experts asked, {self.pinned_experts} page-locked; call "
                                "pin_prefix(n) first (attach_streamed_experts does)")
-        w13, s13, w2, s2 = (None if t is None else t[:n].to(device, non_blocking=True) for t in self.sources)
+        ahead = self.copy_ahead
+        if ahead is not None and device.type == "cuda" and device == ahead.device:
+            w13, s13, w2, s2 = ahead.take(self, n)
+        else:
+            w13, s13, w2, s2 = (None if t is None else t[:n].to(device, non_blocking=True) for t in self.sources)
         return dequantize_packed(w13, s13, True, dtype), dequantize_packed(w2, s2, False, dtype)
+
+    def prefix_bytes(self, n: int) -> int:
+        """Bytes of experts [0, n) of every packed tensor, each range starting 256-byte aligned in one buffer."""
+        return sum(_align(t[:n].numel() * t.element_size()) for t in self.tensors if t is not None)
+
+    def views_in(self, buffer: torch.Tensor, n: int) -> tuple:
+        """Experts [0, n) of (w13, w13_scales, w2, w2_scales) laid out one after another in the uint8 ``buffer``
+        (``prefix_bytes(n)`` of it): where ``CopyAhead`` puts them on the device."""
+        views, offset = [], 0
+        for t in self.tensors:
+            if t is None:
+                views.append(None)
+                continue
+            nbytes = t[:n].numel() * t.element_size()
+            views.append(buffer[offset:offset + nbytes].view(t.dtype).view(n, *t.shape[1:]))
+            offset += _align(nbytes)
+        return tuple(views)
+
+    def copy_prefix(self, views: tuple, n: int) -> None:
+        """Queues the copies of experts [0, n) into ``views`` (``views_in``) on the current stream."""
+        for dst, src in zip(views, self.sources):
+            if dst is not None:
+                dst.copy_(src[:n], non_blocking=True)
 
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, n: int) -> torch.Tensor:
         """The part of experts [0, n) in the layer's output: [T, H] in hidden's dtype on hidden's device."""
         w13, w2 = self.device_weights(n, hidden.device, hidden.dtype)
+        if self.copy_ahead is not None and hidden.device == self.copy_ahead.device:
+            self.copy_ahead.queue_next(self, hidden.shape[0])
         slots = torch.where((topk_ids >= 0) & (topk_ids < n), topk_ids, -1)
         return gpu_experts_forward(hidden, slots, topk_weights, w13, w2, self.activation, self.kernel)
+
+
+def _align(nbytes: int, to: int = 256) -> int:
+    return (nbytes + to - 1) // to * to
+
+
+@dataclass
+class _Pending:
+    layer: StreamedExperts
+    n: int
+    views: tuple
+    done: torch.cuda.Event
+    captured: bool  # queued while the stream was capturing a CUDA graph
+
+
+class CopyAhead:
+    """The copies of the next layer's streamed experts, queued on a side stream while this layer computes.
+
+    Without it a layer's copy starts when the device stream reaches the layer, and the copy engines idle through
+    the layer's attention, router, dequantization and GEMMs; with it they copy layer i+1's experts from the
+    moment layer i's streamed part starts, so over a prompt they run back to back (the copy, not the layers'
+    serial GPU work, sets the GPU side's pace). Two device buffers of the largest layer's streamed bytes take
+    turns: layer i reads one while layer i+1's copy fills the other. One per device and model
+    (``link_streamed_layers``); a layer whose copy was not queued ahead (the first, or after a plan change)
+    copies on the current stream, as without it.
+
+    Under CUDA graph capture the side stream forks from the capturing stream and joins it at the next layer, so
+    the copies are graph nodes with those dependencies; the last layer queues nothing, so no work is left on the
+    side stream when a forward ends."""
+
+    def __init__(self, device: torch.device, nbytes: int):
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self.buffers = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
+        self.last = 0  # the buffer the latest layer read
+        self.pending: Optional[_Pending] = None
+
+    def take(self, layer: StreamedExperts, n: int) -> tuple:
+        """The device copies of ``layer``'s experts [0, n): the queued ones (the current stream waits for them) or
+        copies queued now on the current stream."""
+        current = torch.cuda.current_stream(self.device)
+        capturing = torch.cuda.is_current_stream_capturing()
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            if pending.captured == capturing:
+                current.wait_event(pending.done)  # (also when it is not for this layer: its buffer gets reused)
+                if pending.layer is layer and pending.n == n:
+                    return pending.views
+            elif not capturing:
+                pending.done.synchronize()  # queued in a capture that ended: nothing left to wait for in it
+        self.last = 1 - self.last
+        views = layer.views_in(self.buffers[self.last], n)
+        layer.copy_prefix(views, n)
+        return views
+
+    def queue_next(self, layer: StreamedExperts, tokens: int) -> None:
+        """After ``layer`` took its experts: queue the copy of the next layer's, for a call of ``tokens`` tokens."""
+        nxt = layer.next_layer
+        if nxt is None or nxt.plan is None or nxt.copy_ahead is not self:
+            return
+        n = min(nxt.plan.experts_for(tokens), nxt.pinned_experts)
+        if n <= 0:
+            return
+        other = 1 - self.last  # last read by the previous layer, whose dequantization is queued before this point
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            views = nxt.views_in(self.buffers[other], n)
+            nxt.copy_prefix(views, n)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        self.last = other
+        self.pending = _Pending(nxt, n, views, done, torch.cuda.is_current_stream_capturing())
+
+
+def link_streamed_layers(layers: Sequence[StreamedExperts], device: torch.device) -> Optional[CopyAhead]:
+    """Chains a model's streamed layers in forward order for ``CopyAhead`` on ``device`` (a CUDA device; layers
+    with a plan and page-locked experts). Returns it, or None where nothing streams."""
+    nbytes = max((s.prefix_bytes(s.pinned_experts) for s in layers if s.pinned_experts), default=0)
+    if nbytes == 0 or device.type != "cuda":
+        return None
+    ahead = CopyAhead(device, nbytes)
+    for s, nxt in zip(layers, list(layers[1:]) + [None]):
+        s.copy_ahead, s.next_layer = ahead, nxt
+    return ahead
 
 
 _REGISTRY: list[StreamedExperts] = []
