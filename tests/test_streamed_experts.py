@@ -260,6 +260,7 @@ def test_cuda_copy_ahead_equals_copies_in_place(fmt, group_size):
             chain.append(s)
     ahead = link_streamed_layers(linked, torch.device("cuda"))
     assert ahead is not None and all(s.copy_ahead is ahead for s in linked)
+    assert ahead.device == torch.empty(0, device="cuda").device  # "cuda" resolved to the index tensors report
     assert [s.next_layer for s in linked] == linked[1:] + [None]
 
     def inputs(T):
@@ -271,8 +272,9 @@ def test_cuda_copy_ahead_equals_copies_in_place(fmt, group_size):
 
     for order, T in [([0, 1, 2, 3], 45), ([0, 2, 3], 45), ([1, 3, 0], 12), ([0, 1, 2, 3], 12), ([2, 3, 0, 1], 64)]:
         args = inputs(T)
-        got, want = run(linked, order, *args), run(plain, order, *args)
-        for g, w in zip(got, want):
+        got = run(linked, order, *args)
+        assert ahead.pending is None if order[-1] == L - 1 else ahead.pending.layer is linked[order[-1] + 1]
+        for g, w in zip(got, run(plain, order, *args)):
             assert torch.equal(g, w), (order, T)
     args = inputs(45)  # n differs from the queued one: layer 1 queued with 5 experts, taken with 3
     linked[0].forward(*args, 5)

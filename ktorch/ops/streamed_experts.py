@@ -288,6 +288,8 @@ class CopyAhead:
     side stream when a forward ends."""
 
     def __init__(self, device: torch.device, nbytes: int):
+        if device.index is None:  # "cuda" -> "cuda:N", which is what tensors on it report
+            device = torch.device(device.type, torch.cuda.current_device())
         self.device = device
         self.stream = torch.cuda.Stream(device)
         self.buffers = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
