@@ -267,6 +267,47 @@ class Runner:
         return nxt
 
 
+def profile_prefill(runner: Runner, tokens: int, out_dir: str, label: str) -> dict:
+    """Profiles one prefill of ``tokens`` tokens (after one untimed) and says where its time went: the copy
+    engines' busy time host-to-device (streamed experts) and its GB/s, the GPU kernels' busy time, the CPU experts'
+    busy time (the runtime's timeline) and how much of it overlaps the copies. Writes the chrome trace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = torch.randint(0, 1000, (1, tokens), device=runner.device)
+    runner.prefill(ids)
+    sync(runner.device)
+    runtime = ktorch.compile.RUNTIME
+    runtime.timeline = []
+    runtime.take_native_timeline()
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            before = time.perf_counter_ns()
+            with torch.profiler.record_function("prefill"):
+                after = time.perf_counter_ns()
+                runner.prefill(ids)
+                sync(runner.device)
+    finally:
+        timeline, runtime.timeline = runtime.timeline, None
+        timeline = sorted(timeline + runtime.take_native_timeline())
+    path = os.path.join(out_dir, f"trace_prefill_{label}_{tokens}.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    step = next(e for e in events if e["name"] == "prefill")
+    offset_us = step["ts"] - (before + after) / 2e3
+    h2d = [e for e in events if e.get("cat") == "gpu_memcpy" and "HtoD" in e["name"]]
+    h2d_spans = [(e["ts"], e["ts"] + e["dur"]) for e in h2d]
+    kernels = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel"]
+    experts = [(s / 1e3 + offset_us, t / 1e3 + offset_us) for s, t, _ in timeline]
+    h2d_bytes = sum(int((e.get("args") or {}).get("bytes", 0)) for e in h2d)
+    h2d_ms = _union(h2d_spans) / 1e3
+    return dict(trace=path, tokens=tokens, prefill_ms=step["dur"] / 1e3, h2d_busy_ms=h2d_ms,
+                h2d_gb=h2d_bytes / 1e9, h2d_gbps=h2d_bytes / (h2d_ms * 1e6) if h2d_ms else 0.0,
+                kernels_busy_ms=_union(kernels) / 1e3, cpu_experts_busy_ms=_union(experts) / 1e3,
+                cpu_experts_calls=len(experts), cpu_under_copies_ms=_intersection(experts, h2d_spans) / 1e3,
+                kernels_under_copies_ms=_intersection(kernels, h2d_spans) / 1e3)
+
+
 def split_decode_deferral(options: dict | None) -> tuple[dict | None, int | None]:
     """The bench-only option ``decode_deferred_experts: d`` (deferral in decode only: prefill runs d = 0, where
     deferring splits each layer's CPU work into two calls for nothing to overlap) taken out of backend
@@ -661,6 +702,9 @@ def main(argv=None) -> None:
     parser.add_argument("--options", default=None,
                         help='ktorch backend options as JSON for the compiled variants, e.g. \'{"overlap": false}\'')
     parser.add_argument("--profile", action="store_true", help="profile decode steps of the ktorch variants")
+    parser.add_argument("--profile-prefill", action="store_true",
+                        help="profile one prefill per prompt length of each ktorch row (CUDA): copy engines, "
+                             "kernels and CPU experts busy time, their overlap; chrome traces in --out")
     parser.add_argument("--op-check", action="store_true",
                         help="also time the model's experts ops back to back outside the model (standalone ms per "
                              "decode step), to compare with the decode's cpu_experts_ms_per_step")
@@ -722,6 +766,9 @@ def main(argv=None) -> None:
         if args.profile and variant != "hf_offload":
             r["profile"] = profile_decode(runner, 5, args.out, f"{args.shape}_{variant}")
             r["overlap_nodes"] = describe_overlap()
+        if args.profile_prefill and variant != "hf_offload" and args.device == "cuda":
+            tag = f"{args.shape}_{variant}_{len(rows)}"
+            r["prefill_profile"] = [profile_prefill(runner, p, args.out, tag) for p in prompts]
         if sweep and decode and variant != "hf_offload":
             r["pool_sweep"] = pool_sweep(model, runner, variant, args.device, decode, args.decode_context,
                                          model.config.vocab_size, sweep)
@@ -764,6 +811,14 @@ def main(argv=None) -> None:
                   f"{p['decode_tok_s']:.2f} | {p['cpu_experts_ms_per_step']:.2f} | "
                   + " | ".join(f"{p.get(c, 0):.0f}" for c in gap_cols) + " |")
     for r in rows:
+        for pp in r.get("prefill_profile", []):
+            serial = "" if r.get("copy_ahead", True) else ", serial copies"
+            print(f"  prefill {pp['tokens']} ({r['variant']}, plan {r.get('stream_plan')}{serial}): "
+                  f"{pp['prefill_ms']:.1f} ms; copies to the GPU busy {pp['h2d_busy_ms']:.1f} ms "
+                  f"({pp['h2d_gb']:.2f} GB, {pp['h2d_gbps']:.1f} GB/s); kernels busy {pp['kernels_busy_ms']:.1f} "
+                  f"ms, {pp['kernels_under_copies_ms']:.1f} under copies; CPU experts busy "
+                  f"{pp['cpu_experts_busy_ms']:.1f} ms in {pp['cpu_experts_calls']} calls, "
+                  f"{pp['cpu_under_copies_ms']:.1f} under copies")
         if "stream_calibration" in r:
             c = r["stream_calibration"]
             print(f"\nstream_experts=auto measured: host-to-device {c['h2d_gbps']:.1f} GB/s, CPU op per layer "
