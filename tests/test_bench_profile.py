@@ -136,3 +136,20 @@ def test_host_cpu_shares():
     assert e2e.host_cpu_shares({}, after) == {} and e2e.host_cpu_shares(after, after) == {}
     now = e2e.host_cpu_times()  # this machine's, where /proc/stat exists
     assert not now or {"user", "idle", "steal"} <= now.keys()
+
+
+@pytest.mark.parametrize("spec,want", [
+    ("auto", ("auto", True)),
+    (" off ", ("off", True)),
+    ("512:0.4,2048:45", ({512: 0.4, 2048: 45}, True)),
+    ("512:0.4,2048:0.45@serial", ({512: 0.4, 2048: 0.45}, False)),
+    ("auto@serial", ("auto", False)),
+])
+def test_parse_stream_setting(spec, want):
+    """--stream-experts settings: what set_stream_experts takes, and whether copies go a layer ahead."""
+    assert e2e.parse_stream_setting(spec) == want
+
+
+def test_parse_stream_setting_errors():
+    with pytest.raises(ValueError, match="expected off, auto or MIN_TOKENS:SHARE"):
+        e2e.parse_stream_setting("512=0.4@serial")

@@ -242,7 +242,8 @@ def test_cuda_streamed_prefill_matches_hf_eager_and_captures(family):
 
 
 @needs_cuda
-@pytest.mark.parametrize("fmt,group_size", [("int8", None), ("int4", 32), ("bf16", None)], ids=["int8", "int4g32", "bf16"])
+@pytest.mark.parametrize("fmt,group_size", [("int8", None), ("int4", 32), ("bf16", None)],
+                         ids=["int8", "int4g32", "bf16"])
 def test_cuda_copy_ahead_equals_copies_in_place(fmt, group_size):
     """CopyAhead (the next layer's experts copied on a side stream while this layer computes, two buffers taking
     turns) gives bit for bit what each layer's own copies give: layers in order, out of order (a queued copy never
