@@ -267,32 +267,17 @@ class Runner:
         return nxt
 
 
+@torch.no_grad()
 def profile_prefill(runner: Runner, tokens: int, out_dir: str, label: str) -> dict:
     """Profiles one prefill of ``tokens`` tokens (after one untimed) and says where its time went: the copy
     engines' busy time host-to-device (streamed experts) and its GB/s, the GPU kernels' busy time, the CPU experts'
     busy time (the runtime's timeline) and how much of it overlaps the copies. Writes the chrome trace."""
-    from torch.profiler import ProfilerActivity, profile
-
-    ids = torch.randint(0, 1000, (1, tokens), device=runner.device)
+    ids = torch.randint(0, runner.model.config.vocab_size, (1, tokens), device=runner.device)
     runner.prefill(ids)
     sync(runner.device)
-    runtime = ktorch.compile.RUNTIME
-    runtime.timeline = []
-    runtime.take_native_timeline()
-    try:
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            before = time.perf_counter_ns()
-            with torch.profiler.record_function("prefill"):
-                after = time.perf_counter_ns()
-                runner.prefill(ids)
-                sync(runner.device)
-    finally:
-        timeline, runtime.timeline = runtime.timeline, None
-        timeline = sorted(timeline + runtime.take_native_timeline())
     path = os.path.join(out_dir, f"trace_prefill_{label}_{tokens}.json")
-    prof.export_chrome_trace(path)
-    with open(path) as f:
-        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    events, timeline, marks = _profile_steps(runner, ["prefill"], lambda _: runner.prefill(ids), path)
+    (before, after), = marks
     step = next(e for e in events if e["name"] == "prefill")
     offset_us = step["ts"] - (before + after) / 2e3
     h2d = [e for e in events if e.get("cat") == "gpu_memcpy" and "HtoD" in e["name"]]
@@ -547,35 +532,47 @@ SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchr
               "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize")
 
 
-@torch.no_grad()
-def profile_decode(runner: Runner, steps: int, out_dir: str, label: str) -> dict:
-    """Profiles ``steps`` decode steps (each synced at its end) and summarizes the middle one."""
+def _profile_steps(runner: Runner, names: list, run, path: str) -> tuple:
+    """Runs ``run(i)`` for each of ``names`` under torch.profiler, each inside an annotation ``names[i]`` and
+    synced at its end, with the experts runtime's timeline on, and writes the chrome trace to ``path``. Returns
+    (the trace's complete events, the runtime's timeline [(start_ns, end_ns, tokens)], per step perf_counter_ns just
+    before and just after its annotation opened: the annotation's trace time lies between the two, so their
+    midpoint aligns the runtime's timeline with the trace to within half their gap)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    nxt = runner.decode(runner.prefill(torch.zeros(1, 64, dtype=torch.long, device=runner.device)), 4)
-    sync(runner.device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.device == "cuda" else [])
     runtime = ktorch.compile.RUNTIME
-    # perf_counter_ns just before and just after each step's annotation opens: the annotation's trace time lies
-    # between the two, so their midpoint aligns the runtime's timeline with the trace to within half their gap
     marks = []
     runtime.timeline = []
     runtime.take_native_timeline()  # KT_HOST_FUNCTIONS=native: calls made before the profile are not ours
     try:
         with profile(activities=activities) as prof:
-            for i in range(steps):
+            for i, name in enumerate(names):
                 before = time.perf_counter_ns()
-                with record_function(f"decode_step_{i}"):
+                with record_function(name):
                     marks.append((before, time.perf_counter_ns()))
-                    nxt = runner.decode(nxt, 1)
+                    run(i)
                     sync(runner.device)
     finally:
         timeline, runtime.timeline = runtime.timeline, None
         timeline = sorted(timeline + runtime.take_native_timeline())
-    path = os.path.join(out_dir, f"trace_{label}.json")
     prof.export_chrome_trace(path)
     with open(path) as f:
         events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    return events, timeline, marks
+
+
+@torch.no_grad()
+def profile_decode(runner: Runner, steps: int, out_dir: str, label: str) -> dict:
+    """Profiles ``steps`` decode steps (each synced at its end) and summarizes the middle one."""
+    state = [runner.decode(runner.prefill(torch.zeros(1, 64, dtype=torch.long, device=runner.device)), 4)]
+    sync(runner.device)
+
+    def one_step(_):
+        state[0] = runner.decode(state[0], 1)
+
+    path = os.path.join(out_dir, f"trace_{label}.json")
+    events, timeline, marks = _profile_steps(runner, [f"decode_step_{i}" for i in range(steps)], one_step, path)
     k = steps // 2
     step = next(e for e in events if e["name"] == f"decode_step_{k}")
     lo, hi = step["ts"], step["ts"] + step["dur"]

@@ -27,6 +27,7 @@ import time
 import torch
 
 from bench_fused_moe import machine
+from ktorch.ops.streamed_experts import queue_timed_copies
 
 # bytes of one layer's routed experts in int8 with per-channel fp32 scales, and the layer count
 SHAPES = {  # name: (E, H, I, layers)
@@ -53,17 +54,6 @@ def cpu_read(x: torch.Tensor, until=None, seconds: float = 0.0) -> float:
             return done / elapsed / 1e9
 
 
-def copies(src: torch.Tensor, dst: torch.Tensor, n: int, stream) -> tuple:
-    """n host-to-device copies queued on ``stream``; (begin, end) events around them."""
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with torch.cuda.stream(stream):
-        begin.record()
-        for _ in range(n):
-            dst.copy_(src, non_blocking=True)
-        end.record()
-    return begin, end
-
-
 def measure(threads: int, x: torch.Tensor, src, dst, n_copies: int, repeats: int) -> dict:
     torch.set_num_threads(threads)
     x.sum()  # warm: threads started, pages touched
@@ -74,10 +64,10 @@ def measure(threads: int, x: torch.Tensor, src, dst, n_copies: int, repeats: int
     side = torch.cuda.Stream()
     alone, cpu_both, copy_both = 0.0, 0.0, 0.0
     for _ in range(repeats):
-        begin, end = copies(src, dst, n_copies, side)
+        begin, end = queue_timed_copies(src, dst, n_copies, side)
         end.synchronize()
         alone = max(alone, n_copies * nbytes / (begin.elapsed_time(end) * 1e6))
-        begin, end = copies(src, dst, n_copies, side)
+        begin, end = queue_timed_copies(src, dst, n_copies, side)
         cpu = cpu_read(x, until=end.query)
         end.synchronize()
         copy = n_copies * nbytes / (begin.elapsed_time(end) * 1e6)

@@ -153,3 +153,16 @@ def test_parse_stream_setting(spec, want):
 def test_parse_stream_setting_errors():
     with pytest.raises(ValueError, match="expected off, auto or MIN_TOKENS:SHARE"):
         e2e.parse_stream_setting("512=0.4@serial")
+
+
+def test_profiles_run_on_the_cpu(tmp_path):
+    """profile_decode and profile_prefill (one profiling helper) on the tiny model on the CPU: they write their
+    traces and report a step; no GPU, so no copies or kernels (their device figures are read on the device)."""
+    model, _ = e2e.build_model("tiny", "eager", "cpu", "int8")
+    runner = e2e.Runner(model, "eager", "cpu", 128)
+    decode = e2e.profile_decode(runner, 3, str(tmp_path), "tiny")
+    prefill = e2e.profile_prefill(runner, 17, str(tmp_path), "tiny")
+    assert decode["step_ms"] > 0 and decode["gpu_busy_ms"] == 0
+    assert prefill["tokens"] == 17 and prefill["prefill_ms"] > 0
+    assert prefill["h2d_gb"] == 0 and prefill["h2d_gbps"] == 0 and prefill["kernels_busy_ms"] == 0
+    assert (tmp_path / "trace_tiny.json").exists() and (tmp_path / "trace_prefill_tiny_17.json").exists()

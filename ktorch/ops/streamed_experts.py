@@ -417,6 +417,18 @@ class StreamCalibration:
         return m1 + (m1 - m0) * (tokens - t1) / (t1 - t0)
 
 
+def queue_timed_copies(src: torch.Tensor, dst: torch.Tensor, n: int, stream: torch.cuda.Stream) -> tuple:
+    """``n`` copies ``dst.copy_(src)`` queued on ``stream`` now (non-blocking); (begin, end) timing events around
+    them. Also what benchmarks/bench_host_bandwidth.py times."""
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(stream):
+        begin.record()
+        for _ in range(n):
+            dst.copy_(src, non_blocking=True)
+        end.record()
+    return begin, end
+
+
 def calibrate_stream_plan(streamed: StreamedExperts, hidden_size: int, top_k: int, device: torch.device,
                           tokens: Sequence[int] = (128, 512, 2048), min_gain: float = 0.1,
                           repeats: int = 2) -> tuple[StreamPlan, StreamCalibration]:
@@ -437,14 +449,7 @@ def calibrate_stream_plan(streamed: StreamedExperts, hidden_size: int, top_k: in
     side = torch.cuda.Stream(device)
 
     def copies(n: int) -> tuple:
-        """n copies of the probe on the side stream, enqueued now; (start, end) events around them."""
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(side):
-            begin.record()
-            for _ in range(n):
-                dst.copy_(src, non_blocking=True)
-            end.record()
-        return begin, end
+        return queue_timed_copies(src, dst, n, side)
 
     def run_cpu(x, ids, weights) -> float:
         start = time.perf_counter()
