@@ -206,8 +206,9 @@ def run_ktorch(gguf: Path, device: str, variants: list[str], prompts: list[int],
     per variant, as soon as it is measured, with ``tests`` {"pp512": tok/s, ..., "tg64": tok/s} and bench_e2e's
     raw fields (or ``error``). Each prefill streaming setting in ``streams`` ("off", "auto" or "512:0.4,2048:0.45",
     optionally ending in "@serial": bench_e2e.parse_stream_setting) gets its own line per variant, the variant named
-    "VARIANT+stream=SETTING"; decode is timed with the first setting only (decode never streams). ``options`` may be a list of backend option sets (e.g.
-    ``[None, {"n_deferred_experts": 2}]``): each runs every variant, named "VARIANT+OPTIONS" when not None.
+    "VARIANT+stream=SETTING"; decode is timed with the first setting only (decode never streams). ``options`` may
+    be a list of backend option sets (e.g. ``[None, {"n_deferred_experts": 2}]``): each runs every variant, named
+    "VARIANT+OPTIONS" when not None.
     Option sets that differ only in ``decode_deferred_experts`` (a runtime setting) share one compile: the next
     set reuses the runner the previous one made. ``pool_sweep`` ((pool threads, KT_SPIN_US, KT_SPIN_YIELD,
     KT_PIN_THREADS), see
@@ -242,8 +243,8 @@ def run_ktorch(gguf: Path, device: str, variants: list[str], prompts: list[int],
         label = variant if not opts else f"{variant}+{json.dumps(opts, separators=(',', ':'))}"
         setting, ahead = bench_e2e.parse_stream_setting(stream)
         if setting != "off":
-            label += f"+stream={json.dumps(setting) if isinstance(setting, dict) else setting}"
-            label += "" if ahead else "@serial"
+            shown = json.dumps(setting) if isinstance(setting, dict) else setting
+            label += f"+stream={shown}" + ("" if ahead else "@serial")
         key = (variant, json.dumps(bench_e2e.split_decode_deferral(opts)[0], sort_keys=True), json.dumps(setting))
         if key != runner_key:
             runner, runner_key = None, None

@@ -173,8 +173,8 @@ def set_stream_experts(model: nn.Module, stream_experts: Union[str, dict, None],
         return model
     first = modules[0][1]
     num_experts = first.kt_w13.shape[0]
+    device = next((p.device for p in model.parameters() if p.device.type == "cuda"), None)
     if stream_experts == "auto":
-        device = next((p.device for p in model.parameters() if p.device.type == "cuda"), None)
         if device is None:
             raise ValueError("set_stream_experts: 'auto' measures copies to the GPU; the model has no CUDA parameters")
         probe = StreamedExperts(first.kt_w13, first.kt_w13_scales, first.kt_w2, first.kt_w2_scales,
@@ -192,7 +192,6 @@ def set_stream_experts(model: nn.Module, stream_experts: Union[str, dict, None],
                          f"{stream_experts!r}")
     for _, m in modules:
         attach_streamed_experts(m, plan, kernel=kernel)
-    device = next((p.device for p in model.parameters() if p.device.type == "cuda"), None)
     if copy_ahead and device is not None:
         link_streamed_layers([streamed_experts_of(m.kt_stream_handle) for _, m in modules], device)
     return model

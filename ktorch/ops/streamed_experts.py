@@ -224,7 +224,7 @@ class StreamedExperts:
             raise RuntimeError(f"streamed_experts: {n} experts asked, {self.pinned_experts} page-locked; call "
                                "pin_prefix(n) first (attach_streamed_experts does)")
         ahead = self.copy_ahead
-        if ahead is not None and device.type == "cuda" and device == ahead.device:
+        if ahead is not None and device == ahead.device:
             w13, s13, w2, s2 = ahead.take(self, n)
             if tokens is not None:
                 ahead.queue_next(self, tokens)
@@ -282,8 +282,9 @@ class CopyAhead:
     the layer's attention, router, dequantization and GEMMs; with it they copy layer i+1's experts from the
     moment layer i's own copy is taken (before its dequantization and GEMMs), so over a prompt they run back to
     back (the copy, not the layers' serial GPU work, sets the GPU side's pace; queued after the dequantization, the
-    first device run found the copy engines idle through it: 12 layers x 2.2 ms at 512 tokens). Two device buffers of the largest layer's streamed bytes take
-    turns: layer i reads one while layer i+1's copy fills the other. One per device and model
+    first device run found the copy engines idle through it: 12 layers x 2.2 ms at 512 tokens). Two device
+    buffers of the largest layer's streamed bytes take turns: layer i reads one while layer i+1's copy fills the
+    other. One per device and model
     (``link_streamed_layers``); a layer whose copy was not queued ahead (the first, or after a plan change)
     copies on the current stream, as without it.
 
