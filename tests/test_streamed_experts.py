@@ -311,6 +311,23 @@ def test_cuda_copy_ahead_equals_copies_in_place(fmt, group_size):
 
 
 @needs_cuda
+def test_cuda_more_experts_than_page_locked_is_refused():
+    """A call for more experts than were page-locked names the fix, with or without CopyAhead."""
+    packed = ktorch.pack_experts(torch.randn(4, 64, 64) / 8, torch.randn(4, 64, 32) / 6, "int8")
+    chain = [StreamedExperts(*packed.tensors(), "silu") for _ in range(2)]
+    for s in chain:
+        s.plan = StreamPlan([1], [2])
+        s.pin_prefix(2)
+    link_streamed_layers(chain[:1], torch.device("cuda"))
+    args = (torch.randn(5, 64, device="cuda"), torch.randint(-1, 4, (5, 2), device="cuda"),
+            torch.rand(5, 2, device="cuda"))
+    for s in chain:
+        with pytest.raises(RuntimeError, match="3 experts asked, 2 page-locked; call pin_prefix"):
+            s.forward(*args, 3)
+        s.unpin()
+
+
+@needs_cuda
 def test_cuda_prepare_stream_experts_copy_ahead_is_exact():
     """A prefill with copies queued a layer ahead (the default) equals the one with each layer's own copies."""
     base = tiny_model("qwen3_moe", dtype=torch.bfloat16)
