@@ -196,6 +196,35 @@ WalkOptions current_walk() {
   return w;
 }
 
+// ---------------------------------------------------------------- weight prefetch knobs
+// How the walks fetch weights ahead (read on every amx_kernels() call, like KT_AMX_WALK, so one process can time
+// them side by side: benchmarks/bench_fused_moe.py --env-variants, amx/test --bench-cold with KT_BENCH_WALKS):
+//   KT_AMX_NEXT_PF=n  of the next column pair's (or call's) weights, prefetch into L2 every n-th 64-byte line
+//                     (1, the default: every line; 2: even lines, the L2's adjacent-line prefetcher completing
+//                     each 128-byte pair; 0: none, the hardware prefetchers alone). Each software prefetch
+//                     holds one of the core's few L1 fill buffers until its line arrives from memory, the same
+//                     buffers the tile loads from L2 need.
+//   KT_AMX_B_L1_PF=0  no B tiles prefetched into L1 ahead of a column pair's first pass (default 1)
+std::atomic<int> g_next_pf{1};
+std::atomic<int> g_b_l1_pf{1};
+
+int env_small(const char* name, int fallback, int most) {
+  const char* env = std::getenv(name);
+  if (env == nullptr || *env == '\0') return fallback;
+  char* end = nullptr;
+  errno = 0;
+  const long v = std::strtol(env, &end, 10);
+  if (end == env || *end != '\0' || errno != 0 || v < 0 || v > most)
+    throw std::invalid_argument(std::string(name) + " must be a count from 0 to " + std::to_string(most) + "; got '" +
+                                env + "'");
+  return static_cast<int>(v);
+}
+
+void read_prefetch_knobs() {
+  g_next_pf.store(env_small("KT_AMX_NEXT_PF", 1, 64), std::memory_order_relaxed);
+  g_b_l1_pf.store(env_small("KT_AMX_B_L1_PF", 1, 1), std::memory_order_relaxed);
+}
+
 // ---------------------------------------------------------------- tile configuration
 struct alignas(64) TileConfig {
   uint8_t palette_id;
@@ -296,9 +325,11 @@ ARows gather_rows(const GemmArgs& a, int64_t row_bytes, bool in_place_ok) {
 }
 
 // ---------------------------------------------------------------- tile steps
-// Weights into L1 (to_l1) or L2; the emulated build records the lines for the test to check.
-inline void prefetch(const uint8_t* p, int64_t bytes, bool to_l1) {
+// Weights into L1 (to_l1) or L2; the emulated build records the lines for the test to check. stride > 1: only
+// the lines whose address / 64 is a multiple of it (KT_AMX_NEXT_PF).
+inline void prefetch(const uint8_t* p, int64_t bytes, bool to_l1, int stride = 1) {
   for (int64_t o = 0; o < bytes; o += 64) {
+    if (stride > 1 && (reinterpret_cast<uintptr_t>(p + o) >> 6) % static_cast<uintptr_t>(stride) != 0) continue;
     KT_RECORD_PREFETCH(p + o, to_l1);
     if (to_l1) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
     else _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T1);
@@ -373,6 +404,7 @@ struct Block {
   bool unpack = false;               // int4: first pass of this column pair: unpack its weights
   int64_t l1_from = 0, l1_to = 0;    // B tiles of steps in [l1_from, l1_to) prefetched into L1 kPrefetchSteps ahead
   bool prefetch_a = false;           // A tiles prefetched into L1 kPrefetchASteps ahead (within the pass)
+  int next_stride = 1;               // KT_AMX_NEXT_PF: every n-th line of the next weights
   const uint8_t* next = nullptr;     // weights of the next column pair (or call): bytes [next_begin, next_end)
   int next_blocks = 0;               //   of each of its next_blocks blocks prefetched into L2, next_step a k step
   int64_t next_begin = 0, next_end = 0, next_step = 0;
@@ -383,7 +415,7 @@ inline void prefetch_next(const GemmArgs& a, const Block& blk, int64_t s) {
   const int64_t off = blk.next_begin + (s - blk.s0) * blk.next_step;
   if (off >= blk.next_end) return;
   const int64_t bytes = std::min(blk.next_step, blk.next_end - off);
-  for (int j = 0; j < blk.next_blocks; ++j) prefetch(blk.next + j * a.b_block_stride + off, bytes, false);
+  for (int j = 0; j < blk.next_blocks; ++j) prefetch(blk.next + j * a.b_block_stride + off, bytes, false, blk.next_stride);
 }
 
 // Prefetch for step s of a pass: B tiles kPrefetchSteps ahead into L1 (packed: bytes of a block per step),
@@ -555,6 +587,8 @@ void tile_walk(const GemmArgs& a, const WalkOptions& w) {
   const int64_t chunks = std::max<int64_t>(1, (steps + chunk - 1) / chunk);
   uint8_t* cacc = chunks > 1 ? t_cacc.get(static_cast<size_t>(row_pairs) * 32 * 128) : nullptr;
   const int64_t bb = static_cast<int64_t>(block_bytes(F, a.K));
+  const int next_stride = g_next_pf.load(std::memory_order_relaxed);
+  const bool b_l1 = g_b_l1_pf.load(std::memory_order_relaxed) != 0;
   for (int b0 = 0; b0 < a.nblocks; b0 += 2) {
     const int nb = std::min(2, a.nblocks - b0);
     if (int8_tail) {  // rows 0-7: the blocks' last 8 k-quads; rows 8-15: zeros
@@ -573,6 +607,7 @@ void tile_walk(const GemmArgs& a, const WalkOptions& w) {
       next = a.next_b;
       next_blocks = std::min(2, a.nblocks);
     }
+    if (next_stride == 0) next = nullptr;
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t s0 = c * chunk, s1 = std::min(steps, s0 + chunk);
       for (int r = 0; r < row_pairs; ++r) {
@@ -587,10 +622,12 @@ void tile_walk(const GemmArgs& a, const WalkOptions& w) {
         blk.cacc = cacc != nullptr ? cacc + r * 32 * 128 : nullptr;
         blk.unpack = c == 0 && r == 0;
         blk.prefetch_a = w.prefetch_a;
-        if (kblock) {  // the chunk into L1 on its first row pair, the next chunk's first steps on its last
+        blk.next_stride = next_stride;
+        // (KT_AMX_B_L1_PF=0: no B tiles into L1 ahead; the hardware prefetchers serve them)
+        if (b_l1 && kblock) {  // the chunk into L1 on its first row pair, the next chunk's first steps on its last
           blk.l1_from = r == 0 ? s0 : s1;
           blk.l1_to = r == row_pairs - 1 ? std::min(steps, s1 + kPrefetchSteps) : r == 0 ? s1 : 0;
-        } else if (r == 0 || (w.walk == Walk::Rows && w.prefetch_a && F != WeightFormat::INT4)) {
+        } else if (b_l1 && (r == 0 || (w.walk == Walk::Rows && w.prefetch_a && F != WeightFormat::INT4))) {
           // (int4 reads its packed B only while unpacking, on the first row pair)
           blk.l1_from = 0;
           blk.l1_to = steps;
@@ -649,6 +686,7 @@ const KernelSet& amx_kernels() {
   }();
   read_min_rows();
   read_walk();
+  read_prefetch_knobs();
   return set;
 }
 

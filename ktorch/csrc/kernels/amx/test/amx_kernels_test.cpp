@@ -218,6 +218,8 @@ int failures = 0;
 bool g_check_prefetch = false;
 bool g_full_next = false;
 bool g_full_next_int4 = false;  // 'auto' walks int4 as 'pairs'
+int g_next_stride = 1;          // KT_AMX_NEXT_PF under test: L2 prefetches only of lines at multiples of it (0: none)
+bool g_b_l1 = true;             // KT_AMX_B_L1_PF under test: false, no weight lines into L1
 
 #if defined(KT_AMX_EMULATE)
 // The weight lines the last call prefetched: inside the call's weights or the next call's, and with
@@ -231,6 +233,11 @@ std::string check_prefetches(const Problem& p, const std::vector<uint8_t>& next)
   for (const auto& l : lines)
     if (!in(l.line, p.packed.data(), p.packed.size()) && !in(l.line, next.data(), next.size()))
       return "prefetched a line outside the weights";
+  for (const auto& l : lines) {
+    if (l.to_l1 && !g_b_l1) return "prefetched B tiles into L1 under KT_AMX_B_L1_PF=0";
+    if (!l.to_l1 && (g_next_stride == 0 || (reinterpret_cast<uintptr_t>(l.line) >> 6) % g_next_stride != 0))
+      return "prefetched a line into L2 that KT_AMX_NEXT_PF leaves out";
+  }
   if (!g_full_next || (p.f == WeightFormat::INT4 && !g_full_next_int4)) return "";
   const size_t bb = block_bytes(p.f, p.K);
   const int64_t steps = p.f == WeightFormat::BF16 ? p.K / 32 : p.f == WeightFormat::INT8 ? p.K / 64 : p.K / 64;
@@ -243,10 +250,16 @@ std::string check_prefetches(const Problem& p, const std::vector<uint8_t>& next)
     else seen_next[(q - next.data()) / 64] = 1;
   }
   const size_t first = (p.total_blocks - p.nblocks) * bb;  // the call's block 0
+  // (KT_AMX_NEXT_PF=n: every line at a multiple of n; 0: none)
+  const auto wanted = [](const uint8_t* q) {
+    return g_next_stride != 0 && (reinterpret_cast<uintptr_t>(q) >> 6) % g_next_stride == 0;
+  };
   for (size_t o = first + 2 * bb; o < p.packed.size(); o += 64)
-    if (!seen_call[o / 64]) return "a later column pair of the call was not prefetched into L2 in full";
+    if (wanted(p.packed.data() + o) && !seen_call[o / 64])
+      return "a later column pair of the call was not prefetched into L2 in full";
   for (size_t o = 0; o < std::min<size_t>(2, p.nblocks) * bb; o += 64)
-    if (!seen_next[o / 64]) return "the next call's first column pair was not prefetched into L2 in full";
+    if (wanted(next.data() + o) && !seen_next[o / 64])
+      return "the next call's first column pair was not prefetched into L2 in full";
   return "";
 }
 #endif
@@ -349,6 +362,45 @@ void check_walk_parsing() {
     }
   }
   unsetenv("KT_AMX_WALK");
+  // the weight prefetch knobs (amx/kernels.cpp, "weight prefetch knobs")
+  for (const char* name : {"KT_AMX_NEXT_PF", "KT_AMX_B_L1_PF"}) {
+    for (const char* v : {"", "0", "1"}) {
+      setenv(name, v, 1);
+      try {
+        amx_kernels();
+      } catch (const std::exception& e) {
+        ++failures;
+        std::printf("FAIL %s='%s' rejected: %s\n", name, v, e.what());
+      }
+    }
+    for (const char* v : {"x", "-1", "2x", "65", "1.5"}) {
+      setenv(name, v, 1);
+      bool threw = false;
+      try {
+        amx_kernels();
+      } catch (const std::invalid_argument&) {
+        threw = true;
+      }
+      if (!threw) {
+        ++failures;
+        std::printf("FAIL %s='%s' accepted\n", name, v);
+      }
+    }
+    unsetenv(name);
+  }
+  setenv("KT_AMX_B_L1_PF", "2", 1);  // a flag: 0 or 1
+  bool threw = false;
+  try {
+    amx_kernels();
+  } catch (const std::invalid_argument&) {
+    threw = true;
+  }
+  if (!threw) {
+    ++failures;
+    std::printf("FAIL KT_AMX_B_L1_PF='2' accepted\n");
+  }
+  unsetenv("KT_AMX_B_L1_PF");
+  amx_kernels();
 }
 
 // Every case under the walk that KT_AMX_WALK names (set by the caller).
@@ -397,6 +449,21 @@ void check_all() {
   amx_kernels();
   int cases = 0;
   for (const char* walk : {"auto", "pairs", "rows", "rows+pfa", "kblock", "kblock:1", "kblock:3+pfa"}) cases += check_walk(walk);
+  // the weight prefetch knobs change what is fetched ahead, never a result
+  const struct { const char* next_pf; const char* b_l1; const char* walk; } knobs[] = {
+      {"2", "1", "rows"}, {"0", "1", "rows"}, {"1", "0", "rows"}, {"4", "0", "kblock:3"}, {"0", "0", "pairs"}};
+  for (const auto& k : knobs) {
+    setenv("KT_AMX_NEXT_PF", k.next_pf, 1);
+    setenv("KT_AMX_B_L1_PF", k.b_l1, 1);
+    g_next_stride = std::atoi(k.next_pf);
+    g_b_l1 = std::strcmp(k.b_l1, "1") == 0;
+    std::printf("KT_AMX_NEXT_PF=%s KT_AMX_B_L1_PF=%s: ", k.next_pf, k.b_l1);
+    cases += check_walk(k.walk);
+  }
+  unsetenv("KT_AMX_NEXT_PF");
+  unsetenv("KT_AMX_B_L1_PF");
+  g_next_stride = 1;
+  g_b_l1 = true;
   unsetenv("KT_AMX_WALK");
   amx_kernels();
   // the default threshold sends small M to AVX-512: results must still be right
@@ -439,6 +506,43 @@ std::vector<int> bench_rows(std::vector<int> fallback) {
     if (end == p && *p != '\0') break;
   }
   return ms;
+}
+
+// Walk variants to time: KT_BENCH_WALKS="rows rows@KT_AMX_NEXT_PF=2 kblock:4@KT_AMX_NEXT_PF=0,KT_AMX_B_L1_PF=0"
+// (a KT_AMX_WALK value, optionally with '@' and the weight prefetch knobs to set for it), else `fallback`.
+std::vector<std::string> bench_walks(std::vector<std::string> fallback) {
+  const char* env = std::getenv("KT_BENCH_WALKS");
+  if (env == nullptr || *env == '\0') return fallback;
+  std::vector<std::string> walks;
+  std::string item;
+  for (const char* p = env;; ++p) {
+    if (*p == ' ' || *p == '\0') {
+      if (!item.empty()) walks.push_back(item);
+      item.clear();
+      if (*p == '\0') break;
+    } else {
+      item += *p;
+    }
+  }
+  return walks;
+}
+
+// Sets the KT_AMX_WALK and the prefetch knobs of a bench_walks item (knobs not named: their defaults).
+void apply_bench_walk(const std::string& item) {
+  const size_t at = item.find('@');
+  setenv("KT_AMX_WALK", item.substr(0, at).c_str(), 1);
+  unsetenv("KT_AMX_NEXT_PF");
+  unsetenv("KT_AMX_B_L1_PF");
+  if (at != std::string::npos) {
+    std::string rest = item.substr(at + 1) + ",";
+    for (size_t start = 0, comma; (comma = rest.find(',', start)) != std::string::npos; start = comma + 1) {
+      const std::string kv = rest.substr(start, comma - start);
+      const size_t eq = kv.find('=');
+      if (eq == std::string::npos) throw std::invalid_argument("KT_BENCH_WALKS: '" + kv + "' is not NAME=VALUE");
+      setenv(kv.substr(0, eq).c_str(), kv.substr(eq + 1).c_str(), 1);
+    }
+  }
+  amx_kernels();
 }
 
 // One thread: AMX vs AVX-512 per M on hot (L2-resident) weights, for the small-M threshold.
@@ -490,8 +594,8 @@ void bench_cold() {
   setenv("KT_AMX_MIN_ROWS", "0", 1);
   struct Shape { const char* what; int64_t K; int nblocks; };
   const Shape shapes[] = {{"qwen3 gate/up", 2048, 4}, {"qwen3 down", 768, 8}, {"deepseek gate/up", 7168, 4}};
-  const char* walks[] = {"pairs", "rows", "rows+pfa", "kblock", "kblock+pfa"};
-  constexpr int kWalks = sizeof(walks) / sizeof(walks[0]);
+  const std::vector<std::string> walks = bench_walks({"pairs", "rows", "rows+pfa", "kblock", "kblock+pfa"});
+  const int kWalks = static_cast<int>(walks.size());
   const size_t pool_bytes = size_t(1) << 30;
   auto* pool = static_cast<uint16_t*>(std::aligned_alloc(64, pool_bytes));
   uint64_t x = 88172645463325252ull;
@@ -500,8 +604,10 @@ void bench_cold() {
     pool[i] = static_cast<uint16_t>((x & 0x807f) | 0x3c00);
   }
   const auto* base = reinterpret_cast<const uint8_t*>(pool);
-  std::printf("one thread, weights from memory: GB/s of weights\n%-18s %-5s %4s %12s", "shape", "fmt", "M", "avx512");
-  for (const char* w : walks) std::printf(" %11s", w);
+  std::printf("one thread, weights from memory: GB/s of weights\n");
+  for (int w = 0; w < kWalks; ++w) std::printf("  w%d = %s\n", w + 1, walks[w].c_str());
+  std::printf("%-18s %-5s %4s %12s", "shape", "fmt", "M", "avx512");
+  for (int w = 0; w < kWalks; ++w) std::printf(" %11s", ("w" + std::to_string(w + 1)).c_str());
   std::printf("\n");
   for (const Shape& s : shapes)
     for (WeightFormat f : {WeightFormat::BF16, WeightFormat::INT8, WeightFormat::INT4})
@@ -530,13 +636,10 @@ void bench_cold() {
         a.nblocks = s.nblocks;
         a.c = c.data();
         a.ldc = N;
-        double gbs[1 + kWalks];
+        std::vector<double> gbs(1 + kWalks);
         size_t i = 0;
         for (int which = 0; which <= kWalks; ++which) {
-          if (which > 0) {
-            setenv("KT_AMX_WALK", walks[which - 1], 1);
-            amx_kernels();
-          }
+          if (which > 0) apply_bench_walk(walks[which - 1]);
           const GemmFn fn = which > 0 ? amx_kernels().gemm[static_cast<int>(f)] : avx512_kernels().gemm[static_cast<int>(f)];
           size_t n = 0;
           const auto t0 = std::chrono::steady_clock::now();
@@ -555,6 +658,7 @@ void bench_cold() {
         for (int w = 1; w <= kWalks; ++w) std::printf(" %11.2f", gbs[w]);
         std::printf("\n");
       }
+  apply_bench_walk("auto");
   std::free(pool);
 }
 
