@@ -61,10 +61,12 @@ for s in $steps; do
       wait; sweep
       for part in gpu cpu; do echo "[$part]"; grep -E "passed|failed|^FAILED|^ERROR" "$OUT/tests_$part.log" | tail -25; done ;;
     forcedtests)
-      # issue 3: the whole suite with the AMX kernels and a 2-way NUMA split forced
-      log "full suite, AMX and NUMA split forced"
+      # issue 3: the whole suite with the AMX kernels and a 2-way NUMA split forced (FORCED_TESTS: a part of it;
+      # FORCED_ARGS: e.g. "-n 4" for xdist)
+      log "full suite, AMX and NUMA split forced: ${FORCED_TESTS:-tests}"
       KT_CPU_KERNEL=amx KT_NUMA_SPLIT=2 timeout ${FORCED_TIMEOUT:-480} python3 -m pytest -q -p no:cacheprovider --timeout=240 \
-        --tb=short -rfE tests > "$OUT/forcedtests.log" 2>&1; sweep; grep -E "passed|failed|^FAILED|^ERROR" "$OUT/forcedtests.log" | tail -30 ;;
+        --tb=short -rfE ${FORCED_ARGS:-} ${FORCED_TESTS:-tests} > "$OUT/forcedtests.log" 2>&1; sweep
+      grep -E "passed|failed|^FAILED|^ERROR" "$OUT/forcedtests.log" | tail -30 ;;
     amxtests)
       # the op suite with the AMX kernels forced (KT_CPU_KERNEL=amx: an error where AMX is absent)
       log "op tests, AMX forced"
