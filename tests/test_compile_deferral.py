@@ -268,7 +268,9 @@ def test_cuda_compiled_deferral_decode_matches_eager_deferral(family, cuda_graph
 @needs_cuda
 def test_cuda_graph_runtime_deferral_count_changes_between_replays():
     """n_deferred_experts="runtime" under CUDA graphs: one capture, d set between replays (the count tensor is
-    read by a captured copy): 12 teacher-forced fp32 decode steps per d against the eager model deferring d."""
+    read by a captured copy): 12 teacher-forced fp32 decode steps per d against the eager model deferring d. The
+    stream is held back before each d's steps, so the host has launched all 12 replays when it sets the next d:
+    the steps must still run with the d they were launched under (set_runtime_deferred_experts waits for them)."""
     from ktorch.compile import set_runtime_deferred_experts
 
     torch._dynamo.reset()
@@ -290,6 +292,7 @@ def test_cuda_graph_runtime_deferral_count_changes_between_replays():
         with torch.no_grad():
             for d in (1, 2, 0, 1):
                 set_runtime_deferred_experts(d)
+                torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time: the replays below queue behind it
                 got[d] = teacher_forced_decode(step, fresh(), tokens, True)
             torch.cuda.synchronize()
     finally:

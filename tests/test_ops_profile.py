@@ -1,6 +1,7 @@
 """KT_PROFILE=1: kt.fused_moe prints one line per call on stderr with its phase times and, for the two parallel
 phases, where the workers' time went (<phase>.kernel / .epilogue (.scatter for down) / .other, means over
-workers, and .busiest). The line is what benchmarks/bench_fused_moe.py --profile parses."""
+workers, and .busiest). The line is what benchmarks/bench_fused_moe.py --profile parses. Under a NUMA split
+(KT_NUMA_SPLIT, e.g. forced over the whole suite on the device) each slice's op call prints its own line."""
 
 from __future__ import annotations
 
@@ -18,7 +19,10 @@ x = torch.randn(T, H, dtype=torch.bfloat16)
 w13 = torch.randn(E, 2 * I, H, dtype=torch.bfloat16) * 0.05
 w2 = torch.randn(E, H, I, dtype=torch.bfloat16) * 0.05
 w, ids = torch.softmax(torch.randn(T, E), -1).topk(K, -1)
-ktorch.fused_moe(x, ids, w.float(), ktorch.pack_experts(w13, w2, "{fmt}"))
+packed = ktorch.pack_experts(w13, w2, "{fmt}")
+ktorch.fused_moe(x, ids, w.float(), packed)
+split = packed._numa_split_cache
+print("slices", 1 if split is None or split == "unsplittable" else split.num_slices)
 """
 
 
@@ -33,12 +37,14 @@ def test_profile_line_breaks_the_parallel_phases_down_per_worker(fmt, seed):
     proc = subprocess.run([sys.executable, "-c", _SCRIPT.replace("{fmt}", fmt), str(seed)], env=env,
                           capture_output=True, text=True, timeout=300, check=True)
     lines = [line for line in proc.stderr.splitlines() if line.startswith("kt.fused_moe ")]
-    assert len(lines) == 1, proc.stderr
-    p = parse(lines[0])
-    for phase, epilogue in (("gate_up", "epilogue"), ("down", "scatter")):
-        parts = [p[f"{phase}.{kind}"] for kind in ("kernel", epilogue, "other")]
-        assert all(v >= 0 for v in parts), p
-        assert p[f"{phase}.kernel"] > 0, p
-        # a worker's time in the phase's tasks is at most the phase's wall time (small slack for clock reads)
-        assert sum(parts) <= p[f"{phase}.busiest"] + 1e-3 <= p[phase] + 0.05, p
-    assert p["total"] >= p["gate_up"] + p["down"], p
+    slices = int(proc.stdout.split("slices", 1)[1])
+    assert len(lines) == slices, (slices, proc.stderr)
+    for line in lines:
+        p = parse(line)
+        for phase, epilogue in (("gate_up", "epilogue"), ("down", "scatter")):
+            parts = [p[f"{phase}.{kind}"] for kind in ("kernel", epilogue, "other")]
+            assert all(v >= 0 for v in parts), p
+            assert p[f"{phase}.kernel"] > 0, p
+            # a worker's time in the phase's tasks is at most the phase's wall time (small slack for clock reads)
+            assert sum(parts) <= p[f"{phase}.busiest"] + 1e-3 <= p[phase] + 0.05, p
+        assert p["total"] >= p["gate_up"] + p["down"], p

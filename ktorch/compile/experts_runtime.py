@@ -271,6 +271,15 @@ class ExpertsRuntime:
 
         if not is_deferred_count(n_deferred):
             raise ValueError(f"set_runtime_deferred_experts: n_deferred must be an int >= 0, got {n_deferred!r}")
+        if n_deferred != int(self._runtime_deferred_host) and torch.cuda.is_initialized():
+            # The split calls read the count when they run, on the CPU, as their start host function or doorbell is
+            # reached: steps the host has already launched (replays queued behind the GPU) would otherwise run with
+            # the new count, some of their layers deferring one d and some another (seen on the device: 95% of a
+            # step's logits off under a loaded machine). They finish first, with the count they were launched under.
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("set_runtime_deferred_experts: cannot change the count inside a CUDA-graph capture")
+            for device in range(torch.cuda.device_count()):
+                torch.cuda.synchronize(device)
         self.runtime_deferred = n_deferred
         self._runtime_deferred_host.fill_(n_deferred)
 
@@ -534,7 +543,9 @@ def set_runtime_deferred_experts(n_deferred: int) -> None:
     """Sets how many of each token's routed experts (the lowest-weighted) the graphs compiled with
     ``options={"n_deferred_experts": "runtime"}`` defer, from their next run on, CUDA-graph replays included: one
     compile serves every d (benchmarks sweep d without compiling again). Process-wide; d >= K defers all slots but
-    the last layer's; 0 defers nothing (the deferred parts then return zeros without running)."""
+    the last layer's; 0 defers nothing (the deferred parts then return zeros without running). A change first waits
+    for the work already launched on the GPUs (a device synchronize), which runs with the count it was launched
+    under; not allowed inside a CUDA-graph capture."""
     RUNTIME.set_runtime_deferred(n_deferred)
 
 
