@@ -5,10 +5,12 @@
 // and the output rows/columns a call must leave alone, under every tile walk (KT_AMX_WALK: auto, pairs, rows,
 // kblock with chunks of 1, 3 and 8 k steps, with and without +pfa; M up to 300 for the walks of 256 rows),
 // and (emulated) that the weight prefetches stay inside the weights and cover what each walk fetches ahead.
-// Also checks KT_AMX_MIN_ROWS and KT_AMX_WALK parsing.
+// Also checks KT_AMX_MIN_ROWS, KT_AMX_WALK and the weight prefetch knobs' parsing, and (emulated) that under
+// KT_AMX_NEXT_PF / KT_AMX_B_L1_PF the results stay the same and only the lines they ask for are prefetched.
 // With --bench (real AMX only) it times one thread's AVX-512 gemm and AMX gemm under each walk per M on hot
 // weights, for choosing the small-M threshold and the walk; --bench-cold the same streaming the weights from
-// memory (GB/s of weights a core pulls under each walk's prefetching); --bench-peak one core's tile ceilings
+// memory (GB/s of weights a core pulls under each walk's prefetching; KT_BENCH_WALKS picks the walk variants,
+// with their prefetch knobs); --bench-peak one core's tile ceilings
 // (dot products alone, then with tile loads from L1, L2 and L3) and its clock.
 //
 // Build and run with run.sh beside this file:
