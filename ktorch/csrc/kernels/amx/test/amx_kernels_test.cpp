@@ -25,6 +25,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <atomic>
 #include <random>
 #include <thread>
@@ -310,98 +311,42 @@ void check_case(WeightFormat f, int M, int64_t K, int nblocks, int64_t group, bo
   }
 }
 
-void check_min_rows_parsing() {
-  const char* good[] = {"8", "0", "bf16=8", "bf16=8,int8=2,int4=16", "int4=3"};
-  for (const char* v : good) {
-    setenv("KT_AMX_MIN_ROWS", v, 1);
-    try {
-      amx_kernels();
-    } catch (const std::exception& e) {
-      ++failures;
-      std::printf("FAIL KT_AMX_MIN_ROWS='%s' rejected: %s\n", v, e.what());
-    }
-  }
-  const char* bad[] = {"x", "-1", "8,9", "fp8=3", "bf16=", "bf16=3;int8=4"};
-  for (const char* v : bad) {
-    setenv("KT_AMX_MIN_ROWS", v, 1);
+// amx_kernels() with the variable `name` set to each of `values` (read there): accepted (`good`) or rejected with
+// std::invalid_argument; the variable is unset afterwards.
+void check_env_values(const char* name, std::initializer_list<const char*> values, bool good) {
+  for (const char* v : values) {
+    setenv(name, v, 1);
     bool threw = false;
+    std::string why;
     try {
       amx_kernels();
-    } catch (const std::invalid_argument&) {
+    } catch (const std::invalid_argument& e) {
       threw = true;
+      why = e.what();
     }
-    if (!threw) {
+    if (threw == good) {
       ++failures;
-      std::printf("FAIL KT_AMX_MIN_ROWS='%s' accepted\n", v);
+      std::printf("FAIL %s='%s' %s%s\n", name, v, good ? "rejected: " : "accepted", why.c_str());
     }
   }
-  unsetenv("KT_AMX_MIN_ROWS");
+  unsetenv(name);
+}
+
+void check_min_rows_parsing() {
+  check_env_values("KT_AMX_MIN_ROWS", {"8", "0", "bf16=8", "bf16=8,int8=2,int4=16", "int4=3"}, true);
+  check_env_values("KT_AMX_MIN_ROWS", {"x", "-1", "8,9", "fp8=3", "bf16=", "bf16=3;int8=4"}, false);
 }
 
 void check_walk_parsing() {
-  const char* good[] = {"", "auto", "auto+pfa", "pairs", "rows", "kblock", "kblock:1", "kblock:16", "rows+pfa", "kblock:4+pfa", "pairs+pfa"};
-  for (const char* v : good) {
-    setenv("KT_AMX_WALK", v, 1);
-    try {
-      amx_kernels();
-    } catch (const std::exception& e) {
-      ++failures;
-      std::printf("FAIL KT_AMX_WALK='%s' rejected: %s\n", v, e.what());
-    }
-  }
-  const char* bad[] = {"autos", "row", "kblock:", "kblock:0", "kblock:x", "rows+", "rows+pfb", "kblock8", "pairs:2x"};
-  for (const char* v : bad) {
-    setenv("KT_AMX_WALK", v, 1);
-    bool threw = false;
-    try {
-      amx_kernels();
-    } catch (const std::invalid_argument&) {
-      threw = true;
-    }
-    if (!threw) {
-      ++failures;
-      std::printf("FAIL KT_AMX_WALK='%s' accepted\n", v);
-    }
-  }
-  unsetenv("KT_AMX_WALK");
+  check_env_values("KT_AMX_WALK", {"", "auto", "auto+pfa", "pairs", "rows", "kblock", "kblock:1", "kblock:16", "rows+pfa",
+                                   "kblock:4+pfa", "pairs+pfa"}, true);
+  check_env_values("KT_AMX_WALK", {"autos", "row", "kblock:", "kblock:0", "kblock:x", "rows+", "rows+pfb", "kblock8",
+                                   "pairs:2x"}, false);
   // the weight prefetch knobs (amx/kernels.cpp, "weight prefetch knobs")
-  for (const char* name : {"KT_AMX_NEXT_PF", "KT_AMX_B_L1_PF"}) {
-    for (const char* v : {"", "0", "1"}) {
-      setenv(name, v, 1);
-      try {
-        amx_kernels();
-      } catch (const std::exception& e) {
-        ++failures;
-        std::printf("FAIL %s='%s' rejected: %s\n", name, v, e.what());
-      }
-    }
-    for (const char* v : {"x", "-1", "2x", "65", "1.5"}) {
-      setenv(name, v, 1);
-      bool threw = false;
-      try {
-        amx_kernels();
-      } catch (const std::invalid_argument&) {
-        threw = true;
-      }
-      if (!threw) {
-        ++failures;
-        std::printf("FAIL %s='%s' accepted\n", name, v);
-      }
-    }
-    unsetenv(name);
-  }
-  setenv("KT_AMX_B_L1_PF", "2", 1);  // a flag: 0 or 1
-  bool threw = false;
-  try {
-    amx_kernels();
-  } catch (const std::invalid_argument&) {
-    threw = true;
-  }
-  if (!threw) {
-    ++failures;
-    std::printf("FAIL KT_AMX_B_L1_PF='2' accepted\n");
-  }
-  unsetenv("KT_AMX_B_L1_PF");
+  check_env_values("KT_AMX_NEXT_PF", {"", "0", "1", "2", "64"}, true);
+  check_env_values("KT_AMX_NEXT_PF", {"x", "-1", "2x", "65", "1.5"}, false);
+  check_env_values("KT_AMX_B_L1_PF", {"", "0", "1"}, true);
+  check_env_values("KT_AMX_B_L1_PF", {"x", "-1", "2", "1.5"}, false);  // a flag: 0 or 1
   amx_kernels();
 }
 
