@@ -209,6 +209,34 @@ def test_runtime_deferral_count_is_validated():
     assert RUNTIME.runtime_deferred == 0
 
 
+def test_runtime_deferral_count_change_waits_for_the_gpus(monkeypatch):
+    """A change of the runtime count first synchronizes every CUDA device (queued replays read the count when they
+    run, so they must finish under the one they were launched with); setting the same count does not; inside a
+    capture a change is refused with its message. The CUDA calls are stubbed: this runs where there is no GPU (the
+    device runs the real race: test_cuda_graph_runtime_deferral_count_changes_between_replays)."""
+    from ktorch.compile import set_runtime_deferred_experts
+
+    synced, capturing = [], [False]
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    try:
+        set_runtime_deferred_experts(0)  # unchanged: no wait
+        assert synced == []
+        set_runtime_deferred_experts(2)
+        assert synced == [0, 1] and RUNTIME.runtime_deferred == 2
+        capturing[0] = True
+        with pytest.raises(RuntimeError, match="cannot change the count inside a CUDA-graph capture"):
+            set_runtime_deferred_experts(1)
+        assert RUNTIME.runtime_deferred == 2 and synced == [0, 1]
+        set_runtime_deferred_experts(2)  # the same count inside a capture: nothing to change, no error
+    finally:
+        capturing[0] = False
+        set_runtime_deferred_experts(0)
+    assert RUNTIME.runtime_deferred == 0 and int(RUNTIME._runtime_deferred_host) == 0
+
+
 def test_options_validate_n_deferred_experts():
     assert BackendOptions.parse(None, {"n_deferred_experts": 2}).n_deferred_experts == 2
     for bad in (-1, 1.5, True):

@@ -312,7 +312,7 @@ void check_case(WeightFormat f, int M, int64_t K, int nblocks, int64_t group, bo
 }
 
 // amx_kernels() with the variable `name` set to each of `values` (read there): accepted (`good`) or rejected with
-// std::invalid_argument; the variable is unset afterwards.
+// std::invalid_argument whose message names the variable and the value; the variable is unset afterwards.
 void check_env_values(const char* name, std::initializer_list<const char*> values, bool good) {
   for (const char* v : values) {
     setenv(name, v, 1);
@@ -327,6 +327,9 @@ void check_env_values(const char* name, std::initializer_list<const char*> value
     if (threw == good) {
       ++failures;
       std::printf("FAIL %s='%s' %s%s\n", name, v, good ? "rejected: " : "accepted", why.c_str());
+    } else if (threw && (why.find(name) == std::string::npos || why.find("'" + std::string(v) + "'") == std::string::npos)) {
+      ++failures;
+      std::printf("FAIL %s='%s' rejected with a message naming neither: %s\n", name, v, why.c_str());
     }
   }
   unsetenv(name);
