@@ -351,6 +351,27 @@ def test_accumulators_left_by_an_earlier_call_do_not_leak(kernel, fmt, group_siz
     check_against_reference(out, hidden2, ids2, weights, packed, "silu", seed, f"after a full call, groups={groups}")
 
 
+@pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("groups", [1, 2, 3])
+def test_low_precision_output_is_the_fp32_output_rounded_once(kernel, fmt, group_size, dtype, groups, monkeypatch, seed):
+    """A bf16/fp16 call computes what the fp32 call on the same (exactly widened) input does and rounds each
+    element once, to nearest even: the expert groups' accumulators are summed in fp32 (kernels' sum_rows) before
+    the one rounding, whatever the group count, with tokens that no group or only some groups see."""
+    E, K, H, I, T = 7, 3, 160, 64, 41
+    monkeypatch.setenv("KT_DOWN_GROUPS", str(groups))
+    packed = make_experts(E, H, I, fmt, group_size)
+    hidden = (torch.randn(T, H) * 2).to(dtype)
+    ids, weights = make_routing(T, E, K)
+    ids[::5] = -1          # no expert: a zero row
+    ids[1::5, 1:] = -1     # one expert: most groups lack the token
+    got = ktorch.fused_moe(hidden, ids, weights, packed)
+    want = ktorch.fused_moe(hidden.float(), ids, weights, packed).to(dtype)
+    assert torch.equal(got, want), (f"seed={seed}: {fmt} {dtype} groups={groups}: "
+                                    f"{(got != want).sum().item()} of {got.numel()} elements differ")
+    assert torch.equal(got[::5], torch.zeros_like(got[::5]))
+
+
 _WORKER_COUNT_SCRIPT = """
 import sys, torch, ktorch
 hidden, ids, weights, packed = torch.load(sys.argv[1], weights_only=False)

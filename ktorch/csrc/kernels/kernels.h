@@ -83,6 +83,11 @@ using QuantizeRowsFn = void (*)(const float* x, int64_t ldx, int M, int64_t K, i
 using ScatterAddFn = void (*)(const float* src, int64_t lds, int M, int64_t n, const float* w, const int64_t* rows,
                               const uint8_t* assign, float* dst, int64_t ldd);
 
+// The down projection's last step: dst[j] = src[0][j] + src[1][j] + ... + src[n_src - 1][j] for j < n, added in
+// that order in fp32 (n_src == 0: zeros), stored as fp32 (bf16_out false: dst is float*) or as bf16 rounded to
+// nearest even, a NaN truncated with its quiet bit set (dst is uint16_t*), for every input (denormals too).
+using SumRowsFn = void (*)(const float* const* src, int n_src, int64_t n, bool bf16_out, void* dst);
+
 struct KernelSet {
   const char* name;
   GemmFn gemm[kNumFormats];
@@ -90,6 +95,7 @@ struct KernelSet {
   GluBf16Fn glu_bf16;
   QuantizeRowsFn quantize_rows;
   ScatterAddFn scatter_add;
+  SumRowsFn sum_rows;
 };
 
 // Defined in the ISA folders; each returns nullptr-free tables. The amx table may fall back to avx512

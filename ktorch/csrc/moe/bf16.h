@@ -1,4 +1,4 @@
-// fp32 -> bf16 rounding shared by the op driver and the NUMA split.
+// fp32 -> bf16 rounding of the op driver (its activation rows); the kernels' sum_rows rounds the same way.
 #pragma once
 
 #include <cstdint>

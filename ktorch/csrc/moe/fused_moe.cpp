@@ -59,6 +59,7 @@ constexpr int64_t kGateUpRows = 256;  // rows per gate/up task (bounded per-work
 constexpr int64_t kDownRows = 256;
 constexpr int64_t kDownCols = 16 * kernels::kMaxBlocks;  // columns per down kernel call
 constexpr int64_t kDownGroups = 2;    // down-projection expert groups (see step 4)
+constexpr int64_t kMaxDownGroups = 16;  // KT_DOWN_GROUPS' largest
 
 struct PackedMatrix {
   const at::Tensor* weights;
@@ -538,7 +539,7 @@ class Part {
     }
     const int64_t hblocks = s.H / 16, nactive = static_cast<int64_t>(active_.size());
     ranges_ = std::min(hblocks, env_count("KT_DOWN_RANGES", s.workers <= 4 ? 2 * s.workers : s.workers, 4096));
-    groups_ = std::min<int64_t>(env_count("KT_DOWN_GROUPS", kDownGroups, 16), E);
+    groups_ = std::min<int64_t>(env_count("KT_DOWN_GROUPS", kDownGroups, kMaxDownGroups), E);
     group_start_.assign(groups_ + 1, nactive);  // group g: active[group_start[g] .. group_start[g + 1])
     for (int64_t g = 0, i = 0; g < groups_; ++g) {
       while (i < nactive && active_[i] * groups_ < E * g) ++i;
@@ -729,25 +730,13 @@ class Part {
     }
     // the last group task of this range sums the groups that have the token, in group order, into the output
     if (range_done_[r].fetch_add(1, std::memory_order_acq_rel) != groups_ - 1 || acc_is_out_) return;
+    auto* out = static_cast<char*>(out_.data_ptr()) + c0 * out_.element_size();
+    const float* src[kMaxDownGroups];
     for (int64_t t = 0; t < T; ++t) {
-      int64_t first = 0;
-      while (first < groups_ && seen_[first * T + t] == 0) ++first;
-      float* row = accp + (first < groups_ ? first : 0) * T * H + t * H;
-      if (first == groups_) std::fill(row + c0, row + c1, 0.0f);  // no pair: a zero row
-      for (int64_t gg = first + 1; gg < groups_; ++gg) {
-        if (seen_[gg * T + t] == 0) continue;
-        const float* add = accp + gg * T * H + t * H;
-        for (int64_t j = c0; j < c1; ++j) row[j] += add[j];
-      }
-      if (s.hdtype == at::kFloat) {
-        std::copy(row + c0, row + c1, out_.data_ptr<float>() + t * H + c0);
-      } else if (s.hdtype == at::kBFloat16) {
-        auto* o = reinterpret_cast<uint16_t*>(out_.data_ptr<at::BFloat16>()) + t * H;
-        for (int64_t j = c0; j < c1; ++j) o[j] = f32_to_bf16(row[j]);
-      } else {
-        at::Half* o = out_.data_ptr<at::Half>() + t * H;
-        for (int64_t j = c0; j < c1; ++j) o[j] = static_cast<at::Half>(row[j]);
-      }
+      int n = 0;  // the groups that have the token, in group order (none: a zero row)
+      for (int64_t gg = 0; gg < groups_; ++gg)
+        if (seen_[gg * T + t] != 0) src[n++] = accp + (gg * T + t) * H + c0;
+      store_row_sum(s.ks, src, n, c1 - c0, s.hdtype, out + t * H * out_.element_size());
     }
     times.lap(worker, WorkerTimes::kOther, t_mark);
   }
@@ -772,6 +761,20 @@ class Part {
   std::vector<uint8_t> pair_first_, seen_;
   std::unique_ptr<std::atomic<int>[]> range_done_;
 };
+
+}  // namespace
+
+void store_row_sum(const kernels::KernelSet& ks, const float* const* src, int n_src, int64_t n, at::ScalarType dtype,
+                   void* dst) {
+  if (dtype != at::kHalf) return ks.sum_rows(src, n_src, n, dtype == at::kBFloat16, dst);
+  thread_local std::vector<float> row;
+  row.resize(n);
+  ks.sum_rows(src, n_src, n, false, row.data());
+  at::Half* o = static_cast<at::Half*>(dst);
+  for (int64_t j = 0; j < n; ++j) o[j] = static_cast<at::Half>(row[j]);
+}
+
+namespace {
 
 // The checks every entry point makes; returns the weight format.
 WeightFormat check_call(const at::Tensor& hidden_in, const at::Tensor& topk_ids_in, const at::Tensor& topk_weights_in,

@@ -6,6 +6,8 @@
 #include <functional>
 #include <optional>
 
+#include "../kernels/kernels.h"
+
 namespace kt::moe {
 
 at::Tensor fused_moe(const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
@@ -38,5 +40,11 @@ void fused_moe_split(const at::Tensor& hidden, const at::Tensor& ids_now, const 
                      const at::Tensor& topk_weights, const at::Tensor& w13, const std::optional<at::Tensor>& w13_scales,
                      const at::Tensor& w2, const std::optional<at::Tensor>& w2_scales, c10::string_view activation,
                      const at::Tensor& out_now, const at::Tensor& out_later, const std::function<void()>& on_now);
+
+// dst, a row of `dtype` (fp32, bf16 or fp16) = src[0] + src[1] + ... + src[n_src - 1] over n columns, added in fp32
+// in that order by ks.sum_rows (zeros when n_src is 0), then rounded once: the last step of the op (its expert
+// groups) and of the NUMA split (its slices).
+void store_row_sum(const kernels::KernelSet& ks, const float* const* src, int n_src, int64_t n, at::ScalarType dtype,
+                   void* dst);
 
 }  // namespace kt::moe

@@ -37,9 +37,9 @@
 #include <mutex>
 #include <numeric>
 
+#include "../runtime/dispatch.h"
 #include "../runtime/numa.h"
 #include "../runtime/parallel.h"
-#include "bf16.h"
 #include "fused_moe.h"
 
 namespace kt::moe {
@@ -288,25 +288,14 @@ at::Tensor fused_moe_numa(const at::Tensor& hidden, const at::Tensor& topk_ids, 
   at::Tensor out = at::empty({T, H}, hidden.options().memory_format(at::MemoryFormat::Contiguous));
   if (T == 0) return out;
   // out = partial[0] + partial[1] + ... in this order for every element; rows shared out over the groups
+  const kernels::KernelSet& ks = runtime::select_kernels();
   groups.run([&](int g) {
     const int64_t t0 = T * g / n, t1 = T * (g + 1) / n;
-    std::vector<float> row(H);
+    std::vector<const float*> src(n);
     for (int64_t t = t0; t < t1; ++t) {
-      const float* p0 = partial[0].data_ptr<float>() + t * H;
-      std::copy(p0, p0 + H, row.begin());
-      for (int64_t s = 1; s < n; ++s) {
-        const float* p = partial[s].data_ptr<float>() + t * H;
-        for (int64_t j = 0; j < H; ++j) row[j] += p[j];
-      }
-      if (dtype == at::kFloat) {
-        std::copy(row.begin(), row.end(), out.data_ptr<float>() + t * H);
-      } else if (dtype == at::kBFloat16) {
-        auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + t * H;
-        for (int64_t j = 0; j < H; ++j) o[j] = f32_to_bf16(row[j]);
-      } else {
-        at::Half* o = out.data_ptr<at::Half>() + t * H;
-        for (int64_t j = 0; j < H; ++j) o[j] = static_cast<at::Half>(row[j]);
-      }
+      for (int64_t s = 0; s < n; ++s) src[s] = partial[s].data_ptr<float>() + t * H;
+      store_row_sum(ks, src.data(), static_cast<int>(n), H, dtype,
+                    static_cast<char*>(out.data_ptr()) + t * H * out.element_size());
     }
   });
   return out;

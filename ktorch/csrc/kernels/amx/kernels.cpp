@@ -682,7 +682,8 @@ const KernelSet& amx_kernels() {
                      avx.glu_f32,
                      avx.glu_bf16,
                      avx.quantize_rows,
-                     avx.scatter_add};
+                     avx.scatter_add,
+                     avx.sum_rows};
   }();
   read_min_rows();
   read_walk();

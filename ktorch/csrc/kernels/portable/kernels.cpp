@@ -149,11 +149,20 @@ void scatter_add(const float* src, int64_t lds, int M, int64_t n, const float* w
   }
 }
 
+void sum_rows(const float* const* src, int n_src, int64_t n, bool bf16_out, void* dst) {
+  for (int64_t j = 0; j < n; ++j) {
+    float v = n_src > 0 ? src[0][j] : 0.0f;
+    for (int s = 1; s < n_src; ++s) v += src[s][j];
+    if (bf16_out) static_cast<uint16_t*>(dst)[j] = f32_to_bf16(v);
+    else static_cast<float*>(dst)[j] = v;
+  }
+}
+
 }  // namespace
 
 const KernelSet& portable_kernels() {
   static const KernelSet set{"portable", {gemm_bf16, gemm_int8, gemm_int4}, glu_f32, glu_bf16, quantize_rows,
-                             scatter_add};
+                             scatter_add, sum_rows};
   return set;
 }
 

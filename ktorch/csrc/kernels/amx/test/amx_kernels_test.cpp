@@ -11,7 +11,8 @@
 // weights, for choosing the small-M threshold and the walk; --bench-cold the same streaming the weights from
 // memory (GB/s of weights a core pulls under each walk's prefetching; KT_BENCH_WALKS picks the walk variants,
 // with their prefetch knobs); --bench-peak one core's tile ceilings
-// (dot products alone, then with tile loads from L1, L2 and L3) and its clock.
+// (dot products alone, then with tile loads from L1, L2 and L3) and its clock; --bench-stretch the bare tile
+// loop, tiles + VNNI, and the walk on hot and cold weights taking turns within each ~200 ms (1 and 16 threads).
 //
 // Build and run with run.sh beside this file:
 //   bash ktorch/csrc/kernels/amx/test/run.sh emulated     # any AVX-512 BF16/VNNI machine, under ASan
@@ -898,6 +899,181 @@ void bench_peak_all() {
   bench_peak_series();
 }
 
+// --bench-stretch: the tile unit's rate moves between stretches (fast, then a quarter of that for seconds), so
+// rates measured at different moments do not compare. Here n threads (pinned, all at once) take turns, in rounds of
+// ~40 ms a mode, between: the bare L1 tile loop ("bare"); the same loop with V AVX-512 VNNI dot products
+// (register operands) between its steps ("bare+vnni", tile and VNNI ops counted apart: whether a core's vector
+// units add to what its tile unit does); the kernel's default walk at M = 128 on the Qwen3 gate/up shape (int8,
+// K = 2048, 4 blocks) with hot weights (one call's 128 KB, from L2) and with cold ones (each thread cycling through
+// its own 128 MiB of a pool, past the L3). A round prints each mode's total TOPS, so the walk's hot/cold ratio is
+// read within one stretch. KT_BENCH_THREADS (default 1,16), KT_BENCH_ROUNDS (default 12), KT_BENCH_VNNI (default 32).
+int env_int(const char* name, int fallback) {
+  const char* env = std::getenv(name);
+  return env == nullptr || *env == '\0' ? fallback : std::atoi(env);
+}
+
+// The L1 loop of peak_run with `vnni` VPDPBUSDs after each step's 4 tile products; returns {tile ops, vnni ops}.
+std::pair<double, double> mixed_run(const uint8_t* buf, int vnni, double seconds) {
+  const uint8_t* A = buf;
+  const uint8_t* B = buf + 8 * 2048;
+  __m512i acc[8];
+  for (int i = 0; i < 8; ++i) acc[i] = _mm512_set1_epi32(i);
+  const __m512i va = _mm512_set1_epi32(0x01020304), vb = _mm512_set1_epi32(0x05060708);
+  int64_t steps = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  double sec = 0;
+  while (sec < seconds) {
+    for (int it = 0; it < 256; ++it) {
+      const int64_t s = (steps + it) % 8;
+      _tile_loadd(4, A + s * 2048, 64);
+      _tile_loadd(6, B + s * 2048, 64);
+      _tile_dpbssd(0, 4, 6);
+      _tile_loadd(7, B + s * 2048 + 1024, 64);
+      _tile_dpbssd(1, 4, 7);
+      _tile_loadd(5, A + s * 2048 + 1024, 64);
+      _tile_dpbssd(2, 5, 6);
+      _tile_dpbssd(3, 5, 7);
+      for (int v = 0; v < vnni; v += 8) {
+        acc[0] = _mm512_dpbusd_epi32(acc[0], va, vb);
+        acc[1] = _mm512_dpbusd_epi32(acc[1], va, vb);
+        acc[2] = _mm512_dpbusd_epi32(acc[2], va, vb);
+        acc[3] = _mm512_dpbusd_epi32(acc[3], va, vb);
+        acc[4] = _mm512_dpbusd_epi32(acc[4], va, vb);
+        acc[5] = _mm512_dpbusd_epi32(acc[5], va, vb);
+        acc[6] = _mm512_dpbusd_epi32(acc[6], va, vb);
+        acc[7] = _mm512_dpbusd_epi32(acc[7], va, vb);
+      }
+    }
+    steps += 256;
+    sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  alignas(64) static thread_local int32_t sink[16 * 16];
+  _tile_stored(0, sink, 64);
+  __m512i all = acc[0];
+  for (int i = 1; i < 8; ++i) all = _mm512_add_epi32(all, acc[i]);
+  _mm512_store_si512(sink, all);
+  const double v = vnni / 8 * 8;  // VPDPBUSDs a step, each 16 lanes x 4 products
+  return {4.0 * 16 * 16 * 64 * 2 * steps / sec, v * 16 * 4 * 2 * steps / sec};
+}
+
+void bench_stretch() {
+  static const PeakConfig cfg;
+  setenv("KT_AMX_MIN_ROWS", "0", 1);
+  unsetenv("KT_AMX_WALK");
+  amx_kernels();
+  const int rounds = env_int("KT_BENCH_ROUNDS", 12), vnni = env_int("KT_BENCH_VNNI", 32);
+  std::vector<int> counts;
+  {
+    const char* env = std::getenv("KT_BENCH_THREADS");
+    std::string list = env != nullptr && *env != '\0' ? env : "1,16";
+    for (size_t start = 0; start <= list.size();) {
+      size_t comma = list.find(',', start);
+      if (comma == std::string::npos) comma = list.size();
+      counts.push_back(std::atoi(list.substr(start, comma - start).c_str()));
+      start = comma + 1;
+    }
+  }
+  constexpr int kM = 128, kBlocks = 4;
+  constexpr int64_t kK = 2048;
+  const size_t call_bytes = block_bytes(WeightFormat::INT8, kK) * kBlocks, slice = size_t(128) << 20;
+  const int most = *std::max_element(counts.begin(), counts.end());
+  auto* pool = static_cast<uint8_t*>(std::aligned_alloc(4096, slice * most));
+  std::printf("stretch: %d rounds of 5 modes, ~40 ms each; TOPS of all threads (int8 ops)\n", rounds);
+  for (int n : counts) {
+    std::printf("%2d threads: %8s %10s %10s %10s %10s\n", n, "bare", "bare+vnni", "(vnni)", "walk hot", "walk cold");
+    std::vector<double> tops(5 * n);
+    std::atomic<int> arrived{0};
+    auto barrier = [&](int target) {
+      arrived.fetch_add(1);
+      while (arrived.load() < target) {}
+    };
+    std::vector<std::vector<double>> table(rounds, std::vector<double>(5, 0));
+    std::vector<std::thread> threads;
+    for (int t = 0; t < n; ++t)
+      threads.emplace_back([&, t] {
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        CPU_SET(t, &set);
+        pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+        _tile_loadconfig(&cfg);
+        auto* l1 = static_cast<uint8_t*>(std::aligned_alloc(64, 32 << 10));
+        for (int i = 0; i < (32 << 10); ++i) l1[i] = static_cast<uint8_t>(i * 37 + 11);
+        uint8_t* mine = pool + t * slice;
+        for (size_t i = 0; i < slice; i += 64) std::memset(mine + i, static_cast<int>(i >> 6) * 7, 64);
+        std::vector<uint8_t> arows(kM * kK);
+        for (size_t i = 0; i < arows.size(); ++i) arows[i] = static_cast<uint8_t>(i * 7);
+        std::vector<const void*> packed(kM), rows;
+        for (int m = 0; m < kM; ++m) packed[m] = arows.data() + m * kK;
+        const std::vector<uint8_t> store = driver_rows(packed, kK, rows);
+        std::vector<float> ascale(kM, 1.0f / 127), wscale(16 * kBlocks, 1.0f / 64), c(kM * 16 * kBlocks);
+        std::vector<int32_t> gsum(kM, 0);
+        GemmArgs a;
+        a.M = kM;
+        a.K = kK;
+        a.a_rows = rows.data();
+        a.a_scale = ascale.data();
+        a.a_gsum = gsum.data();
+        a.a_gsum_stride = 1;
+        a.group_size = kK;
+        a.b_block_stride = block_bytes(WeightFormat::INT8, kK);
+        a.b_scale = wscale.data();
+        a.b_scale_group_stride = 16 * kBlocks;
+        a.nblocks = kBlocks;
+        a.c = c.data();
+        a.ldc = 16 * kBlocks;
+        const GemmFn fn = amx_kernels().gemm[static_cast<int>(WeightFormat::INT8)];
+        const size_t calls = slice / call_bytes;
+        size_t i = 0;
+        auto walk = [&](bool cold) {
+          int64_t n_calls = 0;
+          const auto t0 = std::chrono::steady_clock::now();
+          double sec = 0;
+          while (sec < 0.04) {
+            for (int r = 0; r < 4; ++r, ++n_calls) {
+              a.b = mine + (cold ? i : 0) * call_bytes;
+              a.next_b = cold ? mine + (i + 1) % calls * call_bytes : a.b;
+              if (cold) i = (i + 1) % calls;
+              fn(a);
+            }
+            sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+          }
+          return 2.0 * kM * kK * 16 * kBlocks * n_calls / sec;
+        };
+        walk(true);
+        int sync = 0;
+        for (int r = 0; r < rounds; ++r) {
+          double v[5];
+          barrier(n * ++sync);
+          v[0] = mixed_run(l1, 0, 0.04).first;
+          barrier(n * ++sync);
+          const auto m = mixed_run(l1, vnni, 0.04);
+          v[1] = m.first;
+          v[2] = m.second;
+          barrier(n * ++sync);
+          v[3] = walk(false);
+          barrier(n * ++sync);
+          v[4] = walk(true);
+          for (int k = 0; k < 5; ++k) tops[5 * t + k] = v[k];
+          barrier(n * ++sync);
+          if (t == 0)
+            for (int k = 0; k < 5; ++k) {
+              double sum = 0;
+              for (int u = 0; u < n; ++u) sum += tops[5 * u + k];
+              table[r][k] = sum / 1e12;
+            }
+          barrier(n * ++sync);
+        }
+        _tile_release();
+        std::free(l1);
+      });
+    for (auto& th : threads) th.join();
+    for (int r = 0; r < rounds; ++r)
+      std::printf("   round %2d: %8.2f %10.2f %10.2f %10.2f %10.2f\n", r, table[r][0], table[r][1], table[r][2],
+                  table[r][3], table[r][4]);
+  }
+  std::free(pool);
+}
+
 void bench_peak() {
   static const PeakConfig cfg;
   _tile_loadconfig(&cfg);
@@ -944,7 +1120,7 @@ int main(int argc, char** argv) {
   }
   struct Bench { const char* flag; void (*run)(); };
   static const Bench benches[] = {{"--bench", bench}, {"--bench-cold", bench_cold}, {"--bench-peak", bench_peak},
-                                  {"--bench-replica", bench_replica}, {"--bench-peak-threads", bench_peak_all}};
+                                  {"--bench-replica", bench_replica}, {"--bench-peak-threads", bench_peak_all}, {"--bench-stretch", bench_stretch}};
   for (const Bench& b : benches)
     if (argc > 1 && std::string(argv[1]) == b.flag) {
       b.run();
