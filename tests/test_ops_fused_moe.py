@@ -287,7 +287,7 @@ def test_dispatch_task_count_and_prefetch_knobs_keep_the_result(kernel, fmt, gro
     expert's intermediate channels cut differently over tasks), KT_WAIT_PREFETCH_KB (a waiting task fetches its
     weights ahead; 0: off, 1: one KiB, the default: 1024) and KT_PREFETCH_AHEAD (decode-sized kernel calls
     prefetch their weights; 0: off; 256 lines runs past the end of the last expert's weights, which a prefetch
-    may)."""
+    may) and KT_DOWN_PIPELINE=0 (one gate/up and one down stage instead of one of each per expert group)."""
     E, K, H, I = 7, 3, 192, 320
     packed = make_experts(E, H, I, fmt, group_size)
     hidden = torch.randn(T, H).to(torch.bfloat16)
@@ -295,21 +295,24 @@ def test_dispatch_task_count_and_prefetch_knobs_keep_the_result(kernel, fmt, gro
     base = ktorch.fused_moe(hidden, ids, weights, packed)
     check_against_reference(base, hidden, ids, weights, packed, "silu", seed, f"T={T}")
     monkeypatch.setenv("KT_GATE_UP_TASKS", str(tasks))
-    for one, kb, ahead in (("1", "0", "0"), ("1", "1", "3"), ("1", "1024", "256"), ("0", "1024", "16")):
+    for one, kb, ahead, pipe in (("1", "0", "0", "1"), ("1", "1", "3", "0"), ("1", "1024", "256", "1"),
+                                 ("0", "1024", "16", "1"), ("0", "0", "16", "0")):
         monkeypatch.setenv("KT_ONE_DISPATCH", one)
         monkeypatch.setenv("KT_WAIT_PREFETCH_KB", kb)
         monkeypatch.setenv("KT_PREFETCH_AHEAD", ahead)
+        monkeypatch.setenv("KT_DOWN_PIPELINE", pipe)
         out = ktorch.fused_moe(hidden, ids, weights, packed)
         assert torch.equal(out, base), (f"seed={seed}: T={T} KT_ONE_DISPATCH={one} KT_GATE_UP_TASKS={tasks} "
-                                        f"KT_WAIT_PREFETCH_KB={kb} KT_PREFETCH_AHEAD={ahead}")
+                                        f"KT_WAIT_PREFETCH_KB={kb} KT_PREFETCH_AHEAD={ahead} KT_DOWN_PIPELINE={pipe}")
 
 
 @pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)
 @pytest.mark.parametrize("ranges,groups", [(1, 1), (3, 1), (5, 2), (40, 3), (7, 16)])
 def test_down_task_grid_knobs(kernel, fmt, group_size, ranges, groups, monkeypatch, seed):
     """KT_DOWN_RANGES / KT_DOWN_GROUPS reshape the down projection's task grid (column ranges x expert groups,
-    each group with its own accumulator): the result stays within tolerance of the reference, and with one group
-    the sum order does not depend on the ranges, so outputs are equal bit for bit."""
+    each group with its own accumulator, and with the pipeline a gate/up and a down stage of its own): the result
+    stays within tolerance of the reference and does not change without the pipeline, and with one group the sum
+    order does not depend on the ranges, so outputs are equal bit for bit."""
     E, K, H, I, T = 9, 3, 160, 96, 37
     packed = make_experts(E, H, I, fmt, group_size)
     hidden = torch.randn(T, H).to(torch.bfloat16)
@@ -322,6 +325,10 @@ def test_down_task_grid_knobs(kernel, fmt, group_size, ranges, groups, monkeypat
     base = ktorch.fused_moe(hidden, ids, weights, packed)
     monkeypatch.setenv("KT_DOWN_RANGES", str(ranges))
     again = ktorch.fused_moe(hidden, ids, weights, packed)
+    assert torch.equal(again, out), f"seed={seed}: the same call gave another result"
+    monkeypatch.setenv("KT_DOWN_PIPELINE", "0")  # one gate/up and one down stage: the same sums
+    assert torch.equal(ktorch.fused_moe(hidden, ids, weights, packed), out), f"seed={seed}: KT_DOWN_PIPELINE=0 differs"
+    monkeypatch.delenv("KT_DOWN_PIPELINE")
     if groups == 1:
         monkeypatch.setenv("KT_DOWN_GROUPS", "1")
         assert torch.equal(again, base), f"seed={seed}: ranges={ranges} changed the result with one group"

@@ -45,6 +45,8 @@ def test_profile_line_breaks_the_parallel_phases_down_per_worker(fmt, seed):
             parts = [p[f"{phase}.{kind}"] for kind in ("kernel", epilogue, "other")]
             assert all(v >= 0 for v in parts), p
             assert p[f"{phase}.kernel"] > 0, p
-            # a worker's time in the phase's tasks is at most the phase's wall time (small slack for clock reads)
-            assert sum(parts) <= p[f"{phase}.busiest"] + 1e-3 <= p[phase] + 0.05, p
+            # a worker's time in the phase's tasks is at most the phase's wall time (small slack for clock reads);
+            # down tasks may start before gate/up's wall time ends (the pipeline of expert groups), not before it
+            window = p[phase] if phase == "gate_up" else p["gate_up"] + p["down"]
+            assert sum(parts) <= p[f"{phase}.busiest"] + 1e-3 <= window + 0.05, p
         assert p["total"] >= p["gate_up"] + p["down"], p

@@ -20,6 +20,8 @@
 // stages of one pool dispatch (run_stages): a task waits, spinning, for the stages before it to finish, instead of
 // the pool closing and reopening a job between phases (KT_ONE_DISPATCH=0: one dispatch a stage, to compare); while
 // it waits it fetches its own weights into its core's L2 (WaitPrefetch), so DRAM does not idle through a stage's tail.
+// Where no pass quantizes all of h between gate/up and down, each expert group of step 4 has a gate/up stage and a
+// down stage of its own, so the first groups' down tasks run during the last gate/up tasks (KT_DOWN_PIPELINE).
 // Expert deferral runs two parts in one call (fused_moe_split, fused_moe.h): the stages of the deferred part come
 // after the first part's, and the first part's result is published as soon as its down projection is done.
 // KT_PROFILE=1 prints each call's phase times to stderr.
@@ -360,10 +362,12 @@ struct Stage {
 void run_stages(std::vector<Stage>& stages, bool one_dispatch, PhaseTimer& timer) {
   const int ns = static_cast<int>(stages.size());
   if (!one_dispatch) {
-    for (Stage& s : stages) {
+    for (int i = 0; i < ns; ++i) {
+      Stage& s = stages[i];
       runtime::parallel_tasks(s.n, s.run);
       if (s.done) s.done();
-      if (s.n > 0) timer.mark(s.name);
+      // (stages of one phase, named alike and listed together, are one entry of the profile line)
+      if (i + 1 == ns || std::strcmp(stages[i + 1].name, s.name) != 0) timer.mark(s.name);
     }
     return;
   }
@@ -418,8 +422,20 @@ void run_stages(std::vector<Stage>& stages, bool one_dispatch, PhaseTimer& timer
     }
     if (finish() && st.done && !failed.load(std::memory_order_acquire)) st.done();
   });
-  for (int i = 0; i < ns; ++i)
-    if (stages[i].n > 0) timer.mark_at(stages[i].name, end[i]);
+  // one entry a phase (stages named alike), at the end of its last stage, in the order phases first appear
+  if (!timer.on()) return;
+  std::vector<char> marked(ns, 0);
+  for (int i = 0; i < ns; ++i) {
+    if (marked[i]) continue;
+    bool any = false;
+    PhaseTimer::Clock::time_point at{};
+    for (int j = i; j < ns; ++j) {
+      if (std::strcmp(stages[j].name, stages[i].name) != 0) continue;
+      marked[j] = 1;
+      if (stages[j].n > 0) at = any ? std::max(at, end[j]) : end[j], any = true;
+    }
+    if (any) timer.mark_at(stages[i].name, at);
+  }
 }
 
 // What the parts of a call share: the shapes, the kernels, each token's activation row and per-worker scratch.
@@ -501,9 +517,8 @@ class Part {
     for (int64_t e = 0; e < E; ++e)
       if (offset_[e + 1] > offset_[e]) active_.push_back(e);
 
-    // ---- 3. plan: chunks of an expert's tokens (equal, at most kGateUpRows, largest first: the dynamic
-    // schedule then ends on small tasks) and channel ranges per chunk (1 when the chunks alone give every worker
-    // several tasks)
+    // ---- 3. plan: chunks of an expert's tokens (equal, at most kGateUpRows) and channel ranges per chunk (1 when
+    // the chunks alone give every worker several tasks)
     for (int64_t e : active_) {
       const int64_t cnt = offset_[e + 1] - offset_[e], pieces = (cnt + kGateUpRows - 1) / kGateUpRows;
       for (int64_t i = 0; i < pieces; ++i) {
@@ -511,13 +526,33 @@ class Part {
         chunks_.push_back({e, offset_[e] + a0, a1 - a0});
       }
     }
-    std::stable_sort(chunks_.begin(), chunks_.end(), [](const Chunk& a, const Chunk& b) { return a.n > b.n; });
     const int64_t I = s.I, nchunks = static_cast<int64_t>(chunks_.size());
     ugroups_ = I / 32;  // kernel calls of 32 gate + 32 up columns = 4 packed 16-column blocks
     const int64_t per_worker = env_count("KT_GATE_UP_TASKS", 3, 64);  // tasks a worker (read on every call)
     splits_ = s.workers == 1 ? 1 : std::min(ugroups_, (per_worker * s.workers + nchunks - 1) / nchunks);
     full_rows_ = splits_ == 1 && !caller_quantizes_h;  // a caller's quantize_h takes all of h at once
     separate_quantize_ = s.int_fmt && !full_rows_ && !caller_quantizes_h;
+    // Down-projection expert groups (step 4), and the stage groups of the pipeline: with no pass quantizing all of
+    // h between gate/up and down, each group's gate/up tasks and down tasks are stages of their own, the down
+    // stage of group g waiting only for group g's gate/up. Workers pull the gate/up tasks of group 0, then of
+    // group 1, ..., then the down tasks of group 0, ...: those run at once (group 0's h is done), so they fill the
+    // tail of the last gate/up tasks, where every down task used to wait for all of them (KT_DOWN_PIPELINE=0: one
+    // gate/up and one down stage, to compare; read on every call). Sums and results are the same either way.
+    groups_ = std::min<int64_t>(env_count("KT_DOWN_GROUPS", kDownGroups, kMaxDownGroups), E);
+    const bool pipeline = env_count("KT_DOWN_PIPELINE", 1, 1, 0) == 1;  // (read first: a bad value is an error always)
+    const bool pipelined = pipeline && !separate_quantize_ && !caller_quantizes_h;
+    stage_groups_ = pipelined ? groups_ : 1;
+    auto stage_group = [&](int64_t e) { return stage_groups_ == 1 ? 0 : e * groups_ / E; };
+    // each stage group's chunks together, largest first within it (the dynamic schedule then ends on small tasks)
+    std::stable_sort(chunks_.begin(), chunks_.end(), [&](const Chunk& a, const Chunk& b) {
+      const int64_t ga = stage_group(a.e), gb = stage_group(b.e);
+      return ga != gb ? ga < gb : a.n > b.n;
+    });
+    chunk_start_.assign(stage_groups_ + 1, nchunks);
+    for (int64_t g = 0, i = 0; g < stage_groups_; ++g) {
+      while (i < nchunks && stage_group(chunks_[i].e) < g) ++i;
+      chunk_start_[g] = i;
+    }
     // h: bf16 [P, I] (bf16 weights); int formats: int8 [P, I] + scale + group sums, through fp32 [P, I] when split
     h_ = ws.take(Workspace::kH, {!s.int_fmt ? P_ * I / 2 : (full_rows_ ? 1 : P_ * I)}, at::kFloat);
     if (s.int_fmt) {
@@ -539,7 +574,6 @@ class Part {
     }
     const int64_t hblocks = s.H / 16, nactive = static_cast<int64_t>(active_.size());
     ranges_ = std::min(hblocks, env_count("KT_DOWN_RANGES", s.workers <= 4 ? 2 * s.workers : s.workers, 4096));
-    groups_ = std::min<int64_t>(env_count("KT_DOWN_GROUPS", kDownGroups, kMaxDownGroups), E);
     group_start_.assign(groups_ + 1, nactive);  // group g: active[group_start[g] .. group_start[g + 1])
     for (int64_t g = 0, i = 0; g < groups_; ++g) {
       while (i < nactive && active_[i] * groups_ < E * g) ++i;
@@ -565,9 +599,14 @@ class Part {
 
   int64_t pairs() const { return P_; }
   int64_t experts() const { return static_cast<int64_t>(active_.size()); }
-  int64_t gate_up_tasks() const { return static_cast<int64_t>(chunks_.size()) * splits_; }
+  // Stage groups (see the plan): 1, or one per down group. Gate/up tasks of stage group g: first_gate_up_task(g)
+  // + [0, gate_up_tasks(g)); down tasks: down_task(g, [0, down_tasks(g))).
+  int64_t stage_groups() const { return stage_groups_; }
+  int64_t gate_up_tasks(int64_t g) const { return (chunk_start_[g + 1] - chunk_start_[g]) * splits_; }
+  int64_t first_gate_up_task(int64_t g) const { return chunk_start_[g] * splits_; }
   int64_t quantize_tasks() const { return separate_quantize_ ? (P_ + 15) / 16 : 0; }
-  int64_t down_tasks() const { return P_ == 0 ? 0 : ranges_ * groups_; }
+  int64_t down_tasks(int64_t g) const { return P_ == 0 ? 0 : stage_groups_ == 1 ? ranges_ * groups_ : ranges_; }
+  int64_t down_task(int64_t g, int64_t task) const { return stage_groups_ == 1 ? task : task * groups_ + g; }
 
   // The task grids, shared by the tasks and by what they read (gate_up_reads, down_reads). Gate/up task `task`:
   // chunk chunks_[task / splits_], channel groups [g0, g1) of 32 gate + 32 up columns (4 packed blocks each).
@@ -751,6 +790,8 @@ class Part {
   std::vector<int64_t> offset_, pair_token_, active_;
   std::vector<float> pair_weight_;
   std::vector<Chunk> chunks_;
+  std::vector<int64_t> chunk_start_ = {0, 0};  // stage group g: chunks_[chunk_start_[g] .. chunk_start_[g + 1])
+  int64_t stage_groups_ = 1;
   int64_t ugroups_ = 0, splits_ = 1;
   bool full_rows_ = false, separate_quantize_ = false;
   at::Tensor h_, hq_, hs_, hg_, acc_;
@@ -886,23 +927,37 @@ void run_call(WeightFormat fmt, const at::Tensor& hidden_in, const at::Tensor& i
   WorkerTimes gu_times(timer.on(), workers), down_times(timer.on(), workers);
   std::vector<Stage> stages;
   stages.push_back({"activations", s.activation_tasks(), [&s](int64_t t, int w) { s.activations(t, w); }, {}, {}});
+  // (the stages of one phase share its name: the profile line has one wall time a phase)
   auto add_part = [&](const Part& part, bool first, const std::function<void()>& done) {
+    const int64_t groups = part.stage_groups();
     const int gu = static_cast<int>(stages.size());
-    stages.push_back({first ? "gate_up" : "gate_up.later", part.gate_up_tasks(),
-                      [&part, &gu_times](int64_t t, int w) { part.gate_up(t, w, gu_times); }, {0}, {},
-                      [&part](int64_t t, WaitPrefetch& pf) { part.gate_up_reads(t, pf); }});
-    std::vector<int> before_down = {gu};
-    if (first && caller_quantizes_h) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t off = part.first_gate_up_task(g);
+      stages.push_back({first ? "gate_up" : "gate_up.later", part.gate_up_tasks(g),
+                        [&part, &gu_times, off](int64_t t, int w) { part.gate_up(off + t, w, gu_times); }, {0}, {},
+                        [&part, off](int64_t t, WaitPrefetch& pf) { part.gate_up_reads(off + t, pf); }});
+    }
+    std::vector<int> before_down;
+    for (int64_t g = 0; g < groups; ++g) before_down.push_back(gu + static_cast<int>(g));
+    if (first && caller_quantizes_h) {  // (one stage group then)
       stages.push_back({"h_quantize", 1, [&part, &quantize_h](int64_t, int) { part.quantize_with(quantize_h); }, {gu}, {}});
-      before_down.push_back(gu + 1);
+      before_down = {gu + 1};
     } else if (part.quantize_tasks() > 0) {
       stages.push_back({first ? "h_quantize" : "h_quantize.later", part.quantize_tasks(),
                         [&part](int64_t t, int) { part.quantize(t); }, {gu}, {}});
-      before_down.push_back(gu + 1);
+      before_down = {gu + 1};
     }
-    stages.push_back({first ? "down" : "down.later", part.down_tasks(),
-                      [&part, &down_times](int64_t t, int w) { part.down(t, w, down_times); }, before_down, done,
-                      [&part](int64_t t, WaitPrefetch& pf) { part.down_reads(t, pf); }});
+    // `done` once, by whichever down stage finishes last
+    auto left = std::make_shared<std::atomic<int64_t>>(groups);
+    std::function<void()> down_done;
+    if (done) down_done = [left, done] {
+      if (left->fetch_sub(1, std::memory_order_acq_rel) == 1) done();
+    };
+    for (int64_t g = 0; g < groups; ++g)
+      stages.push_back({first ? "down" : "down.later", part.down_tasks(g),
+                        [&part, &down_times, g](int64_t t, int w) { part.down(part.down_task(g, t), w, down_times); },
+                        groups == 1 ? before_down : std::vector<int>{gu + static_cast<int>(g)}, down_done,
+                        [&part, g](int64_t t, WaitPrefetch& pf) { part.down_reads(part.down_task(g, t), pf); }});
   };
   add_part(now, true, on_now);
   if (later) add_part(*later, false, {});
