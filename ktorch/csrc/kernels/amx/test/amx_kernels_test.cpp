@@ -846,6 +846,15 @@ long long steal_ticks() {
   return n == 9 ? v[7] : -1;
 }
 
+// The calling thread onto CPU `cpu`, with the tile configuration loaded.
+void pin_with_tiles(int cpu, const PeakConfig& cfg) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(cpu, &set);
+  pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+  _tile_loadconfig(&cfg);
+}
+
 template <bool kBf16>
 void bench_peak_threads(int n) {
   static const PeakConfig cfg;
@@ -854,11 +863,7 @@ void bench_peak_threads(int n) {
   std::atomic<int> ready{0};
   for (int t = 0; t < n; ++t)
     threads.emplace_back([&, t] {
-      cpu_set_t set;
-      CPU_ZERO(&set);
-      CPU_SET(t, &set);
-      pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
-      _tile_loadconfig(&cfg);
+      pin_with_tiles(t, cfg);
       auto* buf = static_cast<uint8_t*>(std::aligned_alloc(64, 16 << 10));
       for (int i = 0; i < (16 << 10); ++i) buf[i] = static_cast<uint8_t>(i * 37 + 11);
       for (int i = 1; i < (16 << 10); i += 2) buf[i] = kBf16 ? 0x3c : buf[i];  // as bf16: normal numbers
@@ -991,11 +996,7 @@ void bench_stretch() {
     std::vector<std::thread> threads;
     for (int t = 0; t < n; ++t)
       threads.emplace_back([&, t] {
-        cpu_set_t set;
-        CPU_ZERO(&set);
-        CPU_SET(t, &set);
-        pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
-        _tile_loadconfig(&cfg);
+        pin_with_tiles(t, cfg);
         auto* l1 = static_cast<uint8_t*>(std::aligned_alloc(64, 32 << 10));
         for (int i = 0; i < (32 << 10); ++i) l1[i] = static_cast<uint8_t>(i * 37 + 11);
         uint8_t* mine = pool + t * slice;
