@@ -28,12 +28,17 @@ print("slices", 1 if split is None or split == "unsplittable" else split.num_sli
 
 def parse(line: str) -> dict[str, float]:
     words = line.split(":", 1)[1].split()
-    return {name: float(value) for name, value in zip(words[0::2], words[1::2])}
+    names = words[0::2]
+    assert len(names) == len(set(names)), f"a phase named twice: {line}"
+    return {name: float(value) for name, value in zip(names, words[1::2])}
 
 
+@pytest.mark.parametrize("one_dispatch", ["1", "0"])
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
-def test_profile_line_breaks_the_parallel_phases_down_per_worker(fmt, seed):
-    env = {**os.environ, "KT_PROFILE": "1"}
+def test_profile_line_breaks_the_parallel_phases_down_per_worker(fmt, one_dispatch, seed):
+    """One entry a phase, whether the stages run in one pool dispatch or one each (KT_ONE_DISPATCH=0), and none for
+    a phase without tasks: bf16 weights read a bf16 input's rows in place, with no activations stage."""
+    env = {**os.environ, "KT_PROFILE": "1", "KT_ONE_DISPATCH": one_dispatch}
     proc = subprocess.run([sys.executable, "-c", _SCRIPT.replace("{fmt}", fmt), str(seed)], env=env,
                           capture_output=True, text=True, timeout=300, check=True)
     lines = [line for line in proc.stderr.splitlines() if line.startswith("kt.fused_moe ")]
@@ -50,3 +55,4 @@ def test_profile_line_breaks_the_parallel_phases_down_per_worker(fmt, seed):
             window = p[phase] if phase == "gate_up" else p["gate_up"] + p["down"]
             assert sum(parts) <= p[f"{phase}.busiest"] + 1e-3 <= window + 0.05, p
         assert p["total"] >= p["gate_up"] + p["down"], p
+        assert ("activations" in p) == (fmt != "bf16"), p

@@ -361,13 +361,20 @@ struct Stage {
 // calling thread.
 void run_stages(std::vector<Stage>& stages, bool one_dispatch, PhaseTimer& timer) {
   const int ns = static_cast<int>(stages.size());
+  // Stages of one phase are named alike and listed together: the profile line has one entry a phase, at the end
+  // of its last stage, unless none of its stages had tasks.
+  auto phase_ends = [&](int i) { return i + 1 == ns || std::strcmp(stages[i + 1].name, stages[i].name) != 0; };
   if (!one_dispatch) {
+    bool any = false;
     for (int i = 0; i < ns; ++i) {
       Stage& s = stages[i];
       runtime::parallel_tasks(s.n, s.run);
       if (s.done) s.done();
-      // (stages of one phase, named alike and listed together, are one entry of the profile line)
-      if (i + 1 == ns || std::strcmp(stages[i + 1].name, s.name) != 0) timer.mark(s.name);
+      any = any || s.n > 0;
+      if (phase_ends(i)) {
+        if (any) timer.mark(s.name);
+        any = false;
+      }
     }
     return;
   }
@@ -422,19 +429,15 @@ void run_stages(std::vector<Stage>& stages, bool one_dispatch, PhaseTimer& timer
     }
     if (finish() && st.done && !failed.load(std::memory_order_acquire)) st.done();
   });
-  // one entry a phase (stages named alike), at the end of its last stage, in the order phases first appear
   if (!timer.on()) return;
-  std::vector<char> marked(ns, 0);
+  bool any = false;
+  PhaseTimer::Clock::time_point at{};
   for (int i = 0; i < ns; ++i) {
-    if (marked[i]) continue;
-    bool any = false;
-    PhaseTimer::Clock::time_point at{};
-    for (int j = i; j < ns; ++j) {
-      if (std::strcmp(stages[j].name, stages[i].name) != 0) continue;
-      marked[j] = 1;
-      if (stages[j].n > 0) at = any ? std::max(at, end[j]) : end[j], any = true;
+    if (stages[i].n > 0) at = any ? std::max(at, end[i]) : end[i], any = true;
+    if (phase_ends(i)) {
+      if (any) timer.mark_at(stages[i].name, at);
+      any = false;
     }
-    if (any) timer.mark_at(stages[i].name, at);
   }
 }
 
@@ -600,12 +603,12 @@ class Part {
   int64_t pairs() const { return P_; }
   int64_t experts() const { return static_cast<int64_t>(active_.size()); }
   // Stage groups (see the plan): 1, or one per down group. Gate/up tasks of stage group g: first_gate_up_task(g)
-  // + [0, gate_up_tasks(g)); down tasks: down_task(g, [0, down_tasks(g))).
+  // + [0, gate_up_tasks(g)); down tasks: down_task(g, [0, down_tasks())), as many in every stage group.
   int64_t stage_groups() const { return stage_groups_; }
   int64_t gate_up_tasks(int64_t g) const { return (chunk_start_[g + 1] - chunk_start_[g]) * splits_; }
   int64_t first_gate_up_task(int64_t g) const { return chunk_start_[g] * splits_; }
   int64_t quantize_tasks() const { return separate_quantize_ ? (P_ + 15) / 16 : 0; }
-  int64_t down_tasks(int64_t g) const { return P_ == 0 ? 0 : stage_groups_ == 1 ? ranges_ * groups_ : ranges_; }
+  int64_t down_tasks() const { return P_ == 0 ? 0 : stage_groups_ == 1 ? ranges_ * groups_ : ranges_; }
   int64_t down_task(int64_t g, int64_t task) const { return stage_groups_ == 1 ? task : task * groups_ + g; }
 
   // The task grids, shared by the tasks and by what they read (gate_up_reads, down_reads). Gate/up task `task`:
@@ -954,7 +957,7 @@ void run_call(WeightFormat fmt, const at::Tensor& hidden_in, const at::Tensor& i
       if (left->fetch_sub(1, std::memory_order_acq_rel) == 1) done();
     };
     for (int64_t g = 0; g < groups; ++g)
-      stages.push_back({first ? "down" : "down.later", part.down_tasks(g),
+      stages.push_back({first ? "down" : "down.later", part.down_tasks(),
                         [&part, &down_times, g](int64_t t, int w) { part.down(part.down_task(g, t), w, down_times); },
                         groups == 1 ? before_down : std::vector<int>{gu + static_cast<int>(g)}, down_done,
                         [&part, g](int64_t t, WaitPrefetch& pf) { part.down_reads(part.down_task(g, t), pf); }});
