@@ -12,7 +12,8 @@
 // memory (GB/s of weights a core pulls under each walk's prefetching; KT_BENCH_WALKS picks the walk variants,
 // with their prefetch knobs); --bench-peak one core's tile ceilings
 // (dot products alone, then with tile loads from L1, L2 and L3) and its clock; --bench-stretch the bare tile
-// loop, tiles + VNNI, and the walk on hot and cold weights taking turns within each ~200 ms (1 and 16 threads).
+// loop, tiles + VNNI, and the walk on hot and cold weights taking turns within each ~200 ms (1 and 16 threads);
+// --bench-siblings which vCPUs share a tile unit (every pair of CPUs at once).
 //
 // Build and run with run.sh beside this file:
 //   bash ktorch/csrc/kernels/amx/test/run.sh emulated     # any AVX-512 BF16/VNNI machine, under ASan
@@ -961,6 +962,27 @@ std::pair<double, double> mixed_run(const uint8_t* buf, int vnni, double seconds
   return {4.0 * 16 * 16 * 64 * 2 * steps / sec, v * 16 * 4 * 2 * steps / sec};
 }
 
+// Only the VNNI products of mixed_run (no tiles): {0, vnni ops}.
+std::pair<double, double> mixed_run_vnni_only(double seconds) {
+  __m512i acc[8];
+  for (int i = 0; i < 8; ++i) acc[i] = _mm512_set1_epi32(i);
+  const __m512i va = _mm512_set1_epi32(0x01020304), vb = _mm512_set1_epi32(0x05060708);
+  int64_t iters = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  double sec = 0;
+  while (sec < seconds) {
+    for (int it = 0; it < 4096; ++it)
+      for (int k = 0; k < 8; ++k) acc[k] = _mm512_dpbusd_epi32(acc[k], va, vb);
+    iters += 4096;
+    sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  alignas(64) static thread_local int32_t sink[16];
+  __m512i all = acc[0];
+  for (int i = 1; i < 8; ++i) all = _mm512_add_epi32(all, acc[i]);
+  _mm512_store_si512(sink, all);
+  return {0.0, 8.0 * 16 * 4 * 2 * iters / sec};
+}
+
 void bench_stretch() {
   static const PeakConfig cfg;
   setenv("KT_AMX_MIN_ROWS", "0", 1);
@@ -1075,6 +1097,77 @@ void bench_stretch() {
   std::free(pool);
 }
 
+// --bench-siblings: which vCPUs share a tile unit. The guest shows 16 cores and no siblings, but with 8 or 16
+// threads at once each got ~1.5 TOPS against ~4.1 for one thread alone (session 18). For every pair (i, j) of
+// CPUs, two pinned threads run the bare L1 tile loop at the same moment for ~30 ms, R times (KT_BENCH_ROUNDS,
+// default 4); the pair's best total is printed as a multiple of the best one-thread rate measured alongside (on
+// CPU i alone, in the same rounds). Two CPUs of one core share one unit: ~1.0; of two cores: ~2.0 (the host's
+// slow stretches only lower a round, hence the best of R). Then the same for one tile thread beside one AVX-512
+// thread (VNNI products only): does a sibling's vector work slow the tiles?
+void bench_siblings() {
+  static const PeakConfig cfg;
+  const int n = static_cast<int>(std::thread::hardware_concurrency());
+  const int rounds = std::max(1, env_int("KT_BENCH_ROUNDS", 4));
+  auto run_pair = [&](int i, int j, int j_vnni) {  // {i's TOPS, j's TOPS}, at the same moment
+    double r[2] = {0, 0};
+    std::atomic<int> ready{0};
+    auto body = [&](int slot, int cpu, bool vnni_only) {
+      pin_with_tiles(cpu, cfg);
+      alignas(64) static thread_local uint8_t l1[32 << 10];
+      for (int k = 0; k < (32 << 10); ++k) l1[k] = static_cast<uint8_t>(k * 37 + 11);
+      mixed_run(l1, 0, 0.005);  // warm up
+      ready.fetch_add(1);
+      while (ready.load() < 2) {}
+      const auto m = vnni_only ? mixed_run_vnni_only(0.03) : mixed_run(l1, 0, 0.03);
+      r[slot] = (vnni_only ? m.second : m.first) / 1e12;
+      _tile_release();
+    };
+    std::thread a(body, 0, i, false), b(body, 1, j, j_vnni != 0);
+    a.join();
+    b.join();
+    return std::make_pair(r[0], r[1]);
+  };
+  auto run_one = [&](int i) {
+    double r = 0;
+    std::thread a([&] {
+      pin_with_tiles(i, cfg);
+      alignas(64) static thread_local uint8_t l1[32 << 10];
+      for (int k = 0; k < (32 << 10); ++k) l1[k] = static_cast<uint8_t>(k * 37 + 11);
+      mixed_run(l1, 0, 0.005);
+      r = mixed_run(l1, 0, 0.03).first / 1e12;
+      _tile_release();
+    });
+    a.join();
+    return r;
+  };
+  for (int mode = 0; mode < 2; ++mode) {
+    std::printf(mode == 0 ? "siblings: pair's best total tile rate / best one-thread rate (%d CPUs, %d rounds)\n"
+                          : "tiles on CPU i beside VNNI on CPU j: i's best rate / its best alone (%d CPUs, %d rounds)\n",
+                n, rounds);
+    std::printf("  i\\j");
+    for (int j = 0; j < n; ++j) std::printf(" %4d", j);
+    std::printf("   alone (TOPS)\n");
+    for (int i = 0; i < n; ++i) {
+      std::vector<double> best(n, 0);
+      double alone = 0;
+      for (int r = 0; r < rounds; ++r) {
+        alone = std::max(alone, run_one(i));
+        for (int j = 0; j < n; ++j) {
+          if (j == i) continue;
+          const auto p = run_pair(i, j, mode);
+          best[j] = std::max(best[j], mode == 0 ? p.first + p.second : p.first);
+        }
+      }
+      std::printf("  %3d ", i);
+      for (int j = 0; j < n; ++j)
+        if (j == i) std::printf("    -");
+        else std::printf(" %4.2f", alone > 0 ? best[j] / alone : 0.0);
+      std::printf("   %5.2f\n", alone);
+      std::fflush(stdout);
+    }
+  }
+}
+
 void bench_peak() {
   static const PeakConfig cfg;
   _tile_loadconfig(&cfg);
@@ -1121,7 +1214,8 @@ int main(int argc, char** argv) {
   }
   struct Bench { const char* flag; void (*run)(); };
   static const Bench benches[] = {{"--bench", bench}, {"--bench-cold", bench_cold}, {"--bench-peak", bench_peak},
-                                  {"--bench-replica", bench_replica}, {"--bench-peak-threads", bench_peak_all}, {"--bench-stretch", bench_stretch}};
+                                  {"--bench-replica", bench_replica}, {"--bench-peak-threads", bench_peak_all}, {"--bench-stretch", bench_stretch},
+                                  {"--bench-siblings", bench_siblings}};
   for (const Bench& b : benches)
     if (argc > 1 && std::string(argv[1]) == b.flag) {
       b.run();
