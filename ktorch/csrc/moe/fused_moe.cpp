@@ -60,7 +60,6 @@ constexpr int64_t kGateUpRows = 256;  // rows per gate/up task (bounded per-work
 // expert; with 128 half the experts made a second call of ~10 rows that read the weights again)
 constexpr int64_t kDownRows = 256;
 constexpr int64_t kDownCols = 16 * kernels::kMaxBlocks;  // columns per down kernel call
-constexpr int64_t kAccPad = 16;  // floats past H in an accumulator row (Part::acc_ld_; KT_ACC_PAD)
 constexpr int64_t kDownGroups = 2;    // down-projection expert groups (see step 4)
 constexpr int64_t kMaxDownGroups = 16;  // KT_DOWN_GROUPS' largest
 
@@ -584,13 +583,7 @@ class Part {
       group_start_[g] = i;
     }
     acc_is_out_ = groups_ == 1 && s.hdtype == at::kFloat;
-    // Accumulator rows one 64-byte line longer than H: rows of H = 2048 floats (8 KB apart) all start in the
-    // same 16 of the L2's 2048 sets, so a down task's accumulator slice (T rows x its columns, ~1 MB at
-    // T = 2048) had 1/8 of the L2 to live in and every revisit of a token's row missed it.
-    // (KT_ACC_PAD: floats of padding, read on every call, to compare; 0: rows H apart)
-    acc_ld_ = s.H + env_count("KT_ACC_PAD", kAccPad, 1024, 0);
-    if (acc_is_out_) acc_ld_ = s.H;
-    acc_ = acc_is_out_ ? out_ : ws.take(Workspace::kAcc, {groups_, T, acc_ld_}, at::kFloat);
+    acc_ = acc_is_out_ ? out_ : ws.take(Workspace::kAcc, {groups_, T, s.H}, at::kFloat);
     // The first pair of each token in each group writes its accumulator row instead of adding to it (the
     // accumulators are never zeroed: at T=2048 that was 32 MB of stores a call); seen[g][t]: group g has a pair
     // of token t (rows of the others are stale and left out of the final sum).
@@ -734,12 +727,11 @@ class Part {
     const int64_t r = task / groups_, g = task % groups_;
     const auto [b0, b1] = down_blocks(r);
     const int64_t c0 = 16 * b0, c1 = 16 * b1;
-    const int64_t ld = acc_ld_;
     float* accp = acc_.data_ptr<float>();
-    float* accg = accp + g * T * ld;
+    float* accg = accp + g * T * H;
     if (acc_is_out_)  // the output itself: rows no pair writes are zeros
       for (int64_t t = 0; t < T; ++t)
-        if (seen_[t] == 0) std::fill(accg + t * ld + c0, accg + t * ld + c1, 0.0f);
+        if (seen_[t] == 0) std::fill(accg + t * H + c0, accg + t * H + c1, 0.0f);
     float* c = s.wc.data_ptr<float>() + worker * s.wc.size(1);
     const size_t down_block = kernels::block_bytes(s.fmt, s.down.K);
     times.lap(worker, WorkerTimes::kOther, t_mark);
@@ -773,7 +765,7 @@ class Part {
           s.ks.gemm[static_cast<int>(s.fmt)](a);
           times.lap(worker, WorkerTimes::kKernel, t_mark);
           s.ks.scatter_add(c, kDownCols, M, 16 * a.nblocks, pair_weight_.data() + p0, pair_token_.data() + p0,
-                           pair_first_.data() + p0, accg + 16 * cb, ld);
+                           pair_first_.data() + p0, accg + 16 * cb, H);
           times.lap(worker, WorkerTimes::kEpilogue, t_mark);
         }
       }
@@ -785,7 +777,7 @@ class Part {
     for (int64_t t = 0; t < T; ++t) {
       int n = 0;  // the groups that have the token, in group order (none: a zero row)
       for (int64_t gg = 0; gg < groups_; ++gg)
-        if (seen_[gg * T + t] != 0) src[n++] = accp + (gg * T + t) * ld + c0;
+        if (seen_[gg * T + t] != 0) src[n++] = accp + (gg * T + t) * H + c0;
       store_row_sum(s.ks, src, n, c1 - c0, s.hdtype, out + t * H * out_.element_size());
     }
     times.lap(worker, WorkerTimes::kOther, t_mark);
@@ -810,7 +802,6 @@ class Part {
   int64_t ranges_ = 1, groups_ = 1;
   std::vector<int64_t> group_start_;
   bool acc_is_out_ = false;
-  int64_t acc_ld_ = 0;  // floats from one accumulator row to the next
   std::vector<uint8_t> pair_first_, seen_;
   std::unique_ptr<std::atomic<int>[]> range_done_;
 };
