@@ -240,6 +240,19 @@ def test_bad_task_grid_or_prefetch_knob(name, value, monkeypatch):
         call()
 
 
+@pytest.mark.parametrize("level", ["avx512", "amx"])
+@pytest.mark.parametrize("value", ["-1", "65", "4x"])
+def test_bad_scatter_prefetch_distance(level, value, monkeypatch):
+    """KT_SCATTER_PF (rows the AVX-512 scatter prefetches ahead; the AMX set uses the same scatter) is read on
+    every call of those kernel sets: a bad value is an error, not a silent default."""
+    if (reason := kernel_skip_reason(level)) is not None:
+        pytest.skip(reason)
+    monkeypatch.setenv("KT_CPU_KERNEL", level)
+    monkeypatch.setenv("KT_SCATTER_PF", value)
+    with raises(re.escape(f"KT_SCATTER_PF must be a count from 0 to 64; got '{value}'")):
+        call()
+
+
 @pytest.mark.parametrize("value", ["-1", "1m", "1048577"])
 def test_bad_wait_prefetch_size(value, monkeypatch):
     monkeypatch.setenv("KT_WAIT_PREFETCH_KB", value)

@@ -688,6 +688,7 @@ const KernelSet& amx_kernels() {
   read_min_rows();
   read_walk();
   read_prefetch_knobs();
+  avx512_kernels();  // (its knobs: the AVX-512 entries above read them there)
   return set;
 }
 

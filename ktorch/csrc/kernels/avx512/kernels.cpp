@@ -11,8 +11,13 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "../kernels.h"
@@ -415,11 +420,39 @@ void quantize_rows(const float* x, int64_t ldx, int M, int64_t K, int64_t group_
 }
 
 // 16 lanes a step, a masked tail; one fused multiply-add per element (the portable set rounds twice).
+// KT_SCATTER_PF=n (read on every avx512_kernels() / amx_kernels() call, to compare): scatter_add asks for the
+// destination row n rows ahead in exclusive state (PREFETCHW, every AVX-512 CPU has it) before it writes row m;
+// 0: none. The down projection's accumulator rows are scattered over ~1 MB a task and come from the L3, and a
+// store to a missing line holds the store buffer until its line arrives.
+constexpr int kDefaultScatterPf = 4;
+std::atomic<int> g_scatter_pf{kDefaultScatterPf};
+
+void read_scatter_pf() {
+  const char* env = std::getenv("KT_SCATTER_PF");
+  int v = kDefaultScatterPf;
+  if (env != nullptr && *env != '\0') {
+    char* end = nullptr;
+    errno = 0;
+    const long r = std::strtol(env, &end, 10);
+    if (end == env || *end != '\0' || errno != 0 || r < 0 || r > 64)
+      throw std::invalid_argument(std::string("KT_SCATTER_PF must be a count from 0 to 64; got '") + env + "'");
+    v = static_cast<int>(r);
+  }
+  g_scatter_pf.store(v, std::memory_order_relaxed);
+}
+
+inline void prefetch_w(const void* p) { asm volatile("prefetchw %0" : : "m"(*static_cast<const char*>(p))); }
+
 void scatter_add(const float* src, int64_t lds, int M, int64_t n, const float* w, const int64_t* rows,
                  const uint8_t* assign, float* dst, int64_t ldd) {
   const __mmask16 tail = static_cast<__mmask16>((1u << (n % 16)) - 1);
   const int64_t full = n / 16 * 16;
+  const int ahead = g_scatter_pf.load(std::memory_order_relaxed);
+  for (int m = 0; m < std::min(ahead, M); ++m)
+    for (int64_t j = 0; j < n; j += 16) prefetch_w(dst + rows[m] * ldd + j);
   for (int m = 0; m < M; ++m) {
+    if (ahead > 0 && m + ahead < M)
+      for (int64_t j = 0; j < n; j += 16) prefetch_w(dst + rows[m + ahead] * ldd + j);
     float* d = dst + rows[m] * ldd;
     const float* s = src + m * lds;
     const __m512 wm = _mm512_set1_ps(w[m]);
@@ -461,6 +494,7 @@ void sum_rows(const float* const* src, int n_src, int64_t n, bool bf16_out, void
 const KernelSet& avx512_kernels() {
   static const KernelSet set{"avx512", {gemm_bf16, gemm_int8, gemm_int4}, glu_f32, glu_bf16, quantize_rows,
                              scatter_add, sum_rows};
+  read_scatter_pf();
   return set;
 }
 
