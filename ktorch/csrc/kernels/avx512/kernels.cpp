@@ -419,7 +419,6 @@ void quantize_rows(const float* x, int64_t ldx, int M, int64_t K, int64_t group_
   }
 }
 
-// 16 lanes a step, a masked tail; one fused multiply-add per element (the portable set rounds twice).
 // KT_SCATTER_PF=n (read on every avx512_kernels() / amx_kernels() call, to compare): scatter_add asks for the
 // destination row n rows ahead in exclusive state (PREFETCHW, every AVX-512 CPU has it) before it writes row m;
 // 0: none. The down projection's accumulator rows are scattered over ~1 MB a task and come from the L3, and a
@@ -443,6 +442,7 @@ void read_scatter_pf() {
 
 inline void prefetch_w(const void* p) { asm volatile("prefetchw %0" : : "m"(*static_cast<const char*>(p))); }
 
+// 16 lanes a step, a masked tail; one fused multiply-add per element (the portable set rounds twice).
 void scatter_add(const float* src, int64_t lds, int M, int64_t n, const float* w, const int64_t* rows,
                  const uint8_t* assign, float* dst, int64_t ldd) {
   const __mmask16 tail = static_cast<__mmask16>((1u << (n % 16)) - 1);
