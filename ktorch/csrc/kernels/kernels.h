@@ -83,18 +83,6 @@ using QuantizeRowsFn = void (*)(const float* x, int64_t ldx, int M, int64_t K, i
 using ScatterAddFn = void (*)(const float* src, int64_t lds, int M, int64_t n, const float* w, const int64_t* rows,
                               const uint8_t* assign, float* dst, int64_t ldd);
 
-// The down projection's kernel call and its weighted scatter in one (GemmFn, then ScatterAddFn on its C, with
-// src = C and n = 16 * nblocks; a.c and a.ldc are not used): the results equal that pair's bit for bit. A kernel
-// set may leave it out (nullptr) for a format; the driver then calls the two.
-struct ScatterArgs {
-  const float* w = nullptr;
-  const int64_t* rows = nullptr;
-  const uint8_t* assign = nullptr;
-  float* dst = nullptr;
-  int64_t ldd = 0;
-};
-using GemmScatterFn = void (*)(const GemmArgs&, const ScatterArgs&);
-
 // The down projection's last step: dst[j] = src[0][j] + src[1][j] + ... + src[n_src - 1][j] for j < n, added in
 // that order in fp32 (n_src == 0: zeros), stored as fp32 (bf16_out false: dst is float*) or as bf16 rounded to
 // nearest even, a NaN truncated with its quiet bit set (dst is uint16_t*), for every input (denormals too).
@@ -108,7 +96,6 @@ struct KernelSet {
   QuantizeRowsFn quantize_rows;
   ScatterAddFn scatter_add;
   SumRowsFn sum_rows;
-  GemmScatterFn gemm_scatter[kNumFormats];  // entries may be nullptr
 };
 
 // Defined in the ISA folders; each returns nullptr-free tables. The amx table may fall back to avx512

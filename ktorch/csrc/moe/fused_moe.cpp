@@ -463,7 +463,6 @@ struct Shared {
   int32_t* row_gsum = nullptr;
   uint8_t* rows_out = nullptr;  // where the activations stage writes them (nullptr: read in place)
   int prefetch_ahead = 0;       // GemmArgs::prefetch_ahead (KT_PREFETCH_AHEAD)
-  bool fused_scatter = true;    // down: the kernel set's gemm_scatter where it has one (KT_FUSED_SCATTER)
   at::Tensor wf32, wa, wsc, wgs, wc;
 
   // the activations stage: 16 tokens a task
@@ -735,7 +734,6 @@ class Part {
         if (seen_[t] == 0) std::fill(accg + t * H + c0, accg + t * H + c1, 0.0f);
     float* c = s.wc.data_ptr<float>() + worker * s.wc.size(1);
     const size_t down_block = kernels::block_bytes(s.fmt, s.down.K);
-    const kernels::GemmScatterFn fused = s.fused_scatter ? s.ks.gemm_scatter[static_cast<int>(s.fmt)] : nullptr;
     times.lap(worker, WorkerTimes::kOther, t_mark);
     for (int64_t i = group_start_[g]; i < group_start_[g + 1]; ++i) {
       const int64_t e = active_[i];
@@ -762,17 +760,6 @@ class Part {
             a.next_b = a.b + kernels::kMaxBlocks * down_block;
           else if (p0 + kDownRows >= offset_[e + 1] && i + 1 < group_start_[g + 1])
             a.next_b = down_block_at(active_[i + 1], b0);
-          if (fused != nullptr) {  // the kernel scatters its own C (no down.scatter time: it is in down.kernel)
-            kernels::ScatterArgs sa;
-            sa.w = pair_weight_.data() + p0;
-            sa.rows = pair_token_.data() + p0;
-            sa.assign = pair_first_.data() + p0;
-            sa.dst = accg + 16 * cb;
-            sa.ldd = H;
-            fused(a, sa);
-            times.lap(worker, WorkerTimes::kKernel, t_mark);
-            continue;
-          }
           a.c = c;
           a.ldc = kDownCols;
           s.ks.gemm[static_cast<int>(s.fmt)](a);
@@ -907,7 +894,6 @@ void run_call(WeightFormat fmt, const at::Tensor& hidden_in, const at::Tensor& i
   // 16 by default: a Qwen3 decode layer on the device (T = 1, 13 threads, interleaved A/B) ran 6% (int8) and 8%
   // (int4 g32) faster with 8-32 than with the hardware prefetchers alone (0), 64 less so.
   s.prefetch_ahead = static_cast<int>(env_count("KT_PREFETCH_AHEAD", 16, 256, 0));
-  s.fused_scatter = env_count("KT_FUSED_SCATTER", 1, 1, 0) == 1;
   // ---- 1. route (each part)
   const at::Tensor wts = topk_weights_in.to(at::kFloat).contiguous();
   Part now(s, ids_now, wts.data_ptr<float>(), out_now, ws, caller_quantizes_h);

@@ -20,9 +20,6 @@
 // L2 on the others; while the last row pair runs, the next column pair is prefetched into L2. KT_AMX_WALK
 // selects variants of this walk for large M (walks of 256 rows, the next call's weights prefetched, k cut
 // into chunks that stay in L1, A tiles prefetched into L1); see "tile walk selection" and docs/amx.md.
-// gemm_scatter (bf16/int8; the down projection): no C is stored; each finished block's tiles wait in a buffer and
-// are scaled and scattered into the destination rows (scatter_add's operations) a few rows at a time between the
-// next block's tile products, so the AVX-512 work overlaps the tile unit's; the walk ends with the last block's.
 // Activation rows: a 16-row group whose rows are evenly strided (e.g. the driver's down-projection input)
 // is tile-loaded in place; otherwise its rows are copied into a thread-local buffer first.
 //
@@ -439,59 +436,9 @@ inline void prefetch_step(const GemmArgs& a, const Block& blk, int64_t s, const 
   if (blk.next != nullptr) prefetch_next(a, blk, s);
 }
 
-// ---------------------------------------------------------------- the fused scatter (gemm_scatter)
-// A finished block's C tiles wait in cbuf while the next block's k steps run; each step scatters a few of its rows
-// (AVX-512 work the core issues between tile products, which do not wait for it), the next block finishes them
-// before it stores its own tiles there, and the walk's end the last block's. Each row is what dense_block's
-// epilogue writes to C, then what scatter_add does with it (the same operations: bit for bit the unfused pair).
-struct Pending {
-  const GemmArgs* a = nullptr;
-  const ScatterArgs* s = nullptr;
-  const uint8_t* cbuf = nullptr;
-  bool int8 = false;
-  int g0 = 0, b0 = 0, nb = 0;  // the block's first row group, first 16-column block, blocks (1 or 2)
-  int row = 0, rows = 0;       // the next row to scatter, the block's rows
-
-  bool active() const { return row < rows; }
-
-  // A block's tiles were just stored in cbuf: its rows' destinations are fetched (exclusive) meanwhile.
-  void start(int g, int b, int blocks, int n) {
-    g0 = g, b0 = b, nb = blocks, row = 0, rows = n;
-    for (int r = 0; r < rows; ++r) {
-      const float* d = s->dst + s->rows[16 * g0 + r] * s->ldd + 16 * b0;
-      for (int j = 0; j < nb; ++j) asm volatile("prefetchw %0" : : "m"(*reinterpret_cast<const char*>(d + 16 * j)));
-    }
-  }
-
-  // Scatters rows [row, end) (at most to the block's last).
-  void rows_upto(int end) {
-    for (end = std::min(end, rows); row < end; ++row) {
-      const int m = 16 * g0 + row;
-      const __m512 wm = _mm512_set1_ps(s->w[m]);
-      float* d = s->dst + s->rows[m] * s->ldd + 16 * b0;
-      const bool first = s->assign != nullptr && s->assign[m] != 0;
-      for (int j = 0; j < nb; ++j) {
-        const uint8_t* src = cbuf + row * 128 + j * 64;
-        __m512 v;
-        if (int8) {
-          const __m512 ws = _mm512_loadu_ps(a->b_scale + (b0 + j) * a->b_scale_block_stride);
-          v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(src)), ws), _mm512_set1_ps(a->a_scale[m]));
-        } else {
-          v = _mm512_load_ps(reinterpret_cast<const float*>(src));
-        }
-        if (first) _mm512_storeu_ps(d + 16 * j, _mm512_mul_ps(wm, v));
-        else _mm512_storeu_ps(d + 16 * j, _mm512_fmadd_ps(wm, v, _mm512_loadu_ps(d + 16 * j)));
-      }
-    }
-  }
-};
-
 // ---------------------------------------------------------------- bf16 and int8
-// pend (gemm_scatter; nullptr otherwise): the previous block's rows are scattered during this block's k steps,
-// and this block's C waits in cbuf for the next one instead of going to C.
 template <WeightFormat F, int RA, int RB>
-void dense_block(const GemmArgs& a, const ARows& ar, const Block& blk, const uint8_t* tail_b, uint8_t* cbuf,
-                 Pending* pend) {
+void dense_block(const GemmArgs& a, const ARows& ar, const Block& blk, const uint8_t* tail_b, uint8_t* cbuf) {
   constexpr bool kBf16 = F == WeightFormat::BF16;
   const int64_t steps = kBf16 ? a.K / 32 : a.K / 64;  // full 1 KB B tiles; A advances 64 bytes a step
   const uint8_t* b0 = a.b + blk.b0 * a.b_block_stride;
@@ -502,12 +449,9 @@ void dense_block(const GemmArgs& a, const ARows& ar, const Block& blk, const uin
   const int64_t sa1 = RA > 1 ? ar.stride[blk.g0 + 1] : sa0;
   if (blk.resume) load_c<RA, RB>(blk.cacc);
   else zero_c<RA, RB>();
-  const int64_t n_steps = std::max<int64_t>(1, blk.s1 - blk.s0);
-  const int per_step = pend != nullptr ? static_cast<int>((pend->rows - pend->row + n_steps - 1) / n_steps) : 0;
   for (int64_t s = blk.s0; s < blk.s1; ++s) {
     prefetch_step<RA, RB>(a, blk, s, b0, b1, kTileBytes, a0, sa0, a1, sa1, 64);
     tile_step<kBf16, RA, RB>(a0 + s * 64, sa0, a1 + s * 64, sa1, b0 + s * kTileBytes, b1 + s * kTileBytes);
-    if (per_step > 0) pend->rows_upto(pend->row + per_step);
   }
   if (!blk.finish) {
     store_c<RA, RB>(blk.cacc);
@@ -515,12 +459,6 @@ void dense_block(const GemmArgs& a, const ARows& ar, const Block& blk, const uin
   }
   if (!kBf16 && a.K % 64 != 0)  // int8: a last 32-deep step on zero-padded B tiles (A bytes past K meet zeros)
     tile_step<false, RA, RB>(a0 + steps * 64, sa0, a1 + steps * 64, sa1, tail_b, tail_b + kTileBytes);
-  if (pend != nullptr) {
-    pend->rows_upto(pend->rows);  // (cbuf is free again)
-    store_c<RA, RB>(cbuf);
-    pend->start(blk.g0, blk.b0, RB, std::min(16 * RA, a.M - 16 * blk.g0));
-    return;
-  }
   store_c<RA, RB>(cbuf);
 
   for (int r = 0; r < 16 * RA; ++r) {
@@ -611,12 +549,12 @@ struct Buffers {
 };
 
 template <WeightFormat F, int RA, int RB>
-void run_block(const GemmArgs& a, const ARows& ar, const Block& blk, const Buffers& buf, Pending* pend) {
+void run_block(const GemmArgs& a, const ARows& ar, const Block& blk, const Buffers& buf) {
   if constexpr (F == WeightFormat::INT4) {
     if (a.group_size == 32) int4_block<RA, RB, 32>(a, ar, blk, buf.btile, buf.cbuf, buf.acc);
     else int4_block<RA, RB, 64>(a, ar, blk, buf.btile, buf.cbuf, buf.acc);
   } else {
-    dense_block<F, RA, RB>(a, ar, blk, buf.btile, buf.cbuf, pend);
+    dense_block<F, RA, RB>(a, ar, blk, buf.btile, buf.cbuf);
   }
 }
 
@@ -627,9 +565,8 @@ void run_block(const GemmArgs& a, const ARows& ar, const Block& blk, const Buffe
 //           column pair, or of the first column pair of the caller's next call (next_b), into L2
 //   kblock  first row pair of a chunk: the chunk's B tiles into L1; last row pair: the next chunk's first
 //           ones; every pass: 1/passes of the next column pair (or call) into L2
-// scatter (bf16/int8 only): gemm_scatter's destination; the C tiles go there instead of to a.c.
 template <WeightFormat F>
-void tile_walk(const GemmArgs& a, const WalkOptions& w, const ScatterArgs* scatter = nullptr) {
+void tile_walk(const GemmArgs& a, const WalkOptions& w) {
   const int depth = F == WeightFormat::INT4 && a.group_size == 32 ? 32 : 64;
   load_tile_config(depth);
   const int64_t row_bytes = F == WeightFormat::BF16 ? 2 * a.K : a.K;
@@ -652,15 +589,6 @@ void tile_walk(const GemmArgs& a, const WalkOptions& w, const ScatterArgs* scatt
   const int64_t bb = static_cast<int64_t>(block_bytes(F, a.K));
   const int next_stride = g_next_pf.load(std::memory_order_relaxed);
   const bool b_l1 = g_b_l1_pf.load(std::memory_order_relaxed) != 0;
-  Pending pending;
-  Pending* pend = nullptr;
-  if (F != WeightFormat::INT4 && scatter != nullptr) {
-    pending.a = &a;
-    pending.s = scatter;
-    pending.cbuf = buf.cbuf;
-    pending.int8 = F == WeightFormat::INT8;
-    pend = &pending;
-  }
   for (int b0 = 0; b0 < a.nblocks; b0 += 2) {
     const int nb = std::min(2, a.nblocks - b0);
     if (int8_tail) {  // rows 0-7: the blocks' last 8 k-quads; rows 8-15: zeros
@@ -716,37 +644,12 @@ void tile_walk(const GemmArgs& a, const WalkOptions& w, const ScatterArgs* scatt
             blk.next_step = (blk.next_end - blk.next_begin + (s1 - s0) * 64 - 1) / ((s1 - s0) * 64) * 64;
           }
         }
-        if (na == 2 && nb == 2) run_block<F, 2, 2>(a, ar, blk, buf, pend);
-        else if (na == 2) run_block<F, 2, 1>(a, ar, blk, buf, pend);
-        else if (nb == 2) run_block<F, 1, 2>(a, ar, blk, buf, pend);
-        else run_block<F, 1, 1>(a, ar, blk, buf, pend);
+        if (na == 2 && nb == 2) run_block<F, 2, 2>(a, ar, blk, buf);
+        else if (na == 2) run_block<F, 2, 1>(a, ar, blk, buf);
+        else if (nb == 2) run_block<F, 1, 2>(a, ar, blk, buf);
+        else run_block<F, 1, 1>(a, ar, blk, buf);
       }
     }
-  }
-  if (pend != nullptr) pend->rows_upto(pend->rows);
-}
-
-// scatter: gemm_scatter's (nullptr: plain gemm).
-template <WeightFormat F>
-void gemm_amx_walks(const GemmArgs& a, const ScatterArgs* scatter) {
-  WalkOptions w = current_walk();
-  if (w.walk == Walk::Auto) w.walk = F == WeightFormat::INT4 ? Walk::Pairs : Walk::Rows;
-  const int max_rows = w.walk == Walk::Pairs ? kMaxRows : kMaxWalkRows;
-  GemmArgs part = a;
-  ScatterArgs sp = scatter != nullptr ? *scatter : ScatterArgs{};
-  for (int m0 = 0; m0 < a.M; m0 += max_rows) {
-    part.M = std::min(max_rows, a.M - m0);
-    part.a_rows = a.a_rows + m0;
-    if (a.a_scale != nullptr) part.a_scale = a.a_scale + m0;
-    if (a.a_gsum != nullptr) part.a_gsum = a.a_gsum + m0 * a.a_gsum_stride;
-    if (a.c != nullptr) part.c = a.c + m0 * a.ldc;
-    part.next_b = m0 + max_rows < a.M ? nullptr : a.next_b;  // a later walk of this call reuses this b from L2
-    if (scatter != nullptr) {
-      sp.w = scatter->w + m0;
-      sp.rows = scatter->rows + m0;
-      if (scatter->assign != nullptr) sp.assign = scatter->assign + m0;
-    }
-    tile_walk<F>(part, w, scatter != nullptr ? &sp : nullptr);
   }
 }
 
@@ -754,23 +657,19 @@ template <WeightFormat F>
 void gemm_amx(const GemmArgs& a) {
   if (a.M < g_min_rows[static_cast<int>(F)].load(std::memory_order_relaxed))
     return avx512_kernels().gemm[static_cast<int>(F)](a);
-  gemm_amx_walks<F>(a, nullptr);
-}
-
-thread_local Scratch t_scatter_c;  // gemm_scatter below the AMX threshold: the AVX-512 kernel's C
-
-template <WeightFormat F>
-void gemm_scatter_amx(const GemmArgs& a, const ScatterArgs& s) {
-  if (a.M < g_min_rows[static_cast<int>(F)].load(std::memory_order_relaxed)) {
-    static const KernelSet& avx = avx512_kernels();
-    GemmArgs b = a;
-    b.ldc = 16 * static_cast<int64_t>(a.nblocks);
-    b.c = reinterpret_cast<float*>(t_scatter_c.get(static_cast<size_t>(a.M) * b.ldc * sizeof(float)));
-    avx.gemm[static_cast<int>(F)](b);
-    avx.scatter_add(b.c, b.ldc, a.M, b.ldc, s.w, s.rows, s.assign, s.dst, s.ldd);
-    return;
+  WalkOptions w = current_walk();
+  if (w.walk == Walk::Auto) w.walk = F == WeightFormat::INT4 ? Walk::Pairs : Walk::Rows;
+  const int max_rows = w.walk == Walk::Pairs ? kMaxRows : kMaxWalkRows;
+  GemmArgs part = a;
+  for (int m0 = 0; m0 < a.M; m0 += max_rows) {
+    part.M = std::min(max_rows, a.M - m0);
+    part.a_rows = a.a_rows + m0;
+    if (a.a_scale != nullptr) part.a_scale = a.a_scale + m0;
+    if (a.a_gsum != nullptr) part.a_gsum = a.a_gsum + m0 * a.a_gsum_stride;
+    part.c = a.c + m0 * a.ldc;
+    part.next_b = m0 + max_rows < a.M ? nullptr : a.next_b;  // a later walk of this call reuses this b from L2
+    tile_walk<F>(part, w);
   }
-  gemm_amx_walks<F>(a, &s);
 }
 
 }  // namespace
@@ -784,8 +683,7 @@ const KernelSet& amx_kernels() {
                      avx.glu_bf16,
                      avx.quantize_rows,
                      avx.scatter_add,
-                     avx.sum_rows,
-                     {gemm_scatter_amx<WeightFormat::BF16>, gemm_scatter_amx<WeightFormat::INT8>, nullptr}};
+                     avx.sum_rows};
   }();
   read_min_rows();
   read_walk();

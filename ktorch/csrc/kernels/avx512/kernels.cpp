@@ -493,7 +493,7 @@ void sum_rows(const float* const* src, int n_src, int64_t n, bool bf16_out, void
 
 const KernelSet& avx512_kernels() {
   static const KernelSet set{"avx512", {gemm_bf16, gemm_int8, gemm_int4}, glu_f32, glu_bf16, quantize_rows,
-                             scatter_add, sum_rows, {nullptr, nullptr, nullptr}};
+                             scatter_add, sum_rows};
   read_scatter_pf();
   return set;
 }

@@ -4,8 +4,7 @@
 // int4 groups of 32/64/128, activation rows evenly strided (tile-loaded in place) or gathered (copied),
 // and the output rows/columns a call must leave alone, under every tile walk (KT_AMX_WALK: auto, pairs, rows,
 // kblock with chunks of 1, 3 and 8 k steps, with and without +pfa; M up to 300 for the walks of 256 rows),
-// and (emulated) that the weight prefetches stay inside the weights and cover what each walk fetches ahead; the
-// down projection's gemm_scatter against the gemm and scatter_add it fuses, bit for bit, under every walk.
+// and (emulated) that the weight prefetches stay inside the weights and cover what each walk fetches ahead.
 // Also checks KT_AMX_MIN_ROWS, KT_AMX_WALK and the weight prefetch knobs' parsing, and (emulated) that under
 // KT_AMX_NEXT_PF / KT_AMX_B_L1_PF the results stay the same and only the lines they ask for are prefetched.
 // With --bench (real AMX only) it times one thread's AVX-512 gemm and AMX gemm under each walk per M on hot
@@ -314,63 +313,6 @@ void check_case(WeightFormat f, int M, int64_t K, int nblocks, int64_t group, bo
   }
 }
 
-// gemm_scatter (bf16/int8) against the AMX gemm followed by the AVX-512 scatter_add, bit for bit: the call's rows
-// go to a shuffled subset of a larger destination (rows past M + 2 and columns past the call's must stay as they
-// were), some rows written (assign) and some added to, and one destination row taken by two rows of the call.
-void check_scatter_case(WeightFormat f, int M, int64_t K, int nblocks, bool strided) {
-  const GemmScatterFn fused = amx_kernels().gemm_scatter[static_cast<int>(f)];
-  if (fused == nullptr) return;
-  const Problem p = make_problem(f, M, K, nblocks, 0, strided);
-  const int64_t cols = 16 * nblocks, ldd = cols + 32, dst_rows = M + 5;
-  std::vector<int64_t> rows(M);
-  std::vector<int> order(dst_rows);
-  for (int i = 0; i < dst_rows; ++i) order[i] = i;
-  std::shuffle(order.begin(), order.end(), rng);
-  for (int m = 0; m < M; ++m) rows[m] = order[m];
-  if (M > 3) rows[M - 1] = rows[1];  // a destination row twice: added in row order
-  std::vector<float> w(M);
-  std::vector<uint8_t> assign(M);
-  for (int m = 0; m < M; ++m) w[m] = rand_float(-1, 1), assign[m] = static_cast<uint8_t>(rand_int(0, 1));
-  if (M > 3) assign[M - 1] = 0;
-  std::vector<float> init(dst_rows * ldd);
-  for (auto& v : init) v = rand_float(-4, 4);
-  const std::vector<float> c = run(p, amx_kernels().gemm[static_cast<int>(f)], cols, 0);
-  std::vector<float> want = init, got = init;
-  avx512_kernels().scatter_add(c.data(), cols, M, cols, w.data(), rows.data(), assign.data(), want.data() + 16, ldd);
-  GemmArgs a;
-  a.M = M;
-  a.K = p.K;
-  a.a_rows = p.rows.data();
-  const int first = p.total_blocks - p.nblocks;
-  if (f != WeightFormat::BF16) {
-    a.a_scale = p.ascale.data();
-    a.a_gsum = p.gsum.data();
-    a.a_gsum_stride = p.G();
-    a.group_size = p.group;
-    a.b_scale = p.wscale.data() + 16 * first;
-    a.b_scale_group_stride = p.N();
-    a.b_scale_block_stride = 16;
-  }
-  a.b = p.packed.data() + first * block_bytes(f, p.K);
-  a.b_block_stride = block_bytes(f, p.K);
-  a.nblocks = nblocks;
-  a.next_b = p.packed.data();
-  ScatterArgs sa;
-  sa.w = w.data();
-  sa.rows = rows.data();
-  sa.assign = assign.data();
-  sa.dst = got.data() + 16;
-  sa.ldd = ldd;
-  fused(a, sa);
-  int64_t differ = 0;
-  for (size_t i = 0; i < got.size(); ++i) differ += std::memcmp(&got[i], &want[i], 4) != 0;
-  if (differ != 0) {
-    ++failures;
-    std::printf("FAIL gemm_scatter %s M=%d K=%lld nblocks=%d %s: %lld values differ from gemm + scatter_add\n", name(f), M,
-                static_cast<long long>(K), nblocks, strided ? "strided" : "gathered", static_cast<long long>(differ));
-  }
-}
-
 // amx_kernels() with the variable `name` set to each of `values` (read there): accepted (`good`) or rejected with
 // std::invalid_argument whose message names the variable and the value; the variable is unset afterwards.
 void check_env_values(const char* name, std::initializer_list<const char*> values, bool good) {
@@ -442,14 +384,6 @@ int check_walk(const char* walk, bool quick = false) {
         check_case(WeightFormat::INT4, M, 96, nb, 32, strided);
         ++cases;
       }
-  // the down projection's fused scatter, under this walk
-  for (int M : quick ? std::vector<int>{1, 33, 65} : std::vector<int>{1, 5, 16, 17, 32, 40, 64, 65, 100, 129, 300})
-    for (int nb : {1, 3, 8})
-      for (int64_t K : {64, 96, 768}) {
-        check_scatter_case(WeightFormat::BF16, M, K, nb, M % 2 == 0);
-        check_scatter_case(WeightFormat::INT8, M, K, nb, M % 2 == 1);
-        cases += 2;
-      }
   // a driver-sized reduction for each format (kblock: 3 chunks of bf16, 2 of int8 plus its 32-deep tail)
   for (int M : {7, 37, 64, 130}) {
     check_case(WeightFormat::BF16, M, 768, 4, 0, M % 2 == 1);
@@ -492,9 +426,7 @@ void check_all() {
   for (int M : {1, 3, 4, 9}) {
     check_case(WeightFormat::INT8, M, 128, 2, 0, false);
     check_case(WeightFormat::INT4, M, 128, 2, 64, true);
-    check_scatter_case(WeightFormat::INT8, M, 128, 2, true);
-    check_scatter_case(WeightFormat::BF16, M, 128, 3, false);
-    cases += 4;
+    cases += 2;
   }
   std::printf("%d cases, %d failed\n", cases, failures);
 }
