@@ -43,6 +43,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "../env.h"
 #include "../kernels.h"
 
 #define KT_COMPILER_BARRIER() asm volatile("" ::: "memory")
@@ -207,18 +208,6 @@ WalkOptions current_walk() {
 //   KT_AMX_B_L1_PF=0  no B tiles prefetched into L1 ahead of a column pair's first pass (default 1)
 std::atomic<int> g_next_pf{1};
 std::atomic<int> g_b_l1_pf{1};
-
-int env_small(const char* name, int fallback, int most) {
-  const char* env = std::getenv(name);
-  if (env == nullptr || *env == '\0') return fallback;
-  char* end = nullptr;
-  errno = 0;
-  const long v = std::strtol(env, &end, 10);
-  if (end == env || *end != '\0' || errno != 0 || v < 0 || v > most)
-    throw std::invalid_argument(std::string(name) + " must be a count from 0 to " + std::to_string(most) + "; got '" +
-                                env + "'");
-  return static_cast<int>(v);
-}
 
 void read_prefetch_knobs() {
   g_next_pf.store(env_small("KT_AMX_NEXT_PF", 1, 64), std::memory_order_relaxed);
@@ -688,7 +677,7 @@ const KernelSet& amx_kernels() {
   read_min_rows();
   read_walk();
   read_prefetch_knobs();
-  avx512_kernels();  // (its knobs: the AVX-512 entries above read them there)
+  avx512_kernels();  // the AVX-512 set's knobs (KT_SCATTER_PF: its scatter_add is this set's too)
   return set;
 }
 

@@ -12,14 +12,11 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cerrno>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
-#include <stdexcept>
-#include <string>
 #include <vector>
 
+#include "../env.h"
 #include "../kernels.h"
 
 namespace kt::kernels {
@@ -426,20 +423,6 @@ void quantize_rows(const float* x, int64_t ldx, int M, int64_t K, int64_t group_
 constexpr int kDefaultScatterPf = 4;
 std::atomic<int> g_scatter_pf{kDefaultScatterPf};
 
-void read_scatter_pf() {
-  const char* env = std::getenv("KT_SCATTER_PF");
-  int v = kDefaultScatterPf;
-  if (env != nullptr && *env != '\0') {
-    char* end = nullptr;
-    errno = 0;
-    const long r = std::strtol(env, &end, 10);
-    if (end == env || *end != '\0' || errno != 0 || r < 0 || r > 64)
-      throw std::invalid_argument(std::string("KT_SCATTER_PF must be a count from 0 to 64; got '") + env + "'");
-    v = static_cast<int>(r);
-  }
-  g_scatter_pf.store(v, std::memory_order_relaxed);
-}
-
 inline void prefetch_w(const void* p) { asm volatile("prefetchw %0" : : "m"(*static_cast<const char*>(p))); }
 
 // 16 lanes a step, a masked tail; one fused multiply-add per element (the portable set rounds twice).
@@ -494,7 +477,7 @@ void sum_rows(const float* const* src, int n_src, int64_t n, bool bf16_out, void
 const KernelSet& avx512_kernels() {
   static const KernelSet set{"avx512", {gemm_bf16, gemm_int8, gemm_int4}, glu_f32, glu_bf16, quantize_rows,
                              scatter_add, sum_rows};
-  read_scatter_pf();
+  g_scatter_pf.store(env_small("KT_SCATTER_PF", kDefaultScatterPf, 64), std::memory_order_relaxed);
   return set;
 }
 
