@@ -918,8 +918,9 @@ int env_int(const char* name, int fallback) {
   return env == nullptr || *env == '\0' ? fallback : std::atoi(env);
 }
 
-// The L1 loop of peak_run with `vnni` VPDPBUSDs after each step's 4 tile products; returns {tile ops, vnni ops}.
-std::pair<double, double> mixed_run(const uint8_t* buf, int vnni, double seconds) {
+// The L1 loop of peak_run with `vnni` VPDPBUSDs after each step's 4 tile products (tiles false: the VPDPBUSDs
+// alone); returns {tile ops, vnni ops}.
+std::pair<double, double> mixed_run(const uint8_t* buf, int vnni, double seconds, bool tiles = true) {
   const uint8_t* A = buf;
   const uint8_t* B = buf + 8 * 2048;
   __m512i acc[8];
@@ -931,14 +932,16 @@ std::pair<double, double> mixed_run(const uint8_t* buf, int vnni, double seconds
   while (sec < seconds) {
     for (int it = 0; it < 256; ++it) {
       const int64_t s = (steps + it) % 8;
-      _tile_loadd(4, A + s * 2048, 64);
-      _tile_loadd(6, B + s * 2048, 64);
-      _tile_dpbssd(0, 4, 6);
-      _tile_loadd(7, B + s * 2048 + 1024, 64);
-      _tile_dpbssd(1, 4, 7);
-      _tile_loadd(5, A + s * 2048 + 1024, 64);
-      _tile_dpbssd(2, 5, 6);
-      _tile_dpbssd(3, 5, 7);
+      if (tiles) {
+        _tile_loadd(4, A + s * 2048, 64);
+        _tile_loadd(6, B + s * 2048, 64);
+        _tile_dpbssd(0, 4, 6);
+        _tile_loadd(7, B + s * 2048 + 1024, 64);
+        _tile_dpbssd(1, 4, 7);
+        _tile_loadd(5, A + s * 2048 + 1024, 64);
+        _tile_dpbssd(2, 5, 6);
+        _tile_dpbssd(3, 5, 7);
+      }
       for (int v = 0; v < vnni; v += 8) {
         acc[0] = _mm512_dpbusd_epi32(acc[0], va, vb);
         acc[1] = _mm512_dpbusd_epi32(acc[1], va, vb);
@@ -959,28 +962,7 @@ std::pair<double, double> mixed_run(const uint8_t* buf, int vnni, double seconds
   for (int i = 1; i < 8; ++i) all = _mm512_add_epi32(all, acc[i]);
   _mm512_store_si512(sink, all);
   const double v = vnni / 8 * 8;  // VPDPBUSDs a step, each 16 lanes x 4 products
-  return {4.0 * 16 * 16 * 64 * 2 * steps / sec, v * 16 * 4 * 2 * steps / sec};
-}
-
-// Only the VNNI products of mixed_run (no tiles): {0, vnni ops}.
-std::pair<double, double> mixed_run_vnni_only(double seconds) {
-  __m512i acc[8];
-  for (int i = 0; i < 8; ++i) acc[i] = _mm512_set1_epi32(i);
-  const __m512i va = _mm512_set1_epi32(0x01020304), vb = _mm512_set1_epi32(0x05060708);
-  int64_t iters = 0;
-  const auto t0 = std::chrono::steady_clock::now();
-  double sec = 0;
-  while (sec < seconds) {
-    for (int it = 0; it < 4096; ++it)
-      for (int k = 0; k < 8; ++k) acc[k] = _mm512_dpbusd_epi32(acc[k], va, vb);
-    iters += 4096;
-    sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  }
-  alignas(64) static thread_local int32_t sink[16];
-  __m512i all = acc[0];
-  for (int i = 1; i < 8; ++i) all = _mm512_add_epi32(all, acc[i]);
-  _mm512_store_si512(sink, all);
-  return {0.0, 8.0 * 16 * 4 * 2 * iters / sec};
+  return {tiles ? 4.0 * 16 * 16 * 64 * 2 * steps / sec : 0.0, v * 16 * 4 * 2 * steps / sec};
 }
 
 void bench_stretch() {
@@ -1118,7 +1100,7 @@ void bench_siblings() {
       mixed_run(l1, 0, 0.005);  // warm up
       ready.fetch_add(1);
       while (ready.load() < 2) {}
-      const auto m = vnni_only ? mixed_run_vnni_only(0.03) : mixed_run(l1, 0, 0.03);
+      const auto m = vnni_only ? mixed_run(l1, 32, 0.03, false) : mixed_run(l1, 0, 0.03);
       r[slot] = (vnni_only ? m.second : m.first) / 1e12;
       _tile_release();
     };
