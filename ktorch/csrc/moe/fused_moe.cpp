@@ -940,15 +940,16 @@ void run_call(WeightFormat fmt, const at::Tensor& hidden_in, const at::Tensor& i
                         [&part, &gu_times, off](int64_t t, int w) { part.gate_up(off + t, w, gu_times); }, {0}, {},
                         [&part, off](int64_t t, WaitPrefetch& pf) { part.gate_up_reads(off + t, pf); }});
     }
-    std::vector<int> before_down;
-    for (int64_t g = 0; g < groups; ++g) before_down.push_back(gu + static_cast<int>(g));
-    if (first && caller_quantizes_h) {  // (one stage group then)
+    // down stage g waits for stage before_down + g: its group's gate/up, or the pass quantizing all of h (one stage
+    // group then)
+    int before_down = gu;
+    if (first && caller_quantizes_h) {
       stages.push_back({"h_quantize", 1, [&part, &quantize_h](int64_t, int) { part.quantize_with(quantize_h); }, {gu}, {}});
-      before_down = {gu + 1};
+      before_down = gu + 1;
     } else if (part.quantize_tasks() > 0) {
       stages.push_back({first ? "h_quantize" : "h_quantize.later", part.quantize_tasks(),
                         [&part](int64_t t, int) { part.quantize(t); }, {gu}, {}});
-      before_down = {gu + 1};
+      before_down = gu + 1;
     }
     // `done` once, by whichever down stage finishes last
     auto left = std::make_shared<std::atomic<int64_t>>(groups);
@@ -959,7 +960,7 @@ void run_call(WeightFormat fmt, const at::Tensor& hidden_in, const at::Tensor& i
     for (int64_t g = 0; g < groups; ++g)
       stages.push_back({first ? "down" : "down.later", part.down_tasks(),
                         [&part, &down_times, g](int64_t t, int w) { part.down(part.down_task(g, t), w, down_times); },
-                        groups == 1 ? before_down : std::vector<int>{gu + static_cast<int>(g)}, down_done,
+                        {before_down + static_cast<int>(g)}, down_done,
                         [&part, g](int64_t t, WaitPrefetch& pf) { part.down_reads(part.down_task(g, t), pf); }});
   };
   add_part(now, true, on_now);

@@ -1090,36 +1090,26 @@ void bench_siblings() {
   static const PeakConfig cfg;
   const int n = static_cast<int>(std::thread::hardware_concurrency());
   const int rounds = std::max(1, env_int("KT_BENCH_ROUNDS", 4));
-  auto run_pair = [&](int i, int j, int j_vnni) {  // {i's TOPS, j's TOPS}, at the same moment
-    double r[2] = {0, 0};
+  // Threads on `cpus` (at most 2) at the same moment, the second running VNNI products alone when vnni_second:
+  // each one's rate (tile TOPS, or VNNI TOPS for that second thread).
+  auto run = [&](std::vector<int> cpus, bool vnni_second) {
+    std::vector<double> r(cpus.size(), 0);
     std::atomic<int> ready{0};
-    auto body = [&](int slot, int cpu, bool vnni_only) {
-      pin_with_tiles(cpu, cfg);
-      alignas(64) static thread_local uint8_t l1[32 << 10];
-      for (int k = 0; k < (32 << 10); ++k) l1[k] = static_cast<uint8_t>(k * 37 + 11);
-      mixed_run(l1, 0, 0.005);  // warm up
-      ready.fetch_add(1);
-      while (ready.load() < 2) {}
-      const auto m = vnni_only ? mixed_run(l1, 32, 0.03, false) : mixed_run(l1, 0, 0.03);
-      r[slot] = (vnni_only ? m.second : m.first) / 1e12;
-      _tile_release();
-    };
-    std::thread a(body, 0, i, false), b(body, 1, j, j_vnni != 0);
-    a.join();
-    b.join();
-    return std::make_pair(r[0], r[1]);
-  };
-  auto run_one = [&](int i) {
-    double r = 0;
-    std::thread a([&] {
-      pin_with_tiles(i, cfg);
-      alignas(64) static thread_local uint8_t l1[32 << 10];
-      for (int k = 0; k < (32 << 10); ++k) l1[k] = static_cast<uint8_t>(k * 37 + 11);
-      mixed_run(l1, 0, 0.005);
-      r = mixed_run(l1, 0, 0.03).first / 1e12;
-      _tile_release();
-    });
-    a.join();
+    std::vector<std::thread> threads;
+    for (size_t k = 0; k < cpus.size(); ++k)
+      threads.emplace_back([&, k] {
+        pin_with_tiles(cpus[k], cfg);
+        alignas(64) static thread_local uint8_t l1[32 << 10];
+        for (int i = 0; i < (32 << 10); ++i) l1[i] = static_cast<uint8_t>(i * 37 + 11);
+        mixed_run(l1, 0, 0.005);  // warm up
+        ready.fetch_add(1);
+        while (ready.load() < static_cast<int>(cpus.size())) {}
+        const bool vnni_only = vnni_second && k == 1;
+        const auto m = vnni_only ? mixed_run(l1, 32, 0.03, false) : mixed_run(l1, 0, 0.03);
+        r[k] = (vnni_only ? m.second : m.first) / 1e12;
+        _tile_release();
+      });
+    for (auto& th : threads) th.join();
     return r;
   };
   for (int mode = 0; mode < 2; ++mode) {
@@ -1133,11 +1123,11 @@ void bench_siblings() {
       std::vector<double> best(n, 0);
       double alone = 0;
       for (int r = 0; r < rounds; ++r) {
-        alone = std::max(alone, run_one(i));
+        alone = std::max(alone, run({i}, false)[0]);
         for (int j = 0; j < n; ++j) {
           if (j == i) continue;
-          const auto p = run_pair(i, j, mode);
-          best[j] = std::max(best[j], mode == 0 ? p.first + p.second : p.first);
+          const std::vector<double> p = run({i, j}, mode == 1);
+          best[j] = std::max(best[j], mode == 0 ? p[0] + p[1] : p[0]);
         }
       }
       std::printf("  %3d ", i);
