@@ -60,6 +60,11 @@ struct GemmArgs {
   // A hint: the b of the caller's next call (same format, K, b_block_stride and nblocks), or nullptr.
   // The AVX-512 kernels prefetch its first weights during their last ones; other kernels may ignore it.
   const uint8_t* next_b = nullptr;
+  // A hint: the activation rows of the caller's next call, next_a_bytes contiguous bytes (e.g. the down
+  // projection's next expert: its h rows follow each other), or nullptr. The AMX walks prefetch them into L2
+  // spread over this call's passes (KT_AMX_NEXT_A); other kernels ignore it.
+  const uint8_t* next_a = nullptr;
+  int64_t next_a_bytes = 0;
   // Calls of a few rows (decode): each weight stream is prefetched this many 64-byte lines ahead of the one read
   // (0: left to the hardware prefetchers). A hint; kernels other than AVX-512 ignore it.
   int prefetch_ahead = 0;

@@ -576,7 +576,19 @@ class Part {
       for (int64_t p = 0; p < P_; ++p) h_rows_[p] = base + p * row_bytes;
     }
     const int64_t hblocks = s.H / 16, nactive = static_cast<int64_t>(active_.size());
-    ranges_ = std::min(hblocks, env_count("KT_DOWN_RANGES", s.workers <= 4 ? 2 * s.workers : s.workers, 4096));
+    const int64_t base_ranges =
+        std::min(hblocks, env_count("KT_DOWN_RANGES", s.workers <= 4 ? 2 * s.workers : s.workers, 4096));
+    // KT_DOWN_TAPER=n: the last n ranges cut in halves, so that each stage ends on smaller tasks (workers pull
+    // tasks in range order; the columns of a range do not change any sum, so the results stay bit for bit)
+    const int64_t taper = std::min(base_ranges, env_count("KT_DOWN_TAPER", 0, 4096, 0));
+    range_b_.clear();
+    for (int64_t r = 0; r < base_ranges; ++r) {
+      const int64_t lo = hblocks * r / base_ranges, hi = hblocks * (r + 1) / base_ranges;
+      range_b_.push_back(lo);
+      if (r >= base_ranges - taper && hi - lo >= 2) range_b_.push_back((lo + hi) / 2);
+    }
+    range_b_.push_back(hblocks);
+    ranges_ = static_cast<int64_t>(range_b_.size()) - 1;
     group_start_.assign(groups_ + 1, nactive);  // group g: active[group_start[g] .. group_start[g + 1])
     for (int64_t g = 0, i = 0; g < groups_; ++g) {
       while (i < nactive && active_[i] * groups_ < E * g) ++i;
@@ -622,10 +634,7 @@ class Part {
     return s_.up_base + (e * (s_.up.N / 16) + 4 * g) * kernels::block_bytes(s_.fmt, s_.up.K);
   }
   // Down task = (range r, group): the range's 16-column blocks [b0, b1) of H.
-  std::pair<int64_t, int64_t> down_blocks(int64_t r) const {
-    const int64_t hblocks = s_.H / 16;
-    return {hblocks * r / ranges_, hblocks * (r + 1) / ranges_};
-  }
+  std::pair<int64_t, int64_t> down_blocks(int64_t r) const { return {range_b_[r], range_b_[r + 1]}; }
   // Packed w2 block b of expert e (the blocks of an expert follow each other).
   const uint8_t* down_block_at(int64_t e, int64_t b) const {
     return s_.down_base + (e * (s_.H / 16) + b) * kernels::block_bytes(s_.fmt, s_.down.K);
@@ -756,10 +765,21 @@ class Part {
           a.prefetch_ahead = s.prefetch_ahead;
           a.b_block_stride = down_block;
           a.nblocks = static_cast<int>(std::min<int64_t>(kernels::kMaxBlocks, b1 - cb));
-          if (cb + kernels::kMaxBlocks < b1)
+          if (cb + kernels::kMaxBlocks < b1) {
             a.next_b = a.b + kernels::kMaxBlocks * down_block;
-          else if (p0 + kDownRows >= offset_[e + 1] && i + 1 < group_start_[g + 1])
-            a.next_b = down_block_at(active_[i + 1], b0);
+          } else {  // the next call reads other h rows: this expert's next rows, or the next expert's
+            int64_t next_p = -1, next_end = 0;
+            if (p0 + kDownRows < offset_[e + 1]) {
+              next_p = p0 + kDownRows, next_end = offset_[e + 1];
+            } else if (i + 1 < group_start_[g + 1]) {
+              a.next_b = down_block_at(active_[i + 1], b0);
+              next_p = offset_[active_[i + 1]], next_end = offset_[active_[i + 1] + 1];
+            }
+            if (next_p >= 0) {  // (h rows follow each other: pairs are grouped by expert)
+              a.next_a = static_cast<const uint8_t*>(h_rows_[next_p]);
+              a.next_a_bytes = std::min(kDownRows, next_end - next_p) * (s.int_fmt ? s.I : 2 * s.I);
+            }
+          }
           a.c = c;
           a.ldc = kDownCols;
           s.ks.gemm[static_cast<int>(s.fmt)](a);
@@ -800,6 +820,7 @@ class Part {
   at::Tensor h_, hq_, hs_, hg_, acc_;
   std::vector<const void*> h_rows_;
   int64_t ranges_ = 1, groups_ = 1;
+  std::vector<int64_t> range_b_;  // range r: 16-column blocks [range_b_[r], range_b_[r + 1]) of H
   std::vector<int64_t> group_start_;
   bool acc_is_out_ = false;
   std::vector<uint8_t> pair_first_, seen_;

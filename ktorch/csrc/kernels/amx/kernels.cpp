@@ -206,12 +206,16 @@ WalkOptions current_walk() {
 //                     holds one of the core's few L1 fill buffers until its line arrives from memory, the same
 //                     buffers the tile loads from L2 need.
 //   KT_AMX_B_L1_PF=0  no B tiles prefetched into L1 ahead of a column pair's first pass (default 1)
+//   KT_AMX_NEXT_A=0   the caller's next A rows (GemmArgs::next_a, the down projection's next expert) left alone;
+//                     1, the default: prefetched into L2, spread over the passes like the next weights
 std::atomic<int> g_next_pf{1};
 std::atomic<int> g_b_l1_pf{1};
+std::atomic<int> g_next_a{1};
 
 void read_prefetch_knobs() {
   g_next_pf.store(env_small("KT_AMX_NEXT_PF", 1, 64), std::memory_order_relaxed);
   g_b_l1_pf.store(env_small("KT_AMX_B_L1_PF", 1, 1), std::memory_order_relaxed);
+  g_next_a.store(env_small("KT_AMX_NEXT_A", 1, 1), std::memory_order_relaxed);
 }
 
 // ---------------------------------------------------------------- tile configuration
@@ -397,6 +401,8 @@ struct Block {
   const uint8_t* next = nullptr;     // weights of the next column pair (or call): bytes [next_begin, next_end)
   int next_blocks = 0;               //   of each of its next_blocks blocks prefetched into L2, next_step a k step
   int64_t next_begin = 0, next_end = 0, next_step = 0;
+  const uint8_t* next_a = nullptr;   // the caller's next A rows: bytes [next_a_begin, next_a_end) into L2,
+  int64_t next_a_begin = 0, next_a_end = 0, next_a_step = 0;  // next_a_step a k step
 };
 
 // The part of the next column pair's weights that step s of this pass prefetches into L2.
@@ -405,6 +411,14 @@ inline void prefetch_next(const GemmArgs& a, const Block& blk, int64_t s) {
   if (off >= blk.next_end) return;
   const int64_t bytes = std::min(blk.next_step, blk.next_end - off);
   for (int j = 0; j < blk.next_blocks; ++j) prefetch(blk.next + j * a.b_block_stride + off, bytes, false, blk.next_stride);
+}
+
+// The part of the caller's next A rows that step s of this pass prefetches into L2 (not recorded by the emulated
+// build: the test checks the weight prefetches).
+inline void prefetch_next_a(const Block& blk, int64_t s) {
+  const int64_t off = blk.next_a_begin + (s - blk.s0) * blk.next_a_step;
+  const int64_t end = std::min(blk.next_a_end, off + blk.next_a_step);
+  for (int64_t o = off; o < end; o += 64) _mm_prefetch(reinterpret_cast<const char*>(blk.next_a + o), _MM_HINT_T1);
 }
 
 // Prefetch for step s of a pass: B tiles kPrefetchSteps ahead into L1 (packed: bytes of a block per step),
@@ -423,6 +437,7 @@ inline void prefetch_step(const GemmArgs& a, const Block& blk, int64_t s, const 
     if constexpr (RA > 1) prefetch_a(a1 + (s + kPrefetchASteps) * a_step, sa1);
   }
   if (blk.next != nullptr) prefetch_next(a, blk, s);
+  if (blk.next_a != nullptr) prefetch_next_a(blk, s);
 }
 
 // ---------------------------------------------------------------- bf16 and int8
@@ -578,6 +593,9 @@ void tile_walk(const GemmArgs& a, const WalkOptions& w) {
   const int64_t bb = static_cast<int64_t>(block_bytes(F, a.K));
   const int next_stride = g_next_pf.load(std::memory_order_relaxed);
   const bool b_l1 = g_b_l1_pf.load(std::memory_order_relaxed) != 0;
+  // the caller's next A rows: 1/passes of them during each pass of the walk (every column pair, chunk, row pair)
+  const bool next_a = a.next_a != nullptr && a.next_a_bytes > 0 && g_next_a.load(std::memory_order_relaxed) != 0;
+  const int64_t a_passes = static_cast<int64_t>((a.nblocks + 1) / 2) * chunks * row_pairs;
   for (int b0 = 0; b0 < a.nblocks; b0 += 2) {
     const int nb = std::min(2, a.nblocks - b0);
     if (int8_tail) {  // rows 0-7: the blocks' last 8 k-quads; rows 8-15: zeros
@@ -633,6 +651,13 @@ void tile_walk(const GemmArgs& a, const WalkOptions& w) {
             blk.next_step = (blk.next_end - blk.next_begin + (s1 - s0) * 64 - 1) / ((s1 - s0) * 64) * 64;
           }
         }
+        if (next_a && s1 > s0) {
+          const int64_t pass = (b0 / 2 * chunks + c) * row_pairs + r;
+          blk.next_a = a.next_a;
+          blk.next_a_begin = a.next_a_bytes * pass / a_passes / 64 * 64;
+          blk.next_a_end = pass + 1 == a_passes ? a.next_a_bytes : a.next_a_bytes * (pass + 1) / a_passes / 64 * 64;
+          blk.next_a_step = (blk.next_a_end - blk.next_a_begin + (s1 - s0) * 64 - 1) / ((s1 - s0) * 64) * 64;
+        }
         if (na == 2 && nb == 2) run_block<F, 2, 2>(a, ar, blk, buf);
         else if (na == 2) run_block<F, 2, 1>(a, ar, blk, buf);
         else if (nb == 2) run_block<F, 1, 2>(a, ar, blk, buf);
@@ -657,6 +682,7 @@ void gemm_amx(const GemmArgs& a) {
     if (a.a_gsum != nullptr) part.a_gsum = a.a_gsum + m0 * a.a_gsum_stride;
     part.c = a.c + m0 * a.ldc;
     part.next_b = m0 + max_rows < a.M ? nullptr : a.next_b;  // a later walk of this call reuses this b from L2
+    part.next_a = m0 + max_rows < a.M ? nullptr : a.next_a;
     tile_walk<F>(part, w);
   }
 }
