@@ -48,7 +48,7 @@ def test_amx_kernels_against_reference_under_every_walk(mode, tmp_path):
         pytest.skip(reason)
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     env.pop("KT_AMX_WALK", None)
-    for name in ("KT_AMX_MIN_ROWS", "KT_AMX_NEXT_PF", "KT_AMX_B_L1_PF"):
+    for name in ("KT_AMX_MIN_ROWS", "KT_AMX_NEXT_PF", "KT_AMX_B_L1_PF", "KT_AMX_NEXT_A"):
         env.pop(name, None)
     proc = subprocess.run(["bash", str(RUN_SH), mode], capture_output=True, text=True, timeout=900, env=env)
     out = proc.stdout + proc.stderr

@@ -34,6 +34,17 @@ inline size_t block_bytes(WeightFormat f, int64_t K) {
   return 0;
 }
 
+// Work a caller hands a kernel call to interleave with its own (the GLU of the previous call's output: vector work
+// that runs beside the AMX tile products): units [0, units) in order, through run(ctx, u0, u1). A kernel runs
+// any prefix of them and counts it in `done`; the caller runs the rest after the call (a kernel that ignores the
+// work leaves done at 0).
+struct SideWork {
+  void (*run)(void* ctx, int64_t u0, int64_t u1) = nullptr;
+  void* ctx = nullptr;
+  int64_t units = 0;
+  int64_t done = 0;
+};
+
 // C[m][16*b + c] = sum_k A[m][k] * W[16*b + c][k], for m < M and b < nblocks, in fp32.
 // A rows are gathered through pointers (tokens routed to one expert are not adjacent in the batch).
 //   bf16 weights: A rows are bf16 (uint16_t) of length K.
@@ -65,6 +76,8 @@ struct GemmArgs {
   // spread over this call's passes (KT_AMX_NEXT_A); other kernels ignore it.
   const uint8_t* next_a = nullptr;
   int64_t next_a_bytes = 0;
+  // Optional work to interleave (see SideWork); the AMX walks spread it over their k steps, others leave it.
+  SideWork* side = nullptr;
   // Calls of a few rows (decode): each weight stream is prefetched this many 64-byte lines ahead of the one read
   // (0: left to the hardware prefetchers). A hint; kernels other than AVX-512 ignore it.
   int prefetch_ahead = 0;

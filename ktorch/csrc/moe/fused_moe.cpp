@@ -535,6 +535,8 @@ class Part {
     splits_ = s.workers == 1 ? 1 : std::min(ugroups_, (per_worker * s.workers + nchunks - 1) / nchunks);
     full_rows_ = splits_ == 1 && !caller_quantizes_h;  // a caller's quantize_h takes all of h at once
     separate_quantize_ = s.int_fmt && !full_rows_ && !caller_quantizes_h;
+    // KT_GLU_OVERLAP=0: each gate/up call's GLU right after it, on its own (default 1: as side work of the next call)
+    glu_overlap_ = env_count("KT_GLU_OVERLAP", 1, 1, 0) == 1;
     // Down-projection expert groups (step 4), and the stage groups of the pipeline: with no pass quantizing all of
     // h between gate/up and down, each group's gate/up tasks and down tasks are stages of their own, the down
     // stage of group g waiting only for group g's gate/up. Workers pull the gate/up tasks of group 0, then of
@@ -576,19 +578,7 @@ class Part {
       for (int64_t p = 0; p < P_; ++p) h_rows_[p] = base + p * row_bytes;
     }
     const int64_t hblocks = s.H / 16, nactive = static_cast<int64_t>(active_.size());
-    const int64_t base_ranges =
-        std::min(hblocks, env_count("KT_DOWN_RANGES", s.workers <= 4 ? 2 * s.workers : s.workers, 4096));
-    // KT_DOWN_TAPER=n: the last n ranges cut in halves, so that each stage ends on smaller tasks (workers pull
-    // tasks in range order; the columns of a range do not change any sum, so the results stay bit for bit)
-    const int64_t taper = std::min(base_ranges, env_count("KT_DOWN_TAPER", 0, 4096, 0));
-    range_b_.clear();
-    for (int64_t r = 0; r < base_ranges; ++r) {
-      const int64_t lo = hblocks * r / base_ranges, hi = hblocks * (r + 1) / base_ranges;
-      range_b_.push_back(lo);
-      if (r >= base_ranges - taper && hi - lo >= 2) range_b_.push_back((lo + hi) / 2);
-    }
-    range_b_.push_back(hblocks);
-    ranges_ = static_cast<int64_t>(range_b_.size()) - 1;
+    ranges_ = std::min(hblocks, env_count("KT_DOWN_RANGES", s.workers <= 4 ? 2 * s.workers : s.workers, 4096));
     group_start_.assign(groups_ + 1, nactive);  // group g: active[group_start[g] .. group_start[g + 1])
     for (int64_t g = 0, i = 0; g < groups_; ++g) {
       while (i < nactive && active_[i] * groups_ < E * g) ++i;
@@ -634,7 +624,10 @@ class Part {
     return s_.up_base + (e * (s_.up.N / 16) + 4 * g) * kernels::block_bytes(s_.fmt, s_.up.K);
   }
   // Down task = (range r, group): the range's 16-column blocks [b0, b1) of H.
-  std::pair<int64_t, int64_t> down_blocks(int64_t r) const { return {range_b_[r], range_b_[r + 1]}; }
+  std::pair<int64_t, int64_t> down_blocks(int64_t r) const {
+    const int64_t hblocks = s_.H / 16;
+    return {hblocks * r / ranges_, hblocks * (r + 1) / ranges_};
+  }
   // Packed w2 block b of expert e (the blocks of an expert follow each other).
   const uint8_t* down_block_at(int64_t e, int64_t b) const {
     return s_.down_base + (e * (s_.H / 16) + b) * kernels::block_bytes(s_.fmt, s_.down.K);
@@ -665,7 +658,19 @@ class Part {
     float* hrows = s.wf32.data_ptr<float>() + worker * s.wf32.size(1);  // full rows: this task's h, fp32 [n, I]
     times.lap(worker, WorkerTimes::kOther, t_mark);
     const size_t up_block = kernels::block_bytes(s.fmt, s.up.K);
+    // The GLU of call g: h columns 32g.. of the chunk's rows from that call's c.
+    auto glu_of = [&](int64_t g, const float* cg) {
+      Glu u{&s.ks, cg, s.act, nullptr, nullptr, I};
+      if (!s.int_fmt) u.bf16 = static_cast<uint16_t*>(h_.data_ptr()) + ch.p0 * I + 32 * g;
+      else u.f32 = (full_rows_ ? hrows : h_.data_ptr<float>() + ch.p0 * I) + 32 * g;
+      return u;
+    };
+    // With glu_overlap_ the GLU of call g is side work of call g + 1 (the AMX walks run it beside their tile
+    // products); c alternates between two halves of the worker's buffer. Same GLU, same values either way.
+    Glu pending;
+    bool has_pending = false;
     for (int64_t g = g0; g < g1; ++g) {
+      float* cg = c + ((g - g0) & 1) * kGateUpRows * 64;
       kernels::GemmArgs a;
       a.M = static_cast<int>(ch.n);
       a.K = s.up.K;
@@ -683,16 +688,21 @@ class Part {
       a.b_block_stride = up_block;
       if (g + 1 < g1) a.next_b = a.b + 4 * up_block;
       a.nblocks = 4;
-      a.c = c;
+      a.c = cg;
       a.ldc = 64;
+      kernels::SideWork side;
+      if (has_pending) {
+        side.run = &Glu::run;
+        side.ctx = &pending;
+        side.units = a.M;
+        a.side = &side;
+      }
       s.ks.gemm[static_cast<int>(s.fmt)](a);
       times.lap(worker, WorkerTimes::kKernel, t_mark);
-      if (!s.int_fmt)
-        s.ks.glu_bf16(c, 64, a.M, 32, s.act, static_cast<uint16_t*>(h_.data_ptr()) + ch.p0 * I + 32 * g, I);
-      else if (full_rows_)
-        s.ks.glu_f32(c, 64, a.M, 32, s.act, hrows + 32 * g, I);
-      else
-        s.ks.glu_f32(c, 64, a.M, 32, s.act, h_.data_ptr<float>() + ch.p0 * I + 32 * g, I);
+      if (has_pending && side.done < side.units) Glu::run(&pending, side.done, side.units);
+      pending = glu_of(g, cg);
+      has_pending = glu_overlap_ && g + 1 < g1;
+      if (!has_pending) Glu::run(&pending, 0, a.M);
       times.lap(worker, WorkerTimes::kEpilogue, t_mark);
     }
     if (s.int_fmt && full_rows_)
@@ -807,6 +817,22 @@ class Part {
   struct Chunk {
     int64_t e, p0, n;
   };
+  // The GLU of one gate/up kernel call (32 gate + 32 up columns, c with 64 columns a row) into h, fp32 or bf16
+  // (ldo elements a row); as kernels::SideWork, rows [r0, r1).
+  struct Glu {
+    const kernels::KernelSet* ks = nullptr;
+    const float* c = nullptr;
+    Activation act = Activation::SiLU;
+    float* f32 = nullptr;
+    uint16_t* bf16 = nullptr;
+    int64_t ldo = 0;
+    static void run(void* self, int64_t r0, int64_t r1) {
+      const Glu& u = *static_cast<const Glu*>(self);
+      const int rows = static_cast<int>(r1 - r0);
+      if (u.bf16 != nullptr) u.ks->glu_bf16(u.c + r0 * 64, 64, rows, 32, u.act, u.bf16 + r0 * u.ldo, u.ldo);
+      else u.ks->glu_f32(u.c + r0 * 64, 64, rows, 32, u.act, u.f32 + r0 * u.ldo, u.ldo);
+    }
+  };
   const Shared& s_;
   at::Tensor out_;
   int64_t P_ = 0;
@@ -817,10 +843,10 @@ class Part {
   int64_t stage_groups_ = 1;
   int64_t ugroups_ = 0, splits_ = 1;
   bool full_rows_ = false, separate_quantize_ = false;
+  bool glu_overlap_ = true;  // KT_GLU_OVERLAP (see gate_up)
   at::Tensor h_, hq_, hs_, hg_, acc_;
   std::vector<const void*> h_rows_;
   int64_t ranges_ = 1, groups_ = 1;
-  std::vector<int64_t> range_b_;  // range r: 16-column blocks [range_b_[r], range_b_[r + 1]) of H
   std::vector<int64_t> group_start_;
   bool acc_is_out_ = false;
   std::vector<uint8_t> pair_first_, seen_;
@@ -945,6 +971,8 @@ void run_call(WeightFormat fmt, const at::Tensor& hidden_in, const at::Tensor& i
   s.wa = ws.take(Workspace::kWorkerA, {workers, kGateUpRows * s.a_ld}, at::kByte);
   s.wsc = ws.take(Workspace::kWorkerScale, {workers, kGateUpRows}, at::kFloat);
   s.wgs = ws.take(Workspace::kWorkerGsum, {workers, kGateUpRows * s.x_groups}, at::kInt);
+  // (gate/up alternates between two [kGateUpRows][64] halves of a worker's c: Part::gate_up)
+  static_assert(2 * kGateUpRows * 64 <= std::max(kGateUpRows, kDownRows) * kDownCols, "a worker's c holds two gate/up outputs");
   s.wc = ws.take(Workspace::kWorkerC, {workers, std::max(kGateUpRows, kDownRows) * kDownCols}, at::kFloat);
 
   // ---- 3, 4 for each part, as stages: activations; then per part gate/up, h quantization, down

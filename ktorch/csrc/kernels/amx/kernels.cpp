@@ -403,7 +403,19 @@ struct Block {
   int64_t next_begin = 0, next_end = 0, next_step = 0;
   const uint8_t* next_a = nullptr;   // the caller's next A rows: bytes [next_a_begin, next_a_end) into L2,
   int64_t next_a_begin = 0, next_a_end = 0, next_a_step = 0;  // next_a_step a k step
+  SideWork* side = nullptr;          // the caller's side work: done up to side_to by the end of this pass, evenly
+  int64_t side_from = 0, side_to = 0;  //   over its steps from side_from
 };
+
+// The caller's side work due by the end of step s of this pass (after the step's tile products are issued, so the
+// vector work runs beside them).
+inline void run_side(const Block& blk, int64_t s) {
+  const int64_t due = blk.side_from + (blk.side_to - blk.side_from) * (s - blk.s0 + 1) / (blk.s1 - blk.s0);
+  if (due > blk.side->done) {
+    blk.side->run(blk.side->ctx, blk.side->done, due);
+    blk.side->done = due;
+  }
+}
 
 // The part of the next column pair's weights that step s of this pass prefetches into L2.
 inline void prefetch_next(const GemmArgs& a, const Block& blk, int64_t s) {
@@ -413,12 +425,14 @@ inline void prefetch_next(const GemmArgs& a, const Block& blk, int64_t s) {
   for (int j = 0; j < blk.next_blocks; ++j) prefetch(blk.next + j * a.b_block_stride + off, bytes, false, blk.next_stride);
 }
 
-// The part of the caller's next A rows that step s of this pass prefetches into L2 (not recorded by the emulated
-// build: the test checks the weight prefetches).
+// The part of the caller's next A rows that step s of this pass prefetches into L2.
 inline void prefetch_next_a(const Block& blk, int64_t s) {
   const int64_t off = blk.next_a_begin + (s - blk.s0) * blk.next_a_step;
   const int64_t end = std::min(blk.next_a_end, off + blk.next_a_step);
-  for (int64_t o = off; o < end; o += 64) _mm_prefetch(reinterpret_cast<const char*>(blk.next_a + o), _MM_HINT_T1);
+  for (int64_t o = off; o < end; o += 64) {
+    KT_RECORD_PREFETCH(blk.next_a + o, false);
+    _mm_prefetch(reinterpret_cast<const char*>(blk.next_a + o), _MM_HINT_T1);
+  }
 }
 
 // Prefetch for step s of a pass: B tiles kPrefetchSteps ahead into L1 (packed: bytes of a block per step),
@@ -456,6 +470,7 @@ void dense_block(const GemmArgs& a, const ARows& ar, const Block& blk, const uin
   for (int64_t s = blk.s0; s < blk.s1; ++s) {
     prefetch_step<RA, RB>(a, blk, s, b0, b1, kTileBytes, a0, sa0, a1, sa1, 64);
     tile_step<kBf16, RA, RB>(a0 + s * 64, sa0, a1 + s * 64, sa1, b0 + s * kTileBytes, b1 + s * kTileBytes);
+    if (blk.side != nullptr) run_side(blk, s);
   }
   if (!blk.finish) {
     store_c<RA, RB>(blk.cacc);
@@ -526,6 +541,7 @@ void int4_block(const GemmArgs& a, const ARows& ar, const Block& blk, uint8_t* u
       }
       tile_step<false, RA, RB>(a0 + s * kDepth, sa0, a1 + s * kDepth, sa1, u0 + s * kUnpackedStep,
                                u1 + s * kUnpackedStep);
+      if (blk.side != nullptr) run_side(blk, s);
     }
     store_c<RA, RB>(cbuf);
     for (int j = 0; j < RB; ++j) {
@@ -569,8 +585,9 @@ void run_block(const GemmArgs& a, const ARows& ar, const Block& blk, const Buffe
 //           column pair, or of the first column pair of the caller's next call (next_b), into L2
 //   kblock  first row pair of a chunk: the chunk's B tiles into L1; last row pair: the next chunk's first
 //           ones; every pass: 1/passes of the next column pair (or call) into L2
+// side_until: how much of the caller's side work (a.side) is due by the end of this walk.
 template <WeightFormat F>
-void tile_walk(const GemmArgs& a, const WalkOptions& w) {
+void tile_walk(const GemmArgs& a, const WalkOptions& w, int64_t side_until) {
   const int depth = F == WeightFormat::INT4 && a.group_size == 32 ? 32 : 64;
   load_tile_config(depth);
   const int64_t row_bytes = F == WeightFormat::BF16 ? 2 * a.K : a.K;
@@ -596,6 +613,7 @@ void tile_walk(const GemmArgs& a, const WalkOptions& w) {
   // the caller's next A rows: 1/passes of them during each pass of the walk (every column pair, chunk, row pair)
   const bool next_a = a.next_a != nullptr && a.next_a_bytes > 0 && g_next_a.load(std::memory_order_relaxed) != 0;
   const int64_t a_passes = static_cast<int64_t>((a.nblocks + 1) / 2) * chunks * row_pairs;
+  const int64_t side_from = a.side != nullptr ? a.side->done : 0;
   for (int b0 = 0; b0 < a.nblocks; b0 += 2) {
     const int nb = std::min(2, a.nblocks - b0);
     if (int8_tail) {  // rows 0-7: the blocks' last 8 k-quads; rows 8-15: zeros
@@ -658,6 +676,12 @@ void tile_walk(const GemmArgs& a, const WalkOptions& w) {
           blk.next_a_end = pass + 1 == a_passes ? a.next_a_bytes : a.next_a_bytes * (pass + 1) / a_passes / 64 * 64;
           blk.next_a_step = (blk.next_a_end - blk.next_a_begin + (s1 - s0) * 64 - 1) / ((s1 - s0) * 64) * 64;
         }
+        if (a.side != nullptr && s1 > s0) {  // (the walk's passes in order: pass / a_passes of the work due)
+          const int64_t pass = (b0 / 2 * chunks + c) * row_pairs + r;
+          blk.side = a.side;
+          blk.side_from = side_from + (side_until - side_from) * pass / a_passes;
+          blk.side_to = side_from + (side_until - side_from) * (pass + 1) / a_passes;
+        }
         if (na == 2 && nb == 2) run_block<F, 2, 2>(a, ar, blk, buf);
         else if (na == 2) run_block<F, 2, 1>(a, ar, blk, buf);
         else if (nb == 2) run_block<F, 1, 2>(a, ar, blk, buf);
@@ -683,7 +707,7 @@ void gemm_amx(const GemmArgs& a) {
     part.c = a.c + m0 * a.ldc;
     part.next_b = m0 + max_rows < a.M ? nullptr : a.next_b;  // a later walk of this call reuses this b from L2
     part.next_a = m0 + max_rows < a.M ? nullptr : a.next_a;
-    tile_walk<F>(part, w);
+    tile_walk<F>(part, w, a.side != nullptr ? a.side->units * (m0 + part.M) / a.M : 0);
   }
 }
 

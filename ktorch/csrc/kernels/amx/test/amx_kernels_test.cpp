@@ -188,9 +188,23 @@ void reference(const Problem& p, std::vector<double>& out, std::vector<double>& 
     }
 }
 
+// The side work a call is handed (GemmArgs::side): the ranges run must follow each other from 0 (`broken`
+// otherwise).
+struct SideLog {
+  int64_t next = 0;
+  bool broken = false;
+  static void run(void* self, int64_t u0, int64_t u1) {
+    auto& l = *static_cast<SideLog*>(self);
+    if (u0 != l.next || u1 <= u0) l.broken = true;
+    l.next = u1;
+  }
+};
+
 // Runs one gemm into a C buffer with a wider ldc and extra rows, all pre-filled with a sentinel. next_b: the
-// hint of the caller's next call (default: these weights again).
-std::vector<float> run(const Problem& p, GemmFn fn, int64_t ldc, int extra_rows, const uint8_t* next_b = nullptr) {
+// hint of the caller's next call (default: these weights again); next_a (next_a_bytes): its A rows; side: work
+// to interleave.
+std::vector<float> run(const Problem& p, GemmFn fn, int64_t ldc, int extra_rows, const uint8_t* next_b = nullptr,
+                       const std::vector<uint8_t>* next_a = nullptr, SideWork* side = nullptr) {
   std::vector<float> c((p.M + extra_rows) * ldc, -12345.0f);
   GemmArgs a;
   a.M = p.M;
@@ -212,6 +226,11 @@ std::vector<float> run(const Problem& p, GemmFn fn, int64_t ldc, int extra_rows,
   a.c = c.data();
   a.ldc = ldc;
   a.next_b = next_b != nullptr ? next_b : p.packed.data();  // a prefetch hint only: any readable weights
+  if (next_a != nullptr) {
+    a.next_a = next_a->data();
+    a.next_a_bytes = static_cast<int64_t>(next_a->size());
+  }
+  a.side = side;
   fn(a);
   return c;
 }
@@ -227,17 +246,30 @@ int g_next_stride = 1;          // KT_AMX_NEXT_PF under test: L2 prefetches only
 bool g_b_l1 = true;             // KT_AMX_B_L1_PF under test: false, no weight lines into L1
 
 #if defined(KT_AMX_EMULATE)
-// The weight lines the last call prefetched: inside the call's weights or the next call's, and with
-// g_full_next every line of the call's blocks 2.. and of the next call's first two blocks fetched into L2.
-// Returns what is wrong, or an empty string.
-std::string check_prefetches(const Problem& p, const std::vector<uint8_t>& next) {
-  const auto& lines = amx_emulation::prefetch_log().lines;
+// The lines the last call prefetched: inside the call's weights or the next call's, or (into L2) the next call's
+// A rows; with g_full_next every line of the call's blocks 2.. and of the next call's first two blocks fetched into
+// L2; with walked (the AMX walk ran, not the AVX-512 kernel) every line of the next A rows (KT_AMX_NEXT_A's
+// default). Returns what is wrong, or an empty string.
+std::string check_prefetches(const Problem& p, const std::vector<uint8_t>& next, const std::vector<uint8_t>& next_a,
+                             bool walked) {
+  auto lines = amx_emulation::prefetch_log().lines;
   const auto in = [](const void* q, const uint8_t* lo, size_t n) {
     return static_cast<const uint8_t*>(q) >= lo && static_cast<const uint8_t*>(q) < lo + n;
   };
-  for (const auto& l : lines)
-    if (!in(l.line, p.packed.data(), p.packed.size()) && !in(l.line, next.data(), next.size()))
-      return "prefetched a line outside the weights";
+  std::vector<char> seen_a((next_a.size() + 63) / 64, 0);
+  for (const auto& l : lines) {
+    if (in(l.line, next_a.data(), next_a.size())) {
+      if (l.to_l1) return "prefetched the next A rows into L1";
+      seen_a[(static_cast<const uint8_t*>(l.line) - next_a.data()) / 64] = 1;
+    } else if (!in(l.line, p.packed.data(), p.packed.size()) && !in(l.line, next.data(), next.size())) {
+      return "prefetched a line outside the weights and the next A rows";
+    }
+  }
+  if (walked)
+    for (char seen : seen_a)
+      if (!seen) return "the next call's A rows were not prefetched into L2 in full";
+  lines.erase(std::remove_if(lines.begin(), lines.end(), [&](const auto& l) { return in(l.line, next_a.data(), next_a.size()); }),
+              lines.end());
   for (const auto& l : lines) {
     if (l.to_l1 && !g_b_l1) return "prefetched B tiles into L1 under KT_AMX_B_L1_PF=0";
     if (!l.to_l1 && (g_next_stride == 0 || (reinterpret_cast<uintptr_t>(l.line) >> 6) % g_next_stride != 0))
@@ -273,16 +305,28 @@ void check_case(WeightFormat f, int M, int64_t K, int nblocks, int64_t group, bo
   const Problem p = make_problem(f, M, K, nblocks, group, strided);
   const int64_t cols = 16 * nblocks, ldc = cols + 16;
   std::vector<uint8_t> next(block_bytes(f, K) * nblocks, 0);  // the caller's next call's weights
+  std::vector<uint8_t> next_a(static_cast<size_t>(M) * 40 + 17, 0);  // its A rows (a length that ends mid-line)
+  SideLog side_log;
+  SideWork side;
+  side.run = &SideLog::run;
+  side.ctx = &side_log;
+  side.units = M + 5;
   std::string prefetch_error;
 #if defined(KT_AMX_EMULATE)
   amx_emulation::prefetch_log().lines.clear();
   amx_emulation::prefetch_log().on = g_check_prefetch;
 #endif
-  const std::vector<float> amx = run(p, amx_kernels().gemm[static_cast<int>(f)], ldc, 3, next.data());
+  const std::vector<float> amx = run(p, amx_kernels().gemm[static_cast<int>(f)], ldc, 3, next.data(), &next_a, &side);
+  // the side work: in order, and all of it where the tile walk ran (none where the call went to the AVX-512 kernel)
+  const bool walked = side.done == side.units;
+  std::string side_error;
+  if (side_log.broken || side_log.next != side.done || (side.done != 0 && !walked))
+    side_error = "ran its side work out of order or in part";
 #if defined(KT_AMX_EMULATE)
   amx_emulation::prefetch_log().on = false;
-  if (g_check_prefetch) prefetch_error = check_prefetches(p, next);
+  if (g_check_prefetch) prefetch_error = check_prefetches(p, next, next_a, walked);
 #endif
+  if (prefetch_error.empty()) prefetch_error = side_error;
   const std::vector<float> avx = run(p, avx512_kernels().gemm[static_cast<int>(f)], ldc, 3);
   std::vector<double> ref, mag;
   reference(p, ref, mag);
@@ -352,6 +396,8 @@ void check_walk_parsing() {
   check_env_values("KT_AMX_NEXT_PF", {"x", "-1", "2x", "65", "1.5"}, false);
   check_env_values("KT_AMX_B_L1_PF", {"", "0", "1"}, true);
   check_env_values("KT_AMX_B_L1_PF", {"x", "-1", "2", "1.5"}, false);  // a flag: 0 or 1
+  check_env_values("KT_AMX_NEXT_A", {"", "0", "1"}, true);
+  check_env_values("KT_AMX_NEXT_A", {"x", "-1", "2"}, false);  // a flag: 0 or 1
   amx_kernels();
 }
 
