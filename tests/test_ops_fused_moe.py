@@ -289,8 +289,8 @@ def test_dispatch_task_count_and_prefetch_knobs_keep_the_result(kernel, fmt, gro
     prefetch their weights; 0: off; 256 lines runs past the end of the last expert's weights, which a prefetch
     may), KT_DOWN_PIPELINE=0 (one gate/up and one down stage instead of one of each per expert group),
     KT_SCATTER_PF (rows the down projection's scatter prefetches ahead: 0, 1, more than a call's rows) and
-    KT_GLU_OVERLAP / KT_SCATTER_OVERLAP=0 (each kernel call's GLU or weighted scatter right after it instead of as
-    side work of the next call, which the AMX walks run between their tile steps)."""
+    KT_GLU_OVERLAP=0 (each gate/up kernel call's GLU right after it instead of as side work of the next call,
+    which the AMX walks run between their tile steps)."""
     E, K, H, I = 7, 3, 192, 320
     packed = make_experts(E, H, I, fmt, group_size)
     hidden = torch.randn(T, H).to(torch.bfloat16)
@@ -298,21 +298,19 @@ def test_dispatch_task_count_and_prefetch_knobs_keep_the_result(kernel, fmt, gro
     base = ktorch.fused_moe(hidden, ids, weights, packed)
     check_against_reference(base, hidden, ids, weights, packed, "silu", seed, f"T={T}")
     monkeypatch.setenv("KT_GATE_UP_TASKS", str(tasks))
-    for one, kb, ahead, pipe, spf, glu, scatter in (("1", "0", "0", "1", "0", "0", "1"), ("1", "1", "3", "0", "1", "1", "0"),
-                                                    ("1", "1024", "256", "1", "64", "1", "1"),
-                                                    ("0", "1024", "16", "1", "4", "0", "0"),
-                                                    ("0", "0", "16", "0", "0", "1", "1")):
+    for one, kb, ahead, pipe, spf, glu in (("1", "0", "0", "1", "0", "0"), ("1", "1", "3", "0", "1", "1"),
+                                           ("1", "1024", "256", "1", "64", "1"), ("0", "1024", "16", "1", "4", "0"),
+                                           ("0", "0", "16", "0", "0", "1")):
         monkeypatch.setenv("KT_ONE_DISPATCH", one)
         monkeypatch.setenv("KT_WAIT_PREFETCH_KB", kb)
         monkeypatch.setenv("KT_PREFETCH_AHEAD", ahead)
         monkeypatch.setenv("KT_DOWN_PIPELINE", pipe)
         monkeypatch.setenv("KT_SCATTER_PF", spf)
         monkeypatch.setenv("KT_GLU_OVERLAP", glu)
-        monkeypatch.setenv("KT_SCATTER_OVERLAP", scatter)
         out = ktorch.fused_moe(hidden, ids, weights, packed)
         assert torch.equal(out, base), (f"seed={seed}: T={T} KT_ONE_DISPATCH={one} KT_GATE_UP_TASKS={tasks} "
                                         f"KT_WAIT_PREFETCH_KB={kb} KT_PREFETCH_AHEAD={ahead} KT_DOWN_PIPELINE={pipe} "
-                                        f"KT_SCATTER_PF={spf} KT_GLU_OVERLAP={glu} KT_SCATTER_OVERLAP={scatter}")
+                                        f"KT_SCATTER_PF={spf} KT_GLU_OVERLAP={glu}")
 
 
 @pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)

@@ -5,7 +5,8 @@
 //   3. gate+up: tasks = (chunk of one expert's tokens, range of intermediate channels). A task copies its
 //      tokens' rows one line apart into its worker's buffer (evenly strided rows: AMX tile loads read
 //      them in place), then computes 32 gate + 32 up columns per kernel call and writes act(gate) * up into
-//      h[pair]. When there are enough chunks to keep every worker busy, a task covers all I channels of
+//      h[pair] (the GLU of a call runs as side work of the next call: the AMX walks interleave it with their tile
+//      products, vector work beside the tile unit; KT_GLU_OVERLAP=0: after each call). When there are enough chunks to keep every worker busy, a task covers all I channels of
 //      its rows, so it quantizes its h rows for the down projection itself (int formats) while they are in
 //      its cache; otherwise the channels are split over tasks and a separate pass quantizes h (or the
 //      caller's quantize_h, fused_moe.h: the NUMA split).
@@ -60,8 +61,9 @@ constexpr int64_t kGateUpRows = 256;  // rows per gate/up task (bounded per-work
 // expert; with 128 half the experts made a second call of ~10 rows that read the weights again)
 constexpr int64_t kDownRows = 256;
 constexpr int64_t kDownCols = 16 * kernels::kMaxBlocks;  // columns per down kernel call
-// a worker's kernel-output buffer holds two of these (gate/up and down alternate between its halves)
-constexpr int64_t kWorkerCHalf = std::max(kGateUpRows * 64, kDownRows * kDownCols);
+// a worker's kernel-output buffer: two gate/up outputs (the calls alternate between them: Part::gate_up), or one down
+constexpr int64_t kGateUpC = kGateUpRows * 64;
+constexpr int64_t kWorkerC = std::max(2 * kGateUpC, kDownRows * kDownCols);
 constexpr int64_t kDownGroups = 2;    // down-projection expert groups (see step 4)
 constexpr int64_t kMaxDownGroups = 16;  // KT_DOWN_GROUPS' largest
 
@@ -539,8 +541,6 @@ class Part {
     separate_quantize_ = s.int_fmt && !full_rows_ && !caller_quantizes_h;
     // KT_GLU_OVERLAP=0: each gate/up call's GLU right after it, on its own (default 1: as side work of the next call)
     glu_overlap_ = env_count("KT_GLU_OVERLAP", 1, 1, 0) == 1;
-    // KT_SCATTER_OVERLAP=0: each down call's weighted scatter right after it (default 1: as side work of the next)
-    scatter_overlap_ = env_count("KT_SCATTER_OVERLAP", 1, 1, 0) == 1;
     // Down-projection expert groups (step 4), and the stage groups of the pipeline: with no pass quantizing all of
     // h between gate/up and down, each group's gate/up tasks and down tasks are stages of their own, the down
     // stage of group g waiting only for group g's gate/up. Workers pull the gate/up tasks of group 0, then of
@@ -674,7 +674,7 @@ class Part {
     Glu pending;
     bool has_pending = false;
     for (int64_t g = g0; g < g1; ++g) {
-      float* cg = c + ((g - g0) & 1) * kWorkerCHalf;
+      float* cg = c + ((g - g0) & 1) * kGateUpC;
       kernels::GemmArgs a;
       a.M = static_cast<int>(ch.n);
       a.K = s.up.K;
@@ -758,12 +758,8 @@ class Part {
     float* c = s.wc.data_ptr<float>() + worker * s.wc.size(1);
     const size_t down_block = kernels::block_bytes(s.fmt, s.down.K);
     times.lap(worker, WorkerTimes::kOther, t_mark);
-    // With scatter_overlap_ the weighted scatter of call j is side work of call j + 1 (the AMX walks run it beside
-    // their tile products); c alternates between two halves of the worker's buffer. The scatters still run in call
-    // order, so every accumulator row adds its experts in the same order.
-    Scatter pending;
-    bool has_pending = false;
-    int64_t call = 0;
+    // (the weighted scatter right after each call: run as side work of the next call, between its tile steps, it
+    // made the layer slower, int8 T=2048 16.7 ms against 14.5: stores that miss hold up the tile loads; RESULTS.md)
     for (int64_t i = group_start_[g]; i < group_start_[g + 1]; ++i) {
       const int64_t e = active_[i];
       for (int64_t p0 = offset_[e]; p0 < offset_[e + 1]; p0 += kDownRows) {
@@ -800,29 +796,16 @@ class Part {
               a.next_a_bytes = std::min(kDownRows, next_end - next_p) * (s.int_fmt ? s.I : 2 * s.I);
             }
           }
-          float* cc = c + (call++ & 1) * kWorkerCHalf;
-          a.c = cc;
+          a.c = c;
           a.ldc = kDownCols;
-          kernels::SideWork side;
-          if (has_pending) {
-            side.run = &Scatter::run;
-            side.ctx = &pending;
-            side.units = pending.rows;
-            a.side = &side;
-          }
           s.ks.gemm[static_cast<int>(s.fmt)](a);
           times.lap(worker, WorkerTimes::kKernel, t_mark);
-          if (has_pending && side.done < side.units) Scatter::run(&pending, side.done, side.units);
-          pending = Scatter{&s.ks, cc, M, 16 * a.nblocks, pair_weight_.data() + p0, pair_token_.data() + p0,
-                            pair_first_.data() + p0, accg + 16 * cb, H};
-          has_pending = scatter_overlap_;
-          if (!has_pending) Scatter::run(&pending, 0, M);
+          s.ks.scatter_add(c, kDownCols, M, 16 * a.nblocks, pair_weight_.data() + p0, pair_token_.data() + p0,
+                           pair_first_.data() + p0, accg + 16 * cb, H);
           times.lap(worker, WorkerTimes::kEpilogue, t_mark);
         }
       }
     }
-    if (has_pending) Scatter::run(&pending, 0, pending.rows);  // the last call's
-    times.lap(worker, WorkerTimes::kEpilogue, t_mark);
     // the last group task of this range sums the groups that have the token, in group order, into the output
     if (range_done_[r].fetch_add(1, std::memory_order_acq_rel) != groups_ - 1 || acc_is_out_) return;
     auto* out = static_cast<char*>(out_.data_ptr()) + c0 * out_.element_size();
@@ -839,23 +822,6 @@ class Part {
  private:
   struct Chunk {
     int64_t e, p0, n;
-  };
-  // The weighted scatter of one down kernel call (its c: kDownCols floats a row) into the accumulator rows of its
-  // pairs' tokens; as kernels::SideWork, rows [r0, r1).
-  struct Scatter {
-    const kernels::KernelSet* ks = nullptr;
-    const float* c = nullptr;
-    int64_t rows = 0, n = 0;
-    const float* w = nullptr;
-    const int64_t* tokens = nullptr;
-    const uint8_t* first = nullptr;
-    float* acc = nullptr;
-    int64_t ldd = 0;
-    static void run(void* self, int64_t r0, int64_t r1) {
-      const Scatter& u = *static_cast<const Scatter*>(self);
-      u.ks->scatter_add(u.c + r0 * kDownCols, kDownCols, static_cast<int>(r1 - r0), u.n, u.w + r0, u.tokens + r0,
-                        u.first + r0, u.acc, u.ldd);
-    }
   };
   // The GLU of one gate/up kernel call (32 gate + 32 up columns, c with 64 columns a row) into h, fp32 or bf16
   // (ldo elements a row); as kernels::SideWork, rows [r0, r1).
@@ -883,8 +849,7 @@ class Part {
   int64_t stage_groups_ = 1;
   int64_t ugroups_ = 0, splits_ = 1;
   bool full_rows_ = false, separate_quantize_ = false;
-  bool glu_overlap_ = true;      // KT_GLU_OVERLAP (see gate_up)
-  bool scatter_overlap_ = true;  // KT_SCATTER_OVERLAP (see down)
+  bool glu_overlap_ = true;  // KT_GLU_OVERLAP (see gate_up)
   at::Tensor h_, hq_, hs_, hg_, acc_;
   std::vector<const void*> h_rows_;
   int64_t ranges_ = 1, groups_ = 1;
@@ -1012,7 +977,7 @@ void run_call(WeightFormat fmt, const at::Tensor& hidden_in, const at::Tensor& i
   s.wa = ws.take(Workspace::kWorkerA, {workers, kGateUpRows * s.a_ld}, at::kByte);
   s.wsc = ws.take(Workspace::kWorkerScale, {workers, kGateUpRows}, at::kFloat);
   s.wgs = ws.take(Workspace::kWorkerGsum, {workers, kGateUpRows * s.x_groups}, at::kInt);
-  s.wc = ws.take(Workspace::kWorkerC, {workers, 2 * kWorkerCHalf}, at::kFloat);
+  s.wc = ws.take(Workspace::kWorkerC, {workers, kWorkerC}, at::kFloat);
 
   // ---- 3, 4 for each part, as stages: activations; then per part gate/up, h quantization, down
   WorkerTimes gu_times(timer.on(), workers), down_times(timer.on(), workers);
