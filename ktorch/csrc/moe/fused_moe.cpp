@@ -5,8 +5,9 @@
 //   3. gate+up: tasks = (chunk of one expert's tokens, range of intermediate channels). A task copies its
 //      tokens' rows one line apart into its worker's buffer (evenly strided rows: AMX tile loads read
 //      them in place), then computes 32 gate + 32 up columns per kernel call and writes act(gate) * up into
-//      h[pair] (the GLU of a call runs as side work of the next call: the AMX walks interleave it with their tile
-//      products, vector work beside the tile unit; KT_GLU_OVERLAP=0: after each call). When there are enough chunks to keep every worker busy, a task covers all I channels of
+//      h[pair] (int formats, a task covering all I channels: the GLU of a call runs as side work of the next call,
+//      which the AMX walks interleave with their tile products, vector work beside the tile unit; KT_GLU_OVERLAP=0:
+//      after each call). When there are enough chunks to keep every worker busy, a task covers all I channels of
 //      its rows, so it quantizes its h rows for the down projection itself (int formats) while they are in
 //      its cache; otherwise the channels are split over tasks and a separate pass quantizes h (or the
 //      caller's quantize_h, fused_moe.h: the NUMA split).
@@ -669,8 +670,11 @@ class Part {
       else u.f32 = (full_rows_ ? hrows : h_.data_ptr<float>() + ch.p0 * I) + 32 * g;
       return u;
     };
-    // With glu_overlap_ the GLU of call g is side work of call g + 1 (the AMX walks run it beside their tile
-    // products); c alternates between two halves of the worker's buffer. Same GLU, same values either way.
+    // With overlap the GLU of call g is side work of call g + 1 (the AMX walks run it beside their tile products);
+    // c alternates between two halves of the worker's buffer. Same GLU, same values either way. Only where the GLU
+    // writes the worker's own rows (int formats, full rows): its stores into the shared h (bf16, or split
+    // channels) miss the caches and held the tiles up (bf16 T=2048 1-6% slower on the device; RESULTS.md).
+    const bool overlap = glu_overlap_ && s.int_fmt && full_rows_;
     Glu pending;
     bool has_pending = false;
     for (int64_t g = g0; g < g1; ++g) {
@@ -705,7 +709,7 @@ class Part {
       times.lap(worker, WorkerTimes::kKernel, t_mark);
       if (has_pending && side.done < side.units) Glu::run(&pending, side.done, side.units);
       pending = glu_of(g, cg);
-      has_pending = glu_overlap_ && g + 1 < g1;
+      has_pending = overlap && g + 1 < g1;
       if (!has_pending) Glu::run(&pending, 0, a.M);
       times.lap(worker, WorkerTimes::kEpilogue, t_mark);
     }
