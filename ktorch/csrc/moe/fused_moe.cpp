@@ -579,8 +579,8 @@ class Part {
     h_rows_.resize(P_);
     {
       const auto* base = s.int_fmt ? static_cast<const uint8_t*>(hq_.data_ptr()) : static_cast<const uint8_t*>(h_.data_ptr());
-      const int64_t row_bytes = s.int_fmt ? I : 2 * I;
-      for (int64_t p = 0; p < P_; ++p) h_rows_[p] = base + p * row_bytes;
+      h_row_bytes_ = s.int_fmt ? I : 2 * I;
+      for (int64_t p = 0; p < P_; ++p) h_rows_[p] = base + p * h_row_bytes_;
     }
     const int64_t hblocks = s.H / 16, nactive = static_cast<int64_t>(active_.size());
     ranges_ = std::min(hblocks, env_count("KT_DOWN_RANGES", s.workers <= 4 ? 2 * s.workers : s.workers, 4096));
@@ -797,7 +797,7 @@ class Part {
             }
             if (next_p >= 0) {  // (h rows follow each other: pairs are grouped by expert)
               a.next_a = static_cast<const uint8_t*>(h_rows_[next_p]);
-              a.next_a_bytes = std::min(kDownRows, next_end - next_p) * (s.int_fmt ? s.I : 2 * s.I);
+              a.next_a_bytes = std::min(kDownRows, next_end - next_p) * h_row_bytes_;
             }
           }
           a.c = c;
@@ -855,7 +855,8 @@ class Part {
   bool full_rows_ = false, separate_quantize_ = false;
   bool glu_overlap_ = true;  // KT_GLU_OVERLAP (see gate_up)
   at::Tensor h_, hq_, hs_, hg_, acc_;
-  std::vector<const void*> h_rows_;
+  std::vector<const void*> h_rows_;  // the down projection's input rows, h_row_bytes_ apart (pairs in expert order)
+  int64_t h_row_bytes_ = 0;
   int64_t ranges_ = 1, groups_ = 1;
   std::vector<int64_t> group_start_;
   bool acc_is_out_ = false;

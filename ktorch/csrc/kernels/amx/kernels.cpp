@@ -407,6 +407,19 @@ struct Block {
   int64_t side_from = 0, side_to = 0;  //   over its steps from side_from
 };
 
+// Bytes [begin, end) of `bytes` that pass `pass` of `passes` prefetches (64-byte aligned; the last pass to the end),
+// `step` of them a k step over the pass's `steps` steps.
+struct PassSlice {
+  int64_t begin, end, step;
+};
+inline PassSlice pass_slice(int64_t bytes, int64_t pass, int64_t passes, int64_t steps) {
+  PassSlice p;
+  p.begin = bytes * pass / passes / 64 * 64;
+  p.end = pass + 1 == passes ? bytes : bytes * (pass + 1) / passes / 64 * 64;
+  p.step = (p.end - p.begin + steps * 64 - 1) / (steps * 64) * 64;
+  return p;
+}
+
 // The caller's side work due by the end of step s of this pass (after the step's tile products are issued, so the
 // vector work runs beside them).
 inline void run_side(const Block& blk, int64_t s) {
@@ -664,23 +677,24 @@ void tile_walk(const GemmArgs& a, const WalkOptions& w, int64_t side_until) {
           if (w.walk != Walk::Pairs || r == row_pairs - 1) {
             blk.next = next;
             blk.next_blocks = next_blocks;
-            blk.next_begin = bb * pass / passes / 64 * 64;
-            blk.next_end = pass + 1 == passes ? bb : bb * (pass + 1) / passes / 64 * 64;
-            blk.next_step = (blk.next_end - blk.next_begin + (s1 - s0) * 64 - 1) / ((s1 - s0) * 64) * 64;
+            const PassSlice ps = pass_slice(bb, pass, passes, s1 - s0);
+            blk.next_begin = ps.begin;
+            blk.next_end = ps.end;
+            blk.next_step = ps.step;
           }
         }
+        const int64_t walk_pass = (b0 / 2 * chunks + c) * row_pairs + r;  // this pass among the walk's a_passes
         if (next_a && s1 > s0) {
-          const int64_t pass = (b0 / 2 * chunks + c) * row_pairs + r;
+          const PassSlice ps = pass_slice(a.next_a_bytes, walk_pass, a_passes, s1 - s0);
           blk.next_a = a.next_a;
-          blk.next_a_begin = a.next_a_bytes * pass / a_passes / 64 * 64;
-          blk.next_a_end = pass + 1 == a_passes ? a.next_a_bytes : a.next_a_bytes * (pass + 1) / a_passes / 64 * 64;
-          blk.next_a_step = (blk.next_a_end - blk.next_a_begin + (s1 - s0) * 64 - 1) / ((s1 - s0) * 64) * 64;
+          blk.next_a_begin = ps.begin;
+          blk.next_a_end = ps.end;
+          blk.next_a_step = ps.step;
         }
-        if (a.side != nullptr && s1 > s0) {  // (the walk's passes in order: pass / a_passes of the work due)
-          const int64_t pass = (b0 / 2 * chunks + c) * row_pairs + r;
+        if (a.side != nullptr && s1 > s0) {  // (walk_pass / a_passes of the work due)
           blk.side = a.side;
-          blk.side_from = side_from + (side_until - side_from) * pass / a_passes;
-          blk.side_to = side_from + (side_until - side_from) * (pass + 1) / a_passes;
+          blk.side_from = side_from + (side_until - side_from) * walk_pass / a_passes;
+          blk.side_to = side_from + (side_until - side_from) * (walk_pass + 1) / a_passes;
         }
         if (na == 2 && nb == 2) run_block<F, 2, 2>(a, ar, blk, buf);
         else if (na == 2) run_block<F, 2, 1>(a, ar, blk, buf);
