@@ -18,6 +18,9 @@ measures for itself at start: DRAM read bandwidth (a large fp32 sum) and the dot
     python benchmarks/bench_fused_moe.py --shapes qwen3 --tokens 1 512 --impls ktorch-int8 eager
     python benchmarks/bench_fused_moe.py --shapes qwen3 --tokens 512 --impls ktorch-int8 --profile
 
+--pages huge 4k: the ktorch rows on both kinds of pages, taking turns (ktorch's pack ops allocate packed weights on
+transparent huge pages, so "huge", the default, is what users get; the rows on 4 KiB pages are named .../4k).
+
 --profile: after timing each ktorch row, a few more calls run with KT_PROFILE=1 (the op prints its phase
 times to stderr, see ktorch/csrc/moe/fused_moe.cpp); their per-phase medians are printed under the row.
 
@@ -122,17 +125,30 @@ def read_bandwidth(nbytes: int = 2 << 30) -> float:
     return nbytes / best
 
 
-def random_packed(E: int, H: int, I: int, fmt: str, group_size: int = 128) -> ktorch.PackedExperts:
-    """Random weights directly in the packed layout (valid packed weights; no unpacked master copy)."""
+def weights_buffer(shape, dtype: torch.dtype, pages: str = "huge") -> torch.Tensor:
+    """An uninitialized tensor for packed weights: on transparent huge pages as ktorch's pack ops allocate them
+    (pages "huge": madvise before the first touch, where THP allows it) or on whatever pages the allocator gives
+    ("4k": with THP "madvise", as on the device, 4 KiB pages)."""
+    if pages == "huge":
+        return ktorch.ops.moe.empty_weights(shape, dtype)
+    if pages == "4k":
+        return torch.empty(shape, dtype=dtype)
+    raise ValueError(f"pages must be 'huge' or '4k', got {pages!r}")
+
+
+def random_packed(E: int, H: int, I: int, fmt: str, group_size: int = 128, pages: str = "huge") -> ktorch.PackedExperts:
+    """Random weights directly in the packed layout (valid packed weights; no unpacked master copy), on the pages
+    of weights_buffer."""
 
     def mat(N, K):
         if fmt == "bf16":
-            return torch.randn(E, N // 16, K // 2, 16, 2, dtype=torch.bfloat16).mul_(K**-0.5), None
+            w = weights_buffer((E, N // 16, K // 2, 16, 2), torch.bfloat16, pages)
+            return w.normal_().mul_(K**-0.5), None
         scale_groups = 1 if fmt == "int8" else K // group_size
         scales = torch.rand(E, scale_groups, N).add_(0.5).mul_(K**-0.5 / (64 if fmt == "int8" else 4))
         if fmt == "int8":
-            return torch.randint(-127, 128, (E, N // 16, K // 4, 16, 4), dtype=torch.int8), scales
-        return torch.randint(0, 256, (E, N // 16, K // 8, 16, 4), dtype=torch.uint8), scales
+            return weights_buffer((E, N // 16, K // 4, 16, 4), torch.int8, pages).random_(-127, 128), scales
+        return weights_buffer((E, N // 16, K // 8, 16, 4), torch.uint8, pages).random_(0, 256), scales
 
     w13, s13 = mat(2 * I, H)
     w2, s2 = mat(H, I)
@@ -255,6 +271,10 @@ def main() -> None:
                          "every call, e.g. KT_DOWN_RANGES=32,KT_DOWN_GROUPS=2; '-' for none); replaces --amx-walks")
     ap.add_argument("--amx-walks", nargs="+", default=None,
                     help="time each ktorch row under each of these KT_AMX_WALK values (default: the environment's)")
+    ap.add_argument("--pages", nargs="+", default=["huge"], choices=["huge", "4k"],
+                    help="pages of the ktorch rows' packed weights: huge (what ktorch's pack ops give, the default) "
+                         "and/or 4k; with both, each ktorch row is timed on both sets of layer copies, taking turns "
+                         "(rows named e.g. ktorch-int8/4k)")
     ap.add_argument("--memory-budget-gb", type=float, default=None,
                     help="skip an implementation whose layer copies would exceed this (default: 70%% of RAM)")
     args = ap.parse_args()
@@ -274,22 +294,26 @@ def main() -> None:
     for shape in args.shapes:
         E, K, H, I = SHAPES[shape]
         for impl in args.impls:
+            pages = args.pages if impl.startswith("ktorch") else [None]
             per_layer = E * expert_bytes(impl, H, I)
-            n_layers = max(1, min(math.ceil(16 * l3 / per_layer), int(budget // per_layer)))
-            if per_layer * n_layers > budget:
-                print(f"skip {impl} on {shape}: {n_layers} x {per_layer / 2**30:.1f} GiB exceeds the memory budget")
+            n_layers = max(1, min(math.ceil(16 * l3 / per_layer), int(budget // (per_layer * len(pages)))))
+            if per_layer * n_layers * len(pages) > budget:
+                print(f"skip {impl} on {shape}: {len(pages)} x {n_layers} x {per_layer / 2**30:.1f} GiB exceeds the "
+                      "memory budget")
                 continue
-            print(f"{impl} on {shape}: {n_layers} layer copies of {per_layer / 2**30:.2f} GiB", flush=True)
+            print(f"{impl} on {shape}: {n_layers} layer copies of {per_layer / 2**30:.2f} GiB"
+                  + (f" on each of {'/'.join(pages)} pages" if pages != [None] else ""), flush=True)
             if impl.startswith("ktorch"):
                 fmt = impl.split("-")[1]
-                layers = [random_packed(E, H, I, fmt) for _ in range(n_layers)]
+                layer_sets = {page: [random_packed(E, H, I, fmt, pages=page) for _ in range(n_layers)] for page in pages}
+                print(f"    {huge_pages_note()}", flush=True)
 
                 def fn(layer, ids, w, x):
                     return ktorch.fused_moe(x, ids, w, layer)
 
                 peak_kind = "bf16" if fmt == "bf16" else "int8"
             else:
-                layers = [hf_experts(E, H, I, impl) for _ in range(n_layers)]
+                layer_sets = {None: [hf_experts(E, H, I, impl) for _ in range(n_layers)]}
 
                 def fn(layer, ids, w, x):
                     with torch.no_grad():
@@ -302,25 +326,28 @@ def main() -> None:
             for T in args.tokens:
                 routings = routings_for(T, E, K, H, 8)
                 for walk in walks:
-                    label = impl if walk is None else f"{impl}/{walk}"
-                    try:
-                        with variant_env(walk, bool(args.env_variants)):
-                            sec = time_calls(fn, layers, routings, args.min_calls, args.min_seconds)
-                    except (RuntimeError, NotImplementedError) as err:
-                        print(f"{label} T={T}: failed: {str(err).splitlines()[0]}")
-                        continue
-                    distinct = statistics.mean(len(torch.unique(r[0])) for r in routings)
-                    flops = 6 * H * I * K * T
-                    gbs = distinct * expert_bytes(impl, H, I) / sec / 1e9
-                    rows.append((shape, label, T, sec * 1e3, T / sec, flops / sec / 1e12, gbs,
-                                 100 * gbs * 1e9 / bw, 100 * flops / sec / peak[peak_kind]))
-                    print("{:<9} {:<12} T={:<5} {:9.3f} ms {:10.0f} tok/s {:7.3f} TFLOPS {:7.1f} GB/s "
-                          "({:5.1f}% BW, {:5.1f}% peak)".format(*rows[-1]), flush=True)
-                    if args.profile and impl.startswith("ktorch"):
-                        with variant_env(walk, bool(args.env_variants)):
-                            phases = profile_phases(fn, layers, routings)
-                        print("    phases (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in phases.items()), flush=True)
-            del layers
+                    for page, layers in layer_sets.items():
+                        label = impl if walk is None else f"{impl}/{walk}"
+                        label += "/4k" if page == "4k" else ""
+                        try:
+                            with variant_env(walk, bool(args.env_variants)):
+                                sec = time_calls(fn, layers, routings, args.min_calls, args.min_seconds)
+                        except (RuntimeError, NotImplementedError) as err:
+                            print(f"{label} T={T}: failed: {str(err).splitlines()[0]}")
+                            continue
+                        distinct = statistics.mean(len(torch.unique(r[0])) for r in routings)
+                        flops = 6 * H * I * K * T
+                        gbs = distinct * expert_bytes(impl, H, I) / sec / 1e9
+                        rows.append((shape, label, T, sec * 1e3, T / sec, flops / sec / 1e12, gbs,
+                                     100 * gbs * 1e9 / bw, 100 * flops / sec / peak[peak_kind]))
+                        print("{:<9} {:<12} T={:<5} {:9.3f} ms {:10.0f} tok/s {:7.3f} TFLOPS {:7.1f} GB/s "
+                              "({:5.1f}% BW, {:5.1f}% peak)".format(*rows[-1]), flush=True)
+                        if args.profile and impl.startswith("ktorch"):
+                            with variant_env(walk, bool(args.env_variants)):
+                                phases = profile_phases(fn, layers, routings)
+                            print("    phases (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in phases.items()),
+                                  flush=True)
+            del layer_sets, layers
             gc.collect()
 
     print()

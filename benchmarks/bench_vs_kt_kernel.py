@@ -157,11 +157,17 @@ def master_experts(n: int, H: int, I: int, seed: int):
     return gate_up, down
 
 
-def tiled(t, E: int):
-    """t [D, ...] repeated along dim 0 to E entries (expert e = t[e % D]), contiguous."""
+def tiled(t, E: int, huge_pages: bool = False):
+    """t [D, ...] repeated along dim 0 to E entries (expert e = t[e % D]), contiguous; huge_pages: in memory advised
+    onto transparent huge pages before its first touch, as ktorch's pack ops allocate packed weights."""
     import torch
 
-    return t[torch.arange(E) % t.shape[0]].contiguous()
+    index = torch.arange(E) % t.shape[0]
+    if not huge_pages:
+        return t[index].contiguous()
+    from ktorch.ops.moe import empty_weights
+
+    return torch.index_select(t, 0, index, out=empty_weights((E, *t.shape[1:]), t.dtype))
 
 
 def random_routing(T: int, E: int, K: int, rng):
@@ -310,11 +316,14 @@ def child_ktorch(spec: dict) -> None:
     for i in range(n):
         gate_up, down = master_experts(spec["distinct_experts"], H, I, seed=i)
         p = ktorch.pack_experts(gate_up, down, dtype=fmt, group_size=gs)
-        layers.append(ktorch.PackedExperts(tiled(p.w13, E), None if p.w13_scales is None else tiled(p.w13_scales, E),
-                                           tiled(p.w2, E), None if p.w2_scales is None else tiled(p.w2_scales, E),
+        layers.append(ktorch.PackedExperts(tiled(p.w13, E, True), None if p.w13_scales is None else tiled(p.w13_scales, E),
+                                           tiled(p.w2, E, True), None if p.w2_scales is None else tiled(p.w2_scales, E),
                                            p.format, p.group_size))
         del gate_up, down, p
-    print(f"    ktorch {fmt}: {n} layers x {per_layer / 2**30:.2f} GiB packed in {time.perf_counter() - t0:.0f} s",
+    from bench_fused_moe import huge_pages_note
+
+    print(f"    ktorch {fmt}: {n} layers x {per_layer / 2**30:.2f} GiB packed in {time.perf_counter() - t0:.0f} s; "
+          f"{huge_pages_note()}",
           flush=True)
 
     def call(layer, x, ids, w):

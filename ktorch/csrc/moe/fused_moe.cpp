@@ -286,6 +286,13 @@ void row_to_f32(const at::Tensor& src, int64_t r, float* dst) {
     }
     case at::kBFloat16: {
       const uint16_t* p = reinterpret_cast<const uint16_t*>(src.data_ptr<at::BFloat16>()) + r * src.stride(0);
+      if (st == 1) {  // the usual case, in a loop the compiler vectorizes (a strided one it does not)
+        for (int64_t c = 0; c < C; ++c) {
+          const uint32_t bits = static_cast<uint32_t>(p[c]) << 16;
+          std::memcpy(dst + c, &bits, 4);
+        }
+        break;
+      }
       for (int64_t c = 0; c < C; ++c) {
         const uint32_t bits = static_cast<uint32_t>(p[c * st]) << 16;
         std::memcpy(dst + c, &bits, 4);
