@@ -314,12 +314,13 @@ def test_dispatch_task_count_and_prefetch_knobs_keep_the_result(kernel, fmt, gro
 
 
 @pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)
-@pytest.mark.parametrize("ranges,groups", [(1, 1), (3, 1), (5, 2), (40, 3), (7, 16)])
+@pytest.mark.parametrize("ranges,groups", [(1, 1), (3, 1), (5, 2), (2, 2), (3, 4), (40, 3), (7, 16)])
 def test_down_task_grid_knobs(kernel, fmt, group_size, ranges, groups, monkeypatch, seed):
     """KT_DOWN_RANGES / KT_DOWN_GROUPS reshape the down projection's task grid (column ranges x expert groups,
     each group with its own accumulator, and with the pipeline a gate/up and a down stage of its own): the result
-    stays within tolerance of the reference and does not change without the pipeline, and with one group the sum
-    order does not depend on the ranges, so outputs are equal bit for bit."""
+    stays within tolerance of the reference and does not change without the pipeline or with the last down stage's
+    ranges cut finer (KT_DOWN_TAIL), and with one group the sum order does not depend on the ranges, so outputs are
+    equal bit for bit."""
     E, K, H, I, T = 9, 3, 160, 96, 37
     packed = make_experts(E, H, I, fmt, group_size)
     hidden = torch.randn(T, H).to(torch.bfloat16)
@@ -333,8 +334,15 @@ def test_down_task_grid_knobs(kernel, fmt, group_size, ranges, groups, monkeypat
     monkeypatch.setenv("KT_DOWN_RANGES", str(ranges))
     again = ktorch.fused_moe(hidden, ids, weights, packed)
     assert torch.equal(again, out), f"seed={seed}: the same call gave another result"
+    for tail in (2, 3, 16):  # the pipeline's last down stage on narrower ranges: the same sums, columns cut finer
+        monkeypatch.setenv("KT_DOWN_TAIL", str(tail))
+        assert torch.equal(ktorch.fused_moe(hidden, ids, weights, packed), out), f"seed={seed}: KT_DOWN_TAIL={tail} differs"
+    monkeypatch.delenv("KT_DOWN_TAIL")
     monkeypatch.setenv("KT_DOWN_PIPELINE", "0")  # one gate/up and one down stage: the same sums
     assert torch.equal(ktorch.fused_moe(hidden, ids, weights, packed), out), f"seed={seed}: KT_DOWN_PIPELINE=0 differs"
+    monkeypatch.setenv("KT_DOWN_TAIL", "4")  # (no pipeline: no last stage to cut)
+    assert torch.equal(ktorch.fused_moe(hidden, ids, weights, packed), out), f"seed={seed}: KT_DOWN_TAIL without pipeline"
+    monkeypatch.delenv("KT_DOWN_TAIL")
     monkeypatch.delenv("KT_DOWN_PIPELINE")
     if groups == 1:
         monkeypatch.setenv("KT_DOWN_GROUPS", "1")

@@ -592,6 +592,12 @@ class Part {
     }
     const int64_t hblocks = s.H / 16, nactive = static_cast<int64_t>(active_.size());
     ranges_ = std::min(hblocks, env_count("KT_DOWN_RANGES", s.workers <= 4 ? 2 * s.workers : s.workers, 4096));
+    // KT_DOWN_TAIL=n (read on every call): the last down stage of the pipeline cuts each range into n narrower ones,
+    // so that the call ends on shorter tasks (the last stage's tasks start together when its gate/up ends, and the
+    // phase waited for the slowest of them). Ranges only split columns: the sums are the same for any n.
+    const int64_t tail = env_count("KT_DOWN_TAIL", 1, 16);  // (read always: a bad value is an error always)
+    tail_ = stage_groups_ > 1 ? std::max<int64_t>(1, std::min(tail, hblocks / ranges_)) : 1;
+    fine_ = ranges_ * tail_;
     group_start_.assign(groups_ + 1, nactive);  // group g: active[group_start[g] .. group_start[g + 1])
     for (int64_t g = 0, i = 0; g < groups_; ++g) {
       while (i < nactive && active_[i] * groups_ < E * g) ++i;
@@ -611,20 +617,31 @@ class Part {
           pair_first_[p] = seen == 0;
           seen = 1;
         }
-    range_done_.reset(new std::atomic<int>[ranges_]);
-    for (int64_t r = 0; r < ranges_; ++r) range_done_[r].store(0, std::memory_order_relaxed);
+    range_done_.reset(new std::atomic<int>[fine_]);
+    for (int64_t f = 0; f < fine_; ++f) range_done_[f].store(0, std::memory_order_relaxed);
   }
 
   int64_t pairs() const { return P_; }
   int64_t experts() const { return static_cast<int64_t>(active_.size()); }
   // Stage groups (see the plan): 1, or one per down group. Gate/up tasks of stage group g: first_gate_up_task(g)
-  // + [0, gate_up_tasks(g)); down tasks: down_task(g, [0, down_tasks())), as many in every stage group.
+  // + [0, gate_up_tasks(g)); down tasks: down_task(g, [0, down_tasks(g))).
   int64_t stage_groups() const { return stage_groups_; }
   int64_t gate_up_tasks(int64_t g) const { return (chunk_start_[g + 1] - chunk_start_[g]) * splits_; }
   int64_t first_gate_up_task(int64_t g) const { return chunk_start_[g] * splits_; }
   int64_t quantize_tasks() const { return separate_quantize_ ? (P_ + 15) / 16 : 0; }
-  int64_t down_tasks() const { return P_ == 0 ? 0 : stage_groups_ == 1 ? ranges_ * groups_ : ranges_; }
-  int64_t down_task(int64_t g, int64_t task) const { return stage_groups_ == 1 ? task : task * groups_ + g; }
+  // A down task: group g's column ranges [f0, f1) of the fine grid (fine_ = ranges_ * tail_ ranges; a range of the
+  // coarse grid is tail_ fine ones, so both grids cut H at the same places).
+  struct DownTask {
+    int64_t g, f0, f1;
+  };
+  int64_t down_tasks(int64_t g) const {
+    return P_ == 0 ? 0 : stage_groups_ == 1 ? ranges_ * groups_ : g == stage_groups_ - 1 ? fine_ : ranges_;
+  }
+  DownTask down_task(int64_t g, int64_t task) const {
+    if (stage_groups_ == 1) return {task % groups_, task / groups_ * tail_, (task / groups_ + 1) * tail_};
+    if (g == stage_groups_ - 1) return {g, task, task + 1};
+    return {g, task * tail_, (task + 1) * tail_};
+  }
 
   // The task grids, shared by the tasks and by what they read (gate_up_reads, down_reads). Gate/up task `task`:
   // chunk chunks_[task / splits_], channel groups [g0, g1) of 32 gate + 32 up columns (4 packed blocks each).
@@ -636,10 +653,10 @@ class Part {
   const uint8_t* up_group(int64_t e, int64_t g) const {
     return s_.up_base + (e * (s_.up.N / 16) + 4 * g) * kernels::block_bytes(s_.fmt, s_.up.K);
   }
-  // Down task = (range r, group): the range's 16-column blocks [b0, b1) of H.
-  std::pair<int64_t, int64_t> down_blocks(int64_t r) const {
+  // Fine ranges [f0, f1): the 16-column blocks [b0, b1) of H.
+  std::pair<int64_t, int64_t> down_blocks(int64_t f0, int64_t f1) const {
     const int64_t hblocks = s_.H / 16;
-    return {hblocks * r / ranges_, hblocks * (r + 1) / ranges_};
+    return {hblocks * f0 / fine_, hblocks * f1 / fine_};
   }
   // Packed w2 block b of expert e (the blocks of an expert follow each other).
   const uint8_t* down_block_at(int64_t e, int64_t b) const {
@@ -735,9 +752,9 @@ class Part {
   }
 
   // What down(task) reads from the weights: its column range of each expert of its group.
-  void down_reads(int64_t task, WaitPrefetch& pf) const {
-    const int64_t g = task % groups_;
-    const auto [b0, b1] = down_blocks(task / groups_);
+  void down_reads(const DownTask& task, WaitPrefetch& pf) const {
+    const int64_t g = task.g;
+    const auto [b0, b1] = down_blocks(task.f0, task.f1);
     for (int64_t i = group_start_[g]; i < group_start_[g + 1]; ++i)
       pf.add(down_block_at(active_[i], b0), down_block_at(active_[i], b1) - down_block_at(active_[i], b0));
   }
@@ -754,13 +771,13 @@ class Part {
                hg_.data_ptr<int32_t>());
   }
 
-  // ---- 4. down projection + weighted sum into each token's row: task = (range of output columns, group)
-  void down(int64_t task, int worker, WorkerTimes& times) const {
+  // ---- 4. down projection + weighted sum into each token's row: task = (group, range of output columns)
+  void down(const DownTask& task, int worker, WorkerTimes& times) const {
     const Shared& s = s_;
     auto t_mark = times.start();
     const int64_t T = s.T, H = s.H;
-    const int64_t r = task / groups_, g = task % groups_;
-    const auto [b0, b1] = down_blocks(r);
+    const int64_t g = task.g;
+    const auto [b0, b1] = down_blocks(task.f0, task.f1);
     const int64_t c0 = 16 * b0, c1 = 16 * b1;
     float* accp = acc_.data_ptr<float>();
     float* accg = accp + g * T * H;
@@ -818,15 +835,20 @@ class Part {
         }
       }
     }
-    // the last group task of this range sums the groups that have the token, in group order, into the output
-    if (range_done_[r].fetch_add(1, std::memory_order_acq_rel) != groups_ - 1 || acc_is_out_) return;
-    auto* out = static_cast<char*>(out_.data_ptr()) + c0 * out_.element_size();
-    const float* src[kMaxDownGroups];
-    for (int64_t t = 0; t < T; ++t) {
-      int n = 0;  // the groups that have the token, in group order (none: a zero row)
-      for (int64_t gg = 0; gg < groups_; ++gg)
-        if (seen_[gg * T + t] != 0) src[n++] = accp + (gg * T + t) * H + c0;
-      store_row_sum(s.ks, src, n, c1 - c0, s.hdtype, out + t * H * out_.element_size());
+    // the last group task of each fine range sums the groups that have the token, in group order, into the output
+    if (acc_is_out_) return;
+    for (int64_t f = task.f0; f < task.f1; ++f) {
+      if (range_done_[f].fetch_add(1, std::memory_order_acq_rel) != groups_ - 1) continue;
+      const auto [fb0, fb1] = down_blocks(f, f + 1);
+      const int64_t fc0 = 16 * fb0, fc1 = 16 * fb1;
+      auto* out = static_cast<char*>(out_.data_ptr()) + fc0 * out_.element_size();
+      const float* src[kMaxDownGroups];
+      for (int64_t t = 0; t < T; ++t) {
+        int n = 0;  // the groups that have the token, in group order (none: a zero row)
+        for (int64_t gg = 0; gg < groups_; ++gg)
+          if (seen_[gg * T + t] != 0) src[n++] = accp + (gg * T + t) * H + fc0;
+        store_row_sum(s.ks, src, n, fc1 - fc0, s.hdtype, out + t * H * out_.element_size());
+      }
     }
     times.lap(worker, WorkerTimes::kOther, t_mark);
   }
@@ -865,7 +887,7 @@ class Part {
   at::Tensor h_, hq_, hs_, hg_, acc_;
   std::vector<const void*> h_rows_;  // the down projection's input rows, h_row_bytes_ apart (pairs in expert order)
   int64_t h_row_bytes_ = 0;
-  int64_t ranges_ = 1, groups_ = 1;
+  int64_t ranges_ = 1, groups_ = 1, tail_ = 1, fine_ = 1;  // fine_ = ranges_ * tail_ (KT_DOWN_TAIL)
   std::vector<int64_t> group_start_;
   bool acc_is_out_ = false;
   std::vector<uint8_t> pair_first_, seen_;
@@ -1024,7 +1046,7 @@ void run_call(WeightFormat fmt, const at::Tensor& hidden_in, const at::Tensor& i
       if (left->fetch_sub(1, std::memory_order_acq_rel) == 1) done();
     };
     for (int64_t g = 0; g < groups; ++g)
-      stages.push_back({first ? "down" : "down.later", part.down_tasks(),
+      stages.push_back({first ? "down" : "down.later", part.down_tasks(g),
                         [&part, &down_times, g](int64_t t, int w) { part.down(part.down_task(g, t), w, down_times); },
                         {before_down + static_cast<int>(g)}, down_done,
                         [&part, g](int64_t t, WaitPrefetch& pf) { part.down_reads(part.down_task(g, t), pf); }});
