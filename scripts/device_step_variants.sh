@@ -6,5 +6,5 @@
 echo "== $(date +%T) the layer: ${VARIANTS:--}"
 KT_CPU_KERNEL=amx timeout ${VARIANT_TIMEOUT:-400} python3 benchmarks/bench_fused_moe.py --shapes ${VARIANT_SHAPES:-qwen3} \
     --tokens ${VARIANT_TOKENS:-512 2048} --impls ${VARIANT_IMPLS:-ktorch-int8 ktorch-bf16} --env-variants ${VARIANTS:--} \
-    --pages ${VARIANT_PAGES:-huge} --min-calls 5 --min-seconds 0.3 --profile 2>&1 | grep -E "^machine|^L3|^qwen3 |^deepseek |phases|huge pages|Error|error" | cut -c1-520
+    --pages ${VARIANT_PAGES:-huge} --min-calls 5 --min-seconds 0.3 --profile 2>&1 | grep -E "^machine|^L3|^qwen3 |^deepseek |phases|huge pages|Error|error" | cut -c1-4000
 echo "== $(date +%T) variants done"

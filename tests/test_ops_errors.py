@@ -233,12 +233,12 @@ def test_forcing_an_unavailable_kernel_level(level, monkeypatch):
                                         ("KT_PREFETCH_AHEAD", "-1"), ("KT_PREFETCH_AHEAD", "257"),
                                         ("KT_DOWN_PIPELINE", "2"), ("KT_DOWN_PIPELINE", "yes"),
                                         ("KT_GLU_OVERLAP", "2"), ("KT_GLU_OVERLAP", "on"),
-                                        ("KT_DOWN_TAIL", "0"), ("KT_DOWN_TAIL", "17")])
+                                        ("KT_DOWN_TAIL", "-1"), ("KT_DOWN_TAIL", "17")])
 def test_bad_task_grid_or_prefetch_knob(name, value, monkeypatch):
     monkeypatch.setenv(name, value)
     least, most = {"KT_DOWN_RANGES": (1, 4096), "KT_DOWN_GROUPS": (1, 16), "KT_GATE_UP_TASKS": (1, 64),
                    "KT_PREFETCH_AHEAD": (0, 256), "KT_DOWN_PIPELINE": (0, 1), "KT_GLU_OVERLAP": (0, 1),
-                   "KT_DOWN_TAIL": (1, 16)}[name]
+                   "KT_DOWN_TAIL": (0, 16)}[name]
     with raises(re.escape(f"{name} must be a count from {least} to {most}, got '{value}'")):
         call()
 

@@ -67,6 +67,7 @@ constexpr int64_t kGateUpC = kGateUpRows * 64;
 constexpr int64_t kWorkerC = std::max(2 * kGateUpC, kDownRows * kDownCols);
 constexpr int64_t kDownGroups = 2;    // down-projection expert groups (see step 4)
 constexpr int64_t kMaxDownGroups = 16;  // KT_DOWN_GROUPS' largest
+constexpr int64_t kTailRows = 64;       // KT_DOWN_TAIL's default: 2 up to this many rows an expert on average, then 1
 
 struct PackedMatrix {
   const at::Tensor* weights;
@@ -592,11 +593,15 @@ class Part {
     }
     const int64_t hblocks = s.H / 16, nactive = static_cast<int64_t>(active_.size());
     ranges_ = std::min(hblocks, env_count("KT_DOWN_RANGES", s.workers <= 4 ? 2 * s.workers : s.workers, 4096));
-    // KT_DOWN_TAIL=n (read on every call): the last down stage of the pipeline cuts each range into n narrower ones,
-    // so that the call ends on shorter tasks (the last stage's tasks start together when its gate/up ends, and the
-    // phase waited for the slowest of them). Ranges only split columns: the sums are the same for any n.
-    const int64_t tail = env_count("KT_DOWN_TAIL", 1, 16);  // (read always: a bad value is an error always)
-    tail_ = stage_groups_ > 1 ? std::max<int64_t>(1, std::min(tail, hblocks / ranges_)) : 1;
+    // The last down stage of the pipeline cuts each range into tail_ narrower ones, so that the call ends on shorter
+    // tasks (the last stage's tasks start together when its gate/up ends, and the phase waits for the slowest of
+    // them). Ranges only split columns: the sums are the same for any tail. By default 2 where the down calls are
+    // memory-bound (at most kTailRows rows an expert on average: a narrower call streams the same weights) and 1
+    // where they are compute-bound (narrower tile calls run slower: Qwen3 int8 T=2048 lost 2-9% on the device,
+    // T=512 gained 9-18%; RESULTS.md). KT_DOWN_TAIL=n (read on every call) sets it; 0 is that default.
+    const int64_t tail = env_count("KT_DOWN_TAIL", 0, 16, 0);  // (read always: a bad value is an error always)
+    const int64_t auto_tail = P_ <= kTailRows * static_cast<int64_t>(active_.size()) ? 2 : 1;
+    tail_ = stage_groups_ > 1 ? std::max<int64_t>(1, std::min(tail == 0 ? auto_tail : tail, hblocks / ranges_)) : 1;
     fine_ = ranges_ * tail_;
     group_start_.assign(groups_ + 1, nactive);  // group g: active[group_start[g] .. group_start[g + 1])
     for (int64_t g = 0, i = 0; g < groups_; ++g) {
