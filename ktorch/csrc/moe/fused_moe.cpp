@@ -522,7 +522,7 @@ class Part {
     pair_weight_.resize(P_);
     {
       std::vector<int64_t> fill(offset_.begin(), offset_.end() - 1);
-      for (int64_t t = 0, i = 0; t < T; ++t)  // (token by token: no division by K, ~40% of this step at T=2048)
+      for (int64_t t = 0, i = 0; t < T; ++t)  // (token by token: no division by K per pair)
         for (int64_t k = 0; k < K; ++k, ++i) {
           const int64_t e = idp[i];
           if (e < 0) continue;
@@ -597,8 +597,8 @@ class Part {
     // tasks (the last stage's tasks start together when its gate/up ends, and the phase waits for the slowest of
     // them). Ranges only split columns: the sums are the same for any tail. By default 2 where the down calls are
     // memory-bound (at most kTailRows rows an expert on average: a narrower call streams the same weights) and 1
-    // where they are compute-bound (narrower tile calls run slower: Qwen3 int8 T=2048 lost 2-9% on the device,
-    // T=512 gained 9-18%; RESULTS.md). KT_DOWN_TAIL=n (read on every call) sets it; 0 is that default.
+    // where they are compute-bound (narrower tile calls run slower: on the device Qwen3 T=2048 lost up to 9%, T=512
+    // gained 0-18%; RESULTS.md, "Session 21"). KT_DOWN_TAIL=n (read on every call) sets it; 0 is that default.
     const int64_t tail = env_count("KT_DOWN_TAIL", 0, 16, 0);  // (read always: a bad value is an error always)
     const int64_t auto_tail = P_ <= kTailRows * static_cast<int64_t>(active_.size()) ? 2 : 1;
     tail_ = stage_groups_ > 1 ? std::max<int64_t>(1, std::min(tail == 0 ? auto_tail : tail, hblocks / ranges_)) : 1;
