@@ -287,13 +287,6 @@ void row_to_f32(const at::Tensor& src, int64_t r, float* dst) {
     }
     case at::kBFloat16: {
       const uint16_t* p = reinterpret_cast<const uint16_t*>(src.data_ptr<at::BFloat16>()) + r * src.stride(0);
-      if (st == 1) {  // the usual case, in a loop the compiler vectorizes (a strided one it does not)
-        for (int64_t c = 0; c < C; ++c) {
-          const uint32_t bits = static_cast<uint32_t>(p[c]) << 16;
-          std::memcpy(dst + c, &bits, 4);
-        }
-        break;
-      }
       for (int64_t c = 0; c < C; ++c) {
         const uint32_t bits = static_cast<uint32_t>(p[c * st]) << 16;
         std::memcpy(dst + c, &bits, 4);
@@ -600,7 +593,7 @@ class Part {
     // where they are compute-bound (narrower tile calls run slower: on the device Qwen3 T=2048 lost up to 9%, T=512
     // gained 0-18%; RESULTS.md, "Session 21"). KT_DOWN_TAIL=n (read on every call) sets it; 0 is that default.
     const int64_t tail = env_count("KT_DOWN_TAIL", 0, 16, 0);  // (read always: a bad value is an error always)
-    const int64_t auto_tail = P_ <= kTailRows * static_cast<int64_t>(active_.size()) ? 2 : 1;
+    const int64_t auto_tail = P_ <= kTailRows * nactive ? 2 : 1;
     tail_ = stage_groups_ > 1 ? std::max<int64_t>(1, std::min(tail == 0 ? auto_tail : tail, hblocks / ranges_)) : 1;
     fine_ = ranges_ * tail_;
     group_start_.assign(groups_ + 1, nactive);  // group g: active[group_start[g] .. group_start[g + 1])

@@ -441,11 +441,7 @@ inline void prefetch_next(const GemmArgs& a, const Block& blk, int64_t s) {
 // The part of the caller's next A rows that step s of this pass prefetches into L2.
 inline void prefetch_next_a(const Block& blk, int64_t s) {
   const int64_t off = blk.next_a_begin + (s - blk.s0) * blk.next_a_step;
-  const int64_t end = std::min(blk.next_a_end, off + blk.next_a_step);
-  for (int64_t o = off; o < end; o += 64) {
-    KT_RECORD_PREFETCH(blk.next_a + o, false);
-    _mm_prefetch(reinterpret_cast<const char*>(blk.next_a + o), _MM_HINT_T1);
-  }
+  if (off < blk.next_a_end) prefetch(blk.next_a + off, std::min(blk.next_a_step, blk.next_a_end - off), false);
 }
 
 // Prefetch for step s of a pass: B tiles kPrefetchSteps ahead into L1 (packed: bytes of a block per step),
