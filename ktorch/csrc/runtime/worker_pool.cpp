@@ -89,15 +89,28 @@ WorkerPool::WorkerPool(int workers, int64_t spin_us, bool pin, bool spin_yield)
   TORCH_CHECK(workers >= 1, "KT_NUM_THREADS must be at least 1, got ", workers);
   const std::vector<int> cpus = process_cpus();
   for (int w = 1; w < workers; ++w) {
-    const int cpu = pin && !cpus.empty() ? cpus[w % cpus.size()] : -1;
-    threads_.emplace_back([this, w, cpu] { worker_loop(w, cpu); });
+    threads_.emplace_back([this, w] { worker_loop(w); });
+    if (pin && !cpus.empty()) set_affinity(threads_.back(), {cpus[w % cpus.size()]});
   }
 }
 
 WorkerPool::WorkerPool(int workers, int64_t spin_us, bool spin_yield, const std::vector<int>& bind_cpus)
-    : spin_us_(spin_us), spin_yield_(spin_yield), bind_cpus_(bind_cpus) {
+    : spin_us_(spin_us), spin_yield_(spin_yield) {
   TORCH_CHECK(workers >= 1, "WorkerPool: needs at least 1 thread, got ", workers);
-  for (int w = 1; w < workers; ++w) threads_.emplace_back([this, w] { worker_loop(w, -1); });
+  for (int w = 1; w < workers; ++w) {
+    threads_.emplace_back([this, w] { worker_loop(w); });
+    if (!bind_cpus.empty()) set_affinity(threads_.back(), bind_cpus);
+  }
+}
+
+// Set by the constructors on the new thread's handle, not by the thread itself: the pool is pinned when the
+// constructor returns, whenever the thread first runs (a pinned pool's first call could otherwise finish on the
+// caller before a worker had pinned itself).
+void WorkerPool::set_affinity(std::thread& t, const std::vector<int>& cpus) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  for (int c : cpus) CPU_SET(c, &set);
+  pthread_setaffinity_np(t.native_handle(), sizeof(set), &set);
 }
 
 WorkerPool::~WorkerPool() {
@@ -126,18 +139,7 @@ void WorkerPool::work(int worker) {
   }
 }
 
-void WorkerPool::worker_loop(int worker, int cpu) {
-  if (cpu >= 0) {
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    CPU_SET(cpu, &set);
-    pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
-  } else if (!bind_cpus_.empty()) {
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    for (int c : bind_cpus_) CPU_SET(c, &set);
-    pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
-  }
+void WorkerPool::worker_loop(int worker) {
   uint64_t seen = 0;
   for (;;) {
     // spin for a while: the next MoE layer usually arrives within microseconds to a millisecond

@@ -83,13 +83,13 @@ class WorkerPool {
   using Invoke = void (*)(const void*, int64_t, int);
   void run_erased(int64_t n, const void* fn, Invoke invoke);
   void work(int worker);
-  void worker_loop(int worker, int cpu);
+  void worker_loop(int worker);
+  static void set_affinity(std::thread& t, const std::vector<int>& cpus);
 
   std::vector<std::thread> threads_;
   int64_t spin_us_;
   bool spin_yield_ = false;
   bool pin_ = false;  // KT_PIN_THREADS as the pool was built with
-  std::vector<int> bind_cpus_;  // when not empty: every worker's affinity mask
   std::mutex run_mutex_;
 
   // The current job. A call returns when all its tasks are done and no worker is inside it: a worker that
