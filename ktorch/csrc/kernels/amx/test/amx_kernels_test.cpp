@@ -13,7 +13,8 @@
 // with their prefetch knobs); --bench-peak one core's tile ceilings
 // (dot products alone, then with tile loads from L1, L2 and L3) and its clock; --bench-stretch the bare tile
 // loop, tiles + VNNI, and the walk on hot and cold weights taking turns within each ~200 ms (1 and 16 threads);
-// --bench-siblings which vCPUs share a tile unit (every pair of CPUs at once).
+// --bench-siblings which vCPUs share a tile unit (every pair of CPUs at once); --bench-peak16 the bare loop on 16
+// threads, int8 and bf16 (the instance's tile ceiling).
 //
 // Build and run with run.sh beside this file:
 //   bash ktorch/csrc/kernels/amx/test/run.sh emulated     # any AVX-512 BF16/VNNI machine, under ASan
@@ -951,6 +952,15 @@ void bench_peak_all() {
   bench_peak_series();
 }
 
+// --bench-peak16: the bare L1 tile loop on 16 threads at once, int8 then bf16, twice (the instance's tile ceiling
+// for the whole-layer figures measured beside it: device step `bound`).
+void bench_peak16() {
+  for (int round = 0; round < 2; ++round) {
+    bench_peak_threads<false>(16);
+    bench_peak_threads<true>(16);
+  }
+}
+
 // --bench-stretch: the tile unit's rate moves between stretches (fast, then a quarter of that for seconds), so
 // rates measured at different moments do not compare. Here n threads (pinned, all at once) take turns, in rounds of
 // ~40 ms a mode, between: the bare L1 tile loop ("bare"); the same loop with V AVX-512 VNNI dot products
@@ -1233,6 +1243,7 @@ int main(int argc, char** argv) {
   struct Bench { const char* flag; void (*run)(); };
   static const Bench benches[] = {{"--bench", bench}, {"--bench-cold", bench_cold}, {"--bench-peak", bench_peak},
                                   {"--bench-replica", bench_replica}, {"--bench-peak-threads", bench_peak_all}, {"--bench-stretch", bench_stretch},
+                                  {"--bench-peak16", bench_peak16},
                                   {"--bench-siblings", bench_siblings}};
   for (const Bench& b : benches)
     if (argc > 1 && std::string(argv[1]) == b.flag) {
