@@ -37,7 +37,7 @@ def parse(line: str) -> dict[str, float]:
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
 def test_profile_line_breaks_the_parallel_phases_down_per_worker(fmt, one_dispatch, seed):
     """One entry a phase, whether the stages run in one pool dispatch or one each (KT_ONE_DISPATCH=0), and none for
-    a phase without tasks: bf16 weights read a bf16 input's rows in place, with no activations stage."""
+    a phase without tasks: bf16 weights read a bf16 input's rows in place, with no activations stage (unsplit)."""
     env = {**os.environ, "KT_PROFILE": "1", "KT_ONE_DISPATCH": one_dispatch}
     proc = subprocess.run([sys.executable, "-c", _SCRIPT.replace("{fmt}", fmt), str(seed)], env=env,
                           capture_output=True, text=True, timeout=300, check=True)
@@ -55,4 +55,5 @@ def test_profile_line_breaks_the_parallel_phases_down_per_worker(fmt, one_dispat
             window = p[phase] if phase == "gate_up" else p["gate_up"] + p["down"]
             assert sum(parts) <= p[f"{phase}.busiest"] + 1e-3 <= window + 0.05, p
         assert p["total"] >= p["gate_up"] + p["down"], p
-        assert ("activations" in p) == (fmt != "bf16"), p
+        # (under a NUMA split every slice gets the rows in fp32, for fp32 partial sums: an activations stage)
+        assert ("activations" in p) == (fmt != "bf16" or slices > 1), p
