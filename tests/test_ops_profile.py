@@ -37,7 +37,7 @@ def parse(line: str) -> dict[str, float]:
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
 def test_profile_line_breaks_the_parallel_phases_down_per_worker(fmt, one_dispatch, seed):
     """One entry a phase, whether the stages run in one pool dispatch or one each (KT_ONE_DISPATCH=0), and none for
-    a phase without tasks: bf16 weights read a bf16 input's rows in place, with no activations stage (unsplit)."""
+    a phase without tasks: bf16 weights read a bf16 input's rows in place, with no activations stage."""
     env = {**os.environ, "KT_PROFILE": "1", "KT_ONE_DISPATCH": one_dispatch}
     proc = subprocess.run([sys.executable, "-c", _SCRIPT.replace("{fmt}", fmt), str(seed)], env=env,
                           capture_output=True, text=True, timeout=300, check=True)
@@ -50,10 +50,10 @@ def test_profile_line_breaks_the_parallel_phases_down_per_worker(fmt, one_dispat
             parts = [p[f"{phase}.{kind}"] for kind in ("kernel", epilogue, "other")]
             assert all(v >= 0 for v in parts), p
             assert p[f"{phase}.kernel"] > 0, p
-            # a worker's time in the phase's tasks is at most the phase's wall time (small slack for clock reads);
+            # a worker's time in the phase's tasks is at most the phase's wall time (slack: the line prints each value
+            # rounded to 1 us, so three parts may sum 1.5 us above the busiest's rounded value, and clock reads);
             # down tasks may start before gate/up's wall time ends (the pipeline of expert groups), not before it
             window = p[phase] if phase == "gate_up" else p["gate_up"] + p["down"]
-            assert sum(parts) <= p[f"{phase}.busiest"] + 1e-3 <= window + 0.05, p
+            assert sum(parts) <= p[f"{phase}.busiest"] + 2.5e-3 <= window + 0.05, p
         assert p["total"] >= p["gate_up"] + p["down"], p
-        # (under a NUMA split every slice gets the rows in fp32, for fp32 partial sums: an activations stage)
-        assert ("activations" in p) == (fmt != "bf16" or slices > 1), p
+        assert ("activations" in p) == (fmt != "bf16"), p

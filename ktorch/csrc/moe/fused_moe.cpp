@@ -601,7 +601,7 @@ class Part {
       while (i < nactive && active_[i] * groups_ < E * g) ++i;
       group_start_[g] = i;
     }
-    acc_is_out_ = groups_ == 1 && s.hdtype == at::kFloat;
+    acc_is_out_ = groups_ == 1 && out_.scalar_type() == at::kFloat;
     acc_ = acc_is_out_ ? out_ : ws.take(Workspace::kAcc, {groups_, T, s.H}, at::kFloat);
     // The first pair of each token in each group writes its accumulator row instead of adding to it (the
     // accumulators are never zeroed: at T=2048 that was 32 MB of stores a call); seen[g][t]: group g has a pair
@@ -845,7 +845,7 @@ class Part {
         int n = 0;  // the groups that have the token, in group order (none: a zero row)
         for (int64_t gg = 0; gg < groups_; ++gg)
           if (seen_[gg * T + t] != 0) src[n++] = accp + (gg * T + t) * H + fc0;
-        store_row_sum(s.ks, src, n, fc1 - fc0, s.hdtype, out + t * H * out_.element_size());
+        store_row_sum(s.ks, src, n, fc1 - fc0, out_.scalar_type(), out + t * H * out_.element_size());
       }
     }
     times.lap(worker, WorkerTimes::kOther, t_mark);
@@ -938,7 +938,8 @@ Workspace& second_shared_workspace() {
 }
 
 // A call in one or two parts (out_later defined: the pairs of ids_later into out_later, after out_now is
-// published with on_now). Both outputs are [T, H] tensors of hidden's dtype, contiguous.
+// published with on_now). Both outputs are contiguous [T, H] tensors of hidden's dtype or fp32 (out_dtype of
+// fused_moe_with_h_quantizer).
 // fmt: what check_call, which the entry point ran, returned.
 void run_call(WeightFormat fmt, const at::Tensor& hidden_in, const at::Tensor& ids_now, const at::Tensor* ids_later,
               const at::Tensor& topk_weights_in, const at::Tensor& w13, const std::optional<at::Tensor>& w13_scales,
@@ -1078,9 +1079,12 @@ at::Tensor fused_moe_with_h_quantizer(const at::Tensor& hidden_in, const at::Ten
                                       const at::Tensor& topk_weights_in, const at::Tensor& w13,
                                       const std::optional<at::Tensor>& w13_scales, const at::Tensor& w2,
                                       const std::optional<at::Tensor>& w2_scales, c10::string_view activation,
-                                      const QuantizeH& quantize_h) {
+                                      const QuantizeH& quantize_h, std::optional<at::ScalarType> out_dtype) {
   const WeightFormat fmt = check_call(hidden_in, topk_ids_in, topk_weights_in, w13, w2);
-  at::Tensor out = at::empty({hidden_in.size(0), hidden_in.size(1)}, hidden_in.options());
+  TORCH_CHECK(!out_dtype || *out_dtype == hidden_in.scalar_type() || *out_dtype == at::kFloat,
+              "fused_moe: the output is hidden's dtype or float32, got ", *out_dtype);
+  at::Tensor out = at::empty({hidden_in.size(0), hidden_in.size(1)},
+                             hidden_in.options().dtype(out_dtype.value_or(hidden_in.scalar_type())));
   run_call(fmt, hidden_in, topk_ids_in, nullptr, topk_weights_in, w13, w13_scales, w2, w2_scales, activation, quantize_h,
            out, nullptr, {});
   return out;

@@ -256,9 +256,8 @@ at::Tensor fused_moe_numa(const at::Tensor& hidden, const at::Tensor& topk_ids, 
                 "fused_moe_numa: every slice must be packed in the same format, slice 0 has ", w13[0].scalar_type(),
                 " and slice ", g, " has ", w13[g].scalar_type());
   auto scales = [&](at::TensorList l, int g) { return quantized ? std::optional<at::Tensor>(l[g]) : std::nullopt; };
-  // fp32 in, so each slice returns fp32 partial sums (bf16/fp16 -> fp32 is exact: the slices read the same
-  // activations as the unsplit op)
-  const at::Tensor x = hidden.to(at::kFloat);
+  // each slice reads hidden as the unsplit op does (bf16 rows in place with bf16 weights) and returns fp32
+  // partial sums
   std::vector<at::Tensor> partial(n);
   std::vector<std::exception_ptr> errors(n);
   std::vector<char> abandoned(n, 0);
@@ -272,8 +271,8 @@ at::Tensor fused_moe_numa(const at::Tensor& hidden, const at::Tensor& topk_ids, 
         quantize_h_with_shared_max(shared, h, P, I, gs, q, s, gsum);
       };
     try {
-      partial[g] = fused_moe_with_h_quantizer(x, topk_ids, topk_weights, w13[g], scales(w13_scales, g), w2[g],
-                                              scales(w2_scales, g), activation, quantize_h);
+      partial[g] = fused_moe_with_h_quantizer(hidden, topk_ids, topk_weights, w13[g], scales(w13_scales, g), w2[g],
+                                              scales(w2_scales, g), activation, quantize_h, at::kFloat);
     } catch (const SliceAbandoned&) {
       abandoned[g] = 1;
     } catch (...) {
