@@ -938,7 +938,7 @@ Workspace& second_shared_workspace() {
 }
 
 // A call in one or two parts (out_later defined: the pairs of ids_later into out_later, after out_now is
-// published with on_now). Both outputs are contiguous [T, H] tensors of hidden's dtype or fp32 (out_dtype of
+// published with on_now). Both outputs are contiguous [T, H] tensors of hidden's dtype or fp32 (fp32_out of
 // fused_moe_with_h_quantizer).
 // fmt: what check_call, which the entry point ran, returned.
 void run_call(WeightFormat fmt, const at::Tensor& hidden_in, const at::Tensor& ids_now, const at::Tensor* ids_later,
@@ -1079,12 +1079,10 @@ at::Tensor fused_moe_with_h_quantizer(const at::Tensor& hidden_in, const at::Ten
                                       const at::Tensor& topk_weights_in, const at::Tensor& w13,
                                       const std::optional<at::Tensor>& w13_scales, const at::Tensor& w2,
                                       const std::optional<at::Tensor>& w2_scales, c10::string_view activation,
-                                      const QuantizeH& quantize_h, std::optional<at::ScalarType> out_dtype) {
+                                      const QuantizeH& quantize_h, bool fp32_out) {
   const WeightFormat fmt = check_call(hidden_in, topk_ids_in, topk_weights_in, w13, w2);
-  TORCH_CHECK(!out_dtype || *out_dtype == hidden_in.scalar_type() || *out_dtype == at::kFloat,
-              "fused_moe: the output is hidden's dtype or float32, got ", *out_dtype);
   at::Tensor out = at::empty({hidden_in.size(0), hidden_in.size(1)},
-                             hidden_in.options().dtype(out_dtype.value_or(hidden_in.scalar_type())));
+                             fp32_out ? hidden_in.options().dtype(at::kFloat) : hidden_in.options());
   run_call(fmt, hidden_in, topk_ids_in, nullptr, topk_weights_in, w13, w13_scales, w2, w2_scales, activation, quantize_h,
            out, nullptr, {});
   return out;

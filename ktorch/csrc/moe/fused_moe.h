@@ -23,13 +23,13 @@ at::Tensor fused_moe(const at::Tensor& hidden, const at::Tensor& topk_ids, const
 using QuantizeH = std::function<void(const float* h, int64_t P, int64_t I, int64_t group_size, int8_t* q,
                                      float* scale, int32_t* gsum)>;
 
-// fused_moe with h quantized by quantize_h when it is set and the weights are int8/int4, its output in out_dtype:
-// hidden's dtype (the default) or float32 (the NUMA split's partial sums, rounded once after the slices' sum).
+// fused_moe with h quantized by quantize_h when it is set and the weights are int8/int4, its output in hidden's dtype
+// or, with fp32_out, in float32 (the NUMA split's partial sums, rounded once after the slices' sum).
 at::Tensor fused_moe_with_h_quantizer(const at::Tensor& hidden, const at::Tensor& topk_ids,
                                       const at::Tensor& topk_weights, const at::Tensor& w13,
                                       const std::optional<at::Tensor>& w13_scales, const at::Tensor& w2,
                                       const std::optional<at::Tensor>& w2_scales, c10::string_view activation,
-                                      const QuantizeH& quantize_h, std::optional<at::ScalarType> out_dtype = std::nullopt);
+                                      const QuantizeH& quantize_h, bool fp32_out = false);
 
 // One call in two parts (expert deferral): the slots that ids_now routes into out_now, then those that ids_later
 // routes into out_later (negative ids skipped in each; the same hidden and topk_weights), in one dispatch of the

@@ -272,7 +272,7 @@ at::Tensor fused_moe_numa(const at::Tensor& hidden, const at::Tensor& topk_ids, 
       };
     try {
       partial[g] = fused_moe_with_h_quantizer(hidden, topk_ids, topk_weights, w13[g], scales(w13_scales, g), w2[g],
-                                              scales(w2_scales, g), activation, quantize_h, at::kFloat);
+                                              scales(w2_scales, g), activation, quantize_h, /*fp32_out=*/true);
     } catch (const SliceAbandoned&) {
       abandoned[g] = 1;
     } catch (...) {
