@@ -94,19 +94,19 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     )
     m.add_argument(
         "--stream-experts",
-        default="off",
+        default=None,
         metavar="PLAN",
         help="GPU only: long prompts copy a share of each layer's experts to the GPU and compute them there while "
         "the CPU does the rest (docs/prefill_streaming.md): off, auto (measure and balance at load), or "
-        "MIN_TOKENS:SHARE,... with SHARE a fraction or an expert count, e.g. 512:0.4,2048:0.45 (default: off)",
+        "MIN_TOKENS:SHARE,... with SHARE a fraction or an expert count, e.g. 512:0.4,2048:0.45 (default: auto on a "
+        "GPU, off on the CPU)",
     )
     m.add_argument(
-        "--compile",
+        "--no-compile",
         action="store_true",
-        help="GPU only: decode with a static KV cache, the decode step compiled by torch.compile with the ktorch "
-        "backend under CUDA graphs (the fast path; `generate` first runs a few untimed warm-up steps that compile the "
-        "step and capture its graph, a minute or more on a big model, so that the rates it prints are the compiled "
-        "step's; in `chat` the first turn waits for the compile) (default: eager decoding)",
+        help="GPU only: decode eagerly, one launch per kernel and a host sync per MoE layer, instead of replaying the "
+        "decode step as one captured CUDA graph (the default: the step is captured after the first token, in about "
+        "the time of one eager step; docs/architecture.md). For debugging and comparisons.",
     )
     m.add_argument(
         "--plain",
@@ -220,12 +220,15 @@ def load_model(args: argparse.Namespace):
         raise CLIError(f"--deferred-experts must be >= 0, got {args.deferred_experts}")
     from ktorch.ops.streamed_experts import parse_stream_plan
 
+    if args.stream_experts is None:  # the default: auto where there is a GPU to stream to (and --plain does not)
+        args.stream_experts = "auto" if resolve_device(args.device).type == "cuda" and not args.plain else "off"
     try:
         stream = parse_stream_plan(args.stream_experts)
     except ValueError as e:
         raise CLIError(f"--stream-experts {args.stream_experts}: {e}") from None
-    if args.compile and resolve_device(args.device).type != "cuda":
-        raise CLIError("--compile compiles the decode step under CUDA graphs: it needs --device cuda (a GPU)")
+    if args.no_compile and resolve_device(args.device).type != "cuda":
+        raise CLIError("--no-compile turns off the CUDA graph of the decode step: it needs --device cuda (a GPU); "
+                       "on the CPU decoding is eager anyway")
     if args.plain and (args.deferred_experts or stream != "off"):
         raise CLIError("--plain runs transformers' own experts: --deferred-experts and --stream-experts need ktorch")
     if args.group_size is not None and args.experts_dtype != "int4":
@@ -294,88 +297,95 @@ class TokenIdsTokenizer:
 
 
 def _make_streamer(tokenizer, out=None):
-    """A transformers TextStreamer that prints to ``out`` (default: stdout) and timestamps the tokens it receives."""
+    """A transformers TextStreamer printing the new tokens' text to ``out`` (default: stdout) as they come."""
     from transformers import TextStreamer
 
-    class TimedStreamer(TextStreamer):
-        def __init__(self):
-            super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
-            self.t_first: Optional[float] = None
-            self.t_last: Optional[float] = None
-            self.new_tokens = 0
-
-        def put(self, value):
-            prompt = self.skip_prompt and self.next_tokens_are_prompt
-            if not prompt:
-                now = time.perf_counter()
-                self.t_first = self.t_first or now
-                self.t_last = now
-                self.new_tokens += value.numel()
-            super().put(value)
-
+    class Streamer(TextStreamer):
         def on_finalized_text(self, text: str, stream_end: bool = False):
             print(text, end="" if not stream_end else "\n", file=out or sys.stdout, flush=True)
 
-    return TimedStreamer()
+    return Streamer(tokenizer, skip_prompt=False, skip_special_tokens=True)
 
 
-WARMUP_TOKENS = 4  # decode steps of the untimed warm-up under --compile (cudagraph trees record on the second)
+def run_generation(model, tokenizer, input_ids, args: argparse.Namespace, out=None) -> tuple[list[int], object]:
+    """Generates from ``input_ids`` ([1, P]) streaming the text to ``out``; returns (new token ids, Timings).
 
-
-def run_generation(model, tokenizer, input_ids, args: argparse.Namespace, out=None,
-                   warmup: bool = False) -> tuple[list[int], str]:
-    """Generates from ``input_ids`` ([1, P]) streaming to ``out``; returns (new token ids, timing line).
-
-    ``warmup`` (with ``args.compile``): first an untimed generation of the same shapes stopped after
-    WARMUP_TOKENS, so that the compile and the CUDA graph capture are not in the decode rate."""
+    ktorch models go through ``ktorch.generate`` (ktorch/generation.py: eager prefill, then the decode step as
+    one CUDA graph on a GPU unless ``--no-compile``), the path the end-to-end benchmarks time; ``--plain``
+    models through transformers' ``generate``."""
     import torch
+
+    streamer = _make_streamer(tokenizer, out)
+    if getattr(args, "plain", False):
+        return _run_plain_generation(model, tokenizer, input_ids, args, streamer)
+    from ktorch.generation import generate
+
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else None
+    gc_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    eos_ids = {i for e in (eos, gc_eos) for i in ([e] if isinstance(e, int) else (e or []))}
+    result = generate(
+        model, input_ids, args.max_new_tokens, temperature=args.temperature,
+        top_p=args.top_p if args.temperature > 0 else 1.0, repetition_penalty=args.repetition_penalty,
+        seed=args.seed, eos_token_id=sorted(eos_ids), cuda_graphs=not getattr(args, "no_compile", False),
+        on_tokens=lambda ids: streamer.put(torch.tensor(ids)),
+        on_status=_status_printer())
+    streamer.end()
+    return result.ids, result.timings
+
+
+def _status_printer():
+    """Prints the capture's progress message on a terminal (its time is in the closing timing lines anyway)."""
+    def status(text: str) -> None:
+        if sys.stderr.isatty() and text.startswith("capturing"):
+            print(f"\n[ktorch] {text}", file=sys.stderr, flush=True)
+    return status
+
+
+def _run_plain_generation(model, tokenizer, input_ids, args, streamer):
+    """transformers' own ``generate`` (``--plain``): the baseline, timed the same way."""
+    import torch
+
+    from ktorch.generation import Timings
 
     device = model.get_input_embeddings().weight.device
     input_ids = input_ids.to(device)
-    streamer = _make_streamer(tokenizer, out)
+    times: list = []
+
+    class Clock:
+        def put(self, value):
+            times.append(time.perf_counter())
+            streamer.put(value.cpu()) if len(times) > 1 else None
+
+        def end(self):
+            streamer.end()
+
     sampling = args.temperature > 0
-    kwargs = dict(do_sample=sampling, temperature=args.temperature, top_p=args.top_p) if sampling else dict(do_sample=False)
+    kwargs = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p) if sampling else dict(do_sample=False)
     if args.repetition_penalty != 1.0:
         kwargs["repetition_penalty"] = args.repetition_penalty
-    if getattr(args, "compile", False):  # transformers compiles static-cache decoding with model.generation_config's
-        kwargs["cache_implementation"] = "static"  # compile_config, which ktorch.prepare points at the ktorch backend
-    common = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=args.max_new_tokens,
-                  pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
-                  **kwargs)
-    if warmup and getattr(args, "compile", False):
-        # The first decode steps compile the step and capture its CUDA graph (a minute or more on a big model):
-        # run them once, untimed, with the same cache size (same max_new_tokens, stopped after a few tokens), so
-        # that the rates printed are those of the compiled step.
-        from transformers import StoppingCriteria, StoppingCriteriaList
-
-        class _After(StoppingCriteria):
-            def __call__(self, ids, scores, **kw):
-                return torch.full((ids.shape[0],), ids.shape[1] >= input_ids.shape[1] + WARMUP_TOKENS,
-                                  dtype=torch.bool, device=ids.device)
-
-        print("[ktorch] compiling the decode step (warm-up, not timed)...", file=sys.stderr, flush=True)
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            model.generate(stopping_criteria=StoppingCriteriaList([_After()]), **common)
-        print(f"[ktorch] warm-up: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        output = model.generate(streamer=streamer, **common)
+        output = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                                max_new_tokens=args.max_new_tokens, streamer=Clock(),
+                                pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None
+                                else tokenizer.eos_token_id, **kwargs)
     t_end = time.perf_counter()
     new_ids = output[0, input_ids.shape[1]:].tolist()
-    return new_ids, timing_line(input_ids.shape[1], len(new_ids), t0, streamer.t_first, t_end)
+    t_first = times[1] if len(times) > 1 else t_end  # times[0]: the prompt
+    return new_ids, Timings(prompt_tokens=input_ids.shape[1], new_tokens=len(new_ids), first_token_s=t_first - t0,
+                            decode_s=t_end - t_first)
 
 
-def timing_line(prompt_tokens: int, new_tokens: int, t0: float, t_first: Optional[float], t_end: float) -> str:
-    """"prefill: P tokens in a s (x tok/s) | decode: N tokens in b s (y tok/s)"."""
-    if t_first is None or new_tokens == 0:
-        return f"prefill: {prompt_tokens} tokens in {t_end - t0:.3f} s ({prompt_tokens / (t_end - t0):.1f} tok/s) | decode: 0 tokens"
-    prefill_s = t_first - t0
-    decode_s = t_end - t_first
-    decode_rate = f"{(new_tokens - 1) / decode_s:.1f} tok/s" if new_tokens > 1 and decode_s > 0 else "n/a tok/s"
-    return (f"prefill: {prompt_tokens} tokens in {prefill_s:.3f} s ({prompt_tokens / prefill_s:.1f} tok/s) | "
-            f"decode: {new_tokens - 1} tokens in {decode_s:.3f} s ({decode_rate})")
+def timing_lines(timings, load_s: Optional[float] = None) -> str:
+    """The rates line ("prefill: ... | decode: ...") and, below it, where the time went before decoding."""
+    parts = []
+    if load_s is not None:
+        parts.append(f"load {load_s:.1f} s")
+    parts.append(f"first token {timings.first_token_s:.2f} s after loading")
+    if timings.cuda_graphs:
+        parts.append(f"decode-step capture {timings.warmup_s:.1f} s" if timings.warmup_s else "decode step reused")
+    return timings.line() + "\n[ktorch] " + ", ".join(parts)
 
 
 def _describe(model, args: argparse.Namespace, device, load_s: float) -> str:
@@ -392,7 +402,8 @@ def _load_and_describe(args: argparse.Namespace):
     """load_model, then the one-line description of what was loaded and how long it took (stderr)."""
     t0 = time.perf_counter()
     model, tokenizer, device = load_model(args)
-    print(_describe(model, args, device, time.perf_counter() - t0), file=sys.stderr, flush=True)
+    args.load_s = time.perf_counter() - t0
+    print(_describe(model, args, device, args.load_s), file=sys.stderr, flush=True)
     return model, tokenizer
 
 
@@ -404,8 +415,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids
         print(args.prompt if not isinstance(tokenizer, TokenIdsTokenizer) else f"[token ids] {tokenizer.decode(input_ids[0]).strip()} ->",
               end="", flush=True)  # the completion continues the prompt on the same line
-    _, timing = run_generation(model, tokenizer, input_ids, args, warmup=True)
-    print(timing, file=sys.stderr, flush=True)
+    _, timings = run_generation(model, tokenizer, input_ids, args)
+    print(timing_lines(timings, args.load_s), file=sys.stderr, flush=True)
     return 0
 
 
@@ -438,10 +449,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
             print("(history cleared)", file=sys.stderr)
             continue
         messages.append({"role": "user", "content": text})
-        new_ids, timing = run_generation(model, tokenizer, _chat_input_ids(tokenizer, messages), args)
+        new_ids, timings = run_generation(model, tokenizer, _chat_input_ids(tokenizer, messages), args)
         reply = tokenizer.decode(new_ids, skip_special_tokens=True).strip()
         messages.append({"role": "assistant", "content": reply})
-        print(f"[{timing}]", file=sys.stderr, flush=True)
+        print(f"[{timings.line()}]", file=sys.stderr, flush=True)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

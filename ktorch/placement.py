@@ -253,6 +253,7 @@ def set_deferred_experts(model: nn.Module, n_deferred: int) -> nn.Module:
     if not is_deferred_count(n_deferred):
         raise ValueError(f"set_deferred_experts: n_deferred must be an int >= 0, got {n_deferred!r}")
     set_chain([m for _, m in experts_modules(model)], n_deferred)
+    model.kt_deferred_experts = n_deferred  # read by ktorch.generate: decode defers, prefill does not
     config = getattr(getattr(model, "generation_config", None), "compile_config", None)
     if config is not None and config.backend == "ktorch":
         options = dict(config.options or {})

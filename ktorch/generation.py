@@ -1,0 +1,329 @@
+"""Text generation as ``ktorch generate`` runs it, and as the end-to-end benchmarks time it: one code path.
+
+    result = ktorch.generate(model, input_ids, max_new_tokens=64)            # a ktorch.load / prepare'd model
+    result.ids, result.timings                                               # new token ids; where the time went
+
+What one call does (batch 1):
+
+1. **Prefill**: one eager forward of the prompt into a static KV cache (transformers' ``StaticCache``) with no
+   expert deferral; the routed experts run on the CPU op, or partly on the GPU where the model streams experts
+   (``ktorch.prepare(..., stream_experts=...)``). The first new token is sampled on the device.
+2. **Decode** on a GPU: the whole decode step (embedding, every layer, the CPU experts' submit/wait as host
+   functions on the stream, lm_head, sampling, the position's increment) is captured once as ONE CUDA graph and
+   replayed per token. Nothing is compiled, so the capture takes about one eager step (a second or two on a
+   48-layer model) instead of the minutes a whole-model ``torch.compile`` takes; a replay costs the launching
+   thread one ``cudaGraphLaunch``. The new token is copied to pinned memory after each replay and read one step
+   later, so the host never waits for the step it just launched (an end-of-sequence token is seen one step late:
+   the step after it is computed and dropped). The deferral the model was prepared with
+   (``deferred_experts=d``) is captured in decode only: at prefill it has nothing to overlap.
+   On the CPU (no GPU), or with ``cuda_graphs=False``, decode runs the same step eagerly.
+3. Sampling on the device: greedy (``temperature=0``) or temperature + top-p, with an optional repetition
+   penalty; seeded, so a run repeats.
+
+The captured step and its cache are kept on the model (``model.kt_decoder``) for the next call of the same or a
+smaller length (chat turns, benchmark repetitions); a longer one makes a larger cache and captures again.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import nn
+
+CACHE_BUCKET = 256  # static cache lengths are rounded up to this, so that calls of similar lengths share a capture
+
+
+@dataclass
+class Timings:
+    """Seconds, from the call's start: ``first_token_s`` is the time to the first new token (prefill + its
+    sampling), ``warmup_s`` the decode step's capture (after the first token; 0 when reused), ``decode_s`` the
+    remaining new tokens' time after the capture."""
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    first_token_s: float = 0.0
+    warmup_s: float = 0.0
+    decode_s: float = 0.0
+    cuda_graphs: bool = False
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.first_token_s if self.first_token_s > 0 else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        n = self.new_tokens - 1
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
+
+    def line(self) -> str:
+        """"prefill: P tokens in a s (x tok/s) | decode: N tokens in b s (y tok/s)" (the CLI's timing line)."""
+        decode = (f"{self.new_tokens - 1} tokens in {self.decode_s:.3f} s ({self.decode_tok_s:.1f} tok/s)"
+                  if self.new_tokens > 1 else "0 tokens")
+        return (f"prefill: {self.prompt_tokens} tokens in {self.first_token_s:.3f} s ({self.prefill_tok_s:.1f} tok/s)"
+                f" | decode: {decode}")
+
+
+@dataclass
+class GenerationResult:
+    ids: list = field(default_factory=list)  # the new token ids (the prompt's not included)
+    timings: Timings = field(default_factory=Timings)
+
+
+# ---------------------------------------------------------------- sampling (on the device, capturable)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+
+def sample_next(logits: torch.Tensor, sampling: Sampling, seen: Optional[torch.Tensor],
+                generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """The next token [1] (int64) from ``logits`` [1, V]; no host sync, so it can be captured in a CUDA graph.
+
+    ``seen`` [V] bool marks the tokens present so far (prompt and output) for the repetition penalty
+    (transformers' rule: positive logits divided by it, negative ones multiplied)."""
+    logits = logits[-1].float()
+    if sampling.repetition_penalty != 1.0 and seen is not None:
+        p = sampling.repetition_penalty
+        logits = torch.where(seen, torch.where(logits > 0, logits / p, logits * p), logits)
+    if sampling.temperature == 0:
+        return logits.argmax(-1, keepdim=True)
+    probs = torch.softmax(logits / sampling.temperature, -1)
+    if sampling.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= sampling.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return torch.multinomial(probs, 1, generator=generator)
+
+
+# ---------------------------------------------------------------- the decode step
+
+
+class Decoder:
+    """A static KV cache of ``max_len`` tokens for ``model`` and its decode step (captured as a CUDA graph on a GPU).
+
+    The step reads ``self.token`` [1, 1] and ``self.position`` [1] (device tensors, fixed addresses), writes the
+    sampled token back into ``self.token`` and adds 1 to ``self.position``: a replay advances by itself."""
+
+    def __init__(self, model: nn.Module, max_len: int, device: torch.device, sampling: Sampling, cuda_graphs: bool):
+        from transformers import StaticCache
+
+        self.model, self.max_len, self.device, self.sampling = model, max_len, device, sampling
+        self.cuda_graphs = cuda_graphs and device.type == "cuda"
+        self.cache = StaticCache(config=model.config, max_cache_len=max_len)
+        self.token = torch.zeros(1, 1, dtype=torch.long, device=device)
+        self.position = torch.zeros(1, dtype=torch.long, device=device)
+        vocab = model.config.get_text_config().vocab_size if hasattr(model.config, "get_text_config") else model.config.vocab_size
+        self.seen = torch.zeros(vocab, dtype=torch.bool, device=device) if sampling.repetition_penalty != 1.0 else None
+        self.generator = torch.Generator(device=device)
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self.deferred = 0  # the deferral the capture was made with
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        out = self.model(input_ids=ids, past_key_values=self.cache, cache_position=positions,
+                         position_ids=positions[None], use_cache=True, logits_to_keep=1)
+        return out.logits[0]  # [1, V]
+
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        """Runs the prompt ids [1, P] from an empty cache; returns the first new token [1, 1] (and sets up the step)."""
+        self.cache.reset()
+        positions = torch.arange(ids.shape[1], device=self.device)
+        if self.seen is not None:
+            self.seen.zero_()
+            self.seen[ids[0]] = True
+        logits = self._forward(ids, positions)
+        nxt = sample_next(logits, self.sampling, self.seen, self.generator)
+        self.token.copy_(nxt[None])
+        self.position.fill_(ids.shape[1])
+        if self.seen is not None:
+            self.seen[nxt] = True
+        return self.token
+
+    def _step(self) -> None:
+        logits = self._forward(self.token, self.position)
+        nxt = sample_next(logits, self.sampling, self.seen, self.generator)
+        if self.seen is not None:
+            self.seen[nxt] = True
+        self.token.copy_(nxt[None])
+        self.position.add_(1)
+
+    def capture(self) -> None:
+        """Captures the step as a CUDA graph. Called right after a prefill: the step it runs first (eagerly, on a
+        side stream, to make every lazy allocation and the experts' pinned buffers outside the capture) is the real
+        next step, so the cache it writes is the right one; the state is then put back for the graph's first replay."""
+        token, position = self.token.clone(), self.position.clone()
+        seen = self.seen.clone() if self.seen is not None else None
+        rng = self.generator.get_state()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._step()  # warm-up: allocations, cuBLAS handles, the experts runtime's staging for this shape
+            self.token.copy_(token), self.position.copy_(position)
+            if seen is not None:
+                self.seen.copy_(seen)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        self.generator.set_state(rng)
+        graph = torch.cuda.CUDAGraph()
+        if self.sampling.temperature > 0:
+            graph.register_generator_state(self.generator)  # replays draw new numbers from it
+        with torch.cuda.graph(graph):
+            self._step()
+        # capturing recorded the step but ran nothing: the state is still the one after the prefill
+        self.graph = graph
+
+    def step(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._step()
+
+
+def _set_deferral(model: nn.Module, n: int) -> None:
+    """Eager deferral of the model's experts modules on (n > 0) or off, leaving its recorded setting alone."""
+    from ktorch.integrations.deferral import set_deferred_experts as set_chain
+    from ktorch.placement import experts_modules
+
+    set_chain([m for _, m in experts_modules(model)], n)
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    return model.get_input_embeddings().weight.device
+
+
+def _decoder_for(model: nn.Module, max_len: int, sampling: Sampling, cuda_graphs: bool) -> tuple[Decoder, bool]:
+    """The model's kept decoder if it fits (length, sampling, graphs, deferral), else a new one; (decoder, reused)."""
+    device = _model_device(model)
+    deferred = getattr(model, "kt_deferred_experts", 0)
+    old: Optional[Decoder] = getattr(model, "kt_decoder", None)
+    if (old is not None and old.max_len >= max_len and old.sampling == sampling and old.deferred == deferred
+            and old.cuda_graphs == (cuda_graphs and device.type == "cuda")):
+        return old, True
+    if old is not None:  # free its cache and graph before making the next
+        model.kt_decoder = None
+        del old
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    length = -(-max_len // CACHE_BUCKET) * CACHE_BUCKET
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit:
+        length = min(length, max(limit, max_len))
+    decoder = Decoder(model, length, device, sampling, cuda_graphs)
+    decoder.deferred = deferred
+    model.kt_decoder = decoder
+    return decoder, False
+
+
+@torch.inference_mode()
+def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int = 64, *, temperature: float = 0.0,
+             top_p: float = 1.0, repetition_penalty: float = 1.0, seed: int = 0,
+             eos_token_id: Optional[Sequence[int] | int] = None, cuda_graphs: bool = True,
+             on_tokens: Optional[Callable[[list], None]] = None, on_status: Optional[Callable[[str], None]] = None
+             ) -> GenerationResult:
+    """Generates up to ``max_new_tokens`` after ``input_ids`` ([1, P] or [P]) with a ktorch-prepared model.
+
+    ``eos_token_id`` (default: the model's generation config's) ends generation after it; ``on_tokens(ids)`` is
+    called with each new token as it is known (a list of one id; the last step's may come with the one before);
+    ``on_status(text)`` with progress messages (the capture). ``cuda_graphs=False`` decodes eagerly on a GPU
+    too. The model's ``deferred_experts`` (``ktorch.prepare`` / ``set_deferred_experts``) applies to decode."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    sampling = Sampling(float(temperature), float(top_p), float(repetition_penalty))
+    ids = torch.as_tensor(input_ids)
+    if ids.dim() == 1:
+        ids = ids[None]
+    if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be [1, P] or [P] with P >= 1 (batch 1), got {tuple(ids.shape)}")
+    if eos_token_id is None:
+        gc = getattr(model, "generation_config", None)
+        eos_token_id = getattr(gc, "eos_token_id", None)
+    eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+    prompt_len = ids.shape[1]
+    device = _model_device(model)
+    ids = ids.to(device)
+    decoder, reused = _decoder_for(model, prompt_len + max_new_tokens, sampling, cuda_graphs)
+    decoder.generator.manual_seed(seed)
+    timings = Timings(prompt_tokens=prompt_len, cuda_graphs=decoder.cuda_graphs)
+    result = GenerationResult(timings=timings)
+    deferred = decoder.deferred
+
+    # prefill: no deferral (nothing to overlap it with, and two CPU calls a layer instead of one)
+    if deferred:
+        _set_deferral(model, 0)
+    t0 = time.perf_counter()
+    try:
+        first = decoder.prefill(ids)
+        first_id = int(first.item())
+    finally:
+        if deferred:
+            _set_deferral(model, deferred)
+    timings.first_token_s = time.perf_counter() - t0
+    result.ids.append(first_id)
+    if on_tokens:
+        on_tokens([first_id])
+    if max_new_tokens == 1 or first_id in eos:
+        timings.new_tokens = len(result.ids)
+        return result
+
+    if decoder.cuda_graphs and decoder.graph is None:
+        if on_status:
+            on_status("capturing the decode step as a CUDA graph (once per model and cache size)...")
+        t1 = time.perf_counter()
+        decoder.capture()
+        timings.warmup_s = time.perf_counter() - t1
+        if on_status:
+            on_status(f"decode step captured in {timings.warmup_s:.1f} s")
+
+    # decode: step i + 1 is launched before step i's token is read (copied to pinned memory behind the step)
+    n_steps = max_new_tokens - 1
+    lag = 1 if device.type == "cuda" else 0
+    host = torch.empty(n_steps, dtype=torch.long, pin_memory=device.type == "cuda")
+    events: list = [None] * n_steps
+    pending: collections.deque = collections.deque()
+    stopped = False
+
+    def read(i: int) -> bool:
+        if events[i] is not None:
+            events[i].synchronize()
+        tok = int(host[i])
+        result.ids.append(tok)
+        if on_tokens:
+            on_tokens([tok])
+        return tok in eos
+
+    t2 = time.perf_counter()
+    for i in range(n_steps):
+        decoder.step()
+        host[i].copy_(decoder.token[0, 0], non_blocking=True)
+        if device.type == "cuda":
+            events[i] = torch.cuda.Event()
+            events[i].record()
+        pending.append(i)
+        while len(pending) > lag and not stopped:
+            stopped = read(pending.popleft())
+        if stopped:
+            break
+    while pending and not stopped:
+        stopped = read(pending.popleft())
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # steps launched after an end-of-sequence token
+    timings.decode_s = time.perf_counter() - t2
+    timings.new_tokens = len(result.ids)
+    return result

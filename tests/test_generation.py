@@ -1,0 +1,223 @@
+"""ktorch.generate (ktorch/generation.py): the one generation path of ``ktorch generate`` and the benchmarks.
+
+CPU: greedy tokens equal transformers' ``generate`` on the same prepared model (families of tests/models.py and the
+built-in model), deferral equals the eager deferral reference, seeded sampling repeats, the repetition penalty is
+transformers', end-of-sequence stops, the decode step has no host sync (so it can be captured: checked by
+recording every ``aten._local_scalar_dense`` / ``nonzero`` while a step runs), the kept decoder is reused only
+when the length, sampling and deferral fit. GPU (device): the captured step gives the eager step's tokens, replays
+one graph per decode step, with and without deferral (the eager deferral on the GPU is the reference).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import ktorch
+from ktorch.generation import Sampling, generate, sample_next
+from models import tiny_model
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (the captured decode step)")
+
+
+def _prepared(family: str, device: str = "cpu", **overrides):
+    """A tiny random model, fp32 outside the experts (bf16 packed): greedy comparisons with another cache layout
+    (transformers' dynamic cache, eager vs captured) then differ by rounding far below the logits' gaps."""
+    torch.manual_seed(0)
+    model = tiny_model(family, dtype=torch.float32, **overrides)
+    model.generation_config.eos_token_id = None
+    ktorch.prepare(model, device=device, experts_dtype="bf16")
+    return model
+
+
+def _hf_greedy(model, ids, n):
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                             pad_token_id=0)
+    return out[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "mixtral", "olmoe"])
+def test_greedy_matches_transformers_generate(family):
+    model = _prepared(family)
+    ids = torch.randint(0, model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(1))
+    got = generate(model, ids, 12).ids
+    assert got == _hf_greedy(model, ids, 12)
+
+
+def test_builtin_model_and_its_end_of_sequence():
+    model, tokenizer = ktorch.load("builtin", device="cpu")
+    ids = tokenizer("The meaning of life is", return_tensors="pt").input_ids
+    result = generate(model, ids, 24)
+    assert result.ids == model.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:].tolist()
+    # stop on the 5th token as if it were the end of sequence: it is the last one returned
+    stop = generate(model, ids, 24, eos_token_id=result.ids[4]).ids
+    first = result.ids.index(result.ids[4])
+    assert stop == result.ids[:first + 1]
+    t = result.timings
+    assert t.prompt_tokens == ids.shape[1] and t.new_tokens == len(result.ids) and t.first_token_s > 0
+    assert not t.cuda_graphs and t.warmup_s == 0
+
+
+def test_deferral_applies_to_decode_only_and_matches_the_eager_reference():
+    """generate with deferred_experts=d: the prefill's first token is the undeferred model's, and every later
+    token is what the deferring model's own eager forward predicts for the sequence so far."""
+    model = _prepared("qwen3_moe", num_hidden_layers=3)
+    ids = torch.randint(0, model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(3))
+    plain = generate(model, ids, 10).ids
+    ktorch.set_deferred_experts(model, 1)
+    got = generate(model, ids, 10).ids
+    assert got[0] == plain[0]
+    with torch.inference_mode():
+        # reference: the deferring eager model, decoding one token at a time over a dynamic cache after an
+        # undeferred prefill
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=model.config)
+        ktorch.set_deferred_experts(model, 0)
+        model.kt_deferred_experts = 1
+        from ktorch.generation import _set_deferral
+
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        _set_deferral(model, 1)
+        want = [got[0]]
+        for _ in range(9):
+            out = model(input_ids=torch.tensor([[want[-1]]]), past_key_values=cache, use_cache=True)
+            want.append(int(out.logits[0, -1].float().argmax()))
+    assert got == want
+    ktorch.set_deferred_experts(model, 0)
+
+
+def test_seeded_sampling_repeats_and_seeds_differ():
+    model = _prepared("qwen3_moe")
+    ids = torch.randint(0, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(4))
+    a = generate(model, ids, 16, temperature=1.5, top_p=0.95, seed=7).ids
+    b = generate(model, ids, 16, temperature=1.5, top_p=0.95, seed=7).ids
+    c = generate(model, ids, 16, temperature=1.5, top_p=0.95, seed=8).ids
+    assert a == b and a != c
+
+
+def test_sample_next_top_p_and_repetition_penalty():
+    torch.manual_seed(0)
+    logits = torch.randn(1, 50)
+    # top-p: only tokens of the nucleus are ever drawn
+    probs = torch.softmax(logits[0] / 0.7, -1)
+    order = probs.argsort(descending=True)
+    mass = probs[order].cumsum(0)
+    nucleus = set(order[: int((mass < 0.6).sum()) + 1].tolist())
+    gen = torch.Generator().manual_seed(0)
+    drawn = {int(sample_next(logits, Sampling(0.7, 0.6), None, gen)) for _ in range(300)}
+    assert drawn <= nucleus and len(drawn) > 1
+    # repetition penalty: transformers' processor on the same logits
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    seen_ids = torch.tensor([[3, 9, 9, 17]])
+    seen = torch.zeros(50, dtype=torch.bool)
+    seen[seen_ids[0]] = True
+    want = RepetitionPenaltyLogitsProcessor(1.7)(seen_ids, logits.clone()).argmax(-1)
+    assert int(sample_next(logits, Sampling(0.0, 1.0, 1.7), seen, None)) == int(want)
+    with pytest.raises(ValueError, match="top_p"):
+        Sampling(1.0, 0.0)
+    with pytest.raises(ValueError, match="temperature"):
+        Sampling(-1.0)
+
+
+def test_repetition_penalty_matches_transformers_generate():
+    model = _prepared("qwen3_moe")
+    ids = torch.randint(0, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(5))
+    got = generate(model, ids, 12, repetition_penalty=1.5).ids
+    with torch.inference_mode():
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                              repetition_penalty=1.5, pad_token_id=0)[0, 5:].tolist()
+    assert got == want
+
+
+class _HostSyncs(TorchDispatchMode):
+    """Records the ops that read a tensor's value on the host (a CUDA device sync, not allowed in a capture)."""
+
+    SYNCING = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+               torch.ops.aten.masked_select.default, torch.ops.aten._unique2.default}
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.SYNCING:
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "mixtral", "olmoe"])
+@pytest.mark.parametrize("deferred", [0, 1])
+def test_decode_step_reads_no_value_on_the_host(family, deferred):
+    model = _prepared(family)
+    ktorch.set_deferred_experts(model, deferred)
+    ids = torch.randint(0, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(6))
+    generate(model, ids, 3, temperature=0.8, top_p=0.9, repetition_penalty=1.2)
+    decoder = model.kt_decoder
+    with torch.inference_mode(), _HostSyncs() as mode:
+        decoder._step()
+    assert mode.seen == []
+
+
+def test_the_kept_decoder_is_reused_only_when_it_fits():
+    model = _prepared("qwen3_moe")
+    ids = torch.randint(0, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(8))
+    generate(model, ids, 4)
+    first = model.kt_decoder
+    generate(model, ids[:, :3], 6)
+    assert model.kt_decoder is first  # same model, shorter or equal length, same sampling: reused
+    generate(model, ids, 4, temperature=0.5)
+    assert model.kt_decoder is not first  # sampling is part of the step
+    second = model.kt_decoder
+    ktorch.set_deferred_experts(model, 1)
+    generate(model, ids, 4, temperature=0.5)
+    assert model.kt_decoder is not second  # so is deferral
+    third = model.kt_decoder
+    generate(model, ids, third.max_len, temperature=0.5)
+    assert model.kt_decoder is not third and model.kt_decoder.max_len > third.max_len  # a longer cache
+
+
+def test_bad_arguments_are_clear_errors():
+    model = _prepared("qwen3_moe")
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate(model, torch.tensor([[1, 2]]), 0)
+    with pytest.raises(ValueError, match="batch 1"):
+        generate(model, torch.tensor([[1, 2], [3, 4]]), 2)
+    with pytest.raises(ValueError, match="batch 1"):
+        generate(model, torch.zeros(1, 0, dtype=torch.long), 2)
+
+
+# ---------------------------------------------------------------- GPU: the captured step
+
+
+@needs_cuda
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("deferred", [0, 1])
+def test_captured_step_matches_eager_and_replays_one_graph_per_step(family, deferred, monkeypatch):
+    model = _prepared(family, device="cuda")
+    ktorch.set_deferred_experts(model, deferred)
+    ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(10))
+    eager = generate(model, ids, 64, cuda_graphs=False).ids
+    replays = []
+    original = torch.cuda.CUDAGraph.replay
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda self: replays.append(1) or original(self))
+    result = generate(model, ids, 64)
+    assert result.timings.cuda_graphs and result.timings.warmup_s > 0
+    assert result.ids == eager
+    assert len(replays) == 63  # one replay per decode step, nothing else
+    again = generate(model, ids, 64)  # the kept capture: no new warm-up
+    assert again.ids == eager and again.timings.warmup_s == 0
+
+
+@needs_cuda
+def test_captured_sampling_is_seeded():
+    model = _prepared("qwen3_moe", device="cuda")
+    ids = torch.randint(0, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(12))
+    a = generate(model, ids, 24, temperature=1.2, top_p=0.9, seed=3).ids
+    b = generate(model, ids, 24, temperature=1.2, top_p=0.9, seed=3).ids
+    c = generate(model, ids, 24, temperature=1.2, top_p=0.9, seed=4).ids
+    assert a == b and a != c
