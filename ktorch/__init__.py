@@ -16,8 +16,9 @@ __all__ = ["PackedExperts", "cpu_features", "fused_moe", "get_num_threads", "pac
 # and prepare() places a model for hybrid CPU-expert inference.
 from ktorch.integrations import register_when_imported as _register_experts_implementation  # noqa: E402
 from ktorch.experts_profile import ExpertsProfile, profile_experts  # noqa: E402
+from ktorch.generation import generate  # noqa: E402
 from ktorch.loading import load  # noqa: E402
 from ktorch.placement import gpu_placement, prepare, set_deferred_experts, set_stream_experts, stream_plan  # noqa: E402
 
 _register_experts_implementation()
-__all__ += ["ExpertsProfile", "gpu_placement", "load", "prepare", "profile_experts", "set_deferred_experts", "set_stream_experts", "stream_plan"]
+__all__ += ["ExpertsProfile", "generate", "gpu_placement", "load", "prepare", "profile_experts", "set_deferred_experts", "set_stream_experts", "stream_plan"]

@@ -40,13 +40,14 @@ CACHE_BUCKET = 256  # static cache lengths are rounded up to this, so that calls
 @dataclass
 class Timings:
     """Seconds, from the call's start: ``first_token_s`` is the time to the first new token (prefill + its
-    sampling), ``warmup_s`` the decode step's capture (after the first token; 0 when reused), ``decode_s`` the
-    remaining new tokens' time after the capture."""
+    sampling), ``warmup_s`` the decode step's capture (after the first token, with one eager step; 0 when reused),
+    ``decode_s`` the time of the replayed steps after it."""
 
     prompt_tokens: int = 0
     new_tokens: int = 0
     first_token_s: float = 0.0
     warmup_s: float = 0.0
+    warmup_tokens: int = 0  # new tokens made during the capture (its eager step), not counted in the decode rate
     decode_s: float = 0.0
     cuda_graphs: bool = False
 
@@ -55,14 +56,19 @@ class Timings:
         return self.prompt_tokens / self.first_token_s if self.first_token_s > 0 else 0.0
 
     @property
+    def decode_tokens(self) -> int:
+        """New tokens timed by ``decode_s``: all but the first (prefill) and the capture's eager step's."""
+        return max(self.new_tokens - 1 - self.warmup_tokens, 0)
+
+    @property
     def decode_tok_s(self) -> float:
-        n = self.new_tokens - 1
+        n = self.decode_tokens
         return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
 
     def line(self) -> str:
         """"prefill: P tokens in a s (x tok/s) | decode: N tokens in b s (y tok/s)" (the CLI's timing line)."""
-        decode = (f"{self.new_tokens - 1} tokens in {self.decode_s:.3f} s ({self.decode_tok_s:.1f} tok/s)"
-                  if self.new_tokens > 1 else "0 tokens")
+        decode = (f"{self.decode_tokens} tokens in {self.decode_s:.3f} s ({self.decode_tok_s:.1f} tok/s)"
+                  if self.decode_tokens else "0 tokens")
         return (f"prefill: {self.prompt_tokens} tokens in {self.first_token_s:.3f} s ({self.prefill_tok_s:.1f} tok/s)"
                 f" | decode: {decode}")
 
@@ -165,28 +171,21 @@ class Decoder:
         self.position.add_(1)
 
     def capture(self) -> None:
-        """Captures the step as a CUDA graph. Called right after a prefill: the step it runs first (eagerly, on a
-        side stream, to make every lazy allocation and the experts' pinned buffers outside the capture) is the real
-        next step, so the cache it writes is the right one; the state is then put back for the graph's first replay."""
-        token, position = self.token.clone(), self.position.clone()
-        seen = self.seen.clone() if self.seen is not None else None
-        rng = self.generator.get_state()
+        """Runs the next decode step eagerly (on a side stream: every lazy allocation, cuBLAS handle and the experts'
+        pinned buffers for this shape are made outside the capture), then captures the step as a CUDA graph. The
+        eager step is a real one (its token is in ``self.token``): the cache's own counters (transformers'
+        ``StaticLayer.cumulative_length``) have advanced with it, as they do in every replay after."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self._step()  # warm-up: allocations, cuBLAS handles, the experts runtime's staging for this shape
-            self.token.copy_(token), self.position.copy_(position)
-            if seen is not None:
-                self.seen.copy_(seen)
+            self._step()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
-        self.generator.set_state(rng)
         graph = torch.cuda.CUDAGraph()
         if self.sampling.temperature > 0:
             graph.register_generator_state(self.generator)  # replays draw new numbers from it
         with torch.cuda.graph(graph):
-            self._step()
-        # capturing recorded the step but ran nothing: the state is still the one after the prefill
+            self._step()  # recorded, not run: the state is still the one after the eager step
         self.graph = graph
 
     def step(self) -> None:
@@ -282,12 +281,15 @@ def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int = 64
         timings.new_tokens = len(result.ids)
         return result
 
+    stepped = 0  # decode steps already run (the capture's eager one)
     if decoder.cuda_graphs and decoder.graph is None:
         if on_status:
             on_status("capturing the decode step as a CUDA graph (once per model and cache size)...")
         t1 = time.perf_counter()
         decoder.capture()
+        stepped = 1
         timings.warmup_s = time.perf_counter() - t1
+        timings.warmup_tokens = 1
         if on_status:
             on_status(f"decode step captured in {timings.warmup_s:.1f} s")
 
@@ -310,7 +312,8 @@ def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int = 64
 
     t2 = time.perf_counter()
     for i in range(n_steps):
-        decoder.step()
+        if i >= stepped:
+            decoder.step()
         host[i].copy_(decoder.token[0, 0], non_blocking=True)
         if device.type == "cuda":
             events[i] = torch.cuda.Event()

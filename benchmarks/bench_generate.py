@@ -1,0 +1,146 @@
+"""End to end as a user runs it: ``ktorch generate`` (fresh processes, default options) beside llama.cpp's
+``llama-bench`` at its best settings, on the same GGUF file, in one run.
+
+ktorch     ``ktorch generate --model FILE --prompt <P bytes> --max-new-tokens N [ARGS]``, each run a new process
+           exactly as typed at a shell; the file has no tokenizer, so the prompt's P bytes are P token ids. What is
+           reported is what the command prints: load time, time to first token (prefill), the decode step's
+           capture, prefill tok/s, decode tok/s. Each --ktorch-args set runs --runs times (the first in a fresh
+           process is the cold start; later ones show a warm page cache).
+llama.cpp  ``llama-bench -m FILE -ngl 99 -ot exps=CPU`` swept over threads, -fa and -lm (see
+           bench_vs_llamacpp.py, whose sweep and best-per-test pick this reuses), ppP and tgN.
+
+    python benchmarks/bench_generate.py --gguf /tmp/q8.gguf --prompts 512 --gen 64 \\
+        --ktorch-args "" "--deferred-experts 3" --llama-bench /tmp/lcpp/bin/llama-bench --json $OUT/gen.jsonl
+
+Optionally writes the file first (--write-layers N: a random Qwen3-30B-A3B-shaped qwen3moe file, --write-type,
+--write-seed; ktorch.integrations.gguf_writer.write_random_qwen3moe_gguf). Benchmarks never assert.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+RATES = re.compile(r"prefill: (\d+) tokens in ([\d.]+) s \(([\d.]+) tok/s\) \| decode: (\d+) tokens(?: in ([\d.]+) s "
+                   r"\(([\d.]+) tok/s\))?")
+LOADED = re.compile(r"loaded in ([\d.]+) s")
+CAPTURE = re.compile(r"decode-step capture ([\d.]+) s")
+
+
+def parse_generate_output(stderr: str) -> dict:
+    """The figures ``ktorch generate`` printed on stderr (the rates line, the load and capture times)."""
+    out: dict = {}
+    m = RATES.search(stderr)
+    if m:
+        out.update(prompt_tokens=int(m[1]), first_token_s=float(m[2]), prefill_tok_s=float(m[3]),
+                   decode_tokens=int(m[4]))
+        if m[5]:
+            out.update(decode_s=float(m[5]), decode_tok_s=float(m[6]))
+    m = LOADED.search(stderr)
+    if m:
+        out["load_s"] = float(m[1])
+    m = CAPTURE.search(stderr)
+    if m:
+        out["capture_s"] = float(m[1])
+    return out
+
+
+def prompt_of(tokens: int) -> str:
+    """A prompt of exactly ``tokens`` bytes (= token ids for a file without a tokenizer), not all the same."""
+    text = "the quick brown fox jumps over the lazy dog while the cat sleeps in the sun "
+    return (text * (tokens // len(text) + 1))[:tokens]
+
+
+def run_generate(gguf: str, prompt_tokens: int, gen: int, extra: list[str], timeout_s: float) -> dict:
+    cmd = ["ktorch", "generate", "--model", gguf, "--prompt", prompt_of(prompt_tokens), "--max-new-tokens",
+           str(gen), *extra]
+    shown = " ".join(shlex.quote(c) for c in cmd[:4]) + f" --prompt <{prompt_tokens} bytes> " + " ".join(cmd[6:])
+    print("$ " + shown, flush=True)
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"command": shown, "error": f"timeout after {timeout_s:.0f} s"}
+    wall = time.perf_counter() - t0
+    result = {"command": shown, "wall_s": wall, **parse_generate_output(proc.stderr)}
+    if proc.returncode != 0 or "decode_tok_s" not in result:
+        result["error"] = f"exit {proc.returncode}: " + proc.stderr[-1500:]
+    print("  " + json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in result.items()
+                             if k != "command"}), flush=True)
+    return result
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gguf", required=True)
+    p.add_argument("--write-layers", type=int, default=0, help="write a random qwen3moe file of N layers first")
+    p.add_argument("--write-type", default="Q8_0")
+    p.add_argument("--write-seed", type=int, default=11)
+    p.add_argument("--prompts", type=int, nargs="+", default=[512])
+    p.add_argument("--gen", type=int, default=64)
+    p.add_argument("--ktorch-args", nargs="*", default=[""], help="one string of generate options per setting")
+    p.add_argument("--runs", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=400)
+    p.add_argument("--llama-bench", default=None)
+    p.add_argument("--threads", default="15,16")
+    p.add_argument("--flash-attn", default="0,1")
+    p.add_argument("--load-mode", default="none")
+    p.add_argument("--llama-reps", type=int, default=2)
+    p.add_argument("--llama-timeout", type=float, default=300)
+    p.add_argument("--skip-ktorch", action="store_true")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+
+    def emit(line: dict) -> None:
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(line) + "\n")
+
+    if args.write_layers and not os.path.exists(args.gguf):
+        from ktorch.integrations.gguf_writer import write_random_qwen3moe_gguf
+
+        t0 = time.perf_counter()
+        write_random_qwen3moe_gguf(Path(args.gguf), args.write_type, num_layers=args.write_layers,
+                                   seed=args.write_seed, progress=False)
+        print(f"wrote {args.gguf} ({os.path.getsize(args.gguf) / 1e9:.1f} GB) in {time.perf_counter() - t0:.0f} s")
+    rows = []
+    if not args.skip_ktorch:
+        for extra in args.ktorch_args:
+            for prompt in args.prompts:
+                for run in range(args.runs):
+                    r = run_generate(args.gguf, prompt, args.gen, shlex.split(extra), args.timeout)
+                    r.update(kind="ktorch", args=extra, run=run, prompt=prompt)
+                    rows.append(r)
+                    emit(r)
+    if args.llama_bench:
+        from bench_vs_llamacpp import best_per_test, llama_bench_commands, run_llama_bench, setting_label
+
+        cmds = llama_bench_commands(args.llama_bench, args.gguf, args.prompts, args.gen, args.threads,
+                                    args.flash_attn, args.load_mode, "512,2048", args.llama_reps, [])
+        records = run_llama_bench(cmds, Path(args.json or "/tmp/gen.jsonl").with_suffix(".llama.log"),
+                                  args.llama_timeout)
+        for name, r in sorted(best_per_test(records).items()):
+            line = dict(kind="llama.cpp", test=name, tok_s=r["avg_ts"], setting=setting_label(r))
+            print(f"llama.cpp best {name}: {r['avg_ts']:.1f} tok/s ({line['setting']})", flush=True)
+            emit(line)
+    print("\nktorch generate (as printed):")
+    for r in rows:
+        if "error" in r:
+            print(f"  [{r['args'] or 'defaults'}] P={r['prompt']} run {r['run']}: {r['error'][:300]}")
+            continue
+        print(f"  [{r['args'] or 'defaults'}] P={r['prompt']} run {r['run']}: load {r.get('load_s', 0):.1f} s, "
+              f"first token {r['first_token_s']:.2f} s ({r['prefill_tok_s']:.0f} tok/s prefill), capture "
+              f"{r.get('capture_s', 0):.1f} s, decode {r['decode_tok_s']:.1f} tok/s, wall {r['wall_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
