@@ -27,7 +27,9 @@ smaller length (chat turns, benchmark repetitions); a longer one makes a larger 
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
+import types
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -171,6 +173,10 @@ class Decoder:
         self.position.add_(1)
 
     def capture(self) -> None:
+        with _compiled_norms(self.model):
+            self._capture()
+
+    def _capture(self) -> None:
         """Runs the next decode step eagerly (on a side stream: every lazy allocation, cuBLAS handle and the experts'
         pinned buffers for this shape are made outside the capture), then captures the step as a CUDA graph. The
         eager step is a real one (its token is in ``self.token``): the cache's own counters (transformers'
@@ -193,6 +199,30 @@ class Decoder:
             self.graph.replay()
         else:
             self._step()
+
+
+_COMPILED_FORWARDS: dict = {}  # norm class -> its forward compiled by Inductor (one per class, shapes guarded inside)
+
+
+@contextlib.contextmanager
+def _compiled_norms(model: nn.Module):
+    """The model's RMSNorm modules run an Inductor-compiled forward (one Triton kernel instead of about seven eager
+    ones) while the decode step is captured; the graph keeps those kernels, and prefill runs the plain forward
+    (no compile per prompt length). The class's forward is compiled once: instances share it (guards on shapes,
+    not identity: the 4 norms of each of 48 layers make 3 graphs), and Inductor's on-disk cache serves a later
+    process. Norms are where the eager decode step spends most kernels besides the projections (4 of every layer's
+    ~60 launches are RMSNorms of ~7 kernels each)."""
+    norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm") and not list(m.children())]
+    for m in norms:
+        cls = type(m)
+        if cls not in _COMPILED_FORWARDS:
+            _COMPILED_FORWARDS[cls] = torch.compile(cls.forward, dynamic=False, fullgraph=True)
+        m.forward = types.MethodType(_COMPILED_FORWARDS[cls], m)
+    try:
+        yield
+    finally:
+        for m in norms:
+            m.__dict__.pop("forward", None)
 
 
 def _set_deferral(model: nn.Module, n: int) -> None:
