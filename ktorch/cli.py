@@ -201,6 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="GPU: pinned host memory for the KV pages of requests preempted when the GPU pool is full "
                      "(0: they re-prefill instead) (default: %(default)s)")
     srv.add_argument("--no-prefix-cache", action="store_true", help="do not share KV pages between requests")
+    srv.add_argument("--host-prefix-cache-gib", type=float, default=None, metavar="GIB",
+                     help="the prefix cache's second tier: KV pages evicted from the pool are kept in this much host "
+                     "memory (least recently used dropped first) and copied back when a prompt starts with them "
+                     "(default: 4 on a GPU, 0 on the CPU, where the pool is host memory already)")
     srv.add_argument("--step-stats", action="store_true",
                      help="record each step's tokens, time and distinct experts read in /v1/stats (synchronizes the "
                      "GPU every step and runs it eagerly: for measurements, not for serving)")
@@ -514,6 +518,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise CLIError(f"--{name.replace('_', '-')} {value}: out of range")
     if args.kv_cache_gib is not None and args.kv_cache_gib <= 0:
         raise CLIError(f"--kv-cache-gib {args.kv_cache_gib}: must be > 0")
+    if args.host_prefix_cache_gib is not None and args.host_prefix_cache_gib < 0:
+        raise CLIError(f"--host-prefix-cache-gib {args.host_prefix_cache_gib}: must be >= 0")
     if args.cpu_offload_gib < 0:
         raise CLIError(f"--cpu-offload-gib {args.cpu_offload_gib}: must be >= 0")
     try:
@@ -531,7 +537,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_batch_tokens=args.max_batch_tokens, max_requests=args.max_requests,
         max_queued_tokens=args.max_queued_tokens,
         cuda_graphs={"auto": None, "on": True, "off": False}[args.cuda_graphs] if not args.step_stats else False,
-        cpu_offload_gib=args.cpu_offload_gib, prefix_cache=not args.no_prefix_cache, step_stats=args.step_stats)
+        cpu_offload_gib=args.cpu_offload_gib, prefix_cache=not args.no_prefix_cache, step_stats=args.step_stats,
+        host_cache_gib=args.host_prefix_cache_gib if args.host_prefix_cache_gib is not None else (4.0 if on_gpu else 0.0))
     name = args.served_model_name or ("builtin" if args.model == "builtin" else Path(args.model).name)
     run_server(model, tokenizer, name, host=args.host, port=args.port, config=config,
                print_fn=lambda msg: print(f"[ktorch] serving {name} ({msg.strip()})", file=sys.stderr, flush=True))

@@ -461,3 +461,42 @@ def test_mixed_load(server):
     after = server.wait_idle(timeout=60)
     assert after["kv_bytes_in_use"] == 0 and after["queued_prompt_tokens"] == 0
     assert after["rss_bytes"] < idle["rss_bytes"] + (256 << 20), (idle["rss_bytes"], after["rss_bytes"])
+
+
+def test_host_tier_restores_evicted_prefix_pages(builtin):
+    """A small device pool: the first prompt's pages are evicted by later prompts, spill to the host tier, and a
+    prompt starting with them gets them copied back: it computes only the rest, and its tokens are right."""
+    model, tok = builtin
+    engine = ServeEngine(model, model.generation_config.eos_token_id, 0,
+                         EngineConfig(page_size=PAGE, num_blocks=40, max_batch_tokens=64, host_cache_gib=0.05))
+    rng = random.Random(2)
+    first = [rng.randrange(3, 4096) for _ in range(10 * PAGE + 5)]
+    second = first + [rng.randrange(3, 4096) for _ in range(9)]
+    fillers = [[rng.randrange(3, 4096) for _ in range(300)] for _ in range(3)]
+
+    async def one(ids, n):
+        _, q = await engine.submit(ids, SamplingParams(n))
+        while not (o := await asyncio.wait_for(q.get(), 60)).is_finished():
+            pass
+        return o.generated_tokens
+
+    async def run():
+        engine.start()
+        await one(first, 2)
+        for f in fillers:  # 3 x 19 pages through a 40-page pool: the cached pages are evicted
+            await one(f, 2)
+        spilled = engine.stats()
+        before = engine.tokens_computed
+        out = await one(second, 4)
+        return spilled, engine.tokens_computed - before, out, engine.stats()
+
+    try:
+        spilled, computed, out, after = asyncio.run(run())
+    finally:
+        engine.stop()
+    assert spilled["host_prefix_spilled"] >= 10 and spilled["host_prefix_restored"] == 0
+    assert after["host_prefix_restored"] == 10  # the first prompt's 10 full pages
+    assert computed == len(second) - 10 * PAGE + len(out) - 1
+    with torch.inference_mode():
+        ref = model.generate(torch.tensor([second]), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert out == ref[0, len(second):].tolist()

@@ -8,7 +8,9 @@ a step with the other requests' decode tokens, all flattened into one ragged bat
 layer makes one ``kt.fused_moe`` call carrying every active sequence's tokens), prefix sharing (each full page of a
 prompt is hashed with its prefix; a later prompt with the same leading pages reuses their KV blocks and computes only
 the rest; pages no request holds stay cached until the pool runs short), CUDA graphs per padded batch size on a GPU,
-and an optional pinned host-memory swap pool for preempted requests' KV (``cpu_offload_gib``).
+and an optional pinned host-memory swap pool for preempted requests' KV (``cpu_offload_gib``). Under pressure
+transformers evicts all unheld cached pages at once; ``host_cache_gib`` keeps them in host memory instead
+(ktorch/serve/host_tier.py: the prefix cache's second tier, least recently used dropped first).
 
 ktorch adds: per-request greedy / seeded sampling (ktorch/serve/sampling.py), admission limits (requests in flight,
 prompt tokens not yet prefilled: 429), counters of the tokens each forward computed (the prefix cache's effect is
@@ -59,6 +61,7 @@ class EngineConfig:
     cuda_graphs: Optional[bool] = None  # None: transformers decides (on for a GPU)
     cpu_offload_gib: float = 0.0  # pinned host memory for preempted requests' KV (0: re-prefill them instead)
     prefix_cache: bool = True
+    host_cache_gib: float = 0.0  # the prefix cache's second tier: evicted pages kept in host memory (0: off)
     step_stats: bool = False  # record per-step tokens/seconds/distinct experts (syncs the device each step)
 
 
@@ -136,6 +139,20 @@ class ServeEngine:
         # argmax over the processed scores: exact greedy for key-0 rows, Gumbel-max sampling for the others
         self.manager.generation_config = copy.copy(self.manager.generation_config)
         self.manager.generation_config.do_sample = False
+
+        self.host_tier = None
+        if config.host_cache_gib > 0 and config.prefix_cache:
+            from ktorch.serve.host_tier import HostPrefixTier
+
+            self.host_tier = HostPrefixTier(int(config.host_cache_gib * (1 << 30)))
+            create = self.manager._create_batch_processor
+
+            def create_with_host_tier():  # in the generation thread, before its first step
+                processor = create()
+                self.host_tier.install(processor.cache)
+                return processor
+
+            self.manager._create_batch_processor = create_with_host_tier
 
         self._lock = threading.Lock()
         self._requests: dict[str, _Request] = {}
@@ -227,7 +244,8 @@ class ServeEngine:
             queued = self.queued_tokens
         return {"requests_in_flight": active, "queued_prompt_tokens": queued, "forwards": self.forwards,
                 "tokens_computed": self.tokens_computed, "requests_done": self.requests_done,
-                "requests_cancelled": self.requests_cancelled, "rss_bytes": _rss_bytes(), **self.cache_state()}
+                "requests_cancelled": self.requests_cancelled, "rss_bytes": _rss_bytes(), **self.cache_state(),
+                **(self.host_tier.stats() if self.host_tier is not None else {})}
 
     # ------------------------------------------------------------ requests
 
