@@ -430,7 +430,7 @@ def test_429_when_full_and_serving_after(server):
 
 
 def test_mixed_load(server):
-    """200 mixed requests (short and long prompts, streamed or not, chat or completions, some disconnecting
+    """120 mixed requests (short and long prompts, streamed or not, chat or completions, some disconnecting
     early), 24 at a time: every completed response is the one the prompt gives alone, no server error, and the
     KV pool and requests in flight go back to idle. (benchmarks/bench_serve.py --load 1000 runs the full one.)"""
     rng = random.Random(3)
@@ -455,7 +455,7 @@ def test_mixed_load(server):
         return (p, n), _complete(server.client, p, n, stream=mode == 1)
 
     with ThreadPoolExecutor(24) as ex:
-        results = list(ex.map(one, range(200)))
+        results = list(ex.map(one, range(120)))
     bad = [(key, got) for key, got in filter(None, results) if got != alone[key]]
     assert not bad, bad[:3]
     after = server.wait_idle(timeout=60)
@@ -500,3 +500,22 @@ def test_host_tier_restores_evicted_prefix_pages(builtin):
     with torch.inference_mode():
         ref = model.generate(torch.tensor([second]), max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert out == ref[0, len(second):].tolist()
+
+
+# ---------------------------------------------------------------- the command line
+
+
+def test_serve_options_have_help_and_bad_values_are_refused(capsys):
+    from ktorch.cli import build_parser, main
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices["serve"]
+    for action in sub._actions:
+        if action.dest != "help":
+            assert action.help and len(action.help) > 10, action.option_strings
+    for argv, message in [(["--port", "0"], "--port 0: out of range"), (["--page-size", "2"], "--page-size 2"),
+                          (["--max-requests", "0"], "--max-requests 0"), (["--kv-cache-gib", "0"], "--kv-cache-gib"),
+                          (["--host-prefix-cache-gib", "-1"], "--host-prefix-cache-gib"), (["--plain"], "--plain"),
+                          (["--compile"], "--compile")]:
+        assert main(["serve", "--model", "builtin", *argv]) == 1
+        assert message in capsys.readouterr().err
