@@ -530,7 +530,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     model, tokenizer = _load_and_describe(args)
     if isinstance(tokenizer, TokenIdsTokenizer):
-        raise CLIError(f"--model {args.model}: the checkpoint has no tokenizer; serve needs one")
+        print(f"[ktorch] {args.model} has no tokenizer: completions take token-id prompts (a string's UTF-8 bytes "
+              "become ids) and return the new ids as text; chat is refused", file=sys.stderr, flush=True)
     on_gpu = model.get_input_embeddings().weight.device.type == "cuda"
     config = EngineConfig(
         page_size=args.page_size or (64 if on_gpu else 16), num_blocks=args.kv_pages, kv_cache_gib=args.kv_cache_gib,

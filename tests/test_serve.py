@@ -519,3 +519,33 @@ def test_serve_options_have_help_and_bad_values_are_refused(capsys):
                           (["--compile"], "--compile")]:
         assert main(["serve", "--model", "builtin", *argv]) == 1
         assert message in capsys.readouterr().err
+
+
+def test_token_ids_without_a_tokenizer(builtin):
+    """A checkpoint without a tokenizer (GGUF benchmark files) serves completions over token ids."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from ktorch.cli import TokenIdsTokenizer
+    from ktorch.serve.app import OpenAIServer
+
+    model, _ = builtin
+    ids = [5, 300, 41, 2000, 17, 9]
+    with torch.inference_mode():
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, pad_token_id=0)[0, 6:].tolist()
+    engine = ServeEngine(model, model.generation_config.eos_token_id, 0, EngineConfig(page_size=PAGE, num_blocks=64))
+    server = OpenAIServer(engine, TokenIdsTokenizer(model.config.vocab_size), "bench")
+
+    async def run():
+        async with TestClient(TestServer(server.make_app(), host=HOST)) as client:
+            r = await client.post("/v1/completions", json={"model": "bench", "prompt": ids, "max_tokens": 6,
+                                                           "temperature": 0})
+            text = (await r.json())["choices"][0]["text"]
+            r2 = await client.post("/v1/completions", json={"model": "bench", "prompt": "ab", "max_tokens": 2})
+            r3 = await client.post("/v1/chat/completions", json={"model": "bench", "max_tokens": 2,
+                                                                 "messages": [{"role": "user", "content": "x"}]})
+            return text, r2.status, (await r2.json())["usage"]["prompt_tokens"], r3.status, await r3.json()
+
+    text, st2, prompt_tokens, st3, chat = asyncio.run(run())
+    assert [int(t) for t in text.split()] == ref
+    assert (st2, prompt_tokens) == (200, 2)  # "ab": its two bytes as ids
+    assert st3 == 400 and chat["error"]["code"] == "no_chat_template"

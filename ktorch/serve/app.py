@@ -233,7 +233,7 @@ class OpenAIServer:
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
             p = p[0]  # one prompt in a list
         if isinstance(p, str):
-            return list(self.tokenizer(p).input_ids)
+            return self._encode(p)
         if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
             vocab = self.engine.model.config.get_text_config().vocab_size
             bad = [t for t in p if t < 0 or t >= vocab]
@@ -243,6 +243,12 @@ class OpenAIServer:
             return list(p)
         raise APIError(400, "'prompt' must be a string, a list of token ids, or a list holding one of those "
                        "(several prompts per request are not supported)", param="prompt", code="invalid_value")
+
+    def _encode(self, text: str) -> list[int]:
+        ids = self.tokenizer(text).input_ids
+        if hasattr(ids, "tolist"):  # a tokenizer stand-in (GGUF files without one) gives a [1, P] tensor
+            ids = ids.tolist()
+        return list(ids[0] if ids and isinstance(ids[0], list) else ids)
 
     def _chat_prompt(self, body: dict) -> list[int]:
         messages = body.get("messages")
