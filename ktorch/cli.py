@@ -527,7 +527,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError:
         raise CLIError("serve needs aiohttp: pip install 'ktorch[serve]'") from None
     from ktorch.serve import EngineConfig, run_server
+    from ktorch.serve.engine import check_transformers
 
+    try:
+        check_transformers()
+    except RuntimeError as e:
+        raise CLIError(str(e)) from None
     model, tokenizer = _load_and_describe(args)
     if isinstance(tokenizer, TokenIdsTokenizer):
         print(f"[ktorch] {args.model} has no tokenizer: completions take token-id prompts (a string's UTF-8 bytes "

@@ -41,6 +41,16 @@ def _rss_bytes() -> int:
         return 0
 
 
+def check_transformers() -> None:
+    """Raises RuntimeError unless transformers has the continuous-batching manager as ktorch uses it (>= 5.24)."""
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__).release < (5, 24):
+        raise RuntimeError(f"ktorch serve needs transformers >= 5.24 (its continuous-batching manager as ktorch uses "
+                           f"it); this is {transformers.__version__}: pip install 'transformers>=5.24'")
+
+
 class AdmissionError(Exception):
     """The engine is full (requests in flight or prompt tokens waiting): the server answers 429."""
 
@@ -94,6 +104,7 @@ class ServeEngine:
     """Owns the continuous-batching manager of one model; async ``submit`` / ``cancel`` from the server's loop."""
 
     def __init__(self, model, eos_token_id, pad_token_id: Optional[int], config: EngineConfig = EngineConfig()):
+        check_transformers()
         from transformers import ContinuousBatchingConfig, GenerationConfig
         from transformers.generation.continuous_batching.cb_logits_processors import (
             ContinuousBatchingTemperatureLogitsWarper,
