@@ -51,6 +51,27 @@ def check_transformers() -> None:
                            f"it); this is {transformers.__version__}: pip install 'transformers>=5.24'")
 
 
+def _register_final_step_pages(cache) -> None:
+    """transformers 5.24 registers the pages a step completed only if the request is still running after it
+    (``PagedAttentionCache.mark_complete_blocks`` returns early for a finished request, a guard for async batching,
+    where the block table may already be gone); so a request ending with its last prefill chunk (max_tokens 1) or
+    its last decode token leaves those pages unshared. Register them too, whenever the block table still exists."""
+    from transformers.generation.continuous_batching.requests import RequestStatus
+
+    mark = cache.mark_complete_blocks
+
+    def mark_complete_blocks(state, complete_blocks) -> None:
+        if (state.status == RequestStatus.FINISHED and complete_blocks and cache.allow_block_sharing
+                and all(state.request_id in a.block_table for a in cache.cache_allocators.values())):
+            token_ids = state.initial_tokens + state.generated_tokens
+            for name, new_complete_blocks in complete_blocks.items():
+                cache.cache_allocators[name].mark_complete_blocks(state.request_id, token_ids, new_complete_blocks)
+            return
+        mark(state, complete_blocks)
+
+    cache.mark_complete_blocks = mark_complete_blocks
+
+
 class AdmissionError(Exception):
     """The engine is full (requests in flight or prompt tokens waiting): the server answers 429."""
 
@@ -156,14 +177,17 @@ class ServeEngine:
             from ktorch.serve.host_tier import HostPrefixTier
 
             self.host_tier = HostPrefixTier(int(config.host_cache_gib * (1 << 30)))
-            create = self.manager._create_batch_processor
+        create = self.manager._create_batch_processor
 
-            def create_with_host_tier():  # in the generation thread, before its first step
-                processor = create()
+        def create_and_extend():  # in the generation thread, before its first step
+            processor = create()
+            if config.prefix_cache:
+                _register_final_step_pages(processor.cache)
+            if self.host_tier is not None:
                 self.host_tier.install(processor.cache)
-                return processor
+            return processor
 
-            self.manager._create_batch_processor = create_with_host_tier
+        self.manager._create_batch_processor = create_and_extend
 
         self._lock = threading.Lock()
         self._requests: dict[str, _Request] = {}
