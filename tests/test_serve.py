@@ -549,3 +549,18 @@ def test_token_ids_without_a_tokenizer(builtin):
     assert [int(t) for t in text.split()] == ref
     assert (st2, prompt_tokens) == (200, 2)  # "ab": its two bytes as ids
     assert st3 == 400 and chat["error"]["code"] == "no_chat_template"
+
+
+def test_incremental_detokenizer_equals_full_decode(builtin):
+    """The streamed text, built from a short window per token, equals decoding all tokens at once (random ids,
+    special and byte tokens included)."""
+    from ktorch.serve.app import IncrementalDetokenizer
+
+    _, tok = builtin
+    rng = random.Random(4)
+    for _ in range(200):
+        ids = [rng.randrange(0, tok.vocab_size) for _ in range(rng.randint(1, 50))]
+        d = IncrementalDetokenizer(tok)
+        for i in range(1, len(ids) + 1):
+            d.update(ids[:i], final=i == len(ids))
+        assert d.text == tok.decode(ids, skip_special_tokens=True), ids

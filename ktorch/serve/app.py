@@ -119,6 +119,30 @@ def _bool(body: dict, name: str) -> bool:
     return v
 
 
+class IncrementalDetokenizer:
+    """The text of a growing list of generated tokens, decoding a short window per new token instead of the whole
+    list (which would cost O(length) per token, on the event loop, beside the generation thread): the text of
+    tokens[prefix:] minus that of tokens[prefix:read], the two windows starting on the same token so that a
+    tokenizer's handling of a leading space cancels out; tokens that end in an incomplete UTF-8 sequence wait for
+    the next one."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.text = ""
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def update(self, tokens: list[int], final: bool = False) -> str:
+        decode = self.tokenizer.decode
+        prefix_text = decode(tokens[self.prefix_offset:self.read_offset], skip_special_tokens=True)
+        new_text = decode(tokens[self.prefix_offset:], skip_special_tokens=True)
+        if len(new_text) > len(prefix_text) and (final or not new_text.endswith("\ufffd")):
+            self.text += new_text[len(prefix_text):]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(tokens)
+        return self.text
+
+
 # ---------------------------------------------------------------- the server
 
 
@@ -302,6 +326,7 @@ class OpenAIServer:
         except AdmissionError as e:
             raise APIError(429, str(e), "rate_limit_error", code="rate_limit_exceeded") from None
         done = False
+        detok = IncrementalDetokenizer(self.tokenizer)
         emitted = 0
         holdback = max((len(s) for s in stops), default=1) - 1
         try:
@@ -311,7 +336,7 @@ class OpenAIServer:
                     raise APIError(500, f"generation failed: {out.error}", "server_error")
                 tokens = out.generated_tokens
                 info["completion_tokens"] = len(tokens)
-                text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+                text = detok.update(tokens, final=out.is_finished())
                 cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
                 if cut >= 0:
                     done = True
