@@ -4,6 +4,7 @@
     ktorch generate --model /path/to/Qwen3-30B-A3B --prompt "..." --experts-dtype int8 --max-new-tokens 128
     ktorch generate --model /path/to/Qwen3-30B-A3B-Q4_K_M.gguf --prompt "..."
     ktorch chat --model builtin
+    ktorch serve --model builtin --port 8000          # OpenAI-compatible server (/v1/chat/completions, ...)
     ktorch bench -- --shapes qwen3 --tokens 1 512
     ktorch bench e2e -- --shape qwen3-30b-a3b --variants cuda_graphs --prompts 512
 
@@ -161,6 +162,52 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="a system message to start the conversation with")
     _add_model_arguments(chat)
     _add_sampling_arguments(chat, temperature=0.7)
+
+    serve = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server with continuous batching and a prefix cache",
+        description="Serves the model over HTTP in OpenAI's API: POST /v1/chat/completions and /v1/completions "
+        "(streamed as server-sent events with \"stream\": true), GET /v1/models, GET /health, GET /v1/stats "
+        "(ktorch's counters). Requests join and leave the running batch at every step; long prompts are prefilled "
+        "in chunks of at most --max-batch-tokens tokens beside the other requests' decode tokens; KV pages of "
+        "shared prompt prefixes are reused (README, Serving).",
+    )
+    _add_model_arguments(serve)
+    srv = serve.add_argument_group("server")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    srv.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    srv.add_argument("--served-model-name", default=None,
+                     help="the model id clients name (default: 'builtin' or the checkpoint's file or folder name)")
+    srv.add_argument("--page-size", type=int, default=None, metavar="TOKENS",
+                     help="tokens per KV-cache page; prefixes are shared in whole pages (default: 64 on a GPU, "
+                     "16 on the CPU)")
+    srv.add_argument("--kv-pages", type=int, default=None, metavar="N",
+                     help="KV-cache pages in the pool (default: --kv-cache-gib of them)")
+    srv.add_argument("--kv-cache-gib", type=float, default=None, metavar="GIB",
+                     help="memory for the KV-cache pool (default: 1 on the CPU; on a GPU transformers sizes it from the "
+                     "free GPU memory)")
+    srv.add_argument("--max-batch-tokens", type=int, default=None, metavar="N",
+                     help="tokens per step: decode tokens plus a chunk of a new prompt (default: 512 on the CPU; on a "
+                     "GPU sized by transformers)")
+    srv.add_argument("--max-requests", type=int, default=256, metavar="N",
+                     help="requests in flight (running or queued); more get HTTP 429 (default: %(default)s)")
+    srv.add_argument("--max-queued-tokens", type=int, default=1 << 17, metavar="N",
+                     help="prompt tokens of admitted requests not yet prefilled; a request past it gets HTTP 429 "
+                     "(default: %(default)s)")
+    srv.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
+                     help="GPU: run steps under CUDA graphs per padded batch size (auto: transformers decides) "
+                     "(default: %(default)s)")
+    srv.add_argument("--cpu-offload-gib", type=float, default=0.0, metavar="GIB",
+                     help="GPU: pinned host memory for the KV pages of requests preempted when the GPU pool is full "
+                     "(0: they re-prefill instead) (default: %(default)s)")
+    srv.add_argument("--no-prefix-cache", action="store_true", help="do not share KV pages between requests")
+    srv.add_argument("--host-prefix-cache-gib", type=float, default=None, metavar="GIB",
+                     help="the prefix cache's second tier: KV pages evicted from the pool are kept in this much host "
+                     "memory (least recently used dropped first) and copied back when a prompt starts with them "
+                     "(default: 4 on a GPU, 0 on the CPU, where the pool is host memory already)")
+    srv.add_argument("--step-stats", action="store_true",
+                     help="record each step's tokens, time and distinct experts read in /v1/stats (synchronizes the "
+                     "GPU every step and runs it eagerly: for measurements, not for serving)")
 
     bench = sub.add_parser(
         "bench",
@@ -471,7 +518,51 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return subprocess.call([sys.executable, str(script), *rest], env=os.environ.copy())
 
 
-COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench}
+def cmd_serve(args: argparse.Namespace) -> int:
+    if args.plain:
+        raise CLIError("serve runs ktorch-prepared models; --plain is for generate and chat")
+    if args.compile:
+        raise CLIError("serve captures its own CUDA graphs per batch size (--cuda-graphs); --compile is for generate")
+    for name in ("port", "page_size", "kv_pages", "max_batch_tokens", "max_requests", "max_queued_tokens"):
+        value = getattr(args, name)
+        if value is not None and (value < 1 or (name == "page_size" and value < 4) or (name == "port" and value > 65535)):
+            raise CLIError(f"--{name.replace('_', '-')} {value}: out of range")
+    if args.kv_cache_gib is not None and args.kv_cache_gib <= 0:
+        raise CLIError(f"--kv-cache-gib {args.kv_cache_gib}: must be > 0")
+    if args.host_prefix_cache_gib is not None and args.host_prefix_cache_gib < 0:
+        raise CLIError(f"--host-prefix-cache-gib {args.host_prefix_cache_gib}: must be >= 0")
+    if args.cpu_offload_gib < 0:
+        raise CLIError(f"--cpu-offload-gib {args.cpu_offload_gib}: must be >= 0")
+    try:
+        import aiohttp  # noqa: F401
+    except ImportError:
+        raise CLIError("serve needs aiohttp: pip install 'ktorch[serve]'") from None
+    from ktorch.serve import EngineConfig, run_server
+    from ktorch.serve.engine import check_transformers
+
+    try:
+        check_transformers()
+    except RuntimeError as e:
+        raise CLIError(str(e)) from None
+    model, tokenizer = _load_and_describe(args)
+    if isinstance(tokenizer, TokenIdsTokenizer):
+        print(f"[ktorch] {args.model} has no tokenizer: completions take token-id prompts (a string's UTF-8 bytes "
+              "become ids) and return the new ids as text; chat is refused", file=sys.stderr, flush=True)
+    on_gpu = model.get_input_embeddings().weight.device.type == "cuda"
+    config = EngineConfig(
+        page_size=args.page_size or (64 if on_gpu else 16), num_blocks=args.kv_pages, kv_cache_gib=args.kv_cache_gib,
+        max_batch_tokens=args.max_batch_tokens, max_requests=args.max_requests,
+        max_queued_tokens=args.max_queued_tokens,
+        cuda_graphs={"auto": None, "on": True, "off": False}[args.cuda_graphs] if not args.step_stats else False,
+        cpu_offload_gib=args.cpu_offload_gib, prefix_cache=not args.no_prefix_cache, step_stats=args.step_stats,
+        host_cache_gib=args.host_prefix_cache_gib if args.host_prefix_cache_gib is not None else (4.0 if on_gpu else 0.0))
+    name = args.served_model_name or ("builtin" if args.model == "builtin" else Path(args.model).name)
+    run_server(model, tokenizer, name, host=args.host, port=args.port, config=config,
+               print_fn=lambda msg: print(f"[ktorch] serving {name} ({msg.strip()})", file=sys.stderr, flush=True))
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "bench": cmd_bench}
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -1,0 +1,366 @@
+"""The serving engine: transformers' continuous-batching manager driving a ktorch-prepared model.
+
+transformers (>= 5.2x) ships a continuous-batching manager (``model.init_continuous_batching()``) that does what the
+server needs and runs a ktorch-loaded model unchanged (its greedy outputs equal ``model.generate``'s:
+tests/test_serve.py): a paged KV cache with block tables, a scheduler that adds requests to and removes them from
+the running batch at every step and cuts long prompts into chunks of at most ``max_batch_tokens`` tokens that share
+a step with the other requests' decode tokens, all flattened into one ragged batch ``[1, T]`` per step (so each MoE
+layer makes one ``kt.fused_moe`` call carrying every active sequence's tokens), prefix sharing (each full page of a
+prompt is hashed with its prefix; a later prompt with the same leading pages reuses their KV blocks and computes only
+the rest; pages no request holds stay cached until the pool runs short), CUDA graphs per padded batch size on a GPU,
+and an optional pinned host-memory swap pool for preempted requests' KV (``cpu_offload_gib``). Under pressure
+transformers evicts all unheld cached pages at once; ``host_cache_gib`` keeps them in host memory instead
+(ktorch/serve/host_tier.py: the prefix cache's second tier, least recently used dropped first).
+
+ktorch adds: per-request greedy / seeded sampling (ktorch/serve/sampling.py), admission limits (requests in flight,
+prompt tokens not yet prefilled: 429), counters of the tokens each forward computed (the prefix cache's effect is
+visible there), and optional per-step statistics (tokens, seconds, distinct experts read).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import os
+import secrets
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+def check_transformers() -> None:
+    """Raises RuntimeError unless transformers has the continuous-batching manager as ktorch uses it (>= 5.24)."""
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__).release < (5, 24):
+        raise RuntimeError(f"ktorch serve needs transformers >= 5.24 (its continuous-batching manager as ktorch uses "
+                           f"it); this is {transformers.__version__}: pip install 'transformers>=5.24'")
+
+
+def _register_final_step_pages(cache) -> None:
+    """transformers 5.24 registers the pages a step completed only if the request is still running after it
+    (``PagedAttentionCache.mark_complete_blocks`` returns early for a finished request, a guard for async batching,
+    where the block table may already be gone); so a request ending with its last prefill chunk (max_tokens 1) or
+    its last decode token leaves those pages unshared. Register them too, whenever the block table still exists."""
+    from transformers.generation.continuous_batching.requests import RequestStatus
+
+    mark = cache.mark_complete_blocks
+
+    def mark_complete_blocks(state, complete_blocks) -> None:
+        if (state.status == RequestStatus.FINISHED and complete_blocks and cache.allow_block_sharing
+                and all(state.request_id in a.block_table for a in cache.cache_allocators.values())):
+            token_ids = state.initial_tokens + state.generated_tokens
+            for name, new_complete_blocks in complete_blocks.items():
+                cache.cache_allocators[name].mark_complete_blocks(state.request_id, token_ids, new_complete_blocks)
+            return
+        mark(state, complete_blocks)
+
+    cache.mark_complete_blocks = mark_complete_blocks
+
+
+class AdmissionError(Exception):
+    """The engine is full (requests in flight or prompt tokens waiting): the server answers 429."""
+
+
+@dataclass
+class EngineConfig:
+    """What the serving engine is allowed to use. ``None`` leaves a value to transformers' own sizing."""
+
+    page_size: int = 256  # tokens per KV page; prefix sharing matches whole pages
+    num_blocks: Optional[int] = None  # KV pages in the pool (None: kv_cache_gib, or transformers' sizing on a GPU)
+    kv_cache_gib: Optional[float] = None  # KV pool size when num_blocks is None (None: 1 GiB on the CPU, transformers'
+    # sizing from free memory on a GPU: it would take 90% of the free host memory on the CPU)
+    max_batch_tokens: Optional[int] = None  # tokens per step: decode tokens plus the prompt chunk (None: 512 on the
+    # CPU, transformers' sizing on a GPU)
+    max_requests: int = 256  # requests in flight (queued or running); one more gets 429
+    max_queued_tokens: int = 1 << 17  # prompt tokens of admitted requests not yet through prefill; more gets 429
+    max_batch_requests: Optional[int] = None  # requests per step (None: transformers' default)
+    cuda_graphs: Optional[bool] = None  # None: transformers decides (on for a GPU)
+    cpu_offload_gib: float = 0.0  # pinned host memory for preempted requests' KV (0: re-prefill them instead)
+    prefix_cache: bool = True
+    host_cache_gib: float = 0.0  # the prefix cache's second tier: evicted pages kept in host memory (0: off)
+    step_stats: bool = False  # record per-step tokens/seconds/distinct experts (syncs the device each step)
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: Optional[int] = None  # sampling only; None: a fresh random seed
+
+
+@dataclass
+class StepRecord:
+    tokens: int
+    seconds: float
+    distinct_experts: int = 0  # summed over MoE layers
+    expert_bytes: int = 0  # packed bytes of those experts
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt_len: int
+    queue: asyncio.Queue
+    prefilled: bool = False
+    finished: bool = False
+
+
+class ServeEngine:
+    """Owns the continuous-batching manager of one model; async ``submit`` / ``cancel`` from the server's loop."""
+
+    def __init__(self, model, eos_token_id, pad_token_id: Optional[int], config: EngineConfig = EngineConfig()):
+        check_transformers()
+        from transformers import ContinuousBatchingConfig, GenerationConfig
+        from transformers.generation.continuous_batching.cb_logits_processors import (
+            ContinuousBatchingTemperatureLogitsWarper,
+            ContinuousBatchingTopPLogitsWarper,
+        )
+
+        from ktorch.serve.sampling import SeededSampling
+
+        self.model = model
+        self.config = config
+        self.context_length = int(getattr(model.config.get_text_config(), "max_position_embeddings", 0) or 0)
+        # do_sample with non-default temperature/top_p makes transformers build their per-request warpers; the
+        # selection itself is switched to argmax below, SeededSampling doing the sampling (ktorch/serve/sampling.py)
+        gen = GenerationConfig(do_sample=True, temperature=0.5, top_p=0.5, top_k=None, max_new_tokens=16,
+                               eos_token_id=eos_token_id, pad_token_id=pad_token_id if pad_token_id is not None else 0)
+        text = model.config.get_text_config()
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        self.kv_bytes_per_token = 2 * text.num_hidden_layers * kv_heads * head_dim * model.dtype.itemsize
+        on_cpu = model.device.type == "cpu"
+        num_blocks, max_batch_tokens = config.num_blocks, config.max_batch_tokens
+        if num_blocks is None and (config.kv_cache_gib is not None or on_cpu):
+            budget = (config.kv_cache_gib if config.kv_cache_gib is not None else 1.0) * (1 << 30)
+            num_blocks = max(4, int(budget // (config.page_size * self.kv_bytes_per_token)))
+        if max_batch_tokens is None and on_cpu:
+            max_batch_tokens = 512
+        cb = ContinuousBatchingConfig(
+            page_size=config.page_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,
+            max_requests_per_batch=config.max_batch_requests, allow_block_sharing=config.prefix_cache,
+            use_cuda_graph=config.cuda_graphs, cpu_offload_space=config.cpu_offload_gib,
+            per_request_processors=True, auto_switch_to_flash=False, return_logprobs=False,
+        )
+        self.manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+        processors = self.manager.logit_processor
+        kinds = [type(p) for p in processors.logits_processor]
+        if kinds != [ContinuousBatchingTemperatureLogitsWarper, ContinuousBatchingTopPLogitsWarper]:
+            raise RuntimeError(f"ktorch serve: unexpected logits processors from transformers {kinds}; expected "
+                               "per-request temperature then top-p (transformers changed?)")
+        processors.logits_processor.append(SeededSampling())
+        processors.tensors_required += 1
+        processors.supported_keys.update(SeededSampling.supported_kwargs)
+        processors.do_processing = True
+        # argmax over the processed scores: exact greedy for key-0 rows, Gumbel-max sampling for the others
+        self.manager.generation_config = copy.copy(self.manager.generation_config)
+        self.manager.generation_config.do_sample = False
+
+        self.host_tier = None
+        if config.host_cache_gib > 0 and config.prefix_cache:
+            from ktorch.serve.host_tier import HostPrefixTier
+
+            self.host_tier = HostPrefixTier(int(config.host_cache_gib * (1 << 30)))
+        create = self.manager._create_batch_processor
+
+        def create_and_extend():  # in the generation thread, before its first step
+            processor = create()
+            if config.prefix_cache:
+                _register_final_step_pages(processor.cache)
+            if self.host_tier is not None:
+                self.host_tier.install(processor.cache)
+            return processor
+
+        self.manager._create_batch_processor = create_and_extend
+
+        self._lock = threading.Lock()
+        self._requests: dict[str, _Request] = {}
+        self.queued_tokens = 0
+        # counters (read by /v1/stats and the tests)
+        self.forwards = 0
+        self.tokens_computed = 0
+        self.steps: deque[StepRecord] = deque(maxlen=4096)
+        self.requests_done = 0
+        self.requests_cancelled = 0
+        self._hooks = [model.register_forward_pre_hook(self._count_forward, with_kwargs=True)]
+        if config.step_stats:
+            self._install_step_stats()
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        self.manager.start()
+
+    def stop(self) -> None:
+        if self.manager.is_running():
+            self.manager.stop(block=True, timeout=30)
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def healthy(self) -> bool:
+        return self.manager.is_running() and self.manager.background_thread_status.fatal_error is None
+
+    # ------------------------------------------------------------ counters
+
+    def _count_forward(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None:
+            self.forwards += 1
+            self.tokens_computed += int(ids.shape[-1])
+        if self.config.step_stats:
+            self._step_start(int(ids.shape[-1]) if ids is not None else 0)
+
+    def _install_step_stats(self) -> None:
+        self._step_t0 = 0.0
+        self._step_tokens = 0
+        self._step_experts: list[torch.Tensor] = []
+        self._expert_bytes: dict[int, int] = {}
+        for m in self.model.modules():
+            if getattr(m, "kt_w13", None) is not None:
+                per_expert = sum(t.nbytes for t in (m.kt_w13, m.kt_w13_scales, m.kt_w2, m.kt_w2_scales)
+                                 if t is not None) // m.kt_w13.shape[0]
+                self._expert_bytes[id(m)] = per_expert
+
+                def pre(module, args, kwargs, _b=per_expert):
+                    top_k_index = kwargs.get("top_k_index", args[1] if len(args) > 1 else None)
+                    if top_k_index is not None:
+                        used = torch.unique(top_k_index[top_k_index >= 0]).numel()
+                        self._step_experts.append((used, used * _b))
+
+                self._hooks.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+        self._hooks.append(self.model.register_forward_hook(self._step_end))
+
+    def _step_start(self, tokens: int) -> None:
+        self._step_experts = []
+        self._step_tokens = tokens
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self._step_t0 = time.perf_counter()
+
+    def _step_end(self, module, args, output) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - self._step_t0
+        self.steps.append(StepRecord(self._step_tokens, seconds, sum(u for u, _ in self._step_experts),
+                                     sum(b for _, b in self._step_experts)))
+
+    def cache_state(self) -> dict:
+        """KV pool use in bytes: held by requests, kept only for prefix reuse (held by none), free."""
+        bp = self.manager.batch_processor
+        if bp is None:
+            return {}
+        cache = bp.cache
+        total = cache.num_sectors * cache.bytes_per_sector
+        free = int(cache.compute_free_capacity(relative=False))
+        cached = sum(len(a.ledger.cached_blocks) * a.bytes_per_block for a in cache.cache_allocators.values())
+        return {"kv_bytes_total": total, "kv_bytes_free": free, "kv_bytes_prefix_cached": cached,
+                "kv_bytes_in_use": total - free - cached, "page_size": self.config.page_size}
+
+    def stats(self) -> dict:
+        with self._lock:
+            active = len(self._requests)
+            queued = self.queued_tokens
+        return {"requests_in_flight": active, "queued_prompt_tokens": queued, "forwards": self.forwards,
+                "tokens_computed": self.tokens_computed, "requests_done": self.requests_done,
+                "requests_cancelled": self.requests_cancelled, "rss_bytes": _rss_bytes(), **self.cache_state(),
+                **(self.host_tier.stats() if self.host_tier is not None else {})}
+
+    # ------------------------------------------------------------ requests
+
+    async def submit(self, prompt_ids: list[int], params: SamplingParams, eos_token_id=None) -> tuple[str, asyncio.Queue]:
+        """Adds a request; returns its id and a queue of transformers ``GenerationOutput``s (one per new token, the
+        last one finished). Raises AdmissionError when the limits are reached."""
+        request_id = f"kt-{uuid.uuid4().hex}"
+        q: asyncio.Queue = asyncio.Queue()
+        req = _Request(request_id, len(prompt_ids), q)
+        with self._lock:
+            if len(self._requests) >= self.config.max_requests:
+                raise AdmissionError(f"{len(self._requests)} requests in flight, the server's limit "
+                                     f"(--max-requests {self.config.max_requests}); retry later")
+            if self._requests and self.queued_tokens + len(prompt_ids) > self.config.max_queued_tokens:
+                raise AdmissionError(f"{self.queued_tokens} prompt tokens already wait for prefill; this request's "
+                                     f"{len(prompt_ids)} would pass the limit (--max-queued-tokens "
+                                     f"{self.config.max_queued_tokens}); retry later")
+            self._requests[request_id] = req
+            self.queued_tokens += len(prompt_ids)
+
+        def deliver(output) -> None:  # on this loop (transformers calls it through call_soon_threadsafe)
+            self._note_progress(req, output)
+            q.put_nowait(output)
+
+        self.manager.register_result_handler(request_id, deliver)
+        if params.temperature > 0:
+            seed = params.seed if params.seed is not None else secrets.randbits(62)
+            kwargs = dict(temperature=float(params.temperature), top_p=float(params.top_p),
+                          seed=int(seed) or 1)  # seed 0 would mean greedy
+        else:
+            kwargs = dict(temperature=1.0, top_p=1.0, seed=0)
+        try:
+            rid = self.manager.add_request(list(prompt_ids), request_id=request_id,
+                                           max_new_tokens=params.max_new_tokens, streaming=True,
+                                           eos_token_id=eos_token_id, **kwargs)
+        except BaseException:
+            self._forget(req)
+            raise
+        if rid is None:
+            self._forget(req)
+            raise AdmissionError("the generation loop is not accepting requests (stopping or failed)")
+        return request_id, q
+
+    def _note_progress(self, req: _Request, output) -> None:
+        with self._lock:
+            if not req.prefilled and (output.generated_tokens or output.is_finished()):
+                req.prefilled = True
+                self.queued_tokens -= req.prompt_len
+        if output.is_finished():
+            self.requests_done += 1
+            self._forget(req)
+
+    def _forget(self, req: _Request) -> None:
+        with self._lock:
+            if self._requests.pop(req.request_id, None) is not None and not req.prefilled:
+                req.prefilled = True
+                self.queued_tokens -= req.prompt_len
+            req.finished = True
+        with self.manager.output_router._lock:
+            self.manager.output_router.result_handlers.pop(req.request_id, None)
+
+    def drain_orphan_outputs(self) -> int:
+        """Drops outputs the manager produced for requests already forgotten (cancelled between two steps: their
+        handler is gone, so transformers queues them on its shared output queue, which nothing else reads)."""
+        import queue
+
+        dropped = 0
+        while True:
+            try:
+                self.manager.output_router.output_queue.get_nowait()
+                dropped += 1
+            except queue.Empty:
+                return dropped
+
+    def cancel(self, request_id: str) -> None:
+        """Stops a request (client gone, stop string met): its KV pages are freed at the next step."""
+        with self._lock:
+            req = self._requests.get(request_id)
+        if req is None or req.finished:
+            return
+        self.manager.cancel_request(request_id)
+        self.requests_cancelled += 1
+        self._forget(req)
