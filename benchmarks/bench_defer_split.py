@@ -3,14 +3,14 @@ the K - d highest-weighted slots and the d lowest (issue 5), through the native 
 uses (runtime/host_tasks.cpp), with cold caches.
 
 Rows, each timed over the same layer copies and routings, the modes taking turns call by call:
-  op                 kt.fused_moe on the calling thread, all K slots: one pool dispatch for its stages (the default)
-  op/stage-dispatch  the same with KT_ONE_DISPATCH=0 (one pool dispatch a stage, the way before)
+  op                 kt.fused_moe on the calling thread, all K slots (one pool dispatch for its stages)
   task d=0           a split host task with d = 0: one call of all K slots on the host-task worker
   task d=D 1 call    d = D: both parts in one fused_moe_split call, the first part published from inside it
-  task d=D 2 calls   d = D with KT_DEFER_CALLS=2: two fused_moe calls one after the other (the way before)
-With --env-variants the rows are instead the op, task d=0 and task d=D (one call) under each environment setting
-(knobs the op reads on every call: KT_WAIT_PREFETCH_KB, KT_GATE_UP_TASKS, KT_DOWN_RANGES, ...), all taking turns;
-the host-task worker's spin after each task takes a core from the op rows there, the same in every variant.
+(One dispatch a stage and two calls for a deferring layer, the ways before, were measured slower in session 13,
+benchmarks/RESULTS.md, and removed from the library with the switches that kept them.)
+With --env-variants the rows are instead the op, task d=0 and task d=D under each environment setting (settings
+the op reads on every call, e.g. KT_CPU_KERNEL=avx512), all taking turns; the host-task worker's spin after each
+task takes a core from the op rows there, the same in every variant.
 Columns: first = ms until the first part is joinable (the task's own timeline), total = ms until both parts are
 done (for d = 0 and the op the two are one). What deferral can hide per layer is bounded by the GPU work between
 two layers; what it costs is total(d) - total(d=0).
@@ -24,7 +24,6 @@ draws a fresh routing. Benchmarks never assert; they print a table and the machi
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 import types
@@ -42,13 +41,10 @@ SHAPES = {  # name: (E, K, H, I)
 }
 
 
-def make_tasks(layers, T: int, K: int, H: int, d: int, two_calls: bool = True):
-    """Per layer copy: a split task in each mode (KT_DEFER_CALLS is read when a task is made); two_calls=False leaves
-    out the "2 calls" mode."""
+def make_tasks(layers, T: int, K: int, H: int, d: int):
+    """Per layer copy: a split task in each mode."""
     tasks = {}
-    modes = (("task d=0", "1"), (f"task d={d} 1 call", "1")) + (((f"task d={d} 2 calls", "2"),) if two_calls else ())
-    for mode, calls in modes:
-        os.environ["KT_DEFER_CALLS"] = calls
+    for mode in ("task d=0", f"task d={d} 1 call"):
         per_layer = []
         for packed in layers:
             staging = types.SimpleNamespace(
@@ -57,7 +53,6 @@ def make_tasks(layers, T: int, K: int, H: int, d: int, two_calls: bool = True):
                 out_later=torch.zeros(T, H, dtype=torch.bfloat16), deferred=torch.tensor(0 if mode == "task d=0" else d))
             per_layer.append((staging, _NativeHostFunctions(staging, ExpertsLayer(*packed.tensors(), "silu"))))
         tasks[mode] = per_layer
-    os.environ.pop("KT_DEFER_CALLS")
     return tasks
 
 
@@ -74,8 +69,7 @@ def run_task(staging, task, ids, w, x):
     return first, (t1 - t0) / 1e6
 
 
-def run_op(packed, ids, w, x, one_dispatch: bool):
-    os.environ["KT_ONE_DISPATCH"] = "1" if one_dispatch else "0"
+def run_op(packed, ids, w, x):
     t0 = time.perf_counter_ns()
     torch.ops.kt.fused_moe(x, ids, w, *packed.tensors(), "silu")
     ms = (time.perf_counter_ns() - t0) / 1e6
@@ -133,9 +127,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cold-factor", type=float, default=8.0, help="layer copies until their bytes exceed this x L3")
     ap.add_argument("--max-copies", type=int, default=64, help="at most this many layer copies")
     ap.add_argument("--env-variants", nargs="+", default=None, metavar="NAME=V[,NAME=V]",
-                    help="A/B of environment settings the op reads on every call (e.g. KT_WAIT_PREFETCH_KB=0, "
-                         "KT_GATE_UP_TASKS=6, KT_DOWN_RANGES=26; '-': none): the op, task d=0 and task d=D in one "
-                         "call under each, all taking turns on the same layer copies")
+                    help="A/B of environment settings the op reads on every call (e.g. KT_CPU_KERNEL=avx512; "
+                         "'-': none): the op, task d=0 and task d=D in one call under each, all taking turns on the "
+                         "same layer copies")
     ap.add_argument("--huge-pages", action="store_true",
                     help="A/B instead: the op and the tasks on layer copies in 4 KiB pages against copies on "
                          "transparent huge pages (madvise), taking turns")
@@ -169,18 +163,15 @@ def main(argv: list[str] | None = None) -> None:
                                          args.calls)
                     print_rows(shape, T, threads, results)
                     continue
-                # the op rows first, alone: the host-task worker spins KT_HOST_SPIN_US after each task run and
-                # would take a core from them
+                # the op rows first, alone: the host-task worker spins after each task run and would take a core
+                # from them
                 op_modes = {}
                 for suffix, ls in sets.items():
-                    op_modes[f"op{suffix}"] = lambda i, r, ls=ls: run_op(ls[i % len(ls)], *r, True)
-                    if not args.huge_pages:
-                        op_modes["op/stage-dispatch"] = lambda i, r, ls=ls: run_op(ls[i % len(ls)], *r, False)
+                    op_modes[f"op{suffix}"] = lambda i, r, ls=ls: run_op(ls[i % len(ls)], *r)
                 results = take_turns(op_modes, routings, args.calls)
-                os.environ.pop("KT_ONE_DISPATCH", None)
                 task_modes = {}
                 for suffix, ls in sets.items():
-                    for mode, per_layer in make_tasks(ls, T, K, H, args.deferred, not args.huge_pages).items():
+                    for mode, per_layer in make_tasks(ls, T, K, H, args.deferred).items():
                         task_modes[mode + suffix] = (
                             lambda i, r, per_layer=per_layer: run_task(*per_layer[i % len(per_layer)], *r))
                 results.update(take_turns(task_modes, routings, args.calls))
@@ -192,14 +183,14 @@ def env_modes(layers, variants: list[str], T: int, K: int, H: int, d: int) -> di
     """--env-variants: per variant the op, task d=0 and task d=D in one call, each run under the variant's environment
     (the op's knobs are read on every call, on whichever thread makes it)."""
     modes = {}
-    tasks = make_tasks(layers, T, K, H, d, two_calls=False)
+    tasks = make_tasks(layers, T, K, H, d)
     for variant in variants:
         def under(fn, variant=variant):
             def run(i, r):
-                with variant_env(variant, True):
+                with variant_env(variant):
                     return fn(i, r)
             return run
-        modes[f"op [{variant}]"] = under(lambda i, r: run_op(layers[i % len(layers)], *r, True))
+        modes[f"op [{variant}]"] = under(lambda i, r: run_op(layers[i % len(layers)], *r))
         for mode, pl in tasks.items():
             modes[f"{mode} [{variant}]"] = under(lambda i, r, pl=pl: run_task(*pl[i % len(pl)], *r))
     return modes

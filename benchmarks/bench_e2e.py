@@ -425,65 +425,50 @@ def call_gap_stats(timeline: list) -> dict:
             "calls_over_1ms": sum(c > 1000 for c in calls), "gaps_over_1ms": sum(g > 1000 for g in gaps)}
 
 
-def parse_pool_sweep(spec: str) -> list[tuple[int, int, int, int]]:
-    """'15:2000,13:400:1,13:300:0:1' -> [(15, 2000, 0, 0), (13, 400, 1, 0), (13, 300, 0, 1)]: (pool threads,
-    KT_SPIN_US, KT_SPIN_YIELD, KT_PIN_THREADS) per decode re-timing; spin, yield and pin default to the
-    environment's."""
+def parse_pool_sweep(spec: str) -> list[tuple[int, int]]:
+    """'15:2000,13:300,13' -> [(15, 2000), (13, 300), (13, spin)]: (pool threads, KT_SPIN_US) per decode re-timing;
+    the spin defaults to the environment's (else 2000)."""
     out = []
     for item in spec.split(","):
         item = item.strip()
         if not item:
             continue
         parts = item.split(":")
-
-        def field(i, name, fallback):
-            return int(parts[i]) if len(parts) > i and parts[i] else int(os.environ.get(name, fallback) or fallback)
-
         try:
-            if len(parts) > 4:
+            if len(parts) > 2:
                 raise ValueError
             threads = int(parts[0])
-            spin, yld = field(1, "KT_SPIN_US", "2000"), field(2, "KT_SPIN_YIELD", "0")
-            pin = field(3, "KT_PIN_THREADS", "0")
+            spin = int(parts[1]) if len(parts) > 1 and parts[1] else int(os.environ.get("KT_SPIN_US") or 2000)
         except ValueError:
-            raise SystemExit(f"--pool-sweep: want THREADS[:SPIN_US[:YIELD[:PIN]]],..., got {item!r}") from None
-        if threads < 1 or spin < 0 or yld not in (0, 1) or pin not in (0, 1):
-            raise SystemExit(f"--pool-sweep: threads >= 1, spin >= 0, yield and pin 0 or 1, got {item!r}")
-        out.append((threads, spin, yld, pin))
+            raise SystemExit(f"--pool-sweep: want THREADS[:SPIN_US],..., got {item!r}") from None
+        if threads < 1 or spin < 0:
+            raise SystemExit(f"--pool-sweep: threads >= 1, spin >= 0, got {item!r}")
+        out.append((threads, spin))
     return out
 
 
 @torch.no_grad()
 def pool_sweep(model, runner, variant: str, device: str, decode_tokens: int, decode_context: int, vocab: int,
-               settings: list[tuple[int, int, int, int]], options: dict | None = None) -> list[dict]:
-    """Decode re-timed on the same compiled model (no new compile or capture) for each (pool threads, KT_SPIN_US,
-    KT_SPIN_YIELD, KT_PIN_THREADS): the pool is rebuilt between runs (set_num_threads rebuilds it when the size or
-    a variable changed), while the host-task
-    worker (its spin and yield fixed at its start: KT_HOST_SPIN_US, KT_SPIN_YIELD) and CUDA's callback thread stay.
-    ``options`` are time_variant's (a ``decode_deferred_experts`` in them holds for every re-timing). Restores the
-    pool size and the variables it found."""
+               settings: list[tuple[int, int]], options: dict | None = None) -> list[dict]:
+    """Decode re-timed on the same compiled model (no new compile or capture) for each (pool threads, KT_SPIN_US):
+    the pool is rebuilt between runs (set_num_threads rebuilds it when the size or the spin changed), while the
+    host-task worker and CUDA's callback thread stay. ``options`` are time_variant's (a ``decode_deferred_experts`` in
+    them holds for every re-timing). Restores the pool size, and the spin to the environment's."""
     size = ktorch.get_num_threads()
-    saved = {k: os.environ.get(k) for k in ("KT_SPIN_US", "KT_SPIN_YIELD", "KT_PIN_THREADS")}
     rows = []
     try:
-        for threads, spin_us, spin_yield, pin in settings:
+        for threads, spin_us in settings:
             sync(device)
-            os.environ["KT_SPIN_US"] = str(spin_us)
-            os.environ["KT_SPIN_YIELD"] = str(spin_yield)
-            os.environ["KT_PIN_THREADS"] = str(pin)
+            ktorch.config.set_spin_us(spin_us)
             torch.ops.kt.set_num_threads(threads)  # (the op: leaves ktorch's "size chosen" flag alone)
             r = time_variant(model, variant, device, [], decode_tokens, decode_context, 1, vocab, options,
                              runner=runner)
             r.pop("runner")
-            r.update(pool_threads=threads, spin_us=spin_us, spin_yield=spin_yield, pin_threads=pin)
+            r.update(pool_threads=threads, spin_us=spin_us)
             rows.append(r)
     finally:
         sync(device)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        ktorch.config.set_spin_us(None)
         torch.ops.kt.set_num_threads(size)
     return rows
 
@@ -544,7 +529,7 @@ def _profile_steps(runner: Runner, names: list, run, path: str) -> tuple:
     runtime = ktorch.compile.RUNTIME
     marks = []
     runtime.timeline = []
-    runtime.take_native_timeline()  # KT_HOST_FUNCTIONS=native: calls made before the profile are not ours
+    runtime.take_native_timeline()  # (native host tasks) calls made before the profile are not ours
     try:
         with profile(activities=activities) as prof:
             for i, name in enumerate(names):
@@ -711,9 +696,8 @@ def main(argv=None) -> None:
                              "no copies a layer ahead")
     parser.add_argument("--pool-sweep", default="",
                         help="after each ktorch variant's decode, re-time it (same compile) per pool setting "
-                             "THREADS[:KT_SPIN_US[:KT_SPIN_YIELD[:KT_PIN_THREADS]]],... e.g. "
-                             "'15:2000,13:2000,15:2000:1,13:300:0:1' (whether the pool's spinning "
-                             "workers and CUDA's host-function thread fight for the cores)")
+                             "THREADS[:KT_SPIN_US],... e.g. '15:2000,13:2000,13:300' (whether the pool's "
+                             "spinning workers and CUDA's host-function thread fight for the cores)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for traces")
     parser.add_argument("--json", default=None, help="append results as JSON lines to this file")
     args = parser.parse_args(argv)
@@ -800,12 +784,10 @@ def main(argv=None) -> None:
             continue
         print(f"\npool sweep, {r['variant']} (decode re-timed on the same compiled model; CPU calls and the gaps "
               "between them from the native host tasks' timeline, us):")
-        print("| pool threads | KT_SPIN_US | KT_SPIN_YIELD | KT_PIN_THREADS | decode tok/s | cpu experts ms per step | "
-              + " | ".join(gap_cols) + " |")
-        print("|---|---|---|---|---|---|" + "---|" * len(gap_cols))
+        print("| pool threads | KT_SPIN_US | decode tok/s | cpu experts ms per step | " + " | ".join(gap_cols) + " |")
+        print("|---|---|---|---|" + "---|" * len(gap_cols))
         for p in r["pool_sweep"]:
-            print(f"| {p['pool_threads']} | {p['spin_us']} | {p.get('spin_yield', 0)} | {p.get('pin_threads', 0)} | "
-                  f"{p['decode_tok_s']:.2f} | {p['cpu_experts_ms_per_step']:.2f} | "
+            print(f"| {p['pool_threads']} | {p['spin_us']} | {p['decode_tok_s']:.2f} | {p['cpu_experts_ms_per_step']:.2f} | "
                   + " | ".join(f"{p.get(c, 0):.0f}" for c in gap_cols) + " |")
     for r in rows:
         for pp in r.get("prefill_profile", []):

@@ -24,12 +24,12 @@ transparent huge pages, so "huge", the default, is what users get; the rows on 4
 --profile: after timing each ktorch row, a few more calls run with KT_PROFILE=1 (the op prints its phase
 times to stderr, see ktorch/csrc/moe/fused_moe.cpp); their per-phase medians are printed under the row.
 
---amx-walks: each ktorch row is timed once per AMX tile walk (KT_AMX_WALK, read by the op on every call; see
-docs/amx.md), on the same layer copies and routings, the walks taking turns at each T; the rows are named
-e.g. ktorch-int8/rows. Only meaningful where the AMX kernels run (KT_CPU_KERNEL=amx or auto on an AMX CPU):
+--env-variants: each ktorch row is timed once per variant, a list of settings the op reads on every call (e.g.
+KT_CPU_KERNEL=avx512; '-': none), on the same layer copies and routings, the variants taking turns at each T; the
+rows are named e.g. ktorch-int8/KT_CPU_KERNEL=avx512:
 
-    KT_CPU_KERNEL=amx python benchmarks/bench_fused_moe.py --shapes qwen3 --tokens 512 2048 \
-        --impls ktorch-int8 --amx-walks pairs rows kblock --profile
+    python benchmarks/bench_fused_moe.py --shapes qwen3 --tokens 1 512 --impls ktorch-int8 \
+        --env-variants - KT_CPU_KERNEL=avx512 --profile
 """
 
 from __future__ import annotations
@@ -219,14 +219,10 @@ def profile_phases(fn, layers, routings, calls: int = 5) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def variant_env(variant: str | None, is_env_list: bool):
-    """The environment of one timed variant: a KT_AMX_WALK value, or with --env-variants 'NAME=V,NAME=V' ('-': none)."""
-    if not is_env_list:
-        with env_set("KT_AMX_WALK", variant):
-            yield
-        return
+def variant_env(variant: str | None):
+    """The environment of one timed variant: --env-variants' 'NAME=V,NAME=V' ('-' or None: no change)."""
     with contextlib.ExitStack() as stack:
-        for item in variant.split(","):
+        for item in (variant or "-").split(","):
             if item and item != "-":
                 name, _, value = item.partition("=")
                 stack.enter_context(env_set(name, value))
@@ -267,10 +263,8 @@ def main() -> None:
     ap.add_argument("--min-seconds", type=float, default=1.0)
     ap.add_argument("--profile", action="store_true", help="print the op's per-phase medians (KT_PROFILE=1)")
     ap.add_argument("--env-variants", nargs="+", default=None, metavar="NAME=V[,NAME=V]",
-                    help="time each ktorch row under each of these environment settings (knobs the op reads on "
-                         "every call, e.g. KT_DOWN_RANGES=32,KT_DOWN_GROUPS=2; '-' for none); replaces --amx-walks")
-    ap.add_argument("--amx-walks", nargs="+", default=None,
-                    help="time each ktorch row under each of these KT_AMX_WALK values (default: the environment's)")
+                    help="time each ktorch row under each of these environment settings (settings the op reads "
+                         "on every call, e.g. KT_CPU_KERNEL=avx512; '-' for none)")
     ap.add_argument("--pages", nargs="+", default=["huge"], choices=["huge", "4k"],
                     help="pages of the ktorch rows' packed weights: huge (what ktorch's pack ops give, the default) "
                          "and/or 4k; with both, each ktorch row is timed on both sets of layer copies, taking turns "
@@ -320,9 +314,7 @@ def main() -> None:
                         return layer(x, ids, w.to(x.dtype))
 
                 peak_kind = "bf16"
-            walks = args.amx_walks if args.amx_walks and impl.startswith("ktorch") else [None]
-            if args.env_variants and impl.startswith("ktorch"):
-                walks = args.env_variants
+            walks = args.env_variants if args.env_variants and impl.startswith("ktorch") else [None]
             for T in args.tokens:
                 routings = routings_for(T, E, K, H, 8)
                 for walk in walks:
@@ -330,7 +322,7 @@ def main() -> None:
                         label = impl if walk is None else f"{impl}/{walk}"
                         label += "/4k" if page == "4k" else ""
                         try:
-                            with variant_env(walk, bool(args.env_variants)):
+                            with variant_env(walk):
                                 sec = time_calls(fn, layers, routings, args.min_calls, args.min_seconds)
                         except (RuntimeError, NotImplementedError) as err:
                             print(f"{label} T={T}: failed: {str(err).splitlines()[0]}")
@@ -343,7 +335,7 @@ def main() -> None:
                         print("{:<9} {:<12} T={:<5} {:9.3f} ms {:10.0f} tok/s {:7.3f} TFLOPS {:7.1f} GB/s "
                               "({:5.1f}% BW, {:5.1f}% peak)".format(*rows[-1]), flush=True)
                         if args.profile and impl.startswith("ktorch"):
-                            with variant_env(walk, bool(args.env_variants)):
+                            with variant_env(walk):
                                 phases = profile_phases(fn, layers, routings)
                             print("    phases (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in phases.items()),
                                   flush=True)

@@ -3,7 +3,9 @@
 One MoE layer's routed experts on the CPU, both sides given the same bf16 master weights, bf16 hidden states,
 routing and top-k weights:
   ktorch     ktorch.pack_experts(..., dtype=fmt) + ktorch.fused_moe, at a kernel level/threshold "variant"
-             (auto, avx512, amx, amx:N = KT_CPU_KERNEL=amx with KT_AMX_MIN_ROWS=N)
+             (auto, avx512, amx, amx:N = KT_CPU_KERNEL=amx with the AMX gemms' small-M threshold at N rows for
+             every format, through the private test hook kt::_amx_min_rows_for_tests: the sweep that chose the
+             per-format constants of amx/kernels.cpp)
   kt-kernel  kt_kernel_ext.moe.AMXBF16_MOE / AMXInt8_MOE / AMXInt4_MOE built from the same bf16 tensors through
              a MOEConfig and load_weights_task (its online quantization), run with forward_task on a CPUInfer
              pool. Note its int4 is per output channel; ktorch's int4 is per group of --group-size.
@@ -225,22 +227,26 @@ def emit(**kw) -> None:
 
 @contextlib.contextmanager
 def variant_env(env: dict):
-    """Sets exactly the KT_* variables a ktorch variant names (and clears the others) for the duration."""
-    keys = ("KT_CPU_KERNEL", "KT_AMX_MIN_ROWS")
-    saved = {k: os.environ.get(k) for k in keys}
-    for k in keys:
-        if k in env:
-            os.environ[k] = env[k]
-        else:
-            os.environ.pop(k, None)
+    """Sets KT_CPU_KERNEL as a ktorch variant names it (cleared otherwise) and, for amx:N, the AMX gemms' small-M
+    threshold (env["amx_min_rows"]) for the duration."""
+    import torch
+
+    saved = os.environ.get("KT_CPU_KERNEL")
+    if "KT_CPU_KERNEL" in env:
+        os.environ["KT_CPU_KERNEL"] = env["KT_CPU_KERNEL"]
+    else:
+        os.environ.pop("KT_CPU_KERNEL", None)
+    if "amx_min_rows" in env:
+        torch.ops.kt._amx_min_rows_for_tests(env["amx_min_rows"])
     try:
         yield
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        if "amx_min_rows" in env:
+            torch.ops.kt._amx_min_rows_for_tests(-1)
+        if saved is None:
+            os.environ.pop("KT_CPU_KERNEL", None)
+        else:
+            os.environ["KT_CPU_KERNEL"] = saved
 
 
 def ktorch_variants(names: list[str], available: list[str]):
@@ -256,7 +262,7 @@ def ktorch_variants(names: list[str], available: list[str]):
             continue
         env = {"KT_CPU_KERNEL": level}
         if rows:
-            env["KT_AMX_MIN_ROWS"] = rows
+            env["amx_min_rows"] = int(rows)
         runs.append((name, env))
     return runs, skipped
 
@@ -478,7 +484,7 @@ def main() -> None:
     ap.add_argument("--ktorch-threads", nargs="+", type=int, default=None, help="default: the physical cores")
     ap.add_argument("--kt-threads", nargs="+", type=int, default=None, help="default: cores-1 and cores")
     ap.add_argument("--ktorch-variants", nargs="+", default=["auto"],
-                    help="auto | portable | avx512 | amx | amx:N (KT_AMX_MIN_ROWS=N, or amx:bf16=8,int8=4,...)")
+                    help="auto | portable | avx512 | amx | amx:N (AVX-512 below N rows for every format)")
     ap.add_argument("--kt-path", default=os.environ.get("KT_KERNEL_PATH", os.path.join(ROOT, ".peers", "kt_kernel")),
                     help="folder holding kt_kernel/ (default: $KT_KERNEL_PATH or .peers/kt_kernel)")
     ap.add_argument("--no-kt", action="store_true", help="time ktorch only")
@@ -502,7 +508,8 @@ def main() -> None:
         return
 
     for name in args.ktorch_variants:
-        if name.partition(":")[0] not in ("auto", "portable", "avx512", "amx"):
+        level, _, rows = name.partition(":")
+        if level not in ("auto", "portable", "avx512", "amx") or (rows and (level != "amx" or not rows.isdigit())):
             ap.error(f"--ktorch-variants: unknown variant {name!r} (auto, portable, avx512, amx, amx:N)")
     for line in machine_lines():
         print(line)

@@ -201,7 +201,7 @@ def find_llama_bench(path: Optional[str]) -> Optional[str]:
 
 def run_ktorch(gguf: Path, device: str, variants: list[str], prompts: list[int], gen: int, decode_context: int,
                repeats: int, options: Optional[dict] | Sequence[Optional[dict]], streams: Sequence = ("off",),
-               pool_sweep: Sequence[tuple[int, int, int, int]] = ()) -> Iterator[dict]:
+               pool_sweep: Sequence[tuple[int, int]] = ()) -> Iterator[dict]:
     """Loads ``gguf`` with ktorch.load and times each variant with bench_e2e's ``time_variant``; yields one dict
     per variant, as soon as it is measured, with ``tests`` {"pp512": tok/s, ..., "tg64": tok/s} and bench_e2e's
     raw fields (or ``error``). Each prefill streaming setting in ``streams`` ("off", "auto" or "512:0.4,2048:0.45",
@@ -210,10 +210,8 @@ def run_ktorch(gguf: Path, device: str, variants: list[str], prompts: list[int],
     be a list of backend option sets (e.g. ``[None, {"n_deferred_experts": 2}]``): each runs every variant, named
     "VARIANT+OPTIONS" when not None.
     Option sets that differ only in ``decode_deferred_experts`` (a runtime setting) share one compile: the next
-    set reuses the runner the previous one made. ``pool_sweep`` ((pool threads, KT_SPIN_US, KT_SPIN_YIELD,
-    KT_PIN_THREADS), see
-    bench_e2e.py --pool-sweep) re-times decode on that runner per setting, a line each named "...+threads=N"
-    (+yield, +pin when those are on)."""
+    set reuses the runner the previous one made. ``pool_sweep`` ((pool threads, KT_SPIN_US), see bench_e2e.py
+    --pool-sweep) re-times decode on that runner per setting, a line each named "...+threads=N+spin=US"."""
     import traceback
 
     import torch
@@ -273,8 +271,7 @@ def run_ktorch(gguf: Path, device: str, variants: list[str], prompts: list[int],
             for row in bench_e2e.pool_sweep(model, runner, variant, device, gen, decode_context,
                                             model.config.vocab_size, list(pool_sweep), opts):
                 threads = row.pop("pool_threads")
-                setting = f"+threads={threads}" + ("+yield" if row["spin_yield"] else "") + (
-                    "+pin" if row["pin_threads"] else "")
+                setting = f"+threads={threads}+spin={row['spin_us']}"
                 yield _ktorch_line(row, label + setting, [], gen, threads, load_s=load_s,
                                    experts_format=sorted(experts), decode_context=decode_context, options=opts)
     del runner
@@ -448,9 +445,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-context", type=int, default=1, help="ktorch prompt length before decoding (default: 1)")
     p.add_argument("--kt-threads", type=int, default=None, help="ktorch worker threads (KT_NUM_THREADS)")
     p.add_argument("--pool-sweep", default="",
-                   help="decode re-timed on the same compile per THREADS[:SPIN_US[:YIELD[:PIN]]],... (ktorch's "
-                        "worker pool size, KT_SPIN_US, KT_SPIN_YIELD, KT_PIN_THREADS; see bench_e2e.py --pool-sweep), "
-                        "a line each")
+                   help="decode re-timed on the same compile per THREADS[:SPIN_US],... (ktorch's worker pool size "
+                        "and KT_SPIN_US; see bench_e2e.py --pool-sweep), a line each")
     p.add_argument("--stream-experts", default="off",
                    help="';'-separated ktorch prefill streaming settings, one line each (off, auto, "
                         "'512:0.4,2048:0.45'; see bench_e2e.py) (default: off)")

@@ -8,9 +8,10 @@ from ktorch._library import cpu_features, get_num_threads, load_library, set_num
 
 load_library()
 
+from ktorch import config  # noqa: E402  (the settings: ktorch.config.set_cpu_kernel, ..., README "Settings")
 from ktorch.ops import PackedExperts, fused_moe, pack_experts  # noqa: E402
 
-__all__ = ["PackedExperts", "cpu_features", "fused_moe", "get_num_threads", "pack_experts", "set_num_threads"]
+__all__ = ["PackedExperts", "config", "cpu_features", "fused_moe", "get_num_threads", "pack_experts", "set_num_threads"]
 
 # transformers integration: "ktorch" joins transformers' experts implementations (once transformers loads them),
 # and prepare() places a model for hybrid CPU-expert inference.

@@ -31,7 +31,7 @@ def cpu_features() -> dict:
 
     Returns a dict with the vendor, the ISA flags (avx512f, avx512_bf16, avx512_vnni, amx_bf16, amx_int8,
     os_amx, ...), ``available`` (the kernel levels this machine can run) and ``kernel`` (the level a call
-    runs at now: the best available unless the environment variable ``KT_CPU_KERNEL`` forces one).
+    runs at now: the best available unless ``KT_CPU_KERNEL`` / ``ktorch.config.set_cpu_kernel`` forces one).
     """
     info: dict = {}
     for line in torch.ops.kt.cpu_info():
@@ -49,7 +49,8 @@ def get_num_threads() -> int:
 
 def set_num_threads(n: int) -> None:
     """Resizes ktorch's CPU worker pool to ``n`` threads (the calling thread included); call it between ops. The
-    pool is also rebuilt at the same size when ``KT_SPIN_US`` or ``KT_SPIN_YIELD`` changed since it was built.
+    pool is also rebuilt at the same size when ``KT_SPIN_US`` (``ktorch.config.set_spin_us``) changed since it was
+    built.
 
     Default: ``KT_NUM_THREADS``, else ``torch.get_num_threads()`` when the pool is first used. In hybrid
     CPU/GPU inference other threads need cores while the pool's workers spin between calls: CUDA's callback
@@ -76,5 +77,5 @@ HYBRID_SPARE_CORES = 3  # cores a hybrid placement leaves to CUDA's callback thr
 def leave_cores_for_the_gpu_side() -> None:
     """Hybrid CPU/GPU placement: HYBRID_SPARE_CORES pool threads fewer than torch's (at least 1), unless the size
     was chosen (KT_NUM_THREADS or set_num_threads)."""
-    if not _threads_chosen and not os.environ.get("KT_NUM_THREADS"):
+    if not _threads_chosen and not torch.ops.kt.get_option("KT_NUM_THREADS"):
         torch.ops.kt.set_num_threads(max(1, torch.get_num_threads() - HYBRID_SPARE_CORES))

@@ -134,15 +134,15 @@ def prepare(
 
 
 def _set_cuda_sync() -> None:
-    """The launching thread sleeps while it waits for the GPU (``KT_CUDA_SYNC``, default "block"; "spin" keeps
-    CUDA's busy wait): in hybrid inference the GPU mostly waits for the CPU experts, and a launching thread that
-    spins through every decode step's sync takes a core from the experts' worker pool."""
-    import os
+    """The launching thread sleeps while it waits for the GPU (``KT_CUDA_SYNC`` / ``ktorch.config.set_cuda_sync``,
+    default "block"; "spin" keeps CUDA's busy wait): in hybrid inference the GPU mostly waits for the CPU experts,
+    and a launching thread that spins through every decode step's sync takes a core from the experts' worker pool."""
     import warnings
 
+    from ktorch import config
     from ktorch.compile.host_func import set_context_sync
 
-    mode = os.environ.get("KT_CUDA_SYNC", "block")
+    mode = config.value("KT_CUDA_SYNC") or "block"
     if mode == "keep":
         return
     if not set_context_sync(mode):

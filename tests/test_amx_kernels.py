@@ -1,9 +1,8 @@
 """The AMX gemm kernels at the kernel level (ktorch/csrc/kernels/amx/test, docs/amx.md "Checking it without AMX").
 
 The C++ test there runs the real kernel code against a double-precision reference and the AVX-512 kernels
-under every tile walk (KT_AMX_WALK: auto, the default, then pairs, rows, kblock, with and without +pfa), over
-the calls the fused-MoE driver makes and their edges, and checks the walks' weight prefetches, also under the
-weight prefetch knobs (KT_AMX_NEXT_PF, KT_AMX_B_L1_PF: what is fetched ahead changes, never a result). Two builds:
+under the tile walk each format takes (bf16/int8 'rows', int4 'pairs'), over the calls the fused-MoE driver makes
+and their edges, every M through the tiles, and checks the walks' weight prefetches. Two builds:
   - emulated: a software model of the tile registers under AddressSanitizer/UBSan; needs AVX-512 BF16/VNNI
     (not AMX), so it runs in CI, where the op tests cannot reach the AMX code;
   - native: the same checks on real tiles; needs AMX granted by the OS (the device).
@@ -22,7 +21,6 @@ import pytest
 import ktorch
 
 RUN_SH = pathlib.Path(__file__).resolve().parents[1] / "ktorch" / "csrc" / "kernels" / "amx" / "test" / "run.sh"
-WALKS = ["auto", "pairs", "rows", "rows+pfa", "kblock", "kblock:1", "kblock:3+pfa"]
 
 
 def skip_reason(mode: str) -> str | None:
@@ -42,23 +40,17 @@ def skip_reason(mode: str) -> str | None:
 # per-test limit of 240 s under xdist; the mark is read where pytest-timeout is installed)
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("mode", ["emulated", "native"])
-def test_amx_kernels_against_reference_under_every_walk(mode, tmp_path):
+def test_amx_kernels_against_reference(mode, tmp_path):
     reason = skip_reason(mode)
     if reason:
         pytest.skip(reason)
     env = {**os.environ, "TMPDIR": str(tmp_path)}
-    env.pop("KT_AMX_WALK", None)
-    for name in ("KT_AMX_MIN_ROWS", "KT_AMX_NEXT_PF", "KT_AMX_B_L1_PF", "KT_AMX_NEXT_A"):
-        env.pop(name, None)
     proc = subprocess.run(["bash", str(RUN_SH), mode], capture_output=True, text=True, timeout=900, env=env)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "FAIL" not in out, out[-4000:]
-    for walk in WALKS:
-        m = re.search(rf"^walk {re.escape(walk)}\s+(\d+) cases, (\d+) failed$", out, re.MULTILINE)
-        assert m is not None, f"no result line for walk {walk}:\n{out[-4000:]}"
-        assert int(m.group(1)) > 1000 and int(m.group(2)) == 0, m.group(0)
-    knobs = re.findall(r"^KT_AMX_NEXT_PF=\d+ KT_AMX_B_L1_PF=\d: walk \S+\s+(\d+) cases, (\d+) failed$", out, re.MULTILINE)
-    assert len(knobs) == 5 and all(int(n) > 300 and int(f) == 0 for n, f in knobs), (knobs, out[-4000:])
+    m = re.search(r"^walk default\s+(\d+) cases, (\d+) failed$", out, re.MULTILINE)
+    assert m is not None, f"no result line for the walks:\n{out[-4000:]}"
+    assert int(m.group(1)) > 1000 and int(m.group(2)) == 0, m.group(0)
     total = re.search(r"^(\d+) cases, 0 failed$", out, re.MULTILINE)
-    assert total is not None and int(total.group(1)) > 10000, out[-2000:]
+    assert total is not None and int(total.group(1)) > 1000, out[-2000:]

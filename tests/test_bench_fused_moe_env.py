@@ -1,6 +1,6 @@
-"""benchmarks/bench_fused_moe.py's --env-variants: each variant string sets its knobs for the timed block only
-(the op reads KT_DOWN_RANGES / KT_DOWN_GROUPS / KT_AMX_WALK on every call) and restores the environment after,
-including on an error; without --env-variants a variant is a KT_AMX_WALK value."""
+"""benchmarks/bench_fused_moe.py's --env-variants: each variant string sets its settings for the timed block only
+(the op reads KT_CPU_KERNEL / KT_PROFILE on every call) and restores the environment after, including on an
+error."""
 
 from __future__ import annotations
 
@@ -14,22 +14,20 @@ bench = load_benchmark("bench_fused_moe")
 
 
 def test_env_variant_sets_and_restores(monkeypatch):
-    monkeypatch.setenv("KT_DOWN_GROUPS", "2")
-    monkeypatch.delenv("KT_DOWN_RANGES", raising=False)
-    with bench.variant_env("KT_DOWN_RANGES=32,KT_DOWN_GROUPS=4", True):
-        assert os.environ["KT_DOWN_RANGES"] == "32" and os.environ["KT_DOWN_GROUPS"] == "4"
-    assert "KT_DOWN_RANGES" not in os.environ and os.environ["KT_DOWN_GROUPS"] == "2"
+    monkeypatch.setenv("KT_PROFILE", "0")
+    monkeypatch.delenv("KT_CPU_KERNEL", raising=False)
+    with bench.variant_env("KT_CPU_KERNEL=portable,KT_PROFILE=1"):
+        assert os.environ["KT_CPU_KERNEL"] == "portable" and os.environ["KT_PROFILE"] == "1"
+    assert "KT_CPU_KERNEL" not in os.environ and os.environ["KT_PROFILE"] == "0"
     with pytest.raises(RuntimeError):
-        with bench.variant_env("KT_DOWN_RANGES=8", True):
+        with bench.variant_env("KT_CPU_KERNEL=portable"):
             raise RuntimeError("a failing timed call")
-    assert "KT_DOWN_RANGES" not in os.environ
+    assert "KT_CPU_KERNEL" not in os.environ
 
 
-def test_dash_is_no_change_and_walks_stay_walks(monkeypatch):
-    monkeypatch.delenv("KT_AMX_WALK", raising=False)
+def test_dash_and_none_are_no_change():
     before = dict(os.environ)
-    with bench.variant_env("-", True):
+    with bench.variant_env("-"):
         assert dict(os.environ) == before
-    with bench.variant_env("kblock:4", False):
-        assert os.environ["KT_AMX_WALK"] == "kblock:4"
-    assert "KT_AMX_WALK" not in os.environ
+    with bench.variant_env(None):
+        assert dict(os.environ) == before

@@ -224,12 +224,12 @@ def test_run_ktorch_one_compile_for_decode_deferral_sets_and_a_pool_sweep(monkey
     size = ktorch.get_num_threads()
     options = [{"decode_deferred_experts": 2}, {"decode_deferred_experts": 3}, None]
     lines = list(vs.run_ktorch(Path("unused.gguf"), "cpu", ["compiled"], [], 4, 1, 1, options,
-                               pool_sweep=[(1, 300, 0, 0), (2, 300, 0, 1)]))
+                               pool_sweep=[(1, 300), (2, 0)]))
     assert [line["variant"] for line in lines] == [
-        'compiled+{"decode_deferred_experts":2}', 'compiled+{"decode_deferred_experts":2}+threads=1',
-        'compiled+{"decode_deferred_experts":2}+threads=2+pin', 'compiled+{"decode_deferred_experts":3}',
-        'compiled+{"decode_deferred_experts":3}+threads=1', 'compiled+{"decode_deferred_experts":3}+threads=2+pin',
-        "compiled", "compiled+threads=1", "compiled+threads=2+pin"]
+        'compiled+{"decode_deferred_experts":2}', 'compiled+{"decode_deferred_experts":2}+threads=1+spin=300',
+        'compiled+{"decode_deferred_experts":2}+threads=2+spin=0', 'compiled+{"decode_deferred_experts":3}',
+        'compiled+{"decode_deferred_experts":3}+threads=1+spin=300', 'compiled+{"decode_deferred_experts":3}+threads=2+spin=0',
+        "compiled", "compiled+threads=1+spin=300", "compiled+threads=2+spin=0"]
     assert all("error" not in line and line["tests"]["tg4"] > 0 for line in lines)
     assert made == [{"n_deferred_experts": "runtime"}, None]  # d = 2 and 3 on one runner, no options on another
     assert [line["kt_threads"] for line in lines] == [size, 1, 2] * 3

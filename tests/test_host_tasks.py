@@ -1,11 +1,10 @@
 """Native host tasks (runtime/host_tasks.cpp): the C start/join functions that CUDA host functions call under
-CUDA graphs with KT_HOST_FUNCTIONS=native. Here they are called directly (as CUDA's callback thread would), on
+CUDA graphs. Here they are called directly (as CUDA's callback thread would), on
 the CPU, against kt.fused_moe."""
 
 from __future__ import annotations
 
 import ctypes
-import itertools
 import threading
 import time
 import types
@@ -14,7 +13,7 @@ import pytest
 import torch
 
 import ktorch
-from ktorch.compile.experts_runtime import ExpertsLayer, ExpertsRuntime, _NativeHostFunctions, native_host_tasks
+from ktorch.compile.experts_runtime import ExpertsLayer, ExpertsRuntime, _NativeHostFunctions
 
 _FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 
@@ -64,15 +63,14 @@ def test_start_and_join_from_other_threads():
         assert torch.equal(staging.out, expected(staging, packed))
 
 
-def split_task(seed: int, d: int, T: int = 9, K: int = 4, ids_dtype=torch.int64, weights_dtype=torch.float32,
-               doorbell: bool = False):
+def split_task(seed: int, d: int, T: int = 9, K: int = 4, ids_dtype=torch.int64, weights_dtype=torch.float32):
     """A split (deferral) host task: K slots per token, d read from its own int64 at each run."""
     staging, layer, packed = make_task(seed, T=T)
     staging.topk_ids = torch.randint(-1, 6, (T, K), dtype=ids_dtype)
     staging.topk_weights = torch.randint(0, 4, (T, K)).to(weights_dtype) / 4  # many ties
     staging.deferred = torch.tensor(d)
     staging.out_later = torch.full((T, staging.hidden.shape[1]), 5.0)
-    return staging, _NativeHostFunctions(staging, layer, doorbell=doorbell), packed
+    return staging, _NativeHostFunctions(staging, layer), packed
 
 
 def expected_split(staging, packed, d):
@@ -145,19 +143,6 @@ def test_split_task_all_deferred_slots_skipped():
     assert torch.equal(staging.out_later, torch.zeros_like(staging.out_later))
 
 
-@pytest.mark.parametrize("calls", ["1", "2"])
-def test_defer_calls_setting(monkeypatch, calls):
-    """KT_DEFER_CALLS=2 runs the parts as two fused_moe calls (the way to compare): the same outputs."""
-    monkeypatch.setenv("KT_DEFER_CALLS", calls)
-    staging, task, packed = split_task(29, 2, T=13, K=5)
-    task.run()
-    now, later = expected_split(staging, packed, 2)
-    assert torch.equal(staging.out, now) and torch.equal(staging.out_later, later)
-    monkeypatch.setenv("KT_DEFER_CALLS", "3")
-    with pytest.raises(RuntimeError, match="KT_DEFER_CALLS must be 1 or 2, got 3"):
-        split_task(29, 2)
-
-
 def test_split_task_parts_sum_to_the_whole_call():
     staging, task, packed = split_task(22, 1, T=17, K=6)
     task.run()
@@ -190,17 +175,6 @@ def test_split_task_first_join_returns_before_the_deferred_part_ends():
     assert early > 0, "the first join never returned before the deferred part ended"
 
 
-def test_split_doorbell_task():
-    staging, task, packed = split_task(24, 1, doorbell=True)
-    for d in (1, 0, 2):
-        staging.deferred.fill_(d)
-        staging.hidden.copy_(torch.randn_like(staging.hidden))
-        ring(task)
-        task.run()
-        now, later = expected_split(staging, packed, d)
-        assert torch.equal(staging.out, now) and torch.equal(staging.out_later, later), f"d={d}"
-
-
 def test_split_task_failure_gives_nan_in_both_parts():
     staging, task, _ = split_task(25, 2)
     staging.topk_ids[0, :] = 99  # out of range for 6 experts, in both parts
@@ -222,7 +196,7 @@ def test_split_task_timeline_has_one_interval_per_part_run():
 def test_split_task_arguments_are_checked():
     staging, layer, _ = make_task(27)
     w13, s13, w2, s2 = layer.w13, layer.w13_scales, layer.w2, layer.w2_scales
-    args = (staging.hidden, staging.topk_ids, staging.topk_weights, staging.out, w13, s13, w2, s2, "silu", False, None)
+    args = (staging.hidden, staging.topk_ids, staging.topk_weights, staging.out, w13, s13, w2, s2, "silu", False)
     with pytest.raises(RuntimeError, match="needs both out_later and deferred"):
         torch.ops.kt.host_task_new(*args, torch.zeros_like(staging.out), None)
     with pytest.raises(RuntimeError, match="out_later must be a contiguous CPU tensor like out"):
@@ -265,18 +239,6 @@ def test_bad_staging_is_an_error():
         _NativeHostFunctions(staging, layer)
 
 
-def test_host_functions_switch(monkeypatch):
-    monkeypatch.delenv("KT_HOST_FUNCTIONS", raising=False)
-    assert native_host_tasks()  # the default
-    monkeypatch.setenv("KT_HOST_FUNCTIONS", "python")
-    assert not native_host_tasks()
-    monkeypatch.setenv("KT_HOST_FUNCTIONS", "native")
-    assert native_host_tasks()
-    monkeypatch.setenv("KT_HOST_FUNCTIONS", "cpp")
-    with pytest.raises(ValueError, match="'python' or 'native'"):
-        native_host_tasks()
-
-
 def test_python_host_function_address_calls_its_callable():
     """HostFunction hands CUDA the address of its ctypes trampoline; called as a C function it runs the callable."""
     from ktorch.compile.host_func import HostFunction
@@ -290,26 +252,6 @@ def test_python_host_function_address_calls_its_callable():
 def test_null_handle_is_an_error():
     with pytest.raises(RuntimeError, match="host task: null handle"):
         torch.ops.kt.host_task_run(0)
-
-
-@pytest.mark.parametrize("variable", ["KT_JOIN_SPIN_US", "KT_SPIN_US", "KT_HOST_SPIN_US"])
-def test_bad_spin_setting_raises_when_the_task_is_made(variable):
-    """The worker and the join's spin read their settings when the first task is made (a Python thread, where an
-    error can raise), never first on CUDA's callback thread, where it could only abort the process."""
-    import subprocess
-    import sys
-
-    code = ("import torch, ktorch, test_host_tasks as h\n"
-            "from ktorch.compile.experts_runtime import _NativeHostFunctions\n"
-            "staging, layer, packed = h.make_task(3)\n"
-            "try:\n    _NativeHostFunctions(staging, layer)\nexcept RuntimeError as e:\n    print('raised:', e)\n")
-    import os
-
-    env = dict(os.environ, **{variable: "soon"}, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__),
-                                                                            os.environ.get("PYTHONPATH", "")]))
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
-    assert result.returncode == 0, result.stderr
-    assert f"raised: {variable} must be an integer, got 'soon'" in result.stdout
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -327,101 +269,3 @@ def test_prepare_makes_the_launching_thread_sleep_in_cuda_waits():
     assert set_context_sync("block") and context_sync() == "block"
     with pytest.raises(ValueError, match="auto"):
         set_context_sync("sleepy")
-
-
-# ---------------------------------------------------------------- doorbells (KT_HOST_START=doorbell)
-# The GPU's part (a counter +1 and its copy into the pinned doorbell after the input copies) is played here by
-# writing the doorbell from Python; the numbers only have to grow, as the device counter's do.
-
-_RING = itertools.count(1)
-
-
-def ring(task) -> int:
-    seq = next(_RING)
-    task.doorbell.fill_(seq)
-    return seq
-
-
-@pytest.mark.parametrize("fmt", ["bf16", "int4"])
-def test_doorbell_task_runs_what_its_doorbell_says(fmt):
-    staging, layer, packed = make_task(11, T=9, fmt=fmt)
-    task = _NativeHostFunctions(staging, layer, doorbell=True)
-    assert task.doorbell is not None and int(task.doorbell) == 0
-    for step in range(4):
-        staging.hidden.copy_(torch.randn_like(staging.hidden))
-        staging.topk_ids.copy_(torch.randint(-1, 6, staging.topk_ids.shape))
-        ring(task)
-        task.run()  # start (wakes a parked worker) + join (waits for the doorbell's number)
-        assert torch.equal(staging.out, expected(staging, packed)), f"step {step}"
-    assert task.error() == ""
-
-
-def test_doorbell_task_runs_without_its_start_function():
-    """A rung doorbell is enough: the join alone returns once the worker ran it (the worker picks it up while it
-    spins; a parked one is woken by the join before it blocks)."""
-    staging, layer, packed = make_task(12, T=5)
-    task = _NativeHostFunctions(staging, layer, doorbell=True)
-    join = _FN(task[1].ptr)
-    for _ in range(3):
-        staging.hidden.copy_(torch.randn_like(staging.hidden))
-        staging.out.zero_()
-        ring(task)
-        j = threading.Thread(target=join, args=(task.handle,))
-        j.start()
-        j.join(timeout=60)
-        assert not j.is_alive()
-        assert torch.equal(staging.out, expected(staging, packed))
-
-
-def test_rung_doorbells_run_lowest_number_first():
-    """Two doorbells rung while the worker is busy run in the order of their numbers (the order the GPU posted
-    them), not the order they were written or made."""
-    first, first_layer, first_packed = make_task(13, T=3)
-    second, second_layer, second_packed = make_task(14, T=3)
-    b = _NativeHostFunctions(second, second_layer, doorbell=True)  # made (registered with the worker) first
-    a = _NativeHostFunctions(first, first_layer, doorbell=True)
-    for tokens in (1024, 4096, 16384):  # a longer busy call if the worker finished before both were written
-        busy, busy_layer, _ = make_task(15, T=tokens, E=8, H=512, I=512, fmt="bf16")
-        c = _NativeHostFunctions(busy, busy_layer)  # a pushed task: keeps the worker busy
-        threading.Thread(target=_FN(c[0].ptr), args=(c.handle,)).start()
-        time.sleep(0.005)
-        seq_a, seq_b = next(_RING), next(_RING)
-        b.doorbell.fill_(seq_b)  # the later number written first
-        a.doorbell.fill_(seq_a)
-        written = time.perf_counter_ns()
-        _FN(c[1].ptr)(c.handle)  # join c
-        a.run()
-        b.run()
-        (c_start, c_end), (a_start, _), (b_start, _) = (torch.ops.kt.host_task_take_times(t.handle)[:2]
-                                                        for t in (c, a, b))
-        if c_end > written:  # both were rung before the worker was free
-            assert a_start < b_start
-            break
-    else:
-        pytest.fail("the busy call never outlasted writing two doorbells")
-    assert torch.equal(first.out, expected(first, first_packed))
-    assert torch.equal(second.out, expected(second, second_packed))
-
-
-def test_doorbell_must_be_one_int64_reading_zero():
-    staging, layer, _ = make_task(16)
-    w13, s13, w2, s2 = layer.w13, layer.w13_scales, layer.w2, layer.w2_scales
-    args = (staging.hidden, staging.topk_ids, staging.topk_weights, staging.out, w13, s13, w2, s2, "silu", False)
-    with pytest.raises(RuntimeError, match="the doorbell must be one int64"):
-        torch.ops.kt.host_task_new(*args, torch.zeros(2, dtype=torch.int64))
-    with pytest.raises(RuntimeError, match="the doorbell must be one int64"):
-        torch.ops.kt.host_task_new(*args, torch.zeros(1, dtype=torch.int32))
-    with pytest.raises(RuntimeError, match="a new doorbell must read 0, got 7"):
-        torch.ops.kt.host_task_new(*args, torch.full((1,), 7, dtype=torch.int64))
-
-
-def test_host_start_switch(monkeypatch):
-    from ktorch.compile.experts_runtime import host_start
-
-    monkeypatch.delenv("KT_HOST_START", raising=False)
-    assert host_start() == "hostfn"  # the default until the doorbell is measured on the device
-    monkeypatch.setenv("KT_HOST_START", "doorbell")
-    assert host_start() == "doorbell"
-    monkeypatch.setenv("KT_HOST_START", "bell")
-    with pytest.raises(ValueError, match="'hostfn' or 'doorbell'"):
-        host_start()

@@ -77,7 +77,7 @@ def test_huge_pages_off():
 
 def test_huge_pages_rejects_other_values():
     r = run({"KT_HUGE_PAGES": "2"})
-    assert r.returncode != 0 and "KT_HUGE_PAGES must be 0 or 1, got 2" in r.stderr
+    assert r.returncode != 0 and "KT_HUGE_PAGES must be 0 or 1, got '2'" in r.stderr
 
 
 def test_opcheck_advise_huge_pages():

@@ -227,40 +227,26 @@ def test_forcing_an_unavailable_kernel_level(level, monkeypatch):
         call()
 
 
-@pytest.mark.parametrize("name,value", [("KT_DOWN_RANGES", "0"), ("KT_DOWN_RANGES", "two"), ("KT_DOWN_GROUPS", "17"),
-                                        ("KT_DOWN_GROUPS", "-1"), ("KT_DOWN_RANGES", "4096x"),
-                                        ("KT_GATE_UP_TASKS", "0"), ("KT_GATE_UP_TASKS", "65"),
-                                        ("KT_PREFETCH_AHEAD", "-1"), ("KT_PREFETCH_AHEAD", "257"),
-                                        ("KT_DOWN_PIPELINE", "2"), ("KT_DOWN_PIPELINE", "yes"),
-                                        ("KT_GLU_OVERLAP", "2"), ("KT_GLU_OVERLAP", "on"),
-                                        ("KT_DOWN_TAIL", "-1"), ("KT_DOWN_TAIL", "17")])
-def test_bad_task_grid_or_prefetch_knob(name, value, monkeypatch):
-    monkeypatch.setenv(name, value)
-    least, most = {"KT_DOWN_RANGES": (1, 4096), "KT_DOWN_GROUPS": (1, 16), "KT_GATE_UP_TASKS": (1, 64),
-                   "KT_PREFETCH_AHEAD": (0, 256), "KT_DOWN_PIPELINE": (0, 1), "KT_GLU_OVERLAP": (0, 1),
-                   "KT_DOWN_TAIL": (0, 16)}[name]
-    with raises(re.escape(f"{name} must be a count from {least} to {most}, got '{value}'")):
-        call()
+def test_kernel_level_set_from_python_is_checked_where_read():
+    """A value set through the op (what ktorch.config.set_cpu_kernel calls after its own check) overrides the
+    variable and is checked at the call, with the same message; clearing it goes back to the variable."""
+    try:
+        torch.ops.kt.set_option("KT_CPU_KERNEL", "sse2")
+        with raises(r"KT_CPU_KERNEL must be one of auto, portable, avx512, amx; got 'sse2'"):
+            call()
+    finally:
+        torch.ops.kt.set_option("KT_CPU_KERNEL", None)
+    call()
 
 
-@pytest.mark.parametrize("level", ["avx512", "amx"])
-@pytest.mark.parametrize("value", ["-1", "65", "4x"])
-def test_bad_scatter_prefetch_distance(level, value, monkeypatch):
-    """KT_SCATTER_PF (rows the AVX-512 scatter prefetches ahead; the AMX set uses the same scatter) is read on
-    every call of those kernel sets: a bad value is an error, not a silent default."""
-    if (reason := kernel_skip_reason(level)) is not None:
-        pytest.skip(reason)
-    monkeypatch.setenv("KT_CPU_KERNEL", level)
-    monkeypatch.setenv("KT_SCATTER_PF", value)
-    with raises(re.escape(f"KT_SCATTER_PF must be a count from 0 to 64; got '{value}'")):
-        call()
-
-
-@pytest.mark.parametrize("value", ["-1", "1m", "1048577"])
-def test_bad_wait_prefetch_size(value, monkeypatch):
-    monkeypatch.setenv("KT_WAIT_PREFETCH_KB", value)
-    with raises(re.escape(f"KT_WAIT_PREFETCH_KB must be a count from 0 to 1048576, got '{value}'")):
-        call()
+@pytest.mark.parametrize("name", ["KT_DOWN_RANGES", "KT_AMX_WALK", "KT_SPIN_YIELD", "KT_NUMA_SPLIT", "kt_profile"])
+def test_only_the_cpp_settings_can_be_set_through_the_op(name):
+    """The op holds the settings the C++ side reads (runtime/config.h); the retired tuning switches, Python-side
+    settings and misspelt names are errors, not silently ignored values."""
+    with raises(re.escape(f"'{name}' is not one of ktorch's settings")):
+        torch.ops.kt.set_option(name, "1")
+    with raises(re.escape(f"'{name}' is not one of ktorch's settings")):
+        torch.ops.kt.get_option(name)
 
 
 # ---------------------------------------------------------------- pack ops

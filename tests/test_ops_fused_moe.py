@@ -284,86 +284,53 @@ def test_same_output_for_any_thread_count(kernel, fmt, group_size, seed):
 
 @pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)
 @pytest.mark.parametrize("T", [1, 6, 45, 300])
-@pytest.mark.parametrize("tasks", [1, 7, 64])
-def test_dispatch_task_count_and_prefetch_knobs_keep_the_result(kernel, fmt, group_size, T, tasks, monkeypatch, seed):
-    """Knobs that change how a call runs, never what it computes, so the output is equal bit for bit under every
-    setting (and within tolerance of the float64 reference): KT_ONE_DISPATCH=0 (one pool dispatch a stage instead
-    of one for all, a task waiting for the stages before its own), KT_GATE_UP_TASKS (gate/up tasks a worker: each
-    expert's intermediate channels cut differently over tasks), KT_WAIT_PREFETCH_KB (a waiting task fetches its
-    weights ahead; 0: off, 1: one KiB, the default: 1024) and KT_PREFETCH_AHEAD (decode-sized kernel calls
-    prefetch their weights; 0: off; 256 lines runs past the end of the last expert's weights, which a prefetch
-    may), KT_DOWN_PIPELINE=0 (one gate/up and one down stage instead of one of each per expert group),
-    KT_SCATTER_PF (rows the down projection's scatter prefetches ahead: 0, 1, more than a call's rows) and
-    KT_GLU_OVERLAP=0 (each gate/up kernel call's GLU right after it instead of as side work of the next call,
-    which the AMX walks run between their tile steps)."""
+def test_each_task_plan_matches_the_reference(kernel, fmt, group_size, T, seed):
+    """Token counts that take each plan of a call (fused_moe.cpp, steps 3-4; the task grids are constants there):
+    decode-sized calls split each expert's channels over tasks (int formats: a separate h quantization stage, one
+    gate/up and one down stage, waiting tasks prefetching their weights); larger ones give a task whole experts
+    (the GLU as side work of the next kernel call, the expert groups' pipeline, its last down stage on 2x narrower
+    ranges up to 64 rows an expert on average, T=45 here, and not above, T=300). Each is within tolerance of the
+    float64 reference and the same bit for bit when repeated."""
     E, K, H, I = 7, 3, 192, 320
     packed = make_experts(E, H, I, fmt, group_size)
     hidden = torch.randn(T, H).to(torch.bfloat16)
     ids, weights = make_routing(T, E, K)
     base = ktorch.fused_moe(hidden, ids, weights, packed)
     check_against_reference(base, hidden, ids, weights, packed, "silu", seed, f"T={T}")
-    monkeypatch.setenv("KT_GATE_UP_TASKS", str(tasks))
-    for one, kb, ahead, pipe, spf, glu in (("1", "0", "0", "1", "0", "0"), ("1", "1", "3", "0", "1", "1"),
-                                           ("1", "1024", "256", "1", "64", "1"), ("0", "1024", "16", "1", "4", "0"),
-                                           ("0", "0", "16", "0", "0", "1")):
-        monkeypatch.setenv("KT_ONE_DISPATCH", one)
-        monkeypatch.setenv("KT_WAIT_PREFETCH_KB", kb)
-        monkeypatch.setenv("KT_PREFETCH_AHEAD", ahead)
-        monkeypatch.setenv("KT_DOWN_PIPELINE", pipe)
-        monkeypatch.setenv("KT_SCATTER_PF", spf)
-        monkeypatch.setenv("KT_GLU_OVERLAP", glu)
-        out = ktorch.fused_moe(hidden, ids, weights, packed)
-        assert torch.equal(out, base), (f"seed={seed}: T={T} KT_ONE_DISPATCH={one} KT_GATE_UP_TASKS={tasks} "
-                                        f"KT_WAIT_PREFETCH_KB={kb} KT_PREFETCH_AHEAD={ahead} KT_DOWN_PIPELINE={pipe} "
-                                        f"KT_SCATTER_PF={spf} KT_GLU_OVERLAP={glu}")
+    assert torch.equal(ktorch.fused_moe(hidden, ids, weights, packed), base), f"seed={seed}: T={T}: a repeat differs"
 
 
 @pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)
-@pytest.mark.parametrize("ranges,groups", [(1, 1), (3, 1), (5, 2), (2, 2), (3, 4), (40, 3), (7, 16)])
-def test_down_task_grid_knobs(kernel, fmt, group_size, ranges, groups, monkeypatch, seed):
-    """KT_DOWN_RANGES / KT_DOWN_GROUPS reshape the down projection's task grid (column ranges x expert groups,
-    each group with its own accumulator, and with the pipeline a gate/up and a down stage of its own): the result
-    stays within tolerance of the reference and does not change without the pipeline or with the last down stage's
-    ranges cut finer (KT_DOWN_TAIL), and with one group the sum order does not depend on the ranges, so outputs are
-    equal bit for bit."""
-    E, K, H, I, T = 9, 3, 160, 96, 37
+def test_amx_tiles_for_every_row_count(fmt, group_size, monkeypatch, seed):
+    """The AMX level hands kernel calls of few rows (below 2/8/16 for bf16/int8/int4) to the AVX-512 gemms; with
+    that threshold at 0 (a private hook for tests: the threshold is a measured constant) every call goes through
+    the tiles, and decode- and prefill-sized calls still match the reference."""
+    reason = kernel_skip_reason("amx")
+    if reason is not None:
+        pytest.skip(reason)
+    monkeypatch.setenv("KT_CPU_KERNEL", "amx")
+    E, K, H, I = 7, 3, 192, 320
     packed = make_experts(E, H, I, fmt, group_size)
-    hidden = torch.randn(T, H).to(torch.bfloat16)
-    ids, weights = make_routing(T, E, K)
-    monkeypatch.setenv("KT_DOWN_RANGES", str(ranges))
-    monkeypatch.setenv("KT_DOWN_GROUPS", str(groups))
-    out = ktorch.fused_moe(hidden, ids, weights, packed)
-    check_against_reference(out, hidden, ids, weights, packed, "silu", seed, f"ranges={ranges} groups={groups}")
-    monkeypatch.setenv("KT_DOWN_RANGES", "1")
-    base = ktorch.fused_moe(hidden, ids, weights, packed)
-    monkeypatch.setenv("KT_DOWN_RANGES", str(ranges))
-    again = ktorch.fused_moe(hidden, ids, weights, packed)
-    assert torch.equal(again, out), f"seed={seed}: the same call gave another result"
-    for tail in (1, 2, 3, 16):  # the pipeline's last down stage on narrower ranges: the same sums, columns cut finer
-        monkeypatch.setenv("KT_DOWN_TAIL", str(tail))
-        assert torch.equal(ktorch.fused_moe(hidden, ids, weights, packed), out), f"seed={seed}: KT_DOWN_TAIL={tail} differs"
-    monkeypatch.delenv("KT_DOWN_TAIL")
-    monkeypatch.setenv("KT_DOWN_PIPELINE", "0")  # one gate/up and one down stage: the same sums
-    assert torch.equal(ktorch.fused_moe(hidden, ids, weights, packed), out), f"seed={seed}: KT_DOWN_PIPELINE=0 differs"
-    monkeypatch.setenv("KT_DOWN_TAIL", "4")  # (no pipeline: no last stage to cut)
-    assert torch.equal(ktorch.fused_moe(hidden, ids, weights, packed), out), f"seed={seed}: KT_DOWN_TAIL without pipeline"
-    monkeypatch.delenv("KT_DOWN_TAIL")
-    monkeypatch.delenv("KT_DOWN_PIPELINE")
-    if groups == 1:
-        monkeypatch.setenv("KT_DOWN_GROUPS", "1")
-        assert torch.equal(again, base), f"seed={seed}: ranges={ranges} changed the result with one group"
+    try:
+        torch.ops.kt._amx_min_rows_for_tests(0)
+        for T in (1, 2, 5, 17, 70):
+            hidden = torch.randn(T, H).to(torch.bfloat16)
+            ids, weights = make_routing(T, E, K)
+            out = ktorch.fused_moe(hidden, ids, weights, packed)
+            check_against_reference(out, hidden, ids, weights, packed, "silu", seed, f"T={T}, every call on tiles")
+    finally:
+        torch.ops.kt._amx_min_rows_for_tests(-1)
 
 
 @pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("groups", [1, 2, 3])
-def test_accumulators_left_by_an_earlier_call_do_not_leak(kernel, fmt, group_size, dtype, groups, monkeypatch, seed):
+@pytest.mark.parametrize("E", [1, 2, 7])
+def test_accumulators_left_by_an_earlier_call_do_not_leak(kernel, fmt, group_size, dtype, E, seed):
     """The down projection's accumulators are reused from call to call and never zeroed (a token's first expert in
     a group writes its row): after a call that fills them, tokens whose slots are all skipped come out exactly
-    zero, and tokens that some groups do not see match the reference (fp32 with one group accumulates in the
-    output itself)."""
-    E, K, H, I, T = 7, 3, 160, 64, 29
-    monkeypatch.setenv("KT_DOWN_GROUPS", str(groups))
+    zero, and tokens that some groups do not see match the reference (two expert groups, one when E = 1: fp32 then
+    accumulates in the output itself)."""
+    K, H, I, T = min(3, E), 160, 64, 29
     packed = make_experts(E, H, I, fmt, group_size)
     hidden = (torch.randn(T, H) * 3).to(dtype)
     ids, weights = make_routing(T, E, K)
@@ -371,22 +338,21 @@ def test_accumulators_left_by_an_earlier_call_do_not_leak(kernel, fmt, group_siz
     ids2 = ids.clone()
     ids2[::4] = -1                     # every 4th token: no expert at all
     ids2[1::4, 1:] = -1                # others: one expert, so most groups lack them
-    ids2[2::4] = torch.tensor([0, 0, E - 1])[: K]  # repeated ids: the first of a pair writes, the second adds
+    ids2[2::4] = torch.tensor([0, 0, E - 1])[:K]  # repeated ids: the first of a pair writes, the second adds
     hidden2 = torch.randn(T, H).to(dtype)
     out = ktorch.fused_moe(hidden2, ids2, weights, packed)
     assert torch.equal(out[::4], torch.zeros_like(out[::4])), f"seed={seed}: skipped tokens are not exactly zero"
-    check_against_reference(out, hidden2, ids2, weights, packed, "silu", seed, f"after a full call, groups={groups}")
+    check_against_reference(out, hidden2, ids2, weights, packed, "silu", seed, f"after a full call, E={E}")
 
 
 @pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("groups", [1, 2, 3])
-def test_low_precision_output_is_the_fp32_output_rounded_once(kernel, fmt, group_size, dtype, groups, monkeypatch, seed):
+@pytest.mark.parametrize("E", [1, 2, 7])
+def test_low_precision_output_is_the_fp32_output_rounded_once(kernel, fmt, group_size, dtype, E, seed):
     """A bf16/fp16 call computes what the fp32 call on the same (exactly widened) input does and rounds each
     element once, to nearest even: the expert groups' accumulators are summed in fp32 (kernels' sum_rows) before
-    the one rounding, whatever the group count, with tokens that no group or only some groups see."""
-    E, K, H, I, T = 7, 3, 160, 64, 41
-    monkeypatch.setenv("KT_DOWN_GROUPS", str(groups))
+    the one rounding (two groups; one when E = 1), with tokens that no group or only some groups see."""
+    K, H, I, T = min(3, E), 160, 64, 41
     packed = make_experts(E, H, I, fmt, group_size)
     hidden = (torch.randn(T, H) * 2).to(dtype)
     ids, weights = make_routing(T, E, K)
@@ -394,7 +360,7 @@ def test_low_precision_output_is_the_fp32_output_rounded_once(kernel, fmt, group
     ids[1::5, 1:] = -1     # one expert: most groups lack the token
     got = ktorch.fused_moe(hidden, ids, weights, packed)
     want = ktorch.fused_moe(hidden.float(), ids, weights, packed).to(dtype)
-    assert torch.equal(got, want), (f"seed={seed}: {fmt} {dtype} groups={groups}: "
+    assert torch.equal(got, want), (f"seed={seed}: {fmt} {dtype} E={E}: "
                                     f"{(got != want).sum().item()} of {got.numel()} elements differ")
     assert torch.equal(got[::5], torch.zeros_like(got[::5]))
 

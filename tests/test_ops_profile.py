@@ -33,12 +33,14 @@ def parse(line: str) -> dict[str, float]:
     return {name: float(value) for name, value in zip(names, words[1::2])}
 
 
-@pytest.mark.parametrize("one_dispatch", ["1", "0"])
+@pytest.mark.parametrize("numa_split", ["", "2"], ids=["unsplit", "split2"])
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
-def test_profile_line_breaks_the_parallel_phases_down_per_worker(fmt, one_dispatch, seed):
-    """One entry a phase, whether the stages run in one pool dispatch or one each (KT_ONE_DISPATCH=0), and none for
-    a phase without tasks: bf16 weights read a bf16 input's rows in place, with no activations stage."""
-    env = {**os.environ, "KT_PROFILE": "1", "KT_ONE_DISPATCH": one_dispatch}
+def test_profile_line_breaks_the_parallel_phases_down_per_worker(fmt, numa_split, seed):
+    """One entry a phase, whether the stages run in one pool dispatch (a plain call) or one each (a NUMA slice,
+    whose h quantization between gate/up and down runs on its leader thread; KT_NUMA_SPLIT=2 forces a split on any
+    machine), and none for a phase without tasks: bf16 weights read a bf16 input's rows in place, with no
+    activations stage."""
+    env = {**os.environ, "KT_PROFILE": "1", "KT_NUMA_SPLIT": numa_split}
     proc = subprocess.run([sys.executable, "-c", _SCRIPT.replace("{fmt}", fmt), str(seed)], env=env,
                           capture_output=True, text=True, timeout=300, check=True)
     lines = [line for line in proc.stderr.splitlines() if line.startswith("kt.fused_moe ")]

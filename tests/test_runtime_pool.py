@@ -102,12 +102,11 @@ torch.save(outs, {path!r})
 """
 
 
-@pytest.mark.parametrize("env", [{"KT_SPIN_YIELD": "1"}, {"KT_SPIN_YIELD": "1", "KT_SPIN_US": "50"},
-                                 {"KT_SPIN_US": "0"}, {"KT_SPIN_YIELD": "1", "KT_NUMA_SPLIT": "2"}])
+@pytest.mark.parametrize("env", [{"KT_SPIN_US": "50"}, {"KT_SPIN_US": "0"}, {"KT_SPIN_US": "0", "KT_NUMA_SPLIT": "2"}])
 def test_spin_settings_keep_results(env, tmp_path):
-    """KT_SPIN_YIELD / KT_SPIN_US change only how idle workers wait: the results equal the default's bit for bit
-    (the pool's tasks own disjoint outputs), with workers parking after every call or yielding while they spin;
-    with KT_NUMA_SPLIT the node groups' own pools yield too (compared with the same split without yielding)."""
+    """KT_SPIN_US changes only how long idle workers spin before they park: the results equal the default's bit for
+    bit (the pool's tasks own disjoint outputs), with workers parking after every call; with KT_NUMA_SPLIT the node
+    groups' own pools park too (compared with the same split at the default spin)."""
     import os
     import subprocess
     import sys
@@ -126,60 +125,56 @@ def test_spin_settings_keep_results(env, tmp_path):
 
 
 @pytest.mark.parametrize("script,env", [
-    ("ktorch.set_num_threads(2); ktorch.set_num_threads(3)", {"KT_SPIN_YIELD": "2"}),
-    # a pool of the same size is rebuilt when the variables changed, so a bad value is seen there too
-    ("ktorch.set_num_threads(2); os.environ['KT_SPIN_YIELD'] = '2'; ktorch.set_num_threads(2)", {}),
+    ("ktorch.set_num_threads(2); ktorch.set_num_threads(3)", {"KT_SPIN_US": "2ms"}),
+    # a pool of the same size is rebuilt when the value changed, so a bad value is seen there too, set either way
+    ("ktorch.set_num_threads(2); os.environ['KT_SPIN_US'] = '2ms'; ktorch.set_num_threads(2)", {}),
+    ("ktorch.set_num_threads(2); torch.ops.kt.set_option('KT_SPIN_US', '2ms'); ktorch.set_num_threads(2)", {}),
 ])
-def test_spin_yield_rejects_other_values(script, env):
+def test_spin_us_rejects_other_values(script, env):
     import os
     import subprocess
     import sys
 
-    clean = {k: v for k, v in os.environ.items() if k != "KT_SPIN_YIELD"}
+    clean = {k: v for k, v in os.environ.items() if k != "KT_SPIN_US"}
     r = subprocess.run([sys.executable, "-c", "import os, torch, ktorch; " + script],
                        env={**clean, **env}, capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and "KT_SPIN_YIELD must be 0 or 1, got 2" in r.stderr
+    assert r.returncode != 0 and "KT_SPIN_US must be an integer, got '2ms'" in r.stderr
 
 
-_PIN_SCRIPT = """
+_RESPIN_SCRIPT = """
 import os, torch, ktorch
 
-def pinned_threads():  # this process's threads whose affinity is one CPU
-    out = []
-    for tid in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{tid}/status") as f:
-            allowed = [l.split()[1] for l in f if l.startswith("Cpus_allowed_list")]
-        if allowed and allowed[0].isdigit():
-            out.append(int(allowed[0]))
-    return sorted(out)
+def threads():
+    return set(os.listdir("/proc/self/task"))
 
 torch.manual_seed(3)
 packed = ktorch.pack_experts(torch.randn(6, 128, 64) * 0.05, torch.randn(6, 64, 64) * 0.05, "int8")
 x, ids, w = torch.randn(5, 64), torch.randint(0, 6, (5, 2)), torch.rand(5, 2)
-cpus = sorted(os.sched_getaffinity(0))
-ktorch.set_num_threads(2)
-base = pinned_threads()
+ktorch.set_num_threads(3)
 want = ktorch.fused_moe(x, ids, w, packed)
-os.environ["KT_PIN_THREADS"] = "1"
-ktorch.set_num_threads(2)  # the same size: rebuilt because KT_PIN_THREADS changed, worker 1 on the 2nd CPU
+before = threads()
+ktorch.set_num_threads(3)  # the same size, the same spin: kept
+assert threads() == before, (threads(), before)
+ktorch.config.set_spin_us(0)
+ktorch.set_num_threads(3)  # the same size, another spin: rebuilt with new worker threads
+after = threads()
+assert len(after) == len(before) and len(after - before) == 2, (after, before)
+assert ktorch.config.value("KT_SPIN_US") == "0" and ktorch.get_num_threads() == 3
 assert torch.equal(ktorch.fused_moe(x, ids, w, packed), want)
-assert pinned_threads() == sorted(base + [cpus[1]]), (pinned_threads(), base, cpus)
-os.environ["KT_PIN_THREADS"] = "0"
-ktorch.set_num_threads(2)
+ktorch.config.set_spin_us(None)  # back to the variable (unset: 2000): rebuilt again
+ktorch.set_num_threads(3)
+assert len(threads() - after) == 2 and ktorch.config.value("KT_SPIN_US") is None
 assert torch.equal(ktorch.fused_moe(x, ids, w, packed), want)
-assert pinned_threads() == base, (pinned_threads(), base)
 """
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
-                    reason="needs Linux and at least 2 CPUs in the affinity mask")
-def test_pin_threads_rebuilds_the_pool_and_keeps_results():
-    """KT_PIN_THREADS=1 pins worker i to the i-th CPU of the process's mask; set_num_threads rebuilds a pool of
-    the same size when it changed (bench_e2e --pool-sweep times both on one compile); results stay bit for bit."""
-    import os
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux's /proc/self/task")
+def test_spin_set_from_python_rebuilds_the_pool_and_keeps_results():
+    """ktorch.config.set_spin_us overrides KT_SPIN_US; set_num_threads rebuilds a pool of the same size when the
+    spin changed (new worker threads) and keeps it otherwise; results stay bit for bit."""
     import subprocess
     import sys
 
-    clean = {k: v for k, v in os.environ.items() if k not in ("KT_PIN_THREADS", "KT_NUM_THREADS")}
-    r = subprocess.run([sys.executable, "-c", _PIN_SCRIPT], env=clean, capture_output=True, text=True, timeout=120)
+    clean = {k: v for k, v in os.environ.items() if k not in ("KT_SPIN_US", "KT_NUM_THREADS")}
+    r = subprocess.run([sys.executable, "-c", _RESPIN_SCRIPT], env=clean, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

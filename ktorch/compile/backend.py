@@ -177,13 +177,6 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, opts: BackendOptions
         if opts.n_deferred_experts:
             report.deferrals = defer_experts(gm, boundaries, opts.n_deferred_experts, RUNTIME.new_site,
                                              report.deferral_skipped)
-        # per-device tensors the graph's runs read, made now: a first run under CUDA-graph trees is a warm-up
-        # whose allocations belong to the graphs' memory pool, where a tensor kept alive breaks replays
-        for node in gm.graph.nodes:
-            if node.target in (torch.ops.ktorch.submit_experts.default, torch.ops.ktorch.submit_experts_split.default):
-                device = node_device(node.args[0], gm)
-                if device is not None:
-                    RUNTIME.prepare_device(device)
     keep = _drop_unused_inputs(gm, weight_inputs)
     inputs = [example_inputs[i] for i in keep]
     report.devices = _graph_devices(gm)

@@ -20,10 +20,8 @@ What submit and wait do depends on where the hidden states are:
                     worker is done and copies the result back (non-blocking). One host sync per layer.
   CUDA, capturing:  the same copies, but the worker is started and joined by host functions on the stream
                     (host_func.py), so a replayed CUDA graph costs the launching thread no host sync at all.
-                    With ``KT_HOST_START=doorbell`` (native host functions only) the stream also copies a
-                    sequence number into the task's pinned doorbell after the inputs, and the spinning C++
-                    worker starts the call from that, without waiting for CUDA to run the start host function
-                    (~50-60 us later on the H100 host); see runtime/host_tasks.cpp.
+                    The host functions are C ones (runtime/host_tasks.cpp: no GIL on CUDA's callback thread;
+                    Python ones decoded 1.58x slower on the device and remain only for test observers).
 
 Expert deferral (passes/deferral.py) submits a layer once with ``submit_experts_split`` instead: the CPU side
 ranks each token's slots by weight, runs the ``K - d`` highest (waited for at ``site``) and then the ``d`` lowest
@@ -135,10 +133,6 @@ class _Staging:
 
         self.hidden, self.topk_ids, self.topk_weights = pinned(hidden), pinned(topk_ids), pinned(topk_weights)
         self.out = pinned(hidden)
-        # KT_HOST_START=doorbell: the sequence number the GPU copies in after the inputs (made here, with the
-        # other pinned buffers, by the uncaptured first call rather than inside a capture)
-        with torch.inference_mode(False):
-            self.doorbell = torch.zeros(1, dtype=torch.int64, pin_memory=True)
         self.host_functions: Optional[tuple] = None  # (start, join[, join_later]), made on first capture
         # split stagings (submit_experts_split): the deferred slots' result, and d (one int64 read at each run:
         # RUNTIME's count for n_deferred="runtime", else the site's own)
@@ -236,8 +230,6 @@ class ExpertsRuntime:
         # earlier call needs no join of its own (deferral's waits, each behind the next layer's join).
         self._capture_numbers = itertools.count(1)
         self._joined_through = 0
-        # KT_HOST_START=doorbell: one int64 counter per CUDA device, +1 per captured submit (never reset)
-        self._doorbell_counters: dict = {}
         # n_deferred_experts="runtime": how many slots per token graphs compiled so defer, as an int and as the
         # int64 the split calls read when they run (CUDA-graph replays included)
         self.runtime_deferred = 0
@@ -272,8 +264,7 @@ class ExpertsRuntime:
         if not is_deferred_count(n_deferred):
             raise ValueError(f"set_runtime_deferred_experts: n_deferred must be an int >= 0, got {n_deferred!r}")
         if n_deferred != int(self._runtime_deferred_host) and torch.cuda.is_initialized():
-            # The split calls read the count when they run, on the CPU, as their start host function or doorbell is
-            # reached: steps the host has already launched (replays queued behind the GPU) would otherwise run with
+            # The split calls read the count when they run, on the CPU, as their start host function is reached: steps the host has already launched (replays queued behind the GPU) would otherwise run with
             # the new count, some of their layers deferring one d and some another (seen on the device: 95% of a
             # step's logits off under a loaded machine). They finish first, with the count they were launched under.
             if torch.cuda.is_current_stream_capturing():
@@ -282,15 +273,6 @@ class ExpertsRuntime:
                 torch.cuda.synchronize(device)
         self.runtime_deferred = n_deferred
         self._runtime_deferred_host.fill_(n_deferred)
-
-    def prepare_device(self, device: torch.device) -> None:
-        """Makes ``device``'s doorbell counter (CUDA devices), if not made yet; the one place it is made. The
-        backend calls it at compile time: made lazily by a graph's first run instead, it would come from the memory
-        pool of CUDA-graph trees (its warm-up run allocates there), which must hold no tensor outliving a replay.
-        Must not run inside a capture (its allocations belong to the graph's pool)."""
-        with torch.inference_mode(False):  # updated in place later, whatever mode the caller is in then
-            if device.type == "cuda" and device not in self._doorbell_counters:  # its numbers only ever grow
-                self._doorbell_counters[device] = torch.zeros(1, dtype=torch.int64, device=device)
 
     def reset(self) -> None:
         """Forgets every layer and site, freeing the packed weights it held; graphs compiled before stop working."""
@@ -339,16 +321,9 @@ class ExpertsRuntime:
         staging.fill(hidden, topk_ids, topk_weights)
         if torch.cuda.is_current_stream_capturing():
             self.stats["captured_submits"] += 1
-            functions = self._host_functions(state, staging, weights, hidden.device, later_state)
-            doorbell = getattr(functions, "doorbell", None)
-            if doorbell is not None:  # after the input copies: the worker may start as soon as this lands
-                counter = self._doorbell_counters[hidden.device]
-                counter.add_(1)
-                doorbell.copy_(counter, non_blocking=True)
+            functions = self._host_functions(state, staging, weights, later_state)
             functions[0].launch()
             return ticket
-        if native_host_tasks() and host_start() == "doorbell":
-            self.prepare_device(hidden.device)  # (uncompiled callers: outside any capture, as it must be)
         self.stats["submits"] += 1
         copied = torch.cuda.Event()
         copied.record()
@@ -385,15 +360,15 @@ class ExpertsRuntime:
         out.copy_(result, non_blocking=True)
         return out
 
-    def _host_functions(self, state: _Site, staging: _Staging, weights: ExpertsLayer, device=None,
+    def _host_functions(self, state: _Site, staging: _Staging, weights: ExpertsLayer,
                         later_state: Optional[_Site] = None):
+        """The staging's start/join host functions: C ones (runtime/host_tasks.cpp, no GIL on CUDA's callback
+        thread), or Python ones where test observers (``observers``) must see each call. The C ones decode 1.58x
+        faster (H100 host, 12 Qwen3-30B-A3B layers, int8: 137.6 against 87.3 tok/s; benchmarks/RESULTS.md)."""
         from ktorch.compile.host_func import HostFunction
 
-        if staging.host_functions is None and native_host_tasks() and not self.observers:
-            # a doorbell needs the device's counter, made by an earlier uncaptured call (compiled graphs run
-            # once eagerly before their capture); without one the start host function starts the call
-            doorbell = host_start() == "doorbell" and device in self._doorbell_counters
-            staging.host_functions = _NativeHostFunctions(staging, weights, doorbell=doorbell)
+        if staging.host_functions is None and not self.observers:
+            staging.host_functions = _NativeHostFunctions(staging, weights)
             self._native_tasks.append(staging.host_functions)
         if staging.host_functions is None:
             split = staging.deferred is not None
@@ -423,37 +398,11 @@ class ExpertsRuntime:
     def join_implied(self, staging: _Staging, number: int) -> bool:
         """Whether a captured wait for the submit numbered ``number`` can go without its join host function: the
         capture has already joined a later submit, and native host tasks run one at a time in submission order
-        (one C++ worker, both parts of a split call before the next call; doorbell tasks by their sequence numbers,
-        which follow the stream), so the stream is past the end of this call too. Python host functions keep every
-        join (their join pops the call it waits for). Deferral's waits are such: layer i's deferred part is waited
+        (one C++ worker, both parts of a split call before the next call), so the stream is past the end of this
+        call too. Python host functions keep every join (their join pops the call it waits for). Deferral's waits are such: layer i's deferred part is waited
         for after layer i+1's join, so each would otherwise cost the stream one more host function round trip
         (~50 us on the H100 host)."""
         return isinstance(staging.host_functions, _NativeHostFunctions) and number < self._joined_through
-
-
-def native_host_tasks() -> bool:
-    """Whether CUDA-graph captures start and join the CPU experts with native host functions (C++, no GIL on
-    CUDA's callback thread) instead of Python ones: ``KT_HOST_FUNCTIONS=native`` (the default; ``python`` for
-    the Python ones). Native ones decode 1.58x faster (H100 host, 12 Qwen3-30B-A3B layers, int8: 137.6 against
-    87.3 tok/s; benchmarks/RESULTS.md). Test observers (``ExpertsRuntime.observers``) need the Python ones."""
-    import os
-
-    value = os.environ.get("KT_HOST_FUNCTIONS", "native")
-    if value not in ("python", "native"):
-        raise ValueError(f"KT_HOST_FUNCTIONS must be 'python' or 'native', got {value!r}")
-    return value == "native"
-
-
-def host_start() -> str:
-    """How a captured experts call starts with native host functions: ``KT_HOST_START=hostfn`` (the default: the
-    start host function queues it) or ``doorbell`` (the GPU writes a sequence number to pinned memory after the
-    inputs and the spinning worker starts the call from it; the host function only wakes a parked worker)."""
-    import os
-
-    value = os.environ.get("KT_HOST_START", "hostfn")
-    if value not in ("hostfn", "doorbell"):
-        raise ValueError(f"KT_HOST_START must be 'hostfn' or 'doorbell', got {value!r}")
-    return value
 
 
 class _NativeHostFunctions:
@@ -470,20 +419,14 @@ class _NativeHostFunctions:
 
             launch_native(self.ptr, self.handle)
 
-    def __init__(self, staging: "_Staging", layer: ExpertsLayer, doorbell: bool = False):
+    def __init__(self, staging: "_Staging", layer: ExpertsLayer):
         self.staging, self.layer = staging, layer  # the task holds these tensors; keep them referenced too
         self.tokens = staging.hidden.shape[0]
-        # the GPU copies a sequence number here after the inputs (pinned where CUDA is; a plain tensor in tests)
-        self.doorbell = None
-        if doorbell:  # _Staging's pinned one; tests on the CPU pass stagings without one
-            self.doorbell = getattr(staging, "doorbell", None)
-            if self.doorbell is None:
-                self.doorbell = torch.zeros(1, dtype=torch.int64)
         # a split staging (deferral): the task also runs the deferred slots into out_later, d read from deferred
         deferred = getattr(staging, "deferred", None)
         self.handle = torch.ops.kt.host_task_new(staging.hidden, staging.topk_ids, staging.topk_weights, staging.out,
                                                  layer.w13, layer.w13_scales, layer.w2, layer.w2_scales,
-                                                 layer.activation, True, self.doorbell,
+                                                 layer.activation, True,
                                                  staging.out_later if deferred is not None else None, deferred)
         self._fns = tuple(self._Fn(fn, self.handle) for fn in torch.ops.kt.host_task_functions())
 

@@ -5,11 +5,13 @@
 #include <chrono>
 #include <vector>
 
+#include "kernels/kernels.h"
 #include "kernels/probe.h"
 #include "formats/gguf.h"
 #include "moe/fused_moe.h"
 #include "moe/numa_split.h"
 #include "moe/pack.h"
+#include "runtime/config.h"
 #include "runtime/cpu_features.h"
 #include "runtime/dispatch.h"
 #include "runtime/host_tasks.h"
@@ -37,6 +39,17 @@ std::string selected_kernel() { return kt::runtime::selected_kernel_level(); }
 
 int64_t get_num_threads() { return kt::runtime::num_workers(); }
 void set_num_threads(int64_t n) { kt::runtime::WorkerPool::resize(static_cast<int>(n)); }
+
+// The settings the C++ side reads (runtime/config.h): set_option(name, value) overrides the environment variable,
+// set_option(name, None) clears that; get_option reads the value in effect. ktorch/config.py is their typed API.
+void set_option(c10::string_view name, const std::optional<std::string>& value) {
+  kt::runtime::config::set(std::string(name), value);
+}
+std::optional<std::string> get_option(c10::string_view name) { return kt::runtime::config::value(std::string(name).c_str()); }
+
+// Tests only (kernels.h): the AMX gemms' small-M threshold for every format (0: every call through the tiles; -1:
+// the measured counts). Not a setting; tests/test_ops_fused_moe.py reaches the tiles with small calls through it.
+void amx_min_rows_for_tests(int64_t rows) { kt::kernels::amx_min_rows_for_tests(static_cast<int>(rows)); }
 
 // NUMA nodes that have CPUs this process may use ("auto" for KT_NUMA_SPLIT).
 int64_t numa_node_count() { return static_cast<int64_t>(kt::runtime::numa_nodes().size()); }
@@ -82,11 +95,14 @@ TORCH_LIBRARY(kt, m) {
   m.def("dot_peak(str kind, int iters=10000000) -> float", &dot_peak);
   m.def("get_num_threads() -> int", &get_num_threads);
   m.def("set_num_threads(int n) -> ()", &set_num_threads);
+  m.def("set_option(str name, str? value) -> ()", &set_option);
+  m.def("get_option(str name) -> str?", &get_option);
+  m.def("_amx_min_rows_for_tests(int rows) -> ()", &amx_min_rows_for_tests);
   m.def("advise_huge_pages(Tensor t) -> ()");
   // host tasks (runtime/host_tasks.h): experts calls that CUDA host functions start and join without Python
   m.def(
       "host_task_new(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor out, Tensor w13, Tensor? w13_scales, "
-      "Tensor w2, Tensor? w2_scales, str activation, bool record_times=False, Tensor? doorbell=None, "
+      "Tensor w2, Tensor? w2_scales, str activation, bool record_times=False, "
       "Tensor? out_later=None, Tensor? deferred=None) -> int",
       &kt::runtime::host_task_new);
   m.def("host_task_free(int handle) -> ()", &kt::runtime::host_task_free);

@@ -7,13 +7,13 @@ handling for the layouts transformers uses, a ``PackedExperts`` container, and t
 
 from __future__ import annotations
 
-import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import torch
 
+from ktorch import config
 from ktorch.ops.numa_split import NumaSplitExperts, fused_moe_split, numa_split_count, split_packed_experts
 
 FORMATS = ("bf16", "int8", "int4")
@@ -196,7 +196,7 @@ def fused_moe(
     Returns:
         [T, H] in the dtype of ``hidden``.
     """
-    if os.environ.get("KT_NUMA_SPLIT") and not isinstance(packed, NumaSplitExperts):
+    if config.value("KT_NUMA_SPLIT") and not isinstance(packed, NumaSplitExperts):
         packed = _env_split(packed)
     if isinstance(packed, NumaSplitExperts):
         return fused_moe_split(hidden, topk_ids, topk_weights, packed, activation)

@@ -9,7 +9,8 @@ outputs summed in slice order. int8/int4 slices quantize the down projection's i
 over all slices (exchanged between gate/up and the down projection), as the unsplit op does, so every format
 gives the unsplit result up to fp32 summation order. ``torch.ops.kt.fused_moe`` itself is unchanged.
 
-``KT_NUMA_SPLIT`` (read on every ``ktorch.ops.fused_moe`` call and by ``split_numa()`` without an argument):
+``KT_NUMA_SPLIT`` or ``ktorch.config.set_numa_split`` (read on every ``ktorch.ops.fused_moe`` call and by
+``split_numa()`` without an argument):
 unset, empty or 1: off; ``auto``: the number of NUMA nodes with CPUs this process may use; n >= 2: n slices.
 On a machine with fewer nodes than n the process's CPUs are cut into n groups, so the same code path runs on
 one node. Eager CPU feature: the ops have fake impls, but the transformers integration and the compile
@@ -19,7 +20,6 @@ backend still call ``kt.fused_moe`` with unsplit weights.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Union
 
@@ -32,7 +32,9 @@ if TYPE_CHECKING:
 def numa_split_count(n: Union[int, str, None] = None) -> int:
     """The number of slices a split asks for: n itself, "auto" (NUMA node count), or None (``KT_NUMA_SPLIT``)."""
     if n is None:
-        n = os.environ.get("KT_NUMA_SPLIT", "").strip() or 1
+        from ktorch import config
+
+        n = config.value("KT_NUMA_SPLIT") or 1
     if isinstance(n, str):
         if n == "auto":
             return int(torch.ops.kt.numa_node_count())

@@ -73,7 +73,7 @@ struct GemmArgs {
   const uint8_t* next_b = nullptr;
   // A hint: the activation rows of the caller's next call, next_a_bytes contiguous bytes (e.g. the down
   // projection's next expert: its h rows follow each other), or nullptr. The AMX walks prefetch them into L2
-  // spread over this call's passes (KT_AMX_NEXT_A); other kernels ignore it.
+  // spread over this call's passes; other kernels ignore it.
   const uint8_t* next_a = nullptr;
   int64_t next_a_bytes = 0;
   // Optional work to interleave (see SideWork); the AMX walks spread it over their k steps, others leave it.
@@ -121,5 +121,9 @@ struct KernelSet {
 const KernelSet& portable_kernels();
 const KernelSet& avx512_kernels();
 const KernelSet& amx_kernels();
+// Tests only (the kernel test binary, the op tests through kt::_amx_min_rows_for_tests): the AMX gemms send calls
+// with fewer rows than `rows` to the AVX-512 ones, for every format (0: every call through the tiles); -1 restores
+// the measured per-format counts. Not a setting: the counts are constants (amx/kernels.cpp, kMinRows).
+void amx_min_rows_for_tests(int rows);
 
 }  // namespace kt::kernels

@@ -4,6 +4,7 @@
 
 #include <cstdlib>
 
+#include "config.h"
 #include "cpu_features.h"
 
 namespace kt::runtime {
@@ -36,8 +37,7 @@ std::string available_kernel_levels() {
 }
 
 std::string selected_kernel_level() {
-  const char* env = std::getenv("KT_CPU_KERNEL");
-  std::string want = env ? env : "";
+  const std::string want = config::value("KT_CPU_KERNEL").value_or("");
   if (want.empty() || want == "auto") return best_level();
   TORCH_CHECK(want == "portable" || want == "avx512" || want == "amx",
               "KT_CPU_KERNEL must be one of auto, portable, avx512, amx; got '", want, "'");

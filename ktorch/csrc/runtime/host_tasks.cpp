@@ -7,21 +7,12 @@
 // stream resumes late. Here the two host functions are plain C functions:
 //   kt_host_task_start(task): queue the task to one C++ worker thread (which runs kt::moe::fused_moe on the
 //                             task's pinned tensors and copies the result into the task's pinned output);
-//   kt_host_task_join(task):  wait until the worker is done with it (spin KT_JOIN_SPIN_US, default 1000, then
-//                             block).
-// The worker spins KT_HOST_SPIN_US (default: KT_SPIN_US, as the pool's workers, 2000) after each call before it
-// parks, so that the next layer's start reaches a thread that is awake (its own knob so that the pool's spin can
-// be shortened alone). With KT_SPIN_YIELD=1 the worker and the join's spin yield the core every kYieldPolls polls
-// (worker_pool.h).
-//
-// Doorbells (a task made with one): CUDA runs a host function ~50-60 us after the copies before it complete (the
-// driver's callback thread; measured on the H100 host), and the CPU call cannot start before. A doorbell task
-// is also started by the GPU itself: after the input copies the stream copies a sequence number (one counter
-// per device, +1 per submit) into the task's pinned int64 doorbell, and the worker, while it spins, watches the
-// doorbells of all such tasks and runs a task whose doorbell moved past the number it last ran, the lowest
-// number first (the order the GPU posted them). The start host function then only wakes a parked worker, and
-// the join waits until the task has run the number in its doorbell. Copies on one stream complete in order, so a
-// doorbell that moved means the inputs before it are in memory.
+//   kt_host_task_join(task):  wait until the worker is done with it (spin kJoinSpinUs, then block).
+// The worker spins kHostSpinUs after each call before it parks, so that the next layer's start reaches a thread
+// that is awake.
+// (A GPU-written doorbell that let the spinning worker start a call without waiting for CUDA's host function,
+// ~55 us after the copies before it on the H100 host, was measured no faster end to end, 105.9 against 106.2
+// tok/s, and was removed: benchmarks/RESULTS.md.)
 // Their addresses come from kt::host_task_functions(); a task is an opaque int64 handle made by
 // kt::host_task_new and kept alive by the caller as long as any CUDA graph uses it.
 // Split tasks (expert deferral, passes/deferral.py): a task made with out_later and a deferred count d runs its
@@ -31,7 +22,7 @@
 // kt_host_task_join as soon as out is complete, while the deferred part's tasks run on behind it in the same pool
 // dispatch (kt_host_task_join_later waits for them). One call rather than two: a second call per layer cost its
 // fixed overhead and ran its few experts' weights at a lower bandwidth, ~100-220 us a layer on the H100 host
-// (benchmarks/RESULTS.md); KT_DEFER_CALLS=2 keeps the two-call way to compare. d is read from its int64 at each
+// (benchmarks/RESULTS.md). d is read from its int64 at each
 // run, so one captured graph serves every d. The split happens here rather than on the GPU so that a deferring
 // layer costs the stream what a plain one does: one set of input copies and one start host function, no sort or
 // masking kernels.
@@ -73,33 +64,29 @@ struct HostTask {
   std::string error;
   bool record_times = false;
   std::vector<int64_t> times;  // start_ns, end_ns pairs (CLOCK_MONOTONIC, as Python's perf_counter_ns)
-  // doorbell tasks: the pinned int64 the GPU writes, the number the worker took last, the number it finished last
-  at::Tensor doorbell;
-  int64_t* bell = nullptr;
-  int64_t taken_seq = 0;  // the worker's own
-  std::atomic<int64_t> done_seq{0};
   // split tasks (out_later defined): the deferred slots' result, the count d (one int64, read at each run), the two
-  // id sets (the worker's), whether out_later holds zeros, and the second part's progress (as done / done_seq)
+  // id sets (the worker's), whether out_later holds zeros, and the second part's progress (as done)
   at::Tensor out_later, deferred, ids_now, ids_later;
   bool later_zero = false;
-  bool two_calls = false;  // KT_DEFER_CALLS=2 when the task was made: the parts as two fused_moe calls
   std::atomic<int64_t> done_later{0};
-  std::atomic<int64_t> done_later_seq{0};
   bool split() const { return out_later.defined(); }
 };
-
-int64_t ring_of(const HostTask* t) { return __atomic_load_n(t->bell, __ATOMIC_ACQUIRE); }
 
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
       .count();
 }
 
+// The host-task worker's spin before it parks: 2000 us, the pool's default, and what the device's best end-to-end
+// decode settings kept for this worker while the pool's spin was cut to 300 us (KT_SPIN_US=300 with the former
+// spin variable at 2000: benchmarks/RESULTS.md sessions 10-13 and the llama.cpp comparison). A constant since the
+// separate variable was retired; KT_SPIN_US sets the pool's spin alone.
+constexpr int64_t kHostSpinUs = 2000;
+
 class Worker {
  public:
   Worker()
-      : spin_us_(env_int("KT_HOST_SPIN_US", env_int("KT_SPIN_US", 2000))),
-        spin_yield_(env_spin_yield()),
+      : spin_us_(kHostSpinUs),
         thread_([this] { loop(); }) {}
   ~Worker() {
     {
@@ -117,47 +104,10 @@ class Worker {
     }
     cv_.notify_one();  // no system call when the worker is spinning (nobody waits on the condition variable)
   }
-  // A doorbell rang: wake the worker if it is parked (when it spins, it has seen the doorbell already).
-  void kick() {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      ++kicks_;
-    }
-    cv_.notify_one();
-  }
-  void add_bell(HostTask* t) {
-    std::lock_guard<std::mutex> lock(bells_mutex_);
-    bells_.push_back(t);
-    n_bells_.store(static_cast<int64_t>(bells_.size()), std::memory_order_release);
-  }
-  void remove_bell(HostTask* t) {
-    std::lock_guard<std::mutex> lock(bells_mutex_);
-    bells_.erase(std::remove(bells_.begin(), bells_.end(), t), bells_.end());
-    n_bells_.store(static_cast<int64_t>(bells_.size()), std::memory_order_release);
-  }
 
  private:
-  // The doorbell task with the lowest number not yet taken, marked taken; nullptr if none rang. Without doorbell
-  // tasks (the default start) a spin poll costs one atomic load here, not a lock and a scan.
-  HostTask* take_rung() {
-    if (n_bells_.load(std::memory_order_acquire) == 0) return nullptr;
-    std::lock_guard<std::mutex> lock(bells_mutex_);
-    HostTask* best = nullptr;
-    int64_t best_seq = 0;
-    for (HostTask* t : bells_) {
-      const int64_t seq = ring_of(t);
-      if (seq > t->taken_seq && (best == nullptr || seq < best_seq)) {
-        best = t;
-        best_seq = seq;
-      }
-    }
-    if (best != nullptr) best->taken_seq = best_seq;
-    return best;
-  }
-
   void loop() {
     int64_t taken = 0;
-    int64_t kicks_seen = 0;
     auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
     for (int polls = 1;; ++polls) {
       if (pushed_.load(std::memory_order_acquire) != taken) {
@@ -168,36 +118,26 @@ class Worker {
           queue_.pop_front();
         }
         ++taken;
-        run(t, 0);
+        run(t);
         spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
         continue;
       }
-      if (HostTask* t = take_rung()) {
-        run(t, t->taken_seq);
-        spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
-        continue;
-      }
-      if (spin_yield_ && polls % kYieldPolls == 0) sched_yield();
       if (polls % 256 != 0 || std::chrono::steady_clock::now() <= spin_until) {
         _mm_pause();
         continue;
       }
-      // park until a push, a kick (a doorbell's start host function) or the end
+      // park until a push or the end
       std::unique_lock<std::mutex> lock(mutex_);
-      cv_.wait(lock, [&] {
-        return stop_ || pushed_.load(std::memory_order_acquire) != taken || kicks_ != kicks_seen;
-      });
+      cv_.wait(lock, [&] { return stop_ || pushed_.load(std::memory_order_acquire) != taken; });
       if (stop_ && pushed_.load(std::memory_order_acquire) == taken) return;
-      kicks_seen = kicks_;
       spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
     }
   }
-  // seq: the doorbell number this run answers (0 for a pushed task)
-  static void run(HostTask* t, int64_t seq) {
+  static void run(HostTask* t) {
     const int64_t t0 = now_ns();
     if (!t->split()) {
       call(t, t->topk_ids, t->out);
-      finish(t, seq, false, t0);
+      finish(t, false, t0);
       return;
     }
     int64_t d = 0;
@@ -206,46 +146,38 @@ class Worker {
     } catch (const std::exception& e) {
       fail(t, e, t->out);
       fail(t, e, t->out_later);
-      finish(t, seq, false, t0);
-      finish(t, seq, true, -1);
+      finish(t, false, t0);
+      finish(t, true, -1);
       return;
     }
     if (d == 0) {
       call(t, t->topk_ids, t->out);
-      finish(t, seq, false, t0);
+      finish(t, false, t0);
       if (!t->later_zero) {
         t->out_later.zero_();
         t->later_zero = true;
       }
-      finish(t, seq, true, -1);
+      finish(t, true, -1);
       return;
     }
     t->later_zero = false;
-    if (t->two_calls) {
-      call(t, t->ids_now, t->out);
-      finish(t, seq, false, t0);
-      const int64_t t1 = now_ns();
-      call(t, t->ids_later, t->out_later);
-      finish(t, seq, true, t1);
-      return;
-    }
     // one call: the first part is published from inside it (on a pool thread) while the deferred part runs on
     std::atomic<int64_t> published{-1};  // when the first part was marked joined
     try {
       c10::InferenceMode inference;
       kt::moe::fused_moe_split(t->hidden, t->ids_now, t->ids_later, t->topk_weights, t->w13, t->w13_scales, t->w2,
                                t->w2_scales, t->activation, t->out, t->out_later, [&] {
-                                 finish(t, seq, false, t0);
+                                 finish(t, false, t0);
                                  published.store(now_ns(), std::memory_order_release);
                                });
     } catch (const std::exception& e) {
       if (published.load(std::memory_order_acquire) < 0) {
         fail(t, e, t->out);
-        finish(t, seq, false, t0);
+        finish(t, false, t0);
       }
       fail(t, e, t->out_later);
     }
-    finish(t, seq, true, published.load(std::memory_order_acquire));  // -1 (nothing recorded) if never published
+    finish(t, true, published.load(std::memory_order_acquire));  // -1 (nothing recorded) if never published
   }
   // One experts call on the task's tensors with these ids, into out (NaN and the message kept on failure).
   static void call(HostTask* t, const at::Tensor& ids, const at::Tensor& out) {
@@ -266,16 +198,13 @@ class Worker {
     out.fill_(std::numeric_limits<float>::quiet_NaN());
   }
   // Marks the first part (later = false) or the deferred part of this run done; t0 >= 0: records (t0, now).
-  static void finish(HostTask* t, int64_t seq, bool later, int64_t t0) {
+  static void finish(HostTask* t, bool later, int64_t t0) {
     std::lock_guard<std::mutex> lock(t->mutex);
     if (t0 >= 0 && t->record_times && t->times.size() < 8192) {  // bounded: drained by host_task_take_times
       t->times.push_back(t0);
       t->times.push_back(now_ns());
     }
-    if (seq > 0)
-      (later ? t->done_later_seq : t->done_seq).store(seq, std::memory_order_release);
-    else
-      (later ? t->done_later : t->done).fetch_add(1, std::memory_order_release);
+    (later ? t->done_later : t->done).fetch_add(1, std::memory_order_release);
     // under the lock: host_task_free takes it after its joins, so the task outlives this last touch
     t->cv.notify_all();
   }
@@ -306,62 +235,37 @@ class Worker {
   }
 
   int64_t spin_us_;
-  bool spin_yield_;
   std::atomic<int64_t> pushed_{0};  // tasks pushed so far; the worker spins while it has taken them all
   std::mutex mutex_;
   std::condition_variable cv_;
   std::deque<HostTask*> queue_;
-  int64_t kicks_ = 0;  // guarded by mutex_
   bool stop_ = false;
-  std::mutex bells_mutex_;
-  std::vector<HostTask*> bells_;  // the doorbell tasks
-  std::atomic<int64_t> n_bells_{0};  // bells_.size(), read without the lock
   std::thread thread_;  // last: starts after the fields above are built
 };
 
-// Both are first called by host_task_new (a Python thread, where a bad environment variable raises), never first
+// First called by host_task_new (a Python thread), never first
 // on CUDA's callback thread.
 Worker& worker() {
   static Worker* w = new Worker();  // never destroyed: CUDA may call a host function during interpreter exit
   return *w;
 }
 
-// KT_DEFER_CALLS: how a split task runs its two parts: 1 (default) one kt::moe::fused_moe_split call, the first
-// part published from inside it; 2 two fused_moe calls one after the other (the earlier way, kept to compare).
-int64_t defer_calls() {
-  const int64_t n = env_int("KT_DEFER_CALLS", 1);
-  TORCH_CHECK(n == 1 || n == 2, "KT_DEFER_CALLS must be 1 or 2, got ", n);
-  return n;
-}
+// How long a join spins before it blocks: a decode call ends within a few hundred microseconds, so the stream
+// resumes at once (1000 us, the value the device's decode runs used; longer calls block on the task's cv).
+constexpr int64_t kJoinSpinUs = 1000;
 
-int64_t join_spin_us() {
-  static const int64_t us = env_int("KT_JOIN_SPIN_US", 1000);
-  return us;
-}
-
-bool join_spin_yield() {
-  static const bool y = env_spin_yield();
-  return y;
-}
-
-// Waits until the task's calls started so far (a doorbell task: the number in its doorbell) have finished their
-// first part (later = false) or their deferred part.
+// Waits until the task's calls started so far have finished their first part (later = false) or their deferred
+// part.
 void join_part(HostTask* t, bool later) {
-  const bool bell = t->bell != nullptr;
-  const int64_t want = bell ? ring_of(t) : t->started.load(std::memory_order_relaxed);
-  const std::atomic<int64_t>& counter = bell ? (later ? t->done_later_seq : t->done_seq)
-                                             : (later ? t->done_later : t->done);
+  const int64_t want = t->started.load(std::memory_order_relaxed);
+  const std::atomic<int64_t>& counter = later ? t->done_later : t->done;
   auto finished = [&] { return counter.load(std::memory_order_acquire) >= want; };
-  // a decode call ends within a few hundred microseconds: spin, so that the stream resumes at once
-  const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(join_spin_us());
-  const bool spin_yield = join_spin_yield();
+  const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(kJoinSpinUs);
   for (int polls = 1;; ++polls) {
     if (finished()) return;
     _mm_pause();
-    if (spin_yield && polls % kYieldPolls == 0) sched_yield();
     if (polls % 256 == 0 && std::chrono::steady_clock::now() > spin_until) break;
   }
-  if (bell) worker().kick();  // the worker may have parked before the doorbell rang
   std::unique_lock<std::mutex> lock(t->mutex);
   t->cv.wait(lock, finished);
 }
@@ -379,10 +283,6 @@ extern "C" {
 // cudaHostFn_t-compatible: void (*)(void*).
 __attribute__((visibility("default"))) void kt_host_task_start(void* p) {
   auto* t = static_cast<kt::runtime::HostTask*>(p);
-  if (t->bell != nullptr) {  // the GPU rang the doorbell before this; a spinning worker has it already
-    kt::runtime::worker().kick();
-    return;
-  }
   t->started.fetch_add(1, std::memory_order_relaxed);
   kt::runtime::worker().push(t);
 }
@@ -403,8 +303,7 @@ namespace kt::runtime {
 int64_t host_task_new(const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                       const at::Tensor& out, const at::Tensor& w13, const std::optional<at::Tensor>& w13_scales,
                       const at::Tensor& w2, const std::optional<at::Tensor>& w2_scales, c10::string_view activation,
-                      bool record_times, const std::optional<at::Tensor>& doorbell,
-                      const std::optional<at::Tensor>& out_later, const std::optional<at::Tensor>& deferred) {
+                      bool record_times, const std::optional<at::Tensor>& out_later, const std::optional<at::Tensor>& deferred) {
   TORCH_CHECK(out.sizes() == hidden.sizes() && out.scalar_type() == hidden.scalar_type() && out.is_contiguous(),
               "host_task_new: out must be a contiguous tensor like hidden ", hidden.sizes(), " ", hidden.scalar_type(),
               ", got ", out.sizes(), " ", out.scalar_type());
@@ -428,9 +327,7 @@ int64_t host_task_new(const at::Tensor& hidden, const at::Tensor& topk_ids, cons
                 "of the same shape, got ", topk_ids.sizes(), " ", topk_ids.scalar_type(), " and ",
                 topk_weights.sizes(), " ", topk_weights.scalar_type());
   }
-  worker();        // started here, where errors (KT_SPIN_US) can raise
-  join_spin_us();  // KT_JOIN_SPIN_US, likewise
-  join_spin_yield();  // KT_SPIN_YIELD, likewise
+  worker();  // started here, on a Python thread, never first on CUDA's callback thread
   auto* t = new HostTask();
   t->hidden = hidden;
   t->topk_ids = topk_ids;
@@ -447,17 +344,6 @@ int64_t host_task_new(const at::Tensor& hidden, const at::Tensor& topk_ids, cons
     t->deferred = *deferred;
     t->ids_now = at::empty_like(topk_ids);
     t->ids_later = at::empty_like(topk_ids);
-    t->two_calls = defer_calls() == 2;
-  }
-  if (doorbell.has_value()) {
-    const at::Tensor& d = *doorbell;
-    TORCH_CHECK(d.device().is_cpu() && d.scalar_type() == at::kLong && d.numel() == 1 && d.is_contiguous(),
-                "host_task_new: the doorbell must be one int64 in CPU (pinned) memory, got ", d.sizes(), " ",
-                d.scalar_type(), " on ", d.device());
-    TORCH_CHECK(d.item<int64_t>() == 0, "host_task_new: a new doorbell must read 0, got ", d.item<int64_t>());
-    t->doorbell = d;
-    t->bell = d.data_ptr<int64_t>();
-    worker().add_bell(t);
   }
   return reinterpret_cast<int64_t>(t);
 }
@@ -467,7 +353,6 @@ void host_task_free(int64_t handle) {
   kt_host_task_join(t);  // never free a task the worker still holds
   if (t->split()) kt_host_task_join_later(t);
   { std::lock_guard<std::mutex> lock(t->mutex); }  // ... nor one it is still notifying (a spinning join returns first)
-  if (t->bell != nullptr) worker().remove_bell(t);
   delete t;
 }
 

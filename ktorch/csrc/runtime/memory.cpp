@@ -4,14 +4,14 @@
 
 #include <cstdint>
 
-#include "worker_pool.h"
+#include <c10/util/Exception.h>
+
+#include "config.h"
 
 namespace kt::runtime {
 
 bool huge_pages_enabled() {
-  const int64_t v = env_int("KT_HUGE_PAGES", 1);
-  TORCH_CHECK(v == 0 || v == 1, "KT_HUGE_PAGES must be 0 or 1, got ", v);
-  return v == 1;
+  return config::flag("KT_HUGE_PAGES", true);
 }
 
 void advise_huge_pages(const at::Tensor& t) {

@@ -1,5 +1,6 @@
 #include "numa.h"
 
+#include "config.h"
 #include "worker_pool.h"
 
 #include <ATen/Parallel.h>
@@ -134,14 +135,13 @@ NumaGroups& NumaGroups::for_split(int n) {
 NumaGroups::NumaGroups(int n) : groups_(cpu_groups(n)), errors_(n) {
   // Threads: the process-wide pool's count (KT_NUM_THREADS, default torch's intra-op threads), shared out
   // in proportion to the groups' CPUs, at least 1 (the leader) per group.
-  const int64_t total = env_int("KT_NUM_THREADS", at::get_num_threads());
+  const int64_t total = config::integer("KT_NUM_THREADS", at::get_num_threads());
   int64_t cpus = 0;
   for (const auto& g : groups_) cpus += static_cast<int64_t>(g.cpus.size());
-  const int64_t spin_us = env_int("KT_SPIN_US", 2000);
-  const bool spin_yield = env_spin_yield();
+  const int64_t spin = spin_us();
   for (const auto& g : groups_) {
     const int64_t share = std::max<int64_t>(1, total * static_cast<int64_t>(g.cpus.size()) / std::max<int64_t>(1, cpus));
-    pools_.push_back(std::make_unique<WorkerPool>(static_cast<int>(share), spin_us, spin_yield, g.cpus));
+    pools_.push_back(std::make_unique<WorkerPool>(static_cast<int>(share), spin, g.cpus));
   }
   for (int g = 0; g < n; ++g) leaders_.emplace_back([this, g] { leader_loop(g); });
 }

@@ -1,5 +1,7 @@
 #include "worker_pool.h"
 
+#include "config.h"
+
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <immintrin.h>
@@ -13,20 +15,7 @@
 
 namespace kt::runtime {
 
-int64_t env_int(const char* name, int64_t fallback) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) return fallback;
-  char* end = nullptr;
-  const long long x = std::strtoll(v, &end, 10);
-  TORCH_CHECK(end && *end == '\0', name, " must be an integer, got '", v, "'");
-  return x;
-}
-
-bool env_spin_yield() {
-  const int64_t v = env_int("KT_SPIN_YIELD", 0);
-  TORCH_CHECK(v == 0 || v == 1, "KT_SPIN_YIELD must be 0 or 1, got ", v);
-  return v == 1;
-}
+int64_t spin_us() { return config::integer("KT_SPIN_US", 2000); }
 
 std::vector<int> process_cpus() {
   std::vector<int> cpus;
@@ -43,13 +32,6 @@ std::mutex g_pool_mutex;                   // guards creating and replacing g_po
 std::unique_ptr<WorkerPool> g_pool;        // the process-wide pool
 std::atomic<WorkerPool*> g_current{nullptr};  // g_pool.get(), read without the lock on every parallel loop
 thread_local WorkerPool* t_pool = nullptr;    // use_on_this_thread
-
-// What the process-wide pool is built with besides its size, read from the environment at each build or resize.
-struct PoolEnv {
-  int64_t spin_us = env_int("KT_SPIN_US", 2000);
-  bool pin = env_int("KT_PIN_THREADS", 0) != 0;
-  bool spin_yield = env_spin_yield();
-};
 }  // namespace
 
 void WorkerPool::use_on_this_thread(WorkerPool* pool) { t_pool = pool; }
@@ -59,9 +41,8 @@ WorkerPool& WorkerPool::instance() {
   if (WorkerPool* pool = g_current.load(std::memory_order_acquire)) return *pool;
   std::lock_guard<std::mutex> lock(g_pool_mutex);
   if (!g_pool) {
-    const PoolEnv env;
-    g_pool = std::make_unique<WorkerPool>(static_cast<int>(env_int("KT_NUM_THREADS", at::get_num_threads())),
-                                          env.spin_us, env.pin, env.spin_yield);
+    g_pool = std::make_unique<WorkerPool>(static_cast<int>(config::integer("KT_NUM_THREADS", at::get_num_threads())),
+                                          spin_us());
     g_current.store(g_pool.get(), std::memory_order_release);
   }
   return *g_pool;
@@ -69,12 +50,10 @@ WorkerPool& WorkerPool::instance() {
 
 void WorkerPool::resize(int workers) {
   TORCH_CHECK(workers >= 1, "set_num_threads: the pool needs at least 1 thread, got ", workers);
-  const PoolEnv env;
+  const int64_t spin = spin_us();
   std::lock_guard<std::mutex> lock(g_pool_mutex);
-  if (g_pool && g_pool->size() == workers && g_pool->spin_us_ == env.spin_us && g_pool->spin_yield_ == env.spin_yield &&
-      g_pool->pin_ == env.pin)
-    return;
-  std::unique_ptr<WorkerPool> fresh = std::make_unique<WorkerPool>(workers, env.spin_us, env.pin, env.spin_yield);
+  if (g_pool && g_pool->size() == workers && g_pool->spin_us_ == spin) return;
+  std::unique_ptr<WorkerPool> fresh = std::make_unique<WorkerPool>(workers, spin);
   if (g_pool) {
     std::lock_guard<std::mutex> idle(g_pool->run_mutex_);  // a call in flight finishes first
   }
@@ -84,28 +63,17 @@ void WorkerPool::resize(int workers) {
   old.reset();
 }
 
-WorkerPool::WorkerPool(int workers, int64_t spin_us, bool pin, bool spin_yield)
-    : spin_us_(spin_us), spin_yield_(spin_yield), pin_(pin) {
+WorkerPool::WorkerPool(int workers, int64_t spin_us, const std::vector<int>& bind_cpus) : spin_us_(spin_us) {
   TORCH_CHECK(workers >= 1, "KT_NUM_THREADS must be at least 1, got ", workers);
-  const std::vector<int> cpus = process_cpus();
-  for (int w = 1; w < workers; ++w) {
-    threads_.emplace_back([this, w] { worker_loop(w); });
-    if (pin && !cpus.empty()) set_affinity(threads_.back(), {cpus[w % cpus.size()]});
-  }
-}
-
-WorkerPool::WorkerPool(int workers, int64_t spin_us, bool spin_yield, const std::vector<int>& bind_cpus)
-    : spin_us_(spin_us), spin_yield_(spin_yield) {
-  TORCH_CHECK(workers >= 1, "WorkerPool: needs at least 1 thread, got ", workers);
   for (int w = 1; w < workers; ++w) {
     threads_.emplace_back([this, w] { worker_loop(w); });
     if (!bind_cpus.empty()) set_affinity(threads_.back(), bind_cpus);
   }
 }
 
-// Set by the constructors on the new thread's handle, not by the thread itself: the pool is pinned when the
-// constructor returns, whenever the thread first runs (a pinned pool's first call could otherwise finish on the
-// caller before a worker had pinned itself).
+// Set by the constructor on the new thread's handle, not by the thread itself: the pool is bound when the
+// constructor returns, whenever the thread first runs (a bound pool's first call could otherwise finish on the
+// caller before a worker had bound itself).
 void WorkerPool::set_affinity(std::thread& t, const std::vector<int>& cpus) {
   cpu_set_t set;
   CPU_ZERO(&set);
@@ -147,9 +115,7 @@ void WorkerPool::worker_loop(int worker) {
     int polls = 0;
     while (generation_.load(std::memory_order_acquire) == seen) {
       _mm_pause();
-      if (++polls % kYieldPolls != 0) continue;
-      if (spin_yield_) sched_yield();
-      if (polls % 1024 == 0 && std::chrono::steady_clock::now() > spin_until) break;
+      if (++polls % 1024 == 0 && std::chrono::steady_clock::now() > spin_until) break;
     }
     if (generation_.load(std::memory_order_acquire) == seen) {
       std::unique_lock<std::mutex> lock(sleep_mutex_);

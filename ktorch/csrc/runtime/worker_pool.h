@@ -10,17 +10,16 @@
 // scheduler time slice.
 //
 // Thread counts: KT_NUM_THREADS workers in all (the caller included); default at::get_num_threads() at
-// the pool's creation (PyTorch's intra-op thread count, one per physical core by default). With
-// KT_PIN_THREADS=1 worker i (i >= 1) is pinned to the i-th CPU of the process's affinity mask; off by
-// default, because the calling thread is not pinned and a caller that lands on a pinned spinning
-// worker's CPU shares it with that worker for whole scheduler time slices (milliseconds).
+// the pool's creation (PyTorch's intra-op thread count, one per physical core by default). Workers are not
+// pinned: the calling thread is not, and a caller that lands on a pinned spinning worker's CPU shares it with
+// that worker for whole scheduler time slices (milliseconds); pinning measured no better on the device
+// (benchmarks/RESULTS.md, pool sweep), and the switch for it was removed.
 // While workers spin, PyTorch's own intra-op threads compete with them for cores, so the op does its
 // own conversions on the pool instead of through ATen's parallel kernels; on a CPU-only run the ATen
 // work between MoE layers is short, and KT_SPIN_US=0 parks workers at once.
-// KT_SPIN_YIELD=1 (default 0, an experiment knob): a spinning worker gives its core up (sched_yield) every
-// kYieldPolls polls, so that a thread woken onto that core (the GPU launcher, CUDA's host-function thread) runs
-// within microseconds instead of waiting for the spinner's time slice or its park (benchmarks/RESULTS.md,
-// "Decode overheads A/B", session 9: ~1.3 gaps of over 1 ms a decode step with 15 spinning threads on 16 cores).
+// Spinning workers do not yield their core (sched_yield every ~10 us was tried for the GPU launcher's sake and
+// did not help decode on the device: benchmarks/RESULTS.md, pool sweep); hybrid placement leaves cores free
+// instead (ktorch.prepare, HYBRID_SPARE_CORES). KT_NUM_THREADS and KT_SPIN_US are read through config.h.
 //
 // Other pools (NUMA split, runtime/numa.h): a pool can also be built bound to a set of CPUs (all its
 // workers may run on any CPU of the set, e.g. one NUMA node), and a thread can be given its own pool with
@@ -41,11 +40,10 @@ namespace kt::runtime {
 
 // The CPUs this process may run on (its affinity mask), in order.
 std::vector<int> process_cpus();
-// An integer environment variable (fallback when unset or empty); anything else is an error naming it.
-int64_t env_int(const char* name, int64_t fallback);
-// KT_SPIN_YIELD: 0 or 1 (default 0); anything else is an error.
-bool env_spin_yield();
-// Polls between two sched_yield calls of a spinning thread under KT_SPIN_YIELD=1 (~10 us of PAUSEs).
+// KT_SPIN_US (config.h): how long an idle worker spins before it parks, us (default 2000).
+int64_t spin_us();
+// Polls between two sched_yield calls of a thread that waits long for another's task (fused_moe's stage waits;
+// ~10 us of PAUSEs).
 constexpr int kYieldPolls = 64;
 
 class WorkerPool {
@@ -53,7 +51,7 @@ class WorkerPool {
   // The process-wide pool, created on first use.
   static WorkerPool& instance();
   // Replaces the process-wide pool by one of `workers` threads (the caller included), unless it has that size
-  // and KT_SPIN_US / KT_SPIN_YIELD / KT_PIN_THREADS still read as it was built with. Waits for a call in flight on
+  // and KT_SPIN_US still reads as it was built with. Waits for a call in flight on
   // the old pool; call it between ops (a call that has already looked up the pool must not be running on another
   // thread).
   static void resize(int workers);
@@ -61,9 +59,8 @@ class WorkerPool {
   // The pool must outlive its use on this thread.
   static void use_on_this_thread(WorkerPool* pool);
 
-  WorkerPool(int workers, int64_t spin_us, bool pin, bool spin_yield);
   // A pool whose worker threads (not the caller) may run on the CPUs in bind_cpus only (empty: anywhere).
-  WorkerPool(int workers, int64_t spin_us, bool spin_yield, const std::vector<int>& bind_cpus);
+  WorkerPool(int workers, int64_t spin_us, const std::vector<int>& bind_cpus = {});
   ~WorkerPool();
   WorkerPool(const WorkerPool&) = delete;
   WorkerPool& operator=(const WorkerPool&) = delete;
@@ -88,8 +85,6 @@ class WorkerPool {
 
   std::vector<std::thread> threads_;
   int64_t spin_us_;
-  bool spin_yield_ = false;
-  bool pin_ = false;  // KT_PIN_THREADS as the pool was built with
   std::mutex run_mutex_;
 
   // The current job. A call returns when all its tasks are done and no worker is inside it: a worker that

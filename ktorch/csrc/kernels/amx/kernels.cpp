@@ -17,25 +17,23 @@
 // block walks the whole K with its accumulators in the tiles (int4: one group at a time, then the group's
 // sums are scaled into fp32 accumulators in L1). Column pairs are the outer loop, row pairs the inner one:
 // a column pair's weights come from memory on its first row pair (prefetched a few tiles ahead) and from
-// L2 on the others; while the last row pair runs, the next column pair is prefetched into L2. KT_AMX_WALK
-// selects variants of this walk for large M (walks of 256 rows, the next call's weights prefetched, k cut
-// into chunks that stay in L1, A tiles prefetched into L1); see "tile walk selection" and docs/amx.md.
+// L2 on the others; while the last row pair runs, the next column pair is prefetched into L2. bf16 and int8 walk
+// up to 256 rows at once and also prefetch the next call's weights; see "tile walk selection" and docs/amx.md.
 // Activation rows: a 16-row group whose rows are evenly strided (e.g. the driver's down-projection input)
 // is tile-loaded in place; otherwise its rows are copied into a thread-local buffer first.
 //
 // Limits: K % 32 == 0. int8 with K % 64 == 32 runs its last 32-deep step on a zero-padded copy of the B
 // tiles. int4 group_size % 32 == 0; groups of 32 use 32-deep tiles (a second tile configuration: A 32
-// bytes a row, B 8 rows). Any M (cut into walks of at most 64 rows, 256 for the 'rows' and 'kblock' walks)
+// bytes a row, B 8 rows). Any M (cut into walks of at most 64 rows, 256 for the 'rows' walk)
 // and nblocks.
 // Small M: below a per-format row count the call goes to the AVX-512 kernel (decode is memory-bound and
-// AVX-512 wastes no tile rows); the counts come from KT_AMX_MIN_ROWS, read on every amx_kernels() call.
+// AVX-512 wastes no tile rows); the counts are kMinRows.
 // Tile configuration: loaded (LDTILECFG) at the start of every call, since other code on the same thread
 // (oneDNN, another config of ours) may have loaded its own; never released.
 #include <immintrin.h>
 
 #include <algorithm>
 #include <atomic>
-#include <cerrno>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -43,32 +41,31 @@
 #include <stdexcept>
 #include <string>
 
-#include "../env.h"
 #include "../kernels.h"
 
-#define KT_COMPILER_BARRIER() asm volatile("" ::: "memory")
+#define KTAMX_COMPILER_BARRIER() asm volatile("" ::: "memory")
 
-#if defined(KT_AMX_EMULATE)
+#if defined(KTAMX_EMULATE)
 // Software tiles for checking the tile walk on machines without AMX (test/amx_kernels_test.cpp).
 #include "test/emulated_tiles.h"
-#define KT_TILE_CONFIG(cfg) ::kt::kernels::amx_emulation::load_config(cfg)
-#define KT_TILE_LOAD(t, base, stride) ::kt::kernels::amx_emulation::load(t, base, stride)
-#define KT_TILE_STORE(t, base, stride) ::kt::kernels::amx_emulation::store(t, base, stride)
-#define KT_TILE_ZERO(t) ::kt::kernels::amx_emulation::zero(t)
-#define KT_TILE_DP_BF16(c, a, b) ::kt::kernels::amx_emulation::dp_bf16(c, a, b)
-#define KT_TILE_DP_S8(c, a, b) ::kt::kernels::amx_emulation::dp_s8(c, a, b)
-#define KT_RECORD_PREFETCH(p, to_l1) ::kt::kernels::amx_emulation::record_prefetch(p, to_l1)
+#define KTAMX_TILE_CONFIG(cfg) ::kt::kernels::amx_emulation::load_config(cfg)
+#define KTAMX_TILE_LOAD(t, base, stride) ::kt::kernels::amx_emulation::load(t, base, stride)
+#define KTAMX_TILE_STORE(t, base, stride) ::kt::kernels::amx_emulation::store(t, base, stride)
+#define KTAMX_TILE_ZERO(t) ::kt::kernels::amx_emulation::zero(t)
+#define KTAMX_TILE_DP_BF16(c, a, b) ::kt::kernels::amx_emulation::dp_bf16(c, a, b)
+#define KTAMX_TILE_DP_S8(c, a, b) ::kt::kernels::amx_emulation::dp_s8(c, a, b)
+#define KTAMX_RECORD_PREFETCH(p, to_l1) ::kt::kernels::amx_emulation::record_prefetch(p, to_l1)
 #else
 // gcc's tile intrinsics paste the register number into the instruction text, so tile arguments must be
 // literals. Their TILELOADD asm does not declare that it reads memory: buffers filled with ordinary stores
-// are fenced with KT_COMPILER_BARRIER before their tiles are loaded (LDTILECFG likewise).
-#define KT_TILE_CONFIG(cfg) _tile_loadconfig(cfg)
-#define KT_TILE_LOAD(t, base, stride) _tile_loadd(t, base, stride)
-#define KT_TILE_STORE(t, base, stride) _tile_stored(t, base, stride)
-#define KT_TILE_ZERO(t) _tile_zero(t)
-#define KT_TILE_DP_BF16(c, a, b) _tile_dpbf16ps(c, a, b)
-#define KT_TILE_DP_S8(c, a, b) _tile_dpbssd(c, a, b)
-#define KT_RECORD_PREFETCH(p, to_l1) ((void)0)
+// are fenced with KTAMX_COMPILER_BARRIER before their tiles are loaded (LDTILECFG likewise).
+#define KTAMX_TILE_CONFIG(cfg) _tile_loadconfig(cfg)
+#define KTAMX_TILE_LOAD(t, base, stride) _tile_loadd(t, base, stride)
+#define KTAMX_TILE_STORE(t, base, stride) _tile_stored(t, base, stride)
+#define KTAMX_TILE_ZERO(t) _tile_zero(t)
+#define KTAMX_TILE_DP_BF16(c, a, b) _tile_dpbf16ps(c, a, b)
+#define KTAMX_TILE_DP_S8(c, a, b) _tile_dpbssd(c, a, b)
+#define KTAMX_RECORD_PREFETCH(p, to_l1) ((void)0)
 #endif
 
 namespace kt::kernels {
@@ -77,146 +74,26 @@ namespace {
 constexpr int64_t kTileBytes = 1024;  // a full tile: 16 rows of 64 bytes
 constexpr int kPrefetchSteps = 4;     // B tiles fetched this many k steps ahead on a column pair's first pass
 constexpr int kMaxRows = 64;          // rows per tile walk of the 'pairs' walk (4 row groups); larger calls are cut
-constexpr int kMaxWalkRows = 256;     // rows per tile walk of the 'rows' and 'kblock' walks (16 row groups)
-constexpr int kPrefetchASteps = 2;    // '+pfa': A tiles fetched into L1 this many k steps ahead
-constexpr int kDefaultKBlockSteps = 8;  // 'kblock': k steps per chunk (int8 512 k, bf16 256 k: 16 KB of a column pair)
+constexpr int kMaxWalkRows = 256;     // rows per tile walk of the 'rows' walk (16 row groups)
 
 // ---------------------------------------------------------------- small-M threshold
 // Calls with fewer rows than this go to the AVX-512 kernel. Chosen from a device sweep of whole layers
-// (benchmarks/bench_vs_kt_kernel.py sweeps them; see docs/amx.md).
-constexpr int kDefaultMinRows[kNumFormats] = {2, 8, 16};  // bf16, int8, int4: measured, docs/amx.md
-std::atomic<int> g_min_rows[kNumFormats] = {kDefaultMinRows[0], kDefaultMinRows[1], kDefaultMinRows[2]};
-
-[[noreturn]] void bad_min_rows(const char* env) {
-  throw std::invalid_argument(std::string("KT_AMX_MIN_ROWS must be a row count (e.g. 8) or a list like "
-                                          "'bf16=8,int8=4,int4=4'; got '") + env + "'");
-}
-
-// KT_AMX_MIN_ROWS: "N" for every format, or "bf16=N,int8=N,int4=N" (formats left out keep their default).
-// Read on every amx_kernels() call (once per fused_moe call), so one process can time several thresholds.
-void read_min_rows() {
-  int rows[kNumFormats] = {kDefaultMinRows[0], kDefaultMinRows[1], kDefaultMinRows[2]};
-  const char* env = std::getenv("KT_AMX_MIN_ROWS");
-  if (env != nullptr && *env != '\0') {
-    const char* p = env;
-    const bool per_format = std::strchr(env, '=') != nullptr;
-    while (*p != '\0') {
-      int f = -1;
-      if (per_format) {
-        static const char* const names[kNumFormats] = {"bf16=", "int8=", "int4="};
-        for (int i = 0; i < kNumFormats; ++i)
-          if (std::strncmp(p, names[i], 5) == 0) f = i;
-        if (f < 0) bad_min_rows(env);
-        p += 5;
-      }
-      char* end = nullptr;
-      errno = 0;
-      const long v = std::strtol(p, &end, 10);
-      if (end == p || errno != 0 || v < 0 || v > (1 << 20)) bad_min_rows(env);
-      if (per_format) {
-        rows[f] = static_cast<int>(v);
-      } else {
-        for (int& r : rows) r = static_cast<int>(v);
-      }
-      p = end;
-      if (*p == ',' && per_format) ++p;
-      else if (*p != '\0') bad_min_rows(env);
-    }
-  }
-  for (int f = 0; f < kNumFormats; ++f) g_min_rows[f].store(rows[f], std::memory_order_relaxed);
-}
+// (benchmarks/bench_vs_kt_kernel.py swept them; see docs/amx.md).
+constexpr int kMinRows[kNumFormats] = {2, 8, 16};  // bf16, int8, int4: measured, docs/amx.md
+// amx_min_rows_for_tests: a row count every format uses instead (0: every M through the tiles); -1: kMinRows.
+std::atomic<int> g_test_min_rows{-1};
 
 // ---------------------------------------------------------------- tile walk selection
-// KT_AMX_WALK (read on every amx_kernels() call, like KT_AMX_MIN_ROWS) picks the order of the tile walk, so
-// that one process can time them side by side (docs/amx.md, "Large M"):
-//   auto         rows for bf16 and int8, pairs for int4 (the default: what the device measured fastest,
-//                docs/amx.md "Large M")
-//   pairs        column pairs outer, row pairs inner, calls cut into walks of 64 rows
-//   rows         the same over all rows of a call (walks of up to 256), and the weights of the next column
-//                pair, or of the caller's next call (next_b), prefetched into L2 spread over every pass
-//   kblock[:N]   rows, with k cut into chunks of N steps (default 8): a column pair's chunk stays in L1
-//                while every row pair passes over it; the sums wait in an L1 buffer between chunks
-//                (bf16/int8 with more than 32 rows; otherwise it walks as 'rows')
-//   ...+pfa      also prefetch each pass's A tiles (and, for 'rows', B tiles) into L1 a few steps ahead
-enum class Walk : int { Pairs = 0, Rows = 1, KBlock = 2, Auto = 3 };
-struct WalkOptions {
-  Walk walk = Walk::Auto;
-  int kblock_steps = kDefaultKBlockSteps;
-  bool prefetch_a = false;
-};
-std::atomic<int> g_walk{static_cast<int>(Walk::Auto) | kDefaultKBlockSteps << 8};  // Walk | prefetch_a << 4 | kblock_steps << 8
-
-[[noreturn]] void bad_walk(const char* env) {
-  throw std::invalid_argument(std::string("KT_AMX_WALK must be auto, pairs, rows or kblock[:N] (N k steps a chunk, "
-                                          "1..4096), optionally followed by +pfa; got '") + env + "'");
-}
-
-WalkOptions parse_walk(const char* env) {
-  WalkOptions w;
-  if (env == nullptr || *env == '\0') return w;
-  const char* p = env;
-  if (std::strncmp(p, "auto", 4) == 0) {
-    w.walk = Walk::Auto;
-    p += 4;
-  } else if (std::strncmp(p, "pairs", 5) == 0) {
-    w.walk = Walk::Pairs;
-    p += 5;
-  } else if (std::strncmp(p, "rows", 4) == 0) {
-    w.walk = Walk::Rows;
-    p += 4;
-  } else if (std::strncmp(p, "kblock", 6) == 0) {
-    w.walk = Walk::KBlock;
-    p += 6;
-    if (*p == ':') {
-      char* end = nullptr;
-      errno = 0;
-      const long v = std::strtol(p + 1, &end, 10);
-      if (end == p + 1 || errno != 0 || v < 1 || v > 4096) bad_walk(env);
-      w.kblock_steps = static_cast<int>(v);
-      p = end;
-    }
-  } else {
-    bad_walk(env);
-  }
-  if (std::strcmp(p, "+pfa") == 0) w.prefetch_a = true;
-  else if (*p != '\0') bad_walk(env);
-  return w;
-}
-
-void read_walk() {
-  const WalkOptions w = parse_walk(std::getenv("KT_AMX_WALK"));
-  g_walk.store(static_cast<int>(w.walk) | (w.prefetch_a ? 1 << 4 : 0) | w.kblock_steps << 8, std::memory_order_relaxed);
-}
-
-WalkOptions current_walk() {
-  const int v = g_walk.load(std::memory_order_relaxed);
-  WalkOptions w;
-  w.walk = static_cast<Walk>(v & 15);
-  w.prefetch_a = (v >> 4) & 1;
-  w.kblock_steps = v >> 8;
-  return w;
-}
-
-// ---------------------------------------------------------------- weight prefetch knobs
-// How the walks fetch weights ahead (read on every amx_kernels() call, like KT_AMX_WALK, so one process can time
-// them side by side: benchmarks/bench_fused_moe.py --env-variants, amx/test --bench-cold with KT_BENCH_WALKS):
-//   KT_AMX_NEXT_PF=n  of the next column pair's (or call's) weights, prefetch into L2 every n-th 64-byte line
-//                     (1, the default: every line; 2: even lines, the L2's adjacent-line prefetcher completing
-//                     each 128-byte pair; 0: none, the hardware prefetchers alone). Each software prefetch
-//                     holds one of the core's few L1 fill buffers until its line arrives from memory, the same
-//                     buffers the tile loads from L2 need.
-//   KT_AMX_B_L1_PF=0  no B tiles prefetched into L1 ahead of a column pair's first pass (default 1)
-//   KT_AMX_NEXT_A=0   the caller's next A rows (GemmArgs::next_a, the down projection's next expert) left alone;
-//                     1, the default: prefetched into L2, spread over the passes like the next weights
-std::atomic<int> g_next_pf{1};
-std::atomic<int> g_b_l1_pf{1};
-std::atomic<int> g_next_a{1};
-
-void read_prefetch_knobs() {
-  g_next_pf.store(env_small("KT_AMX_NEXT_PF", 1, 64), std::memory_order_relaxed);
-  g_b_l1_pf.store(env_small("KT_AMX_B_L1_PF", 1, 1), std::memory_order_relaxed);
-  g_next_a.store(env_small("KT_AMX_NEXT_A", 1, 1), std::memory_order_relaxed);
-}
+// The order of the tile walk, by format (docs/amx.md, "The tile walk": what the device measured fastest):
+//   pairs  (int4)         column pairs outer, row pairs inner, calls cut into walks of 64 rows
+//   rows   (bf16, int8)   the same over all rows of a call (walks of up to 256), and the weights of the next column
+//                         pair, or of the caller's next call (next_b), prefetched into L2 spread over every pass
+// Variants measured and removed with their environment switches (benchmarks/RESULTS.md): k cut into chunks that
+// stay in L1 ('kblock': +3-4% at T=512, slower at T=2048, within the spread, session 9; slower again in sessions 12
+// and 20), A tiles prefetched into L1 ('+pfa', session 9: no row faster), thinner or no L2 prefetch of the next
+// weights and no B tiles into L1 ahead (session 17: within 10% at 128 rows an expert, thinning only loses), no
+// prefetch of the next A rows (session 20: the layer no faster, int8 T=2048 18.5 against 20.5 ms).
+enum class Walk : int { Pairs = 0, Rows = 1 };
 
 // ---------------------------------------------------------------- tile configuration
 struct alignas(64) TileConfig {
@@ -242,8 +119,8 @@ TileConfig make_tile_config(int depth) {
 
 void load_tile_config(int depth) {
   static const TileConfig deep = make_tile_config(64), shallow = make_tile_config(32);
-  KT_COMPILER_BARRIER();
-  KT_TILE_CONFIG(depth == 32 ? &shallow : &deep);
+  KTAMX_COMPILER_BARRIER();
+  KTAMX_TILE_CONFIG(depth == 32 ? &shallow : &deep);
 }
 
 // ---------------------------------------------------------------- per-thread buffers
@@ -276,7 +153,6 @@ class Scratch {
 thread_local Scratch t_rows;   // activation rows that cannot be tile-loaded in place
 thread_local Scratch t_btile;  // int4: a column pair's weights unpacked; int8: zero-padded last-step B tiles
 thread_local Scratch t_ctile;  // the C tiles of one block [32][32] x 4 B, then the int4 fp32 accumulators
-thread_local Scratch t_cacc;   // 'kblock': every row pair's C tiles between k chunks, [row pair][32][32] x 4 B
 
 // ---------------------------------------------------------------- activation rows
 // Where the A tiles of row group g (rows 16g..16g+15) come from: row i at base[g] + i * stride[g].
@@ -313,51 +189,35 @@ ARows gather_rows(const GemmArgs& a, int64_t row_bytes, bool in_place_ok) {
     ar.base[g] = dst;
     ar.stride[g] = ld;
   }
-  KT_COMPILER_BARRIER();
+  KTAMX_COMPILER_BARRIER();
   return ar;
 }
 
 // ---------------------------------------------------------------- tile steps
-// Weights into L1 (to_l1) or L2; the emulated build records the lines for the test to check. stride > 1: only
-// the lines whose address / 64 is a multiple of it (KT_AMX_NEXT_PF).
-inline void prefetch(const uint8_t* p, int64_t bytes, bool to_l1, int stride = 1) {
+// Weights into L1 (to_l1) or L2; the emulated build records the lines for the test to check.
+inline void prefetch(const uint8_t* p, int64_t bytes, bool to_l1) {
   for (int64_t o = 0; o < bytes; o += 64) {
-    if (stride > 1 && (reinterpret_cast<uintptr_t>(p + o) >> 6) % static_cast<uintptr_t>(stride) != 0) continue;
-    KT_RECORD_PREFETCH(p + o, to_l1);
+    KTAMX_RECORD_PREFETCH(p + o, to_l1);
     if (to_l1) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
     else _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T1);
   }
 }
 
-// The 16 rows of an A tile into L1.
-inline void prefetch_a(const uint8_t* base, int64_t stride) {
-  for (int i = 0; i < 16; ++i) _mm_prefetch(reinterpret_cast<const char*>(base + i * stride), _MM_HINT_T0);
-}
-
 template <int RA, int RB>
 inline void zero_c() {
-  KT_TILE_ZERO(0);
-  if constexpr (RB > 1) KT_TILE_ZERO(1);
-  if constexpr (RA > 1) KT_TILE_ZERO(2);
-  if constexpr (RA > 1 && RB > 1) KT_TILE_ZERO(3);
+  KTAMX_TILE_ZERO(0);
+  if constexpr (RB > 1) KTAMX_TILE_ZERO(1);
+  if constexpr (RA > 1) KTAMX_TILE_ZERO(2);
+  if constexpr (RA > 1 && RB > 1) KTAMX_TILE_ZERO(3);
 }
 
 // C tile (r, j) -> cbuf rows 16r.., columns 16j..: [32][32] values of 4 bytes, 128 bytes a row.
 template <int RA, int RB>
 inline void store_c(uint8_t* cbuf) {
-  KT_TILE_STORE(0, cbuf, 128);
-  if constexpr (RB > 1) KT_TILE_STORE(1, cbuf + 64, 128);
-  if constexpr (RA > 1) KT_TILE_STORE(2, cbuf + 16 * 128, 128);
-  if constexpr (RA > 1 && RB > 1) KT_TILE_STORE(3, cbuf + 16 * 128 + 64, 128);
-}
-
-// The inverse of store_c: a k chunk resumes the sums an earlier one left.
-template <int RA, int RB>
-inline void load_c(const uint8_t* cbuf) {
-  KT_TILE_LOAD(0, cbuf, 128);
-  if constexpr (RB > 1) KT_TILE_LOAD(1, cbuf + 64, 128);
-  if constexpr (RA > 1) KT_TILE_LOAD(2, cbuf + 16 * 128, 128);
-  if constexpr (RA > 1 && RB > 1) KT_TILE_LOAD(3, cbuf + 16 * 128 + 64, 128);
+  KTAMX_TILE_STORE(0, cbuf, 128);
+  if constexpr (RB > 1) KTAMX_TILE_STORE(1, cbuf + 64, 128);
+  if constexpr (RA > 1) KTAMX_TILE_STORE(2, cbuf + 16 * 128, 128);
+  if constexpr (RA > 1 && RB > 1) KTAMX_TILE_STORE(3, cbuf + 16 * 128 + 64, 128);
 }
 
 // One k step of an RA x RB block: A tiles from a0/a1 (row strides sa0/sa1), B tiles from b0/b1 (64-byte rows).
@@ -365,22 +225,22 @@ inline void load_c(const uint8_t* cbuf) {
 template <bool kBf16, int RA, int RB>
 inline void tile_step(const uint8_t* a0, int64_t sa0, const uint8_t* a1, int64_t sa1, const uint8_t* b0,
                       const uint8_t* b1) {
-  KT_TILE_LOAD(4, a0, sa0);
-  KT_TILE_LOAD(6, b0, 64);
-  if constexpr (kBf16) KT_TILE_DP_BF16(0, 4, 6);
-  else KT_TILE_DP_S8(0, 4, 6);
+  KTAMX_TILE_LOAD(4, a0, sa0);
+  KTAMX_TILE_LOAD(6, b0, 64);
+  if constexpr (kBf16) KTAMX_TILE_DP_BF16(0, 4, 6);
+  else KTAMX_TILE_DP_S8(0, 4, 6);
   if constexpr (RB > 1) {
-    KT_TILE_LOAD(7, b1, 64);
-    if constexpr (kBf16) KT_TILE_DP_BF16(1, 4, 7);
-    else KT_TILE_DP_S8(1, 4, 7);
+    KTAMX_TILE_LOAD(7, b1, 64);
+    if constexpr (kBf16) KTAMX_TILE_DP_BF16(1, 4, 7);
+    else KTAMX_TILE_DP_S8(1, 4, 7);
   }
   if constexpr (RA > 1) {
-    KT_TILE_LOAD(5, a1, sa1);
-    if constexpr (kBf16) KT_TILE_DP_BF16(2, 5, 6);
-    else KT_TILE_DP_S8(2, 5, 6);
+    KTAMX_TILE_LOAD(5, a1, sa1);
+    if constexpr (kBf16) KTAMX_TILE_DP_BF16(2, 5, 6);
+    else KTAMX_TILE_DP_S8(2, 5, 6);
     if constexpr (RB > 1) {
-      if constexpr (kBf16) KT_TILE_DP_BF16(3, 5, 7);
-      else KT_TILE_DP_S8(3, 5, 7);
+      if constexpr (kBf16) KTAMX_TILE_DP_BF16(3, 5, 7);
+      else KTAMX_TILE_DP_S8(3, 5, 7);
     }
   }
 }
@@ -391,13 +251,8 @@ struct Block {
   int g0 = 0;
   int b0 = 0;
   int64_t s0 = 0, s1 = 0;            // k steps of this pass (full B tiles; the int8 32-deep tail is extra)
-  bool resume = false;               // the C tiles start from cacc (an earlier k chunk), not from zero
-  bool finish = true;                // the last k chunk: scale and write C; otherwise park the tiles in cacc
-  uint8_t* cacc = nullptr;
   bool unpack = false;               // int4: first pass of this column pair: unpack its weights
   int64_t l1_from = 0, l1_to = 0;    // B tiles of steps in [l1_from, l1_to) prefetched into L1 kPrefetchSteps ahead
-  bool prefetch_a = false;           // A tiles prefetched into L1 kPrefetchASteps ahead (within the pass)
-  int next_stride = 1;               // KT_AMX_NEXT_PF: every n-th line of the next weights
   const uint8_t* next = nullptr;     // weights of the next column pair (or call): bytes [next_begin, next_end)
   int next_blocks = 0;               //   of each of its next_blocks blocks prefetched into L2, next_step a k step
   int64_t next_begin = 0, next_end = 0, next_step = 0;
@@ -435,7 +290,7 @@ inline void prefetch_next(const GemmArgs& a, const Block& blk, int64_t s) {
   const int64_t off = blk.next_begin + (s - blk.s0) * blk.next_step;
   if (off >= blk.next_end) return;
   const int64_t bytes = std::min(blk.next_step, blk.next_end - off);
-  for (int j = 0; j < blk.next_blocks; ++j) prefetch(blk.next + j * a.b_block_stride + off, bytes, false, blk.next_stride);
+  for (int j = 0; j < blk.next_blocks; ++j) prefetch(blk.next + j * a.b_block_stride + off, bytes, false);
 }
 
 // The part of the caller's next A rows that step s of this pass prefetches into L2.
@@ -444,20 +299,15 @@ inline void prefetch_next_a(const Block& blk, int64_t s) {
   if (off < blk.next_a_end) prefetch(blk.next_a + off, std::min(blk.next_a_step, blk.next_a_end - off), false);
 }
 
-// Prefetch for step s of a pass: B tiles kPrefetchSteps ahead into L1 (packed: bytes of a block per step),
-// A tiles kPrefetchASteps ahead (a_step: bytes of an A row per step), the next weights into L2.
-template <int RA, int RB>
+// Prefetch for step s of a pass: B tiles kPrefetchSteps ahead into L1 (packed: bytes of a block per step), the
+// next weights and the caller's next A rows into L2.
+template <int RB>
 inline void prefetch_step(const GemmArgs& a, const Block& blk, int64_t s, const uint8_t* b0, const uint8_t* b1,
-                          int64_t packed, const uint8_t* a0, int64_t sa0, const uint8_t* a1, int64_t sa1,
-                          int64_t a_step) {
+                          int64_t packed) {
   const int64_t t = s + kPrefetchSteps;
   if (t >= blk.l1_from && t < blk.l1_to) {
     prefetch(b0 + t * packed, packed, true);
     if constexpr (RB > 1) prefetch(b1 + t * packed, packed, true);
-  }
-  if (blk.prefetch_a && s + kPrefetchASteps < blk.s1) {
-    prefetch_a(a0 + (s + kPrefetchASteps) * a_step, sa0);
-    if constexpr (RA > 1) prefetch_a(a1 + (s + kPrefetchASteps) * a_step, sa1);
   }
   if (blk.next != nullptr) prefetch_next(a, blk, s);
   if (blk.next_a != nullptr) prefetch_next_a(blk, s);
@@ -474,16 +324,11 @@ void dense_block(const GemmArgs& a, const ARows& ar, const Block& blk, const uin
   const int64_t sa0 = ar.stride[blk.g0];
   const uint8_t* a1 = RA > 1 ? ar.base[blk.g0 + 1] : a0;
   const int64_t sa1 = RA > 1 ? ar.stride[blk.g0 + 1] : sa0;
-  if (blk.resume) load_c<RA, RB>(blk.cacc);
-  else zero_c<RA, RB>();
+  zero_c<RA, RB>();
   for (int64_t s = blk.s0; s < blk.s1; ++s) {
-    prefetch_step<RA, RB>(a, blk, s, b0, b1, kTileBytes, a0, sa0, a1, sa1, 64);
+    prefetch_step<RB>(a, blk, s, b0, b1, kTileBytes);
     tile_step<kBf16, RA, RB>(a0 + s * 64, sa0, a1 + s * 64, sa1, b0 + s * kTileBytes, b1 + s * kTileBytes);
     if (blk.side != nullptr) run_side(blk, s);
-  }
-  if (!blk.finish) {
-    store_c<RA, RB>(blk.cacc);
-    return;
   }
   if (!kBf16 && a.K % 64 != 0)  // int8: a last 32-deep step on zero-padded B tiles (A bytes past K meet zeros)
     tile_step<false, RA, RB>(a0 + steps * 64, sa0, a1 + steps * 64, sa1, tail_b, tail_b + kTileBytes);
@@ -542,11 +387,11 @@ void int4_block(const GemmArgs& a, const ARows& ar, const Block& blk, uint8_t* u
   for (int64_t g = 0; g < a.K / a.group_size; ++g) {
     zero_c<RA, RB>();
     for (int64_t s = g * group_steps; s < (g + 1) * group_steps; ++s) {
-      prefetch_step<RA, RB>(a, blk, s, packed0, packed1, kPackedStep, a0, sa0, a1, sa1, kDepth);
+      prefetch_step<RB>(a, blk, s, packed0, packed1, kPackedStep);
       if (blk.unpack) {
         unpack_int4(packed0 + s * kPackedStep, kDepth / 8, u0 + s * kUnpackedStep);
         if constexpr (RB > 1) unpack_int4(packed1 + s * kPackedStep, kDepth / 8, u1 + s * kUnpackedStep);
-        KT_COMPILER_BARRIER();
+        KTAMX_COMPILER_BARRIER();
       }
       tile_step<false, RA, RB>(a0 + s * kDepth, sa0, a1 + s * kDepth, sa1, u0 + s * kUnpackedStep,
                                u1 + s * kUnpackedStep);
@@ -587,16 +432,15 @@ void run_block(const GemmArgs& a, const ARows& ar, const Block& blk, const Buffe
   }
 }
 
-// One call of at most kMaxRows ('pairs') or kMaxWalkRows rows. Column pairs outer; per column pair, k chunks
-// ('kblock'; one chunk of all K otherwise), then row pairs. What each pass prefetches:
+// One call of at most kMaxRows ('pairs') or kMaxWalkRows rows. Column pairs outer, then row pairs, each pass over
+// all of K. What each pass prefetches:
 //   pairs   first row pair: its B tiles into L1; last row pair: the next column pair of this call into L2
-//   rows    first row pair (every pass with +pfa): its B tiles into L1; every pass: 1/passes of the next
-//           column pair, or of the first column pair of the caller's next call (next_b), into L2
-//   kblock  first row pair of a chunk: the chunk's B tiles into L1; last row pair: the next chunk's first
-//           ones; every pass: 1/passes of the next column pair (or call) into L2
+//   rows    first row pair: its B tiles into L1; every pass: 1/passes of the next column pair, or of the first
+//           column pair of the caller's next call (next_b), into L2
+// Both: the caller's next A rows (next_a) into L2, 1/passes of them during each pass of the walk.
 // side_until: how much of the caller's side work (a.side) is due by the end of this walk.
 template <WeightFormat F>
-void tile_walk(const GemmArgs& a, const WalkOptions& w, int64_t side_until) {
+void tile_walk(const GemmArgs& a, Walk walk, int64_t side_until) {
   const int depth = F == WeightFormat::INT4 && a.group_size == 32 ? 32 : 64;
   load_tile_config(depth);
   const int64_t row_bytes = F == WeightFormat::BF16 ? 2 * a.K : a.K;
@@ -611,17 +455,9 @@ void tile_walk(const GemmArgs& a, const WalkOptions& w, int64_t side_until) {
   const int groups = (a.M + 15) / 16, row_pairs = (groups + 1) / 2;
   // k steps of full B tiles
   const int64_t steps = F == WeightFormat::BF16 ? a.K / 32 : F == WeightFormat::INT8 ? a.K / 64 : a.K / depth;
-  // (one row pair leaves nothing to reuse a chunk: kblock walks as rows then)
-  const bool kblock = w.walk == Walk::KBlock && F != WeightFormat::INT4 && row_pairs > 1;
-  const int64_t chunk = kblock ? std::max<int64_t>(1, std::min<int64_t>(w.kblock_steps, steps)) : std::max<int64_t>(1, steps);
-  const int64_t chunks = std::max<int64_t>(1, (steps + chunk - 1) / chunk);
-  uint8_t* cacc = chunks > 1 ? t_cacc.get(static_cast<size_t>(row_pairs) * 32 * 128) : nullptr;
   const int64_t bb = static_cast<int64_t>(block_bytes(F, a.K));
-  const int next_stride = g_next_pf.load(std::memory_order_relaxed);
-  const bool b_l1 = g_b_l1_pf.load(std::memory_order_relaxed) != 0;
-  // the caller's next A rows: 1/passes of them during each pass of the walk (every column pair, chunk, row pair)
-  const bool next_a = a.next_a != nullptr && a.next_a_bytes > 0 && g_next_a.load(std::memory_order_relaxed) != 0;
-  const int64_t a_passes = static_cast<int64_t>((a.nblocks + 1) / 2) * chunks * row_pairs;
+  const bool next_a = a.next_a != nullptr && a.next_a_bytes > 0;
+  const int64_t a_passes = static_cast<int64_t>((a.nblocks + 1) / 2) * row_pairs;
   const int64_t side_from = a.side != nullptr ? a.side->done : 0;
   for (int b0 = 0; b0 < a.nblocks; b0 += 2) {
     const int nb = std::min(2, a.nblocks - b0);
@@ -630,84 +466,69 @@ void tile_walk(const GemmArgs& a, const WalkOptions& w, int64_t side_until) {
         std::memcpy(buf.btile + j * kTileBytes, a.b + (b0 + j) * a.b_block_stride + a.K / 64 * kTileBytes, 512);
         std::memset(buf.btile + j * kTileBytes + 512, 0, 512);
       }
-      KT_COMPILER_BARRIER();
+      KTAMX_COMPILER_BARRIER();
     }
     const uint8_t* next = nullptr;
     int next_blocks = 0;
     if (b0 + 2 < a.nblocks) {
       next = a.b + (b0 + 2) * a.b_block_stride;
       next_blocks = std::min(2, a.nblocks - b0 - 2);
-    } else if (w.walk != Walk::Pairs && a.next_b != nullptr) {
+    } else if (walk != Walk::Pairs && a.next_b != nullptr) {
       next = a.next_b;
       next_blocks = std::min(2, a.nblocks);
     }
-    if (next_stride == 0) next = nullptr;
-    for (int64_t c = 0; c < chunks; ++c) {
-      const int64_t s0 = c * chunk, s1 = std::min(steps, s0 + chunk);
-      for (int r = 0; r < row_pairs; ++r) {
-        const int g0 = 2 * r, na = std::min(2, groups - g0);
-        Block blk;
-        blk.g0 = g0;
-        blk.b0 = b0;
-        blk.s0 = s0;
-        blk.s1 = s1;
-        blk.resume = c > 0;
-        blk.finish = c == chunks - 1;
-        blk.cacc = cacc != nullptr ? cacc + r * 32 * 128 : nullptr;
-        blk.unpack = c == 0 && r == 0;
-        blk.prefetch_a = w.prefetch_a;
-        blk.next_stride = next_stride;
-        // (KT_AMX_B_L1_PF=0: no B tiles into L1 ahead; the hardware prefetchers serve them)
-        if (b_l1 && kblock) {  // the chunk into L1 on its first row pair, the next chunk's first steps on its last
-          blk.l1_from = r == 0 ? s0 : s1;
-          blk.l1_to = r == row_pairs - 1 ? std::min(steps, s1 + kPrefetchSteps) : r == 0 ? s1 : 0;
-        } else if (b_l1 && (r == 0 || (w.walk == Walk::Rows && w.prefetch_a && F != WeightFormat::INT4))) {
-          // (int4 reads its packed B only while unpacking, on the first row pair)
-          blk.l1_from = 0;
-          blk.l1_to = steps;
-        }
-        if (next != nullptr && s1 > s0) {
-          // pairs: all of the next pair during the last row pair; otherwise 1/passes of it during each pass
-          const int64_t passes = w.walk == Walk::Pairs ? 1 : chunks * row_pairs;
-          const int64_t pass = w.walk == Walk::Pairs ? 0 : c * row_pairs + r;
-          if (w.walk != Walk::Pairs || r == row_pairs - 1) {
-            blk.next = next;
-            blk.next_blocks = next_blocks;
-            const PassSlice ps = pass_slice(bb, pass, passes, s1 - s0);
-            blk.next_begin = ps.begin;
-            blk.next_end = ps.end;
-            blk.next_step = ps.step;
-          }
-        }
-        const int64_t walk_pass = (b0 / 2 * chunks + c) * row_pairs + r;  // this pass among the walk's a_passes
-        if (next_a && s1 > s0) {
-          const PassSlice ps = pass_slice(a.next_a_bytes, walk_pass, a_passes, s1 - s0);
-          blk.next_a = a.next_a;
-          blk.next_a_begin = ps.begin;
-          blk.next_a_end = ps.end;
-          blk.next_a_step = ps.step;
-        }
-        if (a.side != nullptr && s1 > s0) {  // (walk_pass / a_passes of the work due)
-          blk.side = a.side;
-          blk.side_from = side_from + (side_until - side_from) * walk_pass / a_passes;
-          blk.side_to = side_from + (side_until - side_from) * (walk_pass + 1) / a_passes;
-        }
-        if (na == 2 && nb == 2) run_block<F, 2, 2>(a, ar, blk, buf);
-        else if (na == 2) run_block<F, 2, 1>(a, ar, blk, buf);
-        else if (nb == 2) run_block<F, 1, 2>(a, ar, blk, buf);
-        else run_block<F, 1, 1>(a, ar, blk, buf);
+    for (int r = 0; r < row_pairs; ++r) {
+      const int g0 = 2 * r, na = std::min(2, groups - g0);
+      Block blk;
+      blk.g0 = g0;
+      blk.b0 = b0;
+      blk.s0 = 0;
+      blk.s1 = steps;
+      blk.unpack = r == 0;
+      if (r == 0) {  // (int4 reads its packed B only while unpacking, on the first row pair)
+        blk.l1_from = 0;
+        blk.l1_to = steps;
       }
+      if (next != nullptr && steps > 0) {
+        // pairs: all of the next pair during the last row pair; otherwise 1/passes of it during each pass
+        const int64_t passes = walk == Walk::Pairs ? 1 : row_pairs;
+        const int64_t pass = walk == Walk::Pairs ? 0 : r;
+        if (walk != Walk::Pairs || r == row_pairs - 1) {
+          blk.next = next;
+          blk.next_blocks = next_blocks;
+          const PassSlice ps = pass_slice(bb, pass, passes, steps);
+          blk.next_begin = ps.begin;
+          blk.next_end = ps.end;
+          blk.next_step = ps.step;
+        }
+      }
+      const int64_t walk_pass = static_cast<int64_t>(b0 / 2) * row_pairs + r;  // this pass among the walk's a_passes
+      if (next_a && steps > 0) {
+        const PassSlice ps = pass_slice(a.next_a_bytes, walk_pass, a_passes, steps);
+        blk.next_a = a.next_a;
+        blk.next_a_begin = ps.begin;
+        blk.next_a_end = ps.end;
+        blk.next_a_step = ps.step;
+      }
+      if (a.side != nullptr && steps > 0) {  // (walk_pass / a_passes of the work due)
+        blk.side = a.side;
+        blk.side_from = side_from + (side_until - side_from) * walk_pass / a_passes;
+        blk.side_to = side_from + (side_until - side_from) * (walk_pass + 1) / a_passes;
+      }
+      if (na == 2 && nb == 2) run_block<F, 2, 2>(a, ar, blk, buf);
+      else if (na == 2) run_block<F, 2, 1>(a, ar, blk, buf);
+      else if (nb == 2) run_block<F, 1, 2>(a, ar, blk, buf);
+      else run_block<F, 1, 1>(a, ar, blk, buf);
     }
   }
 }
 
 template <WeightFormat F>
 void gemm_amx(const GemmArgs& a) {
-  if (a.M < g_min_rows[static_cast<int>(F)].load(std::memory_order_relaxed))
-    return avx512_kernels().gemm[static_cast<int>(F)](a);
-  WalkOptions w = current_walk();
-  if (w.walk == Walk::Auto) w.walk = F == WeightFormat::INT4 ? Walk::Pairs : Walk::Rows;
-  const int max_rows = w.walk == Walk::Pairs ? kMaxRows : kMaxWalkRows;
+  const int test_rows = g_test_min_rows.load(std::memory_order_relaxed);
+  if (a.M < (test_rows >= 0 ? test_rows : kMinRows[static_cast<int>(F)])) return avx512_kernels().gemm[static_cast<int>(F)](a);
+  const Walk walk = F == WeightFormat::INT4 ? Walk::Pairs : Walk::Rows;
+  const int max_rows = walk == Walk::Pairs ? kMaxRows : kMaxWalkRows;
   GemmArgs part = a;
   for (int m0 = 0; m0 < a.M; m0 += max_rows) {
     part.M = std::min(max_rows, a.M - m0);
@@ -717,7 +538,7 @@ void gemm_amx(const GemmArgs& a) {
     part.c = a.c + m0 * a.ldc;
     part.next_b = m0 + max_rows < a.M ? nullptr : a.next_b;  // a later walk of this call reuses this b from L2
     part.next_a = m0 + max_rows < a.M ? nullptr : a.next_a;
-    tile_walk<F>(part, w, a.side != nullptr ? a.side->units * (m0 + part.M) / a.M : 0);
+    tile_walk<F>(part, walk, a.side != nullptr ? a.side->units * (m0 + part.M) / a.M : 0);
   }
 }
 
@@ -734,11 +555,9 @@ const KernelSet& amx_kernels() {
                      avx.scatter_add,
                      avx.sum_rows};
   }();
-  read_min_rows();
-  read_walk();
-  read_prefetch_knobs();
-  avx512_kernels();  // the AVX-512 set's knobs (KT_SCATTER_PF: its scatter_add is this set's too)
   return set;
 }
+
+void amx_min_rows_for_tests(int rows) { g_test_min_rows.store(rows < 0 ? -1 : rows, std::memory_order_relaxed); }
 
 }  // namespace kt::kernels

@@ -16,7 +16,6 @@
 #include <cstring>
 #include <vector>
 
-#include "../env.h"
 #include "../kernels.h"
 
 namespace kt::kernels {
@@ -416,12 +415,12 @@ void quantize_rows(const float* x, int64_t ldx, int M, int64_t K, int64_t group_
   }
 }
 
-// KT_SCATTER_PF=n (read on every avx512_kernels() / amx_kernels() call, to compare): scatter_add asks for the
-// destination row n rows ahead in exclusive state (PREFETCHW, every AVX-512 CPU has it) before it writes row m;
-// 0: none. The down projection's accumulator rows are scattered over ~1 MB a task and come from the L3, and a
-// store to a missing line holds the store buffer until its line arrives.
-constexpr int kDefaultScatterPf = 4;
-std::atomic<int> g_scatter_pf{kDefaultScatterPf};
+// scatter_add asks for the destination row kScatterAhead rows ahead in exclusive state (PREFETCHW, every AVX-512
+// CPU has it) before it writes row m. The down projection's accumulator rows are scattered over ~1 MB a task and
+// come from the L3, and a store to a missing line holds the store buffer until its line arrives. 4 rows: on the
+// device about -20% of down.scatter at T=2048 against none, and 12 no better (benchmarks/RESULTS.md, session 19,
+// "PREFETCHW of the scatter's destination rows").
+constexpr int kScatterAhead = 4;
 
 inline void prefetch_w(const void* p) { asm volatile("prefetchw %0" : : "m"(*static_cast<const char*>(p))); }
 
@@ -430,11 +429,11 @@ void scatter_add(const float* src, int64_t lds, int M, int64_t n, const float* w
                  const uint8_t* assign, float* dst, int64_t ldd) {
   const __mmask16 tail = static_cast<__mmask16>((1u << (n % 16)) - 1);
   const int64_t full = n / 16 * 16;
-  const int ahead = g_scatter_pf.load(std::memory_order_relaxed);
+  constexpr int ahead = kScatterAhead;
   for (int m = 0; m < std::min(ahead, M); ++m)
     for (int64_t j = 0; j < n; j += 16) prefetch_w(dst + rows[m] * ldd + j);
   for (int m = 0; m < M; ++m) {
-    if (ahead > 0 && m + ahead < M)
+    if (m + ahead < M)
       for (int64_t j = 0; j < n; j += 16) prefetch_w(dst + rows[m + ahead] * ldd + j);
     float* d = dst + rows[m] * ldd;
     const float* s = src + m * lds;
@@ -477,7 +476,6 @@ void sum_rows(const float* const* src, int n_src, int64_t n, bool bf16_out, void
 const KernelSet& avx512_kernels() {
   static const KernelSet set{"avx512", {gemm_bf16, gemm_int8, gemm_int4}, glu_f32, glu_bf16, quantize_rows,
                              scatter_add, sum_rows};
-  g_scatter_pf.store(env_small("KT_SCATTER_PF", kDefaultScatterPf, 64), std::memory_order_relaxed);
   return set;
 }
 

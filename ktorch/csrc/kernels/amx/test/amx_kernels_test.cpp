@@ -2,15 +2,12 @@
 // kernels, over the calls the fused-MoE driver makes and their edges: M 1..100 (tile walks of 1-4 row
 // groups, partial groups, calls cut at 64 rows), nblocks 1-4, K with and without a 64-deep int8 tail,
 // int4 groups of 32/64/128, activation rows evenly strided (tile-loaded in place) or gathered (copied),
-// and the output rows/columns a call must leave alone, under every tile walk (KT_AMX_WALK: auto, pairs, rows,
-// kblock with chunks of 1, 3 and 8 k steps, with and without +pfa; M up to 300 for the walks of 256 rows),
-// and (emulated) that the weight prefetches stay inside the weights and cover what each walk fetches ahead.
-// Also checks KT_AMX_MIN_ROWS, KT_AMX_WALK and the weight prefetch knobs' parsing, and (emulated) that under
-// KT_AMX_NEXT_PF / KT_AMX_B_L1_PF the results stay the same and only the lines they ask for are prefetched.
-// With --bench (real AMX only) it times one thread's AVX-512 gemm and AMX gemm under each walk per M on hot
-// weights, for choosing the small-M threshold and the walk; --bench-cold the same streaming the weights from
-// memory (GB/s of weights a core pulls under each walk's prefetching; KT_BENCH_WALKS picks the walk variants,
-// with their prefetch knobs); --bench-peak one core's tile ceilings
+// and the output rows/columns a call must leave alone, under the format's tile walk (bf16/int8 'rows', M up to
+// 300 for the walks of 256 rows; int4 'pairs'), and (emulated) that the weight prefetches stay inside the weights
+// and cover what each walk fetches ahead.
+// With --bench (real AMX only) it times one thread's AVX-512 gemm and AMX gemm per M on hot weights, for
+// choosing the small-M threshold; --bench-cold the same streaming the weights from memory (GB/s of weights a
+// core pulls under the walk's prefetching); --bench-peak one core's tile ceilings
 // (dot products alone, then with tile loads from L1, L2 and L3) and its clock; --bench-stretch the bare tile
 // loop, tiles + VNNI, and the walk on hot and cold weights taking turns within each ~200 ms (1 and 16 threads);
 // --bench-siblings which vCPUs share a tile unit (every pair of CPUs at once); --bench-peak16 the bare loop on 16
@@ -36,7 +33,7 @@
 #include <string>
 #include <vector>
 
-#if !defined(KT_AMX_EMULATE)
+#if !defined(KTAMX_EMULATE)
 #include <immintrin.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
@@ -44,7 +41,7 @@
 #endif
 
 #include "../../kernels.h"
-#if defined(KT_AMX_EMULATE)
+#if defined(KTAMX_EMULATE)
 #include "emulated_tiles.h"
 #endif
 
@@ -238,19 +235,15 @@ std::vector<float> run(const Problem& p, GemmFn fn, int64_t ldc, int extra_rows,
 
 int failures = 0;
 
-// Set by check_walk: the walk under test prefetches the next column pair and the next call's first pair into
-// L2 in full ('rows', 'kblock'); every walk keeps its weight prefetches inside the weights.
+// Set by check_walks: bf16 and int8 walk as 'rows', which prefetches the next column pair and the next call's first
+// pair into L2 in full (int4 walks as 'pairs'); every walk keeps its weight prefetches inside the weights.
 bool g_check_prefetch = false;
 bool g_full_next = false;
-bool g_full_next_int4 = false;  // 'auto' walks int4 as 'pairs'
-int g_next_stride = 1;          // KT_AMX_NEXT_PF under test: L2 prefetches only of lines at multiples of it (0: none)
-bool g_b_l1 = true;             // KT_AMX_B_L1_PF under test: false, no weight lines into L1
 
-#if defined(KT_AMX_EMULATE)
+#if defined(KTAMX_EMULATE)
 // The lines the last call prefetched: inside the call's weights or the next call's, or (into L2) the next call's
 // A rows; with g_full_next every line of the call's blocks 2.. and of the next call's first two blocks fetched into
-// L2; with walked (the AMX walk ran, not the AVX-512 kernel) every line of the next A rows (KT_AMX_NEXT_A's
-// default). Returns what is wrong, or an empty string.
+// L2; with walked (the AMX walk ran, not the AVX-512 kernel) every line of the next A rows. Returns what is wrong, or an empty string.
 std::string check_prefetches(const Problem& p, const std::vector<uint8_t>& next, const std::vector<uint8_t>& next_a,
                              bool walked) {
   auto lines = amx_emulation::prefetch_log().lines;
@@ -271,12 +264,7 @@ std::string check_prefetches(const Problem& p, const std::vector<uint8_t>& next,
       if (!seen) return "the next call's A rows were not prefetched into L2 in full";
   lines.erase(std::remove_if(lines.begin(), lines.end(), [&](const auto& l) { return in(l.line, next_a.data(), next_a.size()); }),
               lines.end());
-  for (const auto& l : lines) {
-    if (l.to_l1 && !g_b_l1) return "prefetched B tiles into L1 under KT_AMX_B_L1_PF=0";
-    if (!l.to_l1 && (g_next_stride == 0 || (reinterpret_cast<uintptr_t>(l.line) >> 6) % g_next_stride != 0))
-      return "prefetched a line into L2 that KT_AMX_NEXT_PF leaves out";
-  }
-  if (!g_full_next || (p.f == WeightFormat::INT4 && !g_full_next_int4)) return "";
+  if (!g_full_next || p.f == WeightFormat::INT4) return "";
   const size_t bb = block_bytes(p.f, p.K);
   const int64_t steps = p.f == WeightFormat::BF16 ? p.K / 32 : p.f == WeightFormat::INT8 ? p.K / 64 : p.K / 64;
   if (steps == 0) return "";
@@ -288,15 +276,10 @@ std::string check_prefetches(const Problem& p, const std::vector<uint8_t>& next,
     else seen_next[(q - next.data()) / 64] = 1;
   }
   const size_t first = (p.total_blocks - p.nblocks) * bb;  // the call's block 0
-  // (KT_AMX_NEXT_PF=n: every line at a multiple of n; 0: none)
-  const auto wanted = [](const uint8_t* q) {
-    return g_next_stride != 0 && (reinterpret_cast<uintptr_t>(q) >> 6) % g_next_stride == 0;
-  };
   for (size_t o = first + 2 * bb; o < p.packed.size(); o += 64)
-    if (wanted(p.packed.data() + o) && !seen_call[o / 64])
-      return "a later column pair of the call was not prefetched into L2 in full";
+    if (!seen_call[o / 64]) return "a later column pair of the call was not prefetched into L2 in full";
   for (size_t o = 0; o < std::min<size_t>(2, p.nblocks) * bb; o += 64)
-    if (wanted(next.data() + o) && !seen_next[o / 64])
+    if (!seen_next[o / 64])
       return "the next call's first column pair was not prefetched into L2 in full";
   return "";
 }
@@ -313,7 +296,7 @@ void check_case(WeightFormat f, int M, int64_t K, int nblocks, int64_t group, bo
   side.ctx = &side_log;
   side.units = M + 5;
   std::string prefetch_error;
-#if defined(KT_AMX_EMULATE)
+#if defined(KTAMX_EMULATE)
   amx_emulation::prefetch_log().lines.clear();
   amx_emulation::prefetch_log().on = g_check_prefetch;
 #endif
@@ -323,7 +306,7 @@ void check_case(WeightFormat f, int M, int64_t K, int nblocks, int64_t group, bo
   std::string side_error;
   if (side_log.broken || side_log.next != side.done || (side.done != 0 && !walked))
     side_error = "ran its side work out of order or in part";
-#if defined(KT_AMX_EMULATE)
+#if defined(KTAMX_EMULATE)
   amx_emulation::prefetch_log().on = false;
   if (g_check_prefetch) prefetch_error = check_prefetches(p, next, next_a, walked);
 #endif
@@ -358,63 +341,12 @@ void check_case(WeightFormat f, int M, int64_t K, int nblocks, int64_t group, bo
   }
 }
 
-// amx_kernels() with the variable `name` set to each of `values` (read there): accepted (`good`) or rejected with
-// std::invalid_argument whose message names the variable and the value; the variable is unset afterwards.
-void check_env_values(const char* name, std::initializer_list<const char*> values, bool good) {
-  for (const char* v : values) {
-    setenv(name, v, 1);
-    bool threw = false;
-    std::string why;
-    try {
-      amx_kernels();
-    } catch (const std::invalid_argument& e) {
-      threw = true;
-      why = e.what();
-    }
-    if (threw == good) {
-      ++failures;
-      std::printf("FAIL %s='%s' %s%s\n", name, v, good ? "rejected: " : "accepted", why.c_str());
-    } else if (threw && (why.find(name) == std::string::npos || why.find("'" + std::string(v) + "'") == std::string::npos)) {
-      ++failures;
-      std::printf("FAIL %s='%s' rejected with a message naming neither: %s\n", name, v, why.c_str());
-    }
-  }
-  unsetenv(name);
-}
-
-void check_min_rows_parsing() {
-  check_env_values("KT_AMX_MIN_ROWS", {"8", "0", "bf16=8", "bf16=8,int8=2,int4=16", "int4=3"}, true);
-  check_env_values("KT_AMX_MIN_ROWS", {"x", "-1", "8,9", "fp8=3", "bf16=", "bf16=3;int8=4"}, false);
-}
-
-void check_walk_parsing() {
-  check_env_values("KT_AMX_WALK", {"", "auto", "auto+pfa", "pairs", "rows", "kblock", "kblock:1", "kblock:16", "rows+pfa",
-                                   "kblock:4+pfa", "pairs+pfa"}, true);
-  check_env_values("KT_AMX_WALK", {"autos", "row", "kblock:", "kblock:0", "kblock:x", "rows+", "rows+pfb", "kblock8",
-                                   "pairs:2x"}, false);
-  // the weight prefetch knobs (amx/kernels.cpp, "weight prefetch knobs")
-  check_env_values("KT_AMX_NEXT_PF", {"", "0", "1", "2", "64"}, true);
-  check_env_values("KT_AMX_NEXT_PF", {"x", "-1", "2x", "65", "1.5"}, false);
-  check_env_values("KT_AMX_B_L1_PF", {"", "0", "1"}, true);
-  check_env_values("KT_AMX_B_L1_PF", {"x", "-1", "2", "1.5"}, false);  // a flag: 0 or 1
-  check_env_values("KT_AMX_NEXT_A", {"", "0", "1"}, true);
-  check_env_values("KT_AMX_NEXT_A", {"x", "-1", "2"}, false);  // a flag: 0 or 1
-  amx_kernels();
-}
-
-// Every case under the walk that KT_AMX_WALK names (set by the caller); quick: fewer row counts (the prefetch
-// knobs, which move no result, keep the emulated run within the suite's time limits).
-int check_walk(const char* walk, bool quick = false) {
-  setenv("KT_AMX_WALK", walk, 1);
-  amx_kernels();
+// Every case under the walk each format takes (with every M through the tiles: amx_min_rows_for_tests(0)).
+int check_walks() {
   const int before = failures;
-  const bool long_walk = std::strcmp(walk, "pairs") != 0;  // walks of 256 rows: cut at 256, not 64
   g_check_prefetch = true;
-  g_full_next = long_walk;
-  g_full_next_int4 = long_walk && std::strncmp(walk, "auto", 4) != 0;
-  std::vector<int> Ms = {1, 2, 3, 5, 8, 15, 16, 17, 24, 31, 32, 33, 40, 47, 48, 49, 63, 64, 65, 100};
-  if (quick) Ms = {1, 17, 33, 64, 65};
-  if (long_walk) Ms.insert(Ms.end(), {129, 256, 300});
+  g_full_next = true;  // bf16/int8 ('rows'); int4 walks as 'pairs' (check_prefetches)
+  std::vector<int> Ms = {1, 2, 3, 5, 8, 15, 16, 17, 24, 31, 32, 33, 40, 47, 48, 49, 63, 64, 65, 100, 129, 256, 300};
   int cases = 0;
   for (bool strided : {true, false})
     for (int M : Ms)
@@ -431,45 +363,23 @@ int check_walk(const char* walk, bool quick = false) {
         check_case(WeightFormat::INT4, M, 96, nb, 32, strided);
         ++cases;
       }
-  // a driver-sized reduction for each format (kblock: 3 chunks of bf16, 2 of int8 plus its 32-deep tail)
+  // a driver-sized reduction for each format (int8 with its 32-deep tail)
   for (int M : {7, 37, 64, 130}) {
     check_case(WeightFormat::BF16, M, 768, 4, 0, M % 2 == 1);
     check_case(WeightFormat::INT8, M, 800, 2, 0, M % 2 == 1);
     check_case(WeightFormat::INT4, M, 768, 3, 128, M % 2 == 1);
     cases += 3;
   }
-  g_check_prefetch = g_full_next = g_full_next_int4 = false;
-  std::printf("walk %-14s %d cases, %d failed\n", walk, cases, failures - before);
+  g_check_prefetch = g_full_next = false;
+  std::printf("walk %-14s %d cases, %d failed\n", "default", cases, failures - before);
   return cases;
 }
 
 void check_all() {
-  check_min_rows_parsing();
-  check_walk_parsing();
-  setenv("KT_AMX_MIN_ROWS", "0", 1);  // every M through the tiles
-  amx_kernels();
-  int cases = 0;
-  for (const char* walk : {"auto", "pairs", "rows", "rows+pfa", "kblock", "kblock:1", "kblock:3+pfa"}) cases += check_walk(walk);
-  // the weight prefetch knobs change what is fetched ahead, never a result
-  const struct { const char* next_pf; const char* b_l1; const char* walk; } knobs[] = {
-      {"2", "1", "rows"}, {"0", "1", "rows"}, {"1", "0", "rows"}, {"4", "0", "kblock:3"}, {"0", "0", "pairs"}};
-  for (const auto& k : knobs) {
-    setenv("KT_AMX_NEXT_PF", k.next_pf, 1);
-    setenv("KT_AMX_B_L1_PF", k.b_l1, 1);
-    g_next_stride = std::atoi(k.next_pf);
-    g_b_l1 = std::strcmp(k.b_l1, "1") == 0;
-    std::printf("KT_AMX_NEXT_PF=%s KT_AMX_B_L1_PF=%s: ", k.next_pf, k.b_l1);
-    cases += check_walk(k.walk, true);
-  }
-  unsetenv("KT_AMX_NEXT_PF");
-  unsetenv("KT_AMX_B_L1_PF");
-  g_next_stride = 1;
-  g_b_l1 = true;
-  unsetenv("KT_AMX_WALK");
-  amx_kernels();
-  // the default threshold sends small M to AVX-512: results must still be right
-  unsetenv("KT_AMX_MIN_ROWS");
-  amx_kernels();
+  amx_min_rows_for_tests(0);  // every M through the tiles
+  int cases = check_walks();
+  // the measured threshold sends small M to AVX-512: results must still be right
+  amx_min_rows_for_tests(-1);
   for (int M : {1, 3, 4, 9}) {
     check_case(WeightFormat::INT8, M, 128, 2, 0, false);
     check_case(WeightFormat::INT4, M, 128, 2, 64, true);
@@ -478,7 +388,7 @@ void check_all() {
   std::printf("%d cases, %d failed\n", cases, failures);
 }
 
-#if !defined(KT_AMX_EMULATE)
+#if !defined(KTAMX_EMULATE)
 // The benches lay activation rows out as the driver does (fused_moe.cpp): evenly strided, one 64-byte line
 // more apart than a row, so the kernels tile-load them in place (no copy) and a tile's 16 rows do not share
 // L1 sets. Returns the storage; rows[m] point into it.
@@ -509,56 +419,15 @@ std::vector<int> bench_rows(std::vector<int> fallback) {
   return ms;
 }
 
-// Walk variants to time: KT_BENCH_WALKS="rows rows@KT_AMX_NEXT_PF=2 kblock:4@KT_AMX_NEXT_PF=0,KT_AMX_B_L1_PF=0"
-// (a KT_AMX_WALK value, optionally with '@' and the weight prefetch knobs to set for it), else `fallback`.
-std::vector<std::string> bench_walks(std::vector<std::string> fallback) {
-  const char* env = std::getenv("KT_BENCH_WALKS");
-  if (env == nullptr || *env == '\0') return fallback;
-  std::vector<std::string> walks;
-  std::string item;
-  for (const char* p = env;; ++p) {
-    if (*p == ' ' || *p == '\0') {
-      if (!item.empty()) walks.push_back(item);
-      item.clear();
-      if (*p == '\0') break;
-    } else {
-      item += *p;
-    }
-  }
-  return walks;
-}
-
-// Sets the KT_AMX_WALK and the prefetch knobs of a bench_walks item (knobs not named: their defaults).
-void apply_bench_walk(const std::string& item) {
-  const size_t at = item.find('@');
-  setenv("KT_AMX_WALK", item.substr(0, at).c_str(), 1);
-  unsetenv("KT_AMX_NEXT_PF");
-  unsetenv("KT_AMX_B_L1_PF");
-  if (at != std::string::npos) {
-    std::string rest = item.substr(at + 1) + ",";
-    for (size_t start = 0, comma; (comma = rest.find(',', start)) != std::string::npos; start = comma + 1) {
-      const std::string kv = rest.substr(start, comma - start);
-      const size_t eq = kv.find('=');
-      if (eq == std::string::npos) throw std::invalid_argument("KT_BENCH_WALKS: '" + kv + "' is not NAME=VALUE");
-      setenv(kv.substr(0, eq).c_str(), kv.substr(eq + 1).c_str(), 1);
-    }
-  }
-  amx_kernels();
-}
-
 // One thread: AMX vs AVX-512 per M on hot (L2-resident) weights, for the small-M threshold.
 void bench() {
-  setenv("KT_AMX_MIN_ROWS", "0", 1);
-  amx_kernels();
+  amx_min_rows_for_tests(0);
   struct Shape { const char* what; int64_t K; int nblocks; };
   const Shape shapes[] = {{"qwen3 gate/up", 2048, 4}, {"qwen3 down", 768, 2}, {"deepseek gate/up", 7168, 4},
                           {"deepseek down", 2048, 4}};
-  // AVX-512, then AMX under each walk (the column "amx/avx" compares the default walk, pairs)
-  const char* walks[] = {"pairs", "rows", "rows+pfa", "kblock", "kblock+pfa"};
-  constexpr int kWalks = sizeof(walks) / sizeof(walks[0]);
-  std::printf("%-18s %-5s %4s %12s", "shape", "fmt", "M", "avx512 GOPS");
-  for (const char* w : walks) std::printf(" %11s", w);
-  std::printf(" %8s\n", "amx/avx");
+  // AVX-512, then AMX under the format's walk
+  constexpr int kWalks = 1;
+  std::printf("%-18s %-5s %4s %12s %11s %8s\n", "shape", "fmt", "M", "avx512 GOPS", "amx GOPS", "amx/avx");
   for (const Shape& s : shapes)
     for (WeightFormat f : {WeightFormat::BF16, WeightFormat::INT8, WeightFormat::INT4})
       for (int M : bench_rows({1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256})) {
@@ -566,10 +435,6 @@ void bench() {
         const std::vector<uint8_t> store = driver_rows(p.rows, f == WeightFormat::BF16 ? 2 * s.K : s.K, p.rows);
         double gops[1 + kWalks];
         for (int which = 0; which <= kWalks; ++which) {
-          if (which > 0) {
-            setenv("KT_AMX_WALK", walks[which - 1], 1);
-            amx_kernels();
-          }
           const GemmFn fn = which > 0 ? amx_kernels().gemm[static_cast<int>(f)] : avx512_kernels().gemm[static_cast<int>(f)];
           run(p, fn, 16 * s.nblocks, 0);
           int iters = 0;
@@ -590,13 +455,12 @@ void bench() {
 
 // One thread streaming weights from memory: consecutive calls take consecutive weights of a 1 GiB pool (past
 // any L3), each naming the next as next_b like the driver's calls of one expert, so the walks' prefetching
-// is what is measured. Prints GB/s of weights read, AVX-512 and each AMX walk, per M.
+// is what is measured. Prints GB/s of weights read, AVX-512 and the AMX walk, per M.
 void bench_cold() {
-  setenv("KT_AMX_MIN_ROWS", "0", 1);
+  amx_min_rows_for_tests(0);
   struct Shape { const char* what; int64_t K; int nblocks; };
   const Shape shapes[] = {{"qwen3 gate/up", 2048, 4}, {"qwen3 down", 768, 8}, {"deepseek gate/up", 7168, 4}};
-  const std::vector<std::string> walks = bench_walks({"pairs", "rows", "rows+pfa", "kblock", "kblock+pfa"});
-  const int kWalks = static_cast<int>(walks.size());
+  constexpr int kWalks = 1;
   const size_t pool_bytes = size_t(1) << 30;
   auto* pool = static_cast<uint16_t*>(std::aligned_alloc(64, pool_bytes));
   uint64_t x = 88172645463325252ull;
@@ -606,10 +470,7 @@ void bench_cold() {
   }
   const auto* base = reinterpret_cast<const uint8_t*>(pool);
   std::printf("one thread, weights from memory: GB/s of weights\n");
-  for (int w = 0; w < kWalks; ++w) std::printf("  w%d = %s\n", w + 1, walks[w].c_str());
-  std::printf("%-18s %-5s %4s %12s", "shape", "fmt", "M", "avx512");
-  for (int w = 0; w < kWalks; ++w) std::printf(" %11s", ("w" + std::to_string(w + 1)).c_str());
-  std::printf("\n");
+  std::printf("%-18s %-5s %4s %12s %11s\n", "shape", "fmt", "M", "avx512", "amx");
   for (const Shape& s : shapes)
     for (WeightFormat f : {WeightFormat::BF16, WeightFormat::INT8, WeightFormat::INT4})
       for (int M : bench_rows({16, 32, 128})) {
@@ -640,7 +501,6 @@ void bench_cold() {
         std::vector<double> gbs(1 + kWalks);
         size_t i = 0;
         for (int which = 0; which <= kWalks; ++which) {
-          if (which > 0) apply_bench_walk(walks[which - 1]);
           const GemmFn fn = which > 0 ? amx_kernels().gemm[static_cast<int>(f)] : avx512_kernels().gemm[static_cast<int>(f)];
           size_t n = 0;
           const auto t0 = std::chrono::steady_clock::now();
@@ -659,7 +519,7 @@ void bench_cold() {
         for (int w = 1; w <= kWalks; ++w) std::printf(" %11.2f", gbs[w]);
         std::printf("\n");
       }
-  apply_bench_walk("auto");
+  amx_min_rows_for_tests(-1);
   std::free(pool);
 }
 
@@ -771,9 +631,7 @@ void replica(const uint8_t* const* arow0, int64_t lda, int64_t a_step, int row_p
 }
 
 void bench_replica() {
-  setenv("KT_AMX_MIN_ROWS", "0", 1);
-  setenv("KT_AMX_WALK", "rows", 1);
-  amx_kernels();
+  amx_min_rows_for_tests(0);  // (int8: the 'rows' walk)
   static const PeakConfig cfg;
   alignas(64) static uint8_t cbuf[32 * 128];
   struct Shape { const char* what; int64_t K; int nblocks; };
@@ -877,7 +735,7 @@ void bench_replica() {
       std::printf("  (madvise %d)\n", madv);
       std::free(huge);
     }
-  unsetenv("KT_AMX_WALK");
+  amx_min_rows_for_tests(-1);
 }
 
 // All-core tile ceiling: n threads, thread i pinned to CPU i, each running the L1-resident 2 x 2 loop of
@@ -1023,8 +881,7 @@ std::pair<double, double> mixed_run(const uint8_t* buf, int vnni, double seconds
 
 void bench_stretch() {
   static const PeakConfig cfg;
-  setenv("KT_AMX_MIN_ROWS", "0", 1);
-  unsetenv("KT_AMX_WALK");
+  amx_min_rows_for_tests(0);
   amx_kernels();
   const int rounds = env_int("KT_BENCH_ROUNDS", 12), vnni = env_int("KT_BENCH_VNNI", 32);
   std::vector<int> counts;
@@ -1234,7 +1091,7 @@ void bench_peak() {
 }  // namespace
 
 int main(int argc, char** argv) {
-#if !defined(KT_AMX_EMULATE)
+#if !defined(KTAMX_EMULATE)
   // Linux gives a process the AMX tile state only on request (ktorch does this in runtime/cpu_features.cpp).
   if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) != 0) {
     std::printf("this machine/OS does not grant AMX (arch_prctl ARCH_REQ_XCOMP_PERM failed)\n");

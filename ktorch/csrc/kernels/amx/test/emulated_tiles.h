@@ -1,6 +1,6 @@
 // A software model of the eight AMX tile registers, so that the AMX kernels' tile walk (configurations,
 // addresses, strides, which tile meets which) can be checked on a machine without AMX: kernels.cpp built
-// with -DKT_AMX_EMULATE calls these instead of the tile instructions. Semantics follow the Intel SDM for
+// with -DKTAMX_EMULATE calls these instead of the tile instructions. Semantics follow the Intel SDM for
 // palette 1 (LDTILECFG, TILELOADD, TILESTORED, TILEZERO, TDPBSSD, TDPBF16PS), and every condition under
 // which the hardware faults (#GP on a bad configuration, #UD on unconfigured tiles or mismatched shapes)
 // aborts with a message instead. Loads and stores touch exactly rows x colsb bytes, as the hardware does,

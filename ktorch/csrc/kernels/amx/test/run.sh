@@ -11,7 +11,7 @@ out=${TMPDIR:-/tmp}/kt_amx_kernels_test_$mode
 isa="-mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mavx512vnni -mfma"
 case $mode in
   emulated)
-    flags="-O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -DKT_AMX_EMULATE $isa"
+    flags="-O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -DKTAMX_EMULATE $isa"
     # GCC >= 13 turns on ASan's use-after-return fake stack by default; its frames do not keep the 64-byte
     # alignment of the tile buffers, and an aligned AVX-512 access there faults (seen on the device's gcc 13).
     case $(${CXX:-g++} --version | head -1) in *clang*) flags="$flags -fsanitize-address-use-after-return=never" ;;
