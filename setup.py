@@ -65,7 +65,7 @@ def runtime_libraries_of_torch():
     return ["-Wl,--no-as-needed"] + list(found.values()) + ["-Wl,--as-needed"] if found else []
 
 # KT_PREBUILT_EXTENSION=<path of a _C*.so built from this same source with this same torch>: install without
-# compiling (the device scripts build once per machine image and reuse the result; see scripts/device_check.sh).
+# compiling (the device runner builds once per source id and reuses the result; see scripts/device.py).
 prebuilt = os.environ.get("KT_PREBUILT_EXTENSION")
 if prebuilt:
     import shutil
