@@ -234,12 +234,13 @@ class Runner:
             limit = self.budget.limit_for(st)
             label = st.name + "".join(f":{k}={v}" for k, v in params.items() if v != st.params[k])
             if limit is None:
-                summary.append(f"SKIPPED {label}: {self.budget.left():.0f} s left, it needs at least {st.min_s} s")
+                summary.append(f"SKIPPED {label}: {self.budget.left():.0f} s left ({RESERVE_S} s kept back), "
+                               f"it needs at least {st.min_s} s")
                 print(f"== {summary[-1]}", flush=True)
                 continue
             print(f"== {time.strftime('%H:%M:%S')} {label} (limit {limit:.0f} s, {self.budget.left():.0f} s left)",
                   flush=True)
-            self.limit, self.step_start, self.step_name = limit, time.monotonic(), label.replace("/", "_")
+            self.limit, self.step_start, self.step_name = limit, time.monotonic(), log_name(label)
             try:
                 rc = st.run(self, params)
             except StepError as e:
@@ -271,6 +272,11 @@ class Runner:
         for line in ps.splitlines()[:5]:
             if float(line.split()[0]) > 5 and "device.py" not in line:
                 print(f"busy: {line.strip()[:160]}", flush=True)
+
+
+def log_name(label: str) -> str:
+    """A file name for a step's log: the device tool leaves out files with odd characters in their names."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", label)[:100]
 
 
 class StepError(Exception):
@@ -345,15 +351,16 @@ def step_build(r: Runner, p: dict) -> int:
 # ---------------------------------------------------------------- tests
 
 
-def xdist_available(r: Runner) -> bool:
-    return subprocess.run([sys.executable, "-c", "import xdist"], env=r.env, capture_output=True).returncode == 0
+def importable(r: Runner, module: str) -> bool:
+    return subprocess.run([sys.executable, "-c", f"import {module}"], env=r.env, capture_output=True).returncode == 0
 
 
 def pytest(r: Runner, files: list[str], env_extra: dict, workers: int, name: str) -> int:
     env = dict(r.env, **env_extra, KT_FAILURES_LOG=str(OUT / f"failures_{name}.log"))
-    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout=240", "--durations=10",
-            "--tb=short", "-rfE"]
-    if workers > 1 and xdist_available(r):
+    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=10", "--tb=short", "-rfE"]
+    if importable(r, "pytest_timeout"):
+        args.append("--timeout=240")
+    if workers > 1 and importable(r, "xdist"):
         args += ["-n", str(workers)]
         threads = str(max(1, (os.cpu_count() or 16) // workers))
         env.update(OMP_NUM_THREADS=threads, KT_NUM_THREADS=threads)
@@ -659,11 +666,12 @@ def step_ab(r: Runner, p: dict) -> int:
             raise StepError(f"{name}: ktorch imports from {where or '(nothing)'}, not {path}")
     r.busy_warning()
     runs: dict[str, list[dict]] = {p["base"]: [], "HEAD": []}
+    failed: list[str] = []
     for shape in p["shapes"].split(","):
         print(f"-- {AB_SHAPES[shape]}", flush=True)
         for turn in ab_order(int(p["rounds"])):
             name, path = builds[turn]
-            log = OUT / f"ab_{shape}_{name}.log"
+            log = OUT / f"{log_name(f'ab_{shape}_{name}')}.log"
             env = dict(r.env, PYTHONPATH=f"{path}{os.pathsep}{r.env['PYTHONPATH']}")
             before = log.read_text() if log.exists() else ""
             rc = run_logged([sys.executable, str(r.root / "benchmarks" / "bench_fused_moe.py"), "--shapes", shape,
@@ -671,13 +679,17 @@ def step_ab(r: Runner, p: dict) -> int:
                              "--min-seconds", p["seconds"]], log,
                             timeout=r.limit - (time.monotonic() - r.step_start) - 5, env=env, cwd=Path("/"),
                             show=lambda line: line.split(" ")[0] in AB_SHAPES or line.startswith("machine"))
-            runs[name].append(parse_bench_table(log.read_text()[len(before):]))
+            text = log.read_text()[len(before):]
+            runs[name].append(parse_bench_table(text))
+            if rc != 0:
+                failed.append(f"{shape} {name}: rc {rc}, {(text.strip().splitlines() or ['no output'])[-1]}")
+                print(f"failed: {failed[-1]}", flush=True)
             if rc == 124:
                 break
     table = ab_table(runs, p["base"], "HEAD")
     print(table, flush=True)
     (OUT / "ab.md").write_text(table + "\n")
-    return 0
+    return 1 if failed else 0
 
 
 # ---------------------------------------------------------------- here: what a call carries
@@ -709,8 +721,8 @@ def git_short(root: Path, rev: str) -> str:
                           check=True).stdout.strip()
 
 
-def from_snapshot(root: Path, argv: list[str], budget: Budget) -> None:
-    """Re-runs this command in /tmp/src, unpacked from .device-out/src.tar (HEAD, without uncommitted work)."""
+def from_snapshot(root: Path, steps: list[str], budget: Budget) -> None:
+    """Re-runs these steps in /tmp/src, unpacked from .device-out/src.tar (HEAD, without uncommitted work)."""
     src = Path("/tmp/src")
     shutil.rmtree(src, ignore_errors=True)
     src.mkdir(parents=True)
@@ -719,10 +731,9 @@ def from_snapshot(root: Path, argv: list[str], budget: Budget) -> None:
     for name in (".whl", ".peers", ".device-out"):
         if (root / name).exists():
             (src / name).symlink_to(root / name)
-    args = [a for a in argv if a != "--snapshot"]
-    args = [a for a in args if not a.startswith("--budget")] + [f"--budget={budget.left():.0f}"]
     os.chdir(src)
-    os.execv(sys.executable, [sys.executable, str(src / "scripts" / "device.py"), *args])
+    os.execv(sys.executable, [sys.executable, str(src / "scripts" / "device.py"), f"--budget={budget.left():.0f}",
+                              *steps])
 
 
 def describe() -> str:
@@ -752,7 +763,7 @@ def main(argv: list[str]) -> int:
     chosen = select_steps(args.steps)  # errors before any time is spent
     budget = Budget(args.budget)
     if args.snapshot:
-        from_snapshot(ROOT, argv, budget)
+        from_snapshot(ROOT, args.steps, budget)
     return Runner(ROOT, budget).run(chosen)
 
 

@@ -96,7 +96,7 @@ def test_runner_skips_steps_it_has_no_time_for_and_says_so(device, tmp_path, mon
     assert ran[0][1] == 400 and ran[1][1] == 120 and ran[2][1] == 570 - 450 - device.RESERVE_S
     assert rc == 3  # the first failure's status
     out = capsys.readouterr().out
-    assert "SKIPPED big: 220 s left, it needs at least 250 s" in out
+    assert "SKIPPED big: 220 s left (10 s kept back), it needs at least 250 s" in out
     assert "rc 3 small" in out and "ok tiny" in out
 
 
@@ -202,3 +202,8 @@ def test_every_step_the_docs_name_exists(device):
     for text in cited:
         if not re.fullmatch(r"\d+|[A-Z.]+", text):  # (a number of --budget; a placeholder such as STEP...)
             device.parse_step(text)
+
+
+def test_log_names_are_plain(device):
+    assert device.log_name("tests:list=tests/test_x.py,tests/test_y.py") == "tests_list_tests_test_x.py_tests_test_y.py"
+    assert device.log_name("bench:kernel=avx512") == "bench_kernel_avx512"
