@@ -330,8 +330,14 @@ def build_tree(r: Runner, tree: Path, editable: bool) -> int:
         return 0
     else:
         cmd = [sys.executable, "setup.py", "build_ext", "--inplace"]
-    rc = r.sh(cmd, env=env, cwd=tree, show=lambda line: "error" in line.lower())
-    if rc == 0 and not pre:
+    log = OUT / f"{r.step_name}.log"
+    start = log.stat().st_size if log.exists() else 0
+    rc = r.sh(cmd, env=env, cwd=tree, show=lambda line: bool(re.search(r"\berror:|^ERROR", line)))
+    if rc != 0:
+        with open(log, errors="replace") as f:
+            f.seek(start)
+            print("the build failed; the end of its log:\n" + "".join(f.readlines()[-40:]), flush=True)
+    elif not pre:
         keep_build(tree, src)
     return rc
 

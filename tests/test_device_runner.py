@@ -5,7 +5,6 @@ extension's source id, and the A/B table read from bench_fused_moe.py's output."
 from __future__ import annotations
 
 import importlib.util
-import os
 import pathlib
 import sys
 import time
