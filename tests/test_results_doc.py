@@ -11,7 +11,7 @@ NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d+)?")
 
 
 def numbers(text: str) -> list[str]:
-    return NUMBER.findall(text.replace(" ", " "))
+    return NUMBER.findall(text)
 
 
 def found(figure: str, values: list[float]) -> bool:
