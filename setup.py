@@ -65,26 +65,26 @@ def runtime_libraries_of_torch():
     return ["-Wl,--no-as-needed"] + list(found.values()) + ["-Wl,--as-needed"] if found else []
 
 # KT_PREBUILT_EXTENSION=<path of a _C*.so built from this same source with this same torch>: install without
-# compiling (the device scripts build once per machine image and reuse the result; see scripts/device_check.sh).
+# compiling (the device runner builds once per source id and reuses the result; see scripts/device.py).
 prebuilt = os.environ.get("KT_PREBUILT_EXTENSION")
 if prebuilt:
     import shutil
 
+    # (no SystemExit after this setup(): pip's PEP 660 hooks run this file in-process and would lose their output)
     shutil.copy(prebuilt, os.path.join(os.path.dirname(os.path.abspath(__file__)), "ktorch", os.path.basename(prebuilt)))
     setup()
-    raise SystemExit(0)
-
-setup(
-    libraries=libraries,
-    ext_modules=[
-        CppExtension(
-            "ktorch._C",
-            ext_sources,
-            # ATen's at::parallel_for is a header template: without OpenMP here it would run serially
-            extra_compile_args=OPT + ["-fopenmp"],
-            # the kernels reference each other (amx falls back to avx512), so group them for the linker
-            extra_link_args=runtime_libraries_of_torch() + ["-fopenmp", "-Wl,--start-group"] + [f"-l{name}" for name, _ in libraries] + ["-Wl,--end-group"],
-        )
-    ],
-    cmdclass={"build_ext": BuildExt},
-)
+else:
+    setup(
+        libraries=libraries,
+        ext_modules=[
+            CppExtension(
+                "ktorch._C",
+                ext_sources,
+                # ATen's at::parallel_for is a header template: without OpenMP here it would run serially
+                extra_compile_args=OPT + ["-fopenmp"],
+                # the kernels reference each other (amx falls back to avx512), so group them for the linker
+                extra_link_args=runtime_libraries_of_torch() + ["-fopenmp", "-Wl,--start-group"] + [f"-l{name}" for name, _ in libraries] + ["-Wl,--end-group"],
+            )
+        ],
+        cmdclass={"build_ext": BuildExt},
+    )

@@ -65,7 +65,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_LLAMA_BENCH = "/tmp/lcpp/bin/llama-bench"  # where scripts/device_step_llamacpp_build.sh builds it
+DEFAULT_LLAMA_BENCH = "/tmp/lcpp/bin/llama-bench"  # where scripts/device.py's llamacpp step builds it
 EXPERTS_TYPES = ("Q8_0", "Q4_0")
 KTORCH_VARIANTS = ("compiled", "cuda_graphs", "eager")
 
@@ -502,7 +502,7 @@ def main(argv=None) -> None:
         llama_bench = find_llama_bench(args.llama_bench)
         if llama_bench is None:
             print(f"llama-bench not found ({args.llama_bench or DEFAULT_LLAMA_BENCH + ' or PATH'}): llama.cpp columns "
-                  "skipped (build it with scripts/device_step_llamacpp_build.sh)", flush=True)
+                  "skipped (build it with the llamacpp step of scripts/device.py)", flush=True)
     os.makedirs(args.out, exist_ok=True)
     log_path = Path(args.out) / "llama_bench.log"
 

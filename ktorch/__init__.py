@@ -21,5 +21,8 @@ from ktorch.generation import generate  # noqa: E402
 from ktorch.loading import load  # noqa: E402
 from ktorch.placement import gpu_placement, prepare, set_deferred_experts, set_stream_experts, stream_plan  # noqa: E402
 
+# the compile backend's runtime ops (torch.ops.ktorch.submit_experts, wait_experts, ...), which the FX passes name
+import ktorch.compile  # noqa: E402, F401
+
 _register_experts_implementation()
 __all__ += ["ExpertsProfile", "generate", "gpu_placement", "load", "prepare", "profile_experts", "set_deferred_experts", "set_stream_experts", "stream_plan"]

@@ -13,6 +13,8 @@ from typing import Iterable, Union
 import torch
 from torch import nn
 
+from ktorch.integrations.transformers_experts import experts_modules
+
 
 @dataclass
 class ExpertsProfile:
@@ -45,8 +47,6 @@ class ExpertsProfile:
 def profile_experts(model: nn.Module, inputs: Union[torch.Tensor, dict, Iterable]) -> ExpertsProfile:
     """Runs ``model`` on ``inputs`` (token ids [B, S], a dict of forward kwargs, or an iterable of either) without
     grad and counts, per MoE layer, how many routed slots pick each expert."""
-    from ktorch.placement import experts_modules
-
     modules = experts_modules(model)
     if not modules:
         raise ValueError(f"profile_experts: {type(model).__name__} has no transformers experts modules")

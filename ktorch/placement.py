@@ -11,7 +11,7 @@ from torch import nn
 from ktorch._library import leave_cores_for_the_gpu_side
 
 from ktorch.integrations.deferral import set_deferred_experts as set_chain
-from ktorch.passes.deferral import is_deferred_count
+from ktorch.ops.deferred_slots import is_deferred_count
 from ktorch.experts_profile import ExpertsProfile
 from ktorch.integrations.transformers_experts import (
     IMPLEMENTATION_NAME,
@@ -19,15 +19,10 @@ from ktorch.integrations.transformers_experts import (
     attach_streamed_experts,
     gpu_expert_weights,
     check_supported,
-    is_experts_module,
+    experts_modules,
     pack_module_experts,
     packed_experts_of,
 )
-
-
-def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(qualified name, module) of every transformers experts module in ``model``, in module order."""
-    return [(name, m) for name, m in model.named_modules() if is_experts_module(m)]
 
 
 def prepare(

@@ -1,5 +1,5 @@
 """benchmarks/bench_host_bandwidth.py: the prefill floor's arithmetic, and a smoke run of the CPU part (the copy
-rows need a GPU; on the device the script runs in device_step_prefill.sh). Its numbers here mean nothing."""
+rows need a GPU; on the device: python benchmarks/bench_host_bandwidth.py). Its numbers here mean nothing."""
 
 from __future__ import annotations
 

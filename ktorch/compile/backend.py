@@ -214,8 +214,6 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, opts: BackendOptions
 def ktorch_backend(gm: fx.GraphModule, example_inputs: list, mode: Optional[str] = None,
                    options: Optional[dict] = None) -> Callable:
     """``torch.compile(model, backend="ktorch", mode=None, options={...})``; options: see BackendOptions."""
-    import ktorch  # noqa: F401  (loads the kt ops)
-
     opts = BackendOptions.parse(mode, options)
     compiled, report = compile_graph(gm, example_inputs, opts)
     REPORTS.append(report)

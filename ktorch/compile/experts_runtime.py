@@ -43,6 +43,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from ktorch.ops.deferred_slots import is_deferred_count, split_topk_slots
+
 # ---------------------------------------------------------------- the worker
 
 
@@ -138,7 +140,8 @@ class _Staging:
         # RUNTIME's count for n_deferred="runtime", else the site's own)
         self.deferred = deferred
         self.out_later = pinned(hidden) if deferred is not None else None
-        self._ids_later: Optional[torch.Tensor] = None  # the Python path's deferred ids, between its two parts
+        self.split = (_SplitCall(self.hidden, self.topk_ids, self.topk_weights, deferred, self.out, self.out_later)
+                      if deferred is not None else None)
 
     def fill(self, hidden, topk_ids, topk_weights):
         self.hidden.copy_(hidden, non_blocking=True)
@@ -148,45 +151,41 @@ class _Staging:
     def run_into_out(self, layer: ExpertsLayer) -> None:
         self.out.copy_(layer.run(self.hidden, self.topk_ids, self.topk_weights))
 
-    def run_split_now(self, layer: ExpertsLayer) -> None:
-        """A split staging's first part: ranks the slots, runs the K - d highest-weighted into ``out``."""
-        ids_now, self._ids_later = _split_ids(self.topk_ids, self.topk_weights, self.deferred)
-        self.out.copy_(layer.run(self.hidden, ids_now, self.topk_weights))
 
-    def run_split_later(self, layer: ExpertsLayer) -> torch.Tensor:
-        """The second part: the d lowest-weighted slots into ``out_later`` (zeros when d = 0); returns it."""
-        ids, self._ids_later = self._ids_later, None
-        if ids is None:
-            self.out_later.zero_()
-        else:
-            self.out_later.copy_(layer.run(self.hidden, ids, self.topk_weights))
-        return self.out_later
+class _SplitCall:
+    """The two parts of a split call (``submit_experts_split``), run in this order on the worker: ``now`` reads d
+    from ``deferred`` (clamped to [0, K]), ranks each token's slots and runs the K - d highest-weighted; ``later``
+    runs the d others, or gives zeros when d = 0. The Python side of what the native host tasks do in C++
+    (runtime/host_tasks.cpp).
 
+    On CPU hidden states (no staging) each part's result is a new tensor and the object lives for one call. A
+    staging holds one for its pinned buffers and reuses it call after call: the parts write into ``out`` and
+    ``out_later``, and the worker runs a call's ``later`` before the next call's ``now``."""
 
-def _split_ids(topk_ids, topk_weights, deferred: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(ids of the K - d highest-weighted slots, ids of the d others or None when d = 0), d = ``deferred`` read
-    now and clamped to [0, K]: the split the native host tasks make in C++ (runtime/host_tasks.cpp)."""
-    from ktorch.passes.deferral import split_topk_slots
-
-    k = topk_ids.shape[-1]
-    d = min(max(int(deferred), 0), k)
-    return (topk_ids, None) if d == 0 else split_topk_slots(topk_ids, topk_weights, k - d)
-
-
-class _CpuSplit:
-    """A split call on CPU hidden states (no staging: each part's result is a new tensor); d is read at submit."""
-
-    def __init__(self, hidden, topk_ids, topk_weights, deferred: torch.Tensor):
-        self.hidden, self.topk_weights = hidden, topk_weights
-        self.ids_now, self.ids_later = _split_ids(topk_ids, topk_weights, deferred)
+    def __init__(self, hidden, topk_ids, topk_weights, deferred: torch.Tensor,
+                 out: Optional[torch.Tensor] = None, out_later: Optional[torch.Tensor] = None):
+        self.hidden, self.topk_ids, self.topk_weights, self.deferred = hidden, topk_ids, topk_weights, deferred
+        self.out, self.out_later = out, out_later
+        self._ids_later: Optional[torch.Tensor] = None  # between the two parts; None when d = 0
 
     def now(self, layer: ExpertsLayer) -> torch.Tensor:
-        return layer.run(self.hidden, self.ids_now, self.topk_weights)
+        k = self.topk_ids.shape[-1]
+        d = min(max(int(self.deferred), 0), k)
+        ids_now, self._ids_later = ((self.topk_ids, None) if d == 0
+                                    else split_topk_slots(self.topk_ids, self.topk_weights, k - d))
+        return _into(self.out, layer.run(self.hidden, ids_now, self.topk_weights))
 
     def later(self, layer: ExpertsLayer) -> torch.Tensor:
-        if self.ids_later is None:
-            return torch.zeros_like(self.hidden, memory_format=torch.contiguous_format)
-        return layer.run(self.hidden, self.ids_later, self.topk_weights)
+        ids, self._ids_later = self._ids_later, None
+        if ids is None:
+            if self.out_later is None:
+                return torch.zeros_like(self.hidden, memory_format=torch.contiguous_format)
+            return self.out_later.zero_()
+        return _into(self.out_later, layer.run(self.hidden, ids, self.topk_weights))
+
+
+def _into(buffer: Optional[torch.Tensor], result: torch.Tensor) -> torch.Tensor:
+    return result if buffer is None else buffer.copy_(result)
 
 
 class _Site:
@@ -259,8 +258,6 @@ class ExpertsRuntime:
         return sorted(out)
 
     def set_runtime_deferred(self, n_deferred: int) -> None:
-        from ktorch.passes.deferral import is_deferred_count
-
         if not is_deferred_count(n_deferred):
             raise ValueError(f"set_runtime_deferred_experts: n_deferred must be an int >= 0, got {n_deferred!r}")
         if n_deferred != int(self._runtime_deferred_host) and torch.cuda.is_initialized():
@@ -311,7 +308,7 @@ class ExpertsRuntime:
             if later_state is None:
                 state.pending.append(self.worker.enqueue(lambda: weights.run(hidden, topk_ids, topk_weights)))
                 return ticket
-            split = _CpuSplit(hidden, topk_ids, topk_weights, deferred)
+            split = _SplitCall(hidden, topk_ids, topk_weights, deferred)
             state.pending.append(self.worker.enqueue(lambda: split.now(weights)))
             later_state.pending.append(self.worker.enqueue(lambda: split.later(weights)))
             return ticket
@@ -333,12 +330,12 @@ class ExpertsRuntime:
             if later_state is None:
                 staging.run_into_out(weights)
             else:
-                staging.run_split_now(weights)
+                staging.split.now(weights)
             return staging.out  # what the wait copies back
 
         state.pending.append(self.worker.enqueue(run))
         if later_state is not None:
-            later_state.pending.append(self.worker.enqueue(lambda: staging.run_split_later(weights)))
+            later_state.pending.append(self.worker.enqueue(lambda: staging.split.later(weights)))
         return ticket
 
     def wait(self, ticket, hidden, layer: int, site: int) -> torch.Tensor:
@@ -379,8 +376,8 @@ class ExpertsRuntime:
                 if not split:
                     running.append(self.worker.enqueue(lambda: staging.run_into_out(weights)))
                     return
-                running.append(self.worker.enqueue(lambda: staging.run_split_now(weights)))
-                running_later.append(self.worker.enqueue(lambda: staging.run_split_later(weights)))
+                running.append(self.worker.enqueue(lambda: staging.split.now(weights)))
+                running_later.append(self.worker.enqueue(lambda: staging.split.later(weights)))
 
             def join():  # holds the stream until the CPU result is in pinned memory
                 running.popleft().join()

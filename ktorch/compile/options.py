@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Optional, Union
 
-from ktorch.passes.deferral import is_deferred_count
+from ktorch.ops.deferred_slots import is_deferred_count
 
 
 @dataclass

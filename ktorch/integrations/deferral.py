@@ -24,6 +24,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ktorch.ops.deferred_slots import split_topk_slots
+
 
 class DeferralChain:
     """The experts modules of one model, in layer order, and the deferred call pending between two of them."""
@@ -78,7 +80,6 @@ def deferred_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top
     ``run_experts(module, hidden, ids, weights)`` runs the routed experts at once (kt.fused_moe); ``gpu_work()``,
     when given, the device-resident experts' part (never deferred). Returns this layer's immediate CPU result plus
     the previous layer's deferred result, plus the device part: the order the compiled graph adds them in."""
-    from ktorch.passes.deferral import split_topk_slots
 
     chain, index = module.kt_deferral
     last = index == chain.n_layers - 1

@@ -49,6 +49,11 @@ def is_experts_module(module: nn.Module) -> bool:
     return hasattr(module, "has_gate") and hasattr(module, "is_transposed") and hasattr(module, "is_concatenated")
 
 
+def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(qualified name, module) of every transformers experts module in ``model``, in module order."""
+    return [(name, m) for name, m in model.named_modules() if is_experts_module(m)]
+
+
 def _activation_name(module: nn.Module) -> str:
     """The op's name for ``module.act_fn`` ("silu", "gelu", "gelu_tanh", "relu"), or an error."""
     act = getattr(module, "act_fn", None)

@@ -103,13 +103,11 @@ class NumaSplitExperts:
 
 def split_packed_experts(packed: "PackedExperts", n: Union[int, str, None] = None) -> NumaSplitExperts:
     """Cuts ``packed`` into n slices of the intermediate dimension, each placed on its NUMA node (see module doc)."""
-    from ktorch.ops.moe import PackedExperts
-
     n = numa_split_count(n)
     w13s, s13s, w2s, s2s = torch.ops.kt.numa_split_experts(packed.w13, packed.w13_scales, packed.w2, packed.w2_scales, n)
     if not s13s:
         s13s = s2s = [None] * n
-    slices = [PackedExperts(a, b, c, d, packed.format, packed.group_size) for a, b, c, d in zip(w13s, s13s, w2s, s2s)]
+    slices = [type(packed)(a, b, c, d, packed.format, packed.group_size) for a, b, c, d in zip(w13s, s13s, w2s, s2s)]
     return NumaSplitExperts(slices, packed.format, packed.group_size)
 
 

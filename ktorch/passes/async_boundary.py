@@ -40,21 +40,17 @@ from ktorch.passes.partition import ExpertsCall, node_value, set_fake_value
 ASYNC_STAGE = "ktorch_async"  # node.meta key: "submit" / "wait" / "overlapped"
 
 
+# The runtime's ops (ktorch/compile/experts_runtime.py), defined by ``import ktorch``, which every import of this
+# module runs first: the passes name them and never import the runtime (the compile package imports the passes).
 def submit_op():
-    from ktorch.compile import experts_runtime  # noqa: F401  (defines torch.ops.ktorch.*)
-
     return torch.ops.ktorch.submit_experts.default
 
 
 def split_submit_op():
-    from ktorch.compile import experts_runtime  # noqa: F401
-
     return torch.ops.ktorch.submit_experts_split.default
 
 
 def wait_op():
-    from ktorch.compile import experts_runtime  # noqa: F401
-
     return torch.ops.ktorch.wait_experts.default
 
 

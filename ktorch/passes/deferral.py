@@ -34,7 +34,7 @@ into
     <users of r_j, now reading r_j'>
 
 The slots are split on the CPU, by the runtime (ktorch/compile/experts_runtime.py): rank each token's slots by
-weight (stable, descending) and run ranks < K - d first, the rest second, as ``split_topk_slots`` does. The graph
+weight (stable, descending) and run ranks < K - d first, the rest second, as ``split_topk_slots`` (ktorch/ops/deferred_slots.py) does. The graph
 gets no sorting or masking kernels and no second set of input copies: a deferring layer costs the device what a
 plain one does, plus the join's copy and add.
 
@@ -53,6 +53,7 @@ from typing import Callable, Optional
 import torch
 from torch import fx
 
+from ktorch.ops.deferred_slots import is_deferred_count, split_topk_slots  # noqa: F401  (split_topk_slots: re-exported)
 from ktorch.passes.async_boundary import ASYNC_STAGE, Boundary, split_submit_op, wait_op
 from ktorch.passes.partition import node_value, set_fake_value
 
@@ -72,13 +73,6 @@ class Deferral:
     n_deferred: Optional[int]  # None: read at run time (n_deferred_experts="runtime")
 
 
-def is_deferred_count(value, runtime_ok: bool = False) -> bool:
-    """Whether ``value`` is a number of deferred slots: an int >= 0 (not a bool), or "runtime" if ``runtime_ok``."""
-    if runtime_ok and value == "runtime":
-        return True
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
 def _call(graph: fx.Graph, target, args: tuple, kwargs: Optional[dict] = None, stage: str = "") -> fx.Node:
     node = graph.call_function(target, args, kwargs or {})
     node.meta[DEFERRAL] = stage
@@ -88,18 +82,6 @@ def _call(graph: fx.Graph, target, args: tuple, kwargs: Optional[dict] = None, s
 def _tokens(boundary: Boundary) -> Optional[int]:
     value = node_value(boundary.call.hidden)
     return value.shape[0] if isinstance(value, torch.Tensor) else None
-
-
-def split_topk_slots(topk_ids: torch.Tensor, topk_weights: torch.Tensor, n_immediate: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids_now, ids_later), both [T, K] like ``topk_ids``: what the runtime's split calls run in their two parts.
-
-    ids_now keeps each token's ``n_immediate`` highest-weighted slots (ties to the lower slot) and sets the others
-    to -1; ids_later holds exactly the others. Used by the eager path (ktorch/integrations/deferral.py) and the
-    runtime's Python paths (the native host tasks compute the same ranks in C++)."""
-    order = torch.argsort(topk_weights, dim=-1, descending=True, stable=True)
-    rank = torch.argsort(order, dim=-1, stable=True)
-    keep = torch.lt(rank, n_immediate)
-    return torch.where(keep, topk_ids, -1), torch.where(keep, -1, topk_ids)
 
 
 def defer_experts(

@@ -1,0 +1,208 @@
+"""scripts/device.py's own logic, on the CPU and without a device: which steps run with which parameters, how the
+call's time is shared out and what is skipped, that a step past its limit is stopped with its children, the
+extension's source id, and the A/B table read from bench_fused_moe.py's output."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+import time
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def device():
+    spec = importlib.util.spec_from_file_location("device_runner", ROOT / "scripts" / "device.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (dataclasses look their module up there)
+    spec.loader.exec_module(module)
+    return module
+
+
+def names(chosen):
+    return [(st.name, params) for st, params in chosen]
+
+
+def test_steps_take_a_bare_first_value_and_named_parameters(device):
+    st, params = device.parse_step("tests:forced:workers=2")
+    assert st.name == "tests" and params == {"list": "forced", "workers": "2"}
+    st, params = device.parse_step("ab:qwen3:base=4bb12ca")
+    assert params["shapes"] == "qwen3" and params["base"] == "4bb12ca" and params["rounds"] == "1"
+    assert device.parse_step("bench")[1] == device.STEPS["bench"].params  # defaults
+    for bad, message in [("tset", "unknown step"), ("tests:nope=1", "no parameter 'nope'"),
+                         ("ab:base=x:qwen3", "bare value only comes first"), ("build:x", "bare value")]:
+        with pytest.raises(SystemExit, match=message):
+            device.parse_step(bad)
+
+
+def test_build_is_inserted_before_the_first_step_that_needs_it(device):
+    assert [n for n, _ in names(device.select_steps(["tests:gpu", "bench"]))] == ["build", "tests", "bench"]
+    # the llama.cpp build starts first, so that it runs beside ktorch's build and tests
+    assert [n for n, _ in names(device.select_steps(["llamacpp:start", "tests"]))] == ["llamacpp", "build", "tests"]
+    assert [n for n, _ in names(device.select_steps(["llamacpp"]))] == ["llamacpp"]
+    assert [n for n, _ in names(device.select_steps(["build", "bench"]))] == ["build", "bench"]
+    with pytest.raises(SystemExit, match="must come before"):
+        device.select_steps(["bench", "build"])
+    with pytest.raises(SystemExit, match="no step"):
+        device.select_steps([])
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_budget_gives_each_step_its_limit_or_what_is_left(device):
+    clock = FakeClock()
+    budget = device.Budget(570, clock)
+    step = device.Step("s", "", limit_s=300, min_s=100, params={}, run=None)
+    assert budget.limit_for(step) == 300
+    clock.now += 300  # 270 left, less the reserve: under the step's limit
+    assert budget.limit_for(step) == 270 - device.RESERVE_S
+    clock.now += 270 - device.RESERVE_S - 100  # exactly the minimum left
+    assert budget.limit_for(step) == 100
+    clock.now += 1
+    assert budget.limit_for(step) is None
+
+
+def test_runner_skips_steps_it_has_no_time_for_and_says_so(device, tmp_path, monkeypatch, capsys):
+    clock = FakeClock()
+    monkeypatch.setattr(device, "OUT", tmp_path / "out")
+    ran = []
+
+    def fake(seconds, rc=0):
+        def run(runner, params):
+            ran.append((params["tag"], runner.limit))
+            clock.now += seconds
+            return rc
+
+        return run
+
+    steps = [device.Step("long", "", 400, 200, {"tag": "a"}, fake(350), needs_build=False),
+             device.Step("big", "", 300, 250, {"tag": "b"}, fake(10), needs_build=False),  # 220 left: skipped
+             device.Step("small", "", 120, 60, {"tag": "c"}, fake(100, rc=3), needs_build=False),
+             device.Step("tiny", "", 120, 60, {"tag": "d"}, fake(5), needs_build=False)]  # 110 left: 100 < 60? no
+    runner = device.Runner(tmp_path, device.Budget(570, clock))
+    rc = runner.run([(s, dict(s.params)) for s in steps])
+    assert [tag for tag, _ in ran] == ["a", "c", "d"]
+    assert ran[0][1] == 400 and ran[1][1] == 120 and ran[2][1] == 570 - 450 - device.RESERVE_S
+    assert rc == 3  # the first failure's status
+    out = capsys.readouterr().out
+    assert "SKIPPED big: 220 s left (10 s kept back), it needs at least 250 s" in out
+    assert "rc 3 small" in out and "ok tiny" in out
+
+
+def test_runner_stops_after_a_failed_build(device, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(device, "OUT", tmp_path / "out")
+    build = device.Step("build", "", 300, 60, {}, lambda r, p: 1, needs_build=False)
+    after = device.Step("bench", "", 300, 60, {}, lambda r, p: pytest.fail("ran after a failed build"))
+    assert device.Runner(tmp_path, device.Budget(570)).run([(build, {}), (after, {})]) == 1
+    assert "the build failed" in capsys.readouterr().out
+
+
+def test_a_command_past_its_limit_is_stopped_with_its_children(device, tmp_path):
+    pid_file = tmp_path / "child.pid"
+    log = tmp_path / "log"
+    start = time.monotonic()
+    rc = device.run_logged(f"sleep 60 & echo $! > {pid_file}; echo started; wait", log, timeout=2)
+    assert rc == 124 and time.monotonic() - start < 20
+    assert "started" in log.read_text()
+    child = int(pid_file.read_text())
+    for _ in range(50):  # the killed child may linger a moment as a zombie of an exited parent
+        try:
+            state = pathlib.Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            break
+        if state == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the step's background child survived the stop")
+    assert device.run_logged(["bash", "-c", "printf 'a\\rb\\nc'; exit 7"], log, timeout=10) == 7
+    assert log.read_text().endswith("a\nb\nc\n")  # carriage-return progress lines become lines
+
+
+def test_source_id_follows_the_sources_but_not_test_folders(device, tmp_path):
+    (tmp_path / "ktorch" / "csrc" / "kernels" / "amx" / "test").mkdir(parents=True)
+    (tmp_path / "setup.py").write_text("setup()")
+    (tmp_path / "pyproject.toml").write_text("[project]")
+    kernel = tmp_path / "ktorch" / "csrc" / "kernels" / "amx" / "kernels.cpp"
+    kernel.write_text("int a;")
+    ids = [device.source_id(tmp_path, "2.11.0", "3.12")]
+    (tmp_path / "ktorch" / "csrc" / "kernels" / "amx" / "test" / "t.cpp").write_text("int t;")
+    ids.append(device.source_id(tmp_path, "2.11.0", "3.12"))
+    kernel.write_text("int b;")
+    ids.append(device.source_id(tmp_path, "2.11.0", "3.12"))
+    ids.append(device.source_id(tmp_path, "2.12.0", "3.12"))
+    assert ids[0] == ids[1] and len(set(ids[1:])) == 3 and ids[0].endswith("-2.11.0-py3.12")
+
+
+BENCH_OUTPUT = """machine: Intel Xeon, 16 cores
+qwen3     ktorch-int8  T=1         0.400 ms       2500 tok/s   0.100 TFLOPS    90.0 GB/s ( 80.0% BW,   1.0% peak)
+qwen3     ktorch-int8  T=512       7.000 ms      73000 tok/s   5.000 TFLOPS    90.0 GB/s ( 80.0% BW,  20.0% peak)
+
+| shape | impl | T | ms | tok/s | eff. TFLOPS | GB/s | % read BW | % dot peak | vs eager |
+|---|---|---|---|---|---|---|---|---|---|
+| qwen3 | ktorch-int8 | 1 | 0.400 | 2500 | 0.100 | 90.0 | 80% | 1% | - |
+| qwen3 | ktorch-int8 | 512 | 7.000 | 73000 | 5.000 | 90.0 | 80% | 20% | - |
+"""
+
+
+def test_bench_rows_are_read_from_live_lines_and_the_closing_table(device):
+    assert device.parse_bench_table(BENCH_OUTPUT) == {("qwen3", "ktorch-int8", 1): 0.4,
+                                                      ("qwen3", "ktorch-int8", 512): 7.0}
+    cut = BENCH_OUTPUT.split("\n\n")[0]  # a run stopped before its table keeps the rows it printed
+    assert device.parse_bench_table(cut) == device.parse_bench_table(BENCH_OUTPUT)
+    assert device.parse_bench_table("deepseek  ktorch-int4  T=32  failed: out of memory\n") == {}
+
+
+def test_ab_table_has_medians_ratios_and_gaps(device):
+    base = [{("qwen3", "ktorch-int8", 1): 0.5, ("qwen3", "ktorch-int8", 512): 8.0},
+            {("qwen3", "ktorch-int8", 1): 0.7, ("qwen3", "ktorch-int8", 512): 9.0},
+            {("qwen3", "ktorch-int8", 1): 0.6}]
+    head = [{("qwen3", "ktorch-int8", 1): 0.4, ("deepseek", "ktorch-int4", 32): 2.0},
+            {("qwen3", "ktorch-int8", 1): 0.4}]
+    table = device.ab_table({"abc": base, "HEAD": head}, "abc", "HEAD").splitlines()
+    assert table[0] == "| shape | impl | T | abc ms | HEAD ms | abc / HEAD |"
+    assert table[2] == "| deepseek | ktorch-int4 | 32 | - | 2.000 | - |"
+    assert table[3] == "| qwen3 | ktorch-int8 | 1 | 0.600 | 0.400 | 1.50x |"  # medians 0.6 and 0.4
+    assert table[4] == "| qwen3 | ktorch-int8 | 512 | 8.500 | - | - |"
+
+
+def test_ab_builds_take_turns_abba(device):
+    assert device.ab_order(1) == [0, 1]
+    assert device.ab_order(2) == [0, 1, 1, 0]
+    assert device.ab_order(3) == [0, 1, 1, 0, 0, 1]
+
+
+def test_scripts_folder_holds_at_most_five_files():
+    files = [p for p in (ROOT / "scripts").iterdir() if p.is_file()]
+    assert len(files) <= 5, sorted(p.name for p in files)
+
+
+def test_every_step_the_docs_name_exists(device):
+    """The docs cite runner steps as `scripts/device.py STEP...`: each must parse."""
+    import re
+
+    cited = set()
+    for doc in [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), ROOT / "benchmarks" / "RESULTS.md"]:
+        for m in re.finditer(r"scripts/device\.py((?: [\w:=,./+-]+)+)", doc.read_text()):
+            args = m.group(1).split()
+            if args[0] != "snapshot":
+                cited.update(a for a in args if not a.startswith("-"))
+    assert cited, "no doc cites the runner"
+    for text in cited:
+        if not re.fullmatch(r"\d+|[A-Z.]+", text):  # (a number of --budget; a placeholder such as STEP...)
+            device.parse_step(text)
+
+
+def test_log_names_are_plain(device):
+    assert device.log_name("tests:list=tests/test_x.py,tests/test_y.py") == "tests_list_tests_test_x.py_tests_test_y.py"
+    assert device.log_name("bench:kernel=avx512") == "bench_kernel_avx512"
