@@ -79,6 +79,37 @@ def run_generate(gguf: str, prompt_tokens: int, gen: int, extra: list[str], time
     return result
 
 
+def ab_norms(args) -> None:
+    """The compiled-RMSNorm capture against plain eager norms, alternating on one loaded model (a fresh decoder, so a
+    fresh capture, each time)."""
+    import contextlib
+    import statistics
+
+    import torch
+
+    import ktorch
+    import ktorch.generation as generation
+
+    model, _ = ktorch.load(args.gguf, device="cuda")
+    ids = torch.tensor([[b for b in prompt_of(args.prompts[0]).encode()]])
+    compiled = generation._compiled_norms
+    results: dict = {}
+    for d in args.deferred:
+        ktorch.set_deferred_experts(model, d)
+        for _ in range(args.ab_norms):
+            for variant in ("compiled norms", "eager norms"):
+                generation._compiled_norms = compiled if variant == "compiled norms" else (
+                    lambda model: contextlib.nullcontext())
+                model.kt_decoder = None
+                t = ktorch.generate(model, ids, args.gen).timings
+                results.setdefault((d, variant), []).append((t.decode_tok_s, t.warmup_s))
+                print(f"d={d} {variant}: {t.line()} capture {t.warmup_s:.2f} s", flush=True)
+    generation._compiled_norms = compiled
+    for (d, variant), rows in results.items():
+        print(f"d={d} {variant}: decode median {statistics.median(r[0] for r in rows):.1f} tok/s, capture median "
+              f"{statistics.median(r[1] for r in rows):.2f} s ({len(rows)} runs)")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gguf", required=True)
@@ -98,7 +129,14 @@ def main(argv=None) -> None:
     p.add_argument("--llama-timeout", type=float, default=300)
     p.add_argument("--skip-ktorch", action="store_true")
     p.add_argument("--json", default=None)
+    p.add_argument("--ab-norms", type=int, default=0, metavar="ROUNDS",
+                   help="experiment: in one process (model loaded once), ROUNDS alternations of ktorch.generate with "
+                   "the captured step's RMSNorms compiled (the default) and eager, per deferral in --deferred; "
+                   "prints decode tok/s and capture s of each")
+    p.add_argument("--deferred", type=int, nargs="+", default=[0, 3])
     args = p.parse_args(argv)
+    if args.ab_norms:
+        return ab_norms(args)
 
     def emit(line: dict) -> None:
         if args.json:
