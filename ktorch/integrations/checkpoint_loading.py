@@ -196,6 +196,10 @@ def build_model(
             check_supported(module)
         except ValueError as e:
             raise CheckpointError(source.path, str(e)) from None
+        if getattr(module, "has_bias", False) or not getattr(module, "has_gate", True):
+            raise CheckpointError(source.path, f"{name}: ktorch.load does not read biased or gateless experts yet "
+                                               f"({type(module).__name__}); load the model with transformers and call "
+                                               "ktorch.prepare")
         gate_up, down = _unpacked_weights(module)
         num_experts, two_i, hidden = gate_up.shape
         sizes[name] = (num_experts, two_i // 2, hidden)
