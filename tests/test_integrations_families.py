@@ -4,6 +4,9 @@ gpt_oss (biases, interleaved transposed weights, swiglu_oai), deepseek_v4 (silu_
 (swiglu_oai, not interleaved), inkling2 (softcap_swiglu), nemotron_h (gateless, relu2): the logits of ktorch eager
 (``ktorch.prepare``) and of ``torch.compile(backend="ktorch")`` match transformers' eager experts within a relative
 error of 2e-2, and each family's experts are shown to matter (the logits move far more than that without them).
+Routing flips at router near-ties (bf16 rounding alone: about one forward in three here flips a token of the
+second layer, its router input 0.6-0.7% off) are handled as tests/models.py explains: the logits are compared up
+to the first flipped position, and the flip must be a near-tie.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ import torch
 from torch import nn
 
 import ktorch
+from ktorch.compile import REPORTS
 from ktorch.integrations import UnsupportedExpertsError, check_supported, packed_experts_of
-from models import moe_experts_modules
+from models import ROUTER_RTOL, RoutingRecorder, assert_flip_is_near_tie, first_routing_flip, moe_experts_modules
 from reference import fused_moe_reference, relative_error
 
 _COMMON = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
@@ -75,6 +79,20 @@ def logits(model, ids):
         return model(ids).logits.float()
 
 
+def assert_logits_close(ref_model, test_model, ids, test_forward=None, what="") -> None:
+    """Relative error of the logits <= TOLERANCE over the positions before the first routing flip (a near-tie)."""
+    test_forward = test_model if test_forward is None else test_forward
+    with torch.no_grad(), RoutingRecorder(ref_model) as ref_routing, RoutingRecorder(test_model) as test_routing:
+        want, got = logits(ref_model, ids), logits(test_forward, ids)
+    flip = first_routing_flip(ref_routing, test_routing)
+    n = ids.shape[1] if flip is None else flip[0]
+    if flip is not None:
+        assert_flip_is_near_tie(ref_routing, test_routing, flip, ROUTER_RTOL[torch.bfloat16])
+    if n:
+        err = relative_error(got[:, :n], want[:, :n])
+        assert err <= TOLERANCE, f"{what}: logits off by {err:.3g} over the first {n} positions"
+
+
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request):
     torch.manual_seed(0)  # one model per family for the module's tests; its inputs use the test's seed
@@ -128,17 +146,15 @@ def test_experts_output_matches_the_reference(family, seed):
 def test_logits_match_eager_and_compiled(family, seed):
     name, model = family
     ids = torch.randint(0, 256, (1, 12))
-    want = logits(model, ids)
     prepared = ktorch.prepare(copy.deepcopy(model), device="cpu")
-    err = relative_error(logits(prepared, ids), want)
-    assert err <= TOLERANCE, f"seed={seed} {name}: ktorch eager logits off by {err:.3g}"
+    assert_logits_close(model, prepared, ids, what=f"seed={seed} {name} ktorch eager")
 
     torch._dynamo.reset()
-    ktorch.compile.REPORTS.clear()
+    REPORTS.clear()
     compiled = torch.compile(prepared, backend="ktorch", options={"inductor": False})
-    err = relative_error(logits(compiled, ids), want)
-    assert err <= TOLERANCE, f"seed={seed} {name}: compiled logits off by {err:.3g}"
-    assert sum(len(r.calls) for r in ktorch.compile.REPORTS) == 2  # both layers' experts went through the backend
+    assert_logits_close(model, prepared, ids, compiled, what=f"seed={seed} {name} compiled")
+    # both layers' experts went through the backend: submitted to the runtime with their registered weights
+    assert sum(r.async_calls for r in REPORTS) == 2, [(r.experts_calls, r.async_calls, r.skipped) for r in REPORTS]
 
     # the experts matter: without them the logits move by much more than the tolerance
     skipped = copy.deepcopy(prepared)
@@ -146,7 +162,7 @@ def test_logits_match_eager_and_compiled(family, seed):
         m.kt_w2 = torch.zeros_like(m.kt_w2)
         if m.kt_w2_bias is not None:
             m.kt_w2_bias = torch.zeros_like(m.kt_w2_bias)
-    assert relative_error(logits(skipped, ids), want) > 5 * TOLERANCE
+    assert relative_error(logits(skipped, ids), logits(model, ids)) > 5 * TOLERANCE
 
 
 def test_unknown_custom_gating_still_raises():

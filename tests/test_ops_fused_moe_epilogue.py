@@ -75,7 +75,7 @@ def test_gated_activations_with_biases(kernel, fmt, group_size, activation, seed
 @pytest.mark.parametrize("activation", GATELESS)
 @pytest.mark.parametrize("biases", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)
-@pytest.mark.parametrize("I", [64, 96, 160])  # 96, 160: the last gate/up call covers 32 channels
+@pytest.mark.parametrize("I", [64, 96])  # 96: the last gate/up call covers 32 channels
 def test_gateless(kernel, fmt, group_size, biases, activation, I, seed):
     E, K, H, T = 5, 2, 96, 19
     packed, _, _ = make_experts(E, H, I, fmt, group_size, gated=False, biases=biases)
