@@ -125,7 +125,8 @@ PackedMatrix describe(const at::Tensor& w, const std::optional<at::Tensor>& s, W
 
 // What the driver does between the gate/up kernel calls and h (and to the down calls' output). The kernels' GLU
 // computes act(gate) * up for the first four activations; the rest, biases and gateless experts run in
-// Epilogue::run (scalar C++: these models' h is a small share of a call's work next to the weight streams).
+// Part::Glu::run_epilogue, scalar C++ the compiler may vectorize (its cost beside the kernels' GLU is not measured
+// yet: a gpt-oss-shaped prefill on the device would show it).
 enum class Act { SiLU, GeluTanh, Gelu, Relu, Relu2, SwigluOai, SiluClamped, SoftcapSwiglu };
 
 struct Epilogue {
