@@ -230,3 +230,33 @@ def test_meta_inputs_with_biases_give_a_meta_output():
     assert out.device.type == "meta" and out.shape == (5, 96) and out.dtype == torch.bfloat16
     with pytest.raises(RuntimeError, match="w2_bias is on cpu but hidden is on meta"):
         torch.ops.kt.fused_moe(*metas, "silu", packed.w13_bias.to("meta"), packed.w2_bias)
+
+
+# ---------------------------------------------------------------- the runtime's native host tasks carry the biases
+
+
+@pytest.mark.parametrize("gated,act", [(True, "swiglu_oai(alpha=1.702,limit=7.0)"), (False, "relu2")])
+def test_host_tasks_run_the_biased_op(gated, act):
+    """What CUDA-graph replays run (runtime/host_tasks.cpp), called here directly on the CPU: a task gives the op's
+    output bit for bit, and a split task's two parts (expert deferral) sum to it."""
+    import types
+
+    from ktorch.compile.experts_runtime import ExpertsLayer, _NativeHostFunctions
+
+    E, H, I, T, K = 6, 128, 64, 9, 4
+    packed, _, _ = make_experts(E, H, I, "int8", None, gated=gated)
+    layer = ExpertsLayer(*packed.tensors(), act, *packed.biases())
+    hidden, (ids, weights) = torch.randn(T, H), make_routing(T, E, K)
+    ids = ids.contiguous()  # (a split task reads the ids in place)
+    whole = torch.ops.kt.fused_moe(hidden, ids, weights, *packed.tensors(), act, *packed.biases())
+    staging = types.SimpleNamespace(hidden=hidden, topk_ids=ids, topk_weights=weights, out=torch.zeros(T, H))
+    task = _NativeHostFunctions(staging, layer)
+    task.run()
+    assert task.error() == "" and torch.equal(staging.out, whole)
+    split = types.SimpleNamespace(hidden=hidden, topk_ids=ids, topk_weights=weights, out=torch.zeros(T, H),
+                                  out_later=torch.zeros(T, H), deferred=torch.tensor(1))
+    task = _NativeHostFunctions(split, layer)
+    task.run()
+    assert task.error() == ""
+    torch.testing.assert_close(split.out + split.out_later, whole, rtol=1e-5, atol=1e-5)
+    assert relative_error(split.out_later, torch.zeros(T, H)) > 0  # the deferred part has work (and its biases)
