@@ -195,3 +195,17 @@ def test_unknown_custom_gating_still_raises():
     m.__class__ = Doubled
     with pytest.raises(UnsupportedExpertsError, match="overrides _apply_gate"):
         check_supported(m)
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "nemotron_h", "deepseek_v4"])
+def test_device_side_experts_refuse_what_they_cannot_run(name):
+    """Device-resident and streamed experts compute unbiased act(gate) * up: biased (gpt_oss), gateless (nemotron_h)
+    and clamped (deepseek_v4) experts are refused, not run wrong."""
+    from ktorch.integrations import attach_gpu_experts, attach_streamed_experts
+
+    torch.manual_seed(0)
+    m = moe_experts_modules(ktorch.prepare(tiny_family_model(name), device="cpu"))[0]
+    with pytest.raises(UnsupportedExpertsError, match="device-side experts"):
+        attach_gpu_experts(m, torch.tensor([0]), torch.zeros(1, 64, 128), torch.zeros(1, 64, 64))
+    with pytest.raises(UnsupportedExpertsError, match="device-side experts"):
+        attach_streamed_experts(m, {1: 1}, pin=False)
