@@ -209,3 +209,5 @@ def test_device_side_experts_refuse_what_they_cannot_run(name):
         attach_gpu_experts(m, torch.tensor([0]), torch.zeros(1, 64, 128), torch.zeros(1, 64, 64))
     with pytest.raises(UnsupportedExpertsError, match="device-side experts"):
         attach_streamed_experts(m, {1: 1}, pin=False)
+    with pytest.raises(UnsupportedExpertsError, match="prepare: .*experts: gpu_experts/stream_experts: .*device-side"):
+        ktorch.prepare(tiny_family_model(name), device="cpu", gpu_experts=1)

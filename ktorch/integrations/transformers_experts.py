@@ -293,16 +293,27 @@ def attach_gpu_experts(module: nn.Module, expert_ids: torch.Tensor, w13: torch.T
     module.kt_gpu_kernel = kernel
 
 
-def _check_device_experts(module: nn.Module, what: str) -> None:
-    """The device-side expert paths (gpu_experts, streamed_experts) run act(gate) * up without biases only."""
+def device_experts_problem(module: nn.Module) -> Optional[str]:
+    """Why the device-side expert paths (gpu_experts, streamed_experts: unbiased act(gate) * up with
+    silu/gelu/gelu_tanh/relu) cannot run this experts module (packed or not), or None if they can."""
     from ktorch.ops.gpu_experts import ACTIVATIONS
 
     packed = packed_experts_of(module)
-    if packed.w13_bias is not None or packed.w2_bias is not None or not packed.has_gate or \
-            module.kt_activation not in ACTIVATIONS:
-        raise UnsupportedExpertsError(
-            f"{what}: {type(module).__name__} has biases, no gate or activation {module.kt_activation!r}; the "
-            "device-side experts run unbiased act(gate) * up with silu/gelu/gelu_tanh/relu only")
+    if packed is not None:
+        biased, gated, act = packed.w13_bias is not None or packed.w2_bias is not None, packed.has_gate, module.kt_activation
+    else:
+        biased, gated, act = getattr(module, "has_bias", False), getattr(module, "has_gate", True), check_supported(module)
+    if biased or not gated or act not in ACTIVATIONS:
+        return (f"{type(module).__name__} has {'biases' if biased else 'no biases'}, {'a gate' if gated else 'no gate'} "
+                f"and activation {act!r}; the device-side experts run unbiased act(gate) * up with "
+                f"{'/'.join(ACTIVATIONS)} only")
+    return None
+
+
+def _check_device_experts(module: nn.Module, what: str) -> None:
+    problem = device_experts_problem(module)
+    if problem is not None:
+        raise UnsupportedExpertsError(f"{what}: {problem}")
 
 
 def gpu_expert_weights(module: nn.Module, expert_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
