@@ -211,3 +211,21 @@ def test_device_side_experts_refuse_what_they_cannot_run(name):
         attach_streamed_experts(m, {1: 1}, pin=False)
     with pytest.raises(UnsupportedExpertsError, match="prepare: .*experts: gpu_experts/stream_experts: .*device-side"):
         ktorch.prepare(tiny_family_model(name), device="cpu", gpu_experts=1)
+
+
+def test_load_saved_checkpoint(tmp_path, seed):
+    """ktorch.load reads a save_pretrained gpt-oss folder (experts transposed, gate/up interleaved, biases) parameter
+    by parameter and gives eager's logits; gateless experts (Nemotron-H, saved one expert at a time) are refused."""
+    from ktorch.integrations.checkpoint_loading import CheckpointError
+
+    torch.manual_seed(0)
+    model = tiny_family_model("gpt_oss")
+    model.save_pretrained(tmp_path / "gpt_oss")
+    loaded, _ = ktorch.load(tmp_path / "gpt_oss", device="cpu", dtype=torch.bfloat16, progress=False, tokenizer=False)
+    for m in moe_experts_modules(loaded):
+        packed = packed_experts_of(m)
+        assert packed.has_gate and packed.w13_bias is not None and packed.w2_bias is not None
+    assert_logits_close(model, loaded, torch.randint(0, 256, (1, 12)), what=f"seed={seed} gpt_oss loaded")
+    tiny_family_model("nemotron_h").save_pretrained(tmp_path / "nemotron_h")
+    with pytest.raises(CheckpointError, match="does not read gateless experts yet"):
+        ktorch.load(tmp_path / "nemotron_h", device="cpu", progress=False, tokenizer=False)
