@@ -229,3 +229,26 @@ def test_load_saved_checkpoint(tmp_path, seed):
     tiny_family_model("nemotron_h").save_pretrained(tmp_path / "nemotron_h")
     with pytest.raises(CheckpointError, match="does not read gateless experts yet"):
         ktorch.load(tmp_path / "nemotron_h", device="cpu", progress=False, tokenizer=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["gpt_oss", "nemotron_h"])
+def test_cuda_graphs_carry_the_biases(name, seed):
+    """On a GPU, under CUDA graphs (mode="reduce-overhead"), replays start the experts through the runtime's
+    native host tasks, which must get the layer's biases and activation: the replayed forward's logits match the
+    same prepared model run eagerly on the GPU (submit and wait through the runtime's Python path)."""
+    from ktorch.compile import RUNTIME
+
+    torch.manual_seed(0)
+    prepared = ktorch.prepare(tiny_family_model(name), device="cuda")
+    ids = torch.randint(0, 256, (1, 12), device="cuda")
+    want = logits(prepared, ids)
+    torch._dynamo.reset()
+    compiled = torch.compile(prepared, backend="ktorch", mode="reduce-overhead")
+    with torch.no_grad():
+        for _ in range(3):  # warm-up, capture, replay
+            torch.compiler.cudagraph_mark_step_begin()
+            got = compiled(ids).logits.float()
+    assert RUNTIME.stats.get("captured_submits", 0) > 0
+    err = relative_error(got, want)
+    assert err <= TOLERANCE, f"seed={seed} {name}: replayed logits off by {err:.3g} from eager on the GPU"
