@@ -15,11 +15,14 @@ from ktorch.ops.deferred_slots import is_deferred_count
 from ktorch.experts_profile import ExpertsProfile
 from ktorch.integrations.transformers_experts import (
     IMPLEMENTATION_NAME,
+    UnsupportedExpertsError,
     attach_gpu_experts,
     attach_streamed_experts,
     gpu_expert_weights,
     check_supported,
+    device_experts_problem,
     experts_modules,
+    is_experts_module,
     pack_module_experts,
     packed_experts_of,
 )
@@ -85,6 +88,10 @@ def prepare(
                 check_supported(m)
             except ValueError as e:
                 raise type(e)(f"{name}: {e}") from None
+        if gpu_experts is not None or stream_experts is not None:
+            problem = device_experts_problem(m)
+            if problem is not None:
+                raise UnsupportedExpertsError(f"prepare: {name}: gpu_experts/stream_experts: {problem}")
     if stream_experts is not None and device.type != "cuda":
         raise ValueError(f"prepare: stream_experts copies experts to a CUDA device; device is {device}")
     if device.type != "cpu":

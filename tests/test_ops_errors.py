@@ -103,7 +103,8 @@ def test_fused_moe_id_out_of_range(dtype):
 
 
 def test_fused_moe_unknown_activation():
-    with raises(r"activation must be one of silu, gelu_tanh, gelu, relu; got 'tanh'"):
+    with raises(r"activation must be one of silu, gelu_tanh, gelu, relu, relu2, swiglu_oai\(alpha=, limit=\), "
+                r"silu_clamped\(limit=\), softcap_swiglu\(gate=, up=\); got 'tanh'"):
         call(activation="tanh")
 
 
@@ -138,7 +139,7 @@ def test_fused_moe_experts_of_another_shape():
     with raises(r"w13 has 6 experts but w2 has 4"):
         call(w2=fewer.w2)
     wider = experts("bf16", i=96)
-    with raises(r"intermediate size mismatch: w13 gives I=64 \(N/2\), w2 expects K=96"):
+    with raises(r"intermediate size mismatch: w13 gives I=64 \(N/2; gateless experts: N\), w2 expects K=96"):
         call(w2=wider.w2)
     other_h = experts("bf16", h=160)
     with raises(r"hidden has H=96, w13 expects K=96, w2 produces N=160"):
@@ -148,9 +149,10 @@ def test_fused_moe_experts_of_another_shape():
 
 
 def test_fused_moe_w13_not_packed_as_gate_up():
-    # I = 16: 2I = 32 rows cannot hold 32 gate + 32 up channels per kernel task
+    # I = 16: 2I = 32 rows cannot hold 32 gate + 32 up channels per kernel task. (w13 with as many rows as w2 has
+    # columns is the up projection of gateless experts: tests/test_ops_fused_moe_epilogue.py.)
     w13 = kt.pack_bf16(torch.randn(E, 32, H), gate_up=False)
-    w2 = kt.pack_bf16(torch.randn(E, H, 32))
+    w2 = kt.pack_bf16(torch.randn(E, H, 32))[:, :, :8].contiguous()  # K = 16 (pack_bf16 wants 32: cut one)
     with raises(r"w13 must be packed with gate_up=True \(2I a multiple of 64\), got N=32"):
         call(w13=w13, w2=w2)
 

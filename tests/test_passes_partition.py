@@ -69,7 +69,7 @@ def test_gpu_graph_finds_call_hops_and_copy_back():
     assert len(call.hops_in) == 3 and all(h.target == "to" for h in call.hops_in)
     assert call.result.target is torch.ops.aten._to_copy.default and call.result.args[0] is call.node
     assert call.async_ok and call.activation == "silu"
-    assert [w.name if w is not None else None for w in call.weights] == ["w13", None, "w2", None]
+    assert [w.name if w is not None else None for w in call.weights] == ["w13", None, "w2", None, None, None]
 
 
 def test_cpu_only_graph_has_no_hops():

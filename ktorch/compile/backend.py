@@ -168,7 +168,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, opts: BackendOptions
     if opts.async_experts:
         def layer_id(call: ExpertsCall) -> int:
             weight_inputs.update(w for w in call.weights if w is not None and w.op == "placeholder")
-            return RUNTIME.register_layer(*_weights_of(call, inputs_by_node, gm), call.activation)
+            w13, s13, w2, s2, b13, b2 = _weights_of(call, inputs_by_node, gm)
+            return RUNTIME.register_layer(w13, s13, w2, s2, call.activation, b13, b2)
 
         boundaries: list[Boundary] = insert_async_boundaries(gm, calls, layer_id, RUNTIME.new_site)
         report.async_calls = len(boundaries)

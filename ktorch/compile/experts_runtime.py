@@ -101,6 +101,8 @@ class ExpertsLayer:
     w2: torch.Tensor
     w2_scales: Optional[torch.Tensor]
     activation: str
+    w13_bias: Optional[torch.Tensor] = None  # the experts' biases (kt.fused_moe), or None
+    w2_bias: Optional[torch.Tensor] = None
 
     runtime: Optional["ExpertsRuntime"] = None  # set by ExpertsRuntime.register_layer
 
@@ -110,7 +112,8 @@ class ExpertsLayer:
             observe(self, hidden, topk_ids, topk_weights)
         start = time.perf_counter_ns()
         out = torch.ops.kt.fused_moe(
-            hidden, topk_ids, topk_weights, self.w13, self.w13_scales, self.w2, self.w2_scales, self.activation
+            hidden, topk_ids, topk_weights, self.w13, self.w13_scales, self.w2, self.w2_scales, self.activation,
+            self.w13_bias, self.w2_bias,
         )
         if runtime is not None:
             end = time.perf_counter_ns()
@@ -235,12 +238,12 @@ class ExpertsRuntime:
         self._runtime_deferred_host = torch.zeros((), dtype=torch.int64)
 
     # -- compile time
-    def register_layer(self, w13, w13_scales, w2, w2_scales, activation: str) -> int:
+    def register_layer(self, w13, w13_scales, w2, w2_scales, activation: str, w13_bias=None, w2_bias=None) -> int:
         """The id of these packed weights (the same tensors always get the same id)."""
-        key = (id(w13), id(w2), w13.data_ptr(), w2.data_ptr(), activation)
+        key = (id(w13), id(w2), w13.data_ptr(), w2.data_ptr(), activation, id(w13_bias), id(w2_bias))
         if key not in self._layer_ids:
             self._layer_ids[key] = len(self.layers)
-            layer = ExpertsLayer(w13, w13_scales, w2, w2_scales, activation)
+            layer = ExpertsLayer(w13, w13_scales, w2, w2_scales, activation, w13_bias, w2_bias)
             layer.runtime = self
             self.layers.append(layer)
         return self._layer_ids[key]
@@ -424,7 +427,8 @@ class _NativeHostFunctions:
         self.handle = torch.ops.kt.host_task_new(staging.hidden, staging.topk_ids, staging.topk_weights, staging.out,
                                                  layer.w13, layer.w13_scales, layer.w2, layer.w2_scales,
                                                  layer.activation, True,
-                                                 staging.out_later if deferred is not None else None, deferred)
+                                                 staging.out_later if deferred is not None else None, deferred,
+                                                 layer.w13_bias, layer.w2_bias)
         self._fns = tuple(self._Fn(fn, self.handle) for fn in torch.ops.kt.host_task_functions())
 
     def __getitem__(self, i: int):

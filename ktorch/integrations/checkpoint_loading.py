@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import re
+import types
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Optional, Union
@@ -23,7 +24,12 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from ktorch.integrations.transformers_experts import _unpacked_weights, attach_packed_experts, check_supported
+from ktorch.integrations.transformers_experts import (
+    _unpacked_biases,
+    _unpacked_weights,
+    attach_packed_experts,
+    check_supported,
+)
 from ktorch.ops.moe import FORMATS, PackedExperts, empty_weights, pack_experts
 
 # Unpacked fp32 elements read per chunk of experts (about 256 MB): bounds loading memory beyond the packed model.
@@ -69,6 +75,13 @@ class CheckpointSource(ABC):
     @abstractmethod
     def read_experts(self, module_name: str, first: int, end: int, fmt: str, group_size: Optional[int]) -> PackedExperts:
         """Experts ``first:end`` of ``module_name``, packed in ``fmt``."""
+
+    def read_expert_rows(self, name: str, first: int, end: int) -> torch.Tensor:
+        """Experts ``first:end`` (rows of the first dimension) of the experts module's own parameter ``name`` as
+        stored, for modules whose experts are not in the plain layout ``check_experts`` reads (transposed,
+        interleaved, biased or gateless: ``experts_as_stored``). Sources that cannot raise ``CheckpointError``."""
+        raise CheckpointError(self.path, f"{name}: this checkpoint format does not hold experts in the module's own "
+                                         "layout (transposed, interleaved, biased or gateless experts)")
 
     def release(self) -> None:
         """Drops read buffers (mapped file pages, open handles) after a layer is done."""
@@ -148,6 +161,48 @@ def pack_experts_in_chunks(source: CheckpointSource, module_name: str, num_exper
     return PackedExperts(*out, packed_format, packed_group)
 
 
+def experts_as_stored(module: nn.Module) -> bool:
+    """True for experts modules the loader reads parameter by parameter, in the module's own layout (transposed,
+    interleaved gate/up, biases: gpt-oss), rather than through ``check_experts`` / ``read_experts``'s plain
+    [E, 2I, H] / [E, H, I]."""
+    return (module.is_transposed or not module.is_concatenated or getattr(module, "has_bias", False)
+            or not getattr(module, "has_gate", True))
+
+
+def pack_stored_experts_in_chunks(source: CheckpointSource, module_name: str, module: nn.Module, fmt: str,
+                                  group_size: Optional[int]) -> PackedExperts:
+    """``pack_experts_in_chunks`` for an ``experts_as_stored`` module: each chunk of experts is read as the module
+    holds its parameters, then de-transposed, de-interleaved and packed as ``pack_module_experts`` does."""
+    params = dict(module.named_parameters(recurse=False))
+    E = next(iter(params.values())).shape[0]
+    gated = getattr(module, "has_gate", True)
+    gate_up, _ = _unpacked_weights(module)
+    chunk = _chunk_size(E, gate_up.shape[1], gate_up.shape[2])
+    out: Optional[list] = None
+    fmt_out, group_out = fmt, group_size
+    for first in range(0, E, chunk):
+        end = min(E, first + chunk)
+        held = types.SimpleNamespace(**{p: source.read_expert_rows(f"{module_name}.{p}", first, end) for p in params},
+                                     is_transposed=module.is_transposed, is_concatenated=module.is_concatenated,
+                                     has_gate=gated, has_bias=getattr(module, "has_bias", False))
+        w13, down = _unpacked_weights(held)
+        b13, b2 = _unpacked_biases(held)
+        if gated:
+            part = pack_experts(w13, down, dtype=fmt, group_size=group_size, gate_up_bias=b13, down_bias=b2)
+        else:
+            part = pack_experts(up_proj=w13, down_proj=down, dtype=fmt, group_size=group_size, gate_up_bias=b13,
+                                down_bias=b2)
+        tensors = (*part.tensors(), *part.biases())
+        if out is None:
+            out = [None if t is None else empty_weights((E, *t.shape[1:]), t.dtype) for t in tensors]
+            fmt_out, group_out = part.format, part.group_size
+        for dst, src in zip(out, tensors):
+            if dst is not None:
+                dst[first:end].copy_(src)
+        del part, held
+    return PackedExperts(*out[:4], fmt_out, group_out, out[4], out[5])
+
+
 def build_model(
     source: CheckpointSource,
     device: Union[str, torch.device] = "cuda",
@@ -196,11 +251,19 @@ def build_model(
             check_supported(module)
         except ValueError as e:
             raise CheckpointError(source.path, str(e)) from None
+        if not getattr(module, "has_gate", True):
+            raise CheckpointError(source.path, f"{name}: ktorch.load does not read gateless experts yet "
+                                               f"({type(module).__name__}); load the model with transformers and call "
+                                               "ktorch.prepare")
         gate_up, down = _unpacked_weights(module)
-        num_experts, two_i, hidden = gate_up.shape
-        sizes[name] = (num_experts, two_i // 2, hidden)
-        source.check_experts(name, *sizes[name])
-        for what, size in (("hidden size", hidden), ("expert intermediate size", two_i // 2)):
+        num_experts, intermediate, hidden = down.shape[0], down.shape[2], down.shape[1]
+        sizes[name] = (num_experts, intermediate, hidden)
+        if experts_as_stored(module):  # (gpt-oss, Nemotron-H) read parameter by parameter, as the module holds them
+            for p, t in module.named_parameters(recurse=False):
+                source.check_tensor(f"{name}.{p}", tuple(t.shape))
+        else:
+            source.check_experts(name, *sizes[name])
+        for what, size in (("hidden size", hidden), ("expert intermediate size", intermediate)):
             if size % 32:
                 raise CheckpointError(source.path, f"{name}: {what} {size} is not a multiple of 32, which "
                                                    "kt.fused_moe needs")
@@ -227,7 +290,10 @@ def build_model(
             if step in experts_by_layer:
                 name, module = experts_by_layer[step]
                 fmt, group = formats[name]
-                packed = pack_experts_in_chunks(source, name, *sizes[name], fmt, group)
+                if experts_as_stored(module):
+                    packed = pack_stored_experts_in_chunks(source, name, module, fmt, group)
+                else:
+                    packed = pack_experts_in_chunks(source, name, *sizes[name], fmt, group)
                 attach_packed_experts(module, packed)
             source.release()
             gc.collect(1)  # the young generations: a layer's cyclic garbage, without walking the whole model each time

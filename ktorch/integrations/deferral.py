@@ -118,6 +118,7 @@ def _runtime_ids(module: nn.Module) -> tuple[int, int, int]:
     ids = getattr(module, "_kt_deferral_runtime_ids", None)
     if ids is None or ids[0] is not module.kt_w13:
         layer = RUNTIME.register_layer(module.kt_w13, module.kt_w13_scales, module.kt_w2, module.kt_w2_scales,
-                                       module.kt_activation)
+                                       module.kt_activation, getattr(module, "kt_w13_bias", None),
+                                       getattr(module, "kt_w2_bias", None))
         ids = module._kt_deferral_runtime_ids = (module.kt_w13, layer, RUNTIME.new_site(), RUNTIME.new_site())
     return ids[1:]

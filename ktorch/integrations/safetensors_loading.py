@@ -162,6 +162,9 @@ class SafetensorsSource(CheckpointSource):
     def read_tensor(self, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return self._read(name).to(device=device, dtype=dtype)
 
+    def read_expert_rows(self, name: str, first: int, end: int) -> torch.Tensor:
+        return self._read(name, first, end)
+
     def check_experts(self, module_name: str, num_experts: int, intermediate: int, hidden: int) -> None:
         fused = {"gate_up_proj": (num_experts, 2 * intermediate, hidden), "down_proj": (num_experts, hidden, intermediate)}
         if all(f"{module_name}.{p}" in self._shapes for p in fused):

@@ -9,17 +9,20 @@ transformers dispatches the forward of every experts class decorated with ``@use
 
 The op reads packed weights (``ktorch.pack_experts``). ``attach_packed_experts`` (called by
 ``ktorch.prepare``) replaces the module's ``gate_up_proj``/``down_proj`` parameters with buffers
-``kt_w13``, ``kt_w13_scales``, ``kt_w2``, ``kt_w2_scales`` that stay on the CPU whatever ``model.to()``
-is asked later. An experts module that was never prepared is packed (bf16) on its first eager call.
+``kt_w13``, ``kt_w13_scales``, ``kt_w2``, ``kt_w2_scales`` (and ``kt_w13_bias``, ``kt_w2_bias``) that stay on
+the CPU whatever ``model.to()`` is asked later. An experts module that was never prepared is packed (bf16) on its
+first eager call.
 
 What the decorator records on the module and what this implementation does with it:
   is_transposed=True       weights are [E, H, 2I] / [E, I, H]; transposed views are packed
-  is_concatenated=False    gate/up rows interleaved (g0, u0, g1, u1, ...); de-interleaved when packing
-  has_bias=True            not supported: the op has no bias (error)
-  has_gate=False           not supported: the op always computes act(gate) * up (error)
+  is_concatenated=False    gate/up rows interleaved (g0, u0, g1, u1, ...); de-interleaved when packing (biases too)
+  has_bias=True            gate_up_proj_bias (up_proj_bias) and down_proj_bias go to the op as float32 (gpt-oss)
+  has_gate=False           up_proj only: the op computes act(up) (Nemotron-H, relu2)
   has_post_expert_norm     not supported (error)
-  a custom _apply_gate     not supported, e.g. GPT-OSS's clamped SwiGLU (error)
-  act_fn                   silu, gelu (erf), gelu_tanh, relu; anything else is an error
+  a custom _apply_gate     recognized from the module's parameters and then checked against the module's own
+                           _apply_gate on random inputs: swiglu_oai (gpt-oss, MiniMax-M3), silu_clamped
+                           (DeepSeek-V4), softcap_swiglu (Inkling2); any other is an error
+  act_fn                   silu, gelu (erf), gelu_tanh, relu, relu2; anything else is an error
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from ktorch.ops.moe import PackedExperts, pack_experts
 
 IMPLEMENTATION_NAME = "ktorch"
 _BUFFERS = ("kt_w13", "kt_w13_scales", "kt_w2", "kt_w2_scales")
+_BIAS_BUFFERS = ("kt_w13_bias", "kt_w2_bias")
 
 
 class UnsupportedExpertsError(ValueError):
@@ -65,6 +69,8 @@ def _activation_name(module: nn.Module) -> str:
         return "silu"
     if isinstance(act, nn.ReLU):
         return "relu"
+    if isinstance(act, A.ReLUSquaredActivation):
+        return "relu2"
     if isinstance(act, (A.NewGELUActivation, A.FastGELUActivation)):
         return "gelu_tanh"
     if isinstance(act, A.GELUTanh):
@@ -79,8 +85,66 @@ def _activation_name(module: nn.Module) -> str:
         return "gelu_tanh" if act.keywords.get("approximate") == "tanh" else "gelu"
     raise UnsupportedExpertsError(
         f"ktorch experts: activation {type(act).__name__} of {type(module).__name__} is not supported by "
-        "kt.fused_moe (silu, gelu, gelu_tanh, relu)"
+        "kt.fused_moe (silu, gelu, gelu_tanh, relu, relu2)"
     )
+
+
+def glu_of_spec(spec: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """What kt.fused_moe computes from gate and up for a gated activation ``spec`` (ktorch.fused_moe lists them), in
+    torch: used to check a module's own ``_apply_gate`` against the spec chosen for it."""
+    name, _, body = spec.partition("(")
+    p = {k.strip(): float(v) for k, v in (item.split("=") for item in body.rstrip(")").split(",") if item)}
+    if name == "swiglu_oai":
+        g, u = gate.clamp(max=p["limit"]), up.clamp(-p["limit"], p["limit"])
+        return (u + 1) * g * torch.sigmoid(p["alpha"] * g)
+    if name == "silu_clamped":
+        return torch.nn.functional.silu(gate.clamp(max=p["limit"])) * up.clamp(-p["limit"], p["limit"])
+    if name == "softcap_swiglu":
+        return p["gate"] * torch.tanh(gate / p["gate"]) * torch.sigmoid(gate) * (p["up"] * torch.tanh(up / p["up"]))
+    raise ValueError(f"glu_of_spec: {spec!r} is not a gated activation with parameters")
+
+
+def _custom_gate_candidates(module: nn.Module) -> list[str]:
+    """Specs a custom ``_apply_gate`` may stand for, from the parameters the module holds."""
+    out = []
+    for alpha, limit in (("alpha", "limit"), ("swiglu_alpha", "swiglu_limit")):  # gpt-oss, MiniMax-M3
+        a, l = getattr(module, alpha, None), getattr(module, limit, None)
+        if isinstance(a, (int, float)) and isinstance(l, (int, float)):
+            out.append(f"swiglu_oai(alpha={float(a)!r},limit={float(l)!r})")
+    limit = getattr(module, "limit", None)  # DeepSeek-V4: act_fn(gate.clamp) * up.clamp
+    if isinstance(limit, (int, float)):
+        try:
+            if _activation_name(module) == "silu":
+                out.append(f"silu_clamped(limit={float(limit)!r})")
+        except UnsupportedExpertsError:
+            pass
+    act = getattr(module, "act_fn", None)  # Inkling2: act_fn(gate, up) with softcaps
+    caps = [getattr(getattr(act, n, None), "softcap", None) for n in ("gate_softcap", "up_softcap")]
+    if all(isinstance(c, (int, float)) and c > 0 for c in caps):
+        out.append(f"softcap_swiglu(gate={float(caps[0])!r},up={float(caps[1])!r})")
+    return out
+
+
+def _custom_gate_spec(module: nn.Module) -> Optional[str]:
+    """The spec whose math ``module._apply_gate`` computes, checked on random fp32 inputs (spread past the clamps,
+    in the module's gate/up layout), or None."""
+    I = getattr(module, "intermediate_dim", None) or getattr(module, "intermediate_size", None) or 64
+    gen = torch.Generator().manual_seed(0)
+    gate, up = torch.randn(16, I, generator=gen) * 6, torch.randn(16, I, generator=gen) * 6
+    if getattr(module, "is_concatenated", True):
+        gate_up = torch.cat([gate, up], dim=-1)
+    else:
+        gate_up = torch.stack([gate, up], dim=-1).reshape(16, 2 * I)
+    with torch.no_grad():
+        try:
+            theirs = type(module)._apply_gate(module, gate_up).float()
+        except Exception:
+            return None
+        for spec in _custom_gate_candidates(module):
+            ours = glu_of_spec(spec, gate, up)
+            if theirs.shape == ours.shape and torch.allclose(theirs, ours, rtol=1e-4, atol=1e-5):
+                return spec
+    return None
 
 
 def check_supported(module: nn.Module) -> str:
@@ -88,33 +152,45 @@ def check_supported(module: nn.Module) -> str:
     name = type(module).__name__
     from transformers.integrations.moe import _default_apply_gate
 
-    if getattr(module, "has_bias", False):
-        raise UnsupportedExpertsError(f"ktorch experts: {name} has expert biases (has_bias=True); kt.fused_moe has none")
-    if not getattr(module, "has_gate", True):
-        raise UnsupportedExpertsError(
-            f"ktorch experts: {name} has no gate projection (has_gate=False); kt.fused_moe computes act(gate) * up only"
-        )
     if getattr(module, "has_post_expert_norm", False):
         raise UnsupportedExpertsError(f"ktorch experts: {name} applies a post-expert norm, which kt.fused_moe does not")
     if getattr(module, "_is_expert_parallel", False):
         raise UnsupportedExpertsError(f"ktorch experts: {name} is expert-parallel; ktorch runs all experts in one process")
+    if not getattr(module, "has_gate", True):  # h = act_fn(up); _apply_gate is not used
+        return _activation_name(module)
     gate = getattr(type(module), "_apply_gate", _default_apply_gate)
     if gate is not _default_apply_gate:
-        raise UnsupportedExpertsError(
-            f"ktorch experts: {name} overrides _apply_gate (custom gating such as a clamped SwiGLU); kt.fused_moe "
-            "computes act(gate) * up only"
-        )
+        spec = _custom_gate_spec(module)
+        if spec is None:
+            raise UnsupportedExpertsError(
+                f"ktorch experts: {name} overrides _apply_gate with gating kt.fused_moe does not know (it runs "
+                "act(gate) * up, swiglu_oai, silu_clamped and softcap_swiglu)"
+            )
+        return spec
     return _activation_name(module)
 
 
 def _unpacked_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """(gate_up [E, 2I, H] gate rows then up rows, down [E, H, I]) as views of the module's parameters."""
-    gate_up, down = module.gate_up_proj, module.down_proj
+    """(gate_up [E, 2I, H] gate rows then up rows, down [E, H, I]) as views of the module's parameters; for gateless
+    experts (has_gate=False) (up [E, I, H], down)."""
+    gated = getattr(module, "has_gate", True)
+    gate_up, down = (module.gate_up_proj if gated else module.up_proj), module.down_proj
     if module.is_transposed:  # [E, H, 2I] and [E, I, H]
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
-    if not module.is_concatenated:  # rows g0, u0, g1, u1, ...
+    if gated and not module.is_concatenated:  # rows g0, u0, g1, u1, ...
         gate_up = torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=1)
     return gate_up, down
+
+
+def _unpacked_biases(module: nn.Module) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(gate_up bias [E, 2I] gate then up (gateless: up bias [E, I]), down bias [E, H]), or (None, None)."""
+    if not getattr(module, "has_bias", False):
+        return None, None
+    gated = getattr(module, "has_gate", True)
+    b13, b2 = (module.gate_up_proj_bias if gated else module.up_proj_bias), module.down_proj_bias
+    if gated and not module.is_concatenated:
+        b13 = torch.cat([b13[:, 0::2], b13[:, 1::2]], dim=1)
+    return b13, b2
 
 
 # ---------------------------------------------------------------- packing onto the module
@@ -159,7 +235,13 @@ def attach_packed_experts(module: nn.Module, packed: PackedExperts, activation: 
     for name in ("gate_up_proj", "down_proj"):
         if name in module._parameters:
             delattr(module, name)
-    for name, t in zip(_BUFFERS, packed.tensors()):
+    if packed.has_gate != getattr(module, "has_gate", True):
+        raise ValueError(f"attach_packed_experts: {type(module).__name__} has has_gate={module.has_gate}, the packed "
+                         f"experts {'have' if packed.has_gate else 'lack'} a gate projection")
+    for name in ("up_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias"):
+        if name in module._parameters:
+            delattr(module, name)
+    for name, t in zip(_BUFFERS + _BIAS_BUFFERS, packed.tensors() + packed.biases()):
         if t is not None and t.device.type != "cpu":
             raise ValueError(f"attach_packed_experts: packed tensor {name} must be on the CPU, got {t.device}")
         module.register_buffer(name, t, persistent=False)
@@ -172,14 +254,20 @@ def pack_module_experts(module: nn.Module, dtype: str = "bf16", group_size: Opti
     """Packs ``module``'s ``gate_up_proj``/``down_proj`` into the op's layout (on the CPU) and attaches them."""
     act = check_supported(module)
     gate_up, down = _unpacked_weights(module)
+    b13, b2 = _unpacked_biases(module)
     if gate_up.device.type == "meta":
         raise ValueError(
             f"pack_module_experts: {type(module).__name__} holds meta tensors; load real weights first, or build "
             "PackedExperts yourself and call attach_packed_experts"
         )
     with torch.no_grad():
-        packed = pack_experts(gate_up.detach().cpu(), down.detach().cpu(), dtype=dtype, group_size=group_size)
-    del gate_up, down
+        if getattr(module, "has_gate", True):
+            packed = pack_experts(gate_up.detach().cpu(), down.detach().cpu(), dtype=dtype, group_size=group_size,
+                                  gate_up_bias=b13, down_bias=b2)
+        else:
+            packed = pack_experts(up_proj=gate_up.detach().cpu(), down_proj=down.detach().cpu(), dtype=dtype,
+                                  group_size=group_size, gate_up_bias=b13, down_bias=b2)
+    del gate_up, down, b13, b2
     attach_packed_experts(module, packed, act)
     return packed
 
@@ -194,6 +282,7 @@ def attach_gpu_experts(module: nn.Module, expert_ids: torch.Tensor, w13: torch.T
     (the op never reads it)."""
     if getattr(module, "kt_w13", None) is None:
         raise ValueError(f"attach_gpu_experts: {type(module).__name__} is not packed; pack it first")
+    _check_device_experts(module, "attach_gpu_experts")
     E = module.kt_w13.shape[0]
     n = expert_ids.numel()
     if w13.shape[0] != n or w2.shape[0] != n or w13.shape[2] != 2 * w2.shape[1] or w13.shape[1] != w2.shape[2]:
@@ -209,6 +298,29 @@ def attach_gpu_experts(module: nn.Module, expert_ids: torch.Tensor, w13: torch.T
     module.kt_gpu_kernel = kernel
 
 
+def device_experts_problem(module: nn.Module) -> Optional[str]:
+    """Why the device-side expert paths (gpu_experts, streamed_experts: unbiased act(gate) * up with
+    silu/gelu/gelu_tanh/relu) cannot run this experts module (packed or not), or None if they can."""
+    from ktorch.ops.gpu_experts import ACTIVATIONS
+
+    packed = packed_experts_of(module)
+    if packed is not None:
+        biased, gated, act = packed.w13_bias is not None or packed.w2_bias is not None, packed.has_gate, module.kt_activation
+    else:
+        biased, gated, act = getattr(module, "has_bias", False), getattr(module, "has_gate", True), check_supported(module)
+    if biased or not gated or act not in ACTIVATIONS:
+        return (f"{type(module).__name__} has {'biases' if biased else 'no biases'}, {'a gate' if gated else 'no gate'} "
+                f"and activation {act!r}; the device-side experts run unbiased act(gate) * up with "
+                f"{'/'.join(ACTIVATIONS)} only")
+    return None
+
+
+def _check_device_experts(module: nn.Module, what: str) -> None:
+    problem = device_experts_problem(module)
+    if problem is not None:
+        raise UnsupportedExpertsError(f"{what}: {problem}")
+
+
 def gpu_expert_weights(module: nn.Module, expert_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(w13 [n, H, 2I], w2 [n, I, H]) of the unpacked module's experts ``expert_ids``, contiguous, on its device."""
     gate_up, down = _unpacked_weights(module)
@@ -220,7 +332,8 @@ def packed_experts_of(module: nn.Module) -> Optional[PackedExperts]:
     """The ``PackedExperts`` attached to ``module``, or None if it was never packed."""
     if getattr(module, "kt_w13", None) is None:
         return None
-    return PackedExperts(module.kt_w13, module.kt_w13_scales, module.kt_w2, module.kt_w2_scales, module.kt_format)
+    return PackedExperts(module.kt_w13, module.kt_w13_scales, module.kt_w2, module.kt_w2_scales, module.kt_format,
+                         w13_bias=getattr(module, "kt_w13_bias", None), w2_bias=getattr(module, "kt_w2_bias", None))
 
 
 # ---------------------------------------------------------------- the experts forward
@@ -304,6 +417,7 @@ def attach_streamed_experts(module: nn.Module, plan, kernel: str = "auto", pin: 
 
     if getattr(module, "kt_w13", None) is None:
         raise ValueError(f"attach_streamed_experts: {type(module).__name__} is not packed; pack it first")
+    _check_device_experts(module, "attach_streamed_experts")
     E = module.kt_w13.shape[0]
     if isinstance(plan, dict):
         plan = StreamPlan.from_table(plan, E)
@@ -343,6 +457,8 @@ def _run_experts(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torc
         self.kt_w2,
         self.kt_w2_scales,
         self.kt_activation,
+        getattr(self, "kt_w13_bias", None),
+        getattr(self, "kt_w2_bias", None),
     )
     if device.type != "cpu":
         out = out.to(device)
@@ -359,7 +475,8 @@ def _run_on_cpu_from_cuda(module: nn.Module, hidden_states, top_k_index, top_k_w
     ids = getattr(module, "_kt_runtime_ids", None)
     if ids is None or ids[0] is not module.kt_w13:
         layer = RUNTIME.register_layer(module.kt_w13, module.kt_w13_scales, module.kt_w2, module.kt_w2_scales,
-                                       module.kt_activation)
+                                       module.kt_activation, getattr(module, "kt_w13_bias", None),
+                                       getattr(module, "kt_w2_bias", None))
         ids = module._kt_runtime_ids = (module.kt_w13, layer, RUNTIME.new_site())
     _, layer, site = ids
     ticket = RUNTIME.submit(hidden_states, top_k_index, top_k_weights, layer, site)

@@ -23,9 +23,11 @@ FORMATS = ("bf16", "int8", "int4")
 class PackedExperts:
     """Expert weights of one MoE layer in the kernels' packed layout (see ktorch/csrc/kernels/kernels.h).
 
-    w13: gate and up projections packed together ([E, 2I/16, H/per, 16, per]); w2: down projection
+    w13: gate and up projections packed together ([E, 2I/16, H/per, 16, per]), or the up projection alone for
+    gateless experts (``has_gate`` False: [E, I/16, H/per, 16, per], h = act(up)); w2: down projection
     ([E, H/16, I/per, 16, per]); the scales are float32 [E, G, N] for int8 (G = 1) and int4 (G = K / group)
-    and None for bf16.
+    and None for bf16. w13_bias (float32 [E, 2I]: gate biases then up biases; [E, I] gateless) and w2_bias
+    (float32 [E, H]) are the experts' biases, or None.
     """
 
     w13: torch.Tensor
@@ -34,6 +36,8 @@ class PackedExperts:
     w2_scales: Optional[torch.Tensor]
     format: str
     group_size: Optional[int] = None
+    w13_bias: Optional[torch.Tensor] = None
+    w2_bias: Optional[torch.Tensor] = None
     # KT_NUMA_SPLIT on a plain PackedExperts: fused_moe splits it once and keeps the split here
     _numa_split_cache: Optional[object] = field(default=None, repr=False, compare=False)
 
@@ -47,18 +51,29 @@ class PackedExperts:
 
     @property
     def intermediate_size(self) -> int:
-        return self.w13.shape[1] * 8
+        return self.w2.shape[2] * (8 if self.w2.dtype == torch.uint8 else self.w2.shape[4])
+
+    @property
+    def has_gate(self) -> bool:
+        """False for gateless experts (w13 holds the up projection only: its N is I, not 2I)."""
+        return self.w13.shape[1] * 16 != self.intermediate_size
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors() if t is not None)
+        return sum(t.numel() * t.element_size() for t in (*self.tensors(), *self.biases()) if t is not None)
 
     def tensors(self) -> tuple:
+        """The packed weights and scales: (w13, w13_scales, w2, w2_scales)."""
         return (self.w13, self.w13_scales, self.w2, self.w2_scales)
 
+    def biases(self) -> tuple:
+        """(w13_bias, w2_bias), each None when absent."""
+        return (self.w13_bias, self.w2_bias)
+
     def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The weights these packed tensors stand for: (gate_up_proj [E, 2I, H], down_proj [E, H, I]), fp32."""
-        gate_up = torch.ops.kt.unpack(self.w13, self.w13_scales, gate_up=True)
+        """The weights these packed tensors stand for: (gate_up_proj [E, 2I, H] (gateless: up_proj [E, I, H]),
+        down_proj [E, H, I]), fp32."""
+        gate_up = torch.ops.kt.unpack(self.w13, self.w13_scales, gate_up=self.has_gate)
         down = torch.ops.kt.unpack(self.w2, self.w2_scales, gate_up=False)
         return gate_up, down
 
@@ -67,8 +82,12 @@ class PackedExperts:
 
         n: slices; "auto": one per NUMA node; None: ``KT_NUMA_SPLIT`` (unset: 1). Returns a
         ``NumaSplitExperts`` (ktorch/ops/numa_split.py) that ``fused_moe`` accepts; this object is left as is.
-        Raises if I cannot be cut into n slices of multiples of 32 channels (int4: and of the group size).
+        Raises if I cannot be cut into n slices of multiples of 32 channels (int4: and of the group size), and for
+        biased or gateless experts, which the split does not run.
         """
+        if self.w13_bias is not None or self.w2_bias is not None or not self.has_gate:
+            raise RuntimeError("split_numa: cannot split biased or gateless experts (kt.fused_moe_numa has no biases "
+                               "and cuts w13 as gate/up pairs)")
         return split_packed_experts(self, n)
 
 
@@ -105,13 +124,18 @@ def pack_experts(
     gate_proj: Optional[torch.Tensor] = None,
     up_proj: Optional[torch.Tensor] = None,
     numa_split: Union[int, str, None] = 1,
+    gate_up_bias: Optional[torch.Tensor] = None,
+    down_bias: Optional[torch.Tensor] = None,
 ):
     """Packs one layer's routed experts for ``fused_moe``.
 
     Args:
         gate_up_proj: [E, 2I, H], gate rows first then up rows (transformers' layout); or pass
-            ``gate_proj`` and ``up_proj`` ([E, I, H] each) instead.
+            ``gate_proj`` and ``up_proj`` ([E, I, H] each) instead; or ``up_proj`` alone for gateless experts
+            (h = act(up), e.g. Nemotron-H).
         down_proj: [E, H, I].
+        gate_up_bias: the experts' gate/up biases, [E, 2I] gate biases then up biases ([E, I], the up biases, for
+            gateless experts); down_bias: [E, H]. Kept as float32 (``PackedExperts.w13_bias``/``w2_bias``).
         dtype: "bf16", "int8" (symmetric per output channel) or "int4" (symmetric per group of
             ``group_size`` input channels, default 128).
         group_size: int4 only; a multiple of 32 dividing H and I.
@@ -127,9 +151,26 @@ def pack_experts(
         raise ValueError(f"pack_experts: dtype must be one of {FORMATS}, got {dtype!r}")
     if dtype != "int4" and group_size is not None:
         raise ValueError(f"pack_experts: group_size applies to int4 only, got group_size={group_size} with {dtype}")
+    gateless = gate_up_proj is None and gate_proj is None and up_proj is not None
+    if gateless:
+        if up_proj.dim() != 3 or down_proj is None or down_proj.dim() != 3 or down_proj.shape != (
+                up_proj.shape[0], up_proj.shape[2], up_proj.shape[1]):
+            raise ValueError(f"pack_experts: gateless experts need up_proj [E, I, H] and down_proj [E, H, I], got "
+                             f"{tuple(up_proj.shape)} and {None if down_proj is None else tuple(down_proj.shape)}")
+        E, I, H = up_proj.shape
+        for name, size in (("hidden size H", H), ("intermediate size I", I)):
+            if size % 32:
+                raise ValueError(f"pack_experts: {name}={size} must be a multiple of 32 (the kernels tile it by 32)")
+        if dtype == "int4" and group_size is None:
+            group_size = 128 if H % 128 == 0 and I % 128 == 0 else 32
+        w13, s13 = _pack(up_proj, dtype, group_size, gate_up=False)
+        w2, s2 = _pack(down_proj, dtype, group_size, gate_up=False)
+        b13, b2 = _biases(gate_up_bias, down_bias, E, I, H, gated=False)
+        packed = PackedExperts(w13, s13, w2, s2, dtype, group_size, b13, b2)
+        return packed if numa_split == 1 or numa_split_count(numa_split) == 1 else packed.split_numa(numa_split)
     if gate_up_proj is None:
         if gate_proj is None or up_proj is None:
-            raise ValueError("pack_experts: pass gate_up_proj, or both gate_proj and up_proj")
+            raise ValueError("pack_experts: pass gate_up_proj, or both gate_proj and up_proj, or up_proj alone")
         if gate_proj.shape != up_proj.shape:
             raise ValueError(f"pack_experts: gate_proj {tuple(gate_proj.shape)} and up_proj {tuple(up_proj.shape)} differ")
         gate_up_proj = None
@@ -165,10 +206,24 @@ def pack_experts(
     else:
         w13, s13 = _pack(gate_up_proj, dtype, group_size, gate_up=True)
     w2, s2 = _pack(down_proj, dtype, group_size, gate_up=False)
-    packed = PackedExperts(w13, s13, w2, s2, dtype, group_size)
+    b13, b2 = _biases(gate_up_bias, down_bias, E, I, H, gated=True)
+    packed = PackedExperts(w13, s13, w2, s2, dtype, group_size, b13, b2)
     if numa_split == 1:
         return packed
     return packed.split_numa(numa_split) if numa_split_count(numa_split) > 1 else packed
+
+
+def _biases(gate_up_bias, down_bias, E: int, I: int, H: int, gated: bool):
+    """The biases as the op takes them: contiguous float32 CPU copies, shapes checked."""
+    out = []
+    for name, b, shape in (("gate_up_bias", gate_up_bias, (E, 2 * I if gated else I)), ("down_bias", down_bias, (E, H))):
+        if b is None:
+            out.append(None)
+            continue
+        if tuple(b.shape) != shape or not b.is_floating_point():
+            raise ValueError(f"pack_experts: {name} must be a float tensor {list(shape)}, got {b.dtype} {list(b.shape)}")
+        out.append(b.detach().to("cpu", torch.float32).contiguous().clone())
+    return tuple(out)
 
 
 def fused_moe(
@@ -191,7 +246,13 @@ def fused_moe(
             nodes' threads at once, ``kt.fused_moe_numa``). With ``KT_NUMA_SPLIT`` > 1 a ``PackedExperts`` is
             split on its first call and the split kept on it (both copies stay in memory: split at packing
             time instead, ``pack_experts(..., numa_split=n)``, to hold one).
-        activation: "silu" (SwiGLU), "gelu_tanh", "gelu" or "relu".
+        activation: "silu" (SwiGLU), "gelu_tanh", "gelu", "relu", "relu2" (relu squared), or with parameters:
+            "swiglu_oai(alpha=a, limit=l)" (gpt-oss: gate clamped above at l, up to [-l, l], then
+            (up + 1) * gate * sigmoid(a * gate)), "silu_clamped(limit=l)" (DeepSeek-V4: the same clamps, then
+            silu(gate) * up), "softcap_swiglu(gate=g, up=u)" (Inkling2: g tanh(gate / g) * sigmoid(gate) *
+            u tanh(up / u)). Gateless experts (``packed.has_gate`` False) compute act(up) with the first five.
+            The packed experts' biases, if any, are added to the gate/up outputs before the activation and to the
+            down output before the routing weight scales it.
 
     Returns:
         [T, H] in the dtype of ``hidden``.
@@ -201,7 +262,8 @@ def fused_moe(
     if isinstance(packed, NumaSplitExperts):
         return fused_moe_split(hidden, topk_ids, topk_weights, packed, activation)
     return torch.ops.kt.fused_moe(
-        hidden, topk_ids, topk_weights, packed.w13, packed.w13_scales, packed.w2, packed.w2_scales, activation
+        hidden, topk_ids, topk_weights, packed.w13, packed.w13_scales, packed.w2, packed.w2_scales, activation,
+        packed.w13_bias, packed.w2_bias,
     )
 
 
@@ -297,13 +359,17 @@ def _unpack_fake(packed, scales, gate_up=False):
 
 
 @torch.library.register_fake("kt::fused_moe")
-def _fused_moe_fake(hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales, activation="silu"):
+def _fused_moe_fake(hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales, activation="silu", w13_bias=None,
+                    w2_bias=None):
     _check_same_device(
         "fused_moe",
         "hidden",
         dict(hidden=hidden, topk_ids=topk_ids, topk_weights=topk_weights, w13=w13, w13_scales=w13_scales, w2=w2,
-             w2_scales=w2_scales),
+             w2_scales=w2_scales, w13_bias=w13_bias, w2_bias=w2_bias),
     )
+    for name, b in (("w13_bias", w13_bias), ("w2_bias", w2_bias)):
+        torch._check(b is None or (b.dim() == 2 and b.dtype == torch.float32 and b.shape[0] == w13.shape[0]),
+                     lambda: f"fused_moe: {name} must be float32 [E, N]")
     torch._check(topk_ids.shape[0] == hidden.shape[0], lambda: "fused_moe: topk_ids must have T rows")
     torch._check(hidden.shape[1] == w2.shape[1] * 16, lambda: "fused_moe: hidden size does not match w2")
     return torch.empty_like(hidden, memory_format=torch.contiguous_format)

@@ -101,7 +101,7 @@ class ExpertsCall:
     hidden: fx.Node  # [T, H] as the model produced it (before any hop to the CPU)
     topk_ids: fx.Node  # [T, K]
     topk_weights: fx.Node  # [T, K]
-    weights: tuple  # (w13, w13_scales, w2, w2_scales): nodes, or None for absent scales
+    weights: tuple  # (w13, w13_scales, w2, w2_scales, w13_bias, w2_bias): nodes, or None for absent scales/biases
     activation: str
     device: Optional[torch.device]  # where the model's hidden states live
     hops_in: list = field(default_factory=list)  # copy-to-CPU nodes feeding the op
@@ -133,6 +133,7 @@ def find_cpu_experts(gm: fx.GraphModule) -> list[ExpertsCall]:
         if node_device(w13, gm) is None or node_device(w13, gm).type != "cpu":
             continue
         weights = tuple(_arg(node, i, n) for i, n in enumerate(("w13", "w13_scales", "w2", "w2_scales"), start=3))
+        weights += tuple(_arg(node, i, n) for i, n in enumerate(("w13_bias", "w2_bias"), start=8))
         sources = [_source(_arg(node, i, n), gm) for i, n in enumerate(("hidden", "topk_ids", "topk_weights"))]
         call = ExpertsCall(
             node=node,

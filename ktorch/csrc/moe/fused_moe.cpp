@@ -28,6 +28,10 @@
 // variants they were chosen over were removed with the environment switches that selected them.
 // Expert deferral runs two parts in one call (fused_moe_split, fused_moe.h): the stages of the deferred part come
 // after the first part's, and the first part's result is published as soon as its down projection is done.
+// Biases, clamped/softcapped activations and gateless experts (gpt-oss, DeepSeek-V4, MiniMax-M3, Inkling2, Nemotron-H)
+// run in the driver's own epilogue (Epilogue below: plain C++, so every kernel level gets them): the gate/up bias,
+// the clamps and the activation on each kernel call's fp32 output, and the down bias on each down call's output
+// before the routing weight scales it. Calls without them keep the kernels' vectorized GLU.
 // KT_PROFILE=1 prints each call's phase times to stderr.
 #include "fused_moe.h"
 
@@ -38,6 +42,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -135,12 +140,112 @@ PackedMatrix describe(const at::Tensor& w, const std::optional<at::Tensor>& s, W
   return m;
 }
 
-Activation parse_activation(c10::string_view a) {
-  if (a == "silu" || a == "swish") return Activation::SiLU;
-  if (a == "gelu_tanh" || a == "gelu_pytorch_tanh" || a == "gelu_new") return Activation::GeluTanh;
-  if (a == "gelu") return Activation::Gelu;
-  if (a == "relu") return Activation::Relu;
-  TORCH_CHECK(false, "fused_moe: activation must be one of silu, gelu_tanh, gelu, relu; got '", std::string(a), "'");
+// What the driver does between the gate/up kernel calls and h (and to the down calls' output). The kernels' GLU
+// computes act(gate) * up for the first four activations; the rest, biases and gateless experts run in
+// Part::Glu::run_epilogue, scalar C++ the compiler may vectorize (its cost beside the kernels' GLU is not measured
+// yet: a gpt-oss-shaped prefill on the device would show it).
+enum class Act { SiLU, GeluTanh, Gelu, Relu, Relu2, SwigluOai, SiluClamped, SoftcapSwiglu };
+
+struct Epilogue {
+  Act act = Act::SiLU;
+  float alpha = 0, limit = 0, gate_cap = 0, up_cap = 0;  // the parameters of swiglu_oai, silu_clamped, softcap_swiglu
+  bool gated = true;           // false: w13 holds only up ([E, I, H]) and h = act(up)
+  const float* b13 = nullptr;  // [E, 2I] gate biases then up biases (gated), [E, I] (gateless); nullptr: none
+  const float* b2 = nullptr;   // [E, H]
+  bool kernel_glu() const { return gated && b13 == nullptr && act <= Act::Relu; }
+  Activation kernel_act() const { return static_cast<Activation>(static_cast<int>(act)); }  // (Act's first four)
+
+  static float act1(Act a, float x) {
+    switch (a) {
+      case Act::GeluTanh: {
+        const float inner = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+        return 0.5f * x * (1.0f + std::tanh(inner));
+      }
+      case Act::Gelu: return 0.5f * x * (1.0f + std::erf(x * 0.7071067811865476f));
+      case Act::Relu: return x > 0.0f ? x : 0.0f;
+      case Act::Relu2: {
+        const float r = x > 0.0f ? x : 0.0f;
+        return r * r;
+      }
+      default: return x / (1.0f + std::exp(-x));  // SiLU
+    }
+  }
+  // h for one channel from its gate and up values (biases added). The clamps keep NaN as torch.clamp does.
+  float glu1(float g, float u) const {
+    switch (act) {
+      case Act::SwigluOai:  // gpt-oss: (up + 1) * gate * sigmoid(alpha * gate), gate <= limit, |up| <= limit
+        g = std::min(g, limit), u = std::max(std::min(u, limit), -limit);
+        return (u + 1.0f) * (g / (1.0f + std::exp(-alpha * g)));
+      case Act::SiluClamped:  // DeepSeek-V4: silu(gate) * up with the same clamps
+        g = std::min(g, limit), u = std::max(std::min(u, limit), -limit);
+        return g / (1.0f + std::exp(-g)) * u;
+      case Act::SoftcapSwiglu:  // Inkling2: softcap(gate) * sigmoid(gate) * softcap(up), softcap(x) = c tanh(x / c)
+        return gate_cap * std::tanh(g / gate_cap) / (1.0f + std::exp(-g)) * (up_cap * std::tanh(u / up_cap));
+      default: return act1(act, g) * u;
+    }
+  }
+};
+
+// "name" or "name(key=value, ...)". Names: silu (swish), gelu_tanh (gelu_pytorch_tanh, gelu_new), gelu, relu, relu2,
+// swiglu_oai(alpha=, limit=), silu_clamped(limit=), softcap_swiglu(gate=, up=); every parameter of a name is required.
+Epilogue parse_epilogue(c10::string_view spec) {
+  const std::string full(spec);
+  const size_t open = full.find('(');
+  const std::string name = full.substr(0, open);
+  std::vector<std::pair<std::string, float>> params;
+  if (open != std::string::npos) {
+    TORCH_CHECK(full.back() == ')', "fused_moe: activation '", full, "' must be name or name(key=value, ...)");
+    std::string body = full.substr(open + 1, full.size() - open - 2);
+    size_t at = 0;
+    while (at <= body.size() && !body.empty()) {
+      const size_t comma = std::min(body.find(',', at), body.size());
+      std::string item = body.substr(at, comma - at);
+      item.erase(0, item.find_first_not_of(' '));
+      item.erase(item.find_last_not_of(' ') + 1);
+      const size_t eq = item.find('=');
+      TORCH_CHECK(eq != std::string::npos && eq > 0, "fused_moe: activation '", full, "': '", item,
+                  "' is not key=value");
+      const std::string value = item.substr(eq + 1);
+      char* end = nullptr;
+      const float v = std::strtof(value.c_str(), &end);
+      TORCH_CHECK(!value.empty() && *end == '\0' && std::isfinite(v), "fused_moe: activation '", full, "': '", value,
+                  "' is not a finite number");
+      params.push_back({item.substr(0, eq), v});
+      at = comma + 1;
+    }
+  }
+  Epilogue ep;
+  // takes the parameters `keys` (all required, nothing else allowed) into `dst`
+  auto take = [&](std::initializer_list<std::pair<const char*, float*>> keys) {
+    for (const auto& [k, v] : params) {
+      bool known = false;
+      for (const auto& key : keys) known = known || k == key.first;
+      TORCH_CHECK(known, "fused_moe: activation ", name, " takes no parameter '", k, "'");
+    }
+    for (const auto& key : keys) {
+      int found = 0;
+      for (const auto& [k, v] : params)
+        if (k == key.first) *key.second = v, ++found;
+      TORCH_CHECK(found == 1, "fused_moe: activation ", name, " needs ", key.first, "= exactly once, got '", full, "'");
+    }
+  };
+  if (name == "silu" || name == "swish") ep.act = Act::SiLU, take({});
+  else if (name == "gelu_tanh" || name == "gelu_pytorch_tanh" || name == "gelu_new") ep.act = Act::GeluTanh, take({});
+  else if (name == "gelu") ep.act = Act::Gelu, take({});
+  else if (name == "relu") ep.act = Act::Relu, take({});
+  else if (name == "relu2") ep.act = Act::Relu2, take({});
+  else if (name == "swiglu_oai") ep.act = Act::SwigluOai, take({{"alpha", &ep.alpha}, {"limit", &ep.limit}});
+  else if (name == "silu_clamped") ep.act = Act::SiluClamped, take({{"limit", &ep.limit}});
+  else if (name == "softcap_swiglu") {
+    ep.act = Act::SoftcapSwiglu, take({{"gate", &ep.gate_cap}, {"up", &ep.up_cap}});
+    TORCH_CHECK(ep.gate_cap > 0 && ep.up_cap > 0, "fused_moe: softcap_swiglu's caps must be positive, got '", full, "'");
+  } else {
+    TORCH_CHECK(false, "fused_moe: activation must be one of silu, gelu_tanh, gelu, relu, relu2, swiglu_oai(alpha=, ",
+                "limit=), silu_clamped(limit=), softcap_swiglu(gate=, up=); got '", full, "'");
+  }
+  TORCH_CHECK((ep.act != Act::SwigluOai && ep.act != Act::SiluClamped) || ep.limit > 0,
+              "fused_moe: the limit of ", name, " must be positive, got '", full, "'");
+  return ep;
 }
 
 // KT_PROFILE=1 (runtime/config.h): one line per call on stderr with the wall time of each phase (read on every
@@ -475,6 +580,7 @@ struct Shared {
   uint8_t* rows_out = nullptr;  // where the activations stage writes them (nullptr: read in place)
   int prefetch_ahead = 0;       // GemmArgs::prefetch_ahead (kPrefetchAhead)
   at::Tensor wf32, wa, wsc, wgs, wc;
+  Epilogue ep;  // biases, activation, gated or not
 
   // the activations stage: 16 tokens a task
   int64_t activation_tasks() const { return rows_out == nullptr ? 0 : (T + 15) / 16; }
@@ -542,7 +648,8 @@ class Part {
       }
     }
     const int64_t I = s.I, nchunks = static_cast<int64_t>(chunks_.size());
-    ugroups_ = I / 32;  // kernel calls of 32 gate + 32 up columns = 4 packed 16-column blocks
+    // kernel calls of 32 gate + 32 up columns = 4 packed 16-column blocks; gateless: 64 up columns (fewer in the last)
+    ugroups_ = s.ep.gated ? I / 32 : (I + 63) / 64;
     splits_ = s.workers == 1 ? 1 : std::min(ugroups_, (kGateUpTasksPerWorker * s.workers + nchunks - 1) / nchunks);
     full_rows_ = splits_ == 1 && !caller_quantizes_h;  // a caller's quantize_h takes all of h at once
     separate_quantize_ = s.int_fmt && !full_rows_ && !caller_quantizes_h;
@@ -687,13 +794,26 @@ class Part {
     float* hrows = s.wf32.data_ptr<float>() + worker * s.wf32.size(1);  // full rows: this task's h, fp32 [n, I]
     times.lap(worker, WorkerTimes::kOther, t_mark);
     const size_t up_block = kernels::block_bytes(s.fmt, s.up.K);
-    // The GLU of call g: h columns 32g.. of the chunk's rows from that call's c.
+    // The GLU of call g: h columns 32g.. (gateless: 64g..) of the chunk's rows from that call's c.
+    const Epilogue& ep = s.ep;
     auto glu_of = [&](int64_t g, const float* cg) {
+      const int64_t h0 = ep.gated ? 32 * g : 64 * g;
       Glu u{&s.ks, cg, s.act, nullptr, nullptr, I};
-      if (!s.int_fmt) u.bf16 = static_cast<uint16_t*>(h_.data_ptr()) + ch.p0 * I + 32 * g;
-      else u.f32 = (full_rows_ ? hrows : h_.data_ptr<float>() + ch.p0 * I) + 32 * g;
+      if (!s.int_fmt) u.bf16 = static_cast<uint16_t*>(h_.data_ptr()) + ch.p0 * I + h0;
+      else u.f32 = (full_rows_ ? hrows : h_.data_ptr<float>() + ch.p0 * I) + h0;
+      if (!ep.kernel_glu()) {
+        u.ep = &ep;
+        u.n = static_cast<int>(ep.gated ? 32 : std::min<int64_t>(64, I - h0));
+        if (ep.b13 != nullptr) {
+          const float* b = ep.b13 + ch.e * (ep.gated ? 2 * I : I);
+          u.bias_gate = ep.gated ? b + h0 : nullptr;
+          u.bias_up = ep.gated ? b + I + h0 : b + h0;
+        }
+      }
       return u;
     };
+    // blocks of call g: 4, but the last call of gateless experts covers what is left of I
+    auto blocks_of = [&](int64_t g) { return ep.gated ? 4 : static_cast<int>(std::min<int64_t>(4, (I - 64 * g) / 16)); };
     // With overlap the GLU of call g is side work of call g + 1 (the AMX walks run it beside their tile products);
     // c alternates between two halves of the worker's buffer. Same GLU, same values either way. Only where the GLU
     // writes the worker's own rows (int formats, full rows): its stores into the shared h (bf16, or split
@@ -718,8 +838,8 @@ class Part {
       a.b = up_group(ch.e, g);
       a.prefetch_ahead = s.prefetch_ahead;
       a.b_block_stride = up_block;
-      if (g + 1 < g1) a.next_b = a.b + 4 * up_block;
-      a.nblocks = 4;
+      a.nblocks = blocks_of(g);
+      if (g + 1 < g1 && blocks_of(g + 1) == a.nblocks) a.next_b = a.b + 4 * up_block;
       a.c = cg;
       a.ldc = 64;
       kernels::SideWork side;
@@ -828,6 +948,12 @@ class Part {
           a.ldc = kDownCols;
           s.ks.gemm[static_cast<int>(s.fmt)](a);
           times.lap(worker, WorkerTimes::kKernel, t_mark);
+          if (s.ep.b2 != nullptr) {  // the expert's down bias, before the routing weight scales the row
+            const float* b = s.ep.b2 + e * H + 16 * cb;
+            const int64_t n = 16 * a.nblocks;
+            for (int m = 0; m < M; ++m)
+              for (int64_t j = 0; j < n; ++j) c[m * kDownCols + j] += b[j];
+          }
           s.ks.scatter_add(c, kDownCols, M, 16 * a.nblocks, pair_weight_.data() + p0, pair_token_.data() + p0,
                            pair_first_.data() + p0, accg + 16 * cb, H);
           times.lap(worker, WorkerTimes::kEpilogue, t_mark);
@@ -858,6 +984,9 @@ class Part {
   };
   // The GLU of one gate/up kernel call (32 gate + 32 up columns, c with 64 columns a row) into h, fp32 or bf16
   // (ldo elements a row); as kernels::SideWork, rows [r0, r1).
+  // With ep set (anything but the kernels' plain GLU) the driver's Epilogue makes n columns of h: gated, from the
+  // 32 gate and 32 up columns of c; gateless, from its first n (up) columns; bias_gate/bias_up: those columns'
+  // biases, or nullptr.
   struct Glu {
     const kernels::KernelSet* ks = nullptr;
     const float* c = nullptr;
@@ -865,11 +994,37 @@ class Part {
     float* f32 = nullptr;
     uint16_t* bf16 = nullptr;
     int64_t ldo = 0;
+    const Epilogue* ep = nullptr;
+    int n = 32;
+    const float* bias_gate = nullptr;
+    const float* bias_up = nullptr;
     static void run(void* self, int64_t r0, int64_t r1) {
       const Glu& u = *static_cast<const Glu*>(self);
       const int rows = static_cast<int>(r1 - r0);
+      if (u.ep != nullptr) return u.run_epilogue(r0, r1);
       if (u.bf16 != nullptr) u.ks->glu_bf16(u.c + r0 * 64, 64, rows, 32, u.act, u.bf16 + r0 * u.ldo, u.ldo);
       else u.ks->glu_f32(u.c + r0 * 64, 64, rows, 32, u.act, u.f32 + r0 * u.ldo, u.ldo);
+    }
+    void run_epilogue(int64_t r0, int64_t r1) const {
+      const Epilogue& e = *ep;
+      float h[64];
+      for (int64_t r = r0; r < r1; ++r) {
+        const float* cr = c + r * 64;
+        if (e.gated) {
+          for (int i = 0; i < n; ++i) {
+            const float g = cr[i] + (bias_gate != nullptr ? bias_gate[i] : 0.0f);
+            const float v = cr[32 + i] + (bias_up != nullptr ? bias_up[i] : 0.0f);
+            h[i] = e.glu1(g, v);
+          }
+        } else {
+          for (int i = 0; i < n; ++i) h[i] = Epilogue::act1(e.act, cr[i] + (bias_up != nullptr ? bias_up[i] : 0.0f));
+        }
+        if (bf16 != nullptr) {
+          for (int i = 0; i < n; ++i) bf16[r * ldo + i] = f32_to_bf16(h[i]);
+        } else {
+          std::memcpy(f32 + r * ldo, h, n * sizeof(float));
+        }
+      }
     }
   };
   const Shared& s_;
@@ -945,16 +1100,37 @@ void run_call(WeightFormat fmt, const at::Tensor& hidden_in, const at::Tensor& i
               const at::Tensor& topk_weights_in, const at::Tensor& w13, const std::optional<at::Tensor>& w13_scales,
               const at::Tensor& w2, const std::optional<at::Tensor>& w2_scales, c10::string_view activation,
               const QuantizeH& quantize_h, const at::Tensor& out_now, const at::Tensor* out_later,
-              const std::function<void()>& on_now) {
+              const std::function<void()>& on_now, const std::optional<at::Tensor>& w13_bias,
+              const std::optional<at::Tensor>& w2_bias) {
   const PackedMatrix up = describe(w13, w13_scales, fmt, "w13", "w13_scales");
   const PackedMatrix down = describe(w2, w2_scales, fmt, "w2", "w2_scales");
-  const int64_t T = hidden_in.size(0), H = hidden_in.size(1), E = up.E, I = up.N / 2;
+  // gated: w13 is [E, 2I, H] packed with gate_up=True; gateless: [E, I, H] (up only), packed with gate_up=False
+  const bool gated = up.N != down.K;
+  const int64_t T = hidden_in.size(0), H = hidden_in.size(1), E = up.E, I = gated ? up.N / 2 : up.N;
   TORCH_CHECK(down.E == E, "fused_moe: w13 has ", E, " experts but w2 has ", down.E);
-  TORCH_CHECK(up.N % 64 == 0, "fused_moe: w13 must be packed with gate_up=True (2I a multiple of 64), got N=", up.N);
+  TORCH_CHECK(!gated || up.N % 64 == 0, "fused_moe: w13 must be packed with gate_up=True (2I a multiple of 64), got N=",
+              up.N);
   TORCH_CHECK(up.K == H && down.N == H, "fused_moe: hidden size mismatch: hidden has H=", H, ", w13 expects K=", up.K,
               ", w2 produces N=", down.N);
-  TORCH_CHECK(down.K == I, "fused_moe: intermediate size mismatch: w13 gives I=", I, " (N/2), w2 expects K=", down.K);
-  const Activation act = parse_activation(activation);
+  TORCH_CHECK(down.K == I, "fused_moe: intermediate size mismatch: w13 gives I=", I, " (N/2; gateless experts: N), w2 ",
+              "expects K=", down.K);
+  TORCH_CHECK(I % 32 == 0, "fused_moe: the intermediate size I=", I, " must be a multiple of 32");
+  Epilogue ep = parse_epilogue(activation);
+  ep.gated = gated;
+  TORCH_CHECK(gated || (ep.act != Act::SwigluOai && ep.act != Act::SiluClamped && ep.act != Act::SoftcapSwiglu),
+              "fused_moe: activation '", std::string(activation), "' needs a gate, but w13 holds only up projections ",
+              "(N=", up.N, " equals w2's K: gateless experts)");
+  auto bias_of = [&](const std::optional<at::Tensor>& b, const char* name, int64_t n) -> const float* {
+    if (!b.has_value()) return nullptr;
+    TORCH_CHECK(b->device().is_cpu() && b->scalar_type() == at::kFloat && b->is_contiguous() && b->dim() == 2 &&
+                    b->size(0) == E && b->size(1) == n,
+                "fused_moe: ", name, " must be a contiguous float32 CPU tensor [E=", E, ", ", n, "], got ",
+                b->scalar_type(), " ", b->sizes(), " on ", b->device());
+    return b->data_ptr<float>();
+  };
+  ep.b13 = bias_of(w13_bias, gated ? "w13_bias (gate biases, then up biases)" : "w13_bias (up biases)", gated ? 2 * I : I);
+  ep.b2 = bias_of(w2_bias, "w2_bias", H);
+  const Activation act = ep.kernel_glu() ? ep.kernel_act() : Activation::SiLU;
   PhaseTimer timer;
 
   std::unique_lock<std::mutex> ws_lock(shared_workspace_mutex(), std::try_to_lock);
@@ -977,6 +1153,7 @@ void run_call(WeightFormat fmt, const at::Tensor& hidden_in, const at::Tensor& i
            static_cast<const uint8_t*>(w13.data_ptr()), w13_scales ? w13_scales->data_ptr<float>() : nullptr,
            static_cast<const uint8_t*>(w2.data_ptr()), w2_scales ? w2_scales->data_ptr<float>() : nullptr,
            int_fmt ? up.groups : 1, int_fmt ? H : 2 * H, 0, 0};
+  s.ep = ep;
   s.prefetch_ahead = kPrefetchAhead;
   // ---- 1. route (each part)
   const at::Tensor wts = topk_weights_in.to(at::kFloat).contiguous();
@@ -1068,28 +1245,32 @@ void run_call(WeightFormat fmt, const at::Tensor& hidden_in, const at::Tensor& i
 
 at::Tensor fused_moe(const at::Tensor& hidden_in, const at::Tensor& topk_ids_in, const at::Tensor& topk_weights_in,
                      const at::Tensor& w13, const std::optional<at::Tensor>& w13_scales, const at::Tensor& w2,
-                     const std::optional<at::Tensor>& w2_scales, c10::string_view activation) {
+                     const std::optional<at::Tensor>& w2_scales, c10::string_view activation,
+                     const std::optional<at::Tensor>& w13_bias, const std::optional<at::Tensor>& w2_bias) {
   return fused_moe_with_h_quantizer(hidden_in, topk_ids_in, topk_weights_in, w13, w13_scales, w2, w2_scales, activation,
-                                    QuantizeH());
+                                    QuantizeH(), false, w13_bias, w2_bias);
 }
 
 at::Tensor fused_moe_with_h_quantizer(const at::Tensor& hidden_in, const at::Tensor& topk_ids_in,
                                       const at::Tensor& topk_weights_in, const at::Tensor& w13,
                                       const std::optional<at::Tensor>& w13_scales, const at::Tensor& w2,
                                       const std::optional<at::Tensor>& w2_scales, c10::string_view activation,
-                                      const QuantizeH& quantize_h, bool fp32_out) {
+                                      const QuantizeH& quantize_h, bool fp32_out,
+                                      const std::optional<at::Tensor>& w13_bias,
+                                      const std::optional<at::Tensor>& w2_bias) {
   const WeightFormat fmt = check_call(hidden_in, topk_ids_in, topk_weights_in, w13, w2);
   at::Tensor out = at::empty({hidden_in.size(0), hidden_in.size(1)},
                              fp32_out ? hidden_in.options().dtype(at::kFloat) : hidden_in.options());
   run_call(fmt, hidden_in, topk_ids_in, nullptr, topk_weights_in, w13, w13_scales, w2, w2_scales, activation, quantize_h,
-           out, nullptr, {});
+           out, nullptr, {}, w13_bias, w2_bias);
   return out;
 }
 
 void fused_moe_split(const at::Tensor& hidden, const at::Tensor& ids_now, const at::Tensor& ids_later,
                      const at::Tensor& topk_weights, const at::Tensor& w13, const std::optional<at::Tensor>& w13_scales,
                      const at::Tensor& w2, const std::optional<at::Tensor>& w2_scales, c10::string_view activation,
-                     const at::Tensor& out_now, const at::Tensor& out_later, const std::function<void()>& on_now) {
+                     const at::Tensor& out_now, const at::Tensor& out_later, const std::function<void()>& on_now,
+                     const std::optional<at::Tensor>& w13_bias, const std::optional<at::Tensor>& w2_bias) {
   const WeightFormat fmt = check_call(hidden, ids_now, topk_weights, w13, w2);
   TORCH_CHECK(ids_later.sizes() == ids_now.sizes() && ids_later.device().is_cpu() &&
                   (ids_later.scalar_type() == at::kInt || ids_later.scalar_type() == at::kLong),
@@ -1101,7 +1282,7 @@ void fused_moe_split(const at::Tensor& hidden, const at::Tensor& ids_now, const 
                 "fused_moe_split: the outputs must be contiguous CPU tensors like hidden ", hidden.sizes(), " ",
                 hidden.scalar_type(), ", got ", o->sizes(), " ", o->scalar_type(), " on ", o->device());
   run_call(fmt, hidden, ids_now, &ids_later, topk_weights, w13, w13_scales, w2, w2_scales, activation, QuantizeH(), out_now,
-           &out_later, on_now);
+           &out_later, on_now, w13_bias, w2_bias);
 }
 
 }  // namespace kt::moe

@@ -10,9 +10,16 @@
 
 namespace kt::moe {
 
+// Expert biases (optional, fp32 contiguous CPU): w13_bias [E, 2I] (gate biases, then up biases; [E, I] for gateless
+// experts) is added to the gate/up outputs before the activation, w2_bias [E, H] to the down output before the routing
+// weight scales it. Gateless experts (w13 packed with gate_up=False, [E, I, H]: w13's N equals w2's K) compute
+// h = act(up). activation: a name, with parameters for the clamped/softcapped ones, e.g. "swiglu_oai(alpha=1.702,
+// limit=7)" (fused_moe.cpp, parse_epilogue, lists them).
 at::Tensor fused_moe(const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                      const at::Tensor& w13, const std::optional<at::Tensor>& w13_scales, const at::Tensor& w2,
-                     const std::optional<at::Tensor>& w2_scales, c10::string_view activation);
+                     const std::optional<at::Tensor>& w2_scales, c10::string_view activation,
+                     const std::optional<at::Tensor>& w13_bias = std::nullopt,
+                     const std::optional<at::Tensor>& w2_bias = std::nullopt);
 
 // How a caller can quantize h = act(gate) * up, the down projection's input, in the driver's place (int8/int4
 // weights): the NUMA split (numa_split.cpp) has each slice quantize its channels of a row with the scale of the
@@ -29,7 +36,9 @@ at::Tensor fused_moe_with_h_quantizer(const at::Tensor& hidden, const at::Tensor
                                       const at::Tensor& topk_weights, const at::Tensor& w13,
                                       const std::optional<at::Tensor>& w13_scales, const at::Tensor& w2,
                                       const std::optional<at::Tensor>& w2_scales, c10::string_view activation,
-                                      const QuantizeH& quantize_h, bool fp32_out = false);
+                                      const QuantizeH& quantize_h, bool fp32_out = false,
+                                      const std::optional<at::Tensor>& w13_bias = std::nullopt,
+                                      const std::optional<at::Tensor>& w2_bias = std::nullopt);
 
 // One call in two parts (expert deferral): the slots that ids_now routes into out_now, then those that ids_later
 // routes into out_later (negative ids skipped in each; the same hidden and topk_weights), in one dispatch of the
@@ -40,7 +49,9 @@ at::Tensor fused_moe_with_h_quantizer(const at::Tensor& hidden, const at::Tensor
 void fused_moe_split(const at::Tensor& hidden, const at::Tensor& ids_now, const at::Tensor& ids_later,
                      const at::Tensor& topk_weights, const at::Tensor& w13, const std::optional<at::Tensor>& w13_scales,
                      const at::Tensor& w2, const std::optional<at::Tensor>& w2_scales, c10::string_view activation,
-                     const at::Tensor& out_now, const at::Tensor& out_later, const std::function<void()>& on_now);
+                     const at::Tensor& out_now, const at::Tensor& out_later, const std::function<void()>& on_now,
+                     const std::optional<at::Tensor>& w13_bias = std::nullopt,
+                     const std::optional<at::Tensor>& w2_bias = std::nullopt);
 
 // dst, a row of `dtype` (fp32, bf16 or fp16) = src[0] + src[1] + ... + src[n_src - 1] over n columns, added in fp32
 // in that order by ks.sum_rows (zeros when n_src is 0), then rounded once: the last step of the op (its expert

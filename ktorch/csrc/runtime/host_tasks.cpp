@@ -56,6 +56,7 @@ namespace {
 struct HostTask {
   at::Tensor hidden, topk_ids, topk_weights, out, w13, w2;
   std::optional<at::Tensor> w13_scales, w2_scales;
+  std::optional<at::Tensor> w13_bias, w2_bias;  // expert biases (kt::moe::fused_moe), or none
   std::string activation;
   std::atomic<int64_t> done{0};  // calls finished
   std::atomic<int64_t> started{0};
@@ -169,7 +170,7 @@ class Worker {
                                t->w2_scales, t->activation, t->out, t->out_later, [&] {
                                  finish(t, false, t0);
                                  published.store(now_ns(), std::memory_order_release);
-                               });
+                               }, t->w13_bias, t->w2_bias);
     } catch (const std::exception& e) {
       if (published.load(std::memory_order_acquire) < 0) {
         fail(t, e, t->out);
@@ -184,7 +185,7 @@ class Worker {
     try {
       c10::InferenceMode inference;  // per thread; the experts ops have no autograd
       const at::Tensor r = kt::moe::fused_moe(t->hidden, ids, t->topk_weights, t->w13, t->w13_scales, t->w2,
-                                              t->w2_scales, t->activation);
+                                              t->w2_scales, t->activation, t->w13_bias, t->w2_bias);
       out.copy_(r);
     } catch (const std::exception& e) {
       fail(t, e, out);
@@ -303,7 +304,9 @@ namespace kt::runtime {
 int64_t host_task_new(const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                       const at::Tensor& out, const at::Tensor& w13, const std::optional<at::Tensor>& w13_scales,
                       const at::Tensor& w2, const std::optional<at::Tensor>& w2_scales, c10::string_view activation,
-                      bool record_times, const std::optional<at::Tensor>& out_later, const std::optional<at::Tensor>& deferred) {
+                      bool record_times, const std::optional<at::Tensor>& out_later,
+                      const std::optional<at::Tensor>& deferred, const std::optional<at::Tensor>& w13_bias,
+                      const std::optional<at::Tensor>& w2_bias) {
   TORCH_CHECK(out.sizes() == hidden.sizes() && out.scalar_type() == hidden.scalar_type() && out.is_contiguous(),
               "host_task_new: out must be a contiguous tensor like hidden ", hidden.sizes(), " ", hidden.scalar_type(),
               ", got ", out.sizes(), " ", out.scalar_type());
@@ -337,6 +340,8 @@ int64_t host_task_new(const at::Tensor& hidden, const at::Tensor& topk_ids, cons
   t->w13_scales = w13_scales;
   t->w2 = w2;
   t->w2_scales = w2_scales;
+  t->w13_bias = w13_bias;
+  t->w2_bias = w2_bias;
   t->activation = std::string(activation);
   t->record_times = record_times;
   if (out_later.has_value()) {

@@ -14,7 +14,9 @@ namespace kt::runtime {
 int64_t host_task_new(const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                       const at::Tensor& out, const at::Tensor& w13, const std::optional<at::Tensor>& w13_scales,
                       const at::Tensor& w2, const std::optional<at::Tensor>& w2_scales, c10::string_view activation,
-                      bool record_times, const std::optional<at::Tensor>& out_later, const std::optional<at::Tensor>& deferred);
+                      bool record_times, const std::optional<at::Tensor>& out_later,
+                      const std::optional<at::Tensor>& deferred, const std::optional<at::Tensor>& w13_bias,
+                      const std::optional<at::Tensor>& w2_bias);
 void host_task_free(int64_t handle);
 void host_task_run(int64_t handle);
 std::string host_task_error(int64_t handle);
