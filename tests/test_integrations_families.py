@@ -64,6 +64,10 @@ FAMILIES = {
                    "relu2", False),
 }
 TOLERANCE = 2e-2
+# inkling2_loop runs its looped layer's experts twice a forward, so its logits carry two layers' worth more rounding
+# (transformers' bf16 experts against ktorch's fp32 accumulation): over 40 inputs without a routing flip, median
+# relative error 0.011, largest 0.024; the other families' medians are 0.007-0.010.
+FAMILY_TOLERANCE = {"inkling2_loop_text": 3e-2}
 
 
 def tiny_family_model(family: str) -> nn.Module:
@@ -87,7 +91,7 @@ def logits(model, ids):
         return model(ids).logits.float()
 
 
-def assert_logits_close(ref_model, test_model, ids, test_forward=None, what="") -> None:
+def assert_logits_close(ref_model, test_model, ids, test_forward=None, what="", tol=TOLERANCE) -> None:
     """Relative error of the logits <= TOLERANCE over the positions before the first routing flip, which must be a
     near-tie. One forward of batch 1; a looped model (inkling2_loop) calls a layer's experts more than once."""
     test_forward = test_model if test_forward is None else test_forward
@@ -105,7 +109,7 @@ def assert_logits_close(ref_model, test_model, ids, test_forward=None, what="") 
         assert_flip_is_near_tie(ref_routing, test_routing, first, ROUTER_RTOL[torch.bfloat16])
     if n:
         err = relative_error(got[:, :n], want[:, :n])
-        assert err <= TOLERANCE, f"{what}: logits off by {err:.3g} over the first {n} positions"
+        assert err <= tol, f"{what}: logits off by {err:.3g} over the first {n} positions"
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -162,12 +166,13 @@ def test_logits_match_eager_and_compiled(family, seed):
     name, model = family
     ids = torch.randint(0, 256, (1, 12))
     prepared = ktorch.prepare(copy.deepcopy(model), device="cpu")
-    assert_logits_close(model, prepared, ids, what=f"seed={seed} {name} ktorch eager")
+    tol = FAMILY_TOLERANCE.get(name, TOLERANCE)
+    assert_logits_close(model, prepared, ids, what=f"seed={seed} {name} ktorch eager", tol=tol)
 
     torch._dynamo.reset()
     REPORTS.clear()
     compiled = torch.compile(prepared, backend="ktorch", options={"inductor": False})
-    assert_logits_close(model, prepared, ids, compiled, what=f"seed={seed} {name} compiled")
+    assert_logits_close(model, prepared, ids, compiled, what=f"seed={seed} {name} compiled", tol=tol)
     # both layers' experts went through the backend: submitted to the runtime with their registered weights
     n_calls = 4 if name == "inkling2_loop_text" else 2  # (the loop: 3 layers, one of them twice)
     assert sum(r.async_calls for r in REPORTS) == n_calls, [(r.experts_calls, r.async_calls, r.skipped) for r in REPORTS]
