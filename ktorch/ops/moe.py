@@ -309,13 +309,6 @@ def _fused_moe_fake(hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scal
     return torch.empty_like(hidden, memory_format=torch.contiguous_format)
 
 
-def _not_differentiable(ctx, grad_output):
-    raise RuntimeError("kt.fused_moe has no backward: ktorch runs MoE experts for inference only")
-
-
-torch.library.register_autograd("kt::fused_moe", _not_differentiable)
-
-
 def pack_int4_from_quantized(values: torch.Tensor, scales: torch.Tensor, gate_up: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Places already-quantized int4 weights in ``kt.pack_int4``'s layout, without requantizing them.
 
