@@ -20,4 +20,5 @@ from ktorch.loading import load  # noqa: E402
 from ktorch.placement import gpu_placement, prepare, set_deferred_experts, set_stream_experts, stream_plan  # noqa: E402
 
 _register_experts_implementation()
+from ktorch import lora  # noqa: E402,F401  (LoRA beside the packed experts: ktorch.lora)
 __all__ += ["ExpertsProfile", "gpu_placement", "load", "prepare", "profile_experts", "set_deferred_experts", "set_stream_experts", "stream_plan"]
