@@ -284,25 +284,27 @@ def load_adapter(model: nn.Module, path: str, is_trainable: bool = False, device
     unknown = [t for t in expert_targets if t not in EXPERT_PARAMETERS]
     if unknown:
         raise ValueError(f"load_adapter: target_parameters {unknown} are not experts' gate_up_proj / down_proj")
+    result = model
+    if d.get("target_modules"):  # peft first: it marks every parameter it does not own as frozen
+        known = set(LoraConfig.__dataclass_fields__)
+        config = LoraConfig(**{k: v for k, v in d.items() if k in known and k not in ("peft_type", "task_type")})
+        config.inference_mode = not is_trainable
+        result = get_peft_model(model, config)
+    expert_keys = set()
     if expert_targets:
         ordered = [t for t in EXPERT_PARAMETERS if t in expert_targets]
-        params = add_expert_lora(model, r=d["r"], lora_alpha=d["lora_alpha"], targets=ordered,
+        params = add_expert_lora(result, r=d["r"], lora_alpha=d["lora_alpha"], targets=ordered,
                                  use_rslora=d.get("use_rslora", False), device=device)
-        expert_keys = set(expert_lora_state_dict(model))
-        load_expert_lora_state_dict(model, state)
+        expert_keys = set(expert_lora_state_dict(result))
+        load_expert_lora_state_dict(result, state)
         for p in params:
             p.requires_grad_(is_trainable)
-        state = {k: v for k, v in state.items() if k not in expert_keys}
-    if not d.get("target_modules"):
-        if state:
-            raise ValueError(f"load_adapter: tensors {sorted(state)[:3]}... match no adapter of the model")
+    rest = {k: v for k, v in state.items() if k not in expert_keys}
+    if result is model:
+        if rest:
+            raise ValueError(f"load_adapter: tensors {sorted(rest)[:3]} match no adapter of the model")
         return model
-    known = set(LoraConfig.__dataclass_fields__)
-    config = LoraConfig(**{k: v for k, v in d.items() if k in known and k not in ("peft_type", "task_type")})
-    config.inference_mode = not is_trainable
-    peft_model = get_peft_model(model, config)
-    result = set_peft_model_state_dict(peft_model, state)
-    missing = [k for k in result.unexpected_keys]
-    if missing:
-        raise ValueError(f"load_adapter: tensors {missing[:3]} match no adapter of the model")
-    return peft_model
+    loaded = set_peft_model_state_dict(result, rest)
+    if loaded.unexpected_keys:
+        raise ValueError(f"load_adapter: tensors {loaded.unexpected_keys[:3]} match no adapter of the model")
+    return result

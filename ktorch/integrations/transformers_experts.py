@@ -244,8 +244,8 @@ def ktorch_experts_forward(
                 "forward) before torch.compile"
             )
         pack_module_experts(self)
-    if _needs_grad(self, hidden_states, top_k_weights):
-        return _run_for_training(self, hidden_states, top_k_index, top_k_weights)
+    if getattr(self, "kt_lora", None) is not None or _needs_grad(self, hidden_states, top_k_weights):
+        return _run_differentiable(self, hidden_states, top_k_index, top_k_weights)
     gpu_work = None
     if getattr(self, "kt_gpu_slot_of", None) is not None:
         top_k_index, gpu_work = _split_gpu_experts(self, hidden_states, top_k_index, top_k_weights)
@@ -261,19 +261,15 @@ def ktorch_experts_forward(
 
 
 def _needs_grad(self: nn.Module, hidden_states: torch.Tensor, top_k_weights: torch.Tensor) -> bool:
-    """Whether this call must be differentiable: grad mode on and the inputs or the module's adapters need it."""
-    if not torch.is_grad_enabled():
-        return False
-    if hidden_states.requires_grad or top_k_weights.requires_grad:
-        return True
-    lora = getattr(self, "kt_lora", None)
-    return lora is not None and any(p.requires_grad for p in lora.parameters())
+    """Whether this call must be differentiable: grad mode on and the inputs need it."""
+    return torch.is_grad_enabled() and (hidden_states.requires_grad or top_k_weights.requires_grad)
 
 
-def _run_for_training(self: nn.Module, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
+def _run_differentiable(self: nn.Module, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
     """A differentiable call (ktorch/ops/moe_autograd.py): plain copies to the CPU and back, which autograd
-    follows, instead of the runtime's pinned submit/wait; with adapters (``kt_lora``), through
-    ``ktorch.lora.expert_lora_forward``. Expert deferral and prefill streaming have no backward and are refused."""
+    follows, instead of the runtime's pinned submit/wait; a module with adapters (``kt_lora``) always comes here,
+    with or without grad, and runs ``ktorch.lora.expert_lora_forward``. Expert deferral and prefill streaming have
+    no backward and are refused."""
     if getattr(self, "kt_deferral", None) is not None:
         raise RuntimeError(f"ktorch experts: {type(self).__name__} defers experts, which has no backward; "
                            "set_deferred_experts(model, 0) before training")
