@@ -196,9 +196,16 @@ def fused_moe(
     Returns:
         [T, H] in the dtype of ``hidden``.
     """
-    if os.environ.get("KT_NUMA_SPLIT") and not isinstance(packed, NumaSplitExperts):
+    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or topk_weights.requires_grad)
+    if os.environ.get("KT_NUMA_SPLIT") and not isinstance(packed, NumaSplitExperts) and not needs_grad:
         packed = _env_split(packed)
     if isinstance(packed, NumaSplitExperts):
+        if needs_grad:  # out = sum of the slices' outputs exactly; each kt.fused_moe call has a backward
+            out = None
+            for s in packed.slices:
+                part = torch.ops.kt.fused_moe(hidden, topk_ids, topk_weights, *s.tensors(), activation).float()
+                out = part if out is None else out + part
+            return out.to(hidden.dtype)
         return fused_moe_split(hidden, topk_ids, topk_weights, packed, activation)
     return torch.ops.kt.fused_moe(
         hidden, topk_ids, topk_weights, packed.w13, packed.w13_scales, packed.w2, packed.w2_scales, activation

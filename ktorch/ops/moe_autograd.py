@@ -1,5 +1,5 @@
-"""Gradients through the packed CPU experts: autograd for ``kt.fused_moe`` (and its NUMA-split form), and the op
-that LoRA on the experts runs, ``kt.fused_moe_delta``.
+"""Gradients through the packed CPU experts: autograd for ``kt.fused_moe``, and the op that LoRA on the experts
+runs, ``kt.fused_moe_delta``.
 
 The expert weights stay frozen and packed (bf16, int8, int4); what flows is
 
@@ -114,29 +114,10 @@ def _fused_moe_delta_backward(ctx, grad_out, grad_h):
 torch.library.register_autograd("kt::fused_moe_delta", _fused_moe_delta_backward, setup_context=_setup_fused_moe_delta)
 
 
-def _setup_fused_moe_numa(ctx, inputs, output):
-    hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales, activation = inputs
-    ctx.activation = activation
-    ctx.slices = len(w13)
-    ctx.quantized = bool(w13_scales)
-    ctx.save_for_backward(hidden, topk_ids, topk_weights, *w13, *w13_scales, *w2, *w2_scales)
-
-
 def _fused_moe_numa_backward(ctx, grad_out):
-    """out = sum over the slices of fused_moe(x, slice g), so the gradients are the slices' sums."""
-    hidden, topk_ids, topk_weights, *rest = ctx.saved_tensors
-    n = ctx.slices
-    w13, rest = rest[:n], rest[n:]
-    s13, rest = (rest[:n], rest[n:]) if ctx.quantized else ([None] * n, rest)
-    w2, rest = rest[:n], rest[n:]
-    s2 = rest[:n] if ctx.quantized else [None] * n
-    dx = dw = None
-    for g in range(n):
-        x_g, w_g, _ = torch.ops.kt.fused_moe_backward(grad_out, hidden, topk_ids, topk_weights, w13[g], s13[g], w2[g],
-                                                      s2[g], ctx.activation, None, None)
-        dx = x_g.float() if dx is None else dx + x_g.float()
-        dw = w_g if dw is None else dw + w_g
-    return dx.to(hidden.dtype), None, dw, None, None, None, None, None
+    raise RuntimeError("kt.fused_moe_numa has no backward (torch.library's autograd of ops with Tensor[] inputs does "
+                       "not take it here); ktorch.fused_moe with NUMA-split experts runs each slice through kt.fused_moe "
+                       "when gradients are needed")
 
 
-torch.library.register_autograd("kt::fused_moe_numa", _fused_moe_numa_backward, setup_context=_setup_fused_moe_numa)
+torch.library.register_autograd("kt::fused_moe_numa", _fused_moe_numa_backward)
