@@ -193,6 +193,10 @@ def fused_moe(
             time instead, ``pack_experts(..., numa_split=n)``, to hold one).
         activation: "silu" (SwiGLU), "gelu_tanh", "gelu" or "relu".
 
+    Differentiable in ``hidden`` and ``topk_weights`` (ktorch/ops/moe_autograd.py; the packed weights are frozen).
+    When gradients are needed, NUMA-split experts run slice by slice, one ``kt.fused_moe`` call each, summed in fp32,
+    and ``KT_NUMA_SPLIT`` is not applied.
+
     Returns:
         [T, H] in the dtype of ``hidden``.
     """
