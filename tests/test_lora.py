@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import ktorch
-from ktorch.builtin import BUILTIN_PATH, EVAL_TEXT_PATH, read_documents, token_stream
+from ktorch.builtin import BUILTIN_PATH, token_stream
 
 peft = pytest.importorskip("peft")
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
@@ -134,7 +134,7 @@ def test_lora_without_experts_adapters_trains_attention_through_the_fused_op(one
     assert a.abs().sum() == 0 and b.abs().sum() > 0  # B = 0 at start: only B moves at step one
 
 
-STEPS, BATCH, SEQ, LR = 200, 4, 32, 2e-3
+STEPS, BATCH, SEQ, LR = 200, 4, 32, 1e-3
 
 
 def _batches(stream: torch.Tensor, steps: int, seed: int):
@@ -168,16 +168,36 @@ def _fine_tune(model, train: torch.Tensor, held_out: torch.Tensor) -> tuple[floa
     return before, _held_out_loss(model, held_out)
 
 
+ADJECTIVES = ["quiet", "red", "old", "brave", "small", "bright", "lazy", "clever"]
+NOUNS = ["fox", "river", "teacher", "robot", "garden", "engine", "violin", "market"]
+VERBS = ["follows", "paints", "repairs", "watches", "carries", "visits"]
+PLACES = ["the bridge", "the station", "a hill", "the harbor", "the library"]
+
+
+def small_text(sentences: int, seed: int) -> str:
+    """A small text in a fixed pattern, which the built-in model (trained on fortunes and Python documentation)
+    has not seen: fine-tuning has something to learn, and held-out sentences of the same pattern show it."""
+    g = torch.Generator().manual_seed(seed)
+
+    def pick(words):
+        return words[int(torch.randint(len(words), (1,), generator=g))]
+
+    lines = []
+    for i in range(sentences):
+        lines.append(f"{i % 10}. The {pick(ADJECTIVES)} {pick(NOUNS)} {pick(VERBS)} the {pick(NOUNS)} near "
+                     f"{pick(PLACES)}.")
+    return "\n".join(lines)
+
+
 def test_fine_tuning_lowers_held_out_loss_like_peft_on_eager_experts(tmp_path, one_thread):
-    """200 steps of LoRA (attention + experts, r=8) on the first 90% of the built-in model's held-out text, scored on
-    the last 10%: ktorch (experts packed bf16, kt.fused_moe_delta and its backward) against peft on transformers'
-    eager experts, from the same initial adapters and the same batches."""
+    """200 steps of LoRA (attention + experts, r=8) on a small text, scored on held-out sentences of it: ktorch
+    (experts packed bf16, kt.fused_moe_delta and its backward) against peft on transformers' eager experts, from the
+    same initial adapters and the same batches."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(BUILTIN_PATH))
-    stream = token_stream(tokenizer, read_documents(EVAL_TEXT_PATH))
-    cut = int(stream.numel() * 0.9)
-    train, held_out = stream[:cut], stream[cut:cut + 64 * SEQ]
+    train = token_stream(tokenizer, [small_text(600, seed=1)])
+    held_out = token_stream(tokenizer, [small_text(200, seed=2)])[: 32 * SEQ]
 
     eager = _peft_eager(r=8, alpha=16, random_b=False)
     eager.save_pretrained(tmp_path)
@@ -185,6 +205,6 @@ def test_fine_tuning_lowers_held_out_loss_like_peft_on_eager_experts(tmp_path, o
     eager_before, eager_after = _fine_tune(eager, train, held_out)
     kt_before, kt_after = _fine_tune(kt, train, held_out)
     assert abs(kt_before - eager_before) < 1e-3 * eager_before
-    assert eager_after < eager_before - 0.1, (eager_before, eager_after)  # the fine-tuning does something
-    assert kt_after < kt_before - 0.1, (kt_before, kt_after)
+    assert eager_after < 0.7 * eager_before, (eager_before, eager_after)  # the fine-tuning learns the text
+    assert kt_after < 0.7 * kt_before, (kt_before, kt_after)
     assert abs(kt_after - eager_after) <= 0.02 * eager_after, (kt_after, eager_after)
