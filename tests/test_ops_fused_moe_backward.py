@@ -85,18 +85,17 @@ class _ReferenceForwardKtBackward(torch.autograd.Function):
     backward against finite differences of exactly the function the packed weights stand for."""
 
     @staticmethod
-    def forward(ctx, hidden, weights, ids, packed, activation):
+    def forward(ctx, hidden, weights, ids, packed, dequantized, activation):
         ctx.save_for_backward(hidden, weights, ids)
         ctx.packed, ctx.activation = packed, activation
-        gate_up, down = packed.dequantize()
-        return fused_moe_reference(hidden, ids, weights, gate_up, down, activation)
+        return fused_moe_reference(hidden, ids, weights, *dequantized, activation)
 
     @staticmethod
     def backward(ctx, grad_out):
         hidden, weights, ids = ctx.saved_tensors
         dx, dw, _ = torch.ops.kt.fused_moe_backward(grad_out, hidden, ids, weights, *ctx.packed.tensors(),
                                                     ctx.activation)
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, None
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -107,8 +106,9 @@ def test_gradcheck_float64(fmt, activation):
     ids, weights = _routing(T, K, E, "skips")
     hidden = torch.randn(T, H, dtype=torch.float64, requires_grad=True)
     w = weights.double().requires_grad_()
-    assert torch.autograd.gradcheck(lambda x, w: _ReferenceForwardKtBackward.apply(x, w, ids, packed, activation),
-                                    (hidden, w))
+    dequantized = packed.dequantize()
+    assert torch.autograd.gradcheck(
+        lambda x, w: _ReferenceForwardKtBackward.apply(x, w, ids, packed, dequantized, activation), (hidden, w))
     # kt.fused_moe_delta runs in float64 itself: gradcheck of the op, deltas included, and of its h output
     delta = (torch.randn(T, K, 2 * I, dtype=torch.float64) * 0.3).requires_grad_()
 
