@@ -44,28 +44,33 @@ def run_variant(args) -> dict:
     from peft import LoraConfig, get_peft_model
 
     import ktorch
-    from bench_e2e import build_model, machine_info
+    from bench_e2e import build_model, machine_info, offload_device_map
 
+    device = args.device
     t0 = time.perf_counter()
     if args.variant == "ktorch":
         model, _ = build_model(args.shape, "eager", args.device, args.experts_dtype, layers=args.layers)
         ktorch.prepare(model, device=args.device, trainable=True)
         model = get_peft_model(model, LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=ATTENTION))
         ktorch.lora.add_expert_lora(model, r=args.rank, lora_alpha=2 * args.rank)
-    else:
-        model, _ = build_model(args.shape, "hf_offload", args.device, "bf16", layers=args.layers)
+    else:  # built on the CPU, adapters added, then dispatched (peft wraps real parameters, not offloaded ones)
+        model, _ = build_model(args.shape, "hf_offload", "cpu", "bf16", layers=args.layers)
         model.config.use_cache = False
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if args.hf_expert_lora == "on" else None
         model = get_peft_model(model, LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=ATTENTION,
-                                                 target_parameters=["mlp.experts.gate_up_proj",
-                                                                    "mlp.experts.down_proj"]))
+                                                 target_parameters=experts))
+        if device == "cuda":
+            from accelerate import dispatch_model
+
+            inner = model.base_model.model
+            dispatch_model(inner, device_map=offload_device_map(inner), main_device=torch.device("cuda", 0))
     build_s = time.perf_counter() - t0
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
-    device = args.device
 
     def step() -> float:
         x = torch.randint(0, vocab, (1, args.seq), generator=gen).to(device)
@@ -82,7 +87,8 @@ def run_variant(args) -> dict:
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times = [step() for _ in range(args.steps)]
-    result = dict(variant=args.variant, shape=args.shape, layers=args.layers, seq=args.seq, rank=args.rank,
+    result = dict(variant=args.variant, expert_lora=args.variant == "ktorch" or args.hf_expert_lora == "on",
+                  shape=args.shape, layers=args.layers, seq=args.seq, rank=args.rank,
                   experts_dtype=args.experts_dtype if args.variant == "ktorch" else "bf16",
                   step_s=statistics.median(times), steps=[round(t, 3) for t in times], build_s=round(build_s, 1),
                   trainable_params=sum(p.numel() for p in params),
@@ -102,6 +108,8 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--hf-expert-lora", default="on", choices=("on", "off"),
+                   help="hf_offload: peft LoRA on the experts' parameters too (target_parameters), as ktorch has")
     p.add_argument("--variant", help=argparse.SUPPRESS)  # one variant in this process (the parent's children)
     p.add_argument("--json", action="store_true", help="also print one JSON line per variant")
     args = p.parse_args(argv)
@@ -121,13 +129,15 @@ def main(argv=None) -> None:
     machine = next((r["machine"] for r in rows if "machine" in r), {})
     print(f"machine: {machine}")
     print(f"shape {args.shape} (layers {args.layers or 'all'}), seq {args.seq}, LoRA rank {args.rank}, batch 1")
-    print(f"{'variant':<12} {'experts':>8} {'step s':>9} {'GPU peak GiB':>13} {'host peak GiB':>14} {'trainable':>12}")
+    print(f"{'variant':<12} {'experts':>8} {'expert LoRA':>12} {'step s':>9} {'GPU peak GiB':>13} {'host peak GiB':>14} "
+          f"{'trainable':>12}")
     for r in rows:
         if "error" in r:
             print(f"{r['variant']:<12} failed: {r['error']}")
             continue
         gpu = f"{r['gpu_peak_gib']:.2f}" if r["gpu_peak_gib"] is not None else "-"
-        print(f"{r['variant']:<12} {r['experts_dtype']:>8} {r['step_s']:>9.3f} {gpu:>13} {r['host_peak_gib']:>14.1f} "
+        print(f"{r['variant']:<12} {r['experts_dtype']:>8} {str(r['expert_lora']):>12} {r['step_s']:>9.3f} {gpu:>13} "
+              f"{r['host_peak_gib']:>14.1f} "
               f"{r['trainable_params']:>12,}")
     ok = {r["variant"]: r for r in rows if "error" not in r}
     if "ktorch" in ok and "hf_offload" in ok:
