@@ -98,7 +98,7 @@ def run_variant(args) -> dict:
     return result
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="qwen3-30b-a3b")
     p.add_argument("--layers", type=int, default=None, help="fewer decoder layers than the shape has")
@@ -112,7 +112,11 @@ def main(argv=None) -> None:
                    help="hf_offload: peft LoRA on the experts' parameters too (target_parameters), as ktorch has")
     p.add_argument("--variant", help=argparse.SUPPRESS)  # one variant in this process (the parent's children)
     p.add_argument("--json", action="store_true", help="also print one JSON line per variant")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     if args.variant:
         print("RESULT " + json.dumps(run_variant(args)), flush=True)
         return
