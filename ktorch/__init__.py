@@ -25,4 +25,5 @@ from ktorch.placement import gpu_placement, prepare, set_deferred_experts, set_s
 import ktorch.compile  # noqa: E402, F401
 
 _register_experts_implementation()
+from ktorch import lora  # noqa: E402,F401  (LoRA beside the packed experts: ktorch.lora)
 __all__ += ["ExpertsProfile", "generate", "gpu_placement", "load", "prepare", "profile_experts", "set_deferred_experts", "set_stream_experts", "stream_plan"]

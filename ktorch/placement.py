@@ -39,6 +39,8 @@ def prepare(
     expert_profile: Optional[ExpertsProfile] = None,
     gpu_experts_kernel: str = "auto",
     stream_experts: Union[str, dict, None] = None,
+    trainable: bool = False,
+    gradient_checkpointing: bool = True,
 ) -> nn.Module:
     """Places an MoE model for hybrid inference, in place, and returns it.
 
@@ -68,7 +70,13 @@ def prepare(
     keeps what was measured); a table ``{min_tokens: experts or fraction}`` sets it by hand, e.g. ``{512: 0.4}``.
     Decode never streams. ``ktorch.stream_plan(model)`` shows the plan; ``set_stream_experts`` changes it later.
 
-    Parameters stop requiring grad (the kt ops are inference-only). The result runs eagerly (hidden states hop to the CPU op and back) and under ``torch.compile``.
+    ``trainable=True`` prepares for fine-tuning (docs/training.md): the experts stay frozen and packed, every other
+    parameter requires grad (train all of them, or wrap the model with peft and ``ktorch.lora.add_expert_lora`` for
+    adapters), ``loss.backward()`` reaches attention and routers through the experts (``kt.fused_moe``'s backward,
+    ktorch/ops/moe_autograd.py), and with ``gradient_checkpointing`` (default) the decoder layers are recomputed in
+    the backward (transformers' ``gradient_checkpointing_enable``, non-reentrant) and the KV cache is off. Deferral
+    and streaming have no backward: they are refused with ``trainable``.
+    Otherwise parameters stop requiring grad (inference). The result runs eagerly (hidden states hop to the CPU op and back) and under ``torch.compile``.
     ``device="cpu"`` (or None) keeps the whole model on the CPU: no GPU is needed.
 
     Raises ``UnsupportedExpertsError`` before touching anything if a layer needs a feature the op lacks.
@@ -88,6 +96,8 @@ def prepare(
                 check_supported(m)
             except ValueError as e:
                 raise type(e)(f"{name}: {e}") from None
+    if trainable and (deferred_experts or stream_experts is not None):
+        raise ValueError("prepare: deferred_experts and stream_experts have no backward; leave them off with trainable")
         if gpu_experts is not None or stream_experts is not None:
             problem = device_experts_problem(m)
             if problem is not None:
@@ -120,8 +130,10 @@ def prepare(
         if name in hot:
             attach_gpu_experts(m, *hot[name], kernel=gpu_experts_kernel)
     gc.collect()
-    model.requires_grad_(False)  # inference only: the kt ops have no backward
+    model.requires_grad_(trainable)  # the packed experts are buffers: frozen either way
     model.to(device)  # the packed experts modules ignore it (see attach_packed_experts)
+    if trainable:
+        _prepare_for_training(model, gradient_checkpointing)
     if stream_experts is not None:
         set_stream_experts(model, stream_experts, gpu_experts_kernel)
     _compile_generate_with_ktorch(model)
@@ -133,6 +145,25 @@ def prepare(
         for _, m in modules:
             m.config._experts_implementation = IMPLEMENTATION_NAME
     return model
+
+
+def _prepare_for_training(model: nn.Module, gradient_checkpointing: bool) -> None:
+    """Training mode, no KV cache, and (optionally) the decoder layers checkpointed: each layer's activations are
+    recomputed in the backward, so a step holds one layer's activations beside the layers' inputs."""
+    model.train()
+    config = getattr(model, "config", None)
+    if config is not None:
+        config.use_cache = False
+    if gradient_checkpointing:
+        enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.24's name
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            return
+        enable = getattr(model, "gradient_checkpointing_enable", None)
+        if enable is None:
+            raise ValueError(f"prepare: {type(model).__name__} has no gradient_checkpointing_enable (a transformers "
+                             "model has); pass gradient_checkpointing=False")
+        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def _set_cuda_sync() -> None:

@@ -9,6 +9,7 @@
 #include "kernels/probe.h"
 #include "formats/gguf.h"
 #include "moe/fused_moe.h"
+#include "moe/fused_moe_backward.h"
 #include "moe/numa_split.h"
 #include "moe/pack.h"
 #include "runtime/config.h"
@@ -83,6 +84,14 @@ TORCH_LIBRARY(kt, m) {
   m.def(
       "fused_moe(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor w13, Tensor? w13_scales, Tensor w2, "
       "Tensor? w2_scales, str activation=\"silu\", Tensor? w13_bias=None, Tensor? w2_bias=None) -> Tensor");
+  // training (moe/fused_moe_backward.cpp): fused_moe's backward, and the forward with gate/up deltas (expert LoRA)
+  m.def(
+      "fused_moe_backward(Tensor grad_out, Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor w13, "
+      "Tensor? w13_scales, Tensor w2, Tensor? w2_scales, str activation=\"silu\", Tensor? gate_up_delta=None, "
+      "Tensor? grad_h=None) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "fused_moe_delta(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor w13, Tensor? w13_scales, Tensor w2, "
+      "Tensor? w2_scales, Tensor gate_up_delta, str activation=\"silu\") -> (Tensor, Tensor)");
   m.def(
       "numa_split_experts(Tensor w13, Tensor? w13_scales, Tensor w2, Tensor? w2_scales, int n) -> "
       "(Tensor[], Tensor[], Tensor[], Tensor[])");
@@ -121,6 +130,8 @@ TORCH_LIBRARY_IMPL(kt, CPU, m) {
   m.impl("gguf_dequantize", &kt::formats::gguf_dequantize);
   m.impl("gguf_dequantize_into", &kt::formats::gguf_dequantize_into);
   m.impl("fused_moe", &kt::moe::fused_moe);
+  m.impl("fused_moe_backward", &kt::moe::fused_moe_backward);
+  m.impl("fused_moe_delta", &kt::moe::fused_moe_delta);
   m.impl("numa_split_experts", &kt::moe::numa_split_experts);
   m.impl("fused_moe_numa", &kt::moe::fused_moe_numa);
 }

@@ -200,6 +200,9 @@ class _PackedExpertsMixin:
     """Mixed into a prepared experts module's class: its packed CPU buffers ignore ``model.to(...)``/``.half()``."""
 
     def _apply(self, fn, recurse=True):
+        lora = self._modules.get("kt_lora")
+        if lora is not None:  # LoRA adapters (ktorch.lora) follow the model's device and dtype changes
+            lora._apply(fn, recurse)
         return self
 
 
@@ -359,6 +362,8 @@ def ktorch_experts_forward(
                 "forward) before torch.compile"
             )
         pack_module_experts(self)
+    if getattr(self, "kt_lora", None) is not None or _needs_grad(self, hidden_states, top_k_weights):
+        return _run_differentiable(self, hidden_states, top_k_index, top_k_weights)
     gpu_work = None
     if getattr(self, "kt_gpu_slot_of", None) is not None:
         top_k_index, gpu_work = _split_gpu_experts(self, hidden_states, top_k_index, top_k_weights)
@@ -371,6 +376,39 @@ def ktorch_experts_forward(
 
         return deferred_experts_forward(self, hidden_states, top_k_index, top_k_weights, _run_experts, gpu_work)
     return _run_experts(self, hidden_states, top_k_index, top_k_weights, gpu_work)
+
+
+def _needs_grad(self: nn.Module, hidden_states: torch.Tensor, top_k_weights: torch.Tensor) -> bool:
+    """Whether this call must be differentiable: grad mode on and the inputs need it."""
+    return torch.is_grad_enabled() and (hidden_states.requires_grad or top_k_weights.requires_grad)
+
+
+def _run_differentiable(self: nn.Module, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
+    """A differentiable call (ktorch/ops/moe_autograd.py): plain copies to the CPU and back, which autograd
+    follows, instead of the runtime's pinned submit/wait; a module with adapters (``kt_lora``) always comes here,
+    with or without grad, and runs ``ktorch.lora.expert_lora_forward``. Expert deferral and prefill streaming have
+    no backward and are refused."""
+    if getattr(self, "kt_deferral", None) is not None:
+        raise RuntimeError(f"ktorch experts: {type(self).__name__} defers experts, which has no backward; "
+                           "set_deferred_experts(model, 0) before training")
+    if getattr(self, "kt_stream_plan", None) is not None:
+        raise RuntimeError(f"ktorch experts: {type(self).__name__} streams experts to the GPU, which has no backward; "
+                           "set_stream_experts(model, None) before training")
+    if getattr(self, "kt_lora", None) is not None:
+        if getattr(self, "kt_gpu_slot_of", None) is not None:
+            raise RuntimeError(f"ktorch experts: {type(self).__name__} keeps experts on the GPU (gpu_experts); expert "
+                               "adapters need every expert on the CPU op")
+        from ktorch.lora import expert_lora_forward
+
+        return expert_lora_forward(self, hidden_states, top_k_index, top_k_weights)
+    gpu_work = None
+    if getattr(self, "kt_gpu_slot_of", None) is not None:
+        top_k_index, gpu_work = _split_gpu_experts(self, hidden_states, top_k_index, top_k_weights)
+    device = hidden_states.device
+    cpu = torch.device("cpu")
+    out = torch.ops.kt.fused_moe(hidden_states.to(cpu), top_k_index.to(cpu), top_k_weights.to(cpu), self.kt_w13,
+                                 self.kt_w13_scales, self.kt_w2, self.kt_w2_scales, self.kt_activation).to(device)
+    return out if gpu_work is None else out + gpu_work()
 
 
 def _split_gpu_experts(self: nn.Module, hidden_states, top_k_index, top_k_weights):

@@ -254,12 +254,23 @@ def fused_moe(
             The packed experts' biases, if any, are added to the gate/up outputs before the activation and to the
             down output before the routing weight scales it.
 
+    Differentiable in ``hidden`` and ``topk_weights`` (ktorch/ops/moe_autograd.py; the packed weights are frozen).
+    When gradients are needed, NUMA-split experts run slice by slice, one ``kt.fused_moe`` call each, summed in fp32,
+    and ``KT_NUMA_SPLIT`` is not applied.
+
     Returns:
         [T, H] in the dtype of ``hidden``.
     """
-    if config.value("KT_NUMA_SPLIT") and not isinstance(packed, NumaSplitExperts):
+    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or topk_weights.requires_grad)
+    if config.value("KT_NUMA_SPLIT") and not isinstance(packed, NumaSplitExperts) and not needs_grad:
         packed = _env_split(packed)
     if isinstance(packed, NumaSplitExperts):
+        if needs_grad:  # out = sum of the slices' outputs exactly; each kt.fused_moe call has a backward
+            out = None
+            for s in packed.slices:
+                part = torch.ops.kt.fused_moe(hidden, topk_ids, topk_weights, *s.tensors(), activation).float()
+                out = part if out is None else out + part
+            return out.to(hidden.dtype)
         return fused_moe_split(hidden, topk_ids, topk_weights, packed, activation)
     return torch.ops.kt.fused_moe(
         hidden, topk_ids, topk_weights, packed.w13, packed.w13_scales, packed.w2, packed.w2_scales, activation,
@@ -373,13 +384,6 @@ def _fused_moe_fake(hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scal
     torch._check(topk_ids.shape[0] == hidden.shape[0], lambda: "fused_moe: topk_ids must have T rows")
     torch._check(hidden.shape[1] == w2.shape[1] * 16, lambda: "fused_moe: hidden size does not match w2")
     return torch.empty_like(hidden, memory_format=torch.contiguous_format)
-
-
-def _not_differentiable(ctx, grad_output):
-    raise RuntimeError("kt.fused_moe has no backward: ktorch runs MoE experts for inference only")
-
-
-torch.library.register_autograd("kt::fused_moe", _not_differentiable)
 
 
 def pack_int4_from_quantized(values: torch.Tensor, scales: torch.Tensor, gate_up: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

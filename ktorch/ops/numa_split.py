@@ -157,9 +157,3 @@ def _fused_moe_numa_fake(hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2
     torch._check(hidden.shape[1] == w2[0].shape[1] * 16, lambda: "fused_moe_numa: hidden size does not match w2")
     return torch.empty_like(hidden, memory_format=torch.contiguous_format)
 
-
-def _not_differentiable(ctx, grad_output):
-    raise RuntimeError("kt.fused_moe_numa has no backward: ktorch runs MoE experts for inference only")
-
-
-torch.library.register_autograd("kt::fused_moe_numa", _not_differentiable)

@@ -1,0 +1,136 @@
+"""Gradients through the packed CPU experts: autograd for ``kt.fused_moe``, and the op that LoRA on the experts
+runs, ``kt.fused_moe_delta``.
+
+The expert weights stay frozen and packed (bf16, int8, int4); what flows is
+
+    d hidden[t]     = sum_k w[t,k] * [dg | du] W13_e         (the gate/up projection read transposed)
+    d weights[t,k]  = < dY[t], down_e(h_tk) >                (= <dY[t] W2_e, h_tk>)
+    dg = (w dY[t] W2_e) * u * act'(g),  du = (w dY[t] W2_e) * act(g)
+
+computed by ``torch.ops.kt.fused_moe_backward`` (ktorch/csrc/moe/fused_moe_backward.cpp) on the CPU from the packed
+weights: each expert with routed pairs is decoded into one worker's scratch (no unpacked copy of the layer) and the
+products run through ATen's matmuls. Memory: autograd keeps the op's inputs only (hidden [T, H], ids and weights
+[T, K], references to the packed tensors); the backward recomputes the gate/up pre-activations from hidden rather
+than saving [T, K, 2I] of them (2.4 GiB for Qwen3-30B-A3B's 48 layers at T = 2048 in bf16), one more
+x W13^T product per pair (the backward makes 3 of them per pair, the forward 2). With int8/int4 weights the
+forward also rounds the activations to int8; the backward is the gradient of the dequantized-weights function with
+float activations (straight through that rounding).
+
+``kt.fused_moe_delta(hidden, ids, weights, *packed, gate_up_delta [T, K, 2I], activation) -> (out, h [T, K, I])`` is
+the routed experts with ``gate_up_delta`` added to each (token, slot)'s gate/up pre-activations (gate columns then
+up columns) that also returns h = act(gate) * up: what LoRA on the experts needs (ktorch/lora.py), since an adapter
+on gate/up acts before the GLU and one on down acts on h. It runs on the same decoded-expert path as the backward
+(not ktorch's fused kernels), in float64 for float64 inputs, so ``torch.autograd.gradcheck`` applies to it directly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ktorch.ops.moe import _check_same_device
+
+_PACKED = ("w13", "w13_scales", "w2", "w2_scales")
+
+
+# ---------------------------------------------------------------- fake impls
+
+
+@torch.library.register_fake("kt::fused_moe_backward")
+def _fused_moe_backward_fake(grad_out, hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales,
+                             activation="silu", gate_up_delta=None, grad_h=None):
+    _check_same_device("fused_moe_backward", "hidden",
+                       dict(grad_out=grad_out, hidden=hidden, topk_ids=topk_ids, topk_weights=topk_weights, w13=w13,
+                            w13_scales=w13_scales, w2=w2, w2_scales=w2_scales, gate_up_delta=gate_up_delta,
+                            grad_h=grad_h))
+    torch._check(topk_ids.shape[0] == hidden.shape[0], lambda: "fused_moe_backward: topk_ids must have T rows")
+    torch._check(hidden.shape[1] == w2.shape[1] * 16, lambda: "fused_moe_backward: hidden size does not match w2")
+    d_delta = (torch.empty_like(gate_up_delta, memory_format=torch.contiguous_format) if gate_up_delta is not None
+               else hidden.new_empty((0,)))
+    return (torch.empty_like(hidden, memory_format=torch.contiguous_format),
+            torch.empty_like(topk_weights, memory_format=torch.contiguous_format), d_delta)
+
+
+@torch.library.register_fake("kt::fused_moe_delta")
+def _fused_moe_delta_fake(hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales, gate_up_delta,
+                          activation="silu"):
+    _check_same_device("fused_moe_delta", "hidden",
+                       dict(hidden=hidden, topk_ids=topk_ids, topk_weights=topk_weights, w13=w13, w13_scales=w13_scales,
+                            w2=w2, w2_scales=w2_scales, gate_up_delta=gate_up_delta))
+    torch._check(topk_ids.shape[0] == hidden.shape[0], lambda: "fused_moe_delta: topk_ids must have T rows")
+    torch._check(hidden.shape[1] == w2.shape[1] * 16, lambda: "fused_moe_delta: hidden size does not match w2")
+    T, K = topk_ids.shape
+    I = w13.shape[1] * 8
+    return (torch.empty_like(hidden, memory_format=torch.contiguous_format), hidden.new_empty((T, K, I)))
+
+
+# ---------------------------------------------------------------- autograd
+
+
+def _frozen_check(ctx, packed) -> None:
+    for name, t in zip(_PACKED, packed):
+        if t is not None and t.requires_grad:
+            raise RuntimeError(f"kt.fused_moe: {name} requires grad; the packed expert weights are frozen (train "
+                               "adapters beside them: ktorch.lora)")
+
+
+# activations the backward implements (fused_moe_backward.cpp); biases, clamped/parametrized activations and
+# gateless experts (the families of the formats issue) have a forward only so far
+BACKWARD_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
+
+
+def _setup_fused_moe(ctx, inputs, output):
+    hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales, activation, w13_bias, w2_bias = inputs
+    _frozen_check(ctx, (w13, w13_scales, w2, w2_scales))
+    if hidden.requires_grad or topk_weights.requires_grad:
+        if w13_bias is not None or w2_bias is not None or activation not in BACKWARD_ACTIVATIONS:
+            raise NotImplementedError(
+                f"kt.fused_moe: no backward yet for experts with biases or the activation {activation!r} "
+                f"(backward: {', '.join(BACKWARD_ACTIVATIONS)}, no biases); run it without gradients")
+        intermediate = w2.shape[2] * (8 if w2.dtype == torch.uint8 else w2.shape[4])
+        if w13.shape[1] * 16 == intermediate:  # w13's N is 2I for gated experts, I for gateless ones
+            raise NotImplementedError("kt.fused_moe: no backward yet for gateless experts; run it without gradients")
+    ctx.activation = activation
+    ctx.save_for_backward(hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales)
+
+
+def _fused_moe_backward(ctx, grad_out):
+    hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales = ctx.saved_tensors
+    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+    if not (need_x or need_w):
+        return (None,) * 10
+    dx, dw, _ = torch.ops.kt.fused_moe_backward(grad_out, hidden, topk_ids, topk_weights, w13, w13_scales, w2,
+                                                w2_scales, ctx.activation, None, None)
+    return (dx if need_x else None, None, dw if need_w else None) + (None,) * 7
+
+
+torch.library.register_autograd("kt::fused_moe", _fused_moe_backward, setup_context=_setup_fused_moe)
+
+
+def _setup_fused_moe_delta(ctx, inputs, output):
+    hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales, gate_up_delta, activation = inputs
+    _frozen_check(ctx, (w13, w13_scales, w2, w2_scales))
+    ctx.activation = activation
+    ctx.save_for_backward(hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales, gate_up_delta)
+
+
+def _fused_moe_delta_backward(ctx, grad_out, grad_h):
+    hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales, gate_up_delta = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(hidden)
+    dx, dw, dd = torch.ops.kt.fused_moe_backward(grad_out, hidden, topk_ids, topk_weights, w13, w13_scales, w2,
+                                                 w2_scales, ctx.activation, gate_up_delta, grad_h)
+    need = ctx.needs_input_grad
+    return (dx if need[0] else None, None, dw if need[2] else None, None, None, None, None,
+            dd if need[7] else None, None)
+
+
+torch.library.register_autograd("kt::fused_moe_delta", _fused_moe_delta_backward, setup_context=_setup_fused_moe_delta)
+
+
+def _fused_moe_numa_backward(ctx, grad_out):
+    raise RuntimeError("kt.fused_moe_numa has no backward (torch.library's autograd of ops with Tensor[] inputs does "
+                       "not take it here); ktorch.fused_moe with NUMA-split experts runs each slice through kt.fused_moe "
+                       "when gradients are needed")
+
+
+torch.library.register_autograd("kt::fused_moe_numa", _fused_moe_numa_backward)

@@ -1,0 +1,237 @@
+"""The gradients of kt.fused_moe (kt.fused_moe_backward) and the LoRA forward kt.fused_moe_delta.
+
+Against: the float64 reference (tests/reference.py) differentiated by torch.autograd on the weights the packing
+stands for (kt.unpack), finite differences (torch.autograd.gradcheck in float64), opcheck with autograd, and
+transformers' eager experts on random layers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ktorch
+from reference import ACTIVATION_ALIASES, ACTIVATIONS, fused_moe_reference, relative_error
+
+FORMATS = ("bf16", "int8", "int4")
+OP_ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "relu")
+
+
+def _packed(E, H, I, fmt, group_size=32):
+    gate_up = torch.randn(E, 2 * I, H) * H**-0.5
+    down = torch.randn(E, H, I) * I**-0.5
+    return ktorch.pack_experts(gate_up, down, dtype=fmt, group_size=group_size if fmt == "int4" else None)
+
+
+def _routing(T, K, E, pattern):
+    if pattern == "random":
+        ids = torch.randint(0, E, (T, K))
+    elif pattern == "skips":  # negative ids skip their slot
+        ids = torch.randint(-1, E, (T, K))
+    elif pattern == "repeats":  # one expert in several slots of a token, and every token on expert 0
+        ids = torch.randint(0, E, (T, K))
+        ids[:, 0] = 0
+        ids[:, 1] = 0
+    else:
+        raise ValueError(pattern)
+    return ids, torch.rand(T, K)
+
+
+def _reference_grads(hidden, ids, weights, packed, activation, grad_out):
+    gate_up, down = packed.dequantize()
+    x = hidden.double().requires_grad_()
+    w = weights.double().requires_grad_()
+    out = fused_moe_reference(x, ids, w, gate_up, down, activation)
+    return torch.autograd.grad(out, (x, w), grad_out.double())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("activation", OP_ACTIVATIONS)
+@pytest.mark.parametrize("pattern", ["random", "skips", "repeats"])
+def test_backward_op_equals_float64_reference_gradient(fmt, activation, pattern):
+    E, H, I, T, K = 6, 64, 64, 11, 3
+    packed = _packed(E, H, I, fmt)
+    ids, weights = _routing(T, K, E, pattern)
+    hidden, grad_out = torch.randn(T, H, dtype=torch.float64), torch.randn(T, H, dtype=torch.float64)
+    dx, dw, dd = torch.ops.kt.fused_moe_backward(grad_out, hidden, ids, weights.double(), *packed.tensors(), activation)
+    rx, rw = _reference_grads(hidden, ids, weights, packed, activation, grad_out)
+    assert dd.numel() == 0
+    assert dx.dtype == torch.float64 and dw.dtype == torch.float64
+    torch.testing.assert_close(dx, rx, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(dw, rw, rtol=1e-10, atol=1e-12)
+    if pattern == "skips":
+        assert (dw[ids < 0] == 0).all()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2), (torch.float16, 2e-2)])
+def test_autograd_of_fused_moe(fmt, dtype, tol):
+    """loss.backward() through ktorch.fused_moe: gradients in the inputs' dtypes, close to the float64 reference."""
+    E, H, I, T, K = 8, 96, 64, 13, 4
+    packed = _packed(E, H, I, fmt)
+    ids, weights = _routing(T, K, E, "skips")
+    hidden = torch.randn(T, H).to(dtype).requires_grad_()
+    w = weights.requires_grad_()
+    grad_out = torch.randn(T, H)
+    ktorch.fused_moe(hidden, ids, w, packed).backward(grad_out.to(dtype))
+    rx, rw = _reference_grads(hidden.detach(), ids, w.detach(), packed, "silu", grad_out.to(dtype).float())
+    assert hidden.grad.dtype == dtype and w.grad.dtype == torch.float32
+    assert relative_error(hidden.grad, rx) < tol
+    assert relative_error(w.grad, rw) < tol
+
+
+class _ReferenceForwardKtBackward(torch.autograd.Function):
+    """The float64 reference as the forward, kt.fused_moe_backward as the backward: gradcheck compares the op's
+    backward against finite differences of exactly the function the packed weights stand for."""
+
+    @staticmethod
+    def forward(ctx, hidden, weights, ids, packed, dequantized, activation):
+        ctx.save_for_backward(hidden, weights, ids)
+        ctx.packed, ctx.activation = packed, activation
+        return fused_moe_reference(hidden, ids, weights, *dequantized, activation)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weights, ids = ctx.saved_tensors
+        dx, dw, _ = torch.ops.kt.fused_moe_backward(grad_out, hidden, ids, weights, *ctx.packed.tensors(),
+                                                    ctx.activation)
+        return dx, dw, None, None, None, None
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
+def test_gradcheck_float64(fmt, activation):
+    E, H, I, T, K = 4, 32, 32, 5, 2
+    packed = _packed(E, H, I, fmt)
+    ids, weights = _routing(T, K, E, "skips")
+    hidden = torch.randn(T, H, dtype=torch.float64, requires_grad=True)
+    w = weights.double().requires_grad_()
+    dequantized = packed.dequantize()
+    assert torch.autograd.gradcheck(
+        lambda x, w: _ReferenceForwardKtBackward.apply(x, w, ids, packed, dequantized, activation), (hidden, w))
+    # kt.fused_moe_delta runs in float64 itself: gradcheck of the op, deltas included, and of its h output
+    delta = (torch.randn(T, K, 2 * I, dtype=torch.float64) * 0.3).requires_grad_()
+
+    def op(x, w, d):
+        return torch.ops.kt.fused_moe_delta(x, ids, w, *packed.tensors(), d, activation)
+
+    assert torch.autograd.gradcheck(op, (hidden, w, delta), fast_mode=True)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("activation", OP_ACTIVATIONS)
+def test_fused_moe_delta_forward(fmt, activation):
+    """out equals kt.fused_moe's reference with the deltas added to the pre-activations; h is act(g) * u."""
+    E, H, I, T, K = 5, 64, 32, 9, 3
+    packed = _packed(E, H, I, fmt)
+    ids, weights = _routing(T, K, E, "skips")
+    hidden = torch.randn(T, H, dtype=torch.float64)
+    delta = torch.randn(T, K, 2 * I, dtype=torch.float64) * 0.5
+    out, h = torch.ops.kt.fused_moe_delta(hidden, ids, weights.double(), *packed.tensors(), delta, activation)
+    gate_up, down = packed.dequantize()
+    act = ACTIVATIONS[ACTIVATION_ALIASES.get(activation, activation)]
+    ref_out = torch.zeros(T, H, dtype=torch.float64)
+    ref_h = torch.zeros(T, K, I, dtype=torch.float64)
+    for t in range(T):
+        for k in range(K):
+            e = int(ids[t, k])
+            if e < 0:
+                continue
+            gu = hidden[t] @ gate_up[e].double().T + delta[t, k]
+            ref_h[t, k] = act(gu[:I]) * gu[I:]
+            ref_out[t] += weights[t, k].double() * (ref_h[t, k] @ down[e].double().T)
+    torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(h, ref_h, rtol=1e-10, atol=1e-12)
+    # zero deltas: kt.fused_moe's function (fp32 against the fused kernels, which round the activations to bf16 or int8)
+    zero = torch.zeros(T, K, 2 * I)
+    out32, _ = torch.ops.kt.fused_moe_delta(hidden.float(), ids, weights, *packed.tensors(), zero, activation)
+    fused = torch.ops.kt.fused_moe(hidden.float(), ids, weights, *packed.tensors(), activation)
+    assert relative_error(out32, fused) < 2e-2
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_opcheck_with_autograd(fmt):
+    E, H, I, T, K = 4, 32, 32, 6, 2
+    packed = _packed(E, H, I, fmt)
+    ids, weights = _routing(T, K, E, "skips")
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    hidden = torch.randn(T, H, requires_grad=True)
+    w = weights.clone().requires_grad_()
+    torch.library.opcheck(torch.ops.kt.fused_moe.default, (hidden, ids, w, *packed.tensors(), "silu"), test_utils=utils)
+    delta = torch.randn(T, K, 2 * I, requires_grad=True)
+    torch.library.opcheck(torch.ops.kt.fused_moe_delta.default, (hidden, ids, w, *packed.tensors(), delta, "silu"),
+                          test_utils=utils)
+    grad_out = torch.randn(T, H)
+    torch.library.opcheck(torch.ops.kt.fused_moe_backward.default,
+                          (grad_out, hidden.detach(), ids, weights, *packed.tensors(), "silu", delta.detach(),
+                           torch.randn(T, K, I)),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_numa_split_gradients_equal_unsplit():
+    E, H, I, T, K = 6, 64, 128, 7, 3
+    packed = _packed(E, H, I, "int8")
+    split = packed.split_numa(2)
+    ids, weights = _routing(T, K, E, "random")
+    grads = []
+    for experts in (packed, split):
+        hidden = torch.randn(T, H, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        w = weights.clone().requires_grad_()
+        ktorch.fused_moe(hidden, ids, w, experts).sum().backward()
+        grads.append((hidden.grad, w.grad))
+    torch.testing.assert_close(grads[1][0], grads[0][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads[1][1], grads[0][1], rtol=1e-5, atol=1e-6)
+
+
+def test_gradients_match_transformers_eager_experts():
+    """A random Qwen3-MoE experts layer in bf16: transformers' eager experts and the packed kt.fused_moe give the
+    same d hidden and d routing weights within bf16 tolerance."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    config = Qwen3MoeConfig(hidden_size=128, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=3)
+    eager = Qwen3MoeExperts(config).to(torch.bfloat16)
+    with torch.no_grad():
+        eager.gate_up_proj.normal_(0, 128**-0.5)
+        eager.down_proj.normal_(0, 64**-0.5)
+    config._experts_implementation = "eager"
+    packed = ktorch.pack_experts(eager.gate_up_proj.detach().float(), eager.down_proj.detach().float(), dtype="bf16")
+    T = 33
+    ids = torch.stack([torch.randperm(8)[:3] for _ in range(T)])
+    weights = torch.softmax(torch.randn(T, 3), -1)
+    x = torch.randn(T, 128, dtype=torch.bfloat16)
+    grad_out = torch.randn(T, 128, dtype=torch.bfloat16)
+    grads = []
+    for run in ("eager", "ktorch"):
+        h = x.clone().requires_grad_()
+        w = weights.to(torch.bfloat16).requires_grad_()
+        if run == "eager":
+            out = eager(h, ids, w)
+        else:
+            out = ktorch.fused_moe(h, ids, w, packed)
+        out.backward(grad_out)
+        grads.append((h.grad, w.grad))
+    assert relative_error(grads[1][0], grads[0][0]) < 2e-2
+    assert relative_error(grads[1][1], grads[0][1]) < 2e-2
+
+
+def test_errors_name_the_problem():
+    packed = _packed(4, 32, 32, "int8")
+    ids, weights = _routing(3, 2, 4, "random")
+    hidden, grad_out = torch.randn(3, 32), torch.randn(3, 32)
+    with pytest.raises(RuntimeError, match="grad_out must be a float CPU tensor shaped like hidden"):
+        torch.ops.kt.fused_moe_backward(grad_out[:2], hidden, ids, weights, *packed.tensors())
+    bad = ids.clone()
+    bad[1, 1] = 4
+    with pytest.raises(RuntimeError, match=r"topk_ids\[1, 1\] = 4 is out of range for 4 experts"):
+        torch.ops.kt.fused_moe_backward(grad_out, hidden, bad, weights, *packed.tensors())
+    with pytest.raises(RuntimeError, match="gate_up_delta must be a float CPU tensor"):
+        torch.ops.kt.fused_moe_delta(hidden, ids, weights, *packed.tensors(), torch.zeros(3, 2, 32))
+    with pytest.raises(RuntimeError, match="hidden size mismatch"):
+        torch.ops.kt.fused_moe_backward(torch.randn(3, 64), torch.randn(3, 64), ids, weights, *packed.tensors())
+    with pytest.raises(RuntimeError, match="activation must be one of"):
+        torch.ops.kt.fused_moe_backward(grad_out, hidden, ids, weights, *packed.tensors(), "tanh")
+    bf16 = _packed(4, 32, 32, "bf16")
+    w13 = bf16.w13.clone().requires_grad_()  # packed bf16 weights asked to train are refused, not silently frozen
+    with pytest.raises(RuntimeError, match="frozen"):
+        torch.ops.kt.fused_moe(hidden.requires_grad_(), ids, weights, w13, *bf16.tensors()[1:], "silu")
