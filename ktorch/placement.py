@@ -96,12 +96,12 @@ def prepare(
                 check_supported(m)
             except ValueError as e:
                 raise type(e)(f"{name}: {e}") from None
-    if trainable and (deferred_experts or stream_experts is not None):
-        raise ValueError("prepare: deferred_experts and stream_experts have no backward; leave them off with trainable")
         if gpu_experts is not None or stream_experts is not None:
             problem = device_experts_problem(m)
             if problem is not None:
                 raise UnsupportedExpertsError(f"prepare: {name}: gpu_experts/stream_experts: {problem}")
+    if trainable and (deferred_experts or stream_experts is not None):
+        raise ValueError("prepare: deferred_experts and stream_experts have no backward; leave them off with trainable")
     if stream_experts is not None and device.type != "cuda":
         raise ValueError(f"prepare: stream_experts copies experts to a CUDA device; device is {device}")
     if device.type != "cpu":
