@@ -76,6 +76,11 @@ class ExpertLoRAFactors(nn.Module):
 class ExpertsLoRA(nn.Module):
     """The adapters of one packed experts module: ``gate_up_proj`` and/or ``down_proj`` factors and the scaling."""
 
+    def experts_forward(self, module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                        top_k_weights: torch.Tensor) -> torch.Tensor:
+        """``expert_lora_forward(module, ...)``: what the experts integration calls for a module with adapters."""
+        return expert_lora_forward(module, hidden, top_k_index, top_k_weights)
+
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, r: int, lora_alpha: float,
                  targets: Iterable[str], use_rslora: bool = False, device=None, dtype=torch.float32):
         super().__init__()

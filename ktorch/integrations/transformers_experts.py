@@ -398,9 +398,8 @@ def _run_differentiable(self: nn.Module, hidden_states, top_k_index, top_k_weigh
         if getattr(self, "kt_gpu_slot_of", None) is not None:
             raise RuntimeError(f"ktorch experts: {type(self).__name__} keeps experts on the GPU (gpu_experts); expert "
                                "adapters need every expert on the CPU op")
-        from ktorch.lora import expert_lora_forward
-
-        return expert_lora_forward(self, hidden_states, top_k_index, top_k_weights)
+        # the adapters carry their forward (ktorch/lora.py imports this module, so no import back)
+        return self.kt_lora.experts_forward(self, hidden_states, top_k_index, top_k_weights)
     gpu_work = None
     if getattr(self, "kt_gpu_slot_of", None) is not None:
         top_k_index, gpu_work = _split_gpu_experts(self, hidden_states, top_k_index, top_k_weights)
