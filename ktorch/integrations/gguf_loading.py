@@ -5,7 +5,10 @@ Parsing is the gguf package's (``gguf.GGUFReader``, ``gguf.quants.dequantize``, 
 Architectures (``general.architecture`` -> transformers ``model_type``):
   qwen3moe -> qwen3_moe, qwen2moe -> qwen2_moe, llama with experts -> mixtral (Q/K rows un-permuted: llama.cpp's
   converter permutes them for its rotary layout), deepseek2 -> deepseek_v3 (sigmoid gating, ``exp_probs_b``) or
-  deepseek_v2 (softmax gating); MLA's ``attn_k_b``/``attn_v_b`` are joined back into ``kv_b_proj``.
+  deepseek_v2 (softmax gating); MLA's ``attn_k_b``/``attn_v_b`` are joined back into ``kv_b_proj``; gpt-oss ->
+  gpt_oss (expert biases ``ffn_{gate,up,down}_exps.bias``, router bias, attention sinks, sliding-window layers;
+  the experts module's interleaved, transposed parameters are assembled from the separate gate/up tensors and
+  packed with the ``swiglu_oai`` activation of the config).
 
 Routed experts (``blk.N.ffn_{gate,up}_exps.weight`` [E, I, H], ``ffn_down_exps.weight`` [E, H, I] in numpy order)
 become the op's packed formats. With ``experts_dtype="auto"``:
@@ -14,6 +17,10 @@ become the op's packed formats. With ``experts_dtype="auto"``:
                     else dequantized and requantized (Q4_K is asymmetric; the op's int4 is symmetric)
   Q8_0, Q5_K, Q6_K and other quantized types -> int8 per output channel (dequantized, requantized)
   BF16, F16, F32 -> bf16
+  MXFP4 (gpt-oss)-> bf16, exact: E2M1 values (at most 2 significant bits) times a power-of-two E8M0 scale; every
+                    scale byte up to 252 gives values bf16 holds exactly (down to 2**-128, bf16's subnormals
+                    included); a block whose scale byte is 253..255 (values past float32's range, or NaN) is a
+                    CheckpointError, never a silent rounding
   a layer whose three tensors differ takes the widest of their formats (e.g. Q4_K gate/up with Q6_K down -> int8).
 An explicit ``experts_dtype`` converts every layer to it (Q4_0 -> int4 with group 32 stays exact).
 docs/loading.md lists what each conversion loses, measured against ``gguf.quants.dequantize``.
@@ -33,8 +40,13 @@ import torch
 from ktorch.integrations.checkpoint_loading import CheckpointError, CheckpointSource, _layer_index
 from ktorch.ops.moe import GGUF_NATIVE_BLOCK_SIZES, PackedExperts, pack_experts, pack_int4_from_quantized
 
-ARCHITECTURES = ("qwen3moe", "qwen2moe", "deepseek2", "llama")
+ARCHITECTURES = ("qwen3moe", "qwen2moe", "deepseek2", "llama", "gpt-oss")
 _EXPERT_PROJS = ("gate", "up", "down")
+# The largest E8M0 scale byte of an MXFP4 block decoded exactly: byte e scales the E2M1 values (0.5 .. 6, doubled
+# to integers by the gguf package) by 2**(e-127); e = 252 gives at most 6 * 2**125, e = 253 overflows float32 for
+# 12 (doubled 6), and 255 is NaN in the OCP MX format. Every byte <= 252 gives values with <= 2 significant bits
+# in bf16's exponent range, subnormals down to 2**-133 included: exact.
+MXFP4_MAX_SCALE = 252
 _RANK = {"int4": 0, "int8": 1, "bf16": 2}
 
 
@@ -49,7 +61,7 @@ def _gguf():
 def _auto_format(type_name: str) -> str:
     if type_name in ("Q4_0", "Q4_K"):
         return "int4"
-    if type_name in ("F32", "F16", "BF16"):
+    if type_name in ("F32", "F16", "BF16", "MXFP4"):
         return "bf16"
     return "int8"
 
@@ -251,6 +263,20 @@ class GGUFSource(CheckpointSource):
                           shared_expert_intermediate_size=int(self._field("qwen2moe.expert_shared_feed_forward_length", 0)
                                                               or (shared[0] if shared else 0)),
                           norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[])
+        elif self.arch == "gpt-oss":
+            window = int(self._field("gpt-oss.attention.sliding_window", 0) or 0)
+            kwargs = dict(model_type="gpt_oss", num_local_experts=experts, num_experts_per_tok=used,
+                          intermediate_size=int(self._field("gpt-oss.expert_feed_forward_length", 0)
+                                                or f("feed_forward_length")),
+                          head_dim=int(key_length or hidden // heads), sliding_window=window or None,
+                          attention_bias="blk.0.attn_q.bias" in self.tensors)
+            if not window:  # no sliding window in the file: every layer attends to the whole context
+                kwargs["layer_types"] = ["full_attention"] * int(f("block_count"))
+            if self._field("gpt-oss.rope.scaling.type") == "yarn":  # llama.cpp's YaRN defaults (beta 32 / 1)
+                common["rope_parameters"] = {
+                    **common["rope_parameters"], "rope_type": "yarn", "beta_fast": 32.0, "beta_slow": 1.0,
+                    "factor": float(f("rope.scaling.factor")), "truncate": False,
+                    "original_max_position_embeddings": int(f("rope.scaling.original_context_length"))}
         elif self.arch == "llama":
             gate = self._gguf_shape("blk.0.ffn_gate_exps.weight")
             kwargs = dict(model_type="mixtral", num_local_experts=experts, num_experts_per_tok=used,
@@ -323,6 +349,10 @@ class GGUFSource(CheckpointSource):
         self._check_dequantizable(t)
 
     def check_tensor(self, name: str, shape: tuple[int, ...]) -> None:
+        if self.arch == "gpt-oss" and ".mlp.experts." in name:
+            for gguf_name, want in self._gpt_oss_expert_parts(name, shape):
+                self._check_shape(gguf_name, name, want)
+            return
         mapped = self._gguf_name(name)
         if mapped is None:
             raise CheckpointError(self.path, f"the model's {name} has no GGUF name in the gguf package's map for "
@@ -362,6 +392,56 @@ class GGUFSource(CheckpointSource):
         return value.to(device=device, dtype=dtype, copy=True)  # a copy: the file's pages stay read-only
 
     # ------------------------------------------------------------ experts
+
+    def _gpt_oss_expert_parts(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+        """The GGUF tensors (and their numpy-order shapes) that make gpt-oss experts parameter ``name`` of
+        ``shape`` (the module's layout: ``gate_up_proj`` [E, H, 2I], ``gate_up_proj_bias`` [E, 2I], ``down_proj``
+        [E, I, H], ``down_proj_bias`` [E, H])."""
+        layer, param = _layer_index(name), name.rsplit(".", 1)[1]
+        blk = f"blk.{layer}.ffn"
+        if param == "gate_up_proj":
+            E, H, I2 = shape
+            return [(f"{blk}_gate_exps.weight", (E, I2 // 2, H)), (f"{blk}_up_exps.weight", (E, I2 // 2, H))]
+        if param == "gate_up_proj_bias":
+            E, I2 = shape
+            return [(f"{blk}_gate_exps.bias", (E, I2 // 2)), (f"{blk}_up_exps.bias", (E, I2 // 2))]
+        if param == "down_proj":
+            E, I, H = shape
+            return [(f"{blk}_down_exps.weight", (E, H, I))]
+        if param == "down_proj_bias":
+            return [(f"{blk}_down_exps.bias", tuple(shape))]
+        raise CheckpointError(self.path, f"the model's {name} has no GGUF tensor in ktorch's gpt-oss mapping")
+
+    def _expert_values(self, gguf_name: str, first: int, end: int) -> torch.Tensor:
+        """Experts ``first:end`` of a stacked tensor, decoded to float; MXFP4 checked to be exact in bf16."""
+        t = self.tensors[gguf_name]
+        data = t.data[first:end]
+        if t.tensor_type.name == "MXFP4":
+            block_size, type_size = _gguf().GGML_QUANT_SIZES[t.tensor_type]
+            scales = np.ascontiguousarray(data).reshape(-1, type_size)[:, 0]
+            top = int(scales.max()) if scales.size else 0
+            if top > MXFP4_MAX_SCALE:
+                raise CheckpointError(self.path, f"an MXFP4 block scale (E8M0 byte {top}) past {MXFP4_MAX_SCALE}: its "
+                                                 "values overflow float32 or are NaN, so they cannot be decoded "
+                                                 "exactly to bf16", tensor=gguf_name)
+        return self._array(t, first, end).float()
+
+    def read_expert_rows(self, name: str, first: int, end: int) -> torch.Tensor:
+        """gpt-oss experts parameter ``name`` (experts ``first:end``) in the transformers module's layout: the
+        file's separate gate and up tensors interleaved (g0, u0, g1, u1, ...) and transposed back."""
+        if self.arch != "gpt-oss":
+            return super().read_expert_rows(name, first, end)
+        param = name.rsplit(".", 1)[1]
+        names = self._gpt_oss_expert_parts(name, (0, 0) if param == "gate_up_proj_bias" else (0, 0, 0))
+        parts = [self._expert_values(n, first, end) for n, _ in names]
+        if param == "gate_up_proj":  # [e, I, H] twice -> [e, H, 2I] interleaved
+            gate, up = parts
+            return torch.stack([gate, up], dim=2).reshape(gate.shape[0], -1, gate.shape[2]).transpose(1, 2)
+        if param == "gate_up_proj_bias":  # [e, I] twice -> [e, 2I] interleaved
+            return torch.stack(parts, dim=2).reshape(parts[0].shape[0], -1)
+        if param == "down_proj":  # [e, H, I] -> [e, I, H]
+            return parts[0].transpose(1, 2)
+        return parts[0]
 
     def _experts_tensors(self, module_name: str) -> dict:
         layer = int(module_name.split(".layers.")[1].split(".")[0])

@@ -186,7 +186,7 @@ class GGUFFileWriter:
 # ---------------------------------------------------------------- transformers model -> GGUF
 
 GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "deepseek_v2": "deepseek2",
-             "deepseek_v3": "deepseek2"}
+             "deepseek_v3": "deepseek2", "gpt_oss": "gpt-oss"}
 
 
 def llama_permute(weight: np.ndarray, n_head: int) -> np.ndarray:
@@ -217,6 +217,18 @@ def add_arch_metadata(writer, config, arch: str, vocab_size: int) -> None:
         w.add_uint32(f"{a}.rope.dimension_count", head_dim)
         w.add_uint32(f"{a}.attention.key_length", head_dim)
         w.add_uint32(f"{a}.attention.value_length", head_dim)
+    elif arch == "gpt-oss":  # as llama.cpp's GptOssModel writes it
+        w.add_uint32(f"{a}.expert_count", config.num_local_experts)
+        w.add_uint32(f"{a}.expert_used_count", config.num_experts_per_tok)
+        w.add_uint32(f"{a}.expert_feed_forward_length", config.intermediate_size)
+        w.add_uint32(f"{a}.attention.key_length", head_dim)
+        w.add_uint32(f"{a}.attention.value_length", head_dim)
+        if config.sliding_window:
+            w.add_uint32(f"{a}.attention.sliding_window", config.sliding_window)
+        if rope.get("rope_type") == "yarn":
+            w.add_string(f"{a}.rope.scaling.type", "yarn")
+            w.add_float32(f"{a}.rope.scaling.factor", float(rope["factor"]))
+            w.add_uint32(f"{a}.rope.scaling.original_context_length", int(rope["original_max_position_embeddings"]))
     elif arch in ("qwen3moe", "qwen2moe"):
         w.add_uint32(f"{a}.expert_count", config.num_experts)
         w.add_uint32(f"{a}.expert_used_count", config.num_experts_per_tok)
@@ -294,7 +306,8 @@ def write_gguf_from_model(
     experts_types: Optional[dict[str, str]] = None,
     edit: Optional[Callable[[list[PlannedTensor]], list[PlannedTensor]]] = None,
 ) -> Path:
-    """Writes a transformers MoE model (Qwen2/3-MoE, Mixtral, DeepSeek-V2/V3) as llama.cpp's converter would.
+    """Writes a transformers MoE model (Qwen2/3-MoE, Mixtral, DeepSeek-V2/V3, gpt-oss) as llama.cpp's converter
+    would (gpt-oss: MXFP4 experts with ``experts_type="MXFP4"``, expert biases F32).
 
     Args:
         model: the causal LM (weights on the CPU; transformers >= 5 fused experts ``gate_up_proj`` [E, 2I, H],
@@ -330,6 +343,24 @@ def write_gguf_from_model(
     for key, value in state.items():
         if key == "lm_head.weight" and tied:
             continue
+        if arch == "gpt-oss" and ".mlp.experts." in key:  # [E, H, 2I] interleaved gate/up -> separate [E, I, H]
+            layer = int(key.split(".layers.")[1].split(".")[0])
+            param = key.rsplit(".", 1)[1]
+            blk = f"blk.{layer}.ffn"
+            if param == "gate_up_proj":
+                for proj, part in (("gate", value[:, :, 0::2]), ("up", value[:, :, 1::2])):
+                    part = np.ascontiguousarray(part.transpose(0, 2, 1))
+                    out.add(PlannedTensor(f"{blk}_{proj}_exps.weight", part.shape, types[proj], const(part)))
+            elif param == "gate_up_proj_bias":
+                for proj, part in (("gate", value[:, 0::2]), ("up", value[:, 1::2])):
+                    part = np.ascontiguousarray(part)
+                    out.add(PlannedTensor(f"{blk}_{proj}_exps.bias", part.shape, "F32", const(part)))
+            elif param == "down_proj":
+                part = np.ascontiguousarray(value.transpose(0, 2, 1))
+                out.add(PlannedTensor(f"{blk}_down_exps.weight", part.shape, types["down"], const(part)))
+            else:
+                out.add(PlannedTensor(f"{blk}_down_exps.bias", value.shape, "F32", const(value)))
+            continue
         if key.endswith(".experts.gate_up_proj"):
             layer = int(key.split(".layers.")[1].split(".")[0])
             inter = value.shape[1] // 2
@@ -355,6 +386,8 @@ def write_gguf_from_model(
         name = name_map.get_name(hf_key, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise ValueError(f"write_gguf_from_model: no GGUF name for {key}")
+        if key.endswith("self_attn.sinks"):
+            name += ".weight"  # as llama.cpp's converter names it
         if arch == "llama" and key.endswith("self_attn.q_proj.weight"):
             value = llama_permute(value, config.num_attention_heads)
         elif arch == "llama" and key.endswith("self_attn.k_proj.weight"):
