@@ -272,10 +272,12 @@ class GGUFSource(CheckpointSource):
                           attention_bias="blk.0.attn_q.bias" in self.tensors)
             if not window:  # no sliding window in the file: every layer attends to the whole context
                 kwargs["layer_types"] = ["full_attention"] * int(f("block_count"))
-            if self._field("gpt-oss.rope.scaling.type") == "yarn":  # llama.cpp's YaRN defaults (beta 32 / 1)
+            if self._field("gpt-oss.rope.scaling.type") == "yarn":  # betas: the file's, else llama.cpp's 32 / 1
                 common["rope_parameters"] = {
-                    **common["rope_parameters"], "rope_type": "yarn", "beta_fast": 32.0, "beta_slow": 1.0,
-                    "factor": float(f("rope.scaling.factor")), "truncate": False,
+                    **common["rope_parameters"], "rope_type": "yarn", "truncate": False,
+                    "beta_fast": float(self._field("gpt-oss.rope.scaling.yarn_beta_fast", 0) or 32.0),
+                    "beta_slow": float(self._field("gpt-oss.rope.scaling.yarn_beta_slow", 0) or 1.0),
+                    "factor": float(f("rope.scaling.factor")),
                     "original_max_position_embeddings": int(f("rope.scaling.original_context_length"))}
         elif self.arch == "llama":
             gate = self._gguf_shape("blk.0.ffn_gate_exps.weight")
