@@ -521,8 +521,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.plain:
         raise CLIError("serve runs ktorch-prepared models; --plain is for generate and chat")
-    if args.compile:
-        raise CLIError("serve captures its own CUDA graphs per batch size (--cuda-graphs); --compile is for generate")
+    if args.no_compile:
+        raise CLIError("serve captures its own CUDA graphs per batch size (--cuda-graphs off turns them off); "
+                       "--no-compile is for generate and chat")
     for name in ("port", "page_size", "kv_pages", "max_batch_tokens", "max_requests", "max_queued_tokens"):
         value = getattr(args, name)
         if value is not None and (value < 1 or (name == "page_size" and value < 4) or (name == "port" and value > 65535)):

@@ -516,7 +516,7 @@ def test_serve_options_have_help_and_bad_values_are_refused(capsys):
     for argv, message in [(["--port", "0"], "--port 0: out of range"), (["--page-size", "2"], "--page-size 2"),
                           (["--max-requests", "0"], "--max-requests 0"), (["--kv-cache-gib", "0"], "--kv-cache-gib"),
                           (["--host-prefix-cache-gib", "-1"], "--host-prefix-cache-gib"), (["--plain"], "--plain"),
-                          (["--compile"], "--compile")]:
+                          (["--no-compile"], "--no-compile is for generate and chat")]:
         assert main(["serve", "--model", "builtin", *argv]) == 1
         assert message in capsys.readouterr().err
 
