@@ -238,14 +238,14 @@ def _model_device(model: nn.Module) -> torch.device:
     return model.get_input_embeddings().weight.device
 
 
-def _decoder_for(model: nn.Module, max_len: int, sampling: Sampling, cuda_graphs: bool) -> tuple[Decoder, bool]:
-    """The model's kept decoder if it fits (length, sampling, graphs, deferral), else a new one; (decoder, reused)."""
+def _decoder_for(model: nn.Module, max_len: int, sampling: Sampling, cuda_graphs: bool) -> Decoder:
+    """The model's kept decoder if it fits (length, sampling, graphs, deferral), else a new one."""
     device = _model_device(model)
     deferred = getattr(model, "kt_deferred_experts", 0)
     old: Optional[Decoder] = getattr(model, "kt_decoder", None)
     if (old is not None and old.max_len >= max_len and old.sampling == sampling and old.deferred == deferred
             and old.cuda_graphs == (cuda_graphs and device.type == "cuda")):
-        return old, True
+        return old
     if old is not None:  # free its cache and graph before making the next
         model.kt_decoder = None
         del old
@@ -258,7 +258,7 @@ def _decoder_for(model: nn.Module, max_len: int, sampling: Sampling, cuda_graphs
     decoder = Decoder(model, length, device, sampling, cuda_graphs)
     decoder.deferred = deferred
     model.kt_decoder = decoder
-    return decoder, False
+    return decoder
 
 
 @torch.inference_mode()
@@ -288,7 +288,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int = 64
     prompt_len = ids.shape[1]
     device = _model_device(model)
     ids = ids.to(device)
-    decoder, reused = _decoder_for(model, prompt_len + max_new_tokens, sampling, cuda_graphs)
+    decoder = _decoder_for(model, prompt_len + max_new_tokens, sampling, cuda_graphs)
     decoder.generator.manual_seed(seed)
     timings = Timings(prompt_tokens=prompt_len, cuda_graphs=decoder.cuda_graphs)
     result = GenerationResult(timings=timings)

@@ -172,11 +172,10 @@ def _strip_peft_prefix(name: str) -> str:
     return name
 
 
-def expert_lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The experts' adapters under the keys peft gives ``target_parameters`` adapters
-    (``base_model.model.<module>.[base_layer.]lora_A.weight``): with both parameters targeted peft wraps
-    gate_up_proj first (the inner wrapper, ``base_layer.``) and down_proj around it."""
-    out = {}
+def _expert_lora_factors(model: nn.Module):
+    """(peft key prefix, factor module with lora_A/lora_B) of every expert adapter, under the keys peft gives
+    ``target_parameters`` adapters (``base_model.model.<module>.[base_layer.]lora_A.weight``): with both parameters
+    targeted peft wraps gate_up_proj first (the inner wrapper, ``base_layer.``) and down_proj around it."""
     for name, m in experts_modules(model):
         lora = getattr(m, "kt_lora", None)
         if lora is None:
@@ -184,38 +183,35 @@ def expert_lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         path = "base_model.model." + _strip_peft_prefix(name)
         targets = lora.targets
         for depth, t in enumerate(targets):  # innermost first: base_layer. repeated (outer wrappers - depth) times
-            prefix = path + ".base_layer" * (len(targets) - 1 - depth)
-            f = getattr(lora, t)
-            out[f"{prefix}.lora_A.weight"] = f.lora_A.weight.detach().cpu().contiguous()
-            out[f"{prefix}.lora_B.weight"] = f.lora_B.weight.detach().cpu().contiguous()
+            yield path + ".base_layer" * (len(targets) - 1 - depth), getattr(lora, t)
+
+
+def expert_lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The experts' adapters under peft's keys (see ``_expert_lora_factors``)."""
+    out = {}
+    for prefix, f in _expert_lora_factors(model):
+        out[f"{prefix}.lora_A.weight"] = f.lora_A.weight.detach().cpu().contiguous()
+        out[f"{prefix}.lora_B.weight"] = f.lora_B.weight.detach().cpu().contiguous()
     return out
 
 
 def load_expert_lora_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Copies peft-keyed expert adapters (``expert_lora_state_dict``'s keys) into the model's ``kt_lora`` modules;
     raises naming the key on a missing or misshapen tensor."""
-    expected = expert_lora_state_dict(model)
-    if not expected:
+    factors = list(_expert_lora_factors(model))
+    if not factors:
         raise ValueError("load_expert_lora_state_dict: the model has no expert adapters (add_expert_lora first)")
-    for name, m in experts_modules(model):
-        lora = getattr(m, "kt_lora", None)
-        if lora is None:
-            continue
-        path = "base_model.model." + _strip_peft_prefix(name)
-        targets = lora.targets
-        for depth, t in enumerate(targets):
-            prefix = path + ".base_layer" * (len(targets) - 1 - depth)
-            f = getattr(lora, t)
-            for part in ("lora_A", "lora_B"):
-                key = f"{prefix}.{part}.weight"
-                if key not in state:
-                    raise KeyError(f"load_expert_lora_state_dict: the adapter has no {key}")
-                w = getattr(f, part).weight
-                if tuple(state[key].shape) != tuple(w.shape):
-                    raise ValueError(f"load_expert_lora_state_dict: {key} is {tuple(state[key].shape)}, the model "
-                                     f"needs {tuple(w.shape)}")
-                with torch.no_grad():
-                    w.copy_(state[key])
+    for prefix, f in factors:
+        for part in ("lora_A", "lora_B"):
+            key = f"{prefix}.{part}.weight"
+            if key not in state:
+                raise KeyError(f"load_expert_lora_state_dict: the adapter has no {key}")
+            w = getattr(f, part).weight
+            if tuple(state[key].shape) != tuple(w.shape):
+                raise ValueError(f"load_expert_lora_state_dict: {key} is {tuple(state[key].shape)}, the model "
+                                 f"needs {tuple(w.shape)}")
+            with torch.no_grad():
+                w.copy_(state[key])
 
 
 def _expert_target_parameters(model: nn.Module) -> list[str]:
