@@ -79,35 +79,85 @@ def run_generate(gguf: str, prompt_tokens: int, gen: int, extra: list[str], time
     return result
 
 
-def ab_norms(args) -> None:
-    """The compiled-RMSNorm capture against plain eager norms, alternating on one loaded model (a fresh decoder, so a
-    fresh capture, each time)."""
-    import contextlib
+def ab_compile(args) -> None:
+    """Experiment (benchmark flag): the captured decode step with its decoder layers compiled regionally (the
+    default, ``generation.compiled_layers``) against the eager layers, alternating on one loaded model (a fresh
+    decoder, so a fresh capture, each time), per deferral in --deferred; then a profile of --profile-steps replays
+    of the default's graph: GPU kernel time and kernel count per step (torch.profiler), the CPU experts' time per
+    step (the native host tasks' timeline) and the step's wall time."""
     import statistics
 
     import torch
 
     import ktorch
-    import ktorch.generation as generation
+    from ktorch.generation import Decoder
 
     model, _ = ktorch.load(args.gguf, device="cuda")
     ids = torch.tensor([[b for b in prompt_of(args.prompts[0]).encode()]])
-    compiled = generation._compiled_norms
+    capture = Decoder.capture
     results: dict = {}
     for d in args.deferred:
         ktorch.set_deferred_experts(model, d)
-        for _ in range(args.ab_norms):
-            for variant in ("compiled norms", "eager norms"):
-                generation._compiled_norms = compiled if variant == "compiled norms" else (
-                    lambda model: contextlib.nullcontext())
+        for _ in range(args.ab_compile):
+            for variant in ("compiled layers", "eager layers"):
+                Decoder.capture = (capture if variant == "compiled layers" else
+                                   lambda self, compiled=False: capture(self, compiled=False))
                 model.kt_decoder = None
                 t = ktorch.generate(model, ids, args.gen).timings
                 results.setdefault((d, variant), []).append((t.decode_tok_s, t.warmup_s))
                 print(f"d={d} {variant}: {t.line()} capture {t.warmup_s:.2f} s", flush=True)
-    generation._compiled_norms = compiled
+        Decoder.capture = capture
+        if args.profile_steps:
+            model.kt_decoder = None
+            ktorch.generate(model, ids, 4)
+            profile_steps(model.kt_decoder, args.profile_steps, f"d={d} compiled layers")
+    Decoder.capture = capture
     for (d, variant), rows in results.items():
         print(f"d={d} {variant}: decode median {statistics.median(r[0] for r in rows):.1f} tok/s, capture median "
               f"{statistics.median(r[1] for r in rows):.2f} s ({len(rows)} runs)")
+
+
+def profile_steps(decoder, steps: int, label: str) -> None:
+    """Replays the decoder's captured step ``steps`` times: wall ms per step, then again under torch.profiler for
+    the GPU's kernel and copy time per step, and the CPU experts' time per step (native timeline)."""
+    import time as _time
+
+    import torch
+
+    from ktorch.compile.experts_runtime import RUNTIME
+
+    torch.cuda.synchronize()
+    RUNTIME.take_native_timeline()
+    t0 = _time.perf_counter()
+    for _ in range(steps):
+        decoder.step()
+    torch.cuda.synchronize()
+    wall = (_time.perf_counter() - t0) / steps * 1e3
+    timeline = RUNTIME.take_native_timeline()
+    experts_ms = sum(e - s for s, e, _ in timeline) / 1e6 / steps
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            decoder.step()
+        torch.cuda.synchronize()
+    kernels = copies = 0
+    kernel_us = copy_us = 0.0
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = e.name.lower()
+        if "memcpy" in name or "memset" in name:
+            copies += 1
+            copy_us += e.device_time
+        else:
+            kernels += 1
+            kernel_us += e.device_time
+    print(f"[profile {label}] step {wall:.2f} ms wall; CPU experts {experts_ms:.2f} ms/step "
+          f"({len(timeline) / steps:.0f} calls); GPU kernels {kernel_us / steps / 1e3:.2f} ms/step "
+          f"({kernels / steps:.0f} kernels); copies {copy_us / steps / 1e3:.2f} ms/step ({copies / steps:.0f})",
+          flush=True)
+    top = sorted(prof.key_averages(), key=lambda k: -k.device_time_total)[:12]
+    for k in top:
+        print(f"    {k.device_time_total / steps:8.1f} us/step  x{k.count / steps:5.1f}  {k.key[:90]}")
 
 
 def main(argv=None) -> None:
@@ -129,14 +179,15 @@ def main(argv=None) -> None:
     p.add_argument("--llama-timeout", type=float, default=300)
     p.add_argument("--skip-ktorch", action="store_true")
     p.add_argument("--json", default=None)
-    p.add_argument("--ab-norms", type=int, default=0, metavar="ROUNDS",
+    p.add_argument("--ab-compile", type=int, default=0, metavar="ROUNDS",
                    help="experiment: in one process (model loaded once), ROUNDS alternations of ktorch.generate with "
-                   "the captured step's RMSNorms compiled (the default) and eager, per deferral in --deferred; "
-                   "prints decode tok/s and capture s of each")
+                   "the captured step's decoder layers compiled (the default) and eager, per deferral in --deferred; "
+                   "prints decode tok/s and capture s of each, then --profile-steps replays profiled")
+    p.add_argument("--profile-steps", type=int, default=0)
     p.add_argument("--deferred", type=int, nargs="+", default=[0, 3])
     args = p.parse_args(argv)
-    if args.ab_norms:
-        return ab_norms(args)
+    if args.ab_compile:
+        return ab_compile(args)
 
     def emit(line: dict) -> None:
         if args.json:

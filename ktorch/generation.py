@@ -173,8 +173,9 @@ class Decoder:
         self.token.copy_(nxt[None])
         self.position.add_(1)
 
-    def capture(self) -> None:
-        with _compiled_norms(self.model):
+    def capture(self, compiled: bool = True) -> None:
+        """Captures the decode step; ``compiled``: its decoder layers compiled regionally (``compiled_layers``)."""
+        with compiled_layers(self.model, self.cache) if compiled else contextlib.nullcontext():
             self._capture()
 
     def _capture(self) -> None:
@@ -202,28 +203,66 @@ class Decoder:
             self._step()
 
 
-_COMPILED_FORWARDS: dict = {}  # norm class -> its forward compiled by Inductor (one per class, shapes guarded inside)
+_COMPILED_FORWARDS: dict = {}  # module class -> its forward compiled by Inductor (one per class, shapes guarded inside)
+
+
+def _compiled_forward(cls: type):
+    if cls not in _COMPILED_FORWARDS:
+        _COMPILED_FORWARDS[cls] = torch.compile(cls.forward, dynamic=False)
+    return _COMPILED_FORWARDS[cls]
+
+
+def decoder_layers(model: nn.Module) -> list:
+    """The model's decoder layers (transformers' ``*DecoderLayer`` modules), in order."""
+    return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
 
 
 @contextlib.contextmanager
-def _compiled_norms(model: nn.Module):
-    """The model's RMSNorm modules run an Inductor-compiled forward (one Triton kernel instead of about seven eager
-    ones) while the decode step is captured; the graph keeps those kernels, and prefill runs the plain forward
-    (no compile per prompt length). The class's forward is compiled once: instances share it (guards on shapes,
-    not identity: the 4 norms of each of 48 layers make 3 graphs), and Inductor's on-disk cache serves a later
-    process. Norms are where the eager decode step spends most kernels besides the projections (4 of every layer's
-    ~60 launches are RMSNorms of ~7 kernels each)."""
-    norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm") and not list(m.children())]
-    for m in norms:
-        cls = type(m)
-        if cls not in _COMPILED_FORWARDS:
-            _COMPILED_FORWARDS[cls] = torch.compile(cls.forward, dynamic=False, fullgraph=True)
-        m.forward = types.MethodType(_COMPILED_FORWARDS[cls], m)
+def compiled_layers(model: nn.Module, cache) -> None:
+    """Regional compilation of the decode step: while the context is open, each decoder layer runs an
+    Inductor-compiled forward that all layers of one class share (compiled once, on the first layer: the layers are
+    the same code with other weights, which Dynamo passes as inputs), with two holes that stay eager: the KV cache's
+    update and the routed experts (their pinned copies and host functions; ``torch.compiler.disable``d, so Dynamo
+    breaks the graph there and resumes after). So a layer's ~40 small kernels (norms, rotary, router softmax/top-k,
+    residual adds) become a handful of fused Triton kernels between the cuBLAS projections, which is what the
+    captured CUDA graph then replays; the compile of a 48-layer model is that of one layer (about ten small graphs),
+    and Inductor's on-disk cache (keyed by the graphs' code, shapes and the torch version) serves the next process.
+
+    The attention modules' ``layer_idx`` becomes a 0-d tensor for the duration (the cache's update, eager, reads it
+    back as an int): Dynamo would otherwise specialize each layer's graph on its index and compile 48 times. Norms
+    outside the layers (the final one) get a compiled forward of their own. Prefill runs outside this context: its
+    prompt lengths would each compile."""
+    from ktorch.placement import experts_modules
+
+    layers = decoder_layers(model)
+    inside = {id(m) for layer in layers for m in layer.modules()}
+    norms = [m for m in model.modules()
+             if type(m).__name__.endswith("RMSNorm") and not list(m.children()) and id(m) not in inside]
+    experts = [m for _, m in experts_modules(model)]
+    attentions = [m for layer in layers for m in layer.modules()
+                  if type(m).__name__.endswith("Attention") and isinstance(getattr(m, "layer_idx", None), int)]
+    update = cache.update
+
+    def eager_update(key_states, value_states, layer_idx, *args, **kwargs):
+        return update(key_states, value_states, int(layer_idx), *args, **kwargs)
+
     try:
-        yield
+        cache.update = torch.compiler.disable(eager_update)
+        for m in experts:
+            m.forward = torch.compiler.disable(m.forward)
+        for m in attentions:
+            m.layer_idx = torch.tensor(m.layer_idx)
+        for m in layers + norms:
+            m.forward = types.MethodType(_compiled_forward(type(m)), m)
+        with torch._dynamo.config.patch(cache_size_limit=max(16, torch._dynamo.config.cache_size_limit)):
+            yield
     finally:
-        for m in norms:
+        for m in attentions:
+            if isinstance(m.layer_idx, torch.Tensor):
+                m.layer_idx = int(m.layer_idx)
+        for m in layers + norms + experts:
             m.__dict__.pop("forward", None)
+        cache.__dict__.pop("update", None)
 
 
 def _set_deferral(model: nn.Module, n: int) -> None:

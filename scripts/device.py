@@ -475,14 +475,14 @@ def lcpp_running() -> bool:
 
 
 def lcpp_source(root: Path) -> Optional[Path]:
-    """The llama.cpp source: .peers/llama_cpp, or .device-out/llama_cpp.tar unpacked to /tmp/lcpp_src."""
+    """The llama.cpp source: .peers/llama_cpp, or .device-out/llama_cpp.tar (or .tgz) unpacked to /tmp/lcpp_src."""
     if (root / ".peers" / "llama_cpp" / "CMakeLists.txt").exists():
         return root / ".peers" / "llama_cpp"
-    tar = root / ".device-out" / "llama_cpp.tar"
     dest = Path("/tmp/lcpp_src")
-    if tar.exists() and not (dest / "CMakeLists.txt").exists():
-        dest.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["tar", "xf", str(tar), "-C", str(dest)], check=True)
+    for tar in (root / ".device-out" / "llama_cpp.tar", root / ".device-out" / "llama_cpp.tgz"):
+        if tar.exists() and not (dest / "CMakeLists.txt").exists():
+            dest.mkdir(parents=True, exist_ok=True)
+            subprocess.run(["tar", "xf", str(tar), "-C", str(dest)], check=True)
     return dest if (dest / "CMakeLists.txt").exists() else None
 
 

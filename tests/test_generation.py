@@ -10,6 +10,8 @@ one graph per decode step, with and without deferral (the eager deferral on the 
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -191,6 +193,44 @@ def test_bad_arguments_are_clear_errors():
         generate(model, torch.zeros(1, 0, dtype=torch.long), 2)
 
 
+def _greedy_steps(model, ids, n, compiled: bool) -> list:
+    from ktorch.generation import Decoder, compiled_layers
+
+    decoder = Decoder(model, 32, torch.device("cpu"), Sampling(), cuda_graphs=False)
+    out = []
+    with torch.inference_mode():
+        decoder.prefill(ids)
+        with compiled_layers(model, decoder.cache) if compiled else contextlib.nullcontext():
+            for _ in range(n):
+                decoder._step()
+                out.append(int(decoder.token))
+    return out
+
+
+def test_compiled_layers_compile_one_layer_for_all_and_recompile_only_a_changed_model():
+    """The decode step's regional compilation (what the GPU capture runs): the same tokens as the eager layers; the
+    graphs compiled do not grow with the layer count (10 layers, more than Dynamo's 8 entries per function); a
+    second model of the same config compiles nothing; a model of another shape compiles anew."""
+    from torch._dynamo.utils import counters
+
+    model = _prepared("qwen3_moe", num_hidden_layers=10)
+    ids = torch.randint(0, model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(20))
+    eager = _greedy_steps(model, ids, 4, compiled=False)
+    torch._dynamo.reset()
+    counters.clear()
+    assert _greedy_steps(model, ids, 4, compiled=True) == eager
+    graphs = counters["stats"]["unique_graphs"]
+    assert 0 < graphs <= 12, dict(counters["stats"])  # about 8 graphs for every layer, not 8 per layer
+    assert _greedy_steps(model, ids, 4, compiled=False) == eager  # the context restores the eager model
+    torch.manual_seed(1)
+    same = _prepared("qwen3_moe", num_hidden_layers=10)  # other weights, the same code and shapes
+    assert _greedy_steps(same, ids, 3, compiled=True) == _greedy_steps(same, ids, 3, compiled=False)
+    assert counters["stats"]["unique_graphs"] == graphs
+    other = _prepared("qwen3_moe", num_hidden_layers=2, hidden_size=96)
+    assert _greedy_steps(other, ids, 3, compiled=True) == _greedy_steps(other, ids, 3, compiled=False)
+    assert counters["stats"]["unique_graphs"] > graphs
+
+
 # ---------------------------------------------------------------- GPU: the captured step
 
 
@@ -205,12 +245,18 @@ def test_captured_step_matches_eager_and_replays_one_graph_per_step(family, defe
     replays = []
     original = torch.cuda.CUDAGraph.replay
     monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda self: replays.append(1) or original(self))
-    result = generate(model, ids, 64)
+    result = generate(model, ids, 64)  # the capture compiles the decoder layers (compiled_layers)
     assert result.timings.cuda_graphs and result.timings.warmup_s > 0
     assert result.ids == eager
     assert len(replays) == 62  # one replay per decode step after the capture's eager one, nothing else
     again = generate(model, ids, 64)  # the kept capture: no new warm-up
     assert again.ids == eager and again.timings.warmup_s == 0
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    model.kt_decoder = None
+    assert generate(model, ids, 64).ids == eager  # a new capture of the same model: no recompilation
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
 @needs_cuda

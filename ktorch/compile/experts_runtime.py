@@ -201,7 +201,10 @@ class _Site:
         self.captured_pending: collections.deque = collections.deque()
 
     def staging_for(self, hidden, topk_ids, topk_weights, deferred: Optional[torch.Tensor] = None) -> _Staging:
-        key = (tuple(hidden.shape), hidden.dtype, tuple(topk_ids.shape), topk_ids.dtype, topk_weights.dtype)
+        # a split staging reads d from its own tensor: one staging per d tensor (a site can be submitted with
+        # another fixed d after set_deferred_experts changes it)
+        key = (tuple(hidden.shape), hidden.dtype, tuple(topk_ids.shape), topk_ids.dtype, topk_weights.dtype,
+               None if deferred is None else id(deferred))
         if key not in self.staging:
             self.staging[key] = _Staging(hidden, topk_ids, topk_weights, deferred)
         return self.staging[key]

@@ -9,9 +9,10 @@ pending deferred call from one layer to the next:
 
 - hidden states on the CPU: the deferred slots run right away (``kt.fused_moe``) and their result waits in the
   chain (no overlap, the same numbers);
-- hidden states on a GPU: both calls are submitted to the experts runtime, the immediate one is waited for at
-  once and the deferred one at the next layer, so that layer's attention and router run on the GPU while the
-  CPU finishes it (the overlap the compiled graph gets).
+- hidden states on a GPU: one split submit to the experts runtime (``submit_experts_split``: the CPU ranks the
+  slots, runs the K - d highest, then the d others), the first part waited for at once and the deferred one at
+  the next layer, so that layer's attention and router run on the GPU while the CPU finishes it (the overlap the
+  compiled graph gets).
 
 Under ``torch.compile`` the chain is not used: the backend option ``n_deferred_experts`` decides (``prepare``
 sets it for ``generate``'s compiled decoding).
@@ -84,20 +85,23 @@ def deferred_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top
     chain, index = module.kt_deferral
     last = index == chain.n_layers - 1
     k = top_k_index.shape[-1]
-    ids_now, ids_later = (top_k_index, None) if last else split_topk_slots(
-        top_k_index, top_k_weights, k - min(chain.n_deferred, k))
+    d = 0 if last else min(chain.n_deferred, k)
+    later = None
     if hidden_states.device.type == "cuda":
+        # one submit: the CPU ranks each token's slots and runs the K - d highest now, the d others after them
+        # (waited for at the next layer); the GPU does no sorting or masking and copies the inputs once
         from ktorch.compile.experts_runtime import RUNTIME
 
         layer, site_now, site_later = _runtime_ids(module)
-        ticket_now = RUNTIME.submit(hidden_states, ids_now, top_k_weights, layer, site_now)
-        later = None
-        if ids_later is not None:
-            ticket = RUNTIME.submit(hidden_states, ids_later, top_k_weights, layer, site_later)
+        if d == 0:
+            ticket = RUNTIME.submit(hidden_states, top_k_index, top_k_weights, layer, site_now)
+        else:
+            ticket = RUNTIME.submit_split(hidden_states, top_k_index, top_k_weights, layer, site_now, site_later, d)
             later = (ticket, hidden_states, layer, site_later)
-        gpu_out = gpu_work() if gpu_work is not None else None  # on the GPU while the CPU runs both calls
-        out = RUNTIME.wait(ticket_now, hidden_states, layer, site_now)
+        gpu_out = gpu_work() if gpu_work is not None else None  # on the GPU while the CPU runs both parts
+        out = RUNTIME.wait(ticket, hidden_states, layer, site_now)
     else:
+        ids_now, ids_later = (top_k_index, None) if d == 0 else split_topk_slots(top_k_index, top_k_weights, k - d)
         out = run_experts(module, hidden_states, ids_now, top_k_weights)
         later = None if ids_later is None else run_experts(module, hidden_states, ids_later, top_k_weights)
         gpu_out = gpu_work() if gpu_work is not None else None
