@@ -63,6 +63,33 @@ def test_start_and_join_from_other_threads():
         assert torch.equal(staging.out, expected(staging, packed))
 
 
+@pytest.mark.parametrize("d", [None, 2])
+def test_start_join_is_start_then_join_in_one_function(d):
+    """The fused host function (runtime.submit(join_now=True) under capture): on return the first part is complete;
+    a split task's deferred part completes behind it (join_later)."""
+    if d is None:
+        staging, layer, packed = make_task(3, T=17)
+        task = _NativeHostFunctions(staging, layer)
+    else:
+        staging, task, packed = split_task(4, d)
+    start_join, join_later = _FN(task[3].ptr), _FN(task[2].ptr)
+    for _ in range(4):
+        staging.hidden.copy_(torch.randn_like(staging.hidden))
+        staging.out.fill_(7.0)
+        t = threading.Thread(target=start_join, args=(task.handle,))
+        t.start()
+        t.join(timeout=30)
+        assert not t.is_alive()
+        if d is None:
+            assert torch.equal(staging.out, expected(staging, packed))
+        else:
+            now, later = expected_split(staging, packed, d)
+            assert torch.equal(staging.out, now)
+            join_later(task.handle)
+            assert torch.equal(staging.out_later, later)
+    assert task.error() == ""
+
+
 def split_task(seed: int, d: int, T: int = 9, K: int = 4, ids_dtype=torch.int64, weights_dtype=torch.float32):
     """A split (deferral) host task: K slots per token, d read from its own int64 at each run."""
     staging, layer, packed = make_task(seed, T=T)
@@ -87,7 +114,7 @@ def test_split_task_runs_the_highest_weighted_slots_then_the_rest(ids_dtype, wei
     """The C++ split ranks slots as split_topk_slots does (stable, descending; ties to the lower slot), reads d at
     each run (0, more than K, any in between), runs both parts, and leaves zeros in out_later when d = 0."""
     staging, task, packed = split_task(21, 2, ids_dtype=ids_dtype, weights_dtype=weights_dtype)
-    assert len(task._fns) == 3
+    assert len(task._fns) == 4  # start, join, join_later, start_join
     for d in (2, 0, 1, 4, 3, 9, 0):
         staging.deferred.fill_(d)
         staging.hidden.copy_(torch.randn_like(staging.hidden))

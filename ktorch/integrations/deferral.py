@@ -93,10 +93,12 @@ def deferred_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top
         from ktorch.compile.experts_runtime import RUNTIME
 
         layer, site_now, site_later = _runtime_ids(module)
+        join_now = gpu_work is None  # no device work before the wait: start and join as one host function
         if d == 0:
-            ticket = RUNTIME.submit(hidden_states, top_k_index, top_k_weights, layer, site_now)
+            ticket = RUNTIME.submit(hidden_states, top_k_index, top_k_weights, layer, site_now, join_now=join_now)
         else:
-            ticket = RUNTIME.submit_split(hidden_states, top_k_index, top_k_weights, layer, site_now, site_later, d)
+            ticket = RUNTIME.submit_split(hidden_states, top_k_index, top_k_weights, layer, site_now, site_later, d,
+                                          join_now=join_now)
             later = (ticket, hidden_states, layer, site_later)
         gpu_out = gpu_work() if gpu_work is not None else None  # on the GPU while the CPU runs both parts
         out = RUNTIME.wait(ticket, hidden_states, layer, site_now)

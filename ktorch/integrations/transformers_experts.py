@@ -516,7 +516,7 @@ def _run_on_cpu_from_cuda(module: nn.Module, hidden_states, top_k_index, top_k_w
                                        getattr(module, "kt_w2_bias", None))
         ids = module._kt_runtime_ids = (module.kt_w13, layer, RUNTIME.new_site())
     _, layer, site = ids
-    ticket = RUNTIME.submit(hidden_states, top_k_index, top_k_weights, layer, site)
+    ticket = RUNTIME.submit(hidden_states, top_k_index, top_k_weights, layer, site, join_now=gpu_work is None)
     gpu_out = gpu_work() if gpu_work is not None else None  # on the GPU while the CPU runs its experts
     out = RUNTIME.wait(ticket, hidden_states, layer, site)
     return out if gpu_out is None else out + gpu_out

@@ -7,7 +7,8 @@
 // stream resumes late. Here the two host functions are plain C functions:
 //   kt_host_task_start(task): queue the task to one C++ worker thread (which runs kt::moe::fused_moe on the
 //                             task's pinned tensors and copies the result into the task's pinned output);
-//   kt_host_task_join(task):  wait until the worker is done with it (spin kJoinSpinUs, then block).
+//   kt_host_task_join(task):  wait until the worker is done with it (spin kJoinSpinUs, then block);
+//   kt_host_task_start_join(task): both, in one host function, where no device work sits between them.
 // The worker spins kHostSpinUs after each call before it parks, so that the next layer's start reaches a thread
 // that is awake.
 // (A GPU-written doorbell that let the spinning worker start a call without waiting for CUDA's host function,
@@ -297,6 +298,14 @@ __attribute__((visibility("default"))) void kt_host_task_join_later(void* p) {
   kt::runtime::join_part(static_cast<kt::runtime::HostTask*>(p), true);
 }
 
+// Start, then join the first part, in one host function: for a call with no device work between its start and
+// its join (a plain layer, a deferring one whose deferred part is joined later), this saves the stream the
+// second host function's round trip through CUDA's callback thread, once per layer and decode step.
+__attribute__((visibility("default"))) void kt_host_task_start_join(void* p) {
+  kt_host_task_start(p);
+  kt_host_task_join(p);
+}
+
 }  // extern "C"
 
 namespace kt::runtime {
@@ -386,7 +395,7 @@ std::vector<int64_t> host_task_take_times(int64_t handle) {
 
 std::vector<int64_t> host_task_functions() {
   return {reinterpret_cast<int64_t>(&kt_host_task_start), reinterpret_cast<int64_t>(&kt_host_task_join),
-          reinterpret_cast<int64_t>(&kt_host_task_join_later)};
+          reinterpret_cast<int64_t>(&kt_host_task_join_later), reinterpret_cast<int64_t>(&kt_host_task_start_join)};
 }
 
 }  // namespace kt::runtime

@@ -21,6 +21,6 @@ void host_task_free(int64_t handle);
 void host_task_run(int64_t handle);
 std::string host_task_error(int64_t handle);
 std::vector<int64_t> host_task_take_times(int64_t handle);
-std::vector<int64_t> host_task_functions();  // addresses of kt_host_task_start, _join, _join_later
+std::vector<int64_t> host_task_functions();  // addresses of kt_host_task_start, _join, _join_later, _start_join
 
 }  // namespace kt::runtime
