@@ -80,10 +80,10 @@ def run_generate(gguf: str, prompt_tokens: int, gen: int, extra: list[str], time
 
 
 def ab_compile(args) -> None:
-    """Experiment (benchmark flag): the captured decode step with its decoder layers compiled regionally (the
-    default, ``generation.compiled_layers``) against the eager layers, alternating on one loaded model (a fresh
-    decoder, so a fresh capture, each time), per deferral in --deferred; then a profile of --profile-steps replays
-    of the default's graph: GPU kernel time and kernel count per step (torch.profiler), the CPU experts' time per
+    """Experiments (benchmark flag): the captured decode step as ``generate`` makes it (decoder layers compiled
+    regionally, each layer's experts started and joined by one host function) against the eager layers and against
+    separate start and join host functions, alternating on one loaded model (a fresh decoder, so a fresh capture,
+    each time), per deferral in --deferred; then a profile of --profile-steps replays of the default's graph: GPU kernel time and kernel count per step (torch.profiler), the CPU experts' time per
     step (the native host tasks' timeline) and the step's wall time."""
     import statistics
 
@@ -94,24 +94,33 @@ def ab_compile(args) -> None:
 
     model, _ = ktorch.load(args.gguf, device="cuda")
     ids = torch.tensor([[b for b in prompt_of(args.prompts[0]).encode()]])
+    from ktorch.compile.experts_runtime import ExpertsRuntime
+
     capture = Decoder.capture
+    submit = ExpertsRuntime._submit
     results: dict = {}
+
+    def set_variant(variant: str) -> None:
+        Decoder.capture = (lambda self, compiled=False: capture(self, compiled=False)) if variant == "eager layers" \
+            else capture
+        ExpertsRuntime._submit = (lambda self, *a, join_now=False, **k: submit(self, *a, join_now=False, **k)) \
+            if variant == "two host functions" else submit
+
     for d in args.deferred:
         ktorch.set_deferred_experts(model, d)
         for _ in range(args.ab_compile):
-            for variant in ("compiled layers", "eager layers"):
-                Decoder.capture = (capture if variant == "compiled layers" else
-                                   lambda self, compiled=False: capture(self, compiled=False))
+            for variant in ("default", "eager layers", "two host functions"):
+                set_variant(variant)
                 model.kt_decoder = None
                 t = ktorch.generate(model, ids, args.gen).timings
                 results.setdefault((d, variant), []).append((t.decode_tok_s, t.warmup_s))
                 print(f"d={d} {variant}: {t.line()} capture {t.warmup_s:.2f} s", flush=True)
-        Decoder.capture = capture
+        set_variant("default")
         if args.profile_steps:
             model.kt_decoder = None
             ktorch.generate(model, ids, 4)
-            profile_steps(model.kt_decoder, args.profile_steps, f"d={d} compiled layers")
-    Decoder.capture = capture
+            profile_steps(model.kt_decoder, args.profile_steps, f"d={d} default")
+    set_variant("default")
     for (d, variant), rows in results.items():
         print(f"d={d} {variant}: decode median {statistics.median(r[0] for r in rows):.1f} tok/s, capture median "
               f"{statistics.median(r[1] for r in rows):.2f} s ({len(rows)} runs)")

@@ -293,6 +293,11 @@ def load_model(args: argparse.Namespace):
         import ktorch
         from ktorch.integrations.checkpoint_loading import CheckpointError
 
+        if device.type == "cuda" and not getattr(args, "no_compile", False):
+            from ktorch.generation import preload_compiler
+
+            preload_compiler()  # the decode step's compile imports Inductor: do it while the weights load
+
         try:
             model, tokenizer = ktorch.load(path, device=device, experts_dtype=args.experts_dtype,
                                            group_size=args.group_size, dtype=None if dtype == "auto" else dtype,

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import threading
 import time
 import types
 from dataclasses import dataclass, field
@@ -212,6 +213,27 @@ def _compiled_forward(cls: type):
     return _COMPILED_FORWARDS[cls]
 
 
+_PRELOAD: Optional[threading.Thread] = None
+
+
+def preload_compiler() -> None:
+    """Imports Inductor's compiler modules on a daemon thread (once per process), so that the decode step's capture
+    does not pay them (about a second) after the first token: the CLI calls it before loading the model,
+    ``generate`` before its prefill. The imports take the GIL in short turns; loading and prefill spend their time
+    in ops that release it."""
+    global _PRELOAD
+    if _PRELOAD is None:
+        def work():
+            try:
+                import torch._inductor.compile_fx  # noqa: F401
+                import torch._inductor.codecache  # noqa: F401
+            except Exception:  # the capture imports them again and reports what fails
+                pass
+
+        _PRELOAD = threading.Thread(target=work, name="ktorch-preload-inductor", daemon=True)
+        _PRELOAD.start()
+
+
 def decoder_layers(model: nn.Module) -> list:
     """The model's decoder layers (transformers' ``*DecoderLayer`` modules), in order."""
     return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
@@ -333,6 +355,8 @@ def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int = 64
     result = GenerationResult(timings=timings)
     deferred = decoder.deferred
 
+    if decoder.cuda_graphs and decoder.graph is None:
+        preload_compiler()  # while prefill runs
     # prefill: no deferral (nothing to overlap it with, and two CPU calls a layer instead of one)
     if deferred:
         _set_deferral(model, 0)
@@ -354,7 +378,8 @@ def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int = 64
     stepped = 0  # decode steps already run (the capture's eager one)
     if decoder.cuda_graphs and decoder.graph is None:
         if on_status:
-            on_status("capturing the decode step as a CUDA graph (once per model and cache size)...")
+            on_status("compiling the decoder layers and capturing the decode step as a CUDA graph (once per model "
+                      "and cache size; the compiled code is cached on disk for the next run)...")
         t1 = time.perf_counter()
         decoder.capture()
         stepped = 1
