@@ -304,7 +304,7 @@ class ExpertsRuntime:
             deferred = self._sites[site].static_deferred.get(n_deferred)
             if deferred is None:
                 deferred = self._sites[site].static_deferred[n_deferred] = torch.tensor(n_deferred)
-        return self._submit(hidden, topk_ids, topk_weights, layer, site, later_site, deferred, join_now)
+        return self._submit(hidden, topk_ids, topk_weights, layer, site, later_site, deferred, join_now=join_now)
 
     def _submit(self, hidden, topk_ids, topk_weights, layer: int, site: int, later_site: Optional[int] = None,
                 deferred: Optional[torch.Tensor] = None, join_now: bool = False) -> torch.Tensor:
