@@ -10,9 +10,9 @@ What one call does (batch 1):
    (``ktorch.prepare(..., stream_experts=...)``). The first new token is sampled on the device.
 2. **Decode** on a GPU: the whole decode step (embedding, every layer, the CPU experts' submit/wait as host
    functions on the stream, lm_head, sampling, the position's increment) is captured once as ONE CUDA graph and
-   replayed per token. Only the RMSNorms are compiled (``_compiled_norms``), so the capture takes seconds (3.7 s on
-   a 48-layer model, 7.5 s with a cold compile cache) instead of the minutes a whole-model ``torch.compile`` takes;
-   a replay costs the launching
+   replayed per token. The decoder layers are compiled regionally for the capture (``compiled_layers``: one
+   Inductor compile shared by every layer, the KV-cache update and the experts left eager), so the capture takes
+   seconds instead of the minutes a whole-model ``torch.compile`` takes; a replay costs the launching
    thread one ``cudaGraphLaunch``. The new token is copied to pinned memory after each replay and read one step
    later, so the host never waits for the step it just launched (an end-of-sequence token is seen one step late:
    the step after it is computed and dropped). The deferral the model was prepared with
