@@ -277,9 +277,19 @@ class ServeEngine:
         with self._lock:
             active = len(self._requests)
             queued = self.queued_tokens
+        memory = {"rss_bytes": _rss_bytes()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            memory["cuda_memory_allocated"] = torch.cuda.memory_allocated()
+            memory["cuda_memory_reserved"] = torch.cuda.memory_reserved()
+            from ktorch.compile.experts_runtime import RUNTIME
+
+            # the CPU experts' submits from the GPU: eager ones, and those captured into CUDA graphs (whose replays
+            # run them again without counting: a nonzero captured count says the steps run under graphs)
+            memory["experts_submits"] = RUNTIME.stats["submits"]
+            memory["experts_captured_submits"] = RUNTIME.stats["captured_submits"]
         return {"requests_in_flight": active, "queued_prompt_tokens": queued, "forwards": self.forwards,
                 "tokens_computed": self.tokens_computed, "requests_done": self.requests_done,
-                "requests_cancelled": self.requests_cancelled, "rss_bytes": _rss_bytes(), **self.cache_state(),
+                "requests_cancelled": self.requests_cancelled, **memory, **self.cache_state(),
                 **(self.host_tier.stats() if self.host_tier is not None else {})}
 
     # ------------------------------------------------------------ requests
