@@ -202,7 +202,9 @@ async def load(c: Client, n: int, concurrency: int, vocab: int, rng: random.Rand
              f"{'' if all(alone.values()) else ' (some FAILED: those requests count as mismatches)'}")
     log_offset = os.path.getsize(server_log) if server_log and os.path.exists(server_log) else 0
     idle = await c.get("/v1/stats")
-    peak = dict(idle)
+    sampled = ("rss_bytes", "cuda_memory_allocated", "kv_bytes_in_use", "kv_bytes_prefix_cached", "requests_in_flight",
+               "queued_prompt_tokens")
+    peak = {k: idle[k] for k in sampled if k in idle}
     sem = asyncio.Semaphore(concurrency)
     counts = {k: 0 for k in ("ok", "mismatch", "disconnected", "rate_limited", "http_4xx", "http_5xx",
                              "stream_error")}
@@ -249,8 +251,7 @@ async def load(c: Client, n: int, concurrency: int, vocab: int, rng: random.Rand
     async def sample_peak():
         while not done.is_set():
             s = await c.get("/v1/stats")
-            for key in ("rss_bytes", "cuda_memory_allocated", "kv_bytes_in_use", "kv_bytes_prefix_cached",
-                        "requests_in_flight", "queued_prompt_tokens"):
+            for key in sampled:
                 if key in s:
                     peak[key] = max(peak.get(key, 0), s[key])
             try:
