@@ -300,6 +300,59 @@ def test_one_experts_call_per_layer_and_step(builtin):
     assert max(tokens) > 1 and len(tokens) < sum(len(o) for o in outs)
 
 
+def test_padded_steps_leave_padding_rows_out_of_the_experts(builtin):
+    """Under CUDA graphs transformers pads each step's tokens to a bucket; the padding rows must not reach the CPU
+    experts (each would make kt.fused_moe read its experts). Padding forced on here (the CPU has no graphs): the
+    experts see the real rows' ids and -1 on every padding row, and the tokens equal an unpadded run's."""
+    model, _ = builtin
+    experts = [m for m in model.modules() if getattr(m, "kt_w13", None) is not None]
+    prompts = [list(range(10 + i, 30 + 3 * i)) for i in range(3)]
+
+    def run(pad: bool):
+        engine = ServeEngine(model, model.generation_config.eos_token_id, 0,
+                             EngineConfig(page_size=PAGE, num_blocks=64, max_batch_tokens=32))
+        create = engine.manager._create_batch_processor
+
+        def create_padded():
+            processor = create()
+            processor.model_runner.pad_inputs = pad  # what CUDA graphs or compile switch on
+            return processor
+
+        engine.manager._create_batch_processor = create_padded
+        seen = []  # (rows, rows with an expert id >= 0), hooked after the engine's own hooks
+        hooks = [m.register_forward_pre_hook(
+            lambda mod, args, kw: seen.append((args[1].shape[0], int((args[1] >= 0).any(-1).sum()))), with_kwargs=True)
+            for m in experts]
+        tokens = []
+        hooks.append(model.register_forward_pre_hook(
+            lambda mod, args, kw: tokens.append(int(kw["cu_seq_lens_q"][-1])), with_kwargs=True))
+
+        async def go():
+            async def one(ids):
+                _, q = await engine.submit(ids, SamplingParams(10))
+                while not (o := await asyncio.wait_for(q.get(), 60)).is_finished():
+                    pass
+                return o.generated_tokens
+            return await asyncio.gather(*[one(p) for p in prompts])
+
+        engine.start()
+        try:
+            outs = asyncio.run(go())
+        finally:
+            engine.stop()
+            for h in hooks:
+                h.remove()
+        return outs, seen, tokens
+
+    plain, seen_plain, _ = run(False)
+    padded, seen_padded, real = run(True)
+    assert padded == plain
+    assert all(rows == used for rows, used in seen_plain)
+    assert all(rows == 32 for rows, _ in seen_padded)  # every step padded to the 32-token bucket
+    per_step = [used for _, used in seen_padded][::len(experts)]
+    assert per_step == real and min(real) < 32  # the real tokens only, and some steps had padding
+
+
 def test_queued_tokens_limit(builtin):
     model, tok = builtin
     engine = ServeEngine(model, model.generation_config.eos_token_id, 0,
