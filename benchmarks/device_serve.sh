@@ -3,7 +3,7 @@
 # the 48-layer Qwen3-30B-A3B-shaped Q8_0 GGUF (random weights, no tokenizer: prompts are token ids), experts in host
 # memory, served by `ktorch serve` with its defaults, driven over HTTP by benchmarks/bench_serve.py.
 #
-#   bash benchmarks/device_serve.sh          # needs transformers >= 5.24 (the lead installs .whl/ first)
+#   bash benchmarks/device_serve.sh [FILE]   # FILE: /tmp/q8.gguf; needs transformers >= 5.24 (.whl/ installed first)
 #
 # Stages, most important first; each is cut by `timeout` so the script ends by its limit (a stage that has no time
 # left prints SKIPPED):
@@ -17,14 +17,15 @@
 #      the graphs): the same rows; /v1/stats' experts_captured_submits says whether captures happened.
 # Prints the tables; logs (server stderr, the load generator's output, /v1/stats) under $OUT.
 set -uo pipefail
-LIMIT=${DEVICE_SERVE_LIMIT:-360}
+LIMIT=360
 T0=$(date +%s)
 OUT=${OUT:-/tmp/device_serve_out}
 mkdir -p "$OUT"
 export PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH}
-FILE=${GGUF:-/tmp/q8.gguf}
+FILE=${1:-/tmp/q8.gguf}
 PORT=8471
 left() { echo $((LIMIT - ($(date +%s) - T0) - 8)); }
+budget() { local b=$(( $(left) - 25 )); echo $(( b > $1 ? $1 : (b > 5 ? b : 5) )); }  # a load's seconds: 25 s kept to stop its server
 say() { echo "[device_serve +$(( $(date +%s) - T0 ))s] $*"; }
 
 python3 - <<'EOF' || { say "transformers < 5.24: ktorch serve cannot run (install the .whl/ wheels)"; exit 1; }
@@ -95,21 +96,21 @@ run_load() {
 
 # 1. the default server: throughput and the shared-prefix TTFT
 if [ "$(left)" -gt 90 ] && start_server default; then
-  run_load default $(( $(left) > 150 ? 150 : $(left) )) --streams 1 16 64 --prompt-len 32 --max-tokens 48 \
+  run_load default $(budget 150) --streams 1 16 64 --prompt-len 32 --max-tokens 48 \
     --ttft-prefix 2000 --ttft-suffix 50
   stop_server
 else say "stage default SKIPPED (time left $(left) s)"; fi
 
 # 2. per-step times beside their floor
 if [ "$(left)" -gt 80 ] && start_server steps --step-stats; then
-  run_load steps $(( $(left) > 120 ? 120 : $(left) )) --streams 1 16 64 --prompt-len 32 --max-tokens 32 --steps \
+  run_load steps $(budget 120) --streams 1 16 64 --prompt-len 32 --max-tokens 32 --steps \
     ${GBS:+--read-gbs $GBS}
   stop_server
 else say "stage steps SKIPPED (time left $(left) s)"; fi
 
 # 3. transformers' CUDA graphs forced on
 if [ "$(left)" -gt 80 ] && start_server graphs --cuda-graphs on; then
-  run_load graphs $(( $(left) > 120 ? 120 : $(left) )) --streams 1 16 64 --prompt-len 32 --max-tokens 48
+  run_load graphs $(budget 120) --streams 1 16 64 --prompt-len 32 --max-tokens 48
   stop_server
 else say "stage graphs SKIPPED (time left $(left) s)"; fi
 say "done"
