@@ -686,6 +686,37 @@ def test_token_ids_without_a_tokenizer(builtin):
     assert st3 == 400 and chat["error"]["code"] == "no_chat_template"
 
 
+def test_a_server_failure_is_a_counted_500_and_the_server_goes_on(builtin):
+    """A failure inside the server (here: the engine's submit raising) answers 500 in OpenAI's shape, counts in
+    /v1/stats' server_errors (what bench_serve's load reports), and the next request is served."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from ktorch.serve.app import OpenAIServer
+
+    model, tok = builtin
+    engine = ServeEngine(model, model.generation_config.eos_token_id, 0, EngineConfig(page_size=PAGE, num_blocks=64))
+    server = OpenAIServer(engine, tok, "builtin")
+    submit = engine.submit
+
+    async def broken(*args, **kwargs):
+        raise RuntimeError("simulated failure")
+
+    async def run():
+        body = {"model": "builtin", "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}
+        async with TestClient(TestServer(server.make_app(), host=HOST)) as client:
+            engine.submit = broken
+            r1 = await client.post("/v1/completions", json=body)
+            failed = (r1.status, await r1.json(), (await (await client.get("/v1/stats")).json())["server_errors"])
+            engine.submit = submit
+            r2 = await client.post("/v1/completions", json=body)
+            return failed, r2.status, (await r2.json())["choices"][0]["text"]
+
+    (status, err, errors), status2, text = asyncio.run(run())
+    assert status == 500 and err["error"]["type"] == "server_error" and "simulated failure" in err["error"]["message"]
+    assert set(err["error"]) == {"message", "type", "param", "code"} and errors == 1
+    assert status2 == 200 and text
+
+
 def test_incremental_detokenizer_equals_full_decode(builtin):
     """The streamed text, built from a short window per token, equals decoding all tokens at once (random ids,
     special and byte tokens included)."""
