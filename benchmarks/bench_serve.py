@@ -13,7 +13,7 @@ token ids (``"prompt": [ids]``), so it works with any tokenizer and no two strea
     python benchmarks/bench_serve.py --url http://127.0.0.1:8001 --streams 1 16 64 --steps
 
     # the load test: 1,000 mixed requests, every completed greedy response compared with the same request alone
-    python benchmarks/bench_serve.py --url http://127.0.0.1:8000 --load 1000 --streams 32
+    python benchmarks/bench_serve.py --url http://127.0.0.1:8000 --load 1000 --concurrency 32 --server-log serve.log
 
 Prints tables and the machine; never asserts (mismatches and errors are counted and printed).
 """
@@ -108,7 +108,9 @@ def read_bandwidth_gbs(gib: float = 2.0) -> float:
 
 
 async def throughput(c: Client, streams: int, prompt_len: int, max_tokens: int, vocab: int, rng: random.Random,
-                     show_steps: bool, bandwidth: Optional[float]) -> None:
+                     show_steps: bool, bandwidth: Optional[float], one_stream: Optional[float] = None) -> float:
+    """One row: ``streams`` concurrent greedy completions; returns the aggregate decode tok/s (``one_stream``: the
+    1-stream figure the row is compared with)."""
     prompts = [random_prompt(rng, prompt_len, vocab) for _ in range(streams)]
     before = await c.get("/v1/stats")
     outs = await asyncio.gather(*[c.complete(p, max_tokens) for p in prompts])
@@ -117,7 +119,7 @@ async def throughput(c: Client, streams: int, prompt_len: int, max_tokens: int, 
     good = [o for o in outs if o not in bad]
     if not good:
         print(f"{streams:>7} | all {len(outs)} requests failed: {bad[0]['status']} {bad[0]['error']}")
-        return
+        return float("nan")
     # decode phase: from the last stream's first token (every prompt prefilled) to the last token
     t_lo = max(o["t_first"] for o in good)
     t_hi = max(o["times"][-1] for o in good)
@@ -127,87 +129,172 @@ async def throughput(c: Client, streams: int, prompt_len: int, max_tokens: int, 
     wall = max(o["times"][-1] for o in good) - min(o["t0"] for o in good)
     itl = [b - a for o in good for a, b in zip(o["times"], o["times"][1:])]
     ttft = [o["t_first"] - o["t0"] for o in good]
-    print(f"{streams:>7} | {agg:>12.1f} | {total / wall:>10.1f} | {statistics.median(itl) * 1e3 if itl else 0:>12.2f} | "
-          f"{statistics.median(ttft):>9.3f} | {len(bad):>6}")
+    ratio = f"{agg / one_stream:.2f}x" if one_stream else "-"
+    print(f"{streams:>7} | {agg:>12.1f} | {ratio:>8} | {total / wall:>10.1f} | "
+          f"{statistics.median(itl) * 1e3 if itl else 0:>12.2f} | {statistics.median(ttft):>9.3f} | {len(bad):>6}")
     steps = after.get("steps", [])[len(before.get("steps", [])):] if show_steps else []
     decode_steps = [s for s in steps if s[0] == streams]
     if show_steps and decode_steps:
         secs = [s[1] for s in decode_steps]
         bytes_ = [s[3] for s in decode_steps]
         floor = [b / (bandwidth * 1e9) for b in bytes_] if bandwidth else [float("nan")] * len(bytes_)
-        print(f"        steps of {streams} tokens: {len(decode_steps)}; median {statistics.median(secs) * 1e3:.2f} ms, "
-              f"floor median {statistics.median(floor) * 1e3:.2f} ms (distinct experts median "
-              f"{statistics.median(s[2] for s in decode_steps):.0f}, {statistics.median(bytes_) / 1e6:.1f} MB read)")
-        for s, f in list(zip(decode_steps, floor))[:: max(1, len(decode_steps) // 8)]:
+        med_s, med_f = statistics.median(secs), statistics.median(floor)
+        print(f"        steps of {streams} tokens: {len(decode_steps)}; median {med_s * 1e3:.2f} ms, floor median "
+              f"{med_f * 1e3:.2f} ms ({med_f / med_s * 100:.0f}% of the step; floor tok/s {streams / med_f:.1f}); "
+              f"distinct experts median {statistics.median(s[2] for s in decode_steps):.0f} over all MoE layers, "
+              f"{statistics.median(bytes_) / 1e9:.2f} GB read")
+        for s, f in list(zip(decode_steps, floor))[:: max(1, len(decode_steps) // 6)]:
             print(f"          step: {s[1] * 1e3:8.2f} ms   floor {f * 1e3:8.2f} ms   experts {s[2]:5d}   "
                   f"{s[3] / 1e6:8.1f} MB")
+    return agg
 
 
 async def ttft_prefix(c: Client, prefix_len: int, suffix_len: int, vocab: int, rng: random.Random) -> None:
+    """Time to first token of a prompt, then of a second prompt sharing its first ``prefix_len`` tokens (its prefix
+    pages cached). An unrelated prompt of the same length runs first, so that neither timed request pays the
+    one-time costs of a new prompt length (staging buffers, first kernel loads)."""
     prefix = random_prompt(rng, prefix_len, vocab)
+    warm = await c.complete(random_prompt(rng, prefix_len + suffix_len, vocab), 8)
     first = await c.complete(prefix + random_prompt(rng, suffix_len, vocab), 8)
     shared = await c.complete(prefix + random_prompt(rng, suffix_len, vocab), 8)
-    cold = await c.complete(random_prompt(rng, prefix_len + suffix_len, vocab), 8)
-    for o in (first, shared, cold):
+    for o in (warm, first, shared):
         if o["error"]:
             print(f"TTFT request failed: {o['status']} {o['error']}")
             return
-    t1, t2, t3 = (o["t_first"] - o["t0"] for o in (first, shared, cold))
+    t0, t1, t2 = (o["t_first"] - o["t0"] for o in (warm, first, shared))
     print(f"\nTTFT, {prefix_len}-token shared prefix + {suffix_len} new tokens:")
-    print(f"  first request (cold):           {t1 * 1e3:9.1f} ms")
-    print(f"  second, same prefix (cached):   {t2 * 1e3:9.1f} ms  = {t2 / t1 * 100:.1f}% of the first")
-    print(f"  unrelated prompt, same length:  {t3 * 1e3:9.1f} ms")
+    print(f"  unrelated prompt, same length (warm-up): {t0 * 1e3:9.1f} ms")
+    print(f"  first request:                           {t1 * 1e3:9.1f} ms")
+    print(f"  second, same prefix (cached):            {t2 * 1e3:9.1f} ms  = {t2 / t1 * 100:.1f}% of the first")
 
 
-async def load(c: Client, n: int, concurrency: int, vocab: int, rng: random.Random, long_len: int) -> None:
-    pool = [random_prompt(rng, rng.randint(8, 64), vocab) for _ in range(24)]
-    pool += [random_prompt(rng, long_len + rng.randint(0, 64), vocab) for _ in range(8)]
-    lengths = (8, 32)
-    print(f"\nload: {n} requests, {concurrency} at a time; references: each (prompt, max_tokens) alone first ...")
+LOAD_KINDS = ("plain", "plain", "stream", "stream", "stream", "stream-disconnect", "plain-disconnect", "seeded")
+
+
+async def load(c: Client, n: int, concurrency: int, vocab: int, rng: random.Random, long_len: int,
+               token_choices: tuple[int, ...] = (8, 32), n_short: int = 24, n_long: int = 8,
+               server_log: Optional[str] = None, print_fn=print) -> dict:
+    """A mixed load of ``n`` requests, ``concurrency`` at a time, over a pool of ``n_short`` short prompts (8-64
+    random tokens) and ``n_long`` long ones (``long_len`` + 0-64 tokens), each with one of ``token_choices``
+    max_tokens. Request k is of kind ``LOAD_KINDS[k % 8]``: non-streamed, streamed, streamed and disconnecting after 2
+    chunks, non-streamed and disconnecting after 0-0.5 s, or streamed seeded sampling (temperature 0.8, the pool
+    index as seed). The reference of every (prompt, max_tokens, greedy or seeded) is that request run alone, first,
+    one at a time; each completed response is compared with it (text, finish reason, completion tokens).
+
+    Server errors: 5xx answers, error events in streams, the server's own count (/v1/stats ``server_errors``) and,
+    with ``server_log``, lines of that file from the load's start with a traceback or an ERROR. Memory: the server's
+    /v1/stats at idle (after the references), its peak while loaded (sampled every 0.25 s) and once idle again.
+    Returns the counts and the three stats; prints them (never asserts)."""
+    pool = [random_prompt(rng, rng.randint(8, 64), vocab) for _ in range(n_short)]
+    pool += [random_prompt(rng, long_len + rng.randint(0, 64), vocab) for _ in range(n_long)]
+    print_fn(f"\nload: {n} requests, {concurrency} at a time, over {n_short} short prompts (8-64 tokens) and {n_long} "
+             f"long ({long_len}-{long_len + 64}), max_tokens {'/'.join(map(str, token_choices))}; kinds "
+             f"{', '.join(sorted(set(LOAD_KINDS)))}")
+    t_ref = time.perf_counter()
     alone = {}
     for i, p in enumerate(pool):
-        for m in lengths:
-            alone[(i, m)] = (await c.complete(p, m, stream=False))["text"]
+        for m in token_choices:
+            for seeded in (False, True):
+                extra = dict(temperature=0.8, seed=i + 1) if seeded else {}
+                o = await c.complete(p, m, stream=False, **extra)
+                alone[(i, m, seeded)] = (o["text"], o["finish"], o["tokens"]) if o["status"] == 200 else None
+    print_fn(f"  references: {len(alone)} requests alone in {time.perf_counter() - t_ref:.1f} s"
+             f"{'' if all(alone.values()) else ' (some FAILED: those requests count as mismatches)'}")
+    log_offset = os.path.getsize(server_log) if server_log and os.path.exists(server_log) else 0
     idle = await c.get("/v1/stats")
+    sampled = ("rss_bytes", "cuda_memory_allocated", "kv_bytes_in_use", "kv_bytes_prefix_cached", "requests_in_flight",
+               "queued_prompt_tokens")
+    peak = {k: idle[k] for k in sampled if k in idle}
     sem = asyncio.Semaphore(concurrency)
-    counts = {"ok": 0, "mismatch": 0, "disconnected": 0, "http_error": 0, "stream_error": 0}
-    examples = []
+    counts = {k: 0 for k in ("ok", "mismatch", "disconnected", "rate_limited", "http_4xx", "http_5xx",
+                             "stream_error")}
+    examples: list = []
+    kind_ok: dict[str, int] = {}
 
     async def one(k: int):
-        i, m = rng.randrange(len(pool)), rng.choice(lengths)
-        kind = k % 4  # 0: non-streamed, 1-2: streamed, 3: disconnects after 2 chunks
+        i, m = rng.randrange(len(pool)), rng.choice(token_choices)
+        kind = LOAD_KINDS[k % len(LOAD_KINDS)]
+        seeded = kind == "seeded"
+        extra = dict(temperature=0.8, seed=i + 1) if seeded else {}
         async with sem:
-            o = await c.complete(pool[i], m, stream=kind != 0, stop_after=2 if kind == 3 else None)
-        if o["status"] != 200:
-            counts["http_error"] += 1
+            if kind == "plain-disconnect":
+                try:  # the client gives up (its connection closes); a request done sooner is checked below
+                    o = await asyncio.wait_for(c.complete(pool[i], m, stream=False), rng.uniform(0.0, 0.5))
+                except asyncio.TimeoutError:
+                    counts["disconnected"] += 1
+                    return
+            else:
+                o = await c.complete(pool[i], m, stream=kind != "plain", stop_after=2 if kind == "stream-disconnect"
+                                     else None, **extra)
+        if o["status"] == 429:
+            counts["rate_limited"] += 1
+        elif o["status"] >= 500:
+            counts["http_5xx"] += 1
+            examples.append(("http", o["status"], o["error"]))
+        elif o["status"] != 200:
+            counts["http_4xx"] += 1
             examples.append(("http", o["status"], o["error"]))
         elif o["error"]:
             counts["stream_error"] += 1
             examples.append(("stream", o["error"]))
         elif o["finish"] == "disconnected":
             counts["disconnected"] += 1
-        elif o["text"] != alone[(i, m)]:
+        elif (o["text"], o["finish"], o["tokens"]) != alone[(i, m, seeded)]:
             counts["mismatch"] += 1
-            examples.append(("mismatch", i, m))
+            examples.append(("mismatch", kind, i, m, (o["text"], o["finish"], o["tokens"]), alone[(i, m, seeded)]))
         else:
             counts["ok"] += 1
+            kind_ok[kind] = kind_ok.get(kind, 0) + 1
 
+    done = asyncio.Event()
+
+    async def sample_peak():
+        while not done.is_set():
+            s = await c.get("/v1/stats")
+            for key in sampled:
+                if key in s:
+                    peak[key] = max(peak.get(key, 0), s[key])
+            try:
+                await asyncio.wait_for(done.wait(), 0.25)
+            except asyncio.TimeoutError:
+                pass
+
+    sampler = asyncio.create_task(sample_peak())
     t0 = time.perf_counter()
     await asyncio.gather(*[one(k) for k in range(n)])
     wall = time.perf_counter() - t0
+    done.set()
+    await sampler
     after = idle
-    for _ in range(100):  # wait (bounded) for cancelled requests' pages to go back
+    for _ in range(300):  # wait (bounded: 30 s) for cancelled requests' pages to go back
         after = await c.get("/v1/stats")
         if after["requests_in_flight"] == 0 and after["kv_bytes_in_use"] == 0:
             break
         await asyncio.sleep(0.1)
-    print(f"  {wall:.1f} s: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
-    for e in examples[:5]:
-        print(f"  e.g. {e}")
-    for key in ("requests_in_flight", "queued_prompt_tokens", "kv_bytes_in_use", "kv_bytes_prefix_cached", "rss_bytes"):
-        print(f"  {key:24s} idle {idle.get(key)!s:>14}  after {after.get(key)!s:>14}")
+    log_errors = 0
+    if server_log and os.path.exists(server_log):
+        with open(server_log, errors="replace") as f:
+            f.seek(log_offset)
+            log_errors = sum(1 for line in f if "Traceback" in line or " ERROR " in line or "ERROR:" in line)
+    server_errors = after.get("server_errors", 0) - idle.get("server_errors", 0)
+    # the server answers the next request, correctly
+    o = await c.complete(pool[0], token_choices[0], stream=False)
+    next_ok = o["status"] == 200 and (o["text"], o["finish"], o["tokens"]) == alone[(0, token_choices[0], False)]
     health = await c.get("/health")
-    print(f"  /health after: {health}")
+    print_fn(f"  {wall:.1f} s ({n / wall:.1f} requests/s): " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+    print_fn(f"  correct by kind: " + ", ".join(f"{k} {v}" for k, v in sorted(kind_ok.items())))
+    print_fn(f"  server errors: {server_errors} (its /v1/stats count), "
+             f"{log_errors if server_log else 'not read'} (log lines{f' of {server_log}' if server_log else ''})")
+    for e in examples[:5]:
+        print_fn(f"  e.g. {e}")
+    print_fn(f"  {'':28s} {'idle':>14} {'peak':>14} {'after':>14}")
+    for key in ("requests_in_flight", "queued_prompt_tokens", "requests_done", "requests_cancelled", "kv_bytes_in_use",
+                "kv_bytes_prefix_cached", "rss_bytes", "cuda_memory_allocated"):
+        if key in idle or key in after:
+            print_fn(f"  {key:28s} {idle.get(key)!s:>14} {peak.get(key, '')!s:>14} {after.get(key)!s:>14}")
+    print_fn(f"  next request after the load: {'correct' if next_ok else 'WRONG'}; /health: {health}")
+    return dict(counts=counts, kind_ok=kind_ok, server_errors=server_errors, log_errors=log_errors, wall=wall,
+                idle=idle, peak=peak, after=after, next_ok=next_ok, health=health)
 
 
 async def main_async(args) -> None:
@@ -231,14 +318,19 @@ async def main_async(args) -> None:
         if args.streams and not args.load:
             await c.complete(random_prompt(rng, args.prompt_len, vocab), 4)  # warm-up (graph capture, ...)
             print(f"\ndecode throughput: prompts of {args.prompt_len} random tokens, max_tokens {args.max_tokens}, greedy")
-            print(f"{'streams':>7} | {'decode tok/s':>12} | {'all tok/s':>10} | {'med ITL ms':>12} | {'med TTFT':>9} | "
-                  f"{'errors':>6}")
+            print(f"{'streams':>7} | {'decode tok/s':>12} | {'vs 1':>8} | {'all tok/s':>10} | {'med ITL ms':>12} | "
+                  f"{'med TTFT':>9} | {'errors':>6}")
+            one = None
             for n in args.streams:
-                await throughput(c, n, args.prompt_len, args.max_tokens, vocab, rng, args.steps, bandwidth)
+                agg = await throughput(c, n, args.prompt_len, args.max_tokens, vocab, rng, args.steps, bandwidth,
+                                       one_stream=one if n != 1 else None)
+                if n == 1:
+                    one = agg
         if args.ttft_prefix:
             await ttft_prefix(c, args.ttft_prefix, args.ttft_suffix, vocab, rng)
         if args.load:
-            await load(c, args.load, max(args.streams or [32]), vocab, rng, args.long_prompt)
+            await load(c, args.load, args.concurrency, vocab, rng, args.long_prompt, tuple(args.load_tokens),
+                       server_log=args.server_log)
 
 
 def main() -> None:
@@ -255,6 +347,10 @@ def main() -> None:
     p.add_argument("--ttft-suffix", type=int, default=50)
     p.add_argument("--load", type=int, default=0, help="run a mixed load of this many requests instead")
     p.add_argument("--long-prompt", type=int, default=1024, help="length of the load's long prompts")
+    p.add_argument("--load-tokens", type=int, nargs="+", default=[8, 32], help="the load's max_tokens choices")
+    p.add_argument("--concurrency", type=int, default=32, help="the load's requests in flight at once")
+    p.add_argument("--server-log", default=None,
+                   help="the server's stderr file: the load counts its traceback / ERROR lines as server errors")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600)
     asyncio.run(main_async(p.parse_args()))

@@ -106,7 +106,9 @@ class Server:
 def server():
     s = Server("--max-requests", str(MAX_REQUESTS))
     yield s
+    errors = s.stats()["server_errors"]
     s.stop()
+    assert errors == 0, s.proc.stderr.read()[-3000:]
     assert s.proc.returncode == 0, s.proc.stderr.read()[-3000:]
 
 
@@ -126,6 +128,20 @@ def _complete(client, prompt, max_tokens, stream=False, **kw):
     for chunk in r:
         if chunk.choices:
             text.append(chunk.choices[0].text)
+            reason = chunk.choices[0].finish_reason or reason
+    return "".join(text), reason
+
+
+def _chat(client, content, max_tokens, stream=False):
+    """(text, finish_reason) of one greedy chat completion, streamed or not."""
+    r = client.chat.completions.create(model="builtin", messages=[{"role": "user", "content": content}],
+                                       max_tokens=max_tokens, stream=stream, temperature=0)
+    if not stream:
+        return r.choices[0].message.content, r.choices[0].finish_reason
+    text, reason = [], None
+    for chunk in r:
+        if chunk.choices:
+            text.append(chunk.choices[0].delta.content or "")
             reason = chunk.choices[0].finish_reason or reason
     return "".join(text), reason
 
@@ -217,21 +233,40 @@ def test_seeded_sampling_is_reproducible(server):
 # ---------------------------------------------------------------- continuous batching
 
 
+WORDS = "river stone light music garden winter paper engine silver forest number window table storm bridge cloud".split()
+
+
 def test_32_concurrent_equal_alone(server):
-    """32 concurrent greedy requests (streamed and not, chat and completions) each return exactly what the same
-    request returns alone; the steps carried several sequences at once."""
+    """32 concurrent greedy requests (completions and chat, streamed and not) each return exactly what the same
+    request returns alone (text and finish reason): none lost, crossed or truncated. The 32 are picked, in a
+    bounded loop over random prompts, so that their lone answers all differ: a crossed answer would show. The steps
+    carried several sequences at once."""
     rng = random.Random(0)
-    jobs = []
-    for i in range(32):
-        prompt = PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS))
-        jobs.append((prompt, rng.randint(8, 40), i % 2 == 1))
-    alone = [_complete(server.client, p, n) for p, n, _ in jobs]
+
+    def run(job):
+        prompt, n, stream, chat = job
+        return (_chat if chat else _complete)(server.client, prompt, n, stream=stream)
+
+    jobs, alone = [], []
+    for attempt in range(96):
+        i = len(jobs)
+        chat = i % 4 >= 2
+        prompt = (" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 8))) if chat
+                  else [rng.randrange(100, 4000) for _ in range(rng.randint(6, 30))])
+        job = (prompt, rng.randint(8, 40), i % 2 == 1, chat)  # (prompt, max_tokens, stream, chat)
+        answer = run((prompt, job[1], False, chat))
+        if answer[0] not in {text for text, _ in alone}:
+            jobs.append(job)
+            alone.append(answer)
+        if len(jobs) == 32:
+            break
+    assert len(jobs) == 32, f"only {len(jobs)} distinct lone answers in 96 prompts"
     before = server.stats()
     with ThreadPoolExecutor(32) as pool:
-        together = list(pool.map(lambda j: _complete(server.client, j[0], j[1], stream=j[2]), jobs))
+        together = list(pool.map(run, jobs))
     after = server.wait_idle()
     assert together == alone
-    generated = sum(n for _, n, _ in jobs)  # an upper bound on decode steps were they run one by one
+    generated = sum(n for _, n, _, _ in jobs)  # an upper bound on decode steps were they run one by one
     assert after["forwards"] - before["forwards"] < generated / 3, (before, after)
 
 
@@ -263,6 +298,59 @@ def test_one_experts_call_per_layer_and_step(builtin):
     assert len(calls) == len(experts) * len(tokens)
     assert max(tokens) == 32  # prompts were cut into 32-token chunks sharing steps with decode tokens
     assert max(tokens) > 1 and len(tokens) < sum(len(o) for o in outs)
+
+
+def test_padded_steps_leave_padding_rows_out_of_the_experts(builtin):
+    """Under CUDA graphs transformers pads each step's tokens to a bucket; the padding rows must not reach the CPU
+    experts (each would make kt.fused_moe read its experts). Padding forced on here (the CPU has no graphs): the
+    experts see the real rows' ids and -1 on every padding row, and the tokens equal an unpadded run's."""
+    model, _ = builtin
+    experts = [m for m in model.modules() if getattr(m, "kt_w13", None) is not None]
+    prompts = [list(range(10 + i, 30 + 3 * i)) for i in range(3)]
+
+    def run(pad: bool):
+        engine = ServeEngine(model, model.generation_config.eos_token_id, 0,
+                             EngineConfig(page_size=PAGE, num_blocks=64, max_batch_tokens=32))
+        create = engine.manager._create_batch_processor
+
+        def create_padded():
+            processor = create()
+            processor.model_runner.pad_inputs = pad  # what CUDA graphs or compile switch on
+            return processor
+
+        engine.manager._create_batch_processor = create_padded
+        seen = []  # (rows, rows with an expert id >= 0), hooked after the engine's own hooks
+        hooks = [m.register_forward_pre_hook(
+            lambda mod, args, kw: seen.append((args[1].shape[0], int((args[1] >= 0).any(-1).sum()))), with_kwargs=True)
+            for m in experts]
+        tokens = []
+        hooks.append(model.register_forward_pre_hook(
+            lambda mod, args, kw: tokens.append(int(kw["cu_seq_lens_q"][-1])), with_kwargs=True))
+
+        async def go():
+            async def one(ids):
+                _, q = await engine.submit(ids, SamplingParams(10))
+                while not (o := await asyncio.wait_for(q.get(), 60)).is_finished():
+                    pass
+                return o.generated_tokens
+            return await asyncio.gather(*[one(p) for p in prompts])
+
+        engine.start()
+        try:
+            outs = asyncio.run(go())
+        finally:
+            engine.stop()
+            for h in hooks:
+                h.remove()
+        return outs, seen, tokens
+
+    plain, seen_plain, _ = run(False)
+    padded, seen_padded, real = run(True)
+    assert padded == plain
+    assert all(rows == used for rows, used in seen_plain)
+    assert all(rows == 32 for rows, _ in seen_padded)  # every step padded to the 32-token bucket
+    per_step = [used for _, used in seen_padded][::len(experts)]
+    assert per_step == real and min(real) < 32  # the real tokens only, and some steps had padding
 
 
 def test_queued_tokens_limit(builtin):
@@ -366,6 +454,7 @@ def test_bad_inputs_get_4xx_and_the_server_goes_on(server):
         (post("/v1/chat/completions", {**chat, "messages": []}), 400, "invalid_value"),
         (post("/v1/chat/completions", {**chat, "messages": [{"role": "wizard", "content": "x"}]}), 400, "invalid_value"),
         (post("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": 3}]}), 400, "invalid_value"),
+        (post("/v1/completions", {**good, "prompt": "x" * (17 << 20)}), 413, "request_too_large"),
         (post("/v1/nothing", good), 404, "not_found"),
         (server.get("/v1/completions"), 405, "method_not_allowed"),
         (server.get("/v1/models/gpt-5"), 404, "model_not_found"),
@@ -399,6 +488,24 @@ def test_disconnect_mid_stream_frees_the_slot(server):
     after = server.wait_idle(timeout=30)
     assert after["requests_cancelled"] > idle["requests_cancelled"]
     assert after["kv_bytes_in_use"] == 0
+    assert _complete(server.client, PROMPTS[0], 8)[0]
+
+
+def test_disconnect_before_a_non_streamed_answer_frees_the_slot(server):
+    idle = server.wait_idle()
+    conn = http.client.HTTPConnection(HOST, server.port, timeout=60)
+    body = {"model": "builtin", "prompt": PROMPTS[2] * 20, "max_tokens": 1500, "temperature": 0,
+            "stop": ["\u2603never"]}  # this prompt runs to max_tokens (no end-of-sequence token) unless stopped
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    deadline = time.monotonic() + 30
+    while server.stats()["kv_bytes_in_use"] == 0:  # wait until it runs
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.05)
+    conn.sock.close()  # the client gives up before the answer
+    conn.close()
+    after = server.wait_idle(timeout=30)  # the server polls the connection while it waits for tokens
+    assert after["requests_cancelled"] > idle["requests_cancelled"]
+    assert after["tokens_computed"] - idle["tokens_computed"] < 1500  # stopped long before max_tokens
     assert _complete(server.client, PROMPTS[0], 8)[0]
 
 
@@ -461,6 +568,34 @@ def test_mixed_load(server):
     after = server.wait_idle(timeout=60)
     assert after["kv_bytes_in_use"] == 0 and after["queued_prompt_tokens"] == 0
     assert after["rss_bytes"] < idle["rss_bytes"] + (256 << 20), (idle["rss_bytes"], after["rss_bytes"])
+
+
+def test_load_generator_mixed_load(server):
+    """benchmarks/bench_serve.py's mixed load, 100 requests (its --load 1000 at a CI size): every completed
+    response (greedy or seeded, streamed or not) equals the same request run alone, clients that disconnect early
+    leave nothing behind, no server error (answers, error events, the server's count), and the server goes back to
+    idle (no request, queued token or KV page held; RSS within 256 MiB of idle) and answers the next request."""
+    from conftest import load_benchmark
+
+    import aiohttp
+
+    bench = load_benchmark("bench_serve")
+
+    async def run():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+            client = bench.Client(session, f"http://{HOST}:{server.port}", "builtin")
+            return await bench.load(client, 100, 24, 4096, random.Random(5), long_len=200, token_choices=(4, 12),
+                                    n_short=8, n_long=2, print_fn=lambda *a: None)
+
+    r = asyncio.run(run())
+    c = r["counts"]
+    assert c["mismatch"] == c["http_4xx"] == c["http_5xx"] == c["stream_error"] == c["rate_limited"] == 0, r
+    assert c["ok"] + c["disconnected"] == 100 and c["disconnected"] >= 6  # 12-13 of the kind that disconnects mid-stream
+    assert set(r["kind_ok"]) >= {"plain", "stream", "seeded"}, r["kind_ok"]
+    assert r["server_errors"] == 0 and r["next_ok"] and r["health"]["status"] == "ok"
+    assert r["after"]["requests_in_flight"] == 0 and r["after"]["kv_bytes_in_use"] == 0
+    assert r["after"]["queued_prompt_tokens"] == 0
+    assert r["after"]["rss_bytes"] < r["idle"]["rss_bytes"] + (256 << 20), (r["idle"], r["after"])
 
 
 def test_host_tier_restores_evicted_prefix_pages(builtin):
@@ -549,6 +684,37 @@ def test_token_ids_without_a_tokenizer(builtin):
     assert [int(t) for t in text.split()] == ref
     assert (st2, prompt_tokens) == (200, 2)  # "ab": its two bytes as ids
     assert st3 == 400 and chat["error"]["code"] == "no_chat_template"
+
+
+def test_a_server_failure_is_a_counted_500_and_the_server_goes_on(builtin):
+    """A failure inside the server (here: the engine's submit raising) answers 500 in OpenAI's shape, counts in
+    /v1/stats' server_errors (what bench_serve's load reports), and the next request is served."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from ktorch.serve.app import OpenAIServer
+
+    model, tok = builtin
+    engine = ServeEngine(model, model.generation_config.eos_token_id, 0, EngineConfig(page_size=PAGE, num_blocks=64))
+    server = OpenAIServer(engine, tok, "builtin")
+    submit = engine.submit
+
+    async def broken(*args, **kwargs):
+        raise RuntimeError("simulated failure")
+
+    async def run():
+        body = {"model": "builtin", "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}
+        async with TestClient(TestServer(server.make_app(), host=HOST)) as client:
+            engine.submit = broken
+            r1 = await client.post("/v1/completions", json=body)
+            failed = (r1.status, await r1.json(), (await (await client.get("/v1/stats")).json())["server_errors"])
+            engine.submit = submit
+            r2 = await client.post("/v1/completions", json=body)
+            return failed, r2.status, (await r2.json())["choices"][0]["text"]
+
+    (status, err, errors), status2, text = asyncio.run(run())
+    assert status == 500 and err["error"]["type"] == "server_error" and "simulated failure" in err["error"]["message"]
+    assert set(err["error"]) == {"message", "type", "param", "code"} and errors == 1
+    assert status2 == 200 and text
 
 
 def test_incremental_detokenizer_equals_full_decode(builtin):

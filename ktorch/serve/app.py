@@ -51,11 +51,22 @@ class ClientGone(Exception):
     pass
 
 
+SERVER_ERRORS = web.AppKey("server_errors", list)  # [count] of 5xx answers and error events (GET /v1/stats)
+
+
+def _count_server_error(request: web.Request) -> None:
+    counter = request.app.get(SERVER_ERRORS)
+    if counter is not None:
+        counter[0] += 1
+
+
 @web.middleware
 async def errors_as_json(request: web.Request, handler):
     try:
         return await handler(request)
     except APIError as e:
+        if e.status >= 500:
+            _count_server_error(request)
         return e.response()
     except web.HTTPException as e:  # unknown route, wrong method, body too large: OpenAI's shape too
         if e.status < 400:
@@ -67,6 +78,7 @@ async def errors_as_json(request: web.Request, handler):
         raise
     except Exception as e:  # a bug or a failed generation loop: the server goes on with the next request
         log.exception("ktorch serve: %s %s failed", request.method, request.path)
+        _count_server_error(request)
         return error_response(500, f"internal error: {type(e).__name__}: {e}", "server_error")
 
 
@@ -157,6 +169,7 @@ class OpenAIServer:
 
     def make_app(self, client_max_size: int = 16 << 20) -> web.Application:
         app = web.Application(middlewares=[errors_as_json], client_max_size=client_max_size)
+        app[SERVER_ERRORS] = [0]
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model_id:.+}", self.model_info)
@@ -205,6 +218,7 @@ class OpenAIServer:
 
     async def stats(self, request: web.Request) -> web.Response:
         stats = self.engine.stats()
+        stats["server_errors"] = request.app[SERVER_ERRORS][0]
         stats["steps"] = [[s.tokens, round(s.seconds, 6), s.distinct_experts, s.expert_bytes]
                           for s in list(self.engine.steps)]
         return web.json_response(stats)
@@ -307,15 +321,20 @@ class OpenAIServer:
     # ------------------------------------------------------------ generation
 
     async def _next_output(self, q: asyncio.Queue, request: web.Request):
+        """The request's next output. The connection is checked at every output and every 0.5 s without one: a
+        non-streamed request writes nothing until it ends, so only this check sees its client go."""
         while True:
             try:
-                return await asyncio.wait_for(q.get(), timeout=0.5)
+                out = await asyncio.wait_for(q.get(), timeout=0.5)
             except asyncio.TimeoutError:
-                transport = request.transport
-                if transport is None or transport.is_closing():
-                    raise ClientGone() from None
-                if not self.engine.healthy():
-                    raise APIError(500, "the generation loop stopped", "server_error") from None
+                out = None
+            transport = request.transport
+            if transport is None or transport.is_closing():
+                raise ClientGone() from None
+            if out is not None:
+                return out
+            if not self.engine.healthy():
+                raise APIError(500, "the generation loop stopped", "server_error") from None
 
     async def _generate(self, request: web.Request, prompt_ids: list[int], params: SamplingParams,
                         stops: list[str], info: dict) -> AsyncIterator[tuple[str, Optional[str]]]:
@@ -450,6 +469,8 @@ class OpenAIServer:
             return resp
         except APIError as e:  # after the headers: an error event, as OpenAI streams do
             await gen.aclose()
+            if e.status >= 500:
+                _count_server_error(request)
             err = {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
             try:
                 await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")

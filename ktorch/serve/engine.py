@@ -181,6 +181,7 @@ class ServeEngine:
 
         def create_and_extend():  # in the generation thread, before its first step
             processor = create()
+            self._runner = processor.model_runner
             if config.prefix_cache:
                 _register_final_step_pages(processor.cache)
             if self.host_tier is not None:
@@ -199,6 +200,8 @@ class ServeEngine:
         self.requests_done = 0
         self.requests_cancelled = 0
         self._hooks = [model.register_forward_pre_hook(self._count_forward, with_kwargs=True)]
+        self._runner = None  # the batch processor's ModelRunner, once the generation thread has made it
+        self._install_padding_mask()
         if config.step_stats:
             self._install_step_stats()
 
@@ -226,6 +229,43 @@ class ServeEngine:
             self.tokens_computed += int(ids.shape[-1])
         if self.config.step_stats:
             self._step_start(int(ids.shape[-1]) if ids is not None else 0)
+
+    def _install_padding_mask(self) -> None:
+        """Padded steps leave the padding rows out of the CPU experts.
+
+        Under CUDA graphs (or compile) transformers pads each step's tokens to a bucket (64 tokens by default) so
+        that a captured graph fits; the padding rows run through the router like real tokens, and on the CPU each
+        would make kt.fused_moe read its experts: one stream padded to 64 tokens could read as many experts as 64
+        streams. The real tokens are the first ``cu_seq_lens_q[-1]`` rows (padding sequences have length 0); the
+        rest get expert id -1, which kt.fused_moe skips (their output rows are 0 and unused). Tensor ops on the
+        step's own buffers, so a captured graph replays the mask with the step."""
+        state: dict = {"real": None}
+
+        def model_pre(module, args, kwargs):
+            runner = self._runner
+            cu = kwargs.get("cu_seq_lens_q")
+            state["real"] = cu[-1] if runner is not None and runner.pad_inputs and cu is not None else None
+
+        def experts_pre(module, args, kwargs):
+            real = state["real"]
+            if real is None:
+                return None
+            if "top_k_index" in kwargs:
+                ids = kwargs["top_k_index"]
+            elif len(args) > 1:
+                ids = args[1]
+            else:
+                return None
+            rows = torch.arange(ids.shape[0], device=ids.device)
+            masked = torch.where((rows < real)[:, None], ids, -1)
+            if "top_k_index" in kwargs:
+                return args, {**kwargs, "top_k_index": masked}
+            return (args[0], masked, *args[2:]), kwargs
+
+        self._hooks.append(self.model.register_forward_pre_hook(model_pre, with_kwargs=True))
+        for m in self.model.modules():
+            if getattr(m, "kt_w13", None) is not None:
+                self._hooks.append(m.register_forward_pre_hook(experts_pre, with_kwargs=True))
 
     def _install_step_stats(self) -> None:
         self._step_t0 = 0.0
@@ -277,9 +317,19 @@ class ServeEngine:
         with self._lock:
             active = len(self._requests)
             queued = self.queued_tokens
+        memory = {"rss_bytes": _rss_bytes()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            memory["cuda_memory_allocated"] = torch.cuda.memory_allocated()
+            memory["cuda_memory_reserved"] = torch.cuda.memory_reserved()
+            from ktorch.compile.experts_runtime import RUNTIME
+
+            # the CPU experts' submits from the GPU: eager ones, and those captured into CUDA graphs (whose replays
+            # run them again without counting: a nonzero captured count says the steps run under graphs)
+            memory["experts_submits"] = RUNTIME.stats["submits"]
+            memory["experts_captured_submits"] = RUNTIME.stats["captured_submits"]
         return {"requests_in_flight": active, "queued_prompt_tokens": queued, "forwards": self.forwards,
                 "tokens_computed": self.tokens_computed, "requests_done": self.requests_done,
-                "requests_cancelled": self.requests_cancelled, "rss_bytes": _rss_bytes(), **self.cache_state(),
+                "requests_cancelled": self.requests_cancelled, **memory, **self.cache_state(),
                 **(self.host_tier.stats() if self.host_tier is not None else {})}
 
     # ------------------------------------------------------------ requests
