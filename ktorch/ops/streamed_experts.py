@@ -33,7 +33,7 @@ from ktorch.ops.gpu_experts import gpu_experts_forward
 
 
 def dequantize_packed(packed: torch.Tensor, scales: Optional[torch.Tensor], gate_up: bool,
-                      dtype: torch.dtype) -> torch.Tensor:
+                      dtype: torch.dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Packed experts (``kt.pack_*`` layout, any device) -> their weights transposed, [n, K, N] in ``dtype``.
 
     packed [n, N/16, K/per, 16, per] (bf16 per=2, int8 per=4; int4 uint8 [n, N/16, K/8, 16, 4]), scales float32
@@ -46,7 +46,10 @@ def dequantize_packed(packed: torch.Tensor, scales: Optional[torch.Tensor], gate
     its expert weights to ``torch._grouped_mm``): every pass reads and writes along K, which is contiguous in
     the packed blocks too, so on a GPU the writes coalesce (a row-major [n, K, N] result made the last pass write
     one element per N-strided address). One elementwise pass over the weights reads the packed blocks in place,
-    applies the scales and writes ``dtype`` (int4: two more split the nibbles first)."""
+    applies the scales and writes ``dtype`` (int4: two more split the nibbles first).
+
+    ``out``: a contiguous [n, N, K] tensor of ``dtype`` on packed's device to write into (a preallocated buffer);
+    the result is then ``out.transpose(1, 2)``."""
     if packed.dim() != 5 or packed.shape[3] != 16:
         raise ValueError(f"dequantize_packed: packed must be [n, N/16, K/per, 16, per], got {tuple(packed.shape)}")
     n, N = packed.shape[0], packed.shape[1] * 16
@@ -61,7 +64,11 @@ def dequantize_packed(packed: torch.Tensor, scales: Optional[torch.Tensor], gate
         per = packed.shape[4]
         K = packed.shape[2] * per
         q, offset = blocks, 0.0
-    out = torch.empty(n, N, K, dtype=dtype, device=packed.device)
+    if out is None:
+        out = torch.empty(n, N, K, dtype=dtype, device=packed.device)
+    elif out.shape != (n, N, K) or out.dtype != dtype or out.device != packed.device or not out.is_contiguous():
+        raise ValueError(f"dequantize_packed: out must be a contiguous [{n}, {N}, {K}] {dtype} tensor on "
+                         f"{packed.device}, got {tuple(out.shape)} {out.dtype} on {out.device}")
     # out's rows seen in q's shape with the rows in packed order, so that one elementwise pass writes them where
     # they belong: [n, N/16, 16, K/per, per]; gate/up rows 64b + 32h + 16c + r go to row h*N/2 + 32b + 16c + r
     inner = q.shape[3:]  # (K/per, per), or (K/8, 2, 4) for int4
