@@ -222,7 +222,9 @@ def update_resident_experts(model: nn.Module, min_gain: float = MIN_GAIN) -> dic
     """Per MoE layer with resident experts and routing counts (``kt_routed.frequency``, from prefill splits): swaps
     in the most routed-to experts where the incoming ones' rows beat the outgoing ones' by ``min_gain`` of the
     layer's counted rows, then decays the counts (``DECAY``). Never during a decode step (ktorch.generate calls it
-    after prefill, before decoding). Returns {"swapped": experts swapped, "seconds": time taken}."""
+    after prefill, before decoding). Returns {"swapped": experts swapped, "seconds": time taken, "prefill_hits":
+    (rows on residents, routed rows) counted since the last reset}, and resets those counters, so that
+    ``resident_hits`` then counts the decode steps."""
     from ktorch.integrations.transformers_experts import experts_modules
 
     start = time.perf_counter()
@@ -244,7 +246,9 @@ def update_resident_experts(model: nn.Module, min_gain: float = MIN_GAIN) -> dic
                 swap_resident_experts(m, [i for i, _ in pairs], [o for _, o in pairs])
                 swapped += len(pairs)
         routed.frequency *= DECAY
-    return {"swapped": swapped, "seconds": time.perf_counter() - start}
+    hits, rows = resident_hits(model)  # the prefill's; from here on the counters count decode
+    reset_resident_hits(model)
+    return {"swapped": swapped, "seconds": time.perf_counter() - start, "prefill_hits": (hits, rows)}
 
 
 def resident_hits(model: nn.Module) -> tuple[int, int]:

@@ -72,8 +72,8 @@ def prepare(
     ``{512: 0.4}``) streams a fixed prefix of every layer's experts instead (ktorch/ops/streamed_experts.py; kept for
     comparison). Decode never streams. ``set_stream_experts`` changes it later.
 
-    ``gpu_memory`` (GPU only: bytes, or "24GiB", "24GB"; default with ``stream_experts="auto"``: the free device
-    memory minus a margin) is the budget ktorch.gpu_memory divides: the non-expert weights, a KV cache/activations
+    ``gpu_memory`` (GPU only: bytes, or "24GiB", "24GB"; "off": no residents; default with ``stream_experts="auto"``:
+    the free device memory minus a margin) is the budget ktorch.gpu_memory divides: the non-expert weights, a KV cache/activations
     reserve, the split's staging, and the rest as resident experts (the same count per layer, the most routed-to at
     prefill, swapped between generate calls' prefill and decode when worth it); decode computes residents on the GPU.
     ``model.kt_gpu_memory.summary()`` shows the division. Not with ``gpu_experts`` (which places residents by hand).
@@ -231,7 +231,7 @@ def set_stream_experts(model: nn.Module, stream_experts, kernel: str = "auto", c
             attach_streamed_experts(m, plan, kernel=kernel)
         if copy_ahead and device is not None:
             link_streamed_layers([streamed_experts_of(m.kt_stream_handle) for _, m in modules], device)
-    if stream_experts == "auto" or isinstance(stream_experts, SplitCosts) or gpu_memory is not None:
+    if stream_experts == "auto" or isinstance(stream_experts, SplitCosts) or gpu_memory not in (None, "off"):
         if stream_experts == "auto" and device is None:
             raise ValueError("set_stream_experts: 'auto' measures copies to the GPU; the model has no CUDA parameters")
         routed = stream_experts if isinstance(stream_experts, SplitCosts) or stream_experts == "auto" else None
@@ -279,7 +279,10 @@ def _place_routed(model: nn.Module, modules: list, costs, gpu_memory, kernel: st
         top_k = getattr(model.config, "num_experts_per_tok", None) or 8
         costs = calibrate_split_costs(layers, modules[0].kt_w2.shape[1] * 16, top_k, device)
     model.kt_split_costs = costs
-    budget = parse_memory_size(gpu_memory) if gpu_memory is not None else default_budget(model, device)
+    if gpu_memory == "off":
+        budget = None  # no budget: a full staging, no residents
+    else:
+        budget = parse_memory_size(gpu_memory) if gpu_memory is not None else default_budget(model, device)
     staging_bytes = (lambda n: DeviceStaging.bytes_for(layers[0], n, dtype)) if costs is not None else None
     plan = plan_gpu_memory(model, modules, budget, device, dtype, staging_bytes)
     staging = DeviceStaging(layers[0], plan.staging_experts, device, dtype) if costs is not None else None

@@ -42,7 +42,7 @@ from typing import Optional, Sequence
 import torch
 
 from ktorch.ops.gpu_experts import gpu_experts_forward
-from ktorch.ops.streamed_experts import StreamedExperts, _align, dequantize_packed
+from ktorch.ops.streamed_experts import StreamedExperts, dequantize_packed, queue_timed_copies
 
 MIN_TOKENS = 64  # below this a call never splits (the CPU op alone; the host sync of the counts is not worth it)
 
@@ -212,7 +212,7 @@ class RoutedExperts:
         w2 = dequantize_packed(views[2], views[3], False, hidden.dtype, out=staging.w2[:k])
         slot_of = torch.full((self.num_experts,), -1, dtype=torch.int64)
         slot_of[chosen] = torch.arange(k)
-        slot_of = slot_of.to(device, non_blocking=True)
+        slot_of = _to_device(slot_of, device)
         slots = torch.where(topk_ids >= 0, slot_of[topk_ids.clamp(min=0).long()], -1)
         return gpu_experts_forward(hidden, slots, topk_weights, w13, w2, self.layer.activation, self.kernel)
 
@@ -221,8 +221,15 @@ def cpu_ids_for(topk_ids: torch.Tensor, chosen: torch.Tensor, num_experts: int) 
     """topk_ids with the slots of the experts ``chosen`` (CPU ids) set to -1: what the CPU op gets beside them."""
     mask = torch.zeros(num_experts, dtype=torch.bool)
     mask[chosen] = True
-    mask = mask.to(topk_ids.device, non_blocking=True)
+    mask = _to_device(mask, topk_ids.device)
     return torch.where((topk_ids >= 0) & mask[topk_ids.clamp(min=0).long()], -1, topk_ids)
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device`` without a host sync: through (cached) page-locked memory on CUDA."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 # ---------------------------------------------------------------- measuring the costs
@@ -272,13 +279,7 @@ def calibrate_split_costs(layers: Sequence[StreamedExperts], hidden_size: int, t
             for _ in range(n):
                 dst.copy_(src)
             return time.perf_counter() - start
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(side):
-            begin.record()
-            for _ in range(n):
-                dst.copy_(src, non_blocking=True)
-            end.record()
-        return begin, end
+        return queue_timed_copies(src, dst, n, side)
 
     if cuda:
         copies(2)
