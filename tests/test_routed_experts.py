@@ -390,3 +390,31 @@ def test_calibration_on_a_cpu_stand_in():
     assert costs.h2d_bytes_per_s > 0 and costs.device_expert_s >= 0 and costs.device_row_s >= 0
     assert min(costs.cpu_fixed_s, costs.cpu_row_s, costs.cpu_expert_s) >= 0
     assert costs.cpu_fixed_s + 256 * 4 * costs.cpu_row_s + 16 * costs.cpu_expert_s > 0
+
+
+def test_generate_prints_placement_lines_that_the_benchmark_reads():
+    """ktorch generate's placement lines (ktorch/cli.py placement_lines) parse back in benchmarks/bench_generate.py:
+    the split counters, the budget and the decode resident hit rate, as the model counted them."""
+    import sys
+    from pathlib import Path
+
+    from ktorch.cli import placement_lines
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from bench_generate import parse_generate_output
+
+    _, model = _split_model(COSTS)
+    m0 = moe_experts_modules(model)[0]
+    per_resident = (m0.kt_w13.shape[1] * 16 * m0.kt_w2.shape[1] * 16 * 3 // 2) * 4 * 2
+    ktorch.set_stream_experts(model, COSTS, gpu_memory=_floor(model) + DeviceStaging.bytes_for(
+        m0.kt_routed.layer, 8, torch.float32) + 2 * per_resident)
+    for m in moe_experts_modules(model):
+        m.kt_routed.min_tokens = 8
+    result = ktorch.generate(model, torch.randint(0, 256, (1, 40)), max_new_tokens=5)
+    stats = ktorch.prefill_split_stats(model)
+    parsed = parse_generate_output(result.timings.line() + "\n" + "\n".join(placement_lines(model, result.timings)))
+    assert parsed["experts_hit"] == stats["experts_hit"] and parsed["experts_copied"] == stats["experts_copied"]
+    assert parsed["hit_per_layer"] == stats["last_hit"] and parsed["copied_unused"] == 0
+    assert parsed["resident_per_layer"] == 2 and parsed["gpu_used_gib"] <= parsed["gpu_budget_gib"]
+    hits, rows = resident_hits(model)
+    assert parsed["decode_resident_hit_rate"] == pytest.approx(hits / rows)
