@@ -38,6 +38,7 @@ SPLIT = re.compile(r"prefill split: (\d+) layer calls, experts hit (\d+) \(per l
                    r"\(([\d.]+) GB\), copied but unused (\d+), resident hit (\d+); rows on the GPU ([\d.]+)%")
 GPU_MEMORY = re.compile(r"GPU memory: budget ([\d.]+) GiB .* resident experts [\d.]+ \((\d+) of \d+ per layer.*used "
                         r"([\d.]+) GiB")
+PEAK = re.compile(r"GPU memory measured: peak allocated ([\d.]+) GiB")
 RESIDENT = re.compile(r"(\d+) swapped after prefill in ([\d.]+) s; decode resident hit rate (\d+)/(\d+)")
 
 
@@ -64,6 +65,9 @@ def parse_generate_output(stderr: str) -> dict:
     m = GPU_MEMORY.search(stderr)
     if m:
         out.update(gpu_budget_gib=float(m[1]), resident_per_layer=int(m[2]), gpu_used_gib=float(m[3]))
+    m = PEAK.search(stderr)
+    if m:
+        out["gpu_peak_gib"] = float(m[1])
     m = RESIDENT.search(stderr)
     if m:
         out.update(resident_swaps=int(m[1]), resident_swap_s=float(m[2]),
@@ -223,7 +227,8 @@ def main(argv=None) -> None:
                   f"the GPU {r['rows_on_gpu_pct']:.1f}%")
         if "gpu_budget_gib" in r:
             rate = r.get("decode_resident_hit_rate")
-            print(f"      GPU memory {r['gpu_used_gib']:.2f} of {r['gpu_budget_gib']:.2f} GiB, "
+            print(f"      GPU memory {r['gpu_used_gib']:.2f} of {r['gpu_budget_gib']:.2f} GiB planned, peak allocated "
+                  f"{r.get('gpu_peak_gib', float('nan')):.2f} GiB, "
                   f"{r['resident_per_layer']} resident experts per layer"
                   + (f", decode resident hit rate {100 * rate:.1f}%" if rate is not None else ""))
 

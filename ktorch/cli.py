@@ -474,6 +474,12 @@ def placement_lines(model, timings) -> list:
     from ktorch.gpu_memory import resident_hits
 
     lines = ["[ktorch] " + plan.summary()]
+    import torch
+
+    device = model.get_input_embeddings().weight.device
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / (1 << 30)
+        lines.append(f"[ktorch] GPU memory measured: peak allocated {peak:.2f} GiB (budget {plan.budget / (1 << 30):.2f})")
     s = ktorch.prefill_split_stats(model)
     if s["passes"]:
         rows = max(s["rows"], 1)
