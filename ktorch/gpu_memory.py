@@ -180,7 +180,7 @@ def place_resident_experts(module: nn.Module, n: int, device: torch.device, dtyp
     w13, w2 = _dequantized(module, ids, device, dtype)
     attach_gpu_experts(module, ids, w13, w2, kernel=getattr(module, "kt_gpu_kernel", "auto"))
     with torch.inference_mode(False):  # updated in place from inside and outside inference mode
-        hits = torch.zeros(2, dtype=torch.int64, device=device)
+        hits = torch.zeros((), dtype=torch.int64, device=device)  # routed slots << 32 | slots on residents
     module.register_buffer("kt_gpu_hits", hits, persistent=False)
 
 
@@ -205,11 +205,17 @@ def swap_resident_experts(module: nn.Module, incoming: list, outgoing: list) -> 
     for e in incoming:
         if e in position:
             raise ValueError(f"swap_resident_experts: expert {e} is already resident")
-    slots = [position[e] for e in outgoing]  # KeyError-free: checked below
+    for e in outgoing:
+        if e not in position:
+            raise ValueError(f"swap_resident_experts: expert {e} is not resident")
+    slots = [position[e] for e in outgoing]
     storage13, storage2 = module.kt_gpu_w13.transpose(1, 2), module.kt_gpu_w2.transpose(1, 2)  # [n, 2I, H], [n, H, I]
     device, dtype = module.kt_gpu_w13.device, module.kt_gpu_w13.dtype
+    w13, w2 = _dequantized(module, torch.tensor(incoming), device, dtype)  # all incoming at once, then into slots
+    where = torch.tensor(slots, dtype=torch.int64, device=device)
+    storage13.index_copy_(0, where, w13.transpose(1, 2))
+    storage2.index_copy_(0, where, w2.transpose(1, 2))
     for e, j in zip(incoming, slots):
-        _dequantized(module, torch.tensor([e]), device, dtype, out13=storage13[j:j + 1], out2=storage2[j:j + 1])
         ids[j] = e
     slot_of = module.kt_gpu_slot_of
     index = torch.tensor(list(outgoing) + list(incoming), dtype=torch.int64)
@@ -260,8 +266,8 @@ def resident_hits(model: nn.Module) -> tuple[int, int]:
     for _, m in experts_modules(model):
         counter = getattr(m, "kt_gpu_hits", None)
         if counter is not None:
-            h, r = counter.tolist()
-            hits, rows = hits + h, rows + r
+            packed = int(counter)
+            hits, rows = hits + (packed & 0xFFFFFFFF), rows + (packed >> 32)
     return hits, rows
 
 

@@ -323,6 +323,8 @@ def test_swapping_residents_mid_run_keeps_results():
     assert update_resident_experts(model)["swapped"] == 0  # nothing better left
     with pytest.raises(ValueError, match="already resident"):
         swap_resident_experts(m0, [5], [6])
+    with pytest.raises(ValueError, match="expert 4 is not resident"):
+        swap_resident_experts(m0, [3], [4])
 
 
 def test_resident_hits_count_rows_on_residents():

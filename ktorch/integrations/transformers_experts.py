@@ -427,10 +427,11 @@ def _split_gpu_experts(self: nn.Module, hidden_states, top_k_index, top_k_weight
 
     slot_of = self.kt_gpu_slot_of  # [E] int64 on the device: index among the device experts, or -1
     slots = torch.where(top_k_index >= 0, slot_of[top_k_index.clamp(min=0)], -1)
-    cpu_ids = torch.where(slots >= 0, -1, top_k_index)
-    hits = getattr(self, "kt_gpu_hits", None)  # [rows on residents, routed rows] (ktorch.gpu_memory), capturable
-    if hits is not None and not torch.compiler.is_compiling():
-        hits.add_(torch.stack([(slots >= 0).sum(), (top_k_index >= 0).sum()]))
+    on_device = slots >= 0
+    cpu_ids = torch.where(on_device, -1, top_k_index)
+    hits = getattr(self, "kt_gpu_hits", None)  # slots << 32 | slots on residents (ktorch.gpu_memory), capturable:
+    if hits is not None and not torch.compiler.is_compiling():  # three small kernels a layer, no host sync
+        hits.add_(torch.where(on_device, (1 << 32) + 1, 1 << 32).sum())
 
     def gpu_work() -> torch.Tensor:
         return gpu_experts_forward(hidden_states, slots, top_k_weights, self.kt_gpu_w13, self.kt_gpu_w2,
