@@ -420,3 +420,36 @@ def test_generate_prints_placement_lines_that_the_benchmark_reads():
     assert parsed["resident_per_layer"] == 2 and parsed["gpu_used_gib"] <= parsed["gpu_budget_gib"]
     hits, rows = resident_hits(model)
     assert parsed["decode_resident_hit_rate"] == pytest.approx(hits / rows)
+
+
+@needs_cuda
+def test_cuda_captured_decode_after_a_swap_matches_eager():
+    """Residents swapped in place between two generate calls: the kept CUDA graph (it reads the same buffers) decodes
+    the tokens an eager decode with the same residents gives; the hit counters count captured steps."""
+    torch.manual_seed(0)
+    base = tiny_model("qwen3_moe", dtype=torch.bfloat16)
+    model = ktorch.prepare(copy.deepcopy(base), device="cuda", experts_dtype="int8", stream_experts=COSTS)
+    floor = torch.cuda.memory_allocated() + reserve_bytes(model, torch.bfloat16)
+    m0 = moe_experts_modules(model)[0]
+    per_resident = m0.kt_w13.shape[1] * 16 * m0.kt_w2.shape[1] * 16 * 3 // 2 * 2 * 2
+    ktorch.set_stream_experts(model, COSTS, gpu_memory=floor + DeviceStaging.bytes_for(m0.kt_routed.layer, 8,
+                                                                                          torch.bfloat16)
+                              + 3 * per_resident + (64 << 20))
+    assert model.kt_gpu_memory.resident_per_layer >= 2
+    for m in moe_experts_modules(model):
+        m.kt_routed.min_tokens = 8
+    prompt = torch.randint(0, 256, (1, 40), device="cuda")
+    ktorch.generate(model, prompt, max_new_tokens=8)
+    graph = model.kt_decoder.graph
+    assert graph is not None
+    for m in moe_experts_modules(model):
+        m.kt_routed.frequency[5], m.kt_routed.frequency[6] = 1e9, 1e9
+    assert update_resident_experts(model)["swapped"] > 0
+    captured = ktorch.generate(model, prompt, max_new_tokens=8)
+    assert model.kt_decoder.graph is graph  # reused after the swap
+    hits, rows = resident_hits(model)
+    slots_per_step = model.config.num_experts_per_tok * 2  # top-k slots x 2 layers, each replayed step
+    assert rows > 0 and rows % slots_per_step == 0 and 0 <= hits <= rows
+    eager = ktorch.generate(model, prompt, max_new_tokens=8, cuda_graphs=False)
+    assert captured.ids == eager.ids
+    assert all({5, 6} <= set(m.kt_gpu_expert_ids) for m in moe_experts_modules(model))
