@@ -8,7 +8,7 @@
 # Prints per run: prefill/decode tok/s, distinct experts hit per layer, experts and GB copied per prompt pass,
 # "copied but unused" (must be 0), GPU memory planned vs measured peak, decode resident hit rate.
 #
-#   bash benchmarks/device_prefill.sh            # from the repo root; ~9 minutes wall (limit it at 560 s)
+#   bash benchmarks/device_prefill.sh            # from the repo root; ~9-10 minutes wall (give it 600 s)
 #
 # LAYERS (default 12: ~8.3 GB per file, written in ~1 min each) keeps it inside one device command. The 24 GiB budget of
 # the 48-layer model scales to BUDGET=8GiB here with NCMOE=4 (llama.cpp: 8 of 12 layers' experts on the GPU, as 34 of 48
@@ -26,6 +26,9 @@ LLAMA=/tmp/lcpp/bin/llama-bench
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
 lscpu | grep -E "Model name|^CPU\(s\)" | tr -s ' '
 python3 -c "import torch, ktorch; print('torch', torch.__version__, 'ktorch', ktorch.__file__, ktorch.cpu_features())" 2>&1 | tail -1
+
+echo "=== CUDA tests of the change ($(date +%T))"
+timeout 240 python3 -m pytest -q -x tests/test_routed_experts.py tests/test_runtime_staging.py -k "cuda" 2>&1 | tail -4
 
 run() {  # $1 label, then bench_generate arguments
   local label=$1; shift

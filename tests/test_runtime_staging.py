@@ -27,8 +27,8 @@ def test_two_prompt_lengths_reuse_one_buffer():
     assert c.hidden.shape == (512, 64)
     site.staging_for(*_inputs(513))  # grows once, to the next power of two
     assert pool.allocations == 2 and pool.rows == 1024
-    site.staging_for(*_inputs(1), deferred=torch.tensor(1))  # decode's eager step: a slice too, with out_later
-    assert pool.allocations == 2
+    split = site.staging_for(*_inputs(1), deferred=torch.tensor(1))  # a split call: its own pool, with out_later
+    assert pool.allocations == 2 and len(site.pools) == 2 and split.out_later.shape == (1, 64)
     if torch.cuda.is_available():
         assert a.hidden.is_pinned() and b.out.is_pinned()
 
@@ -63,4 +63,24 @@ def test_eager_cuda_calls_of_two_lengths_match_the_op_and_share_the_pool():
         h, ids, w = _inputs(T, H, 4, E)
         out = rt.wait(rt.submit(h.cuda(), ids.cuda(), w.cuda(), layer, site), h.cuda(), layer, site)
         assert torch.equal(out.cpu(), ktorch.fused_moe(h, ids, w, packed))
-    assert next(iter(rt._sites[site].pools.values())).allocations == 1
+    (pool,) = rt._shared_pools.values()  # the sites share one pool; none of their own was made
+    assert pool.allocations == 1 and not rt._sites[site].pools and not pool.busy
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_eager_cuda_calls_in_flight_together_do_not_share_buffers():
+    """Two layers submitted before either is waited for: the second finds the shared pool held and takes its site's
+    own, so both results are right; afterwards the shared pool is free again."""
+    torch.manual_seed(4)
+    E, H, I = 6, 64, 32
+    packs = [ktorch.pack_experts(torch.randn(E, 2 * I, H) / 8, torch.randn(E, H, I) / 6, "int8") for _ in range(2)]
+    rt = ExpertsRuntime()
+    layers = [rt.register_layer(*p.tensors(), "silu") for p in packs]
+    sites = [rt.new_site(), rt.new_site()]
+    inputs = [_inputs(50, H, 4, E), _inputs(70, H, 4, E)]
+    tickets = [rt.submit(h.cuda(), i.cuda(), w.cuda(), l, s) for (h, i, w), l, s in zip(inputs, layers, sites)]
+    outs = [rt.wait(t, h.cuda(), l, s) for t, (h, _, _), l, s in zip(tickets, inputs, layers, sites)]
+    for out, (h, i, w), p in zip(outs, inputs, packs):
+        assert torch.equal(out.cpu(), ktorch.fused_moe(h, i, w, p))
+    assert len(rt._sites[sites[1]].pools) == 1 and not rt._sites[sites[0]].pools
+    assert not any(p.busy for p in rt._shared_pools.values())

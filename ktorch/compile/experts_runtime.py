@@ -211,10 +211,12 @@ class _StagingPool:
 
     MIN_ROWS = 256
 
-    def __init__(self):
+    def __init__(self, split: bool = False):
         self.rows = 0
-        self.buffers: Optional[tuple] = None  # hidden, topk_ids, topk_weights, out, out_later
+        self.split = split  # holds out_later too (split calls: deferral)
+        self.buffers: Optional[tuple] = None  # hidden, topk_ids, topk_weights, out, out_later (or None)
         self.allocations = 0  # times the buffers were (re)made, for tests
+        self.busy = False  # the runtime's shared pool: a call between its submit and its wait holds it
 
     def staging(self, hidden, topk_ids, topk_weights, deferred: Optional[torch.Tensor] = None) -> _Staging:
         T = hidden.shape[0]
@@ -224,33 +226,43 @@ class _StagingPool:
                             _host_like((rows, *topk_ids.shape[1:]), topk_ids.dtype),
                             _host_like((rows, *topk_weights.shape[1:]), topk_weights.dtype),
                             _host_like((rows, *hidden.shape[1:]), hidden.dtype),
-                            _host_like((rows, *hidden.shape[1:]), hidden.dtype))
+                            _host_like((rows, *hidden.shape[1:]), hidden.dtype) if self.split else None)
             self.rows = rows
             self.allocations += 1
-        h, ids, w, out, later = (b[:T] for b in self.buffers)
+        h, ids, w, out, later = (None if b is None else b[:T] for b in self.buffers)
+        if deferred is not None and later is None:
+            raise RuntimeError("experts runtime: a split call needs a split staging pool")
         return _Staging(h, ids, w, out, deferred, later)
+
+
+def _pool_key(hidden, topk_ids, topk_weights, split: bool) -> tuple:
+    return (tuple(hidden.shape[1:]), hidden.dtype, tuple(topk_ids.shape[1:]), topk_ids.dtype, topk_weights.dtype, split)
 
 
 class _Site:
     def __init__(self):
         self.pending: collections.deque = collections.deque()  # tasks submitted and not yet waited for
         self.staging: dict = {}  # shape key -> _Staging of a captured call
-        self.pools: dict = {}  # (dtypes, row shapes) -> _StagingPool of eager calls
+        self.pools: dict = {}  # (dtypes, row shapes, split) -> _StagingPool of eager calls
+        self.held_pools: collections.deque = collections.deque()  # the shared pool (or None) per pending eager call
         self.static_deferred: dict = {}  # d -> the int64 holding it, for split submits with a fixed d
         # (staging, capture number, which join host function: 1 = the call's, 2 = a split call's deferred part,
         # the buffer the result is copied from), one per captured submit this site's waits have not taken yet
         self.captured_pending: collections.deque = collections.deque()
 
+    def pool_for(self, hidden, topk_ids, topk_weights, split: bool) -> _StagingPool:
+        key = _pool_key(hidden, topk_ids, topk_weights, split)
+        pool = self.pools.get(key)
+        if pool is None:
+            pool = self.pools[key] = _StagingPool(split)
+        return pool
+
     def staging_for(self, hidden, topk_ids, topk_weights, deferred: Optional[torch.Tensor] = None,
                     captured: bool = False) -> _Staging:
         """A captured call's own buffers (made once per shape), or an eager call's rows of the site's pool."""
         if not captured:
-            key = (tuple(hidden.shape[1:]), hidden.dtype, tuple(topk_ids.shape[1:]), topk_ids.dtype,
-                   topk_weights.dtype)
-            pool = self.pools.get(key)
-            if pool is None:
-                pool = self.pools[key] = _StagingPool()
-            return pool.staging(hidden, topk_ids, topk_weights, deferred)
+            return self.pool_for(hidden, topk_ids, topk_weights, deferred is not None).staging(
+                hidden, topk_ids, topk_weights, deferred)
         key = (tuple(hidden.shape), hidden.dtype, tuple(topk_ids.shape), topk_ids.dtype, topk_weights.dtype,
                deferred is not None)
         if key not in self.staging:
@@ -265,6 +277,11 @@ class ExpertsRuntime:
         self.layers: list[ExpertsLayer] = []
         self._layer_ids: dict = {}
         self._sites: dict[int, _Site] = collections.defaultdict(_Site)
+        # Eager calls that are not split share one grow-only pool per shape class across all sites (layers): an eager
+        # forward waits for each layer before the next layer submits, so one set of pinned buffers serves a whole
+        # model, and a fresh process's first prefill page-locks one layer's rows, not every layer's. A call that
+        # finds it held (another call in flight between its submit and wait) takes its site's own pool.
+        self._shared_pools: dict = {}
         self._site_ids = itertools.count()
         self.worker = ExpertsWorker()
         # submits / host_waits / captured_submits / implied_joins, and experts_calls / experts_ns (kt.fused_moe time,
@@ -330,6 +347,7 @@ class ExpertsRuntime:
         self.layers.clear()
         self._layer_ids.clear()
         self._sites.clear()
+        self._shared_pools.clear()
         self._native_tasks.clear()
 
     # -- run time
@@ -369,7 +387,25 @@ class ExpertsRuntime:
         if hidden.device.type != "cuda":
             raise RuntimeError(f"ktorch.submit_experts: hidden states on {hidden.device} are not supported")
         capturing = torch.cuda.is_current_stream_capturing()
-        staging = state.staging_for(hidden, topk_ids, topk_weights, deferred, captured=capturing)
+        if capturing:
+            staging = state.staging_for(hidden, topk_ids, topk_weights, deferred, captured=True)
+        else:
+            shared = None
+            if later_state is None:
+                key = _pool_key(hidden, topk_ids, topk_weights, False)
+                shared = self._shared_pools.get(key)
+                if shared is None:
+                    shared = self._shared_pools[key] = _StagingPool()
+                if shared.busy:
+                    shared = None
+            if shared is not None:
+                staging = shared.staging(hidden, topk_ids, topk_weights)
+                shared.busy = True
+            else:
+                staging = state.staging_for(hidden, topk_ids, topk_weights, deferred)
+            state.held_pools.append(shared)
+            if later_state is not None:
+                later_state.held_pools.append(None)  # one entry per pending call at that site too
         staging.fill(hidden, topk_ids, topk_weights)
         if capturing:
             self.stats["captured_submits"] += 1
@@ -408,7 +444,12 @@ class ExpertsRuntime:
                 self._joined_through = max(self._joined_through, number)
         else:
             self.stats["host_waits"] += 1
-            result = state.pending.popleft().join()
+            try:
+                result = state.pending.popleft().join()
+            finally:
+                shared = state.held_pools.popleft()
+                if shared is not None:
+                    shared.busy = False  # the copy of the result queued below precedes any later fill on the stream
         out.copy_(result, non_blocking=True)
         return out
 
