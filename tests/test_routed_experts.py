@@ -453,3 +453,11 @@ def test_cuda_captured_decode_after_a_swap_matches_eager():
     eager = ktorch.generate(model, prompt, max_new_tokens=8, cuda_graphs=False)
     assert captured.ids == eager.ids
     assert all({5, 6} <= set(m.kt_gpu_expert_ids) for m in moe_experts_modules(model))
+
+
+def test_load_takes_the_split_and_the_budget():
+    """ktorch.load(..., stream_experts=, gpu_memory=) places as set_stream_experts does (the builtin model, CPU)."""
+    model, _ = ktorch.load("builtin", device="cpu", stream_experts=COSTS, gpu_memory="off", tokenizer=False)
+    plan = model.kt_gpu_memory
+    assert plan.resident_per_layer == 0 and plan.staging_experts == model.config.num_experts
+    assert all(m.kt_routed.costs is COSTS for m in moe_experts_modules(model))
