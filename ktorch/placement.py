@@ -339,9 +339,6 @@ def gpu_placement(model: nn.Module) -> dict[str, list]:
     return {name: list(getattr(m, "kt_gpu_expert_ids", [])) for name, m in experts_modules(model)}
 
 
-_UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3}
-
-
 def _gpu_experts_per_layer(gpu_experts, modules) -> int:
     """N experts per layer from an int, a fraction of the layer's experts, or a memory budget ("4GiB")."""
     if gpu_experts is None:
@@ -357,12 +354,12 @@ def _gpu_experts_per_layer(gpu_experts, modules) -> int:
             raise ValueError(f"prepare: a fractional gpu_experts must be in [0, 1], got {gpu_experts}")
         n = round(gpu_experts * n_experts)
     elif isinstance(gpu_experts, str):
-        import re
+        from ktorch.gpu_memory import parse_memory_size
 
-        match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", gpu_experts)
-        if not match or match.group(2).lower() not in _UNITS:
-            raise ValueError(f"prepare: gpu_experts memory budget {gpu_experts!r} is not like '4GiB' or '512MB'")
-        budget = float(match.group(1)) * _UNITS[match.group(2).lower()]
+        try:
+            budget = parse_memory_size(gpu_experts)
+        except ValueError:
+            raise ValueError(f"prepare: gpu_experts memory budget {gpu_experts!r} is not like '4GiB' or '512MB'") from None
         per_expert = m.gate_up_proj[0].numel() * m.gate_up_proj.element_size() + m.down_proj[0].numel() * m.down_proj.element_size()
         n = int(budget // (per_expert * len(modules)))
     else:
