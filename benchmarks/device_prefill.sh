@@ -14,6 +14,7 @@
 # the 48-layer model scales to BUDGET=8GiB here with NCMOE=4 (llama.cpp: 8 of 12 layers' experts on the GPU, as 34 of 48
 # at 24 GiB); ktorch keeps residents dequantized (bf16, twice Q8_0's bytes), so the same budget holds fewer experts.
 # llama.cpp: /tmp/lcpp/bin/llama-bench if the lead built it in the same call, else skipped (said below).
+# SKEWS="0" or SKEWS="1.5" runs one regime (about half the time each) to split it over two device commands.
 set -uo pipefail
 LAYERS=${LAYERS:-12}
 BUDGET=${BUDGET:-8GiB}
@@ -38,7 +39,7 @@ run() {  # $1 label, then bench_generate arguments
     | grep -vE "^\s*\{" | grep -E "===|P=|split:|GPU memory|llama.cpp best|rror|wrote|skipped" || true
 }
 
-for SKEW in 0 1.5; do
+for SKEW in ${SKEWS:-0 1.5}; do
   FILE=/tmp/q8-${LAYERS}l-skew${SKEW}.gguf
   LB=(); [ -n "$LLAMA" ] && LB=(--llama-bench "$LLAMA" --threads 16 --flash-attn 1 --llama-reps 2 --llama-timeout 120)
   EXTRA=("--stream-experts auto --gpu-memory off")
