@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 KV_TOKENS = 4096  # tokens of KV cache reserved (generate's static cache, rounded to 256 tokens)
-ACTIVATION_BYTES_PER_TOKEN_HIDDEN = 48  # prefill activations of PREFILL_TOKENS: ~a dozen [T, H] fp32-sized buffers
+ACTIVATION_BYTES_PER_TOKEN_HIDDEN = 256  # prefill of PREFILL_TOKENS: hidden states, attention, the device experts'
+# T*K-row temporaries (gate/up, sorted rows): 1 GiB at 2048 tokens of H = 2048; generous, as running out is an error
 PREFILL_TOKENS = 2048
 FREE_MARGIN = 1 << 30  # left free by the default budget (CUDA context growth, allocator fragmentation)
 DECAY = 0.5  # routing frequencies are scaled by this after each update, so recent prompts weigh more

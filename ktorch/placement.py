@@ -147,7 +147,8 @@ def prepare(
     if trainable:
         _prepare_for_training(model, gradient_checkpointing)
     if stream_experts is not None or gpu_memory is not None:
-        set_stream_experts(model, stream_experts, gpu_experts_kernel, gpu_memory=gpu_memory)
+        set_stream_experts(model, stream_experts, gpu_experts_kernel, gpu_memory=gpu_memory,
+                           expert_profile=expert_profile if gpu_memory is not None else None)
     _compile_generate_with_ktorch(model)
     set_deferred_experts(model, deferred_experts)
     set_impl = getattr(model, "set_experts_implementation", None)
@@ -196,7 +197,8 @@ def _set_cuda_sync() -> None:
 
 
 def set_stream_experts(model: nn.Module, stream_experts, kernel: str = "auto", copy_ahead: bool = True,
-                       gpu_memory: Union[int, str, None] = None) -> nn.Module:
+                       gpu_memory: Union[int, str, None] = None,
+                       expert_profile: Optional[ExpertsProfile] = None) -> nn.Module:
     """Sets how long inputs use the GPU for every MoE layer's routed experts (``prepare(..., stream_experts=...,
     gpu_memory=...)``), and the GPU memory budget.
 
@@ -204,7 +206,9 @@ def set_stream_experts(model: nn.Module, stream_experts, kernel: str = "auto", c
     with these costs: tests, experiments), a table ``{min_tokens: experts or fraction}`` (a fixed prefix streamed,
     ``copy_ahead`` copying layer i+1's while layer i computes), or None / ``"off"``. ``gpu_memory``: the budget
     (see ``prepare``); with ``"auto"`` on a GPU it defaults to the free memory minus a margin; with the split off
-    and a budget, resident experts still fill it. The model must be prepared (its experts packed). Replaces what was
+    and a budget, resident experts still fill it; ``expert_profile`` (``ktorch.profile_experts``) picks the first
+    residents (default: each layer's first experts, until prefills have counted routing). The model must be prepared
+    (its experts packed). Replaces what was
     set before (page-locked memory released, residents and staging freed, a captured decode step dropped)."""
     from ktorch.ops.routed_experts import SplitCosts
     from ktorch.ops.streamed_experts import StreamPlan, link_streamed_layers, streamed_experts_of
@@ -235,7 +239,7 @@ def set_stream_experts(model: nn.Module, stream_experts, kernel: str = "auto", c
         if stream_experts == "auto" and device is None:
             raise ValueError("set_stream_experts: 'auto' measures copies to the GPU; the model has no CUDA parameters")
         routed = stream_experts if isinstance(stream_experts, SplitCosts) or stream_experts == "auto" else None
-        _place_routed(model, [m for _, m in modules], routed, gpu_memory, kernel)
+        _place_routed(model, modules, routed, gpu_memory, kernel, expert_profile)
     return model
 
 
@@ -259,12 +263,14 @@ def _clear_gpu_placement(model: nn.Module, modules) -> None:
             model.kt_decoder = None
 
 
-def _place_routed(model: nn.Module, modules: list, costs, gpu_memory, kernel: str) -> None:
+def _place_routed(model: nn.Module, named_modules: list, costs, gpu_memory, kernel: str,
+                  expert_profile: Optional[ExpertsProfile] = None) -> None:
     """The routing-aware split (``costs``: a SplitCosts, "auto" to measure, None: off) and the GPU memory budget."""
     from ktorch.gpu_memory import default_budget, parse_memory_size, place_resident_experts, plan_gpu_memory
     from ktorch.ops.routed_experts import DeviceStaging, RoutedExperts, SplitCosts, calibrate_split_costs
     from ktorch.ops.streamed_experts import StreamedExperts
 
+    modules = [m for _, m in named_modules]
     embeddings = model.get_input_embeddings().weight
     device, dtype = embeddings.device, embeddings.dtype
     for m in modules:
@@ -287,10 +293,13 @@ def _place_routed(model: nn.Module, modules: list, costs, gpu_memory, kernel: st
     plan = plan_gpu_memory(model, modules, budget, device, dtype, staging_bytes)
     staging = DeviceStaging(layers[0], plan.staging_experts, device, dtype) if costs is not None else None
     counting = SplitCosts(1.0, 0.0, 0.0, 0.0)  # split off: the layers only count routing (capacity 0)
-    for m, layer in zip(modules, layers):
+    for (name, m), layer in zip(named_modules, layers):
         m.kt_routed = RoutedExperts(layer, costs if costs is not None else counting, staging, kernel=kernel)
         if plan.resident_per_layer:
-            place_resident_experts(m, plan.resident_per_layer, device, dtype)
+            initial = None
+            if expert_profile is not None and name in expert_profile.counts:
+                initial = expert_profile.hottest(name, plan.resident_per_layer)
+            place_resident_experts(m, plan.resident_per_layer, device, dtype, initial=initial)
     model.kt_gpu_memory = plan
 
 

@@ -461,3 +461,21 @@ def test_load_takes_the_split_and_the_budget():
     plan = model.kt_gpu_memory
     assert plan.resident_per_layer == 0 and plan.staging_experts == model.config.num_experts
     assert all(m.kt_routed.costs is COSTS for m in moe_experts_modules(model))
+
+
+def test_prepare_budget_starts_residents_from_a_profile():
+    torch.manual_seed(5)
+    base = tiny_model("qwen3_moe")
+    ids = torch.randint(0, 256, (1, 24))
+    profile = ktorch.profile_experts(base, ids)
+    floor = _floor(ktorch.prepare(copy.deepcopy(base), device="cpu"))
+    m0 = moe_experts_modules(base)[0]
+    per_resident = (m0.gate_up_proj[0].numel() + m0.down_proj[0].numel()) * 4 * 2
+    model = ktorch.prepare(copy.deepcopy(base), device="cpu", gpu_memory=floor + 3 * per_resident,
+                           expert_profile=profile)
+    assert model.kt_gpu_memory.resident_per_layer == 3 and model.kt_gpu_memory.staging_experts == 0
+    for (name, _), m in zip(ktorch.placement.experts_modules(model), moe_experts_modules(model)):
+        assert sorted(m.kt_gpu_expert_ids) == sorted(profile.hottest(name, 3).tolist())
+    assert_logits_match(base, model, torch.float32, ids)
+    with pytest.raises(ValueError, match="leave gpu_experts unset"):
+        ktorch.prepare(copy.deepcopy(base), device="cpu", gpu_memory="1GiB", gpu_experts=2, expert_profile=profile)
