@@ -12,7 +12,7 @@
 #
 # LAYERS (default 12: ~8.3 GB per file, written in ~1 min each) keeps it inside one device command. The 24 GiB budget of
 # the 48-layer model scales to BUDGET=8GiB here with NCMOE=4 (llama.cpp: 8 of 12 layers' experts on the GPU, as 34 of 48
-# at 24 GiB); ktorch keeps residents dequantized (bf16, twice Q8_0's bytes), so the same budget holds fewer experts.
+# at 24 GiB); ktorch keeps residents packed (int8, about Q8_0's bytes) as each layer's most routed-to experts.
 # llama.cpp: /tmp/lcpp/bin/llama-bench if the lead built it in the same call, else skipped (said below).
 # SKEWS="0" or SKEWS="1.5" runs one regime (about half the time each) to split it over two device commands.
 set -uo pipefail

@@ -4,11 +4,13 @@
     2. a reserve for the KV cache (``KV_TOKENS`` tokens of the model's static cache) and prefill activations;
     3. the staging of the routing-aware prefill split (ktorch/ops/routed_experts.py): packed bytes and dequantized
        weights of up to one layer's experts;
-    4. resident experts: the rest, the same count in every MoE layer, held dequantized in the model's dtype; each
-       layer keeps its most routed-to experts (counted at prefill), swapped by ``update_resident_experts`` outside
-       decode when the gain passes a threshold. Decode computes their slots on the device (gpu_experts_forward) and
-       the CPU op the others; the swap writes the new experts into the same device buffers and the slot map in
-       place, so a captured decode step stays valid.
+    4. resident experts: the rest, the same count n in every MoE layer, held packed as the CPU op holds them (int8:
+       half a bf16 copy), plus one scratch of n dequantized experts that a long call's residents are dequantized
+       into; each layer keeps its most routed-to experts (counted at prefill), swapped by
+       ``update_resident_experts`` outside decode when the gain passes a threshold. Decode computes their slots on
+       the device (``packed_experts_forward``: each token's K experts dequantized and multiplied) and the CPU op
+       the others; the swap writes the new experts into the same device buffers and the slot map in place, so a
+       captured decode step stays valid.
 
 ``ktorch.prepare(..., gpu_memory="24GiB")`` / ``--gpu-memory 24GiB``; default: the device's free memory (plus what
 the model already holds) minus ``FREE_MARGIN``. ``model.kt_gpu_memory`` keeps the ``GpuMemoryPlan``; its
@@ -61,7 +63,7 @@ class GpuMemoryPlan:
     staging: int  # the routed split's staging (DeviceStaging.nbytes)
     staging_experts: int
     resident_per_layer: int
-    resident: int  # all layers' resident experts
+    resident: int  # all layers' resident experts (packed) and one layer's dequantized scratch for them
     layers: int
     num_experts: int
 
@@ -89,7 +91,8 @@ def device_bytes_held(model: nn.Module, device: torch.device) -> int:
             t = getattr(m, name, None)
             if t is not None:
                 seen.add(t.data_ptr())
-    for t in list(model.parameters()) + list(model.buffers()):
+    resident = [t for _, m in experts_modules(model) for t in getattr(m, "kt_gpu_packed", ()) if t is not None]
+    for t in list(model.parameters()) + list(model.buffers()) + resident:
         if t.device == device and t.data_ptr() not in seen:
             seen.add(t.data_ptr())
             total += t.numel() * t.element_size()
@@ -115,8 +118,14 @@ def default_budget(model: nn.Module, device: torch.device) -> Optional[int]:
     return max(free + torch.cuda.memory_allocated(device) - FREE_MARGIN, 0)
 
 
-def resident_bytes_per_expert(module: nn.Module, dtype: torch.dtype) -> int:
-    """Device bytes of one expert held dequantized: w13 [2I, H] and w2 [H, I] in ``dtype``."""
+def resident_bytes_per_expert(module: nn.Module) -> int:
+    """Device bytes of one resident expert: its packed rows of w13, w2 and their scales."""
+    return sum(t[0].numel() * t.element_size() for t in (module.kt_w13, module.kt_w13_scales, module.kt_w2,
+                                                          module.kt_w2_scales) if t is not None)
+
+
+def dequantized_bytes_per_expert(module: nn.Module, dtype: torch.dtype) -> int:
+    """Device bytes of one expert dequantized: w13 [2I, H] and w2 [H, I] in ``dtype``."""
     two_i, h = module.kt_w13.shape[1] * 16, module.kt_w2.shape[1] * 16
     return (two_i * h + h * (two_i // 2)) * torch.empty((), dtype=dtype).element_size()
 
@@ -145,7 +154,8 @@ def plan_gpu_memory(model: nn.Module, modules: list, budget: Optional[int], devi
         while staging_n and staging_bytes_for(staging_n) > left:  # alignment padding
             staging_n -= 1
         staging = staging_bytes_for(staging_n)
-    per_resident = resident_bytes_per_expert(modules[0], dtype) * len(modules)
+    # n residents cost their packed bytes in every layer and, once, n dequantized experts (a long call's scratch)
+    per_resident = resident_bytes_per_expert(modules[0]) * len(modules) + dequantized_bytes_per_expert(modules[0], dtype)
     n = min(E, (left - staging) // per_resident) if per_resident else 0
     return GpuMemoryPlan(budget, weights, reserve, staging, staging_n, n, n * per_resident, len(modules), E)
 
@@ -153,49 +163,51 @@ def plan_gpu_memory(model: nn.Module, modules: list, budget: Optional[int], devi
 # ---------------------------------------------------------------- resident experts
 
 
-def _dequantized(module: nn.Module, ids: torch.Tensor, device: torch.device, dtype: torch.dtype,
-                 out13: Optional[torch.Tensor] = None, out2: Optional[torch.Tensor] = None):
-    """(w13 [n, H, 2I], w2 [n, I, H]) of the packed module's experts ``ids`` on ``device`` in ``dtype``: their
-    packed rows copied there and dequantized (into ``out13`` [n, 2I, H] / ``out2`` [n, H, I] when given)."""
-    from ktorch.ops.streamed_experts import dequantize_packed
-
+def _packed_rows(module: nn.Module, ids: torch.Tensor, device: torch.device) -> tuple:
+    """The packed module's experts ``ids`` (w13, w13_scales, w2, w2_scales rows; scales None for bf16) on ``device``."""
     ids = ids.to("cpu", torch.int64)
-    t = [None if x is None else x.index_select(0, ids).to(device) for x in
-         (module.kt_w13, module.kt_w13_scales, module.kt_w2, module.kt_w2_scales)]
-    return (dequantize_packed(t[0], t[1], True, dtype, out=out13), dequantize_packed(t[2], t[3], False, dtype, out=out2))
+    return tuple(None if t is None else t.index_select(0, ids).to(device)
+                 for t in (module.kt_w13, module.kt_w13_scales, module.kt_w2, module.kt_w2_scales))
 
 
-def place_resident_experts(module: nn.Module, n: int, device: torch.device, dtype: torch.dtype,
+def place_resident_experts(module: nn.Module, n: int, device: torch.device,
                            initial: Optional[torch.Tensor] = None) -> None:
-    """Keeps ``n`` experts of the packed ``module`` on ``device`` (dequantized): ``initial`` ids, else the most
-    routed-to so far (``kt_routed.frequency``), else the first n. Counts the decode rows they take
-    (``kt_gpu_hits``)."""
-    from ktorch.integrations.transformers_experts import attach_gpu_experts
+    """Keeps ``n`` experts of the packed ``module`` on ``device``, packed (``kt_gpu_packed``): ``initial`` ids, else
+    the most routed-to so far (``kt_routed.frequency``), else the first n. Their slots are masked from the CPU op
+    and computed on the device (``packed_experts_forward``); ``kt_gpu_hits`` counts the slots they take."""
+    from ktorch.integrations.transformers_experts import _check_device_experts
 
+    _check_device_experts(module, "place_resident_experts")
     E = module.kt_w13.shape[0]
     if initial is None:
         routed = getattr(module, "kt_routed", None)
         frequency = routed.frequency if routed is not None else torch.zeros(E, dtype=torch.float64)
         initial = torch.argsort(-frequency, stable=True)[:n]
     ids = torch.sort(initial.to(torch.int64)).values
-    w13, w2 = _dequantized(module, ids, device, dtype)
-    attach_gpu_experts(module, ids, w13, w2, kernel=getattr(module, "kt_gpu_kernel", "auto"))
+    if ids.numel() != n or (n and (ids.unique().numel() != n or ids.min() < 0 or ids.max() >= E)):
+        raise ValueError(f"place_resident_experts: need {n} distinct expert ids in [0, {E}), got {ids.tolist()}")
+    slot_of = torch.full((E,), -1, dtype=torch.int64)
+    slot_of[ids] = torch.arange(n)
     with torch.inference_mode(False):  # updated in place from inside and outside inference mode
+        module.kt_gpu_packed = _packed_rows(module, ids, device)
+        module.register_buffer("kt_gpu_slot_of", slot_of.to(device), persistent=False)
         hits = torch.zeros((), dtype=torch.int64, device=device)  # routed slots << 32 | slots on residents
     module.register_buffer("kt_gpu_hits", hits, persistent=False)
+    module.kt_gpu_expert_ids = ids.tolist()
+    module.kt_gpu_kernel = getattr(module, "kt_gpu_kernel", "auto")
 
 
 def drop_resident_experts(module: nn.Module) -> None:
-    for name in ("kt_gpu_slot_of", "kt_gpu_w13", "kt_gpu_w2", "kt_gpu_hits"):
+    for name in ("kt_gpu_slot_of", "kt_gpu_hits"):
         if name in module._buffers:
             del module._buffers[name]
-    for name in ("kt_gpu_expert_ids",):
+    for name in ("kt_gpu_expert_ids", "kt_gpu_packed"):
         module.__dict__.pop(name, None)
 
 
 def swap_resident_experts(module: nn.Module, incoming: list, outgoing: list) -> None:
-    """Replaces the resident experts ``outgoing`` by ``incoming`` (same count) in place: their dequantized weights
-    are written into the outgoing ones' slots and the slot map updated on the device, in stream order, so buffers a
+    """Replaces the resident experts ``outgoing`` by ``incoming`` (same count) in place: their packed rows are
+    written into the outgoing ones' slots and the slot map updated on the device, in stream order, so buffers a
     captured graph reads keep their addresses."""
     if len(incoming) != len(outgoing):
         raise ValueError(f"swap_resident_experts: {len(incoming)} incoming and {len(outgoing)} outgoing experts")
@@ -210,12 +222,12 @@ def swap_resident_experts(module: nn.Module, incoming: list, outgoing: list) -> 
         if e not in position:
             raise ValueError(f"swap_resident_experts: expert {e} is not resident")
     slots = [position[e] for e in outgoing]
-    storage13, storage2 = module.kt_gpu_w13.transpose(1, 2), module.kt_gpu_w2.transpose(1, 2)  # [n, 2I, H], [n, H, I]
-    device, dtype = module.kt_gpu_w13.device, module.kt_gpu_w13.dtype
-    w13, w2 = _dequantized(module, torch.tensor(incoming), device, dtype)  # all incoming at once, then into slots
+    device = module.kt_gpu_slot_of.device
+    rows = _packed_rows(module, torch.tensor(incoming), device)  # all incoming at once, then into their slots
     where = torch.tensor(slots, dtype=torch.int64, device=device)
-    storage13.index_copy_(0, where, w13.transpose(1, 2))
-    storage2.index_copy_(0, where, w2.transpose(1, 2))
+    for dst, src in zip(module.kt_gpu_packed, rows):
+        if dst is not None:
+            dst.index_copy_(0, where, src)
     for e, j in zip(incoming, slots):
         ids[j] = e
     slot_of = module.kt_gpu_slot_of

@@ -74,8 +74,9 @@ def prepare(
 
     ``gpu_memory`` (GPU only: bytes, or "24GiB", "24GB"; "off": no residents; default with ``stream_experts="auto"``:
     the free device memory minus a margin) is the budget ktorch.gpu_memory divides: the non-expert weights, a KV cache/activations
-    reserve, the split's staging, and the rest as resident experts (the same count per layer, the most routed-to at
-    prefill, swapped between generate calls' prefill and decode when worth it); decode computes residents on the GPU.
+    reserve, the split's staging, and the rest as resident experts (packed; the same count per layer, the most
+    routed-to at prefill, swapped between generate calls' prefill and decode when worth it); decode computes residents
+    on the GPU.
     ``model.kt_gpu_memory.summary()`` shows the division. Not with ``gpu_experts`` (which places residents by hand).
 
     ``trainable=True`` prepares for fine-tuning (docs/training.md): the experts stay frozen and packed, every other
@@ -299,7 +300,7 @@ def _place_routed(model: nn.Module, named_modules: list, costs, gpu_memory, kern
             initial = None
             if expert_profile is not None and name in expert_profile.counts:
                 initial = expert_profile.hottest(name, plan.resident_per_layer)
-            place_resident_experts(m, plan.resident_per_layer, device, dtype, initial=initial)
+            place_resident_experts(m, plan.resident_per_layer, device, initial=initial)
     model.kt_gpu_memory = plan
 
 

@@ -264,15 +264,15 @@ def test_budget_fills_residents_after_the_staging():
     layer = StreamedExperts(m0.kt_w13, m0.kt_w13_scales, m0.kt_w2, m0.kt_w2_scales, "silu")
     full_staging = DeviceStaging.bytes_for(layer, 8, torch.float32)
     two_i, h = m0.kt_w13.shape[1] * 16, m0.kt_w2.shape[1] * 16
-    per_resident = (two_i * h + h * two_i // 2) * 4 * 2  # fp32, two layers
+    per_resident = (two_i * h + h * two_i // 2) * (2 * 2 + 4)  # bf16 packed in two layers, one fp32 scratch
     floor = _floor(model)
     budget = floor + full_staging + 3 * per_resident + 10
     ktorch.set_stream_experts(model, COSTS, gpu_memory=budget)
     plan = model.kt_gpu_memory
     assert plan.staging_experts == 8 and plan.resident_per_layer == 3 and plan.used <= budget
     assert "resident experts" in plan.summary()
-    for m in moe_experts_modules(model):
-        assert len(m.kt_gpu_expert_ids) == 3 and m.kt_gpu_w13.shape == (3, h, two_i)
+    for m in moe_experts_modules(model):  # held packed, as the CPU op holds them
+        assert len(m.kt_gpu_expert_ids) == 3 and m.kt_gpu_packed[0].shape == (3, *m0.kt_w13.shape[1:])
     # residents only: the split off, a budget given
     ktorch.set_stream_experts(model, "off", gpu_memory=floor + 2 * per_resident)  # residents measured again: gone
     assert model.kt_gpu_memory.resident_per_layer == 2 and model.kt_gpu_memory.staging_experts == 0
@@ -296,7 +296,7 @@ def test_swapping_residents_mid_run_keeps_results():
     assert [m.kt_gpu_expert_ids for m in moe_experts_modules(model)] == [[0, 1], [0, 1]]
     ids = torch.randint(0, 256, (1, 24))
     _logits(model, ids)
-    addresses = [(m.kt_gpu_w13.data_ptr(), m.kt_gpu_w2.data_ptr(), m.kt_gpu_slot_of.data_ptr())
+    addresses = [[t.data_ptr() for t in (*m.kt_gpu_packed, m.kt_gpu_slot_of) if t is not None]
                  for m in moe_experts_modules(model)]
     for m in moe_experts_modules(model):  # make experts 5 and 6 the most routed-to
         m.kt_routed.frequency.zero_()
@@ -304,7 +304,7 @@ def test_swapping_residents_mid_run_keeps_results():
     result = update_resident_experts(model)
     assert result["swapped"] == 4
     assert [sorted(m.kt_gpu_expert_ids) for m in moe_experts_modules(model)] == [[5, 6], [5, 6]]
-    assert [(m.kt_gpu_w13.data_ptr(), m.kt_gpu_w2.data_ptr(), m.kt_gpu_slot_of.data_ptr())
+    assert [[t.data_ptr() for t in (*m.kt_gpu_packed, m.kt_gpu_slot_of) if t is not None]
             for m in moe_experts_modules(model)] == addresses
     for m in moe_experts_modules(model):
         slot_of = m.kt_gpu_slot_of.tolist()
@@ -317,7 +317,7 @@ def test_swapping_residents_mid_run_keeps_results():
     for m in moe_experts_modules(fresh):
         order = torch.tensor(m.kt_gpu_expert_ids)
         drop_resident_experts(m)
-        place_resident_experts(m, 2, torch.device("cpu"), torch.float32, initial=order)
+        place_resident_experts(m, 2, torch.device("cpu"), initial=order)
     assert torch.equal(_logits(fresh, ids), after)
     assert_logits_match(base, model, torch.float32, ids)
     assert update_resident_experts(model)["swapped"] == 0  # nothing better left

@@ -423,7 +423,7 @@ def _run_differentiable(self: nn.Module, hidden_states, top_k_index, top_k_weigh
 def _split_gpu_experts(self: nn.Module, hidden_states, top_k_index, top_k_weights):
     """(ids for the CPU [T, K] with the device-resident experts' slots set to -1, a callable computing those
     experts' part [T, H] on the device). See ktorch/ops/gpu_experts.py and ``attach_gpu_experts``."""
-    from ktorch.ops.gpu_experts import gpu_experts_forward
+    from ktorch.ops.gpu_experts import gpu_experts_forward, packed_experts_forward
 
     slot_of = self.kt_gpu_slot_of  # [E] int64 on the device: index among the device experts, or -1
     slots = torch.where(top_k_index >= 0, slot_of[top_k_index.clamp(min=0)], -1)
@@ -433,7 +433,12 @@ def _split_gpu_experts(self: nn.Module, hidden_states, top_k_index, top_k_weight
     if hits is not None and not torch.compiler.is_compiling():  # three small kernels a layer, no host sync
         hits.add_(torch.where(on_device, (1 << 32) + 1, 1 << 32).sum())
 
+    packed = getattr(self, "kt_gpu_packed", None)  # the budget's residents (ktorch.gpu_memory): packed on the device
+
     def gpu_work() -> torch.Tensor:
+        if packed is not None:
+            return packed_experts_forward(hidden_states, slots, top_k_weights, packed, self.kt_activation,
+                                          self.kt_gpu_kernel)
         return gpu_experts_forward(hidden_states, slots, top_k_weights, self.kt_gpu_w13, self.kt_gpu_w2,
                                    self.kt_activation, self.kt_gpu_kernel)
 

@@ -102,3 +102,45 @@ def _grouped_mm_forward(hidden, slots, topk_weights, w13, w2, act) -> torch.Tens
     here = (slots >= 0)[..., None]
     y = torch.where(here, y * topk_weights[..., None].to(y.dtype), 0)  # rows past the last group hold garbage
     return y.sum(1, dtype=torch.float32).to(hidden.dtype)
+
+
+def packed_experts_forward(
+    hidden: torch.Tensor,
+    slots: torch.Tensor,
+    topk_weights: torch.Tensor,
+    packed: tuple,
+    activation: str = "silu",
+    kernel: str = "auto",
+) -> torch.Tensor:
+    """``gpu_experts_forward`` for device experts held packed (``kt.pack_*`` layout: (w13, w13_scales, w2,
+    w2_scales) [n, ...] on hidden's device, the budget's resident experts): half a bf16 copy's bytes for int8.
+
+    Few tokens (the gather kernel): each (token, slot) row's packed expert is gathered and dequantized, then
+    multiplied, ``GATHER_ROWS`` rows at a time, so a decode step dequantizes only the K experts a token uses. More
+    tokens: all n experts are dequantized once (a transient [n, ...] in hidden's dtype) and ``gpu_experts_forward``
+    runs on them. Bit for bit ``gpu_experts_forward`` on ``dequantize_packed`` of the same experts."""
+    from ktorch.ops.streamed_experts import dequantize_packed
+
+    p13, s13, p2, s2 = packed
+    if kernel == "auto":
+        kernel = "gather" if hidden.shape[0] <= GATHER_MAX_TOKENS or not grouped_mm_supported(hidden) else "grouped_mm"
+    if kernel != "gather":
+        w13 = dequantize_packed(p13, s13, True, hidden.dtype)
+        w2 = dequantize_packed(p2, s2, False, hidden.dtype)
+        return gpu_experts_forward(hidden, slots, topk_weights, w13, w2, activation, kernel)
+    act = ACTIVATIONS[activation]
+    T, K = slots.shape
+    index = slots.clamp(min=0).reshape(-1)
+    x = hidden.unsqueeze(1).expand(T, K, hidden.shape[-1]).reshape(T * K, 1, -1)
+    parts = []
+    for start in range(0, T * K, GATHER_ROWS):
+        rows = index[start:start + GATHER_ROWS]
+        w13 = dequantize_packed(p13[rows], None if s13 is None else s13[rows], True, hidden.dtype)  # [r, H, 2I]
+        w2 = dequantize_packed(p2[rows], None if s2 is None else s2[rows], False, hidden.dtype)  # [r, I, H]
+        I = w2.shape[1]
+        gate_up = torch.bmm(x[start:start + GATHER_ROWS], w13)
+        parts.append(torch.bmm(act(gate_up[..., :I]) * gate_up[..., I:], w2))
+    y = (parts[0] if len(parts) == 1 else torch.cat(parts)).view(T, K, -1)
+    coef = torch.where(slots >= 0, topk_weights, 0).to(y.dtype)
+    return (y * coef[..., None]).sum(1, dtype=torch.float32).to(hidden.dtype)
+
