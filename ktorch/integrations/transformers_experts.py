@@ -297,6 +297,7 @@ def attach_gpu_experts(module: nn.Module, expert_ids: torch.Tensor, w13: torch.T
     module.register_buffer("kt_gpu_slot_of", slot_of.to(w13.device), persistent=False)
     module.register_buffer("kt_gpu_w13", w13, persistent=False)
     module.register_buffer("kt_gpu_w2", w2, persistent=False)
+    module.__dict__.pop("kt_gpu_packed", None)  # these replace residents a GPU budget placed (ktorch.gpu_memory)
     module.kt_gpu_expert_ids = expert_ids.cpu().tolist()
     module.kt_gpu_kernel = kernel
 
