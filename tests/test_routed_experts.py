@@ -363,15 +363,17 @@ def test_cuda_split_prefill_matches_hf_eager_and_pins_every_expert():
     torch.manual_seed(0)
     base = tiny_model("qwen3_moe", dtype=torch.bfloat16)
     model = ktorch.prepare(copy.deepcopy(base), device="cuda", experts_dtype="int8", stream_experts=ALL_TO_DEVICE,
-                           gpu_memory="2GiB")
+                           gpu_memory="off")  # no residents: every used expert is copied
     for m in moe_experts_modules(model):
         assert m.kt_routed.layer.pinned_experts == 8 and m.kt_routed.staging.packed.is_cuda
+        assert all(t is None or t.is_pinned() for t in m.kt_routed.layer.sources)
         m.kt_routed.min_tokens = 8
     ids = torch.randint(0, 256, (1, 48), device="cuda")
     assert_logits_match(base.to("cuda"), model, torch.bfloat16, ids)
     stats = ktorch.prefill_split_stats(model)
-    assert stats["copied_unused"] == 0 and stats["passes"] == 2
-    assert model.kt_gpu_memory.used <= 2 << 30
+    assert stats["copied_unused"] == 0 and stats["passes"] == 2 and stats["experts_copied"] == stats["experts_hit"]
+    ktorch.set_stream_experts(model, COSTS, gpu_memory="2GiB")  # a budget: within it, measured
+    assert model.kt_gpu_memory.used <= 2 << 30 and torch.cuda.memory_allocated() <= 2 << 30
 
 
 @needs_cuda
