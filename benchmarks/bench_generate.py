@@ -34,6 +34,12 @@ RATES = re.compile(r"prefill: (\d+) tokens in ([\d.]+) s \(([\d.]+) tok/s\) \| d
                    r"\(([\d.]+) tok/s\))?")
 LOADED = re.compile(r"loaded in ([\d.]+) s")
 CAPTURE = re.compile(r"decode-step capture ([\d.]+) s")
+SPLIT = re.compile(r"prefill split: (\d+) layer calls, experts hit (\d+) \(per layer ([\d,]*)\), copied (\d+) "
+                   r"\(([\d.]+) GB\), copied but unused (\d+), resident hit (\d+); rows on the GPU ([\d.]+)%")
+GPU_MEMORY = re.compile(r"GPU memory: budget ([\d.]+) GiB .* resident experts [\d.]+ \((\d+) of \d+ per layer.*used "
+                        r"([\d.]+) GiB")
+PEAK = re.compile(r"GPU memory measured: peak allocated ([\d.]+) GiB")
+RESIDENT = re.compile(r"(\d+) swapped after prefill in ([\d.]+) s; decode resident hit rate (\d+)/(\d+)")
 
 
 def parse_generate_output(stderr: str) -> dict:
@@ -51,18 +57,42 @@ def parse_generate_output(stderr: str) -> dict:
     m = CAPTURE.search(stderr)
     if m:
         out["capture_s"] = float(m[1])
+    m = SPLIT.search(stderr)  # the routing-aware prefill split's counters (--stream-experts auto)
+    if m:
+        out.update(split_layer_calls=int(m[1]), experts_hit=int(m[2]), hit_per_layer=[int(x) for x in m[3].split(",") if x],
+                   experts_copied=int(m[4]), gb_copied=float(m[5]), copied_unused=int(m[6]), resident_hit=int(m[7]),
+                   rows_on_gpu_pct=float(m[8]))
+    m = GPU_MEMORY.search(stderr)
+    if m:
+        out.update(gpu_budget_gib=float(m[1]), resident_per_layer=int(m[2]), gpu_used_gib=float(m[3]))
+    m = PEAK.search(stderr)
+    if m:
+        out["gpu_peak_gib"] = float(m[1])
+    m = RESIDENT.search(stderr)
+    if m:
+        out.update(resident_swaps=int(m[1]), resident_swap_s=float(m[2]),
+                   decode_resident_hit_rate=int(m[3]) / max(int(m[4]), 1))
     return out
 
 
-def prompt_of(tokens: int) -> str:
-    """A prompt of exactly ``tokens`` bytes (= token ids for a file without a tokenizer), not all the same."""
+def prompt_of(tokens: int, kind: str = "text") -> str:
+    """A prompt of exactly ``tokens`` bytes (= token ids for a file without a tokenizer), not all the same.
+
+    ``kind="text"``: a repeated English sentence (about 30 distinct ids); ``"random"``: seeded random printable
+    ASCII (95 distinct ids), nearer llama-bench's random tokens."""
+    if kind == "random":
+        import random
+
+        rng = random.Random(tokens)
+        return "".join(chr(rng.randrange(32, 127)) for _ in range(tokens))
     text = "the quick brown fox jumps over the lazy dog while the cat sleeps in the sun "
     return (text * (tokens // len(text) + 1))[:tokens]
 
 
-def run_generate(gguf: str, prompt_tokens: int, gen: int, extra: list[str], timeout_s: float) -> dict:
-    cmd = ["ktorch", "generate", "--model", gguf, "--prompt", prompt_of(prompt_tokens), "--max-new-tokens",
-           str(gen), *extra]
+def run_generate(gguf: str, prompt_tokens: int, gen: int, extra: list[str], timeout_s: float,
+                 prompt_kind: str = "text") -> dict:
+    cmd = ["ktorch", "generate", "--model", gguf, "--prompt", prompt_of(prompt_tokens, prompt_kind),
+           "--max-new-tokens", str(gen), *extra]
     shown = " ".join(shlex.quote(c) for c in cmd[:4]) + f" --prompt <{prompt_tokens} bytes> " + " ".join(cmd[6:])
     print("$ " + shown, flush=True)
     t0 = time.perf_counter()
@@ -175,6 +205,14 @@ def main(argv=None) -> None:
     p.add_argument("--write-layers", type=int, default=0, help="write a random qwen3moe file of N layers first")
     p.add_argument("--write-type", default="Q8_0")
     p.add_argument("--write-seed", type=int, default=11)
+    p.add_argument("--write-router-skew", type=float, default=0.0,
+                   help="Zipf-like routing of exponent ~S in the written file (write_random_qwen3moe_gguf router_skew; "
+                   "0: near-uniform)")
+    p.add_argument("--prompt-kind", choices=["text", "random"], default="text",
+                   help="ktorch prompts: a repeated sentence (default) or random printable bytes")
+    p.add_argument("--llama-n-cpu-moe", type=int, default=None, metavar="N",
+                   help="llama.cpp with the experts of the first N layers on the CPU and the rest on the GPU "
+                   "(llama-bench --n-cpu-moe N instead of -ot exps=CPU): the GPU-budget scenario")
     p.add_argument("--prompts", type=int, nargs="+", default=[512])
     p.add_argument("--gen", type=int, default=64)
     p.add_argument("--ktorch-args", nargs="*", default=[""], help="one string of generate options per setting")
@@ -208,14 +246,14 @@ def main(argv=None) -> None:
 
         t0 = time.perf_counter()
         write_random_qwen3moe_gguf(Path(args.gguf), args.write_type, num_layers=args.write_layers,
-                                   seed=args.write_seed, progress=False)
+                                   seed=args.write_seed, progress=False, router_skew=args.write_router_skew)
         print(f"wrote {args.gguf} ({os.path.getsize(args.gguf) / 1e9:.1f} GB) in {time.perf_counter() - t0:.0f} s")
     rows = []
     if not args.skip_ktorch:
         for extra in args.ktorch_args:
             for prompt in args.prompts:
                 for run in range(args.runs):
-                    r = run_generate(args.gguf, prompt, args.gen, shlex.split(extra), args.timeout)
+                    r = run_generate(args.gguf, prompt, args.gen, shlex.split(extra), args.timeout, args.prompt_kind)
                     r.update(kind="ktorch", args=extra, run=run, prompt=prompt)
                     rows.append(r)
                     emit(r)
@@ -224,10 +262,15 @@ def main(argv=None) -> None:
 
         cmds = llama_bench_commands(args.llama_bench, args.gguf, args.prompts, args.gen, args.threads,
                                     args.flash_attn, args.load_mode, "512,2048", args.llama_reps, [])
+        if args.llama_n_cpu_moe is not None:  # experts of the last layers on the GPU, the first N's on the CPU
+            for cmd in cmds:
+                i = cmd.index("-ot")
+                cmd[i:i + 2] = ["--n-cpu-moe", str(args.llama_n_cpu_moe)]
         records = run_llama_bench(cmds, Path(args.json or "/tmp/gen.jsonl").with_suffix(".llama.log"),
                                   args.llama_timeout)
         for name, r in sorted(best_per_test(records).items()):
-            line = dict(kind="llama.cpp", test=name, tok_s=r["avg_ts"], setting=setting_label(r))
+            line = dict(kind="llama.cpp", test=name, tok_s=r["avg_ts"], setting=setting_label(r),
+                        n_cpu_moe=args.llama_n_cpu_moe)
             print(f"llama.cpp best {name}: {r['avg_ts']:.1f} tok/s ({line['setting']})", flush=True)
             emit(line)
     print("\nktorch generate (as printed):")
@@ -238,6 +281,16 @@ def main(argv=None) -> None:
         print(f"  [{r['args'] or 'defaults'}] P={r['prompt']} run {r['run']}: load {r.get('load_s', 0):.1f} s, "
               f"first token {r['first_token_s']:.2f} s ({r['prefill_tok_s']:.0f} tok/s prefill), capture "
               f"{r.get('capture_s', 0):.1f} s, decode {r['decode_tok_s']:.1f} tok/s, wall {r['wall_s']:.0f} s")
+        if "experts_hit" in r:
+            print(f"      split: experts hit per layer {r['hit_per_layer']}, copied {r['experts_copied']} experts "
+                  f"({r['gb_copied']:.2f} GB) of {r['experts_hit']} hit, copied unused {r['copied_unused']}, rows on "
+                  f"the GPU {r['rows_on_gpu_pct']:.1f}%")
+        if "gpu_budget_gib" in r:
+            rate = r.get("decode_resident_hit_rate")
+            print(f"      GPU memory {r['gpu_used_gib']:.2f} of {r['gpu_budget_gib']:.2f} GiB planned, peak allocated "
+                  f"{r.get('gpu_peak_gib', float('nan')):.2f} GiB, "
+                  f"{r['resident_per_layer']} resident experts per layer"
+                  + (f", decode resident hit rate {100 * rate:.1f}%" if rate is not None else ""))
 
 
 if __name__ == "__main__":

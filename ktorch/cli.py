@@ -97,10 +97,21 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
         "--stream-experts",
         default=None,
         metavar="PLAN",
-        help="GPU only: long prompts copy a share of each layer's experts to the GPU and compute them there while "
-        "the CPU does the rest (docs/prefill_streaming.md): off, auto (measure and balance at load), or "
-        "MIN_TOKENS:SHARE,... with SHARE a fraction or an expert count, e.g. 512:0.4,2048:0.45 (default: auto on a "
-        "GPU, off on the CPU)",
+        help="GPU only: long prompts compute part of each layer's experts on the GPU while the CPU does the rest "
+        "(docs/prefill_streaming.md): auto (per layer, once routed, the experts the prompt uses most are copied to "
+        "the GPU until both sides balance, by costs measured at load; unused experts move nowhere), off, or "
+        "MIN_TOKENS:SHARE,... (a fixed prefix of every layer's experts, SHARE a fraction or an expert count, e.g. "
+        "512:0.4,2048:0.45; for comparison) (default: auto on a GPU, off on the CPU)",
+    )
+    m.add_argument(
+        "--gpu-memory",
+        default=None,
+        metavar="SIZE",
+        help="GPU only: the GPU memory ktorch may use (ktorch/gpu_memory.py): the non-expert weights and a KV "
+        "cache/activations reserve first, then the prefill split's staging, then resident experts (each layer's most "
+        "routed-to, computed on the GPU at decode too): auto (the free memory minus a margin), off (no resident "
+        "experts), or a size such as 24GiB, 24GB or a byte count (default: off, every expert in host memory, until auto "
+        "is measured on a GPU against it)",
     )
     m.add_argument(
         "--no-compile",
@@ -276,8 +287,10 @@ def load_model(args: argparse.Namespace):
     if args.no_compile and resolve_device(args.device).type != "cuda":
         raise CLIError("--no-compile turns off the CUDA graph of the decode step: it needs --device cuda (a GPU); "
                        "on the CPU decoding is eager anyway")
-    if args.plain and (args.deferred_experts or stream != "off"):
-        raise CLIError("--plain runs transformers' own experts: --deferred-experts and --stream-experts need ktorch")
+    if args.plain and (args.deferred_experts or stream != "off" or args.gpu_memory not in (None, "off")):
+        raise CLIError("--plain runs transformers' own experts: --deferred-experts, --stream-experts and --gpu-memory "
+                       "need ktorch")
+    gpu_memory = _gpu_memory_argument(args.gpu_memory, stream)
     if args.group_size is not None and args.experts_dtype != "int4":
         raise CLIError(f"--group-size applies to --experts-dtype int4 only, got --experts-dtype {args.experts_dtype}")
     path = resolve_model_path(args.model)
@@ -309,10 +322,13 @@ def load_model(args: argparse.Namespace):
             raise CLIError(f"--deferred-experts {args.deferred_experts}: the model routes each token to {top_k} "
                            "experts; D must be at most that")
         ktorch.set_deferred_experts(model, args.deferred_experts)
-        if stream != "off":
+        if stream != "off" or gpu_memory is not None:
             if device.type != "cuda":
-                raise CLIError(f"--stream-experts copies experts to a GPU; --device is {device}")
-            ktorch.set_stream_experts(model, stream)
+                raise CLIError(f"--stream-experts and --gpu-memory place experts on a GPU; --device is {device}")
+            try:
+                ktorch.set_stream_experts(model, stream, gpu_memory=gpu_memory)
+            except ValueError as e:
+                raise CLIError(f"--gpu-memory {args.gpu_memory}: {e}") from None
         return model, (tokenizer if tokenizer is not None else TokenIdsTokenizer(model.config.vocab_size)), device
     if path.is_file():
         raise CLIError(f"--model {args.model}: --plain runs transformers checkpoint folders only")
@@ -324,6 +340,21 @@ def load_model(args: argparse.Namespace):
     model.eval()
     model.to(device)
     return model, tokenizer, device
+
+
+def _gpu_memory_argument(text: Optional[str], stream):
+    """--gpu-memory -> what set_stream_experts takes: None (auto: the free memory minus a margin, with the split on),
+    "off" (also the default, no option given), or bytes."""
+    from ktorch.gpu_memory import parse_memory_size
+
+    if text == "auto":
+        return None
+    if text is None or text == "off":  # the default: every expert in host memory (see --gpu-memory's help)
+        return "off"
+    try:
+        return parse_memory_size(text)
+    except ValueError as e:
+        raise CLIError(f"--gpu-memory {text}: {e}") from None
 
 
 class TokenIdsTokenizer:
@@ -440,6 +471,37 @@ def timing_lines(timings, load_s: Optional[float] = None) -> str:
     return timings.line() + "\n[ktorch] " + ", ".join(parts)
 
 
+def placement_lines(model, timings) -> list:
+    """What the GPU memory budget holds, what the prefill split moved, and the residents' decode hit rate."""
+    plan = getattr(model, "kt_gpu_memory", None)
+    if plan is None:
+        return []
+    import ktorch
+    from ktorch.gpu_memory import resident_hits
+
+    lines = ["[ktorch] " + plan.summary()]
+    import torch
+
+    device = model.get_input_embeddings().weight.device
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / (1 << 30)
+        lines.append(f"[ktorch] GPU memory measured: peak allocated {peak:.2f} GiB (budget {plan.budget / (1 << 30):.2f})")
+    s = ktorch.prefill_split_stats(model)
+    if s["passes"]:
+        rows = max(s["rows"], 1)
+        lines.append(f"[ktorch] prefill split: {s['passes']} layer calls, experts hit {s['experts_hit']} (per layer "
+                     f"{','.join(map(str, s['last_hit']))}), copied {s['experts_copied']} ({s['bytes_copied'] / 1e9:.2f}"
+                     f" GB), copied but unused {s['copied_unused']}, resident hit {s['resident_hit']}; rows on the GPU "
+                     f"{100 * (s['rows_copied'] + s['rows_resident']) / rows:.1f}% (copied "
+                     f"{100 * s['rows_copied'] / rows:.1f}%, resident {100 * s['rows_resident'] / rows:.1f}%)")
+    if plan.resident_per_layer:
+        hits, rows = resident_hits(model)
+        lines.append(f"[ktorch] resident experts: {timings.resident_swaps} swapped after prefill in "
+                     f"{timings.resident_swap_s:.2f} s; decode resident hit rate {hits}/{rows} = "
+                     f"{100 * hits / max(rows, 1):.1f}%")
+    return lines
+
+
 def _describe(model, args: argparse.Namespace, device, load_s: float) -> str:
     formats = sorted({m.kt_format for m in model.modules() if getattr(m, "kt_format", None)})
     experts = "experts on --device (transformers)" if args.plain else f"experts {'/'.join(formats)} on cpu (kt.fused_moe)"
@@ -469,6 +531,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
               end="", flush=True)  # the completion continues the prompt on the same line
     _, timings = run_generation(model, tokenizer, input_ids, args)
     print(timing_lines(timings, args.load_s), file=sys.stderr, flush=True)
+    for line in placement_lines(model, timings):
+        print(line, file=sys.stderr, flush=True)
     return 0
 
 

@@ -54,6 +54,8 @@ class Timings:
     warmup_tokens: int = 0  # new tokens made during the capture (its eager step), not counted in the decode rate
     decode_s: float = 0.0
     cuda_graphs: bool = False
+    resident_swaps: int = 0  # resident experts swapped after the prefill (ktorch.gpu_memory), in resident_swap_s
+    resident_swap_s: float = 0.0
 
     @property
     def prefill_tok_s(self) -> float:
@@ -374,6 +376,12 @@ def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int = 64
     if max_new_tokens == 1 or first_id in eos:
         timings.new_tokens = len(result.ids)
         return result
+
+    if getattr(model, "kt_gpu_memory", None) is not None:  # residents follow the prefill's routing, outside decode
+        from ktorch.gpu_memory import update_resident_experts
+
+        swap = update_resident_experts(model)
+        timings.resident_swaps, timings.resident_swap_s = swap["swapped"], swap["seconds"]
 
     stepped = 0  # decode steps already run (the capture's eager one)
     if decoder.cuda_graphs and decoder.graph is None:

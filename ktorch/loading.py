@@ -49,6 +49,8 @@ def load(
     dtype: Optional[torch.dtype] = None,
     progress: bool = True,
     tokenizer: bool = True,
+    stream_experts=None,
+    gpu_memory: Union[int, str, None] = None,
 ) -> tuple[nn.Module, object]:
     """Loads an MoE checkpoint for hybrid inference: ``(model, tokenizer)``.
 
@@ -67,6 +69,8 @@ def load(
         progress: show a progress bar over layers.
         tokenizer: also build the tokenizer (None when the checkpoint has none, e.g. a GGUF benchmark file with
             ``tokenizer.ggml.model = "none"``).
+        stream_experts, gpu_memory: GPU only, as ``ktorch.prepare`` takes them (the routing-aware prefill split,
+            the GPU memory budget and its resident experts; docs/prefill_streaming.md); default None: neither.
 
     The model is built on the meta device and filled layer by layer; each layer's experts are packed as they are
     read, so loading needs about one chunk of unpacked expert weights beyond the final model. Errors in the files
@@ -81,4 +85,8 @@ def load(
         dtype = source.default_dtype(device)
     model = build_model(source, device=device, dtype=dtype, experts_dtype=experts_dtype, group_size=group_size,
                         progress=progress)
+    if stream_experts is not None or gpu_memory is not None:
+        from ktorch.placement import set_stream_experts
+
+        set_stream_experts(model, stream_experts, gpu_memory=gpu_memory)
     return model, (source.tokenizer() if tokenizer else None)

@@ -39,6 +39,7 @@ def prepare(
     expert_profile: Optional[ExpertsProfile] = None,
     gpu_experts_kernel: str = "auto",
     stream_experts: Union[str, dict, None] = None,
+    gpu_memory: Union[int, str, None] = None,
     trainable: bool = False,
     gradient_checkpointing: bool = True,
 ) -> nn.Module:
@@ -63,12 +64,20 @@ def prepare(
     ``gpu_experts_kernel``) while the CPU works, and the two parts summed.
 
     ``stream_experts`` (GPU only; default None: off) lets long inputs (prefill) use the GPU for part of every MoE
-    layer's routed experts: from some token count on, a prefix of the layer's experts has its packed weights copied
-    to the GPU per call (page-locked, asynchronous) and computed there while the CPU computes the rest
-    (ktorch/ops/streamed_experts.py). ``"auto"`` measures the copy bandwidth and the CPU op on the first layer
-    (about a second) and picks, per prompt length, the share that balances the two (``model.kt_stream_calibration``
-    keeps what was measured); a table ``{min_tokens: experts or fraction}`` sets it by hand, e.g. ``{512: 0.4}``.
-    Decode never streams. ``ktorch.stream_plan(model)`` shows the plan; ``set_stream_experts`` changes it later.
+    layer's routed experts. ``"auto"``: the routing-aware split (ktorch/ops/routed_experts.py): per layer and call,
+    once the router has run, each expert the batch uses is computed on the GPU (resident, or its packed weights
+    copied there from page-locked memory, most-hit first) or by the CPU op, so that both finish together by costs
+    measured at set-up (``model.kt_split_costs``; about a second); unused experts move nowhere.
+    ``ktorch.prefill_split_stats(model)`` counts what moved. A table ``{min_tokens: experts or fraction}`` (e.g.
+    ``{512: 0.4}``) streams a fixed prefix of every layer's experts instead (ktorch/ops/streamed_experts.py; kept for
+    comparison). Decode never streams. ``set_stream_experts`` changes it later.
+
+    ``gpu_memory`` (GPU only: bytes, or "24GiB", "24GB"; "off": no residents; default with ``stream_experts="auto"``:
+    the free device memory minus a margin) is the budget ktorch.gpu_memory divides: the non-expert weights, a KV cache/activations
+    reserve, the split's staging, and the rest as resident experts (packed; the same count per layer, the most
+    routed-to at prefill, swapped between generate calls' prefill and decode when worth it); decode computes residents
+    on the GPU.
+    ``model.kt_gpu_memory.summary()`` shows the division. Not with ``gpu_experts`` (which places residents by hand).
 
     ``trainable=True`` prepares for fine-tuning (docs/training.md): the experts stay frozen and packed, every other
     parameter requires grad (train all of them, or wrap the model with peft and ``ktorch.lora.add_expert_lora`` for
@@ -104,6 +113,10 @@ def prepare(
         raise ValueError("prepare: deferred_experts and stream_experts have no backward; leave them off with trainable")
     if stream_experts is not None and device.type != "cuda":
         raise ValueError(f"prepare: stream_experts copies experts to a CUDA device; device is {device}")
+    if gpu_memory is not None and gpu_experts is not None:
+        raise ValueError("prepare: gpu_memory fills the budget with resident experts itself; leave gpu_experts unset")
+    if gpu_memory is not None and trainable:
+        raise ValueError("prepare: gpu_memory places experts for inference; leave it unset with trainable")
     if device.type != "cpu":
         leave_cores_for_the_gpu_side()  # see ktorch.set_num_threads
     if device.type == "cuda":
@@ -134,8 +147,9 @@ def prepare(
     model.to(device)  # the packed experts modules ignore it (see attach_packed_experts)
     if trainable:
         _prepare_for_training(model, gradient_checkpointing)
-    if stream_experts is not None:
-        set_stream_experts(model, stream_experts, gpu_experts_kernel)
+    if stream_experts is not None or gpu_memory is not None:
+        set_stream_experts(model, stream_experts, gpu_experts_kernel, gpu_memory=gpu_memory,
+                           expert_profile=expert_profile if gpu_memory is not None else None)
     _compile_generate_with_ktorch(model)
     set_deferred_experts(model, deferred_experts)
     set_impl = getattr(model, "set_experts_implementation", None)
@@ -183,51 +197,142 @@ def _set_cuda_sync() -> None:
                       "CUDA 12.1+ driver); the launching thread may spin while it waits for the GPU", stacklevel=3)
 
 
-def set_stream_experts(model: nn.Module, stream_experts: Union[str, dict, None], kernel: str = "auto",
-                       copy_ahead: bool = True) -> nn.Module:
-    """Sets which experts of every MoE layer long inputs stream to the GPU (``prepare(..., stream_experts=...)``).
+def set_stream_experts(model: nn.Module, stream_experts, kernel: str = "auto", copy_ahead: bool = True,
+                       gpu_memory: Union[int, str, None] = None,
+                       expert_profile: Optional[ExpertsProfile] = None) -> nn.Module:
+    """Sets how long inputs use the GPU for every MoE layer's routed experts (``prepare(..., stream_experts=...,
+    gpu_memory=...)``), and the GPU memory budget.
 
-    ``stream_experts``: ``"auto"`` (measure and balance, see ``prepare``), a table ``{min_tokens: experts or
-    fraction}``, or None / ``"off"`` (no streaming). The model must be prepared for a CUDA device (its experts
-    packed). Replaces any plan set before (its page-locked memory is released). ``copy_ahead`` (default) copies
-    layer i+1's streamed experts while layer i computes, into two device buffers of one layer's streamed bytes
-    (``ktorch.ops.streamed_experts.CopyAhead``); False copies each layer's when the device reaches it."""
-    from ktorch.ops.streamed_experts import (StreamedExperts, StreamPlan, calibrate_stream_plan, link_streamed_layers,
-                                             streamed_experts_of)
+    ``stream_experts``: ``"auto"`` (the routing-aware split, its costs measured now), a ``SplitCosts`` (the split
+    with these costs: tests, experiments), a table ``{min_tokens: experts or fraction}`` (a fixed prefix streamed,
+    ``copy_ahead`` copying layer i+1's while layer i computes), or None / ``"off"``. ``gpu_memory``: the budget
+    (see ``prepare``); with ``"auto"`` on a GPU it defaults to the free memory minus a margin; with the split off
+    and a budget, resident experts still fill it; ``expert_profile`` (``ktorch.profile_experts``) picks the first
+    residents (default: each layer's first experts, until prefills have counted routing). The model must be prepared
+    (its experts packed). Replaces what was
+    set before (page-locked memory released, residents and staging freed, a captured decode step dropped)."""
+    from ktorch.ops.routed_experts import SplitCosts
+    from ktorch.ops.streamed_experts import StreamPlan, link_streamed_layers, streamed_experts_of
 
     modules = experts_modules(model)
     if not modules or any(packed_experts_of(m) is None for _, m in modules):
         raise ValueError("set_stream_experts: prepare the model first (its experts must be packed)")
-    if stream_experts is None or stream_experts == "off":
-        for _, m in modules:
-            if getattr(m, "kt_stream_handle", None) is not None:
-                streamed_experts_of(m.kt_stream_handle).unpin()
-                m.kt_stream_handle = m.kt_stream_plan = None
-        return model
-    first = modules[0][1]
-    num_experts = first.kt_w13.shape[0]
-    device = next((p.device for p in model.parameters() if p.device.type == "cuda"), None)
-    if stream_experts == "auto":
-        if device is None:
-            raise ValueError("set_stream_experts: 'auto' measures copies to the GPU; the model has no CUDA parameters")
-        probe = StreamedExperts(first.kt_w13, first.kt_w13_scales, first.kt_w2, first.kt_w2_scales,
-                                first.kt_activation, kernel)
-        probe.pin_prefix(min(8, num_experts))
-        try:
-            top_k = getattr(model.config, "num_experts_per_tok", None) or 8
-            plan, model.kt_stream_calibration = calibrate_stream_plan(probe, first.kt_w2.shape[1] * 16, top_k, device)
-        finally:
-            probe.unpin()
-    elif isinstance(stream_experts, dict):
-        plan = StreamPlan.from_table(stream_experts, num_experts)
-    else:
-        raise ValueError(f"stream_experts must be 'auto', 'off', None or a {{min_tokens: experts}} table, got "
-                         f"{stream_experts!r}")
+    if not (stream_experts is None or stream_experts in ("off", "auto") or isinstance(stream_experts, (dict, SplitCosts))):
+        raise ValueError(f"stream_experts must be 'auto', 'off', None, a SplitCosts or a {{min_tokens: experts}} "
+                         f"table, got {stream_experts!r}")
+    if gpu_memory is not None and any(getattr(m, "kt_gpu_expert_ids", None) and getattr(m, "kt_routed", None) is None
+                                      for _, m in modules):
+        raise ValueError("set_stream_experts: gpu_memory fills the budget with resident experts; this model keeps "
+                         "experts placed by gpu_experts=")
+    _clear_gpu_placement(model, modules)
     for _, m in modules:
-        attach_streamed_experts(m, plan, kernel=kernel)
-    if copy_ahead and device is not None:
-        link_streamed_layers([streamed_experts_of(m.kt_stream_handle) for _, m in modules], device)
+        if getattr(m, "kt_stream_handle", None) is not None:
+            streamed_experts_of(m.kt_stream_handle).unpin()
+            m.kt_stream_handle = m.kt_stream_plan = None
+    device = next((p.device for p in model.parameters() if p.device.type == "cuda"), None)
+    if isinstance(stream_experts, dict):
+        plan = StreamPlan.from_table(stream_experts, modules[0][1].kt_w13.shape[0])
+        for _, m in modules:
+            attach_streamed_experts(m, plan, kernel=kernel)
+        if copy_ahead and device is not None:
+            link_streamed_layers([streamed_experts_of(m.kt_stream_handle) for _, m in modules], device)
+    if stream_experts == "auto" or isinstance(stream_experts, SplitCosts) or gpu_memory not in (None, "off"):
+        if stream_experts == "auto" and device is None:
+            raise ValueError("set_stream_experts: 'auto' measures copies to the GPU; the model has no CUDA parameters")
+        routed = stream_experts if isinstance(stream_experts, SplitCosts) or stream_experts == "auto" else None
+        _place_routed(model, modules, routed, gpu_memory, kernel, expert_profile)
     return model
+
+
+def _clear_gpu_placement(model: nn.Module, modules) -> None:
+    """Undoes ``_place_routed``: residents, staging and page-locking go; a captured decode step (which read the
+    residents) is dropped."""
+    from ktorch.gpu_memory import drop_resident_experts
+
+    placed = False
+    for _, m in modules:
+        routed = getattr(m, "kt_routed", None)
+        if routed is not None:
+            routed.layer.unpin()
+            if getattr(m, "kt_gpu_expert_ids", None) is not None:
+                drop_resident_experts(m)
+            m.kt_routed = None
+            placed = True
+    if placed:
+        model.kt_gpu_memory = None
+        if getattr(model, "kt_decoder", None) is not None:
+            model.kt_decoder = None
+
+
+def _place_routed(model: nn.Module, named_modules: list, costs, gpu_memory, kernel: str,
+                  expert_profile: Optional[ExpertsProfile] = None) -> None:
+    """The routing-aware split (``costs``: a SplitCosts, "auto" to measure, None: off) and the GPU memory budget."""
+    from ktorch.gpu_memory import default_budget, parse_memory_size, place_resident_experts, plan_gpu_memory
+    from ktorch.ops.routed_experts import DeviceStaging, RoutedExperts, SplitCosts, calibrate_split_costs
+    from ktorch.ops.streamed_experts import StreamedExperts
+
+    modules = [m for _, m in named_modules]
+    embeddings = model.get_input_embeddings().weight
+    device, dtype = embeddings.device, embeddings.dtype
+    for m in modules:
+        _check_device(m)
+    layers = [StreamedExperts(m.kt_w13, m.kt_w13_scales, m.kt_w2, m.kt_w2_scales, m.kt_activation, kernel)
+              for m in modules]
+    E = layers[0].num_experts
+    if costs is not None and device.type == "cuda":
+        for layer in layers:  # any expert may be copied: page-lock all (in place for the large tensors)
+            layer.pin_prefix(E)
+    if costs == "auto":
+        top_k = getattr(model.config, "num_experts_per_tok", None) or 8
+        costs = calibrate_split_costs(layers, modules[0].kt_w2.shape[1] * 16, top_k, device)
+    model.kt_split_costs = costs
+    if gpu_memory == "off":
+        budget = None  # no budget: a full staging, no residents
+    else:
+        budget = parse_memory_size(gpu_memory) if gpu_memory is not None else default_budget(model, device)
+    staging_bytes = (lambda n: DeviceStaging.bytes_for(layers[0], n, dtype)) if costs is not None else None
+    plan = plan_gpu_memory(model, modules, budget, device, dtype, staging_bytes)
+    staging = DeviceStaging(layers[0], plan.staging_experts, device, dtype) if costs is not None else None
+    counting = SplitCosts(1.0, 0.0, 0.0, 0.0)  # split off: the layers only count routing (capacity 0)
+    for (name, m), layer in zip(named_modules, layers):
+        m.kt_routed = RoutedExperts(layer, costs if costs is not None else counting, staging, kernel=kernel)
+        if plan.resident_per_layer:
+            initial = None
+            if expert_profile is not None and name in expert_profile.counts:
+                initial = expert_profile.hottest(name, plan.resident_per_layer)
+            place_resident_experts(m, plan.resident_per_layer, device, initial=initial)
+    model.kt_gpu_memory = plan
+
+
+def _check_device(module: nn.Module) -> None:
+    from ktorch.integrations.transformers_experts import device_experts_problem
+
+    problem = device_experts_problem(module)
+    if problem is not None:
+        raise UnsupportedExpertsError(f"stream_experts/gpu_memory: {problem}")
+
+
+def prefill_split_stats(model: nn.Module, reset: bool = False) -> dict:
+    """What the routing-aware prefill split did since the last reset, summed over MoE layers: passes (layer calls
+    that split), experts_hit, experts_copied, bytes_copied, copied_unused (experts copied that the batch did not use:
+    0), rows, rows_copied, rows_resident, resident_hit; and ``last_hit``: distinct experts each layer's latest
+    split call used. ``reset`` zeroes the counters after reading them."""
+    import collections
+
+    total: collections.Counter = collections.Counter()
+    last = []
+    for _, m in experts_modules(model):
+        routed = getattr(m, "kt_routed", None)
+        if routed is None:
+            continue
+        total.update(routed.stats)
+        last.append(routed.last_hit)
+        if reset:
+            routed.stats.clear()
+    out = {k: total.get(k, 0) for k in ("passes", "experts_hit", "experts_copied", "bytes_copied", "copied_unused",
+                                         "rows", "rows_copied", "rows_resident", "resident_hit")}
+    out["last_hit"] = last
+    return out
 
 
 def stream_plan(model: nn.Module) -> dict[int, int]:
@@ -242,9 +347,6 @@ def stream_plan(model: nn.Module) -> dict[int, int]:
 def gpu_placement(model: nn.Module) -> dict[str, list]:
     """Expert ids each experts module keeps on the accelerator (``prepare(..., gpu_experts=...)``), by module name."""
     return {name: list(getattr(m, "kt_gpu_expert_ids", [])) for name, m in experts_modules(model)}
-
-
-_UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3}
 
 
 def _gpu_experts_per_layer(gpu_experts, modules) -> int:
@@ -262,12 +364,12 @@ def _gpu_experts_per_layer(gpu_experts, modules) -> int:
             raise ValueError(f"prepare: a fractional gpu_experts must be in [0, 1], got {gpu_experts}")
         n = round(gpu_experts * n_experts)
     elif isinstance(gpu_experts, str):
-        import re
+        from ktorch.gpu_memory import parse_memory_size
 
-        match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", gpu_experts)
-        if not match or match.group(2).lower() not in _UNITS:
-            raise ValueError(f"prepare: gpu_experts memory budget {gpu_experts!r} is not like '4GiB' or '512MB'")
-        budget = float(match.group(1)) * _UNITS[match.group(2).lower()]
+        try:
+            budget = parse_memory_size(gpu_experts)
+        except ValueError:
+            raise ValueError(f"prepare: gpu_experts memory budget {gpu_experts!r} is not like '4GiB' or '512MB'") from None
         per_expert = m.gate_up_proj[0].numel() * m.gate_up_proj.element_size() + m.down_proj[0].numel() * m.down_proj.element_size()
         n = int(budget // (per_expert * len(modules)))
     else:

@@ -141,7 +141,11 @@ def test_placement_option_errors(capsys):
     assert main(["generate", "--model", "builtin", "--prompt", "hi", "--group-size", "32"]) == 1
     assert "--group-size applies to --experts-dtype int4 only" in capsys.readouterr().err
     assert main(["generate", "--model", "builtin", "--prompt", "hi", "--stream-experts", "auto", "--device", "cpu"]) == 1
-    assert "copies experts to a GPU" in capsys.readouterr().err
+    assert "place experts on a GPU" in capsys.readouterr().err
+    assert main(["generate", "--model", "builtin", "--prompt", "hi", "--gpu-memory", "1GiB", "--device", "cpu"]) == 1
+    assert "place experts on a GPU" in capsys.readouterr().err
+    assert main(["generate", "--model", "builtin", "--prompt", "hi", "--gpu-memory", "24 parsecs"]) == 1
+    assert "--gpu-memory 24 parsecs: gpu_memory: '24 parsecs' is not a size" in capsys.readouterr().err
     assert main(["generate", "--model", "builtin", "--prompt", "hi", "--no-compile", "--device", "cpu"]) == 1
     assert "--no-compile turns off the CUDA graph of the decode step" in capsys.readouterr().err
     assert main(["generate", "--model", "builtin", "--prompt", "hi", "--stream-experts", "512=0.4"]) == 1

@@ -191,3 +191,24 @@ def test_cuda_gpu_experts_match_hf_eager_and_compile_under_cuda_graphs(family, k
         step = torch.compile(model, backend="ktorch", mode="reduce-overhead", fullgraph=True)
         got = teacher_forced_decode(step, compiled_kwargs, tokens, True)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-2)
+
+
+@pytest.mark.parametrize("fmt,group_size", [("int8", None), ("int4", 32), ("bf16", None)], ids=["int8", "int4", "bf16"])
+@pytest.mark.parametrize("kernel,dtype,T", [("gather", torch.float32, 3), ("gather", torch.bfloat16, 1),
+                                            ("gather", torch.bfloat16, 9), ("grouped_mm", torch.bfloat16, 40)])
+def test_packed_device_experts_equal_the_dense_ones(fmt, group_size, kernel, dtype, T):
+    """Experts held packed on the device (the GPU budget's residents) give bit for bit what gpu_experts_forward gives
+    on their dequantized weights, with absent slots and more rows than one gather chunk (T=9, K=4: 36 > 32)."""
+    from ktorch.ops.gpu_experts import packed_experts_forward
+    from ktorch.ops.streamed_experts import dequantize_packed
+
+    n, H, I, K = 5, 64, 32, 4
+    packed = ktorch.pack_experts(torch.randn(n, 2 * I, H) / H**0.5, torch.randn(n, H, I) / I**0.5, fmt, group_size)
+    hidden = torch.randn(T, H).to(dtype)
+    slots = torch.randint(-1, n, (T, K))
+    weights = torch.rand(T, K)
+    w13 = dequantize_packed(packed.w13, packed.w13_scales, True, dtype)
+    w2 = dequantize_packed(packed.w2, packed.w2_scales, False, dtype)
+    want = gpu_experts_forward(hidden, slots, weights, w13, w2, "silu", kernel)
+    got = packed_experts_forward(hidden, slots, weights, packed.tensors(), "silu", kernel)
+    assert torch.equal(got, want)

@@ -16,7 +16,6 @@ import ktorch
 from ktorch.compile import REPORTS
 from ktorch.integrations import attach_streamed_experts
 from ktorch.ops.streamed_experts import (
-    StreamCalibration,
     StreamedExperts,
     StreamPlan,
     cpu_ids_without,
@@ -72,18 +71,6 @@ def test_stream_plan():
     for bad in ({0: 4}, {512: 129}, {512: 1.5}, {512: -1}, {"512": 4}, {512: True}):
         with pytest.raises(ValueError, match="stream_experts"):
             StreamPlan.from_table(bad, num_experts=128)
-
-
-def test_calibration_balances_copy_and_cpu():
-    """n balances the copy of n experts (bytes / bandwidth) against the CPU op on the other E - n."""
-    # 1 MB per expert at 10 GB/s: 0.1 ms per expert copied; CPU: 12.8 ms for 128 experts at 512 tokens
-    cal = StreamCalibration(h2d_gbps=10.0, cpu_ms={128: 3.2, 512: 12.8}, bytes_per_expert=10**6, num_experts=128)
-    n = cal.best_experts(512)  # 0.1 n = 12.8 (128 - n) / 128 -> n = 64
-    assert n == 64
-    assert cal._cpu_ms(320) == pytest.approx(8.0) and cal._cpu_ms(64) == pytest.approx(1.6)
-    assert cal._cpu_ms(1024) == pytest.approx(25.6)  # extrapolated along the last segment
-    slow_link = StreamCalibration(h2d_gbps=0.01, cpu_ms={512: 12.8}, bytes_per_expert=10**6, num_experts=128)
-    assert slow_link.best_experts(512) == 0
 
 
 @pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)
@@ -340,16 +327,6 @@ def test_cuda_prepare_stream_experts_copy_ahead_is_exact():
         ktorch.set_stream_experts(model, {32: 0.5}, copy_ahead=False)
         plain = model(ids).logits
     torch.testing.assert_close(ahead, plain, rtol=0, atol=0)
-
-
-@needs_cuda
-def test_cuda_stream_experts_auto_calibrates():
-    base = tiny_model("qwen3_moe", dtype=torch.bfloat16)
-    model = ktorch.prepare(copy.deepcopy(base), device="cuda", experts_dtype="int8", stream_experts="auto")
-    cal = model.kt_stream_calibration
-    assert cal.h2d_gbps > 0 and set(cal.cpu_ms) == {128, 512, 2048}
-    plan = ktorch.stream_plan(model)
-    assert set(plan) == {128, 512, 2048} and all(0 <= n <= 8 for n in plan.values())
 
 
 def test_streamed_experts_with_deferral_compiled_equals_eager():

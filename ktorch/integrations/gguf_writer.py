@@ -422,6 +422,7 @@ def write_random_qwen3moe_gguf(
     distinct_experts: int = 4,
     seed: int = 0,
     progress: bool = True,
+    router_skew: float = 0.0,
 ) -> Path:
     """A random qwen3moe GGUF (Qwen3-30B-A3B's shape by default) for speed benchmarks: no tokenizer
     (``tokenizer.ggml.model = "none"``, ``qwen3moe.vocab_size``), experts in ``experts_type``, other matrices F16.
@@ -429,6 +430,12 @@ def write_random_qwen3moe_gguf(
     Each layer's experts repeat ``distinct_experts`` random experts (encoded once), so every expert has its own
     bytes in the file and the same access pattern as a real model while writing stays fast; memory stays at one
     tensor. llama.cpp's ``llama-bench`` and ``ktorch generate --model`` accept the file.
+
+    ``router_skew`` s > 0 makes routing concentrate like a Zipf law of exponent about s (qwen3moe routers have no
+    bias tensor, so the bias rides on the hidden states): every token embedding gets one shared direction u (as long
+    as its random part), and each layer's router row of the expert of rank r (a random order per layer) gets
+    -s * ln(r + 1) / |x . u| along u, where x . u is the shared direction's share of a normalized layer input. The
+    bias is strongest in the first layers and fades as the residual stream grows. 0 (default): near-uniform routing.
     """
     from transformers import AutoConfig
 
@@ -468,7 +475,25 @@ def write_random_qwen3moe_gguf(
             return np.tile(pools[proj], (E // distinct_experts, 1, 1))
         return produce
 
-    out.add(PlannedTensor("token_embd.weight", (vocab_size, H), "F16", normal((vocab_size, H), 0.02)))
+    skew_rng = np.random.default_rng(seed + 1_000_003)  # its own draws: with no skew the file is what it was
+    shared = skew_rng.standard_normal(H).astype(np.float32)
+    shared /= np.linalg.norm(shared)
+
+    def embeddings():
+        e = rng.standard_normal((vocab_size, H), dtype=np.float32) * np.float32(0.02)
+        if router_skew > 0:
+            e += shared * np.float32(0.02 * H ** 0.5)  # as long as the random part
+        return e
+
+    def router():
+        w = rng.standard_normal((E, H), dtype=np.float32) * np.float32(H ** -0.5)
+        if router_skew > 0:
+            rank = skew_rng.permutation(E)
+            along = (H / 2) ** 0.5  # u's share of an RMS-normalized input: half its square norm H
+            w += np.outer(-router_skew * np.log1p(rank) / along, shared).astype(np.float32)
+        return w
+
+    out.add(PlannedTensor("token_embd.weight", (vocab_size, H), "F16", embeddings))
     for b in range(num_layers):
         blk = f"blk.{b}"
         out.add(PlannedTensor(f"{blk}.attn_norm.weight", (H,), "F32", ones(H)))
@@ -479,7 +504,7 @@ def write_random_qwen3moe_gguf(
         out.add(PlannedTensor(f"{blk}.attn_q_norm.weight", (head_dim,), "F32", ones(head_dim)))
         out.add(PlannedTensor(f"{blk}.attn_k_norm.weight", (head_dim,), "F32", ones(head_dim)))
         out.add(PlannedTensor(f"{blk}.ffn_norm.weight", (H,), "F32", ones(H)))
-        out.add(PlannedTensor(f"{blk}.ffn_gate_inp.weight", (E, H), "F32", normal((E, H), H ** -0.5)))
+        out.add(PlannedTensor(f"{blk}.ffn_gate_inp.weight", (E, H), "F32", router))
         out.add(PlannedTensor(f"{blk}.ffn_gate_exps.weight", (E, I, H), experts_type, experts("gate", I, H), encoded=True))
         out.add(PlannedTensor(f"{blk}.ffn_up_exps.weight", (E, I, H), experts_type, experts("up", I, H), encoded=True))
         out.add(PlannedTensor(f"{blk}.ffn_down_exps.weight", (E, H, I), experts_type, experts("down", H, I), encoded=True))

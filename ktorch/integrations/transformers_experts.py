@@ -297,6 +297,7 @@ def attach_gpu_experts(module: nn.Module, expert_ids: torch.Tensor, w13: torch.T
     module.register_buffer("kt_gpu_slot_of", slot_of.to(w13.device), persistent=False)
     module.register_buffer("kt_gpu_w13", w13, persistent=False)
     module.register_buffer("kt_gpu_w2", w2, persistent=False)
+    module.__dict__.pop("kt_gpu_packed", None)  # these replace residents a GPU budget placed (ktorch.gpu_memory)
     module.kt_gpu_expert_ids = expert_ids.cpu().tolist()
     module.kt_gpu_kernel = kernel
 
@@ -364,6 +365,13 @@ def ktorch_experts_forward(
         pack_module_experts(self)
     if getattr(self, "kt_lora", None) is not None or _needs_grad(self, hidden_states, top_k_weights):
         return _run_differentiable(self, hidden_states, top_k_index, top_k_weights)
+    routed = getattr(self, "kt_routed", None)
+    counts = None
+    if (routed is not None and hidden_states.shape[0] >= routed.min_tokens and not torch.compiler.is_compiling()
+            and not (hidden_states.is_cuda and torch.cuda.is_current_stream_capturing())):
+        from ktorch.ops.routed_experts import expert_counts
+
+        counts = expert_counts(top_k_index, self.kt_w13.shape[0]).cpu()  # the prefill's one host sync per layer
     gpu_work = None
     if getattr(self, "kt_gpu_slot_of", None) is not None:
         top_k_index, gpu_work = _split_gpu_experts(self, hidden_states, top_k_index, top_k_weights)
@@ -371,6 +379,9 @@ def ktorch_experts_forward(
     if plan is not None and plan.experts_for(hidden_states.shape[0]):
         top_k_index, gpu_work = _split_streamed_experts(self, hidden_states, top_k_index, top_k_weights,
                                                         plan.experts_for(hidden_states.shape[0]), gpu_work)
+    if counts is not None:
+        top_k_index, gpu_work = _split_routed_experts(self, hidden_states, top_k_index, top_k_weights, counts,
+                                                      gpu_work)
     if getattr(self, "kt_deferral", None) is not None and not torch.compiler.is_compiling():
         from ktorch.integrations.deferral import deferred_experts_forward
 
@@ -391,7 +402,7 @@ def _run_differentiable(self: nn.Module, hidden_states, top_k_index, top_k_weigh
     if getattr(self, "kt_deferral", None) is not None:
         raise RuntimeError(f"ktorch experts: {type(self).__name__} defers experts, which has no backward; "
                            "set_deferred_experts(model, 0) before training")
-    if getattr(self, "kt_stream_plan", None) is not None:
+    if getattr(self, "kt_stream_plan", None) is not None or getattr(self, "kt_routed", None) is not None:
         raise RuntimeError(f"ktorch experts: {type(self).__name__} streams experts to the GPU, which has no backward; "
                            "set_stream_experts(model, None) before training")
     if getattr(self, "kt_lora", None) is not None:
@@ -413,13 +424,22 @@ def _run_differentiable(self: nn.Module, hidden_states, top_k_index, top_k_weigh
 def _split_gpu_experts(self: nn.Module, hidden_states, top_k_index, top_k_weights):
     """(ids for the CPU [T, K] with the device-resident experts' slots set to -1, a callable computing those
     experts' part [T, H] on the device). See ktorch/ops/gpu_experts.py and ``attach_gpu_experts``."""
-    from ktorch.ops.gpu_experts import gpu_experts_forward
+    from ktorch.ops.gpu_experts import gpu_experts_forward, packed_experts_forward
 
     slot_of = self.kt_gpu_slot_of  # [E] int64 on the device: index among the device experts, or -1
     slots = torch.where(top_k_index >= 0, slot_of[top_k_index.clamp(min=0)], -1)
-    cpu_ids = torch.where(slots >= 0, -1, top_k_index)
+    on_device = slots >= 0
+    cpu_ids = torch.where(on_device, -1, top_k_index)
+    hits = getattr(self, "kt_gpu_hits", None)  # slots << 32 | slots on residents (ktorch.gpu_memory), capturable:
+    if hits is not None and not torch.compiler.is_compiling():  # three small kernels a layer, no host sync
+        hits.add_(torch.where(on_device, (1 << 32) + 1, 1 << 32).sum())
+
+    packed = getattr(self, "kt_gpu_packed", None)  # the budget's residents (ktorch.gpu_memory): packed on the device
 
     def gpu_work() -> torch.Tensor:
+        if packed is not None:
+            return packed_experts_forward(hidden_states, slots, top_k_weights, packed, self.kt_activation,
+                                          self.kt_gpu_kernel)
         return gpu_experts_forward(hidden_states, slots, top_k_weights, self.kt_gpu_w13, self.kt_gpu_w2,
                                    self.kt_activation, self.kt_gpu_kernel)
 
@@ -440,6 +460,30 @@ def _split_streamed_experts(self: nn.Module, hidden_states, top_k_index, top_k_w
         return out if gpu_work is None else out + gpu_work()
 
     return cpu_ids_without(top_k_index, n), stream_work
+
+
+def _split_routed_experts(self: nn.Module, hidden_states, top_k_index, top_k_weights, counts: torch.Tensor,
+                          gpu_work=None):
+    """The routing-aware prefill split (ktorch/ops/routed_experts.py): from the call's rows per expert ``counts``
+    (CPU), the experts to copy to hidden's device; (ids for the CPU op with theirs masked too, a callable computing
+    their part there plus ``gpu_work()``). ``top_k_index`` already has the resident experts masked."""
+    from ktorch.ops.routed_experts import cpu_ids_for
+
+    routed = self.kt_routed
+    resident = None
+    ids = getattr(self, "kt_gpu_expert_ids", None)
+    if ids:
+        resident = torch.zeros(routed.num_experts, dtype=torch.bool)
+        resident[torch.tensor(ids, dtype=torch.int64)] = True
+    chosen = routed.choose(counts, resident)
+    if chosen.numel() == 0:
+        return top_k_index, gpu_work
+
+    def routed_work() -> torch.Tensor:
+        out = routed.device_part(hidden_states, top_k_index, top_k_weights, chosen)
+        return out if gpu_work is None else out + gpu_work()
+
+    return cpu_ids_for(top_k_index, chosen, routed.num_experts), routed_work
 
 
 def attach_streamed_experts(module: nn.Module, plan, kernel: str = "auto", pin: Optional[bool] = None) -> None:

@@ -9,9 +9,10 @@ masked to -1. Both parts run at once and are summed: the layer costs max(CPU on 
 instead of CPU on E. llama.cpp does the opposite extreme for large batches (every expert to the GPU); decode,
 where a token reads 8 experts, never streams (the copy would be slower than the CPU reading them).
 
-The share depends on the prompt length T: ``StreamPlan`` maps T to n (a table, or ``calibrate_stream_plan``'s
-balance of the measured copy bandwidth against the measured CPU op time). The experts always form a prefix of the
-packed tensors, so each copy is one contiguous range per tensor.
+The share depends on the prompt length T: ``StreamPlan`` maps T to n (a table given by hand). The experts always
+form a prefix of the packed tensors, so each copy is one contiguous range per tensor. This fixed prefix is kept for
+comparison with what ``stream_experts="auto"`` runs now, the routing-aware split (ktorch/ops/routed_experts.py),
+which copies only the experts a call uses, most-hit first; ``dequantize_packed`` serves both.
 
 The device part is the custom op ``torch.ops.ktorch.streamed_experts(hidden, topk_ids, topk_weights, handle, n,
 activation, kernel)``: the packed CPU tensors stay out of the graph (``handle`` indexes this module's registry,
@@ -21,7 +22,6 @@ Inductor's CUDA graphs take it; the copies from page-locked memory are captured 
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -33,7 +33,7 @@ from ktorch.ops.gpu_experts import gpu_experts_forward
 
 
 def dequantize_packed(packed: torch.Tensor, scales: Optional[torch.Tensor], gate_up: bool,
-                      dtype: torch.dtype) -> torch.Tensor:
+                      dtype: torch.dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Packed experts (``kt.pack_*`` layout, any device) -> their weights transposed, [n, K, N] in ``dtype``.
 
     packed [n, N/16, K/per, 16, per] (bf16 per=2, int8 per=4; int4 uint8 [n, N/16, K/8, 16, 4]), scales float32
@@ -46,7 +46,10 @@ def dequantize_packed(packed: torch.Tensor, scales: Optional[torch.Tensor], gate
     its expert weights to ``torch._grouped_mm``): every pass reads and writes along K, which is contiguous in
     the packed blocks too, so on a GPU the writes coalesce (a row-major [n, K, N] result made the last pass write
     one element per N-strided address). One elementwise pass over the weights reads the packed blocks in place,
-    applies the scales and writes ``dtype`` (int4: two more split the nibbles first)."""
+    applies the scales and writes ``dtype`` (int4: two more split the nibbles first).
+
+    ``out``: a contiguous [n, N, K] tensor of ``dtype`` on packed's device to write into (a preallocated buffer);
+    the result is then ``out.transpose(1, 2)``."""
     if packed.dim() != 5 or packed.shape[3] != 16:
         raise ValueError(f"dequantize_packed: packed must be [n, N/16, K/per, 16, per], got {tuple(packed.shape)}")
     n, N = packed.shape[0], packed.shape[1] * 16
@@ -61,7 +64,11 @@ def dequantize_packed(packed: torch.Tensor, scales: Optional[torch.Tensor], gate
         per = packed.shape[4]
         K = packed.shape[2] * per
         q, offset = blocks, 0.0
-    out = torch.empty(n, N, K, dtype=dtype, device=packed.device)
+    if out is None:
+        out = torch.empty(n, N, K, dtype=dtype, device=packed.device)
+    elif out.shape != (n, N, K) or out.dtype != dtype or out.device != packed.device or not out.is_contiguous():
+        raise ValueError(f"dequantize_packed: out must be a contiguous [{n}, {N}, {K}] {dtype} tensor on "
+                         f"{packed.device}, got {tuple(out.shape)} {out.dtype} on {out.device}")
     # out's rows seen in q's shape with the rows in packed order, so that one elementwise pass writes them where
     # they belong: [n, N/16, 16, K/per, per]; gate/up rows 64b + 32h + 16c + r go to row h*N/2 + 32b + 16c + r
     inner = q.shape[3:]  # (K/per, per), or (K/8, 2, 4) for int4
@@ -384,38 +391,7 @@ def cpu_ids_without(topk_ids: torch.Tensor, n: int) -> torch.Tensor:
     return torch.where(topk_ids < n, -1, topk_ids)
 
 
-# ---------------------------------------------------------------- choosing n from measurements
-
-
-@dataclass
-class StreamCalibration:
-    """What ``calibrate_stream_plan`` measured: host-to-device GB/s and the CPU op's ms per layer by T."""
-
-    h2d_gbps: float
-    cpu_ms: dict
-    bytes_per_expert: int
-    num_experts: int
-
-    def best_experts(self, tokens: int) -> int:
-        """n that balances the copy of n experts against the CPU op on the other E - n (ms per layer)."""
-        cpu = self._cpu_ms(tokens)
-        copy_per_expert = self.bytes_per_expert / (self.h2d_gbps * 1e6)  # ms
-        best, best_ms = 0, cpu
-        for n in range(1, self.num_experts + 1):
-            ms = max(cpu * (self.num_experts - n) / self.num_experts, copy_per_expert * n)
-            if ms < best_ms:
-                best, best_ms = n, ms
-        return best
-
-    def _cpu_ms(self, tokens: int) -> float:
-        points = sorted(self.cpu_ms.items())
-        if tokens <= points[0][0]:
-            return points[0][1] * tokens / points[0][0]
-        for (t0, m0), (t1, m1) in zip(points, points[1:]):
-            if tokens <= t1:
-                return m0 + (m1 - m0) * (tokens - t0) / (t1 - t0)
-        (t0, m0), (t1, m1) = points[-2:] if len(points) > 1 else ((0, 0.0), points[-1])
-        return m1 + (m1 - m0) * (tokens - t1) / (t1 - t0)
+# ---------------------------------------------------------------- timing copies
 
 
 def queue_timed_copies(src: torch.Tensor, dst: torch.Tensor, n: int, stream: torch.cuda.Stream) -> tuple:
@@ -428,60 +404,3 @@ def queue_timed_copies(src: torch.Tensor, dst: torch.Tensor, n: int, stream: tor
             dst.copy_(src, non_blocking=True)
         end.record()
     return begin, end
-
-
-def calibrate_stream_plan(streamed: StreamedExperts, hidden_size: int, top_k: int, device: torch.device,
-                          tokens: Sequence[int] = (128, 512, 2048), min_gain: float = 0.1,
-                          repeats: int = 2) -> tuple[StreamPlan, StreamCalibration]:
-    """Measures the copy bandwidth to ``device`` and the CPU op at ``tokens`` (random uniform routing, this
-    layer's weights) and returns the plan that balances the two, with what was measured. A length streams only
-    where the balance saves at least ``min_gain`` of the CPU time; lengths between the measured ones take the
-    entry of the next smaller one.
-
-    Both are measured while the other runs (copies on a side stream while the CPU op runs on this thread), since
-    the copies and the CPU op read the same DRAM. Run it once per model (all layers share a shape): about
-    ``2 * repeats * sum(tokens)`` tokens of CPU work and as long again of copying."""
-    E = streamed.num_experts
-    w13, s13, w2, s2 = streamed.tensors
-    probe = max(1, min(E, 8, streamed.pinned_experts))
-    src = streamed.sources[0][:probe]
-    dst = torch.empty(src.shape, dtype=src.dtype, device=device)
-    copy_bytes = src.numel() * src.element_size()
-    side = torch.cuda.Stream(device)
-
-    def copies(n: int) -> tuple:
-        return queue_timed_copies(src, dst, n, side)
-
-    def run_cpu(x, ids, weights) -> float:
-        start = time.perf_counter()
-        for _ in range(repeats):
-            torch.ops.kt.fused_moe(x, ids, weights, w13, s13, w2, s2, streamed.activation)
-        return (time.perf_counter() - start) * 1e3 / repeats
-
-    begin, end = copies(2)  # first use of the copy engines, then the copy time alone
-    side.synchronize()
-    begin, end = copies(repeats * 4)
-    side.synchronize()
-    copy_ms = begin.elapsed_time(end) / (repeats * 4)
-    loaded_ms, loaded_bytes = 0.0, 0
-    cpu_ms = {}
-    for T in tokens:
-        x = torch.randn(T, hidden_size, dtype=torch.bfloat16)
-        ids = torch.stack([torch.randperm(E)[:top_k] for _ in range(T)]).to(torch.int32)
-        weights = torch.full((T, top_k), 1.0 / top_k)
-        alone = run_cpu(x, ids, weights)  # also the warm-up
-        n = max(1, round(alone * repeats / copy_ms))  # copies lasting about as long as the timed CPU calls
-        begin, end = copies(n)
-        cpu_ms[T] = run_cpu(x, ids, weights)
-        side.synchronize()
-        loaded_ms += begin.elapsed_time(end)
-        loaded_bytes += n * copy_bytes
-    h2d_gbps = loaded_bytes / (loaded_ms * 1e6)
-    calibration = StreamCalibration(h2d_gbps, cpu_ms, streamed.bytes_per_expert(), E)
-    table = {}
-    for T in sorted(tokens):
-        n = calibration.best_experts(T)
-        cpu = calibration._cpu_ms(T)
-        saved = cpu - max(cpu * (E - n) / E, n * calibration.bytes_per_expert / (h2d_gbps * 1e6))
-        table[T] = n if saved >= min_gain * cpu else 0
-    return StreamPlan.from_table(table, E), calibration

@@ -1,0 +1,334 @@
+"""Routing-aware prefill: per MoE layer and call, each expert the batch uses runs where it costs least.
+
+Once a layer's router has run, the experts a long batch uses are known, and so is each one's row count (tokens
+routed to it). Every used expert then goes to one of three places:
+
+  resident    it is held on the accelerator (``ktorch.gpu_memory``'s budget): computed there, nothing copied;
+  copied      its packed bytes are copied host-to-device (page-locked, asynchronous DMA), dequantized there and
+              computed with ``gpu_experts_forward``, while the CPU op works;
+  CPU         the CPU op computes it (its slots stay in the ids the op gets; the others are masked to -1).
+
+Experts the batch does not use move nowhere. The choice balances the two processors with measured costs
+(``SplitCosts``, from ``calibrate_split_costs``):
+
+    CPU time     = fixed + row_s * rows on the CPU + expert_s * experts on the CPU      (expert_s: reading one
+                                                                                         expert's weights, cold)
+    device time  = copied experts * (bytes / H2D bandwidth + dequantization) + device_row_s * rows on the device
+
+Copied experts are taken most-hit first (the most rows per byte copied); ``choose_device_experts`` picks the
+count that minimises max(CPU time, device time). A near-uniform 512-token batch on a 128-expert layer hits every
+expert about as often, so roughly a share of them is copied, as before; a skewed one (routing that concentrates)
+hits few experts, most rows land on the most-hit ones, and those few are what moves. The copies are coalesced into
+contiguous runs of consecutive expert ids (one ``copy_`` per run and packed tensor) into one staging buffer per
+device (``DeviceStaging``: packed bytes and dequantized weights of ``capacity`` experts, sized by the GPU memory
+budget), shared by the layers, which run one after another.
+
+Prefill only (T >= ``RoutedExperts.min_tokens``), eager only: the per-layer token counts cost one small device to
+host copy and a host sync per layer, which a prefill affords and a captured decode step must not. Decode uses the
+resident experts directly (ktorch/ops/gpu_experts.py) and the CPU op for the rest.
+
+Counters per layer (``RoutedExperts.stats``, summed by ``ktorch.prefill_split_stats``): passes, experts hit,
+experts copied, bytes copied, experts copied the batch did not use (0 by construction, counted anyway), rows on
+each side, resident experts hit.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from ktorch.ops.gpu_experts import gpu_experts_forward
+from ktorch.ops.streamed_experts import StreamedExperts, dequantize_packed, queue_timed_copies
+
+MIN_TOKENS = 64  # below this a call never splits (the CPU op alone; the host sync of the counts is not worth it)
+
+
+@dataclass
+class SplitCosts:
+    """Seconds per unit, measured by ``calibrate_split_costs`` (or given by hand in tests and experiments)."""
+
+    h2d_bytes_per_s: float  # host-to-device copies from page-locked memory, measured while the CPU op runs
+    cpu_fixed_s: float  # the CPU op per call
+    cpu_row_s: float  # per (token, expert) row on the CPU
+    cpu_expert_s: float  # per expert the CPU computes (its weights read once, cold)
+    device_row_s: float = 0.0  # per row on the device (its GEMMs)
+    device_expert_s: float = 0.0  # per copied expert on the device beyond its copy (its dequantization)
+
+    def __post_init__(self):
+        for name in ("h2d_bytes_per_s",):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"SplitCosts: {name} must be > 0, got {getattr(self, name)}")
+        for name in ("cpu_fixed_s", "cpu_row_s", "cpu_expert_s", "device_row_s", "device_expert_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"SplitCosts: {name} must be >= 0, got {getattr(self, name)}")
+
+
+def expert_counts(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Rows per expert [E] int64 on topk_ids' device (slots < 0 are not counted)."""
+    ids = topk_ids.reshape(-1).long() + 1  # -1 -> bin 0, dropped
+    return torch.bincount(ids, minlength=num_experts + 1)[1:num_experts + 1]
+
+
+def choose_device_experts(counts: torch.Tensor, costs: SplitCosts, bytes_per_expert: int, capacity: int,
+                          resident: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The experts to copy to the device for one call: ids ascending, int64, on the CPU.
+
+    counts [E] rows per expert (CPU); ``resident`` [E] bool: experts the device holds (always computed there, never
+    copied). Candidates are the used, non-resident experts, most-hit first (ties: lower id); the first k of them
+    are copied, k <= ``capacity`` chosen to minimise max(CPU time, device time), the smallest such k on a tie
+    (fewest bytes moved)."""
+    counts = counts.to("cpu", torch.int64)
+    E = counts.numel()
+    on_device = torch.zeros(E, dtype=torch.bool) if resident is None else resident.to("cpu", torch.bool)
+    resident_rows = int(counts[on_device].sum())
+    candidates = torch.nonzero((counts > 0) & ~on_device).flatten()
+    n = candidates.numel()
+    if n == 0 or capacity <= 0:
+        return candidates[:0]
+    order = torch.argsort(-counts[candidates], stable=True)  # most rows first, ascending ids among equals
+    candidates = candidates[order]
+    rows = counts[candidates].double()
+    taken = torch.cat([torch.zeros(1, dtype=torch.float64), rows.cumsum(0)])  # rows of the first k, k = 0..n
+    k = torch.arange(n + 1, dtype=torch.float64)
+    cpu_experts = n - k
+    cpu = torch.where(cpu_experts > 0,
+                      costs.cpu_fixed_s + costs.cpu_row_s * (rows.sum() - taken) + costs.cpu_expert_s * cpu_experts,
+                      torch.zeros(()))
+    per_copy = bytes_per_expert / costs.h2d_bytes_per_s + costs.device_expert_s
+    device = k * per_copy + costs.device_row_s * (resident_rows + taken)
+    total = torch.maximum(cpu, device)[:min(capacity, n) + 1]
+    best = int(torch.argmin(total))  # first minimum: the smallest k
+    return torch.sort(candidates[:best]).values
+
+
+def contiguous_runs(ids: Sequence[int]) -> list[tuple[int, int]]:
+    """Sorted expert ids -> [(first, end)] runs of consecutive ids (end exclusive)."""
+    runs: list = []
+    for e in ids:
+        if runs and runs[-1][1] == e:
+            runs[-1] = (runs[-1][0], e + 1)
+        else:
+            runs.append((e, e + 1))
+    return runs
+
+
+class DeviceStaging:
+    """Where copied experts land on the device: packed bytes of ``capacity`` experts (each packed tensor's rows one
+    after another, 256-byte aligned) and their dequantized weights (w13 as [capacity, 2I, H], w2 as [capacity, H,
+    I], in ``dtype``). One per model and device; layers use it in turn (they run in stream order)."""
+
+    def __init__(self, layer: StreamedExperts, capacity: int, device: torch.device, dtype: torch.dtype):
+        w13, _, w2, _ = layer.tensors
+        self.capacity, self.device, self.dtype = capacity, torch.device(device), dtype
+        self.packed = torch.empty(layer.prefix_bytes(capacity) if capacity else 0, dtype=torch.uint8, device=device)
+        two_i, h = w13.shape[1] * 16, w2.shape[1] * 16
+        self.w13 = torch.empty(capacity, two_i, h, dtype=dtype, device=device)
+        self.w2 = torch.empty(capacity, h, two_i // 2, dtype=dtype, device=device)
+
+    @staticmethod
+    def bytes_for(layer: StreamedExperts, capacity: int, dtype: torch.dtype) -> int:
+        """Device bytes a staging of ``capacity`` experts of ``layer``'s shape takes."""
+        w13, w2 = layer.tensors[0], layer.tensors[2]
+        two_i, h = w13.shape[1] * 16, w2.shape[1] * 16
+        size = torch.empty((), dtype=dtype).element_size()
+        return (layer.prefix_bytes(capacity) if capacity else 0) + capacity * (two_i * h + h * (two_i // 2)) * size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.w13, self.w2))
+
+    def fits(self, layer: StreamedExperts) -> bool:
+        w13, w2 = layer.tensors[0], layer.tensors[2]
+        return (self.w13.shape[1:] == (w13.shape[1] * 16, w2.shape[1] * 16)
+                and self.packed.numel() >= (layer.prefix_bytes(self.capacity) if self.capacity else 0))
+
+
+class RoutedExperts:
+    """One MoE layer's routing-aware split: its page-locked packed experts (``StreamedExperts``), the costs that
+    decide the split, the device staging its copies go to, its counters and its routing frequency."""
+
+    def __init__(self, layer: StreamedExperts, costs: SplitCosts, staging: Optional[DeviceStaging],
+                 min_tokens: int = MIN_TOKENS, kernel: str = "auto"):
+        if staging is not None and not staging.fits(layer):
+            raise ValueError("RoutedExperts: the staging was made for another expert shape")
+        self.layer, self.costs, self.staging, self.min_tokens, self.kernel = layer, costs, staging, min_tokens, kernel
+        self.stats: collections.Counter = collections.Counter()
+        self.last_hit = 0  # distinct experts the latest split call used
+        self.frequency = torch.zeros(layer.num_experts, dtype=torch.float64)  # rows per expert, prefills summed
+
+    @property
+    def num_experts(self) -> int:
+        return self.layer.num_experts
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.staging is None else self.staging.capacity
+
+    def choose(self, counts: torch.Tensor, resident: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The experts to copy for a call with these per-expert rows (CPU), counted in ``stats``."""
+        counts = counts.to("cpu", torch.int64)
+        chosen = choose_device_experts(counts, self.costs, self.layer.bytes_per_expert(), self.capacity, resident)
+        hit = counts > 0
+        self.last_hit = int(hit.sum())
+        self.frequency += counts.double()
+        s = self.stats
+        s["passes"] += 1
+        s["experts_hit"] += self.last_hit
+        s["experts_copied"] += chosen.numel()
+        s["bytes_copied"] += chosen.numel() * self.layer.bytes_per_expert()
+        s["copied_unused"] += int((counts[chosen] == 0).sum())
+        s["rows"] += int(counts.sum())
+        s["rows_copied"] += int(counts[chosen].sum())
+        if resident is not None:
+            r = resident.to("cpu", torch.bool)
+            s["resident_hit"] += int((hit & r).sum())
+            s["rows_resident"] += int(counts[r].sum())
+        return chosen
+
+    def device_part(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                    chosen: torch.Tensor) -> torch.Tensor:
+        """hidden [T, H], topk_ids/topk_weights [T, K] on the device; the routed output [T, H] of the experts
+        ``chosen`` (sorted ids, CPU): their packed bytes copied into the staging in contiguous runs, dequantized
+        there, computed with ``gpu_experts_forward`` (slots of other experts skipped)."""
+        k = chosen.numel()
+        if k > self.capacity:
+            raise ValueError(f"routed experts: {k} experts chosen, the staging holds {self.capacity}")
+        staging = self.staging
+        device = hidden.device
+        if device.type == "cuda" and self.layer.pinned_experts < self.num_experts:
+            raise RuntimeError("routed experts: the layer's packed experts are not page-locked; pin_prefix(E) first")
+        views = self.layer.views_in(staging.packed, k)
+        j = 0
+        for a, b in contiguous_runs(chosen.tolist()):
+            for dst, src in zip(views, self.layer.sources):
+                if dst is not None:
+                    dst[j:j + b - a].copy_(src[a:b], non_blocking=True)
+            j += b - a
+        w13 = dequantize_packed(views[0], views[1], True, hidden.dtype, out=staging.w13[:k])
+        w2 = dequantize_packed(views[2], views[3], False, hidden.dtype, out=staging.w2[:k])
+        slot_of = torch.full((self.num_experts,), -1, dtype=torch.int64)
+        slot_of[chosen] = torch.arange(k)
+        slot_of = _to_device(slot_of, device)
+        slots = torch.where(topk_ids >= 0, slot_of[topk_ids.clamp(min=0).long()], -1)
+        return gpu_experts_forward(hidden, slots, topk_weights, w13, w2, self.layer.activation, self.kernel)
+
+
+def cpu_ids_for(topk_ids: torch.Tensor, chosen: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """topk_ids with the slots of the experts ``chosen`` (CPU ids) set to -1: what the CPU op gets beside them."""
+    mask = torch.zeros(num_experts, dtype=torch.bool)
+    mask[chosen] = True
+    mask = _to_device(mask, topk_ids.device)
+    return torch.where((topk_ids >= 0) & mask[topk_ids.clamp(min=0).long()], -1, topk_ids)
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device`` without a host sync: through (cached) page-locked memory on CUDA."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+# ---------------------------------------------------------------- measuring the costs
+
+
+def _fit(points: list, columns: int) -> list:
+    """Least squares, non-negative by clamping: points [(features..., seconds)] -> coefficients."""
+    a = torch.tensor([p[:columns] for p in points], dtype=torch.float64)
+    y = torch.tensor([p[columns] for p in points], dtype=torch.float64)
+    coef = torch.linalg.lstsq(a, y[:, None]).solution.flatten()
+    return [max(float(c), 0.0) for c in coef]
+
+
+def calibrate_split_costs(layers: Sequence[StreamedExperts], hidden_size: int, top_k: int, device: torch.device,
+                          tokens: Sequence[int] = (256, 1024), repeats: int = 2) -> SplitCosts:
+    """Measures the split's costs on ``layers`` (packed experts of one shape; a CUDA ``device`` needs them
+    page-locked) and returns them.
+
+    CPU: the op at each of ``tokens`` with every expert used and with a quarter of them, fitted to fixed + row_s *
+    rows + expert_s * experts; each run reads another layer's weights than the run before it (cold weights, as in a
+    prefill, where each layer's experts were last read a whole forward ago). The copies run on a side stream
+    meanwhile (they share the DRAM), and give the H2D bandwidth. Device: the dequantization of a few experts and a
+    grouped GEMM over many rows. About ``2 * repeats * sum(tokens) * 2`` tokens of CPU work."""
+    device = torch.device(device)
+    first = layers[0]
+    E = first.num_experts
+    probe = min(E, 8)
+    src = first.sources[0][:probe]
+    dst = torch.empty(src.shape, dtype=src.dtype, device=device)
+    copy_bytes = src.numel() * src.element_size()
+    cuda = device.type == "cuda"
+    side = torch.cuda.Stream(device) if cuda else None
+    gen = torch.Generator().manual_seed(0)
+    turn = [0]
+
+    def run_cpu(x, ids, weights) -> float:
+        start = time.perf_counter()
+        for _ in range(repeats):
+            layer = layers[turn[0] % len(layers)]
+            turn[0] += 1
+            torch.ops.kt.fused_moe(x, ids, weights, *layer.tensors, layer.activation)
+        return (time.perf_counter() - start) / repeats
+
+    def copies(n: int):
+        if not cuda:
+            start = time.perf_counter()
+            for _ in range(n):
+                dst.copy_(src)
+            return time.perf_counter() - start
+        return queue_timed_copies(src, dst, n, side)
+
+    if cuda:
+        copies(2)
+        side.synchronize()
+    points, copied_s, copied_bytes = [], 0.0, 0
+    for T in tokens:
+        for used in (E, max(top_k, E // 4)):
+            x = torch.randn(T, hidden_size, dtype=torch.bfloat16, generator=gen)
+            pick = torch.randperm(E, generator=gen)[:used]
+            ids = torch.stack([pick[torch.randperm(used, generator=gen)[:top_k]] for _ in range(T)]).to(torch.int32)
+            weights = torch.full((T, top_k), 1.0 / top_k)
+            alone = run_cpu(x, ids, weights)  # also the warm-up
+            if cuda:
+                n = max(1, round(alone * repeats * 2.5e10 / max(copy_bytes, 1)))  # about as long as the CPU calls
+                begin, end = copies(n)
+                seconds = run_cpu(x, ids, weights)
+                side.synchronize()
+                copied_s += begin.elapsed_time(end) / 1e3
+                copied_bytes += n * copy_bytes
+            else:
+                seconds = run_cpu(x, ids, weights)
+            rows = int((ids >= 0).sum())
+            points.append((1.0, rows, ids.unique().numel(), seconds))
+    if not cuda:
+        copied_s, copied_bytes = copies(4), 4 * copy_bytes
+    fixed, row_s, expert_s = _fit(points, 3)
+    # device: dequantize ``probe`` experts, then a grouped GEMM of T*K rows over them
+    staging = DeviceStaging(first, probe, device, torch.bfloat16)
+    T = max(tokens)
+    hidden = torch.randn(T, hidden_size, dtype=torch.bfloat16, device=device)
+    ids = torch.randint(0, probe, (T, top_k), device=device)
+    weights = torch.full((T, top_k), 1.0 / top_k, device=device)
+    routed = RoutedExperts(first, SplitCosts(1.0, 0, 0, 0), staging)
+    chosen = torch.arange(probe)
+
+    def device_seconds(fn) -> float:
+        fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    views = first.views_in(staging.packed, probe)
+    dequant_s = device_seconds(lambda: (dequantize_packed(views[0], views[1], True, torch.bfloat16, out=staging.w13),
+                                        dequantize_packed(views[2], views[3], False, torch.bfloat16, out=staging.w2)))
+    total_s = device_seconds(lambda: routed.device_part(hidden, ids, weights, chosen))
+    copy_s_device = probe * first.bytes_per_expert() / (copied_bytes / copied_s)
+    row_device_s = max(total_s - dequant_s - copy_s_device, 0.0) / (T * top_k)
+    return SplitCosts(copied_bytes / copied_s, fixed, row_s, expert_s, row_device_s, dequant_s / probe)

@@ -1,0 +1,483 @@
+"""The routing-aware prefill split (ktorch/ops/routed_experts.py) and the GPU memory budget (ktorch/gpu_memory.py).
+
+On the CPU the "device" is the CPU: the same choice, copies into the staging (contiguous runs), dequantization,
+kernels, masking, sums, resident experts and swaps run, so the logic and numerics are tested here; page-locking and
+the CUDA copies are tested on a GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import ktorch
+from ktorch.gpu_memory import (
+    GpuMemoryPlan,
+    device_bytes_held,
+    parse_memory_size,
+    reserve_bytes,
+    reset_resident_hits,
+    resident_hits,
+    swap_resident_experts,
+    update_resident_experts,
+)
+from ktorch.ops.gpu_experts import gpu_experts_forward
+from ktorch.ops.routed_experts import (
+    DeviceStaging,
+    RoutedExperts,
+    SplitCosts,
+    calibrate_split_costs,
+    choose_device_experts,
+    contiguous_runs,
+    cpu_ids_for,
+    expert_counts,
+)
+from ktorch.ops.streamed_experts import StreamedExperts, dequantize_packed
+from models import assert_logits_match, moe_experts_modules, tiny_model
+from reference import fused_moe_reference, relative_error
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+FORMATS = [("bf16", None), ("int8", None), ("int4", 32)]
+TOLERANCE = {"bf16": 1e-2, "int8": 3e-2, "int4": 8e-2}
+
+# the CPU op: 1 ms a call + 10 us a row + 0.5 ms an expert; copies 1 GB/s (1 MB experts: 1 ms each)
+COSTS = SplitCosts(h2d_bytes_per_s=1e9, cpu_fixed_s=1e-3, cpu_row_s=1e-5, cpu_expert_s=5e-4)
+ALL_TO_DEVICE = SplitCosts(h2d_bytes_per_s=1e15, cpu_fixed_s=1.0, cpu_row_s=1.0, cpu_expert_s=1.0)
+ALL_ON_CPU = SplitCosts(h2d_bytes_per_s=1.0, cpu_fixed_s=0.0, cpu_row_s=1e-9, cpu_expert_s=0.0)
+
+
+def test_expert_counts_skip_negative_slots():
+    ids = torch.tensor([[0, 3], [3, -1], [-1, -1], [5, 3]])
+    assert expert_counts(ids, 6).tolist() == [1, 0, 0, 3, 0, 1]
+
+
+def test_choice_balances_the_two_sides_most_hit_first():
+    """Most-hit experts go first; k minimises max(CPU, device); unused and resident experts are never copied."""
+    counts = torch.tensor([0, 100, 5, 50, 0, 20, 1, 0])
+    chosen = choose_device_experts(counts, COSTS, 10**6, capacity=8)
+    # k = 0: CPU 1 + 1.76 + 3 = 5.76 ms; k = 1 (expert 1): CPU 1 + .76 + 2.5 = 4.26, device 1; k = 2 (+3): CPU
+    # 1 + .26 + 2 = 3.26, device 2; k = 3 (+5): CPU 1 + .06 + 1.5 = 2.56, device 3 -> best k = 2
+    assert chosen.tolist() == [1, 3]
+    resident = torch.zeros(8, dtype=torch.bool)
+    resident[1] = True  # computed on the device already: never copied, its rows not the CPU's
+    # candidates 3, 5, 2, 6: k = 2 -> CPU 1 + .06 + 1 = 2.06, device 2; k = 3 -> device 3
+    assert choose_device_experts(counts, COSTS, 10**6, capacity=8, resident=resident).tolist() == [3, 5]
+    assert choose_device_experts(counts, COSTS, 10**6, capacity=1).tolist() == [1]  # capacity caps k
+    assert choose_device_experts(counts, COSTS, 10**6, capacity=0).tolist() == []
+    assert choose_device_experts(counts, ALL_TO_DEVICE, 10**6, capacity=8).tolist() == [1, 2, 3, 5, 6]
+    assert choose_device_experts(counts, ALL_ON_CPU, 10**6, capacity=8).tolist() == []
+    assert choose_device_experts(torch.zeros(8, dtype=torch.long), ALL_TO_DEVICE, 10, capacity=8).tolist() == []
+
+
+def test_skewed_routing_copies_few_experts_uniform_many():
+    """The same costs: a skewed batch (most rows on few experts) copies fewer experts than a near-uniform one."""
+    E = 128
+    uniform = torch.full((E,), 32)
+    skewed = (4096 / torch.arange(1, E + 1).double() ** 1.2).long()
+    costs = SplitCosts(h2d_bytes_per_s=25e9, cpu_fixed_s=2e-4, cpu_row_s=1e-6, cpu_expert_s=4.7e6 / 100e9)
+    n_uniform = choose_device_experts(uniform, costs, 4_700_000, capacity=E).numel()
+    chosen = choose_device_experts(skewed, costs, 4_700_000, capacity=E)
+    assert 0 < chosen.numel() < n_uniform
+    assert chosen.tolist() == list(range(chosen.numel()))  # the most hit: the lowest ids here
+
+
+def test_contiguous_runs():
+    assert contiguous_runs([]) == []
+    assert contiguous_runs([0, 1, 2, 5, 7, 8]) == [(0, 3), (5, 6), (7, 9)]
+
+
+def test_costs_are_checked():
+    with pytest.raises(ValueError, match="h2d_bytes_per_s must be > 0"):
+        SplitCosts(0.0, 0, 0, 0)
+    with pytest.raises(ValueError, match="cpu_row_s must be >= 0"):
+        SplitCosts(1.0, 0, -1.0, 0)
+
+
+def _layer(fmt, group_size, E=8, H=128, I=64, seed=0):
+    torch.manual_seed(seed)
+    packed = ktorch.pack_experts(torch.randn(E, 2 * I, H) / H**0.5, torch.randn(E, H, I) / I**0.5, fmt, group_size)
+    return packed, StreamedExperts(*packed.tensors(), "silu")
+
+
+@pytest.mark.parametrize("fmt,group_size", FORMATS, ids=[f for f, _ in FORMATS])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_any_split_gives_the_cpu_result(fmt, group_size, dtype):
+    """For the empty split, every used expert, and random subsets: the device part is bit for bit
+    gpu_experts_forward on the chosen experts' dequantized weights (the copies in runs land in the right slots),
+    device + CPU parts agree with the CPU op alone and with the float64 reference within the format's tolerance,
+    and the empty split is the CPU op bit for bit."""
+    E, H, I, T, K = 8, 128, 64, 41, 3
+    packed, layer = _layer(fmt, group_size, E, H, I)
+    staging = DeviceStaging(layer, E, torch.device("cpu"), dtype)
+    routed = RoutedExperts(layer, COSTS, staging)
+    hidden = torch.randn(T, H).to(dtype)
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    ids[0, 1] = -1
+    ids[ids == 6] = 7  # expert 6 unused
+    weights = torch.rand(T, K)
+    cpu_only = ktorch.fused_moe(hidden, ids, weights, packed)
+    gu, dn = packed.dequantize()
+    want = fused_moe_reference(hidden, ids, weights, gu, dn)
+    gen = torch.Generator().manual_seed(1)
+    splits = [[], [0, 1, 2, 3, 4, 5, 7], [2], [0, 1, 4, 5], [3, 7]]
+    splits += [sorted(torch.randperm(E, generator=gen)[:n].tolist()) for n in (2, 5)]
+    for chosen in splits:
+        chosen = torch.tensor(chosen, dtype=torch.int64)
+        cpu_ids = cpu_ids_for(ids, chosen, E)
+        assert not torch.isin(cpu_ids, chosen).any()
+        cpu = ktorch.fused_moe(hidden, cpu_ids, weights, packed)
+        if chosen.numel() == 0:
+            assert torch.equal(cpu, cpu_only)
+            continue
+        device = routed.device_part(hidden, ids, weights, chosen)
+        slot_of = torch.full((E,), -1, dtype=torch.long)
+        slot_of[chosen] = torch.arange(chosen.numel())
+        slots = torch.where(ids >= 0, slot_of[ids.clamp(min=0)], -1)
+        w13 = dequantize_packed(packed.w13[chosen], None if packed.w13_scales is None else packed.w13_scales[chosen],
+                                True, dtype)
+        w2 = dequantize_packed(packed.w2[chosen], None if packed.w2_scales is None else packed.w2_scales[chosen],
+                               False, dtype)
+        assert torch.equal(device, gpu_experts_forward(hidden, slots, weights, w13, w2, "silu")), chosen
+        total = device.double() + cpu.double()
+        assert relative_error(total, want) < TOLERANCE[fmt], chosen
+        assert relative_error(total, cpu_only.double()) < 2 * TOLERANCE[fmt], chosen
+
+
+def test_choose_counts_what_moved():
+    packed, layer = _layer("int8", None)
+    routed = RoutedExperts(layer, ALL_TO_DEVICE, DeviceStaging(layer, 3, torch.device("cpu"), torch.float32))
+    counts = torch.tensor([4, 0, 9, 1, 0, 0, 2, 7])
+    resident = torch.zeros(8, dtype=torch.bool)
+    resident[2] = True
+    chosen = routed.choose(counts, resident)
+    assert chosen.tolist() == [0, 6, 7]  # capacity 3, most hit first among the non-resident ones
+    s = routed.stats
+    assert (s["passes"], s["experts_hit"], s["experts_copied"], s["copied_unused"], s["resident_hit"]) == (1, 5, 3, 0, 1)
+    assert s["bytes_copied"] == 3 * layer.bytes_per_expert() and s["rows"] == 23 and s["rows_copied"] == 13
+    assert routed.last_hit == 5 and routed.frequency.tolist() == counts.double().tolist()
+    with pytest.raises(ValueError, match="4 experts chosen, the staging holds 3"):
+        routed.device_part(torch.randn(2, 128), torch.zeros(2, 2, dtype=torch.long), torch.rand(2, 2),
+                           torch.arange(4))
+
+
+# ---------------------------------------------------------------- in a model
+
+
+def _split_model(costs, gpu_memory=None, dtype=torch.float32, experts_dtype="bf16", min_tokens=8, seed=0):
+    torch.manual_seed(seed)
+    base = tiny_model("qwen3_moe", dtype=dtype)
+    model = ktorch.prepare(copy.deepcopy(base), device="cpu", experts_dtype=experts_dtype)
+    ktorch.set_stream_experts(model, costs, gpu_memory=gpu_memory)
+    for m in moe_experts_modules(model):
+        m.kt_routed.min_tokens = min_tokens
+    return base, model
+
+
+@pytest.mark.parametrize("costs", [COSTS, ALL_TO_DEVICE, ALL_ON_CPU], ids=["balanced", "all_device", "all_cpu"])
+def test_split_model_matches_hf_eager_and_copies_only_used_experts(costs):
+    base, model = _split_model(costs)
+    ids = torch.randint(0, 256, (1, 24))
+    assert_logits_match(base, model, torch.float32, ids)
+    stats = ktorch.prefill_split_stats(model)
+    layers = len(moe_experts_modules(model))
+    assert stats["passes"] == layers and stats["copied_unused"] == 0
+    assert stats["rows"] == 24 * model.config.num_experts_per_tok * layers
+    assert len(stats["last_hit"]) == layers and sum(stats["last_hit"]) == stats["experts_hit"]
+    if costs is ALL_TO_DEVICE:
+        assert stats["experts_copied"] == stats["experts_hit"] and stats["rows_copied"] == stats["rows"]
+    if costs is ALL_ON_CPU:
+        assert stats["experts_copied"] == 0
+        plain = ktorch.prepare(copy.deepcopy(base), device="cpu")
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, plain(ids).logits)
+    per_expert = moe_experts_modules(model)[0].kt_routed.layer.bytes_per_expert()
+    assert stats["bytes_copied"] == stats["experts_copied"] * per_expert
+    passes = ktorch.prefill_split_stats(model)["passes"]
+    short = torch.randint(0, 256, (1, 7))  # below min_tokens: no split, no count
+    with torch.no_grad():
+        model(short)
+    assert ktorch.prefill_split_stats(model, reset=True)["passes"] == passes
+    assert ktorch.prefill_split_stats(model)["passes"] == 0
+
+
+def test_split_off_restores_the_plain_model():
+    base, model = _split_model(ALL_TO_DEVICE)
+    plain = ktorch.prepare(copy.deepcopy(base), device="cpu")
+    ids = torch.randint(0, 256, (1, 20))
+    ktorch.set_stream_experts(model, "off")
+    assert all(getattr(m, "kt_routed", None) is None for m in moe_experts_modules(model))
+    assert model.kt_gpu_memory is None
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, plain(ids).logits)
+
+
+# ---------------------------------------------------------------- the budget
+
+
+def test_parse_memory_size():
+    assert parse_memory_size("24GiB") == 24 << 30 and parse_memory_size("24GB") == 24 * 10**9
+    assert parse_memory_size("1.5 MiB") == 3 << 19 and parse_memory_size("123456") == 123456
+    assert parse_memory_size(4096) == 4096
+    for bad in ("24 parsecs", "GiB", "-1GiB", True, -5):
+        with pytest.raises(ValueError, match="gpu_memory"):
+            parse_memory_size(bad)
+
+
+def _floor(model, dtype=torch.float32) -> int:
+    """Bytes the budget must cover before any expert: the weights held on the device and the reserve."""
+    return device_bytes_held(model, torch.device("cpu")) + reserve_bytes(model, dtype)
+
+
+def test_tiny_budget_is_never_exceeded():
+    """A budget just above the weights and the reserve: the staging gets what fits, no expert is resident, and
+    what was allocated (measured after placement) stays within it; below the weights and reserve it is refused."""
+    base = tiny_model("qwen3_moe")
+    model = ktorch.prepare(copy.deepcopy(base), device="cpu")
+    floor = _floor(model)
+    m0 = moe_experts_modules(model)[0]
+    layer = StreamedExperts(m0.kt_w13, m0.kt_w13_scales, m0.kt_w2, m0.kt_w2_scales, "silu")
+    per_staging = DeviceStaging.bytes_for(layer, 1, torch.float32)
+    for extra in (0, per_staging - 1, 3 * per_staging + 100):
+        ktorch.set_stream_experts(model, COSTS, gpu_memory=floor + extra)
+        plan: GpuMemoryPlan = model.kt_gpu_memory
+        assert plan.used <= plan.budget == floor + extra
+        assert plan.resident_per_layer == 0 and plan.staging_experts == extra // per_staging
+        staging = m0.kt_routed.staging
+        held = device_bytes_held(model, torch.device("cpu")) + staging.nbytes
+        assert held + plan.reserve <= plan.budget, (extra, held, plan)
+        ids = torch.randint(0, 256, (1, 16))
+        for m in moe_experts_modules(model):
+            m.kt_routed.min_tokens = 8
+        with torch.no_grad():
+            model(ids)
+        assert ktorch.prefill_split_stats(model, reset=True)["experts_copied"] <= plan.staging_experts * 2
+    with pytest.raises(ValueError, match="less than the model's weights"):
+        ktorch.set_stream_experts(model, COSTS, gpu_memory=floor - 1)
+
+
+def test_budget_fills_residents_after_the_staging():
+    base = tiny_model("qwen3_moe")
+    model = ktorch.prepare(copy.deepcopy(base), device="cpu")
+    m0 = moe_experts_modules(model)[0]
+    layer = StreamedExperts(m0.kt_w13, m0.kt_w13_scales, m0.kt_w2, m0.kt_w2_scales, "silu")
+    full_staging = DeviceStaging.bytes_for(layer, 8, torch.float32)
+    two_i, h = m0.kt_w13.shape[1] * 16, m0.kt_w2.shape[1] * 16
+    per_resident = (two_i * h + h * two_i // 2) * (2 * 2 + 4)  # bf16 packed in two layers, one fp32 scratch
+    floor = _floor(model)
+    budget = floor + full_staging + 3 * per_resident + 10
+    ktorch.set_stream_experts(model, COSTS, gpu_memory=budget)
+    plan = model.kt_gpu_memory
+    assert plan.staging_experts == 8 and plan.resident_per_layer == 3 and plan.used <= budget
+    assert "resident experts" in plan.summary()
+    for m in moe_experts_modules(model):  # held packed, as the CPU op holds them
+        assert len(m.kt_gpu_expert_ids) == 3 and m.kt_gpu_packed[0].shape == (3, *m0.kt_w13.shape[1:])
+    # residents only: the split off, a budget given
+    ktorch.set_stream_experts(model, "off", gpu_memory=floor + 2 * per_resident)  # residents measured again: gone
+    assert model.kt_gpu_memory.resident_per_layer == 2 and model.kt_gpu_memory.staging_experts == 0
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def test_swapping_residents_mid_run_keeps_results():
+    """Residents swapped in place between two forwards: the second gives what a model placed with the new residents
+    from the start gives (bit for bit), agrees with HF eager, and the device buffers keep their addresses."""
+    base, model = _split_model(COSTS)
+    m0 = moe_experts_modules(model)[0]
+    per_resident = (m0.kt_w13.shape[1] * 16 * m0.kt_w2.shape[1] * 16 * 3 // 2) * 4 * 2
+    ktorch.set_stream_experts(model, COSTS, gpu_memory=_floor(model) + DeviceStaging.bytes_for(
+        m0.kt_routed.layer, 8, torch.float32) + 2 * per_resident)
+    for m in moe_experts_modules(model):
+        m.kt_routed.min_tokens = 8
+    assert [m.kt_gpu_expert_ids for m in moe_experts_modules(model)] == [[0, 1], [0, 1]]
+    ids = torch.randint(0, 256, (1, 24))
+    _logits(model, ids)
+    addresses = [[t.data_ptr() for t in (*m.kt_gpu_packed, m.kt_gpu_slot_of) if t is not None]
+                 for m in moe_experts_modules(model)]
+    for m in moe_experts_modules(model):  # make experts 5 and 6 the most routed-to
+        m.kt_routed.frequency.zero_()
+        m.kt_routed.frequency[5], m.kt_routed.frequency[6] = 100.0, 50.0
+    result = update_resident_experts(model)
+    assert result["swapped"] == 4
+    assert [sorted(m.kt_gpu_expert_ids) for m in moe_experts_modules(model)] == [[5, 6], [5, 6]]
+    assert [[t.data_ptr() for t in (*m.kt_gpu_packed, m.kt_gpu_slot_of) if t is not None]
+            for m in moe_experts_modules(model)] == addresses
+    for m in moe_experts_modules(model):
+        slot_of = m.kt_gpu_slot_of.tolist()
+        assert [e for e in range(8) if slot_of[e] >= 0] == [5, 6]
+        assert [m.kt_gpu_expert_ids[slot_of[e]] for e in (5, 6)] == [5, 6]
+    after = _logits(model, ids)
+    fresh = copy.deepcopy(model)  # the same residents placed from scratch, in the same slots
+    from ktorch.gpu_memory import drop_resident_experts, place_resident_experts
+
+    for m in moe_experts_modules(fresh):
+        order = torch.tensor(m.kt_gpu_expert_ids)
+        drop_resident_experts(m)
+        place_resident_experts(m, 2, torch.device("cpu"), initial=order)
+    assert torch.equal(_logits(fresh, ids), after)
+    assert_logits_match(base, model, torch.float32, ids)
+    assert update_resident_experts(model)["swapped"] == 0  # nothing better left
+    with pytest.raises(ValueError, match="already resident"):
+        swap_resident_experts(m0, [5], [6])
+    with pytest.raises(ValueError, match="expert 4 is not resident"):
+        swap_resident_experts(m0, [3], [4])
+
+
+def test_resident_hits_count_rows_on_residents():
+    _, model = _split_model(ALL_ON_CPU)
+    m0 = moe_experts_modules(model)[0]
+    per_resident = (m0.kt_w13.shape[1] * 16 * m0.kt_w2.shape[1] * 16 * 3 // 2) * 4 * 2
+    ktorch.set_stream_experts(model, "off", gpu_memory=_floor(model) + 8 * per_resident)  # every expert resident
+    ids = torch.randint(0, 256, (1, 5))
+    _logits(model, ids)
+    hits, rows = resident_hits(model)
+    assert hits == rows == 5 * model.config.num_experts_per_tok * 2
+    reset_resident_hits(model)
+    assert resident_hits(model) == (0, 0)
+
+
+def test_generate_updates_residents_after_prefill():
+    """ktorch.generate swaps residents after the prefill (outside decode) and decodes with them."""
+    _, model = _split_model(COSTS)
+    m0 = moe_experts_modules(model)[0]
+    per_resident = (m0.kt_w13.shape[1] * 16 * m0.kt_w2.shape[1] * 16 * 3 // 2) * 4 * 2
+    ktorch.set_stream_experts(model, COSTS, gpu_memory=_floor(model) + DeviceStaging.bytes_for(
+        m0.kt_routed.layer, 8, torch.float32) + per_resident)
+    for m in moe_experts_modules(model):
+        m.kt_routed.min_tokens = 8
+    prompt = torch.randint(0, 256, (1, 40))
+    ktorch.generate(model, prompt, max_new_tokens=4)
+    for m in moe_experts_modules(model):
+        hottest = int(torch.argmax(m.kt_routed.frequency))
+        assert m.kt_gpu_expert_ids == [hottest]  # the prefill's most routed-to expert (counts decayed, same order)
+    hits, rows = resident_hits(model)  # decode's (3 steps: the counters were reset after the prefill's update)
+    assert rows == 3 * model.config.num_experts_per_tok * 2 and 0 <= hits <= rows
+
+
+@needs_cuda
+def test_cuda_split_prefill_matches_hf_eager_and_pins_every_expert():
+    torch.manual_seed(0)
+    base = tiny_model("qwen3_moe", dtype=torch.bfloat16)
+    model = ktorch.prepare(copy.deepcopy(base), device="cuda", experts_dtype="int8", stream_experts=ALL_TO_DEVICE,
+                           gpu_memory="off")  # no residents: every used expert is copied
+    for m in moe_experts_modules(model):
+        assert m.kt_routed.layer.pinned_experts == 8 and m.kt_routed.staging.packed.is_cuda
+        assert all(t is None or t.is_pinned() for t in m.kt_routed.layer.sources)
+        m.kt_routed.min_tokens = 8
+    ids = torch.randint(0, 256, (1, 48), device="cuda")
+    assert_logits_match(base.to("cuda"), model, torch.bfloat16, ids)
+    stats = ktorch.prefill_split_stats(model)
+    assert stats["copied_unused"] == 0 and stats["passes"] == 2 and stats["experts_copied"] == stats["experts_hit"]
+    ktorch.set_stream_experts(model, COSTS, gpu_memory="2GiB")  # a budget: within it, measured
+    assert model.kt_gpu_memory.used <= 2 << 30 and torch.cuda.memory_allocated() <= 2 << 30
+
+
+@needs_cuda
+def test_cuda_auto_calibrates_and_generates():
+    torch.manual_seed(0)
+    base = tiny_model("qwen3_moe", dtype=torch.bfloat16)
+    model = ktorch.prepare(copy.deepcopy(base), device="cuda", experts_dtype="int8", stream_experts="auto")
+    costs = model.kt_split_costs
+    assert costs.h2d_bytes_per_s > 1e8 and costs.cpu_row_s >= 0
+    result = ktorch.generate(model, torch.randint(0, 256, (1, 80)), max_new_tokens=8)
+    assert len(result.ids) == 8
+
+
+def test_calibration_on_a_cpu_stand_in():
+    """The CPU stand-in measures copies with CPU memcpy; the CPU op's fit is non-negative and explains some time."""
+    layers = [_layer("int8", None, E=16, H=256, I=128, seed=s)[1] for s in range(2)]
+    costs = calibrate_split_costs(layers, 256, 4, torch.device("cpu"), tokens=(64, 256), repeats=1)
+    assert costs.h2d_bytes_per_s > 0 and costs.device_expert_s >= 0 and costs.device_row_s >= 0
+    assert min(costs.cpu_fixed_s, costs.cpu_row_s, costs.cpu_expert_s) >= 0
+    assert costs.cpu_fixed_s + 256 * 4 * costs.cpu_row_s + 16 * costs.cpu_expert_s > 0
+
+
+def test_generate_prints_placement_lines_that_the_benchmark_reads():
+    """ktorch generate's placement lines (ktorch/cli.py placement_lines) parse back in benchmarks/bench_generate.py:
+    the split counters, the budget and the decode resident hit rate, as the model counted them."""
+    import sys
+    from pathlib import Path
+
+    from ktorch.cli import placement_lines
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from bench_generate import parse_generate_output
+
+    _, model = _split_model(COSTS)
+    m0 = moe_experts_modules(model)[0]
+    per_resident = (m0.kt_w13.shape[1] * 16 * m0.kt_w2.shape[1] * 16 * 3 // 2) * 4 * 2
+    ktorch.set_stream_experts(model, COSTS, gpu_memory=_floor(model) + DeviceStaging.bytes_for(
+        m0.kt_routed.layer, 8, torch.float32) + 2 * per_resident)
+    for m in moe_experts_modules(model):
+        m.kt_routed.min_tokens = 8
+    result = ktorch.generate(model, torch.randint(0, 256, (1, 40)), max_new_tokens=5)
+    stats = ktorch.prefill_split_stats(model)
+    parsed = parse_generate_output(result.timings.line() + "\n" + "\n".join(placement_lines(model, result.timings)))
+    assert parsed["experts_hit"] == stats["experts_hit"] and parsed["experts_copied"] == stats["experts_copied"]
+    assert parsed["hit_per_layer"] == stats["last_hit"] and parsed["copied_unused"] == 0
+    assert parsed["resident_per_layer"] == 2 and parsed["gpu_used_gib"] <= parsed["gpu_budget_gib"]
+    hits, rows = resident_hits(model)
+    assert parsed["decode_resident_hit_rate"] == pytest.approx(hits / rows)
+
+
+@needs_cuda
+def test_cuda_captured_decode_after_a_swap_matches_eager():
+    """Residents swapped in place between two generate calls: the kept CUDA graph (it reads the same buffers) decodes
+    the tokens an eager decode with the same residents gives; the hit counters count captured steps."""
+    torch.manual_seed(0)
+    base = tiny_model("qwen3_moe", dtype=torch.bfloat16)
+    model = ktorch.prepare(copy.deepcopy(base), device="cuda", experts_dtype="int8", stream_experts=COSTS)
+    floor = torch.cuda.memory_allocated() + reserve_bytes(model, torch.bfloat16)
+    m0 = moe_experts_modules(model)[0]
+    per_resident = m0.kt_w13.shape[1] * 16 * m0.kt_w2.shape[1] * 16 * 3 // 2 * 2 * 2
+    ktorch.set_stream_experts(model, COSTS, gpu_memory=floor + DeviceStaging.bytes_for(m0.kt_routed.layer, 8,
+                                                                                          torch.bfloat16)
+                              + 3 * per_resident + (64 << 20))
+    assert model.kt_gpu_memory.resident_per_layer >= 2
+    for m in moe_experts_modules(model):
+        m.kt_routed.min_tokens = 8
+    prompt = torch.randint(0, 256, (1, 40), device="cuda")
+    ktorch.generate(model, prompt, max_new_tokens=8)
+    graph = model.kt_decoder.graph
+    assert graph is not None
+    for m in moe_experts_modules(model):
+        m.kt_routed.frequency[5], m.kt_routed.frequency[6] = 1e9, 1e9
+    assert update_resident_experts(model)["swapped"] > 0
+    captured = ktorch.generate(model, prompt, max_new_tokens=8)
+    assert model.kt_decoder.graph is graph  # reused after the swap
+    hits, rows = resident_hits(model)
+    slots_per_step = model.config.num_experts_per_tok * 2  # top-k slots x 2 layers, each replayed step
+    assert rows > 0 and rows % slots_per_step == 0 and 0 <= hits <= rows
+    eager = ktorch.generate(model, prompt, max_new_tokens=8, cuda_graphs=False)
+    assert captured.ids == eager.ids
+    assert all({5, 6} <= set(m.kt_gpu_expert_ids) for m in moe_experts_modules(model))
+
+
+def test_load_takes_the_split_and_the_budget():
+    """ktorch.load(..., stream_experts=, gpu_memory=) places as set_stream_experts does (the builtin model, CPU)."""
+    model, _ = ktorch.load("builtin", device="cpu", stream_experts=COSTS, gpu_memory="off", tokenizer=False)
+    plan = model.kt_gpu_memory
+    assert plan.resident_per_layer == 0 and plan.staging_experts == model.config.num_experts
+    assert all(m.kt_routed.costs is COSTS for m in moe_experts_modules(model))
+
+
+def test_prepare_budget_starts_residents_from_a_profile():
+    torch.manual_seed(5)
+    base = tiny_model("qwen3_moe")
+    ids = torch.randint(0, 256, (1, 24))
+    profile = ktorch.profile_experts(base, ids)
+    floor = _floor(ktorch.prepare(copy.deepcopy(base), device="cpu"))
+    m0 = moe_experts_modules(base)[0]
+    per_resident = (m0.gate_up_proj[0].numel() + m0.down_proj[0].numel()) * 4 * 2
+    model = ktorch.prepare(copy.deepcopy(base), device="cpu", gpu_memory=floor + 3 * per_resident,
+                           expert_profile=profile)
+    assert model.kt_gpu_memory.resident_per_layer == 3 and model.kt_gpu_memory.staging_experts == 0
+    for (name, _), m in zip(ktorch.placement.experts_modules(model), moe_experts_modules(model)):
+        assert sorted(m.kt_gpu_expert_ids) == sorted(profile.hottest(name, 3).tolist())
+    assert_logits_match(base, model, torch.float32, ids)
+    with pytest.raises(ValueError, match="leave gpu_experts unset"):
+        ktorch.prepare(copy.deepcopy(base), device="cpu", gpu_memory="1GiB", gpu_experts=2, expert_profile=profile)
