@@ -322,7 +322,7 @@ def load_model(args: argparse.Namespace):
             raise CLIError(f"--deferred-experts {args.deferred_experts}: the model routes each token to {top_k} "
                            "experts; D must be at most that")
         ktorch.set_deferred_experts(model, args.deferred_experts)
-        if stream != "off" or gpu_memory is not None:
+        if stream != "off" or gpu_memory != "off":  # gpu_memory None: --gpu-memory auto
             if device.type != "cuda":
                 raise CLIError(f"--stream-experts and --gpu-memory place experts on a GPU; --device is {device}")
             try:
