@@ -221,13 +221,19 @@ def test_add_bos_flag_is_enforced():
 @pytest.mark.parametrize("experts_types", [{"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"}, {"gate": "Q5_K", "up": "Q5_K", "down": "Q8_0"}],
                          ids=["Q4_K_M", "Q5_K-Q8_0"])
 def test_exact_experts_logits_match_hf_eager(experts_types, tmp_path):
-    """A Qwen3-MoE written with K-quant experts, loaded with auto (exact): its logits match an fp32 HF eager model
-    holding the file's values, as the bf16 path does (the op's int8 activations are its only difference)."""
+    """A one-layer Qwen3-MoE written with K-quant experts, loaded with auto (exact): its logits against an fp32 HF
+    eager model holding the file's values, within the int8 op tolerance (its int8 activations are the only
+    difference; one layer, so the router sees the same input in both and no routing flips)."""
     torch.manual_seed(0)
-    model = tiny_model("qwen3_moe", hidden_size=256, moe_intermediate_size=256, initializer_range=0.04)
+    model = tiny_model("qwen3_moe", hidden_size=256, moe_intermediate_size=256, initializer_range=0.04,
+                       num_hidden_layers=1)
     path = write_gguf_from_model(model, tmp_path / "k.gguf", experts_type=experts_types["gate"],
                                  experts_types=experts_types, other_type="F16")
     reference = _as_stored(model, experts_types["gate"], experts_types=experts_types)
     loaded, _ = ktorch.load(path, device="cpu", dtype=torch.float32, progress=False)
-    assert moe_experts_modules(loaded)[0].kt_format.startswith("gguf:")
-    assert_logits_match(reference, loaded, torch.float32, torch.randint(0, 256, (1, 48)))
+    assert moe_experts_modules(loaded)[0].kt_format == "gguf:" + "/".join(dict.fromkeys(experts_types.values()))
+    ids = torch.randint(0, 256, (2, 48))
+    with torch.no_grad():
+        want, got = reference(input_ids=ids).logits.double(), loaded(input_ids=ids).logits.double()
+    err = float((got - want).norm() / want.norm())
+    assert 0 < err <= 3e-2, f"{experts_types}: logits off by {err:.3g}"
