@@ -199,3 +199,33 @@ def test_pack_quantized_rejects_codes_out_of_range():
         pack_quantized(codes, scales, bits=4)
     with pytest.raises(ValueError, match="multiple of 16"):
         pack_quantized(codes.to(torch.int8), torch.ones(1, 16, 4), bits=8)  # groups of 8
+
+
+# ---------------------------------------------------------------- other paths that read the packed experts
+
+
+def test_numa_split_of_grouped_int8(seed):
+    """The NUMA split cuts Q8_0/Q6_K experts at whole groups of the down scales (two slices, run where this machine
+    has one node too) and matches the reference; affine scales are refused with the shape named."""
+    E, K, H, I, T = 4, 2, 256, 512, 9
+    for types in (("Q8_0",) * 3, ("Q6_K",) * 3):
+        packed, gate_up, down = exact_experts(E, H, I, types)
+        split = packed.split_numa(2)
+        hidden = torch.randn(T, H).to(torch.bfloat16)
+        ids, weights = make_routing(T, E, K)
+        out = ktorch.fused_moe(hidden, ids, weights, split)
+        ref = fused_moe_reference(hidden, ids, weights, gate_up, down, "silu")
+        assert relative_error(out, ref) <= INT8_TOLERANCE, f"seed={seed} {types}"
+    packed, _, _ = exact_experts(E, H, I, ("Q4_K",) * 3)
+    with pytest.raises(RuntimeError, match="w13_scales must be float32"):
+        packed.split_numa(2)
+
+
+@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("Q5_K", "Q5_K", "Q8_0")], ids=["Q4_K_M", "Q5_K-Q8_0"])
+def test_streamed_dequantize_matches_unpack(types):
+    """The device paths' dequantization (streamed experts) of the exact formats: kt.unpack's weights, transposed."""
+    from ktorch.ops.streamed_experts import dequantize_packed
+
+    packed, gate_up, down = exact_experts(3, 256, 256, types)
+    assert torch.equal(dequantize_packed(packed.w13, packed.w13_scales, True, torch.float32), gate_up.transpose(1, 2))
+    assert torch.equal(dequantize_packed(packed.w2, packed.w2_scales, False, torch.float32), down.transpose(1, 2))
