@@ -161,6 +161,20 @@ void int8_dequantize(const GemmArgs& a, const int32_t* partial) {
 }
 
 // ---------------------------------------------------------------- grouped formats
+constexpr int64_t kScaleAhead = 4;  // groups ahead whose scales (and minimums) a tile prefetches
+
+// The scales of a group are one line per block, a group's lines a row of scales apart (another page for most
+// shapes), which the hardware prefetchers do not follow: fetch them (and the affine minimums) a few groups ahead.
+template <int NR, bool kAffine>
+inline void prefetch_scales(const GemmArgs& a, int b0, int64_t g, int64_t groups) {
+  if (g + kScaleAhead >= groups) return;
+  for (int b = 0; b < NR; ++b) {
+    const int64_t at = (g + kScaleAhead) * a.b_scale_group_stride + (b0 + b) * a.b_scale_block_stride;
+    _mm_prefetch(reinterpret_cast<const char*>(a.b_scale + at), _MM_HINT_T0);
+    if constexpr (kAffine) _mm_prefetch(reinterpret_cast<const char*>(a.b_min + at), _MM_HINT_T0);
+  }
+}
+
 // One group's int32 sums into the fp32 accumulators: acc += (gacc - offset * sum_g(x)) * s_w[g], and for the affine
 // formats acc -= sum_g(x) * min[g] (the operations and their order of the portable kernels, fused).
 template <int MR, int NR, bool kAffine>
@@ -194,7 +208,9 @@ void int8g_tile(const GemmArgs& a, int m0, int b0, int64_t k0, int64_t k1, const
   const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
   const int64_t quads = a.group_size / 4;
   Prefetch::Cursor next = pf.cursor();
+  const int64_t groups = a.K / a.group_size;
   for (int64_t g = k0 / a.group_size; g < k1 / a.group_size; ++g) {
+    prefetch_scales<NR, kAffine>(a, b0, g, groups);
     __m512i gacc[MR][NR];
     for (int r = 0; r < MR; ++r)
       for (int b = 0; b < NR; ++b) gacc[r][b] = _mm512_setzero_si512();
@@ -217,7 +233,6 @@ void int8g_tile(const GemmArgs& a, int m0, int b0, int64_t k0, int64_t k1, const
 }
 
 // ---------------------------------------------------------------- int4
-constexpr int64_t kScaleAhead = 4;  // groups ahead whose scales a tile prefetches
 
 // kAffine (b_min set): the nibbles are the codes u themselves (no -8) and each group subtracts min * sum_g(x).
 template <int MR, int NR, bool kPrefetch, bool kAffine>
@@ -240,13 +255,7 @@ void int4_tile(const GemmArgs& a, int m0, int b0, int64_t k0, int64_t k1, const 
   constexpr int kHiRows = kSplitNibbles ? MR : 1, kHiBlocks = kSplitNibbles ? NR : 1;
   const int64_t groups = a.K / a.group_size;
   for (int64_t g = k0 / a.group_size; g < k1 / a.group_size; ++g) {
-    // The scales of a group are one line per block, a group's lines a row of scales apart (another page for most
-    // shapes), which the hardware prefetchers do not follow: fetch them a few groups ahead.
-    if (g + kScaleAhead < groups)
-      for (int b = 0; b < NR; ++b)
-        _mm_prefetch(reinterpret_cast<const char*>(a.b_scale + (g + kScaleAhead) * a.b_scale_group_stride +
-                                                   (b0 + b) * a.b_scale_block_stride),
-                     _MM_HINT_T0);
+    prefetch_scales<NR, kAffine>(a, b0, g, groups);
     __m512i gacc[MR][NR], gacc_hi[kHiRows][kHiBlocks];
     for (int r = 0; r < MR; ++r)
       for (int b = 0; b < NR; ++b) gacc[r][b] = _mm512_setzero_si512();
