@@ -17,6 +17,10 @@ measures for itself at start: DRAM read bandwidth (a large fp32 sum) and the dot
     python benchmarks/bench_fused_moe.py                      # Qwen3-30B-A3B and DeepSeek-V3 layer shapes
     python benchmarks/bench_fused_moe.py --shapes qwen3 --tokens 1 512 --impls ktorch-int8 eager
     python benchmarks/bench_fused_moe.py --shapes qwen3 --tokens 512 --impls ktorch-int8 --profile
+    python benchmarks/bench_fused_moe.py --shapes qwen3 --tokens 1 512 2048 --impls ktorch-int8 ktorch-q4_k ktorch-q4_k_m
+
+ktorch-q8_0, -q6_k, -q5_k, -q4_k, -q4_k_m (Q4_K gate/up, Q6_K down), -q4_0: the GGUF types kept exact (docs/loading.md),
+their codes and fp32 group scales (and minimums) counted in the GB/s column.
 
 --pages huge 4k: the ktorch rows on both kinds of pages, taking turns (ktorch's pack ops allocate packed weights on
 transparent huge pages, so "huge", the default, is what users get; the rows on 4 KiB pages are named .../4k).
@@ -54,7 +58,11 @@ SHAPES = {  # name: (E, K, H, I)
     "deepseek": (256, 8, 7168, 2048),
 }
 KT_FORMATS = ("bf16", "int8", "int4")
-IMPLS = ("ktorch-bf16", "ktorch-int8", "ktorch-int4", "eager", "grouped_mm")
+# GGUF types kept exact (docs/loading.md): (bits, group, affine) of w13 and of w2. q4_k_m: Q4_K gate/up, Q6_K down.
+EXACT = {"q8_0": ((8, 32, False), (8, 32, False)), "q6_k": ((8, 16, False), (8, 16, False)),
+         "q5_k": ((8, 32, True), (8, 32, True)), "q4_k": ((4, 32, True), (4, 32, True)),
+         "q4_k_m": ((4, 32, True), (8, 16, False)), "q4_0": ((4, 32, False), (4, 32, False))}
+IMPLS = ("ktorch-bf16", "ktorch-int8", "ktorch-int4", *(f"ktorch-{f}" for f in EXACT), "eager", "grouped_mm")
 
 
 def machine() -> str:
@@ -150,6 +158,17 @@ def random_packed(E: int, H: int, I: int, fmt: str, group_size: int = 128, pages
             return weights_buffer((E, N // 16, K // 4, 16, 4), torch.int8, pages).random_(-127, 128), scales
         return weights_buffer((E, N // 16, K // 8, 16, 4), torch.uint8, pages).random_(0, 256), scales
 
+    def exact_mat(N, K, form):
+        bits, group, affine = form
+        scales = torch.rand(E, *((2,) if affine else ()), K // group, N).add_(0.5).mul_(K**-0.5 / 8)
+        if bits == 8:
+            return weights_buffer((E, N // 16, K // 4, 16, 4), torch.int8, pages).random_(-32, 32), scales
+        return weights_buffer((E, N // 16, K // 8, 16, 4), torch.uint8, pages).random_(0, 256), scales
+
+    if fmt in EXACT:
+        w13, s13 = exact_mat(2 * I, H, EXACT[fmt][0])
+        w2, s2 = exact_mat(H, I, EXACT[fmt][1])
+        return ktorch.PackedExperts(w13, s13, w2, s2, f"gguf:{fmt}")
     w13, s13 = mat(2 * I, H)
     w2, s2 = mat(H, I)
     return ktorch.PackedExperts(w13, s13, w2, s2, fmt, group_size if fmt == "int4" else None)
@@ -174,6 +193,12 @@ def expert_bytes(impl: str, H: int, I: int, group_size: int = 128) -> float:
         return n + 4 * (2 * I + H)
     if impl == "ktorch-int4":
         return n / 2 + 4 * (2 * I * H + H * I) / group_size
+    fmt = impl.split("-", 1)[1] if impl.startswith("ktorch-") else None
+    if fmt in EXACT:  # codes (a byte, or a nibble) and fp32 scales (and minimums) per group
+        def part(elements, form):
+            bits, group, affine = form
+            return elements * bits / 8 + elements / group * 4 * (2 if affine else 1)
+        return part(2 * I * H, EXACT[fmt][0]) + part(H * I, EXACT[fmt][1])
     return 2 * n
 
 

@@ -74,8 +74,9 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
         choices=EXPERTS_DTYPES,
         default="auto",
         help="format the routed experts are packed into for the CPU op: auto (bf16 for transformers checkpoints; "
-        "for GGUF the closest to the file's: Q4_0/Q4_K -> int4, Q8_0/Q5_K/Q6_K -> int8, floats -> bf16), bf16 "
-        "(exact for bf16 checkpoints), int8 (per-channel), int4 (grouped, see --group-size) (default: auto)",
+        "for GGUF the file's values exactly: Q4_0/Q4_K/Q5_K/Q6_K/Q8_0/MXFP4 codes with their scales, floats -> "
+        "bf16), bf16 (exact for bf16 checkpoints), int8 (per-channel), int4 (grouped, see --group-size): these "
+        "requantize a GGUF file and print the error (default: auto)",
     )
     m.add_argument(
         "--group-size",

@@ -61,8 +61,8 @@ def load(
         device: where attention, routers, shared experts, embeddings and the KV cache go (default: "cuda" if a
             GPU is visible, else "cpu"). Routed experts are always packed in CPU memory for ``kt.fused_moe``.
         experts_dtype: "auto", "bf16", "int8" or "int4". "auto" is bf16 for safetensors and, for GGUF, the
-            format closest to the file's (Q4_0/Q4_K -> int4, Q5_K/Q6_K/Q8_0 -> int8, float -> bf16; see
-            docs/loading.md).
+            file's own values exactly (Q4_0/Q4_K/Q5_K/Q6_K/Q8_0/MXFP4 codes with their per-group scales; float ->
+            bf16; see docs/loading.md); an explicit format requantizes and prints the error it measured.
         group_size: int4 only (default: 32 for GGUF Q4 blocks, else 128 where it divides the sizes).
         dtype: dtype of the non-expert weights (default: the checkpoint config's for safetensors; for GGUF
             bfloat16 on a GPU, float32 on the CPU).

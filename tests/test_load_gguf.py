@@ -24,15 +24,21 @@ gguf = pytest.importorskip("gguf")
 
 # Largest relative error (||packed - file|| / ||file||) of each conversion, measured on these random weights
 # (Gaussian, one draw per type): the bound is the measurement with headroom. docs/loading.md has the table.
+# "auto" keeps every GGUF type with an exact form exact (bound 0: bit for bit).
 CONVERSION_BOUND = {
+    ("Q8_0", "auto"): 0.0,
+    ("Q4_0", "auto"): 0.0,
+    ("Q4_K", "auto"): 0.0,
+    ("Q5_K", "auto"): 0.0,
+    ("Q6_K", "auto"): 0.0,
+    ("BF16", "auto"): 0.0,
+    ("F16", "auto"): 0.004,
+    ("F32", "auto"): 0.004,
     ("Q8_0", "int8"): 0.012,
     ("Q4_0", "int4"): 0.0,
     ("Q4_K", "int4"): 0.11,
     ("Q5_K", "int8"): 0.012,
     ("Q6_K", "int8"): 0.012,
-    ("BF16", "bf16"): 0.0,
-    ("F16", "bf16"): 0.004,
-    ("F32", "bf16"): 0.004,
     ("Q4_K", "int8"): 0.012,
     ("Q8_0", "int4"): 0.11,
 }
@@ -58,12 +64,15 @@ def test_experts_conversion_against_file_values(wide_qwen3, file_type, experts_d
     path = folder / f"experts_{file_type}.gguf"
     if not path.exists():
         write_gguf_from_model(model, path, experts_type=file_type, other_type="F16")
-    auto = {"Q8_0": "int8", "Q4_0": "int4", "Q4_K": "int4", "Q5_K": "int8", "Q6_K": "int8"}.get(file_type, "bf16")
-    loaded, tokenizer = ktorch.load(path, device="cpu", experts_dtype="auto" if auto == experts_dtype else experts_dtype,
-                                    progress=False)
+    loaded, tokenizer = ktorch.load(path, device="cpu", experts_dtype=experts_dtype, progress=False)
     assert tokenizer is None
+    want_format = experts_dtype
+    if experts_dtype == "auto":
+        want_format = "bf16" if file_type in ("BF16", "F16", "F32") else f"gguf:{file_type}"
+    elif (file_type, experts_dtype) == ("Q4_0", "int4"):
+        want_format = "gguf:Q4_0"  # re-laid exactly
     for layer, module in enumerate(moe_experts_modules(loaded)):
-        assert module.kt_format == experts_dtype
+        assert module.kt_format == want_format
         gate_up, down = packed_experts_of(module).dequantize()
         want_gate_up = torch.cat([_file_values(path, f"blk.{layer}.ffn_gate_exps.weight"),
                                   _file_values(path, f"blk.{layer}.ffn_up_exps.weight")], dim=1)
@@ -92,6 +101,43 @@ def test_q4_k_with_symmetric_scales_is_exact(tmp_path):
     assert torch.equal(gate_up, want)
 
 
+def test_explicit_conversion_prints_its_loss(wide_qwen3, capfd):
+    model, folder = wide_qwen3
+    path = folder / "experts_Q4_K.gguf"
+    if not path.exists():
+        write_gguf_from_model(model, path, experts_type="Q4_K", other_type="F16")
+    ktorch.load(path, device="cpu", experts_dtype="int4", progress=False)
+    err = capfd.readouterr().err
+    assert err.count("relative error") == 1, err
+    assert "converted to int4" in err and "experts_dtype='auto' keeps them exact" in err
+    line = next(x for x in err.splitlines() if "relative error" in x)
+    assert 0.03 < float(line.split("relative error ")[1].split()[0]) < 0.11
+    ktorch.load(path, device="cpu", progress=False)  # auto: exact, nothing to report
+    assert "relative error" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("types", [{"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"},
+                                   {"gate": "Q4_K", "up": "Q6_K", "down": "Q5_K"},
+                                   {"gate": "Q8_0", "up": "Q4_0", "down": "Q4_K"}],
+                         ids=["Q4_K_M", "gate_up_differ", "q8_q4_0"])
+def test_mixed_types_load_exactly(wide_qwen3, types):
+    """Q4_K_M's layers (Q4_K gate/up, Q6_K down: int4 and int8 in one op call) and gate/up of different types (both
+    held in the wider form) load exact with auto."""
+    model, folder = wide_qwen3
+    path = folder / f"mixed_{'_'.join(types.values())}.gguf"
+    write_gguf_from_model(model, path, experts_type=types["gate"], experts_types=types, other_type="F16")
+    loaded, _ = ktorch.load(path, device="cpu", progress=False)
+    for layer, module in enumerate(moe_experts_modules(loaded)):
+        assert module.kt_format == "gguf:" + "/".join(dict.fromkeys(types.values()))
+        gate_up, down = packed_experts_of(module).dequantize()
+        assert torch.equal(gate_up, torch.cat([_file_values(path, f"blk.{layer}.ffn_gate_exps.weight"),
+                                               _file_values(path, f"blk.{layer}.ffn_up_exps.weight")], dim=1))
+        assert torch.equal(down, _file_values(path, f"blk.{layer}.ffn_down_exps.weight"))
+    if types["down"] == "Q6_K":
+        packed = packed_experts_of(moe_experts_modules(loaded)[0])
+        assert packed.w13.dtype == torch.uint8 and packed.w2.dtype == torch.int8
+
+
 # ---------------------------------------------------------------- whole models
 
 
@@ -109,19 +155,20 @@ def _model(family: str):
     return tiny_model(family)
 
 
-def _as_stored(model, experts_type: str, other_type: str = "F16"):
-    """``model`` with each weight replaced by what the GGUF stores (encoded and decoded with gguf's functions)."""
+def _as_stored(model, experts_type: str, other_type: str = "F16", experts_types: dict | None = None):
+    """``model`` with each weight replaced by what the GGUF stores (encoded and decoded with gguf's functions);
+    ``experts_types`` as write_gguf_from_model takes it (per projection)."""
+    types = {"gate": experts_type, "up": experts_type, "down": experts_type, **(experts_types or {})}
     with torch.no_grad():
         for name, p in model.named_parameters():
             x = p.detach().float().numpy()
             if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
                 if name.endswith("gate_up_proj"):  # gate and up are separate GGUF tensors
                     half = x.shape[1] // 2
-                    parts = [x[:, :half], x[:, half:]]
+                    parts = [(x[:, :half], types["gate"]), (x[:, half:], types["up"])]
                 else:
-                    parts = [x]
-                qtype = gguf.GGMLQuantizationType[experts_type]
-                decoded = [gguf.quants.dequantize(encode(part, experts_type), qtype) for part in parts]
+                    parts = [(x, types["down"])]
+                decoded = [gguf.quants.dequantize(encode(part, t), gguf.GGMLQuantizationType[t]) for part, t in parts]
                 p.copy_(torch.from_numpy(np.concatenate(decoded, axis=1)))
             elif x.ndim >= 2 and ".gate.weight" not in name and "shared_expert_gate" not in name:
                 p.copy_(p.half().float() if other_type == "F16" else p)
@@ -169,3 +216,24 @@ def test_add_bos_flag_is_enforced():
     _set_add_bos(tokenizer, True, bos)
     assert tokenizer(text).input_ids == [bos] + plain
     assert tokenizer.decode(tokenizer(text).input_ids, skip_special_tokens=True) == text
+
+
+@pytest.mark.parametrize("experts_types", [{"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"}, {"gate": "Q5_K", "up": "Q5_K", "down": "Q8_0"}],
+                         ids=["Q4_K_M", "Q5_K-Q8_0"])
+def test_exact_experts_logits_match_hf_eager(experts_types, tmp_path):
+    """A one-layer Qwen3-MoE written with K-quant experts, loaded with auto (exact): its logits against an fp32 HF
+    eager model holding the file's values, within the int8 op tolerance (its int8 activations are the only
+    difference; one layer, so the router sees the same input in both and no routing flips)."""
+    torch.manual_seed(0)
+    model = tiny_model("qwen3_moe", hidden_size=256, moe_intermediate_size=256, initializer_range=0.04,
+                       num_hidden_layers=1)
+    path = write_gguf_from_model(model, tmp_path / "k.gguf", experts_type=experts_types["gate"],
+                                 experts_types=experts_types, other_type="F16")
+    reference = _as_stored(model, experts_types["gate"], experts_types=experts_types)
+    loaded, _ = ktorch.load(path, device="cpu", dtype=torch.float32, progress=False)
+    assert moe_experts_modules(loaded)[0].kt_format == "gguf:" + "/".join(dict.fromkeys(experts_types.values()))
+    ids = torch.randint(0, 256, (2, 48))
+    with torch.no_grad():
+        want, got = reference(input_ids=ids).logits.double(), loaded(input_ids=ids).logits.double()
+    err = float((got - want).norm() / want.norm())
+    assert 0 < err <= 3e-2, f"{experts_types}: logits off by {err:.3g}"

@@ -1,8 +1,9 @@
 """ktorch.load on gpt-oss GGUF files with MXFP4 experts, written (ktorch/integrations/gguf_writer.py) from a tiny
 random transformers gpt_oss model with names, types and metadata as llama.cpp's converter writes them.
 
-- MXFP4 -> bf16 is exact: the packed experts equal ``gguf.quants.dequantize`` of the file bit for bit, biases too,
-  and every E8M0 scale byte the loader accepts (<= 252) decodes to values bf16 holds exactly;
+- MXFP4 experts are exact, kept as codes with their scales (auto) or decoded to bf16 (explicit): the packed experts
+  equal ``gguf.quants.dequantize`` of the file bit for bit, biases too, and every E8M0 scale byte the loader accepts
+  (<= 252) decodes to values bf16 holds exactly;
 - the model: ktorch's bf16 logits against transformers' eager gpt_oss (bf16) holding the weights the file stores,
   routing flips at near-ties handled as tests/test_integrations_families.py does;
 - ``ktorch generate`` on the file (no tokenizer: byte ids);
@@ -73,13 +74,15 @@ def test_every_accepted_scale_decodes_exactly_to_bf16():
     assert not torch.isfinite(values[MXFP4_MAX_SCALE + 1]).all()
 
 
-def test_config_and_exact_experts(gpt_oss_file):
+@pytest.mark.parametrize("experts_dtype", ["auto", "bf16"])
+def test_config_and_exact_experts(gpt_oss_file, experts_dtype):
     model, path = gpt_oss_file
     tensors = _file_tensors(path)
     assert tensors["blk.0.ffn_gate_exps.weight"].tensor_type == MXFP4
     assert tensors["blk.1.ffn_down_exps.weight"].tensor_type == MXFP4
     assert "blk.0.attn_sinks.weight" in tensors and "blk.0.ffn_gate_exps.bias" in tensors
-    loaded, tokenizer = ktorch.load(path, device="cpu", dtype=torch.bfloat16, progress=False)
+    loaded, tokenizer = ktorch.load(path, device="cpu", dtype=torch.bfloat16, experts_dtype=experts_dtype,
+                                    progress=False)
     assert tokenizer is None and type(loaded).__name__ == "GptOssForCausalLM"
     c, want = loaded.config, model.config
     for key in ("num_local_experts", "num_experts_per_tok", "intermediate_size", "head_dim", "sliding_window",
@@ -89,7 +92,8 @@ def test_config_and_exact_experts(gpt_oss_file):
         assert c.rope_parameters[key] == ROPE[key], key
     assert c.rope_parameters["rope_theta"] == pytest.approx(ROPE["rope_theta"])
     for layer, module in enumerate(moe_experts_modules(loaded)):
-        assert module.kt_format == "bf16" and module.kt_activation == "swiglu_oai(alpha=1.702,limit=7.0)"
+        # auto: the MXFP4 codes (int8) with their power-of-two scales; bf16: decoded; exact either way
+        assert module.kt_format == ("gguf:MXFP4" if experts_dtype == "auto" else "bf16") and module.kt_activation == "swiglu_oai(alpha=1.702,limit=7.0)"
         packed = packed_experts_of(module)
         gate_up, down = packed.dequantize()
         blk = f"blk.{layer}.ffn"
@@ -98,7 +102,7 @@ def test_config_and_exact_experts(gpt_oss_file):
         want_down = _file_values(tensors, f"{blk}_down_exps.weight")
         for got, want_w in ((gate_up, want_gate_up), (down, want_down)):
             assert ((got.float() - want_w).norm() / want_w.norm()).item() <= 1e-6
-            assert torch.equal(got.float(), want_w)  # exact: MXFP4 values are bf16 values
+            assert torch.equal(got.float(), want_w)  # exact: MXFP4 values are bf16 values (and codes * 2**(e-128))
         assert torch.equal(packed.w13_bias.float(), torch.cat([_file_values(tensors, f"{blk}_gate_exps.bias"),
                                                                _file_values(tensors, f"{blk}_up_exps.bias")], dim=1))
         assert torch.equal(packed.w2_bias.float(), _file_values(tensors, f"{blk}_down_exps.bias"))
@@ -178,7 +182,7 @@ def test_scale_at_the_limit_is_exact_past_it_an_error(tmp_path):
     want = _file_values(_file_tensors(path), name)
     assert want.abs().max() > 2.0 ** 120 and torch.equal(gate_up[:, want.shape[1]:].float(), want)
     path = _write(tmp_path, "over.gguf", lambda plan: _with_scale(plan, name, MXFP4_MAX_SCALE + 1))
-    with pytest.raises(CheckpointError, match=rf"{name}.*E8M0 byte 253.*exactly to bf16"):
+    with pytest.raises(CheckpointError, match=rf"{name}.*E8M0 byte 253.*cannot be held exactly"):
         ktorch.load(path, device="cpu", dtype=torch.bfloat16, progress=False)
 
 

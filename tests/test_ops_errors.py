@@ -113,11 +113,11 @@ def test_fused_moe_unknown_activation():
 
 def test_fused_moe_formats_mixed():
     a, b = experts("int8"), experts("bf16")
-    with raises(r"w13 and w2 must be packed in the same format, got Char and BFloat16"):
+    with raises(r"w13 and w2 must both be bf16 or both quantized \(int8/int4\), got Char and BFloat16"):
         call(w13=a.w13, w13_scales=a.w13_scales, w2=b.w2, w2_scales=None)
-    c = experts("int4", group_size=32)
-    with raises(r"w13 and w2 must be packed in the same format, got Char and Byte"):
-        call(packed=a, w2=c.w2, w2_scales=c.w2_scales)
+    with raises(r"w13 and w2 must both be bf16 or both quantized \(int8/int4\), got BFloat16 and Char"):
+        call(w13=b.w13, w13_scales=None, w2=a.w2, w2_scales=a.w2_scales)
+    # (int8 with int4 is a valid pair: GGUF Q4_K_M layers, tests/test_ops_kquant.py)
 
 
 def test_fused_moe_unpacked_weights():
@@ -166,7 +166,7 @@ def test_fused_moe_scales_missing_or_wrong(fmt, group_size):
         call(packed=p, w2_scales=None)
     with raises(r"w13_scales has shape \[6, \d+, 96\] but w13 needs \[6, G, 128\]"):
         call(packed=p, w13_scales=p.w2_scales)
-    with raises(r"w2_scales must be a contiguous float32 CPU tensor \[E, G, N\], got Half"):
+    with raises(r"w2_scales must be a contiguous float32 CPU tensor \[E, G, N\] .*, got Half"):
         call(packed=p, w2_scales=p.w2_scales.half())
     with raises(r"w13_scales must be a contiguous float32 CPU tensor \[E, G, N\]"):
         call(packed=p, w13_scales=torch.cat([p.w13_scales, p.w13_scales], dim=2)[:, :, ::2])
@@ -174,8 +174,9 @@ def test_fused_moe_scales_missing_or_wrong(fmt, group_size):
 
 def test_fused_moe_scales_of_another_format():
     p8, p4 = experts("int8"), experts("int4", group_size=32)
-    with raises(r"int8 w13_scales must be per output channel \[E, 1, N\], got \[6, 3, 128\]"):
-        call(packed=p8, w13_scales=p4.w13_scales)
+    with raises(r"int8 w13_scales has 12 groups of 8 input channels; grouped or affine int8 needs groups of a "
+                r"multiple of 16"):
+        call(packed=p8, w13_scales=torch.ones(E, 12, 2 * I))
     with raises(r"bf16 weights take no scales, but w2_scales was given"):
         call(w2_scales=p8.w2_scales)
     with raises(r"w13_scales has 2 groups, .*K=96"):  # group size 48
@@ -288,11 +289,13 @@ def test_unpack_bad_arguments():
         kt.unpack(pb, s8)
     with raises(r"unpack: quantized packed weights need their scales"):
         kt.unpack(p8, None)
-    with raises(r"unpack: int8 scales must be \[E, 1, N\], got \[3, 2, 128\]"):
-        kt.unpack(p8, s4)
-    with raises(r"unpack: scales must be float32 \[E=3, G, N=128\] with G dividing K=64, got Float \[2, 1, 128\]"):
+    with raises(r"unpack: grouped or affine int8 scales need groups of a multiple of 16 input channels, got "
+                r"\[3, 8, 128\] for K=64"):
+        kt.unpack(p8, torch.ones(3, 8, 128))
+    with raises(r"unpack: scales must be float32 \[E=3, G, N=128\] or \[E, 2, G, N\] \(scales, minimums\) with G "
+                r"dividing K=64, got Float \[2, 1, 128\]"):
         kt.unpack(p8, s8[:2])
-    with raises(r"unpack: scales must be float32 \[E=3, G, N=128\] with G dividing K=64, got Half"):
+    with raises(r"unpack: scales must be float32 \[E=3, G, N=128\] or \[E, 2, G, N\] .*, got Half"):
         kt.unpack(p4, s4.half())
     with raises(r"unpack: packed must be \[E, N/16, K/per, 16, per\], got shape \[3, 128, 64\]"):
         kt.unpack(w, None)

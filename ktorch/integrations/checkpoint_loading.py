@@ -151,14 +151,15 @@ def pack_experts_in_chunks(source: CheckpointSource, module_name: str, num_exper
     for first in range(0, num_experts, chunk):
         end = min(num_experts, first + chunk)
         part = source.read_experts(module_name, first, end, fmt, group_size)
+        tensors = (*part.tensors(), *part.biases())
         if out is None:
-            out = [None if t is None else empty_weights((num_experts, *t.shape[1:]), t.dtype) for t in part.tensors()]
+            out = [None if t is None else empty_weights((num_experts, *t.shape[1:]), t.dtype) for t in tensors]
             packed_format, packed_group = part.format, part.group_size
-        for dst, src in zip(out, part.tensors()):
+        for dst, src in zip(out, tensors):
             if dst is not None:
                 dst[first:end].copy_(src)
         del part
-    return PackedExperts(*out, packed_format, packed_group)
+    return PackedExperts(*out[:4], packed_format, packed_group, out[4], out[5])
 
 
 def experts_as_stored(module: nn.Module) -> bool:
@@ -290,7 +291,9 @@ def build_model(
             if step in experts_by_layer:
                 name, module = experts_by_layer[step]
                 fmt, group = formats[name]
-                if experts_as_stored(module):
+                # (a format outside FORMATS is a source's exact one, e.g. GGUF's: read_experts reads it, whatever the
+                # module's layout)
+                if experts_as_stored(module) and fmt in FORMATS:
                     packed = pack_stored_experts_in_chunks(source, name, module, fmt, group)
                 else:
                     packed = pack_experts_in_chunks(source, name, *sizes[name], fmt, group)

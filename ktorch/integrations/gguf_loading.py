@@ -11,18 +11,17 @@ Architectures (``general.architecture`` -> transformers ``model_type``):
   packed with the ``swiglu_oai`` activation of the config).
 
 Routed experts (``blk.N.ffn_{gate,up}_exps.weight`` [E, I, H], ``ffn_down_exps.weight`` [E, H, I] in numpy order)
-become the op's packed formats. With ``experts_dtype="auto"``:
-  Q4_0           -> int4, group 32, exact (Q4_0 is symmetric: ``d * (q - 8)``; the blocks are re-laid, not requantized)
-  Q4_K           -> int4, group 32: exact where a sub-block's minimum is 8 of its steps (``dmin*m == 8*d*sc``),
-                    else dequantized and requantized (Q4_K is asymmetric; the op's int4 is symmetric)
-  Q8_0, Q5_K, Q6_K and other quantized types -> int8 per output channel (dequantized, requantized)
-  BF16, F16, F32 -> bf16
-  MXFP4 (gpt-oss)-> bf16, exact: E2M1 values (at most 2 significant bits) times a power-of-two E8M0 scale; every
-                    scale byte up to 252 gives values bf16 holds exactly (down to 2**-128, bf16's subnormals
-                    included); a block whose scale byte is 253..255 (values past float32's range, or NaN) is a
-                    CheckpointError, never a silent rounding
-  a layer whose three tensors differ takes the widest of their formats (e.g. Q4_K gate/up with Q6_K down -> int8).
-An explicit ``experts_dtype`` converts every layer to it (Q4_0 -> int4 with group 32 stays exact).
+become the op's packed formats. With ``experts_dtype="auto"`` the file's own values, exactly (``EXACT_TYPES``,
+``exact_codes``; no requantization): the op computes with codes * scale - min per group as the file stores them:
+  Q8_0 -> int8 codes, a scale per 32          Q6_K -> int8 codes -32..31, a scale (d * sc) per 16
+  Q5_K -> int8 codes 0..31, scale and min per 32   MXFP4 -> int8 codes (E2M1 doubled), scale 2**(e-128) per 32
+  Q4_0 -> int4 codes q - 8, a scale per 32     Q4_K -> int4 codes 0..15 (nibbles), scale and min per 32
+  (scales and minimums float32: an fp16 times a 6-bit integer, or a power of two, is exact there); gate and up of
+  different types take the wider form (int8, the smaller group); w13 and w2 may differ (Q4_K_M: int4 gate/up,
+  int8 down). gpt-oss's MXFP4 experts come with their biases (gate's then up's, down's).
+  Layers with another type (Q4_1, Q2_K, IQ*, F16, ...): BF16, F16, F32 -> bf16, the rest -> int8 per channel.
+An explicit ``experts_dtype`` converts every layer to it (requantizing; Q4_0 -> int4 with group 32 stays exact) and
+prints the measured relative error against the file's values once.
 docs/loading.md lists what each conversion loses, measured against ``gguf.quants.dequantize``.
 """
 
@@ -30,6 +29,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import sys
 import warnings
 from pathlib import Path
 from typing import Optional
@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from ktorch.integrations.checkpoint_loading import CheckpointError, CheckpointSource, _layer_index
-from ktorch.ops.moe import GGUF_NATIVE_BLOCK_SIZES, PackedExperts, pack_experts, pack_int4_from_quantized
+from ktorch.ops.moe import GGUF_NATIVE_BLOCK_SIZES, PackedExperts, pack_experts, pack_quantized
 
 ARCHITECTURES = ("qwen3moe", "qwen2moe", "deepseek2", "llama", "gpt-oss")
 _EXPERT_PROJS = ("gate", "up", "down")
@@ -48,6 +48,9 @@ _EXPERT_PROJS = ("gate", "up", "down")
 # in bf16's exponent range, subnormals down to 2**-133 included: exact.
 MXFP4_MAX_SCALE = 252
 _RANK = {"int4": 0, "int8": 1, "bf16": 2}
+# experts_format's answer for a layer whose expert types all have an exact form (EXACT_TYPES): read_experts re-lays
+# the file's codes; the packed layer's format is then "gguf:<types>", e.g. "gguf:Q4_K/Q6_K".
+EXACT_FORMAT = "exact"
 
 
 def _gguf():
@@ -193,6 +196,7 @@ class GGUFSource(CheckpointSource):
         self._config = None
         self._hf_to_gguf: dict[str, str] = {}
         self._buffers: dict[str, torch.Tensor] = {}  # read_experts' decode buffers, one per projection
+        self._loss_reported = False  # read_experts prints a requantization's measured loss once
         self._mmap: Optional[mmap.mmap] = None
 
     # ------------------------------------------------------------ metadata
@@ -419,14 +423,18 @@ class GGUFSource(CheckpointSource):
         t = self.tensors[gguf_name]
         data = t.data[first:end]
         if t.tensor_type.name == "MXFP4":
-            block_size, type_size = _gguf().GGML_QUANT_SIZES[t.tensor_type]
-            scales = np.ascontiguousarray(data).reshape(-1, type_size)[:, 0]
-            top = int(scales.max()) if scales.size else 0
-            if top > MXFP4_MAX_SCALE:
-                raise CheckpointError(self.path, f"an MXFP4 block scale (E8M0 byte {top}) past {MXFP4_MAX_SCALE}: its "
-                                                 "values overflow float32 or are NaN, so they cannot be decoded "
-                                                 "exactly to bf16", tensor=gguf_name)
+            self._check_mxfp4_scales(t, first, end)
         return self._array(t, first, end).float()
+
+    def _check_mxfp4_scales(self, t, first: int, end: int) -> None:
+        """CheckpointError for an MXFP4 block scale byte past MXFP4_MAX_SCALE in experts ``first:end`` of ``t``."""
+        block_size, type_size = _gguf().GGML_QUANT_SIZES[t.tensor_type]
+        scales = np.ascontiguousarray(t.data[first:end]).reshape(-1, type_size)[:, 0]
+        top = int(scales.max()) if scales.size else 0
+        if top > MXFP4_MAX_SCALE:
+            raise CheckpointError(self.path, f"an MXFP4 block scale (E8M0 byte {top}) past {MXFP4_MAX_SCALE}: its "
+                                             "values overflow float32 or are NaN, so they cannot be held exactly",
+                                  tensor=t.name)
 
     def read_expert_rows(self, name: str, first: int, end: int) -> torch.Tensor:
         """gpt-oss experts parameter ``name`` (experts ``first:end``) in the transformers module's layout: the
@@ -457,22 +465,65 @@ class GGUFSource(CheckpointSource):
 
     def experts_format(self, module_name: str, requested: str) -> tuple[str, Optional[int]]:
         types = [t.tensor_type.name for t in self._experts_tensors(module_name).values()]
+        if requested == "auto" and all(n in EXACT_TYPES for n in types):
+            return EXACT_FORMAT, None
         fmt = max((_auto_format(n) for n in types), key=_RANK.get) if requested == "auto" else requested
         return fmt, (32 if fmt == "int4" else None)
 
     def read_experts(self, module_name: str, first: int, end: int, fmt: str, group_size: Optional[int]) -> PackedExperts:
         tensors = self._experts_tensors(module_name)
-        if fmt == "int4" and group_size == 32:
-            exact = {p: _exact_int4(t, first, end) for p, t in tensors.items()}
-            if all(v is not None for v in exact.values()):
-                w13, s13 = pack_int4_from_quantized(torch.cat([exact["gate"][0], exact["up"][0]], dim=1),
-                                                    torch.cat([exact["gate"][1], exact["up"][1]], dim=1), gate_up=True)
-                w2, s2 = pack_int4_from_quantized(*exact["down"], gate_up=False)
-                return PackedExperts(w13, s13, w2, s2, "int4", 32)
+        types = {p: t.tensor_type.name for p, t in tensors.items()}
+        if fmt == EXACT_FORMAT or (fmt == "int4" and group_size == 32 and set(types.values()) == {"Q4_0"}):
+            return self._exact_experts(tensors, first, end)
         arrays = {p: dequantize(t.data[first:end], t.tensor_type, self._scratch(p, end - first, t))
                   for p, t in tensors.items()}
-        return pack_experts(gate_proj=arrays["gate"], up_proj=arrays["up"], down_proj=arrays["down"], dtype=fmt,
-                            group_size=group_size)
+        packed = pack_experts(gate_proj=arrays["gate"], up_proj=arrays["up"], down_proj=arrays["down"], dtype=fmt,
+                              group_size=group_size)
+        if not self._loss_reported:
+            self._report_loss(packed, arrays, types, fmt)
+        return packed
+
+    def _exact_experts(self, tensors: dict, first: int, end: int) -> PackedExperts:
+        """Experts ``first:end`` in the op's exact formats for their GGUF types (``EXACT_TYPES``): the file's codes,
+        scales and minimums re-laid, nothing requantized. gate and up share w13: of different types, both take the
+        wider form (``_common_form``)."""
+        for t in tensors.values():
+            if t.tensor_type.name == "MXFP4":
+                self._check_mxfp4_scales(t, first, end)
+        parts = {p: exact_codes(np.asarray(t.data[first:end]), t.tensor_type.name) for p, t in tensors.items()}
+        forms = {p: EXACT_TYPES[t.tensor_type.name] for p, t in tensors.items()}
+        form13 = _common_form(forms["gate"], forms["up"])
+        gate, up = (_as_form(parts[p], forms[p], form13) for p in ("gate", "up"))
+        mins13 = None if gate[2] is None else torch.cat([gate[2], up[2]], dim=1)
+        w13, s13 = pack_quantized(torch.cat([gate[0], up[0]], dim=1), torch.cat([gate[1], up[1]], dim=1), mins13,
+                                  bits=form13[0], gate_up=True)
+        codes, scales, mins = parts["down"]
+        w2, s2 = pack_quantized(codes, scales, mins, bits=forms["down"][0])
+        names = dict.fromkeys(t.tensor_type.name for t in tensors.values())
+        b13 = b2 = None
+        if self.arch == "gpt-oss":  # biases: gate's then up's [e, 2I] (PackedExperts.w13_bias), down's [e, H]
+            layer = tensors["gate"].name.split(".")[1]
+            bias = {p: self._array(self.tensors[f"blk.{layer}.ffn_{p}_exps.bias"], first, end).float().contiguous()
+                    for p in _EXPERT_PROJS}
+            b13, b2 = torch.cat([bias["gate"], bias["up"]], dim=1).contiguous(), bias["down"]
+        return PackedExperts(w13, s13, w2, s2, "gguf:" + "/".join(names), None, b13, b2)
+
+    def _report_loss(self, packed: PackedExperts, arrays: dict, types: dict, fmt: str) -> None:
+        """Prints, once per file, the relative error of requantizing the first layer's first experts to ``fmt``
+        against the file's values (an explicit ``experts_dtype``, or types with no exact format)."""
+        self._loss_reported = True
+        n = min(2, packed.num_experts)
+        gate_up, down = PackedExperts(packed.w13[:n], None if packed.w13_scales is None else packed.w13_scales[:n],
+                                      packed.w2[:n], None if packed.w2_scales is None else packed.w2_scales[:n],
+                                      packed.format).dequantize()
+        ref13 = torch.cat([arrays["gate"][:n], arrays["up"][:n]], dim=1).float()
+        ref2 = arrays["down"][:n].float()
+        err = math.sqrt(float((gate_up - ref13).square().sum() + (down - ref2).square().sum()) /
+                        max(float(ref13.square().sum() + ref2.square().sum()), 1e-30))
+        exact = all(t in EXACT_TYPES for t in types.values())
+        print(f"ktorch.load: {self.path.name}: routed experts ({'/'.join(dict.fromkeys(types.values()))}) converted to "
+              f"{fmt}: relative error {err:.4g} against the file's values (first layer, {n} experts)"
+              + ("; experts_dtype='auto' keeps them exact" if exact and err > 0 else ""), file=sys.stderr)
 
     def _scratch(self, proj: str, experts: int, t) -> Optional[torch.Tensor]:
         """A float32 buffer for ``experts`` experts of ``t`` decoded, reused from chunk to chunk and layer to layer
@@ -574,31 +625,93 @@ def _q4k_steps(gguf, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return d * sc.astype(np.float32), dmin * m.astype(np.float32)
 
 
-def _exact_int4(t, first: int, end: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """(values int8 [e, N, K] in [-8, 7], scales float32 [e, N, K/32]) for experts ``first:end`` of a Q4_0 tensor,
-    or of a Q4_K tensor whose sub-block minimums are all 8 steps; None when the blocks are not symmetric int4."""
+# The GGUF expert types ``experts_dtype="auto"`` keeps exact: type -> (bits of the op format, group, affine).
+# The codes of Q5_K (0..31), Q6_K (-32..31) and MXFP4 (E2M1 doubled: -12..12) are held one byte each (int8), Q4_0 and
+# Q4_K as nibbles (int4); the scales (and minimums) as float32 per group, which holds each exactly (an fp16 times a
+# 6-bit integer, or a power of two).
+EXACT_TYPES = {"Q8_0": (8, 32, False), "Q6_K": (8, 16, False), "Q5_K": (8, 32, True), "MXFP4": (8, 32, False),
+               "Q4_0": (4, 32, False), "Q4_K": (4, 32, True)}
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+def exact_codes(data: np.ndarray, type_name: str) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """The codes, scales and minimums of GGUF blocks of a type in ``EXACT_TYPES``: data [..., row bytes] (numpy order)
+    -> (codes int8 [..., K], scales float32 [..., K / group], mins float32 like scales or None), such that
+    ``codes * scales - mins`` (per group) equals ``gguf.quants.dequantize`` bit for bit (the same float32 products).
+    Q4_0's codes are q - 8 (symmetric int4), Q4_K's the unsigned nibbles 0..15, MXFP4's the doubled E2M1 values with
+    scale 2**(e - 128) (the gguf package's own table and scale)."""
     gguf = _gguf()
-    name = t.tensor_type.name
-    data = np.asarray(t.data[first:end])
-    if name == "Q4_0":
-        blocks = data.reshape(-1, 18)
-        d = blocks[:, :2].copy().view(np.float16).astype(np.float32)  # [n, 1]
-        qs = blocks[:, 2:]
-        q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.int8) - 8  # [n, 32]: low nibbles first
-        scales = d
-    elif name == "Q4_K":
-        blocks = data.reshape(-1, 144)
-        step, low = _q4k_steps(gguf, blocks[:256])  # a sample first: most Q4_K files are not symmetric
-        if not np.array_equal(low, 8 * step):
-            return None
-        step, low = _q4k_steps(gguf, blocks)
-        if not np.array_equal(low, 8 * step):
-            return None
-        qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-        q = ((qs & 0x0F).reshape(-1, 8, 32).astype(np.int8) - 8).reshape(-1, 256)
-        scales = step
+    qtype = gguf.GGMLQuantizationType[type_name]
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    lead = data.shape[:-1]
+    K = data.shape[-1] // type_size * block_size
+    b = np.ascontiguousarray(data).reshape(-1, type_size)
+    n = b.shape[0]
+    mins = None
+    if type_name == "Q8_0":
+        scales = _f16(b[:, :2])
+        codes = b[:, 2:].view(np.int8)
+    elif type_name == "Q4_0":
+        scales = _f16(b[:, :2])
+        qs = b[:, 2:]
+        codes = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.int8) - np.int8(8)
+    elif type_name in ("Q4_K", "Q5_K"):
+        d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+        sc, m = gguf.quants.Q4_K.get_scale_min(b[:, 4:16])
+        scales, mins = d * sc.astype(np.float32), dmin * m.astype(np.float32)
+        if type_name == "Q4_K":
+            qs = b[:, 16:].reshape(n, -1, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+            codes = (qs & np.uint8(0x0F)).reshape(n, 256).astype(np.int8)
+        else:
+            qh, qs = b[:, 16:48], b[:, 48:]
+            ql = qs.reshape(n, -1, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+            qh = qh.reshape(n, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
+            ql = (ql & np.uint8(0x0F)).reshape(n, -1, 32)
+            qh = (qh & np.uint8(0x01)).reshape(n, -1, 32)
+            codes = (ql | (qh << np.uint8(4))).reshape(n, 256).astype(np.int8)
+    elif type_name == "Q6_K":
+        ql, qh, sc, d = b[:, :128], b[:, 128:192], b[:, 192:208], b[:, 208:210]
+        scales = _f16(d) * np.ascontiguousarray(sc).view(np.int8).astype(np.float32)
+        ql = ql.reshape(n, -1, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        ql = (ql & np.uint8(0x0F)).reshape(n, -1, 32)
+        qh = qh.reshape(n, -1, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+        qh = (qh & np.uint8(0x03)).reshape(n, -1, 32)
+        codes = ((ql | (qh << np.uint8(4))).astype(np.int8) - np.int8(32)).reshape(n, 256)
+    elif type_name == "MXFP4":
+        scales = gguf.quants.MXFP4.e8m0_to_fp32_half(np.ascontiguousarray(b[:, :1]))
+        qs = b[:, 1:].reshape(n, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)
+        table = np.array(gguf.quants.MXFP4.kvalues, dtype=np.int8)
+        codes = table[(qs & np.uint8(0x0F))].reshape(n, 32)
     else:
-        return None
-    e, n = data.shape[0], data.shape[1]
-    values = torch.from_numpy(q).reshape(e, n, -1)
-    return values, torch.from_numpy(np.ascontiguousarray(scales)).reshape(e, n, -1)
+        raise ValueError(f"exact_codes: {type_name} is not one of {sorted(EXACT_TYPES)}")
+
+    def out(a: np.ndarray, last: int) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).reshape(*lead, last)
+
+    group = EXACT_TYPES[type_name][1]
+    return (out(codes, K), out(scales.astype(np.float32), K // group),
+            None if mins is None else out(mins.astype(np.float32), K // group))
+
+
+def _common_form(a: tuple, b: tuple) -> tuple:
+    """The form (bits, group, affine) that holds the codes of forms a and b exactly: a itself when they agree,
+    else int8 with the smaller group, affine if either is (a scale per 32 repeats over two groups of 16, a
+    symmetric group takes minimum 0)."""
+    if a == b:
+        return a
+    return 8, min(a[1], b[1]), a[2] or b[2]
+
+
+def _as_form(part: tuple, form: tuple, to: tuple) -> tuple:
+    """(codes, scales, mins) of ``form`` re-expressed in form ``to`` (``_common_form``), exactly."""
+    codes, scales, mins = part
+    if form == to:
+        return part
+    rep = form[1] // to[1]
+    scales = scales.repeat_interleave(rep, dim=-1)
+    if to[2]:
+        mins = torch.zeros_like(scales) if mins is None else mins.repeat_interleave(rep, dim=-1)
+    return codes, scales, mins

@@ -26,7 +26,9 @@ class PackedExperts:
     w13: gate and up projections packed together ([E, 2I/16, H/per, 16, per]), or the up projection alone for
     gateless experts (``has_gate`` False: [E, I/16, H/per, 16, per], h = act(up)); w2: down projection
     ([E, H/16, I/per, 16, per]); the scales are float32 [E, G, N] for int8 (G = 1) and int4 (G = K / group)
-    and None for bf16. w13_bias (float32 [E, 2I]: gate biases then up biases; [E, I] gateless) and w2_bias
+    and None for bf16. GGUF experts kept exact (``format`` "gguf:<types>", e.g. "gguf:Q4_K/Q6_K";
+    ``pack_quantized``) hold int8 scales per group of 16 or 32 too, and the affine types (Q4_K, Q5_K) scales and
+    minimums [E, 2, G, N] (W = q * scale - min); w13 and w2 may then differ in format (int4 gate/up, int8 down). w13_bias (float32 [E, 2I]: gate biases then up biases; [E, I] gateless) and w2_bias
     (float32 [E, H]) are the experts' biases, or None.
     """
 
@@ -386,38 +388,67 @@ def _fused_moe_fake(hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scal
     return torch.empty_like(hidden, memory_format=torch.contiguous_format)
 
 
-def pack_int4_from_quantized(values: torch.Tensor, scales: torch.Tensor, gate_up: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Places already-quantized int4 weights in ``kt.pack_int4``'s layout, without requantizing them.
-
-    For weights that arrive quantized (e.g. GGUF Q4_0 blocks, ``W = scale * q`` with q in [-8, 7] per group of
-    32 input channels), so that they are used exactly as stored.
+def pack_quantized(codes: torch.Tensor, scales: torch.Tensor, mins: Optional[torch.Tensor] = None, *, bits: int,
+                   gate_up: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Places already-quantized weights (integer codes with a scale, and optionally a minimum, per group of input
+    channels) in the op's int8 (``bits=8``) or int4 (``bits=4``) layout, without requantizing them: the weights the
+    op computes with are ``codes * scale`` (``mins`` None) or ``codes * scale - min``, as the source stored them
+    (GGUF blocks: ktorch/integrations/gguf_loading.py; docs/loading.md lists each type's codes and groups).
 
     Args:
-        values: [E, N, K] integers in [-8, 7] (any integer dtype); N output channels, K input channels.
-        scales: [E, N, K / group_size] float, one per group of consecutive input channels.
-        gate_up: N = 2I rows, gate rows then up rows (as for ``pack_int4(..., gate_up=True)``).
+        codes: [E, N, K] integers (any integer dtype): bits=8: in [-128, 127]; bits=4: in [-8, 7] without mins
+            (stored + 8), in [0, 15] with mins (stored as they are). N output channels, K input channels.
+        scales: [E, N, G] float32, one per group of K/G consecutive input channels (int8: a multiple of 16, or G = 1
+            without mins; int4: a multiple of 32).
+        mins: None, or [E, N, G] float32 like ``scales`` (the affine formats: GGUF Q4_K, Q5_K).
+        gate_up: N = 2I rows, gate rows then up rows (as for ``pack_int8(..., gate_up=True)``).
 
     Returns:
-        (packed uint8 [E, N/16, K/8, 16, 4], scales float32 [E, G, N]), exactly what ``kt.pack_int4`` returns for
-        weights it would quantize to these values; ``kt.unpack`` gives back ``values * scales``.
+        (packed int8 [E, N/16, K/4, 16, 4] or uint8 [E, N/16, K/8, 16, 4], scales float32 [E, G, N], or
+        [E, 2, G, N] with mins: scales then minimums), which ``kt.fused_moe`` and ``kt.unpack`` take.
     """
-    if values.dim() != 3 or scales.dim() != 3 or scales.shape[:2] != values.shape[:2]:
-        raise ValueError(f"pack_int4_from_quantized: expected values [E, N, K] and scales [E, N, G], got "
-                         f"{tuple(values.shape)} and {tuple(scales.shape)}")
-    E, N, K = values.shape
+    if bits not in (4, 8):
+        raise ValueError(f"pack_quantized: bits must be 4 or 8, got {bits}")
+    if codes.dim() != 3 or scales.dim() != 3 or scales.shape[:2] != codes.shape[:2] or (
+            mins is not None and mins.shape != scales.shape):
+        raise ValueError(f"pack_quantized: expected codes [E, N, K], scales [E, N, G] and mins None or like scales, got "
+                         f"{tuple(codes.shape)}, {tuple(scales.shape)} and {None if mins is None else tuple(mins.shape)}")
+    if codes.is_floating_point():
+        raise ValueError(f"pack_quantized: codes must be an integer tensor, got {codes.dtype}")
+    E, N, K = codes.shape
     G = scales.shape[2]
-    if N % (64 if gate_up else 16) or K % 32 or G == 0 or K % G or (K // G) % 32:
-        raise ValueError(f"pack_int4_from_quantized: N={N} must be a multiple of {64 if gate_up else 16}, K={K} of 32, "
-                         f"and the group size K/G={K}/{G} a multiple of 32")
-    if values.numel() and (int(values.min()) < -8 or int(values.max()) > 7):
-        raise ValueError("pack_int4_from_quantized: values must lie in [-8, 7]")
+    group = K // G if G else 0
+    min_group = 32 if bits == 4 else 16
+    if N % (64 if gate_up else 16) or K % 32 or G == 0 or K % G or (group % min_group and not (bits == 8 and G == 1
+                                                                                              and mins is None)):
+        raise ValueError(f"pack_quantized: N={N} must be a multiple of {64 if gate_up else 16}, K={K} of 32, and the "
+                         f"group size K/G={K}/{G} a multiple of {min_group}")
+    lo, hi = (-128, 127) if bits == 8 else ((0, 15) if mins is not None else (-8, 7))
+    if codes.numel() and (int(codes.min()) < lo or int(codes.max()) > hi):
+        raise ValueError(f"pack_quantized: {bits}-bit codes {'with' if mins is not None else 'without'} mins must lie "
+                         f"in [{lo}, {hi}], got [{int(codes.min())}, {int(codes.max())}]")
 
     def packed_rows(t: torch.Tensor) -> torch.Tensor:  # pack.cpp's packed_row_order: 32 gate rows, then 32 up rows
         if not gate_up:
             return t
         return t.reshape(E, 2, N // 64, 32, t.shape[-1]).transpose(1, 2).reshape(E, N, t.shape[-1])
 
-    u = packed_rows(values).to(torch.int16).add(8).to(torch.uint8)
-    t = u.reshape(E, N // 16, 16, K // 8, 2, 4).permute(0, 1, 3, 2, 4, 5)
-    packed = t.select(4, 0).bitwise_or(t.select(4, 1).bitwise_left_shift(4)).contiguous()
-    return packed, packed_rows(scales.float()).transpose(1, 2).contiguous()
+    rows = packed_rows(codes)
+    if bits == 8:
+        packed = empty_weights((E, N // 16, K // 4, 16, 4), torch.int8)
+        packed.copy_(rows.reshape(E, N // 16, 16, K // 4, 4).permute(0, 1, 3, 2, 4))
+    else:
+        u = rows.to(torch.int16).add(8 if mins is None else 0).to(torch.uint8)
+        t = u.reshape(E, N // 16, 16, K // 8, 2, 4).permute(0, 1, 3, 2, 4, 5)
+        packed = empty_weights((E, N // 16, K // 8, 16, 4), torch.uint8)
+        torch.bitwise_or(t.select(4, 0), t.select(4, 1).bitwise_left_shift(4), out=packed)
+    s = packed_rows(scales.float()).transpose(1, 2)
+    if mins is not None:
+        s = torch.stack([s, packed_rows(mins.float()).transpose(1, 2)], dim=1)
+    return packed, s.contiguous()
+
+
+def pack_int4_from_quantized(values: torch.Tensor, scales: torch.Tensor, gate_up: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pack_quantized(values, scales, bits=4, gate_up=gate_up)``: symmetric int4 codes in [-8, 7] (e.g. GGUF Q4_0
+    blocks, ``W = scale * q`` per group of 32), placed in ``kt.pack_int4``'s layout exactly as it would store them."""
+    return pack_quantized(values, scales, bits=4, gate_up=gate_up)

@@ -37,7 +37,8 @@ def dequantize_packed(packed: torch.Tensor, scales: Optional[torch.Tensor], gate
     """Packed experts (``kt.pack_*`` layout, any device) -> their weights transposed, [n, K, N] in ``dtype``.
 
     packed [n, N/16, K/per, 16, per] (bf16 per=2, int8 per=4; int4 uint8 [n, N/16, K/8, 16, 4]), scales float32
-    [n, G, N] (None for bf16). With ``gate_up`` the N = 2I columns come back in the original order (gate then up),
+    [n, G, N] (None for bf16), or [n, 2, G, N] for the affine formats (scales then minimums: q * s - m, int4 codes
+    the nibbles themselves). With ``gate_up`` the N = 2I columns come back in the original order (gate then up),
     undoing the packing's 32-row interleave. [n, K, N] is what ``torch._grouped_mm`` and ``gpu_experts_forward``
     take (w13 [n, H, 2I], w2 [n, I, H]). Equals ``kt.unpack(packed, scales, gate_up).transpose(1, 2)`` up to the
     rounding to ``dtype``; plain torch ops, so it runs where the tensors are.
@@ -53,13 +54,16 @@ def dequantize_packed(packed: torch.Tensor, scales: Optional[torch.Tensor], gate
     if packed.dim() != 5 or packed.shape[3] != 16:
         raise ValueError(f"dequantize_packed: packed must be [n, N/16, K/per, 16, per], got {tuple(packed.shape)}")
     n, N = packed.shape[0], packed.shape[1] * 16
+    mins = None
+    if scales is not None and scales.dim() == 4:  # affine (GGUF Q4_K/Q5_K kept exact): [n, 2, G, N] scales, minimums
+        scales, mins = scales[:, 0], scales[:, 1]
     blocks = packed.permute(0, 1, 3, 2, 4)  # [n, N/16, 16, K/per, per]: rows in packed order, K along each row
     if packed.dtype == torch.uint8:  # int4: low nibbles are k 8o..8o+3, high nibbles 8o+4..8o+7, stored + 8
         K = packed.shape[2] * 8
         q = torch.empty(*blocks.shape[:4], 2, 4, dtype=torch.uint8, device=packed.device)  # [.., K/8, 2, 4]
         torch.bitwise_and(blocks, 0xF, out=q[..., 0, :])
         torch.bitwise_right_shift(blocks, 4, out=q[..., 1, :])
-        offset = -8.0
+        offset = -8.0 if mins is None else 0.0  # affine codes are the nibbles themselves
     else:  # bf16, int8: read in place, as [n, N/16, 16, K/per, per] blocks (rows in packed order)
         per = packed.shape[4]
         K = packed.shape[2] * per
@@ -89,6 +93,9 @@ def dequantize_packed(packed: torch.Tensor, scales: Optional[torch.Tensor], gate
     target = rows.unflatten(len(lead), (G, -1))
     if offset:
         torch.addcmul(s * offset, q_groups, s, out=target)  # (q - 8) * s in one pass (an FMA: exact on the CPU)
+    elif mins is not None:
+        m = mins.transpose(1, 2).reshape(s.shape)
+        torch.addcmul(-m, q_groups, s, out=target)  # q * s - m
     else:
         torch.mul(q_groups, s, out=target)
     return out.transpose(1, 2)

@@ -6,11 +6,15 @@
 //   bf16: [N/16][K/2][16][2]  element (nb, p, c, j) = W[16*nb + c][2*p + j]
 //         (the AVX-512 BF16 dot-product pair layout, and also the AMX-BF16 B-tile layout)
 //   int8: [N/16][K/4][16][4]  element (nb, q, c, j) = W[16*nb + c][4*q + j], signed, symmetric per
-//         output channel: W ≈ q * scale[0][n]           (the VNNI quad layout = AMX-INT8 B-tile layout)
+//         output channel: W ≈ q * scale[0][n]           (the VNNI quad layout = AMX-INT8 B-tile layout),
+//         or per group of group_size input channels (group_size a multiple of 16): W = q * scale[k / group_size][n]
 //   int4: [N/16][K/8][16][4] bytes; byte (nb, o, c, j) holds W[16*nb+c][8*o+j] + 8 in its low nibble and
 //         W[16*nb+c][8*o+4+j] + 8 in its high nibble; values in [-8, 7], group-wise symmetric scales:
 //         W ≈ q * scale[k / group_size][n]
-// Scales are fp32 [G][N] per expert (G = 1 for int8, K / group_size for int4).
+// Scales are fp32 [G][N] per expert (G = 1 for per-channel int8, K / group_size for grouped int8 and int4).
+// Affine (GGUF K-quants kept exact: docs/loading.md): a minimum per scale, fp32 [G][N] (GemmArgs::b_min), and
+//   int8: W = q * scale[g][n] - min[g][n]  (q the stored signed byte, e.g. Q5_K's 0..31)
+//   int4: W = u * scale[g][n] - min[g][n]  (u the stored unsigned nibble 0..15, no -8: Q4_K's codes as in the file)
 // The 16-column blocks of an expert follow each other; block nb starts at nb * block_bytes(K).
 #pragma once
 
@@ -59,12 +63,15 @@ struct GemmArgs {
   const float* a_scale = nullptr;
   const int32_t* a_gsum = nullptr;
   int64_t a_gsum_stride = 0;
-  int64_t group_size = 0;  // int4 only
+  int64_t group_size = 0;  // int8 (K for per-channel scales) and int4
   const uint8_t* b = nullptr;        // first 16-column block
   size_t b_block_stride = 0;         // bytes from one 16-column block to the next one used
   const float* b_scale = nullptr;    // scale of the first column in group 0 (int8/int4)
   int64_t b_scale_group_stride = 0;  // floats from group g to g + 1 (= N)
   int64_t b_scale_block_stride = 16; // floats from one 16-column block to the next one used
+  // Affine formats: the minimum of the first column in group 0, indexed like b_scale; nullptr: symmetric. The kernels
+  // subtract min[g][n] * a_scale[m] * a_gsum[m][g] per group (the group sums of the quantized activations).
+  const float* b_min = nullptr;
   int nblocks = 0;                   // 16-column blocks to compute, 1..kMaxBlocks
   float* c = nullptr;
   int64_t ldc = 0;

@@ -96,8 +96,13 @@ struct PackedMatrix {
   const std::optional<at::Tensor>* scales;
   const char* name;
   int64_t E, N, K;
-  int64_t groups = 1;  // scale groups along K (int8: 1)
+  WeightFormat fmt = WeightFormat::BF16;
+  int64_t groups = 1;  // scale groups along K (per-channel int8: 1)
+  bool affine = false;  // scales [E, 2, G, N]: scale, then minimum (GGUF K-quants kept exact)
   int64_t group_size() const { return K / groups; }
+  // floats from one expert's scales to the next one's, and from a scale to its minimum (affine)
+  int64_t scale_expert_stride() const { return (affine ? 2 : 1) * groups * N; }
+  int64_t min_offset() const { return groups * N; }
 };
 
 WeightFormat format_of(const at::Tensor& w, const char* name) {
@@ -111,6 +116,9 @@ WeightFormat format_of(const at::Tensor& w, const char* name) {
   }
 }
 
+// Scales: [E, G, N] (W = q * s; int8: G = 1 per output channel, or groups of a multiple of 16 input channels;
+// int4: groups of a multiple of 32), or [E, 2, G, N] (affine, W = q * s - m: [:, 0] the scales, [:, 1] the
+// minimums; int4 codes then are the unsigned nibbles themselves).
 PackedMatrix describe(const at::Tensor& w, const std::optional<at::Tensor>& s, WeightFormat f, const char* name,
                       const char* scales_name) {
   TORCH_CHECK(w.device().is_cpu(), "fused_moe: ", name, " must be a CPU tensor, got device ", w.device());
@@ -118,23 +126,29 @@ PackedMatrix describe(const at::Tensor& w, const std::optional<at::Tensor>& s, W
   TORCH_CHECK(w.dim() == 5 && w.size(3) == 16 && w.size(4) == per && w.is_contiguous(), "fused_moe: ", name,
               " must be a contiguous packed tensor [E, N/16, K/", f == WeightFormat::INT4 ? 8 : per, ", 16, ", per,
               "], got shape ", w.sizes());
-  PackedMatrix m{&w, &s, name, w.size(0), w.size(1) * 16, w.size(2) * (f == WeightFormat::INT4 ? 8 : per)};
+  PackedMatrix m{&w, &s, name, w.size(0), w.size(1) * 16, w.size(2) * (f == WeightFormat::INT4 ? 8 : per), f};
   if (f == WeightFormat::BF16) {
     TORCH_CHECK(!s.has_value(), "fused_moe: bf16 weights take no scales, but ", scales_name, " was given");
     return m;
   }
   TORCH_CHECK(s.has_value(), "fused_moe: ", f == WeightFormat::INT8 ? "int8" : "int4", " weights need ", scales_name);
   const at::Tensor& sc = *s;
-  TORCH_CHECK(sc.device().is_cpu() && sc.scalar_type() == at::kFloat && sc.dim() == 3 && sc.is_contiguous(),
-              "fused_moe: ", scales_name, " must be a contiguous float32 CPU tensor [E, G, N], got ", sc.scalar_type(), " ",
-              sc.sizes(), " on ", sc.device());
-  TORCH_CHECK(sc.size(0) == m.E && sc.size(2) == m.N, "fused_moe: ", scales_name, " has shape ", sc.sizes(),
-              " but ", name, " needs [", m.E, ", G, ", m.N, "]");
-  m.groups = sc.size(1);
+  TORCH_CHECK(sc.device().is_cpu() && sc.scalar_type() == at::kFloat && (sc.dim() == 3 || sc.dim() == 4) &&
+                  sc.is_contiguous(),
+              "fused_moe: ", scales_name, " must be a contiguous float32 CPU tensor [E, G, N] (or [E, 2, G, N]: ",
+              "scales and minimums), got ", sc.scalar_type(), " ", sc.sizes(), " on ", sc.device());
+  m.affine = sc.dim() == 4;
+  TORCH_CHECK(sc.size(0) == m.E && sc.size(-1) == m.N && (!m.affine || sc.size(1) == 2), "fused_moe: ", scales_name,
+              " has shape ", sc.sizes(), " but ", name, " needs [", m.E, ", G, ", m.N, "] or [", m.E, ", 2, G, ", m.N, "]");
+  m.groups = sc.size(-2);
+  TORCH_CHECK(m.groups > 0 && m.K % m.groups == 0, "fused_moe: ", scales_name, " has ", m.groups,
+              " groups, which do not divide K=", m.K);
   if (f == WeightFormat::INT8) {
-    TORCH_CHECK(m.groups == 1, "fused_moe: int8 ", scales_name, " must be per output channel [E, 1, N], got ", sc.sizes());
+    TORCH_CHECK((m.groups == 1 && !m.affine) || m.group_size() % 16 == 0, "fused_moe: int8 ", scales_name, " has ",
+                m.groups, " groups of ", m.group_size(), " input channels; grouped or affine int8 needs groups of a ",
+                "multiple of 16");
   } else {
-    TORCH_CHECK(m.groups > 0 && m.K % m.groups == 0 && m.group_size() % 32 == 0, "fused_moe: ", scales_name, " has ",
+    TORCH_CHECK(m.group_size() % 32 == 0, "fused_moe: ", scales_name, " has ",
                 m.groups, " groups, which does not give a group size that is a multiple of 32 dividing K=", m.K);
   }
   return m;
@@ -757,7 +771,7 @@ class Part {
   }
   // The 4 packed w13 blocks of expert e's channel group g (the groups of an expert follow each other).
   const uint8_t* up_group(int64_t e, int64_t g) const {
-    return s_.up_base + (e * (s_.up.N / 16) + 4 * g) * kernels::block_bytes(s_.fmt, s_.up.K);
+    return s_.up_base + (e * (s_.up.N / 16) + 4 * g) * kernels::block_bytes(s_.up.fmt, s_.up.K);
   }
   // Fine ranges [f0, f1): the 16-column blocks [b0, b1) of H.
   std::pair<int64_t, int64_t> down_blocks(int64_t f0, int64_t f1) const {
@@ -766,7 +780,7 @@ class Part {
   }
   // Packed w2 block b of expert e (the blocks of an expert follow each other).
   const uint8_t* down_block_at(int64_t e, int64_t b) const {
-    return s_.down_base + (e * (s_.H / 16) + b) * kernels::block_bytes(s_.fmt, s_.down.K);
+    return s_.down_base + (e * (s_.H / 16) + b) * kernels::block_bytes(s_.down.fmt, s_.down.K);
   }
 
   // ---- 3. gate + up + activation: h[p] = act(x_p W_gate^T) * (x_p W_up^T)
@@ -793,7 +807,7 @@ class Part {
     float* c = s.wc.data_ptr<float>() + worker * s.wc.size(1);
     float* hrows = s.wf32.data_ptr<float>() + worker * s.wf32.size(1);  // full rows: this task's h, fp32 [n, I]
     times.lap(worker, WorkerTimes::kOther, t_mark);
-    const size_t up_block = kernels::block_bytes(s.fmt, s.up.K);
+    const size_t up_block = kernels::block_bytes(s.up.fmt, s.up.K);
     // The GLU of call g: h columns 32g.. (gateless: 64g..) of the chunk's rows from that call's c.
     const Epilogue& ep = s.ep;
     auto glu_of = [&](int64_t g, const float* cg) {
@@ -832,8 +846,9 @@ class Part {
         a.a_gsum = a_gsum;
         a.a_gsum_stride = s.x_groups;
         a.group_size = s.up.group_size();
-        a.b_scale = s.up_scales + ch.e * s.up.groups * s.up.N + 64 * g;
+        a.b_scale = s.up_scales + ch.e * s.up.scale_expert_stride() + 64 * g;
         a.b_scale_group_stride = s.up.N;
+        if (s.up.affine) a.b_min = a.b_scale + s.up.min_offset();
       }
       a.b = up_group(ch.e, g);
       a.prefetch_ahead = s.prefetch_ahead;
@@ -849,7 +864,7 @@ class Part {
         side.units = a.M;
         a.side = &side;
       }
-      s.ks.gemm[static_cast<int>(s.fmt)](a);
+      s.ks.gemm[static_cast<int>(s.up.fmt)](a);
       times.lap(worker, WorkerTimes::kKernel, t_mark);
       if (has_pending && side.done < side.units) Glu::run(&pending, side.done, side.units);
       pending = glu_of(g, cg);
@@ -904,7 +919,7 @@ class Part {
       for (int64_t t = 0; t < T; ++t)
         if (seen_[t] == 0) std::fill(accg + t * H + c0, accg + t * H + c1, 0.0f);
     float* c = s.wc.data_ptr<float>() + worker * s.wc.size(1);
-    const size_t down_block = kernels::block_bytes(s.fmt, s.down.K);
+    const size_t down_block = kernels::block_bytes(s.down.fmt, s.down.K);
     times.lap(worker, WorkerTimes::kOther, t_mark);
     // (the weighted scatter right after each call: run as side work of the next call, between its tile steps, it
     // made the layer slower, int8 T=2048 16.7 ms against 14.5: stores that miss hold up the tile loads; RESULTS.md)
@@ -922,8 +937,9 @@ class Part {
             a.a_gsum = hg_.data_ptr<int32_t>() + p0 * s.down.groups;
             a.a_gsum_stride = s.down.groups;
             a.group_size = s.down.group_size();
-            a.b_scale = s.down_scales + e * s.down.groups * s.down.N + 16 * cb;
+            a.b_scale = s.down_scales + e * s.down.scale_expert_stride() + 16 * cb;
             a.b_scale_group_stride = s.down.N;
+            if (s.down.affine) a.b_min = a.b_scale + s.down.min_offset();
           }
           a.b = down_block_at(e, cb);
           a.prefetch_ahead = s.prefetch_ahead;
@@ -946,7 +962,7 @@ class Part {
           }
           a.c = c;
           a.ldc = kDownCols;
-          s.ks.gemm[static_cast<int>(s.fmt)](a);
+          s.ks.gemm[static_cast<int>(s.down.fmt)](a);
           times.lap(worker, WorkerTimes::kKernel, t_mark);
           if (s.ep.b2 != nullptr) {  // the expert's down bias, before the routing weight scales the row
             const float* b = s.ep.b2 + e * H + 16 * cb;
@@ -1082,8 +1098,11 @@ WeightFormat check_call(const at::Tensor& hidden_in, const at::Tensor& topk_ids_
   TORCH_CHECK(topk_weights_in.sizes() == topk_ids_in.sizes(), "fused_moe: topk_weights must have the shape of topk_ids ",
               topk_ids_in.sizes(), ", got ", topk_weights_in.sizes());
   const WeightFormat fmt = format_of(w13, "w13");
-  TORCH_CHECK(w2.scalar_type() == w13.scalar_type(), "fused_moe: w13 and w2 must be packed in the same format, got ",
-              w13.scalar_type(), " and ", w2.scalar_type());
+  const WeightFormat fmt2 = format_of(w2, "w2");
+  // int8 with int4 is allowed (both take int8 activations: a GGUF Q4_K_M layer, Q4_K gate/up with Q6_K down)
+  TORCH_CHECK(fmt2 == fmt || (fmt != WeightFormat::BF16 && fmt2 != WeightFormat::BF16),
+              "fused_moe: w13 and w2 must both be bf16 or both quantized (int8/int4), got ", w13.scalar_type(), " and ",
+              w2.scalar_type());
   return fmt;
 }
 
@@ -1103,7 +1122,7 @@ void run_call(WeightFormat fmt, const at::Tensor& hidden_in, const at::Tensor& i
               const std::function<void()>& on_now, const std::optional<at::Tensor>& w13_bias,
               const std::optional<at::Tensor>& w2_bias) {
   const PackedMatrix up = describe(w13, w13_scales, fmt, "w13", "w13_scales");
-  const PackedMatrix down = describe(w2, w2_scales, fmt, "w2", "w2_scales");
+  const PackedMatrix down = describe(w2, w2_scales, format_of(w2, "w2"), "w2", "w2_scales");
   // gated: w13 is [E, 2I, H] packed with gate_up=True; gateless: [E, I, H] (up only), packed with gate_up=False
   const bool gated = up.N != down.K;
   const int64_t T = hidden_in.size(0), H = hidden_in.size(1), E = up.E, I = gated ? up.N / 2 : up.N;

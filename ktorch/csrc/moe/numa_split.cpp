@@ -213,7 +213,8 @@ numa_split_experts(const at::Tensor& w13_in, const std::optional<at::Tensor>& s1
                     I % s2.size(1) == 0,
                 "numa_split_experts: w2_scales must be float32 [E=", E, ", G, H=", H, "] with G dividing I=", I, ", got ",
                 s2.scalar_type(), " ", s2.sizes());
-    if (w13_in.scalar_type() == at::kByte) unit = std::lcm<int64_t>(32, I / s2.size(1));
+    // int4, and grouped int8 (GGUF Q8_0/Q6_K kept exact): slices hold whole groups of the down scales
+    if (w13_in.scalar_type() == at::kByte || s2.size(1) > 1) unit = std::lcm<int64_t>(32, I / s2.size(1));
   }
   const std::vector<int64_t> b = slice_bounds(I, unit, n, f.name);
   const at::Tensor w13 = w13_in.contiguous(), w2 = w2_in.contiguous();

@@ -247,20 +247,27 @@ at::Tensor unpack(const at::Tensor& packed, const std::optional<at::Tensor>& sca
     TORCH_CHECK(scales.has_value(), "unpack: quantized packed weights need their scales");
     const at::Tensor& s = *scales;
     const int64_t K = dtype == at::kChar ? packed.size(2) * 4 : packed.size(2) * 8;
-    TORCH_CHECK(s.scalar_type() == at::kFloat && s.dim() == 3 && s.size(0) == E && s.size(2) == N && s.size(1) > 0 &&
-                    K % s.size(1) == 0,
-                "unpack: scales must be float32 [E=", E, ", G, N=", N, "] with G dividing K=", K, ", got ",
-                s.scalar_type(), " ", s.sizes());
+    // [E, G, N]: W = q * s; [E, 2, G, N] (affine): W = q * s - m, int4 codes the unsigned nibbles themselves
+    const bool affine = s.dim() == 4;
+    TORCH_CHECK(s.scalar_type() == at::kFloat && (s.dim() == 3 || (affine && s.size(1) == 2)) && s.size(0) == E &&
+                    s.size(-1) == N && s.size(-2) > 0 && K % s.size(-2) == 0,
+                "unpack: scales must be float32 [E=", E, ", G, N=", N, "] or [E, 2, G, N] (scales, minimums) with G ",
+                "dividing K=", K, ", got ", s.scalar_type(), " ", s.sizes());
+    const int64_t G = s.size(-2);
     if (dtype == at::kChar) {
-      TORCH_CHECK(s.size(1) == 1, "unpack: int8 scales must be [E, 1, N], got ", s.sizes());
+      TORCH_CHECK((G == 1 && !affine) || (K / G) % 16 == 0, "unpack: grouped or affine int8 scales need groups of a ",
+                  "multiple of 16 input channels, got ", s.sizes(), " for K=", K);
       w = from_lanes(packed).to(at::kFloat);
     } else {
       at::Tensor lo = packed.bitwise_and(0xf), hi = packed.bitwise_right_shift(4);
-      at::Tensor q = at::stack({lo, hi}, 3).to(at::kFloat).sub_(8);  // [E, N/16, K/8, 2, 16, 4]
+      at::Tensor q = at::stack({lo, hi}, 3).to(at::kFloat);  // [E, N/16, K/8, 2, 16, 4]
+      if (!affine) q.sub_(8);
       w = q.permute({0, 1, 4, 2, 3, 5}).reshape({E, N, K});
     }
-    const int64_t G = s.size(1);
-    w = (w.reshape({E, N, G, K / G}) * s.transpose(1, 2).unsqueeze(-1)).reshape({E, N, K});
+    const at::Tensor scale = affine ? s.select(1, 0) : s;
+    w = w.reshape({E, N, G, K / G}) * scale.transpose(1, 2).unsqueeze(-1);
+    if (affine) w = w - s.select(1, 1).transpose(1, 2).unsqueeze(-1);
+    w = w.reshape({E, N, K});
   }
   return original_row_order(w, gate_up).contiguous();
 }

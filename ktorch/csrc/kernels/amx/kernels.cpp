@@ -4,7 +4,9 @@
 //   int8: acc += TDPBSSD(A: 16 rows x 64 k int8, B: 16 k-quads x 16 columns int8);  C = acc * s_w[n] * s_x[m]
 //   int4: per group g: acc_g = TDPBSSD(A, B_g), B_g = the nibbles unpacked to q - 8 (signed, [-8, 7]) in a
 //         thread-local buffer;  C = s_x[m] * sum_g acc_g * s_w[g][n]
-// Signed int8 x signed int8 needs no unsigned offset, so a_gsum is not read (the AVX-512 kernels need it).
+//   affine int4 (b_min, GGUF Q4_K): acc_g as above, then C += s_x[m] * ((acc_g + 8 sum_g(x)) * s_w[g][n] - sum_g(x) * min[g][n])
+// Signed int8 x signed int8 needs no unsigned offset, so a_gsum is read only by affine int4.
+// Grouped/affine int8 (GGUF Q8_0, Q6_K, Q5_K) go to the AVX-512 kernel (gemm_amx).
 // The int8/int4 results equal the AVX-512 kernels' bit for bit (same integer sums, same fp32 operations in
 // the same order); bf16 differs in fp32 rounding order only.
 //
@@ -399,7 +401,19 @@ void int4_block(const GemmArgs& a, const ARows& ar, const Block& blk, uint8_t* u
     }
     store_c<RA, RB>(cbuf);
     for (int j = 0; j < RB; ++j) {
-      const __m512 ws = _mm512_loadu_ps(a.b_scale + g * a.b_scale_group_stride + (blk.b0 + j) * a.b_scale_block_stride);
+      const int64_t at = g * a.b_scale_group_stride + (blk.b0 + j) * a.b_scale_block_stride;
+      const __m512 ws = _mm512_loadu_ps(a.b_scale + at);
+      if (a.b_min != nullptr) {  // affine: sum(u * x) = sum((u - 8) * x) + 8 * sum_g(x), then - min * sum_g(x)
+        const __m512 wm = _mm512_loadu_ps(a.b_min + at);
+        for (int r = 0; r < rows; ++r) {
+          float* p = acc + r * 32 + 16 * j;
+          const int32_t gsum = a.a_gsum[(16 * blk.g0 + r) * a.a_gsum_stride + g];
+          const __m512i u = _mm512_add_epi32(_mm512_load_si512(cbuf + r * 128 + 64 * j), _mm512_set1_epi32(8 * gsum));
+          const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u), ws, _mm512_load_ps(p));
+          _mm512_store_ps(p, _mm512_fnmadd_ps(_mm512_set1_ps(static_cast<float>(gsum)), wm, v));
+        }
+        continue;
+      }
       for (int r = 0; r < rows; ++r) {
         float* p = acc + r * 32 + 16 * j;
         const __m512 v = _mm512_cvtepi32_ps(_mm512_load_si512(cbuf + r * 128 + 64 * j));
@@ -527,6 +541,10 @@ template <WeightFormat F>
 void gemm_amx(const GemmArgs& a) {
   const int test_rows = g_test_min_rows.load(std::memory_order_relaxed);
   if (a.M < (test_rows >= 0 ? test_rows : kMinRows[static_cast<int>(F)])) return avx512_kernels().gemm[static_cast<int>(F)](a);
+  // Grouped and affine int8 (GGUF Q8_0/Q6_K/Q5_K kept exact) have no tile walk yet: their 16/32-deep groups would
+  // need per-group C tiles as int4 has; they run on the AVX-512 kernel at every M.
+  if (F == WeightFormat::INT8 && (a.b_min != nullptr || (a.group_size > 0 && a.group_size < a.K)))
+    return avx512_kernels().gemm[static_cast<int>(F)](a);
   const Walk walk = F == WeightFormat::INT4 ? Walk::Pairs : Walk::Rows;
   const int max_rows = walk == Walk::Pairs ? kMaxRows : kMaxWalkRows;
   GemmArgs part = a;

@@ -6,6 +6,9 @@
 //   bf16: acc += dpbf16(x_pair, W_pair)                            (vdpbf16ps)
 //   int8: acc += dpbusd(W ^ 0x80, x_quad), then (acc - 128 * sum(x)) * s_w * s_x   (vpdpbusd: u8 x s8)
 //   int4: per group: acc_g += dpbusd(W_nibble, x_quad), acc += (acc_g - 8 * sum_g(x)) * s_w[g], then * s_x
+//   grouped int8 (groups of 16/32, GGUF Q8_0/Q6_K): per group acc_g += dpbusd(W ^ 0x80, x_quad),
+//         acc += (acc_g - 128 * sum_g(x)) * s_w[g], then * s_x
+//   affine int8/int4 (b_min: GGUF Q5_K/Q4_K): the same without the int4 -8, and acc -= sum_g(x) * min[g] per group
 // With M = 1 (decode) the kernels stream each block's weights once, front to back; the driver keeps
 // enough blocks in flight across threads to saturate DRAM.
 #include <immintrin.h>
@@ -157,10 +160,82 @@ void int8_dequantize(const GemmArgs& a, const int32_t* partial) {
   }
 }
 
-// ---------------------------------------------------------------- int4
-constexpr int64_t kScaleAhead = 4;  // groups ahead whose scales a tile prefetches
+// ---------------------------------------------------------------- grouped formats
+constexpr int64_t kScaleAhead = 4;  // groups ahead whose scales (and minimums) a tile prefetches
 
-template <int MR, int NR, bool kPrefetch>
+// The scales of a group are one line per block, a group's lines a row of scales apart (another page for most
+// shapes), which the hardware prefetchers do not follow: fetch them (and the affine minimums) a few groups ahead.
+template <int NR, bool kAffine>
+inline void prefetch_scales(const GemmArgs& a, int b0, int64_t g, int64_t groups) {
+  if (g + kScaleAhead >= groups) return;
+  for (int b = 0; b < NR; ++b) {
+    const int64_t at = (g + kScaleAhead) * a.b_scale_group_stride + (b0 + b) * a.b_scale_block_stride;
+    _mm_prefetch(reinterpret_cast<const char*>(a.b_scale + at), _MM_HINT_T0);
+    if constexpr (kAffine) _mm_prefetch(reinterpret_cast<const char*>(a.b_min + at), _MM_HINT_T0);
+  }
+}
+
+// One group's int32 sums into the fp32 accumulators: acc += (gacc - offset * sum_g(x)) * s_w[g], and for the affine
+// formats acc -= sum_g(x) * min[g] (the operations and their order of the portable kernels, fused).
+template <int MR, int NR, bool kAffine>
+inline void group_epilogue(const GemmArgs& a, int m0, int b0, int64_t g, int32_t offset, __m512i (&gacc)[MR][NR],
+                           __m512 (&acc)[MR][NR]) {
+  for (int r = 0; r < MR; ++r) {
+    const int32_t gsum = a.a_gsum[(m0 + r) * a.a_gsum_stride + g];
+    const __m512i off = _mm512_set1_epi32(offset * gsum);
+    const __m512 gs = _mm512_set1_ps(static_cast<float>(gsum));
+    for (int b = 0; b < NR; ++b) {
+      const int64_t at = g * a.b_scale_group_stride + (b0 + b) * a.b_scale_block_stride;
+      acc[r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(gacc[r][b], off)), _mm512_loadu_ps(a.b_scale + at),
+                                  acc[r][b]);
+      if constexpr (kAffine) acc[r][b] = _mm512_fnmadd_ps(gs, _mm512_loadu_ps(a.b_min + at), acc[r][b]);
+    }
+  }
+}
+
+// Grouped int8 (Q8_0, Q6_K; affine: Q5_K): per group acc_g += dpbusd(W ^ 0x80, x_quad), then group_epilogue with the
+// offset 128; the activation scale once K is summed. Mirrors int4_tile with int8 lines.
+template <int MR, int NR, bool kPrefetch, bool kAffine>
+void int8g_tile(const GemmArgs& a, int m0, int b0, int64_t k0, int64_t k1, const Prefetch& pf) {
+  __m512 acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int b = 0; b < NR; ++b)
+      acc[r][b] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(a.c + (m0 + r) * a.ldc + 16 * (b0 + b));
+  const int8_t* x[MR];
+  for (int r = 0; r < MR; ++r) x[r] = static_cast<const int8_t*>(a.a_rows[m0 + r]);
+  const uint8_t* w[NR];
+  for (int b = 0; b < NR; ++b) w[b] = a.b + (b0 + b) * a.b_block_stride;
+  const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int64_t quads = a.group_size / 4;
+  Prefetch::Cursor next = pf.cursor();
+  const int64_t groups = a.K / a.group_size;
+  for (int64_t g = k0 / a.group_size; g < k1 / a.group_size; ++g) {
+    prefetch_scales<NR, kAffine>(a, b0, g, groups);
+    __m512i gacc[MR][NR];
+    for (int r = 0; r < MR; ++r)
+      for (int b = 0; b < NR; ++b) gacc[r][b] = _mm512_setzero_si512();
+    for (int64_t q = g * quads; q < (g + 1) * quads; ++q) {
+      if constexpr (kPrefetch) next.step();
+      prefetch_ahead<NR>(w, q, pf.ahead);
+      __m512i wv[NR];
+      for (int b = 0; b < NR; ++b) wv[b] = _mm512_xor_si512(_mm512_loadu_si512(w[b] + q * 64), sign);
+      for (int r = 0; r < MR; ++r) {
+        const __m512i xv = _mm512_set1_epi32(load_i32(x[r] + 4 * q));
+        for (int b = 0; b < NR; ++b) gacc[r][b] = dpbusd(gacc[r][b], wv[b], xv);
+      }
+    }
+    group_epilogue<MR, NR, kAffine>(a, m0, b0, g, 128, gacc, acc);
+  }
+  for (int r = 0; r < MR; ++r) {
+    const __m512 xs = _mm512_set1_ps(k1 < a.K ? 1.0f : a.a_scale[m0 + r]);
+    for (int b = 0; b < NR; ++b) _mm512_storeu_ps(a.c + (m0 + r) * a.ldc + 16 * (b0 + b), _mm512_mul_ps(acc[r][b], xs));
+  }
+}
+
+// ---------------------------------------------------------------- int4
+
+// kAffine (b_min set): the nibbles are the codes u themselves (no -8) and each group subtracts min * sum_g(x).
+template <int MR, int NR, bool kPrefetch, bool kAffine>
 void int4_tile(const GemmArgs& a, int m0, int b0, int64_t k0, int64_t k1, const Prefetch& pf) {
   __m512 acc[MR][NR];
   for (int r = 0; r < MR; ++r)
@@ -180,13 +255,7 @@ void int4_tile(const GemmArgs& a, int m0, int b0, int64_t k0, int64_t k1, const 
   constexpr int kHiRows = kSplitNibbles ? MR : 1, kHiBlocks = kSplitNibbles ? NR : 1;
   const int64_t groups = a.K / a.group_size;
   for (int64_t g = k0 / a.group_size; g < k1 / a.group_size; ++g) {
-    // The scales of a group are one line per block, a group's lines a row of scales apart (another page for most
-    // shapes), which the hardware prefetchers do not follow: fetch them a few groups ahead.
-    if (g + kScaleAhead < groups)
-      for (int b = 0; b < NR; ++b)
-        _mm_prefetch(reinterpret_cast<const char*>(a.b_scale + (g + kScaleAhead) * a.b_scale_group_stride +
-                                                   (b0 + b) * a.b_scale_block_stride),
-                     _MM_HINT_T0);
+    prefetch_scales<NR, kAffine>(a, b0, g, groups);
     __m512i gacc[MR][NR], gacc_hi[kHiRows][kHiBlocks];
     for (int r = 0; r < MR; ++r)
       for (int b = 0; b < NR; ++b) gacc[r][b] = _mm512_setzero_si512();
@@ -213,13 +282,7 @@ void int4_tile(const GemmArgs& a, int m0, int b0, int64_t k0, int64_t k1, const 
       for (int r = 0; r < MR; ++r)
         for (int b = 0; b < NR; ++b) gacc[r][b] = _mm512_add_epi32(gacc[r][b], gacc_hi[r][b]);
     }
-    for (int r = 0; r < MR; ++r) {
-      const __m512i offset = _mm512_set1_epi32(8 * a.a_gsum[(m0 + r) * a.a_gsum_stride + g]);
-      for (int b = 0; b < NR; ++b) {
-        const __m512 ws = _mm512_loadu_ps(a.b_scale + g * a.b_scale_group_stride + (b0 + b) * a.b_scale_block_stride);
-        acc[r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(gacc[r][b], offset)), ws, acc[r][b]);
-      }
-    }
+    group_epilogue<MR, NR, kAffine>(a, m0, b0, g, kAffine ? 0 : 8, gacc, acc);
   }
   for (int r = 0; r < MR; ++r) {
     const __m512 xs = _mm512_set1_ps(k1 < a.K ? 1.0f : a.a_scale[m0 + r]);
@@ -301,14 +364,38 @@ template <int R, int B> struct Int8Tile {
 };
 template <int R, int B> struct Int4Tile {
   static void run(const GemmArgs& a, int m0, int b0, int64_t k0, int64_t k1, const Prefetch& pf) {
-    if (pf.l1 > pf.l0) int4_tile<R, B, true>(a, m0, b0, k0, k1, pf);
-    else int4_tile<R, B, false>(a, m0, b0, k0, k1, pf);
+    const bool pre = pf.l1 > pf.l0;
+    if (a.b_min != nullptr) {
+      if (pre) int4_tile<R, B, true, true>(a, m0, b0, k0, k1, pf);
+      else int4_tile<R, B, false, true>(a, m0, b0, k0, k1, pf);
+    } else {
+      if (pre) int4_tile<R, B, true, false>(a, m0, b0, k0, k1, pf);
+      else int4_tile<R, B, false, false>(a, m0, b0, k0, k1, pf);
+    }
+  }
+};
+template <int R, int B> struct Int8GroupedTile {
+  static void run(const GemmArgs& a, int m0, int b0, int64_t k0, int64_t k1, const Prefetch& pf) {
+    const bool pre = pf.l1 > pf.l0;
+    if (a.b_min != nullptr) {
+      if (pre) int8g_tile<R, B, true, true>(a, m0, b0, k0, k1, pf);
+      else int8g_tile<R, B, false, true>(a, m0, b0, k0, k1, pf);
+    } else {
+      if (pre) int8g_tile<R, B, true, false>(a, m0, b0, k0, k1, pf);
+      else int8g_tile<R, B, false, false>(a, m0, b0, k0, k1, pf);
+    }
   }
 };
 
 // Reduction chunks: 16 KiB of weights per chunk for NR blocks (a multiple of the int4 group size).
 void gemm_bf16(const GemmArgs& a) { TileWalker<6, 4, Bf16Tile>::run(a, 128, 32); }
 void gemm_int8(const GemmArgs& a) {
+  if (a.b_min != nullptr || (a.group_size > 0 && a.group_size < a.K)) {  // grouped / affine (GGUF-exact formats)
+    const int64_t kc = std::max<int64_t>(a.group_size, 256 / a.group_size * a.group_size);
+    if (a.M <= 2) TileWalker<2, 4, Int8GroupedTile>::run(a, kc, 16);
+    else TileWalker<6, 2, Int8GroupedTile>::run(a, kc, 16);
+    return;
+  }
   TileWalker<6, 4, Int8Tile>::run(a, 256, 16);
   int8_dequantize(a, int8_partials(static_cast<size_t>(a.M) * a.ldc));
 }

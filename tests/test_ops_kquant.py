@@ -1,0 +1,231 @@
+"""GGUF expert types kept exact (docs/loading.md, "exact formats"): Q8_0, Q6_K, Q5_K, MXFP4 as grouped int8 codes,
+Q4_0 and Q4_K as int4 nibbles, each with the file's scales (and minimums) per group.
+
+Per type: blocks written by the gguf writer (ktorch/integrations/gguf_writer.py: the gguf package's quantizers, and
+ktorch's for the K-quants, which the package only decodes), their codes read by gguf_loading.exact_codes, packed by
+ktorch.ops.moe.pack_quantized; kt.unpack must give gguf.quants.dequantize of the same bytes bit for bit, and
+kt.fused_moe must match the float64 reference on those weights as tightly as the int8 format does
+(tests/test_ops_fused_moe.py's tolerance: the op's own error, its int8 activations).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch.library import opcheck
+
+import ktorch
+
+gguf = pytest.importorskip("gguf")  # the blocks are written and decoded by the gguf package
+from ktorch.integrations.gguf_loading import EXACT_TYPES, exact_codes
+from ktorch.integrations.gguf_writer import encode
+from ktorch.ops.moe import PackedExperts, pack_quantized
+from reference import fused_moe_reference, relative_error
+
+TYPES = sorted(EXACT_TYPES)
+INT8_TOLERANCE = 3e-2  # tests/test_ops_fused_moe.py's int8 bound
+
+
+def file_blocks(shape: tuple, type_name: str, scale: float) -> np.ndarray:
+    """Random Gaussian weights of ``shape`` [E, N, K] (times ``scale``) written as GGUF blocks of ``type_name``."""
+    x = (np.random.default_rng(int(torch.randint(0, 2**31, ())))
+         .standard_normal(shape).astype(np.float32) * np.float32(scale))
+    return encode(x, type_name)
+
+
+def file_values(data: np.ndarray, type_name: str) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(gguf.quants.dequantize(data, gguf.GGMLQuantizationType[type_name]),
+                                       dtype=np.float32))
+
+
+def pack_file(data: np.ndarray, type_name: str, gate_up: bool):
+    codes, scales, mins = exact_codes(data, type_name)
+    return pack_quantized(codes, scales, mins, bits=EXACT_TYPES[type_name][0], gate_up=gate_up)
+
+
+def exact_experts(E: int, H: int, I: int, types: tuple[str, str, str]):
+    """Experts whose gate, up, down are GGUF blocks of types[0..2]: (PackedExperts, gate_up [E, 2I, H], down
+    [E, H, I] as the file's values). gate and up of one type (the loader's wider form for mixed ones is tested in
+    tests/test_load_gguf.py)."""
+    assert types[0] == types[1]
+    gate_up_data = file_blocks((E, 2 * I, H), types[0], 1 / math.sqrt(H))
+    down_data = file_blocks((E, H, I), types[2], 1 / math.sqrt(I))
+    w13, s13 = pack_file(gate_up_data, types[0], gate_up=True)
+    w2, s2 = pack_file(down_data, types[2], gate_up=False)
+    packed = PackedExperts(w13, s13, w2, s2, "gguf:" + "/".join(dict.fromkeys(types)))
+    return packed, file_values(gate_up_data, types[0]), file_values(down_data, types[2])
+
+
+def make_routing(T: int, E: int, K: int):
+    ids = torch.rand(T, E).argsort(dim=1)[:, :K]
+    weights = torch.rand(T, K) + 0.1
+    return ids, weights / weights.sum(dim=1, keepdim=True)
+
+
+# ---------------------------------------------------------------- the weights are the file's
+
+
+@pytest.mark.parametrize("gate_up", [False, True], ids=["plain", "gate_up"])
+@pytest.mark.parametrize("type_name", TYPES)
+def test_unpack_equals_gguf_dequantize(type_name, gate_up, seed):
+    E, N, K = 3, 128, 512
+    data = file_blocks((E, N, K), type_name, 0.05)
+    packed, scales = pack_file(data, type_name, gate_up)
+    bits, group, affine = EXACT_TYPES[type_name]
+    assert packed.dtype == (torch.int8 if bits == 8 else torch.uint8)
+    assert scales.shape == ((E, 2, K // group, N) if affine else (E, K // group, N))
+    got = torch.ops.kt.unpack(packed, scales, gate_up=gate_up)
+    want = file_values(data, type_name)
+    assert want.abs().max() > 0
+    err = float((got.double() - want.double()).norm() / want.double().norm())
+    assert err <= 1e-6, f"seed={seed} {type_name}: unpack differs from gguf.quants.dequantize by {err:.3g}"
+    assert torch.equal(got, want), f"seed={seed} {type_name}: not bit for bit"
+
+
+def test_mxfp4_extreme_scales(seed):
+    """MXFP4's scale 2**(e - 128) for the smallest and largest bytes the loader accepts (0, 1: subnormal floats;
+    252): every code under each is exact."""
+    E, N, K = 1, 16, 32
+    rows = []
+    for e in (0, 1, 2, 127, 128, 252):
+        for code_row in range(N // 6 + 1):
+            codes = (np.arange(32) + code_row) % 16
+            qs = (codes[:16] | (codes[16:] << 4)).astype(np.uint8)
+            rows.append(np.concatenate([[e], qs]).astype(np.uint8))
+    data = np.stack(rows[:N]).reshape(E, N, 17)
+    packed, scales = pack_file(data, "MXFP4", False)
+    assert torch.equal(torch.ops.kt.unpack(packed, scales), file_values(data, "MXFP4"))
+
+
+# ---------------------------------------------------------------- the op on them
+
+
+@pytest.mark.parametrize("T", [1, 7, 64, 300])
+@pytest.mark.parametrize("types", [(t, t, t) for t in TYPES] + [("Q4_K", "Q4_K", "Q6_K"), ("Q5_K", "Q5_K", "Q8_0")],
+                         ids=lambda ts: "-".join(dict.fromkeys(ts)))
+def test_fused_moe_matches_reference(kernel, types, T, seed):
+    E, K, H, I = 6, 2, 256, 512
+    packed, gate_up, down = exact_experts(E, H, I, types)
+    g13, g2 = packed.dequantize()
+    assert torch.equal(g13, gate_up) and torch.equal(g2, down)
+    hidden = torch.randn(T, H).to(torch.bfloat16)
+    ids, weights = make_routing(T, E, K)
+    out = ktorch.fused_moe(hidden, ids, weights, packed)
+    ref = fused_moe_reference(hidden, ids, weights, gate_up, down, "silu")
+    err = relative_error(out, ref)
+    tol = INT8_TOLERANCE * (4 / 3 if T < 4 else 1)  # as tests/test_ops_fused_moe.py: few rows average nothing
+    assert err <= tol, f"seed={seed} {kernel} {types} T={T}: relative error {err:.4g} > {tol}"
+
+
+@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q4_K"), ("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q8_0", "Q8_0")],
+                         ids=lambda ts: "-".join(dict.fromkeys(ts)))
+def test_fused_moe_every_call_on_tiles(kernel, types, seed):
+    """AMX: every call through the tiles (affine int4 on the tiles; grouped int8 sent to AVX-512), small T too."""
+    if kernel != "amx":
+        pytest.skip("the tile walk's small-call threshold exists at the amx level only")
+    E, K, H, I = 7, 3, 768, 256  # (K-quant rows: multiples of 256)
+    packed, gate_up, down = exact_experts(E, H, I, types)
+    try:
+        torch.ops.kt._amx_min_rows_for_tests(0)
+        for T in (1, 2, 5, 17, 70):
+            hidden = torch.randn(T, H).to(torch.bfloat16)
+            ids, weights = make_routing(T, E, K)
+            out = ktorch.fused_moe(hidden, ids, weights, packed)
+            ref = fused_moe_reference(hidden, ids, weights, gate_up, down, "silu")
+            err = relative_error(out, ref)
+            assert err <= INT8_TOLERANCE * 4 / 3, f"seed={seed} {types} T={T} on tiles: {err:.4g}"
+    finally:
+        torch.ops.kt._amx_min_rows_for_tests(-1)
+
+
+def test_affine_minimums_are_applied(seed):
+    """Q4_K's weights are s*q - m: the same packed codes read as symmetric int4 (the minimums dropped, -8 applied)
+    move the output far past the tolerance, so the reference comparison sees the minimums."""
+    E, K, H, I, T = 2, 1, 256, 256, 5
+    packed, gate_up, down = exact_experts(E, H, I, ("Q4_K", "Q4_K", "Q4_K"))
+    hidden = torch.randn(T, H).to(torch.bfloat16)
+    ids, weights = make_routing(T, E, K)
+    ref = fused_moe_reference(hidden, ids, weights, gate_up, down, "silu")
+    out = ktorch.fused_moe(hidden, ids, weights, packed)
+    assert relative_error(out, ref) <= INT8_TOLERANCE
+    no_mins = PackedExperts(packed.w13, packed.w13_scales[:, 0].contiguous(), packed.w2,
+                            packed.w2_scales[:, 0].contiguous(), "int4")
+    wrong = ktorch.fused_moe(hidden, ids, weights, no_mins)
+    assert relative_error(wrong, ref) > 10 * INT8_TOLERANCE
+
+
+@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("Q5_K", "Q5_K", "Q5_K"), ("Q8_0", "Q8_0", "Q8_0")],
+                         ids=lambda ts: "-".join(dict.fromkeys(ts)))
+def test_opcheck(types):
+    E, K, H, I, T = 4, 2, 256, 256, 5
+    packed, _, _ = exact_experts(E, H, I, types)
+    hidden = torch.randn(T, H).to(torch.bfloat16)
+    ids, weights = make_routing(T, E, K)
+    opcheck(torch.ops.kt.fused_moe, (hidden, ids, weights, *packed.tensors(), "silu"))
+    opcheck(torch.ops.kt.unpack, (packed.w13, packed.w13_scales, True))
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_bad_scales_are_errors():
+    E, H, I = 2, 256, 256
+    packed, _, _ = exact_experts(E, H, I, ("Q4_K", "Q4_K", "Q6_K"))
+    hidden = torch.randn(3, H).to(torch.bfloat16)
+    ids, weights = make_routing(3, E, 1)
+    bad = packed.w13_scales.reshape(E, 2, -1)  # 3-D view of the wrong size
+    with pytest.raises(RuntimeError, match="w13_scales"):
+        torch.ops.kt.fused_moe(hidden, ids, weights, packed.w13, bad.contiguous(), packed.w2, packed.w2_scales)
+    three = torch.ones(E, 3, H // 32, 2 * I)  # [E, 3, G, N]: neither [E, G, N] nor [E, 2, G, N]
+    with pytest.raises(RuntimeError, match=r"\[E, 2, G, N\]|needs"):
+        torch.ops.kt.fused_moe(hidden, ids, weights, packed.w13, three, packed.w2, packed.w2_scales)
+    eight = torch.ones(E, I // 8, H)  # int8 groups of 8
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        torch.ops.kt.fused_moe(hidden, ids, weights, packed.w13, packed.w13_scales, packed.w2, eight)
+    with pytest.raises(RuntimeError, match="both be bf16 or both quantized"):
+        torch.ops.kt.fused_moe(hidden, ids, weights, packed.w13, packed.w13_scales,
+                               torch.zeros(E, H // 16, I // 2, 16, 2, dtype=torch.bfloat16), None)
+
+
+def test_pack_quantized_rejects_codes_out_of_range():
+    codes = torch.full((1, 16, 32), 16, dtype=torch.int8)
+    scales = torch.ones(1, 16, 1)
+    with pytest.raises(ValueError, match=r"\[0, 15\]"):
+        pack_quantized(codes, scales, torch.zeros_like(scales), bits=4)
+    with pytest.raises(ValueError, match=r"\[-8, 7\]"):
+        pack_quantized(codes, scales, bits=4)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        pack_quantized(codes.to(torch.int8), torch.ones(1, 16, 4), bits=8)  # groups of 8
+
+
+# ---------------------------------------------------------------- other paths that read the packed experts
+
+
+def test_numa_split_of_grouped_int8(seed):
+    """The NUMA split cuts Q8_0/Q6_K experts at whole groups of the down scales (two slices, run where this machine
+    has one node too) and matches the reference; affine scales are refused with the shape named."""
+    E, K, H, I, T = 4, 2, 256, 512, 9
+    for types in (("Q8_0",) * 3, ("Q6_K",) * 3):
+        packed, gate_up, down = exact_experts(E, H, I, types)
+        split = packed.split_numa(2)
+        hidden = torch.randn(T, H).to(torch.bfloat16)
+        ids, weights = make_routing(T, E, K)
+        out = ktorch.fused_moe(hidden, ids, weights, split)
+        ref = fused_moe_reference(hidden, ids, weights, gate_up, down, "silu")
+        assert relative_error(out, ref) <= INT8_TOLERANCE, f"seed={seed} {types}"
+    packed, _, _ = exact_experts(E, H, I, ("Q4_K",) * 3)
+    with pytest.raises(RuntimeError, match="w13_scales must be float32"):
+        packed.split_numa(2)
+
+
+@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("Q5_K", "Q5_K", "Q8_0")], ids=["Q4_K_M", "Q5_K-Q8_0"])
+def test_streamed_dequantize_matches_unpack(types):
+    """The device paths' dequantization (streamed experts) of the exact formats: kt.unpack's weights, transposed."""
+    from ktorch.ops.streamed_experts import dequantize_packed
+
+    packed, gate_up, down = exact_experts(3, 256, 256, types)
+    assert torch.equal(dequantize_packed(packed.w13, packed.w13_scales, True, torch.float32), gate_up.transpose(1, 2))
+    assert torch.equal(dequantize_packed(packed.w2, packed.w2_scales, False, torch.float32), down.transpose(1, 2))
