@@ -294,7 +294,7 @@ def run_hf_offload(shape: str, device: str, prompts: list[int], decode_tokens: i
 # ---------------------------------------------------------------- main
 
 
-def main(argv=None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
     parser.add_argument("--variants", default="ktorch,hf_offload", help="ktorch, hf_offload (default: both)")
@@ -313,7 +313,11 @@ def main(argv=None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="hf_offload's main device (ktorch generate: its default, the GPU when there is one)")
     parser.add_argument("--json", default=None, help="append results as JSON lines to this file")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
 
     variants = [v for v in args.variants.split(",") if v]
     for variant in variants:
