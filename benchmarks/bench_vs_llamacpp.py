@@ -210,7 +210,8 @@ def run_ktorch(gguf: Path, prompts: list[int], gen: int, ktorch_args: Sequence[s
     for extra in ktorch_args:
         for run in range(runs):
             for p in prompts:
-                r = run_generate(str(gguf), p, max(gen, 1), shlex.split(extra), timeout_s)
+                # (--gen 0: prefill only, but generate a few tokens anyway: a run that prints no decode rate counts as failed)
+                r = run_generate(str(gguf), p, max(gen, 4), shlex.split(extra), timeout_s)
                 tests = {f"pp{p}": r["prefill_tok_s"]} if "prefill_tok_s" in r else {}
                 if gen and p == min(prompts) and "decode_tok_s" in r:
                     tests[f"tg{gen}"] = r["decode_tok_s"]

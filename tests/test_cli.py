@@ -162,7 +162,8 @@ def test_bench_passes_arguments_through():
     assert "--shapes" in result.stdout
 
 
-@pytest.mark.parametrize("name, option", [("op", "--shapes"), ("e2e", "--variants"), ("deferral", "--deferred"),
+@pytest.mark.parametrize("name, option", [("op", "--shapes"), ("generate", "--ktorch-args"), ("e2e", "--variants"),
+                                          ("deferral", "--deferred"),
                                           ("overhead", "--calls"), ("vs-llamacpp", "--llama-reps"),
                                           ("vs-kt-kernel", "--kt-threads")])
 def test_bench_names_pick_the_script(name, option):
