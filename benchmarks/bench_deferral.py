@@ -9,13 +9,18 @@ quality  (runs on a CPU in about a minute): the built-in trained Qwen3-MoE model
          Reported: perplexity, mean loss, and top-1 agreement (the share of positions whose argmax next token
          equals d = 0's).
 
-speed    (the device): decode tok/s of a random Qwen3-30B-A3B shaped model (benchmarks/bench_e2e.py builds it)
-         compiled with the ktorch backend, CUDA graphs or not, for each n_deferred_experts in --deferred, and for
-         each fraction in --gpu-experts of every layer's hottest experts kept on the GPU. The routers get a Zipf
-         bias (--zipf s: p_e ~ 1/rank^s, a random ranking per layer) so that random weights have hot experts;
+speed    (the device): decode tok/s of ``ktorch generate``'s path on a random Qwen3-30B-A3B shaped GGUF file (--layers,
+         --gguf-type; written to --gguf-dir unless there): the model loaded by the CLI's own loader
+         (``ktorch.cli.load_model`` with the parsed options of ``ktorch generate`` plus --ktorch-args), decoded by
+         the CLI's own call (``ktorch.cli.run_generation``: ``ktorch.generate`` with the command's defaults), for
+         each n_deferred_experts in --deferred (``--deferred-experts d``, set between rows with
+         ``ktorch.set_deferred_experts``, a fresh decode-step capture per row) and for each fraction in
+         --gpu-experts of every layer's hottest experts kept on the GPU (d = 0). The routers get a Zipf bias
+         (--zipf s: p_e ~ 1/rank^s, a random ranking per layer) so that random weights have hot experts;
          profile_experts finds them on one random prompt and f, the fraction of routed slots that land on GPU
-         experts, is measured on another. With --profile, per decode step: the GPU busy time g, the CPU experts
-         busy time c and their overlap (bench_e2e.profile_decode).
+         experts, is measured on another. The rates are the ones ``ktorch generate`` prints (its Timings). With
+         --profile-steps N (GPU): N replays of each row's captured step profiled (bench_generate.profile_steps:
+         wall ms, CPU experts ms and GPU kernel ms per step).
 
 Benchmarks never assert; they print a table and the machine. --json appends one line per row.
 """
@@ -25,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 
@@ -192,102 +198,106 @@ def detach_gpu_experts(model) -> None:
                 delattr(m, name)
 
 
+def load_as_cli(gguf: str, options: str):
+    """(model, tokenizer, parsed options) as ``ktorch generate --model gguf OPTIONS`` loads them."""
+    from ktorch import cli
+
+    parsed = cli.build_parser().parse_args(["generate", "--model", gguf, "--prompt", "x", *shlex.split(options)])
+    model, tokenizer, _ = cli.load_model(parsed)
+    return model, tokenizer, parsed
+
+
 def run_speed(args) -> list[dict]:
     import bench_e2e
+
+    from ktorch.cli import run_generation
 
     rows = []
     grid = [(d, 0.0) for d in (int(x) for x in args.deferred.split(",") if x)]
     grid += [(0, float(g)) for g in args.gpu_experts.split(",") if g and float(g) > 0]
-    model, build_s = bench_e2e.build_model(args.shape, "eager", args.device, args.experts_dtype, layers=args.layers)
+    path, written = bench_e2e.gguf_for(args.shape, args.gguf_type, args.layers, args.gguf_dir)
+    try:
+        t0 = time.perf_counter()
+        model, tokenizer, options = load_as_cli(path, args.ktorch_args)
+        build_s = time.perf_counter() - t0
+    finally:
+        if written and not args.keep:
+            os.unlink(path)
+    device = next(model.parameters()).device
     skewed = skew_routers(model, args.zipf) if args.zipf else 0
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(2)
-    profile = ktorch.profile_experts(model, torch.randint(0, vocab, (1, 512), generator=gen).to(args.device))
-    check_ids = torch.randint(0, vocab, (1, 512), generator=gen).to(args.device)
-    print(f"  built in {build_s:.0f} s; {skewed} routers Zipf-skewed (s={args.zipf})", file=sys.stderr)
-    from ktorch.compile import set_runtime_deferred_experts
-
-    for variant in args.variants.split(","):
-        shared = None  # --one-compile: the runner compiled with n_deferred_experts="runtime", for every d > 0
+    profile = ktorch.profile_experts(model, torch.randint(0, vocab, (1, 512), generator=gen).to(device))
+    check_ids = torch.randint(0, vocab, (1, 512), generator=gen).to(device)
+    prompt = torch.randint(0, vocab, (1, args.prompt), generator=gen)
+    options.max_new_tokens = args.decode_tokens
+    print(f"  loaded in {build_s:.0f} s; {skewed} routers Zipf-skewed (s={args.zipf})", file=sys.stderr)
+    with open(os.devnull, "w") as text_sink:
         for d, gpu_fraction in grid:
-            one = args.one_compile and d > 0 and not gpu_fraction
-            if not (one and shared is not None):
-                torch._dynamo.reset()
-                shared = None
             detach_gpu_experts(model)
             f = 0.0
             if gpu_fraction:
-                placement = attach_random_gpu_experts(model, profile, gpu_fraction, args.device)
+                placement = attach_random_gpu_experts(model, profile, gpu_fraction, str(device))
                 f = ktorch.profile_experts(model, check_ids).fraction_on(placement)  # on tokens not profiled
-            set_runtime_deferred_experts(d if one else 0)
-            result = bench_e2e.time_variant(model, variant, args.device, [], args.decode_tokens, args.decode_context,
-                                            1, vocab, {"n_deferred_experts": "runtime" if one else d},
-                                            runner=shared if one else None)
-            runner = result.pop("runner")
-            if one:
-                shared = runner
-            row = dict(shape=args.shape, variant=variant, n_deferred_experts=d, one_compile=one,
-                       gpu_experts=gpu_fraction, f=f,
-                       zipf_s=args.zipf if skewed else 0.0, decode_tok_s=result["decode_tok_s"],
-                       host_waits_per_step=result["host_waits_per_step"], warmup_decode_s=result["warmup_decode_s"])
-            if args.profile:
-                label = f"deferral_{args.shape}_{variant}_d{d}_gpu{gpu_fraction}"
-                prof = bench_e2e.profile_decode(runner, 5, args.out, label)
-                row.update(g_ms=prof["gpu_busy_ms"], c_ms=prof["cpu_experts_busy_ms"], overlap_ms=prof["overlap_ms"],
-                           overlap_min_ms=prof["overlap_min_ms"], align_us=prof["align_us"], step_ms=prof["step_ms"],
-                           gpu_under_experts_ms=prof["gpu_under_experts_ms"],
-                           trace=prof["trace"])
+            ktorch.set_deferred_experts(model, d)
+            model.kt_decoder = None  # a fresh capture for this placement
+            _, t = run_generation(model, tokenizer, prompt, options, out=text_sink)
+            row = dict(shape=args.shape, layers=args.layers, n_deferred_experts=d, gpu_experts=gpu_fraction, f=f,
+                       zipf_s=args.zipf if skewed else 0.0, ktorch_args=args.ktorch_args,
+                       prompt_tokens=t.prompt_tokens, prefill_tok_s=t.prefill_tok_s, decode_tokens=t.decode_tokens,
+                       decode_tok_s=t.decode_tok_s, capture_s=t.warmup_s, cuda_graphs=t.cuda_graphs)
             rows.append(row)
             if args.json:  # row by row: a run cut short keeps what it measured
                 with open(args.json, "a") as fh:
                     fh.write(json.dumps({"bench": "deferral_speed", **row}) + "\n")
-            print(f"  {variant} d={d} gpu_experts={gpu_fraction} (f={f:.2f}): {row['decode_tok_s']:.2f} tok/s",
+            print(f"  d={d} gpu_experts={gpu_fraction} (f={f:.2f}): {t.line()}, capture {t.warmup_s:.1f} s",
                   file=sys.stderr)
-            del runner
-    set_runtime_deferred_experts(0)
+            if args.profile_steps and getattr(model.kt_decoder, "graph", None) is not None:
+                from bench_generate import profile_steps
+
+                profile_steps(model.kt_decoder, args.profile_steps, f"d={d} gpu_experts={gpu_fraction}")
+    ktorch.set_deferred_experts(model, 0)
     return rows
 
 
 def print_speed(rows: list[dict]) -> None:
-    print("\n| shape | variant | d | GPU experts | f | decode tok/s | step ms | g: GPU busy ms | c: CPU experts ms "
-          "| overlap ms | overlap at least ms | GPU under calls ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| shape | layers | d | GPU experts | f | decode tok/s | prefill tok/s | decode-step capture s |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        extra = " | ".join(f"{r[k]:.2f}" if k in r else "-"
-                           for k in ("step_ms", "g_ms", "c_ms", "overlap_ms", "overlap_min_ms", "gpu_under_experts_ms"))
-        print(f"| {r['shape']} | {r['variant']} | {r['n_deferred_experts']} | {100 * r['gpu_experts']:.0f}% | "
-              f"{r['f']:.2f} | {r['decode_tok_s']:.2f} | {extra} |")
+        print(f"| {r['shape']} | {r['layers']} | {r['n_deferred_experts']} | {100 * r['gpu_experts']:.0f}% | "
+              f"{r['f']:.2f} | {r['decode_tok_s']:.2f} | {r['prefill_tok_s']:.1f} | {r['capture_s']:.1f} |")
 
 
-def main(argv=None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=("quality", "speed"))
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=None, help="quality: score only the first tokens")
-    parser.add_argument("--shape", default="qwen3-30b-a3b")
-    parser.add_argument("--variants", default="compiled,cuda_graphs")
-    parser.add_argument("--deferred", default="0,1,2,4,6", help="speed: n_deferred_experts values (no GPU experts)")
+    parser.add_argument("--shape", default="qwen3-30b-a3b", choices=("qwen3-30b-a3b", "tiny"),
+                        help="speed: the random GGUF file's shape (bench_e2e.py's; tiny: a smoke run)")
+    parser.add_argument("--layers", type=int, default=12, help="speed: decoder layers of the file (default: 12)")
+    parser.add_argument("--gguf-type", default="Q8_0", help="speed: GGML type of the experts (Q8_0 loads as int8)")
+    parser.add_argument("--gguf-dir", default="/tmp", help="speed: where the GGUF file goes (default: /tmp)")
+    parser.add_argument("--keep", action="store_true", help="speed: keep a GGUF file this run wrote")
+    parser.add_argument("--ktorch-args", default="",
+                        help="speed: more `ktorch generate` options for the load, e.g. '--stream-experts off'")
+    parser.add_argument("--deferred", default="0,1,2,4,6", help="speed: --deferred-experts values (no GPU experts)")
     parser.add_argument("--gpu-experts", default="0.1,0.25", help="speed: fractions of hot experts on the GPU (d=0)")
     parser.add_argument("--zipf", type=float, default=1.0, help="speed: Zipf exponent of the router skew (0: none)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--experts-dtype", choices=("bf16", "int8", "int4"), default="int8")
-    parser.add_argument("--decode-tokens", type=int, default=32)
-    parser.add_argument("--decode-context", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=None)
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--profile", action="store_true", help="speed: g, c and overlap per decode step")
-    parser.add_argument("--one-compile", action="store_true",
-                        help="speed: the d > 0 rows share one compile (n_deferred_experts='runtime', d set between "
-                             "runs with set_runtime_deferred_experts) instead of compiling per d")
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--prompt", type=int, default=512, help="speed: prompt tokens before decoding")
+    parser.add_argument("--decode-tokens", type=int, default=64, help="speed: --max-new-tokens")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="speed: profile this many replays of each row's captured decode step (GPU)")
     parser.add_argument("--json", default=None, help="append rows as JSON lines to this file")
-    args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    return parser
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
     import bench_e2e
 
-    print(json.dumps(bench_e2e.machine_info(args.device)))
+    print(json.dumps(bench_e2e.machine_info("cuda" if torch.cuda.is_available() else "cpu")))
     if args.what == "quality":
         rows = run_quality(args)
         print_quality(rows)

@@ -91,9 +91,15 @@ def prompt_of(tokens: int, kind: str = "text") -> str:
 
 def run_generate(gguf: str, prompt_tokens: int, gen: int, extra: list[str], timeout_s: float,
                  prompt_kind: str = "text") -> dict:
-    cmd = ["ktorch", "generate", "--model", gguf, "--prompt", prompt_of(prompt_tokens, prompt_kind),
-           "--max-new-tokens", str(gen), *extra]
-    shown = " ".join(shlex.quote(c) for c in cmd[:4]) + f" --prompt <{prompt_tokens} bytes> " + " ".join(cmd[6:])
+    """One fresh ``ktorch generate`` process on ``gguf`` (a prompt of ``prompt_tokens`` ids, ``gen`` new tokens,
+    ``extra`` options): what it printed (parse_generate_output), its wall time and the command as typed; ``error``
+    when it failed or printed no decode rate. The process is ``python -m ktorch.cli``, the module behind the
+    ``ktorch`` command, run by this interpreter (so the ktorch this benchmark imports is the one timed)."""
+    args = ["generate", "--model", gguf, "--prompt", prompt_of(prompt_tokens, prompt_kind), "--max-new-tokens",
+            str(gen), *extra]
+    cmd = [sys.executable, "-m", "ktorch.cli", *args]
+    shown = "ktorch " + " ".join(shlex.quote(c) for c in args[:3]) + f" --prompt <{prompt_tokens} bytes> " + \
+        " ".join(shlex.quote(c) for c in args[5:])
     print("$ " + shown, flush=True)
     t0 = time.perf_counter()
     try:

@@ -19,45 +19,44 @@ llama.cpp  ``llama-bench -m FILE -ngl 99 -ot exps=CPU`` (routed experts in CPU m
            over repetitions (avg_ts). ppN = one N-token prompt from an empty cache; tgN = N single-token steps
            from an empty cache. The model is loaded before timing (not timed), the file is in the page cache
            (just written), so both sides are measured warm.
-ktorch     ``ktorch.load(FILE, device="cuda", experts_dtype="auto")`` on the SAME file: Q8_0 -> int8 per output
-           channel (requantized from the Q8_0 values, relative error ~0.007), Q4_0 -> int4 group 32 (the blocks
-           re-laid, no requantization); everything else bf16 on the GPU. Then benchmarks/bench_e2e.py's
-           ``time_variant`` (imported, not copied): batch 1, static KV cache, greedy argmax on the device,
-           torch.compile(backend="ktorch") with (``cuda_graphs``) and without (``compiled``) CUDA graphs; warm-up
-           calls (compiles, graph capture) are not timed. ppN = one forward over N random tokens (median of
-           --repeats); tgN = N one-token forwards after a --decode-context-token prompt (default 1, so decode
-           starts near an empty cache as llama-bench's does), one sync at the end. The ktorch worker pool has
-           --kt-threads threads (KT_NUM_THREADS; default ktorch's: torch's thread count, three fewer when
-           ktorch.prepare places the model on a GPU, leaving cores to CUDA's callback thread and the launcher); the
-           JSON says how many.
+ktorch     ``ktorch generate --model FILE --prompt <P bytes> --max-new-tokens N [OPTIONS]`` on the SAME file, each a
+           fresh process exactly as a user types it (benchmarks/bench_generate.py's ``run_generate``: its loader,
+           ``prepare``, defaults and generation loop; the file has no tokenizer, so P bytes are P token ids), for
+           each string of options in --ktorch-args ('' = the defaults, e.g. '--deferred-experts 3'), --runs times.
+           The figures are the ones the command prints: ppP = its prefill rate (the prompt of the process's first
+           and only call, so it includes the first call's one-time costs); tgN = its decode rate (the replayed
+           decode steps after the first token and the capture's one eager step) in the run with the shortest
+           prompt. Q8_0 experts load as int8 per output channel, Q4_0 as int4 group 32 (``--experts-dtype auto``).
 
-The table: rows (experts type, test), columns llama.cpp best tok/s and its setting, ktorch best tok/s and its
-variant, and ktorch / llama.cpp. --json appends one line per llama-bench record, per ktorch variant and per table
-row (``kind``: machine, llama.cpp, ktorch, comparison); ``--report FILE`` prints the table again from such lines
+The table: rows (experts type, test), columns llama.cpp best tok/s and its setting, ktorch's best option set
+(the median over its processes) and its options, and ktorch / llama.cpp. --json appends one line per llama-bench
+record, per ktorch process and per table row (``kind``: machine, llama.cpp, ktorch, comparison); ``--report FILE`` prints the table again from such lines
 (e.g. after one device call per experts type). The machine (CPU model, cores, kernel level, GPU, versions,
 llama.cpp build) is printed first. Benchmarks never assert.
 
 Degrades: no llama-bench (--llama-bench, else /tmp/lcpp/bin/llama-bench, else PATH) -> llama.cpp columns skipped
-with a message; no GPU -> ktorch runs everything on the CPU (a smoke run, not a result).
+with a message; no GPU -> ktorch generate runs on the CPU (a smoke run, not a result).
 
 Memory and disk on the device (128 GiB, 64 GiB disk): 12 layers are ~8 GB (Q8_0) / ~4.5 GB (Q4_0), 48 layers
 ~32 / ~18 GB. Types run one after the other; each file is deleted after its type unless --keep (an existing file
 of the same name, e.g. kept by an earlier call, is reused instead of written again).
 
-    python benchmarks/bench_vs_llamacpp.py --types Q8_0 --llama-bench /tmp/lcpp/bin/llama-bench --json $OUT/vs.jsonl
+    python benchmarks/bench_vs_llamacpp.py --types Q8_0 --llama-bench /tmp/lcpp/bin/llama-bench --json $OUT/vs.jsonl \\
+        --ktorch-args "" "--deferred-experts 3"
     python benchmarks/bench_vs_llamacpp.py --report $OUT/vs.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
 import os
 import re
+import shlex
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -67,7 +66,6 @@ from typing import Iterable, Iterator, Optional, Sequence
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_LLAMA_BENCH = "/tmp/lcpp/bin/llama-bench"  # where scripts/device.py's llamacpp step builds it
 EXPERTS_TYPES = ("Q8_0", "Q4_0")
-KTORCH_VARIANTS = ("compiled", "cuda_graphs", "eager")
 
 
 # ---------------------------------------------------------------- llama-bench output
@@ -199,106 +197,25 @@ def find_llama_bench(path: Optional[str]) -> Optional[str]:
 # ---------------------------------------------------------------- ktorch on the same file
 
 
-def run_ktorch(gguf: Path, device: str, variants: list[str], prompts: list[int], gen: int, decode_context: int,
-               repeats: int, options: Optional[dict] | Sequence[Optional[dict]], streams: Sequence = ("off",),
-               pool_sweep: Sequence[tuple[int, int]] = ()) -> Iterator[dict]:
-    """Loads ``gguf`` with ktorch.load and times each variant with bench_e2e's ``time_variant``; yields one dict
-    per variant, as soon as it is measured, with ``tests`` {"pp512": tok/s, ..., "tg64": tok/s} and bench_e2e's
-    raw fields (or ``error``). Each prefill streaming setting in ``streams`` ("off", "auto" or "512:0.4,2048:0.45",
-    optionally ending in "@serial": bench_e2e.parse_stream_setting) gets its own line per variant, the variant named
-    "VARIANT+stream=SETTING"; decode is timed with the first setting only (decode never streams). ``options`` may
-    be a list of backend option sets (e.g. ``[None, {"n_deferred_experts": 2}]``): each runs every variant, named
-    "VARIANT+OPTIONS" when not None.
-    Option sets that differ only in ``decode_deferred_experts`` (a runtime setting) share one compile: the next
-    set reuses the runner the previous one made. ``pool_sweep`` ((pool threads, KT_SPIN_US), see bench_e2e.py
-    --pool-sweep) re-times decode on that runner per setting, a line each named "...+threads=N+spin=US"."""
-    import traceback
+def run_ktorch(gguf: Path, prompts: list[int], gen: int, ktorch_args: Sequence[str], runs: int,
+               timeout_s: float) -> Iterator[dict]:
+    """``ktorch generate`` on ``gguf`` as a user types it (bench_generate.run_generate: a fresh process each time,
+    the options in each string of ``ktorch_args``, "" = the defaults), ``runs`` times per prompt length; yields one
+    dict per process, as soon as it is done, with ``tests``: {"ppP": the prefill rate it printed} and, for the
+    shortest prompt, {"tgN": the decode rate it printed} (N = ``gen``; llama-bench's tgN starts from an empty
+    cache, so the decode figure is taken next to the shortest context), plus what it printed (load, capture) or
+    ``error``."""
+    from bench_generate import run_generate
 
-    import torch
-
-    import ktorch
-
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import bench_e2e
-
-    t0 = time.perf_counter()
-    try:
-        model, _ = ktorch.load(gguf, device=device, experts_dtype="auto", progress=False, tokenizer=False)
-    except Exception as e:  # benchmarks never assert: report, and let the other types run
-        traceback.print_exc()
-        yield dict(variant="load", error=f"{type(e).__name__}: {e}", tests={})
-        return
-    load_s = time.perf_counter() - t0
-    experts = {getattr(m, "kt_format", "?") for _, m in _experts_modules(model)}
-    from bench_fused_moe import huge_pages_note
-
-    print(f"ktorch.load: {load_s:.1f} s, experts {sorted(experts) or '?'}, other weights "
-          f"{next(model.parameters()).dtype} on {device}; {huge_pages_note()}", flush=True)
-    option_sets = list(options) if isinstance(options, (list, tuple)) else [options]
-    runner, runner_key = None, None  # the last compiled runner, and what it was compiled for
-    for variant, opts, stream in [(v, o, st) for v in variants for o in option_sets for st in streams]:
-        first = stream == streams[0]
-        label = variant if not opts else f"{variant}+{json.dumps(opts, separators=(',', ':'))}"
-        setting, ahead = bench_e2e.parse_stream_setting(stream)
-        if setting != "off":
-            shown = json.dumps(setting) if isinstance(setting, dict) else setting
-            label += f"+stream={shown}" + ("" if ahead else "@serial")
-        key = (variant, json.dumps(bench_e2e.split_decode_deferral(opts)[0], sort_keys=True), json.dumps(setting))
-        if key != runner_key:
-            runner, runner_key = None, None
-            gc.collect()
-            if device == "cuda":
-                torch.cuda.empty_cache()
-            torch._dynamo.reset()
-        t0 = time.perf_counter()
-        try:
-            ktorch.set_stream_experts(model, setting, copy_ahead=ahead)
-            r = bench_e2e.time_variant(model, variant, device, prompts, gen if first else 0, decode_context, repeats,
-                                       model.config.vocab_size, opts, runner=runner)
-            r["variant"] = label
-            r["stream_plan"] = ktorch.stream_plan(model)
-        except Exception as e:  # one variant failing must not lose the others (benchmarks never assert)
-            traceback.print_exc()
-            print(f"ktorch {label}: failed: {type(e).__name__}: {e}", flush=True)
-            yield dict(variant=label, error=f"{type(e).__name__}: {e}", tests={})
-            runner, runner_key = None, None
-            continue
-        runner, runner_key = r.pop("runner"), key
-        kt_threads = ktorch.get_num_threads() if hasattr(ktorch, "get_num_threads") else None
-        yield _ktorch_line(r, label, prompts, gen, kt_threads, load_s=load_s, experts_format=sorted(experts),
-                           seconds=time.perf_counter() - t0, decode_context=decode_context, options=opts)
-        if gen and first and pool_sweep:
-            for row in bench_e2e.pool_sweep(model, runner, variant, device, gen, decode_context,
-                                            model.config.vocab_size, list(pool_sweep), opts):
-                threads = row.pop("pool_threads")
-                setting = f"+threads={threads}+spin={row['spin_us']}"
-                yield _ktorch_line(row, label + setting, [], gen, threads, load_s=load_s,
-                                   experts_format=sorted(experts), decode_context=decode_context, options=opts)
-    del runner
-    del model
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
-
-
-def _ktorch_line(r: dict, label: str, prompts: list[int], gen: int, kt_threads, **fields) -> dict:
-    """``r`` (time_variant's result) as one ktorch line: its tests {"pp512": tok/s, ..., "tg64": tok/s}, printed."""
-    tests = {f"pp{p}": r[f"prefill_{p}_tok_s"] for p in prompts if f"prefill_{p}_tok_s" in r}
-    if "decode_tok_s" in r:
-        tests[f"tg{gen}"] = r["decode_tok_s"]
-    r.update(variant=label, tests=tests, kt_threads=kt_threads, **fields)
-    took = f" ({r['seconds']:.0f} s with compiles;" if "seconds" in r else " (same compile;"
-    host = (f"; CPU experts {r['cpu_experts_ms_per_step']:.1f} ms a step, {r.get('calls_over_1ms', 0)} calls over "
-            f"1 ms, host steal {r.get('host_steal_pct', float('nan')):.1f}%" if "cpu_experts_ms_per_step" in r else "")
-    print(f"ktorch {label}: " + ", ".join(f"{k} {v:.1f} tok/s" for k, v in tests.items())
-          + f"{took} {kt_threads} CPU threads{host})", flush=True)
-    return r
-
-
-def _experts_modules(model):
-    from ktorch.placement import experts_modules
-
-    return experts_modules(model)
+    for extra in ktorch_args:
+        for run in range(runs):
+            for p in prompts:
+                # (--gen 0: prefill only, but generate a few tokens anyway: a run that prints no decode rate counts as failed)
+                r = run_generate(str(gguf), p, max(gen, 4), shlex.split(extra), timeout_s)
+                tests = {f"pp{p}": r["prefill_tok_s"]} if "prefill_tok_s" in r else {}
+                if gen and p == min(prompts) and "decode_tok_s" in r:
+                    tests[f"tg{gen}"] = r["decode_tok_s"]
+                yield dict(r, variant=extra.strip() or "defaults", run=run, prompt=p, tests=tests)
 
 
 # ---------------------------------------------------------------- the table
@@ -306,8 +223,8 @@ def _experts_modules(model):
 
 def comparison_rows(lines: list[dict]) -> list[dict]:
     """Table rows from the JSON lines of one or more runs (kinds "llama.cpp" and "ktorch"): for each (experts
-    type, layers, test), llama.cpp's best record and ktorch's best variant, and their ratio. Later lines of the
-    same (type, layers, test, setting or variant) replace earlier ones."""
+    type, layers, test), llama.cpp's best record and ktorch's best option set (the median of its processes), and
+    their ratio. A later llama.cpp line of the same (type, layers, test, setting) replaces an earlier one."""
     llama: dict[tuple, dict] = {}
     kt: dict[tuple, dict] = {}
     order: list[tuple] = []
@@ -325,8 +242,7 @@ def comparison_rows(lines: list[dict]) -> list[dict]:
             for test, ts in line.get("tests", {}).items():
                 key = (line["experts_type"], line["layers"], test)
                 seen(key)
-                kt.setdefault(key, {})[line["variant"]] = dict(tok_s=ts, variant=line["variant"],
-                                                               device=line.get("device"))
+                kt.setdefault(key, {}).setdefault(line["variant"], []).append(ts)
     rows = []
     groups = list(dict.fromkeys(k[:2] for k in order))  # (type, layers) in the order they were run
     for key in sorted(order, key=lambda k: (groups.index(k[:2]), _test_order(k[2]))):
@@ -337,8 +253,9 @@ def comparison_rows(lines: list[dict]) -> list[dict]:
             row.update(llama_tok_s=best["tok_s"], llama_setting=best["setting"],
                        llama_settings_tried=len(llama[key]))
         if key in kt:
-            best = max(kt[key].values(), key=lambda r: r["tok_s"])
-            row.update(ktorch_tok_s=best["tok_s"], ktorch_variant=best["variant"], ktorch_device=best["device"])
+            medians = {variant: statistics.median(ts) for variant, ts in kt[key].items()}
+            variant = max(medians, key=medians.get)
+            row.update(ktorch_tok_s=medians[variant], ktorch_variant=variant, ktorch_runs=len(kt[key][variant]))
         if row.get("llama_tok_s") and row.get("ktorch_tok_s"):
             row["ratio"] = row["ktorch_tok_s"] / row["llama_tok_s"]
         rows.append(row)
@@ -351,13 +268,11 @@ def _test_order(test: str) -> tuple:
 
 
 def format_table(rows: list[dict]) -> str:
-    out = ["| experts | test | llama.cpp tok/s (best setting) | ktorch tok/s (variant) | ktorch / llama.cpp |",
+    out = ["| experts | test | llama.cpp tok/s (best setting) | ktorch generate tok/s (options) | ktorch / llama.cpp |",
            "|---|---|---|---|---|"]
     for r in rows:
         llama = f"{r['llama_tok_s']:.1f} (`{r['llama_setting']}`)" if "llama_tok_s" in r else "-"
-        kt = f"{r['ktorch_tok_s']:.1f} ({r['ktorch_variant']}" + (
-            f", {r['ktorch_device']}" if r.get("ktorch_device") not in (None, "cuda") else "") + ")" \
-            if "ktorch_tok_s" in r else "-"
+        kt = f"{r['ktorch_tok_s']:.1f} (`{r['ktorch_variant']}`)" if "ktorch_tok_s" in r else "-"
         ratio = f"{r['ratio']:.2f}x" if "ratio" in r else "-"
         out.append(f"| {r['experts_type']} ({r['layers']} layers) | {r['test']} | {llama} | {kt} | {ratio} |")
     return "\n".join(out)
@@ -438,22 +353,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--llama-timeout", type=float, default=480, help="seconds per llama-bench command (default: 480)")
     p.add_argument("--skip-llamacpp", action="store_true", help="run ktorch only")
     p.add_argument("--skip-ktorch", action="store_true", help="run llama.cpp only")
-    p.add_argument("--device", default=None, help="ktorch's device (default: cuda if available, else cpu)")
-    p.add_argument("--variants", default="compiled,cuda_graphs",
-                   help=f"ktorch variants, from {KTORCH_VARIANTS} (default: compiled,cuda_graphs)")
-    p.add_argument("--repeats", type=int, default=3, help="ktorch prefill repetitions, median (default: 3)")
-    p.add_argument("--decode-context", type=int, default=1, help="ktorch prompt length before decoding (default: 1)")
-    p.add_argument("--kt-threads", type=int, default=None, help="ktorch worker threads (KT_NUM_THREADS)")
-    p.add_argument("--pool-sweep", default="",
-                   help="decode re-timed on the same compile per THREADS[:SPIN_US],... (ktorch's worker pool size "
-                        "and KT_SPIN_US; see bench_e2e.py --pool-sweep), a line each")
-    p.add_argument("--stream-experts", default="off",
-                   help="';'-separated ktorch prefill streaming settings, one line each (off, auto, "
-                        "'512:0.4,2048:0.45'; see bench_e2e.py) (default: off)")
-    p.add_argument("--kt-options", default=None,
-                   help="ktorch backend options as JSON (see bench_e2e.py --options); ';'-separated sets run each "
-                        "variant once per set, 'none' = no options, e.g. 'none;{\"n_deferred_experts\": 2}'; "
-                        "'{\"decode_deferred_experts\": 2}' defers in decode only, one compile (prefill d = 0)")
+    p.add_argument("--ktorch-args", nargs="*", default=[""], metavar="OPTIONS",
+                   help="one string of `ktorch generate` options per setting, each run as typed, e.g. '' "
+                        "'--deferred-experts 3' '--stream-experts off' (default: '' = the defaults)")
+    p.add_argument("--runs", type=int, default=1,
+                   help="`ktorch generate` processes per setting and prompt; the table takes their median "
+                        "(default: 1)")
+    p.add_argument("--ktorch-timeout", type=float, default=400, help="seconds per ktorch process (default: 400)")
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp"),
                    help="folder for llama-bench's log (default: $OUT or /tmp)")
     p.add_argument("--json", default=None, help="append JSON lines to this file")
@@ -476,27 +382,14 @@ def main(argv=None) -> None:
         return
     # `timeout` sends SIGTERM: exit through Python, so that files are deleted and a running llama-bench killed
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    if args.kt_threads:
-        os.environ["KT_NUM_THREADS"] = str(args.kt_threads)  # read once, when ktorch's worker pool starts
 
     import torch
 
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import bench_e2e
-
-    pool_sweep = bench_e2e.parse_pool_sweep(args.pool_sweep)  # (a bad spec fails before a file is written)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     types = _csv(args.types)
     prompts = [int(p) for p in _csv(args.prompts)]
-    variants = _csv(args.variants)
-    for v in variants:
-        if v not in KTORCH_VARIANTS:
-            raise SystemExit(f"unknown ktorch variant {v!r}; choose from {KTORCH_VARIANTS}")
-    if device != "cuda" and "cuda_graphs" in variants:
-        print("no GPU: ktorch runs on the CPU (a smoke run, not a result); cuda_graphs skipped", flush=True)
-        variants = [v for v in variants if v != "cuda_graphs"]
-    options = [json.loads(o) if o.strip() not in ("", "none", "null") else None
-               for o in args.kt_options.split(";")] if args.kt_options else [None]
+    if device != "cuda" and not args.skip_ktorch:
+        print("no GPU: ktorch generate runs on the CPU (a smoke run, not a result)", flush=True)
     llama_bench = None
     if not args.skip_llamacpp:
         llama_bench = find_llama_bench(args.llama_bench)
@@ -535,9 +428,7 @@ def main(argv=None) -> None:
                     print(f"llama.cpp {type_name} {test}: best {r['avg_ts']:.1f} tok/s with {setting_label(r)}",
                           flush=True)
             if not args.skip_ktorch:
-                streams = [spec.strip() for spec in args.stream_experts.split(";") if spec.strip()]
-                for r in run_ktorch(path, device, variants, prompts, args.gen, args.decode_context, args.repeats,
-                                    options, streams, pool_sweep):
+                for r in run_ktorch(path, prompts, args.gen, args.ktorch_args, args.runs, args.ktorch_timeout):
                     line = dict(kind="ktorch", experts_type=type_name, layers=args.layers, device=device,
                                 gguf_write_s=write_s, **r)
                     lines.append(line)
@@ -558,7 +449,7 @@ def main(argv=None) -> None:
     print()
     print("machine:", json.dumps(info))
     print(f"model: random Qwen3-30B-A3B shape, {args.layers} layers, {args.experts} experts top-8; "
-          f"ktorch on {device}, variants {','.join(variants)}")
+          f"ktorch generate on {device}, {args.runs} process(es) per setting and prompt")
     print(format_table(rows))
 
 

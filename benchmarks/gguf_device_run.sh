@@ -3,7 +3,7 @@
 # and (if llama.cpp's llama-bench is on PATH) check llama.cpp accepts the same file.
 #   bash benchmarks/gguf_device_run.sh Q4_0 [layers]      # Q8_0 (~32 GB), Q4_0 / Q4_K (~18 GB)
 #   GGUF_LOG=FILE: the whole stderr (progress bars one update per line) appended there
-#   GGUF_GENERATE_ARGS="--compile --max-new-tokens 128" (later arguments win): static cache + CUDA graphs
+#   GGUF_GENERATE_ARGS="--max-new-tokens 128 --deferred-experts 3" (later arguments win): more `ktorch generate` options
 # Needs the gguf package (pip install gguf*.whl) and ktorch built in place (python setup.py build_ext --inplace).
 set -euo pipefail
 TYPE=${1:-Q4_0}

@@ -6,7 +6,7 @@
     ktorch chat --model builtin
     ktorch serve --model builtin --port 8000          # OpenAI-compatible server (/v1/chat/completions, ...)
     ktorch bench -- --shapes qwen3 --tokens 1 512
-    ktorch bench e2e -- --shape qwen3-30b-a3b --variants cuda_graphs --prompts 512
+    ktorch bench e2e -- --shape qwen3-30b-a3b --prompts 512 --ktorch-args "" "--deferred-experts 3"
 
 A model is a transformers checkpoint folder (config.json, safetensors, tokenizer files), a llama.cpp GGUF file,
 or ``builtin``, the small MoE model shipped in ktorch/builtin. Unless ``--plain`` is given, ``ktorch.load`` builds
@@ -30,12 +30,15 @@ EXPERTS_DTYPES = ("auto", "bf16", "int8", "int4")
 # ktorch bench NAME: the script under benchmarks/ and what it measures
 BENCHMARKS = {
     "op": ("bench_fused_moe.py", "one MoE layer's routed experts on the CPU, per dtype, against the eager loop"),
-    "e2e": ("bench_e2e.py", "prefill and decode tokens/s of a whole random-weight model, ktorch variants against "
-            "transformers + accelerate offload"),
-    "deferral": ("bench_deferral.py", "expert deferral and hot experts: quality on the built-in model, decode speed"),
+    "generate": ("bench_generate.py", "fresh `ktorch generate` processes on a GGUF file, as typed, beside llama-bench"),
+    "e2e": ("bench_e2e.py", "`ktorch generate` on a random-weight model of a shape against transformers + accelerate "
+            "offload"),
+    "deferral": ("bench_deferral.py", "expert deferral and hot experts: quality on the built-in model, decode speed "
+                 "of `ktorch generate`'s loader and call"),
     "overhead": ("bench_overhead.py", "the fixed cost of one kt.fused_moe call"),
     "vs-kt-kernel": ("bench_vs_kt_kernel.py", "the op against KTransformers' kt-kernel on the same layers"),
-    "vs-llamacpp": ("bench_vs_llamacpp.py", "end to end against llama.cpp on the same GGUF weights"),
+    "vs-llamacpp": ("bench_vs_llamacpp.py", "`ktorch generate` against llama.cpp on the same GGUF weights, a file "
+                    "per experts type"),
 }
 DTYPES = {"auto": None, "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -229,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
         + ", ".join(f"{name} ({script}: {what})" for name, (script, what) in BENCHMARKS.items())
         + ". NAME defaults to op. 'ktorch bench NAME -- --help' lists a benchmark's own options. Examples: "
         "'ktorch bench -- --shapes qwen3 --tokens 1 512'; "
-        "'ktorch bench e2e -- --shape qwen3-30b-a3b --variants cuda_graphs --prompts 512'.",
+        "'ktorch bench e2e -- --shape qwen3-30b-a3b --prompts 512'.",
     )
     bench.add_argument("args", nargs=argparse.REMAINDER,
                        help="[NAME] then the benchmark's own arguments after -- (NAME: " + ", ".join(BENCHMARKS) + ")")

@@ -427,34 +427,35 @@ def step_kernels(r: Runner, p: dict) -> int:
                  "--min-seconds", "0.3"])
 
 
-@step("e2e", "end to end, Qwen3-30B-A3B shape: ktorch under CUDA graphs vs transformers + accelerate offload "
-      "(benchmarks/bench_e2e.py)", limit_s=480, min_s=240,
-      params={"shape": "qwen3-30b-a3b", "variants": "cuda_graphs,hf_offload"}, carry=".whl (accelerate, psutil)")
+@step("e2e", "end to end, Qwen3-30B-A3B shape: `ktorch generate` (fresh processes, defaults, on a random Q8_0 GGUF "
+      "of the shape) vs transformers + accelerate offload (benchmarks/bench_e2e.py)", limit_s=540, min_s=300,
+      params={"shape": "qwen3-30b-a3b", "variants": "ktorch,hf_offload", "layers": "48"},
+      carry=".whl (gguf, accelerate, psutil)")
 def step_e2e(r: Runner, p: dict) -> int:
     r.busy_warning()
-    return r.sh([sys.executable, "bench_e2e.py", "--shape", p["shape"], "--variants", p["variants"], "--prompts",
-                 "512", "--decode-tokens", "32", "--repeats", "2", "--profile", "--out", str(OUT), "--json",
-                 str(OUT / "e2e.jsonl")], cwd=r.root / "benchmarks")
+    return r.sh([sys.executable, "benchmarks/bench_e2e.py", "--shape", p["shape"], "--variants", p["variants"],
+                 "--layers", p["layers"], "--prompts", "512", "--decode-tokens", "64", "--json",
+                 str(OUT / "e2e.jsonl")])
 
 
-@step("deferral", "expert deferral and hot experts on the GPU, decode under CUDA graphs (benchmarks/"
-      "bench_deferral.py speed; the d > 0 rows share one compile)", limit_s=480, min_s=240,
-      params={"shape": "qwen3-30b-a3b", "deferred": "0,2", "gpu": "0.25", "layers": "12"})
+@step("deferral", "expert deferral and hot experts on the GPU: the model loaded by `ktorch generate`'s loader from a "
+      "random Qwen3-30B-A3B-shaped GGUF, Zipf-skewed routers, decode by its generate call per "
+      "--deferred-experts d and GPU share (benchmarks/bench_deferral.py speed)", limit_s=480, min_s=240,
+      params={"shape": "qwen3-30b-a3b", "deferred": "0,2", "gpu": "0.25", "layers": "12"}, carry=".whl (gguf)")
 def step_deferral(r: Runner, p: dict) -> int:
     r.busy_warning()
-    return r.sh([sys.executable, "bench_deferral.py", "speed", "--shape", p["shape"], "--variants", "cuda_graphs",
-                 "--deferred", p["deferred"], "--gpu-experts", p["gpu"], "--zipf", "1", "--profile", "--one-compile",
-                 "--layers", p["layers"], "--decode-tokens", "256", "--out", str(OUT), "--json",
-                 str(OUT / "deferral.jsonl")], cwd=r.root / "benchmarks")
+    return r.sh([sys.executable, "benchmarks/bench_deferral.py", "speed", "--shape", p["shape"], "--deferred",
+                 p["deferred"], "--gpu-experts", p["gpu"], "--zipf", "1", "--layers", p["layers"],
+                 "--decode-tokens", "256", "--profile-steps", "20", "--json", str(OUT / "deferral.jsonl")])
 
 
-@step("gguf", "loading: a random Qwen3-30B-A3B-shaped GGUF (benchmarks/make_gguf.py), then `ktorch generate "
-      "--compile` on it: load time, peak RSS, tok/s", limit_s=540, min_s=300,
+@step("gguf", "loading: a random Qwen3-30B-A3B-shaped GGUF (benchmarks/make_gguf.py), then `ktorch generate` on it "
+      "as typed: load time, peak RSS, tok/s", limit_s=540, min_s=300,
       params={"type": "Q4_K", "layers": "48", "tokens": "64"}, carry=".whl (gguf)")
 def step_gguf(r: Runner, p: dict) -> int:
     r.busy_warning()
     env = dict(r.env, GGUF_DIR="/tmp", GGUF_LOG=str(OUT / "gguf_stderr.log"),
-               GGUF_GENERATE_ARGS=f"--max-new-tokens {p['tokens']} --compile")
+               GGUF_GENERATE_ARGS=f"--max-new-tokens {p['tokens']}")
     return r.sh(["bash", "benchmarks/gguf_device_run.sh", p["type"], p["layers"]], env=env)
 
 
@@ -564,9 +565,11 @@ def step_llamacpp(r: Runner, p: dict) -> int:
     return 0
 
 
-@step("vs-llamacpp", "ktorch against llama.cpp (-ot exps=CPU) on one random Qwen3-30B-A3B-shaped GGUF per type "
-      "(benchmarks/bench_vs_llamacpp.py; needs the llamacpp step on this warm machine first); results accumulate "
-      "over calls in /tmp/vs_llamacpp.jsonl", limit_s=540, min_s=200,
+@step("vs-llamacpp", "`ktorch generate` (fresh processes, as typed) against llama.cpp (-ot exps=CPU) on one random "
+      "Qwen3-30B-A3B-shaped GGUF per type (benchmarks/bench_vs_llamacpp.py; needs the llamacpp step on this warm "
+      "machine first); deferred=D adds a `--deferred-experts D` setting, stream=PLAN gives every setting "
+      "`--stream-experts PLAN` (auto: the default, not passed); results accumulate over calls in "
+      "/tmp/vs_llamacpp.jsonl", limit_s=540, min_s=200,
       params={"types": "Q8_0", "layers": "12", "only": "both", "deferred": "0", "stream": "auto"},
       carry=".whl (gguf)")
 def step_vs_llamacpp(r: Runner, p: dict) -> int:
@@ -576,18 +579,26 @@ def step_vs_llamacpp(r: Runner, p: dict) -> int:
     r.busy_warning()
     jsonl = Path("/tmp/vs_llamacpp.jsonl")
     args = [sys.executable, "benchmarks/bench_vs_llamacpp.py", "--types", p["types"], "--layers", p["layers"],
-            "--stream-experts", p["stream"], "--variants", "cuda_graphs", "--llama-reps", "3", "--json", str(jsonl),
-            "--out", str(OUT)]
+            "--llama-reps", "3", "--json", str(jsonl), "--out", str(OUT), "--ktorch-args",
+            *vs_llamacpp_settings(p["deferred"], p["stream"])]
     if p["only"] in ("ktorch", "llamacpp"):
         args += ["--skip-llamacpp" if p["only"] == "ktorch" else "--skip-ktorch", "--keep"]
-    if p["deferred"] != "0":
-        args += ["--kt-options", f'{{"decode_deferred_experts":{int(p["deferred"])}}}']
     rc = r.sh(args, timeout=r.limit - 30)
     r.sh([sys.executable, "benchmarks/bench_vs_llamacpp.py", "--report", str(jsonl)], timeout=20,
          show=lambda line: True)
     if jsonl.exists():
         shutil.copy(jsonl, OUT / jsonl.name)
     return rc
+
+
+def vs_llamacpp_settings(deferred: str, stream: str) -> list[str]:
+    """The vs-llamacpp step's ``ktorch generate`` option strings: the defaults (""), and ``--deferred-experts D``
+    when D is not 0; ``--stream-experts PLAN`` in each unless PLAN is auto (the default)."""
+    extra = "" if stream == "auto" else f" --stream-experts {stream}"
+    settings = [extra.strip()]
+    if deferred != "0":
+        settings.append(f"--deferred-experts {int(deferred)}{extra}")
+    return settings
 
 
 # ---------------------------------------------------------------- A/B of the op against an older commit

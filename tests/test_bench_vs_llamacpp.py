@@ -179,8 +179,8 @@ def test_comparison_rows_best_of_each_side():
     assert "llama_tok_s" not in q4 and "ratio" not in q4  # no llama.cpp run: its columns stay empty
 
     table = vs.format_table(rows)
-    assert "| Q8_0 (12 layers) | tg64 | 27.7 (`-t 15 -fa 0 -lm auto`) | 55.4 (cuda_graphs) | 2.00x |" in table
-    assert "| Q4_0 (12 layers) | tg64 | - | 60.0 (compiled) | - |" in table
+    assert "| Q8_0 (12 layers) | tg64 | 27.7 (`-t 15 -fa 0 -lm auto`) | 55.4 (`cuda_graphs`) | 2.00x |" in table
+    assert "| Q4_0 (12 layers) | tg64 | - | 60.0 (`compiled`) | - |" in table
 
 
 def test_report_prints_the_table(tmp_path, capsys):
@@ -194,46 +194,38 @@ def test_report_prints_the_table(tmp_path, capsys):
     assert not math.isnan(vs.comparison_rows(_lines())[0]["ratio"])
 
 
-def test_run_ktorch_one_compile_for_decode_deferral_sets_and_a_pool_sweep(monkeypatch):
-    """Option sets that differ only in decode_deferred_experts (a runtime setting) share one runner (one compile);
-    another option set gets a new one; --pool-sweep re-times decode on the same runner per pool size, with the
-    set's d, and restores the pool size."""
-    import torch
+def test_comparison_takes_the_median_of_a_settings_processes():
+    lines = [dict(kind="ktorch", experts_type="Q8_0", layers=12, variant="defaults", tests={"tg64": ts})
+             for ts in (30.0, 10.0, 20.0)]
+    lines.append(dict(kind="ktorch", experts_type="Q8_0", layers=12, variant="--deferred-experts 3",
+                      tests={"tg64": 25.0}))
+    row, = vs.comparison_rows(lines)
+    assert row["ktorch_variant"] == "--deferred-experts 3" and row["ktorch_tok_s"] == 25.0  # 25 > median 20
+    lines.append(dict(kind="ktorch", experts_type="Q8_0", layers=12, variant="defaults", tests={"tg64": 40.0}))
+    row, = vs.comparison_rows(lines)
+    assert row["ktorch_variant"] == "defaults" and row["ktorch_tok_s"] == 25.0 and row["ktorch_runs"] == 4
 
-    import ktorch
-    import ktorch.compile
-    from ktorch.builtin import load_builtin
 
-    e2e = load_benchmark("bench_e2e")
-    model = ktorch.prepare(load_builtin()[0], device="cpu", experts_dtype="int8")
-    monkeypatch.setattr(ktorch, "load", lambda *args, **kwargs: (model, None))
-    made, seen = [], []
+def test_run_ktorch_runs_ktorch_generate_as_typed(tmp_path):
+    """The ktorch side is `ktorch generate` processes on the file (no harness): each setting's figures are the
+    ones the process printed; the decode figure comes from the shortest prompt's run."""
+    from ktorch.integrations.gguf_writer import write_random_qwen3moe_gguf
 
-    class FakeRunner:
-        def __init__(self, model, variant, device, max_len, options=None):
-            made.append(options)
-
-        def prefill(self, ids):
-            return torch.zeros(1, 1, dtype=torch.long)
-
-        def decode(self, first, n):
-            seen.append((len(made), ktorch.compile.RUNTIME.runtime_deferred, ktorch.get_num_threads()))
-            return first
-
-    monkeypatch.setattr(e2e, "Runner", FakeRunner)
-    size = ktorch.get_num_threads()
-    options = [{"decode_deferred_experts": 2}, {"decode_deferred_experts": 3}, None]
-    lines = list(vs.run_ktorch(Path("unused.gguf"), "cpu", ["compiled"], [], 4, 1, 1, options,
-                               pool_sweep=[(1, 300), (2, 0)]))
-    assert [line["variant"] for line in lines] == [
-        'compiled+{"decode_deferred_experts":2}', 'compiled+{"decode_deferred_experts":2}+threads=1+spin=300',
-        'compiled+{"decode_deferred_experts":2}+threads=2+spin=0', 'compiled+{"decode_deferred_experts":3}',
-        'compiled+{"decode_deferred_experts":3}+threads=1+spin=300', 'compiled+{"decode_deferred_experts":3}+threads=2+spin=0',
-        "compiled", "compiled+threads=1+spin=300", "compiled+threads=2+spin=0"]
-    assert all("error" not in line and line["tests"]["tg4"] > 0 for line in lines)
-    assert made == [{"n_deferred_experts": "runtime"}, None]  # d = 2 and 3 on one runner, no options on another
-    assert [line["kt_threads"] for line in lines] == [size, 1, 2] * 3
-    timed = [s for s in seen if s[0] > 0]  # (runner count, d, pool threads) of every decode, warm-ups included
-    assert {(n, d) for n, d, _ in timed} == {(1, 2), (1, 3), (2, 0)}
-    assert {t for _, _, t in timed} == {size, 1, 2}
-    assert ktorch.get_num_threads() == size and ktorch.compile.RUNTIME.runtime_deferred == 0
+    path = write_random_qwen3moe_gguf(tmp_path / "t.gguf", experts_type="Q8_0", num_layers=2, num_experts=8,
+                                      experts_per_token=2, hidden_size=64, expert_intermediate_size=64, num_heads=4,
+                                      num_kv_heads=2, head_dim=16, vocab_size=256, distinct_experts=2, progress=False)
+    lines = list(vs.run_ktorch(path, [24, 9], 5, ["", "--deferred-experts 1 --device cpu"], 1, 300))
+    assert [(line["variant"], line["prompt"]) for line in lines] == [
+        ("defaults", 24), ("defaults", 9), ("--deferred-experts 1 --device cpu", 24),
+        ("--deferred-experts 1 --device cpu", 9)]
+    for line in lines:
+        assert "error" not in line, line.get("error")
+        assert line["command"].startswith(f"ktorch generate --model {path} --prompt <{line['prompt']} bytes> "
+                                          "--max-new-tokens 5")
+        assert line["prompt_tokens"] == line["prompt"] and line["tests"][f"pp{line['prompt']}"] == line["prefill_tok_s"]
+        if line["prompt"] == 9:
+            # the first new token is prefill's; on a GPU the capture's eager step makes one more, untimed
+            assert line["tests"]["tg5"] == line["decode_tok_s"] > 0 and line["decode_tokens"] in (3, 4)
+        else:
+            assert "tg5" not in line["tests"]
+    assert lines[2]["command"].endswith("--deferred-experts 1 --device cpu")

@@ -166,7 +166,8 @@ def test_bench_passes_arguments_through():
     assert "--shapes" in result.stdout
 
 
-@pytest.mark.parametrize("name, option", [("op", "--shapes"), ("e2e", "--variants"), ("deferral", "--deferred"),
+@pytest.mark.parametrize("name, option", [("op", "--shapes"), ("generate", "--ktorch-args"), ("e2e", "--variants"),
+                                          ("deferral", "--deferred"),
                                           ("overhead", "--calls"), ("vs-llamacpp", "--llama-reps"),
                                           ("vs-kt-kernel", "--kt-threads")])
 def test_bench_names_pick_the_script(name, option):
@@ -175,13 +176,20 @@ def test_bench_names_pick_the_script(name, option):
     assert option in result.stdout
 
 
-def test_bench_e2e_runs_end_to_end_on_a_tiny_model():
-    result = run_cli("bench", "e2e", "--", "--shape", "tiny", "--variants", "eager", "--prompts", "16",
-                     "--decode-tokens", "4", "--repeats", "1", timeout=300)
+def test_bench_e2e_runs_end_to_end_on_a_tiny_model(tmp_path):
+    """ktorch bench e2e: `ktorch generate` on a random GGUF of the shape (its printed figures) beside transformers'
+    generate on the offloaded model; the file it wrote is deleted."""
+    result = run_cli("bench", "e2e", "--", "--shape", "tiny", "--prompts", "16", "--decode-tokens", "5",
+                     "--baseline-decode-tokens", "3", "--gguf-dir", str(tmp_path), timeout=300)
     assert result.returncode == 0, result.stderr
-    row = re.search(r"^\| eager \| none \| ([0-9.]+) \| ([0-9.]+) \|", result.stdout, re.M)
-    assert row is not None, result.stdout
-    assert float(row.group(1)) > 0 and float(row.group(2)) > 0
+    assert re.search(r"^\$ ktorch generate --model \S+tiny-random-Q8_0-2l.gguf --prompt <16 bytes> --max-new-tokens 5",
+                     result.stdout, re.M), result.stdout
+    for variant in ("ktorch", "hf_offload"):
+        row = re.search(rf"^\| {variant} \| [^|]+ \| 16 \| ([0-9.]+) \| ([0-9.]+) \|", result.stdout, re.M)
+        assert row is not None, result.stdout
+        assert float(row.group(1)) > 0 and float(row.group(2)) > 0
+    assert "decode, ktorch generate [defaults] / hf_offload:" in result.stdout
+    assert not list(tmp_path.iterdir())
 
 
 def test_bench_unknown_name_is_an_error():

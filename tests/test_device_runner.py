@@ -206,3 +206,37 @@ def test_every_step_the_docs_name_exists(device):
 def test_log_names_are_plain(device):
     assert device.log_name("tests:list=tests/test_x.py,tests/test_y.py") == "tests_list_tests_test_x.py_tests_test_y.py"
     assert device.log_name("bench:kernel=avx512") == "bench_kernel_avx512"
+
+
+@pytest.mark.parametrize("text, script", [
+    ("e2e", "bench_e2e"), ("e2e:layers=12:variants=ktorch", "bench_e2e"), ("deferral", "bench_deferral"),
+    ("deferral:deferred=0,3:gpu=0", "bench_deferral"), ("vs-llamacpp", "bench_vs_llamacpp"),
+    ("vs-llamacpp:Q4_0:deferred=3:stream=off:only=ktorch", "bench_vs_llamacpp")])
+def test_end_to_end_steps_run_their_benchmark_with_options_it_takes(device, tmp_path, monkeypatch, text, script):
+    """The end-to-end steps' commands (captured, not run) parse with their benchmark's own parser: the steps name
+    only options the scripts have (their ktorch side is `ktorch generate`, no harness variants)."""
+    from conftest import load_benchmark
+
+    monkeypatch.setattr(device, "OUT", tmp_path)
+    monkeypatch.setattr(device, "lcpp_restore", lambda root: None)
+    commands = []
+    runner = device.Runner(ROOT, device.Budget(570))
+    monkeypatch.setattr(runner, "sh", lambda cmd, **kw: commands.append(cmd) or 0)
+    monkeypatch.setattr(runner, "busy_warning", lambda: None)
+    st, params = device.parse_step(text)
+    assert st.run(runner, params) == 0
+    cmd = commands[0]
+    assert cmd[1] == f"benchmarks/{script}.py"
+    args = load_benchmark(script).build_parser().parse_args(cmd[2:])
+    if st.name == "vs-llamacpp":
+        assert args.ktorch_args == device.vs_llamacpp_settings(params["deferred"], params["stream"])
+        assert args.skip_llamacpp == (params["only"] == "ktorch")
+    if st.name == "deferral":
+        assert args.what == "speed" and args.deferred == params["deferred"]
+
+
+def test_vs_llamacpp_settings(device):
+    assert device.vs_llamacpp_settings("0", "auto") == [""]
+    assert device.vs_llamacpp_settings("3", "auto") == ["", "--deferred-experts 3"]
+    assert device.vs_llamacpp_settings("2", "512:0.4") == ["--stream-experts 512:0.4",
+                                                           "--deferred-experts 2 --stream-experts 512:0.4"]

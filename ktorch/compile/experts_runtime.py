@@ -294,7 +294,7 @@ class ExpertsRuntime:
         # runs, in execution order, replays of CUDA graphs included (tests record routing with it).
         self.observers: list = []
         # When a list, each experts call appends (start_ns, end_ns, tokens) of its kt.fused_moe, perf_counter_ns
-        # clock (profilers do not see the worker thread; benchmarks/bench_e2e.py aligns these with its trace).
+        # clock (profilers do not see the worker thread; benchmarks/bench_generate.py --profile-steps reads them per step).
         self.timeline: Optional[list] = None
         self._native_tasks: list = []  # _NativeHostFunctions made for captures (their timings are drained here)
         # Captured submits are numbered in stream order; _joined_through is the highest number whose join host
