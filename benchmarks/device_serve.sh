@@ -17,7 +17,7 @@
 #      the graphs): the same rows; /v1/stats' experts_captured_submits says whether captures happened.
 # Prints the tables; logs (server stderr, the load generator's output, /v1/stats) under $OUT.
 set -uo pipefail
-LIMIT=360
+LIMIT=${LIMIT:-360}
 T0=$(date +%s)
 OUT=${OUT:-/tmp/device_serve_out}
 mkdir -p "$OUT"
