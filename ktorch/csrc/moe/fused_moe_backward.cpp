@@ -156,6 +156,9 @@ inline uint16_t bf16_bits_rne(float f) {
 // block is 16 rows x `per` values, contiguous), the 16 x 64 values of a step computed in fixed-size loops the
 // compiler vectorizes, then stored as 16 short row pieces. decode_expert's row-by-row walk converted one element at a
 // time through c10::BFloat16 (the backward's decode was most of its time on the device estimate, docs/training.md).
+// Compiled for AVX-512 (skylake-avx512), AVX2 (haswell) and the baseline, picked at load time (GCC's function
+// multiversioning: the loops are plain C++, no intrinsics; the extension's baseline is SSE2).
+__attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
 void decode_expert_bf16(const Packed& m, int64_t e, bool gate_up, uint16_t* out) {
   const int64_t N = m.N, K = m.K;
   const uint8_t* base = m.data + e * m.expert_bytes();
