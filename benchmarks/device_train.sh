@@ -118,7 +118,7 @@ if kt48_nockpt:
 if kt48:
     line("ktorch, 48 layers", kt48)
     if hf48:
-        line("hf_offload, 48 layers (measured)", hf48, ratio_to=kt48["step_s"])
+        line("hf_offload, 48 (measured, no warm-up)", hf48, ratio_to=kt48["step_s"])
     if fit:
         line("hf_offload, 48 layers (EXTRAPOLATED)", None, step=fit, ratio_to=kt48["step_s"])
     print(f"criterion: >= 10x faster and GPU < 24 GB: ktorch GPU peak {kt48['gpu_peak_gib']:.2f} GiB "
