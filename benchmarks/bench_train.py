@@ -145,7 +145,7 @@ def run_variant(args) -> dict:
         torch.cuda.reset_peak_memory_stats()
     times = [step() for _ in range(args.steps)]
     result = dict(variant=args.variant, expert_lora=args.variant == "ktorch" or args.hf_expert_lora == "on",
-                  shape=args.shape, layers=args.layers, seq=args.seq, rank=args.rank,
+                  shape=args.shape, layers=model.config.num_hidden_layers, seq=args.seq, rank=args.rank,
                   experts_dtype=args.experts_dtype if args.variant == "ktorch" else "bf16",
                   checkpointing=args.checkpointing,
                   step_s=statistics.median(times), steps=[round(t, 3) for t in times], warmup=args.warmup,

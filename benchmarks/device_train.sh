@@ -21,7 +21,10 @@
 #   5. extras while time is left: ktorch x48 without gradient checkpointing (no recompute: 2 CPU calls a layer
 #                   instead of 3, every layer's activations kept on the GPU), ktorch x8 (beside hf x8)
 # The table: step seconds, GPU peak GiB, hf / ktorch; the measured 48-layer peer when stage 5 ran, else the fit.
+# Arguments are appended to every stage's bench_train.py call (argparse: the last wins), e.g. a smoke run here:
+#   bash benchmarks/device_train.sh --shape tiny --device cpu --seq 32
 set -u
+EXTRA=("$@")
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -56,7 +59,7 @@ stage() {
   fi
   echo "== $name (limit ${budget} s): bench_train.py $*"
   local t0=$(date +%s)
-  timeout -k 5 "$budget" python3 benchmarks/bench_train.py --jsonl "$ROWS" "$@" >"$OUT/$name.log" 2>&1
+  timeout -k 5 "$budget" python3 benchmarks/bench_train.py --jsonl "$ROWS" "$@" "${EXTRA[@]}" >"$OUT/$name.log" 2>&1
   local rc=$?
   grep -v "^machine:" "$OUT/$name.log" | tail -6
   echo "   ($name: rc $rc, $(($(date +%s) - t0)) s wall)"
@@ -92,17 +95,18 @@ if ops:
     print(f"CPU experts a step, {ops['layers']} layers (2 x fused_moe_delta + fused_moe_backward a layer): "
           f"{ops['cpu_step_s']:.2f} s with expert LoRA; without it (2 x fused_moe + plain backward): "
           f"{ops['cpu_step_s_no_expert_lora']:.2f} s")
+full = ops["layers"] if ops else 48  # the shape's own layer count (48 for Qwen3-30B-A3B)
 def pick(variant, layers, ckpt="on"):
-    return next((r for r in ok if r["variant"] == variant and (r["layers"] or 48) == layers
+    return next((r for r in ok if r["variant"] == variant and r["layers"] == layers
                  and r.get("checkpointing", "on") == ckpt), None)
-kt48, kt8, hf4, hf8, hf48 = pick("ktorch", 48), pick("ktorch", 8), pick("hf_offload", 4), pick("hf_offload", 8), pick("hf_offload", 48)
-kt48_nockpt = pick("ktorch", 48, "off")
+kt48, kt8, hf4, hf8, hf48 = pick("ktorch", full), pick("ktorch", 8), pick("hf_offload", 4), pick("hf_offload", 8), pick("hf_offload", full)
+kt48_nockpt = pick("ktorch", full, "off")
 fit = None
 if hf4 and hf8:
     b = (hf8["step_s"] - hf4["step_s"]) / 4
     a = hf4["step_s"] - 4 * b
-    fit = a + 48 * b
-    print(f"hf_offload fit: step(L) = {a:.2f} + {b:.3f} L s -> {fit:.2f} s at 48 layers (EXTRAPOLATED from 4 and 8 layers)")
+    fit = a + full * b
+    print(f"hf_offload fit: step(L) = {a:.2f} + {b:.3f} L s -> {fit:.2f} s at {full} layers (EXTRAPOLATED from 4 and 8 layers)")
 print(f"{'model':<34} {'step s':>8} {'GPU peak GiB':>13} {'host peak GiB':>14} {'hf / ktorch':>12}")
 def line(label, r, step=None, ratio_to=None):
     step = r["step_s"] if r else step
@@ -114,15 +118,17 @@ for label, r in (("ktorch, 8 layers", kt8), ("hf_offload, 4 layers", hf4), ("hf_
     if r:
         line(label, r, ratio_to=kt8["step_s"] if kt8 and r["variant"] == "hf_offload" and r["layers"] == 8 else None)
 if kt48_nockpt:
-    line("ktorch, 48 layers, no checkpointing", kt48_nockpt)
+    line(f"ktorch, {full} layers, no checkpointing", kt48_nockpt)
 if kt48:
-    line("ktorch, 48 layers", kt48)
+    line(f"ktorch, {full} layers", kt48)
     if hf48:
-        line("hf_offload, 48 (measured, no warm-up)", hf48, ratio_to=kt48["step_s"])
+        line(f"hf_offload, {full} (measured, no warm-up)", hf48, ratio_to=kt48["step_s"])
     if fit:
-        line("hf_offload, 48 layers (EXTRAPOLATED)", None, step=fit, ratio_to=kt48["step_s"])
-    print(f"criterion: >= 10x faster and GPU < 24 GB: ktorch GPU peak {kt48['gpu_peak_gib']:.2f} GiB "
-          f"({kt48['gpu_peak_gib'] * 2**30 / 1e9:.2f} GB), steps {kt48['steps']}")
+        line(f"hf_offload, {full} layers (EXTRAPOLATED)", None, step=fit, ratio_to=kt48["step_s"])
+    gpu = kt48["gpu_peak_gib"]
+    print("criterion: >= 10x faster and GPU < 24 GB: ktorch GPU peak "
+          + (f"{gpu:.2f} GiB ({gpu * 2**30 / 1e9:.2f} GB)" if gpu is not None else "- (no GPU)")
+          + f", steps {kt48['steps']}")
 machine = next((r["machine"] for r in ok if "machine" in r), {})
 print(f"machine: {machine}")
 EOF
