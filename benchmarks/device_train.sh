@@ -37,7 +37,9 @@ left() { echo $((LIMIT - ($(date +%s) - START) - 12)); }  # 12 s kept for the su
 if ! python3 -c "import peft" 2>/dev/null; then
   wheel=$(ls .whl/peft-*.whl 2>/dev/null | head -1)
   if [ -n "$wheel" ]; then
-    python3 -m pip install --no-deps --quiet "$wheel" >"$OUT/pip_peft.log" 2>&1 || echo "pip install $wheel failed (see pip_peft.log)"
+    python3 -m pip install --no-deps --quiet --target /tmp/kt_peft "$wheel" >"$OUT/pip_peft.log" 2>&1 ||
+      echo "pip install $wheel failed (see pip_peft.log)"
+    export PYTHONPATH=/tmp/kt_peft${PYTHONPATH:+:$PYTHONPATH}
   fi
 fi
 python3 -c "import peft, accelerate; print('peft', peft.__version__, 'accelerate', accelerate.__version__)" ||
