@@ -5,18 +5,25 @@ Variants (each runs in its own process, one after the other, so that the host me
   ktorch       experts packed in host memory (``--experts-dtype``, int8 by default) and frozen, computed by kt.fused_moe_delta
                and kt.fused_moe_backward on the CPU; attention, routers, embeddings on the GPU; LoRA on attention
                (peft) and on the experts (ktorch.lora, peft's per-expert layout) ; ``ktorch.prepare(...,
-               trainable=True)``: decoder layers checkpointed
+               trainable=True)``: decoder layers checkpointed (``--checkpointing off``: not)
   hf_offload   transformers + accelerate as a user offloads today: device_map puts every ``...mlp.experts`` on "cpu"
                (bf16) and accelerate's hooks copy them to the GPU for each forward; LoRA with peft on attention and on
                the experts' parameters (``target_parameters``); gradient checkpointing of the decoder layers
 
+  ops          no model: one MoE layer of the shape (random packed experts, ``--experts-dtype``) and the three CPU
+               calls a trained layer makes per step with expert LoRA and checkpointing (kt.fused_moe_delta in the
+               forward and again in the recompute, kt.fused_moe_backward), beside kt.fused_moe (the fused inference
+               kernels); ms per call at ``--seq`` tokens, and the CPU experts' share of a step these make for the
+               shape's layers (``cpu_step_s``)
+
 A step = forward over ``--seq`` random tokens (batch 1, labels = inputs), backward, AdamW step, zero_grad, synced.
-``--steps`` timed steps after one warm-up step; the table shows the median, the peak GPU memory of the timed steps
-(torch.cuda.max_memory_allocated) and the process's peak host memory. Shapes: benchmarks/bench_e2e.py's (random
-weights). Benchmarks never assert.
+``--steps`` timed steps after ``--warmup`` warm-up steps; the table shows the median, the peak GPU memory of the
+timed steps (torch.cuda.max_memory_allocated, reset after the warm-up) and the process's peak host memory. Shapes: benchmarks/bench_e2e.py's (random weights). Benchmarks never
+assert. benchmarks/device_train.sh is the device run of issue 35 built on this file.
 
     python benchmarks/bench_train.py                              # qwen3-30b-a3b, int8, seq 2048, both variants
     python benchmarks/bench_train.py --shape tiny --device cpu    # a smoke run without a GPU
+    python benchmarks/bench_train.py --variants ops               # the per-layer CPU calls alone
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import time
 
 import torch
 
-VARIANTS = ("ktorch", "hf_offload")
+VARIANTS = ("ktorch", "hf_offload")  # the default; "ops" on request
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
@@ -40,7 +47,55 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _median_ms(fn, reps: int) -> float:
+    fn()  # warm-up: oneDNN primitives, allocations
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def run_ops(args) -> dict:
+    """The CPU experts' calls of one trained layer at ``args.seq`` tokens (see the module docstring, ``ops``)."""
+    from bench_e2e import SHAPES, machine_info, random_packed_experts
+
+    shape = SHAPES[args.shape]
+    E = shape.get("num_experts", shape.get("n_routed_experts"))
+    H, I, K = shape["hidden_size"], shape["moe_intermediate_size"], shape["num_experts_per_tok"]
+    layers = args.layers or shape["num_hidden_layers"]
+    gen = torch.Generator().manual_seed(0)
+    packed = random_packed_experts(E, H, I, args.experts_dtype, gen)
+    T = args.seq
+    x = torch.randn(T, H, generator=gen).to(torch.bfloat16)
+    ids = torch.rand(T, E, generator=gen).argsort(dim=1)[:, :K].to(torch.int32)
+    w = torch.softmax(torch.randn(T, K, generator=gen), -1)
+    delta = torch.randn(T, K, 2 * I, generator=gen) * 0.01
+    dy = torch.randn(T, H, generator=gen).to(torch.bfloat16)
+    dh = torch.randn(T, K, I, generator=gen).to(torch.bfloat16)
+    p = packed.tensors()
+    ms = dict(
+        fused_moe=_median_ms(lambda: torch.ops.kt.fused_moe(x, ids, w, *p, "silu"), args.op_reps),
+        fused_moe_delta=_median_ms(lambda: torch.ops.kt.fused_moe_delta(x, ids, w, *p, delta, "silu"), args.op_reps),
+        fused_moe_backward=_median_ms(
+            lambda: torch.ops.kt.fused_moe_backward(dy, x, ids, w, *p, "silu", delta, dh), args.op_reps),
+        # the backward of a layer without expert adapters (kt.fused_moe's autograd: no deltas, no d h)
+        fused_moe_backward_plain=_median_ms(lambda: torch.ops.kt.fused_moe_backward(dy, x, ids, w, *p, "silu"),
+                                            args.op_reps),
+    )
+    return dict(variant="ops", shape=args.shape, layers=layers, seq=T, experts_dtype=args.experts_dtype,
+                ms={k: round(v, 2) for k, v in ms.items()},
+                # per step with expert LoRA: forward, the checkpoint's recompute, backward, for every layer
+                cpu_step_s=layers * (2 * ms["fused_moe_delta"] + ms["fused_moe_backward"]) / 1e3,
+                # the same without expert LoRA (the fused kernels forward twice, the plain backward)
+                cpu_step_s_no_expert_lora=layers * (2 * ms["fused_moe"] + ms["fused_moe_backward_plain"]) / 1e3,
+                machine=machine_info("cpu"))
+
+
 def run_variant(args) -> dict:
+    if args.variant == "ops":
+        return run_ops(args)
     from peft import LoraConfig, get_peft_model
 
     import ktorch
@@ -50,13 +105,14 @@ def run_variant(args) -> dict:
     t0 = time.perf_counter()
     if args.variant == "ktorch":
         model, _ = build_model(args.shape, "eager", args.device, args.experts_dtype, layers=args.layers)
-        ktorch.prepare(model, device=args.device, trainable=True)
+        ktorch.prepare(model, device=args.device, trainable=True, gradient_checkpointing=args.checkpointing == "on")
         model = get_peft_model(model, LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=ATTENTION))
         ktorch.lora.add_expert_lora(model, r=args.rank, lora_alpha=2 * args.rank)
     else:  # built on the CPU, adapters added, then dispatched (peft wraps real parameters, not offloaded ones)
         model, _ = build_model(args.shape, "hf_offload", "cpu", "bf16", layers=args.layers)
         model.config.use_cache = False
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if args.checkpointing == "on":
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if args.hf_expert_lora == "on" else None
         model = get_peft_model(model, LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=ATTENTION,
                                                  target_parameters=experts))
@@ -83,14 +139,17 @@ def run_variant(args) -> dict:
         _sync(device)
         return time.perf_counter() - t
 
-    step()  # warm-up: allocations, oneDNN primitives, accelerate's first copies
+    for _ in range(args.warmup):  # allocations, oneDNN primitives, accelerate's first copies
+        step()
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times = [step() for _ in range(args.steps)]
     result = dict(variant=args.variant, expert_lora=args.variant == "ktorch" or args.hf_expert_lora == "on",
-                  shape=args.shape, layers=args.layers, seq=args.seq, rank=args.rank,
+                  shape=args.shape, layers=model.config.num_hidden_layers, seq=args.seq, rank=args.rank,
                   experts_dtype=args.experts_dtype if args.variant == "ktorch" else "bf16",
-                  step_s=statistics.median(times), steps=[round(t, 3) for t in times], build_s=round(build_s, 1),
+                  checkpointing=args.checkpointing,
+                  step_s=statistics.median(times), steps=[round(t, 3) for t in times], warmup=args.warmup,
+                  build_s=round(build_s, 1),
                   trainable_params=sum(p.numel() for p in params),
                   gpu_peak_gib=(torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None),
                   host_peak_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
@@ -105,7 +164,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--experts-dtype", default="int8", choices=("bf16", "int8", "int4"))
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--rank", type=int, default=8, help="LoRA rank (attention and experts)")
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=3, help="timed steps (at least 1)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
+    p.add_argument("--checkpointing", default="on", choices=("on", "off"),
+                   help="gradient checkpointing of the decoder layers (off: no recompute, every layer's activations "
+                   "kept)")
+    p.add_argument("--op-reps", type=int, default=3, help="ops: timed calls of each op (median)")
+    p.add_argument("--jsonl", help="append one JSON line per variant to this file")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--hf-expert-lora", default="on", choices=("on", "off"),
@@ -117,6 +182,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.steps < 1:
+        raise SystemExit("bench_train: --steps must be at least 1")
     if args.variant:
         print("RESULT " + json.dumps(run_variant(args)), flush=True)
         return
@@ -139,6 +206,12 @@ def main(argv=None) -> None:
         if "error" in r:
             print(f"{r['variant']:<12} failed: {r['error']}")
             continue
+        if r["variant"] == "ops":
+            print(f"{'ops':<12} one layer, {r['experts_dtype']}, {r['seq']} tokens, ms a call: "
+                  + ", ".join(f"{k} {v}" for k, v in r["ms"].items())
+                  + f"; CPU experts a step ({r['layers']} layers, forward + recompute + backward): "
+                  f"{r['cpu_step_s']:.2f} s with expert LoRA, {r['cpu_step_s_no_expert_lora']:.2f} s without")
+            continue
         gpu = f"{r['gpu_peak_gib']:.2f}" if r["gpu_peak_gib"] is not None else "-"
         print(f"{r['variant']:<12} {r['experts_dtype']:>8} {str(r['expert_lora']):>12} {r['step_s']:>9.3f} {gpu:>13} "
               f"{r['host_peak_gib']:>14.1f} "
@@ -149,6 +222,10 @@ def main(argv=None) -> None:
     if args.json:
         for r in rows:
             print(json.dumps(r))
+    if args.jsonl:
+        with open(args.jsonl, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
 
 
 if __name__ == "__main__":

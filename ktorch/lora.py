@@ -110,7 +110,7 @@ def expert_lora_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: to
     lora: ExpertsLoRA = module.kt_lora
     device = hidden.device
     T, K = top_k_index.shape
-    I = module.kt_w13.shape[1] * 8
+    n13 = module.kt_w13.shape[1] * 16  # 2I (gated experts); gateless experts have no gate_up adapter
     valid = top_k_index >= 0
     ids = top_k_index.clamp(min=0).long()
     if lora.gate_up_proj is not None:
@@ -119,11 +119,12 @@ def expert_lora_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: to
         if not getattr(module, "is_concatenated", True):  # B's rows follow the parameter's interleaved g0, u0, g1, ...
             delta = torch.cat([delta[..., 0::2], delta[..., 1::2]], dim=-1)
     else:
-        delta = torch.zeros(T, K, 2 * I, dtype=torch.float32, device=device)
+        delta = torch.zeros(T, K, n13, dtype=torch.float32, device=device)
     cpu = torch.device("cpu")
     out, h = torch.ops.kt.fused_moe_delta(hidden.to(cpu), top_k_index.to(cpu), top_k_weights.to(cpu), module.kt_w13,
                                           module.kt_w13_scales, module.kt_w2, module.kt_w2_scales, delta.to(cpu),
-                                          module.kt_activation)
+                                          module.kt_activation, getattr(module, "kt_w13_bias", None),
+                                          getattr(module, "kt_w2_bias", None))
     out = out.to(device)
     if lora.down_proj is not None:
         f = lora.down_proj
@@ -150,8 +151,13 @@ def add_expert_lora(model: nn.Module, r: int = 8, lora_alpha: float = 16, target
     if device is None:
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
     params = []
-    for _, m in modules:
-        E, H, I = m.kt_w13.shape[0], m.kt_w2.shape[1] * 16, m.kt_w13.shape[1] * 8
+    targets = tuple(targets)
+    for name, m in modules:
+        packed = packed_experts_of(m)
+        E, H, I = packed.num_experts, packed.hidden_size, packed.intermediate_size
+        if not packed.has_gate and "gate_up_proj" in targets:
+            raise ValueError(f"add_expert_lora: {name} has gateless experts (up_proj, no gate_up_proj); adapt only "
+                             "their down_proj (targets=('down_proj',))")
         m.kt_lora = ExpertsLoRA(E, H, I, r, lora_alpha, targets, use_rslora, device, dtype)
         params += list(m.kt_lora.parameters())
     return params

@@ -22,3 +22,13 @@ def test_both_variants_step_and_adapt_the_same_parameters():
         assert row["variant"] == variant and row["expert_lora"]
         assert row["step_s"] > 0 and len(row["steps"]) == 1
     assert rows["ktorch"]["trainable_params"] == rows["hf_offload"]["trainable_params"] > 0
+
+
+def test_ops_variant_times_the_three_cpu_calls_of_a_trained_layer():
+    args = bench.parse_args(["--shape", "tiny", "--seq", "16", "--op-reps", "1", "--variant", "ops"])
+    row = bench.run_variant(args)
+    assert set(row["ms"]) == {"fused_moe", "fused_moe_delta", "fused_moe_backward", "fused_moe_backward_plain"}
+    assert all(v > 0 for v in row["ms"].values())
+    # two delta calls (forward, recompute) and one backward a layer
+    expected = row["layers"] * (2 * row["ms"]["fused_moe_delta"] + row["ms"]["fused_moe_backward"]) / 1e3
+    assert abs(row["cpu_step_s"] - expected) <= row["layers"] * 3 * 0.005e-3 + 1e-9  # ms rounded to 0.01

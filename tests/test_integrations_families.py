@@ -162,6 +162,59 @@ def test_experts_output_matches_the_reference(family, seed):
         assert err <= 1e-2, f"seed={seed} {name}: relative error {err:.3g}"
 
 
+def test_experts_gradients_match_eager(family, seed):
+    """Training through each family's experts (issue 35): d hidden and d routing weights of the packed experts of a
+    ``prepare(trainable=True)`` model (kt.fused_moe's backward: biases, clamps, caps, gateless) against transformers'
+    eager experts on the same bf16 inputs, within bf16 tolerance."""
+    name, model = family
+    prepared = ktorch.prepare(copy.deepcopy(model), device="cpu", trainable=True, gradient_checkpointing=False)
+    for m, p in zip(moe_experts_modules(model), moe_experts_modules(prepared)):
+        H, E = p.kt_w2.shape[1] * 16, p.kt_w13.shape[0]
+        hidden = torch.randn(11, H).to(torch.bfloat16)
+        ids = torch.rand(11, E).argsort(dim=1)[:, :2]
+        weights = torch.softmax(torch.randn(11, 2), -1).to(torch.bfloat16)
+        grad_out = torch.randn(11, H).to(torch.bfloat16)
+        grads = []
+        for module in (m, p):
+            x, w = hidden.clone().requires_grad_(), weights.clone().requires_grad_()
+            module(x, ids, w).backward(grad_out)
+            grads.append((x.grad.float(), w.grad.float()))
+        (ex, ew), (kx, kw) = grads
+        assert ex.abs().sum() > 0 and ew.abs().sum() > 0
+        assert relative_error(kx, ex) <= TOLERANCE, f"seed={seed} {name}: d hidden off by {relative_error(kx, ex):.3g}"
+        assert relative_error(kw, ew) <= TOLERANCE, f"seed={seed} {name}: d weights off by {relative_error(kw, ew):.3g}"
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "nemotron_h"])
+def test_expert_lora_on_biased_and_gateless_experts(name, seed):
+    """Expert LoRA (ktorch.lora) on gpt-oss's biased, clamped experts and on Nemotron-H's gateless ones (down adapter
+    only): with B at zero the adapted experts are the experts (kt.fused_moe_delta carries the biases), and a backward
+    reaches every adapter factor."""
+    torch.manual_seed(seed)
+    model = tiny_family_model(name)
+    prepared = ktorch.prepare(copy.deepcopy(model), device="cpu", trainable=True, gradient_checkpointing=False)
+    targets = ("gate_up_proj", "down_proj") if name == "gpt_oss" else ("down_proj",)
+    if name == "nemotron_h":
+        with pytest.raises(ValueError, match="gateless experts"):
+            ktorch.lora.add_expert_lora(prepared, r=4)
+    params = ktorch.lora.add_expert_lora(prepared, r=4, targets=targets)
+    for m, p in zip(moe_experts_modules(model), moe_experts_modules(prepared)):
+        H, E = p.kt_w2.shape[1] * 16, p.kt_w13.shape[0]
+        hidden = torch.randn(11, H).to(torch.bfloat16)
+        ids = torch.rand(11, E).argsort(dim=1)[:, :2]
+        weights = torch.softmax(torch.randn(11, 2), -1).to(torch.bfloat16)
+        with torch.no_grad():
+            want = m(hidden, ids, weights).float()
+        got = p(hidden, ids, weights)
+        assert relative_error(got.float(), want) <= TOLERANCE, f"seed={seed} {name}: {relative_error(got.float(), want)}"
+        got.float().square().sum().backward()
+    for lora in (m.kt_lora for m in moe_experts_modules(prepared)):
+        for t in targets:
+            f = getattr(lora, t)
+            assert f.lora_A.weight.grad is not None and f.lora_B.weight.grad.abs().sum() > 0  # B's grad: A x != 0
+    assert len(params) == 2 * len(targets) * len(moe_experts_modules(prepared))
+
+
 def test_logits_match_eager_and_compiled(family, seed):
     name, model = family
     ids = torch.randint(0, 256, (1, 12))

@@ -17,6 +17,14 @@ FORMATS = ("bf16", "int8", "int4")
 OP_ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "relu")
 
 
+@pytest.fixture
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _packed(E, H, I, fmt, group_size=32):
     gate_up = torch.randn(E, 2 * I, H) * H**-0.5
     down = torch.randn(E, H, I) * I**-0.5
@@ -41,8 +49,35 @@ def _reference_grads(hidden, ids, weights, packed, activation, grad_out):
     gate_up, down = packed.dequantize()
     x = hidden.double().requires_grad_()
     w = weights.double().requires_grad_()
-    out = fused_moe_reference(x, ids, w, gate_up, down, activation)
+    out = fused_moe_reference(x, ids, w, gate_up, down, activation, gate_up_bias=packed.w13_bias,
+                              down_bias=packed.w2_bias)
     return torch.autograd.grad(out, (x, w), grad_out.double())
+
+
+# the families' forms (issue 32): activations with parameters (limits and caps small enough that the clamps and caps
+# act on a good share of the unit-sized pre-activations here; values exact in float32, which the op parses them to,
+# so the float64 comparisons see the same function), relu2, biases, gateless experts
+FAMILY_ACTIVATIONS = ("relu2", "swiglu_oai(alpha=1.703125, limit=0.75)", "silu_clamped(limit=0.625)",
+                      "softcap_swiglu(gate=1.5, up=0.75)")
+GATELESS_ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "relu", "relu2")
+
+
+def _family_packed(E, H, I, fmt, gated=True, biases=True, group_size=32):
+    w13 = torch.randn(E, (2 if gated else 1) * I, H) * H**-0.5
+    down = torch.randn(E, H, I) * I**-0.5
+    kw = dict(dtype=fmt, group_size=group_size if fmt == "int4" else None,
+              gate_up_bias=torch.randn(E, w13.shape[1]) * 0.5 if biases else None,
+              down_bias=torch.randn(E, H) * 0.5 if biases else None)
+    return ktorch.pack_experts(w13, down, **kw) if gated else ktorch.pack_experts(up_proj=w13, down_proj=down, **kw)
+
+
+def _family_cases():
+    for fmt in FORMATS:
+        for biases in (True, False):
+            for act in FAMILY_ACTIVATIONS:
+                yield fmt, True, act, biases
+            for act in GATELESS_ACTIVATIONS:
+                yield fmt, False, act, biases
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -88,13 +123,14 @@ class _ReferenceForwardKtBackward(torch.autograd.Function):
     def forward(ctx, hidden, weights, ids, packed, dequantized, activation):
         ctx.save_for_backward(hidden, weights, ids)
         ctx.packed, ctx.activation = packed, activation
-        return fused_moe_reference(hidden, ids, weights, *dequantized, activation)
+        return fused_moe_reference(hidden, ids, weights, *dequantized, activation, gate_up_bias=packed.w13_bias,
+                                   down_bias=packed.w2_bias)
 
     @staticmethod
     def backward(ctx, grad_out):
         hidden, weights, ids = ctx.saved_tensors
         dx, dw, _ = torch.ops.kt.fused_moe_backward(grad_out, hidden, ids, weights, *ctx.packed.tensors(),
-                                                    ctx.activation)
+                                                    ctx.activation, None, None, *ctx.packed.biases())
         return dx, dw, None, None, None, None
 
 
@@ -235,3 +271,132 @@ def test_errors_name_the_problem():
     w13 = bf16.w13.clone().requires_grad_()  # packed bf16 weights asked to train are refused, not silently frozen
     with pytest.raises(RuntimeError, match="frozen"):
         torch.ops.kt.fused_moe(hidden.requires_grad_(), ids, weights, w13, *bf16.tensors()[1:], "silu")
+
+
+# ---------------------------------------------------------------- the families' forms: parametrized activations,
+# relu2, biases, gateless experts
+
+
+@pytest.mark.parametrize("fmt,gated,activation,biases", list(_family_cases()))
+def test_family_backward_equals_float64_reference_gradient(fmt, gated, activation, biases):
+    E, H, I, T, K = 6, 64, 64, 13, 3
+    packed = _family_packed(E, H, I, fmt, gated, biases)
+    ids, weights = _routing(T, K, E, "skips")
+    hidden, grad_out = torch.randn(T, H, dtype=torch.float64), torch.randn(T, H, dtype=torch.float64)
+    dx, dw, _ = torch.ops.kt.fused_moe_backward(grad_out, hidden, ids, weights.double(), *packed.tensors(), activation,
+                                                None, None, *packed.biases())
+    rx, rw = _reference_grads(hidden, ids, weights, packed, activation, grad_out)
+    torch.testing.assert_close(dx, rx, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(dw, rw, rtol=1e-10, atol=1e-12)
+    assert (dw[ids < 0] == 0).all()
+    # kt.fused_moe_delta with zero deltas is the reference's forward, biases included; its h is the GLU's output
+    zero = torch.zeros(T, K, packed.w13.shape[1] * 16, dtype=torch.float64)
+    out, h = torch.ops.kt.fused_moe_delta(hidden, ids, weights.double(), *packed.tensors(), zero, activation,
+                                          *packed.biases())
+    gate_up, down = packed.dequantize()
+    want = fused_moe_reference(hidden, ids, weights, gate_up, down, activation, gate_up_bias=packed.w13_bias,
+                               down_bias=packed.w2_bias)
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12)
+    assert h.shape == (T, K, I) and (h[ids < 0] == 0).all()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("gated,activation", [(True, a) for a in FAMILY_ACTIVATIONS] + [(False, "silu"),
+                                                                                         (False, "relu2")])
+def test_family_gradcheck_float64(fmt, gated, activation):
+    """Finite differences against the op's backward (through the reference forward), and gradcheck of
+    kt.fused_moe_delta itself (deltas and h included), with biases."""
+    E, H, I, T, K = 4, 32, 32, 5, 2
+    packed = _family_packed(E, H, I, fmt, gated, biases=True)
+    ids, weights = _routing(T, K, E, "skips")
+    hidden = torch.randn(T, H, dtype=torch.float64, requires_grad=True)
+    w = weights.double().requires_grad_()
+    dequantized = packed.dequantize()
+    assert torch.autograd.gradcheck(
+        lambda x, w: _ReferenceForwardKtBackward.apply(x, w, ids, packed, dequantized, activation), (hidden, w))
+    delta = (torch.randn(T, K, packed.w13.shape[1] * 16, dtype=torch.float64) * 0.3).requires_grad_()
+
+    def op(x, w, d):
+        return torch.ops.kt.fused_moe_delta(x, ids, w, *packed.tensors(), d, activation, *packed.biases())
+
+    assert torch.autograd.gradcheck(op, (hidden, w, delta), fast_mode=True)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("gated,activation", [(True, "swiglu_oai(alpha=1.703125, limit=0.75)"),
+                                              (True, "softcap_swiglu(gate=1.5, up=0.75)"), (False, "relu2")])
+def test_family_autograd_of_fused_moe(fmt, gated, activation):
+    """loss.backward() through ktorch.fused_moe on biased experts: the fused kernels forward, this backward."""
+    E, H, I, T, K = 8, 96, 64, 13, 4
+    packed = _family_packed(E, H, I, fmt, gated, biases=True)
+    ids, weights = _routing(T, K, E, "skips")
+    hidden = torch.randn(T, H).requires_grad_()
+    w = weights.requires_grad_()
+    grad_out = torch.randn(T, H)
+    ktorch.fused_moe(hidden, ids, w, packed, activation).backward(grad_out)
+    rx, rw = _reference_grads(hidden.detach(), ids, w.detach(), packed, activation, grad_out)
+    assert relative_error(hidden.grad, rx) < 1e-5
+    assert relative_error(w.grad, rw) < 1e-5
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_family_opcheck_with_autograd(fmt):
+    E, H, I, T, K = 4, 32, 32, 6, 2
+    ids, weights = _routing(T, K, E, "skips")
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    for gated, activation in ((True, "swiglu_oai(alpha=1.703125, limit=0.75)"), (False, "relu2")):
+        packed = _family_packed(E, H, I, fmt, gated, biases=True)
+        hidden = torch.randn(T, H, requires_grad=True)
+        w = weights.clone().requires_grad_()
+        torch.library.opcheck(torch.ops.kt.fused_moe.default,
+                              (hidden, ids, w, *packed.tensors(), activation, *packed.biases()), test_utils=utils)
+        delta = torch.randn(T, K, packed.w13.shape[1] * 16, requires_grad=True)
+        torch.library.opcheck(torch.ops.kt.fused_moe_delta.default,
+                              (hidden, ids, w, *packed.tensors(), delta, activation, *packed.biases()),
+                              test_utils=utils)
+        torch.library.opcheck(torch.ops.kt.fused_moe_backward.default,
+                              (torch.randn(T, H), hidden.detach(), ids, weights, *packed.tensors(), activation,
+                               delta.detach(), torch.randn(T, K, I), *packed.biases()),
+                              test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_family_errors_name_the_problem():
+    packed = _family_packed(4, 32, 32, "int8", gated=False, biases=True)
+    ids, weights = _routing(3, 2, 4, "random")
+    hidden, grad_out = torch.randn(3, 32), torch.randn(3, 32)
+    with pytest.raises(RuntimeError, match="needs a gate, but w13 holds only up projections"):
+        torch.ops.kt.fused_moe_backward(grad_out, hidden, ids, weights, *packed.tensors(), "silu_clamped(limit=1)",
+                                        None, None, *packed.biases())
+    with pytest.raises(RuntimeError, match=r"w2_bias must be a contiguous float32 CPU tensor \[E=4, 32\]"):
+        torch.ops.kt.fused_moe_backward(grad_out, hidden, ids, weights, *packed.tensors(), "relu2", None, None,
+                                        packed.w13_bias, packed.w2_bias[:, :16].contiguous())
+    with pytest.raises(RuntimeError, match=r"gate_up_delta must be a float CPU tensor \[T=3, K=2, I=32\]"):
+        torch.ops.kt.fused_moe_delta(hidden, ids, weights, *packed.tensors(), torch.zeros(3, 2, 64), "relu2")
+    with pytest.raises(RuntimeError, match="limit of swiglu_oai must be positive"):
+        torch.ops.kt.fused_moe_backward(grad_out, hidden, ids, weights, *_packed(4, 32, 32, "int8").tensors(),
+                                        "swiglu_oai(alpha=1, limit=0)")
+    b13 = packed.w13_bias.clone().requires_grad_()  # biases asked to train are refused, not silently frozen
+    with pytest.raises(RuntimeError, match="w13_bias requires grad"):
+        torch.ops.kt.fused_moe(hidden.requires_grad_(), ids, weights, *packed.tensors(), "relu2", b13, packed.w2_bias)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_bf16_decode_is_the_weights_rounded_to_bf16(fmt, one_thread):
+    """bf16 hidden states run on experts decoded to bf16 by the backward's own block walk: h from kt.fused_moe_delta
+    equals torch's bf16 products on kt.unpack's weights rounded to nearest even, bit for bit (one thread: the same
+    matmul kernel on both sides), for the gate/up rows of both halves of every 64-row block and every int4 group."""
+    E, H, I, T, K = 3, 256, 96, 17, 2
+    packed = _packed(E, H, I, fmt)
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    weights = torch.rand(T, K)
+    x = torch.randn(T, H).to(torch.bfloat16)
+    out, h = torch.ops.kt.fused_moe_delta(x, ids, weights, *packed.tensors(), torch.zeros(T, K, 2 * I), "relu")
+    gate_up, down = (w.to(torch.bfloat16) for w in packed.dequantize())
+    pairs = torch.zeros(T, K, H)
+    for e in range(E):
+        t, k = (ids == e).nonzero(as_tuple=True)  # (t, k) ascending: the op's pair order within an expert
+        gu = torch.mm(x[t], gate_up[e].t()).float()
+        want = (torch.relu(gu[:, :I]) * gu[:, I:]).to(torch.bfloat16)
+        assert torch.equal(h[t, k], want), f"expert {e}: {(h[t, k] != want).sum()} of {want.numel()} differ"
+        pairs[t, k] = torch.mm(want, down[e].t()).float() * weights[t, k].unsqueeze(1)  # the down decode
+    assert torch.equal(out, pairs.sum(1).to(torch.bfloat16))

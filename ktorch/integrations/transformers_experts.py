@@ -417,7 +417,8 @@ def _run_differentiable(self: nn.Module, hidden_states, top_k_index, top_k_weigh
     device = hidden_states.device
     cpu = torch.device("cpu")
     out = torch.ops.kt.fused_moe(hidden_states.to(cpu), top_k_index.to(cpu), top_k_weights.to(cpu), self.kt_w13,
-                                 self.kt_w13_scales, self.kt_w2, self.kt_w2_scales, self.kt_activation).to(device)
+                                 self.kt_w13_scales, self.kt_w2, self.kt_w2_scales, self.kt_activation,
+                                 getattr(self, "kt_w13_bias", None), getattr(self, "kt_w2_bias", None)).to(device)
     return out if gpu_work is None else out + gpu_work()
 
 

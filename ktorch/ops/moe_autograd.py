@@ -16,7 +16,12 @@ x W13^T product per pair (the backward makes 3 of them per pair, the forward 2).
 forward also rounds the activations to int8; the backward is the gradient of the dequantized-weights function with
 float activations (straight through that rounding).
 
-``kt.fused_moe_delta(hidden, ids, weights, *packed, gate_up_delta [T, K, 2I], activation) -> (out, h [T, K, I])`` is
+Every form the forward takes has this backward: the activations with parameters (swiglu_oai, silu_clamped,
+softcap_swiglu: the clamps pass the gradient where torch.clamp does), relu2, the experts' biases (frozen: the gate/up
+bias shifts the pre-activations, the down bias adds <dY[t], b2_e> to d weights) and gateless experts (h = act(up)).
+
+``kt.fused_moe_delta(hidden, ids, weights, *packed, gate_up_delta [T, K, 2I], activation, w13_bias, w2_bias) ->
+(out, h [T, K, I])`` (gateless experts: gate_up_delta [T, K, I]) is
 the routed experts with ``gate_up_delta`` added to each (token, slot)'s gate/up pre-activations (gate columns then
 up columns) that also returns h = act(gate) * up: what LoRA on the experts needs (ktorch/lora.py), since an adapter
 on gate/up acts before the GLU and one on down acts on h. It runs on the same decoded-expert path as the backward
@@ -29,19 +34,24 @@ import torch
 
 from ktorch.ops.moe import _check_same_device
 
-_PACKED = ("w13", "w13_scales", "w2", "w2_scales")
+_PACKED = ("w13", "w13_scales", "w2", "w2_scales", "w13_bias", "w2_bias")
 
 
 # ---------------------------------------------------------------- fake impls
 
 
+def _intermediate(w2: torch.Tensor) -> int:
+    """I from the packed down projection [E, H/16, I/per, 16, per] (int4: 8 values a 4-byte group)."""
+    return w2.shape[2] * (8 if w2.dtype == torch.uint8 else w2.shape[4])
+
+
 @torch.library.register_fake("kt::fused_moe_backward")
 def _fused_moe_backward_fake(grad_out, hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales,
-                             activation="silu", gate_up_delta=None, grad_h=None):
+                             activation="silu", gate_up_delta=None, grad_h=None, w13_bias=None, w2_bias=None):
     _check_same_device("fused_moe_backward", "hidden",
                        dict(grad_out=grad_out, hidden=hidden, topk_ids=topk_ids, topk_weights=topk_weights, w13=w13,
                             w13_scales=w13_scales, w2=w2, w2_scales=w2_scales, gate_up_delta=gate_up_delta,
-                            grad_h=grad_h))
+                            grad_h=grad_h, w13_bias=w13_bias, w2_bias=w2_bias))
     torch._check(topk_ids.shape[0] == hidden.shape[0], lambda: "fused_moe_backward: topk_ids must have T rows")
     torch._check(hidden.shape[1] == w2.shape[1] * 16, lambda: "fused_moe_backward: hidden size does not match w2")
     d_delta = (torch.empty_like(gate_up_delta, memory_format=torch.contiguous_format) if gate_up_delta is not None
@@ -52,15 +62,15 @@ def _fused_moe_backward_fake(grad_out, hidden, topk_ids, topk_weights, w13, w13_
 
 @torch.library.register_fake("kt::fused_moe_delta")
 def _fused_moe_delta_fake(hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales, gate_up_delta,
-                          activation="silu"):
+                          activation="silu", w13_bias=None, w2_bias=None):
     _check_same_device("fused_moe_delta", "hidden",
                        dict(hidden=hidden, topk_ids=topk_ids, topk_weights=topk_weights, w13=w13, w13_scales=w13_scales,
-                            w2=w2, w2_scales=w2_scales, gate_up_delta=gate_up_delta))
+                            w2=w2, w2_scales=w2_scales, gate_up_delta=gate_up_delta, w13_bias=w13_bias,
+                            w2_bias=w2_bias))
     torch._check(topk_ids.shape[0] == hidden.shape[0], lambda: "fused_moe_delta: topk_ids must have T rows")
     torch._check(hidden.shape[1] == w2.shape[1] * 16, lambda: "fused_moe_delta: hidden size does not match w2")
     T, K = topk_ids.shape
-    I = w13.shape[1] * 8
-    return (torch.empty_like(hidden, memory_format=torch.contiguous_format), hidden.new_empty((T, K, I)))
+    return (torch.empty_like(hidden, memory_format=torch.contiguous_format), hidden.new_empty((T, K, _intermediate(w2))))
 
 
 # ---------------------------------------------------------------- autograd
@@ -73,33 +83,20 @@ def _frozen_check(ctx, packed) -> None:
                                "adapters beside them: ktorch.lora)")
 
 
-# activations the backward implements (fused_moe_backward.cpp); biases, clamped/parametrized activations and
-# gateless experts (the families of the formats issue) have a forward only so far
-BACKWARD_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
-
-
 def _setup_fused_moe(ctx, inputs, output):
     hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales, activation, w13_bias, w2_bias = inputs
-    _frozen_check(ctx, (w13, w13_scales, w2, w2_scales))
-    if hidden.requires_grad or topk_weights.requires_grad:
-        if w13_bias is not None or w2_bias is not None or activation not in BACKWARD_ACTIVATIONS:
-            raise NotImplementedError(
-                f"kt.fused_moe: no backward yet for experts with biases or the activation {activation!r} "
-                f"(backward: {', '.join(BACKWARD_ACTIVATIONS)}, no biases); run it without gradients")
-        intermediate = w2.shape[2] * (8 if w2.dtype == torch.uint8 else w2.shape[4])
-        if w13.shape[1] * 16 == intermediate:  # w13's N is 2I for gated experts, I for gateless ones
-            raise NotImplementedError("kt.fused_moe: no backward yet for gateless experts; run it without gradients")
+    _frozen_check(ctx, (w13, w13_scales, w2, w2_scales, w13_bias, w2_bias))
     ctx.activation = activation
-    ctx.save_for_backward(hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales)
+    ctx.save_for_backward(hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales, w13_bias, w2_bias)
 
 
 def _fused_moe_backward(ctx, grad_out):
-    hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales = ctx.saved_tensors
+    hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales, w13_bias, w2_bias = ctx.saved_tensors
     need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
     if not (need_x or need_w):
         return (None,) * 10
     dx, dw, _ = torch.ops.kt.fused_moe_backward(grad_out, hidden, topk_ids, topk_weights, w13, w13_scales, w2,
-                                                w2_scales, ctx.activation, None, None)
+                                                w2_scales, ctx.activation, None, None, w13_bias, w2_bias)
     return (dx if need_x else None, None, dw if need_w else None) + (None,) * 7
 
 
@@ -107,21 +104,22 @@ torch.library.register_autograd("kt::fused_moe", _fused_moe_backward, setup_cont
 
 
 def _setup_fused_moe_delta(ctx, inputs, output):
-    hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales, gate_up_delta, activation = inputs
-    _frozen_check(ctx, (w13, w13_scales, w2, w2_scales))
+    hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales, gate_up_delta, activation, w13_bias, w2_bias = inputs
+    _frozen_check(ctx, (w13, w13_scales, w2, w2_scales, w13_bias, w2_bias))
     ctx.activation = activation
-    ctx.save_for_backward(hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales, gate_up_delta)
+    ctx.save_for_backward(hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales, gate_up_delta, w13_bias,
+                          w2_bias)
 
 
 def _fused_moe_delta_backward(ctx, grad_out, grad_h):
-    hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales, gate_up_delta = ctx.saved_tensors
+    hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales, gate_up_delta, w13_bias, w2_bias = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(hidden)
     dx, dw, dd = torch.ops.kt.fused_moe_backward(grad_out, hidden, topk_ids, topk_weights, w13, w13_scales, w2,
-                                                 w2_scales, ctx.activation, gate_up_delta, grad_h)
+                                                 w2_scales, ctx.activation, gate_up_delta, grad_h, w13_bias, w2_bias)
     need = ctx.needs_input_grad
     return (dx if need[0] else None, None, dw if need[2] else None, None, None, None, None,
-            dd if need[7] else None, None)
+            dd if need[7] else None, None, None, None)
 
 
 torch.library.register_autograd("kt::fused_moe_delta", _fused_moe_delta_backward, setup_context=_setup_fused_moe_delta)

@@ -158,7 +158,7 @@ PackedMatrix describe(const at::Tensor& w, const std::optional<at::Tensor>& s, W
 // computes act(gate) * up for the first four activations; the rest, biases and gateless experts run in
 // Part::Glu::run_epilogue, scalar C++ the compiler may vectorize (its cost beside the kernels' GLU is not measured
 // yet: a gpt-oss-shaped prefill on the device would show it).
-enum class Act { SiLU, GeluTanh, Gelu, Relu, Relu2, SwigluOai, SiluClamped, SoftcapSwiglu };
+using Act = ActivationKind;
 
 struct Epilogue {
   Act act = Act::SiLU;
@@ -1064,6 +1064,11 @@ class Part {
 };
 
 }  // namespace
+
+ActivationSpec parse_activation(c10::string_view spec) {
+  const Epilogue ep = parse_epilogue(spec);
+  return {ep.act, ep.alpha, ep.limit, ep.gate_cap, ep.up_cap};
+}
 
 void store_row_sum(const kernels::KernelSet& ks, const float* const* src, int n_src, int64_t n, at::ScalarType dtype,
                    void* dst) {

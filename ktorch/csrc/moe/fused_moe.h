@@ -9,6 +9,15 @@
 #include "../kernels/kernels.h"
 
 namespace kt::moe {
+// The activations kt::fused_moe takes (the first four are the kernels' kernels::Activation, in its order).
+enum class ActivationKind { SiLU, GeluTanh, Gelu, Relu, Relu2, SwigluOai, SiluClamped, SoftcapSwiglu };
+// An activation spec parsed: "name" or "name(key=value, ...)" (fused_moe.cpp lists the names and their parameters;
+// raises naming the problem). The backward (fused_moe_backward.cpp) reads specs with it too.
+struct ActivationSpec {
+  ActivationKind kind = ActivationKind::SiLU;
+  float alpha = 0, limit = 0, gate_cap = 0, up_cap = 0;  // swiglu_oai(alpha, limit), silu_clamped(limit), softcap_swiglu(gate, up)
+};
+ActivationSpec parse_activation(c10::string_view spec);
 
 // Expert biases (optional, fp32 contiguous CPU): w13_bias [E, 2I] (gate biases, then up biases; [E, I] for gateless
 // experts) is added to the gate/up outputs before the activation, w2_bias [E, H] to the down output before the routing

@@ -29,11 +29,14 @@
 // activations (a straight-through estimate for the activation rounding).
 #include "fused_moe_backward.h"
 
+#include "fused_moe.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstring>
 #include <numeric>
 #include <string>
@@ -142,52 +145,123 @@ void decode_expert(const Packed& m, int64_t e, bool gate_up, T* out) {
   }
 }
 
+// float -> bf16 bits, rounded to nearest even (c10::BFloat16's rounding for finite values; decoded weights are finite)
+inline uint16_t bf16_bits_rne(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  return static_cast<uint16_t>((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+
+// decode_expert for bf16 output, the same values: the packed blocks are read in their own order (one q step of a
+// block is 16 rows x `per` values, contiguous), the 16 x 64 values of a step computed in fixed-size loops the
+// compiler vectorizes, then stored as 16 short row pieces. decode_expert's row-by-row walk converted one element at a
+// time through c10::BFloat16 (the backward's decode was most of its time on the device estimate, docs/training.md).
+// Compiled for AVX-512 (skylake-avx512), AVX2 (haswell) and the baseline, picked at load time (GCC's function
+// multiversioning: the loops are plain C++, no intrinsics; the extension's baseline is SSE2).
+__attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
+void decode_expert_bf16(const Packed& m, int64_t e, bool gate_up, uint16_t* out) {
+  const int64_t N = m.N, K = m.K;
+  const uint8_t* base = m.data + e * m.expert_bytes();
+  const float* sc = m.scales != nullptr ? m.scales + e * m.G * N : nullptr;
+  const int64_t gsize = K / m.G;
+  for (int64_t nb = 0; nb < N / 16; ++nb) {
+    const int64_t p0 = nb * 16;  // 16 packed rows land on 16 consecutive rows (gate/up blocks are 32 rows)
+    const int64_t row0 = gate_up ? (p0 % 64) / 32 * (N / 2) + p0 / 64 * 32 + p0 % 32 : p0;
+    uint16_t* dst = out + row0 * K;
+    switch (m.fmt) {
+      case Fmt::BF16: {  // [K/2][16][2]: a pure reshuffle of 4-byte pairs
+        const uint32_t* blk = reinterpret_cast<const uint32_t*>(base) + nb * (K / 2) * 16;
+        for (int64_t q = 0; q < K / 2; ++q)
+          for (int c = 0; c < 16; ++c) std::memcpy(dst + c * K + 2 * q, blk + q * 16 + c, 4);
+        break;
+      }
+      case Fmt::INT8: {  // [K/4][16][4], one scale a row
+        const int8_t* blk = reinterpret_cast<const int8_t*>(base) + nb * K * 16;
+        float s64[64];
+        for (int i = 0; i < 64; ++i) s64[i] = sc[p0 + i / 4];
+        for (int64_t q = 0; q < K / 4; ++q) {
+          const int8_t* src = blk + q * 64;
+          uint16_t v[64];
+          for (int i = 0; i < 64; ++i) v[i] = bf16_bits_rne(static_cast<float>(src[i]) * s64[i]);
+          for (int c = 0; c < 16; ++c) std::memcpy(dst + c * K + 4 * q, v + 4 * c, 8);
+        }
+        break;
+      }
+      case Fmt::INT4: {  // [K/8][16][4] bytes: low nibble value 8o + j, high nibble 8o + 4 + j, both stored + 8
+        const uint8_t* blk = base + nb * (K / 2) * 16;
+        float s64[64];
+        int64_t group = -1;
+        for (int64_t o = 0; o < K / 8; ++o) {
+          if (8 * o / gsize != group) {
+            group = 8 * o / gsize;
+            for (int i = 0; i < 64; ++i) s64[i] = sc[group * N + p0 + i / 4];
+          }
+          const uint8_t* src = blk + o * 64;
+          uint16_t lo[64], hi[64];
+          for (int i = 0; i < 64; ++i) {
+            lo[i] = bf16_bits_rne(static_cast<float>(static_cast<int>(src[i] & 0xf) - 8) * s64[i]);
+            hi[i] = bf16_bits_rne(static_cast<float>(static_cast<int>(src[i] >> 4) - 8) * s64[i]);
+          }
+          for (int c = 0; c < 16; ++c) {
+            std::memcpy(dst + c * K + 8 * o, lo + 4 * c, 8);
+            std::memcpy(dst + c * K + 8 * o + 4, hi + 4 * c, 8);
+          }
+        }
+        break;
+      }
+    }
+  }
+}
+
 void decode_into(const Packed& m, int64_t e, bool gate_up, at::Tensor& out) {
   switch (out.scalar_type()) {
     case at::kDouble: decode_expert(m, e, gate_up, out.data_ptr<double>()); break;
     case at::kFloat: decode_expert(m, e, gate_up, out.data_ptr<float>()); break;
-    case at::kBFloat16: decode_expert(m, e, gate_up, out.data_ptr<at::BFloat16>()); break;
+    case at::kBFloat16:
+      decode_expert_bf16(m, e, gate_up, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
+      break;
     default: TORCH_CHECK(false, "fused_moe backward: unexpected compute dtype ", out.scalar_type());
   }
 }
 
-enum class Act { SiLU, GeluTanh, Gelu, Relu };
+using Act = ActivationKind;
 
-Act parse_act(const char* op, c10::string_view a) {
-  if (a == "silu" || a == "swish") return Act::SiLU;
-  if (a == "gelu_tanh" || a == "gelu_pytorch_tanh" || a == "gelu_new") return Act::GeluTanh;
-  if (a == "gelu") return Act::Gelu;
-  if (a == "relu") return Act::Relu;
-  TORCH_CHECK(false, op, ": activation must be one of silu, gelu_tanh, gelu, relu; got '", std::string(a), "'");
-}
-
-at::Tensor act_forward(Act a, const at::Tensor& g) {
+// a(x) of the single-input activations (the gated ones' act(gate), gateless experts' act(up))
+at::Tensor act_forward(Act a, const at::Tensor& x) {
   switch (a) {
-    case Act::SiLU: return at::silu(g);
-    case Act::GeluTanh: return at::gelu(g, "tanh");
-    case Act::Gelu: return at::gelu(g, "none");
-    case Act::Relu: return at::relu(g);
+    case Act::SiLU: return at::silu(x);
+    case Act::GeluTanh: return at::gelu(x, "tanh");
+    case Act::Gelu: return at::gelu(x, "none");
+    case Act::Relu: return at::relu(x);
+    case Act::Relu2: return at::relu(x).square();
+    default: TORCH_CHECK(false, "fused_moe backward: ", static_cast<int>(a), " is not a single-input activation");
   }
-  return g;
 }
 
-at::Tensor act_backward(Act a, const at::Tensor& grad, const at::Tensor& g) {
+// grad * a'(x)
+at::Tensor act_backward(Act a, const at::Tensor& grad, const at::Tensor& x) {
   switch (a) {
-    case Act::SiLU: return at::silu_backward(grad, g);
-    case Act::GeluTanh: return at::gelu_backward(grad, g, "tanh");
-    case Act::Gelu: return at::gelu_backward(grad, g, "none");
-    case Act::Relu: return at::threshold_backward(grad, g, 0);
+    case Act::SiLU: return at::silu_backward(grad, x);
+    case Act::GeluTanh: return at::gelu_backward(grad, x, "tanh");
+    case Act::Gelu: return at::gelu_backward(grad, x, "none");
+    case Act::Relu: return at::threshold_backward(grad, x, 0);
+    case Act::Relu2: return grad * at::relu(x) * 2;
+    default: TORCH_CHECK(false, "fused_moe backward: ", static_cast<int>(a), " is not a single-input activation");
   }
-  return grad;
 }
+
+// 1 where torch.clamp lets the gradient through (lo <= x <= hi, bounds included; NaN: 0), else 0, in x's dtype
+at::Tensor clamp_pass(const at::Tensor& x, double lo, double hi) { return x.ge(lo).logical_and_(x.le(hi)).to(x.scalar_type()); }
 
 // Everything a call needs, checked.
 struct Call {
   const char* op;
   at::Tensor hidden, ids, weights;  // hidden [T, H]; ids int64 [T, K]; weights [T, K] in the element dtype
   Packed up, down;
-  int64_t T, H, K, I, E;
-  Act act;
+  int64_t T, H, K, I, N13, E;  // N13: w13's rows, 2I (gated) or I (gateless: h = act(up))
+  bool gated;
+  ActivationSpec act;
+  at::Tensor b13, b2;  // the experts' biases in the element dtype, [E, N13] and [E, H], or undefined
   at::ScalarType ct, et;  // compute (matmul) dtype, element-wise dtype
   std::vector<int64_t> order, start;  // pairs (t * K + k) grouped by expert: order[start[e] .. start[e + 1])
   std::vector<int64_t> experts;       // experts with pairs, most pairs first
@@ -195,7 +269,8 @@ struct Call {
 
 Call make_call(const char* op, const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                const at::Tensor& w13, const std::optional<at::Tensor>& w13_scales, const at::Tensor& w2,
-               const std::optional<at::Tensor>& w2_scales, c10::string_view activation) {
+               const std::optional<at::Tensor>& w2_scales, c10::string_view activation,
+               const std::optional<at::Tensor>& w13_bias, const std::optional<at::Tensor>& w2_bias) {
   TORCH_CHECK(hidden.device().is_cpu() && topk_ids.device().is_cpu() && topk_weights.device().is_cpu(), op,
               ": hidden, topk_ids and topk_weights must be CPU tensors, got ", hidden.device(), ", ", topk_ids.device(),
               ", ", topk_weights.device());
@@ -219,15 +294,32 @@ Call make_call(const char* op, const at::Tensor& hidden, const at::Tensor& topk_
   c.H = hidden.size(1);
   c.K = topk_ids.size(1);
   c.E = c.up.E;
-  c.I = c.up.N / 2;
+  // as kt::fused_moe: gated experts' w13 is [E, 2I, H] packed with gate_up=True; gateless ones' [E, I, H] (up only)
+  c.gated = c.up.N != c.down.K;
+  c.I = c.gated ? c.up.N / 2 : c.up.N;
+  c.N13 = c.up.N;
   TORCH_CHECK(c.down.E == c.E, op, ": w13 has ", c.E, " experts but w2 has ", c.down.E);
-  TORCH_CHECK(c.up.N % 64 == 0, op, ": w13 must be packed with gate_up=True (2I a multiple of 64), got N=", c.up.N);
+  TORCH_CHECK(!c.gated || c.up.N % 64 == 0, op, ": w13 must be packed with gate_up=True (2I a multiple of 64), got N=",
+              c.up.N);
   TORCH_CHECK(c.up.K == c.H && c.down.N == c.H, op, ": hidden size mismatch: hidden has H=", c.H, ", w13 expects K=",
               c.up.K, ", w2 produces N=", c.down.N);
-  TORCH_CHECK(c.down.K == c.I, op, ": intermediate size mismatch: w13 gives I=", c.I, " (N/2), w2 expects K=", c.down.K);
-  c.act = parse_act(op, activation);
+  TORCH_CHECK(c.down.K == c.I, op, ": intermediate size mismatch: w13 gives I=", c.I,
+              " (N/2; gateless experts: N), w2 expects K=", c.down.K);
+  c.act = parse_activation(activation);
+  TORCH_CHECK(c.gated || c.act.kind <= Act::Relu2, op, ": activation '", std::string(activation),
+              "' needs a gate, but w13 holds only up projections (N=", c.up.N, " equals w2's K: gateless experts)");
   c.ct = hd == at::kDouble ? at::kDouble : hd == at::kFloat ? at::kFloat : at::kBFloat16;
   c.et = hd == at::kDouble ? at::kDouble : at::kFloat;
+  auto bias_of = [&](const std::optional<at::Tensor>& b, const char* name, int64_t n) -> at::Tensor {
+    if (!b.has_value()) return at::Tensor();
+    TORCH_CHECK(b->device().is_cpu() && b->scalar_type() == at::kFloat && b->is_contiguous() && b->dim() == 2 &&
+                    b->size(0) == c.E && b->size(1) == n,
+                op, ": ", name, " must be a contiguous float32 CPU tensor [E=", c.E, ", ", n, "], got ",
+                b->scalar_type(), " ", b->sizes(), " on ", b->device());
+    return b->to(c.et);
+  };
+  c.b13 = bias_of(w13_bias, c.gated ? "w13_bias (gate biases, then up biases)" : "w13_bias (up biases)", c.N13);
+  c.b2 = bias_of(w2_bias, "w2_bias", c.H);
   c.hidden = hidden;
   c.ids = topk_ids.to(at::kLong).contiguous();
   c.weights = topk_weights.to(c.et).contiguous();
@@ -254,7 +346,59 @@ Call make_call(const char* op, const at::Tensor& hidden, const at::Tensor& topk_
   return c;
 }
 
-// Runs fn(e, w13 [2I, H], w2 [H, I]) for every expert with pairs, on the ATen workers (each task single threaded
+// h [n, I] from a group's pre-activations gu [n, N13] (biases and deltas added), as kt::fused_moe's epilogue
+// computes it (fused_moe.cpp, Epilogue::glu1; clamps as torch.clamp).
+at::Tensor glu_forward(const Call& c, const at::Tensor& gu) {
+  const ActivationSpec& a = c.act;
+  if (!c.gated) return act_forward(a.kind, gu);
+  const at::Tensor g = gu.narrow(1, 0, c.I), u = gu.narrow(1, c.I, c.I);
+  switch (a.kind) {
+    case Act::SwigluOai: {  // (up + 1) * gate * sigmoid(alpha * gate), gate <= limit, |up| <= limit
+      const at::Tensor gc = at::clamp_max(g, a.limit);
+      return (at::clamp(u, -a.limit, a.limit) + 1) * gc * at::sigmoid(gc * a.alpha);
+    }
+    case Act::SiluClamped: return at::silu(at::clamp_max(g, a.limit)) * at::clamp(u, -a.limit, a.limit);
+    case Act::SoftcapSwiglu:  // gate_cap tanh(gate / gate_cap) * sigmoid(gate) * up_cap tanh(up / up_cap)
+      return at::tanh(g / a.gate_cap) * at::sigmoid(g) * at::tanh(u / a.up_cap) * (a.gate_cap * a.up_cap);
+    default: return act_forward(a.kind, g) * u;
+  }
+}
+
+// d gu [n, N13] (gate columns, then up columns; gateless: up's) from dh = d h [n, I], gu as glu_forward took it.
+at::Tensor glu_backward(const Call& c, const at::Tensor& gu, const at::Tensor& dh) {
+  const ActivationSpec& a = c.act;
+  if (!c.gated) return act_backward(a.kind, dh, gu);
+  const at::Tensor g = gu.narrow(1, 0, c.I), u = gu.narrow(1, c.I, c.I);
+  at::Tensor dg, du;
+  switch (a.kind) {
+    case Act::SwigluOai: {  // h = (uc + 1) gc s, s = sigmoid(alpha gc): dh/dgc = (uc + 1)(s + alpha gc s (1 - s))
+      const at::Tensor gc = at::clamp_max(g, a.limit), uc = at::clamp(u, -a.limit, a.limit);
+      const at::Tensor s = at::sigmoid(gc * a.alpha);
+      dg = dh * (uc + 1) * (s + gc * s * (1 - s) * a.alpha) * clamp_pass(g, -INFINITY, a.limit);
+      du = dh * gc * s * clamp_pass(u, -a.limit, a.limit);
+      break;
+    }
+    case Act::SiluClamped: {
+      const at::Tensor gc = at::clamp_max(g, a.limit), uc = at::clamp(u, -a.limit, a.limit);
+      dg = at::silu_backward(dh * uc, gc) * clamp_pass(g, -INFINITY, a.limit);
+      du = dh * at::silu(gc) * clamp_pass(u, -a.limit, a.limit);
+      break;
+    }
+    case Act::SoftcapSwiglu: {  // h = A(g) S(g) B(u): A = cg tanh(g / cg), A' = 1 - tanh^2, S' = S (1 - S)
+      const at::Tensor tg = at::tanh(g / a.gate_cap), tu = at::tanh(u / a.up_cap), s = at::sigmoid(g);
+      const at::Tensor B = tu * a.up_cap, A = tg * a.gate_cap;
+      dg = dh * B * ((1 - tg * tg) * s + A * s * (1 - s));
+      du = dh * A * s * (1 - tu * tu);
+      break;
+    }
+    default:
+      dg = act_backward(a.kind, dh * u, g);
+      du = dh * act_forward(a.kind, g);
+  }
+  return at::cat({dg, du}, 1);
+}
+
+// Runs fn(e, w13 [N13, H], w2 [H, I]) for every expert with pairs, on the ATen workers (each task single threaded
 // inside), each worker decoding into its own scratch.
 template <typename Fn>
 void for_each_expert(const Call& c, bool need_w13, bool need_w2, const Fn& fn) {
@@ -267,11 +411,11 @@ void for_each_expert(const Call& c, bool need_w13, bool need_w2, const Fn& fn) {
     for (int64_t slot = b; slot < end; ++slot) {
       try {
         const auto opts = at::TensorOptions().dtype(c.ct);
-        at::Tensor w13 = need_w13 ? at::empty({2 * c.I, c.H}, opts) : at::Tensor();
+        at::Tensor w13 = need_w13 ? at::empty({c.N13, c.H}, opts) : at::Tensor();
         at::Tensor w2 = need_w2 ? at::empty({c.H, c.I}, opts) : at::Tensor();
         for (int64_t i = next++; i < n; i = next++) {
           const int64_t e = c.experts[i];
-          if (need_w13) decode_into(c.up, e, true, w13);
+          if (need_w13) decode_into(c.up, e, c.gated, w13);
           if (need_w2) decode_into(c.down, e, false, w2);
           fn(e, w13, w2);
         }
@@ -288,31 +432,45 @@ at::Tensor pair_rows(const Call& c, int64_t e) {
   return at::from_blob(const_cast<int64_t*>(c.order.data()) + c.start[e], {c.start[e + 1] - c.start[e]}, at::kLong);
 }
 
+at::Tensor checked_delta(const Call& c, const at::Tensor& d, const char* name) {
+  TORCH_CHECK(d.device().is_cpu() && d.is_floating_point() && d.dim() == 3 && d.size(0) == c.T && d.size(1) == c.K &&
+                  d.size(2) == c.N13,
+              c.op, ": ", name, " must be a float CPU tensor [T=", c.T, ", K=", c.K, ", ", c.gated ? "2I=" : "I=", c.N13,
+              "], got ", d.scalar_type(), " ", d.sizes(), " on ", d.device());
+  return d.reshape({c.T * c.K, c.N13});
+}
+
+// A group's pre-activations [n, N13] in the element dtype: x W13^T + the expert's gate/up bias + the pairs' deltas.
+at::Tensor pre_activations(const Call& c, int64_t e, const at::Tensor& x, const at::Tensor& W13,
+                           const at::Tensor& delta, const at::Tensor& rows) {
+  at::Tensor gu = at::mm(x, W13.t()).to(c.et);
+  if (c.b13.defined()) gu.add_(c.b13.select(0, e));
+  if (delta.defined()) gu.add_(delta.index_select(0, rows).to(c.et));
+  return gu;
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> fused_moe_delta(const at::Tensor& hidden, const at::Tensor& topk_ids,
                                                    const at::Tensor& topk_weights, const at::Tensor& w13,
                                                    const std::optional<at::Tensor>& w13_scales, const at::Tensor& w2,
                                                    const std::optional<at::Tensor>& w2_scales,
-                                                   const at::Tensor& gate_up_delta, c10::string_view activation) {
+                                                   const at::Tensor& gate_up_delta, c10::string_view activation,
+                                                   const std::optional<at::Tensor>& w13_bias,
+                                                   const std::optional<at::Tensor>& w2_bias) {
   const char* op = "fused_moe_delta";
-  Call c = make_call(op, hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales, activation);
-  TORCH_CHECK(gate_up_delta.device().is_cpu() && gate_up_delta.is_floating_point() && gate_up_delta.dim() == 3 &&
-                  gate_up_delta.size(0) == c.T && gate_up_delta.size(1) == c.K && gate_up_delta.size(2) == 2 * c.I,
-              op, ": gate_up_delta must be a float CPU tensor [T=", c.T, ", K=", c.K, ", 2I=", 2 * c.I, "], got ",
-              gate_up_delta.scalar_type(), " ", gate_up_delta.sizes(), " on ", gate_up_delta.device());
-  const at::Tensor delta = gate_up_delta.reshape({c.T * c.K, 2 * c.I});
+  Call c = make_call(op, hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales, activation, w13_bias, w2_bias);
+  const at::Tensor delta = checked_delta(c, gate_up_delta, "gate_up_delta");
   const at::Tensor out_pairs = at::zeros({c.T * c.K, c.H}, at::TensorOptions().dtype(c.et));
   const at::Tensor h_pairs = at::zeros({c.T * c.K, c.I}, at::TensorOptions().dtype(c.et));
   const at::Tensor wflat = c.weights.reshape({c.T * c.K});
   for_each_expert(c, true, true, [&](int64_t e, const at::Tensor& W13, const at::Tensor& W2) {
     const at::Tensor rows = pair_rows(c, e);
     const at::Tensor x = c.hidden.index_select(0, at::floor_divide(rows, c.K)).to(c.ct);
-    const at::Tensor gu = at::mm(x, W13.t()).to(c.et).add_(delta.index_select(0, rows).to(c.et));
-    const at::Tensor g = gu.narrow(1, 0, c.I), u = gu.narrow(1, c.I, c.I);
-    const at::Tensor h = act_forward(c.act, g).mul_(u);
-    const at::Tensor y = at::mm(h.to(c.ct), W2.t()).to(c.et).mul_(wflat.index_select(0, rows).unsqueeze(1));
-    out_pairs.index_copy_(0, rows, y);
+    const at::Tensor h = glu_forward(c, pre_activations(c, e, x, W13, delta, rows));
+    at::Tensor y = at::mm(h.to(c.ct), W2.t()).to(c.et);
+    if (c.b2.defined()) y.add_(c.b2.select(0, e));  // the down bias, before the routing weight
+    out_pairs.index_copy_(0, rows, y.mul_(wflat.index_select(0, rows).unsqueeze(1)));
     h_pairs.index_copy_(0, rows, h);
   });
   at::Tensor out = out_pairs.view({c.T, c.K, c.H}).sum(1).to(hidden.scalar_type());
@@ -323,21 +481,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_moe_backward(
     const at::Tensor& grad_out, const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
     const at::Tensor& w13, const std::optional<at::Tensor>& w13_scales, const at::Tensor& w2,
     const std::optional<at::Tensor>& w2_scales, c10::string_view activation,
-    const std::optional<at::Tensor>& gate_up_delta, const std::optional<at::Tensor>& grad_h) {
+    const std::optional<at::Tensor>& gate_up_delta, const std::optional<at::Tensor>& grad_h,
+    const std::optional<at::Tensor>& w13_bias, const std::optional<at::Tensor>& w2_bias) {
   const char* op = "fused_moe_backward";
-  Call c = make_call(op, hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales, activation);
+  Call c = make_call(op, hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales, activation, w13_bias, w2_bias);
   TORCH_CHECK(grad_out.device().is_cpu() && grad_out.is_floating_point() && grad_out.sizes() == hidden.sizes(), op,
               ": grad_out must be a float CPU tensor shaped like hidden ", hidden.sizes(), ", got ",
               grad_out.scalar_type(), " ", grad_out.sizes(), " on ", grad_out.device());
-  at::Tensor delta, dh_ext;
-  if (gate_up_delta.has_value()) {
-    const at::Tensor& d = *gate_up_delta;
-    TORCH_CHECK(d.device().is_cpu() && d.is_floating_point() && d.dim() == 3 && d.size(0) == c.T && d.size(1) == c.K &&
-                    d.size(2) == 2 * c.I,
-                op, ": gate_up_delta must be a float CPU tensor [T=", c.T, ", K=", c.K, ", 2I=", 2 * c.I, "], got ",
-                d.scalar_type(), " ", d.sizes(), " on ", d.device());
-    delta = d.reshape({c.T * c.K, 2 * c.I});
-  }
+  const at::Tensor delta = gate_up_delta.has_value() ? checked_delta(c, *gate_up_delta, "gate_up_delta") : at::Tensor();
+  at::Tensor dh_ext;
   if (grad_h.has_value()) {
     const at::Tensor& d = *grad_h;
     TORCH_CHECK(d.device().is_cpu() && d.is_floating_point() && d.dim() == 3 && d.size(0) == c.T && d.size(1) == c.K &&
@@ -349,29 +501,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_moe_backward(
   const auto eopts = at::TensorOptions().dtype(c.et);
   const at::Tensor dx_pairs = at::zeros({c.T * c.K, c.H}, eopts);
   const at::Tensor dw = at::zeros({c.T * c.K}, eopts);
-  const at::Tensor ddelta = delta.defined() ? at::zeros({c.T * c.K, 2 * c.I}, eopts) : at::Tensor();
+  const at::Tensor ddelta = delta.defined() ? at::zeros({c.T * c.K, c.N13}, eopts) : at::Tensor();
   const at::Tensor wflat = c.weights.reshape({c.T * c.K});
   const at::Tensor dy_all = grad_out.contiguous();
   for_each_expert(c, true, true, [&](int64_t e, const at::Tensor& W13, const at::Tensor& W2) {
     const at::Tensor rows = pair_rows(c, e);
     const at::Tensor tokens = at::floor_divide(rows, c.K);
     const at::Tensor x = c.hidden.index_select(0, tokens).to(c.ct);
-    at::Tensor gu = at::mm(x, W13.t()).to(c.et);
-    if (delta.defined()) gu.add_(delta.index_select(0, rows).to(c.et));
-    const at::Tensor g = gu.narrow(1, 0, c.I), u = gu.narrow(1, c.I, c.I);
-    const at::Tensor a = act_forward(c.act, g);
-    const at::Tensor h = a * u;
-    const at::Tensor G = at::mm(dy_all.index_select(0, tokens).to(c.ct), W2).to(c.et);  // [n, I]
-    dw.index_copy_(0, rows, (G * h).sum(1));
+    const at::Tensor gu = pre_activations(c, e, x, W13, delta, rows);
+    const at::Tensor h = glu_forward(c, gu);
+    const at::Tensor dy = dy_all.index_select(0, tokens);
+    const at::Tensor G = at::mm(dy.to(c.ct), W2).to(c.et);  // [n, I]
+    at::Tensor dwe = (G * h).sum(1);
+    if (c.b2.defined()) dwe.add_(at::mv(dy.to(c.et), c.b2.select(0, e)));  // d w also sees the down bias
+    dw.index_copy_(0, rows, dwe);
     at::Tensor dh = G.mul_(wflat.index_select(0, rows).unsqueeze(1));
     if (dh_ext.defined()) dh.add_(dh_ext.index_select(0, rows).to(c.et));
-    const at::Tensor dgu = at::cat({act_backward(c.act, dh * u, g), dh * a}, 1);  // [n, 2I]
+    const at::Tensor dgu = glu_backward(c, gu, dh);  // [n, N13]
     if (ddelta.defined()) ddelta.index_copy_(0, rows, dgu);
     dx_pairs.index_copy_(0, rows, at::mm(dgu.to(c.ct), W13).to(c.et));
   });
   at::Tensor dx = dx_pairs.view({c.T, c.K, c.H}).sum(1).to(hidden.scalar_type());
   at::Tensor dweights = dw.view({c.T, c.K}).to(topk_weights.scalar_type());
-  at::Tensor dd = ddelta.defined() ? ddelta.view({c.T, c.K, 2 * c.I}).to(gate_up_delta->scalar_type())
+  at::Tensor dd = ddelta.defined() ? ddelta.view({c.T, c.K, c.N13}).to(gate_up_delta->scalar_type())
                                    : at::empty({0}, hidden.options());
   return {dx, dweights, dd};
 }

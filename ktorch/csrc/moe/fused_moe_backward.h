@@ -11,19 +11,23 @@
 namespace kt::moe {
 
 // (out [T, H] in hidden's dtype, h [T, K, I] in hidden's dtype, zeros for skipped slots): the routed experts with
-// gate_up_delta [T, K, 2I] (gate columns then up columns) added to each pair's pre-activations.
+// gate_up_delta [T, K, 2I] (gate columns then up columns; gateless experts: [T, K, I]) added to each pair's
+// pre-activations. Activations, biases and gateless experts as kt::fused_moe takes them (fused_moe.h).
 std::tuple<at::Tensor, at::Tensor> fused_moe_delta(const at::Tensor& hidden, const at::Tensor& topk_ids,
                                                    const at::Tensor& topk_weights, const at::Tensor& w13,
                                                    const std::optional<at::Tensor>& w13_scales, const at::Tensor& w2,
                                                    const std::optional<at::Tensor>& w2_scales,
-                                                   const at::Tensor& gate_up_delta, c10::string_view activation);
+                                                   const at::Tensor& gate_up_delta, c10::string_view activation,
+                                                   const std::optional<at::Tensor>& w13_bias = std::nullopt,
+                                                   const std::optional<at::Tensor>& w2_bias = std::nullopt);
 
-// (d hidden in hidden's dtype, d topk_weights in its dtype, d gate_up_delta [T, K, 2I] in its dtype or an empty
+// (d hidden in hidden's dtype, d topk_weights in its dtype, d gate_up_delta [T, K, N13] in its dtype or an empty
 // tensor when gate_up_delta is not given) for grad_out = d out [T, H] and, optionally, grad_h = d h [T, K, I].
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_moe_backward(
     const at::Tensor& grad_out, const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
     const at::Tensor& w13, const std::optional<at::Tensor>& w13_scales, const at::Tensor& w2,
     const std::optional<at::Tensor>& w2_scales, c10::string_view activation,
-    const std::optional<at::Tensor>& gate_up_delta, const std::optional<at::Tensor>& grad_h);
+    const std::optional<at::Tensor>& gate_up_delta, const std::optional<at::Tensor>& grad_h,
+    const std::optional<at::Tensor>& w13_bias = std::nullopt, const std::optional<at::Tensor>& w2_bias = std::nullopt);
 
 }  // namespace kt::moe
