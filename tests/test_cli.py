@@ -208,7 +208,7 @@ def test_generate_gguf_without_tokenizer_runs_on_token_ids(tmp_path):
     result = run_cli("generate", "--model", str(path), "--prompt", "hi", "--max-new-tokens", "4", "--device", "cpu")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("[token ids] 104 105 ->") and len(result.stdout.split("->")[1].split()) == 4
-    assert TIMING.search(result.stderr) and "experts int4 on cpu" in result.stderr
+    assert TIMING.search(result.stderr) and "experts gguf:Q4_0 on cpu" in result.stderr  # auto keeps the file's Q4_0 exactly
 
 
 def test_generate_rejects_a_bad_model_file(tmp_path, capsys):
