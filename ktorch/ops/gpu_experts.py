@@ -119,7 +119,7 @@ def packed_experts_forward(
     multiplied, ``GATHER_ROWS`` rows at a time, so a decode step dequantizes only the K experts a token uses. More
     tokens: all n experts are dequantized once (a transient [n, ...] in hidden's dtype) and ``gpu_experts_forward``
     runs on them. Bit for bit ``gpu_experts_forward`` on ``dequantize_packed`` of the same experts."""
-    from ktorch.ops.streamed_experts import dequantize_packed
+    from ktorch.ops.packed_weights import dequantize_packed
 
     p13, s13, p2, s2 = packed
     if kernel == "auto":

@@ -29,77 +29,8 @@ import torch
 
 from ktorch.ops.gpu_experts import gpu_experts_forward
 
-# ---------------------------------------------------------------- packed layout -> [n, K, N] on any device
-
-
-def dequantize_packed(packed: torch.Tensor, scales: Optional[torch.Tensor], gate_up: bool,
-                      dtype: torch.dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Packed experts (``kt.pack_*`` layout, any device) -> their weights transposed, [n, K, N] in ``dtype``.
-
-    packed [n, N/16, K/per, 16, per] (bf16 per=2, int8 per=4; int4 uint8 [n, N/16, K/8, 16, 4]), scales float32
-    [n, G, N] (None for bf16), or [n, 2, G, N] for the affine formats (scales then minimums: q * s - m, int4 codes
-    the nibbles themselves). With ``gate_up`` the N = 2I columns come back in the original order (gate then up),
-    undoing the packing's 32-row interleave. [n, K, N] is what ``torch._grouped_mm`` and ``gpu_experts_forward``
-    take (w13 [n, H, 2I], w2 [n, I, H]). Equals ``kt.unpack(packed, scales, gate_up).transpose(1, 2)`` up to the
-    rounding to ``dtype``; plain torch ops, so it runs where the tensors are.
-
-    The result is the transposed view of an [n, N, K] buffer (column-major [n, K, N], as transformers hands
-    its expert weights to ``torch._grouped_mm``): every pass reads and writes along K, which is contiguous in
-    the packed blocks too, so on a GPU the writes coalesce (a row-major [n, K, N] result made the last pass write
-    one element per N-strided address). One elementwise pass over the weights reads the packed blocks in place,
-    applies the scales and writes ``dtype`` (int4: two more split the nibbles first).
-
-    ``out``: a contiguous [n, N, K] tensor of ``dtype`` on packed's device to write into (a preallocated buffer);
-    the result is then ``out.transpose(1, 2)``."""
-    if packed.dim() != 5 or packed.shape[3] != 16:
-        raise ValueError(f"dequantize_packed: packed must be [n, N/16, K/per, 16, per], got {tuple(packed.shape)}")
-    n, N = packed.shape[0], packed.shape[1] * 16
-    mins = None
-    if scales is not None and scales.dim() == 4:  # affine (GGUF Q4_K/Q5_K kept exact): [n, 2, G, N] scales, minimums
-        scales, mins = scales[:, 0], scales[:, 1]
-    blocks = packed.permute(0, 1, 3, 2, 4)  # [n, N/16, 16, K/per, per]: rows in packed order, K along each row
-    if packed.dtype == torch.uint8:  # int4: low nibbles are k 8o..8o+3, high nibbles 8o+4..8o+7, stored + 8
-        K = packed.shape[2] * 8
-        q = torch.empty(*blocks.shape[:4], 2, 4, dtype=torch.uint8, device=packed.device)  # [.., K/8, 2, 4]
-        torch.bitwise_and(blocks, 0xF, out=q[..., 0, :])
-        torch.bitwise_right_shift(blocks, 4, out=q[..., 1, :])
-        offset = -8.0 if mins is None else 0.0  # affine codes are the nibbles themselves
-    else:  # bf16, int8: read in place, as [n, N/16, 16, K/per, per] blocks (rows in packed order)
-        per = packed.shape[4]
-        K = packed.shape[2] * per
-        q, offset = blocks, 0.0
-    if out is None:
-        out = torch.empty(n, N, K, dtype=dtype, device=packed.device)
-    elif out.shape != (n, N, K) or out.dtype != dtype or out.device != packed.device or not out.is_contiguous():
-        raise ValueError(f"dequantize_packed: out must be a contiguous [{n}, {N}, {K}] {dtype} tensor on "
-                         f"{packed.device}, got {tuple(out.shape)} {out.dtype} on {out.device}")
-    # out's rows seen in q's shape with the rows in packed order, so that one elementwise pass writes them where
-    # they belong: [n, N/16, 16, K/per, per]; gate/up rows 64b + 32h + 16c + r go to row h*N/2 + 32b + 16c + r
-    inner = q.shape[3:]  # (K/per, per), or (K/8, 2, 4) for int4
-    rows = out.view(n, 2, N // 64, 2, 16, *inner).transpose(1, 2) if gate_up else out.view(n, N // 16, 16, *inner)
-    q = q.view(rows.shape)  # [n, N/64, 2, 2, 16, ...] or [n, N/16, 16, ...]
-    if scales is None:
-        if packed.dtype != torch.bfloat16:
-            raise ValueError(f"dequantize_packed: {packed.dtype} packed weights need their scales")
-        rows.copy_(q)
-        return out.transpose(1, 2)
-    G = scales.shape[1]
-    if scales.shape != (n, G, N) or K % G or (K // G) % (8 if packed.dtype == torch.uint8 else per):
-        raise ValueError(f"dequantize_packed: scales must be [n={n}, G, N={N}] with G dividing K={K} into "
-                         f"whole blocks, got {tuple(scales.shape)}")
-    lead = rows.shape[:-len(inner)]
-    s = scales.transpose(1, 2).reshape(*lead, G, *(1,) * len(inner))  # rows in packed order
-    q_groups = q.unflatten(len(lead), (G, -1))  # K/per (K/8 for int4) split into G groups: a view
-    target = rows.unflatten(len(lead), (G, -1))
-    if offset:
-        torch.addcmul(s * offset, q_groups, s, out=target)  # (q - 8) * s in one pass (an FMA: exact on the CPU)
-    elif mins is not None:
-        m = mins.transpose(1, 2).reshape(s.shape)
-        torch.addcmul(-m, q_groups, s, out=target)  # q * s - m
-    else:
-        torch.mul(q_groups, s, out=target)
-    return out.transpose(1, 2)
-
+# dequantize_packed lives in packed_weights.py (gpu_experts uses it too); re-exported here
+from ktorch.ops.packed_weights import dequantize_packed  # noqa: E402,F401
 
 # ---------------------------------------------------------------- which experts stream, by prompt length
 
