@@ -119,26 +119,28 @@ def ab_compile(args) -> None:
     """Experiments (benchmark flag): the captured decode step as ``generate`` makes it (decoder layers compiled
     regionally, each layer's experts started and joined by one host function) against the eager layers and against
     separate start and join host functions, alternating on one loaded model (a fresh decoder, so a fresh capture,
-    each time), per deferral in --deferred; then a profile of --profile-steps replays of the default's graph: GPU kernel time and kernel count per step (torch.profiler), the CPU experts' time per
-    step (the native host tasks' timeline) and the step's wall time."""
+    each time), per deferral in --deferred; then a profile of --profile-steps replays of the default's graph: GPU kernel time and kernel
+    count per step (torch.profiler), the CPU experts' time per step (the native host tasks' timeline) and the step's wall time."""
+    import contextlib
     import statistics
 
     import torch
 
     import ktorch
-    from ktorch.generation import Decoder
+    import ktorch.generation as generation
+    from ktorch.compile.experts_runtime import ExpertsRuntime
 
     model, _ = ktorch.load(args.gguf, device="cuda")
     ids = torch.tensor([[b for b in prompt_of(args.prompts[0]).encode()]])
-    from ktorch.compile.experts_runtime import ExpertsRuntime
 
-    capture = Decoder.capture
+    compiled = generation.compiled_layers
     submit = ExpertsRuntime._submit
     results: dict = {}
 
     def set_variant(variant: str) -> None:
-        Decoder.capture = (lambda self, compiled=False: capture(self, compiled=False)) if variant == "eager layers" \
-            else capture
+        # the capture looks compiled_layers up in its module at each call: eager layers swap in a no-op context
+        generation.compiled_layers = (lambda model, cache: contextlib.nullcontext()) if variant == "eager layers" \
+            else compiled
         ExpertsRuntime._submit = (lambda self, *a, join_now=False, **k: submit(self, *a, join_now=False, **k)) \
             if variant == "two host functions" else submit
 

@@ -176,9 +176,9 @@ class Decoder:
         self.token.copy_(nxt[None])
         self.position.add_(1)
 
-    def capture(self, compiled: bool = True) -> None:
-        """Captures the decode step; ``compiled``: its decoder layers compiled regionally (``compiled_layers``)."""
-        with compiled_layers(self.model, self.cache) if compiled else contextlib.nullcontext():
+    def capture(self) -> None:
+        """Captures the decode step with its decoder layers compiled regionally (``compiled_layers``)."""
+        with compiled_layers(self.model, self.cache):
             self._capture()
 
     def _capture(self) -> None:

@@ -134,17 +134,24 @@ class _ReferenceForwardKtBackward(torch.autograd.Function):
         return dx, dw, None, None, None, None
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("activation", ["silu", "gelu"])
-def test_gradcheck_float64(fmt, activation):
-    E, H, I, T, K = 4, 32, 32, 5, 2
-    packed = _packed(E, H, I, fmt)
+def _gradcheck_through_reference(packed, T, H, K, E, activation):
+    """gradcheck of the op's backward against finite differences of the float64 reference forward
+    (_ReferenceForwardKtBackward), on random float64 inputs; returns (ids, weights, hidden, w) for further checks."""
     ids, weights = _routing(T, K, E, "skips")
     hidden = torch.randn(T, H, dtype=torch.float64, requires_grad=True)
     w = weights.double().requires_grad_()
     dequantized = packed.dequantize()
     assert torch.autograd.gradcheck(
         lambda x, w: _ReferenceForwardKtBackward.apply(x, w, ids, packed, dequantized, activation), (hidden, w))
+    return ids, weights, hidden, w
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
+def test_gradcheck_float64(fmt, activation):
+    E, H, I, T, K = 4, 32, 32, 5, 2
+    packed = _packed(E, H, I, fmt)
+    ids, weights, hidden, w = _gradcheck_through_reference(packed, T, H, K, E, activation)
     # kt.fused_moe_delta runs in float64 itself: gradcheck of the op, deltas included, and of its h output
     delta = (torch.randn(T, K, 2 * I, dtype=torch.float64) * 0.3).requires_grad_()
 
@@ -308,12 +315,7 @@ def test_family_gradcheck_float64(fmt, gated, activation):
     kt.fused_moe_delta itself (deltas and h included), with biases."""
     E, H, I, T, K = 4, 32, 32, 5, 2
     packed = _family_packed(E, H, I, fmt, gated, biases=True)
-    ids, weights = _routing(T, K, E, "skips")
-    hidden = torch.randn(T, H, dtype=torch.float64, requires_grad=True)
-    w = weights.double().requires_grad_()
-    dequantized = packed.dequantize()
-    assert torch.autograd.gradcheck(
-        lambda x, w: _ReferenceForwardKtBackward.apply(x, w, ids, packed, dequantized, activation), (hidden, w))
+    ids, weights, hidden, w = _gradcheck_through_reference(packed, T, H, K, E, activation)
     delta = (torch.randn(T, K, packed.w13.shape[1] * 16, dtype=torch.float64) * 0.3).requires_grad_()
 
     def op(x, w, d):
