@@ -282,7 +282,8 @@ def load_model(args: argparse.Namespace):
         raise CLIError(f"--deferred-experts must be >= 0, got {args.deferred_experts}")
     from ktorch.ops.streamed_experts import parse_stream_plan
 
-    if args.stream_experts is None:  # the default: auto where there is a GPU to stream to (and --plain does not)
+    stream_by_default = args.stream_experts is None
+    if stream_by_default:  # the default: auto where there is a GPU to stream to (and --plain does not)
         args.stream_experts = "auto" if resolve_device(args.device).type == "cuda" and not args.plain else "off"
     try:
         stream = parse_stream_plan(args.stream_experts)
@@ -326,13 +327,21 @@ def load_model(args: argparse.Namespace):
             raise CLIError(f"--deferred-experts {args.deferred_experts}: the model routes each token to {top_k} "
                            "experts; D must be at most that")
         ktorch.set_deferred_experts(model, args.deferred_experts)
+        if stream != "off" and stream_by_default and gpu_memory == "off":
+            problem = _device_experts_problem(model)
+            if problem is not None:  # the default asks for no GPU experts: the CPU runs them all, said once
+                print(f"ktorch: prefill keeps every expert on the CPU ({problem})", file=sys.stderr)
+                stream = "off"
         if stream != "off" or gpu_memory != "off":  # gpu_memory None: --gpu-memory auto
             if device.type != "cuda":
                 raise CLIError(f"--stream-experts and --gpu-memory place experts on a GPU; --device is {device}")
             try:
                 ktorch.set_stream_experts(model, stream, gpu_memory=gpu_memory)
             except ValueError as e:
-                raise CLIError(f"--gpu-memory {args.gpu_memory}: {e}") from None
+                given = [f"--{name.replace('_', '-')} {value}" for name, value in
+                         (("stream_experts", args.stream_experts), ("gpu_memory", args.gpu_memory))
+                         if value is not None and not (name == "stream_experts" and stream_by_default)]
+                raise CLIError(f"{' '.join(given) or '--stream-experts auto (the default on a GPU)'}: {e}") from None
         return model, (tokenizer if tokenizer is not None else TokenIdsTokenizer(model.config.vocab_size)), device
     if path.is_file():
         raise CLIError(f"--model {args.model}: --plain runs transformers checkpoint folders only")
@@ -344,6 +353,18 @@ def load_model(args: argparse.Namespace):
     model.eval()
     model.to(device)
     return model, tokenizer, device
+
+
+def _device_experts_problem(model) -> Optional[str]:
+    """Why the model's routed experts cannot run on the GPU (biases, gateless, another activation), or None."""
+    from ktorch.integrations.transformers_experts import device_experts_problem
+    from ktorch.placement import experts_modules
+
+    for _, m in experts_modules(model):
+        problem = device_experts_problem(m)
+        if problem is not None:
+            return problem
+    return None
 
 
 def _gpu_memory_argument(text: Optional[str], stream):

@@ -60,7 +60,7 @@ RESERVE_S = 10  # kept back from every step's limit: the summary, and the tool's
 # the GPU/compile test files (the device's reason to be), and the op tests run again with AMX forced
 GPU_TESTS = ["tests/test_compile_backend.py", "tests/test_compile_deferral.py", "tests/test_gpu_experts.py",
              "tests/test_host_tasks.py", "tests/test_integrations_transformers.py", "tests/test_streamed_experts.py",
-             "tests/test_cli.py"]
+             "tests/test_cli.py", "tests/test_generation.py", "tests/test_routed_experts.py"]
 AMX_OP_TESTS = ["tests/test_ops_fused_moe.py", "tests/test_ops_pack.py"]
 NOISE = re.compile(r"^W\d{4} |Warning|warn\(")
 
@@ -294,7 +294,8 @@ def source_id(root: Path, torch_version: str, python_version: str) -> str:
     files += sorted(p for p in (root / "ktorch" / "csrc").rglob("*") if p.is_file() and "test" not in p.parts)
     for p in files:
         h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes())
-    return f"{h.hexdigest()[:16]}-{torch_version}-py{python_version}"
+    # the tool brings back names of letters, digits, '.', '_' and '-' only: torch's "2.11.0+cu130" becomes 2.11.0_cu130
+    return re.sub(r"[^A-Za-z0-9._-]", "_", f"{h.hexdigest()[:16]}-{torch_version}-py{python_version}")
 
 
 def versions() -> tuple[str, str]:
@@ -661,9 +662,9 @@ def base_tree(root: Path, commit: str) -> Path:
 
 
 @step("ab", "the op at HEAD against an older commit (base=COMMIT): both extensions built, then "
-      "benchmarks/bench_fused_moe.py (HEAD's) for each shape at T=1,32,512,2048, cold caches, the builds taking "
+      "benchmarks/bench_fused_moe.py (HEAD's) for each shape at each T (tokens=), cold caches, the builds taking "
       "turns in alternating processes (ABBA), one table with base / HEAD", limit_s=560, min_s=240,
-      params={"shapes": "qwen3,deepseek", "base": "", "impls": "ktorch-bf16,ktorch-int8,ktorch-int4",
+      params={"shapes": "qwen3,deepseek", "base": "", "tokens": "1,32,512,2048", "impls": "ktorch-bf16,ktorch-int8,ktorch-int4",
               "rounds": "1", "seconds": "0.3"}, carry=".device-out (base-<commit>.tar; prebuilt/ optional)")
 def step_ab(r: Runner, p: dict) -> int:
     if not p["base"]:
@@ -692,7 +693,7 @@ def step_ab(r: Runner, p: dict) -> int:
             env = dict(r.env, PYTHONPATH=f"{path}{os.pathsep}{r.env['PYTHONPATH']}")
             before = log.read_text() if log.exists() else ""
             rc = run_logged([sys.executable, str(r.root / "benchmarks" / "bench_fused_moe.py"), "--shapes", shape,
-                             "--tokens", "1", "32", "512", "2048", "--impls", *p["impls"].split(","),
+                             "--tokens", *p["tokens"].split(","), "--impls", *p["impls"].split(","),
                              "--min-seconds", p["seconds"]], log,
                             timeout=r.limit - (time.monotonic() - r.step_start) - 5, env=env, cwd=Path("/"),
                             show=lambda line: line.split(" ")[0] in AB_SHAPES or line.startswith("machine"))

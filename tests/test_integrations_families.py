@@ -306,7 +306,9 @@ def test_cuda_graphs_carry_the_biases(name, seed):
     with torch.no_grad():
         for _ in range(3):  # warm-up, capture, replay
             torch.compiler.cudagraph_mark_step_begin()
-            got = compiled(ids).logits.float()
+            # no cache: transformers' dynamic sliding-window layers (gpt-oss) create their first keys on the CPU
+            # inside the graph, which keeps it off CUDA graphs; the experts' host tasks are what this test is about
+            got = compiled(ids, use_cache=False).logits.float()
     assert RUNTIME.stats.get("captured_submits", 0) > 0
     err = relative_error(got, want)
     assert err <= TOLERANCE, f"seed={seed} {name}: replayed logits off by {err:.3g} from eager on the GPU"

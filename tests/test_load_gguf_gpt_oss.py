@@ -141,7 +141,10 @@ def test_generate_cli(gpt_oss_file, capsys):
     from ktorch.cli import main
 
     _, path = gpt_oss_file
-    assert main(["generate", "--model", str(path), "--prompt", "hi", "--max-new-tokens", "4"]) == 0
+    if torch.cuda.is_available():  # the GPU default: experts the device side cannot run stay on the CPU, said once
+        assert main(["generate", "--model", str(path), "--prompt", "hi", "--max-new-tokens", "4"]) == 0
+        assert "prefill keeps every expert on the CPU (GptOssExperts has biases" in capsys.readouterr().err
+    assert main(["generate", "--model", str(path), "--prompt", "hi", "--max-new-tokens", "4", "--device", "cpu"]) == 0
     out = capsys.readouterr()
     assert "decode: 3 tokens" in out.err
     line = next(line for line in out.out.splitlines() if line.startswith("[token ids]"))
