@@ -7,8 +7,12 @@ Variants (each runs in its own process, one after the other, so that the host me
                (peft) and on the experts (ktorch.lora, peft's per-expert layout) ; ``ktorch.prepare(...,
                trainable=True)``: decoder layers checkpointed (``--checkpointing off``: not)
   hf_offload   transformers + accelerate as a user offloads today: device_map puts every ``...mlp.experts`` on "cpu"
-               (bf16) and accelerate's hooks copy them to the GPU for each forward; LoRA with peft on attention and on
-               the experts' parameters (``target_parameters``); gradient checkpointing of the decoder layers
+               (bf16) and accelerate's hooks copy them to the GPU for each forward; LoRA with peft on attention;
+               gradient checkpointing of the decoder layers. Not on the experts by default: peft 0.21's
+               ``target_parameters`` folds the adapter into the parameter under ``torch.autocast(W.device.type)``, and
+               accelerate keeps offloaded parameters on the "meta" device, so every step fails with "unsupported
+               scalarType" (device, 2026-11-26); ``--hf-expert-lora on`` tries it. The peer then trains less than
+               ktorch does (no expert adapters): its step time is a lower bound for the same work
 
   ops          no model: one MoE layer of the shape (random packed experts, ``--experts-dtype``) and the three CPU
                calls a trained layer makes per step with expert LoRA and checkpointing (kt.fused_moe_delta in the
@@ -173,8 +177,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--jsonl", help="append one JSON line per variant to this file")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--hf-expert-lora", default="on", choices=("on", "off"),
-                   help="hf_offload: peft LoRA on the experts' parameters too (target_parameters), as ktorch has")
+    p.add_argument("--hf-expert-lora", default="off", choices=("on", "off"),
+                   help="hf_offload: peft LoRA on the experts' parameters too (target_parameters), as ktorch has; "
+                   "off by default: peft 0.21 cannot fold adapters into accelerate's offloaded (meta) parameters")
     p.add_argument("--variant", help=argparse.SUPPRESS)  # one variant in this process (the parent's children)
     p.add_argument("--json", action="store_true", help="also print one JSON line per variant")
     return p.parse_args(argv)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 35's device criterion, one call: the 48-layer Qwen3-30B-A3B shape (random weights), int8 experts frozen in
 # host memory, LoRA r=8 on attention and on the experts, sequence 2048, batch 1: one training step through ktorch
-# against transformers + accelerate with the experts offloaded by device_map (peft LoRA on attention and on the
-# experts' parameters), the peak GPU memory of each.
+# against transformers + accelerate with the experts offloaded by device_map (peft LoRA on attention; on the
+# experts too it fails: see bench_train.py's hf_offload), the peak GPU memory of each.
 #
 # Wall-clock limit: 420 s (LIMIT=...; every stage is cut by `timeout` to what is left, the summary always prints).
 # Run from the repo root on the device, ktorch built (editable), after the lead installed .whl/ (peft is needed and is
