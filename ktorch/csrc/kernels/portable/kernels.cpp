@@ -66,47 +66,12 @@ void gemm_int8_channel(const GemmArgs& a) {
   }
 }
 
-// Grouped int8 (GGUF Q8_0, Q6_K; Q5_K and MXFP4 codes): per group g an int32 sum of (q + 128) * x, the offset
-// removed with the group's activation sum, scaled by the group's weight scale into an fp32 sum; affine formats then
-// subtract min[g] * sum_g(x); the activation scale last.
-void gemm_int8_grouped(const GemmArgs& a) {
+// The grouped formats' walk: per block of 16 columns, row and group g, an int32 group sum gacc from
+// group_dot(w, x, g, gacc); the code offset removed with the group's activation sum, scaled by the group's weight
+// scale into an fp32 sum; affine formats (b_min) then subtract min[g] * sum_g(x); the activation scale last.
+template <typename GroupDot>
+void gemm_grouped(const GemmArgs& a, int32_t code_offset, GroupDot group_dot) {
   const int64_t groups = a.K / a.group_size;
-  const int64_t quads_per_group = a.group_size / 4;
-  for (int b = 0; b < a.nblocks; ++b) {
-    const int8_t* w = reinterpret_cast<const int8_t*>(a.b + b * a.b_block_stride);
-    const float* ws = a.b_scale + b * a.b_scale_block_stride;
-    const float* wm = a.b_min != nullptr ? a.b_min + b * a.b_scale_block_stride : nullptr;
-    for (int m = 0; m < a.M; ++m) {
-      const int8_t* x = static_cast<const int8_t*>(a.a_rows[m]);
-      float acc[16] = {0};
-      for (int64_t g = 0; g < groups; ++g) {
-        int32_t gacc[16] = {0};
-        for (int64_t q = g * quads_per_group; q < (g + 1) * quads_per_group; ++q) {
-          const int8_t* wq = w + q * 64;
-          for (int c = 0; c < 16; ++c)
-            for (int j = 0; j < 4; ++j) gacc[c] += (static_cast<int32_t>(wq[4 * c + j]) + 128) * x[4 * q + j];
-        }
-        const int32_t gsum = a.a_gsum[m * a.a_gsum_stride + g];
-        for (int c = 0; c < 16; ++c) {
-          acc[c] += static_cast<float>(gacc[c] - 128 * gsum) * ws[g * a.b_scale_group_stride + c];
-          if (wm != nullptr) acc[c] -= static_cast<float>(gsum) * wm[g * a.b_scale_group_stride + c];
-        }
-      }
-      for (int c = 0; c < 16; ++c) a.c[m * a.ldc + 16 * b + c] = acc[c] * a.a_scale[m];
-    }
-  }
-}
-
-void gemm_int8(const GemmArgs& a) {
-  if (a.b_min == nullptr && (a.group_size == 0 || a.group_size == a.K)) gemm_int8_channel(a);
-  else gemm_int8_grouped(a);
-}
-
-// int4: symmetric, (u - 8) * s per group; affine (b_min), u * s - min per group.
-void gemm_int4(const GemmArgs& a) {
-  const int64_t groups = a.K / a.group_size;
-  const int64_t octs_per_group = a.group_size / 8;
-  const int32_t code_offset = a.b_min != nullptr ? 0 : 8;
   for (int b = 0; b < a.nblocks; ++b) {
     const uint8_t* w = a.b + b * a.b_block_stride;
     const float* ws = a.b_scale + b * a.b_scale_block_stride;
@@ -116,24 +81,49 @@ void gemm_int4(const GemmArgs& a) {
       float acc[16] = {0};
       for (int64_t g = 0; g < groups; ++g) {
         int32_t gacc[16] = {0};
-        for (int64_t o = g * octs_per_group; o < (g + 1) * octs_per_group; ++o) {
-          const uint8_t* wo = w + o * 64;
-          for (int c = 0; c < 16; ++c)
-            for (int j = 0; j < 4; ++j) {
-              const uint8_t v = wo[4 * c + j];
-              gacc[c] += (v & 0xf) * x[8 * o + j] + (v >> 4) * x[8 * o + 4 + j];
-            }
-        }
+        group_dot(w, x, g, gacc);
         const int32_t gsum = a.a_gsum[m * a.a_gsum_stride + g];
-        const int32_t offset = code_offset * gsum;
         for (int c = 0; c < 16; ++c) {
-          acc[c] += static_cast<float>(gacc[c] - offset) * ws[g * a.b_scale_group_stride + c];
+          acc[c] += static_cast<float>(gacc[c] - code_offset * gsum) * ws[g * a.b_scale_group_stride + c];
           if (wm != nullptr) acc[c] -= static_cast<float>(gsum) * wm[g * a.b_scale_group_stride + c];
         }
       }
       for (int c = 0; c < 16; ++c) a.c[m * a.ldc + 16 * b + c] = acc[c] * a.a_scale[m];
     }
   }
+}
+
+// Grouped int8 (GGUF Q8_0, Q6_K; Q5_K and MXFP4 codes): a group sums (q + 128) * x over its quads (code offset 128).
+void gemm_int8_grouped(const GemmArgs& a) {
+  const int64_t quads_per_group = a.group_size / 4;
+  gemm_grouped(a, 128, [&](const uint8_t* w, const int8_t* x, int64_t g, int32_t* gacc) {
+    for (int64_t q = g * quads_per_group; q < (g + 1) * quads_per_group; ++q) {
+      const int8_t* wq = reinterpret_cast<const int8_t*>(w) + q * 64;
+      for (int c = 0; c < 16; ++c)
+        for (int j = 0; j < 4; ++j) gacc[c] += (static_cast<int32_t>(wq[4 * c + j]) + 128) * x[4 * q + j];
+    }
+  });
+}
+
+void gemm_int8(const GemmArgs& a) {
+  if (a.b_min == nullptr && (a.group_size == 0 || a.group_size == a.K)) gemm_int8_channel(a);
+  else gemm_int8_grouped(a);
+}
+
+// int4: symmetric, (u - 8) * s per group; affine (b_min), u * s - min per group. A group sums the nibbles u times x
+// over its octs (low nibbles the first 4 of 8 inputs, high nibbles the last 4).
+void gemm_int4(const GemmArgs& a) {
+  const int64_t octs_per_group = a.group_size / 8;
+  gemm_grouped(a, a.b_min != nullptr ? 0 : 8, [&](const uint8_t* w, const int8_t* x, int64_t g, int32_t* gacc) {
+    for (int64_t o = g * octs_per_group; o < (g + 1) * octs_per_group; ++o) {
+      const uint8_t* wo = w + o * 64;
+      for (int c = 0; c < 16; ++c)
+        for (int j = 0; j < 4; ++j) {
+          const uint8_t v = wo[4 * c + j];
+          gacc[c] += (v & 0xf) * x[8 * o + j] + (v >> 4) * x[8 * o + 4 + j];
+        }
+    }
+  });
 }
 
 inline float activate(float g, Activation act) {
