@@ -353,6 +353,194 @@ def test_padded_steps_leave_padding_rows_out_of_the_experts(builtin):
     assert per_step == real and min(real) < 32  # the real tokens only, and some steps had padding
 
 
+def test_step_buckets_and_graph_plan():
+    """Which steps a GPU serves under CUDA graphs and at which padded sizes (ktorch's plan)."""
+    from ktorch.serve.engine import GRAPH_KV_INTERVAL, GRAPH_MAX_TOKENS, GRAPH_TOKEN_BUCKETS, plan_cuda_graphs, step_bucket
+
+    assert plan_cuda_graphs("cpu", "sdpa", None) == "off" and plan_cuda_graphs("cpu", "sdpa", True) == "off"
+    assert plan_cuda_graphs("cuda", "sdpa", None) == "ktorch" and plan_cuda_graphs("cuda", "paged|eager", True) == "ktorch"
+    assert plan_cuda_graphs("cuda", "sdpa", False) == "off"
+    assert plan_cuda_graphs("cuda", "paged|flash_attention_2", None) == "transformers"
+    kv_cap = 50 * GRAPH_KV_INTERVAL
+    for q in range(1, GRAPH_MAX_TOKENS + 1):
+        for kv in (0, 1, 37, GRAPH_KV_INTERVAL - 1, GRAPH_KV_INTERVAL, GRAPH_KV_INTERVAL + 1, 3 * GRAPH_KV_INTERVAL + 5):
+            pq, pkv, graphed = step_bucket(q, kv, 512, kv_cap)
+            assert graphed and pq in GRAPH_TOKEN_BUCKETS and pq >= q and (pq == 1 or pq // 2 < q), (q, pq)
+            assert pkv % GRAPH_KV_INTERVAL == 0 and kv <= pkv < kv + GRAPH_KV_INTERVAL + 1, (kv, pkv)
+    assert step_bucket(1, 0, 512, kv_cap)[:2] == (1, GRAPH_KV_INTERVAL)  # no reads: still the first reads bucket
+    assert step_bucket(33, 10, 48, kv_cap)[:2] == (48, GRAPH_KV_INTERVAL)  # capped at max_batch_tokens
+    assert step_bucket(3, 4400, 512, 4500 + 3) == (4, 4503, True)  # capped at the pool's reads
+    assert step_bucket(GRAPH_MAX_TOKENS + 1, 900, 512, kv_cap) == (GRAPH_MAX_TOKENS + 1, 900, False)  # eager as is
+    assert step_bucket(40, 900, 32, kv_cap) == (40, 900, False)  # past max_batch_tokens: eager
+    with pytest.raises(ValueError):
+        step_bucket(0, 0, 512, kv_cap)
+    # the CPU serves as before: no graphs, no padding
+    model, _ = ktorch.load("builtin", dtype=torch.float32, progress=False)
+    engine = ServeEngine(model, model.generation_config.eos_token_id, 0, EngineConfig(page_size=PAGE, num_blocks=16))
+    try:
+        assert engine.graph_plan == "off"
+        assert engine.manager.continuous_batching_config.use_cuda_graph in (None, False, (False, False))
+    finally:
+        engine.stop()
+
+
+def test_bucketed_steps_pad_to_the_buckets_and_leave_padding_out_of_the_experts(builtin):
+    """ktorch's GPU plan, run eagerly on the CPU (``_install_buckets(graphs=False)``): each step's tokens are padded
+    to the bucket ``step_bucket`` names, the padding rows reach the experts with id -1 only, and every request's
+    tokens equal an unpadded run's; the counters count the real tokens."""
+    from ktorch.serve.engine import GRAPH_TOKEN_BUCKETS, step_bucket
+
+    model, _ = builtin
+    experts = [m for m in model.modules() if getattr(m, "kt_w13", None) is not None]
+    prompts = [list(range(10 + i, 17 + 5 * i)) for i in range(3)]  # 7, 12, 17 tokens: decode steps of 3 -> 4 rows
+
+    def run(bucketed: bool):
+        engine = ServeEngine(model, model.generation_config.eos_token_id, 0,
+                             EngineConfig(page_size=PAGE, num_blocks=64, max_batch_tokens=48))
+        create = engine.manager._create_batch_processor
+        caps = {}
+
+        def create_bucketed():
+            processor = create()
+            if bucketed:
+                engine._install_buckets(processor, graphs=False)
+            caps["batch"], caps["reads"] = processor.cache.max_batch_tokens, processor.cache.max_tokens_read
+            return processor
+
+        engine.manager._create_batch_processor = create_bucketed
+        seen = []  # per experts call: (rows, rows with an id >= 0, rows all -1)
+        hooks = [m.register_forward_pre_hook(lambda mod, args, kw: seen.append(
+            (args[1].shape[0], int((args[1] >= 0).any(-1).sum()), int((args[1] == -1).all(-1).sum()))),
+            with_kwargs=True) for m in experts]
+        steps = []  # per forward: (rows, real tokens, attention mask's key length)
+        hooks.append(model.register_forward_pre_hook(lambda mod, args, kw: steps.append(
+            (kw["input_ids"].shape[-1], int(kw["cu_seq_lens_q"][-1]), kw["attention_mask"].shape[-1])),
+            with_kwargs=True))
+
+        async def go():
+            async def one(ids):
+                _, q = await engine.submit(ids, SamplingParams(9))
+                while not (o := await asyncio.wait_for(q.get(), 60)).is_finished():
+                    pass
+                return o.generated_tokens
+            return await asyncio.gather(*[one(p) for p in prompts])
+
+        engine.start()
+        try:
+            outs = asyncio.run(go())
+        finally:
+            engine.stop()
+            for h in hooks:
+                h.remove()
+        return outs, seen, steps, caps, engine
+
+    plain, _, plain_steps, _, plain_engine = run(False)
+    padded, seen, steps, caps, engine = run(True)
+    assert padded == plain and all(len(o) == 9 for o in plain)
+    assert all(rows == real for rows, real, _ in plain_steps)
+    reals = [real for _, real, _ in steps]
+    assert engine.tokens_computed == plain_engine.tokens_computed == sum(reals)
+    assert engine.forwards == len(steps) and engine.graph_replays == engine.graph_captures == 0
+    padded_steps = 0
+    for i, (rows, real, keys) in enumerate(steps):
+        assert rows == step_bucket(real, 1, caps["batch"], caps["reads"])[0], (rows, real)
+        padded_steps += rows > real
+        for layer_rows, used, pad in seen[i * len(experts):(i + 1) * len(experts)]:
+            assert (layer_rows, used, pad) == (rows, real, rows - real)  # padding rows: all -1, real rows: routed
+        assert keys - rows in (caps["reads"], *range(0, caps["reads"] + 1, 4096))  # reads padded (or capped)
+    assert sum(real == 3 for _, real, _ in steps) >= 7  # the decode steps, padded to 4 rows
+    assert padded_steps == sum(real not in GRAPH_TOKEN_BUCKETS for _, real, _ in steps) > 0
+    assert len(seen) == len(experts) * len(steps)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _cuda_run(model, prompts, n, **config):
+    engine = ServeEngine(model, model.generation_config.eos_token_id, 0,
+                         EngineConfig(page_size=PAGE, num_blocks=256, max_batch_tokens=128, step_stats=True, **config))
+
+    async def go():
+        async def one(ids):
+            _, q = await engine.submit(ids, SamplingParams(n))
+            while not (o := await asyncio.wait_for(q.get(), 300)).is_finished():
+                pass
+            return o.generated_tokens
+        return await asyncio.gather(*[one(p) for p in prompts])
+
+    engine.start()
+    try:
+        return asyncio.run(go()), engine
+    finally:
+        engine.stop()
+
+
+@needs_cuda
+def test_cuda_decode_steps_replay_graphs_and_equal_eager():
+    """On a GPU the default engine replays a captured graph for every decode-sized step (one replay a step, at the
+    step's bucket), its tokens equal the eager engine's for a batch, and each replayed step's record reads the
+    experts it routed (the padding rows' -1 ids are not counted as experts)."""
+    from ktorch.serve.engine import GRAPH_TOKEN_BUCKETS, step_bucket
+
+    model, _ = ktorch.load("builtin", device="cuda", dtype=torch.float32, progress=False)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 4096) for _ in range(rng.randint(5, 40))] for _ in range(6)]
+    eager, e_engine = _cuda_run(model, prompts, 12, cuda_graphs=False)
+    graphed, g_engine = _cuda_run(model, prompts, 12)
+    assert e_engine.graph_plan == "off" and g_engine.graph_plan == "ktorch"
+    assert graphed == eager
+    assert e_engine.graph_replays == 0 and all(s.mode == "eager" for s in e_engine.steps)
+    assert g_engine.graph_captures >= len(GRAPH_TOKEN_BUCKETS) - 1  # the warm-up's (128-token batches: not 256)
+    steps = list(g_engine.steps)
+    assert g_engine.forwards == len(steps) and g_engine.tokens_computed == e_engine.tokens_computed
+    decode = [s for s in steps if s.tokens <= len(prompts)]
+    assert decode and all(s.mode == "replay" for s in decode), [(s.tokens, s.mode) for s in steps]
+    assert g_engine.graph_replays == sum(s.mode == "replay" for s in steps)
+    assert all(0 < s.distinct_experts for s in decode)
+    # a lone stream's steps: bucket 1, at most top_k experts per layer read
+    _, lone = _cuda_run(model, prompts[:1], 8)
+    top_k = model.config.num_experts_per_tok
+    layers = sum(1 for m in model.modules() if getattr(m, "kt_w13", None) is not None)
+    for s in lone.steps:
+        if s.tokens == 1:
+            assert s.mode == "replay" and 0 < s.distinct_experts <= top_k * layers
+    assert step_bucket(1, 50, 128, 1 << 20)[0] == 1
+
+
+@needs_cuda
+def test_cuda_shared_prefix_computes_only_the_suffix_under_graphs():
+    """A prompt sharing a cached prefix computes only the suffix on the GPU too (its step is graphed), with the
+    tokens of an uncached run."""
+    model, _ = ktorch.load("builtin", device="cuda", dtype=torch.float32, progress=False)
+    rng = random.Random(6)
+    prefix = [rng.randrange(3, 4096) for _ in range(20 * PAGE + 3)]
+    second = prefix + [rng.randrange(3, 4096) for _ in range(7)]
+    engine = ServeEngine(model, model.generation_config.eos_token_id, 0,
+                         EngineConfig(page_size=PAGE, num_blocks=256, max_batch_tokens=128))
+
+    async def one(ids, n):
+        _, q = await engine.submit(ids, SamplingParams(n))
+        while not (o := await asyncio.wait_for(q.get(), 300)).is_finished():
+            pass
+        return o.generated_tokens
+
+    async def go():
+        await one(prefix, 1)
+        before, replays = engine.tokens_computed, engine.graph_replays
+        out = await one(second, 4)
+        return out, engine.tokens_computed - before, engine.graph_replays - replays
+
+    engine.start()
+    try:
+        out, computed, replays = asyncio.run(go())
+    finally:
+        engine.stop()
+    assert computed == len(second) - 20 * PAGE + len(out) - 1 and replays == 4
+    with torch.inference_mode():
+        ref = model.generate(torch.tensor([second], device="cuda"), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert out == ref[0, len(second):].tolist()
+
+
 def test_queued_tokens_limit(builtin):
     model, tok = builtin
     engine = ServeEngine(model, model.generation_config.eos_token_id, 0,
