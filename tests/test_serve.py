@@ -402,9 +402,13 @@ def test_bucketed_steps_pad_to_the_buckets_and_leave_padding_out_of_the_experts(
 
         def create_bucketed():
             processor = create()
+            caps["batch"], caps["reads"] = processor.cache.max_batch_tokens, processor.cache.max_tokens_read
             if bucketed:
                 engine._install_buckets(processor, graphs=False)
-            caps["batch"], caps["reads"] = processor.cache.max_batch_tokens, processor.cache.max_tokens_read
+                engine._warm_up_buckets(processor)  # what captures the graphs on a GPU: one forward per bucket here
+                caps["warm"] = list(steps)
+                steps.clear()
+                caps["free_after_warmup"] = processor.cache.compute_free_capacity()
             return processor
 
         engine.manager._create_batch_processor = create_bucketed
@@ -436,6 +440,10 @@ def test_bucketed_steps_pad_to_the_buckets_and_leave_padding_out_of_the_experts(
 
     plain, _, plain_steps, _, plain_engine = run(False)
     padded, seen, steps, caps, engine = run(True)
+    # the warm-up: one forward per bucket up to max_batch_tokens (48), of one fake request each, pool freed after
+    assert [rows for rows, _, _ in caps["warm"]] == [b for b in GRAPH_TOKEN_BUCKETS if b <= 48]
+    assert all(rows == real for rows, real, _ in caps["warm"]) and caps["free_after_warmup"] == 1.0
+    seen = seen[len(caps["warm"]) * len(experts):]
     assert padded == plain and all(len(o) == 9 for o in plain)
     assert all(rows == real for rows, real, _ in plain_steps)
     reals = [real for _, real, _ in steps]
