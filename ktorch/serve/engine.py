@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 import os
 import secrets
 import threading
@@ -36,6 +37,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
+
+log = logging.getLogger("ktorch.serve")
 
 
 def _rss_bytes() -> int:
@@ -99,7 +102,8 @@ def _round_up(n: int, interval: int) -> int:
     return -(-n // interval) * interval
 
 
-def step_bucket(num_q_tokens: int, max_kv_read: int, max_batch_tokens: int, max_tokens_read: int) -> tuple[int, int, bool]:
+def step_bucket(num_q_tokens: int, max_kv_read: int, max_batch_tokens: int,
+                max_tokens_read: int) -> tuple[int, int, bool]:
     """A step's (tokens, cache reads) as run, and whether it runs under a CUDA graph (ktorch's plan).
 
     Steps of at most ``GRAPH_MAX_TOKENS`` tokens are padded to the next of ``GRAPH_TOKEN_BUCKETS`` (within
@@ -111,8 +115,7 @@ def step_bucket(num_q_tokens: int, max_kv_read: int, max_batch_tokens: int, max_
     if num_q_tokens > min(GRAPH_MAX_TOKENS, max_batch_tokens):
         return num_q_tokens, max_kv_read, False
     q = min(next(b for b in GRAPH_TOKEN_BUCKETS if b >= num_q_tokens), max_batch_tokens)
-    kv = min(_round_up(max(max_kv_read, 1), GRAPH_KV_INTERVAL), max_tokens_read)
-    return q, max(kv, max_kv_read), True
+    return q, min(_round_up(max(max_kv_read, 1), GRAPH_KV_INTERVAL), max_tokens_read), True
 
 
 class AdmissionError(Exception):
@@ -370,13 +373,20 @@ class ServeEngine:
         runner, cache = processor.model_runner, processor.cache
         t0 = time.perf_counter()
         self._warming_up = True
+        captures, buckets = self.graph_captures, 0
         try:
-            for q in GRAPH_TOKEN_BUCKETS:
-                if q > min(GRAPH_MAX_TOKENS, cache.max_batch_tokens):
-                    break
-                runner.run_one_warmup(self.model, num_q_tokens=q, max_kv_read=min(GRAPH_KV_INTERVAL, cache.max_tokens_read))
+            with torch.no_grad():  # as transformers' own warm-up and steps (no autograd path in the experts)
+                for q in GRAPH_TOKEN_BUCKETS:
+                    if q > min(GRAPH_MAX_TOKENS, cache.max_batch_tokens):
+                        break
+                    buckets += 1
+                    runner.run_one_warmup(self.model, num_q_tokens=q,
+                                          max_kv_read=min(GRAPH_KV_INTERVAL, cache.max_tokens_read))
         finally:
             self._warming_up = False
+        if runner.use_cuda_graph_varlen and self.graph_captures - captures < buckets:
+            log.warning("ktorch serve: the warm-up captured %d of %d graphs (transformers' warning above says why); "
+                        "the rest are captured when first needed", self.graph_captures - captures, buckets)
         cache.reset()  # the warm-up requests' pages back to the pool (as transformers' own warm-up)
         self.warmup_seconds = time.perf_counter() - t0
 
