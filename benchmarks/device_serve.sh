@@ -8,7 +8,9 @@
 # Stages, most important first; each is cut by `timeout` so the script ends by its limit (a stage that has no time
 # left prints SKIPPED), and a summary of every stage is printed at the end whatever failed:
 #   0. the file: /tmp/q8.gguf if present, else written (bench_generate.py --write-layers 48 --write-seed 11, ~95 s);
-#      the host's read bandwidth (bench_host_bandwidth.py, CPU row, 16 threads).
+#      the host's read bandwidth (bench_host_bandwidth.py, CPU row, 16 threads); the GPU tests
+#      (tests/test_serve_cuda.py, built-in model: graphed tokens equal eager ones, a replay per decode step, a
+#      prefix hit computes only its suffix; limit 120 s).
 #   1. graphs (the default on a GPU) with --step-stats: decode tok/s at 1, 16, 64 streams, graph replays per step
 #      (1.00: every step replayed a graph, 0: eager), each decode step's median time beside its floor (the distinct
 #      experts it read, their packed bytes over the measured read bandwidth); then the shared-prefix TTFT (2000-token
@@ -97,6 +99,11 @@ run_load() {
   grep -E "Traceback|ERROR|rror:" "$OUT/server_$name.log" | head -5
 }
 
+# the GPU tests: replayed steps' tokens equal eager ones, one replay a decode step, a prefix hit computes its suffix
+say "GPU tests: tests/test_serve_cuda.py"
+timeout 120 python3 -m pytest -q -rs tests/test_serve_cuda.py > "$OUT/tests_cuda.txt" 2>&1
+TESTS_RC=$?
+tail -3 "$OUT/tests_cuda.txt"
 STATUS_graphs="not run"; STATUS_eager="not run"; STATUS_plain="not run"
 # run_stage NAME MIN_LEFT LOAD_SECONDS "serve options" bench_serve options...
 run_stage() {
@@ -118,6 +125,8 @@ run_stage plain 80 90 "" --streams 1 16 64 --prompt-len 32 --max-tokens 48 --ttf
 
 echo
 echo "================ summary (device_serve.sh, $(( $(date +%s) - T0 )) s, read bandwidth ${GBS:-not measured} GB/s) ================"
+echo "--- GPU tests (tests/test_serve_cuda.py, rc $TESTS_RC): $(tail -1 "$OUT/tests_cuda.txt" 2>/dev/null)"
+[ "$TESTS_RC" = 0 ] || grep -E "^(FAILED|ERROR)|Error|assert" "$OUT/tests_cuda.txt" | head -8 | sed 's/^/    /'
 for name in graphs eager plain; do
   eval "st=\$STATUS_$name"
   echo "--- stage $name: $st"
