@@ -356,7 +356,7 @@ def test_padded_steps_leave_padding_rows_out_of_the_experts(builtin):
 def test_step_buckets_and_graph_plan():
     """Which steps a GPU serves under CUDA graphs and at which padded sizes (ktorch's plan)."""
     from ktorch.serve.engine import (GRAPH_KV_INTERVAL, GRAPH_MAX_TOKENS, GRAPH_TOKEN_BUCKETS, plan_cuda_graphs,
-                                     step_bucket)
+                                     step_bucket, warm_up_sizes)
 
     assert plan_cuda_graphs("cpu", "sdpa", None) == "off" and plan_cuda_graphs("cpu", "sdpa", True) == "off"
     assert plan_cuda_graphs("cuda", "sdpa", None) == "ktorch"
@@ -374,6 +374,7 @@ def test_step_buckets_and_graph_plan():
     assert step_bucket(33, 10, 48, kv_cap)[:2] == (48, GRAPH_KV_INTERVAL)  # capped at max_batch_tokens
     assert step_bucket(3, 4400, 512, 4500 + 3) == (4, 4503, True)  # capped at the pool's reads
     assert step_bucket(GRAPH_MAX_TOKENS + 1, 900, 512, kv_cap) == (GRAPH_MAX_TOKENS + 1, 900, False)  # eager as is
+    assert warm_up_sizes(512, kv_cap) == list(GRAPH_TOKEN_BUCKETS) and warm_up_sizes(100, kv_cap)[-2:] == [64, 100]
     assert step_bucket(40, 900, 32, kv_cap) == (40, 900, False)  # past max_batch_tokens: eager
     with pytest.raises(ValueError):
         step_bucket(0, 0, 512, kv_cap)
@@ -444,7 +445,7 @@ def test_bucketed_steps_pad_to_the_buckets_and_leave_padding_out_of_the_experts(
     plain, _, plain_steps, _, plain_engine = run(False)
     padded, seen, steps, caps, engine = run(True)
     # the warm-up: one forward per bucket up to max_batch_tokens (48), of one fake request each, pool freed after
-    assert [rows for rows, _, _ in caps["warm"]] == [b for b in GRAPH_TOKEN_BUCKETS if b <= 48]
+    assert [rows for rows, _, _ in caps["warm"]] == [1, 2, 4, 8, 16, 32, 48]  # 33-48 tokens pad to 48
     assert all(rows == real for rows, real, _ in caps["warm"]) and caps["free_after_warmup"] == 1.0
     seen = seen[len(caps["warm"]) * len(experts):]
     assert padded == plain and all(len(o) == 9 for o in plain)
@@ -462,6 +463,71 @@ def test_bucketed_steps_pad_to_the_buckets_and_leave_padding_out_of_the_experts(
     assert sum(real == 3 for _, real, _ in steps) >= 7  # the decode steps, padded to 4 rows
     assert padded_steps == sum(real not in GRAPH_TOKEN_BUCKETS for _, real, _ in steps) > 0
     assert len(seen) == len(experts) * len(steps)
+
+
+def test_graph_plan_control_flow_with_a_stand_in_graph(builtin, monkeypatch):
+    """ktorch's GPU plan end to end on the CPU, CUDA's graph replaced by a stand-in: its capture records the step's
+    forward and its replay reruns it on the step's inputs (rewritten in place in transformers' static tensors, as a
+    CUDA graph replay reads them). The warm-up captures one graph per padded size, every later step replays one
+    (none captured: all their sizes were warmed up), the counters count real tokens, and the tokens equal the eager
+    engine's. What only CUDA shows (recorded kernels, the experts' host functions) is tests/test_serve_cuda.py's."""
+    from transformers.generation.continuous_batching import initialization, model_runner
+
+    from ktorch.serve import engine as engine_module
+
+    class StandInGraph:
+        def __init__(self, step):
+            self.step, self.replays = step, 0
+
+        def replay(self):
+            self.replays += 1
+            self.step()
+
+        def reset(self):
+            pass
+
+    graphs = []
+
+    def capture(runner, forward_fn, compute_stream, *args):  # ModelRunner._capture_graph without CUDA
+        forward_fn(*args)  # transformers' warm-up run, then the "capture", which runs it once more
+        forward_fn(*args)
+        graphs.append(StandInGraph(lambda: forward_fn(*args)))
+        runner.inputs_and_outputs.set_graph(graphs[-1])
+
+    model, _ = builtin
+    prompts = [list(range(10 + i, 17 + 5 * i)) for i in range(3)]
+
+    def run():
+        engine = ServeEngine(model, model.generation_config.eos_token_id, 0,
+                             EngineConfig(page_size=PAGE, num_blocks=64, max_batch_tokens=48))
+
+        async def go():
+            async def one(ids):
+                _, q = await engine.submit(ids, SamplingParams(9))
+                while not (o := await asyncio.wait_for(q.get(), 60)).is_finished():
+                    pass
+                return o.generated_tokens
+            return await asyncio.gather(*[one(p) for p in prompts])
+
+        engine.start()
+        warm = (engine.graph_captures, engine.forwards)
+        try:
+            return asyncio.run(go()), engine, warm
+        finally:
+            engine.stop()
+
+    eager, eager_engine, _ = run()
+    monkeypatch.setattr(engine_module, "plan_cuda_graphs", lambda *args: "ktorch")
+    monkeypatch.setattr(initialization, "get_accelerator_graph_name", lambda: "CUDAGraph")
+    monkeypatch.setattr(model_runner, "get_memory_pools", lambda: (None, None))
+    monkeypatch.setattr(model_runner.ModelRunner, "_capture_graph", capture)
+    graphed, engine, (warm_captures, warm_forwards) = run()
+    assert engine.graph_plan == "ktorch" and eager_engine.graph_plan == "off"
+    assert graphed == eager
+    assert warm_captures == len(graphs) == 7 and warm_forwards == 0  # 1, 2, 4, 8, 16, 32, 48 tokens
+    assert engine.graph_captures == 7 and engine.graph_replays == engine.forwards == sum(g.replays for g in graphs)
+    assert engine.tokens_computed == eager_engine.tokens_computed and engine.forwards >= 9
+    assert eager_engine.graph_replays == eager_engine.graph_captures == 0
 
 
 def test_queued_tokens_limit(builtin):

@@ -118,6 +118,12 @@ def step_bucket(num_q_tokens: int, max_kv_read: int, max_batch_tokens: int,
     return q, min(_round_up(max(max_kv_read, 1), GRAPH_KV_INTERVAL), max_tokens_read), True
 
 
+def warm_up_sizes(max_batch_tokens: int, max_tokens_read: int) -> list[int]:
+    """The padded token counts ``step_bucket`` can give a graphed step: one graph each is captured before serving."""
+    top = min(GRAPH_MAX_TOKENS, max_batch_tokens)
+    return sorted({step_bucket(q, 0, max_batch_tokens, max_tokens_read)[0] for q in range(1, top + 1)})
+
+
 class AdmissionError(Exception):
     """The engine is full (requests in flight or prompt tokens waiting): the server answers 429."""
 
@@ -373,20 +379,18 @@ class ServeEngine:
         runner, cache = processor.model_runner, processor.cache
         t0 = time.perf_counter()
         self._warming_up = True
-        captures, buckets = self.graph_captures, 0
+        captures = self.graph_captures
+        sizes = warm_up_sizes(cache.max_batch_tokens, cache.max_tokens_read)
         try:
             with torch.no_grad():  # as transformers' own warm-up and steps (no autograd path in the experts)
-                for q in GRAPH_TOKEN_BUCKETS:
-                    if q > min(GRAPH_MAX_TOKENS, cache.max_batch_tokens):
-                        break
-                    buckets += 1
+                for q in sizes:
                     runner.run_one_warmup(self.model, num_q_tokens=q,
                                           max_kv_read=min(GRAPH_KV_INTERVAL, cache.max_tokens_read))
         finally:
             self._warming_up = False
-        if runner.use_cuda_graph_varlen and self.graph_captures - captures < buckets:
+        if runner.use_cuda_graph_varlen and self.graph_captures - captures < len(sizes):
             log.warning("ktorch serve: the warm-up captured %d of %d graphs (transformers' warning above says why); "
-                        "the rest are captured when first needed", self.graph_captures - captures, buckets)
+                        "the rest are captured when first needed", self.graph_captures - captures, len(sizes))
         cache.reset()  # the warm-up requests' pages back to the pool (as transformers' own warm-up)
         self.warmup_seconds = time.perf_counter() - t0
 
