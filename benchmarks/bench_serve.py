@@ -130,8 +130,12 @@ async def throughput(c: Client, streams: int, prompt_len: int, max_tokens: int, 
     itl = [b - a for o in good for a, b in zip(o["times"], o["times"][1:])]
     ttft = [o["t_first"] - o["t0"] for o in good]
     ratio = f"{agg / one_stream:.2f}x" if one_stream else "-"
+    steps_run = after.get("forwards", 0) - before.get("forwards", 0)
+    replays = after.get("graph_replays", 0) - before.get("graph_replays", 0)
+    per_step = f"{replays / steps_run:.2f}" if steps_run else "-"
     print(f"{streams:>7} | {agg:>12.1f} | {ratio:>8} | {total / wall:>10.1f} | "
-          f"{statistics.median(itl) * 1e3 if itl else 0:>12.2f} | {statistics.median(ttft):>9.3f} | {len(bad):>6}")
+          f"{statistics.median(itl) * 1e3 if itl else 0:>12.2f} | {statistics.median(ttft):>9.3f} | {len(bad):>6} | "
+          f"{per_step:>9} ({replays} of {steps_run} steps)")
     steps = after.get("steps", [])[len(before.get("steps", [])):] if show_steps else []
     decode_steps = [s for s in steps if s[0] == streams]
     if show_steps and decode_steps:
@@ -139,7 +143,9 @@ async def throughput(c: Client, streams: int, prompt_len: int, max_tokens: int, 
         bytes_ = [s[3] for s in decode_steps]
         floor = [b / (bandwidth * 1e9) for b in bytes_] if bandwidth else [float("nan")] * len(bytes_)
         med_s, med_f = statistics.median(secs), statistics.median(floor)
-        print(f"        steps of {streams} tokens: {len(decode_steps)}; median {med_s * 1e3:.2f} ms, floor median "
+        modes = {m: sum(1 for s in decode_steps if s[4:5] == [m]) for m in ("replay", "capture", "eager")}
+        print(f"        steps of {streams} tokens: {len(decode_steps)} ({modes['replay']} graph replays, "
+              f"{modes['capture']} captures, {modes['eager']} eager); median {med_s * 1e3:.2f} ms, floor median "
               f"{med_f * 1e3:.2f} ms ({med_f / med_s * 100:.0f}% of the step; floor tok/s {streams / med_f:.1f}); "
               f"distinct experts median {statistics.median(s[2] for s in decode_steps):.0f} over all MoE layers, "
               f"{statistics.median(bytes_) / 1e9:.2f} GB read")
@@ -149,14 +155,23 @@ async def throughput(c: Client, streams: int, prompt_len: int, max_tokens: int, 
     return agg
 
 
-async def ttft_prefix(c: Client, prefix_len: int, suffix_len: int, vocab: int, rng: random.Random) -> None:
+async def ttft_prefix(c: Client, prefix_len: int, suffix_len: int, vocab: int, rng: random.Random,
+                      bandwidth: Optional[float] = None) -> None:
     """Time to first token of a prompt, then of a second prompt sharing its first ``prefix_len`` tokens (its prefix
     pages cached). An unrelated prompt of the same length runs first, so that neither timed request pays the
-    one-time costs of a new prompt length (staging buffers, first kernel loads)."""
+    one-time costs of a new prompt length (staging buffers, first kernel loads). With a ``--step-stats`` server
+    (``bandwidth`` given) each timed request's steps are printed beside their floor: the suffix's one step reads the
+    experts its tokens route to, which bounds the second request's TTFT from below."""
     prefix = random_prompt(rng, prefix_len, vocab)
     warm = await c.complete(random_prompt(rng, prefix_len + suffix_len, vocab), 8)
-    first = await c.complete(prefix + random_prompt(rng, suffix_len, vocab), 8)
-    shared = await c.complete(prefix + random_prompt(rng, suffix_len, vocab), 8)
+    timed, records = [], []
+    for _ in range(2):
+        before = await c.get("/v1/stats")
+        timed.append(await c.complete(prefix + random_prompt(rng, suffix_len, vocab), 8))
+        after = await c.get("/v1/stats")
+        records.append((after.get("steps", [])[len(before.get("steps", [])):], after.get("tokens_computed", 0)
+                        - before.get("tokens_computed", 0)))
+    first, shared = timed
     for o in (warm, first, shared):
         if o["error"]:
             print(f"TTFT request failed: {o['status']} {o['error']}")
@@ -164,8 +179,16 @@ async def ttft_prefix(c: Client, prefix_len: int, suffix_len: int, vocab: int, r
     t0, t1, t2 = (o["t_first"] - o["t0"] for o in (warm, first, shared))
     print(f"\nTTFT, {prefix_len}-token shared prefix + {suffix_len} new tokens:")
     print(f"  unrelated prompt, same length (warm-up): {t0 * 1e3:9.1f} ms")
-    print(f"  first request:                           {t1 * 1e3:9.1f} ms")
-    print(f"  second, same prefix (cached):            {t2 * 1e3:9.1f} ms  = {t2 / t1 * 100:.1f}% of the first")
+    print(f"  first request:                           {t1 * 1e3:9.1f} ms  ({records[0][1]} tokens computed)")
+    print(f"  second, same prefix (cached):            {t2 * 1e3:9.1f} ms  = {t2 / t1 * 100:.1f}% of the first "
+          f"({records[1][1]} tokens computed)")
+    if bandwidth:
+        for name, (steps, _) in zip(("first", "second"), records):
+            prefill = [st for st in steps if st[0] > 1][:8]
+            for st in prefill:
+                print(f"    {name}: prefill step of {st[0]:5d} tokens {st[1] * 1e3:8.2f} ms, floor "
+                      f"{st[3] / (bandwidth * 1e9) * 1e3:8.2f} ms ({st[2]} experts, {st[3] / 1e9:.2f} GB"
+                      f"{', ' + st[4] if len(st) > 4 else ''})")
 
 
 LOAD_KINDS = ("plain", "plain", "stream", "stream", "stream", "stream-disconnect", "plain-disconnect", "seeded")
@@ -319,7 +342,7 @@ async def main_async(args) -> None:
             await c.complete(random_prompt(rng, args.prompt_len, vocab), 4)  # warm-up (graph capture, ...)
             print(f"\ndecode throughput: prompts of {args.prompt_len} random tokens, max_tokens {args.max_tokens}, greedy")
             print(f"{'streams':>7} | {'decode tok/s':>12} | {'vs 1':>8} | {'all tok/s':>10} | {'med ITL ms':>12} | "
-                  f"{'med TTFT':>9} | {'errors':>6}")
+                  f"{'med TTFT':>9} | {'errors':>6} | graph replays per step")
             one = None
             for n in args.streams:
                 agg = await throughput(c, n, args.prompt_len, args.max_tokens, vocab, rng, args.steps, bandwidth,
@@ -327,7 +350,8 @@ async def main_async(args) -> None:
                 if n == 1:
                     one = agg
         if args.ttft_prefix:
-            await ttft_prefix(c, args.ttft_prefix, args.ttft_suffix, vocab, rng)
+            for suffix in args.ttft_suffix:
+                await ttft_prefix(c, args.ttft_prefix, suffix, vocab, rng, bandwidth)
         if args.load:
             await load(c, args.load, args.concurrency, vocab, rng, args.long_prompt, tuple(args.load_tokens),
                        server_log=args.server_log)
@@ -344,7 +368,8 @@ def main() -> None:
     p.add_argument("--steps", action="store_true", help="print per-step times beside their floor (server: --step-stats)")
     p.add_argument("--read-gbs", type=float, default=None, help="read bandwidth for the floor (default: measure here)")
     p.add_argument("--ttft-prefix", type=int, default=0, help="shared prefix length for the TTFT check (0: skip)")
-    p.add_argument("--ttft-suffix", type=int, default=50)
+    p.add_argument("--ttft-suffix", type=int, nargs="+", default=[50],
+                   help="new tokens after the shared prefix; several: one TTFT pair each (default: 50)")
     p.add_argument("--load", type=int, default=0, help="run a mixed load of this many requests instead")
     p.add_argument("--long-prompt", type=int, default=1024, help="length of the load's long prompts")
     p.add_argument("--load-tokens", type=int, nargs="+", default=[8, 32], help="the load's max_tokens choices")

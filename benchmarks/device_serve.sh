@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
 # Device measurements of `ktorch serve` (issue 33), from the repo root on the H100 host, limit 360 s of wall clock:
 # the 48-layer Qwen3-30B-A3B-shaped Q8_0 GGUF (random weights, no tokenizer: prompts are token ids), experts in host
-# memory, served by `ktorch serve` with its defaults, driven over HTTP by benchmarks/bench_serve.py.
+# memory, served by `ktorch serve`, driven over HTTP by benchmarks/bench_serve.py.
 #
 #   bash benchmarks/device_serve.sh [FILE]   # FILE: /tmp/q8.gguf; needs transformers >= 5.24 (.whl/ installed first)
 #
 # Stages, most important first; each is cut by `timeout` so the script ends by its limit (a stage that has no time
-# left prints SKIPPED):
+# left prints SKIPPED), and a summary of every stage is printed at the end whatever failed:
 #   0. the file: /tmp/q8.gguf if present, else written (bench_generate.py --write-layers 48 --write-seed 11, ~95 s);
-#      the host's read bandwidth (bench_host_bandwidth.py, CPU row, 16 threads).
-#   1. default server (--cuda-graphs auto): aggregate decode tok/s at 1, 16, 64 streams (and each against 1 stream),
-#      then TTFT of a 2000-token prompt and of a second one sharing that prefix.
-#   2. --step-stats server (eager steps, device synced each step): the same rows with each decode step's time
-#      beside its floor (the distinct experts it read, their packed bytes over the measured read bandwidth).
-#   3. --cuda-graphs on (transformers captures each padded batch size; the CPU experts run from host functions in
-#      the graphs): the same rows; /v1/stats' experts_captured_submits says whether captures happened.
+#      the host's read bandwidth (bench_host_bandwidth.py, CPU row, 16 threads); the GPU tests
+#      (tests/test_serve_cuda.py, built-in model: graphed tokens equal eager ones, a replay per decode step, a
+#      prefix hit computes only its suffix; limit 120 s).
+#   1. graphs (the default on a GPU) with --step-stats: decode tok/s at 1, 16, 64 streams, graph replays per step
+#      (1.00: every step replayed a graph, 0: eager), each decode step's median time beside its floor (the distinct
+#      experts it read, their packed bytes over the measured read bandwidth); then the shared-prefix TTFT (2000-token
+#      prefix + 50 new tokens, and + 8) with the prefill steps of both requests beside their floors.
+#   2. --cuda-graphs off --step-stats (every step eager, the previous default): the same decode rows, to compare.
+#   3. graphs, no --step-stats (no device sync or expert counting around the steps): decode tok/s and the TTFT.
 # Prints the tables; logs (server stderr, the load generator's output, /v1/stats) under $OUT.
 set -uo pipefail
 LIMIT=${LIMIT:-360}
@@ -57,10 +59,12 @@ GBS=$(python3 -c "import json; print(round(max(json.loads(l)['cpu_alone'] for l 
 say "read bandwidth: ${GBS:-not measured} GB/s"
 
 SERVER_PID=
+STAGE=
 stop_server() {
   if [ -n "$SERVER_PID" ] && kill -0 "$SERVER_PID" 2>/dev/null; then
-    curl -s "http://127.0.0.1:$PORT/v1/stats" | python3 -c \
-      "import json,sys; d=json.load(sys.stdin); d.pop('steps', None); print('  /v1/stats at the end:', d)" || true
+    curl -s -m 10 "http://127.0.0.1:$PORT/v1/stats" | python3 -c \
+      "import json,sys; d=json.load(sys.stdin); d.pop('steps', None); print('  /v1/stats at the end:', d)" \
+      | tee "$OUT/stats_$STAGE.txt" || true
     kill -INT "$SERVER_PID"
     for _ in $(seq 40); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 0.5; done
     kill -0 "$SERVER_PID" 2>/dev/null && { say "the server did not stop in 20 s: killed"; kill -KILL "$SERVER_PID"; }
@@ -73,6 +77,7 @@ trap stop_server EXIT
 # start_server NAME [serve options]: starts it and waits for /health (the model loads in ~30 s)
 start_server() {
   local name=$1; shift
+  STAGE=$name
   say "stage $name: ktorch serve --model $FILE --port $PORT --kv-cache-gib 16 $*"
   python3 -m ktorch.cli serve --model "$FILE" --port $PORT --kv-cache-gib 16 "$@" > "$OUT/server_$name.log" 2>&1 &
   SERVER_PID=$!
@@ -94,23 +99,49 @@ run_load() {
   grep -E "Traceback|ERROR|rror:" "$OUT/server_$name.log" | head -5
 }
 
-# 1. the default server: throughput and the shared-prefix TTFT
-if [ "$(left)" -gt 90 ] && start_server default; then
-  run_load default $(budget 150) --streams 1 16 64 --prompt-len 32 --max-tokens 48 \
-    --ttft-prefix 2000 --ttft-suffix 50
+# the GPU tests: replayed steps' tokens equal eager ones, one replay a decode step, a prefix hit computes its suffix
+say "GPU tests: tests/test_serve_cuda.py"
+timeout 120 python3 -m pytest -q -rs tests/test_serve_cuda.py > "$OUT/tests_cuda.txt" 2>&1
+TESTS_RC=$?
+tail -3 "$OUT/tests_cuda.txt"
+STATUS_graphs="not run"; STATUS_eager="not run"; STATUS_plain="not run"
+# run_stage NAME MIN_LEFT LOAD_SECONDS "serve options" bench_serve options...
+run_stage() {
+  local name=$1 need=$2 secs=$3 opts=$4; shift 4
+  if [ "$(left)" -le "$need" ]; then eval "STATUS_$name=\"SKIPPED (time left $(left) s)\""; say "stage $name SKIPPED"; return; fi
+  # shellcheck disable=SC2086
+  if ! start_server "$name" $opts; then eval "STATUS_$name=\"FAILED: the server did not start (see $OUT/server_$name.log)\""; return; fi
+  run_load "$name" "$(budget "$secs")" "$@"
   stop_server
-else say "stage default SKIPPED (time left $(left) s)"; fi
+  if grep -q "decode throughput" "$OUT/load_$name.txt" 2>/dev/null; then eval "STATUS_$name=ran"
+  else eval "STATUS_$name=\"FAILED: no measurements (see $OUT/load_$name.txt and $OUT/server_$name.log)\""; fi
+}
 
-# 2. per-step times beside their floor
-if [ "$(left)" -gt 80 ] && start_server steps --step-stats; then
-  run_load steps $(budget 120) --streams 1 16 64 --prompt-len 32 --max-tokens 32 --steps \
-    ${GBS:+--read-gbs $GBS}
-  stop_server
-else say "stage steps SKIPPED (time left $(left) s)"; fi
+run_stage graphs 100 150 "--step-stats" --streams 1 16 64 --prompt-len 32 --max-tokens 40 --steps ${GBS:+--read-gbs $GBS} \
+  --ttft-prefix 2000 --ttft-suffix 50 8
+run_stage eager 90 110 "--cuda-graphs off --step-stats" --streams 1 16 64 --prompt-len 32 --max-tokens 32 --steps \
+  ${GBS:+--read-gbs $GBS}
+run_stage plain 80 90 "" --streams 1 16 64 --prompt-len 32 --max-tokens 48 --ttft-prefix 2000 --ttft-suffix 50
 
-# 3. transformers' CUDA graphs forced on
-if [ "$(left)" -gt 80 ] && start_server graphs --cuda-graphs on; then
-  run_load graphs $(budget 120) --streams 1 16 64 --prompt-len 32 --max-tokens 48
-  stop_server
-else say "stage graphs SKIPPED (time left $(left) s)"; fi
+echo
+echo "================ summary (device_serve.sh, $(( $(date +%s) - T0 )) s, read bandwidth ${GBS:-not measured} GB/s) ================"
+echo "--- GPU tests (tests/test_serve_cuda.py, rc $TESTS_RC): $(tail -1 "$OUT/tests_cuda.txt" 2>/dev/null)"
+[ "$TESTS_RC" = 0 ] || grep -E "^(FAILED|ERROR)|Error|assert" "$OUT/tests_cuda.txt" | head -8 | sed 's/^/    /'
+for name in graphs eager plain; do
+  eval "st=\$STATUS_$name"
+  echo "--- stage $name: $st"
+  f="$OUT/load_$name.txt"
+  [ -f "$f" ] || continue
+  grep -E "^ +(1|16|64) \|" "$f" | sed 's/^/    /'
+  grep -E "steps of [0-9]+ tokens" "$f" | sed 's/^ */    /'
+  grep -E "TTFT, |first request|second, same prefix|prefill step" "$f" | sed 's/^ */    /'
+  grep -h "graph_warmup_seconds" "$OUT/stats_$name.txt" 2>/dev/null | python3 -c "
+import ast, sys
+for line in sys.stdin:
+    d = ast.literal_eval(line.split(':', 1)[1].strip())
+    print('    server at the end: cuda_graphs', d.get('cuda_graphs'), '| graph replays', d.get('graph_replays'),
+          'of', d.get('forwards'), 'steps | captures', d.get('graph_captures'), '| warm-up', d.get('graph_warmup_seconds'),
+          's | experts captured submits', d.get('experts_captured_submits'))
+" 2>/dev/null
+done
 say "done"

@@ -210,8 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="prompt tokens of admitted requests not yet prefilled; a request past it gets HTTP 429 "
                      "(default: %(default)s)")
     srv.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
-                     help="GPU: run steps under CUDA graphs per padded batch size (auto: transformers decides) "
-                     "(default: %(default)s)")
+                     help="GPU: replay captured CUDA graphs for decode-sized steps, padded to token buckets (auto and "
+                     "on: on a GPU; off: every step eager) (default: %(default)s)")
     srv.add_argument("--cpu-offload-gib", type=float, default=0.0, metavar="GIB",
                      help="GPU: pinned host memory for the KV pages of requests preempted when the GPU pool is full "
                      "(0: they re-prefill instead) (default: %(default)s)")
@@ -221,8 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "memory (least recently used dropped first) and copied back when a prompt starts with them "
                      "(default: 4 on a GPU, 0 on the CPU, where the pool is host memory already)")
     srv.add_argument("--step-stats", action="store_true",
-                     help="record each step's tokens, time and distinct experts read in /v1/stats (synchronizes the "
-                     "GPU every step and runs it eagerly: for measurements, not for serving)")
+                     help="record each step's tokens, time, distinct experts read and whether it replayed a CUDA "
+                     "graph in /v1/stats (synchronizes the GPU around every step: for measurements, not for serving)")
 
     bench = sub.add_parser(
         "bench",
@@ -648,7 +648,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         page_size=args.page_size or (64 if on_gpu else 16), num_blocks=args.kv_pages, kv_cache_gib=args.kv_cache_gib,
         max_batch_tokens=args.max_batch_tokens, max_requests=args.max_requests,
         max_queued_tokens=args.max_queued_tokens,
-        cuda_graphs={"auto": None, "on": True, "off": False}[args.cuda_graphs] if not args.step_stats else False,
+        cuda_graphs={"auto": None, "on": True, "off": False}[args.cuda_graphs],
         cpu_offload_gib=args.cpu_offload_gib, prefix_cache=not args.no_prefix_cache, step_stats=args.step_stats,
         host_cache_gib=args.host_prefix_cache_gib if args.host_prefix_cache_gib is not None else (4.0 if on_gpu else 0.0))
     name = args.served_model_name or ("builtin" if args.model == "builtin" else Path(args.model).name)

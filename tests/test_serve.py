@@ -353,6 +353,183 @@ def test_padded_steps_leave_padding_rows_out_of_the_experts(builtin):
     assert per_step == real and min(real) < 32  # the real tokens only, and some steps had padding
 
 
+def test_step_buckets_and_graph_plan():
+    """Which steps a GPU serves under CUDA graphs and at which padded sizes (ktorch's plan)."""
+    from ktorch.serve.engine import (GRAPH_KV_INTERVAL, GRAPH_MAX_TOKENS, GRAPH_TOKEN_BUCKETS, plan_cuda_graphs,
+                                     step_bucket, warm_up_sizes)
+
+    assert plan_cuda_graphs("cpu", "sdpa", None) == "off" and plan_cuda_graphs("cpu", "sdpa", True) == "off"
+    assert plan_cuda_graphs("cuda", "sdpa", None) == "ktorch"
+    assert plan_cuda_graphs("cuda", "paged|eager", True) == "ktorch"
+    assert plan_cuda_graphs("cuda", "sdpa", False) == "off"
+    assert plan_cuda_graphs("cuda", "paged|flash_attention_2", None) == "transformers"
+    kv_cap = 50 * GRAPH_KV_INTERVAL
+    for q in range(1, GRAPH_MAX_TOKENS + 1):
+        for kv in (0, 1, 37, GRAPH_KV_INTERVAL - 1, GRAPH_KV_INTERVAL, GRAPH_KV_INTERVAL + 1,
+                   3 * GRAPH_KV_INTERVAL + 5):
+            pq, pkv, graphed = step_bucket(q, kv, 512, kv_cap)
+            assert graphed and pq in GRAPH_TOKEN_BUCKETS and pq >= q and (pq == 1 or pq // 2 < q), (q, pq)
+            assert pkv % GRAPH_KV_INTERVAL == 0 and kv <= pkv < kv + GRAPH_KV_INTERVAL + 1, (kv, pkv)
+    assert step_bucket(1, 0, 512, kv_cap)[:2] == (1, GRAPH_KV_INTERVAL)  # no reads: still the first reads bucket
+    assert step_bucket(33, 10, 48, kv_cap)[:2] == (48, GRAPH_KV_INTERVAL)  # capped at max_batch_tokens
+    assert step_bucket(3, 4400, 512, 4500 + 3) == (4, 4503, True)  # capped at the pool's reads
+    assert step_bucket(GRAPH_MAX_TOKENS + 1, 900, 512, kv_cap) == (GRAPH_MAX_TOKENS + 1, 900, False)  # eager as is
+    assert warm_up_sizes(512, kv_cap) == list(GRAPH_TOKEN_BUCKETS) and warm_up_sizes(100, kv_cap)[-2:] == [64, 100]
+    assert step_bucket(40, 900, 32, kv_cap) == (40, 900, False)  # past max_batch_tokens: eager
+    with pytest.raises(ValueError):
+        step_bucket(0, 0, 512, kv_cap)
+    # the CPU serves as before: no graphs, no padding
+    model, _ = ktorch.load("builtin", dtype=torch.float32, progress=False)
+    engine = ServeEngine(model, model.generation_config.eos_token_id, 0, EngineConfig(page_size=PAGE, num_blocks=16))
+    try:
+        assert engine.graph_plan == "off"
+        assert engine.manager.continuous_batching_config.use_cuda_graph in (None, False, (False, False))
+    finally:
+        engine.stop()
+
+
+def test_bucketed_steps_pad_to_the_buckets_and_leave_padding_out_of_the_experts(builtin):
+    """ktorch's GPU plan, run eagerly on the CPU (``_install_buckets(graphs=False)``): each step's tokens are padded
+    to the bucket ``step_bucket`` names, the padding rows reach the experts with id -1 only, and every request's
+    tokens equal an unpadded run's; the counters count the real tokens."""
+    from ktorch.serve.engine import GRAPH_TOKEN_BUCKETS, step_bucket
+
+    model, _ = builtin
+    experts = [m for m in model.modules() if getattr(m, "kt_w13", None) is not None]
+    prompts = [list(range(10 + i, 17 + 5 * i)) for i in range(3)]  # 7, 12, 17 tokens: decode steps of 3 -> 4 rows
+
+    def run(bucketed: bool):
+        engine = ServeEngine(model, model.generation_config.eos_token_id, 0,
+                             EngineConfig(page_size=PAGE, num_blocks=64, max_batch_tokens=48))
+        create = engine.manager._create_batch_processor
+        caps = {}
+
+        def create_bucketed():
+            processor = create()
+            caps["batch"], caps["reads"] = processor.cache.max_batch_tokens, processor.cache.max_tokens_read
+            if bucketed:
+                engine._install_buckets(processor, graphs=False)
+                engine._warm_up_buckets(processor)  # what captures the graphs on a GPU: one forward per bucket here
+                caps["warm"] = list(steps)
+                steps.clear()
+                caps["free_after_warmup"] = processor.cache.compute_free_capacity()
+            return processor
+
+        engine.manager._create_batch_processor = create_bucketed
+        seen = []  # per experts call: (rows, rows with an id >= 0, rows all -1)
+        hooks = [m.register_forward_pre_hook(lambda mod, args, kw: seen.append(
+            (args[1].shape[0], int((args[1] >= 0).any(-1).sum()), int((args[1] == -1).all(-1).sum()))),
+            with_kwargs=True) for m in experts]
+        steps = []  # per forward: (rows, real tokens, attention mask's key length)
+        hooks.append(model.register_forward_pre_hook(lambda mod, args, kw: steps.append(
+            (kw["input_ids"].shape[-1], int(kw["cu_seq_lens_q"][-1]), kw["attention_mask"].shape[-1])),
+            with_kwargs=True))
+
+        async def go():
+            async def one(ids):
+                _, q = await engine.submit(ids, SamplingParams(9))
+                while not (o := await asyncio.wait_for(q.get(), 60)).is_finished():
+                    pass
+                return o.generated_tokens
+            return await asyncio.gather(*[one(p) for p in prompts])
+
+        engine.start()
+        try:
+            outs = asyncio.run(go())
+        finally:
+            engine.stop()
+            for h in hooks:
+                h.remove()
+        return outs, seen, steps, caps, engine
+
+    plain, _, plain_steps, _, plain_engine = run(False)
+    padded, seen, steps, caps, engine = run(True)
+    # the warm-up: one forward per bucket up to max_batch_tokens (48), of one fake request each, pool freed after
+    assert [rows for rows, _, _ in caps["warm"]] == [1, 2, 4, 8, 16, 32, 48]  # 33-48 tokens pad to 48
+    assert all(rows == real for rows, real, _ in caps["warm"]) and caps["free_after_warmup"] == 1.0
+    seen = seen[len(caps["warm"]) * len(experts):]
+    assert padded == plain and all(len(o) == 9 for o in plain)
+    assert all(rows == real for rows, real, _ in plain_steps)
+    reals = [real for _, real, _ in steps]
+    assert engine.tokens_computed == plain_engine.tokens_computed == sum(reals)
+    assert engine.forwards == len(steps) and engine.graph_replays == engine.graph_captures == 0
+    padded_steps = 0
+    for i, (rows, real, keys) in enumerate(steps):
+        assert rows == step_bucket(real, 1, caps["batch"], caps["reads"])[0], (rows, real)
+        padded_steps += rows > real
+        for layer_rows, used, pad in seen[i * len(experts):(i + 1) * len(experts)]:
+            assert (layer_rows, used, pad) == (rows, real, rows - real)  # padding rows: all -1, real rows: routed
+        assert keys - rows in (caps["reads"], *range(0, caps["reads"] + 1, 4096))  # reads padded (or capped)
+    assert sum(real == 3 for _, real, _ in steps) >= 7  # the decode steps, padded to 4 rows
+    assert padded_steps == sum(real not in GRAPH_TOKEN_BUCKETS for _, real, _ in steps) > 0
+    assert len(seen) == len(experts) * len(steps)
+
+
+def test_graph_plan_control_flow_with_a_stand_in_graph(builtin, monkeypatch):
+    """ktorch's GPU plan end to end on the CPU, CUDA's graph replaced by a stand-in: its capture records the step's
+    forward and its replay reruns it on the step's inputs (rewritten in place in transformers' static tensors, as a
+    CUDA graph replay reads them). The warm-up captures one graph per padded size, every later step replays one
+    (none captured: all their sizes were warmed up), the counters count real tokens, and the tokens equal the eager
+    engine's. What only CUDA shows (recorded kernels, the experts' host functions) is tests/test_serve_cuda.py's."""
+    from transformers.generation.continuous_batching import initialization, model_runner
+
+    from ktorch.serve import engine as engine_module
+
+    class StandInGraph:
+        def __init__(self, step):
+            self.step, self.replays = step, 0
+
+        def replay(self):
+            self.replays += 1
+            self.step()
+
+        def reset(self):
+            pass
+
+    graphs = []
+
+    def capture(runner, forward_fn, compute_stream, *args):  # ModelRunner._capture_graph without CUDA
+        forward_fn(*args)  # transformers' warm-up run, then the "capture", which runs it once more
+        forward_fn(*args)
+        graphs.append(StandInGraph(lambda: forward_fn(*args)))
+        runner.inputs_and_outputs.set_graph(graphs[-1])
+
+    model, _ = builtin
+    prompts = [list(range(10 + i, 17 + 5 * i)) for i in range(3)]
+
+    def run():
+        engine = ServeEngine(model, model.generation_config.eos_token_id, 0,
+                             EngineConfig(page_size=PAGE, num_blocks=64, max_batch_tokens=48))
+
+        async def go():
+            async def one(ids):
+                _, q = await engine.submit(ids, SamplingParams(9))
+                while not (o := await asyncio.wait_for(q.get(), 60)).is_finished():
+                    pass
+                return o.generated_tokens
+            return await asyncio.gather(*[one(p) for p in prompts])
+
+        engine.start()
+        warm = (engine.graph_captures, engine.forwards)
+        try:
+            return asyncio.run(go()), engine, warm
+        finally:
+            engine.stop()
+
+    eager, eager_engine, _ = run()
+    monkeypatch.setattr(engine_module, "plan_cuda_graphs", lambda *args: "ktorch")
+    monkeypatch.setattr(initialization, "get_accelerator_graph_name", lambda: "CUDAGraph")
+    monkeypatch.setattr(model_runner, "get_memory_pools", lambda: (None, None))
+    monkeypatch.setattr(model_runner.ModelRunner, "_capture_graph", capture)
+    graphed, engine, (warm_captures, warm_forwards) = run()
+    assert engine.graph_plan == "ktorch" and eager_engine.graph_plan == "off"
+    assert graphed == eager
+    assert warm_captures == len(graphs) == 7 and warm_forwards == 0  # 1, 2, 4, 8, 16, 32, 48 tokens
+    assert engine.graph_captures == 7 and engine.graph_replays == engine.forwards == sum(g.replays for g in graphs)
+    assert engine.tokens_computed == eager_engine.tokens_computed and engine.forwards >= 9
+    assert eager_engine.graph_replays == eager_engine.graph_captures == 0
+
+
 def test_queued_tokens_limit(builtin):
     model, tok = builtin
     engine = ServeEngine(model, model.generation_config.eos_token_id, 0,

@@ -219,7 +219,7 @@ class OpenAIServer:
     async def stats(self, request: web.Request) -> web.Response:
         stats = self.engine.stats()
         stats["server_errors"] = request.app[SERVER_ERRORS][0]
-        stats["steps"] = [[s.tokens, round(s.seconds, 6), s.distinct_experts, s.expert_bytes]
+        stats["steps"] = [[s.tokens, round(s.seconds, 6), s.distinct_experts, s.expert_bytes, s.mode]
                           for s in list(self.engine.steps)]
         return web.json_response(stats)
 

@@ -7,20 +7,26 @@ the running batch at every step and cuts long prompts into chunks of at most ``m
 a step with the other requests' decode tokens, all flattened into one ragged batch ``[1, T]`` per step (so each MoE
 layer makes one ``kt.fused_moe`` call carrying every active sequence's tokens), prefix sharing (each full page of a
 prompt is hashed with its prefix; a later prompt with the same leading pages reuses their KV blocks and computes only
-the rest; pages no request holds stay cached until the pool runs short), CUDA graphs per padded batch size on a GPU,
+the rest; pages no request holds stay cached until the pool runs short), CUDA-graph capture and replay of a step,
 and an optional pinned host-memory swap pool for preempted requests' KV (``cpu_offload_gib``). Under pressure
 transformers evicts all unheld cached pages at once; ``host_cache_gib`` keeps them in host memory instead
 (ktorch/serve/host_tier.py: the prefix cache's second tier, least recently used dropped first).
 
 ktorch adds: per-request greedy / seeded sampling (ktorch/serve/sampling.py), admission limits (requests in flight,
-prompt tokens not yet prefilled: 429), counters of the tokens each forward computed (the prefix cache's effect is
-visible there), and optional per-step statistics (tokens, seconds, distinct experts read).
+prompt tokens not yet prefilled: 429), counters of the tokens each step computed (the prefix cache's effect is
+visible there) and of graph replays, optional per-step statistics (tokens, seconds, distinct experts read), and on a
+GPU its own choice of which steps run under CUDA graphs (``plan_cuda_graphs``, ``step_bucket``): transformers turns
+graphs on by itself only with flash attention, whose block-table decode path it graphs; with sdpa (what ktorch
+models run) every step takes the varlen path, which ktorch pads to a few token buckets and graphs up to
+``GRAPH_MAX_TOKENS`` tokens (decode steps, short prompt chunks), larger steps (prefill chunks, where the experts'
+compute dominates) running eagerly.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 import os
 import secrets
 import threading
@@ -31,6 +37,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
+
+log = logging.getLogger("ktorch.serve")
 
 
 def _rss_bytes() -> int:
@@ -72,6 +80,50 @@ def _register_final_step_pages(cache) -> None:
     cache.mark_complete_blocks = mark_complete_blocks
 
 
+# ---------------------------------------------------------------- CUDA graphs on a GPU
+
+GRAPH_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # a graphed step's tokens are padded up to one of these
+GRAPH_MAX_TOKENS = GRAPH_TOKEN_BUCKETS[-1]  # larger steps (prefill chunks) run eagerly, unpadded
+GRAPH_KV_INTERVAL = 4096  # a graphed step's cache reads (all its sequences' past tokens) are padded to a multiple
+
+
+def plan_cuda_graphs(device_type: str, attn_implementation: Optional[str], cuda_graphs: Optional[bool]) -> str:
+    """Who captures the steps' CUDA graphs: ``"off"`` (CPU, or turned off), ``"ktorch"`` (sdpa / eager attention on a
+    GPU: transformers would leave graphs off; ktorch pads the varlen step to its buckets and graphs the small ones),
+    or ``"transformers"`` (flash attention: its own block-table decode graphs and asynchronous batching)."""
+    if device_type != "cuda" or cuda_graphs is False:
+        return "off"
+    if attn_implementation is not None and "flash" in attn_implementation:
+        return "transformers"
+    return "ktorch"
+
+
+def _round_up(n: int, interval: int) -> int:
+    return -(-n // interval) * interval
+
+
+def step_bucket(num_q_tokens: int, max_kv_read: int, max_batch_tokens: int,
+                max_tokens_read: int) -> tuple[int, int, bool]:
+    """A step's (tokens, cache reads) as run, and whether it runs under a CUDA graph (ktorch's plan).
+
+    Steps of at most ``GRAPH_MAX_TOKENS`` tokens are padded to the next of ``GRAPH_TOKEN_BUCKETS`` (within
+    ``max_batch_tokens``) and their cache reads to the next multiple of ``GRAPH_KV_INTERVAL`` (within
+    ``max_tokens_read``; 0 reads are padded too, as transformers does: one graph whether or not the step reads the
+    cache); a graph is kept per (tokens, reads) pair. Larger steps run as they are, eagerly."""
+    if num_q_tokens < 1 or max_kv_read < 0:
+        raise ValueError(f"step_bucket: {num_q_tokens} tokens, {max_kv_read} cache reads")
+    if num_q_tokens > min(GRAPH_MAX_TOKENS, max_batch_tokens):
+        return num_q_tokens, max_kv_read, False
+    q = min(next(b for b in GRAPH_TOKEN_BUCKETS if b >= num_q_tokens), max_batch_tokens)
+    return q, min(_round_up(max(max_kv_read, 1), GRAPH_KV_INTERVAL), max_tokens_read), True
+
+
+def warm_up_sizes(max_batch_tokens: int, max_tokens_read: int) -> list[int]:
+    """The padded token counts ``step_bucket`` can give a graphed step: one graph each is captured before serving."""
+    top = min(GRAPH_MAX_TOKENS, max_batch_tokens)
+    return sorted({step_bucket(q, 0, max_batch_tokens, max_tokens_read)[0] for q in range(1, top + 1)})
+
+
 class AdmissionError(Exception):
     """The engine is full (requests in flight or prompt tokens waiting): the server answers 429."""
 
@@ -89,11 +141,12 @@ class EngineConfig:
     max_requests: int = 256  # requests in flight (queued or running); one more gets 429
     max_queued_tokens: int = 1 << 17  # prompt tokens of admitted requests not yet through prefill; more gets 429
     max_batch_requests: Optional[int] = None  # requests per step (None: transformers' default)
-    cuda_graphs: Optional[bool] = None  # None: transformers decides (on for a GPU)
+    cuda_graphs: Optional[bool] = None  # None: on for a GPU (plan_cuda_graphs), off on the CPU
+    warm_up_graphs: bool = True  # capture each token bucket's first graph before serving (GPU, ktorch's plan)
     cpu_offload_gib: float = 0.0  # pinned host memory for preempted requests' KV (0: re-prefill them instead)
     prefix_cache: bool = True
     host_cache_gib: float = 0.0  # the prefix cache's second tier: evicted pages kept in host memory (0: off)
-    step_stats: bool = False  # record per-step tokens/seconds/distinct experts (syncs the device each step)
+    step_stats: bool = False  # record per-step tokens/seconds/distinct experts (syncs the device around each step)
 
 
 @dataclass
@@ -110,6 +163,7 @@ class StepRecord:
     seconds: float
     distinct_experts: int = 0  # summed over MoE layers
     expert_bytes: int = 0  # packed bytes of those experts
+    mode: str = "eager"  # "replay" (a CUDA graph replayed), "capture" (one captured: ran twice) or "eager"
 
 
 @dataclass
@@ -152,10 +206,16 @@ class ServeEngine:
             num_blocks = max(4, int(budget // (config.page_size * self.kv_bytes_per_token)))
         if max_batch_tokens is None and on_cpu:
             max_batch_tokens = 512
+        self.graph_plan = plan_cuda_graphs(model.device.type, getattr(model.config, "_attn_implementation", None),
+                                           config.cuda_graphs)
+        graphs = {"off": None if on_cpu and config.cuda_graphs is None else False,  # the CPU: as before
+                  "ktorch": (True, False),  # the varlen path may be graphed (ktorch picks the steps); no decode path
+                  "transformers": True}[self.graph_plan]
         cb = ContinuousBatchingConfig(
             page_size=config.page_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,
             max_requests_per_batch=config.max_batch_requests, allow_block_sharing=config.prefix_cache,
-            use_cuda_graph=config.cuda_graphs, cpu_offload_space=config.cpu_offload_gib,
+            use_cuda_graph=graphs, cpu_offload_space=config.cpu_offload_gib,
+            use_async_batching=False if self.graph_plan == "ktorch" else None,
             per_request_processors=True, auto_switch_to_flash=False, return_logprobs=False,
         )
         self.manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
@@ -182,10 +242,16 @@ class ServeEngine:
         def create_and_extend():  # in the generation thread, before its first step
             processor = create()
             self._runner = processor.model_runner
+            self._wrap_compute_batch(processor)
+            if self.graph_plan == "ktorch":
+                self._install_buckets(processor)
+                if config.warm_up_graphs:
+                    self._warm_up_buckets(processor)
             if config.prefix_cache:
                 _register_final_step_pages(processor.cache)
             if self.host_tier is not None:
                 self.host_tier.install(processor.cache)
+            self._ready.set()
             return processor
 
         self.manager._create_batch_processor = create_and_extend
@@ -194,12 +260,17 @@ class ServeEngine:
         self._requests: dict[str, _Request] = {}
         self.queued_tokens = 0
         # counters (read by /v1/stats and the tests)
-        self.forwards = 0
-        self.tokens_computed = 0
+        self.forwards = 0  # steps run (a captured step's two forwards count once)
+        self.tokens_computed = 0  # the steps' real tokens (no padding)
+        self.graph_replays = 0  # steps run by replaying a CUDA graph
+        self.graph_captures = 0  # steps that captured a graph (warm-up captures included)
+        self.warmup_seconds = 0.0
         self.steps: deque[StepRecord] = deque(maxlen=4096)
         self.requests_done = 0
         self.requests_cancelled = 0
-        self._hooks = [model.register_forward_pre_hook(self._count_forward, with_kwargs=True)]
+        self._hooks = []
+        self._ready = threading.Event()  # set by the generation thread once its processor (and graphs) are made
+        self._warming_up = False
         self._runner = None  # the batch processor's ModelRunner, once the generation thread has made it
         self._install_padding_mask()
         if config.step_stats:
@@ -207,8 +278,16 @@ class ServeEngine:
 
     # ------------------------------------------------------------ lifecycle
 
-    def start(self) -> None:
+    def start(self, timeout: float = 900) -> None:
+        """Starts the generation thread and returns once it can take requests (on a GPU: its first graphs captured)."""
         self.manager.start()
+        deadline = time.monotonic() + timeout
+        while not self._ready.wait(0.2):
+            status = self.manager.background_thread_status
+            if not self.manager.is_running() or status.fatal_error is not None:
+                raise RuntimeError(f"ktorch serve: the generation thread failed while starting: {status.fatal_error}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"ktorch serve: the generation thread was not ready in {timeout} s")
 
     def stop(self) -> None:
         if self.manager.is_running():
@@ -222,13 +301,98 @@ class ServeEngine:
 
     # ------------------------------------------------------------ counters
 
-    def _count_forward(self, module, args, kwargs):
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        if ids is not None:
+    def _wrap_compute_batch(self, processor) -> None:
+        """Counts each step once, with its real tokens and how it ran (graph replay, capture, eager); with
+        ``step_stats`` also its seconds (device synced before and after) and the distinct experts it read."""
+        runner = processor.model_runner
+        compute = runner.compute_batch
+
+        def step_io():  # the IOs holding this step's inputs and graphs (asynchronous batching: the current pair's)
+            io = processor.inputs_and_outputs
+            return io.io_pairs[io.current_pair].device_io if hasattr(io, "io_pairs") else io
+
+        def compute_batch(model, batch_data) -> None:
+            io = step_io()
+            graphed = runner._get_forward_fn(io.use_block_table)[1] if runner.pad_inputs else False
+            key = io._get_graph_key() if graphed else None
+            mode = "eager" if not graphed else ("replay" if io.graphs.get_graph(key) is not None else "capture")
+            stats = self.config.step_stats and not self._warming_up
+            if self.config.step_stats:
+                self._step_ids = []
+                self._capture_ids = []
+            if stats:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+            compute(model, batch_data)
+            self.graph_replays += mode == "replay"
+            self.graph_captures += mode == "capture"
+            if self.config.step_stats and mode == "capture":
+                self._graph_ids[key] = self._capture_ids  # the ids tensors each replay of this graph rewrites
+            if self._warming_up:
+                return
+            tokens = int(io.total_seqlen_q)
             self.forwards += 1
-            self.tokens_computed += int(ids.shape[-1])
-        if self.config.step_stats:
-            self._step_start(int(ids.shape[-1]) if ids is not None else 0)
+            self.tokens_computed += tokens
+            if stats:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                seconds = time.perf_counter() - t0
+                refs = self._graph_ids.get(key, []) if mode == "replay" else self._step_ids
+                used = [(torch.unique(ids[ids >= 0]).numel(), b) for ids, b in refs]
+                self.steps.append(StepRecord(tokens, seconds, sum(u for u, _ in used), sum(u * b for u, b in used),
+                                             mode))
+                self._step_ids = []
+
+        runner.compute_batch = compute_batch
+
+    def _install_buckets(self, processor, graphs: bool = True) -> None:
+        """ktorch's plan (``step_bucket``): the runner pads small steps to a bucket and graphs them, runs larger ones
+        eagerly; a graph is keyed by its (tokens, cache reads) alone (sdpa reads neither ``max_length_k`` nor the
+        block table, the rest of transformers' key). ``graphs=False`` pads the same way and runs every step eagerly
+        (the CPU tests' view of the padding)."""
+        from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
+
+        runner, io, cache = processor.model_runner, processor.inputs_and_outputs, processor.cache
+        if type(io) is not ContinuousBatchingIOs or (graphs and io.use_cuda_graph_varlen is not True):
+            raise RuntimeError(f"ktorch serve: expected transformers' synchronous IOs with varlen graphs, got "
+                               f"{type(io).__name__} (transformers changed?)")
+        runner.pad_inputs = True
+        plan = {"graphed": False}
+        forward = runner._forward_process_and_sample if runner._compiled_varlen is None else runner._compiled_varlen
+
+        def maybe_pad_inputs(num_q_tokens: int, max_kv_read: int, use_decode_fast_path: bool) -> tuple[int, int]:
+            q, kv, graphed = step_bucket(num_q_tokens, max_kv_read, cache.max_batch_tokens, cache.max_tokens_read)
+            plan["graphed"] = graphed and graphs
+            return q, kv
+
+        def get_forward_fn(use_block_table: bool):
+            return forward, plan["graphed"]
+
+        runner.maybe_pad_inputs = maybe_pad_inputs
+        runner._get_forward_fn = get_forward_fn
+        io._get_graph_key = lambda: (io.num_q_tokens, io.max_kv_read)
+
+    def _warm_up_buckets(self, processor) -> None:
+        """Captures each token bucket's graph at the first cache-read bucket before the first request (so that no
+        request's first token waits for a capture of the common sizes); larger cache reads are captured when met."""
+        runner, cache = processor.model_runner, processor.cache
+        t0 = time.perf_counter()
+        self._warming_up = True
+        captures = self.graph_captures
+        sizes = warm_up_sizes(cache.max_batch_tokens, cache.max_tokens_read)
+        try:
+            with torch.no_grad():  # as transformers' own warm-up and steps (no autograd path in the experts)
+                for q in sizes:
+                    runner.run_one_warmup(self.model, num_q_tokens=q,
+                                          max_kv_read=min(GRAPH_KV_INTERVAL, cache.max_tokens_read))
+        finally:
+            self._warming_up = False
+        if runner.use_cuda_graph_varlen and self.graph_captures - captures < len(sizes):
+            log.warning("ktorch serve: the warm-up captured %d of %d graphs (transformers' warning above says why); "
+                        "the rest are captured when first needed", self.graph_captures - captures, len(sizes))
+        cache.reset()  # the warm-up requests' pages back to the pool (as transformers' own warm-up)
+        self.warmup_seconds = time.perf_counter() - t0
 
     def _install_padding_mask(self) -> None:
         """Padded steps leave the padding rows out of the CPU experts.
@@ -268,38 +432,27 @@ class ServeEngine:
                 self._hooks.append(m.register_forward_pre_hook(experts_pre, with_kwargs=True))
 
     def _install_step_stats(self) -> None:
-        self._step_t0 = 0.0
-        self._step_tokens = 0
-        self._step_experts: list[torch.Tensor] = []
-        self._expert_bytes: dict[int, int] = {}
+        """Records each MoE layer's expert ids (after the padding mask) for ``_wrap_compute_batch``'s step record: an
+        eager forward's for that step; a capture's are kept per graph, and each replay of the graph rewrites them in
+        place, so a replayed step's distinct experts are read from them after the replay."""
+        self._step_ids: list = []
+        self._capture_ids: list = []
+        self._graph_ids: dict = {}
         for m in self.model.modules():
             if getattr(m, "kt_w13", None) is not None:
                 per_expert = sum(t.nbytes for t in (m.kt_w13, m.kt_w13_scales, m.kt_w2, m.kt_w2_scales)
                                  if t is not None) // m.kt_w13.shape[0]
-                self._expert_bytes[id(m)] = per_expert
 
                 def pre(module, args, kwargs, _b=per_expert):
                     top_k_index = kwargs.get("top_k_index", args[1] if len(args) > 1 else None)
-                    if top_k_index is not None:
-                        used = torch.unique(top_k_index[top_k_index >= 0]).numel()
-                        self._step_experts.append((used, used * _b))
+                    if top_k_index is None:
+                        return
+                    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                        self._capture_ids.append((top_k_index, _b))
+                    elif not self._warming_up:
+                        self._step_ids.append((top_k_index, _b))
 
                 self._hooks.append(m.register_forward_pre_hook(pre, with_kwargs=True))
-        self._hooks.append(self.model.register_forward_hook(self._step_end))
-
-    def _step_start(self, tokens: int) -> None:
-        self._step_experts = []
-        self._step_tokens = tokens
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self._step_t0 = time.perf_counter()
-
-    def _step_end(self, module, args, output) -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - self._step_t0
-        self.steps.append(StepRecord(self._step_tokens, seconds, sum(u for u, _ in self._step_experts),
-                                     sum(b for _, b in self._step_experts)))
 
     def cache_state(self) -> dict:
         """KV pool use in bytes: held by requests, kept only for prefix reuse (held by none), free."""
@@ -328,7 +481,9 @@ class ServeEngine:
             memory["experts_submits"] = RUNTIME.stats["submits"]
             memory["experts_captured_submits"] = RUNTIME.stats["captured_submits"]
         return {"requests_in_flight": active, "queued_prompt_tokens": queued, "forwards": self.forwards,
-                "tokens_computed": self.tokens_computed, "requests_done": self.requests_done,
+                "tokens_computed": self.tokens_computed, "cuda_graphs": self.graph_plan,
+                "graph_replays": self.graph_replays, "graph_captures": self.graph_captures,
+                "graph_warmup_seconds": round(self.warmup_seconds, 3), "requests_done": self.requests_done,
                 "requests_cancelled": self.requests_cancelled, **memory, **self.cache_state(),
                 **(self.host_tier.stats() if self.host_tier is not None else {})}
 
