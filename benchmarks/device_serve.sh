@@ -11,11 +11,11 @@
 #      the host's read bandwidth (bench_host_bandwidth.py, CPU row, 16 threads); the GPU tests
 #      (tests/test_serve_cuda.py, built-in model: graphed tokens equal eager ones, a replay per decode step, a
 #      prefix hit computes only its suffix; limit 120 s).
-#   1. graphs (the default on a GPU) with --step-stats: decode tok/s at 1, 16, 64 streams, graph replays per step
+#   1. graphs (--cuda-graphs on; the default stays off until this run says they work) with --step-stats: decode tok/s at 1, 16, 64 streams, graph replays per step
 #      (1.00: every step replayed a graph, 0: eager), each decode step's median time beside its floor (the distinct
 #      experts it read, their packed bytes over the measured read bandwidth); then the shared-prefix TTFT (2000-token
 #      prefix + 50 new tokens, and + 8) with the prefill steps of both requests beside their floors.
-#   2. --cuda-graphs off --step-stats (every step eager, the previous default): the same decode rows, to compare.
+#   2. --cuda-graphs off --step-stats (every step eager, the default): the same decode rows, to compare.
 #   3. graphs, no --step-stats (no device sync or expert counting around the steps): decode tok/s and the TTFT.
 # Prints the tables; logs (server stderr, the load generator's output, /v1/stats) under $OUT.
 set -uo pipefail
@@ -117,11 +117,11 @@ run_stage() {
   else eval "STATUS_$name=\"FAILED: no measurements (see $OUT/load_$name.txt and $OUT/server_$name.log)\""; fi
 }
 
-run_stage graphs 100 150 "--step-stats" --streams 1 16 64 --prompt-len 32 --max-tokens 40 --steps ${GBS:+--read-gbs $GBS} \
+run_stage graphs 100 150 "--cuda-graphs on --step-stats" --streams 1 16 64 --prompt-len 32 --max-tokens 40 --steps ${GBS:+--read-gbs $GBS} \
   --ttft-prefix 2000 --ttft-suffix 50 8
 run_stage eager 90 110 "--cuda-graphs off --step-stats" --streams 1 16 64 --prompt-len 32 --max-tokens 32 --steps \
   ${GBS:+--read-gbs $GBS}
-run_stage plain 80 90 "" --streams 1 16 64 --prompt-len 32 --max-tokens 48 --ttft-prefix 2000 --ttft-suffix 50
+run_stage plain 80 90 "--cuda-graphs on" --streams 1 16 64 --prompt-len 32 --max-tokens 48 --ttft-prefix 2000 --ttft-suffix 50
 
 echo
 echo "================ summary (device_serve.sh, $(( $(date +%s) - T0 )) s, read bandwidth ${GBS:-not measured} GB/s) ================"
