@@ -384,21 +384,153 @@ def test_family_errors_name_the_problem():
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_bf16_decode_is_the_weights_rounded_to_bf16(fmt, one_thread):
-    """bf16 hidden states run on experts decoded to bf16 by the backward's own block walk: h from kt.fused_moe_delta
-    equals torch's bf16 products on kt.unpack's weights rounded to nearest even, bit for bit (one thread: the same
-    matmul kernel on both sides), for the gate/up rows of both halves of every 64-row block and every int4 group."""
+    """bf16 hidden states run the backward on experts decoded to bf16 by its own block walk: d gate_up_delta equals
+    torch's bf16 products on kt.unpack's weights rounded to nearest even, bit for bit (one thread: the same matmul
+    kernel on both sides), for the gate/up rows of both halves of every 64-row block, the down rows and every int4
+    group. With relu, routing weights 1 and zero deltas, d delta = [dh * u * (g > 0) | dh * relu(g)] with
+    [g | u] = x W13^T and dh = dY W2: elementwise products of the two decoded products."""
     E, H, I, T, K = 3, 256, 96, 17, 2
     packed = _packed(E, H, I, fmt)
     ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
-    weights = torch.rand(T, K)
     x = torch.randn(T, H).to(torch.bfloat16)
-    out, h = torch.ops.kt.fused_moe_delta(x, ids, weights, *packed.tensors(), torch.zeros(T, K, 2 * I), "relu")
+    dy = torch.randn(T, H).to(torch.bfloat16)
+    _, _, dd = torch.ops.kt.fused_moe_backward(dy, x, ids, torch.ones(T, K), *packed.tensors(), "relu",
+                                               torch.zeros(T, K, 2 * I), None)
     gate_up, down = (w.to(torch.bfloat16) for w in packed.dequantize())
-    pairs = torch.zeros(T, K, H)
     for e in range(E):
         t, k = (ids == e).nonzero(as_tuple=True)  # (t, k) ascending: the op's pair order within an expert
         gu = torch.mm(x[t], gate_up[e].t()).float()
-        want = (torch.relu(gu[:, :I]) * gu[:, I:]).to(torch.bfloat16)
-        assert torch.equal(h[t, k], want), f"expert {e}: {(h[t, k] != want).sum()} of {want.numel()} differ"
-        pairs[t, k] = torch.mm(want, down[e].t()).float() * weights[t, k].unsqueeze(1)  # the down decode
-    assert torch.equal(out, pairs.sum(1).to(torch.bfloat16))
+        dh = torch.mm(dy[t], down[e]).float()
+        g, u = gu[:, :I], gu[:, I:]
+        want = torch.cat([torch.where(g > 0, dh * u, torch.zeros_like(g)), dh * torch.relu(g)], 1)
+        got = dd[t, k]
+        assert torch.equal(got, want), f"expert {e}: {(got != want).sum()} of {want.numel()} differ"
+
+
+# ---------------------------------------------------------------- kt.fused_moe_delta on the packed kernels (bf16 and
+# fp16 hidden states): kt.fused_moe's path, with the deltas added to each kernel call's gate/up output
+
+
+def _delta_case(E, H, I, T, K, fmt, gated=True, biases=False, delta_scale=0.5, delta_dtype=torch.bfloat16):
+    packed = _family_packed(E, H, I, fmt, gated, biases)
+    ids, weights = _routing(T, K, E, "skips")
+    hidden = torch.randn(T, H).to(torch.bfloat16)
+    delta = (torch.randn(T, K, packed.w13.shape[1] * 16) * delta_scale).to(delta_dtype)
+    return packed, ids, weights, hidden, delta
+
+
+def _check_delta_forward(out, h, hidden, ids, weights, packed, delta, activation, what):
+    """out and h against the float64 reference with the deltas, within kt.fused_moe's own tolerances (its kernels
+    round the activations to bf16, or to int8 for int formats: tests/test_ops_fused_moe.py, TOLERANCE); skipped
+    slots' h rows exactly zero."""
+    gate_up, down = packed.dequantize()
+    ref, ref_h = fused_moe_reference(hidden, ids, weights, gate_up, down, activation, gate_up_bias=packed.w13_bias,
+                                     down_bias=packed.w2_bias, gate_up_delta=delta, return_h=True)
+    T, K = ids.shape
+    assert out.shape == hidden.shape and out.dtype == hidden.dtype, what
+    assert h.shape == (T, K, down.shape[2]) and h.dtype == hidden.dtype and h.is_contiguous(), what
+    tol = DELTA_TOLERANCE[packed.format] * (4 / 3 if packed.format != "bf16" and T < 4 else 1)
+    err_out, err_h = relative_error(out, ref), relative_error(h, ref_h)
+    assert err_out <= tol, f"{what}: out relative error {err_out:.4g} > {tol}"
+    assert err_h <= tol, f"{what}: h relative error {err_h:.4g} > {tol}"
+    assert (h[ids < 0] == 0).all(), what
+
+
+# kt.fused_moe's tolerances against the float64 reference (tests/test_ops_fused_moe.py, TOLERANCE)
+DELTA_TOLERANCE = {"bf16": 1e-2, "int8": 3e-2, "int4": 8e-2}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("T", [1, 6, 45, 300])
+def test_delta_forward_on_the_packed_kernels(kernel, fmt, T, seed):
+    """bf16 hidden: each task plan of kt.fused_moe (split channels with a separate h quantization at small T, whole
+    experts a task with the GLU as the next call's side work at large T) with bf16 deltas, at every kernel level
+    here: out and h within kt.fused_moe's tolerance of the float64 reference; zero deltas give kt.fused_moe's output
+    bit for bit; a repeat is the same bit for bit."""
+    E, K, H, I = 7, 3, 192, 320
+    packed, ids, weights, hidden, delta = _delta_case(E, H, I, T, K, fmt)
+    what = f"seed={seed} {kernel} {fmt} T={T}"
+    out, h = torch.ops.kt.fused_moe_delta(hidden, ids, weights, *packed.tensors(), delta, "silu")
+    _check_delta_forward(out, h, hidden, ids, weights, packed, delta, "silu", what)
+    again, h_again = torch.ops.kt.fused_moe_delta(hidden, ids, weights, *packed.tensors(), delta, "silu")
+    assert torch.equal(again, out) and torch.equal(h_again, h), f"{what}: a repeat differs"
+    zero, _ = torch.ops.kt.fused_moe_delta(hidden, ids, weights, *packed.tensors(), torch.zeros_like(delta), "silu")
+    assert torch.equal(zero, torch.ops.kt.fused_moe(hidden, ids, weights, *packed.tensors(), "silu")), what
+    # the deltas do change the result (B != 0: the test means something)
+    assert relative_error(out, zero) > 0.05, what
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("gated,activation,biases",
+                         [(True, a, b) for a in OP_ACTIVATIONS[1:] + FAMILY_ACTIVATIONS for b in (False, True)]
+                         + [(False, a, True) for a in GATELESS_ACTIVATIONS])
+def test_delta_forward_activations_biases_gateless(kernel, fmt, gated, activation, biases, seed):
+    """The kernels' GLU (silu .. relu without biases) and the driver's epilogue (biases, relu2, the clamped and
+    softcapped activations, gateless experts) both see the deltas, added before them."""
+    E, K, H, I, T = 5, 2, 96, 96, 37  # I = 96: gateless experts' last gate/up call covers 32 channels
+    packed, ids, weights, hidden, delta = _delta_case(E, H, I, T, K, fmt, gated, biases)
+    out, h = torch.ops.kt.fused_moe_delta(hidden, ids, weights, *packed.tensors(), delta, activation, *packed.biases())
+    _check_delta_forward(out, h, hidden, ids, weights, packed, delta, activation,
+                         f"seed={seed} {kernel} {fmt} {activation} biases={biases} gated={gated}")
+    zero = torch.zeros_like(delta)
+    z, _ = torch.ops.kt.fused_moe_delta(hidden, ids, weights, *packed.tensors(), zero, activation, *packed.biases())
+    assert torch.equal(z, torch.ops.kt.fused_moe(hidden, ids, weights, *packed.tensors(), activation,
+                                                 *packed.biases()))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_delta_dtypes_and_layouts_and_fp16_hidden(kernel, fmt, seed):
+    """bf16 deltas are read in place, any other float dtype or layout through fp32: the same values give the same
+    output bit for bit. fp16 hidden gives fp16 out and h, within tolerance."""
+    E, K, H, I, T = 6, 3, 128, 64, 29
+    packed, ids, weights, hidden, delta = _delta_case(E, H, I, T, K, fmt)
+    base = torch.ops.kt.fused_moe_delta(hidden, ids, weights, *packed.tensors(), delta, "gelu")
+    strided = delta.float().transpose(0, 1).contiguous().transpose(0, 1)  # [T, K, 2I] with T not outermost
+    for d in (delta.float(), delta.double(), strided, delta.half()):
+        got = torch.ops.kt.fused_moe_delta(hidden, ids, weights, *packed.tensors(), d, "gelu")
+        assert torch.equal(got[0], base[0]) and torch.equal(got[1], base[1]), f"seed={seed} delta {d.dtype}"
+    h16 = hidden.half()
+    out, h = torch.ops.kt.fused_moe_delta(h16, ids, weights, *packed.tensors(), delta.float(), "gelu")
+    _check_delta_forward(out, h, h16, ids, weights, packed, delta.float(), "gelu", f"seed={seed} {kernel} fp16")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_autograd_through_the_packed_delta_forward(fmt):
+    """A bf16 LoRA-style step: the packed-kernel forward, the decoded-expert backward; d hidden, d weights and
+    d delta (what trains the gate/up adapters) within bf16 tolerance of torch.autograd on the float64 reference,
+    with a down-side loss term on h too (grad_h)."""
+    E, K, H, I, T = 6, 3, 96, 64, 21
+    packed, ids, weights, hidden, delta = _delta_case(E, H, I, T, K, fmt, delta_scale=0.3)
+    x = hidden.clone().requires_grad_()
+    w = weights.clone().requires_grad_()
+    d = delta.clone().requires_grad_()
+    grad_out, grad_h = torch.randn(T, H), torch.randn(T, K, I)
+    out, h = torch.ops.kt.fused_moe_delta(x, ids, w, *packed.tensors(), d, "silu")
+    torch.autograd.backward((out, h), (grad_out.to(out.dtype), grad_h.to(h.dtype)))
+    gate_up, down = packed.dequantize()
+    rx, rw, rd = (t.detach().double().requires_grad_() for t in (hidden, weights, delta))
+    ref, ref_h = fused_moe_reference(rx, ids, rw, gate_up, down, "silu", gate_up_delta=rd, return_h=True)
+    torch.autograd.backward((ref, ref_h), (grad_out.to(torch.bfloat16).double(), grad_h.to(torch.bfloat16).double()))
+    tol = {"bf16": 2e-2, "int8": 4e-2, "int4": 8e-2}[fmt]  # the forward's activation rounding feeds h into d weights
+    assert x.grad.dtype == torch.bfloat16 and d.grad.dtype == torch.bfloat16
+    for name, got, want in (("hidden", x.grad, rx.grad), ("weights", w.grad, rw.grad), ("delta", d.grad, rd.grad)):
+        err = relative_error(got, want)
+        assert err < tol, f"{fmt} d {name}: relative error {err:.4g}"
+
+
+def test_packed_delta_forward_errors_and_opcheck():
+    packed = _packed(4, 32, 32, "int8")
+    ids, weights = _routing(6, 2, 4, "skips")
+    hidden = torch.randn(6, 32).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"gate_up_delta must be a float CPU tensor \[T=6, K=2, 2I=64\]"):
+        torch.ops.kt.fused_moe_delta(hidden, ids, weights, *packed.tensors(), torch.zeros(6, 2, 32))
+    with pytest.raises(RuntimeError, match="gate_up_delta must be a float CPU tensor"):
+        torch.ops.kt.fused_moe_delta(hidden, ids, weights, *packed.tensors(), torch.zeros(6, 2, 64, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="hidden size mismatch"):
+        torch.ops.kt.fused_moe_delta(torch.randn(6, 64).bfloat16(), ids, weights, *packed.tensors(),
+                                     torch.zeros(6, 2, 64))
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    delta = torch.randn(6, 2, 64, dtype=torch.bfloat16, requires_grad=True)
+    torch.library.opcheck(torch.ops.kt.fused_moe_delta.default,
+                          (hidden.requires_grad_(), ids, weights.requires_grad_(), *packed.tensors(), delta, "silu"),
+                          test_utils=utils)
