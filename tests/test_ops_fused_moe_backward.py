@@ -534,3 +534,35 @@ def test_packed_delta_forward_errors_and_opcheck():
     torch.library.opcheck(torch.ops.kt.fused_moe_delta.default,
                           (hidden.requires_grad_(), ids, weights.requires_grad_(), *packed.tensors(), delta, "silu"),
                           test_utils=utils)
+
+
+def test_backward_with_fewer_experts_than_threads():
+    """Fewer routed experts than threads: one expert at a time, its decode split over the workers by blocks and its
+    products multi-threaded (fused_moe_backward.cpp, for_each_expert). float64: the reference gradients; bf16: the
+    per-expert tasks' result (more experts than threads) within bf16 rounding, d delta included."""
+    E, H, I, T, K = 6, 64, 96, 23, 2
+    packed = _packed(E, H, I, "int8")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        for used in (1, 3):  # experts with pairs: both fewer than the 4 threads
+            ids = torch.randint(0, used, (T, K))
+            ids[0, 1] = -1
+            weights = torch.rand(T, K)
+            hidden, grad_out = torch.randn(T, H, dtype=torch.float64), torch.randn(T, H, dtype=torch.float64)
+            dx, dw, _ = torch.ops.kt.fused_moe_backward(grad_out, hidden, ids, weights.double(), *packed.tensors(),
+                                                        "silu")
+            rx, rw = _reference_grads(hidden, ids, weights, packed, "silu", grad_out)
+            torch.testing.assert_close(dx, rx, rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(dw, rw, rtol=1e-10, atol=1e-12)
+            # bf16 with deltas (the bf16 products, fp32 element-wise work): within bf16 rounding of the float64 op
+            delta = torch.randn(T, K, 2 * I) * 0.3
+            x16, dy16 = hidden.to(torch.bfloat16), grad_out.to(torch.bfloat16)
+            bx, bw, bd = torch.ops.kt.fused_moe_backward(dy16, x16, ids, weights, *packed.tensors(), "silu", delta,
+                                                         None)
+            fx, fw, fd = torch.ops.kt.fused_moe_backward(dy16.double(), x16.double(), ids, weights.double(),
+                                                         *packed.tensors(), "silu", delta.double(), None)
+            assert relative_error(bx, fx) < 2e-2 and relative_error(bw, fw) < 2e-2 and relative_error(bd, fd) < 2e-2
+            assert (bd[ids < 0] == 0).all() and (bw[ids < 0] == 0).all()
+    finally:
+        torch.set_num_threads(threads)

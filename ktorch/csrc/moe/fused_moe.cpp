@@ -32,6 +32,10 @@
 // run in the driver's own epilogue (Epilogue below: plain C++, so every kernel level gets them): the gate/up bias,
 // the clamps and the activation on each kernel call's fp32 output, and the down bias on each down call's output
 // before the routing weight scales it. Calls without them keep the kernels' vectorized GLU.
+// The training forward (fused_moe_with_delta, fused_moe.h; kt.fused_moe_delta for bf16/fp16 hidden) is this same
+// call with deltas added to each gate/up kernel call's fp32 output in the GLU step (Part::Glu, before the kernels'
+// GLU or the driver's epilogue: shared code, so every kernel level and the AMX side work get them) and each routed
+// pair's h written out at the end of its gate/up task.
 // KT_PROFILE=1 prints each call's phase times to stderr.
 #include "fused_moe.h"
 
@@ -1344,6 +1348,7 @@ void run_call(WeightFormat fmt, const at::Tensor& hidden_in, const at::Tensor& i
     std::string what = "T=" + std::to_string(T) + " pairs=" + std::to_string(now.pairs()) +
                        " experts=" + std::to_string(now.experts());
     if (later) what += " later_pairs=" + std::to_string(later->pairs()) + " later_experts=" + std::to_string(later->experts());
+    if (train != nullptr) what += " delta";  // fused_moe_with_delta
     timer.print(what + " " + (fmt == WeightFormat::BF16 ? "bf16" : fmt == WeightFormat::INT8 ? "int8" : "int4") + " " +
                 ks.name);
   }
