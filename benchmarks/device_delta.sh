@@ -22,7 +22,7 @@ python3 -c "import torch, ktorch; print('torch', torch.__version__, 'kernel leve
 
 echo "== 1. tests (limit 120 s)"
 timeout -k 5 120 python3 -m pytest -q -p no:cacheprovider tests/test_ops_fused_moe_backward.py \
-  -k "delta_forward or delta_dtypes or packed_delta or autograd_through or decode or fewer_experts" \
+  -k "delta_forward or delta_dtypes or packed_delta or autograd_through or decode or fewer_experts or exact_gguf" \
   >"$OUT/tests.log" 2>&1
 echo "   rc $? ($(($(date +%s) - START)) s)"
 grep -E "passed|failed|error" "$OUT/tests.log" | tail -3

@@ -566,3 +566,36 @@ def test_backward_with_fewer_experts_than_threads():
             assert (bd[ids < 0] == 0).all() and (bw[ids < 0] == 0).all()
     finally:
         torch.set_num_threads(threads)
+
+
+def test_delta_forward_on_exact_gguf_layouts(kernel, seed):
+    """The layouts the exact GGUF formats load into (ktorch.ops.moe.pack_quantized): affine int4 gate/up (Q4_K's
+    codes, scale and minimum per group of 32) beside grouped int8 down (Q6_K's, groups of 16). kt.fused_moe's path
+    runs them with the deltas too, within its int4 tolerance of the float64 reference; the backward's decode takes only
+    bf16, per-channel int8 and grouped int4, and says so."""
+    from ktorch.ops.moe import pack_quantized
+
+    E, H, I, T, K = 4, 128, 64, 19, 2
+    codes13 = torch.randint(0, 16, (E, 2 * I, H))
+    s13 = torch.rand(E, 2 * I, H // 32) * 0.02 + 0.01
+    m13 = s13 * 7.5 + torch.randn(E, 2 * I, H // 32) * 0.005
+    w13, sc13 = pack_quantized(codes13, s13, m13, bits=4, gate_up=True)
+    codes2 = torch.randint(-32, 32, (E, H, I))
+    w2, sc2 = pack_quantized(codes2, torch.rand(E, H, I // 16) * 0.004 + 0.002, None, bits=8)
+    tensors = (w13, sc13, w2, sc2)
+    ids, weights = _routing(T, K, E, "skips")
+    hidden = torch.randn(T, H).to(torch.bfloat16)
+    delta = (torch.randn(T, K, 2 * I) * 0.5).to(torch.bfloat16)
+    out, h = torch.ops.kt.fused_moe_delta(hidden, ids, weights, *tensors, delta, "silu")
+    gate_up = torch.ops.kt.unpack(w13, sc13, gate_up=True)
+    down = torch.ops.kt.unpack(w2, sc2, gate_up=False)
+    ref, ref_h = fused_moe_reference(hidden, ids, weights, gate_up, down, "silu", gate_up_delta=delta, return_h=True)
+    assert relative_error(out, ref) <= DELTA_TOLERANCE["int4"], f"seed={seed} {kernel}"
+    assert relative_error(h, ref_h) <= DELTA_TOLERANCE["int4"], f"seed={seed} {kernel}"
+    assert relative_error(out, torch.ops.kt.fused_moe(hidden, ids, weights, *tensors, "silu")) > 0.05
+    dy = torch.randn(T, H).bfloat16()
+    with pytest.raises(RuntimeError, match=r"w13_scales holds scales and minimums \[E, 2, G, N\] \(an exact GGUF"):
+        torch.ops.kt.fused_moe_backward(dy, hidden, ids, weights, *tensors, "silu", delta, None)
+    with pytest.raises(RuntimeError, match=r"int8 w2_scales must be per output channel"):  # grouped int8 down
+        torch.ops.kt.fused_moe_backward(dy, hidden, ids, weights, *_packed(E, H, I, "int8").tensors()[:2], w2, sc2,
+                                        "silu", delta, None)

@@ -103,6 +103,8 @@ Packed describe_packed(const char* op, const at::Tensor& w, const std::optional<
   }
   TORCH_CHECK(s.has_value(), op, ": ", f == Fmt::INT8 ? "int8" : "int4", " weights need ", scales_name);
   const at::Tensor& sc = *s;
+  TORCH_CHECK(sc.dim() != 4, op, ": ", scales_name, " holds scales and minimums [E, 2, G, N] (an exact GGUF affine ",
+              "format such as Q4_K); the backward decodes bf16, per-channel int8 and grouped int4 only");
   TORCH_CHECK(sc.device().is_cpu() && sc.scalar_type() == at::kFloat && sc.dim() == 3 && sc.is_contiguous() &&
                   sc.size(0) == p.E && sc.size(2) == p.N && sc.size(1) > 0 && p.K % sc.size(1) == 0,
               op, ": ", scales_name, " must be a contiguous float32 CPU tensor [E=", p.E, ", G, N=", p.N,
