@@ -17,8 +17,10 @@ Variants (each runs in its own process, one after the other, so that the host me
   ops          no model: one MoE layer of the shape (random packed experts, ``--experts-dtype``) and the three CPU
                calls a trained layer makes per step with expert LoRA and checkpointing (kt.fused_moe_delta in the
                forward and again in the recompute, kt.fused_moe_backward), beside kt.fused_moe (the fused inference
-               kernels); ms per call at ``--seq`` tokens, and the CPU experts' share of a step these make for the
-               shape's layers (``cpu_step_s``)
+               kernels); ms per call at ``--seq`` tokens side by side with each one's ratio to kt.fused_moe, and the
+               CPU experts' share of a step these make for the shape's layers (``cpu_step_s``); ``--profile``: one
+               more call of each with KT_PROFILE on, whose phase lines (kt.fused_moe_backward's: decode, products,
+               element-wise work, copies per worker) print after the table
 
 A step = forward over ``--seq`` random tokens (batch 1, labels = inputs), backward, AdamW step, zero_grad, synced.
 ``--steps`` timed steps after ``--warmup`` warm-up steps; the table shows the median, the peak GPU memory of the
@@ -88,6 +90,16 @@ def run_ops(args) -> dict:
         fused_moe_backward_plain=_median_ms(lambda: torch.ops.kt.fused_moe_backward(dy, x, ids, w, *p, "silu"),
                                             args.op_reps),
     )
+    if args.profile:  # one profiled call of each (KT_PROFILE's lines go to stderr; main() prints them)
+        from ktorch import config
+
+        config.set_profile(True)
+        try:
+            torch.ops.kt.fused_moe(x, ids, w, *p, "silu")
+            torch.ops.kt.fused_moe_delta(x, ids, w, *p, delta, "silu")
+            torch.ops.kt.fused_moe_backward(dy, x, ids, w, *p, "silu", delta, dh)
+        finally:
+            config.set_profile(False)
     return dict(variant="ops", shape=args.shape, layers=layers, seq=T, experts_dtype=args.experts_dtype,
                 ms={k: round(v, 2) for k, v in ms.items()},
                 # per step with expert LoRA: forward, the checkpoint's recompute, backward, for every layer
@@ -174,6 +186,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="gradient checkpointing of the decoder layers (off: no recompute, every layer's activations "
                    "kept)")
     p.add_argument("--op-reps", type=int, default=3, help="ops: timed calls of each op (median)")
+    p.add_argument("--profile", action="store_true",
+                   help="ops: one more call of each op with KT_PROFILE on; their phase lines print after the table")
     p.add_argument("--jsonl", help="append one JSON line per variant to this file")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--variants", default=",".join(VARIANTS))
@@ -192,11 +206,12 @@ def main(argv=None) -> None:
     if args.variant:
         print("RESULT " + json.dumps(run_variant(args)), flush=True)
         return
-    rows = []
+    rows, profiles = [], []
     for variant in args.variants.split(","):
         cmd = [sys.executable, __file__, "--variant", variant] + [a for a in (argv or sys.argv[1:])]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+        profiles += [l for l in proc.stderr.splitlines() if l.startswith("kt.fused_moe")]
         if line is None:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
             rows.append(dict(variant=variant, error=" | ".join(tail)))
@@ -211,16 +226,20 @@ def main(argv=None) -> None:
         if "error" in r:
             print(f"{r['variant']:<12} failed: {r['error']}")
             continue
-        if r["variant"] == "ops":
+        if r["variant"] == "ops":  # the calls side by side, each also as a multiple of the inference op's time
+            ms = r["ms"]
             print(f"{'ops':<12} one layer, {r['experts_dtype']}, {r['seq']} tokens, ms a call: "
-                  + ", ".join(f"{k} {v}" for k, v in r["ms"].items())
-                  + f"; CPU experts a step ({r['layers']} layers, forward + recompute + backward): "
+                  + " | ".join(f"{k} {v}" + (f" ({v / ms['fused_moe']:.2f}x fused_moe)" if k != "fused_moe" else "")
+                               for k, v in ms.items()))
+            print(f"{'':<12} CPU experts a step ({r['layers']} layers, forward + recompute + backward): "
                   f"{r['cpu_step_s']:.2f} s with expert LoRA, {r['cpu_step_s_no_expert_lora']:.2f} s without")
             continue
         gpu = f"{r['gpu_peak_gib']:.2f}" if r["gpu_peak_gib"] is not None else "-"
         print(f"{r['variant']:<12} {r['experts_dtype']:>8} {str(r['expert_lora']):>12} {r['step_s']:>9.3f} {gpu:>13} "
               f"{r['host_peak_gib']:>14.1f} "
               f"{r['trainable_params']:>12,}")
+    for line in profiles:
+        print(line)
     ok = {r["variant"]: r for r in rows if "error" not in r}
     if "ktorch" in ok and "hf_offload" in ok:
         print(f"hf_offload / ktorch step time: {ok['hf_offload']['step_s'] / ok['ktorch']['step_s']:.2f}x")

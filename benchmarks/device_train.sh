@@ -11,7 +11,8 @@
 #
 # Stages (each its own process, one after the other, so each has the host memory to itself):
 #   1. ops          one layer's CPU calls at T=2048 (kt.fused_moe, kt.fused_moe_delta twice a step: forward and the
-#                   checkpoint's recompute, kt.fused_moe_backward): the CPU experts' share of a step, 48 layers
+#                   checkpoint's recompute, kt.fused_moe_backward) side by side: the CPU experts' share of a step,
+#                   48 layers; then each call's KT_PROFILE line (the backward's: decode, products, element-wise, copies)
 #   2. ktorch x48   the criterion's model, 1 warm-up + 2 timed steps                                   (~30 s build)
 #   3. hf x4, hf x8 the peer at 4 and 8 layers, 1 + 1 steps: its per-layer cost (b) and the rest (a), fitted as
 #                   step(L) = a + b L and extrapolated to 48 layers, labelled as such
@@ -63,12 +64,12 @@ stage() {
   local t0=$(date +%s)
   timeout -k 5 "$budget" python3 benchmarks/bench_train.py --jsonl "$ROWS" "$@" "${EXTRA[@]}" >"$OUT/$name.log" 2>&1
   local rc=$?
-  grep -v "^machine:" "$OUT/$name.log" | tail -6
+  grep -v "^machine:" "$OUT/$name.log" | tail -8
   echo "   ($name: rc $rc, $(($(date +%s) - t0)) s wall)"
   [ $rc -eq 124 ] && echo "{\"variant\": \"$name\", \"error\": \"cut by the ${budget} s limit\"}" >>"$ROWS"
 }
 
-stage ops 60 --variants ops --seq 2048 --experts-dtype int8
+stage ops 60 --variants ops --seq 2048 --experts-dtype int8 --profile
 stage ktorch48 150 --variants ktorch --seq 2048 --experts-dtype int8 --steps 2 --warmup 1
 stage hf4 60 --variants hf_offload --seq 2048 --layers 4 --steps 1 --warmup 1
 stage hf8 80 --variants hf_offload --seq 2048 --layers 8 --steps 1 --warmup 1

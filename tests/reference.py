@@ -67,12 +67,17 @@ def fused_moe_reference(
     magnitudes: bool = False,
     gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
-) -> torch.Tensor:
+    gate_up_delta: torch.Tensor | None = None,
+    return_h: bool = False,
+):
     """hidden [T, H], topk_ids/topk_weights [T, K], gate_up [E, 2I, H] (gate rows then up rows), down [E, H, I].
 
     gate_up may instead be [E, I, H] (= I rows): gateless experts, h = act(up). gate_up_bias [E, 2I] (or [E, I])
     is added to the gate/up outputs, down_bias [E, H] to the down output before the routing weight scales it.
-    Returns float64 [T, H]. Negative ids skip their slot; a repeated id counts once per slot.
+    gate_up_delta [T, K, 2I] (or [T, K, I]) is added to each (token, slot)'s gate/up outputs after the bias
+    (kt.fused_moe_delta: LoRA on the experts).
+    Returns float64 [T, H], and with return_h also h [T, K, I] (float64, zeros for skipped slots). Negative ids skip
+    their slot; a repeated id counts once per slot.
     magnitudes=True: instead, out[t, j] = sum_k |w[t,k]| sum_i |h_i| |down_e[j, i]|, the size of the terms the
     down projection and the weighted sum add up (h = act(gate) * up), to bound what their summation order changes.
     """
@@ -81,6 +86,7 @@ def fused_moe_reference(
     I = down.shape[2]
     gated = gate_up.shape[1] == 2 * I
     out = torch.zeros(hidden.shape, dtype=torch.float64)
+    h_all = torch.zeros(*topk_ids.shape, I, dtype=torch.float64)
     for e in range(gate_up.shape[0]):
         tokens, slots = torch.nonzero(topk_ids == e, as_tuple=True)
         if tokens.numel() == 0:
@@ -88,7 +94,10 @@ def fused_moe_reference(
         gu = x[tokens] @ gate_up[e].T
         if gate_up_bias is not None:
             gu = gu + gate_up_bias[e].double()
+        if gate_up_delta is not None:
+            gu = gu + gate_up_delta[tokens, slots].double()
         h = glu_reference(gu[:, :I], gu[:, I:], activation) if gated else glu_reference(None, gu, activation)
+        h_all[tokens, slots] = h
         w = weights[tokens, slots, None]
         if magnitudes:
             b = 0.0 if down_bias is None else down_bias[e].double().abs()
@@ -98,7 +107,7 @@ def fused_moe_reference(
             if down_bias is not None:
                 y = y + down_bias[e].double()
             out.index_add_(0, tokens, w * y)
-    return out
+    return (out, h_all) if return_h else out
 
 
 def int8_codes_reference(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -384,21 +384,218 @@ def test_family_errors_name_the_problem():
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_bf16_decode_is_the_weights_rounded_to_bf16(fmt, one_thread):
-    """bf16 hidden states run on experts decoded to bf16 by the backward's own block walk: h from kt.fused_moe_delta
-    equals torch's bf16 products on kt.unpack's weights rounded to nearest even, bit for bit (one thread: the same
-    matmul kernel on both sides), for the gate/up rows of both halves of every 64-row block and every int4 group."""
+    """bf16 hidden states run the backward on experts decoded to bf16 by its own block walk: d gate_up_delta equals
+    torch's bf16 products on kt.unpack's weights rounded to nearest even, bit for bit (one thread: the same matmul
+    kernel on both sides), for the gate/up rows of both halves of every 64-row block, the down rows and every int4
+    group. With relu, routing weights 1 and zero deltas, d delta = [dh * u * (g > 0) | dh * relu(g)] with
+    [g | u] = x W13^T and dh = dY W2: elementwise products of the two decoded products."""
     E, H, I, T, K = 3, 256, 96, 17, 2
     packed = _packed(E, H, I, fmt)
     ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
-    weights = torch.rand(T, K)
     x = torch.randn(T, H).to(torch.bfloat16)
-    out, h = torch.ops.kt.fused_moe_delta(x, ids, weights, *packed.tensors(), torch.zeros(T, K, 2 * I), "relu")
+    dy = torch.randn(T, H).to(torch.bfloat16)
+    _, _, dd = torch.ops.kt.fused_moe_backward(dy, x, ids, torch.ones(T, K), *packed.tensors(), "relu",
+                                               torch.zeros(T, K, 2 * I), None)
     gate_up, down = (w.to(torch.bfloat16) for w in packed.dequantize())
-    pairs = torch.zeros(T, K, H)
     for e in range(E):
         t, k = (ids == e).nonzero(as_tuple=True)  # (t, k) ascending: the op's pair order within an expert
         gu = torch.mm(x[t], gate_up[e].t()).float()
-        want = (torch.relu(gu[:, :I]) * gu[:, I:]).to(torch.bfloat16)
-        assert torch.equal(h[t, k], want), f"expert {e}: {(h[t, k] != want).sum()} of {want.numel()} differ"
-        pairs[t, k] = torch.mm(want, down[e].t()).float() * weights[t, k].unsqueeze(1)  # the down decode
-    assert torch.equal(out, pairs.sum(1).to(torch.bfloat16))
+        dh = torch.mm(dy[t], down[e]).float()
+        g, u = gu[:, :I], gu[:, I:]
+        want = torch.cat([torch.where(g > 0, dh * u, torch.zeros_like(g)), dh * torch.relu(g)], 1)
+        got = dd[t, k]
+        assert torch.equal(got, want), f"expert {e}: {(got != want).sum()} of {want.numel()} differ"
+
+
+# ---------------------------------------------------------------- kt.fused_moe_delta on the packed kernels (bf16 and
+# fp16 hidden states): kt.fused_moe's path, with the deltas added to each kernel call's gate/up output
+
+
+def _delta_case(E, H, I, T, K, fmt, gated=True, biases=False, delta_scale=0.5, delta_dtype=torch.bfloat16):
+    packed = _family_packed(E, H, I, fmt, gated, biases)
+    ids, weights = _routing(T, K, E, "skips")
+    hidden = torch.randn(T, H).to(torch.bfloat16)
+    delta = (torch.randn(T, K, packed.w13.shape[1] * 16) * delta_scale).to(delta_dtype)
+    return packed, ids, weights, hidden, delta
+
+
+def _check_delta_forward(out, h, hidden, ids, weights, packed, delta, activation, what):
+    """out and h against the float64 reference with the deltas, within kt.fused_moe's own tolerances (its kernels
+    round the activations to bf16, or to int8 for int formats: tests/test_ops_fused_moe.py, TOLERANCE); skipped
+    slots' h rows exactly zero."""
+    gate_up, down = packed.dequantize()
+    ref, ref_h = fused_moe_reference(hidden, ids, weights, gate_up, down, activation, gate_up_bias=packed.w13_bias,
+                                     down_bias=packed.w2_bias, gate_up_delta=delta, return_h=True)
+    T, K = ids.shape
+    assert out.shape == hidden.shape and out.dtype == hidden.dtype, what
+    assert h.shape == (T, K, down.shape[2]) and h.dtype == hidden.dtype and h.is_contiguous(), what
+    tol = DELTA_TOLERANCE[packed.format] * (4 / 3 if packed.format != "bf16" and T < 4 else 1)
+    err_out, err_h = relative_error(out, ref), relative_error(h, ref_h)
+    assert err_out <= tol, f"{what}: out relative error {err_out:.4g} > {tol}"
+    assert err_h <= tol, f"{what}: h relative error {err_h:.4g} > {tol}"
+    assert (h[ids < 0] == 0).all(), what
+
+
+# kt.fused_moe's tolerances against the float64 reference (tests/test_ops_fused_moe.py, TOLERANCE)
+DELTA_TOLERANCE = {"bf16": 1e-2, "int8": 3e-2, "int4": 8e-2}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("T", [1, 6, 45, 300])
+def test_delta_forward_on_the_packed_kernels(kernel, fmt, T, seed):
+    """bf16 hidden: each task plan of kt.fused_moe (split channels with a separate h quantization at small T, whole
+    experts a task with the GLU as the next call's side work at large T) with bf16 deltas, at every kernel level
+    here: out and h within kt.fused_moe's tolerance of the float64 reference; zero deltas give kt.fused_moe's output
+    bit for bit; a repeat is the same bit for bit."""
+    E, K, H, I = 7, 3, 192, 320
+    packed, ids, weights, hidden, delta = _delta_case(E, H, I, T, K, fmt)
+    what = f"seed={seed} {kernel} {fmt} T={T}"
+    out, h = torch.ops.kt.fused_moe_delta(hidden, ids, weights, *packed.tensors(), delta, "silu")
+    _check_delta_forward(out, h, hidden, ids, weights, packed, delta, "silu", what)
+    again, h_again = torch.ops.kt.fused_moe_delta(hidden, ids, weights, *packed.tensors(), delta, "silu")
+    assert torch.equal(again, out) and torch.equal(h_again, h), f"{what}: a repeat differs"
+    zero, _ = torch.ops.kt.fused_moe_delta(hidden, ids, weights, *packed.tensors(), torch.zeros_like(delta), "silu")
+    assert torch.equal(zero, torch.ops.kt.fused_moe(hidden, ids, weights, *packed.tensors(), "silu")), what
+    # the deltas do change the result (B != 0: the test means something)
+    assert relative_error(out, zero) > 0.05, what
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("gated,activation,biases",
+                         [(True, a, b) for a in OP_ACTIVATIONS[1:] + FAMILY_ACTIVATIONS for b in (False, True)]
+                         + [(False, a, True) for a in GATELESS_ACTIVATIONS])
+def test_delta_forward_activations_biases_gateless(kernel, fmt, gated, activation, biases, seed):
+    """The kernels' GLU (silu .. relu without biases) and the driver's epilogue (biases, relu2, the clamped and
+    softcapped activations, gateless experts) both see the deltas, added before them."""
+    E, K, H, I, T = 5, 2, 96, 96, 37  # I = 96: gateless experts' last gate/up call covers 32 channels
+    packed, ids, weights, hidden, delta = _delta_case(E, H, I, T, K, fmt, gated, biases)
+    out, h = torch.ops.kt.fused_moe_delta(hidden, ids, weights, *packed.tensors(), delta, activation, *packed.biases())
+    _check_delta_forward(out, h, hidden, ids, weights, packed, delta, activation,
+                         f"seed={seed} {kernel} {fmt} {activation} biases={biases} gated={gated}")
+    zero = torch.zeros_like(delta)
+    z, _ = torch.ops.kt.fused_moe_delta(hidden, ids, weights, *packed.tensors(), zero, activation, *packed.biases())
+    assert torch.equal(z, torch.ops.kt.fused_moe(hidden, ids, weights, *packed.tensors(), activation,
+                                                 *packed.biases()))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_delta_dtypes_and_layouts_and_fp16_hidden(kernel, fmt, seed):
+    """bf16 deltas are read in place, any other float dtype or layout through fp32: the same values give the same
+    output bit for bit. fp16 hidden gives fp16 out and h, within tolerance."""
+    E, K, H, I, T = 6, 3, 128, 64, 29
+    packed, ids, weights, hidden, delta = _delta_case(E, H, I, T, K, fmt)
+    base = torch.ops.kt.fused_moe_delta(hidden, ids, weights, *packed.tensors(), delta, "gelu")
+    strided = delta.float().transpose(0, 1).contiguous().transpose(0, 1)  # [T, K, 2I] with T not outermost
+    for d in (delta.float(), delta.double(), strided, delta.half()):
+        got = torch.ops.kt.fused_moe_delta(hidden, ids, weights, *packed.tensors(), d, "gelu")
+        assert torch.equal(got[0], base[0]) and torch.equal(got[1], base[1]), f"seed={seed} delta {d.dtype}"
+    h16 = hidden.half()
+    out, h = torch.ops.kt.fused_moe_delta(h16, ids, weights, *packed.tensors(), delta.float(), "gelu")
+    _check_delta_forward(out, h, h16, ids, weights, packed, delta.float(), "gelu", f"seed={seed} {kernel} fp16")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_autograd_through_the_packed_delta_forward(fmt):
+    """A bf16 LoRA-style step: the packed-kernel forward, the decoded-expert backward; d hidden, d weights and
+    d delta (what trains the gate/up adapters) within bf16 tolerance of torch.autograd on the float64 reference,
+    with a down-side loss term on h too (grad_h)."""
+    E, K, H, I, T = 6, 3, 96, 64, 21
+    packed, ids, weights, hidden, delta = _delta_case(E, H, I, T, K, fmt, delta_scale=0.3)
+    x = hidden.clone().requires_grad_()
+    w = weights.clone().requires_grad_()
+    d = delta.clone().requires_grad_()
+    grad_out, grad_h = torch.randn(T, H), torch.randn(T, K, I)
+    out, h = torch.ops.kt.fused_moe_delta(x, ids, w, *packed.tensors(), d, "silu")
+    torch.autograd.backward((out, h), (grad_out.to(out.dtype), grad_h.to(h.dtype)))
+    gate_up, down = packed.dequantize()
+    rx, rw, rd = (t.detach().double().requires_grad_() for t in (hidden, weights, delta))
+    ref, ref_h = fused_moe_reference(rx, ids, rw, gate_up, down, "silu", gate_up_delta=rd, return_h=True)
+    torch.autograd.backward((ref, ref_h), (grad_out.to(torch.bfloat16).double(), grad_h.to(torch.bfloat16).double()))
+    tol = {"bf16": 2e-2, "int8": 4e-2, "int4": 8e-2}[fmt]  # the forward's activation rounding feeds h into d weights
+    assert x.grad.dtype == torch.bfloat16 and d.grad.dtype == torch.bfloat16
+    for name, got, want in (("hidden", x.grad, rx.grad), ("weights", w.grad, rw.grad), ("delta", d.grad, rd.grad)):
+        err = relative_error(got, want)
+        assert err < tol, f"{fmt} d {name}: relative error {err:.4g}"
+
+
+def test_packed_delta_forward_errors_and_opcheck():
+    packed = _packed(4, 32, 32, "int8")
+    ids, weights = _routing(6, 2, 4, "skips")
+    hidden = torch.randn(6, 32).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"gate_up_delta must be a float CPU tensor \[T=6, K=2, 2I=64\]"):
+        torch.ops.kt.fused_moe_delta(hidden, ids, weights, *packed.tensors(), torch.zeros(6, 2, 32))
+    with pytest.raises(RuntimeError, match="gate_up_delta must be a float CPU tensor"):
+        torch.ops.kt.fused_moe_delta(hidden, ids, weights, *packed.tensors(), torch.zeros(6, 2, 64, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="hidden size mismatch"):
+        torch.ops.kt.fused_moe_delta(torch.randn(6, 64).bfloat16(), ids, weights, *packed.tensors(),
+                                     torch.zeros(6, 2, 64))
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    delta = torch.randn(6, 2, 64, dtype=torch.bfloat16, requires_grad=True)
+    torch.library.opcheck(torch.ops.kt.fused_moe_delta.default,
+                          (hidden.requires_grad_(), ids, weights.requires_grad_(), *packed.tensors(), delta, "silu"),
+                          test_utils=utils)
+
+
+def test_backward_with_fewer_experts_than_threads():
+    """Fewer routed experts than threads: one expert at a time, its decode split over the workers by blocks and its
+    products multi-threaded (fused_moe_backward.cpp, for_each_expert). float64: the reference gradients; bf16: the
+    per-expert tasks' result (more experts than threads) within bf16 rounding, d delta included."""
+    E, H, I, T, K = 6, 64, 96, 23, 2
+    packed = _packed(E, H, I, "int8")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        for used in (1, 3):  # experts with pairs: both fewer than the 4 threads
+            ids = torch.randint(0, used, (T, K))
+            ids[0, 1] = -1
+            weights = torch.rand(T, K)
+            hidden, grad_out = torch.randn(T, H, dtype=torch.float64), torch.randn(T, H, dtype=torch.float64)
+            dx, dw, _ = torch.ops.kt.fused_moe_backward(grad_out, hidden, ids, weights.double(), *packed.tensors(),
+                                                        "silu")
+            rx, rw = _reference_grads(hidden, ids, weights, packed, "silu", grad_out)
+            torch.testing.assert_close(dx, rx, rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(dw, rw, rtol=1e-10, atol=1e-12)
+            # bf16 with deltas (the bf16 products, fp32 element-wise work): within bf16 rounding of the float64 op
+            delta = torch.randn(T, K, 2 * I) * 0.3
+            x16, dy16 = hidden.to(torch.bfloat16), grad_out.to(torch.bfloat16)
+            bx, bw, bd = torch.ops.kt.fused_moe_backward(dy16, x16, ids, weights, *packed.tensors(), "silu", delta,
+                                                         None)
+            fx, fw, fd = torch.ops.kt.fused_moe_backward(dy16.double(), x16.double(), ids, weights.double(),
+                                                         *packed.tensors(), "silu", delta.double(), None)
+            assert relative_error(bx, fx) < 2e-2 and relative_error(bw, fw) < 2e-2 and relative_error(bd, fd) < 2e-2
+            assert (bd[ids < 0] == 0).all() and (bw[ids < 0] == 0).all()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_delta_forward_on_exact_gguf_layouts(kernel, seed):
+    """The layouts the exact GGUF formats load into (ktorch.ops.moe.pack_quantized): affine int4 gate/up (Q4_K's
+    codes, scale and minimum per group of 32) beside grouped int8 down (Q6_K's, groups of 16). kt.fused_moe's path
+    runs them with the deltas too, within its int4 tolerance of the float64 reference; the backward's decode takes only
+    bf16, per-channel int8 and grouped int4, and says so."""
+    from ktorch.ops.moe import pack_quantized
+
+    E, H, I, T, K = 4, 128, 64, 19, 2
+    codes13 = torch.randint(0, 16, (E, 2 * I, H))
+    s13 = torch.rand(E, 2 * I, H // 32) * 0.02 + 0.01
+    m13 = s13 * 7.5 + torch.randn(E, 2 * I, H // 32) * 0.005
+    w13, sc13 = pack_quantized(codes13, s13, m13, bits=4, gate_up=True)
+    codes2 = torch.randint(-32, 32, (E, H, I))
+    w2, sc2 = pack_quantized(codes2, torch.rand(E, H, I // 16) * 0.004 + 0.002, None, bits=8)
+    tensors = (w13, sc13, w2, sc2)
+    ids, weights = _routing(T, K, E, "skips")
+    hidden = torch.randn(T, H).to(torch.bfloat16)
+    delta = (torch.randn(T, K, 2 * I) * 0.5).to(torch.bfloat16)
+    out, h = torch.ops.kt.fused_moe_delta(hidden, ids, weights, *tensors, delta, "silu")
+    gate_up = torch.ops.kt.unpack(w13, sc13, gate_up=True)
+    down = torch.ops.kt.unpack(w2, sc2, gate_up=False)
+    ref, ref_h = fused_moe_reference(hidden, ids, weights, gate_up, down, "silu", gate_up_delta=delta, return_h=True)
+    assert relative_error(out, ref) <= DELTA_TOLERANCE["int4"], f"seed={seed} {kernel}"
+    assert relative_error(h, ref_h) <= DELTA_TOLERANCE["int4"], f"seed={seed} {kernel}"
+    assert relative_error(out, torch.ops.kt.fused_moe(hidden, ids, weights, *tensors, "silu")) > 0.05
+    dy = torch.randn(T, H).bfloat16()
+    with pytest.raises(RuntimeError, match=r"w13_scales holds scales and minimums \[E, 2, G, N\] \(an exact GGUF"):
+        torch.ops.kt.fused_moe_backward(dy, hidden, ids, weights, *tensors, "silu", delta, None)
+    with pytest.raises(RuntimeError, match=r"int8 w2_scales must be per output channel"):  # grouped int8 down
+        torch.ops.kt.fused_moe_backward(dy, hidden, ids, weights, *_packed(E, H, I, "int8").tensors()[:2], w2, sc2,
+                                        "silu", delta, None)

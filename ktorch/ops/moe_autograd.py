@@ -24,8 +24,10 @@ bias shifts the pre-activations, the down bias adds <dY[t], b2_e> to d weights) 
 (out, h [T, K, I])`` (gateless experts: gate_up_delta [T, K, I]) is
 the routed experts with ``gate_up_delta`` added to each (token, slot)'s gate/up pre-activations (gate columns then
 up columns) that also returns h = act(gate) * up: what LoRA on the experts needs (ktorch/lora.py), since an adapter
-on gate/up acts before the GLU and one on down acts on h. It runs on the same decoded-expert path as the backward
-(not ktorch's fused kernels), in float64 for float64 inputs, so ``torch.autograd.gradcheck`` applies to it directly.
+on gate/up acts before the GLU and one on down acts on h. For bf16/fp16 hidden it runs kt.fused_moe's own packed
+kernels (the deltas added to each gate/up kernel call's output before the GLU; kt.fused_moe's numerics, its exact
+output when the deltas are zero); for float32/float64 hidden the decoded-expert path of the backward, exactly the
+function of the dequantized weights (in float64 for float64 inputs, so ``torch.autograd.gradcheck`` applies to it).
 """
 
 from __future__ import annotations

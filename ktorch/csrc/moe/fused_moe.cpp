@@ -32,6 +32,10 @@
 // run in the driver's own epilogue (Epilogue below: plain C++, so every kernel level gets them): the gate/up bias,
 // the clamps and the activation on each kernel call's fp32 output, and the down bias on each down call's output
 // before the routing weight scales it. Calls without them keep the kernels' vectorized GLU.
+// The training forward (fused_moe_with_delta, fused_moe.h; kt.fused_moe_delta for bf16/fp16 hidden) is this same
+// call with deltas added to each gate/up kernel call's fp32 output in the GLU step (Part::Glu, before the kernels'
+// GLU or the driver's epilogue: shared code, so every kernel level and the AMX side work get them) and each routed
+// pair's h written out at the end of its gate/up task.
 // KT_PROFILE=1 prints each call's phase times to stderr.
 #include "fused_moe.h"
 
@@ -571,6 +575,16 @@ void run_stages(std::vector<Stage>& stages, bool one_dispatch, PhaseTimer& timer
   }
 }
 
+// The training forward's additions (fused_moe_with_delta, fused_moe.h), both indexed by the (token, slot) pair
+// t * K + k: deltas added to each routed pair's gate/up outputs before the epilogue, and h written out.
+struct Training {
+  const void* delta = nullptr;  // [T * K, N13] (gate columns, then up columns; gateless: up), bf16 or fp32
+  bool delta_bf16 = false;
+  int64_t n13 = 0;
+  void* h = nullptr;  // [T * K, I] of h_dtype (bf16, fp16 or fp32)
+  at::ScalarType h_dtype = at::kBFloat16;
+};
+
 // What the parts of a call share: the shapes, the kernels, each token's activation row and per-worker scratch.
 struct Shared {
   const at::Tensor& hidden;
@@ -595,6 +609,7 @@ struct Shared {
   int prefetch_ahead = 0;       // GemmArgs::prefetch_ahead (kPrefetchAhead)
   at::Tensor wf32, wa, wsc, wgs, wc;
   Epilogue ep;  // biases, activation, gated or not
+  const Training* train = nullptr;  // the training forward's deltas and h output, or nullptr (inference)
 
   // the activations stage: 16 tokens a task
   int64_t activation_tasks() const { return rows_out == nullptr ? 0 : (T + 15) / 16; }
@@ -638,6 +653,7 @@ class Part {
     }
     pair_token_.resize(P_);
     pair_weight_.resize(P_);
+    if (s.train != nullptr) pair_slot_.resize(P_);
     {
       std::vector<int64_t> fill(offset_.begin(), offset_.end() - 1);
       for (int64_t t = 0, i = 0; t < T; ++t)  // (token by token: no division by K per pair)
@@ -647,6 +663,7 @@ class Part {
           const int64_t p = fill[e]++;
           pair_token_[p] = t;
           pair_weight_[p] = wp[i];
+          if (s.train != nullptr) pair_slot_[p] = i;
         }
     }
     for (int64_t e = 0; e < E; ++e)
@@ -810,9 +827,16 @@ class Part {
     const size_t up_block = kernels::block_bytes(s.up.fmt, s.up.K);
     // The GLU of call g: h columns 32g.. (gateless: 64g..) of the chunk's rows from that call's c.
     const Epilogue& ep = s.ep;
-    auto glu_of = [&](int64_t g, const float* cg) {
+    auto glu_of = [&](int64_t g, float* cg) {
       const int64_t h0 = ep.gated ? 32 * g : 64 * g;
       Glu u{&s.ks, cg, s.act, nullptr, nullptr, I};
+      if (s.train != nullptr && s.train->delta != nullptr) {  // this call's delta columns, added before the epilogue
+        u.train = s.train;
+        u.slots = pair_slot_.data() + ch.p0;
+        u.d_gate = ep.gated ? h0 : -1;
+        u.d_up = ep.gated ? I + h0 : h0;
+        u.nd = static_cast<int>(ep.gated ? 32 : std::min<int64_t>(64, I - h0));
+      }
       if (!s.int_fmt) u.bf16 = static_cast<uint16_t*>(h_.data_ptr()) + ch.p0 * I + h0;
       else u.f32 = (full_rows_ ? hrows : h_.data_ptr<float>() + ch.p0 * I) + h0;
       if (!ep.kernel_glu()) {
@@ -872,10 +896,43 @@ class Part {
       if (!has_pending) Glu::run(&pending, 0, a.M);
       times.lap(worker, WorkerTimes::kEpilogue, t_mark);
     }
+    if (s.train != nullptr && s.train->h != nullptr) {  // the training forward: this task's h, before quantization
+      const int64_t c0 = ep.gated ? 32 * g0 : 64 * g0, c1 = std::min<int64_t>(I, ep.gated ? 32 * g1 : 64 * g1);
+      for (int64_t m = 0; m < ch.n; ++m) {
+        const int64_t p = ch.p0 + m;
+        if (!s.int_fmt) store_h(static_cast<const uint16_t*>(h_.data_ptr()) + p * I + c0, nullptr, c1 - c0, p, c0);
+        else store_h(nullptr, (full_rows_ ? hrows + m * I : h_.data_ptr<float>() + p * I) + c0, c1 - c0, p, c0);
+      }
+    }
     if (s.int_fmt && full_rows_)
       s.ks.quantize_rows(hrows, I, static_cast<int>(ch.n), I, s.down.group_size(), hq_.data_ptr<int8_t>() + ch.p0 * I,
                          I, hs_.data_ptr<float>() + ch.p0, hg_.data_ptr<int32_t>() + ch.p0 * s.down.groups);
     times.lap(worker, WorkerTimes::kEpilogue, t_mark);
+  }
+
+  // The training forward's h output: n channels of pair p's h (bf16 or fp32 source) into its row of train->h from
+  // channel c0, in train->h's dtype (fp32 rounded once to nearest even for bf16).
+  void store_h(const uint16_t* bf16, const float* f32, int64_t n, int64_t p, int64_t c0) const {
+    const Training& tr = *s_.train;
+    const int64_t off = pair_slot_[p] * s_.I + c0;
+    switch (tr.h_dtype) {
+      case at::kBFloat16: {
+        uint16_t* dst = static_cast<uint16_t*>(tr.h) + off;
+        if (bf16 != nullptr) std::memcpy(dst, bf16, n * 2);
+        else for (int64_t j = 0; j < n; ++j) dst[j] = f32_to_bf16(f32[j]);
+        break;
+      }
+      case at::kHalf: {
+        at::Half* dst = static_cast<at::Half*>(tr.h) + off;
+        for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<at::Half>(bf16 != nullptr ? bf16_to_f32(bf16[j]) : f32[j]);
+        break;
+      }
+      default: {
+        float* dst = static_cast<float*>(tr.h) + off;
+        if (f32 != nullptr) std::memcpy(dst, f32, n * 4);
+        else for (int64_t j = 0; j < n; ++j) dst[j] = bf16_to_f32(bf16[j]);
+      }
+    }
   }
 
   // What gate_up(task) reads from the weights: its chunk's expert, its channel groups (4 blocks each, contiguous).
@@ -1005,7 +1062,7 @@ class Part {
   // biases, or nullptr.
   struct Glu {
     const kernels::KernelSet* ks = nullptr;
-    const float* c = nullptr;
+    float* c = nullptr;  // (the worker's own buffer: the training forward adds its deltas in place)
     Activation act = Activation::SiLU;
     float* f32 = nullptr;
     uint16_t* bf16 = nullptr;
@@ -1014,12 +1071,39 @@ class Part {
     int n = 32;
     const float* bias_gate = nullptr;
     const float* bias_up = nullptr;
+    // The training forward (train set): row r's deltas, row slots[r] of train->delta, its columns d_gate.. into
+    // c's 32 gate columns (gated) and d_up.. into its nd up columns (gateless: c's first nd columns), added to c
+    // before the epilogue reads it, so the kernels' GLU and the driver's epilogue both see them.
+    const Training* train = nullptr;
+    const int64_t* slots = nullptr;
+    int64_t d_gate = -1, d_up = 0;
+    int nd = 0;
     static void run(void* self, int64_t r0, int64_t r1) {
       const Glu& u = *static_cast<const Glu*>(self);
       const int rows = static_cast<int>(r1 - r0);
+      if (u.train != nullptr) u.add_delta(r0, r1);
       if (u.ep != nullptr) return u.run_epilogue(r0, r1);
       if (u.bf16 != nullptr) u.ks->glu_bf16(u.c + r0 * 64, 64, rows, 32, u.act, u.bf16 + r0 * u.ldo, u.ldo);
       else u.ks->glu_f32(u.c + r0 * 64, 64, rows, 32, u.act, u.f32 + r0 * u.ldo, u.ldo);
+    }
+    void add_delta(int64_t r0, int64_t r1) const {
+      const int64_t ld = train->n13;
+      const int up_at = d_gate >= 0 ? 32 : 0;
+      for (int64_t r = r0; r < r1; ++r) {
+        float* cr = c + r * 64;
+        const int64_t row = slots[r] * ld;
+        if (train->delta_bf16) {
+          const uint16_t* d = static_cast<const uint16_t*>(train->delta) + row;
+          if (d_gate >= 0)
+            for (int i = 0; i < 32; ++i) cr[i] += bf16_to_f32(d[d_gate + i]);
+          for (int i = 0; i < nd; ++i) cr[up_at + i] += bf16_to_f32(d[d_up + i]);
+        } else {
+          const float* d = static_cast<const float*>(train->delta) + row;
+          if (d_gate >= 0)
+            for (int i = 0; i < 32; ++i) cr[i] += d[d_gate + i];
+          for (int i = 0; i < nd; ++i) cr[up_at + i] += d[d_up + i];
+        }
+      }
     }
     void run_epilogue(int64_t r0, int64_t r1) const {
       const Epilogue& e = *ep;
@@ -1047,6 +1131,7 @@ class Part {
   at::Tensor out_;
   int64_t P_ = 0;
   std::vector<int64_t> offset_, pair_token_, active_;
+  std::vector<int64_t> pair_slot_;  // training forward only: each pair's t * K + k (the delta and h rows)
   std::vector<float> pair_weight_;
   std::vector<Chunk> chunks_;
   std::vector<int64_t> chunk_start_ = {0, 0};  // stage group g: chunks_[chunk_start_[g] .. chunk_start_[g + 1])
@@ -1125,7 +1210,7 @@ void run_call(WeightFormat fmt, const at::Tensor& hidden_in, const at::Tensor& i
               const at::Tensor& w2, const std::optional<at::Tensor>& w2_scales, c10::string_view activation,
               const QuantizeH& quantize_h, const at::Tensor& out_now, const at::Tensor* out_later,
               const std::function<void()>& on_now, const std::optional<at::Tensor>& w13_bias,
-              const std::optional<at::Tensor>& w2_bias) {
+              const std::optional<at::Tensor>& w2_bias, const Training* train = nullptr) {
   const PackedMatrix up = describe(w13, w13_scales, fmt, "w13", "w13_scales");
   const PackedMatrix down = describe(w2, w2_scales, format_of(w2, "w2"), "w2", "w2_scales");
   // gated: w13 is [E, 2I, H] packed with gate_up=True; gateless: [E, I, H] (up only), packed with gate_up=False
@@ -1178,6 +1263,9 @@ void run_call(WeightFormat fmt, const at::Tensor& hidden_in, const at::Tensor& i
            static_cast<const uint8_t*>(w2.data_ptr()), w2_scales ? w2_scales->data_ptr<float>() : nullptr,
            int_fmt ? up.groups : 1, int_fmt ? H : 2 * H, 0, 0};
   s.ep = ep;
+  s.train = train;
+  TORCH_INTERNAL_ASSERT(train == nullptr || (ids_later == nullptr && !caller_quantizes_h &&
+                                             train->n13 == (gated ? 2 * I : I)));
   s.prefetch_ahead = kPrefetchAhead;
   // ---- 1. route (each part)
   const at::Tensor wts = topk_weights_in.to(at::kFloat).contiguous();
@@ -1260,6 +1348,7 @@ void run_call(WeightFormat fmt, const at::Tensor& hidden_in, const at::Tensor& i
     std::string what = "T=" + std::to_string(T) + " pairs=" + std::to_string(now.pairs()) +
                        " experts=" + std::to_string(now.experts());
     if (later) what += " later_pairs=" + std::to_string(later->pairs()) + " later_experts=" + std::to_string(later->experts());
+    if (train != nullptr) what += " delta";  // fused_moe_with_delta
     timer.print(what + " " + (fmt == WeightFormat::BF16 ? "bf16" : fmt == WeightFormat::INT8 ? "int8" : "int4") + " " +
                 ks.name);
   }
@@ -1307,6 +1396,47 @@ void fused_moe_split(const at::Tensor& hidden, const at::Tensor& ids_now, const 
                 hidden.scalar_type(), ", got ", o->sizes(), " ", o->scalar_type(), " on ", o->device());
   run_call(fmt, hidden, ids_now, &ids_later, topk_weights, w13, w13_scales, w2, w2_scales, activation, QuantizeH(), out_now,
            &out_later, on_now, w13_bias, w2_bias);
+}
+
+at::Tensor fused_moe_with_delta(const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                                const at::Tensor& w13, const std::optional<at::Tensor>& w13_scales, const at::Tensor& w2,
+                                const std::optional<at::Tensor>& w2_scales, c10::string_view activation,
+                                const at::Tensor& gate_up_delta, const at::Tensor& h_out,
+                                const std::optional<at::Tensor>& w13_bias, const std::optional<at::Tensor>& w2_bias) {
+  const WeightFormat fmt = check_call(hidden, topk_ids, topk_weights, w13, w2);
+  const int64_t T = hidden.size(0), K = topk_ids.size(1), n13 = w13.size(1) * 16;
+  const int64_t I = w2.size(2) * (w2.scalar_type() == at::kByte ? 8 : w2.size(4));
+  TORCH_CHECK(gate_up_delta.device().is_cpu() && gate_up_delta.is_floating_point() && gate_up_delta.dim() == 3 &&
+                  gate_up_delta.size(0) == T && gate_up_delta.size(1) == K && gate_up_delta.size(2) == n13,
+              "fused_moe_delta: gate_up_delta must be a float CPU tensor [T=", T, ", K=", K, ", ",
+              n13 == I ? "I=" : "2I=", n13, "], got ", gate_up_delta.scalar_type(), " ", gate_up_delta.sizes(), " on ",
+              gate_up_delta.device());
+  TORCH_CHECK(h_out.device().is_cpu() && h_out.is_contiguous() && h_out.dim() == 3 && h_out.size(0) == T &&
+                  h_out.size(1) == K && h_out.size(2) == I &&
+                  (h_out.scalar_type() == at::kBFloat16 || h_out.scalar_type() == at::kHalf ||
+                   h_out.scalar_type() == at::kFloat),
+              "fused_moe_delta: h_out must be a contiguous bf16/fp16/fp32 CPU tensor [T=", T, ", K=", K, ", I=", I,
+              "], got ", h_out.scalar_type(), " ", h_out.sizes());
+  // the deltas read in place when bf16 or fp32 and contiguous (the usual case: an adapter's output)
+  const at::Tensor delta = gate_up_delta.scalar_type() == at::kBFloat16
+                               ? gate_up_delta.contiguous()
+                               : gate_up_delta.to(at::kFloat).contiguous();
+  Training train;
+  train.delta = delta.data_ptr();
+  train.delta_bf16 = delta.scalar_type() == at::kBFloat16;
+  train.n13 = n13;
+  train.h = h_out.data_ptr();
+  train.h_dtype = h_out.scalar_type();
+  // skipped slots' h rows are zeros (the routed ones are all written by the gate/up tasks)
+  const at::Tensor ids = topk_ids.to(at::kLong).contiguous();
+  const int64_t* idp = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < T * K; ++i)
+    if (idp[i] < 0) std::memset(static_cast<char*>(h_out.data_ptr()) + i * I * h_out.element_size(), 0,
+                                I * h_out.element_size());
+  at::Tensor out = at::empty({T, hidden.size(1)}, hidden.options());
+  run_call(fmt, hidden, topk_ids, nullptr, topk_weights, w13, w13_scales, w2, w2_scales, activation, QuantizeH(), out,
+           nullptr, {}, w13_bias, w2_bias, &train);
+  return out;
 }
 
 }  // namespace kt::moe

@@ -62,6 +62,20 @@ void fused_moe_split(const at::Tensor& hidden, const at::Tensor& ids_now, const 
                      const std::optional<at::Tensor>& w13_bias = std::nullopt,
                      const std::optional<at::Tensor>& w2_bias = std::nullopt);
 
+// The training forward (fused_moe_delta, fused_moe_backward.cpp): kt::fused_moe with gate_up_delta [T, K, N13]
+// (N13 = w13's rows: 2I, gate columns then up columns, or I for gateless experts; any float dtype and layout, bf16 and
+// fp32 contiguous read in place) added to each routed (token, slot)'s gate/up outputs (after the bias, before the
+// activation), and each routed pair's h = act(gate) * up written into h_out (contiguous [T, K, I], bf16, fp16 or
+// fp32; the rows of skipped slots zeroed). The same kernels, tasks, stages and numerics as fused_moe (whose result
+// it is bit for bit when the deltas are zeros); h_out holds h as the GLU made it (fp32 for int formats, before their
+// int8 quantization for the down projection; bf16 for bf16 weights), rounded once to h_out's dtype.
+at::Tensor fused_moe_with_delta(const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                                const at::Tensor& w13, const std::optional<at::Tensor>& w13_scales, const at::Tensor& w2,
+                                const std::optional<at::Tensor>& w2_scales, c10::string_view activation,
+                                const at::Tensor& gate_up_delta, const at::Tensor& h_out,
+                                const std::optional<at::Tensor>& w13_bias = std::nullopt,
+                                const std::optional<at::Tensor>& w2_bias = std::nullopt);
+
 // dst, a row of `dtype` (fp32, bf16 or fp16) = src[0] + src[1] + ... + src[n_src - 1] over n columns, added in fp32
 // in that order by ks.sum_rows (zeros when n_src is 0), then rounded once: the last step of the op (its expert
 // groups) and of the NUMA split (its slices).

@@ -16,12 +16,30 @@
 // [T, K, 2I] pre-activations (Qwen3-30B-A3B at T = 2048: 48 MiB a layer in bf16, 2.4 GiB for 48 layers), at the
 // price of one more x W13^T product per pair (2 of the 5 H*I-sized products a pair's backward makes here).
 //
-// How: the pairs are grouped by expert; each expert is one task, pulled by the ATen (OpenMP) workers from a shared
-// counter, most tokens first. A task decodes its expert's packed blocks (bf16, int8 per channel, int4 grouped:
-// kernels.h) into its worker's scratch as dense [2I, H] and [H, I] matrices in the compute dtype (no unpacked copy
-// of the layer: one expert per worker at a time), then runs the products with ATen's matmuls (oneDNN/MKL), single
-// threaded inside the task. Each pair's row goes to its own slot of a [T, K, H] buffer and the K slots are summed in
-// slot order afterwards: no atomics, the same result whatever the thread count.
+// The forward with deltas (fused_moe_delta) takes two paths by hidden's dtype:
+// - bf16/fp16 (training): kt.fused_moe's own path (fused_moe.cpp, fused_moe_with_delta): the same packed kernels
+//   (AMX/AVX-512/portable), tasks, stages and threads. The deltas are added to each gate/up kernel call's fp32 output
+//   right before the GLU (in its shared driver step, Part::Glu: before the kernels' GLU or the driver's epilogue, and
+//   inside the side work the AMX walks run), and each routed pair's h is written out from the GLU's output (bf16 for
+//   bf16 weights; fp32 before the int8 quantization for int formats), rounded once to hidden's dtype. Its numerics
+//   are kt.fused_moe's (activations rounded to bf16, or to int8 per row with int formats); with zero deltas it is
+//   kt.fused_moe bit for bit. It runs every format kt.fused_moe runs; the exact GGUF formats (affine or grouped int8
+//   scales, int4 gate/up beside int8 down) have no backward here: describe_packed refuses their scales or the mixed
+//   formats with an error naming them.
+// - float32/float64: the reference below, on decoded experts: the exact function of the dequantized weights, which
+//   gradcheck (float64) and the float32 comparisons with peft (tests/test_lora.py) check.
+//
+// How the backward (and the reference forward) run: the pairs are grouped by expert. With at least as many experts
+// as ATen threads, each expert is one task, pulled by the ATen (OpenMP) workers from a shared counter, most tokens
+// first; a task decodes its expert's packed blocks (bf16, int8 per channel, int4 grouped: kernels.h) into its
+// worker's scratch as dense [2I, H] and [H, I] matrices in the compute dtype (no unpacked copy of the layer: one
+// expert per worker at a time), then runs the products with ATen's matmuls (oneDNN/MKL), single threaded inside the
+// task. With fewer experts than threads (Mixtral's 8 on 16 cores, or few tokens) the experts run one at a time, the
+// decode split over the workers by blocks and the ATen ops multi-threaded. Each pair's row of d hidden goes to its own
+// slot of a [T * K, H] buffer and the routed slots are summed in slot order afterwards (sum_slots: the skipped slots'
+// rows are never read, so the buffer is not zeroed): no atomics, the same result whatever the thread count. d delta
+// is written in its own dtype, one rounding a row. KT_PROFILE=1 prints a line a call: setup, experts (per worker:
+// decode, products, element-wise work, copies), sum (Profile below).
 // Dtypes: the products run in float64 for float64 hidden (gradcheck), float32 for float32, bf16 otherwise (fp32
 // accumulation inside the matmul); the element-wise work in float32 (float64 for float64). Decoded int8/int4 weights
 // are q * scale in fp32 (as kt.unpack), then cast. The int formats' forward (kt.fused_moe) also quantizes the
@@ -30,13 +48,17 @@
 #include "fused_moe_backward.h"
 
 #include "fused_moe.h"
+#include "../runtime/config.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <numeric>
 #include <string>
@@ -81,6 +103,8 @@ Packed describe_packed(const char* op, const at::Tensor& w, const std::optional<
   }
   TORCH_CHECK(s.has_value(), op, ": ", f == Fmt::INT8 ? "int8" : "int4", " weights need ", scales_name);
   const at::Tensor& sc = *s;
+  TORCH_CHECK(sc.dim() != 4, op, ": ", scales_name, " holds scales and minimums [E, 2, G, N] (an exact GGUF affine ",
+              "format such as Q4_K); the backward decodes bf16, per-channel int8 and grouped int4 only");
   TORCH_CHECK(sc.device().is_cpu() && sc.scalar_type() == at::kFloat && sc.dim() == 3 && sc.is_contiguous() &&
                   sc.size(0) == p.E && sc.size(2) == p.N && sc.size(1) > 0 && p.K % sc.size(1) == 0,
               op, ": ", scales_name, " must be a contiguous float32 CPU tensor [E=", p.E, ", G, N=", p.N,
@@ -102,12 +126,12 @@ inline float bf16_bits_to_float(uint16_t b) {
 // Expert e of m as a dense row-major [N, K] matrix in out (of type T). gate_up: packed row p is row
 // (p % 64) / 32 * N/2 + p / 64 * 32 + p % 32 of the result (gate rows first, then up rows: pack.cpp's order undone).
 template <typename T>
-void decode_expert(const Packed& m, int64_t e, bool gate_up, T* out) {
+void decode_expert(const Packed& m, int64_t e, bool gate_up, T* out, int64_t nb0, int64_t nb1) {
   const int64_t N = m.N, K = m.K;
   const uint8_t* base = m.data + e * m.expert_bytes();
   const float* sc = m.scales != nullptr ? m.scales + e * m.G * N : nullptr;
   const int64_t gsize = K / m.G;
-  for (int64_t nb = 0; nb < N / 16; ++nb) {
+  for (int64_t nb = nb0; nb < nb1; ++nb) {
     for (int64_t c = 0; c < 16; ++c) {
       const int64_t p = nb * 16 + c;
       const int64_t row = gate_up ? (p % 64) / 32 * (N / 2) + p / 64 * 32 + p % 32 : p;
@@ -159,12 +183,12 @@ inline uint16_t bf16_bits_rne(float f) {
 // Compiled for AVX-512 (skylake-avx512), AVX2 (haswell) and the baseline, picked at load time (GCC's function
 // multiversioning: the loops are plain C++, no intrinsics; the extension's baseline is SSE2).
 __attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
-void decode_expert_bf16(const Packed& m, int64_t e, bool gate_up, uint16_t* out) {
+void decode_expert_bf16(const Packed& m, int64_t e, bool gate_up, uint16_t* out, int64_t nb0, int64_t nb1) {
   const int64_t N = m.N, K = m.K;
   const uint8_t* base = m.data + e * m.expert_bytes();
   const float* sc = m.scales != nullptr ? m.scales + e * m.G * N : nullptr;
   const int64_t gsize = K / m.G;
-  for (int64_t nb = 0; nb < N / 16; ++nb) {
+  for (int64_t nb = nb0; nb < nb1; ++nb) {
     const int64_t p0 = nb * 16;  // 16 packed rows land on 16 consecutive rows (gate/up blocks are 32 rows)
     const int64_t row0 = gate_up ? (p0 % 64) / 32 * (N / 2) + p0 / 64 * 32 + p0 % 32 : p0;
     uint16_t* dst = out + row0 * K;
@@ -213,12 +237,14 @@ void decode_expert_bf16(const Packed& m, int64_t e, bool gate_up, uint16_t* out)
   }
 }
 
-void decode_into(const Packed& m, int64_t e, bool gate_up, at::Tensor& out) {
+// Decodes packed blocks [nb0, nb1) of expert e into out (all of them when nb1 < 0).
+void decode_into(const Packed& m, int64_t e, bool gate_up, at::Tensor& out, int64_t nb0 = 0, int64_t nb1 = -1) {
+  if (nb1 < 0) nb1 = m.N / 16;
   switch (out.scalar_type()) {
-    case at::kDouble: decode_expert(m, e, gate_up, out.data_ptr<double>()); break;
-    case at::kFloat: decode_expert(m, e, gate_up, out.data_ptr<float>()); break;
+    case at::kDouble: decode_expert(m, e, gate_up, out.data_ptr<double>(), nb0, nb1); break;
+    case at::kFloat: decode_expert(m, e, gate_up, out.data_ptr<float>(), nb0, nb1); break;
     case at::kBFloat16:
-      decode_expert_bf16(m, e, gate_up, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
+      decode_expert_bf16(m, e, gate_up, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), nb0, nb1);
       break;
     default: TORCH_CHECK(false, "fused_moe backward: unexpected compute dtype ", out.scalar_type());
   }
@@ -398,26 +424,110 @@ at::Tensor glu_backward(const Call& c, const at::Tensor& gu, const at::Tensor& d
   return at::cat({dg, du}, 1);
 }
 
-// Runs fn(e, w13 [N13, H], w2 [H, I]) for every expert with pairs, on the ATen workers (each task single threaded
-// inside), each worker decoding into its own scratch.
+// KT_PROFILE=1 (runtime/config.h; kt.fused_moe's phase line too): one line a call on stderr with its phases (setup,
+// experts, sum) and the experts phase broken down per worker, summed over its experts: decode (packed blocks to dense
+// matrices), products (the matmuls), elementwise (GLU, its backward, d weights), copies (gathering rows, casts,
+// scattering the pairs' rows), each the mean over workers in ms, and the busiest worker's total.
+class Profile {
+ public:
+  using Clock = std::chrono::steady_clock;
+  enum Kind { kDecode = 0, kProducts = 1, kElementwise = 2, kCopies = 3, kKinds = 4 };
+  Profile() {
+    const std::optional<std::string> v = runtime::config::value("KT_PROFILE");
+    on_ = v && *v != "0";
+    if (on_) start_ = last_ = Clock::now();
+  }
+  bool on() const { return on_; }
+  void workers(int n) {
+    if (on_) ns_.assign(static_cast<size_t>(n) * kKinds, 0);
+  }
+  Clock::time_point now() const { return on_ ? Clock::now() : Clock::time_point(); }
+  // adds the time since `mark` to worker w's `kind` and moves `mark` to now (one branch when off)
+  void lap(int w, Kind kind, Clock::time_point& mark) {
+    if (!on_) return;
+    const Clock::time_point t = Clock::now();
+    ns_[w * kKinds + kind] += std::chrono::duration_cast<std::chrono::nanoseconds>(t - mark).count();
+    mark = t;
+  }
+  void phase(const char* name) {
+    if (!on_) return;
+    const Clock::time_point t = Clock::now();
+    char buf[64];
+    std::snprintf(buf, sizeof(buf), " %s %.3f", name, std::chrono::duration<double, std::milli>(t - last_).count());
+    line_ += buf;
+    last_ = t;
+    if (std::strcmp(name, "experts") != 0 || ns_.empty()) return;
+    static const char* names[kKinds] = {"decode", "products", "elementwise", "copies"};
+    const int n = static_cast<int>(ns_.size() / kKinds);
+    double busiest = 0;
+    for (int w = 0; w < n; ++w) {
+      double sum = 0;
+      for (int k = 0; k < kKinds; ++k) sum += ns_[w * kKinds + k];
+      busiest = std::max(busiest, sum);
+    }
+    for (int k = 0; k < kKinds; ++k) {
+      double sum = 0;
+      for (int w = 0; w < n; ++w) sum += ns_[w * kKinds + k];
+      std::snprintf(buf, sizeof(buf), " experts.%s %.3f", names[k], sum / n / 1e6);
+      line_ += buf;
+    }
+    std::snprintf(buf, sizeof(buf), " experts.busiest %.3f", busiest / 1e6);
+    line_ += buf;
+  }
+  void print(const std::string& what) const {
+    if (!on_) return;
+    std::fprintf(stderr, "kt.%s:%s total %.3f ms\n", what.c_str(), line_.c_str(),
+                 std::chrono::duration<double, std::milli>(last_ - start_).count());
+  }
+
+ private:
+  bool on_ = false;
+  Clock::time_point start_, last_;
+  std::vector<int64_t> ns_;
+  std::string line_;
+};
+
+// Runs fn(e, w13 [N13, H], w2 [H, I], worker) for every expert with pairs, each expert decoded into its worker's
+// scratch. As many experts as threads or more: the experts are tasks pulled by the ATen workers (most pairs first),
+// each single threaded inside. Fewer (e.g. Mixtral's 8 on 16 cores, or a few tokens): one expert at a time on the
+// calling thread, its decode split over the workers by blocks and its ATen ops multi-threaded, so that no core
+// idles for want of an expert (worker 0 in the profile).
 template <typename Fn>
-void for_each_expert(const Call& c, bool need_w13, bool need_w2, const Fn& fn) {
+void for_each_expert(const Call& c, Profile& prof, bool need_w13, bool need_w2, const Fn& fn) {
   const int64_t n = static_cast<int64_t>(c.experts.size());
   if (n == 0) return;
+  const auto opts = at::TensorOptions().dtype(c.ct);
+  if (n < at::get_num_threads()) {
+    prof.workers(1);
+    at::Tensor w13 = need_w13 ? at::empty({c.N13, c.H}, opts) : at::Tensor();
+    at::Tensor w2 = need_w2 ? at::empty({c.H, c.I}, opts) : at::Tensor();
+    for (int64_t e : c.experts) {
+      auto mark = prof.now();
+      if (need_w13)
+        at::parallel_for(0, c.up.N / 16, 4, [&](int64_t b0, int64_t b1) { decode_into(c.up, e, c.gated, w13, b0, b1); });
+      if (need_w2)
+        at::parallel_for(0, c.down.N / 16, 4, [&](int64_t b0, int64_t b1) { decode_into(c.down, e, false, w2, b0, b1); });
+      prof.lap(0, Profile::kDecode, mark);
+      fn(e, w13, w2, 0);
+    }
+    return;
+  }
   const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), n));
+  prof.workers(threads);
   std::atomic<int64_t> next{0};
   std::vector<std::string> errors(threads);
   at::parallel_for(0, threads, 1, [&](int64_t b, int64_t end) {
     for (int64_t slot = b; slot < end; ++slot) {
       try {
-        const auto opts = at::TensorOptions().dtype(c.ct);
         at::Tensor w13 = need_w13 ? at::empty({c.N13, c.H}, opts) : at::Tensor();
         at::Tensor w2 = need_w2 ? at::empty({c.H, c.I}, opts) : at::Tensor();
         for (int64_t i = next++; i < n; i = next++) {
           const int64_t e = c.experts[i];
+          auto mark = prof.now();
           if (need_w13) decode_into(c.up, e, c.gated, w13);
           if (need_w2) decode_into(c.down, e, false, w2);
-          fn(e, w13, w2);
+          prof.lap(static_cast<int>(slot), Profile::kDecode, mark);
+          fn(e, w13, w2, static_cast<int>(slot));
         }
       } catch (const std::exception& ex) {
         errors[slot] = ex.what();
@@ -426,6 +536,43 @@ void for_each_expert(const Call& c, bool need_w13, bool need_w2, const Fn& fn) {
     }
   });
   for (const auto& err : errors) TORCH_CHECK(err.empty(), c.op, ": ", err);
+}
+
+// out [T, H] in `dtype`: out[t] = the sum of pairs[t * K + k] over the routed slots k (ids >= 0), added in slot
+// order (zeros for a token with none), in the element dtype, then rounded once. The pairs of skipped slots are never
+// read, so the pair buffer needs no zeroing. Tokens split over the ATen workers: the same result for any count.
+at::Tensor sum_slots(const Call& c, const at::Tensor& pairs, at::ScalarType dtype) {
+  at::Tensor acc = at::empty({c.T, c.H}, pairs.options());
+  const int64_t* id = c.ids.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES(pairs.scalar_type(), "fused_moe_backward_sum", [&] {
+    const scalar_t* src = pairs.data_ptr<scalar_t>();
+    scalar_t* dst = acc.data_ptr<scalar_t>();
+    const int64_t H = c.H, K = c.K;
+    at::parallel_for(0, c.T, std::max<int64_t>(1, 32768 / std::max<int64_t>(H, 1)), [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        scalar_t* o = dst + t * H;
+        bool first = true;
+        for (int64_t k = 0; k < K; ++k) {
+          if (id[t * K + k] < 0) continue;
+          const scalar_t* r = src + (t * K + k) * H;
+          if (first) std::memcpy(o, r, H * sizeof(scalar_t));
+          else for (int64_t j = 0; j < H; ++j) o[j] += r[j];
+          first = false;
+        }
+        if (first) std::fill(o, o + H, scalar_t(0));
+      }
+    });
+  });
+  return acc.to(dtype);
+}
+
+// Zeros the rows of skipped slots (ids < 0) of a [T * K, n] pair buffer (the routed rows are all written).
+void zero_skipped_rows(const Call& c, at::Tensor& pairs) {
+  const int64_t* id = c.ids.data_ptr<int64_t>();
+  const int64_t row = pairs.size(1) * static_cast<int64_t>(pairs.element_size());
+  char* base = static_cast<char*>(pairs.data_ptr());
+  for (int64_t p = 0; p < c.T * c.K; ++p)
+    if (id[p] < 0) std::memset(base + p * row, 0, row);
 }
 
 at::Tensor pair_rows(const Call& c, int64_t e) {
@@ -459,12 +606,24 @@ std::tuple<at::Tensor, at::Tensor> fused_moe_delta(const at::Tensor& hidden, con
                                                    const std::optional<at::Tensor>& w13_bias,
                                                    const std::optional<at::Tensor>& w2_bias) {
   const char* op = "fused_moe_delta";
+  const auto hd = hidden.scalar_type();
+  if (hd == at::kBFloat16 || hd == at::kHalf) {  // the packed kernels: kt::fused_moe's path with the deltas added
+    TORCH_CHECK(topk_ids.dim() == 2, op, ": topk_ids must be [T, K], got shape ", topk_ids.sizes());
+    TORCH_CHECK(w2.dim() == 5, op, ": w2 must be a packed tensor [E, H/16, I/per, 16, per], got shape ", w2.sizes());
+    const int64_t I = w2.size(2) * (w2.scalar_type() == at::kByte ? 8 : w2.size(4));
+    at::Tensor h = at::empty({topk_ids.size(0), topk_ids.size(1), I}, hidden.options().memory_format(at::MemoryFormat::Contiguous));
+    at::Tensor out = fused_moe_with_delta(hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales, activation,
+                                          gate_up_delta, h, w13_bias, w2_bias);
+    return {out, h};
+  }
+  // float32/float64: the function of the dequantized weights, exactly (the reference gradcheck and the tests run)
   Call c = make_call(op, hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales, activation, w13_bias, w2_bias);
   const at::Tensor delta = checked_delta(c, gate_up_delta, "gate_up_delta");
   const at::Tensor out_pairs = at::zeros({c.T * c.K, c.H}, at::TensorOptions().dtype(c.et));
   const at::Tensor h_pairs = at::zeros({c.T * c.K, c.I}, at::TensorOptions().dtype(c.et));
   const at::Tensor wflat = c.weights.reshape({c.T * c.K});
-  for_each_expert(c, true, true, [&](int64_t e, const at::Tensor& W13, const at::Tensor& W2) {
+  Profile prof;
+  for_each_expert(c, prof, true, true, [&](int64_t e, const at::Tensor& W13, const at::Tensor& W2, int) {
     const at::Tensor rows = pair_rows(c, e);
     const at::Tensor x = c.hidden.index_select(0, at::floor_divide(rows, c.K)).to(c.ct);
     const at::Tensor h = glu_forward(c, pre_activations(c, e, x, W13, delta, rows));
@@ -484,6 +643,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_moe_backward(
     const std::optional<at::Tensor>& gate_up_delta, const std::optional<at::Tensor>& grad_h,
     const std::optional<at::Tensor>& w13_bias, const std::optional<at::Tensor>& w2_bias) {
   const char* op = "fused_moe_backward";
+  Profile prof;
   Call c = make_call(op, hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales, activation, w13_bias, w2_bias);
   TORCH_CHECK(grad_out.device().is_cpu() && grad_out.is_floating_point() && grad_out.sizes() == hidden.sizes(), op,
               ": grad_out must be a float CPU tensor shaped like hidden ", hidden.sizes(), ", got ",
@@ -499,32 +659,59 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_moe_backward(
     dh_ext = d.reshape({c.T * c.K, c.I});
   }
   const auto eopts = at::TensorOptions().dtype(c.et);
-  const at::Tensor dx_pairs = at::zeros({c.T * c.K, c.H}, eopts);
+  // the pairs' rows of d hidden and d delta: every routed row is written by its expert's task; the skipped slots'
+  // rows of d delta are zeroed, those of d hidden never read (sum_slots). d delta is kept in its output dtype: each
+  // row rounded once, no second pass.
+  const at::Tensor dx_pairs = at::empty({c.T * c.K, c.H}, eopts);
   const at::Tensor dw = at::zeros({c.T * c.K}, eopts);
-  const at::Tensor ddelta = delta.defined() ? at::zeros({c.T * c.K, c.N13}, eopts) : at::Tensor();
+  at::Tensor ddelta;
+  if (delta.defined()) {
+    ddelta = at::empty({c.T * c.K, c.N13}, at::TensorOptions().dtype(gate_up_delta->scalar_type()));
+    zero_skipped_rows(c, ddelta);
+  }
   const at::Tensor wflat = c.weights.reshape({c.T * c.K});
   const at::Tensor dy_all = grad_out.contiguous();
-  for_each_expert(c, true, true, [&](int64_t e, const at::Tensor& W13, const at::Tensor& W2) {
+  prof.phase("setup");
+  for_each_expert(c, prof, true, true, [&](int64_t e, const at::Tensor& W13, const at::Tensor& W2, int worker) {
+    auto mark = prof.now();
     const at::Tensor rows = pair_rows(c, e);
     const at::Tensor tokens = at::floor_divide(rows, c.K);
     const at::Tensor x = c.hidden.index_select(0, tokens).to(c.ct);
-    const at::Tensor gu = pre_activations(c, e, x, W13, delta, rows);
-    const at::Tensor h = glu_forward(c, gu);
     const at::Tensor dy = dy_all.index_select(0, tokens);
-    const at::Tensor G = at::mm(dy.to(c.ct), W2).to(c.et);  // [n, I]
+    const at::Tensor dyc = dy.to(c.ct);
+    const at::Tensor we = wflat.index_select(0, rows).unsqueeze(1);
+    const at::Tensor dhe = dh_ext.defined() ? dh_ext.index_select(0, rows).to(c.et) : at::Tensor();
+    const at::Tensor de = delta.defined() ? delta.index_select(0, rows).to(c.et) : at::Tensor();
+    prof.lap(worker, Profile::kCopies, mark);
+    at::Tensor gu = at::mm(x, W13.t());
+    const at::Tensor G = at::mm(dyc, W2).to(c.et);  // [n, I]
+    prof.lap(worker, Profile::kProducts, mark);
+    gu = gu.to(c.et);
+    if (c.b13.defined()) gu.add_(c.b13.select(0, e));
+    if (de.defined()) gu.add_(de);
+    const at::Tensor h = glu_forward(c, gu);
     at::Tensor dwe = (G * h).sum(1);
     if (c.b2.defined()) dwe.add_(at::mv(dy.to(c.et), c.b2.select(0, e)));  // d w also sees the down bias
-    dw.index_copy_(0, rows, dwe);
-    at::Tensor dh = G.mul_(wflat.index_select(0, rows).unsqueeze(1));
-    if (dh_ext.defined()) dh.add_(dh_ext.index_select(0, rows).to(c.et));
+    at::Tensor dh = G.mul_(we);
+    if (dhe.defined()) dh.add_(dhe);
     const at::Tensor dgu = glu_backward(c, gu, dh);  // [n, N13]
-    if (ddelta.defined()) ddelta.index_copy_(0, rows, dgu);
-    dx_pairs.index_copy_(0, rows, at::mm(dgu.to(c.ct), W13).to(c.et));
+    const at::Tensor dguc = dgu.to(c.ct);
+    prof.lap(worker, Profile::kElementwise, mark);
+    const at::Tensor dxe = at::mm(dguc, W13);
+    prof.lap(worker, Profile::kProducts, mark);
+    dw.index_copy_(0, rows, dwe);
+    if (ddelta.defined()) ddelta.index_copy_(0, rows, dgu.to(ddelta.scalar_type()));
+    dx_pairs.index_copy_(0, rows, dxe.to(c.et));
+    prof.lap(worker, Profile::kCopies, mark);
   });
-  at::Tensor dx = dx_pairs.view({c.T, c.K, c.H}).sum(1).to(hidden.scalar_type());
+  prof.phase("experts");
+  at::Tensor dx = sum_slots(c, dx_pairs, hidden.scalar_type());
   at::Tensor dweights = dw.view({c.T, c.K}).to(topk_weights.scalar_type());
-  at::Tensor dd = ddelta.defined() ? ddelta.view({c.T, c.K, c.N13}).to(gate_up_delta->scalar_type())
-                                   : at::empty({0}, hidden.options());
+  at::Tensor dd = ddelta.defined() ? ddelta.view({c.T, c.K, c.N13}) : at::empty({0}, hidden.options());
+  prof.phase("sum");
+  prof.print("fused_moe_backward T=" + std::to_string(c.T) + " pairs=" + std::to_string(c.order.size()) +
+             " experts=" + std::to_string(c.experts.size()) + (delta.defined() ? " delta" : "") +
+             (dh_ext.defined() ? " grad_h" : "") + " " + std::string(c10::toString(c.ct)));
   return {dx, dweights, dd};
 }
 

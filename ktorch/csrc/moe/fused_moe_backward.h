@@ -12,7 +12,9 @@ namespace kt::moe {
 
 // (out [T, H] in hidden's dtype, h [T, K, I] in hidden's dtype, zeros for skipped slots): the routed experts with
 // gate_up_delta [T, K, 2I] (gate columns then up columns; gateless experts: [T, K, I]) added to each pair's
-// pre-activations. Activations, biases and gateless experts as kt::fused_moe takes them (fused_moe.h).
+// pre-activations. Activations, biases and gateless experts as kt::fused_moe takes them (fused_moe.h). bf16/fp16
+// hidden: kt::fused_moe's packed kernels (fused_moe_with_delta, its numerics); float32/float64: the decoded-expert
+// reference, the exact function of the dequantized weights.
 std::tuple<at::Tensor, at::Tensor> fused_moe_delta(const at::Tensor& hidden, const at::Tensor& topk_ids,
                                                    const at::Tensor& topk_weights, const at::Tensor& w13,
                                                    const std::optional<at::Tensor>& w13_scales, const at::Tensor& w2,
