@@ -10,18 +10,22 @@ from conftest import load_benchmark
 bench = load_benchmark("bench_train")
 
 
-def _run(variant: str) -> dict:
-    args = bench.parse_args(["--shape", "tiny", "--device", "cpu", "--seq", "16", "--steps", "1", "--variant", variant])
+def _run(variant: str, *extra: str) -> dict:
+    args = bench.parse_args(["--shape", "tiny", "--device", "cpu", "--seq", "16", "--steps", "1", "--variant", variant,
+                             *extra])
     return bench.run_variant(args)
 
 
 def test_both_variants_step_and_adapt_the_same_parameters():
     torch.manual_seed(0)
-    rows = {v: _run(v) for v in bench.VARIANTS}
+    # the peer's expert adapters: on the CPU (no accelerate offload) peft's target_parameters work
+    rows = {v: _run(v, "--hf-expert-lora", "on") for v in bench.VARIANTS}
     for variant, row in rows.items():
         assert row["variant"] == variant and row["expert_lora"]
         assert row["step_s"] > 0 and len(row["steps"]) == 1
     assert rows["ktorch"]["trainable_params"] == rows["hf_offload"]["trainable_params"] > 0
+    plain = _run("hf_offload")  # the default: attention adapters only (see bench_train's hf_offload)
+    assert not plain["expert_lora"] and 0 < plain["trainable_params"] < rows["hf_offload"]["trainable_params"]
 
 
 def test_ops_variant_times_the_three_cpu_calls_of_a_trained_layer():
