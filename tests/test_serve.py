@@ -29,6 +29,7 @@ pytest.importorskip("aiohttp")
 
 import ktorch  # noqa: E402
 from ktorch.serve import AdmissionError, EngineConfig, SamplingParams, ServeEngine  # noqa: E402
+from serving import collect  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOST = "127.0.0.1"
@@ -327,17 +328,9 @@ def test_padded_steps_leave_padding_rows_out_of_the_experts(builtin):
         hooks.append(model.register_forward_pre_hook(
             lambda mod, args, kw: tokens.append(int(kw["cu_seq_lens_q"][-1])), with_kwargs=True))
 
-        async def go():
-            async def one(ids):
-                _, q = await engine.submit(ids, SamplingParams(10))
-                while not (o := await asyncio.wait_for(q.get(), 60)).is_finished():
-                    pass
-                return o.generated_tokens
-            return await asyncio.gather(*[one(p) for p in prompts])
-
         engine.start()
         try:
-            outs = asyncio.run(go())
+            outs = asyncio.run(collect(engine, prompts, 10))
         finally:
             engine.stop()
             for h in hooks:
@@ -425,17 +418,9 @@ def test_bucketed_steps_pad_to_the_buckets_and_leave_padding_out_of_the_experts(
             (kw["input_ids"].shape[-1], int(kw["cu_seq_lens_q"][-1]), kw["attention_mask"].shape[-1])),
             with_kwargs=True))
 
-        async def go():
-            async def one(ids):
-                _, q = await engine.submit(ids, SamplingParams(9))
-                while not (o := await asyncio.wait_for(q.get(), 60)).is_finished():
-                    pass
-                return o.generated_tokens
-            return await asyncio.gather(*[one(p) for p in prompts])
-
         engine.start()
         try:
-            outs = asyncio.run(go())
+            outs = asyncio.run(collect(engine, prompts, 9))
         finally:
             engine.stop()
             for h in hooks:
@@ -501,18 +486,10 @@ def test_graph_plan_control_flow_with_a_stand_in_graph(builtin, monkeypatch):
         engine = ServeEngine(model, model.generation_config.eos_token_id, 0,
                              EngineConfig(page_size=PAGE, num_blocks=64, max_batch_tokens=48))
 
-        async def go():
-            async def one(ids):
-                _, q = await engine.submit(ids, SamplingParams(9))
-                while not (o := await asyncio.wait_for(q.get(), 60)).is_finished():
-                    pass
-                return o.generated_tokens
-            return await asyncio.gather(*[one(p) for p in prompts])
-
         engine.start()
         warm = (engine.graph_captures, engine.forwards)
         try:
-            return asyncio.run(go()), engine, warm
+            return asyncio.run(collect(engine, prompts, 9)), engine, warm
         finally:
             engine.stop()
 

@@ -15,6 +15,7 @@ import torch
 import ktorch
 from ktorch.serve import EngineConfig, SamplingParams, ServeEngine
 from ktorch.serve.engine import check_transformers
+from serving import collect
 
 try:
     check_transformers()
@@ -30,17 +31,9 @@ def _cuda_run(model, prompts, n, **config):
     engine = ServeEngine(model, model.generation_config.eos_token_id, 0,
                          EngineConfig(page_size=PAGE, num_blocks=256, max_batch_tokens=128, step_stats=True, **config))
 
-    async def go():
-        async def one(ids):
-            _, q = await engine.submit(ids, SamplingParams(n))
-            while not (o := await asyncio.wait_for(q.get(), 300)).is_finished():
-                pass
-            return o.generated_tokens
-        return await asyncio.gather(*[one(p) for p in prompts])
-
     engine.start()
     try:
-        return asyncio.run(go()), engine
+        return asyncio.run(collect(engine, prompts, n, 300)), engine
     finally:
         engine.stop()
 
