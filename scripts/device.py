@@ -521,10 +521,13 @@ def lcpp_start(root: Path, jobs: int) -> None:
                  "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF", "-DGGML_CUDA=ON",
                  f"-DCMAKE_CUDA_ARCHITECTURES={cap}", f"-DCMAKE_CUDA_COMPILER={nvcc}"]
     b = shlex.quote(str(LCPP_BUILD))
-    script = (f"echo $$ > {b}/build.pid; {{ [ -f {b}/build.ninja ] || {shlex.join(configure)}; }} && "
+    # the fetched source lists llama-bench alone among the tools: add llama-perplexity's folder (issue 32's quality
+    # comparison; its failure leaves llama-bench's result alone)
+    tools = shlex.quote(str(Path(src) / "tools" / "CMakeLists.txt"))
+    script = (f"echo $$ > {b}/build.pid; grep -q 'add_subdirectory(perplexity)' {tools} || "
+              f"echo 'add_subdirectory(perplexity)' >> {tools}; "
+              f"{{ [ -f {b}/build.ninja ] || {shlex.join(configure)}; }} && "
               f"cmake --build {b} -j{jobs} --target llama-bench; rc=$?; "
-              # llama-perplexity (issue 32's quality comparison) links the same library: a few seconds more; its
-              # failure leaves llama-bench's result alone
               f"cmake --build {b} -j{jobs} --target llama-perplexity >/dev/null 2>&1; echo $rc > {b}/build.rc")
     for name in ("build.rc", "build.pid"):
         (LCPP_BUILD / name).unlink(missing_ok=True)
