@@ -87,11 +87,16 @@ def llama_cpp_perplexity(binary: str, path: Path, text: Path) -> tuple[float, st
     import re
     import subprocess
 
-    run = subprocess.run([binary, "-m", str(path), "-f", str(text), "-c", "512", "-b", "512", "-t",
-                          str(torch.get_num_threads())], capture_output=True, text=True)
-    log = run.stdout + run.stderr
+    log_path = path.with_suffix(".llama-perplexity.log")  # a file, not a pipe: its logger's last lines reach it
+    with open(log_path, "w") as log_file:
+        run = subprocess.run([binary, "-m", str(path), "-f", str(text), "-c", "512", "-b", "512", "-t",
+                              str(torch.get_num_threads())], stdout=log_file, stderr=subprocess.STDOUT)
+    log = log_path.read_text(errors="replace")
     final = re.search(r"Final estimate: PPL = ([0-9.]+)", log)
     chunks = re.search(r"calculating perplexity over (\d+) chunks", log)
+    if final is None and chunks is not None:  # its logger thread may lose the last line at exit: the running
+        # estimate after the last chunk ("[99]186.72,") is the same figure
+        final = re.search(rf"\[{chunks.group(1)}\]([0-9.]+),", log)
     if final is None:
         tail = " | ".join(log.strip().splitlines()[-3:])
         raise RuntimeError(f"llama-perplexity printed no final estimate (rc {run.returncode}): {tail}")
@@ -116,7 +121,8 @@ def main() -> None:
             down = down or gate_up
             model, tokenizer = load_builtin("cpu", torch.float32, experts_implementation="eager")
             path = folder / f"builtin-{gate_up}-{down}.gguf"
-            write_gguf_from_model(model, path, experts_type=gate_up, experts_types={"down": down}, other_type="F32")
+            write_gguf_from_model(model, path, experts_type=gate_up, experts_types={"down": down}, other_type="F32",
+                                  tokenizer=tokenizer)  # llama.cpp reads its vocabulary from the file
             if args.llama_perplexity:
                 text = plain_text(folder)
                 loaded, _ = ktorch.load(path, device="cpu", dtype=torch.float32, progress=False, tokenizer=False)
@@ -138,6 +144,8 @@ def main() -> None:
                              100 * (r["perplexity"] / ref["perplexity"] - 1), r["tokens"]))
                 print(f"{spec:<10} {rows[-1][1]:<32} ppl {r['perplexity']:.4f} ({rows[-1][3]:+.3f}%) "
                       f"{time.perf_counter() - t0:.1f} s", flush=True)
+    if not rows:
+        return
     print()
     print("| experts (gate_up/down) | model | perplexity | vs file values | tokens |")
     print("|---|---|---|---|---|")
