@@ -29,7 +29,7 @@ pytest.importorskip("aiohttp")
 
 import ktorch  # noqa: E402
 from ktorch.serve import AdmissionError, EngineConfig, SamplingParams, ServeEngine  # noqa: E402
-from serving import collect  # noqa: E402
+from serving import collect, generated, run_engine  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOST = "127.0.0.1"
@@ -281,20 +281,7 @@ def test_one_experts_call_per_layer_and_step(builtin):
                                                  with_kwargs=True))
     engine = ServeEngine(model, model.generation_config.eos_token_id, 0,
                          EngineConfig(page_size=PAGE, num_blocks=64, max_batch_tokens=32))
-    try:
-        async def run():
-            async def one(p, n):
-                _, q = await engine.submit(tok(p).input_ids, SamplingParams(n))
-                while not (o := await asyncio.wait_for(q.get(), 60)).is_finished():
-                    pass
-                return o.generated_tokens
-            return await asyncio.gather(*[one(p + " and so on " * 3, 12) for p in PROMPTS[:8]])
-        engine.start()
-        outs = asyncio.run(run())
-    finally:
-        engine.stop()
-        for h in hooks:
-            h.remove()
+    outs = run_engine(engine, [tok(p + " and so on " * 3).input_ids for p in PROMPTS[:8]], 12, hooks)
     assert all(outs)
     assert len(calls) == len(experts) * len(tokens)
     assert max(tokens) == 32  # prompts were cut into 32-token chunks sharing steps with decode tokens
@@ -328,14 +315,7 @@ def test_padded_steps_leave_padding_rows_out_of_the_experts(builtin):
         hooks.append(model.register_forward_pre_hook(
             lambda mod, args, kw: tokens.append(int(kw["cu_seq_lens_q"][-1])), with_kwargs=True))
 
-        engine.start()
-        try:
-            outs = asyncio.run(collect(engine, prompts, 10))
-        finally:
-            engine.stop()
-            for h in hooks:
-                h.remove()
-        return outs, seen, tokens
+        return run_engine(engine, prompts, 10, hooks), seen, tokens
 
     plain, seen_plain, _ = run(False)
     padded, seen_padded, real = run(True)
@@ -418,14 +398,7 @@ def test_bucketed_steps_pad_to_the_buckets_and_leave_padding_out_of_the_experts(
             (kw["input_ids"].shape[-1], int(kw["cu_seq_lens_q"][-1]), kw["attention_mask"].shape[-1])),
             with_kwargs=True))
 
-        engine.start()
-        try:
-            outs = asyncio.run(collect(engine, prompts, 9))
-        finally:
-            engine.stop()
-            for h in hooks:
-                h.remove()
-        return outs, seen, steps, caps, engine
+        return run_engine(engine, prompts, 9, hooks), seen, steps, caps, engine
 
     plain, _, plain_steps, _, plain_engine = run(False)
     padded, seen, steps, caps, engine = run(True)
@@ -763,20 +736,14 @@ def test_host_tier_restores_evicted_prefix_pages(builtin):
     second = first + [rng.randrange(3, 4096) for _ in range(9)]
     fillers = [[rng.randrange(3, 4096) for _ in range(300)] for _ in range(3)]
 
-    async def one(ids, n):
-        _, q = await engine.submit(ids, SamplingParams(n))
-        while not (o := await asyncio.wait_for(q.get(), 60)).is_finished():
-            pass
-        return o.generated_tokens
-
     async def run():
         engine.start()
-        await one(first, 2)
+        await generated(engine, first, 2)
         for f in fillers:  # 3 x 19 pages through a 40-page pool: the cached pages are evicted
-            await one(f, 2)
+            await generated(engine, f, 2)
         spilled = engine.stats()
         before = engine.tokens_computed
-        out = await one(second, 4)
+        out = await generated(engine, second, 4)
         return spilled, engine.tokens_computed - before, out, engine.stats()
 
     try:

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import ktorch
-from ktorch.serve import EngineConfig, SamplingParams, ServeEngine
+from ktorch.serve import EngineConfig, ServeEngine
 from ktorch.serve.engine import check_transformers
-from serving import collect
+from serving import generated, run_engine
 
 try:
     check_transformers()
@@ -30,12 +30,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def _cuda_run(model, prompts, n, **config):
     engine = ServeEngine(model, model.generation_config.eos_token_id, 0,
                          EngineConfig(page_size=PAGE, num_blocks=256, max_batch_tokens=128, step_stats=True, **config))
-
-    engine.start()
-    try:
-        return asyncio.run(collect(engine, prompts, n, 300)), engine
-    finally:
-        engine.stop()
+    return run_engine(engine, prompts, n, timeout=300), engine
 
 
 @needs_cuda
@@ -82,16 +77,10 @@ def test_cuda_shared_prefix_computes_only_the_suffix_under_graphs():
     engine = ServeEngine(model, model.generation_config.eos_token_id, 0,
                          EngineConfig(page_size=PAGE, num_blocks=256, max_batch_tokens=128))
 
-    async def one(ids, n):
-        _, q = await engine.submit(ids, SamplingParams(n))
-        while not (o := await asyncio.wait_for(q.get(), 300)).is_finished():
-            pass
-        return o.generated_tokens
-
     async def go():
-        await one(prefix, 1)
+        await generated(engine, prefix, 1, 300)
         before, replays = engine.tokens_computed, engine.graph_replays
-        out = await one(second, 4)
+        out = await generated(engine, second, 4, 300)
         return out, engine.tokens_computed - before, engine.graph_replays - replays
 
     engine.start()
