@@ -231,6 +231,23 @@ def _floor(model, dtype=torch.float32) -> int:
     return device_bytes_held(model, torch.device("cpu")) + reserve_bytes(model, dtype)
 
 
+def _per_resident(model) -> int:
+    """A budget's bytes for one more resident expert a layer: the model's 2 layers of fp32 gate/up/down weights
+    (2I x H and H x I, read from the packed shapes), more than the packed bytes and the dequantized scratch."""
+    m0 = moe_experts_modules(model)[0]
+    return (m0.kt_w13.shape[1] * 16 * m0.kt_w2.shape[1] * 16 * 3 // 2) * 4 * 2
+
+
+def _split_with_residents(model, floor: int, residents: int, slack: int = 0) -> None:
+    """The split (COSTS, from 8 tokens) under a budget of ``floor``, a staging of 8 fp32 experts and room for
+    ``residents`` resident experts a layer (+ ``slack`` bytes)."""
+    m0 = moe_experts_modules(model)[0]
+    staging = DeviceStaging.bytes_for(m0.kt_routed.layer, 8, torch.float32)
+    ktorch.set_stream_experts(model, COSTS, gpu_memory=floor + staging + residents * _per_resident(model) + slack)
+    for m in moe_experts_modules(model):
+        m.kt_routed.min_tokens = 8
+
+
 def test_tiny_budget_is_never_exceeded():
     """A budget just above the weights and the reserve: the staging gets what fits, no expert is resident, and
     what was allocated (measured after placement) stays within it; below the weights and reserve it is refused."""
@@ -288,12 +305,8 @@ def test_swapping_residents_mid_run_keeps_results():
     """Residents swapped in place between two forwards: the second gives what a model placed with the new residents
     from the start gives (bit for bit), agrees with HF eager, and the device buffers keep their addresses."""
     base, model = _split_model(COSTS)
+    _split_with_residents(model, _floor(model), 2)
     m0 = moe_experts_modules(model)[0]
-    per_resident = (m0.kt_w13.shape[1] * 16 * m0.kt_w2.shape[1] * 16 * 3 // 2) * 4 * 2
-    ktorch.set_stream_experts(model, COSTS, gpu_memory=_floor(model) + DeviceStaging.bytes_for(
-        m0.kt_routed.layer, 8, torch.float32) + 2 * per_resident)
-    for m in moe_experts_modules(model):
-        m.kt_routed.min_tokens = 8
     assert [m.kt_gpu_expert_ids for m in moe_experts_modules(model)] == [[0, 1], [0, 1]]
     ids = torch.randint(0, 256, (1, 24))
     _logits(model, ids)
@@ -330,9 +343,8 @@ def test_swapping_residents_mid_run_keeps_results():
 
 def test_resident_hits_count_rows_on_residents():
     _, model = _split_model(ALL_ON_CPU)
-    m0 = moe_experts_modules(model)[0]
-    per_resident = (m0.kt_w13.shape[1] * 16 * m0.kt_w2.shape[1] * 16 * 3 // 2) * 4 * 2
-    ktorch.set_stream_experts(model, "off", gpu_memory=_floor(model) + 8 * per_resident)  # every expert resident
+    # every expert resident
+    ktorch.set_stream_experts(model, "off", gpu_memory=_floor(model) + 8 * _per_resident(model))
     ids = torch.randint(0, 256, (1, 5))
     _logits(model, ids)
     hits, rows = resident_hits(model)
@@ -344,12 +356,7 @@ def test_resident_hits_count_rows_on_residents():
 def test_generate_updates_residents_after_prefill():
     """ktorch.generate swaps residents after the prefill (outside decode) and decodes with them."""
     _, model = _split_model(COSTS)
-    m0 = moe_experts_modules(model)[0]
-    per_resident = (m0.kt_w13.shape[1] * 16 * m0.kt_w2.shape[1] * 16 * 3 // 2) * 4 * 2
-    ktorch.set_stream_experts(model, COSTS, gpu_memory=_floor(model) + DeviceStaging.bytes_for(
-        m0.kt_routed.layer, 8, torch.float32) + per_resident)
-    for m in moe_experts_modules(model):
-        m.kt_routed.min_tokens = 8
+    _split_with_residents(model, _floor(model), 1)
     prompt = torch.randint(0, 256, (1, 40))
     ktorch.generate(model, prompt, max_new_tokens=4)
     for m in moe_experts_modules(model):
@@ -409,12 +416,7 @@ def test_generate_prints_placement_lines_that_the_benchmark_reads():
     from bench_generate import parse_generate_output
 
     _, model = _split_model(COSTS)
-    m0 = moe_experts_modules(model)[0]
-    per_resident = (m0.kt_w13.shape[1] * 16 * m0.kt_w2.shape[1] * 16 * 3 // 2) * 4 * 2
-    ktorch.set_stream_experts(model, COSTS, gpu_memory=_floor(model) + DeviceStaging.bytes_for(
-        m0.kt_routed.layer, 8, torch.float32) + 2 * per_resident)
-    for m in moe_experts_modules(model):
-        m.kt_routed.min_tokens = 8
+    _split_with_residents(model, _floor(model), 2)
     result = ktorch.generate(model, torch.randint(0, 256, (1, 40)), max_new_tokens=5)
     stats = ktorch.prefill_split_stats(model)
     parsed = parse_generate_output(result.timings.line() + "\n" + "\n".join(placement_lines(model, result.timings)))
@@ -433,14 +435,9 @@ def test_cuda_captured_decode_after_a_swap_matches_eager():
     base = tiny_model("qwen3_moe")  # fp32: the captured step runs Inductor-fused layers; bf16 rounding flips tokens
     model = ktorch.prepare(copy.deepcopy(base), device="cuda", experts_dtype="int8", stream_experts=COSTS)
     floor = torch.cuda.memory_allocated() + reserve_bytes(model, torch.float32)
-    m0 = moe_experts_modules(model)[0]
-    per_resident = m0.kt_w13.shape[1] * 16 * m0.kt_w2.shape[1] * 16 * 3 // 2 * 2 * 4
-    ktorch.set_stream_experts(model, COSTS, gpu_memory=floor + DeviceStaging.bytes_for(m0.kt_routed.layer, 8,
-                                                                                          torch.float32)
-                              + 3 * per_resident + (64 << 20))
+    _split_with_residents(model, floor, 3, slack=64 << 20)
     assert model.kt_gpu_memory.resident_per_layer >= 2
     for m in moe_experts_modules(model):
-        m.kt_routed.min_tokens = 8
         # three residents of the 8 experts (the budget's slack may hold all 8 of so small a model: none to swap in)
         place_resident_experts(m, 3, torch.device("cuda"), initial=torch.tensor([0, 1, 2]))
     prompt = torch.randint(0, 256, (1, 40), device="cuda")
