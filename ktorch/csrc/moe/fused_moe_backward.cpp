@@ -123,18 +123,28 @@ inline float bf16_bits_to_float(uint16_t b) {
   return f;
 }
 
-// Expert e of m as a dense row-major [N, K] matrix in out (of type T). gate_up: packed row p is row
-// (p % 64) / 32 * N/2 + p / 64 * 32 + p % 32 of the result (gate rows first, then up rows: pack.cpp's order undone).
+// The dense row of packed row p of an N-row matrix: gate_up, (p % 64) / 32 * N/2 + p / 64 * 32 + p % 32 (gate rows
+// first, then up rows: pack.cpp's order undone); otherwise p. 16 packed rows from a multiple of 16 stay consecutive.
+inline int64_t dense_row(int64_t p, int64_t N, bool gate_up) {
+  return gate_up ? (p % 64) / 32 * (N / 2) + p / 64 * 32 + p % 32 : p;
+}
+
+// Expert e's scales [G, N] in m (nullptr for bf16).
+inline const float* expert_scales(const Packed& m, int64_t e) {
+  return m.scales != nullptr ? m.scales + e * m.G * m.N : nullptr;
+}
+
+// Expert e of m as a dense row-major [N, K] matrix in out (of type T), rows in dense_row's order.
 template <typename T>
 void decode_expert(const Packed& m, int64_t e, bool gate_up, T* out, int64_t nb0, int64_t nb1) {
   const int64_t N = m.N, K = m.K;
   const uint8_t* base = m.data + e * m.expert_bytes();
-  const float* sc = m.scales != nullptr ? m.scales + e * m.G * N : nullptr;
+  const float* sc = expert_scales(m, e);
   const int64_t gsize = K / m.G;
   for (int64_t nb = nb0; nb < nb1; ++nb) {
     for (int64_t c = 0; c < 16; ++c) {
       const int64_t p = nb * 16 + c;
-      const int64_t row = gate_up ? (p % 64) / 32 * (N / 2) + p / 64 * 32 + p % 32 : p;
+      const int64_t row = dense_row(p, N, gate_up);
       T* dst = out + row * K;
       switch (m.fmt) {
         case Fmt::BF16: {  // [K/2][16][2]
@@ -186,11 +196,11 @@ __attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
 void decode_expert_bf16(const Packed& m, int64_t e, bool gate_up, uint16_t* out, int64_t nb0, int64_t nb1) {
   const int64_t N = m.N, K = m.K;
   const uint8_t* base = m.data + e * m.expert_bytes();
-  const float* sc = m.scales != nullptr ? m.scales + e * m.G * N : nullptr;
+  const float* sc = expert_scales(m, e);
   const int64_t gsize = K / m.G;
   for (int64_t nb = nb0; nb < nb1; ++nb) {
     const int64_t p0 = nb * 16;  // 16 packed rows land on 16 consecutive rows (gate/up blocks are 32 rows)
-    const int64_t row0 = gate_up ? (p0 % 64) / 32 * (N / 2) + p0 / 64 * 32 + p0 % 32 : p0;
+    const int64_t row0 = dense_row(p0, N, gate_up);
     uint16_t* dst = out + row0 * K;
     switch (m.fmt) {
       case Fmt::BF16: {  // [K/2][16][2]: a pure reshuffle of 4-byte pairs
