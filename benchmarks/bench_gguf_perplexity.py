@@ -31,7 +31,7 @@ import torch
 
 import ktorch
 from ktorch.builtin import eval_perplexity, load_builtin
-from ktorch.integrations.gguf_writer import write_gguf_from_model
+from ktorch.integrations.gguf_writer import adds_bos, write_gguf_from_model
 
 
 def file_values_model(model, path: Path):
@@ -69,7 +69,7 @@ def llama_style_perplexity(model, tokenizer, text: str, n_ctx: int = 512, batch:
     (BOS where it adds one, none parsed inside the text), cut into len // n_ctx chunks whose first token becomes BOS
     when the tokenizer adds one; each chunk's logits at positions n_ctx/2 .. n_ctx-2 score the next tokens."""
     ids = torch.tensor(tokenizer(text).input_ids, dtype=torch.int64)
-    bos = tokenizer.bos_token_id if tokenizer("a").input_ids[:1] == [tokenizer.bos_token_id] else None
+    bos = tokenizer.bos_token_id if adds_bos(tokenizer) else None  # as the file's add_bos_token says
     n_chunk, first = ids.numel() // n_ctx, n_ctx // 2
     nll, count = 0.0, 0
     for c0 in range(0, n_chunk, batch):
@@ -116,6 +116,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = args.keep or Path(tmp)
         folder.mkdir(parents=True, exist_ok=True)
+        text_path = plain_text(folder) if args.llama_perplexity else None  # one text for every file
+        text = text_path.read_text(encoding="utf-8") if text_path is not None else None
         for spec in args.types:
             gate_up, _, down = spec.partition("/")
             down = down or gate_up
@@ -124,10 +126,9 @@ def main() -> None:
             write_gguf_from_model(model, path, experts_type=gate_up, experts_types={"down": down}, other_type="F32",
                                   tokenizer=tokenizer)  # llama.cpp reads its vocabulary from the file
             if args.llama_perplexity:
-                text = plain_text(folder)
                 loaded, _ = ktorch.load(path, device="cpu", dtype=torch.float32, progress=False, tokenizer=False)
-                ours, n_chunk = llama_style_perplexity(loaded, tokenizer, text.read_text(encoding="utf-8"))
-                theirs, their_chunks = llama_cpp_perplexity(args.llama_perplexity, path, text)
+                ours, n_chunk = llama_style_perplexity(loaded, tokenizer, text)
+                theirs, their_chunks = llama_cpp_perplexity(args.llama_perplexity, path, text_path)
                 print(f"| {spec} | ktorch auto ({loaded.model.layers[0].mlp.experts.kt_format}) {ours:.4f} | "
                       f"llama-perplexity {theirs:.4f} | ktorch / llama.cpp {ours / theirs:.5f} | chunks of 512: "
                       f"{n_chunk} / {their_chunks} |", flush=True)

@@ -259,6 +259,12 @@ def add_arch_metadata(writer, config, arch: str, vocab_size: int) -> None:
         w.add_uint32(f"{a}.attention.value_length_mla", config.v_head_dim)
 
 
+def adds_bos(tokenizer) -> bool:
+    """Whether ``tokenizer`` puts its BOS token first when it encodes text (GGUF's ``tokenizer.ggml.add_bos_token``)."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    return bos is not None and tokenizer("a").input_ids[:1] == [bos]
+
+
 def add_tokenizer_metadata(writer, tokenizer, vocab_size: int) -> None:
     """A byte-level BPE tokenizer (transformers, ``tokenizer.json`` model type BPE) as ``tokenizer.ggml.*`` keys
     with model "gpt2", or ``tokenizer.ggml.model = "none"`` when ``tokenizer`` is None (a benchmark file)."""
@@ -290,8 +296,7 @@ def add_tokenizer_metadata(writer, tokenizer, vocab_size: int) -> None:
         value = getattr(tokenizer, attr, None)
         if value is not None:
             add(int(value))
-    bos = getattr(tokenizer, "bos_token_id", None)
-    writer.add_add_bos_token(bos is not None and tokenizer("a").input_ids[:1] == [bos])
+    writer.add_add_bos_token(adds_bos(tokenizer))
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, str):
         writer.add_chat_template(template)
