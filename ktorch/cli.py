@@ -339,9 +339,9 @@ def load_model(args: argparse.Namespace):
             try:
                 ktorch.set_stream_experts(model, stream, gpu_memory=gpu_memory)
             except ValueError as e:
-                given = [f"--{name.replace('_', '-')} {value}" for name, value in
-                         (("stream_experts", args.stream_experts), ("gpu_memory", args.gpu_memory))
-                         if value is not None and not (name == "stream_experts" and stream_by_default)]
+                given = [] if stream_by_default else [f"--stream-experts {args.stream_experts}"]
+                if args.gpu_memory is not None:
+                    given.append(f"--gpu-memory {args.gpu_memory}")
                 raise CLIError(f"{' '.join(given) or '--stream-experts auto (the default on a GPU)'}: {e}") from None
         return model, (tokenizer if tokenizer is not None else TokenIdsTokenizer(model.config.vocab_size)), device
     if path.is_file():
