@@ -377,7 +377,7 @@ def pytest(r: Runner, files: list[str], env_extra: dict, workers: int, name: str
 
 @step("tests", "a test list: all, gpu (the GPU/compile files), amx (the AMX kernel test binary, then the op tests "
       "with KT_CPU_KERNEL=amx), forced (the suite with KT_CPU_KERNEL=amx KT_NUMA_SPLIT=2), or test files "
-      "joined by ','", limit_s=480, min_s=120, params={"list": "gpu", "workers": "4"}, carry=".whl (pytest-xdist)")
+      "joined by ','", limit_s=570, min_s=120, params={"list": "gpu", "workers": "4"}, carry=".whl (pytest-xdist)")
 def step_tests(r: Runner, p: dict) -> int:
     which, workers = p["list"], int(p["workers"])
     if which == "all":
