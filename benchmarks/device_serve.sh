@@ -11,11 +11,11 @@
 #      the host's read bandwidth (bench_host_bandwidth.py, CPU row, 16 threads); the GPU tests
 #      (tests/test_serve_cuda.py, built-in model: graphed tokens equal eager ones, a replay per decode step, a
 #      prefix hit computes only its suffix; limit 120 s).
-#   1. graphs (--cuda-graphs on; the default stays off until this run says they work) with --step-stats: decode tok/s at 1, 16, 64 streams, graph replays per step
+#   1. graphs (--cuda-graphs on, as the default auto on a GPU) with --step-stats: decode tok/s at 1, 16, 64 streams, graph replays per step
 #      (1.00: every step replayed a graph, 0: eager), each decode step's median time beside its floor (the distinct
 #      experts it read, their packed bytes over the measured read bandwidth); then the shared-prefix TTFT (2000-token
 #      prefix + 50 new tokens, and + 8) with the prefill steps of both requests beside their floors.
-#   2. --cuda-graphs off --step-stats (every step eager, the default): the same decode rows, to compare.
+#   2. --cuda-graphs off --step-stats (every step eager): the same decode rows, to compare.
 #   3. graphs, no --step-stats (no device sync or expert counting around the steps): decode tok/s and the TTFT.
 # Prints the tables; logs (server stderr, the load generator's output, /v1/stats) under $OUT.
 set -uo pipefail

@@ -336,6 +336,13 @@ def test_step_buckets_and_graph_plan():
     assert plan_cuda_graphs("cuda", "paged|eager", True) == "ktorch"
     assert plan_cuda_graphs("cuda", "sdpa", False) == "off"
     assert plan_cuda_graphs("cuda", "paged|flash_attention_2", None) == "transformers"
+    # the CLI's default is the engine's: graphs on a GPU (measured 4.3x an eager step's speed at one stream)
+    from ktorch.cli import build_parser
+    from ktorch.serve.engine import EngineConfig
+
+    serve_args = build_parser().parse_args(["serve", "--model", "builtin"])
+    assert serve_args.cuda_graphs == "auto" and EngineConfig().cuda_graphs is None
+    assert plan_cuda_graphs("cuda", "sdpa", EngineConfig().cuda_graphs) == "ktorch"
     kv_cap = 50 * GRAPH_KV_INTERVAL
     for q in range(1, GRAPH_MAX_TOKENS + 1):
         for kv in (0, 1, 37, GRAPH_KV_INTERVAL - 1, GRAPH_KV_INTERVAL, GRAPH_KV_INTERVAL + 1,
