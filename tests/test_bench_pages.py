@@ -48,3 +48,27 @@ def test_pages_of_random_packed_weights(fmt, monkeypatch):
 def test_bad_pages_name():
     with pytest.raises(ValueError, match="pages must be 'huge' or '4k'"):
         bench.weights_buffer((4, 4), torch.int8, "2m")
+
+
+def test_fill_parallel_covers_every_element_reproducibly(monkeypatch):
+    """The benchmark's parallel random fill (one generator a piece): every element drawn from the asked range (none
+    left as the buffer's initial value), the same weights for the same seed and thread count, and pieces that are
+    not copies of each other."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    n = 4 * (1 << 20) + 3  # four pieces, the last one longer
+    fills = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        t = torch.full((n,), 100, dtype=torch.int8)
+        fills.append(bench.fill_parallel(t, lambda p, g: p.random_(-32, 32, generator=g)))
+    a, b = fills
+    assert torch.equal(a, b)
+    assert int(a.min()) >= -32 and int(a.max()) <= 31 and not (a == 100).any()
+    quarter = n // 4
+    pieces = [a[i * quarter:(i + 1) * quarter] for i in range(4)]
+    assert all(not torch.equal(pieces[0], p) for p in pieces[1:])
+    counts = torch.bincount(a.long() + 32, minlength=64).double()
+    assert counts.min() > 0.9 * n / 64 and counts.max() < 1.1 * n / 64  # uniform over the range
+    torch.manual_seed(8)
+    c = bench.fill_parallel(torch.empty(n, dtype=torch.int8), lambda p, g: p.random_(-32, 32, generator=g))
+    assert not torch.equal(a, c)
