@@ -630,18 +630,31 @@ def parse_bench_table(text: str) -> dict[tuple[str, str, int], float]:
 
 
 def ab_table(runs: dict[str, list[dict]], base: str, head: str) -> str:
-    """One markdown table from the runs of both builds: the median ms of each (shape, impl, T) per build and
-    base / HEAD (> 1: HEAD is faster). A row one build lacks shows '-'."""
+    """One markdown table from the runs of both builds: the median ms of each (shape, impl, T) per build with the
+    range over its processes, base / HEAD (> 1: HEAD is faster) and a verdict against the run's own noise: "slower"
+    or "faster" only where the two builds' ranges do not overlap (every HEAD process slower than every base process,
+    or the reverse), else "within noise"; one process a side decides nothing ("1 sample"). A row one build lacks
+    shows '-'."""
     keys = sorted({k for results in runs.values() for r in results for k in r}, key=lambda k: (k[0], k[1], k[2]))
-    lines = [f"| shape | impl | T | {base} ms | {head} ms | {base} / {head} |", "|---|---|---|---|---|---|"]
+    lines = [f"| shape | impl | T | {base} ms (range) | {head} ms (range) | {base} / {head} | verdict |",
+             "|---|---|---|---|---|---|---|"]
     for key in keys:
-        ms = {}
-        for build in (base, head):
-            vals = [r[key] for r in runs.get(build, []) if key in r]
-            ms[build] = statistics.median(vals) if vals else None
-        ratio = f"{ms[base] / ms[head]:.2f}x" if ms[base] and ms[head] else "-"
-        cells = [f"{ms[b]:.3f}" if ms[b] is not None else "-" for b in (base, head)]
-        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {cells[0]} | {cells[1]} | {ratio} |")
+        vals = {b: [r[key] for r in runs.get(b, []) if key in r] for b in (base, head)}
+        cells = [f"{statistics.median(v):.3f} ({min(v):.3f}-{max(v):.3f})" if len(v) > 1
+                 else f"{v[0]:.3f}" if v else "-" for v in vals.values()]
+        b, h = vals[base], vals[head]
+        ratio = f"{statistics.median(b) / statistics.median(h):.2f}x" if b and h else "-"
+        if not b or not h:
+            verdict = "-"
+        elif len(b) < 2 or len(h) < 2:
+            verdict = "1 sample"
+        elif min(h) > max(b):
+            verdict = "HEAD slower"
+        elif max(h) < min(b):
+            verdict = "HEAD faster"
+        else:
+            verdict = "within noise"
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {cells[0]} | {cells[1]} | {ratio} | {verdict} |")
     return "\n".join(lines)
 
 
@@ -670,7 +683,8 @@ def base_tree(root: Path, commit: str) -> Path:
 
 @step("ab", "the op at HEAD against an older commit (base=COMMIT): both extensions built, then "
       "benchmarks/bench_fused_moe.py (HEAD's) for each shape at each T (tokens=), cold caches, the builds taking "
-      "turns in alternating processes (ABBA), one table with base / HEAD", limit_s=560, min_s=240,
+      "turns in alternating processes (ABBA), one table with base / HEAD and a verdict against the run's noise "
+      "(the two builds' ranges over their processes; rounds=2 or more to decide)", limit_s=560, min_s=240,
       params={"shapes": "qwen3,deepseek", "base": "", "tokens": "1,32,512,2048", "impls": "ktorch-bf16,ktorch-int8,ktorch-int4",
               "rounds": "1", "seconds": "0.3"}, carry=".device-out (base-<commit>.tar; prebuilt/ optional)")
 def step_ab(r: Runner, p: dict) -> int:

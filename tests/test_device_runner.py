@@ -163,17 +163,24 @@ def test_bench_rows_are_read_from_live_lines_and_the_closing_table(device):
     assert device.parse_bench_table("deepseek  ktorch-int4  T=32  failed: out of memory\n") == {}
 
 
-def test_ab_table_has_medians_ratios_and_gaps(device):
-    base = [{("qwen3", "ktorch-int8", 1): 0.5, ("qwen3", "ktorch-int8", 512): 8.0},
-            {("qwen3", "ktorch-int8", 1): 0.7, ("qwen3", "ktorch-int8", 512): 9.0},
-            {("qwen3", "ktorch-int8", 1): 0.6}]
-    head = [{("qwen3", "ktorch-int8", 1): 0.4, ("deepseek", "ktorch-int4", 32): 2.0},
-            {("qwen3", "ktorch-int8", 1): 0.4}]
+def test_ab_table_has_medians_ranges_ratios_verdicts_and_gaps(device):
+    base = [{("qwen3", "ktorch-int8", 1): 0.5, ("qwen3", "ktorch-int8", 512): 8.0, ("qwen3", "ktorch-int4", 1): 0.30},
+            {("qwen3", "ktorch-int8", 1): 0.7, ("qwen3", "ktorch-int8", 512): 9.0, ("qwen3", "ktorch-int4", 1): 0.20},
+            {("qwen3", "ktorch-int8", 1): 0.6, ("qwen3", "ktorch-int4", 32): 2.0}]
+    head = [{("qwen3", "ktorch-int8", 1): 0.4, ("deepseek", "ktorch-int4", 32): 2.0, ("qwen3", "ktorch-int4", 1): 0.25,
+             ("qwen3", "ktorch-int4", 32): 2.5},
+            {("qwen3", "ktorch-int8", 1): 0.45, ("qwen3", "ktorch-int4", 1): 0.28, ("qwen3", "ktorch-int4", 32): 2.2}]
     table = device.ab_table({"abc": base, "HEAD": head}, "abc", "HEAD").splitlines()
-    assert table[0] == "| shape | impl | T | abc ms | HEAD ms | abc / HEAD |"
-    assert table[2] == "| deepseek | ktorch-int4 | 32 | - | 2.000 | - |"
-    assert table[3] == "| qwen3 | ktorch-int8 | 1 | 0.600 | 0.400 | 1.50x |"  # medians 0.6 and 0.4
-    assert table[4] == "| qwen3 | ktorch-int8 | 512 | 8.500 | - | - |"
+    assert table[0] == "| shape | impl | T | abc ms (range) | HEAD ms (range) | abc / HEAD | verdict |"
+    assert table[2] == "| deepseek | ktorch-int4 | 32 | - | 2.000 | - | - |"
+    # overlapping ranges: within the run's noise, whatever the medians say
+    assert table[3] == "| qwen3 | ktorch-int4 | 1 | 0.250 (0.200-0.300) | 0.265 (0.250-0.280) | 0.94x | within noise |"
+    assert table[4] == "| qwen3 | ktorch-int4 | 32 | 2.000 | 2.350 (2.200-2.500) | 0.85x | 1 sample |"
+    assert table[5] == "| qwen3 | ktorch-int8 | 1 | 0.600 (0.500-0.700) | 0.425 (0.400-0.450) | 1.41x | HEAD faster |"
+    assert table[6] == "| qwen3 | ktorch-int8 | 512 | 8.500 (8.000-9.000) | - | - | - |"
+    slower = device.ab_table({"abc": [{("q", "i", 1): 1.0}, {("q", "i", 1): 1.1}],
+                              "HEAD": [{("q", "i", 1): 1.2}, {("q", "i", 1): 1.3}]}, "abc", "HEAD").splitlines()
+    assert slower[2] == "| q | i | 1 | 1.050 (1.000-1.100) | 1.250 (1.200-1.300) | 0.84x | HEAD slower |"
 
 
 def test_ab_builds_take_turns_abba(device):
