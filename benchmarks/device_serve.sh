@@ -17,6 +17,7 @@
 #      prefix + 50 new tokens, and + 8) with the prefill steps of both requests beside their floors.
 #   2. --cuda-graphs off --step-stats (every step eager): the same decode rows, to compare.
 #   3. graphs, no --step-stats (no device sync or expert counting around the steps): decode tok/s and the TTFT.
+#   4. when time is left: the TTFT pairs again with --page-size 16 (the prefix reused to the last 16-token page).
 # Prints the tables; logs (server stderr, the load generator's output, /v1/stats) under $OUT.
 set -uo pipefail
 LIMIT=${LIMIT:-360}
@@ -104,7 +105,7 @@ say "GPU tests: tests/test_serve_cuda.py"
 timeout 120 python3 -m pytest -q -rs tests/test_serve_cuda.py > "$OUT/tests_cuda.txt" 2>&1
 TESTS_RC=$?
 tail -3 "$OUT/tests_cuda.txt"
-STATUS_graphs="not run"; STATUS_eager="not run"; STATUS_plain="not run"
+STATUS_graphs="not run"; STATUS_eager="not run"; STATUS_plain="not run"; STATUS_fine="not run"
 # run_stage NAME MIN_LEFT LOAD_SECONDS "serve options" bench_serve options...
 run_stage() {
   local name=$1 need=$2 secs=$3 opts=$4; shift 4
@@ -113,7 +114,7 @@ run_stage() {
   if ! start_server "$name" $opts; then eval "STATUS_$name=\"FAILED: the server did not start (see $OUT/server_$name.log)\""; return; fi
   run_load "$name" "$(budget "$secs")" "$@"
   stop_server
-  if grep -q "decode throughput" "$OUT/load_$name.txt" 2>/dev/null; then eval "STATUS_$name=ran"
+  if grep -qE "decode throughput|TTFT, " "$OUT/load_$name.txt" 2>/dev/null; then eval "STATUS_$name=ran"
   else eval "STATUS_$name=\"FAILED: no measurements (see $OUT/load_$name.txt and $OUT/server_$name.log)\""; fi
 }
 
@@ -122,12 +123,14 @@ run_stage graphs 100 150 "--cuda-graphs on --step-stats" --streams 1 16 64 --pro
 run_stage eager 90 110 "--cuda-graphs off --step-stats" --streams 1 16 64 --prompt-len 32 --max-tokens 32 --steps \
   ${GBS:+--read-gbs $GBS}
 run_stage plain 80 90 "--cuda-graphs on" --streams 1 16 64 --prompt-len 32 --max-tokens 48 --ttft-prefix 2000 --ttft-suffix 50
+# the prefix granularity: 16-token pages (64 by default on a GPU) cache all but the last partial page of a prompt
+run_stage fine 60 50 "--page-size 16" --streams 1 --prompt-len 32 --max-tokens 8 --ttft-prefix 2000 --ttft-suffix 50 8
 
 echo
 echo "================ summary (device_serve.sh, $(( $(date +%s) - T0 )) s, read bandwidth ${GBS:-not measured} GB/s) ================"
 echo "--- GPU tests (tests/test_serve_cuda.py, rc $TESTS_RC): $(tail -1 "$OUT/tests_cuda.txt" 2>/dev/null)"
 [ "$TESTS_RC" = 0 ] || grep -E "^(FAILED|ERROR)|Error|assert" "$OUT/tests_cuda.txt" | head -8 | sed 's/^/    /'
-for name in graphs eager plain; do
+for name in graphs eager plain fine; do
   eval "st=\$STATUS_$name"
   echo "--- stage $name: $st"
   f="$OUT/load_$name.txt"
