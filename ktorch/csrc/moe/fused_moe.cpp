@@ -40,6 +40,7 @@
 #include "fused_moe.h"
 
 #include "bf16.h"
+#include "profile.h"
 
 #include <ATen/ATen.h>
 
@@ -59,7 +60,6 @@
 #include <vector>
 
 #include "../kernels/kernels.h"
-#include "../runtime/config.h"
 #include "../runtime/dispatch.h"
 #include "../runtime/parallel.h"
 
@@ -266,103 +266,14 @@ Epilogue parse_epilogue(c10::string_view spec) {
   return ep;
 }
 
-// KT_PROFILE=1 (runtime/config.h): one line per call on stderr with the wall time of each phase (read on every
-// call, so a process can switch it; when off, each phase mark is one branch).
-class PhaseTimer {
- public:
-  using Clock = std::chrono::steady_clock;
-  PhaseTimer() {
-    const std::optional<std::string> v = runtime::config::value("KT_PROFILE");
-    on_ = v && *v != "0";
-    if (on_) start_ = last_ = Clock::now();
-  }
-  bool on() const { return on_; }
-  void mark(const char* phase) {
-    if (!on_ || n_ == kMaxPhases) return;
-    const Clock::time_point now = Clock::now();
-    phases_[n_] = phase;
-    ms_[n_++] = std::chrono::duration<double, std::milli>(now - last_).count();
-    last_ = now;
-  }
-  // A phase that ended at `at` (not before the last one: phases of one dispatch can end out of order).
-  void mark_at(const char* phase, Clock::time_point at) {
-    if (!on_ || n_ == kMaxPhases) return;
-    at = std::max(at, last_);
-    phases_[n_] = phase;
-    ms_[n_++] = std::chrono::duration<double, std::milli>(at - last_).count();
-    last_ = at;
-  }
-  // An extra entry (not a phase: the wall clock does not move), e.g. a worker breakdown of the phase before it.
-  void add(const char* name, double ms) {
-    if (!on_ || n_ == kMaxPhases) return;
-    phases_[n_] = name;
-    ms_[n_++] = ms;
-  }
-  // Prints "kt.fused_moe <what>: phase ms, ..., total ms".
-  void print(const std::string& what) const {
-    if (!on_) return;
-    std::string line = "kt.fused_moe " + what + ":";
-    char buf[64];
-    for (int i = 0; i < n_; ++i) {
-      std::snprintf(buf, sizeof(buf), " %s %.3f", phases_[i], ms_[i]);
-      line += buf;
-    }
-    std::snprintf(buf, sizeof(buf), " total %.3f ms\n",
-                  std::chrono::duration<double, std::milli>(last_ - start_).count());
-    line += buf;
-    std::fputs(line.c_str(), stderr);
-  }
-
- private:
-  static constexpr int kMaxPhases = 24;
-  bool on_ = false;
-  Clock::time_point start_, last_;
-  const char* phases_[kMaxPhases];
-  double ms_[kMaxPhases];
-  int n_ = 0;
-};
-
-// KT_PROFILE=1: where each worker's time in a parallel phase goes, summed over its tasks. Added to the phase
+// KT_PROFILE=1: where each worker's time in gate/up or down goes (WorkerTimes, profile.h). Added to the phase
 // line as <phase>.kernel (the gemm kernel calls), <phase>.epilogue (the driver's work on their output: GLU and
 // h quantization, or down's weighted scatter), <phase>.other (the rest of the tasks: row copies, the group
-// sums), each the mean over workers in ms, and <phase>.busiest (the largest sum of the
-// three for one worker): a phase far longer than its busiest worker waited on wake-ups or scheduling, one
+// sums), each the mean over workers in ms, and <phase>.busiest (the largest sum of the three for one worker): one
 // far longer than the kernel share spent it in the epilogue.
-class WorkerTimes {
- public:
-  using Clock = std::chrono::steady_clock;
-  WorkerTimes(bool on, int workers) : on_(on), t_(on ? workers : 0) {}
+struct GemmTimes : WorkerTimes<3> {
+  using WorkerTimes<3>::WorkerTimes;
   enum Kind { kKernel = 0, kEpilogue = 1, kOther = 2 };
-  // The mark a task's first lap starts from (read only when on).
-  Clock::time_point start() const { return on_ ? Clock::now() : Clock::time_point(); }
-  // Adds the time since `mark` to the worker's `kind` and moves `mark` to now; one branch when off.
-  void lap(int worker, Kind kind, Clock::time_point& mark) {
-    if (!on_) return;
-    const Clock::time_point now = Clock::now();
-    t_[worker].ns[kind] += std::chrono::duration_cast<std::chrono::nanoseconds>(now - mark).count();
-    mark = now;
-  }
-  void report(PhaseTimer& timer, const char* kernel, const char* epilogue, const char* other,
-              const char* busiest) const {
-    if (!on_) return;
-    double sum[3] = {0, 0, 0}, most = 0;
-    for (const Slot& w : t_) {
-      for (int k = 0; k < 3; ++k) sum[k] += w.ns[k];
-      most = std::max(most, static_cast<double>(w.ns[0] + w.ns[1] + w.ns[2]));
-    }
-    const double n = static_cast<double>(t_.size()) * 1e6;
-    timer.add(kernel, sum[0] / n);
-    timer.add(epilogue, sum[1] / n);
-    timer.add(other, sum[2] / n);
-    timer.add(busiest, most / 1e6);
-  }
-
- private:
-  struct alignas(64) Slot {
-    int64_t ns[3] = {0, 0, 0};
-  };
-  bool on_;
-  std::vector<Slot> t_;
 };
 
 // Scratch buffers kept from call to call. Large fresh allocations are mmap'd by malloc and returned to
@@ -801,7 +712,7 @@ class Part {
   }
 
   // ---- 3. gate + up + activation: h[p] = act(x_p W_gate^T) * (x_p W_up^T)
-  void gate_up(int64_t task, int worker, WorkerTimes& times) const {
+  void gate_up(int64_t task, int worker, GemmTimes& times) const {
     const Shared& s = s_;
     auto t_mark = times.start();
     const Chunk& ch = chunks_[task / splits_];
@@ -823,7 +734,7 @@ class Part {
     }
     float* c = s.wc.data_ptr<float>() + worker * s.wc.size(1);
     float* hrows = s.wf32.data_ptr<float>() + worker * s.wf32.size(1);  // full rows: this task's h, fp32 [n, I]
-    times.lap(worker, WorkerTimes::kOther, t_mark);
+    times.lap(worker, GemmTimes::kOther, t_mark);
     const size_t up_block = kernels::block_bytes(s.up.fmt, s.up.K);
     // The GLU of call g: h columns 32g.. (gateless: 64g..) of the chunk's rows from that call's c.
     const Epilogue& ep = s.ep;
@@ -889,12 +800,12 @@ class Part {
         a.side = &side;
       }
       s.ks.gemm[static_cast<int>(s.up.fmt)](a);
-      times.lap(worker, WorkerTimes::kKernel, t_mark);
+      times.lap(worker, GemmTimes::kKernel, t_mark);
       if (has_pending && side.done < side.units) Glu::run(&pending, side.done, side.units);
       pending = glu_of(g, cg);
       has_pending = overlap && g + 1 < g1;
       if (!has_pending) Glu::run(&pending, 0, a.M);
-      times.lap(worker, WorkerTimes::kEpilogue, t_mark);
+      times.lap(worker, GemmTimes::kEpilogue, t_mark);
     }
     if (s.train != nullptr && s.train->h != nullptr) {  // the training forward: this task's h, before quantization
       const int64_t c0 = ep.gated ? 32 * g0 : 64 * g0, c1 = std::min<int64_t>(I, ep.gated ? 32 * g1 : 64 * g1);
@@ -907,7 +818,7 @@ class Part {
     if (s.int_fmt && full_rows_)
       s.ks.quantize_rows(hrows, I, static_cast<int>(ch.n), I, s.down.group_size(), hq_.data_ptr<int8_t>() + ch.p0 * I,
                          I, hs_.data_ptr<float>() + ch.p0, hg_.data_ptr<int32_t>() + ch.p0 * s.down.groups);
-    times.lap(worker, WorkerTimes::kEpilogue, t_mark);
+    times.lap(worker, GemmTimes::kEpilogue, t_mark);
   }
 
   // The training forward's h output: n channels of pair p's h (bf16 or fp32 source) into its row of train->h from
@@ -963,7 +874,7 @@ class Part {
   }
 
   // ---- 4. down projection + weighted sum into each token's row: task = (group, range of output columns)
-  void down(const DownTask& task, int worker, WorkerTimes& times) const {
+  void down(const DownTask& task, int worker, GemmTimes& times) const {
     const Shared& s = s_;
     auto t_mark = times.start();
     const int64_t T = s.T, H = s.H;
@@ -977,7 +888,7 @@ class Part {
         if (seen_[t] == 0) std::fill(accg + t * H + c0, accg + t * H + c1, 0.0f);
     float* c = s.wc.data_ptr<float>() + worker * s.wc.size(1);
     const size_t down_block = kernels::block_bytes(s.down.fmt, s.down.K);
-    times.lap(worker, WorkerTimes::kOther, t_mark);
+    times.lap(worker, GemmTimes::kOther, t_mark);
     // (the weighted scatter right after each call: run as side work of the next call, between its tile steps, it
     // made the layer slower, int8 T=2048 16.7 ms against 14.5: stores that miss hold up the tile loads; RESULTS.md)
     for (int64_t i = group_start_[g]; i < group_start_[g + 1]; ++i) {
@@ -1020,7 +931,7 @@ class Part {
           a.c = c;
           a.ldc = kDownCols;
           s.ks.gemm[static_cast<int>(s.down.fmt)](a);
-          times.lap(worker, WorkerTimes::kKernel, t_mark);
+          times.lap(worker, GemmTimes::kKernel, t_mark);
           if (s.ep.b2 != nullptr) {  // the expert's down bias, before the routing weight scales the row
             const float* b = s.ep.b2 + e * H + 16 * cb;
             const int64_t n = 16 * a.nblocks;
@@ -1029,7 +940,7 @@ class Part {
           }
           s.ks.scatter_add(c, kDownCols, M, 16 * a.nblocks, pair_weight_.data() + p0, pair_token_.data() + p0,
                            pair_first_.data() + p0, accg + 16 * cb, H);
-          times.lap(worker, WorkerTimes::kEpilogue, t_mark);
+          times.lap(worker, GemmTimes::kEpilogue, t_mark);
         }
       }
     }
@@ -1048,7 +959,7 @@ class Part {
         store_row_sum(s.ks, src, n, fc1 - fc0, out_.scalar_type(), out + t * H * out_.element_size());
       }
     }
-    times.lap(worker, WorkerTimes::kOther, t_mark);
+    times.lap(worker, GemmTimes::kOther, t_mark);
   }
 
  private:
@@ -1300,7 +1211,7 @@ void run_call(WeightFormat fmt, const at::Tensor& hidden_in, const at::Tensor& i
   s.wc = ws.take(Workspace::kWorkerC, {workers, kWorkerC}, at::kFloat);
 
   // ---- 3, 4 for each part, as stages: activations; then per part gate/up, h quantization, down
-  WorkerTimes gu_times(timer.on(), workers), down_times(timer.on(), workers);
+  GemmTimes gu_times(timer.on(), workers), down_times(timer.on(), workers);
   std::vector<Stage> stages;
   stages.push_back({"activations", s.activation_tasks(), [&s](int64_t t, int w) { s.activations(t, w); }, {}, {}});
   // (the stages of one phase share its name: the profile line has one wall time a phase)
@@ -1342,8 +1253,8 @@ void run_call(WeightFormat fmt, const at::Tensor& hidden_in, const at::Tensor& i
   // as before the stages were chained, tied on the device, 0.531 against 0.529 ms a Qwen3 decode layer, RESULTS.md
   // session 13; the split calls need the one dispatch to run the deferred part on behind the first.)
   run_stages(stages, !caller_quantizes_h, timer);
-  gu_times.report(timer, "gate_up.kernel", "gate_up.epilogue", "gate_up.other", "gate_up.busiest");
-  down_times.report(timer, "down.kernel", "down.scatter", "down.other", "down.busiest");
+  gu_times.report(timer, {"gate_up.kernel", "gate_up.epilogue", "gate_up.other"}, "gate_up.busiest");
+  down_times.report(timer, {"down.kernel", "down.scatter", "down.other"}, "down.busiest");
   if (timer.on()) {
     std::string what = "T=" + std::to_string(T) + " pairs=" + std::to_string(now.pairs()) +
                        " experts=" + std::to_string(now.experts());

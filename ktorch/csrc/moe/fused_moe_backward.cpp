@@ -39,7 +39,7 @@
 // slot of a [T * K, H] buffer and the routed slots are summed in slot order afterwards (sum_slots: the skipped slots'
 // rows are never read, so the buffer is not zeroed): no atomics, the same result whatever the thread count. d delta
 // is written in its own dtype, one rounding a row. KT_PROFILE=1 prints a line a call: setup, experts (per worker:
-// decode, products, element-wise work, copies), sum (Profile below).
+// decode, products, element-wise work, copies), sum (ExpertTimes below).
 // Dtypes: the products run in float64 for float64 hidden (gradcheck), float32 for float32, bf16 otherwise (fp32
 // accumulation inside the matmul); the element-wise work in float32 (float64 for float64). Decoded int8/int4 weights
 // are q * scale in fp32 (as kt.unpack), then cast. The int formats' forward (kt.fused_moe) also quantizes the
@@ -48,7 +48,7 @@
 #include "fused_moe_backward.h"
 
 #include "fused_moe.h"
-#include "../runtime/config.h"
+#include "profile.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -56,9 +56,7 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cmath>
-#include <cstdio>
 #include <cstring>
 #include <numeric>
 #include <string>
@@ -434,68 +432,25 @@ at::Tensor glu_backward(const Call& c, const at::Tensor& gu, const at::Tensor& d
   return at::cat({dg, du}, 1);
 }
 
-// KT_PROFILE=1 (runtime/config.h; kt.fused_moe's phase line too): one line a call on stderr with its phases (setup,
-// experts, sum) and the experts phase broken down per worker, summed over its experts: decode (packed blocks to dense
-// matrices), products (the matmuls), elementwise (GLU, its backward, d weights), copies (gathering rows, casts,
-// scattering the pairs' rows), each the mean over workers in ms, and the busiest worker's total.
-class Profile {
- public:
-  using Clock = std::chrono::steady_clock;
-  enum Kind { kDecode = 0, kProducts = 1, kElementwise = 2, kCopies = 3, kKinds = 4 };
-  Profile() {
-    const std::optional<std::string> v = runtime::config::value("KT_PROFILE");
-    on_ = v && *v != "0";
-    if (on_) start_ = last_ = Clock::now();
+// KT_PROFILE=1 (profile.h, as kt.fused_moe's line): one line a call on stderr with its phases (setup, experts, sum)
+// and the experts phase broken down per worker, summed over its experts: decode (packed blocks to dense matrices),
+// products (the matmuls), elementwise (GLU, its backward, d weights), copies (gathering rows, casts, scattering the
+// pairs' rows), each the mean over workers in ms, and the busiest worker's total.
+struct ExpertTimes : WorkerTimes<4> {
+  using WorkerTimes<4>::WorkerTimes;
+  enum Kind { kDecode = 0, kProducts = 1, kElementwise = 2, kCopies = 3 };
+  void report(PhaseTimer& timer) const {
+    WorkerTimes<4>::report(timer, {"experts.decode", "experts.products", "experts.elementwise", "experts.copies"},
+                           "experts.busiest");
   }
-  bool on() const { return on_; }
-  void workers(int n) {
-    if (on_) ns_.assign(static_cast<size_t>(n) * kKinds, 0);
-  }
-  Clock::time_point now() const { return on_ ? Clock::now() : Clock::time_point(); }
-  // adds the time since `mark` to worker w's `kind` and moves `mark` to now (one branch when off)
-  void lap(int w, Kind kind, Clock::time_point& mark) {
-    if (!on_) return;
-    const Clock::time_point t = Clock::now();
-    ns_[w * kKinds + kind] += std::chrono::duration_cast<std::chrono::nanoseconds>(t - mark).count();
-    mark = t;
-  }
-  void phase(const char* name) {
-    if (!on_) return;
-    const Clock::time_point t = Clock::now();
-    char buf[64];
-    std::snprintf(buf, sizeof(buf), " %s %.3f", name, std::chrono::duration<double, std::milli>(t - last_).count());
-    line_ += buf;
-    last_ = t;
-    if (std::strcmp(name, "experts") != 0 || ns_.empty()) return;
-    static const char* names[kKinds] = {"decode", "products", "elementwise", "copies"};
-    const int n = static_cast<int>(ns_.size() / kKinds);
-    double busiest = 0;
-    for (int w = 0; w < n; ++w) {
-      double sum = 0;
-      for (int k = 0; k < kKinds; ++k) sum += ns_[w * kKinds + k];
-      busiest = std::max(busiest, sum);
-    }
-    for (int k = 0; k < kKinds; ++k) {
-      double sum = 0;
-      for (int w = 0; w < n; ++w) sum += ns_[w * kKinds + k];
-      std::snprintf(buf, sizeof(buf), " experts.%s %.3f", names[k], sum / n / 1e6);
-      line_ += buf;
-    }
-    std::snprintf(buf, sizeof(buf), " experts.busiest %.3f", busiest / 1e6);
-    line_ += buf;
-  }
-  void print(const std::string& what) const {
-    if (!on_) return;
-    std::fprintf(stderr, "kt.%s:%s total %.3f ms\n", what.c_str(), line_.c_str(),
-                 std::chrono::duration<double, std::milli>(last_ - start_).count());
-  }
-
- private:
-  bool on_ = false;
-  Clock::time_point start_, last_;
-  std::vector<int64_t> ns_;
-  std::string line_;
 };
+
+// How many workers for_each_expert runs c's experts on: none without experts, one (the calling thread, its ATen ops
+// multi-threaded) when they are fewer than the ATen threads, else one a thread.
+int expert_workers(const Call& c) {
+  const int64_t n = static_cast<int64_t>(c.experts.size());
+  return n == 0 ? 0 : n < at::get_num_threads() ? 1 : at::get_num_threads();
+}
 
 // Runs fn(e, w13 [N13, H], w2 [H, I], worker) for every expert with pairs, each expert decoded into its worker's
 // scratch. As many experts as threads or more: the experts are tasks pulled by the ATen workers (most pairs first),
@@ -503,27 +458,25 @@ class Profile {
 // calling thread, its decode split over the workers by blocks and its ATen ops multi-threaded, so that no core
 // idles for want of an expert (worker 0 in the profile).
 template <typename Fn>
-void for_each_expert(const Call& c, Profile& prof, bool need_w13, bool need_w2, const Fn& fn) {
+void for_each_expert(const Call& c, ExpertTimes& times, bool need_w13, bool need_w2, const Fn& fn) {
   const int64_t n = static_cast<int64_t>(c.experts.size());
-  if (n == 0) return;
+  const int threads = expert_workers(c);
+  if (threads == 0) return;
   const auto opts = at::TensorOptions().dtype(c.ct);
-  if (n < at::get_num_threads()) {
-    prof.workers(1);
+  if (n < at::get_num_threads()) {  // expert_workers: 1
     at::Tensor w13 = need_w13 ? at::empty({c.N13, c.H}, opts) : at::Tensor();
     at::Tensor w2 = need_w2 ? at::empty({c.H, c.I}, opts) : at::Tensor();
     for (int64_t e : c.experts) {
-      auto mark = prof.now();
+      auto mark = times.start();
       if (need_w13)
         at::parallel_for(0, c.up.N / 16, 4, [&](int64_t b0, int64_t b1) { decode_into(c.up, e, c.gated, w13, b0, b1); });
       if (need_w2)
         at::parallel_for(0, c.down.N / 16, 4, [&](int64_t b0, int64_t b1) { decode_into(c.down, e, false, w2, b0, b1); });
-      prof.lap(0, Profile::kDecode, mark);
+      times.lap(0, ExpertTimes::kDecode, mark);
       fn(e, w13, w2, 0);
     }
     return;
   }
-  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), n));
-  prof.workers(threads);
   std::atomic<int64_t> next{0};
   std::vector<std::string> errors(threads);
   at::parallel_for(0, threads, 1, [&](int64_t b, int64_t end) {
@@ -533,10 +486,10 @@ void for_each_expert(const Call& c, Profile& prof, bool need_w13, bool need_w2, 
         at::Tensor w2 = need_w2 ? at::empty({c.H, c.I}, opts) : at::Tensor();
         for (int64_t i = next++; i < n; i = next++) {
           const int64_t e = c.experts[i];
-          auto mark = prof.now();
+          auto mark = times.start();
           if (need_w13) decode_into(c.up, e, c.gated, w13);
           if (need_w2) decode_into(c.down, e, false, w2);
-          prof.lap(static_cast<int>(slot), Profile::kDecode, mark);
+          times.lap(static_cast<int>(slot), ExpertTimes::kDecode, mark);
           fn(e, w13, w2, static_cast<int>(slot));
         }
       } catch (const std::exception& ex) {
@@ -632,8 +585,8 @@ std::tuple<at::Tensor, at::Tensor> fused_moe_delta(const at::Tensor& hidden, con
   const at::Tensor out_pairs = at::zeros({c.T * c.K, c.H}, at::TensorOptions().dtype(c.et));
   const at::Tensor h_pairs = at::zeros({c.T * c.K, c.I}, at::TensorOptions().dtype(c.et));
   const at::Tensor wflat = c.weights.reshape({c.T * c.K});
-  Profile prof;
-  for_each_expert(c, prof, true, true, [&](int64_t e, const at::Tensor& W13, const at::Tensor& W2, int) {
+  ExpertTimes times(false, 0);  // (no profile line: the reference)
+  for_each_expert(c, times, true, true, [&](int64_t e, const at::Tensor& W13, const at::Tensor& W2, int) {
     const at::Tensor rows = pair_rows(c, e);
     const at::Tensor x = c.hidden.index_select(0, at::floor_divide(rows, c.K)).to(c.ct);
     const at::Tensor h = glu_forward(c, pre_activations(c, e, x, W13, delta, rows));
@@ -653,7 +606,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_moe_backward(
     const std::optional<at::Tensor>& gate_up_delta, const std::optional<at::Tensor>& grad_h,
     const std::optional<at::Tensor>& w13_bias, const std::optional<at::Tensor>& w2_bias) {
   const char* op = "fused_moe_backward";
-  Profile prof;
+  PhaseTimer timer(op);
   Call c = make_call(op, hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales, activation, w13_bias, w2_bias);
   TORCH_CHECK(grad_out.device().is_cpu() && grad_out.is_floating_point() && grad_out.sizes() == hidden.sizes(), op,
               ": grad_out must be a float CPU tensor shaped like hidden ", hidden.sizes(), ", got ",
@@ -681,9 +634,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_moe_backward(
   }
   const at::Tensor wflat = c.weights.reshape({c.T * c.K});
   const at::Tensor dy_all = grad_out.contiguous();
-  prof.phase("setup");
-  for_each_expert(c, prof, true, true, [&](int64_t e, const at::Tensor& W13, const at::Tensor& W2, int worker) {
-    auto mark = prof.now();
+  timer.mark("setup");
+  ExpertTimes times(timer.on(), expert_workers(c));
+  for_each_expert(c, times, true, true, [&](int64_t e, const at::Tensor& W13, const at::Tensor& W2, int worker) {
+    auto mark = times.start();
     const at::Tensor rows = pair_rows(c, e);
     const at::Tensor tokens = at::floor_divide(rows, c.K);
     const at::Tensor x = c.hidden.index_select(0, tokens).to(c.ct);
@@ -692,10 +646,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_moe_backward(
     const at::Tensor we = wflat.index_select(0, rows).unsqueeze(1);
     const at::Tensor dhe = dh_ext.defined() ? dh_ext.index_select(0, rows).to(c.et) : at::Tensor();
     const at::Tensor de = delta.defined() ? delta.index_select(0, rows).to(c.et) : at::Tensor();
-    prof.lap(worker, Profile::kCopies, mark);
+    times.lap(worker, ExpertTimes::kCopies, mark);
     at::Tensor gu = at::mm(x, W13.t());
     const at::Tensor G = at::mm(dyc, W2).to(c.et);  // [n, I]
-    prof.lap(worker, Profile::kProducts, mark);
+    times.lap(worker, ExpertTimes::kProducts, mark);
     gu = gu.to(c.et);
     if (c.b13.defined()) gu.add_(c.b13.select(0, e));
     if (de.defined()) gu.add_(de);
@@ -706,20 +660,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_moe_backward(
     if (dhe.defined()) dh.add_(dhe);
     const at::Tensor dgu = glu_backward(c, gu, dh);  // [n, N13]
     const at::Tensor dguc = dgu.to(c.ct);
-    prof.lap(worker, Profile::kElementwise, mark);
+    times.lap(worker, ExpertTimes::kElementwise, mark);
     const at::Tensor dxe = at::mm(dguc, W13);
-    prof.lap(worker, Profile::kProducts, mark);
+    times.lap(worker, ExpertTimes::kProducts, mark);
     dw.index_copy_(0, rows, dwe);
     if (ddelta.defined()) ddelta.index_copy_(0, rows, dgu.to(ddelta.scalar_type()));
     dx_pairs.index_copy_(0, rows, dxe.to(c.et));
-    prof.lap(worker, Profile::kCopies, mark);
+    times.lap(worker, ExpertTimes::kCopies, mark);
   });
-  prof.phase("experts");
+  timer.mark("experts");
+  times.report(timer);
   at::Tensor dx = sum_slots(c, dx_pairs, hidden.scalar_type());
   at::Tensor dweights = dw.view({c.T, c.K}).to(topk_weights.scalar_type());
   at::Tensor dd = ddelta.defined() ? ddelta.view({c.T, c.K, c.N13}) : at::empty({0}, hidden.options());
-  prof.phase("sum");
-  prof.print("fused_moe_backward T=" + std::to_string(c.T) + " pairs=" + std::to_string(c.order.size()) +
+  timer.mark("sum");
+  timer.print("T=" + std::to_string(c.T) + " pairs=" + std::to_string(c.order.size()) +
              " experts=" + std::to_string(c.experts.size()) + (delta.defined() ? " delta" : "") +
              (dh_ext.defined() ? " grad_h" : "") + " " + std::string(c10::toString(c.ct)));
   return {dx, dweights, dd};
