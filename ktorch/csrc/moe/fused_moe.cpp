@@ -57,6 +57,7 @@
 #include <optional>
 #include <sched.h>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "../kernels/kernels.h"
@@ -998,22 +999,19 @@ class Part {
       else u.ks->glu_f32(u.c + r0 * 64, 64, rows, 32, u.act, u.f32 + r0 * u.ldo, u.ldo);
     }
     void add_delta(int64_t r0, int64_t r1) const {
-      const int64_t ld = train->n13;
+      if (train->delta_bf16) add_delta_as(static_cast<const uint16_t*>(train->delta), r0, r1);
+      else add_delta_as(static_cast<const float*>(train->delta), r0, r1);
+    }
+    template <typename D>  // the deltas' element: bf16 bits or fp32
+    void add_delta_as(const D* delta, int64_t r0, int64_t r1) const {
+      auto load = [](D v) { if constexpr (std::is_same_v<D, float>) return v; else return bf16_to_f32(v); };
       const int up_at = d_gate >= 0 ? 32 : 0;
       for (int64_t r = r0; r < r1; ++r) {
         float* cr = c + r * 64;
-        const int64_t row = slots[r] * ld;
-        if (train->delta_bf16) {
-          const uint16_t* d = static_cast<const uint16_t*>(train->delta) + row;
-          if (d_gate >= 0)
-            for (int i = 0; i < 32; ++i) cr[i] += bf16_to_f32(d[d_gate + i]);
-          for (int i = 0; i < nd; ++i) cr[up_at + i] += bf16_to_f32(d[d_up + i]);
-        } else {
-          const float* d = static_cast<const float*>(train->delta) + row;
-          if (d_gate >= 0)
-            for (int i = 0; i < 32; ++i) cr[i] += d[d_gate + i];
-          for (int i = 0; i < nd; ++i) cr[up_at + i] += d[d_up + i];
-        }
+        const D* d = delta + slots[r] * train->n13;
+        if (d_gate >= 0)
+          for (int i = 0; i < 32; ++i) cr[i] += load(d[d_gate + i]);
+        for (int i = 0; i < nd; ++i) cr[up_at + i] += load(d[d_up + i]);
       }
     }
     void run_epilogue(int64_t r0, int64_t r1) const {
