@@ -170,26 +170,23 @@ def random_packed(E: int, H: int, I: int, fmt: str, group_size: int = 128, pages
     """Random weights directly in the packed layout (valid packed weights; no unpacked master copy), on the pages
     of weights_buffer."""
 
+    def codes(N, K, bits, low=0, high=256):
+        """An [N, K] matrix's random packed codes per expert: int8 bytes in [low, high), or int4 nibble pairs."""
+        shape, dtype = ((E, N // 16, K // 4, 16, 4), torch.int8) if bits == 8 else ((E, N // 16, K // 8, 16, 4), torch.uint8)
+        return fill_parallel(weights_buffer(shape, dtype, pages), lambda p, g: p.random_(low, high, generator=g))
+
     def mat(N, K):
         if fmt == "bf16":
             w = weights_buffer((E, N // 16, K // 2, 16, 2), torch.bfloat16, pages)
             return fill_parallel(w, lambda p, g: p.normal_(generator=g).mul_(K**-0.5)), None
         scale_groups = 1 if fmt == "int8" else K // group_size
         scales = torch.rand(E, scale_groups, N).add_(0.5).mul_(K**-0.5 / (64 if fmt == "int8" else 4))
-        if fmt == "int8":
-            return fill_parallel(weights_buffer((E, N // 16, K // 4, 16, 4), torch.int8, pages),
-                                 lambda p, g: p.random_(-127, 128, generator=g)), scales
-        return fill_parallel(weights_buffer((E, N // 16, K // 8, 16, 4), torch.uint8, pages),
-                             lambda p, g: p.random_(0, 256, generator=g)), scales
+        return (codes(N, K, 8, -127, 128) if fmt == "int8" else codes(N, K, 4)), scales
 
     def exact_mat(N, K, form):
         bits, group, affine = form
         scales = torch.rand(E, *((2,) if affine else ()), K // group, N).add_(0.5).mul_(K**-0.5 / 8)
-        if bits == 8:
-            return fill_parallel(weights_buffer((E, N // 16, K // 4, 16, 4), torch.int8, pages),
-                                 lambda p, g: p.random_(-32, 32, generator=g)), scales
-        return fill_parallel(weights_buffer((E, N // 16, K // 8, 16, 4), torch.uint8, pages),
-                             lambda p, g: p.random_(0, 256, generator=g)), scales
+        return (codes(N, K, 8, -32, 32) if bits == 8 else codes(N, K, 4)), scales
 
     if fmt in EXACT:
         w13, s13 = exact_mat(2 * I, H, EXACT[fmt][0])
