@@ -15,9 +15,10 @@
 #      (1.00: every step replayed a graph, 0: eager), each decode step's median time beside its floor (the distinct
 #      experts it read, their packed bytes over the measured read bandwidth); then the shared-prefix TTFT (2000-token
 #      prefix + 50 new tokens, and + 8) with the prefill steps of both requests beside their floors.
-#   2. --cuda-graphs off --step-stats (every step eager): the same decode rows, to compare.
-#   3. graphs, no --step-stats (no device sync or expert counting around the steps): decode tok/s and the TTFT.
-#   4. when time is left: the TTFT pairs again with --page-size 16 (the prefix reused to the last 16-token page).
+#   2. graphs, no --step-stats (no device sync or expert counting around the steps): decode tok/s and the TTFT.
+#   3. stage 2 again with --page-size 64 (the GPU default before 16: whether small pages cost
+#      decode throughput).
+#   4. when time is left: --cuda-graphs off --step-stats (every step eager): the same decode rows, to compare.
 # Prints the tables; logs (server stderr, the load generator's output, /v1/stats) under $OUT.
 set -uo pipefail
 LIMIT=${LIMIT:-360}
@@ -105,7 +106,7 @@ say "GPU tests: tests/test_serve_cuda.py"
 timeout 120 python3 -m pytest -q -rs tests/test_serve_cuda.py > "$OUT/tests_cuda.txt" 2>&1
 TESTS_RC=$?
 tail -3 "$OUT/tests_cuda.txt"
-STATUS_graphs="not run"; STATUS_eager="not run"; STATUS_plain="not run"; STATUS_fine="not run"
+STATUS_graphs="not run"; STATUS_eager="not run"; STATUS_plain="not run"; STATUS_coarse="not run"
 # run_stage NAME MIN_LEFT LOAD_SECONDS "serve options" bench_serve options...
 run_stage() {
   local name=$1 need=$2 secs=$3 opts=$4; shift 4
@@ -120,17 +121,18 @@ run_stage() {
 
 run_stage graphs 100 150 "--cuda-graphs on --step-stats" --streams 1 16 64 --prompt-len 32 --max-tokens 40 --steps ${GBS:+--read-gbs $GBS} \
   --ttft-prefix 2000 --ttft-suffix 50 8
+run_stage plain 80 90 "" --streams 1 16 64 --prompt-len 32 --max-tokens 48 --ttft-prefix 2000 --ttft-suffix 50 8
+# the prefix granularity: 16-token pages (the default) cache all but the last partial page of a prompt; 64 before
+run_stage coarse 60 90 "--page-size 64" --streams 1 16 64 --prompt-len 32 --max-tokens 48 --ttft-prefix 2000 --ttft-suffix 50 8
+
 run_stage eager 90 110 "--cuda-graphs off --step-stats" --streams 1 16 64 --prompt-len 32 --max-tokens 32 --steps \
   ${GBS:+--read-gbs $GBS}
-run_stage plain 80 90 "--cuda-graphs on" --streams 1 16 64 --prompt-len 32 --max-tokens 48 --ttft-prefix 2000 --ttft-suffix 50
-# the prefix granularity: 16-token pages (64 by default on a GPU) cache all but the last partial page of a prompt
-run_stage fine 60 50 "--page-size 16" --streams 1 --prompt-len 32 --max-tokens 8 --ttft-prefix 2000 --ttft-suffix 50 8
 
 echo
 echo "================ summary (device_serve.sh, $(( $(date +%s) - T0 )) s, read bandwidth ${GBS:-not measured} GB/s) ================"
 echo "--- GPU tests (tests/test_serve_cuda.py, rc $TESTS_RC): $(tail -1 "$OUT/tests_cuda.txt" 2>/dev/null)"
 [ "$TESTS_RC" = 0 ] || grep -E "^(FAILED|ERROR)|Error|assert" "$OUT/tests_cuda.txt" | head -8 | sed 's/^/    /'
-for name in graphs eager plain fine; do
+for name in graphs eager plain coarse; do
   eval "st=\$STATUS_$name"
   echo "--- stage $name: $st"
   f="$OUT/load_$name.txt"
