@@ -25,10 +25,10 @@ lscpu | grep -E "Model name|^CPU\(s\)" | tr -s ' '
 python3 -c "import torch, ktorch; print('torch', torch.__version__, 'ktorch', ktorch.__file__, ktorch.cpu_features())" 2>&1 | tail -1
 
 echo "=== CUDA tests of the change ($(date +%T))"
-timeout 45 python3 -m pytest -q -x tests/test_routed_experts.py -k "cuda_warm_up" 2>&1 | tail -3
+timeout 60 python3 -m pytest -q -x tests/test_routed_experts.py -k "cuda_warm_up" 2>&1 | tail -3
 
 echo "=== fresh ktorch generate processes, defaults ($(date +%T))"
-timeout 170 python3 benchmarks/bench_generate.py --gguf "$FILE" --write-layers 12 --write-type Q8_0 --runs 1 \
+timeout 165 python3 benchmarks/bench_generate.py --gguf "$FILE" --write-layers 12 --write-type Q8_0 --runs 1 \
   --prompts 512 2048 --gen 8 --prompt-kind random --timeout 80 --json "$OUT/ttft.jsonl" 2>&1 | tee "$OUT/ttft.log" \
   | grep -vE "^\s*\{" | grep -E "P=|rror|wrote|Traceback" || true
 python3 - "$OUT/ttft.jsonl" <<'PY' || true
@@ -41,7 +41,7 @@ for line in open(sys.argv[1]):
 PY
 
 echo "=== the first prompts after the warm-up by part, one process ($(date +%T))"
-timeout 70 python3 benchmarks/bench_generate.py --gguf "$FILE" --breakdown 2 --prompts 512 2048 --prompt-kind random \
+timeout 65 python3 benchmarks/bench_generate.py --gguf "$FILE" --breakdown 2 --prompts 512 2048 --prompt-kind random \
   --ktorch-args "" 2>&1 | tee "$OUT/breakdown.log" | grep -E "breakdown|^    |rror|Traceback" || true
 rm -f "$FILE"
 echo "done $(date +%T); logs in $OUT (ttft.log, ttft.jsonl, breakdown.log)"

@@ -435,7 +435,8 @@ def test_cuda_warm_up_leaves_the_first_prompt_nothing_to_allocate(costs, monkeyp
     """ktorch.warm_up on the GPU (what ktorch.load and the command line's loading end with): it runs (seconds > 0),
     keeps no decoder, and the first prompt's prefill after it makes no new CUDA memory segment and no new page-locked
     staging (the experts runtime's pools), with the tokens of a model without the warm-up, its kept decoder the size
-    of its own call."""
+    of its own call. The control: without the warm-up, the same first prefill does allocate (both start with no
+    eager staging pool and no cached free CUDA memory, as a fresh process)."""
     import ktorch.generation as generation
     from ktorch.compile.experts_runtime import RUNTIME
 
@@ -452,14 +453,15 @@ def test_cuda_warm_up_leaves_the_first_prompt_nothing_to_allocate(costs, monkeyp
         pools = list(RUNTIME._shared_pools.values()) + [p for site in RUNTIME._sites.values() for p in site.pools.values()]
         return sum(p.allocations for p in pools)
 
-    ids = torch.randint(0, 256, (1, 200), generator=torch.Generator().manual_seed(3))
-    cold = ktorch.generate(model_(), ids, 4).ids
-    model = model_()
-    lengths = []
-    init = generation.Decoder.__init__
-    monkeypatch.setattr(generation.Decoder, "__init__",
-                        lambda self, model, max_len, *a, **k: (lengths.append(max_len), init(self, model, max_len, *a, **k))[1])
-    assert ktorch.warm_up(model) > 0 and getattr(model, "kt_decoder", None) is None and lengths == [1024]
+    def fresh_model():  # as in a fresh process: no eager staging pool yet, no cached free CUDA memory
+        import gc
+
+        RUNTIME._shared_pools.clear()
+        m = model_()
+        gc.collect()  # an earlier model (its kept decoder refers back to it) freed before the cache is emptied
+        torch.cuda.empty_cache()
+        return m
+
     seen = []
     prefill = generation.Decoder.prefill
 
@@ -472,7 +474,17 @@ def test_cuda_warm_up_leaves_the_first_prompt_nothing_to_allocate(costs, monkeyp
         return out
 
     monkeypatch.setattr(generation.Decoder, "prefill", recorded)
-    warm = ktorch.generate(model, ids, 4)
+    ids = torch.randint(0, 256, (1, 200), generator=torch.Generator().manual_seed(3))
+    cold = ktorch.generate(fresh_model(), ids, 4, cuda_graphs=False).ids  # eager decode: the prefill is the point
+    assert len(seen) == 1 and seen[0][0] != seen[0][1], seen  # the control: a cold first prefill allocates
+    model = fresh_model()
+    lengths = []
+    init = generation.Decoder.__init__
+    monkeypatch.setattr(generation.Decoder, "__init__",
+                        lambda self, model, max_len, *a, **k: (lengths.append(max_len), init(self, model, max_len, *a, **k))[1])
+    assert ktorch.warm_up(model) > 0 and getattr(model, "kt_decoder", None) is None and lengths == [1024]
+    seen.clear()
+    warm = ktorch.generate(model, ids, 4, cuda_graphs=False)
     assert warm.ids == cold and len(seen) == 1
     assert seen[0][0] == seen[0][1], seen  # the first prompt's prefill: no new segment, no new pinned staging
     assert model.kt_decoder.max_len == 256  # 204 tokens rounded up to CACHE_BUCKET, not the warm-up's 1024
