@@ -155,7 +155,8 @@ class Decoder:
         self.cache = StaticCache(config=model.config, max_cache_len=max_len)
         self.token = torch.zeros(1, 1, dtype=torch.long, device=device)
         self.position = torch.zeros(1, dtype=torch.long, device=device)
-        self.seen = torch.zeros(_vocab_size(model), dtype=torch.bool, device=device) if sampling.repetition_penalty != 1.0 else None
+        self.seen = (torch.zeros(_vocab_size(model), dtype=torch.bool, device=device)
+                     if sampling.repetition_penalty != 1.0 else None)
         self.generator = torch.Generator(device=device)
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.deferred = 0  # the deferral the capture was made with
