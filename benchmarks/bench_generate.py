@@ -3,9 +3,10 @@
 
 ktorch     ``ktorch generate --model FILE --prompt <P bytes> --max-new-tokens N [ARGS]``, each run a new process
            exactly as typed at a shell; the file has no tokenizer, so the prompt's P bytes are P token ids. What is
-           reported is what the command prints: load time, time to first token (prefill), the decode step's
-           capture, prefill tok/s, decode tok/s. Each --ktorch-args set runs --runs times (the first in a fresh
-           process is the cold start; later ones show a warm page cache).
+           reported is what the command prints: load time (on a GPU ending with one warm-up prefill of 2048 random
+           ids, ``ktorch.warm_up``, whose seconds it also prints apart: ``warmup_prefill_s``), time to first token
+           (prefill), the decode step's capture, prefill tok/s, decode tok/s. Each --ktorch-args set runs --runs
+           times (the first in a fresh process is the cold start; later ones show a warm page cache).
 llama.cpp  ``llama-bench -m FILE -ngl 99 -ot exps=CPU`` swept over threads, -fa and -lm (see
            bench_vs_llamacpp.py, whose sweep and best-per-test pick this reuses), ppP and tgN.
 
@@ -34,6 +35,7 @@ RATES = re.compile(r"prefill: (\d+) tokens in ([\d.]+) s \(([\d.]+) tok/s\) \| d
                    r"\(([\d.]+) tok/s\))?")
 LOADED = re.compile(r"loaded in ([\d.]+) s")
 CAPTURE = re.compile(r"decode-step capture ([\d.]+) s")
+WARMUP_PREFILL = re.compile(r"loaded in [\d.]+ s \(prefill warm-up ([\d.]+) s\)")
 SPLIT = re.compile(r"prefill split: (\d+) layer calls, experts hit (\d+) \(per layer ([\d,]*)\), copied (\d+) "
                    r"\(([\d.]+) GB\), copied but unused (\d+), resident hit (\d+); rows on the GPU ([\d.]+)%")
 GPU_MEMORY = re.compile(r"GPU memory: budget ([\d.]+) GiB .* resident experts [\d.]+ \((\d+) of \d+ per layer.*used "
@@ -43,7 +45,8 @@ RESIDENT = re.compile(r"(\d+) swapped after prefill in ([\d.]+) s; decode reside
 
 
 def parse_generate_output(stderr: str) -> dict:
-    """The figures ``ktorch generate`` printed on stderr (the rates line, the load and capture times)."""
+    """The figures ``ktorch generate`` printed on stderr (the rates line, the load time and its prefill warm-up, the
+    capture time)."""
     out: dict = {}
     m = RATES.search(stderr)
     if m:
@@ -57,6 +60,9 @@ def parse_generate_output(stderr: str) -> dict:
     m = CAPTURE.search(stderr)
     if m:
         out["capture_s"] = float(m[1])
+    m = WARMUP_PREFILL.search(stderr)  # the load-time warm-up (GPU only; counted in load_s)
+    if m:
+        out["warmup_prefill_s"] = float(m[1])
     m = SPLIT.search(stderr)  # the routing-aware prefill split's counters (--stream-experts auto)
     if m:
         out.update(split_layer_calls=int(m[1]), experts_hit=int(m[2]), hit_per_layer=[int(x) for x in m[3].split(",") if x],
@@ -207,6 +213,105 @@ def profile_steps(decoder, steps: int, label: str) -> None:
         print(f"    {k.device_time_total / steps:8.1f} us/step  x{k.count / steps:5.1f}  {k.key[:90]}")
 
 
+class PartTimer:
+    """Forward hooks that add up wall time per part of a prefill (synchronizing the device at each hook, so that a
+    part's kernels are charged to it): each decoder layer's attention, its MoE block less its routed experts (router,
+    shared experts) and its routed experts (the ktorch experts forward: the split, the copies, the CPU op), layer 0
+    apart from the others (first uses land there); the rest of the forward (embedding, norms, lm_head) and sampling
+    are the prefill's time less these."""
+
+    def __init__(self, model, device):
+        import torch
+
+        from ktorch.generation import decoder_layers
+
+        self.totals: dict = {}
+        self.sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+        self.handles = []
+        for i, layer in enumerate(decoder_layers(model)):
+            where = "layer 0" if i == 0 else "layers 1+"
+            attention = getattr(layer, "self_attn", None)
+            mlp = getattr(layer, "mlp", None)
+            experts = getattr(mlp, "experts", None) if mlp is not None else None
+            if attention is not None:
+                self._time(attention, f"attention, {where}")
+            if experts is not None:
+                self._time(mlp, f"MoE block less experts, {where}", minus=f"routed experts, {where}")
+                self._time(experts, f"routed experts, {where}")
+
+    def _time(self, module, name: str, minus: str = None) -> None:
+        state = {}
+
+        def pre(mod, args):
+            self.sync()
+            state["t"] = time.perf_counter()
+            state["inner"] = self.totals.get(minus, 0.0) if minus else 0.0
+
+        def post(mod, args, out):
+            self.sync()
+            inner = (self.totals.get(minus, 0.0) - state["inner"]) if minus else 0.0
+            self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - state["t"] - inner
+
+        self.handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def breakdown(args) -> None:
+    """Experiment (benchmark flag): where a process's first prefills spend their time. Per --ktorch-args set, one
+    process loads the model as ``ktorch generate`` does (ktorch.cli.load_model: the same defaults and options, the
+    load-time warm-up included unless --breakdown-cold), then runs --breakdown prefills of each --prompts length
+    (``ktorch.generate``, 1 new token): per part (PartTimer), the CPU op's own time (the experts runtime's timeline:
+    kt.fused_moe on its worker, GPU models), the minor page faults and new CUDA memory segments, run by run. Run 0 is
+    the first prompt of that length (after the warm-up: what a user's first prompt pays; with --breakdown-cold the
+    process's cold first prefill, a shorter length earlier warming part of it); the later runs are warm."""
+    import resource
+
+    import torch
+
+    from ktorch.cli import build_parser, load_model
+    from ktorch.compile.experts_runtime import RUNTIME
+    from ktorch.generation import generate
+
+    for extra in args.ktorch_args:
+        cli = build_parser().parse_args(["generate", "--model", args.gguf, "--prompt", "x", *shlex.split(extra)])
+        t0 = time.perf_counter()
+        model, _, device = load_model(cli, warm_up=not args.breakdown_cold)
+        print(f"[breakdown {extra or 'defaults'}] loaded in {time.perf_counter() - t0:.1f} s on {device} (prefill "
+              f"warm-up {cli.warm_up_s:.2f} s{', skipped: --breakdown-cold' if args.breakdown_cold else ''})", flush=True)
+        timer = PartTimer(model, device)
+        for prompt in args.prompts:
+            ids = torch.tensor([[b for b in prompt_of(prompt, args.prompt_kind).encode()]])
+            runs = []
+            for _ in range(args.breakdown):
+                timer.totals.clear()
+                RUNTIME.timeline = []
+                faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                segments = torch.cuda.memory_stats(device)["segment.all.allocated"] if device.type == "cuda" else 0
+                first = generate(model, ids, 1).timings.first_token_s
+                parts = dict(timer.totals)
+                parts["CPU op (kt.fused_moe on the worker)"] = sum(e - s for s, e, _ in RUNTIME.timeline) / 1e9
+                parts["rest (embedding, norms, lm_head, sampling)"] = first - sum(
+                    v for k, v in timer.totals.items())
+                parts["minor page faults"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+                if device.type == "cuda":
+                    parts["new CUDA segments"] = torch.cuda.memory_stats(device)["segment.all.allocated"] - segments
+                runs.append((first, parts))
+            RUNTIME.timeline = None
+            print(f"[breakdown {extra or 'defaults'}] P={prompt}: first token s by run: "
+                  + ", ".join(f"{r[0]:.3f}" for r in runs), flush=True)
+            for name in runs[0][1]:
+                counts = name.startswith(("minor", "new"))
+                cells = ", ".join(f"{r[1][name]:.0f}" if counts else f"{1e3 * r[1][name]:.1f}" for r in runs)
+                print(f"    {name:48s} {'' if counts else 'ms '}{cells}", flush=True)
+        timer.remove()
+        del model
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gguf", required=True)
@@ -240,6 +345,14 @@ def main(argv=None) -> None:
                    "prints decode tok/s and capture s of each, then --profile-steps replays profiled")
     p.add_argument("--profile-steps", type=int, default=0)
     p.add_argument("--deferred", type=int, nargs="+", default=[0, 3])
+    p.add_argument("--breakdown", type=int, default=0, metavar="RUNS",
+                   help="experiment: per --ktorch-args set, one process (loaded as ktorch generate loads, its warm-up "
+                   "included) times RUNS prefills of each --prompts length by part (attention, router/shared, routed "
+                   "experts, the CPU op, the rest), with page faults and new CUDA segments: the first run is the "
+                   "first prompt of that length")
+    p.add_argument("--breakdown-cold", action="store_true",
+                   help="--breakdown without the load-time warm-up (ktorch.warm_up): run 0 is the process's cold first "
+                   "prefill, what the warm-up takes out of the first prompt")
     args = p.parse_args(argv)
     if args.ab_compile:
         return ab_compile(args)
@@ -256,6 +369,8 @@ def main(argv=None) -> None:
         write_random_qwen3moe_gguf(Path(args.gguf), args.write_type, num_layers=args.write_layers,
                                    seed=args.write_seed, progress=False, router_skew=args.write_router_skew)
         print(f"wrote {args.gguf} ({os.path.getsize(args.gguf) / 1e9:.1f} GB) in {time.perf_counter() - t0:.0f} s")
+    if args.breakdown:
+        return breakdown(args)
     rows = []
     if not args.skip_ktorch:
         for extra in args.ktorch_args:
@@ -286,7 +401,8 @@ def main(argv=None) -> None:
         if "error" in r:
             print(f"  [{r['args'] or 'defaults'}] P={r['prompt']} run {r['run']}: {r['error'][:300]}")
             continue
-        print(f"  [{r['args'] or 'defaults'}] P={r['prompt']} run {r['run']}: load {r.get('load_s', 0):.1f} s, "
+        warm = f" (prefill warm-up {r['warmup_prefill_s']:.2f} s)" if "warmup_prefill_s" in r else ""
+        print(f"  [{r['args'] or 'defaults'}] P={r['prompt']} run {r['run']}: load {r.get('load_s', 0):.1f} s{warm}, "
               f"first token {r['first_token_s']:.2f} s ({r['prefill_tok_s']:.0f} tok/s prefill), capture "
               f"{r.get('capture_s', 0):.1f} s, decode {r['decode_tok_s']:.1f} tok/s, wall {r['wall_s']:.0f} s")
         if "experts_hit" in r:

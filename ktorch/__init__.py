@@ -17,7 +17,7 @@ __all__ = ["PackedExperts", "config", "cpu_features", "fused_moe", "get_num_thre
 # and prepare() places a model for hybrid CPU-expert inference.
 from ktorch.integrations import register_when_imported as _register_experts_implementation  # noqa: E402
 from ktorch.experts_profile import ExpertsProfile, profile_experts  # noqa: E402
-from ktorch.generation import generate  # noqa: E402
+from ktorch.generation import generate, warm_up  # noqa: E402
 from ktorch.loading import load  # noqa: E402
 from ktorch.placement import (gpu_placement, prefill_split_stats, prepare, set_deferred_experts,  # noqa: E402
                               set_stream_experts, stream_plan)
@@ -27,4 +27,4 @@ import ktorch.compile  # noqa: E402, F401
 
 _register_experts_implementation()
 from ktorch import lora  # noqa: E402,F401  (LoRA beside the packed experts: ktorch.lora)
-__all__ += ["ExpertsProfile", "generate", "gpu_placement", "load", "prefill_split_stats", "prepare", "profile_experts", "set_deferred_experts", "set_stream_experts", "stream_plan"]
+__all__ += ["ExpertsProfile", "generate", "gpu_placement", "load", "prefill_split_stats", "prepare", "profile_experts", "set_deferred_experts", "set_stream_experts", "stream_plan", "warm_up"]

@@ -274,10 +274,14 @@ def resolve_device(device: str):
     return resolved
 
 
-def load_model(args: argparse.Namespace):
-    """(model, tokenizer, device), the model placed as the arguments ask."""
+def load_model(args: argparse.Namespace, warm_up: bool = True):
+    """(model, tokenizer, device), the model placed as the arguments ask. On a GPU, unless ``--plain`` (transformers'
+    own path, as it runs) or ``warm_up=False``, it ends with ``ktorch.warm_up`` after the placement options (so the
+    split's stagings and the residents are warmed too): the first prompt runs at warm speed. Its seconds (in the
+    loading time) go to ``args.warm_up_s``, 0.0 when none ran."""
     import torch
 
+    args.warm_up_s = 0.0
     if args.deferred_experts < 0:
         raise CLIError(f"--deferred-experts must be >= 0, got {args.deferred_experts}")
     from ktorch.ops.streamed_experts import parse_stream_plan
@@ -319,7 +323,7 @@ def load_model(args: argparse.Namespace):
         try:
             model, tokenizer = ktorch.load(path, device=device, experts_dtype=args.experts_dtype,
                                            group_size=args.group_size, dtype=None if dtype == "auto" else dtype,
-                                           progress=sys.stderr.isatty())
+                                           progress=sys.stderr.isatty(), warm_up=False)  # after placement, below
         except (CheckpointError, ValueError, OSError) as e:
             raise CLIError(f"--model {args.model}: {e}") from None
         top_k = getattr(model.config, "num_experts_per_tok", None)
@@ -342,6 +346,8 @@ def load_model(args: argparse.Namespace):
                 if args.gpu_memory is not None:
                     given.append(f"--gpu-memory {args.gpu_memory}")
                 raise CLIError(f"{' '.join(given) or '--stream-experts auto (the default on a GPU)'}: {e}") from None
+        if warm_up:  # the split's stagings and the residents exist now: warmed too
+            args.warm_up_s = ktorch.warm_up(model)
         return model, (tokenizer if tokenizer is not None else TokenIdsTokenizer(model.config.vocab_size)), device
     if path.is_file():
         raise CLIError(f"--model {args.model}: --plain runs transformers checkpoint folders only")
@@ -531,16 +537,19 @@ def _describe(model, args: argparse.Namespace, device, load_s: float) -> str:
     formats = sorted({m.kt_format for m in model.modules() if getattr(m, "kt_format", None)})
     experts = "experts on --device (transformers)" if args.plain else f"experts {'/'.join(formats)} on cpu (kt.fused_moe)"
     size = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    return f"[ktorch] {args.model}: {size / 1e6:.1f} MB of weights, {model.dtype} on {device}, {experts}; loaded in {load_s:.1f} s"
+    warm_up = getattr(args, "warm_up_s", 0.0)
+    return (f"[ktorch] {args.model}: {size / 1e6:.1f} MB of weights, {model.dtype} on {device}, {experts}; loaded in "
+            f"{load_s:.1f} s" + (f" (prefill warm-up {warm_up:.2f} s)" if warm_up else ""))
 
 
 # ---------------------------------------------------------------- commands
 
 
-def _load_and_describe(args: argparse.Namespace):
-    """load_model, then the one-line description of what was loaded and how long it took (stderr)."""
+def _load_and_describe(args: argparse.Namespace, warm_up: bool = True):
+    """load_model, then the one-line description of what was loaded and how long it took, its warm-up included
+    (stderr)."""
     t0 = time.perf_counter()
-    model, tokenizer, device = load_model(args)
+    model, tokenizer, device = load_model(args, warm_up=warm_up)
     args.load_s = time.perf_counter() - t0
     print(_describe(model, args, device, args.load_s), file=sys.stderr, flush=True)
     return model, tokenizer
@@ -639,7 +648,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         check_transformers()
     except RuntimeError as e:
         raise CLIError(str(e)) from None
-    model, tokenizer = _load_and_describe(args)
+    # the engine warms up itself before it serves (/health answers): on a GPU with --cuda-graphs auto or on it
+    # captures each token bucket's step (1-256 tokens) through its own paged cache and batch runner, which pays the
+    # process's first kernel launches, stagings and page faults; ktorch.warm_up (a static cache) would pay them twice.
+    # With --cuda-graphs off no engine warm-up runs, so the load's does (a no-op on the CPU).
+    model, tokenizer = _load_and_describe(args, warm_up=args.cuda_graphs == "off")
     if isinstance(tokenizer, TokenIdsTokenizer):
         print(f"[ktorch] {args.model} has no tokenizer: completions take token-id prompts (a string's UTF-8 bytes "
               "become ids) and return the new ids as text; chat is refused", file=sys.stderr, flush=True)

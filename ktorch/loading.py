@@ -51,6 +51,7 @@ def load(
     tokenizer: bool = True,
     stream_experts=None,
     gpu_memory: Union[int, str, None] = None,
+    warm_up: bool = True,
 ) -> tuple[nn.Module, object]:
     """Loads an MoE checkpoint for hybrid inference: ``(model, tokenizer)``.
 
@@ -71,6 +72,11 @@ def load(
             ``tokenizer.ggml.model = "none"``).
         stream_experts, gpu_memory: GPU only, as ``ktorch.prepare`` takes them (the routing-aware prefill split,
             the GPU memory budget and its resident experts; docs/prefill_streaming.md); default None: neither.
+        warm_up: on a GPU, end with ``ktorch.warm_up(model)``: one prefill of ``ktorch.generation.WARM_UP_TOKENS``
+            random ids through a throwaway cache, so that the first prompt runs at warm speed (a fresh process's
+            first prefill pays ~0.4 s of first kernel launches, stagings and page faults; docs/architecture.md).
+            It leaves no state behind; on the CPU it does nothing. False: leave it to the caller (the command line
+            calls it after its own placement options).
 
     The model is built on the meta device and filled layer by layer; each layer's experts are packed as they are
     read, so loading needs about one chunk of unpacked expert weights beyond the final model. Errors in the files
@@ -89,4 +95,8 @@ def load(
         from ktorch.placement import set_stream_experts
 
         set_stream_experts(model, stream_experts, gpu_memory=gpu_memory)
+    if warm_up:
+        from ktorch.generation import warm_up as warm_up_prefill
+
+        warm_up_prefill(model)
     return model, (source.tokenizer() if tokenizer else None)

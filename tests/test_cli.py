@@ -133,6 +133,39 @@ def test_generate_with_deferred_experts(capsys, monkeypatch):
     assert seen == [2] and TIMING.search(captured.err) and captured.out.strip()
 
 
+def test_loading_ends_with_the_warm_up(capsys, monkeypatch):
+    """generate, chat and serve load through load_model, which ends with ktorch.warm_up (a no-op on the CPU; the CUDA
+    tests time it: tests/test_routed_experts.py) after the placement options (here: the deferral is set when it
+    runs), with ktorch.load told not to warm up itself; the loading line prints its seconds. --plain runs none, and
+    serve none unless --cuda-graphs off (its engine warms up itself before serving)."""
+    import ktorch
+    import ktorch.serve
+
+    calls, loads = [], []
+    load = ktorch.load
+    monkeypatch.setattr(ktorch, "warm_up", lambda model: calls.append(model.kt_deferred_experts) or 1.25)
+    monkeypatch.setattr(ktorch, "load", lambda *a, **k: loads.append(k.get("warm_up")) or load(*a, **k))
+    monkeypatch.setattr(ktorch.serve, "run_server", lambda *a, **k: None)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("/exit\n"))
+    common = ["--model", "builtin", "--device", "cpu", "--deferred-experts", "1"]
+    assert main(["generate", *common, "--prompt", "The", "--max-new-tokens", "2"]) == 0
+    err = capsys.readouterr().err
+    assert calls == [1] and loads == [False]
+    assert re.search(r"loaded in [\d.]+ s \(prefill warm-up 1\.25 s\)\n", err), err
+    assert main(["chat", *common]) == 0 and calls == [1, 1]
+    assert "(prefill warm-up 1.25 s)" in capsys.readouterr().err
+    assert main(["generate", "--model", "builtin", "--device", "cpu", "--prompt", "The", "--max-new-tokens", "2",
+                 "--plain"]) == 0
+    assert calls == [1, 1] and "prefill warm-up" not in capsys.readouterr().err
+    assert main(["serve", *common]) == 0 and calls == [1, 1]
+    assert "prefill warm-up" not in capsys.readouterr().err
+    assert main(["serve", *common, "--cuda-graphs", "off"]) == 0 and calls == [1, 1, 1]
+    assert "(prefill warm-up 1.25 s)" in capsys.readouterr().err
+    monkeypatch.undo()  # the real one: nothing on the CPU, so nothing printed
+    assert main(["generate", "--model", "builtin", "--device", "cpu", "--prompt", "The", "--max-new-tokens", "2"]) == 0
+    assert "prefill warm-up" not in capsys.readouterr().err
+
+
 def test_placement_option_errors(capsys):
     assert main(["generate", "--model", "builtin", "--prompt", "hi", "--deferred-experts", "5", "--device", "cpu"]) == 1
     assert "routes each token to 4 experts" in capsys.readouterr().err

@@ -183,6 +183,74 @@ def test_the_kept_decoder_is_reused_only_when_it_fits():
     assert model.kt_decoder is not third and model.kt_decoder.max_len > third.max_len  # a longer cache
 
 
+def _recorded_prefills(monkeypatch) -> list:
+    """Records each Decoder.prefill: (decoder, prompt length, whether any experts module deferred during it)."""
+    import ktorch.generation as generation
+    from ktorch.placement import experts_modules
+
+    calls = []
+    prefill = generation.Decoder.prefill
+
+    def recorded(self, ids):
+        deferring = any(hasattr(m, "kt_deferral") for _, m in experts_modules(self.model))
+        calls.append((self, ids.shape[1], deferring))
+        return prefill(self, ids)
+
+    monkeypatch.setattr(generation.Decoder, "prefill", recorded)
+    return calls
+
+
+def test_warm_up_does_nothing_on_the_cpu(monkeypatch):
+    """ktorch.warm_up (what ktorch.load ends with) on a CPU model: no prefill, 0.0 s, no decoder kept; bad token
+    counts are refused."""
+    calls = _recorded_prefills(monkeypatch)
+    model = _prepared("qwen3_moe")
+    assert ktorch.warm_up(model) == 0.0 and ktorch.warm_up(model, 16) == 0.0
+    assert calls == [] and getattr(model, "kt_decoder", None) is None
+    for bad in (0, -3, True, 2.5, "16"):
+        with pytest.raises(ValueError, match="tokens must be an int >= 1"):
+            ktorch.warm_up(model, bad)
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_p": 0.9, "repetition_penalty": 1.3}],
+                         ids=["greedy", "sampled"])
+@pytest.mark.parametrize("deferred", [0, 1])
+def test_warm_up_prefill_leaves_the_tokens_and_the_kept_decoder(sampling, deferred, monkeypatch):
+    """The warm-up's prefill (run here on the CPU; ktorch.warm_up runs it on a GPU only): WARM_UP_TOKENS capped by
+    the model's maximum positions, through a decoder of its own that is not kept (the model's kept decoder is the same
+    object with the same KV tensors after it; a model without one has none), expert deferral off as in generate's
+    prefill and back on after it; generate gives the same tokens (greedy, and seeded sampling) with and without a
+    warm-up before."""
+    import ktorch.generation as generation
+    from ktorch.placement import experts_modules
+
+    def model_():
+        m = _prepared("qwen3_moe", num_hidden_layers=3)
+        ktorch.set_deferred_experts(m, deferred)
+        return m
+
+    ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(4))
+    cold = generate(model_(), ids, 8, seed=3, **sampling).ids
+    calls = _recorded_prefills(monkeypatch)
+
+    model = model_()  # warmed up before its first generate
+    assert generation._warm_up_prefill(model, generation.WARM_UP_TOKENS) > 0
+    (decoder, length, deferring), = calls
+    assert length == model.config.max_position_embeddings == 256 < generation.WARM_UP_TOKENS and not deferring
+    assert getattr(model, "kt_decoder", None) is None and decoder.max_len == 256
+    assert all(hasattr(m, "kt_deferral") == (deferred > 0) for _, m in experts_modules(model))
+    assert generate(model, ids, 8, seed=3, **sampling).ids == cold
+
+    kept = model.kt_decoder  # warmed up again between two generate calls
+    keys = [layer.keys for layer in kept.cache.layers]
+    calls.clear()
+    assert generation._warm_up_prefill(model, 40) > 0 and len(calls) == 1 and calls[0][0] is not kept
+    assert calls[0][1] == 40 and calls[0][0].max_len == 40
+    assert model.kt_decoder is kept and all(a is b for a, b in zip(keys, [layer.keys for layer in kept.cache.layers]))
+    assert generate(model, ids, 8, seed=3, **sampling).ids == cold
+    assert model.kt_decoder is kept  # still the one the first call made
+
+
 def test_bad_arguments_are_clear_errors():
     model = _prepared("qwen3_moe")
     with pytest.raises(ValueError, match="max_new_tokens"):

@@ -366,6 +366,51 @@ def test_generate_updates_residents_after_prefill():
     assert rows == 3 * model.config.num_experts_per_tok * 2 and 0 <= hits <= rows
 
 
+def _split_state(model) -> tuple:
+    ms = moe_experts_modules(model)
+    return (ktorch.prefill_split_stats(model), [m.kt_routed.frequency.clone() for m in ms],
+            [list(m.kt_gpu_expert_ids) for m in ms], [m.kt_gpu_hits.clone() for m in ms], resident_hits(model))
+
+
+def _same_split_state(a: tuple, b: tuple) -> bool:
+    return (a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[1], b[1])) and a[2] == b[2]
+            and all(torch.equal(x, y) for x, y in zip(a[3], b[3])) and a[4] == b[4])
+
+
+def test_warm_up_prefill_leaves_the_split_counters_and_the_residents():
+    """The load-time warm-up's prefill (ktorch.generation._warm_up_prefill, run here on the CPU, where the split's
+    "device" is the CPU) on a split model with residents, before and after a generate call: it splits as a prompt
+    does (one split call per layer) and leaves the split counters, routing frequency, resident experts and resident
+    hit counts as they were, so generate's tokens, counters, frequency, residents (swapped after its prefill from
+    that frequency) and decode hit counts are those of a model without the warm-up. ktorch.warm_up itself does
+    nothing on the CPU."""
+    import ktorch.generation as generation
+
+    prompt = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(2))
+
+    def model_():
+        _, model = _split_model(COSTS)
+        _split_with_residents(model, _floor(model), 1)
+        return model
+
+    cold = model_()
+    cold_ids = ktorch.generate(cold, prompt, max_new_tokens=4).ids
+    model = model_()
+    passes = []
+    for m in moe_experts_modules(model):  # the warm-up's own split calls: seen before the state is put back
+        choose = m.kt_routed.choose
+        m.kt_routed.choose = lambda *a, choose=choose, **k: (passes.append(1), choose(*a, **k))[1]
+    assert ktorch.warm_up(model) == 0.0 and passes == []
+    before = _split_state(model)
+    assert generation._warm_up_prefill(model, 64) > 0
+    assert len(passes) == len(moe_experts_modules(model))  # it split
+    assert _same_split_state(_split_state(model), before) and getattr(model, "kt_decoder", None) is None
+    assert ktorch.generate(model, prompt, max_new_tokens=4).ids == cold_ids
+    assert _same_split_state(_split_state(model), _split_state(cold))
+    after = _split_state(model)  # between two calls: the first call's counters, frequency, residents, hits kept
+    assert generation._warm_up_prefill(model, 64) > 0 and _same_split_state(_split_state(model), after)
+
+
 @needs_cuda
 def test_cuda_split_prefill_matches_hf_eager_and_pins_every_expert():
     torch.manual_seed(0)
@@ -382,6 +427,67 @@ def test_cuda_split_prefill_matches_hf_eager_and_pins_every_expert():
     assert stats["copied_unused"] == 0 and stats["passes"] == 2 and stats["experts_copied"] == stats["experts_hit"]
     ktorch.set_stream_experts(model, COSTS, gpu_memory="2GiB")  # a budget: within it, measured
     assert model.kt_gpu_memory.used <= 2 << 30 and torch.cuda.memory_allocated() <= 2 << 30
+
+
+@needs_cuda
+@pytest.mark.parametrize("costs", [COSTS, ALL_ON_CPU], ids=["split", "cpu_op"])
+def test_cuda_warm_up_leaves_the_first_prompt_nothing_to_allocate(costs, monkeypatch):
+    """ktorch.warm_up on the GPU (what ktorch.load and the command line's loading end with): it runs (seconds > 0),
+    keeps no decoder, and the first prompt's prefill after it makes no new CUDA memory segment and no new page-locked
+    staging (the experts runtime's pools), with the tokens of a model without the warm-up, its kept decoder the size
+    of its own call. The control: without the warm-up, the same first prefill does allocate (both start with no
+    eager staging pool and no cached free CUDA memory, as a fresh process)."""
+    import ktorch.generation as generation
+    from ktorch.compile.experts_runtime import RUNTIME
+
+    def model_():
+        torch.manual_seed(0)
+        # 1024 positions: the warm-up (WARM_UP_TOKENS capped by them) is longer than the prompt's cache
+        m = ktorch.prepare(tiny_model("qwen3_moe", dtype=torch.bfloat16, max_position_embeddings=1024), device="cuda",
+                           experts_dtype="int8", stream_experts=costs, gpu_memory="off")
+        for e in moe_experts_modules(m):
+            e.kt_routed.min_tokens = 8
+        return m
+
+    def pool_allocations() -> int:
+        pools = list(RUNTIME._shared_pools.values()) + [p for site in RUNTIME._sites.values() for p in site.pools.values()]
+        return sum(p.allocations for p in pools)
+
+    def fresh_model():  # as in a fresh process: no eager staging pool yet, no cached free CUDA memory
+        import gc
+
+        RUNTIME._shared_pools.clear()
+        m = model_()
+        gc.collect()  # an earlier model (its kept decoder refers back to it) freed before the cache is emptied
+        torch.cuda.empty_cache()
+        return m
+
+    seen = []
+    prefill = generation.Decoder.prefill
+
+    def recorded(self, x):
+        torch.cuda.synchronize()
+        before = (torch.cuda.memory_stats()["segment.all.allocated"], pool_allocations())
+        out = prefill(self, x)
+        torch.cuda.synchronize()
+        seen.append((before, (torch.cuda.memory_stats()["segment.all.allocated"], pool_allocations())))
+        return out
+
+    monkeypatch.setattr(generation.Decoder, "prefill", recorded)
+    ids = torch.randint(0, 256, (1, 200), generator=torch.Generator().manual_seed(3))
+    cold = ktorch.generate(fresh_model(), ids, 4, cuda_graphs=False).ids  # eager decode: the prefill is the point
+    assert len(seen) == 1 and seen[0][0] != seen[0][1], seen  # the control: a cold first prefill allocates
+    model = fresh_model()
+    lengths = []
+    init = generation.Decoder.__init__
+    monkeypatch.setattr(generation.Decoder, "__init__",
+                        lambda self, model, max_len, *a, **k: (lengths.append(max_len), init(self, model, max_len, *a, **k))[1])
+    assert ktorch.warm_up(model) > 0 and getattr(model, "kt_decoder", None) is None and lengths == [1024]
+    seen.clear()
+    warm = ktorch.generate(model, ids, 4, cuda_graphs=False)
+    assert warm.ids == cold and len(seen) == 1
+    assert seen[0][0] == seen[0][1], seen  # the first prompt's prefill: no new segment, no new pinned staging
+    assert model.kt_decoder.max_len == 256  # 204 tokens rounded up to CACHE_BUCKET, not the warm-up's 1024
 
 
 @needs_cuda
