@@ -118,6 +118,20 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
         "is measured on a GPU against it)",
     )
     m.add_argument(
+        "--resident-decode",
+        default="packed",
+        choices=["packed", "gather", "triton"],
+        help="GPU only, an experiment (docs/resident_decode.md): how decode computes resident experts (--gpu-memory): "
+        "packed (the default: kt.pack layout, gathered and dequantized to bf16 per token), gather (residents repacked "
+        "row-major: gather, one dequantizing op, bmm), triton (row-major int8 read once by two Triton kernels)",
+    )
+    m.add_argument(
+        "--resident-skip-cpu",
+        action="store_true",
+        help="GPU only, an experiment: a layer whose every expert is resident skips the CPU op (its copies and host "
+        "functions) instead of calling it with nothing to do",
+    )
+    m.add_argument(
         "--no-compile",
         action="store_true",
         help="GPU only: decode eagerly, one launch per kernel and a host sync per MoE layer, instead of replaying the "
@@ -343,6 +357,13 @@ def load_model(args: argparse.Namespace):
                 if args.gpu_memory is not None:
                     given.append(f"--gpu-memory {args.gpu_memory}")
                 raise CLIError(f"{' '.join(given) or '--stream-experts auto (the default on a GPU)'}: {e}") from None
+            resident_decode = getattr(args, "resident_decode", "packed")
+            skip_cpu = getattr(args, "resident_skip_cpu", False)
+            if resident_decode != "packed" or skip_cpu:  # an experiment; see --resident-decode's help
+                try:
+                    ktorch.set_resident_decode(model, resident_decode, skip_cpu)
+                except ValueError as e:
+                    raise CLIError(f"--resident-decode {resident_decode}: {e}") from None
         return model, (tokenizer if tokenizer is not None else TokenIdsTokenizer(model.config.vocab_size)), device
     if path.is_file():
         raise CLIError(f"--model {args.model}: --plain runs transformers checkpoint folders only")
