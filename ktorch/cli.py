@@ -347,6 +347,11 @@ def load_model(args: argparse.Namespace):
             if problem is not None:  # the default asks for no GPU experts: the CPU runs them all, said once
                 print(f"ktorch: prefill keeps every expert on the CPU ({problem})", file=sys.stderr)
                 stream = "off"
+        resident_decode = getattr(args, "resident_decode", "packed")
+        skip_cpu = getattr(args, "resident_skip_cpu", False)
+        if (resident_decode != "packed" or skip_cpu) and gpu_memory == "off":
+            raise CLIError("--resident-decode and --resident-skip-cpu apply to resident experts; give --gpu-memory "
+                           "auto or a size (on a GPU)")
         if stream != "off" or gpu_memory != "off":  # gpu_memory None: --gpu-memory auto
             if device.type != "cuda":
                 raise CLIError(f"--stream-experts and --gpu-memory place experts on a GPU; --device is {device}")
@@ -357,8 +362,6 @@ def load_model(args: argparse.Namespace):
                 if args.gpu_memory is not None:
                     given.append(f"--gpu-memory {args.gpu_memory}")
                 raise CLIError(f"{' '.join(given) or '--stream-experts auto (the default on a GPU)'}: {e}") from None
-            resident_decode = getattr(args, "resident_decode", "packed")
-            skip_cpu = getattr(args, "resident_skip_cpu", False)
             if resident_decode != "packed" or skip_cpu:  # an experiment; see --resident-decode's help
                 try:
                     ktorch.set_resident_decode(model, resident_decode, skip_cpu)

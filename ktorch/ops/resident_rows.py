@@ -51,7 +51,7 @@ def _packed_rows(packed: torch.Tensor, gate_up: bool) -> tuple:
     inner = (K // per, per)
     # gate/up packed rows 64b + 32h + 16c + r are original rows h*N/2 + 32b + 16c + r (the packing's interleave)
     rows = out.view(n, 2, N // 64, 2, 16, *inner).transpose(1, 2) if gate_up else out.view(n, N // 16, 16, *inner)
-    return rows, packed.permute(0, 1, 3, 2, 4).reshape(rows.shape), out
+    return rows, packed.permute(0, 1, 3, 2, 4).view(rows.shape), out  # a view: no transient copy
 
 
 def _unpack_one(packed: torch.Tensor, scales: Optional[torch.Tensor], gate_up: bool) -> tuple:
