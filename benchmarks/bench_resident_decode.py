@@ -6,7 +6,8 @@ selects, plus two bf16 references):
 
   packed        residents in the kt.pack layout: gather, dequantize_packed to bf16, bmm (the default today)
   rows-gather   residents row-major (RowExperts): gather, one dequantizing mul, bmm
-  triton BN/BK/W  the fused Triton kernels (int8 read once), tile sizes block_n/block_k/num_warps
+  triton BN/BK/W  the fused Triton kernels (int8 read once), tile sizes block_n/block_k/num_warps (/2: the scales
+                loaded per element instead of per group)
   bf16-gather   residents held in bf16 (twice the bytes): gather + bmm, no dequantization
   bf16-grouped  the same with torch._grouped_mm (each used expert read once, nothing gathered)
 
@@ -113,8 +114,9 @@ def main(argv=None) -> None:
     p.add_argument("--repeat", type=int, default=12, help="layer calls per captured graph (a 12-layer step)")
     p.add_argument("--replays", type=int, default=50)
     p.add_argument("--profile", action="store_true")
-    p.add_argument("--tiles", nargs="+", default=["16/256/4", "8/256/4", "32/128/4", "16/512/8", "4/512/4"],
-                   help="triton block_n/block_k/num_warps settings")
+    p.add_argument("--tiles", nargs="+", default=["16/256/4", "8/256/4", "32/128/4", "16/512/8", "4/512/4",
+                                                  "16/256/4/2"],
+                   help="triton block_n/block_k/num_warps[/scales mode] settings (mode 2: a scale load per element)")
     args = p.parse_args(argv)
 
     from ktorch.ops.gpu_experts import gpu_experts_forward, packed_experts_forward
@@ -146,9 +148,9 @@ def main(argv=None) -> None:
         }
         if triton_available():
             for tile in args.tiles:
-                bn, bk, nw = (int(v) for v in tile.split("/"))
-                variants[f"triton {tile}"] = (lambda bn=bn, bk=bk, nw=nw: triton_rows_forward(
-                    hidden, slots, weights, rows, "silu", bn, bk, nw))
+                bn, bk, nw, *mode = (int(v) for v in tile.split("/"))
+                variants[f"triton {tile}"] = (lambda bn=bn, bk=bk, nw=nw, mode=mode: triton_rows_forward(
+                    hidden, slots, weights, rows, "silu", bn, bk, nw, mode[0] if mode else None))
         variants["bf16-gather"] = lambda: gpu_experts_forward(hidden, slots, weights, w13_bf16, w2_bf16, "silu",
                                                               "gather")
         variants["bf16-grouped"] = lambda: gpu_experts_forward(hidden, slots, weights, w13_bf16, w2_bf16, "silu",

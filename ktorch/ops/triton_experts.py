@@ -17,6 +17,8 @@ Numerics: float32 sums throughout, one rounding at the end; ``rows_experts_forwa
 each slot's output to bf16, so the two agree within bf16 rounding, not bit for bit.
 """
 
+from typing import Optional
+
 import torch  # no "from __future__ import annotations": Triton reads the tl.constexpr annotations
 
 BLOCK_N = 16  # output channels per program: 8*768/16 = 384 gate/up programs and 8*2048/16 = 1024 down programs
@@ -41,76 +43,93 @@ if triton is not None:
     @triton.jit
     def _act(g, ACT: tl.constexpr):
         if ACT == 0:
-            return g * tl.sigmoid(g)
+            out = g * tl.sigmoid(g)
         elif ACT == 1:
-            return 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))
-        elif ACT == 2:  # tanh(u) = 2 sigmoid(2u) - 1
-            u = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-            return 0.5 * g * (2.0 * tl.sigmoid(2.0 * u))
+            out = 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))
+        elif ACT == 2:  # 0.5 g (1 + tanh(u)) = g sigmoid(2u)
+            out = g * tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))
         else:
-            return tl.maximum(g, 0.0)
+            out = tl.maximum(g, 0.0)
+        return out
 
     @triton.jit
-    def _gate_up(x_ptr, slots_ptr, q_ptr, s_ptr, h_ptr, n_slots, H, I, G, GROUP: tl.constexpr, ACT: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _tile_dot(q_rows, s_rows, row_mask, v, k0, K, G, GROUP: tl.constexpr, MODE: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # [BLOCK_N] float32: sum over k in [k0, k0 + BLOCK_K) of q[n, k] * s[n, k // GROUP] * v[k]; q_rows/s_rows
+        # [BLOCK_N] pointers to the rows' codes and scales, row_mask [BLOCK_N], v [BLOCK_K] float32 (0 past K)
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        m = row_mask[:, None] & (offs_k < K)[None, :]
+        qv = tl.load(q_rows[:, None] + offs_k[None, :], mask=m, other=0).to(tl.float32) * v[None, :]
+        if MODE == 0:  # a scale group spans whole tiles: one scale per row
+            s = tl.load(s_rows + k0 // GROUP, mask=row_mask, other=0.0)
+            out = tl.sum(qv, axis=1) * s
+        elif MODE == 1:  # whole groups in a tile: sum each group, then scale
+            gi = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+            s = tl.load(s_rows[:, None] + gi[None, :], mask=row_mask[:, None] & (gi < G)[None, :], other=0.0)
+            out = tl.sum(tl.sum(tl.reshape(qv, (BLOCK_N, BLOCK_K // GROUP, GROUP)), axis=2) * s, axis=1)
+        else:  # any group size: a scale per element (cached loads)
+            s = tl.load(s_rows[:, None] + (offs_k // GROUP)[None, :], mask=m, other=0.0)
+            out = tl.sum(qv * s, axis=1)
+        return out
+
+    @triton.jit
+    def _gate_up(x_ptr, slots_ptr, q_ptr, s_ptr, h_ptr, n_slots, H, I, G, GROUP: tl.constexpr, MODE: tl.constexpr,
+                 ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         row = tl.program_id(0)  # t * n_slots + k
         t = row // n_slots
         slot = tl.load(slots_ptr + row)
-        valid = slot >= 0
         e = tl.maximum(slot, 0).to(tl.int64)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < I
-        gate_q = q_ptr + e * (2 * I * H) + offs_n[:, None].to(tl.int64) * H
-        up_q = gate_q + I * H
-        gate_s = s_ptr + e * (2 * I * G) + offs_n[:, None].to(tl.int64) * G
-        up_s = gate_s + I * G
+        row_mask = mask_n & (slot >= 0)  # an absent slot loads nothing
+        gate_q = q_ptr + e * 2 * I * H + offs_n.to(tl.int64) * H
+        gate_s = s_ptr + e * 2 * I * G + offs_n.to(tl.int64) * G
         acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < H
-            x = tl.load(x_ptr + t * H + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-            m = mask_n[:, None] & mask_k[None, :] & valid
-            group = (offs_k // GROUP)[None, :]
-            wg = tl.load(gate_q + offs_k[None, :], mask=m, other=0).to(tl.float32) * \
-                tl.load(gate_s + group, mask=m, other=0.0)
-            acc_g += tl.sum(wg * x[None, :], axis=1)
-            wu = tl.load(up_q + offs_k[None, :], mask=m, other=0).to(tl.float32) * \
-                tl.load(up_s + group, mask=m, other=0.0)
-            acc_u += tl.sum(wu * x[None, :], axis=1)
-        h = _act(acc_g, ACT) * acc_u
-        tl.store(h_ptr + row * I + offs_n, h, mask=mask_n)
+            x = tl.load(x_ptr + t * H + offs_k, mask=offs_k < H, other=0.0).to(tl.float32)
+            acc_g += _tile_dot(gate_q, gate_s, row_mask, x, k0, H, G, GROUP, MODE, BLOCK_N, BLOCK_K)
+            acc_u += _tile_dot(gate_q + I * H, gate_s + I * G, row_mask, x, k0, H, G, GROUP, MODE, BLOCK_N, BLOCK_K)
+        tl.store(h_ptr + row * I + offs_n, _act(acc_g, ACT) * acc_u, mask=mask_n)
 
     @triton.jit
-    def _down(h_ptr, slots_ptr, w_ptr, q_ptr, s_ptr, y_ptr, H, I, G, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr):
+    def _down(h_ptr, slots_ptr, w_ptr, q_ptr, s_ptr, y_ptr, H, I, G, GROUP: tl.constexpr, MODE: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         row = tl.program_id(0)
         slot = tl.load(slots_ptr + row)
-        valid = slot >= 0
         e = tl.maximum(slot, 0).to(tl.int64)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < H
-        q_rows = q_ptr + e * (H * I) + offs_n[:, None].to(tl.int64) * I
-        s_rows = s_ptr + e * (H * G) + offs_n[:, None].to(tl.int64) * G
+        row_mask = mask_n & (slot >= 0)
+        q_rows = q_ptr + e * H * I + offs_n.to(tl.int64) * I
+        s_rows = s_ptr + e * H * G + offs_n.to(tl.int64) * G
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k0 in range(0, I, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < I
-            hk = tl.load(h_ptr + row * I + offs_k, mask=mask_k, other=0.0)
-            m = mask_n[:, None] & mask_k[None, :] & valid
-            w = tl.load(q_rows + offs_k[None, :], mask=m, other=0).to(tl.float32) * \
-                tl.load(s_rows + (offs_k // GROUP)[None, :], mask=m, other=0.0)
-            acc += tl.sum(w * hk[None, :], axis=1)
-        coef = tl.where(valid, tl.load(w_ptr + row).to(tl.float32), 0.0)
+            hk = tl.load(h_ptr + row * I + offs_k, mask=offs_k < I, other=0.0)
+            acc += _tile_dot(q_rows, s_rows, row_mask, hk, k0, I, G, GROUP, MODE, BLOCK_N, BLOCK_K)
+        coef = tl.where(slot >= 0, tl.load(w_ptr + row).to(tl.float32), 0.0)
         tl.store(y_ptr + row * H + offs_n, acc * coef, mask=mask_n)
+
+
+def scales_mode(group: int, block_k: int) -> int:
+    """How a tile applies the scales (``_tile_dot``): 0 a group spans whole tiles, 1 whole groups in a tile (powers
+    of two), 2 a scale per element (any group size)."""
+    if group % block_k == 0:
+        return 0
+    if block_k % group == 0 and group & (group - 1) == 0:
+        return 1
+    return 2
 
 
 def triton_rows_forward(hidden: torch.Tensor, slots: torch.Tensor, topk_weights: torch.Tensor, rows,
                         activation: str = "silu", block_n: int = BLOCK_N, block_k: int = BLOCK_K,
-                        num_warps: int = NUM_WARPS) -> torch.Tensor:
+                        num_warps: int = NUM_WARPS, mode: Optional[int] = None) -> torch.Tensor:
     """hidden [T, H] (CUDA), slots [T, K] (-1: not resident), topk_weights [T, K], rows: ``RowExperts`` of int8
     with float32 scales -> [T, H] in hidden's dtype. Shape-static and free of host syncs (CUDA-graph capturable).
-    ``block_n``/``block_k``/``num_warps``: tile sizes, for benchmarks (powers of two)."""
+    ``block_n``/``block_k``/``num_warps``: tile sizes, for benchmarks (powers of two); ``mode``: ``scales_mode``'s
+    choice per matrix unless given (2 runs any group size)."""
     if not hidden.is_cuda:
         raise ValueError(f"triton_rows_forward: the Triton kernels run on CUDA tensors, hidden is on {hidden.device}")
     if not triton_available():
@@ -132,9 +151,12 @@ def triton_rows_forward(hidden: torch.Tensor, slots: torch.Tensor, topk_weights:
     w = topk_weights.to(torch.float32).contiguous()
     h = torch.empty(T * K, I, dtype=torch.float32, device=hidden.device)
     y = torch.empty(T, K, H, dtype=torch.float32, device=hidden.device)
-    _gate_up[(T * K, -(-I // block_n))](x, s, rows.w13, rows.w13_scales, h, K, H, I, G13, GROUP=H // G13,
-                                       ACT=_ACT_CODES[activation], BLOCK_N=block_n, BLOCK_K=block_k,
-                                       num_warps=num_warps)
-    _down[(T * K, -(-H // block_n))](h, s, w, rows.w2, rows.w2_scales, y, H, I, G2, GROUP=I // G2, BLOCK_N=block_n,
-                                    BLOCK_K=block_k, num_warps=num_warps)
+    g13, g2 = H // G13, I // G2
+    _gate_up[(T * K, -(-I // block_n))](x, s, rows.w13, rows.w13_scales, h, K, H, I, G13, GROUP=g13,
+                                        MODE=scales_mode(g13, block_k) if mode is None else mode,
+                                        ACT=_ACT_CODES[activation], BLOCK_N=block_n, BLOCK_K=block_k,
+                                        num_warps=num_warps)
+    _down[(T * K, -(-H // block_n))](h, s, w, rows.w2, rows.w2_scales, y, H, I, G2, GROUP=g2,
+                                     MODE=scales_mode(g2, block_k) if mode is None else mode, BLOCK_N=block_n,
+                                     BLOCK_K=block_k, num_warps=num_warps)
     return y.sum(1).to(hidden.dtype)
