@@ -164,10 +164,16 @@ def plan_gpu_memory(model: nn.Module, modules: list, budget: Optional[int], devi
 
 
 def _packed_rows(module: nn.Module, ids: torch.Tensor, device: torch.device) -> tuple:
-    """The packed module's experts ``ids`` (w13, w13_scales, w2, w2_scales rows; scales None for bf16) on ``device``."""
+    """The packed module's experts ``ids`` (w13, w13_scales, w2, w2_scales rows; scales None for bf16) on ``device``,
+    in the row layout (``RowExperts``, ktorch/ops/resident_rows.py) where ``set_resident_decode`` asked for it."""
     ids = ids.to("cpu", torch.int64)
-    return tuple(None if t is None else t.index_select(0, ids).to(device)
+    rows = tuple(None if t is None else t.index_select(0, ids).to(device)
                  for t in (module.kt_w13, module.kt_w13_scales, module.kt_w2, module.kt_w2_scales))
+    if getattr(module, "kt_gpu_rows_kernel", None) is not None:
+        from ktorch.ops.resident_rows import rows_from_packed
+
+        rows = rows_from_packed(*rows)
+    return rows
 
 
 def place_resident_experts(module: nn.Module, n: int, device: torch.device,
@@ -291,3 +297,55 @@ def reset_resident_hits(model: nn.Module) -> None:
         counter = getattr(m, "kt_gpu_hits", None)
         if counter is not None:
             counter.zero_()
+
+
+RESIDENT_DECODE = ("packed", "gather", "triton")
+
+
+def set_resident_decode(model: nn.Module, kernel: str = "packed", skip_idle_cpu: bool = False) -> int:
+    """An experiment (docs/resident_decode.md): how decode computes resident experts, per MoE layer of ``model``.
+
+    ``kernel``: "packed" (the default: residents in the ``kt.pack`` layout, ``packed_experts_forward``), "gather"
+    (residents repacked row-major, ``RowExperts``: gather, one dequantizing op, ``bmm``; bit for bit "packed"), or
+    "triton" (the same layout, ktorch/ops/triton_experts.py: each slot's int8 weights read once, never written as bf16;
+    int8 residents on CUDA with Triton installed). The layout change is made on the device now, for the residents
+    already placed, and kept for later placements and swaps; the same bytes either way. Calls of more than
+    ``GATHER_MAX_TOKENS`` tokens (prefill) compute residents as before.
+
+    ``skip_idle_cpu``: a layer whose every expert is resident makes no CPU op call at all (no staging copies, no host
+    functions in a captured step); a layer with any expert in host memory calls it as before.
+
+    Returns the number of layers holding residents. Call it after ``ktorch.prepare``/``set_stream_experts`` and
+    before the decode step is captured (``ktorch.generate`` captures on its first decode)."""
+    from ktorch.integrations.transformers_experts import experts_modules
+    from ktorch.ops.resident_rows import RowExperts, rows_from_packed
+
+    if kernel not in RESIDENT_DECODE:
+        raise ValueError(f"set_resident_decode: kernel must be one of {RESIDENT_DECODE}, got {kernel!r}")
+    layers = 0
+    for _, m in experts_modules(model):
+        packed = getattr(m, "kt_gpu_packed", None)
+        if kernel == "triton" and packed is not None:
+            from ktorch.ops.triton_experts import triton_available
+
+            if not packed[0].is_cuda or not triton_available():
+                raise ValueError("set_resident_decode: kernel 'triton' needs residents on a CUDA device and Triton "
+                                 f"installed (residents on {packed[0].device}, Triton "
+                                 f"{'installed' if triton_available() else 'missing'}); 'gather' runs anywhere")
+            if packed[0].dtype != torch.int8:
+                raise ValueError(f"set_resident_decode: kernel 'triton' takes int8 residents, got {packed[0].dtype} "
+                                 "(prepare with experts_dtype='int8')")
+        if kernel != "packed" and packed is not None and packed[0].dtype not in (torch.int8, torch.bfloat16):
+            raise ValueError(f"set_resident_decode: the row layout takes int8 or bf16 residents, got "
+                             f"{packed[0].dtype}; keep kernel='packed'")
+        m.kt_gpu_rows_kernel = None if kernel == "packed" else kernel
+        m.kt_gpu_skip_cpu = bool(skip_idle_cpu)
+        if packed is None:
+            continue
+        layers += 1
+        with torch.inference_mode(False):
+            if kernel == "packed" and isinstance(packed, RowExperts):
+                m.kt_gpu_packed = _packed_rows(m, torch.tensor(m.kt_gpu_expert_ids), packed[0].device)
+            elif kernel != "packed" and not isinstance(packed, RowExperts):
+                m.kt_gpu_packed = rows_from_packed(*packed)
+    return layers

@@ -382,6 +382,9 @@ def ktorch_experts_forward(
     if counts is not None:
         top_k_index, gpu_work = _split_routed_experts(self, hidden_states, top_k_index, top_k_weights, counts,
                                                       gpu_work)
+    if gpu_work is not None and getattr(self, "kt_gpu_skip_cpu", False) and getattr(self, "kt_deferral", None) is None \
+            and len(getattr(self, "kt_gpu_expert_ids", ())) == self.kt_w13.shape[0]:
+        return gpu_work()  # every expert resident (set_resident_decode(skip_idle_cpu=True)): the CPU op has no slot
     if getattr(self, "kt_deferral", None) is not None and not torch.compiler.is_compiling():
         from ktorch.integrations.deferral import deferred_experts_forward
 
@@ -426,6 +429,7 @@ def _split_gpu_experts(self: nn.Module, hidden_states, top_k_index, top_k_weight
     """(ids for the CPU [T, K] with the device-resident experts' slots set to -1, a callable computing those
     experts' part [T, H] on the device). See ktorch/ops/gpu_experts.py and ``attach_gpu_experts``."""
     from ktorch.ops.gpu_experts import gpu_experts_forward, packed_experts_forward
+    from ktorch.ops.resident_rows import RowExperts, rows_experts_forward
 
     slot_of = self.kt_gpu_slot_of  # [E] int64 on the device: index among the device experts, or -1
     slots = torch.where(top_k_index >= 0, slot_of[top_k_index.clamp(min=0)], -1)
@@ -438,6 +442,12 @@ def _split_gpu_experts(self: nn.Module, hidden_states, top_k_index, top_k_weight
     packed = getattr(self, "kt_gpu_packed", None)  # the budget's residents (ktorch.gpu_memory): packed on the device
 
     def gpu_work() -> torch.Tensor:
+        rows_kernel = getattr(self, "kt_gpu_rows_kernel", None)  # ktorch.gpu_memory.set_resident_decode
+        if rows_kernel is not None and isinstance(packed, RowExperts):
+            from ktorch.ops.gpu_experts import GATHER_MAX_TOKENS
+
+            kernel = rows_kernel if hidden_states.shape[0] <= GATHER_MAX_TOKENS else self.kt_gpu_kernel
+            return rows_experts_forward(hidden_states, slots, top_k_weights, packed, self.kt_activation, kernel)
         if packed is not None:
             return packed_experts_forward(hidden_states, slots, top_k_weights, packed, self.kt_activation,
                                           self.kt_gpu_kernel)
