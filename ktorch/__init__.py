@@ -21,11 +21,10 @@ from ktorch.generation import generate  # noqa: E402
 from ktorch.loading import load  # noqa: E402
 from ktorch.placement import (gpu_placement, prefill_split_stats, prepare, set_deferred_experts,  # noqa: E402
                               set_stream_experts, stream_plan)
-from ktorch.gpu_memory import set_resident_decode  # noqa: E402
 
 # the compile backend's runtime ops (torch.ops.ktorch.submit_experts, wait_experts, ...), which the FX passes name
 import ktorch.compile  # noqa: E402, F401
 
 _register_experts_implementation()
 from ktorch import lora  # noqa: E402,F401  (LoRA beside the packed experts: ktorch.lora)
-__all__ += ["ExpertsProfile", "generate", "gpu_placement", "load", "prefill_split_stats", "prepare", "profile_experts", "set_deferred_experts", "set_resident_decode", "set_stream_experts", "stream_plan"]
+__all__ += ["ExpertsProfile", "generate", "gpu_placement", "load", "prefill_split_stats", "prepare", "profile_experts", "set_deferred_experts", "set_stream_experts", "stream_plan"]

@@ -118,20 +118,6 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
         "is measured on a GPU against it)",
     )
     m.add_argument(
-        "--resident-decode",
-        default="packed",
-        choices=["packed", "gather", "triton"],
-        help="GPU only, an experiment (docs/resident_decode.md): how decode computes resident experts (--gpu-memory): "
-        "packed (the default: kt.pack layout, gathered and dequantized to bf16 per token), gather (residents repacked "
-        "row-major: gather, one dequantizing op, bmm), triton (row-major int8 read once by two Triton kernels)",
-    )
-    m.add_argument(
-        "--resident-skip-cpu",
-        action="store_true",
-        help="GPU only, an experiment: a layer whose every expert is resident skips the CPU op (its copies and host "
-        "functions) instead of calling it with nothing to do",
-    )
-    m.add_argument(
         "--no-compile",
         action="store_true",
         help="GPU only: decode eagerly, one launch per kernel and a host sync per MoE layer, instead of replaying the "
@@ -208,8 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--served-model-name", default=None,
                      help="the model id clients name (default: 'builtin' or the checkpoint's file or folder name)")
     srv.add_argument("--page-size", type=int, default=None, metavar="TOKENS",
-                     help="tokens per KV-cache page; prefixes are shared in whole pages (default: 64 on a GPU, "
-                     "16 on the CPU)")
+                     help="tokens per KV-cache page; prefixes are shared in whole pages (default: 16)")
     srv.add_argument("--kv-pages", type=int, default=None, metavar="N",
                      help="KV-cache pages in the pool (default: --kv-cache-gib of them)")
     srv.add_argument("--kv-cache-gib", type=float, default=None, metavar="GIB",
@@ -347,11 +332,6 @@ def load_model(args: argparse.Namespace):
             if problem is not None:  # the default asks for no GPU experts: the CPU runs them all, said once
                 print(f"ktorch: prefill keeps every expert on the CPU ({problem})", file=sys.stderr)
                 stream = "off"
-        resident_decode = getattr(args, "resident_decode", "packed")
-        skip_cpu = getattr(args, "resident_skip_cpu", False)
-        if (resident_decode != "packed" or skip_cpu) and gpu_memory == "off":
-            raise CLIError("--resident-decode and --resident-skip-cpu apply to resident experts; give --gpu-memory "
-                           "auto or a size (on a GPU)")
         if stream != "off" or gpu_memory != "off":  # gpu_memory None: --gpu-memory auto
             if device.type != "cuda":
                 raise CLIError(f"--stream-experts and --gpu-memory place experts on a GPU; --device is {device}")
@@ -362,11 +342,6 @@ def load_model(args: argparse.Namespace):
                 if args.gpu_memory is not None:
                     given.append(f"--gpu-memory {args.gpu_memory}")
                 raise CLIError(f"{' '.join(given) or '--stream-experts auto (the default on a GPU)'}: {e}") from None
-            if resident_decode != "packed" or skip_cpu:  # an experiment; see --resident-decode's help
-                try:
-                    ktorch.set_resident_decode(model, resident_decode, skip_cpu)
-                except ValueError as e:
-                    raise CLIError(f"--resident-decode {resident_decode}: {e}") from None
         return model, (tokenizer if tokenizer is not None else TokenIdsTokenizer(model.config.vocab_size)), device
     if path.is_file():
         raise CLIError(f"--model {args.model}: --plain runs transformers checkpoint folders only")
@@ -670,7 +645,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
               "become ids) and return the new ids as text; chat is refused", file=sys.stderr, flush=True)
     on_gpu = model.get_input_embeddings().weight.device.type == "cuda"
     config = EngineConfig(
-        page_size=args.page_size or (64 if on_gpu else 16), num_blocks=args.kv_pages, kv_cache_gib=args.kv_cache_gib,
+        page_size=args.page_size or 16, num_blocks=args.kv_pages, kv_cache_gib=args.kv_cache_gib,
         max_batch_tokens=args.max_batch_tokens, max_requests=args.max_requests,
         max_queued_tokens=args.max_queued_tokens,
         cuda_graphs={"auto": None, "on": True, "off": False}[args.cuda_graphs],

@@ -144,11 +144,6 @@ def test_placement_option_errors(capsys):
     assert "place experts on a GPU" in capsys.readouterr().err
     assert main(["generate", "--model", "builtin", "--prompt", "hi", "--gpu-memory", "1GiB", "--device", "cpu"]) == 1
     assert "place experts on a GPU" in capsys.readouterr().err
-    assert main(["generate", "--model", "builtin", "--prompt", "hi", "--resident-decode", "triton", "--device",
-                 "cpu"]) == 1
-    assert "--resident-decode and --resident-skip-cpu apply to resident experts" in capsys.readouterr().err
-    assert main(["generate", "--model", "builtin", "--prompt", "hi", "--resident-skip-cpu", "--gpu-memory", "off"]) == 1
-    assert "give --gpu-memory auto or a size" in capsys.readouterr().err
     assert main(["generate", "--model", "builtin", "--prompt", "hi", "--gpu-memory", "24 parsecs"]) == 1
     assert "--gpu-memory 24 parsecs: gpu_memory: '24 parsecs' is not a size" in capsys.readouterr().err
     assert main(["generate", "--model", "builtin", "--prompt", "hi", "--no-compile", "--device", "cpu"]) == 1

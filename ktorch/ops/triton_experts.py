@@ -4,30 +4,34 @@
     y[t, k]  = w[t, k] * (h[t, k] @ down_s^T)                down rows of w2 [n, H, I]; 0 where s = -1
     out[t]   = sum_k y[t, k]                                 in slot order (no atomics: the same bits every replay)
 
-Two kernels and one sum: ``gate_up`` (one program per (token, slot) row and BLOCK_N output channels: reads those
+Two kernels and one sum: ``gate_up`` (one program per (token, slot) row and ``BLOCK_N`` output channels: reads those
 channels' gate and up int8 rows and their scales once, dequantizes in registers, float32 dot products, writes h in
 float32), ``down`` (one program per (token, slot) row and BLOCK_N channels of H: y), then ``y.sum(1)``. The int8
 weights are read once and no bf16 weights are ever written: at Qwen3-30B-A3B's shape (H 2048, I 768, K 8) a decode
-token reads 37.7 MB of int8 and 4.7 MB of float32 scales per layer, where the gather path moves about 280 MB
-(gather copy, bf16 dequantized weights written and read again). Slots of -1 load nothing (masked loads).
+token reads 37.7 MB of int8 and 4.7 MB of float32 scales per layer, where the packed layout's path moves about
+288 MB (gather copies, bf16 dequantized weights written and read again). Slots of -1 load nothing (masked loads).
 
 Limits: int8 residents with float32 scales [n, N, G] (G dividing the row length); CUDA tensors; Triton imported
-lazily (a project dependency on GPU machines), so this module imports anywhere and fails on use with a clear error.
-Numerics: float32 sums throughout, one rounding at the end; ``rows_experts_forward(kernel="gather")`` rounds h and
-each slot's output to bf16, so the two agree within bf16 rounding, not bit for bit.
+if present, so this module imports anywhere and fails on use with a clear error. Scales are applied per tile as the
+group size allows (``scales_mode``): one per row when a group spans whole tiles (per channel), per group when whole
+groups fit a tile (Q8_0's 32, Q6_K's 16), else one per element (any group size, slower).
+Numerics: float32 sums throughout, one rounding at the end; ``packed_experts_forward`` (the packed layout's path)
+rounds the dequantized weights, h and each slot's output to bf16, so the two agree within bf16 rounding, not bit for
+bit (tests against a float64 reference).
 """
-
-from typing import Optional
 
 import torch  # no "from __future__ import annotations": Triton reads the tl.constexpr annotations
 
-BLOCK_N = 16  # output channels per program: 8*768/16 = 384 gate/up programs and 8*2048/16 = 1024 down programs
-BLOCK_K = 256  # int8 columns per load: 16 x 256 bytes, each row 256 contiguous bytes
+# The tile, measured on an H200 (2026-11-26, benchmarks/bench_resident_decode.py: one Qwen3-30B-A3B layer, 128 int8
+# residents, scale per 32, top-8, in a CUDA graph; us a layer at T=1 / T=4): BLOCK_N/BLOCK_K/NUM_WARPS 8/256/4
+# 24.7 / 63.9, 16/256/4 27.2 / 66.6, 4/512/4 27.0, 16/512/8 26.0 / 68.7, 32/128/4 46.8 / 75.6.
+BLOCK_N = 8  # output channels per program: 8*768/8 = 768 gate/up programs and 8*2048/8 = 2048 down programs at T=1
+BLOCK_K = 256  # int8 columns per load: each row 256 contiguous bytes
 NUM_WARPS = 4
 _ACT_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
 
 
-try:  # a dependency on GPU machines only: this module is imported when kernel="triton" is asked for
+try:  # a dependency on GPU machines only (it comes with CUDA builds of torch)
     import triton
     import triton.language as tl
 except ImportError:
@@ -125,15 +129,16 @@ def scales_mode(group: int, block_k: int) -> int:
 
 def triton_rows_forward(hidden: torch.Tensor, slots: torch.Tensor, topk_weights: torch.Tensor, rows,
                         activation: str = "silu", block_n: int = BLOCK_N, block_k: int = BLOCK_K,
-                        num_warps: int = NUM_WARPS, mode: Optional[int] = None) -> torch.Tensor:
+                        num_warps: int = NUM_WARPS) -> torch.Tensor:
     """hidden [T, H] (CUDA), slots [T, K] (-1: not resident), topk_weights [T, K], rows: ``RowExperts`` of int8
     with float32 scales -> [T, H] in hidden's dtype. Shape-static and free of host syncs (CUDA-graph capturable).
-    ``block_n``/``block_k``/``num_warps``: tile sizes, for benchmarks (powers of two); ``mode``: ``scales_mode``'s
-    choice per matrix unless given (2 runs any group size)."""
+    ``block_n``/``block_k``/``num_warps``: the tile (powers of two), the measured ``BLOCK_N``/``BLOCK_K``/``NUM_WARPS``
+    unless a benchmark compares others (benchmarks/bench_resident_decode.py --tiles)."""
     if not hidden.is_cuda:
         raise ValueError(f"triton_rows_forward: the Triton kernels run on CUDA tensors, hidden is on {hidden.device}")
     if not triton_available():
-        raise RuntimeError("triton_rows_forward: Triton is not installed (pip install triton, or use kernel='gather')")
+        raise RuntimeError("triton_rows_forward: Triton is not installed (residents without it stay in the packed "
+                           "layout: ktorch/ops/resident_rows.py row_layout_applies)")
     if rows.w13.dtype != torch.int8 or rows.w13_scales is None or rows.w2_scales is None:
         raise ValueError(f"triton_rows_forward: int8 residents with scales only, got {rows.w13.dtype}")
     if activation not in _ACT_CODES:
@@ -153,10 +158,10 @@ def triton_rows_forward(hidden: torch.Tensor, slots: torch.Tensor, topk_weights:
     y = torch.empty(T, K, H, dtype=torch.float32, device=hidden.device)
     g13, g2 = H // G13, I // G2
     _gate_up[(T * K, -(-I // block_n))](x, s, rows.w13, rows.w13_scales, h, K, H, I, G13, GROUP=g13,
-                                        MODE=scales_mode(g13, block_k) if mode is None else mode,
+                                        MODE=scales_mode(g13, block_k),
                                         ACT=_ACT_CODES[activation], BLOCK_N=block_n, BLOCK_K=block_k,
                                         num_warps=num_warps)
     _down[(T * K, -(-H // block_n))](h, s, w, rows.w2, rows.w2_scales, y, H, I, G2, GROUP=g2,
-                                     MODE=scales_mode(g2, block_k) if mode is None else mode, BLOCK_N=block_n,
+                                     MODE=scales_mode(g2, block_k), BLOCK_N=block_n,
                                      BLOCK_K=block_k, num_warps=num_warps)
     return y.sum(1).to(hidden.dtype)
