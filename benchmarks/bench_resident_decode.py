@@ -1,22 +1,21 @@
-"""One MoE layer's resident-expert decode on a GPU, per variant, replayed in a CUDA graph (docs/resident_decode.md).
+"""One MoE layer's resident-expert decode on a GPU, replayed in a CUDA graph (docs/resident_decode.md).
 
 The layer: n int8 experts of the Qwen3-30B-A3B shape (H 2048, I 768, a float32 scale per 32 inputs as Q8_0 loads),
-all resident; T tokens (1 at decode), each routed to K distinct experts. Variants (what ``set_resident_decode``
-selects, plus two bf16 references):
+all resident; T tokens (1 at decode), each routed to K distinct experts. Variants:
 
-  packed        residents in the kt.pack layout: gather, dequantize_packed to bf16, bmm (the default today)
-  rows-gather   residents row-major (RowExperts): gather, one dequantizing mul, bmm
-  triton BN/BK/W  the fused Triton kernels (int8 read once), tile sizes block_n/block_k/num_warps (/2: the scales
-                loaded per element instead of per group)
-  bf16-gather   residents held in bf16 (twice the bytes): gather + bmm, no dequantization
-  bf16-grouped  the same with torch._grouped_mm (each used expert read once, nothing gathered)
+  packed        residents in the kt.pack layout: gather, dequantize_packed to bf16, bmm (what bf16/int4/affine
+                residents and int8 ones without Triton decode with: packed_experts_forward)
+  triton BN/BK/W  int8 residents row-major, the fused Triton kernels (what int8 residents decode with on CUDA):
+                tile block_n/block_k/num_warps, the library's BLOCK_N/BLOCK_K/NUM_WARPS unless --tiles names others
+  bf16-gather   residents held in bf16 (twice the bytes): gather + bmm, no dequantization (a reference)
+  bf16-grouped  the same with torch._grouped_mm (each used expert read once, nothing gathered; a reference)
 
 Each is captured REPEAT times in one CUDA graph (new routing every launch is not needed: the bytes read do not depend
 on which experts) and replayed; prints microseconds per layer, the bytes a layer must read at least (the K experts'
 int8 weights and scales), the bandwidth that implies, and each variant's relative error against a float64
-reference. ``--profile`` adds the kernels of one eager call per variant (torch.profiler), the launch count and time.
+reference. ``--profile`` adds the kernels of one eager call of packed and triton (torch.profiler).
 
-    python benchmarks/bench_resident_decode.py [--experts 128] [--tokens 1] [--profile]
+    python benchmarks/bench_resident_decode.py [--experts 128] [--tokens 1 4] [--tiles 8/256/4 16/256/4] [--profile]
 """
 
 from __future__ import annotations
@@ -114,14 +113,15 @@ def main(argv=None) -> None:
     p.add_argument("--repeat", type=int, default=12, help="layer calls per captured graph (a 12-layer step)")
     p.add_argument("--replays", type=int, default=50)
     p.add_argument("--profile", action="store_true")
-    p.add_argument("--tiles", nargs="+", default=["16/256/4", "8/256/4", "32/128/4", "16/512/8", "4/512/4",
-                                                  "16/256/4/2"],
-                   help="triton block_n/block_k/num_warps[/scales mode] settings (mode 2: a scale load per element)")
+    p.add_argument("--tiles", nargs="+", default=None,
+                   help="triton block_n/block_k/num_warps settings to compare (default: the library's tile)")
     args = p.parse_args(argv)
 
     from ktorch.ops.gpu_experts import gpu_experts_forward, packed_experts_forward
-    from ktorch.ops.resident_rows import RowExperts, dequantize_rows, rows_experts_forward, rows_from_packed
-    from ktorch.ops.triton_experts import triton_available, triton_rows_forward
+    from ktorch.ops.resident_rows import RowExperts, dequantize_rows, rows_from_packed
+    from ktorch.ops.triton_experts import BLOCK_K, BLOCK_N, NUM_WARPS, triton_available, triton_rows_forward
+
+    tiles = args.tiles or [f"{BLOCK_N}/{BLOCK_K}/{NUM_WARPS}"]
 
     n, H, I, K = args.experts, args.hidden, args.intermediate, args.top_k
     print(f"GPU {torch.cuda.get_device_name()}, CPU {platform.processor() or platform.machine()}, torch "
@@ -142,15 +142,12 @@ def main(argv=None) -> None:
         weights = torch.rand(T, K, generator=g).cuda()
         used = slots.unique().numel()
         least = used * per_expert
-        variants = {
-            "packed (default)": lambda: packed_experts_forward(hidden, slots, weights, packed, "silu", "gather"),
-            "rows-gather": lambda: rows_experts_forward(hidden, slots, weights, rows, "silu", "gather"),
-        }
+        variants = {"packed": lambda: packed_experts_forward(hidden, slots, weights, packed, "silu", "gather")}
         if triton_available():
-            for tile in args.tiles:
-                bn, bk, nw, *mode = (int(v) for v in tile.split("/"))
-                variants[f"triton {tile}"] = (lambda bn=bn, bk=bk, nw=nw, mode=mode: triton_rows_forward(
-                    hidden, slots, weights, rows, "silu", bn, bk, nw, mode[0] if mode else None))
+            for tile in tiles:
+                bn, bk, nw = (int(v) for v in tile.split("/"))
+                variants[f"triton {tile}"] = (lambda bn=bn, bk=bk, nw=nw: triton_rows_forward(
+                    hidden, slots, weights, rows, "silu", bn, bk, nw))
         variants["bf16-gather"] = lambda: gpu_experts_forward(hidden, slots, weights, w13_bf16, w2_bf16, "silu",
                                                               "gather")
         variants["bf16-grouped"] = lambda: gpu_experts_forward(hidden, slots, weights, w13_bf16, w2_bf16, "silu",
@@ -171,7 +168,7 @@ def main(argv=None) -> None:
             print(f"  {label:<20} {s * 1e6:9.1f} {least / s / 1e9:20.0f} {base / s:9.2f} {err:11.2e}", flush=True)
         if args.profile:
             print("  kernels per call (eager, torch.profiler):")
-            for label in ("packed (default)", "rows-gather", f"triton {args.tiles[0]}"):
+            for label in ("packed", f"triton {tiles[0]}"):
                 if label in variants:
                     try:
                         _profile(label, variants[label])

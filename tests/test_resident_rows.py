@@ -22,7 +22,7 @@ from ktorch.gpu_memory import (device_bytes_held, place_resident_experts, reset_
                                update_resident_experts)
 from ktorch.integrations import transformers_experts
 from ktorch.ops import resident_rows, triton_experts
-from ktorch.ops.gpu_experts import gpu_experts_forward, packed_experts_forward
+from ktorch.ops.gpu_experts import packed_experts_forward
 from ktorch.ops.moe import pack_quantized
 from ktorch.ops.packed_weights import dequantize_packed
 from ktorch.ops.resident_rows import RowExperts, dequantize_rows, row_layout_applies, rows_experts_forward, \
