@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device check of the resident decode path (docs/resident_decode.md), ONE call, limit 420 s (H100/H200 + Xeon):
-#   1. the CUDA tests of resident experts (limit 150 s): tests/test_resident_rows.py -k cuda (the Triton kernels
+#   1. the CUDA tests of resident experts (limit 180 s): tests/test_resident_rows.py -k cuda (the Triton kernels
 #      against a float64 reference and the packed path's error, every scales mode, four activations; a CUDA-graph
 #      replay; a tiny model with every expert resident, int8 (Triton) and bf16 (packed), decoding eagerly and
 #      captured with no CPU op call) and tests/test_routed_experts.py -k cuda (the prefill split with residents, the
@@ -29,8 +29,8 @@ lscpu | grep -E "Model name|^CPU\(s\)" | tr -s ' '
 python3 -c "import torch, ktorch, importlib.util as u; print('torch', torch.__version__, 'triton', bool(u.find_spec('triton')), ktorch.__file__)"
 
 if [ "${TESTS:-1}" = 1 ]; then
-  echo "== 1. CUDA tests of resident experts (limit 150 s)"
-  timeout -k 5 150 python3 -m pytest -q -p no:cacheprovider tests/test_resident_rows.py tests/test_routed_experts.py \
+  echo "== 1. CUDA tests of resident experts (limit 180 s)"
+  timeout -k 5 180 python3 -m pytest -q -p no:cacheprovider tests/test_resident_rows.py tests/test_routed_experts.py \
     -k cuda >"$OUT/tests.log" 2>&1
   echo "   rc $? ($(($(date +%s) - START)) s)"
   grep -E "passed|failed|error" "$OUT/tests.log" | tail -3
