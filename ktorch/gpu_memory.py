@@ -8,9 +8,11 @@
        half a bf16 copy), plus one scratch of n dequantized experts that a long call's residents are dequantized
        into; each layer keeps its most routed-to experts (counted at prefill), swapped by
        ``update_resident_experts`` outside decode when the gain passes a threshold. Decode computes their slots on
-       the device (``packed_experts_forward``: each token's K experts dequantized and multiplied) and the CPU op
-       the others; the swap writes the new experts into the same device buffers and the slot map in place, so a
-       captured decode step stays valid.
+       the device and the CPU op the others: int8 residents with per-group scales on CUDA with Triton are held
+       row-major and read once by fused Triton kernels (ktorch/ops/resident_rows.py, docs/resident_decode.md), the
+       others packed (``packed_experts_forward``: each token's K experts dequantized and multiplied). A layer whose
+       every expert is resident makes no CPU op call. The swap writes the new experts into the same device buffers
+       and the slot map in place, so a captured decode step stays valid.
 
 ``ktorch.prepare(..., gpu_memory="24GiB")`` / ``--gpu-memory 24GiB``; default: the device's free memory (plus what
 the model already holds) minus ``FREE_MARGIN``. ``model.kt_gpu_memory`` keeps the ``GpuMemoryPlan``; its
@@ -163,19 +165,28 @@ def plan_gpu_memory(model: nn.Module, modules: list, budget: Optional[int], devi
 # ---------------------------------------------------------------- resident experts
 
 
-def _packed_rows(module: nn.Module, ids: torch.Tensor, device: torch.device) -> tuple:
-    """The packed module's experts ``ids`` (w13, w13_scales, w2, w2_scales rows; scales None for bf16) on ``device``."""
+def _resident_tensors(module: nn.Module, ids: torch.Tensor, device: torch.device, rows: bool) -> tuple:
+    """The packed module's experts ``ids`` on ``device``: (w13, w13_scales, w2, w2_scales) rows of the packed layout
+    (scales None for bf16), or with ``rows`` the same bytes as ``RowExperts`` (ktorch/ops/resident_rows.py)."""
     ids = ids.to("cpu", torch.int64)
-    return tuple(None if t is None else t.index_select(0, ids).to(device)
-                 for t in (module.kt_w13, module.kt_w13_scales, module.kt_w2, module.kt_w2_scales))
+    packed = tuple(None if t is None else t.index_select(0, ids).to(device)
+                   for t in (module.kt_w13, module.kt_w13_scales, module.kt_w2, module.kt_w2_scales))
+    if rows:
+        from ktorch.ops.resident_rows import rows_from_packed
+
+        return rows_from_packed(*packed)
+    return packed
 
 
 def place_resident_experts(module: nn.Module, n: int, device: torch.device,
                            initial: Optional[torch.Tensor] = None) -> None:
-    """Keeps ``n`` experts of the packed ``module`` on ``device``, packed (``kt_gpu_packed``): ``initial`` ids, else
-    the most routed-to so far (``kt_routed.frequency``), else the first n. Their slots are masked from the CPU op
-    and computed on the device (``packed_experts_forward``); ``kt_gpu_hits`` counts the slots they take."""
+    """Keeps ``n`` experts of the packed ``module`` on ``device`` (``kt_gpu_packed``): ``initial`` ids, else the
+    most routed-to so far (``kt_routed.frequency``), else the first n. Int8 experts with per-group scales on CUDA with
+    Triton are held row-major (``RowExperts``, decoded by the Triton kernels: ktorch/ops/resident_rows.py
+    ``row_layout_applies``), others in the packed layout (``packed_experts_forward``). Their slots are masked from
+    the CPU op and computed on the device; ``kt_gpu_hits`` counts the slots they take."""
     from ktorch.integrations.transformers_experts import _check_device_experts
+    from ktorch.ops.resident_rows import row_layout_applies
 
     _check_device_experts(module, "place_resident_experts")
     E = module.kt_w13.shape[0]
@@ -189,7 +200,8 @@ def place_resident_experts(module: nn.Module, n: int, device: torch.device,
     slot_of = torch.full((E,), -1, dtype=torch.int64)
     slot_of[ids] = torch.arange(n)
     with torch.inference_mode(False):  # updated in place from inside and outside inference mode
-        module.kt_gpu_packed = _packed_rows(module, ids, device)
+        rows = row_layout_applies(module.kt_w13, module.kt_w13_scales, module.kt_w2, module.kt_w2_scales, device)
+        module.kt_gpu_packed = _resident_tensors(module, ids, device, rows)
         module.register_buffer("kt_gpu_slot_of", slot_of.to(device), persistent=False)
         hits = torch.zeros((), dtype=torch.int64, device=device)  # routed slots << 32 | slots on residents
     module.register_buffer("kt_gpu_hits", hits, persistent=False)
@@ -206,9 +218,11 @@ def drop_resident_experts(module: nn.Module) -> None:
 
 
 def swap_resident_experts(module: nn.Module, incoming: list, outgoing: list) -> None:
-    """Replaces the resident experts ``outgoing`` by ``incoming`` (same count) in place: their packed rows are
-    written into the outgoing ones' slots and the slot map updated on the device, in stream order, so buffers a
-    captured graph reads keep their addresses."""
+    """Replaces the resident experts ``outgoing`` by ``incoming`` (same count) in place: their rows (in the residents'
+    layout, packed or ``RowExperts``) are written into the outgoing ones' slots and the slot map updated on the
+    device, in stream order, so buffers a captured graph reads keep their addresses."""
+    from ktorch.ops.resident_rows import RowExperts
+
     if len(incoming) != len(outgoing):
         raise ValueError(f"swap_resident_experts: {len(incoming)} incoming and {len(outgoing)} outgoing experts")
     if not incoming:
@@ -223,7 +237,8 @@ def swap_resident_experts(module: nn.Module, incoming: list, outgoing: list) -> 
             raise ValueError(f"swap_resident_experts: expert {e} is not resident")
     slots = [position[e] for e in outgoing]
     device = module.kt_gpu_slot_of.device
-    rows = _packed_rows(module, torch.tensor(incoming), device)  # all incoming at once, then into their slots
+    rows = _resident_tensors(module, torch.tensor(incoming), device,  # all incoming at once, then into their slots
+                             isinstance(module.kt_gpu_packed, RowExperts))
     where = torch.tensor(slots, dtype=torch.int64, device=device)
     for dst, src in zip(module.kt_gpu_packed, rows):
         if dst is not None:

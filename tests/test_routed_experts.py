@@ -536,7 +536,11 @@ def test_generate_prints_placement_lines_that_the_benchmark_reads():
 @needs_cuda
 def test_cuda_captured_decode_after_a_swap_matches_eager():
     """Residents swapped in place between two generate calls: the kept CUDA graph (it reads the same buffers) decodes
-    the tokens an eager decode with the same residents gives; the hit counters count captured steps."""
+    the tokens an eager decode with the same residents gives; the hit counters count captured steps. The int8
+    residents are row-major (Triton decode kernels) where Triton is installed, packed otherwise."""
+    from ktorch.ops.resident_rows import RowExperts
+    from ktorch.ops.triton_experts import triton_available
+
     torch.manual_seed(0)
     base = tiny_model("qwen3_moe")  # fp32: the captured step runs Inductor-fused layers; bf16 rounding flips tokens
     model = ktorch.prepare(copy.deepcopy(base), device="cuda", experts_dtype="int8", stream_experts=COSTS)
@@ -546,6 +550,7 @@ def test_cuda_captured_decode_after_a_swap_matches_eager():
     for m in moe_experts_modules(model):
         # three residents of the 8 experts (the budget's slack may hold all 8 of so small a model: none to swap in)
         place_resident_experts(m, 3, torch.device("cuda"), initial=torch.tensor([0, 1, 2]))
+    assert all(isinstance(m.kt_gpu_packed, RowExperts) == triton_available() for m in moe_experts_modules(model))
     prompt = torch.randint(0, 256, (1, 40), device="cuda")
     ktorch.generate(model, prompt, max_new_tokens=8)
     graph = model.kt_decoder.graph

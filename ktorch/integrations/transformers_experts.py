@@ -354,7 +354,8 @@ def ktorch_experts_forward(
     (ktorch/passes/async_boundary.py). Run eagerly from CUDA tensors, the call goes through the same runtime
     (pinned copies, one host sync per layer). A module given ``kt_deferral`` (``ktorch.prepare(...,
     deferred_experts=d)``) defers its lowest-weighted slots to the next layer when run eagerly
-    (ktorch/integrations/deferral.py).
+    (ktorch/integrations/deferral.py). A layer whose every expert is on the device (resident or ``gpu_experts``) and
+    that defers nothing computes there alone and makes no CPU op call.
     """
     if getattr(self, "kt_w13", None) is None:
         if torch.compiler.is_compiling():
@@ -382,11 +383,19 @@ def ktorch_experts_forward(
     if counts is not None:
         top_k_index, gpu_work = _split_routed_experts(self, hidden_states, top_k_index, top_k_weights, counts,
                                                       gpu_work)
+    if gpu_work is not None and getattr(self, "kt_deferral", None) is None and _every_expert_on_device(self):
+        return gpu_work()  # the CPU op would get no slot: no call (no copies, no host functions in a captured step)
     if getattr(self, "kt_deferral", None) is not None and not torch.compiler.is_compiling():
         from ktorch.integrations.deferral import deferred_experts_forward
 
         return deferred_experts_forward(self, hidden_states, top_k_index, top_k_weights, _run_experts, gpu_work)
     return _run_experts(self, hidden_states, top_k_index, top_k_weights, gpu_work)
+
+
+def _every_expert_on_device(self: nn.Module) -> bool:
+    """Whether the device holds every expert of this layer (residents or ``gpu_experts``): known when placed, not per
+    call, so a captured decode step that skips the CPU op stays valid while swaps change which experts are where."""
+    return len(getattr(self, "kt_gpu_expert_ids", None) or ()) == self.kt_w13.shape[0]
 
 
 def _needs_grad(self: nn.Module, hidden_states: torch.Tensor, top_k_weights: torch.Tensor) -> bool:
@@ -426,6 +435,7 @@ def _split_gpu_experts(self: nn.Module, hidden_states, top_k_index, top_k_weight
     """(ids for the CPU [T, K] with the device-resident experts' slots set to -1, a callable computing those
     experts' part [T, H] on the device). See ktorch/ops/gpu_experts.py and ``attach_gpu_experts``."""
     from ktorch.ops.gpu_experts import gpu_experts_forward, packed_experts_forward
+    from ktorch.ops.resident_rows import RowExperts, rows_experts_forward
 
     slot_of = self.kt_gpu_slot_of  # [E] int64 on the device: index among the device experts, or -1
     slots = torch.where(top_k_index >= 0, slot_of[top_k_index.clamp(min=0)], -1)
@@ -435,9 +445,12 @@ def _split_gpu_experts(self: nn.Module, hidden_states, top_k_index, top_k_weight
     if hits is not None and not torch.compiler.is_compiling():  # three small kernels a layer, no host sync
         hits.add_(torch.where(on_device, (1 << 32) + 1, 1 << 32).sum())
 
-    packed = getattr(self, "kt_gpu_packed", None)  # the budget's residents (ktorch.gpu_memory): packed on the device
+    packed = getattr(self, "kt_gpu_packed", None)  # the budget's residents (ktorch.gpu_memory) on the device
 
     def gpu_work() -> torch.Tensor:
+        if isinstance(packed, RowExperts):  # int8 on CUDA with Triton: the fused decode kernels (resident_rows.py)
+            return rows_experts_forward(hidden_states, slots, top_k_weights, packed, self.kt_activation,
+                                        self.kt_gpu_kernel)
         if packed is not None:
             return packed_experts_forward(hidden_states, slots, top_k_weights, packed, self.kt_activation,
                                           self.kt_gpu_kernel)

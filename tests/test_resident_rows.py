@@ -1,0 +1,342 @@
+"""Resident experts at decode: the int8 row layout (ktorch/ops/resident_rows.py) and its Triton kernels
+(ktorch/ops/triton_experts.py), which residents take it, and the CPU op skipped by a layer whose every expert is on
+the device (ktorch/integrations/transformers_experts.py).
+
+On the CPU the "device" is the CPU: the repacking, swaps in place, the dequantized path prefill takes and the
+CPU-op skip run here (the row layout forced where a test says so: it is chosen only on CUDA with Triton) and are
+compared bit for bit with the packed layout and against HF eager; the Triton kernels, their CUDA-graph capture and a
+model decoding through them need CUDA and Triton and are skipped without them.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import ktorch
+from ktorch.gpu_memory import (device_bytes_held, place_resident_experts, reset_resident_hits, resident_hits,
+                               update_resident_experts)
+from ktorch.integrations import transformers_experts
+from ktorch.ops import resident_rows, triton_experts
+from ktorch.ops.gpu_experts import packed_experts_forward
+from ktorch.ops.moe import pack_quantized
+from ktorch.ops.packed_weights import dequantize_packed
+from ktorch.ops.resident_rows import RowExperts, dequantize_rows, row_layout_applies, rows_experts_forward, \
+    rows_from_packed
+from ktorch.ops.routed_experts import SplitCosts
+from models import assert_logits_match, moe_experts_modules, tiny_model
+from reference import fused_moe_reference, relative_error
+
+needs_cuda_triton = pytest.mark.skipif(
+    not torch.cuda.is_available() or not triton_experts.triton_available(),
+    reason="the Triton decode kernels need a CUDA GPU and Triton")
+COSTS = SplitCosts(h2d_bytes_per_s=1e9, cpu_fixed_s=1e-3, cpu_row_s=1e-5, cpu_expert_s=5e-4)
+# int8 per channel (pack_experts), a scale per 32 (Q8_0, MXFP4), a scale per 16 (Q6_K)
+FORMATS = [("int8", None), ("int8", 32), ("int8", 16)]
+FORMAT_IDS = ["int8", "int8_g32", "int8_g16"]
+
+
+def _experts(fmt, group_size, n=6, H=128, I=64, seed=0, affine=False):
+    """Packed experts (w13, w13_scales, w2, w2_scales) and, for int8 with ``group_size``, the GGUF-style codes and
+    scales they were packed from (``pack_quantized``, as the exact GGUF types load; ``affine``: with minimums, as
+    Q5_K)."""
+    torch.manual_seed(seed)
+    if fmt == "int8" and group_size is not None:
+        c13, c2 = torch.randint(-128, 128, (n, 2 * I, H)), torch.randint(-128, 128, (n, H, I))
+        s13 = torch.rand(n, 2 * I, H // group_size) / (127 * H**0.5)
+        s2 = torch.rand(n, H, I // group_size) / (127 * I**0.5)
+        m13, m2 = (torch.rand_like(s13), torch.rand_like(s2)) if affine else (None, None)
+        w13, w13_scales = pack_quantized(c13, s13, m13, bits=8, gate_up=True)
+        w2, w2_scales = pack_quantized(c2, s2, m2, bits=8)
+        return (w13, w13_scales, w2, w2_scales), (c13, s13, c2, s2)
+    packed = ktorch.pack_experts(torch.randn(n, 2 * I, H) / H**0.5, torch.randn(n, H, I) / I**0.5, fmt, group_size)
+    return packed.tensors()[:4], None
+
+
+def _reference(hidden, slots, weights, rows: RowExperts, activation="silu") -> torch.Tensor:
+    """float64 out [T, H] from the row layout's own values."""
+    rows = RowExperts(*(t.cpu() for t in rows))
+    return fused_moe_reference(hidden.cpu(), slots.cpu(), weights.cpu(),
+                               dequantize_rows(rows.w13, rows.w13_scales, torch.float64).transpose(1, 2),
+                               dequantize_rows(rows.w2, rows.w2_scales, torch.float64).transpose(1, 2), activation)
+
+
+@pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)
+def test_rows_hold_the_packed_values(fmt, group_size):
+    """The row layout dequantizes bit for bit to what dequantize_packed gives, in the same bytes; GGUF-style codes
+    packed with pack_quantized come back as they were given."""
+    packed, source = _experts(fmt, group_size)
+    p13, s13, p2, s2 = packed
+    rows = rows_from_packed(*packed)
+    assert rows.w13.shape == (6, 128, 128) and rows.w2.shape == (6, 128, 64) and rows.w13.dtype == torch.int8
+    assert sum(t.numel() * t.element_size() for t in rows) == sum(t.numel() * t.element_size() for t in packed)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(dequantize_rows(rows.w13, rows.w13_scales, dtype), dequantize_packed(p13, s13, True, dtype))
+        assert torch.equal(dequantize_rows(rows.w2, rows.w2_scales, dtype), dequantize_packed(p2, s2, False, dtype))
+    if source is not None:
+        for got, want in zip(rows, source):
+            assert torch.equal(got, want.to(got.dtype))
+
+
+@pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("kernel,dtype,T", [("gather", torch.float32, 3), ("auto", torch.bfloat16, 1),
+                                            ("gather", torch.bfloat16, 9), ("grouped_mm", torch.bfloat16, 40)])
+def test_rows_forward_off_cuda_equals_the_packed_one(fmt, group_size, kernel, dtype, T):
+    """Off CUDA (and on CUDA for prefill) rows_experts_forward dequantizes every resident and runs
+    gpu_experts_forward: bit for bit packed_experts_forward with the same kernel, absent slots included, and within
+    rounding of a float64 reference."""
+    packed, _ = _experts(fmt, group_size)
+    rows = rows_from_packed(*packed)
+    K = 4
+    hidden = torch.randn(T, 128).to(dtype)
+    slots = torch.randint(-1, 6, (T, K))
+    weights = torch.rand(T, K)
+    want = packed_experts_forward(hidden, slots, weights, packed, "silu", kernel)
+    got = rows_experts_forward(hidden, slots, weights, rows, "silu", kernel)
+    assert got.dtype == dtype and torch.equal(got, want)
+    assert relative_error(got, _reference(hidden, slots, weights, rows)) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_which_residents_take_the_row_layout(monkeypatch):
+    """Int8 codes with per-group float32 scales, on CUDA, with Triton: rows. bf16, int4, the affine int8 (Q5_K) and
+    a w13/w2 mix with either of those stay packed; so does everything on the CPU or without Triton."""
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(triton_experts, "triton_available", lambda: True)
+    for fmt, group_size in FORMATS:
+        assert row_layout_applies(*_experts(fmt, group_size)[0], cuda)
+        assert not row_layout_applies(*_experts(fmt, group_size)[0], torch.device("cpu"))
+    int8 = _experts("int8", 32)[0]
+    for other in (_experts("bf16", None)[0], _experts("int4", 32)[0], _experts("int8", 32, affine=True)[0]):
+        assert not row_layout_applies(*other, cuda)
+        assert not row_layout_applies(*int8[:2], *other[2:], cuda) and not row_layout_applies(*other[:2], *int8[2:], cuda)
+    monkeypatch.setattr(triton_experts, "triton_available", lambda: False)
+    assert not row_layout_applies(*int8, cuda)
+
+
+def test_rows_refuse_what_they_cannot_hold():
+    for name, packed in (("bf16", _experts("bf16", None)[0]), ("int4", _experts("int4", 32)[0]),
+                         ("affine int8", _experts("int8", 32, affine=True)[0])):
+        with pytest.raises(ValueError, match="the row layout takes int8 packed experts with float32 scales"):
+            rows_from_packed(*packed)
+    int8, _ = _experts("int8", None)
+    with pytest.raises(ValueError, match="got torch.int8 with scales None"):
+        rows_from_packed(int8[0], None, int8[2], int8[3])
+    rows = rows_from_packed(*int8)
+    hidden, slots, weights = torch.randn(1, 128), torch.zeros(1, 2, dtype=torch.int64), torch.rand(1, 2)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        rows_experts_forward(hidden, slots, weights, rows, "swiglu")
+    with pytest.raises(ValueError, match="run on CUDA tensors"):
+        triton_experts.triton_rows_forward(hidden, slots, weights, rows)
+
+
+# ---------------------------------------------------------------- in a model
+
+
+class CountOps(TorchDispatchMode):
+    """Counts the ops dispatched while active (kt.fused_moe: the CPU op)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _model_with_residents(residents: int, experts_dtype="int8", seed=0, deferred=0):
+    """A tiny Qwen3-MoE (8 experts a layer, 2 layers) prepared on the CPU with the prefill split (from 8 tokens) and
+    ``residents`` resident experts a layer (the CPU stands in for the device)."""
+    torch.manual_seed(seed)
+    base = tiny_model("qwen3_moe", dtype=torch.float32)
+    model = ktorch.prepare(copy.deepcopy(base), device="cpu", experts_dtype=experts_dtype)
+    ktorch.set_stream_experts(model, COSTS)
+    for m in moe_experts_modules(model):
+        m.kt_routed.min_tokens = 8
+        if residents:
+            place_resident_experts(m, residents, torch.device("cpu"))
+    if deferred:
+        ktorch.set_deferred_experts(model, deferred)
+    return base, model
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def _cpu_op_calls(model, ids) -> tuple:
+    with CountOps() as ops:
+        logits = _logits(model, ids)
+    return logits, ops.counts["kt.fused_moe"]
+
+
+def test_row_layout_in_a_model_equals_packed_and_swaps_in_place(monkeypatch):
+    """Residents placed as RowExperts (forced here: the CPU stands in for CUDA) hold the packed ones' bytes; decode-
+    and prefill-sized calls give the packed layout's logits bit for bit; swaps write rows into the same buffers
+    (addresses kept) and still equal the packed layout swapped the same way."""
+    base, packed_model = _model_with_residents(3)
+    monkeypatch.setattr(resident_rows, "row_layout_applies", lambda *args: True)
+    _, model = _model_with_residents(3)
+    monkeypatch.undo()
+    assert all(isinstance(m.kt_gpu_packed, RowExperts) for m in moe_experts_modules(model))
+    assert all(not isinstance(m.kt_gpu_packed, RowExperts) for m in moe_experts_modules(packed_model))
+    cpu = torch.device("cpu")
+    assert device_bytes_held(model, cpu) == device_bytes_held(packed_model, cpu)
+    short, long = torch.randint(0, 256, (1, 5)), torch.randint(0, 256, (1, 24))
+    for ids in (short, long):
+        assert torch.equal(_logits(model, ids), _logits(packed_model, ids))
+    assert_logits_match(base, model, torch.float32, short)
+    addresses = [[t.data_ptr() for t in m.kt_gpu_packed] for m in moe_experts_modules(model)]
+    for mm in (model, packed_model):
+        for m in moe_experts_modules(mm):
+            m.kt_routed.frequency.zero_()
+            m.kt_routed.frequency[5], m.kt_routed.frequency[6], m.kt_routed.frequency[7] = 100.0, 50.0, 25.0
+        assert update_resident_experts(mm)["swapped"] == 6
+    assert [[t.data_ptr() for t in m.kt_gpu_packed] for m in moe_experts_modules(model)] == addresses
+    for m in moe_experts_modules(model):
+        assert sorted(m.kt_gpu_expert_ids) == [5, 6, 7] and isinstance(m.kt_gpu_packed, RowExperts)
+        fresh = rows_from_packed(*(t.index_select(0, torch.tensor(m.kt_gpu_expert_ids))
+                                   for t in (m.kt_w13, m.kt_w13_scales, m.kt_w2, m.kt_w2_scales)))
+        assert all(torch.equal(a, b) for a, b in zip(m.kt_gpu_packed, fresh))  # the rows a fresh placement makes
+    for ids in (short, long):
+        assert torch.equal(_logits(model, ids), _logits(packed_model, ids))
+
+
+@pytest.mark.parametrize("experts_dtype", ["int8", "bf16", "int4"])
+def test_every_expert_resident_makes_no_cpu_op_call(experts_dtype):
+    """A layer whose 8 experts are all resident computes them on the device alone, for any format: no kt.fused_moe
+    call at decode-sized or prefill-sized (routed split) calls, the logits of the same experts on the CPU op (the
+    residents' own quantization: int4 is far from HF eager), every routed slot counted as a resident hit. With 7 of
+    8 resident, the CPU op is called once a layer."""
+    base, model = _model_with_residents(8, experts_dtype)
+    _, on_cpu = _model_with_residents(0, experts_dtype)  # the same packed experts, no residents
+    for T in (1, 5, 24):
+        ids = torch.randint(0, 256, (1, T))
+        reset_resident_hits(model)
+        logits, calls = _cpu_op_calls(model, ids)
+        assert calls == 0
+        hits, rows = resident_hits(model)
+        assert hits == rows == T * model.config.num_experts_per_tok * 2
+        torch.testing.assert_close(logits, _logits(on_cpu, ids), atol=0.05, rtol=0)
+        if experts_dtype != "int4":
+            assert_logits_match(base, model, torch.float32, ids)
+    stats = ktorch.prefill_split_stats(model)  # the 24-token call split: nothing copied, every used expert resident
+    assert stats["experts_copied"] == 0 and stats["resident_hit"] == stats["experts_hit"] > 0
+    _, partial = _model_with_residents(7, experts_dtype)
+    ids = torch.randint(0, 256, (1, 5))
+    logits, calls = _cpu_op_calls(partial, ids)
+    assert calls == 2
+    torch.testing.assert_close(logits, _logits(on_cpu, ids), atol=0.05, rtol=0)
+
+
+def test_deferral_still_calls_the_cpu_op_with_every_expert_resident():
+    """With deferred experts (d = 1) a layer passes its deferred slots on through the CPU op's chain, so it is not
+    skipped; with every expert resident nothing is deferred and the logits are HF eager's."""
+    base, model = _model_with_residents(8, deferred=1)
+    ids = torch.randint(0, 256, (1, 5))
+    _, calls = _cpu_op_calls(model, ids)
+    assert calls > 0
+    assert_logits_match(base, model, torch.float32, ids)
+
+
+def test_generate_with_every_expert_resident_counts_hits_without_the_cpu_op():
+    """ktorch.generate (prefill, the swap update, decode) with every expert resident: no CPU op call at all, and the
+    printed decode resident hit rate is 100% of the decode steps' routed slots."""
+    from ktorch.cli import placement_lines
+
+    torch.manual_seed(0)
+    model = ktorch.prepare(tiny_model("qwen3_moe", dtype=torch.float32), device="cpu", experts_dtype="int8")
+    ktorch.set_stream_experts(model, COSTS, gpu_memory=1 << 40)  # the CPU stands in: every expert fits
+    assert model.kt_gpu_memory.resident_per_layer == 8
+    prompt = torch.randint(0, 256, (1, 20))
+    with CountOps() as ops:
+        result = ktorch.generate(model, prompt, max_new_tokens=5)
+    assert ops.counts["kt.fused_moe"] == 0 and len(result.ids) == 5
+    hits, rows = resident_hits(model)
+    assert hits == rows == 4 * model.config.num_experts_per_tok * 2  # the 4 decode steps after the first token
+    line = [s for s in placement_lines(model, result.timings) if "resident hit rate" in s]
+    assert line and f"{hits}/{rows} = 100.0%" in line[0]
+
+
+# ---------------------------------------------------------------- CUDA: the Triton kernels
+
+
+@needs_cuda_triton
+@pytest.mark.parametrize("activation,T,K,H,I,group_size", [
+    ("silu", 1, 8, 256, 128, None), ("silu", 3, 4, 512, 192, 32), ("silu", 16, 8, 2048, 768, 32),
+    ("silu", 2, 8, 512, 192, None), ("silu", 4, 8, 256, 256, 16), ("gelu", 3, 4, 512, 192, 32),
+    ("gelu_tanh", 3, 4, 512, 192, 32), ("relu", 2, 8, 256, 128, None)])
+def test_cuda_triton_kernels_match_a_float64_reference(activation, T, K, H, I, group_size):
+    """The fused kernels: within bf16 rounding of the float64 reference, no worse than the packed path's error (plus
+    a little: they round once, it rounds the weights and each slot), absent slots skipped, odd sizes masked; each
+    way of applying the scales (per channel: a group spanning tiles (H=256, 512) or a scale per element (I=192);
+    whole groups per tile (32, 16))."""
+    torch.manual_seed(0)
+    n = 12
+    packed, _ = _experts("int8", group_size, n=n, H=H, I=I)
+    packed = tuple(t.cuda() for t in packed)
+    rows = rows_from_packed(*packed)
+    hidden = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    slots = torch.randint(-1, n, (T, K), device="cuda")
+    weights = torch.rand(T, K, device="cuda")
+    got = rows_experts_forward(hidden, slots, weights, rows, activation)
+    assert torch.equal(got, triton_experts.triton_rows_forward(hidden, slots, weights, rows, activation))
+    ref = _reference(hidden, slots, weights, rows, activation)
+    packed_error = relative_error(packed_experts_forward(hidden, slots, weights, packed, activation).cpu(), ref)
+    assert got.dtype == torch.bfloat16 and got.shape == (T, H)
+    assert relative_error(got.cpu(), ref) <= max(1.2 * packed_error, 4e-3)
+    assert torch.equal(rows_experts_forward(hidden, slots, weights, rows, activation), got)  # no atomics
+
+
+@needs_cuda_triton
+def test_cuda_triton_kernels_replay_in_a_cuda_graph():
+    torch.manual_seed(0)
+    packed, _ = _experts("int8", 32, n=16, H=2048, I=768)
+    rows = rows_from_packed(*(t.cuda() for t in packed))
+    hidden = torch.randn(1, 2048, device="cuda").to(torch.bfloat16)
+    slots = torch.randint(-1, 16, (1, 8), device="cuda")
+    weights = torch.rand(1, 8, device="cuda")
+    rows_experts_forward(hidden, slots, weights, rows)  # compiled before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = rows_experts_forward(hidden, slots, weights, rows)
+    hidden.copy_(torch.randn(1, 2048, device="cuda"))
+    slots.copy_(torch.randint(-1, 16, (1, 8), device="cuda"))
+    graph.replay()
+    assert torch.equal(out, rows_experts_forward(hidden, slots, weights, rows))
+
+
+@needs_cuda_triton
+@pytest.mark.parametrize("experts_dtype", ["int8", "bf16"])
+def test_cuda_every_expert_resident_decodes_without_the_cpu_op(monkeypatch, experts_dtype):
+    """A tiny model with every expert resident on CUDA: int8 residents are RowExperts (Triton decode), bf16 ones stay
+    packed; no CPU op call (prefill, eager or captured decode); HF eager's logits; the captured decode steps give the
+    eager steps' greedy tokens, with every routed slot a resident hit."""
+    calls = []
+    run = transformers_experts._run_experts
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(transformers_experts, "_run_experts", counting)
+    torch.manual_seed(0)
+    base = tiny_model("qwen3_moe", dtype=torch.bfloat16)
+    ids = torch.randint(0, 256, (1, 6))
+    model = ktorch.prepare(copy.deepcopy(base), device="cuda", experts_dtype=experts_dtype, stream_experts="off",
+                           gpu_memory="4GiB")
+    assert all(len(m.kt_gpu_expert_ids) == m.kt_w13.shape[0] for m in moe_experts_modules(model))  # all resident
+    assert all(isinstance(m.kt_gpu_packed, RowExperts) == (experts_dtype == "int8")
+               for m in moe_experts_modules(model))
+    assert_logits_match(base.to("cuda"), model, torch.bfloat16, ids.cuda())
+    captured = ktorch.generate(model, ids, max_new_tokens=8)
+    assert captured.timings.cuda_graphs
+    hits, rows = resident_hits(model)
+    assert hits == rows > 0
+    assert ktorch.generate(model, ids, max_new_tokens=8, cuda_graphs=False).ids == captured.ids
+    assert calls == []
