@@ -194,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--served-model-name", default=None,
                      help="the model id clients name (default: 'builtin' or the checkpoint's file or folder name)")
     srv.add_argument("--page-size", type=int, default=None, metavar="TOKENS",
-                     help="tokens per KV-cache page; prefixes are shared in whole pages (default: 16)")
+                     help="tokens per KV-cache page; prefixes are shared in whole pages (default: 16, EngineConfig.page_size)")
     srv.add_argument("--kv-pages", type=int, default=None, metavar="N",
                      help="KV-cache pages in the pool (default: --kv-cache-gib of them)")
     srv.add_argument("--kv-cache-gib", type=float, default=None, metavar="GIB",
@@ -658,7 +658,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
               "become ids) and return the new ids as text; chat is refused", file=sys.stderr, flush=True)
     on_gpu = model.get_input_embeddings().weight.device.type == "cuda"
     config = EngineConfig(
-        page_size=args.page_size or 16, num_blocks=args.kv_pages, kv_cache_gib=args.kv_cache_gib,
+        page_size=args.page_size or EngineConfig.page_size, num_blocks=args.kv_pages, kv_cache_gib=args.kv_cache_gib,
         max_batch_tokens=args.max_batch_tokens, max_requests=args.max_requests,
         max_queued_tokens=args.max_queued_tokens,
         cuda_graphs={"auto": None, "on": True, "off": False}[args.cuda_graphs],
