@@ -145,7 +145,18 @@ _RESPIN_SCRIPT = """
 import os, torch, ktorch
 
 def threads():
-    return set(os.listdir("/proc/self/task"))
+    # ktorch's live pool workers, by the name the pool gives them: torch and Python start and end threads of
+    # their own, and a joined thread can stay listed for a moment as exiting (state Z or X)
+    found = set()
+    for t in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{t}/stat") as f:
+                name, state = f.read().split("(", 1)[1].rsplit(")", 1)
+        except FileNotFoundError:  # ended while listed
+            continue
+        if name == "kt-pool" and state.split()[0] not in ("Z", "X"):
+            found.add(t)
+    return found
 
 torch.manual_seed(3)
 packed = ktorch.pack_experts(torch.randn(6, 128, 64) * 0.05, torch.randn(6, 64, 64) * 0.05, "int8")
@@ -158,12 +169,13 @@ assert threads() == before, (threads(), before)
 ktorch.config.set_spin_us(0)
 ktorch.set_num_threads(3)  # the same size, another spin: rebuilt with new worker threads
 after = threads()
-assert len(after) == len(before) and len(after - before) == 2, (after, before)
+assert len(before) == 2 and len(after) == 2 and not (after & before), (after, before)
 assert ktorch.config.value("KT_SPIN_US") == "0" and ktorch.get_num_threads() == 3
 assert torch.equal(ktorch.fused_moe(x, ids, w, packed), want)
 ktorch.config.set_spin_us(None)  # back to the variable (unset: 2000): rebuilt again
 ktorch.set_num_threads(3)
-assert len(threads() - after) == 2 and ktorch.config.value("KT_SPIN_US") is None
+again = threads()
+assert len(again) == 2 and not (again & after) and ktorch.config.value("KT_SPIN_US") is None, (again, after)
 assert torch.equal(ktorch.fused_moe(x, ids, w, packed), want)
 """
 

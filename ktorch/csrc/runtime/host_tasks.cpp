@@ -40,6 +40,7 @@
 #include <deque>
 #include <immintrin.h>
 #include <limits>
+#include <pthread.h>
 #include <sched.h>
 #include <mutex>
 #include <string>
@@ -89,7 +90,9 @@ class Worker {
  public:
   Worker()
       : spin_us_(kHostSpinUs),
-        thread_([this] { loop(); }) {}
+        thread_([this] { loop(); }) {
+    pthread_setname_np(thread_.native_handle(), "kt-host");
+  }
   ~Worker() {
     {
       std::lock_guard<std::mutex> lock(mutex_);

@@ -143,7 +143,10 @@ NumaGroups::NumaGroups(int n) : groups_(cpu_groups(n)), errors_(n) {
     const int64_t share = std::max<int64_t>(1, total * static_cast<int64_t>(g.cpus.size()) / std::max<int64_t>(1, cpus));
     pools_.push_back(std::make_unique<WorkerPool>(static_cast<int>(share), spin, g.cpus));
   }
-  for (int g = 0; g < n; ++g) leaders_.emplace_back([this, g] { leader_loop(g); });
+  for (int g = 0; g < n; ++g) {
+    leaders_.emplace_back([this, g] { leader_loop(g); });
+    pthread_setname_np(leaders_.back().native_handle(), "kt-numa");
+  }
 }
 
 NumaGroups::~NumaGroups() {

@@ -67,6 +67,7 @@ WorkerPool::WorkerPool(int workers, int64_t spin_us, const std::vector<int>& bin
   TORCH_CHECK(workers >= 1, "KT_NUM_THREADS must be at least 1, got ", workers);
   for (int w = 1; w < workers; ++w) {
     threads_.emplace_back([this, w] { worker_loop(w); });
+    pthread_setname_np(threads_.back().native_handle(), "kt-pool");  // what top -H and /proc/<pid>/task/*/comm show
     if (!bind_cpus.empty()) set_affinity(threads_.back(), bind_cpus);
   }
 }
