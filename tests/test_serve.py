@@ -858,3 +858,66 @@ def test_incremental_detokenizer_equals_full_decode(builtin):
         for i in range(1, len(ids) + 1):
             d.update(ids[:i], final=i == len(ids))
         assert d.text == tok.decode(ids, skip_special_tokens=True), ids
+
+
+def test_sse_chunks_equal_json_dumps():
+    """A streamed text chunk rendered from its template is byte for byte json.dumps of the whole chunk (quotes,
+    backslashes, control characters, non-ASCII text; completions and chat, with and without usage)."""
+    from ktorch.serve.app import SSEChunks
+
+    texts = ["a", " the", '"quoted"', "back\\slash", "line\nbreak\t", "\x00\x1f", "é中文", "\U0001f600 emoji", "</s>"]
+    for chat in (False, True):
+        for usage in (False, True):
+            sse = SSEChunks("cmpl-0123", "chat.completion.chunk" if chat else "text_completion", 1700000000,
+                            'my "model"', chat, usage)
+            for text in texts:
+                want = b"data: " + json.dumps(sse.payload(text, None)).encode() + b"\n\n"
+                assert sse.event(text, None) == want
+                assert json.loads(want[6:])["choices"][0]["delta" if chat else "text"] == ({"content": text} if chat
+                                                                                           else text)
+
+
+def _http_chunks(raw: bytes) -> list[bytes]:
+    """The chunks of an HTTP/1.1 chunked body (``raw``: the bytes after the headers), the last one empty."""
+    chunks, i = [], 0
+    while True:
+        j = raw.index(b"\r\n", i)
+        size = int(raw[i:j], 16)
+        chunks.append(raw[j + 2:j + 2 + size])
+        i = j + 2 + size + 2
+        if size == 0:
+            return chunks
+
+
+def test_a_stream_writes_once_per_token_and_ends_in_one_write(server):
+    """Streamed over a raw socket: chat's role chunk arrives with the first text, and the last text, the usage and
+    [DONE] arrive with the body's end (one HTTP chunk, then the terminating one, in one read: a client that stops at
+    [DONE] has the whole response, so its connection can take its next request)."""
+    for path, extra in (("/v1/completions", {"prompt": PROMPTS[1]}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPTS[1]}]})):
+        body = {"model": "builtin", "max_tokens": 6, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}, **extra}
+        payload = json.dumps(body).encode()
+        with socket.create_connection((HOST, server.port), timeout=60) as sock:
+            sock.sendall(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+            raw = b""
+            while b"data: [DONE]" not in raw:
+                part = sock.recv(65536)
+                assert part, raw
+                raw += part
+            assert raw.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"), raw[-200:]  # the end came with [DONE]
+        head, body_raw = raw.split(b"\r\n\r\n", 1)
+        assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding: chunked" in head.lower()
+        chunks = _http_chunks(body_raw)
+        assert chunks[-1] == b"" and all(c.endswith(b"\n\n") for c in chunks[:-1])
+        events = [[json.loads(e[6:]) if e != b"data: [DONE]" else "[DONE]" for e in c.split(b"\n\n") if e]
+                  for c in chunks[:-1]]
+        last = events[-1]
+        assert last[-1] == "[DONE]" and last[-2]["choices"] == [] and 1 <= last[-2]["usage"]["completion_tokens"] <= 6
+        assert last[-3]["choices"][0]["finish_reason"] in ("length", "stop")
+        assert all(len(e) == 1 for e in events[1:-1])  # one event per write in between
+        if path == "/v1/chat/completions":
+            first = events[0]
+            assert first[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+            assert first[1]["choices"][0]["delta"]["content"]

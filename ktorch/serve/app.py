@@ -28,6 +28,8 @@ from ktorch.serve.engine import AdmissionError, SamplingParams, ServeEngine
 log = logging.getLogger("ktorch.serve")
 
 MAX_STOP_STRINGS = 4
+WATCH_SECONDS = 0.5  # how often waiting requests are checked for a client gone (or a stopped generation loop)
+_WAKE = object()  # put on a request's output queue by _watch: check the client, then wait on
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 
 
@@ -155,11 +157,52 @@ class IncrementalDetokenizer:
         return self.text
 
 
+class SSEChunks:
+    """The server-sent events of one streamed completion, as bytes (``data: {json}`` and a blank line).
+
+    A chunk that carries only new text (every chunk but chat's first and the last) is rendered from a template made
+    once per response: the JSON before and after the text, so that per token only the text is JSON-encoded. The bytes
+    equal ``json.dumps`` of the whole chunk (tests/test_serve.py checks)."""
+
+    _MARK = "\x00ktorch-text\x00"  # cannot occur in the id or the model name
+
+    def __init__(self, rid: str, obj: str, created: int, model: str, chat: bool, include_usage: bool):
+        self.rid, self.obj, self.created, self.model, self.chat = rid, obj, created, model, chat
+        self.include_usage = include_usage
+        parts = json.dumps(self.payload(self._MARK, None)).split(json.dumps(self._MARK))
+        if len(parts) != 2:
+            raise ValueError(f"SSEChunks: the text marker appears {len(parts) - 1} times in a chunk")
+        self.head, self.tail = b"data: " + parts[0].encode(), parts[1].encode() + b"\n\n"
+
+    def payload(self, text: Optional[str], reason: Optional[str], first: bool = False) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+        payload = {"id": self.rid, "object": self.obj, "created": self.created, "model": self.model,
+                   "choices": [choice]}
+        if self.include_usage:
+            payload["usage"] = None
+        return payload
+
+    def event(self, text: Optional[str], reason: Optional[str], first: bool = False) -> bytes:
+        if text and reason is None and not first:
+            return self.head + json.dumps(text).encode() + self.tail
+        return b"data: " + json.dumps(self.payload(text, reason, first)).encode() + b"\n\n"
+
+    def usage(self, usage: dict) -> bytes:
+        payload = {"id": self.rid, "object": self.obj, "created": self.created, "model": self.model, "choices": [],
+                   "usage": usage}
+        return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
 # ---------------------------------------------------------------- the server
 
 
 class OpenAIServer:
     def __init__(self, engine: ServeEngine, tokenizer, model_name: str):
+        self._waiting: dict[str, tuple[asyncio.Queue, web.Request]] = {}  # request id -> its outputs, its request
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -182,15 +225,23 @@ class OpenAIServer:
 
     async def _on_startup(self, app: web.Application) -> None:
         self.engine.start()
-        self._janitor = asyncio.get_running_loop().create_task(self._drain_orphans())
+        self._janitor = asyncio.get_running_loop().create_task(self._watch())
 
     async def _on_cleanup(self, app: web.Application) -> None:
         self._janitor.cancel()
         await asyncio.get_running_loop().run_in_executor(None, self.engine.stop)
 
-    async def _drain_orphans(self) -> None:
+    async def _watch(self) -> None:
+        """Every ``WATCH_SECONDS``: wakes each waiting request whose client is gone (or whose generation loop
+        stopped), so that its handler stops it, and drops outputs of requests already forgotten. One timer for all
+        requests instead of a timeout per awaited output."""
         while True:
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(WATCH_SECONDS)
+            healthy = self.engine.healthy()
+            for q, request in list(self._waiting.values()):
+                transport = request.transport
+                if not healthy or transport is None or transport.is_closing():
+                    q.put_nowait(_WAKE)
             self.engine.drain_orphan_outputs()
 
     # ------------------------------------------------------------ simple routes
@@ -321,17 +372,15 @@ class OpenAIServer:
     # ------------------------------------------------------------ generation
 
     async def _next_output(self, q: asyncio.Queue, request: web.Request):
-        """The request's next output. The connection is checked at every output and every 0.5 s without one: a
-        non-streamed request writes nothing until it ends, so only this check sees its client go."""
+        """The request's next output. The connection is checked at every output and whenever ``_watch`` wakes the
+        request (every ``WATCH_SECONDS`` while its client is gone or the generation loop stopped): a non-streamed
+        request writes nothing until it ends, so only this check sees its client go."""
         while True:
-            try:
-                out = await asyncio.wait_for(q.get(), timeout=0.5)
-            except asyncio.TimeoutError:
-                out = None
+            out = await q.get()
             transport = request.transport
             if transport is None or transport.is_closing():
                 raise ClientGone() from None
-            if out is not None:
+            if out is not _WAKE:
                 return out
             if not self.engine.healthy():
                 raise APIError(500, "the generation loop stopped", "server_error") from None
@@ -344,6 +393,7 @@ class OpenAIServer:
             request_id, q = await self.engine.submit(prompt_ids, params)
         except AdmissionError as e:
             raise APIError(429, str(e), "rate_limit_error", code="rate_limit_exceeded") from None
+        self._waiting[request_id] = (q, request)
         done = False
         detok = IncrementalDetokenizer(self.tokenizer)
         emitted = 0
@@ -374,6 +424,7 @@ class OpenAIServer:
                     yield text[emitted:safe], None
                     emitted = safe
         finally:
+            self._waiting.pop(request_id, None)
             if not done:
                 self.engine.cancel(request_id)
 
@@ -424,19 +475,8 @@ class OpenAIServer:
             return web.json_response({"id": rid, "object": "text_completion", "created": created,
                                       "model": self.model_name, "choices": [choice], "usage": usage})
 
-        obj = "chat.completion.chunk" if chat else "text_completion"
-
-        def chunk(text: Optional[str], reason: Optional[str], first: bool = False) -> bytes:
-            if chat:
-                delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
-            else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
-            payload = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [choice]}
-            if include_usage:
-                payload["usage"] = None
-            return b"data: " + json.dumps(payload).encode() + b"\n\n"
-
+        sse = SSEChunks(rid, "chat.completion.chunk" if chat else "text_completion", created, self.model_name, chat,
+                        include_usage)
         # the first output decides the status: admission (429) and generation errors before any token are JSON errors
         it = gen.__aiter__()
         try:
@@ -446,24 +486,27 @@ class OpenAIServer:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         try:
-            if chat:
-                await resp.write(chunk(None, None, first=True))
+            # one write per output: chat's role chunk goes with the first text, and the last text, the usage and
+            # [DONE] go with the end of the body (so that a client that stops reading at [DONE] has the whole
+            # response, and its connection can serve its next request)
+            pending = sse.event(None, None, first=True) if chat else b""
             piece: Optional[tuple[str, Optional[str]]] = first_piece
             while piece is not None:
                 text, reason = piece
                 if text or reason:
-                    await resp.write(chunk(text, reason))
+                    pending += sse.event(text, reason)
                 if reason is not None:
                     break
+                if pending:
+                    await resp.write(pending)
+                    pending = b""
                 try:
                     piece = await it.__anext__()
                 except StopAsyncIteration:
                     piece = None
             if include_usage:
-                payload = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [],
-                           "usage": self._usage(len(prompt_ids), info)}
-                await resp.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
-            await resp.write(b"data: [DONE]\n\n")
+                pending += sse.usage(self._usage(len(prompt_ids), info))
+            pending += b"data: [DONE]\n\n"
         except (ClientGone, ConnectionResetError):
             await gen.aclose()
             return resp
@@ -479,5 +522,5 @@ class OpenAIServer:
             return resp
         finally:
             await gen.aclose()
-        await resp.write_eof()
+        await resp.write_eof(pending)
         return resp
