@@ -921,3 +921,24 @@ def test_a_stream_writes_once_per_token_and_ends_in_one_write(server):
             first = events[0]
             assert first[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
             assert first[1]["choices"][0]["delta"]["content"]
+
+
+def test_count_distinct_experts_equals_a_unique_per_layer():
+    """The step statistics' distinct experts (one scatter over all layers) equal a unique per layer of the routing
+    ids, padding rows (-1) left out, with each layer's bytes per expert; layers of different shapes too."""
+    from ktorch.serve.engine import count_distinct_experts
+
+    g = torch.Generator().manual_seed(3)
+    for layers, tokens, k, experts in ((1, 1, 2, 8), (4, 7, 2, 16), (48, 33, 8, 128), (3, 64, 4, 60)):
+        refs = []
+        for layer in range(layers):
+            ids = torch.randint(0, experts, (tokens, k), generator=g)
+            ids[torch.rand(tokens, generator=g) < 0.3] = -1  # padding rows
+            refs.append((ids.to(torch.int32 if layer % 2 else torch.int64), 1000 + layer, experts))
+        want = [torch.unique(r[0][r[0] >= 0]).numel() for r in refs]
+        assert count_distinct_experts(refs) == (sum(want), sum(u * r[1] for u, r in zip(want, refs)))
+        mixed = refs + [(torch.tensor([[1, 5], [-1, -1], [5, 2]]), 7, experts)]
+        assert count_distinct_experts(mixed) == (sum(want) + 3, sum(u * r[1] for u, r in zip(want, refs)) + 21)
+    assert count_distinct_experts([]) == (0, 0)
+    all_padding = [(torch.full((4, 2), -1), 10, 8)]
+    assert count_distinct_experts(all_padding) == (0, 0)

@@ -323,10 +323,10 @@ class OpenAIServer:
             p = p[0]  # one prompt in a list
         if isinstance(p, str):
             return self._encode(p)
-        if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        if isinstance(p, list) and p and set(map(type, p)) == {int}:  # JSON integers (true/false are bool)
             vocab = self.engine.model.config.get_text_config().vocab_size
-            bad = [t for t in p if t < 0 or t >= vocab]
-            if bad:
+            if min(p) < 0 or max(p) >= vocab:
+                bad = [t for t in p if t < 0 or t >= vocab]
                 raise APIError(400, f"prompt token ids must be in [0, {vocab}), got {bad[:4]}", param="prompt",
                                code="invalid_value")
             return list(p)

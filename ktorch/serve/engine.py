@@ -124,6 +124,25 @@ def warm_up_sizes(max_batch_tokens: int, max_tokens_read: int) -> list[int]:
     return sorted({step_bucket(q, 0, max_batch_tokens, max_tokens_read)[0] for q in range(1, top + 1)})
 
 
+def count_distinct_experts(refs: list) -> tuple[int, int]:
+    """(distinct experts, their bytes) of one step, summed over its MoE layers: ``refs`` holds each layer's routing
+    ids (negative: padding rows, left out), its bytes per expert and its number of experts. All layers in one
+    scatter and one read back to the host (a unique per layer was a device sync each: 48 on the 48-layer model,
+    after the step and before its outputs went out)."""
+    if not refs:
+        return 0, 0
+    ids = [r[0].reshape(-1) for r in refs]
+    if len({(t.numel(), t.device) for t in ids}) != 1:  # layers of different shapes: one at a time
+        used = [torch.unique(t[t >= 0]).numel() for t in ids]
+    else:
+        experts = max(r[2] for r in refs)
+        flat = torch.stack(ids).to(torch.int64)
+        flat = torch.where(flat >= 0, flat, experts)  # padding rows to a column of their own
+        seen = torch.zeros(len(ids), experts + 1, dtype=torch.bool, device=flat.device).scatter_(1, flat, True)
+        used = seen[:, :experts].sum(1).tolist()
+    return sum(used), sum(u * r[1] for u, r in zip(used, refs))
+
+
 class AdmissionError(Exception):
     """The engine is full (requests in flight or prompt tokens waiting): the server answers 429."""
 
@@ -340,9 +359,7 @@ class ServeEngine:
                     torch.cuda.synchronize()
                 seconds = time.perf_counter() - t0
                 refs = self._graph_ids.get(key, []) if mode == "replay" else self._step_ids
-                used = [(torch.unique(ids[ids >= 0]).numel(), b) for ids, b in refs]
-                self.steps.append(StepRecord(tokens, seconds, sum(u for u, _ in used), sum(u * b for u, b in used),
-                                             mode))
+                self.steps.append(StepRecord(tokens, seconds, *count_distinct_experts(refs), mode))
                 self._step_ids = []
 
         runner.compute_batch = compute_batch
@@ -444,14 +461,14 @@ class ServeEngine:
                 per_expert = sum(t.nbytes for t in (m.kt_w13, m.kt_w13_scales, m.kt_w2, m.kt_w2_scales)
                                  if t is not None) // m.kt_w13.shape[0]
 
-                def pre(module, args, kwargs, _b=per_expert):
+                def pre(module, args, kwargs, _b=per_expert, _e=m.kt_w13.shape[0]):
                     top_k_index = kwargs.get("top_k_index", args[1] if len(args) > 1 else None)
                     if top_k_index is None:
                         return
                     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                        self._capture_ids.append((top_k_index, _b))
+                        self._capture_ids.append((top_k_index, _b, _e))
                     elif not self._warming_up:
-                        self._step_ids.append((top_k_index, _b))
+                        self._step_ids.append((top_k_index, _b, _e))
 
                 self._hooks.append(m.register_forward_pre_hook(pre, with_kwargs=True))
 
