@@ -16,7 +16,8 @@ Phases of the second request (the model step is compute + wait: the forward's la
 http (client send to the handler's start), parse (body, JSON, checks, tokens), submit (to the manager's queue,
 until the generation thread takes it), schedule (prefix match, the batch), inputs (its tensors), compute,
 wait (device sync), update (new tokens to the requests), hand-off (to the server's loop: call_soon_threadsafe and
-the loop's turn), write (detokenize, headers, the first chunk), client (the first chunk seen by the client).
+the loop's turn), write (detokenize, the response's headers, the chunk's bytes), client (the chunk's send until the
+client sees it).
 A benchmark: prints, never asserts.
 """
 
@@ -151,7 +152,7 @@ def ttft_phases(t0: float, t_first: float, ev: list) -> dict | None:
     update = _first(ev, "update>", waited or submit)
     deliver = _first(ev, "deliver>", update or submit)
     on_loop = _first(ev, "on_loop", deliver or submit)
-    written = _first(ev, "write<", on_loop or submit, main=True)
+    written = _first(ev, "write>", on_loop or submit, main=True)  # the chunk handed to the socket
     inputs = _first(ev, "inputs>", picked or submit)
     marks = [("http", t0, handler), ("parse", handler, submit), ("submit", submit, picked),
              ("schedule", picked, inputs), ("inputs", inputs, compute),
