@@ -155,8 +155,8 @@ async def throughput(c: Client, streams: int, prompt_len: int, max_tokens: int, 
         cycle = streams / agg
         if outside is not None:
             outside.append(cycle - med_s)
-        print(f"        a step every {cycle * 1e3:.2f} ms at {agg:.1f} tok/s: {(cycle - med_s) * 1e3:.2f} ms of it outside "
-              f"the step (scheduling, inputs, output delivery, HTTP)")
+        print(f"        a step every {cycle * 1e3:.2f} ms at {agg:.1f} tok/s: {(cycle - med_s) * 1e3:.2f} ms of it "
+              f"outside the step (scheduling, inputs, output delivery, HTTP)")
         for s, f in list(zip(decode_steps, floor))[:: max(1, len(decode_steps) // 6)]:
             print(f"          step: {s[1] * 1e3:8.2f} ms   floor {f * 1e3:8.2f} ms   experts {s[2]:5d}   "
                   f"{s[3] / 1e6:8.1f} MB")
@@ -420,9 +420,9 @@ async def main_async(args) -> None:
                 for n in sorted(set(args.streams)):
                     for cl in clients:
                         out = outside[cl.label][n]
-                        print(f"  {cl.label}{n} streams: decode tok/s median {statistics.median(rates[cl.label][n]):.1f} "
-                              f"over {len(rates[cl.label][n])} rows" + (f", outside the step median "
-                              f"{statistics.median(out) * 1e3:.2f} ms" if out else ""))
+                        rate = statistics.median(rates[cl.label][n])
+                        print(f"  {cl.label}{n} streams: decode tok/s median {rate:.1f} over {len(rates[cl.label][n])} "
+                              f"rows" + (f", outside the step median {statistics.median(out) * 1e3:.2f} ms" if out else ""))
         if args.ttft_prefix:
             for suffix in args.ttft_suffix:
                 await ttft_prefix(clients, args.ttft_prefix, suffix, vocab, rng, bandwidth, args.ttft_repeat)

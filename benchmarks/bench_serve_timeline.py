@@ -223,8 +223,8 @@ async def client(args) -> None:
             phases["TTFT"] = (first - t0) * 1e3
             rows.append(phases)
         names = list(rows[0]) if rows else []
-        print(f"\nsecond request's TTFT ({args.prefix}-token cached prefix + {args.suffix} new tokens), ms; "
-              f"median of {len(rows)}; the ratio to the first request's TTFT median {statistics.median(ratios) * 100:.1f}%")
+        print(f"\nsecond request's TTFT ({args.prefix}-token cached prefix + {args.suffix} new tokens), ms; median of "
+              f"{len(rows)}; the ratio to the first request's TTFT median {statistics.median(ratios) * 100:.1f}%")
         for name in names:
             vals = [r[name] for r in rows]
             print(f"  {name:10s} {statistics.median(vals):9.2f}   (each: {' '.join(f'{v:.2f}' for v in vals)})")

@@ -12,6 +12,7 @@
 #   timeline  the defaults under benchmarks/bench_serve_timeline.py (timestamps at each hand-off, no device sync
 #             added): the second request's TTFT by phase (HTTP, parsing, submission, scheduling, inputs, the step,
 #             the output's way back, the write, the client) and the time outside the step; a decode step's phases
+#   ttft12    ttft with KT_NUM_THREADS=12 (one pool thread fewer than a GPU placement's default on 16 cores)
 #
 # Stages, most important first; each is cut by `timeout` so the script ends by its limit (a stage that has no time
 # left prints SKIPPED), and a summary of every stage is printed at the end whatever failed:
@@ -125,7 +126,7 @@ run_tests() {
 }
 wants tests && [[ "$STAGES" != *" ttft "* ]] && run_tests  # first, unless the TTFT stages come first
 STATUS_graphs="not run"; STATUS_eager="not run"; STATUS_plain="not run"; STATUS_coarse="not run"
-STATUS_ttft="not run"; STATUS_timeline="not run"
+STATUS_ttft="not run"; STATUS_timeline="not run"; STATUS_ttft12="not run"
 # run_stage NAME MIN_LEFT LOAD_SECONDS "serve options" bench_serve options...
 run_stage() {
   local name=$1 need=$2 secs=$3 opts=$4; shift 4
@@ -143,6 +144,11 @@ run_stage ttft 60 60 "" --streams 1 --prompt-len 32 --max-tokens 48 --ttft-prefi
 SERVE_WITH=benchmarks/bench_serve_timeline.py LOAD_WITH="benchmarks/bench_serve_timeline.py client" \
   run_stage timeline 60 60 "" --prefix 2000 --suffix 8 --repeat 5
 wants tests && [[ "$STAGES" == *" ttft "* ]] && run_tests
+# the ttft stage with one pool thread fewer (KT_NUM_THREADS=12 against the 13 a GPU placement leaves on 16 cores):
+# whether the server's HTTP loop and the client, beside 13 spinning workers, the host-task worker and CUDA's
+# callback thread, wait for a core
+KT_NUM_THREADS=12 run_stage ttft12 60 60 "" --streams 1 --prompt-len 32 --max-tokens 48 --ttft-prefix 2000 \
+  --ttft-suffix 8 --ttft-repeat 5
 run_stage graphs 100 150 "--cuda-graphs on --step-stats" --streams 1 16 64 --prompt-len 32 --max-tokens 40 --steps ${GBS:+--read-gbs $GBS} \
   --ttft-prefix 2000 --ttft-suffix 50 8
 run_stage plain 80 90 "" --streams 1 16 64 --prompt-len 32 --max-tokens 48 --ttft-prefix 2000 --ttft-suffix 50 8
@@ -156,7 +162,7 @@ echo
 echo "================ summary (device_serve.sh, $(( $(date +%s) - T0 )) s, read bandwidth ${GBS:-not measured} GB/s) ================"
 echo "--- GPU tests (tests/test_serve_cuda.py, rc $TESTS_RC): $(tail -1 "$OUT/tests_cuda.txt" 2>/dev/null)"
 [ "$TESTS_RC" = 0 ] || [ "$TESTS_RC" = "not run" ] || grep -E "^(FAILED|ERROR)|Error|assert" "$OUT/tests_cuda.txt" | head -8 | sed 's/^/    /'
-for name in ttft timeline graphs eager plain coarse; do
+for name in ttft timeline ttft12 graphs eager plain coarse; do
   eval "st=\$STATUS_$name"
   echo "--- stage $name: $st"
   f="$OUT/load_$name.txt"

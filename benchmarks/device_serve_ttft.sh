@@ -7,8 +7,10 @@
 #   timeline  bench_serve_timeline.py: the second request's TTFT by phase (median of 5) and the time outside the
 #             step (TTFT - compute - device wait), then a decode step's host phases beside the step
 #   tests     tests/test_serve_cuda.py (graphed = eager tokens, replays, step statistics' distinct experts)
+#   ttft12    ttft with one pool thread fewer (KT_NUM_THREADS=12), when time is left: do the HTTP loop and the
+#             client wait for a core beside the spinning workers?
 #
 #   bash benchmarks/device_serve_ttft.sh [FILE]    # FILE: /tmp/q8.gguf
 # Prints the summary of device_serve.sh; logs under $OUT (server stderr, the load generators' output, /v1/stats).
 LIMIT=${LIMIT:-300} OUT=${OUT:-/tmp/device_serve_ttft_out} exec bash "$(dirname "$0")/device_serve.sh" \
-  "${1:-/tmp/q8.gguf}" "ttft timeline tests"
+  "${1:-/tmp/q8.gguf}" "ttft timeline tests ttft12"

@@ -942,3 +942,59 @@ def test_count_distinct_experts_equals_a_unique_per_layer():
     assert count_distinct_experts([]) == (0, 0)
     all_padding = [(torch.full((4, 2), -1), 10, 8)]
     assert count_distinct_experts(all_padding) == (0, 0)
+
+
+def test_first_outputs_are_handled_before_the_next_step(builtin, monkeypatch):
+    """A step that gives requests their first token waits until the server's loop has run those requests' handlers
+    (up to their next wait) before the next step starts; later tokens do not wait. Two requests of 3 tokens and a
+    third started after the first two's first tokens: every first output is handled (here: logged right after the
+    handler takes it) before the step after it begins. The bound is lifted so that a loaded machine cannot time it
+    out."""
+    from transformers.generation.continuous_batching import model_runner
+
+    import ktorch.serve.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "FIRST_OUTPUT_WAIT_S", 60.0)
+    log: list = []
+    compute = model_runner.ModelRunner.compute_batch
+
+    def logged(self, model, batch_data):
+        log.append(("step", time.perf_counter()))
+        return compute(self, model, batch_data)
+
+    monkeypatch.setattr(model_runner.ModelRunner, "compute_batch", logged)
+    model, _ = builtin
+    engine = ServeEngine(model, model.generation_config.eos_token_id, 0, EngineConfig(page_size=PAGE, num_blocks=64))
+
+    async def one(ids):
+        _, q = await engine.submit(ids, SamplingParams(3))
+        n = 0
+        while True:
+            out = await q.get()  # as the server's handler waits (a wait_for would add a task between)
+            n += 1
+            if n == 1:
+                log.append(("first", time.perf_counter()))
+                time.sleep(0.02)  # a slow handler: the generation thread must still be waiting
+                log.append(("first done", time.perf_counter()))
+            if out.is_finished():
+                return out.generated_tokens
+
+    async def run():
+        a, b = await asyncio.gather(one(list(range(5, 40))), one(list(range(7, 30))))
+        c = await one(list(range(9, 50)))
+        return a, b, c
+
+    engine.start()
+    try:
+        outs = asyncio.run(asyncio.wait_for(run(), 120))
+    finally:
+        engine.stop()
+    assert all(len(o) == 3 for o in outs)
+    kinds = [k for k, _ in log]
+    assert kinds.count("first") == 3 and kinds.count("first done") == 3
+    times = [k for k, _ in sorted(log, key=lambda e: e[1])]
+    for i, kind in enumerate(times):
+        if kind == "first":  # no step began while the handler ran (its sleep releases the GIL)
+            j = times.index("first done", i)
+            assert "step" not in times[i:j], times
+    assert times.count("step") >= 5  # the first two together (3 or more), the third's 3 (its prefill, 2 decode)

@@ -7,8 +7,9 @@ step times). Parameters: ``max_tokens`` (chat: also ``max_completion_tokens``), 
 ``top_p``, ``stop`` (a string or up to 4), ``seed``, ``stream``, ``stream_options.include_usage``; ``n`` must be 1.
 Every error is OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status for bad input
 (400 malformed JSON, bad values, prompt past the context; 404 unknown model or route; 429 the engine is full) and
-500 for a failure of the server itself. A client that disconnects stops its request, whose KV pages go back to the
-pool at the next step.
+500 for a failure of the server itself. A streamed request gets its status and headers as soon as the engine
+admits it (while its first token is computed); a failure after that is an error event in the stream. A client that
+disconnects stops its request, whose KV pages go back to the pool at the next step.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import logging
 import math
 import time
 import uuid
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 from aiohttp import web
 
@@ -386,9 +387,12 @@ class OpenAIServer:
                 raise APIError(500, "the generation loop stopped", "server_error") from None
 
     async def _generate(self, request: web.Request, prompt_ids: list[int], params: SamplingParams,
-                        stops: list[str], info: dict) -> AsyncIterator[tuple[str, Optional[str]]]:
+                        stops: list[str], info: dict,
+                        on_admitted: Optional[Callable[[], Awaitable[None]]] = None
+                        ) -> AsyncIterator[tuple[str, Optional[str]]]:
         """Yields (new text, None) pieces, then ("", finish_reason) or (last text, finish_reason).
-        ``info["completion_tokens"]`` counts the tokens generated."""
+        ``info["completion_tokens"]`` counts the tokens generated; ``on_admitted`` is awaited once the engine took
+        the request (a stream sends its headers then, while the first token is computed)."""
         try:
             request_id, q = await self.engine.submit(prompt_ids, params)
         except AdmissionError as e:
@@ -399,6 +403,8 @@ class OpenAIServer:
         emitted = 0
         holdback = max((len(s) for s in stops), default=1) - 1
         try:
+            if on_admitted is not None:
+                await on_admitted()
             while True:
                 out = await self._next_output(q, request)
                 if out.error is not None:
@@ -477,22 +483,18 @@ class OpenAIServer:
 
         sse = SSEChunks(rid, "chat.completion.chunk" if chat else "text_completion", created, self.model_name, chat,
                         include_usage)
-        # the first output decides the status: admission (429) and generation errors before any token are JSON errors
-        it = gen.__aiter__()
-        try:
-            first_piece = await it.__anext__()
-        except ClientGone:
-            return web.Response(status=499)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
+
+        async def start_stream() -> None:  # admitted (no 429): the status and headers go out during the first step
+            await resp.prepare(request)
+
+        gen = self._generate(request, prompt_ids, params, stops, info, on_admitted=start_stream)
+        # one write per output: chat's role chunk goes with the first text, and the last text, the usage and [DONE]
+        # go with the end of the body (so that a client that stops reading at [DONE] has the whole response, and
+        # its connection can serve its next request)
+        pending = sse.event(None, None, first=True) if chat else b""
         try:
-            # one write per output: chat's role chunk goes with the first text, and the last text, the usage and
-            # [DONE] go with the end of the body (so that a client that stops reading at [DONE] has the whole
-            # response, and its connection can serve its next request)
-            pending = sse.event(None, None, first=True) if chat else b""
-            piece: Optional[tuple[str, Optional[str]]] = first_piece
-            while piece is not None:
-                text, reason = piece
+            async for text, reason in gen:
                 if text or reason:
                     pending += sse.event(text, reason)
                 if reason is not None:
@@ -500,19 +502,17 @@ class OpenAIServer:
                 if pending:
                     await resp.write(pending)
                     pending = b""
-                try:
-                    piece = await it.__anext__()
-                except StopAsyncIteration:
-                    piece = None
             if include_usage:
                 pending += sse.usage(self._usage(len(prompt_ids), info))
             pending += b"data: [DONE]\n\n"
         except (ClientGone, ConnectionResetError):
             await gen.aclose()
-            return resp
-        except APIError as e:  # after the headers: an error event, as OpenAI streams do
+            return resp if resp.prepared else web.Response(status=499)
+        except APIError as e:
             await gen.aclose()
-            if e.status >= 500:
+            if not resp.prepared:  # refused before the stream began (429): a JSON error
+                raise
+            if e.status >= 500:  # after the headers: an error event, as OpenAI streams do
                 _count_server_error(request)
             err = {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
             try:

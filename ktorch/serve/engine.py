@@ -80,6 +80,9 @@ def _register_final_step_pages(cache) -> None:
     cache.mark_complete_blocks = mark_complete_blocks
 
 
+FIRST_OUTPUT_WAIT_S = 0.005  # the most a step giving first tokens waits for the server's loop to send them
+
+
 # ---------------------------------------------------------------- CUDA graphs on a GPU
 
 GRAPH_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # a graphed step's tokens are padded up to one of these
@@ -275,6 +278,7 @@ class ServeEngine:
             return processor
 
         self.manager._create_batch_processor = create_and_extend
+        self._install_first_output_hand_off()
 
         self._lock = threading.Lock()
         self._requests: dict[str, _Request] = {}
@@ -295,6 +299,41 @@ class ServeEngine:
         self._install_padding_mask()
         if config.step_stats:
             self._install_step_stats()
+
+    def _install_first_output_hand_off(self) -> None:
+        """A step that gives requests their first token hands the server's loop the GIL until those outputs are out.
+
+        The generation thread delivers a step's outputs to the server's asyncio loop (transformers'
+        ``call_soon_threadsafe``) and goes straight on with the next step, whose preparation is Python holding the
+        GIL: the loop's turn (detokenize, the response's headers, the chunk's write) then waits for that thread to
+        release it, up to the interpreter's switch interval (5 ms). For a request's first token (its time to first
+        token) the generation thread instead waits, at most ``FIRST_OUTPUT_WAIT_S``, until the loop has run those
+        requests' handlers up to their next wait (``_first_output_delivered``, called by each one's delivery,
+        schedules the wake-up after them). Later tokens go out while the next step runs, as before."""
+        router = self.manager.output_router
+        deliver_batch = router.deliver_batch
+        self._first_outputs_left = 0
+        self._first_outputs_out = threading.Event()
+
+        def deliver_batch_first_outputs_first(outputs) -> None:
+            with router._lock:
+                firsts = sum(1 for o in outputs
+                             if len(o.generated_tokens) == 1 and o.request_id in router.result_handlers)
+            if not firsts:
+                return deliver_batch(outputs)
+            self._first_outputs_left = firsts
+            self._first_outputs_out.clear()
+            deliver_batch(outputs)
+            self._first_outputs_out.wait(FIRST_OUTPUT_WAIT_S)
+
+        router.deliver_batch = deliver_batch_first_outputs_first
+
+    def _first_output_delivered(self) -> None:
+        """On the loop, in a first output's delivery: once the step's last first output is queued, the generation
+        thread's wake-up is scheduled behind the handlers those deliveries woke."""
+        self._first_outputs_left -= 1
+        if self._first_outputs_left == 0:
+            asyncio.get_running_loop().call_soon(self._first_outputs_out.set)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -527,6 +566,8 @@ class ServeEngine:
         def deliver(output) -> None:  # on this loop (transformers calls it through call_soon_threadsafe)
             self._note_progress(req, output)
             q.put_nowait(output)
+            if len(output.generated_tokens) == 1:
+                self._first_output_delivered()
 
         self.manager.register_result_handler(request_id, deliver)
         if params.temperature > 0:
