@@ -34,8 +34,8 @@ import aiohttp
 
 
 class Client:
-    def __init__(self, session: aiohttp.ClientSession, url: str, model: str):
-        self.s, self.url, self.model = session, url.rstrip("/"), model
+    def __init__(self, session: aiohttp.ClientSession, url: str, model: str, label: str = ""):
+        self.s, self.url, self.model, self.label = session, url.rstrip("/"), model, label
 
     async def get(self, path: str) -> dict:
         async with self.s.get(self.url + path) as r:
@@ -108,17 +108,19 @@ def read_bandwidth_gbs(gib: float = 2.0) -> float:
 
 
 async def throughput(c: Client, streams: int, prompt_len: int, max_tokens: int, vocab: int, rng: random.Random,
-                     show_steps: bool, bandwidth: Optional[float], one_stream: Optional[float] = None) -> float:
+                     show_steps: bool, bandwidth: Optional[float], one_stream: Optional[float] = None,
+                     prompts: Optional[list] = None, label: str = "", outside: Optional[list] = None) -> float:
     """One row: ``streams`` concurrent greedy completions; returns the aggregate decode tok/s (``one_stream``: the
-    1-stream figure the row is compared with)."""
-    prompts = [random_prompt(rng, prompt_len, vocab) for _ in range(streams)]
+    1-stream figure the row is compared with; ``prompts``: these instead of new random ones; ``label``: printed
+    before the row; ``outside``: gets the row's decode-step time outside the step, s, with ``show_steps``)."""
+    prompts = prompts or [random_prompt(rng, prompt_len, vocab) for _ in range(streams)]
     before = await c.get("/v1/stats")
     outs = await asyncio.gather(*[c.complete(p, max_tokens) for p in prompts])
     after = await c.get("/v1/stats")
     bad = [o for o in outs if o["status"] != 200 or o["error"]]
     good = [o for o in outs if o not in bad]
     if not good:
-        print(f"{streams:>7} | all {len(outs)} requests failed: {bad[0]['status']} {bad[0]['error']}")
+        print(f"{label}{streams:>7} | all {len(outs)} requests failed: {bad[0]['status']} {bad[0]['error']}")
         return float("nan")
     # decode phase: from the last stream's first token (every prompt prefilled) to the last token
     t_lo = max(o["t_first"] for o in good)
@@ -133,7 +135,7 @@ async def throughput(c: Client, streams: int, prompt_len: int, max_tokens: int, 
     steps_run = after.get("forwards", 0) - before.get("forwards", 0)
     replays = after.get("graph_replays", 0) - before.get("graph_replays", 0)
     per_step = f"{replays / steps_run:.2f}" if steps_run else "-"
-    print(f"{streams:>7} | {agg:>12.1f} | {ratio:>8} | {total / wall:>10.1f} | "
+    print(f"{label}{streams:>7} | {agg:>12.1f} | {ratio:>8} | {total / wall:>10.1f} | "
           f"{statistics.median(itl) * 1e3 if itl else 0:>12.2f} | {statistics.median(ttft):>9.3f} | {len(bad):>6} | "
           f"{per_step:>9} ({replays} of {steps_run} steps)")
     steps = after.get("steps", [])[len(before.get("steps", [])):] if show_steps else []
@@ -149,39 +151,91 @@ async def throughput(c: Client, streams: int, prompt_len: int, max_tokens: int, 
               f"{med_f * 1e3:.2f} ms ({med_f / med_s * 100:.0f}% of the step; floor tok/s {streams / med_f:.1f}); "
               f"distinct experts median {statistics.median(s[2] for s in decode_steps):.0f} over all MoE layers, "
               f"{statistics.median(bytes_) / 1e9:.2f} GB read")
+        # a decode step every streams/agg seconds; what the step itself does not take is the server's host work
+        cycle = streams / agg
+        if outside is not None:
+            outside.append(cycle - med_s)
+        print(f"        a step every {cycle * 1e3:.2f} ms at {agg:.1f} tok/s: {(cycle - med_s) * 1e3:.2f} ms of it "
+              f"outside the step (scheduling, inputs, output delivery, HTTP)")
         for s, f in list(zip(decode_steps, floor))[:: max(1, len(decode_steps) // 6)]:
             print(f"          step: {s[1] * 1e3:8.2f} ms   floor {f * 1e3:8.2f} ms   experts {s[2]:5d}   "
                   f"{s[3] / 1e6:8.1f} MB")
     return agg
 
 
-async def ttft_prefix(c: Client, prefix_len: int, suffix_len: int, vocab: int, rng: random.Random,
-                      bandwidth: Optional[float] = None) -> None:
+def steps_to_first_token(steps: list, tokens_computed: int, completion_tokens: int) -> Optional[float]:
+    """Seconds of a lone request's steps up to its first token: its prefill steps, which compute all its tokens but
+    the ``completion_tokens - 1`` decode ones (``steps``: /v1/stats records over the request alone)."""
+    prefill = tokens_computed - max(completion_tokens - 1, 0)
+    total, seconds = 0, 0.0
+    for st in steps:
+        if total >= prefill:
+            break
+        total += st[0]
+        seconds += st[1]
+    return seconds if steps and total >= prefill else None
+
+
+async def ttft_prefix(clients: list, prefix_len: int, suffix_len: int, vocab: int, rng: random.Random,
+                      bandwidth: Optional[float] = None, repeat: int = 1) -> None:
     """Time to first token of a prompt, then of a second prompt sharing its first ``prefix_len`` tokens (its prefix
     pages cached). An unrelated prompt of the same length runs first, so that neither timed request pays the
     one-time costs of a new prompt length (staging buffers, first kernel loads). With a ``--step-stats`` server
     (``bandwidth`` given) each timed request's steps are printed beside their floor: the suffix's one step reads the
-    experts its tokens route to, which bounds the second request's TTFT from below."""
-    prefix = random_prompt(rng, prefix_len, vocab)
-    warm = await c.complete(random_prompt(rng, prefix_len + suffix_len, vocab), 8)
-    timed, records = [], []
-    for _ in range(2):
-        before = await c.get("/v1/stats")
-        timed.append(await c.complete(prefix + random_prompt(rng, suffix_len, vocab), 8))
-        after = await c.get("/v1/stats")
-        records.append((after.get("steps", [])[len(before.get("steps", [])):], after.get("tokens_computed", 0)
-                        - before.get("tokens_computed", 0)))
+    experts its tokens route to, which bounds the second request's TTFT from below; and the second request's time
+    outside its steps (TTFT minus the steps before its first token: HTTP, parsing, hand-offs, scheduling, output
+    delivery, the client). ``repeat``: that many pairs, each with a new prefix; the medians are printed last.
+    Several ``clients`` (servers, ``--compare``): each pair runs on each in turn, with the same prompts."""
+    print(f"\nTTFT, {prefix_len}-token shared prefix + {suffix_len} new tokens:")
+    warm_prompt = random_prompt(rng, prefix_len + suffix_len, vocab)
+    for c in clients:
+        warm = await c.complete(warm_prompt, 8)
+        if warm["error"]:
+            print(f"TTFT request failed: {warm['status']} {warm['error']}")
+            return
+        print(f"  {c.label}unrelated prompt, same length (warm-up): {(warm['t_first'] - warm['t0']) * 1e3:9.1f} ms")
+    pairs: dict = {c.label: [] for c in clients}
+    for _ in range(repeat):
+        prefix = random_prompt(rng, prefix_len, vocab)
+        prompts = [prefix + random_prompt(rng, suffix_len, vocab) for _ in range(2)]
+        for c in clients:
+            timed, records = [], []
+            for prompt in prompts:
+                before = await c.get("/v1/stats")
+                timed.append(await c.complete(prompt, 8))
+                after = await c.get("/v1/stats")
+                records.append((after.get("steps", [])[len(before.get("steps", [])):], after.get("tokens_computed", 0)
+                                - before.get("tokens_computed", 0)))
+            if ttft_pair(timed, records, bandwidth, pairs[c.label], c.label):
+                return
+    if repeat > 1:
+        med = statistics.median
+        for c in clients:
+            ps = pairs[c.label]
+            line = (f"  {c.label}median of {repeat}: first {med(p[0] for p in ps) * 1e3:.1f} ms, second "
+                    f"{med(p[1] for p in ps) * 1e3:.1f} ms, ratio {med(p[1] / p[0] for p in ps) * 100:.1f}%")
+            if all(p[2] is not None for p in ps):
+                line += (f"; second's steps {med(p[2] for p in ps) * 1e3:.1f} ms, outside them "
+                         f"{med(p[1] - p[2] for p in ps) * 1e3:.1f} ms")
+            print(line)
+
+
+def ttft_pair(timed: list, records: list, bandwidth: Optional[float], pairs: list, label: str = "") -> bool:
+    """Prints one TTFT pair and appends (first s, second s, second's steps s or None) to ``pairs``; True on failure."""
     first, shared = timed
-    for o in (warm, first, shared):
+    for o in (first, shared):
         if o["error"]:
             print(f"TTFT request failed: {o['status']} {o['error']}")
-            return
-    t0, t1, t2 = (o["t_first"] - o["t0"] for o in (warm, first, shared))
-    print(f"\nTTFT, {prefix_len}-token shared prefix + {suffix_len} new tokens:")
-    print(f"  unrelated prompt, same length (warm-up): {t0 * 1e3:9.1f} ms")
-    print(f"  first request:                           {t1 * 1e3:9.1f} ms  ({records[0][1]} tokens computed)")
-    print(f"  second, same prefix (cached):            {t2 * 1e3:9.1f} ms  = {t2 / t1 * 100:.1f}% of the first "
+            return True
+    t1, t2 = (o["t_first"] - o["t0"] for o in (first, shared))
+    steps2 = steps_to_first_token(records[1][0], records[1][1], shared["tokens"]) if bandwidth else None
+    pairs.append((t1, t2, steps2))
+    print(f"  {label}first request:                           {t1 * 1e3:9.1f} ms  ({records[0][1]} tokens computed)")
+    print(f"  {label}second, same prefix (cached):            {t2 * 1e3:9.1f} ms  = {t2 / t1 * 100:.1f}% of the first "
           f"({records[1][1]} tokens computed)")
+    if steps2 is not None:
+        print(f"    {label}second: its steps before the first token {steps2 * 1e3:.2f} ms, outside them "
+              f"{(t2 - steps2) * 1e3:.2f} ms")
     if bandwidth:
         for name, (steps, _) in zip(("first", "second"), records):
             prefill = [st for st in steps if st[0] > 1][:8]
@@ -189,6 +243,7 @@ async def ttft_prefix(c: Client, prefix_len: int, suffix_len: int, vocab: int, r
                 print(f"    {name}: prefill step of {st[0]:5d} tokens {st[1] * 1e3:8.2f} ms, floor "
                       f"{st[3] / (bandwidth * 1e9) * 1e3:8.2f} ms ({st[2]} experts, {st[3] / 1e9:.2f} GB"
                       f"{', ' + st[4] if len(st) > 4 else ''})")
+    return False
 
 
 LOAD_KINDS = ("plain", "plain", "stream", "stream", "stream", "stream-disconnect", "plain-disconnect", "seeded")
@@ -338,20 +393,39 @@ async def main_async(args) -> None:
             bandwidth = args.read_gbs or read_bandwidth_gbs()
             print(f"read bandwidth for the floor: {bandwidth:.1f} GB/s "
                   f"({'given' if args.read_gbs else 'measured here: torch int64 sum over 2 GiB, best of 3'})")
+        clients = [c]
+        if args.compare:
+            c.label = "A "
+            clients.append(Client(s, args.compare, model, "B "))
+            print(f"A: {args.url}, B: {args.compare} (the same requests on each in turn)")
         if args.streams and not args.load:
-            await c.complete(random_prompt(rng, args.prompt_len, vocab), 4)  # warm-up (graph capture, ...)
+            for cl in clients:
+                await cl.complete(random_prompt(rng, args.prompt_len, vocab), 4)  # warm-up (graph capture, ...)
             print(f"\ndecode throughput: prompts of {args.prompt_len} random tokens, max_tokens {args.max_tokens}, greedy")
-            print(f"{'streams':>7} | {'decode tok/s':>12} | {'vs 1':>8} | {'all tok/s':>10} | {'med ITL ms':>12} | "
-                  f"{'med TTFT':>9} | {'errors':>6} | graph replays per step")
-            one = None
+            print(f"{'':{len(c.label)}}{'streams':>7} | {'decode tok/s':>12} | {'vs 1':>8} | {'all tok/s':>10} | "
+                  f"{'med ITL ms':>12} | {'med TTFT':>9} | {'errors':>6} | graph replays per step")
+            one: dict = {}
+            rates: dict = {cl.label: {} for cl in clients}
+            outside: dict = {cl.label: {} for cl in clients}
             for n in args.streams:
-                agg = await throughput(c, n, args.prompt_len, args.max_tokens, vocab, rng, args.steps, bandwidth,
-                                       one_stream=one if n != 1 else None)
-                if n == 1:
-                    one = agg
+                prompts = [random_prompt(rng, args.prompt_len, vocab) for _ in range(n)]
+                for cl in clients:
+                    agg = await throughput(cl, n, args.prompt_len, args.max_tokens, vocab, rng, args.steps, bandwidth,
+                                           one_stream=one.get(cl.label) if n != 1 else None, prompts=prompts,
+                                           label=cl.label, outside=outside[cl.label].setdefault(n, []))
+                    rates[cl.label].setdefault(n, []).append(agg)
+                    if n == 1:
+                        one[cl.label] = agg
+            if args.compare:
+                for n in sorted(set(args.streams)):
+                    for cl in clients:
+                        out = outside[cl.label][n]
+                        rate = statistics.median(rates[cl.label][n])
+                        print(f"  {cl.label}{n} streams: decode tok/s median {rate:.1f} over {len(rates[cl.label][n])} "
+                              f"rows" + (f", outside the step median {statistics.median(out) * 1e3:.2f} ms" if out else ""))
         if args.ttft_prefix:
             for suffix in args.ttft_suffix:
-                await ttft_prefix(c, args.ttft_prefix, suffix, vocab, rng, bandwidth)
+                await ttft_prefix(clients, args.ttft_prefix, suffix, vocab, rng, bandwidth, args.ttft_repeat)
         if args.load:
             await load(c, args.load, args.concurrency, vocab, rng, args.long_prompt, tuple(args.load_tokens),
                        server_log=args.server_log)
@@ -370,6 +444,11 @@ def main() -> None:
     p.add_argument("--ttft-prefix", type=int, default=0, help="shared prefix length for the TTFT check (0: skip)")
     p.add_argument("--ttft-suffix", type=int, nargs="+", default=[50],
                    help="new tokens after the shared prefix; several: one TTFT pair each (default: 50)")
+    p.add_argument("--compare", default=None, metavar="URL",
+                   help="a second server of the same model: the decode rows and TTFT pairs run on each in turn "
+                        "(A: --url, B: this), with the same prompts, and the medians of each are printed")
+    p.add_argument("--ttft-repeat", type=int, default=1,
+                   help="TTFT pairs per suffix length, each with a new prefix; more than 1 prints their medians")
     p.add_argument("--load", type=int, default=0, help="run a mixed load of this many requests instead")
     p.add_argument("--long-prompt", type=int, default=1024, help="length of the load's long prompts")
     p.add_argument("--load-tokens", type=int, nargs="+", default=[8, 32], help="the load's max_tokens choices")

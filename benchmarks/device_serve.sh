@@ -3,7 +3,16 @@
 # the 48-layer Qwen3-30B-A3B-shaped Q8_0 GGUF (random weights, no tokenizer: prompts are token ids), experts in host
 # memory, served by `ktorch serve`, driven over HTTP by benchmarks/bench_serve.py.
 #
-#   bash benchmarks/device_serve.sh [FILE]   # FILE: /tmp/q8.gguf; needs transformers >= 5.24 (.whl/ installed first)
+#   bash benchmarks/device_serve.sh [FILE [STAGES]]   # FILE: /tmp/q8.gguf; needs transformers >= 5.24 (.whl/ first)
+#
+# STAGES (default "tests graphs plain coarse eager"): the stages to run, in this order; "ttft" and "timeline" are
+# only run when named (benchmarks/device_serve_ttft.sh names them):
+#   ttft      the defaults, no --step-stats: the shared-prefix TTFT (2000 + 8 new tokens), 5 pairs and their
+#             medians, and one-stream decode
+#   timeline  the defaults under benchmarks/bench_serve_timeline.py (timestamps at each hand-off, no device sync
+#             added): the second request's TTFT by phase (HTTP, parsing, submission, scheduling, inputs, the step,
+#             the output's way back, the write, the client) and the time outside the step; a decode step's phases
+#   ttft12    ttft with KT_NUM_THREADS=12 (one pool thread fewer than a GPU placement's default on 16 cores)
 #
 # Stages, most important first; each is cut by `timeout` so the script ends by its limit (a stage that has no time
 # left prints SKIPPED), and a summary of every stage is printed at the end whatever failed:
@@ -27,6 +36,8 @@ OUT=${OUT:-/tmp/device_serve_out}
 mkdir -p "$OUT"
 export PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH}
 FILE=${1:-/tmp/q8.gguf}
+STAGES=" ${2:-tests graphs plain coarse eager} "
+wants() { [[ "$STAGES" == *" $1 "* ]]; }
 PORT=8471
 left() { echo $((LIMIT - ($(date +%s) - T0) - 8)); }
 budget() { local b=$(( $(left) - 25 )); echo $(( b > $1 ? $1 : (b > 5 ? b : 5) )); }  # a load's seconds: 25 s kept to stop its server
@@ -47,18 +58,22 @@ EOF
 
 if [ ! -f "$FILE" ]; then
   say "writing $FILE (48 layers, Q8_0, seed 11)"
-  timeout $(( $(left) - 200 > 60 ? $(left) - 200 : 60 )) \
+  RESERVE=$(wants graphs && echo 200 || echo 110)  # what the stages after the file need at least
+  timeout $(( $(left) - RESERVE > 60 ? $(left) - RESERVE : 60 )) \
     python3 benchmarks/bench_generate.py --gguf "$FILE" --write-layers 48 --write-seed 11 --skip-ktorch \
     > "$OUT/write.log" 2>&1 || { say "writing the file failed or ran out of time"; tail -5 "$OUT/write.log"; exit 1; }
 fi
 ls -l "$FILE"
 
-say "read bandwidth (CPU row, 16 threads)"
-timeout 40 python3 benchmarks/bench_host_bandwidth.py --threads 16 --no-gpu --cpu-gib 4 --repeats 2 \
-  --json "$OUT/bandwidth.jsonl" > "$OUT/bandwidth.txt" 2>&1
-GBS=$(python3 -c "import json; print(round(max(json.loads(l)['cpu_alone'] for l in open('$OUT/bandwidth.jsonl')), 1))" \
-  2>/dev/null || echo "")
-say "read bandwidth: ${GBS:-not measured} GB/s"
+GBS=
+if wants graphs || wants eager; then  # the floor of the --step-stats stages
+  say "read bandwidth (CPU row, 16 threads)"
+  timeout 40 python3 benchmarks/bench_host_bandwidth.py --threads 16 --no-gpu --cpu-gib 4 --repeats 2 \
+    --json "$OUT/bandwidth.jsonl" > "$OUT/bandwidth.txt" 2>&1
+  GBS=$(python3 -c "import json; print(round(max(json.loads(l)['cpu_alone'] for l in open('$OUT/bandwidth.jsonl')), 1))" \
+    2>/dev/null || echo "")
+  say "read bandwidth: ${GBS:-not measured} GB/s"
+fi
 
 SERVER_PID=
 STAGE=
@@ -80,8 +95,8 @@ trap stop_server EXIT
 start_server() {
   local name=$1; shift
   STAGE=$name
-  say "stage $name: ktorch serve --model $FILE --port $PORT --kv-cache-gib 16 $*"
-  python3 -m ktorch.cli serve --model "$FILE" --port $PORT --kv-cache-gib 16 "$@" > "$OUT/server_$name.log" 2>&1 &
+  say "stage $name: ktorch serve --model $FILE --port $PORT --kv-cache-gib 16 $* ${SERVE_WITH:+(under $SERVE_WITH)}"
+  python3 ${SERVE_WITH:--m ktorch.cli} serve --model "$FILE" --port $PORT --kv-cache-gib 16 "$@" > "$OUT/server_$name.log" 2>&1 &
   SERVER_PID=$!
   local deadline=$(( $(date +%s) + 120 ))
   while [ "$(date +%s)" -lt $deadline ] && [ "$(left)" -gt 20 ]; do
@@ -92,33 +107,48 @@ start_server() {
   say "the server did not answer /health in time"; tail -5 "$OUT/server_$name.log"; stop_server; return 1
 }
 
-# run_load NAME SECONDS [bench_serve options]
+# run_load NAME SECONDS [bench_serve options] (LOAD_WITH: another load generator taking --url)
 run_load() {
   local name=$1 secs=$2; shift 2
-  local cmd="python3 benchmarks/bench_serve.py --url http://127.0.0.1:$PORT $*"
+  local cmd="python3 ${LOAD_WITH:-benchmarks/bench_serve.py} --url http://127.0.0.1:$PORT $*"
   echo "\$ $cmd"
   timeout "$secs" $cmd 2>&1 | tee "$OUT/load_$name.txt"
   grep -E "Traceback|ERROR|rror:" "$OUT/server_$name.log" | head -5
 }
 
 # the GPU tests: replayed steps' tokens equal eager ones, one replay a decode step, a prefix hit computes its suffix
-say "GPU tests: tests/test_serve_cuda.py"
-timeout 120 python3 -m pytest -q -rs tests/test_serve_cuda.py > "$OUT/tests_cuda.txt" 2>&1
-TESTS_RC=$?
-tail -3 "$OUT/tests_cuda.txt"
+TESTS_RC="not run"
+run_tests() {
+  say "GPU tests: tests/test_serve_cuda.py"
+  timeout $(( $(left) < 120 ? $(left) : 120 )) python3 -m pytest -q -rs tests/test_serve_cuda.py > "$OUT/tests_cuda.txt" 2>&1
+  TESTS_RC=$?
+  tail -3 "$OUT/tests_cuda.txt"
+}
+wants tests && [[ "$STAGES" != *" ttft "* ]] && run_tests  # first, unless the TTFT stages come first
 STATUS_graphs="not run"; STATUS_eager="not run"; STATUS_plain="not run"; STATUS_coarse="not run"
+STATUS_ttft="not run"; STATUS_timeline="not run"; STATUS_ttft12="not run"
 # run_stage NAME MIN_LEFT LOAD_SECONDS "serve options" bench_serve options...
 run_stage() {
   local name=$1 need=$2 secs=$3 opts=$4; shift 4
+  wants "$name" || return
   if [ "$(left)" -le "$need" ]; then eval "STATUS_$name=\"SKIPPED (time left $(left) s)\""; say "stage $name SKIPPED"; return; fi
   # shellcheck disable=SC2086
   if ! start_server "$name" $opts; then eval "STATUS_$name=\"FAILED: the server did not start (see $OUT/server_$name.log)\""; return; fi
   run_load "$name" "$(budget "$secs")" "$@"
   stop_server
-  if grep -qE "decode throughput|TTFT, " "$OUT/load_$name.txt" 2>/dev/null; then eval "STATUS_$name=ran"
+  if grep -qE "decode throughput|TTFT, |TTFT \(" "$OUT/load_$name.txt" 2>/dev/null; then eval "STATUS_$name=ran"
   else eval "STATUS_$name=\"FAILED: no measurements (see $OUT/load_$name.txt and $OUT/server_$name.log)\""; fi
 }
 
+run_stage ttft 60 60 "" --streams 1 --prompt-len 32 --max-tokens 48 --ttft-prefix 2000 --ttft-suffix 8 --ttft-repeat 5
+SERVE_WITH=benchmarks/bench_serve_timeline.py LOAD_WITH="benchmarks/bench_serve_timeline.py client" \
+  run_stage timeline 60 60 "" --prefix 2000 --suffix 8 --repeat 5
+wants tests && [[ "$STAGES" == *" ttft "* ]] && run_tests
+# the ttft stage with one pool thread fewer (KT_NUM_THREADS=12 against the 13 a GPU placement leaves on 16 cores):
+# whether the server's HTTP loop and the client, beside 13 spinning workers, the host-task worker and CUDA's
+# callback thread, wait for a core
+KT_NUM_THREADS=12 run_stage ttft12 60 60 "" --streams 1 --prompt-len 32 --max-tokens 48 --ttft-prefix 2000 \
+  --ttft-suffix 8 --ttft-repeat 5
 run_stage graphs 100 150 "--cuda-graphs on --step-stats" --streams 1 16 64 --prompt-len 32 --max-tokens 40 --steps ${GBS:+--read-gbs $GBS} \
   --ttft-prefix 2000 --ttft-suffix 50 8
 run_stage plain 80 90 "" --streams 1 16 64 --prompt-len 32 --max-tokens 48 --ttft-prefix 2000 --ttft-suffix 50 8
@@ -131,15 +161,16 @@ run_stage eager 90 110 "--cuda-graphs off --step-stats" --streams 1 16 64 --prom
 echo
 echo "================ summary (device_serve.sh, $(( $(date +%s) - T0 )) s, read bandwidth ${GBS:-not measured} GB/s) ================"
 echo "--- GPU tests (tests/test_serve_cuda.py, rc $TESTS_RC): $(tail -1 "$OUT/tests_cuda.txt" 2>/dev/null)"
-[ "$TESTS_RC" = 0 ] || grep -E "^(FAILED|ERROR)|Error|assert" "$OUT/tests_cuda.txt" | head -8 | sed 's/^/    /'
-for name in graphs eager plain coarse; do
+[ "$TESTS_RC" = 0 ] || [ "$TESTS_RC" = "not run" ] || grep -E "^(FAILED|ERROR)|Error|assert" "$OUT/tests_cuda.txt" | head -8 | sed 's/^/    /'
+for name in ttft timeline ttft12 graphs eager plain coarse; do
   eval "st=\$STATUS_$name"
   echo "--- stage $name: $st"
   f="$OUT/load_$name.txt"
   [ -f "$f" ] || continue
   grep -E "^ +(1|16|64) \|" "$f" | sed 's/^/    /'
   grep -E "steps of [0-9]+ tokens" "$f" | sed 's/^ */    /'
-  grep -E "TTFT, |first request|second, same prefix|prefill step" "$f" | sed 's/^ */    /'
+  if [ "$name" = timeline ]; then sed -n '/^second request/,$p' "$f" | sed 's/^/    /'
+  else grep -E "TTFT, |first request|second, same prefix|prefill step|outside them|median of|a step every" "$f" | sed 's/^ */    /'; fi
   grep -h "graph_warmup_seconds" "$OUT/stats_$name.txt" 2>/dev/null | python3 -c "
 import ast, sys
 for line in sys.stdin:

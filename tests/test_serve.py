@@ -858,3 +858,143 @@ def test_incremental_detokenizer_equals_full_decode(builtin):
         for i in range(1, len(ids) + 1):
             d.update(ids[:i], final=i == len(ids))
         assert d.text == tok.decode(ids, skip_special_tokens=True), ids
+
+
+def test_sse_chunks_equal_json_dumps():
+    """A streamed text chunk rendered from its template is byte for byte json.dumps of the whole chunk (quotes,
+    backslashes, control characters, non-ASCII text; completions and chat, with and without usage)."""
+    from ktorch.serve.app import SSEChunks
+
+    texts = ["a", " the", '"quoted"', "back\\slash", "line\nbreak\t", "\x00\x1f", "é中文", "\U0001f600 emoji", "</s>"]
+    for chat in (False, True):
+        for usage in (False, True):
+            sse = SSEChunks("cmpl-0123", "chat.completion.chunk" if chat else "text_completion", 1700000000,
+                            'my "model"', chat, usage)
+            for text in texts:
+                want = b"data: " + json.dumps(sse.payload(text, None)).encode() + b"\n\n"
+                assert sse.event(text, None) == want
+                assert json.loads(want[6:])["choices"][0]["delta" if chat else "text"] == ({"content": text} if chat
+                                                                                           else text)
+
+
+def _http_chunks(raw: bytes) -> list[bytes]:
+    """The chunks of an HTTP/1.1 chunked body (``raw``: the bytes after the headers), the last one empty."""
+    chunks, i = [], 0
+    while True:
+        j = raw.index(b"\r\n", i)
+        size = int(raw[i:j], 16)
+        chunks.append(raw[j + 2:j + 2 + size])
+        i = j + 2 + size + 2
+        if size == 0:
+            return chunks
+
+
+def test_a_stream_writes_once_per_token_and_ends_in_one_write(server):
+    """Streamed over a raw socket: chat's role chunk arrives with the first text, and the last text, the usage and
+    [DONE] arrive with the body's end (one HTTP chunk, then the terminating one, in one read: a client that stops at
+    [DONE] has the whole response, so its connection can take its next request)."""
+    for path, extra in (("/v1/completions", {"prompt": PROMPTS[1]}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPTS[1]}]})):
+        body = {"model": "builtin", "max_tokens": 6, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}, **extra}
+        payload = json.dumps(body).encode()
+        with socket.create_connection((HOST, server.port), timeout=60) as sock:
+            sock.sendall(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+            raw = b""
+            while b"data: [DONE]" not in raw:
+                part = sock.recv(65536)
+                assert part, raw
+                raw += part
+            assert raw.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"), raw[-200:]  # the end came with [DONE]
+        head, body_raw = raw.split(b"\r\n\r\n", 1)
+        assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding: chunked" in head.lower()
+        chunks = _http_chunks(body_raw)
+        assert chunks[-1] == b"" and all(c.endswith(b"\n\n") for c in chunks[:-1])
+        events = [[json.loads(e[6:]) if e != b"data: [DONE]" else "[DONE]" for e in c.split(b"\n\n") if e]
+                  for c in chunks[:-1]]
+        last = events[-1]
+        assert last[-1] == "[DONE]" and last[-2]["choices"] == [] and 1 <= last[-2]["usage"]["completion_tokens"] <= 6
+        assert last[-3]["choices"][0]["finish_reason"] in ("length", "stop")
+        assert all(len(e) == 1 for e in events[1:-1])  # one event per write in between
+        if path == "/v1/chat/completions":
+            first = events[0]
+            assert first[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+            assert first[1]["choices"][0]["delta"]["content"]
+
+
+def test_count_distinct_experts_equals_a_unique_per_layer():
+    """The step statistics' distinct experts (one scatter over all layers) equal a unique per layer of the routing
+    ids, padding rows (-1) left out, with each layer's bytes per expert; layers of different shapes too."""
+    from ktorch.serve.engine import count_distinct_experts
+
+    g = torch.Generator().manual_seed(3)
+    for layers, tokens, k, experts in ((1, 1, 2, 8), (4, 7, 2, 16), (48, 33, 8, 128), (3, 64, 4, 60)):
+        refs = []
+        for layer in range(layers):
+            ids = torch.randint(0, experts, (tokens, k), generator=g)
+            ids[torch.rand(tokens, generator=g) < 0.3] = -1  # padding rows
+            refs.append((ids.to(torch.int32 if layer % 2 else torch.int64), 1000 + layer, experts))
+        want = [torch.unique(r[0][r[0] >= 0]).numel() for r in refs]
+        assert count_distinct_experts(refs) == (sum(want), sum(u * r[1] for u, r in zip(want, refs)))
+        mixed = refs + [(torch.tensor([[1, 5], [-1, -1], [5, 2]]), 7, experts)]
+        assert count_distinct_experts(mixed) == (sum(want) + 3, sum(u * r[1] for u, r in zip(want, refs)) + 21)
+    assert count_distinct_experts([]) == (0, 0)
+    all_padding = [(torch.full((4, 2), -1), 10, 8)]
+    assert count_distinct_experts(all_padding) == (0, 0)
+
+
+def test_first_outputs_are_handled_before_the_next_step(builtin, monkeypatch):
+    """A step that gives requests their first token waits until the server's loop has run those requests' handlers
+    (up to their next wait) before the next step starts; later tokens do not wait. Two requests of 3 tokens and a
+    third started after the first two's first tokens: every first output is handled (here: logged right after the
+    handler takes it) before the step after it begins. The bound is lifted so that a loaded machine cannot time it
+    out."""
+    from transformers.generation.continuous_batching import model_runner
+
+    import ktorch.serve.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "FIRST_OUTPUT_WAIT_S", 60.0)
+    log: list = []
+    compute = model_runner.ModelRunner.compute_batch
+
+    def logged(self, model, batch_data):
+        log.append(("step", time.perf_counter()))
+        return compute(self, model, batch_data)
+
+    monkeypatch.setattr(model_runner.ModelRunner, "compute_batch", logged)
+    model, _ = builtin
+    engine = ServeEngine(model, model.generation_config.eos_token_id, 0, EngineConfig(page_size=PAGE, num_blocks=64))
+
+    async def one(ids):
+        _, q = await engine.submit(ids, SamplingParams(3))
+        n = 0
+        while True:
+            out = await q.get()  # as the server's handler waits (a wait_for would add a task between)
+            n += 1
+            if n == 1:
+                log.append(("first", time.perf_counter()))
+                time.sleep(0.02)  # a slow handler: the generation thread must still be waiting
+                log.append(("first done", time.perf_counter()))
+            if out.is_finished():
+                return out.generated_tokens
+
+    async def run():
+        a, b = await asyncio.gather(one(list(range(5, 40))), one(list(range(7, 30))))
+        c = await one(list(range(9, 50)))
+        return a, b, c
+
+    engine.start()
+    try:
+        outs = asyncio.run(asyncio.wait_for(run(), 120))
+    finally:
+        engine.stop()
+    assert all(len(o) == 3 for o in outs)
+    kinds = [k for k, _ in log]
+    assert kinds.count("first") == 3 and kinds.count("first done") == 3
+    times = [k for k, _ in sorted(log, key=lambda e: e[1])]
+    for i, kind in enumerate(times):
+        if kind == "first":  # no step began while the handler ran (its sleep releases the GIL)
+            j = times.index("first done", i)
+            assert "step" not in times[i:j], times
+    assert times.count("step") >= 5  # the first two together (3 or more), the third's 3 (its prefill, 2 decode)

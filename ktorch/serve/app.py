@@ -7,8 +7,9 @@ step times). Parameters: ``max_tokens`` (chat: also ``max_completion_tokens``), 
 ``top_p``, ``stop`` (a string or up to 4), ``seed``, ``stream``, ``stream_options.include_usage``; ``n`` must be 1.
 Every error is OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status for bad input
 (400 malformed JSON, bad values, prompt past the context; 404 unknown model or route; 429 the engine is full) and
-500 for a failure of the server itself. A client that disconnects stops its request, whose KV pages go back to the
-pool at the next step.
+500 for a failure of the server itself. A streamed request gets its status and headers as soon as the engine
+admits it (while its first token is computed); a failure after that is an error event in the stream. A client that
+disconnects stops its request, whose KV pages go back to the pool at the next step.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import logging
 import math
 import time
 import uuid
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 from aiohttp import web
 
@@ -28,6 +29,8 @@ from ktorch.serve.engine import AdmissionError, SamplingParams, ServeEngine
 log = logging.getLogger("ktorch.serve")
 
 MAX_STOP_STRINGS = 4
+WATCH_SECONDS = 0.5  # how often waiting requests are checked for a client gone (or a stopped generation loop)
+_WAKE = object()  # put on a request's output queue by _watch: check the client, then wait on
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 
 
@@ -155,11 +158,52 @@ class IncrementalDetokenizer:
         return self.text
 
 
+class SSEChunks:
+    """The server-sent events of one streamed completion, as bytes (``data: {json}`` and a blank line).
+
+    A chunk that carries only new text (every chunk but chat's first and the last) is rendered from a template made
+    once per response: the JSON before and after the text, so that per token only the text is JSON-encoded. The bytes
+    equal ``json.dumps`` of the whole chunk (tests/test_serve.py checks)."""
+
+    _MARK = "\x00ktorch-text\x00"  # cannot occur in the id or the model name
+
+    def __init__(self, rid: str, obj: str, created: int, model: str, chat: bool, include_usage: bool):
+        self.rid, self.obj, self.created, self.model, self.chat = rid, obj, created, model, chat
+        self.include_usage = include_usage
+        parts = json.dumps(self.payload(self._MARK, None)).split(json.dumps(self._MARK))
+        if len(parts) != 2:
+            raise ValueError(f"SSEChunks: the text marker appears {len(parts) - 1} times in a chunk")
+        self.head, self.tail = b"data: " + parts[0].encode(), parts[1].encode() + b"\n\n"
+
+    def payload(self, text: Optional[str], reason: Optional[str], first: bool = False) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+        payload = {"id": self.rid, "object": self.obj, "created": self.created, "model": self.model,
+                   "choices": [choice]}
+        if self.include_usage:
+            payload["usage"] = None
+        return payload
+
+    def event(self, text: Optional[str], reason: Optional[str], first: bool = False) -> bytes:
+        if text and reason is None and not first:
+            return self.head + json.dumps(text).encode() + self.tail
+        return b"data: " + json.dumps(self.payload(text, reason, first)).encode() + b"\n\n"
+
+    def usage(self, usage: dict) -> bytes:
+        payload = {"id": self.rid, "object": self.obj, "created": self.created, "model": self.model, "choices": [],
+                   "usage": usage}
+        return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
 # ---------------------------------------------------------------- the server
 
 
 class OpenAIServer:
     def __init__(self, engine: ServeEngine, tokenizer, model_name: str):
+        self._waiting: dict[str, tuple[asyncio.Queue, web.Request]] = {}  # request id -> its outputs, its request
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -182,15 +226,23 @@ class OpenAIServer:
 
     async def _on_startup(self, app: web.Application) -> None:
         self.engine.start()
-        self._janitor = asyncio.get_running_loop().create_task(self._drain_orphans())
+        self._janitor = asyncio.get_running_loop().create_task(self._watch())
 
     async def _on_cleanup(self, app: web.Application) -> None:
         self._janitor.cancel()
         await asyncio.get_running_loop().run_in_executor(None, self.engine.stop)
 
-    async def _drain_orphans(self) -> None:
+    async def _watch(self) -> None:
+        """Every ``WATCH_SECONDS``: wakes each waiting request whose client is gone (or whose generation loop
+        stopped), so that its handler stops it, and drops outputs of requests already forgotten. One timer for all
+        requests instead of a timeout per awaited output."""
         while True:
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(WATCH_SECONDS)
+            healthy = self.engine.healthy()
+            for q, request in list(self._waiting.values()):
+                transport = request.transport
+                if not healthy or transport is None or transport.is_closing():
+                    q.put_nowait(_WAKE)
             self.engine.drain_orphan_outputs()
 
     # ------------------------------------------------------------ simple routes
@@ -272,10 +324,10 @@ class OpenAIServer:
             p = p[0]  # one prompt in a list
         if isinstance(p, str):
             return self._encode(p)
-        if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        if isinstance(p, list) and p and set(map(type, p)) == {int}:  # JSON integers (true/false are bool)
             vocab = self.engine.model.config.get_text_config().vocab_size
-            bad = [t for t in p if t < 0 or t >= vocab]
-            if bad:
+            if min(p) < 0 or max(p) >= vocab:
+                bad = [t for t in p if t < 0 or t >= vocab]
                 raise APIError(400, f"prompt token ids must be in [0, {vocab}), got {bad[:4]}", param="prompt",
                                code="invalid_value")
             return list(p)
@@ -321,34 +373,38 @@ class OpenAIServer:
     # ------------------------------------------------------------ generation
 
     async def _next_output(self, q: asyncio.Queue, request: web.Request):
-        """The request's next output. The connection is checked at every output and every 0.5 s without one: a
-        non-streamed request writes nothing until it ends, so only this check sees its client go."""
+        """The request's next output. The connection is checked at every output and whenever ``_watch`` wakes the
+        request (every ``WATCH_SECONDS`` while its client is gone or the generation loop stopped): a non-streamed
+        request writes nothing until it ends, so only this check sees its client go."""
         while True:
-            try:
-                out = await asyncio.wait_for(q.get(), timeout=0.5)
-            except asyncio.TimeoutError:
-                out = None
+            out = await q.get()
             transport = request.transport
             if transport is None or transport.is_closing():
                 raise ClientGone() from None
-            if out is not None:
+            if out is not _WAKE:
                 return out
             if not self.engine.healthy():
                 raise APIError(500, "the generation loop stopped", "server_error") from None
 
     async def _generate(self, request: web.Request, prompt_ids: list[int], params: SamplingParams,
-                        stops: list[str], info: dict) -> AsyncIterator[tuple[str, Optional[str]]]:
+                        stops: list[str], info: dict,
+                        on_admitted: Optional[Callable[[], Awaitable[None]]] = None
+                        ) -> AsyncIterator[tuple[str, Optional[str]]]:
         """Yields (new text, None) pieces, then ("", finish_reason) or (last text, finish_reason).
-        ``info["completion_tokens"]`` counts the tokens generated."""
+        ``info["completion_tokens"]`` counts the tokens generated; ``on_admitted`` is awaited once the engine took
+        the request (a stream sends its headers then, while the first token is computed)."""
         try:
             request_id, q = await self.engine.submit(prompt_ids, params)
         except AdmissionError as e:
             raise APIError(429, str(e), "rate_limit_error", code="rate_limit_exceeded") from None
+        self._waiting[request_id] = (q, request)
         done = False
         detok = IncrementalDetokenizer(self.tokenizer)
         emitted = 0
         holdback = max((len(s) for s in stops), default=1) - 1
         try:
+            if on_admitted is not None:
+                await on_admitted()
             while True:
                 out = await self._next_output(q, request)
                 if out.error is not None:
@@ -374,6 +430,7 @@ class OpenAIServer:
                     yield text[emitted:safe], None
                     emitted = safe
         finally:
+            self._waiting.pop(request_id, None)
             if not done:
                 self.engine.cancel(request_id)
 
@@ -424,52 +481,38 @@ class OpenAIServer:
             return web.json_response({"id": rid, "object": "text_completion", "created": created,
                                       "model": self.model_name, "choices": [choice], "usage": usage})
 
-        obj = "chat.completion.chunk" if chat else "text_completion"
-
-        def chunk(text: Optional[str], reason: Optional[str], first: bool = False) -> bytes:
-            if chat:
-                delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
-            else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
-            payload = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [choice]}
-            if include_usage:
-                payload["usage"] = None
-            return b"data: " + json.dumps(payload).encode() + b"\n\n"
-
-        # the first output decides the status: admission (429) and generation errors before any token are JSON errors
-        it = gen.__aiter__()
-        try:
-            first_piece = await it.__anext__()
-        except ClientGone:
-            return web.Response(status=499)
+        sse = SSEChunks(rid, "chat.completion.chunk" if chat else "text_completion", created, self.model_name, chat,
+                        include_usage)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
+
+        async def start_stream() -> None:  # admitted (no 429): the status and headers go out during the first step
+            await resp.prepare(request)
+
+        gen = self._generate(request, prompt_ids, params, stops, info, on_admitted=start_stream)
+        # one write per output: chat's role chunk goes with the first text, and the last text, the usage and [DONE]
+        # go with the end of the body (so that a client that stops reading at [DONE] has the whole response, and
+        # its connection can serve its next request)
+        pending = sse.event(None, None, first=True) if chat else b""
         try:
-            if chat:
-                await resp.write(chunk(None, None, first=True))
-            piece: Optional[tuple[str, Optional[str]]] = first_piece
-            while piece is not None:
-                text, reason = piece
+            async for text, reason in gen:
                 if text or reason:
-                    await resp.write(chunk(text, reason))
+                    pending += sse.event(text, reason)
                 if reason is not None:
                     break
-                try:
-                    piece = await it.__anext__()
-                except StopAsyncIteration:
-                    piece = None
+                if pending:
+                    await resp.write(pending)
+                    pending = b""
             if include_usage:
-                payload = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [],
-                           "usage": self._usage(len(prompt_ids), info)}
-                await resp.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
-            await resp.write(b"data: [DONE]\n\n")
+                pending += sse.usage(self._usage(len(prompt_ids), info))
+            pending += b"data: [DONE]\n\n"
         except (ClientGone, ConnectionResetError):
             await gen.aclose()
-            return resp
-        except APIError as e:  # after the headers: an error event, as OpenAI streams do
+            return resp if resp.prepared else web.Response(status=499)
+        except APIError as e:
             await gen.aclose()
-            if e.status >= 500:
+            if not resp.prepared:  # refused before the stream began (429): a JSON error
+                raise
+            if e.status >= 500:  # after the headers: an error event, as OpenAI streams do
                 _count_server_error(request)
             err = {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
             try:
@@ -479,5 +522,5 @@ class OpenAIServer:
             return resp
         finally:
             await gen.aclose()
-        await resp.write_eof()
+        await resp.write_eof(pending)
         return resp

@@ -80,6 +80,9 @@ def _register_final_step_pages(cache) -> None:
     cache.mark_complete_blocks = mark_complete_blocks
 
 
+FIRST_OUTPUT_WAIT_S = 0.005  # the most a step giving first tokens waits for the server's loop to send them
+
+
 # ---------------------------------------------------------------- CUDA graphs on a GPU
 
 GRAPH_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # a graphed step's tokens are padded up to one of these
@@ -122,6 +125,25 @@ def warm_up_sizes(max_batch_tokens: int, max_tokens_read: int) -> list[int]:
     """The padded token counts ``step_bucket`` can give a graphed step: one graph each is captured before serving."""
     top = min(GRAPH_MAX_TOKENS, max_batch_tokens)
     return sorted({step_bucket(q, 0, max_batch_tokens, max_tokens_read)[0] for q in range(1, top + 1)})
+
+
+def count_distinct_experts(refs: list) -> tuple[int, int]:
+    """(distinct experts, their bytes) of one step, summed over its MoE layers: ``refs`` holds each layer's routing
+    ids (negative: padding rows, left out), its bytes per expert and its number of experts. All layers in one
+    scatter and one read back to the host (a unique per layer was a device sync each: 48 on the 48-layer model,
+    after the step and before its outputs went out)."""
+    if not refs:
+        return 0, 0
+    ids = [r[0].reshape(-1) for r in refs]
+    if len({(t.numel(), t.device) for t in ids}) != 1:  # layers of different shapes: one at a time
+        used = [torch.unique(t[t >= 0]).numel() for t in ids]
+    else:
+        experts = max(r[2] for r in refs)
+        flat = torch.stack(ids).to(torch.int64)
+        flat = torch.where(flat >= 0, flat, experts)  # padding rows to a column of their own
+        seen = torch.zeros(len(ids), experts + 1, dtype=torch.bool, device=flat.device).scatter_(1, flat, True)
+        used = seen[:, :experts].sum(1).tolist()
+    return sum(used), sum(u * r[1] for u, r in zip(used, refs))
 
 
 class AdmissionError(Exception):
@@ -256,6 +278,7 @@ class ServeEngine:
             return processor
 
         self.manager._create_batch_processor = create_and_extend
+        self._install_first_output_hand_off()
 
         self._lock = threading.Lock()
         self._requests: dict[str, _Request] = {}
@@ -276,6 +299,41 @@ class ServeEngine:
         self._install_padding_mask()
         if config.step_stats:
             self._install_step_stats()
+
+    def _install_first_output_hand_off(self) -> None:
+        """A step that gives requests their first token hands the server's loop the GIL until those outputs are out.
+
+        The generation thread delivers a step's outputs to the server's asyncio loop (transformers'
+        ``call_soon_threadsafe``) and goes straight on with the next step, whose preparation is Python holding the
+        GIL: the loop's turn (detokenize, the response's headers, the chunk's write) then waits for that thread to
+        release it, up to the interpreter's switch interval (5 ms). For a request's first token (its time to first
+        token) the generation thread instead waits, at most ``FIRST_OUTPUT_WAIT_S``, until the loop has run those
+        requests' handlers up to their next wait (``_first_output_delivered``, called by each one's delivery,
+        schedules the wake-up after them). Later tokens go out while the next step runs, as before."""
+        router = self.manager.output_router
+        deliver_batch = router.deliver_batch
+        self._first_outputs_left = 0
+        self._first_outputs_out = threading.Event()
+
+        def deliver_batch_first_outputs_first(outputs) -> None:
+            with router._lock:
+                firsts = sum(1 for o in outputs
+                             if len(o.generated_tokens) == 1 and o.request_id in router.result_handlers)
+            if not firsts:
+                return deliver_batch(outputs)
+            self._first_outputs_left = firsts
+            self._first_outputs_out.clear()
+            deliver_batch(outputs)
+            self._first_outputs_out.wait(FIRST_OUTPUT_WAIT_S)
+
+        router.deliver_batch = deliver_batch_first_outputs_first
+
+    def _first_output_delivered(self) -> None:
+        """On the loop, in a first output's delivery: once the step's last first output is queued, the generation
+        thread's wake-up is scheduled behind the handlers those deliveries woke."""
+        self._first_outputs_left -= 1
+        if self._first_outputs_left == 0:
+            asyncio.get_running_loop().call_soon(self._first_outputs_out.set)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -340,9 +398,7 @@ class ServeEngine:
                     torch.cuda.synchronize()
                 seconds = time.perf_counter() - t0
                 refs = self._graph_ids.get(key, []) if mode == "replay" else self._step_ids
-                used = [(torch.unique(ids[ids >= 0]).numel(), b) for ids, b in refs]
-                self.steps.append(StepRecord(tokens, seconds, sum(u for u, _ in used), sum(u * b for u, b in used),
-                                             mode))
+                self.steps.append(StepRecord(tokens, seconds, *count_distinct_experts(refs), mode))
                 self._step_ids = []
 
         runner.compute_batch = compute_batch
@@ -444,14 +500,14 @@ class ServeEngine:
                 per_expert = sum(t.nbytes for t in (m.kt_w13, m.kt_w13_scales, m.kt_w2, m.kt_w2_scales)
                                  if t is not None) // m.kt_w13.shape[0]
 
-                def pre(module, args, kwargs, _b=per_expert):
+                def pre(module, args, kwargs, _b=per_expert, _e=m.kt_w13.shape[0]):
                     top_k_index = kwargs.get("top_k_index", args[1] if len(args) > 1 else None)
                     if top_k_index is None:
                         return
                     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                        self._capture_ids.append((top_k_index, _b))
+                        self._capture_ids.append((top_k_index, _b, _e))
                     elif not self._warming_up:
-                        self._step_ids.append((top_k_index, _b))
+                        self._step_ids.append((top_k_index, _b, _e))
 
                 self._hooks.append(m.register_forward_pre_hook(pre, with_kwargs=True))
 
@@ -510,6 +566,8 @@ class ServeEngine:
         def deliver(output) -> None:  # on this loop (transformers calls it through call_soon_threadsafe)
             self._note_progress(req, output)
             q.put_nowait(output)
+            if len(output.generated_tokens) == 1:
+                self._first_output_delivered()
 
         self.manager.register_result_handler(request_id, deliver)
         if params.temperature > 0:
