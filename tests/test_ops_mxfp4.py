@@ -209,6 +209,16 @@ def test_device_forms(seed):
     assert torch.equal(dequantize_packed(nib.w2, nib.w2_scales, False, torch.float32), down.transpose(1, 2))
     with pytest.raises(ValueError, match="mxfp4_as_int8"):
         mxfp4_as_int8(codes.w13)
+    # streamed experts: the packed bytes staged in a uint8 buffer (views_in, copy_prefix), then dequantized
+    from ktorch.ops.streamed_experts import StreamedExperts
+
+    layer = StreamedExperts(*nib.tensors(), "silu")
+    views = layer.views_in(torch.zeros(layer.prefix_bytes(2), dtype=torch.uint8), 2)
+    layer.copy_prefix(views, 2)
+    assert views[0].dtype == MXFP4_DTYPE
+    w13, w2 = layer.device_weights(2, torch.device("cpu"), torch.float32)
+    assert torch.equal(dequantize_packed(views[0], views[1], True, torch.float32), w13)
+    assert torch.equal(w13, gate_up[:2].transpose(1, 2)) and torch.equal(w2, down[:2].transpose(1, 2))
 
 
 def test_bad_input_is_refused():
