@@ -11,6 +11,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+import numpy as np
 import torch
 
 from ktorch import config
@@ -435,18 +436,14 @@ def pack_quantized(codes: torch.Tensor, scales: torch.Tensor, mins: Optional[tor
                          f"{' with mins' if mins is not None else ''}")
     lo, hi = (-128, 127) if bits == 8 else ((0, 15) if mins is not None else (-12, 12) if mxfp4 else (-8, 7))
     if mxfp4:
-        nibble = torch.full((25,), -1, dtype=torch.int16)  # value + 12 -> its nibble (0 -> 0, not 8: +0)
-        for u in reversed(range(16)):
-            nibble[MXFP4_CODES[u] + 12] = u
         if codes.numel() and (int(codes.min()) < lo or int(codes.max()) > hi):
             raise ValueError(f"pack_quantized: mxfp4 codes must be doubled E2M1 values {sorted(set(MXFP4_CODES))}, "
                              f"got values in [{int(codes.min())}, {int(codes.max())}]")
-        flat = codes.reshape(-1)
-        u = torch.empty(flat.shape, dtype=torch.int16)
-        for i in range(0, flat.numel(), 1 << 24):  # int32 indices a piece at a time (not an int64 copy of all)
-            u[i:i + (1 << 24)] = nibble[flat[i:i + (1 << 24)].to(torch.int32) + 12]
-        codes = u.view(codes.shape)
-        if codes.numel() and int(codes.min()) < 0:
+        nibble = np.full(256, 255, dtype=np.uint8)  # a code's byte -> its nibble (0 -> 0, not 8: +0); 255: none
+        for u in reversed(range(16)):
+            nibble[MXFP4_CODES[u] % 256] = u
+        codes = torch.from_numpy(nibble[codes.to(torch.int8).contiguous().numpy().view(np.uint8)])
+        if codes.numel() and int(codes.max()) == 255:
             raise ValueError(f"pack_quantized: mxfp4 codes must be doubled E2M1 values {sorted(set(MXFP4_CODES))}, "
                              f"got others (e.g. 5, 7, 9, 10 or 11)")
     elif codes.numel() and (int(codes.min()) < lo or int(codes.max()) > hi):
@@ -463,7 +460,7 @@ def pack_quantized(codes: torch.Tensor, scales: torch.Tensor, mins: Optional[tor
         packed = empty_weights((E, N // 16, K // 4, 16, 4), torch.int8)
         packed.copy_(rows.reshape(E, N // 16, 16, K // 4, 4).permute(0, 1, 3, 2, 4))
     else:
-        u = rows.to(torch.int16).add(8 if mins is None and not mxfp4 else 0).to(torch.uint8)
+        u = rows if mxfp4 else rows.to(torch.int16).add(8 if mins is None else 0).to(torch.uint8)  # (mxfp4: nibbles)
         t = u.reshape(E, N // 16, 16, K // 8, 2, 4).permute(0, 1, 3, 2, 4, 5)
         packed = empty_weights((E, N // 16, K // 8, 16, 4), torch.uint8)
         torch.bitwise_or(t.select(4, 0), t.select(4, 1).bitwise_left_shift(4), out=packed)
