@@ -173,12 +173,17 @@ def _resident_tensors(module: nn.Module, ids: torch.Tensor, device: torch.device
     (scales None for bf16), or with ``rows`` the same bytes as ``RowExperts`` (ktorch/ops/resident_rows.py). MXFP4
     nibbles become their int8 codes on the device (``mxfp4_as_int8``: the same values and scales), so MXFP4 residents
     take the int8 paths (the Triton rows with ``rows``)."""
-    from ktorch.ops.packed_weights import MXFP4_DTYPE, mxfp4_as_int8
+    from ktorch.ops.packed_weights import MXFP4_DTYPE, as_bytes, mxfp4_as_int8
 
     ids = ids.to("cpu", torch.int64)
-    packed = tuple(None if t is None else t.index_select(0, ids).to(device)
+
+    def selected(t: torch.Tensor) -> torch.Tensor:
+        if t.dtype == MXFP4_DTYPE:  # selected and copied as bytes (packed_weights.as_bytes)
+            return mxfp4_as_int8(as_bytes(t).index_select(0, ids).to(device).view(MXFP4_DTYPE))
+        return t.index_select(0, ids).to(device)
+
+    packed = tuple(None if t is None else selected(t)
                    for t in (module.kt_w13, module.kt_w13_scales, module.kt_w2, module.kt_w2_scales))
-    packed = tuple(mxfp4_as_int8(t) if t is not None and t.dtype == MXFP4_DTYPE else t for t in packed)
     if rows:
         from ktorch.ops.resident_rows import rows_from_packed
 

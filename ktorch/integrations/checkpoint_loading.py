@@ -31,6 +31,7 @@ from ktorch.integrations.transformers_experts import (
     check_supported,
 )
 from ktorch.ops.moe import FORMATS, PackedExperts, empty_weights, pack_experts
+from ktorch.ops.packed_weights import as_bytes
 
 # Unpacked fp32 elements read per chunk of experts (about 256 MB): bounds loading memory beyond the packed model.
 CHUNK_ELEMENTS = 64 * 1024 * 1024
@@ -157,7 +158,7 @@ def pack_experts_in_chunks(source: CheckpointSource, module_name: str, num_exper
             packed_format, packed_group = part.format, part.group_size
         for dst, src in zip(out, tensors):
             if dst is not None:
-                dst[first:end].copy_(src)
+                as_bytes(dst)[first:end].copy_(as_bytes(src))  # (MXFP4 nibbles copied as bytes)
         del part
     return PackedExperts(*out[:4], packed_format, packed_group, out[4], out[5])
 

@@ -17,6 +17,12 @@ MXFP4_CODES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 INT4_DTYPES = (torch.uint8, MXFP4_DTYPE)
 
 
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or for MXFP4 nibbles its uint8 view (the same shape): copies, selections and transfers of packed
+    weights go through it, since torch implements few ops for float4_e2m1fn_x2 (before 2.11, not even every copy)."""
+    return t.view(torch.uint8) if t.dtype == MXFP4_DTYPE else t
+
+
 def mxfp4_as_int8(packed: torch.Tensor) -> torch.Tensor:
     """MXFP4 nibbles (``MXFP4_DTYPE`` [n, N/16, K/8, 16, 4], any device) -> the same weights as int8 codes in the int8
     layout [n, N/16, K/4, 16, 4] (each nibble's ``MXFP4_CODES`` value; the scales stay as they are): the form the
