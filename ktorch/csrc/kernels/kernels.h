@@ -32,7 +32,8 @@ enum class Activation : int { SiLU = 0, GeluTanh = 1, Gelu = 2, Relu = 3 };
 inline constexpr int8_t kMxfp4Codes[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 // The unsigned offset a kernel adds to coded nibbles so that codes[u] + offset >= 0 (vpdpbusd's unsigned operand):
-// -min(codes), at least 0; the kernels require max(codes) + offset <= 255 (checked where the table is chosen).
+// -min(codes), at least 0; the kernels require max(codes) + offset <= 255 and codes in int8 (kMxfp4Codes: offset 12,
+// operands 0..24; the tables are constants of this header, chosen by the driver from the weights' dtype).
 inline int32_t code_offset(const int8_t* codes) {
   int32_t lo = 0;
   for (int i = 0; i < 16; ++i) lo = codes[i] < lo ? codes[i] : lo;
