@@ -84,6 +84,12 @@ class CheckpointSource(ABC):
         raise CheckpointError(self.path, f"{name}: this checkpoint format does not hold experts in the module's own "
                                          "layout (transposed, interleaved, biased or gateless experts)")
 
+    def check_stored_experts(self, module_name: str, module: nn.Module) -> None:
+        """Raises ``CheckpointError`` unless the parameters of the ``experts_as_stored`` module ``module_name``
+        are present as the module holds them (a source may hold them otherwise, e.g. as MXFP4 blocks)."""
+        for p, t in module.named_parameters(recurse=False):
+            self.check_tensor(f"{module_name}.{p}", tuple(t.shape))
+
     def release(self) -> None:
         """Drops read buffers (mapped file pages, open handles) after a layer is done."""
 
@@ -261,8 +267,7 @@ def build_model(
         num_experts, intermediate, hidden = down.shape[0], down.shape[2], down.shape[1]
         sizes[name] = (num_experts, intermediate, hidden)
         if experts_as_stored(module):  # (gpt-oss, Nemotron-H) read parameter by parameter, as the module holds them
-            for p, t in module.named_parameters(recurse=False):
-                source.check_tensor(f"{name}.{p}", tuple(t.shape))
+            source.check_stored_experts(name, module)
         else:
             source.check_experts(name, *sizes[name])
         for what, size in (("hidden size", hidden), ("expert intermediate size", intermediate)):
