@@ -5,7 +5,8 @@
 #      tests/test_ops_mxfp4.py (the op on the nibbles equal to the op on the int8 codes of the same blocks bit for bit,
 #      AMX tiles forced for every call too; opcheck; backward, delta, NUMA split, device forms), the MXFP4 cases of
 #      tests/test_ops_kquant.py (unpack = gguf.quants.dequantize, the op against the float64 reference) and
-#      tests/test_load_gguf_gpt_oss.py (a tiny gpt-oss GGUF loads as nibbles, 0.625 bytes a weight). Prints pytest's
+#      tests/test_load_gguf_gpt_oss.py (a tiny gpt-oss GGUF loads as nibbles, 0.625 bytes a weight) and
+#      tests/test_load_safetensors_mxfp4.py (OpenAI's MXFP4 blocks in a safetensors folder, likewise). Prints pytest's
 #      summary and any FAILED line.
 #   2. the AMX kernel test on real tiles (ktorch/csrc/kernels/amx/test/run.sh native: every int4 walk, MXFP4's code
 #      table among them, against a double reference and the AVX-512 kernels bit for bit). Prints its case counts.
@@ -28,7 +29,8 @@ python3 -c "import gguf" 2>/dev/null || echo "WARNING: the gguf package is missi
 echo "== 1. tests at every kernel level (limit 100 s)"
 timeout -k 5 100 python3 -m pytest -q -p no:cacheprovider tests/test_ops_mxfp4.py \
   "tests/test_ops_kquant.py" -k "mxfp4 or not kquant" \
-  "tests/test_load_gguf_gpt_oss.py::test_config_and_exact_experts" >"$OUT/tests.log" 2>&1
+  "tests/test_load_gguf_gpt_oss.py::test_config_and_exact_experts" tests/test_load_safetensors_mxfp4.py \
+  >"$OUT/tests.log" 2>&1
 echo "   rc $? ($(($(date +%s) - START)) s)"
 grep -E "passed|failed|error" "$OUT/tests.log" | tail -3
 grep -E "^FAILED|^ERROR" "$OUT/tests.log" | head -10
