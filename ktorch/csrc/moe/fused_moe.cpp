@@ -1272,8 +1272,8 @@ void run_call(WeightFormat fmt, const at::Tensor& hidden_in, const at::Tensor& i
                        " experts=" + std::to_string(now.experts());
     if (later) what += " later_pairs=" + std::to_string(later->pairs()) + " later_experts=" + std::to_string(later->experts());
     if (train != nullptr) what += " delta";  // fused_moe_with_delta
-    timer.print(what + " " + (fmt == WeightFormat::BF16 ? "bf16" : fmt == WeightFormat::INT8 ? "int8" : up.codes ? "mxfp4" : "int4") + " " +
-                ks.name);
+    const char* format = fmt == WeightFormat::BF16 ? "bf16" : fmt == WeightFormat::INT8 ? "int8" : up.codes ? "mxfp4" : "int4";
+    timer.print(what + " " + format + " " + ks.name);
   }
 }
 

@@ -577,7 +577,8 @@ std::tuple<at::Tensor, at::Tensor> fused_moe_delta(const at::Tensor& hidden, con
   if (hd == at::kBFloat16 || hd == at::kHalf) {  // the packed kernels: kt::fused_moe's path with the deltas added
     TORCH_CHECK(topk_ids.dim() == 2, op, ": topk_ids must be [T, K], got shape ", topk_ids.sizes());
     TORCH_CHECK(w2.dim() == 5, op, ": w2 must be a packed tensor [E, H/16, I/per, 16, per], got shape ", w2.sizes());
-    const int64_t I = w2.size(2) * ((w2.scalar_type() == at::kByte || w2.scalar_type() == at::ScalarType::Float4_e2m1fn_x2) ? 8 : w2.size(4));
+    const bool nibbles = w2.scalar_type() == at::kByte || w2.scalar_type() == at::ScalarType::Float4_e2m1fn_x2;
+    const int64_t I = w2.size(2) * (nibbles ? 8 : w2.size(4));
     at::Tensor h = at::empty({topk_ids.size(0), topk_ids.size(1), I}, hidden.options().memory_format(at::MemoryFormat::Contiguous));
     at::Tensor out = fused_moe_with_delta(hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales, activation,
                                           gate_up_delta, h, w13_bias, w2_bias);
