@@ -19,8 +19,10 @@ measures for itself at start: DRAM read bandwidth (a large fp32 sum) and the dot
     python benchmarks/bench_fused_moe.py --shapes qwen3 --tokens 512 --impls ktorch-int8 --profile
     python benchmarks/bench_fused_moe.py --shapes qwen3 --tokens 1 512 2048 --impls ktorch-int8 ktorch-q4_k ktorch-q4_k_m
 
-ktorch-q8_0, -q6_k, -q5_k, -q4_k, -q4_k_m (Q4_K gate/up, Q6_K down), -q4_0: the GGUF types kept exact (docs/loading.md),
-their codes and fp32 group scales (and minimums) counted in the GB/s column.
+ktorch-q8_0, -q6_k, -q5_k, -q4_k, -q4_k_m (Q4_K gate/up, Q6_K down), -q4_0, -mxfp4: the GGUF types kept exact
+(docs/loading.md), their codes and fp32 group scales (and minimums) counted in the GB/s column; -mxfp4_int8: MXFP4 as
+int8 codes (a byte each), the form the 4-bit codes replaced. gpt-oss-120b's shape (--shapes gpt-oss-120b) runs them
+with silu and no biases (the activation and biases cost the same in both forms).
 
 --pages huge 4k: the ktorch rows on both kinds of pages, taking turns (ktorch's pack ops allocate packed weights on
 transparent huge pages, so "huge", the default, is what users get; the rows on 4 KiB pages are named .../4k).
@@ -57,12 +59,16 @@ import ktorch
 SHAPES = {  # name: (E, K, H, I)
     "qwen3": (128, 8, 2048, 768),
     "deepseek": (256, 8, 7168, 2048),
+    "gpt-oss-120b": (128, 4, 2880, 2880),
 }
 KT_FORMATS = ("bf16", "int8", "int4")
 # GGUF types kept exact (docs/loading.md): (bits, group, affine) of w13 and of w2. q4_k_m: Q4_K gate/up, Q6_K down.
+# mxfp4: MXFP4's 4-bit E2M1 codes (float4_e2m1fn_x2 nibbles, the op's code table); mxfp4_int8: the int8-code form of
+# the same blocks (codes -12..12 a byte each, the form before issue 32), for comparison.
 EXACT = {"q8_0": ((8, 32, False), (8, 32, False)), "q6_k": ((8, 16, False), (8, 16, False)),
          "q5_k": ((8, 32, True), (8, 32, True)), "q4_k": ((4, 32, True), (4, 32, True)),
-         "q4_k_m": ((4, 32, True), (8, 16, False)), "q4_0": ((4, 32, False), (4, 32, False))}
+         "q4_k_m": ((4, 32, True), (8, 16, False)), "q4_0": ((4, 32, False), (4, 32, False)),
+         "mxfp4": ((4, 32, False), (4, 32, False)), "mxfp4_int8": ((8, 32, False), (8, 32, False))}
 IMPLS = ("ktorch-bf16", "ktorch-int8", "ktorch-int4", *(f"ktorch-{f}" for f in EXACT), "eager", "grouped_mm")
 
 
@@ -186,7 +192,9 @@ def random_packed(E: int, H: int, I: int, fmt: str, group_size: int = 128, pages
     def exact_mat(N, K, form):
         bits, group, affine = form
         scales = torch.rand(E, *((2,) if affine else ()), K // group, N).add_(0.5).mul_(K**-0.5 / 8)
-        return (codes(N, K, 8, -32, 32) if bits == 8 else codes(N, K, 4)), scales
+        if fmt == "mxfp4":  # any nibble is an E2M1 code
+            return codes(N, K, 4).view(torch.float4_e2m1fn_x2), scales
+        return (codes(N, K, 8, *((-12, 13) if fmt == "mxfp4_int8" else (-32, 32))) if bits == 8 else codes(N, K, 4)), scales
 
     if fmt in EXACT:
         w13, s13 = exact_mat(2 * I, H, EXACT[fmt][0])

@@ -121,9 +121,12 @@ def default_budget(model: nn.Module, device: torch.device) -> Optional[int]:
 
 
 def resident_bytes_per_expert(module: nn.Module) -> int:
-    """Device bytes of one resident expert: its packed rows of w13, w2 and their scales."""
-    return sum(t[0].numel() * t.element_size() for t in (module.kt_w13, module.kt_w13_scales, module.kt_w2,
-                                                          module.kt_w2_scales) if t is not None)
+    """Device bytes of one resident expert: its packed rows of w13, w2 and their scales (MXFP4 nibbles: their int8
+    codes, twice the bytes, which residents hold: ``_resident_tensors``)."""
+    from ktorch.ops.packed_weights import MXFP4_DTYPE
+
+    return sum(t[0].numel() * t.element_size() * (2 if t.dtype == MXFP4_DTYPE else 1)
+               for t in (module.kt_w13, module.kt_w13_scales, module.kt_w2, module.kt_w2_scales) if t is not None)
 
 
 def dequantized_bytes_per_expert(module: nn.Module, dtype: torch.dtype) -> int:
@@ -167,9 +170,19 @@ def plan_gpu_memory(model: nn.Module, modules: list, budget: Optional[int], devi
 
 def _resident_tensors(module: nn.Module, ids: torch.Tensor, device: torch.device, rows: bool) -> tuple:
     """The packed module's experts ``ids`` on ``device``: (w13, w13_scales, w2, w2_scales) rows of the packed layout
-    (scales None for bf16), or with ``rows`` the same bytes as ``RowExperts`` (ktorch/ops/resident_rows.py)."""
+    (scales None for bf16), or with ``rows`` the same bytes as ``RowExperts`` (ktorch/ops/resident_rows.py). MXFP4
+    nibbles become their int8 codes on the device (``mxfp4_as_int8``: the same values and scales), so MXFP4 residents
+    take the int8 paths (the Triton rows with ``rows``)."""
+    from ktorch.ops.packed_weights import MXFP4_DTYPE, as_bytes, mxfp4_as_int8
+
     ids = ids.to("cpu", torch.int64)
-    packed = tuple(None if t is None else t.index_select(0, ids).to(device)
+
+    def selected(t: torch.Tensor) -> torch.Tensor:
+        if t.dtype == MXFP4_DTYPE:  # selected and copied as bytes (packed_weights.as_bytes)
+            return mxfp4_as_int8(as_bytes(t).index_select(0, ids).to(device).view(MXFP4_DTYPE))
+        return t.index_select(0, ids).to(device)
+
+    packed = tuple(None if t is None else selected(t)
                    for t in (module.kt_w13, module.kt_w13_scales, module.kt_w2, module.kt_w2_scales))
     if rows:
         from ktorch.ops.resident_rows import rows_from_packed

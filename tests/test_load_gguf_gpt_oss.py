@@ -1,8 +1,9 @@
 """ktorch.load on gpt-oss GGUF files with MXFP4 experts, written (ktorch/integrations/gguf_writer.py) from a tiny
 random transformers gpt_oss model with names, types and metadata as llama.cpp's converter writes them.
 
-- MXFP4 experts are exact, kept as codes with their scales (auto) or decoded to bf16 (explicit): the packed experts
-  equal ``gguf.quants.dequantize`` of the file bit for bit, biases too, and every E8M0 scale byte the loader accepts
+- MXFP4 experts are exact, kept as 4-bit codes with their scales (auto: 0.625 bytes a weight, the op's output that of
+  the int8 codes of the same blocks bit for bit) or decoded to bf16 (explicit): the packed experts equal
+  ``gguf.quants.dequantize`` of the file bit for bit, biases too, and every E8M0 scale byte the loader accepts
   (<= 252) decodes to values bf16 holds exactly;
 - the model: ktorch's bf16 logits against transformers' eager gpt_oss (bf16) holding the weights the file stores,
   routing flips at near-ties handled as tests/test_integrations_families.py does;
@@ -92,9 +93,31 @@ def test_config_and_exact_experts(gpt_oss_file, experts_dtype):
         assert c.rope_parameters[key] == ROPE[key], key
     assert c.rope_parameters["rope_theta"] == pytest.approx(ROPE["rope_theta"])
     for layer, module in enumerate(moe_experts_modules(loaded)):
-        # auto: the MXFP4 codes (int8) with their power-of-two scales; bf16: decoded; exact either way
+        # auto: the MXFP4 codes as nibbles (float4_e2m1fn_x2 in the int4 layout: 0.5 bytes a weight, a float32
+        # power-of-two scale per 32) ; bf16: decoded; exact either way
         assert module.kt_format == ("gguf:MXFP4" if experts_dtype == "auto" else "bf16") and module.kt_activation == "swiglu_oai(alpha=1.702,limit=7.0)"
         packed = packed_experts_of(module)
+        E, I, H = c.num_local_experts, c.intermediate_size, c.hidden_size
+        if experts_dtype == "auto":
+            assert packed.w13.dtype == packed.w2.dtype == torch.float4_e2m1fn_x2
+            assert packed.w13.shape == (E, 2 * I // 16, H // 8, 16, 4) and packed.w2.shape == (E, H // 16, I // 8, 16, 4)
+            weights = E * 3 * H * I
+            assert sum(t.nbytes for t in packed.tensors()) == weights * (0.5 + 4 / 32)
+            # the op's output on the nibbles is its output on the int8 codes of the same blocks, bit for bit
+            from ktorch.integrations.gguf_loading import exact_codes
+            from ktorch.ops.moe import pack_quantized
+
+            blk = f"blk.{layer}.ffn"
+            parts = [exact_codes(np.asarray(tensors[f"{blk}_{p}_exps.weight"].data), "MXFP4") for p in ("gate", "up", "down")]
+            w13, s13 = pack_quantized(torch.cat([parts[0][0], parts[1][0]], 1), torch.cat([parts[0][1], parts[1][1]], 1),
+                                      bits=8, gate_up=True)
+            w2, s2 = pack_quantized(parts[2][0], parts[2][1], bits=8)
+            x = torch.randn(5, H).bfloat16()
+            ids = torch.rand(5, E).argsort(dim=1)[:, :c.num_experts_per_tok]
+            wts = torch.rand(5, c.num_experts_per_tok)
+            args = (module.kt_activation, packed.w13_bias, packed.w2_bias)
+            assert torch.equal(torch.ops.kt.fused_moe(x, ids, wts, *packed.tensors(), *args),
+                               torch.ops.kt.fused_moe(x, ids, wts, w13, s13, w2, s2, *args))
         gate_up, down = packed.dequantize()
         blk = f"blk.{layer}.ffn"
         want_gate_up = torch.cat([_file_values(tensors, f"{blk}_gate_exps.weight"),

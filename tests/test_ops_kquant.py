@@ -1,5 +1,6 @@
-"""GGUF expert types kept exact (docs/loading.md, "exact formats"): Q8_0, Q6_K, Q5_K, MXFP4 as grouped int8 codes,
-Q4_0 and Q4_K as int4 nibbles, each with the file's scales (and minimums) per group.
+"""GGUF expert types kept exact (docs/loading.md, "exact formats"): Q8_0, Q6_K, Q5_K as grouped int8 codes, Q4_0 and
+Q4_K as int4 nibbles, MXFP4 as 4-bit E2M1 codes (tests/test_ops_mxfp4.py has more), each with the file's scales (and
+minimums) per group.
 
 Per type: blocks written by the gguf writer (ktorch/integrations/gguf_writer.py: the gguf package's quantizers, and
 ktorch's for the K-quants, which the package only decodes), their codes read by gguf_loading.exact_codes, packed by
@@ -43,7 +44,8 @@ def file_values(data: np.ndarray, type_name: str) -> torch.Tensor:
 
 def pack_file(data: np.ndarray, type_name: str, gate_up: bool):
     codes, scales, mins = exact_codes(data, type_name)
-    return pack_quantized(codes, scales, mins, bits=EXACT_TYPES[type_name][0], gate_up=gate_up)
+    bits, _, _, table = EXACT_TYPES[type_name]
+    return pack_quantized(codes, scales, mins, bits=bits, gate_up=gate_up, mxfp4=table == "mxfp4")
 
 
 def exact_experts(E: int, H: int, I: int, types: tuple[str, str, str]):
@@ -74,8 +76,8 @@ def test_unpack_equals_gguf_dequantize(type_name, gate_up, seed):
     E, N, K = 3, 128, 512
     data = file_blocks((E, N, K), type_name, 0.05)
     packed, scales = pack_file(data, type_name, gate_up)
-    bits, group, affine = EXACT_TYPES[type_name]
-    assert packed.dtype == (torch.int8 if bits == 8 else torch.uint8)
+    bits, group, affine, table = EXACT_TYPES[type_name]
+    assert packed.dtype == (torch.int8 if bits == 8 else torch.float4_e2m1fn_x2 if table == "mxfp4" else torch.uint8)
     assert scales.shape == ((E, 2, K // group, N) if affine else (E, K // group, N))
     got = torch.ops.kt.unpack(packed, scales, gate_up=gate_up)
     want = file_values(data, type_name)

@@ -207,6 +207,61 @@ def test_row_layout_in_a_model_equals_packed_and_swaps_in_place(monkeypatch):
         assert torch.equal(_logits(model, ids), _logits(packed_model, ids))
 
 
+def _as_mxfp4(model, nibbles: bool):
+    """Each experts module of a prepared ``model`` given MXFP4 experts (its weights encoded as MXFP4 blocks by the gguf
+    package), as 4-bit codes (``nibbles``) or as the int8 codes of the same blocks."""
+    gguf = pytest.importorskip("gguf")  # noqa: F841 (the blocks are written by the gguf package)
+    from ktorch.integrations import attach_packed_experts, packed_experts_of
+    from ktorch.integrations.gguf_loading import exact_codes
+    from ktorch.integrations.gguf_writer import encode
+    from ktorch.ops.moe import PackedExperts
+
+    for m in moe_experts_modules(model):
+        gate_up, down = packed_experts_of(m).dequantize()
+        (c13, s13, _), (c2, s2, _) = (exact_codes(encode(w.numpy(), "MXFP4"), "MXFP4") for w in (gate_up, down))
+        bits = 4 if nibbles else 8
+        w13, sc13 = pack_quantized(c13, s13, bits=bits, gate_up=True, mxfp4=nibbles)
+        w2, sc2 = pack_quantized(c2, s2, bits=bits, mxfp4=nibbles)
+        attach_packed_experts(m, PackedExperts(w13, sc13, w2, sc2, "gguf:MXFP4"), m.kt_activation)
+    return model
+
+
+def test_mxfp4_residents_hold_their_int8_codes(monkeypatch):
+    """MXFP4 experts as 4-bit codes: residents hold their int8 codes (twice the packed bytes, counted so by the
+    planner), so the row layout applies (forced here: the CPU stands in for CUDA); the logits equal those of the
+    same blocks given as int8 codes with the same residents, bit for bit, and swaps write the same rows."""
+    from ktorch.gpu_memory import resident_bytes_per_expert
+
+    models = []
+    for nibbles in (True, False):
+        torch.manual_seed(0)
+        model = _as_mxfp4(ktorch.prepare(tiny_model("qwen3_moe", dtype=torch.float32), device="cpu",
+                                         experts_dtype="int8"), nibbles)
+        ktorch.set_stream_experts(model, COSTS)
+        monkeypatch.setattr(resident_rows, "row_layout_applies", lambda *args: True)
+        for m in moe_experts_modules(model):
+            m.kt_routed.min_tokens = 8
+            place_resident_experts(m, 3, torch.device("cpu"))
+        monkeypatch.undo()
+        models.append(model)
+    nib, codes = models
+    for a, b in zip(moe_experts_modules(nib), moe_experts_modules(codes)):
+        assert a.kt_w13.dtype == torch.float4_e2m1fn_x2 and b.kt_w13.dtype == torch.int8
+        assert resident_bytes_per_expert(a) == resident_bytes_per_expert(b)
+        assert isinstance(a.kt_gpu_packed, RowExperts) and all(torch.equal(x, y) for x, y in zip(a.kt_gpu_packed,
+                                                                                                  b.kt_gpu_packed))
+    short, long = torch.randint(0, 256, (1, 5)), torch.randint(0, 256, (1, 24))
+    for ids in (short, long):
+        assert torch.equal(_logits(nib, ids), _logits(codes, ids))
+    for mm in models:
+        for m in moe_experts_modules(mm):
+            m.kt_routed.frequency.zero_()
+            m.kt_routed.frequency[5], m.kt_routed.frequency[6] = 100.0, 50.0
+        assert update_resident_experts(mm)["swapped"] == 4
+    for ids in (short, long):
+        assert torch.equal(_logits(nib, ids), _logits(codes, ids))
+
+
 @pytest.mark.parametrize("experts_dtype", ["int8", "bf16", "int4"])
 def test_every_expert_resident_makes_no_cpu_op_call(experts_dtype):
     """A layer whose 8 experts are all resident computes them on the device alone, for any format: no kt.fused_moe

@@ -31,6 +31,7 @@ from ktorch.integrations.transformers_experts import (
     check_supported,
 )
 from ktorch.ops.moe import FORMATS, PackedExperts, empty_weights, pack_experts
+from ktorch.ops.packed_weights import as_bytes
 
 # Unpacked fp32 elements read per chunk of experts (about 256 MB): bounds loading memory beyond the packed model.
 CHUNK_ELEMENTS = 64 * 1024 * 1024
@@ -82,6 +83,12 @@ class CheckpointSource(ABC):
         interleaved, biased or gateless: ``experts_as_stored``). Sources that cannot raise ``CheckpointError``."""
         raise CheckpointError(self.path, f"{name}: this checkpoint format does not hold experts in the module's own "
                                          "layout (transposed, interleaved, biased or gateless experts)")
+
+    def check_stored_experts(self, module_name: str, module: nn.Module) -> None:
+        """Raises ``CheckpointError`` unless the parameters of the ``experts_as_stored`` module ``module_name``
+        are present as the module holds them (a source may hold them otherwise, e.g. as MXFP4 blocks)."""
+        for p, t in module.named_parameters(recurse=False):
+            self.check_tensor(f"{module_name}.{p}", tuple(t.shape))
 
     def release(self) -> None:
         """Drops read buffers (mapped file pages, open handles) after a layer is done."""
@@ -157,7 +164,7 @@ def pack_experts_in_chunks(source: CheckpointSource, module_name: str, num_exper
             packed_format, packed_group = part.format, part.group_size
         for dst, src in zip(out, tensors):
             if dst is not None:
-                dst[first:end].copy_(src)
+                as_bytes(dst)[first:end].copy_(as_bytes(src))  # (MXFP4 nibbles copied as bytes)
         del part
     return PackedExperts(*out[:4], packed_format, packed_group, out[4], out[5])
 
@@ -260,8 +267,7 @@ def build_model(
         num_experts, intermediate, hidden = down.shape[0], down.shape[2], down.shape[1]
         sizes[name] = (num_experts, intermediate, hidden)
         if experts_as_stored(module):  # (gpt-oss, Nemotron-H) read parameter by parameter, as the module holds them
-            for p, t in module.named_parameters(recurse=False):
-                source.check_tensor(f"{name}.{p}", tuple(t.shape))
+            source.check_stored_experts(name, module)
         else:
             source.check_experts(name, *sizes[name])
         for what, size in (("hidden size", hidden), ("expert intermediate size", intermediate)):

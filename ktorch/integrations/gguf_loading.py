@@ -14,7 +14,7 @@ Routed experts (``blk.N.ffn_{gate,up}_exps.weight`` [E, I, H], ``ffn_down_exps.w
 become the op's packed formats. With ``experts_dtype="auto"`` the file's own values, exactly (``EXACT_TYPES``,
 ``exact_codes``; no requantization): the op computes with codes * scale - min per group as the file stores them:
   Q8_0 -> int8 codes, a scale per 32          Q6_K -> int8 codes -32..31, a scale (d * sc) per 16
-  Q5_K -> int8 codes 0..31, scale and min per 32   MXFP4 -> int8 codes (E2M1 doubled), scale 2**(e-128) per 32
+  Q5_K -> int8 codes 0..31, scale and min per 32   MXFP4 -> 4-bit E2M1 codes (doubled), scale 2**(e-128) per 32
   Q4_0 -> int4 codes q - 8, a scale per 32     Q4_K -> int4 codes 0..15 (nibbles), scale and min per 32
   (scales and minimums float32: an fp16 times a 6-bit integer, or a power of two, is exact there); gate and up of
   different types take the wider form (int8, the smaller group); w13 and w2 may differ (Q4_K_M: int4 gate/up,
@@ -496,9 +496,9 @@ class GGUFSource(CheckpointSource):
         gate, up = (_as_form(parts[p], forms[p], form13) for p in ("gate", "up"))
         mins13 = None if gate[2] is None else torch.cat([gate[2], up[2]], dim=1)
         w13, s13 = pack_quantized(torch.cat([gate[0], up[0]], dim=1), torch.cat([gate[1], up[1]], dim=1), mins13,
-                                  bits=form13[0], gate_up=True)
+                                  bits=form13[0], gate_up=True, mxfp4=form13[3] == "mxfp4")
         codes, scales, mins = parts["down"]
-        w2, s2 = pack_quantized(codes, scales, mins, bits=forms["down"][0])
+        w2, s2 = pack_quantized(codes, scales, mins, bits=forms["down"][0], mxfp4=forms["down"][3] == "mxfp4")
         names = dict.fromkeys(t.tensor_type.name for t in tensors.values())
         b13 = b2 = None
         if self.arch == "gpt-oss":  # biases: gate's then up's [e, 2I] (PackedExperts.w13_bias), down's [e, H]
@@ -625,12 +625,13 @@ def _q4k_steps(gguf, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return d * sc.astype(np.float32), dmin * m.astype(np.float32)
 
 
-# The GGUF expert types ``experts_dtype="auto"`` keeps exact: type -> (bits of the op format, group, affine).
-# The codes of Q5_K (0..31), Q6_K (-32..31) and MXFP4 (E2M1 doubled: -12..12) are held one byte each (int8), Q4_0 and
-# Q4_K as nibbles (int4); the scales (and minimums) as float32 per group, which holds each exactly (an fp16 times a
-# 6-bit integer, or a power of two).
-EXACT_TYPES = {"Q8_0": (8, 32, False), "Q6_K": (8, 16, False), "Q5_K": (8, 32, True), "MXFP4": (8, 32, False),
-               "Q4_0": (4, 32, False), "Q4_K": (4, 32, True)}
+# The GGUF expert types ``experts_dtype="auto"`` keeps exact: type -> (bits of the op format, group, affine, code
+# table). The codes of Q5_K (0..31) and Q6_K (-32..31) are held one byte each (int8), Q4_0 and Q4_K as nibbles (int4),
+# MXFP4's as their 4-bit E2M1 codes (the int4 layout, code table "mxfp4": each nibble the E2M1 value doubled,
+# -12..12; ``pack_quantized(mxfp4=True)``); the scales (and minimums) as float32 per group, which holds each exactly
+# (an fp16 times a 6-bit integer, or a power of two).
+EXACT_TYPES = {"Q8_0": (8, 32, False, None), "Q6_K": (8, 16, False, None), "Q5_K": (8, 32, True, None),
+               "MXFP4": (4, 32, False, "mxfp4"), "Q4_0": (4, 32, False, None), "Q4_K": (4, 32, True, None)}
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -697,12 +698,12 @@ def exact_codes(data: np.ndarray, type_name: str) -> tuple[torch.Tensor, torch.T
 
 
 def _common_form(a: tuple, b: tuple) -> tuple:
-    """The form (bits, group, affine) that holds the codes of forms a and b exactly: a itself when they agree,
-    else int8 with the smaller group, affine if either is (a scale per 32 repeats over two groups of 16, a
-    symmetric group takes minimum 0)."""
+    """The form (bits, group, affine, code table) that holds the codes of forms a and b exactly: a itself when they
+    agree, else int8 codes (no table) with the smaller group, affine if either is (a scale per 32 repeats over two
+    groups of 16, a symmetric group takes minimum 0; MXFP4's values -12..12 are int8 codes as they are)."""
     if a == b:
         return a
-    return 8, min(a[1], b[1]), a[2] or b[2]
+    return 8, min(a[1], b[1]), a[2] or b[2], None
 
 
 def _as_form(part: tuple, form: tuple, to: tuple) -> tuple:

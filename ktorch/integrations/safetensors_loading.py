@@ -9,6 +9,13 @@ released checkpoints and transformers' own ``save_pretrained`` write them
 (``...experts.N.gate_proj.weight`` [I, H], ``up_proj`` [I, H], ``down_proj`` [H, I]; Mixtral's ``w1``/``w3``/``w2``
 under ``block_sparse_moe``). Other renamings come from transformers' checkpoint conversion mapping when it
 offers one.
+
+OpenAI's gpt-oss releases hold the experts as MXFP4 blocks: ``...experts.gate_up_proj_blocks`` uint8
+[E, 2I, H/32, 16] with ``..._scales`` uint8 [E, 2I, H/32] (E8M0: 2**(s - 127)), ``down_proj_blocks``/``_scales``
+likewise over [E, H, I/32]; element 32g + 2j of a row is the low nibble of byte j of block g, 32g + 2j + 1 its high
+nibble, an E2M1 code (transformers' ``convert_moe_packed_tensors`` decodes them the same way); the gate/up rows
+interleave as the module holds them. ``experts_dtype="auto"`` keeps them as MXFP4 4-bit codes
+(``pack_quantized(mxfp4=True)``: the values exactly, 0.625 bytes a weight); an explicit dtype decodes and packs them.
 """
 
 from __future__ import annotations
@@ -21,8 +28,11 @@ from typing import Optional
 
 import torch
 
+import numpy as np
+
 from ktorch.integrations.checkpoint_loading import CheckpointError, CheckpointSource
-from ktorch.ops.moe import PackedExperts, pack_experts
+from ktorch.ops.moe import PackedExperts, pack_experts, pack_quantized
+from ktorch.ops.packed_weights import MXFP4_CODES
 
 _PER_EXPERT = re.compile(r"^(?P<module>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
 _PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -105,6 +115,7 @@ class SafetensorsSource(CheckpointSource):
         self._keys: dict[str, tuple[str, str]] = {}  # model key -> (file, key in file)
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._experts: dict[str, dict[tuple[int, str], str]] = {}  # experts module -> {(expert, proj): model key}
+        self._mxfp4: dict[str, bool] = {}  # experts module held as MXFP4 blocks -> whether its gate/up rows interleave
         self._raw: list[tuple[str, str, tuple[int, ...]]] = []
         self._headers: dict[str, tuple[dict, int]] = {}  # file -> (header, offset of the data)
         for file in files:
@@ -163,7 +174,72 @@ class SafetensorsSource(CheckpointSource):
         return self._read(name).to(device=device, dtype=dtype)
 
     def read_expert_rows(self, name: str, first: int, end: int) -> torch.Tensor:
+        if f"{name}_blocks" in self._keys and name.rsplit(".", 1)[0] in self._mxfp4:  # decoded, in the module's layout
+            codes, scales = self._mxfp4_codes(name, first, end)
+            e, N, K = codes.shape
+            values = codes.float().view(e, N, K // 32, 32) * scales.unsqueeze(-1)  # exact: <= 2 significant bits
+            return values.view(e, N, K).transpose(1, 2)
         return self._read(name, first, end)
+
+    # ------------------------------------------------------------ OpenAI's MXFP4 experts
+
+    def check_stored_experts(self, module_name: str, module) -> None:
+        params = dict(module.named_parameters(recurse=False))
+        held = [p for p in params if f"{module_name}.{p}_blocks" in self._shapes]
+        if not held:
+            return super().check_stored_experts(module_name, module)
+        if not module.is_transposed or sorted(held) != ["down_proj", "gate_up_proj"]:
+            raise CheckpointError(self.path, f"{module_name}: MXFP4 blocks for {held}; ktorch reads them for gate_up_proj "
+                                             "and down_proj of experts held transposed (gpt-oss)")
+        for p, t in params.items():
+            if p not in held:
+                self.check_tensor(f"{module_name}.{p}", tuple(t.shape))
+                continue
+            E, K, N = t.shape  # the module's [E, in, out]; the blocks are [E, out, in / 32, 16]
+            if K % 32:
+                raise CheckpointError(self.path, f"{module_name}.{p}: {K} input channels, not whole MXFP4 blocks of 32")
+            self.check_tensor(f"{module_name}.{p}_blocks", (E, N, K // 32, 16))
+            self.check_tensor(f"{module_name}.{p}_scales", (E, N, K // 32))
+        self._mxfp4[module_name] = not module.is_concatenated
+
+    def _mxfp4_codes(self, name: str, first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Experts ``first:end`` of parameter ``name`` held as MXFP4 blocks: (codes int8 [e, N, K], the E2M1 values
+        doubled, in input-channel order; scales float32 [e, N, K / 32], 2**(s - 128)), so that codes * scale are the
+        weights exactly; a scale byte past ``MXFP4_MAX_SCALE`` is a ``CheckpointError``."""
+        from ktorch.integrations.gguf_loading import MXFP4_MAX_SCALE
+
+        blocks = self._read(f"{name}_blocks", first, end)  # uint8 [e, N, G, 16]
+        s = self._read(f"{name}_scales", first, end).to(torch.int32)  # [e, N, G]
+        if s.numel() and int(s.max()) > MXFP4_MAX_SCALE:
+            raise CheckpointError(self._where(f"{name}_scales"), f"an MXFP4 block scale (E8M0 byte {int(s.max())}) past "
+                                  f"{MXFP4_MAX_SCALE}: its values cannot be held exactly (float32 overflow, or NaN)",
+                                  tensor=f"{name}_scales")
+        e, N, G, _ = blocks.shape
+        nibbles = torch.stack([blocks.bitwise_and(0xF), blocks.bitwise_right_shift(4)], dim=-1)  # [e, N, G, 16, 2]
+        codes = torch.from_numpy(np.asarray(MXFP4_CODES, dtype=np.int8)[nibbles.numpy()]).view(e, N, G * 32)
+        # 2**(s - 128) as float32 bits: exponent field s - 1, or the subnormals 2**-127 and 2**-128 for s = 1, 0
+        bits = torch.where(s < 2, torch.tensor(0x00200000, dtype=torch.int32).bitwise_left_shift(s),
+                           (s - 1).bitwise_left_shift(23))
+        return codes, bits.view(torch.float32)
+
+    def _mxfp4_experts(self, module_name: str, first: int, end: int) -> PackedExperts:
+        """Experts ``first:end`` of a module held as MXFP4 blocks, as MXFP4 4-bit codes (gate then up rows) with their
+        biases."""
+        interleaved = self._mxfp4[module_name]
+
+        def gate_then_up(t: torch.Tensor) -> torch.Tensor:  # rows g0, u0, g1, u1, ... -> g0, g1, ..., u0, u1, ...
+            return torch.cat([t[:, 0::2], t[:, 1::2]], dim=1) if interleaved else t
+
+        c13, s13 = (gate_then_up(t) for t in self._mxfp4_codes(f"{module_name}.gate_up_proj", first, end))
+        c2, s2 = self._mxfp4_codes(f"{module_name}.down_proj", first, end)
+        w13, sc13 = pack_quantized(c13, s13, bits=4, gate_up=True, mxfp4=True)
+        w2, sc2 = pack_quantized(c2, s2, bits=4, mxfp4=True)
+        b13 = b2 = None
+        if f"{module_name}.gate_up_proj_bias" in self._keys:
+            b13 = gate_then_up(self._read(f"{module_name}.gate_up_proj_bias", first, end).float()).contiguous()
+        if f"{module_name}.down_proj_bias" in self._keys:
+            b2 = self._read(f"{module_name}.down_proj_bias", first, end).float().contiguous()
+        return PackedExperts(w13, sc13, w2, sc2, "mxfp4", None, b13, b2)
 
     def check_experts(self, module_name: str, num_experts: int, intermediate: int, hidden: int) -> None:
         fused = {"gate_up_proj": (num_experts, 2 * intermediate, hidden), "down_proj": (num_experts, hidden, intermediate)}
@@ -183,9 +259,13 @@ class SafetensorsSource(CheckpointSource):
                 self.check_tensor(name, shape)
 
     def experts_format(self, module_name: str, requested: str) -> tuple[str, Optional[int]]:
+        if module_name in self._mxfp4 and requested == "auto":
+            return "mxfp4", None  # (read_experts keeps the blocks' codes)
         return ("bf16" if requested == "auto" else requested), None
 
     def read_experts(self, module_name: str, first: int, end: int, fmt: str, group_size: Optional[int]) -> PackedExperts:
+        if fmt == "mxfp4":
+            return self._mxfp4_experts(module_name, first, end)
         fused = f"{module_name}.gate_up_proj"
         if fused in self._keys:
             gate_up = self._read(fused, first, end)

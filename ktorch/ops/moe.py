@@ -11,9 +11,11 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+import numpy as np
 import torch
 
 from ktorch import config
+from ktorch.ops.packed_weights import INT4_DTYPES, MXFP4_CODES, MXFP4_DTYPE
 from ktorch.ops.numa_split import NumaSplitExperts, fused_moe_split, numa_split_count, split_packed_experts
 
 FORMATS = ("bf16", "int8", "int4")
@@ -53,7 +55,7 @@ class PackedExperts:
 
     @property
     def intermediate_size(self) -> int:
-        return self.w2.shape[2] * (8 if self.w2.dtype == torch.uint8 else self.w2.shape[4])
+        return self.w2.shape[2] * (8 if self.w2.dtype in INT4_DTYPES else self.w2.shape[4])
 
     @property
     def has_gate(self) -> bool:
@@ -367,7 +369,7 @@ def _gguf_dequantize_into_fake(blocks, qtype, out):
 def _unpack_fake(packed, scales, gate_up=False):
     _check_same_device("unpack", "packed", {"packed": packed, "scales": scales})
     E, nb, kq, _, per = packed.shape
-    K = kq * (8 if packed.dtype == torch.uint8 else per)
+    K = kq * (8 if packed.dtype in INT4_DTYPES else per)
     return packed.new_empty((E, nb * 16, K), dtype=torch.float32)
 
 
@@ -389,7 +391,7 @@ def _fused_moe_fake(hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scal
 
 
 def pack_quantized(codes: torch.Tensor, scales: torch.Tensor, mins: Optional[torch.Tensor] = None, *, bits: int,
-                   gate_up: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   gate_up: bool = False, mxfp4: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Places already-quantized weights (integer codes with a scale, and optionally a minimum, per group of input
     channels) in the op's int8 (``bits=8``) or int4 (``bits=4``) layout, without requantizing them: the weights the
     op computes with are ``codes * scale`` (``mins`` None) or ``codes * scale - min``, as the source stored them
@@ -402,9 +404,15 @@ def pack_quantized(codes: torch.Tensor, scales: torch.Tensor, mins: Optional[tor
             without mins; int4: a multiple of 32).
         mins: None, or [E, N, G] float32 like ``scales`` (the affine formats: GGUF Q4_K, Q5_K).
         gate_up: N = 2I rows, gate rows then up rows (as for ``pack_int8(..., gate_up=True)``).
+        mxfp4: bits=4 only, no mins: the codes are MXFP4's doubled E2M1 values (0, ±1, ±2, ±3, ±4, ±6, ±8, ±12; the
+            gguf package's ``MXFP4.kvalues``), stored as their nibbles (``MXFP4_CODES`` indices, 0 as +0) in a
+            ``torch.float4_e2m1fn_x2`` tensor of the int4 layout, which marks them for the op: 0.5 bytes a weight
+            where the int8 codes of the same blocks take 1, the same products (the op's output is that of the int8
+            codes bit for bit).
 
     Returns:
-        (packed int8 [E, N/16, K/4, 16, 4] or uint8 [E, N/16, K/8, 16, 4], scales float32 [E, G, N], or
+        (packed int8 [E, N/16, K/4, 16, 4] or uint8 (mxfp4: float4_e2m1fn_x2) [E, N/16, K/8, 16, 4], scales
+        float32 [E, G, N], or
         [E, 2, G, N] with mins: scales then minimums), which ``kt.fused_moe`` and ``kt.unpack`` take.
     """
     if bits not in (4, 8):
@@ -423,8 +431,22 @@ def pack_quantized(codes: torch.Tensor, scales: torch.Tensor, mins: Optional[tor
                                                                                               and mins is None)):
         raise ValueError(f"pack_quantized: N={N} must be a multiple of {64 if gate_up else 16}, K={K} of 32, and the "
                          f"group size K/G={K}/{G} a multiple of {min_group}")
-    lo, hi = (-128, 127) if bits == 8 else ((0, 15) if mins is not None else (-8, 7))
-    if codes.numel() and (int(codes.min()) < lo or int(codes.max()) > hi):
+    if mxfp4 and (bits != 4 or mins is not None):
+        raise ValueError(f"pack_quantized: mxfp4 codes take bits=4 and no mins, got bits={bits}"
+                         f"{' with mins' if mins is not None else ''}")
+    lo, hi = (-128, 127) if bits == 8 else ((0, 15) if mins is not None else (-12, 12) if mxfp4 else (-8, 7))
+    if mxfp4:
+        if codes.numel() and (int(codes.min()) < lo or int(codes.max()) > hi):
+            raise ValueError(f"pack_quantized: mxfp4 codes must be doubled E2M1 values {sorted(set(MXFP4_CODES))}, "
+                             f"got values in [{int(codes.min())}, {int(codes.max())}]")
+        nibble = np.full(256, 255, dtype=np.uint8)  # a code's byte -> its nibble (0 -> 0, not 8: +0); 255: none
+        for u in reversed(range(16)):
+            nibble[MXFP4_CODES[u] % 256] = u
+        codes = torch.from_numpy(nibble[codes.to(torch.int8).contiguous().numpy().view(np.uint8)])
+        if codes.numel() and int(codes.max()) == 255:
+            raise ValueError(f"pack_quantized: mxfp4 codes must be doubled E2M1 values {sorted(set(MXFP4_CODES))}, "
+                             f"got others (e.g. 5, 7, 9, 10 or 11)")
+    elif codes.numel() and (int(codes.min()) < lo or int(codes.max()) > hi):
         raise ValueError(f"pack_quantized: {bits}-bit codes {'with' if mins is not None else 'without'} mins must lie "
                          f"in [{lo}, {hi}], got [{int(codes.min())}, {int(codes.max())}]")
 
@@ -438,10 +460,12 @@ def pack_quantized(codes: torch.Tensor, scales: torch.Tensor, mins: Optional[tor
         packed = empty_weights((E, N // 16, K // 4, 16, 4), torch.int8)
         packed.copy_(rows.reshape(E, N // 16, 16, K // 4, 4).permute(0, 1, 3, 2, 4))
     else:
-        u = rows.to(torch.int16).add(8 if mins is None else 0).to(torch.uint8)
+        u = rows if mxfp4 else rows.to(torch.int16).add(8 if mins is None else 0).to(torch.uint8)  # (mxfp4: nibbles)
         t = u.reshape(E, N // 16, 16, K // 8, 2, 4).permute(0, 1, 3, 2, 4, 5)
         packed = empty_weights((E, N // 16, K // 8, 16, 4), torch.uint8)
         torch.bitwise_or(t.select(4, 0), t.select(4, 1).bitwise_left_shift(4), out=packed)
+        if mxfp4:
+            packed = packed.view(MXFP4_DTYPE)
     s = packed_rows(scales.float()).transpose(1, 2)
     if mins is not None:
         s = torch.stack([s, packed_rows(mins.float()).transpose(1, 2)], dim=1)

@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import torch
 
+from ktorch.ops.packed_weights import INT4_DTYPES
+
 from ktorch.ops.moe import _check_same_device
 
 _PACKED = ("w13", "w13_scales", "w2", "w2_scales", "w13_bias", "w2_bias")
@@ -44,7 +46,7 @@ _PACKED = ("w13", "w13_scales", "w2", "w2_scales", "w13_bias", "w2_bias")
 
 def _intermediate(w2: torch.Tensor) -> int:
     """I from the packed down projection [E, H/16, I/per, 16, per] (int4: 8 values a 4-byte group)."""
-    return w2.shape[2] * (8 if w2.dtype == torch.uint8 else w2.shape[4])
+    return w2.shape[2] * (8 if w2.dtype in INT4_DTYPES else w2.shape[4])
 
 
 @torch.library.register_fake("kt::fused_moe_backward")

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 
+from ktorch.ops.packed_weights import MXFP4_DTYPE
+
 if TYPE_CHECKING:
     from ktorch.ops.moe import PackedExperts
 
@@ -133,9 +135,9 @@ def slice_bounds(intermediate: int, unit: int, n: int) -> list[int]:
 def _numa_split_experts_fake(w13, w13_scales, w2, w2_scales, n):
     E, nb13, kq13, _, per13 = w13.shape
     I = nb13 * 8
-    q = {torch.bfloat16: 2, torch.int8: 4, torch.uint8: 8}[w13.dtype]
+    q = {torch.bfloat16: 2, torch.int8: 4, torch.uint8: 8, MXFP4_DTYPE: 8}[w13.dtype]
     unit = 32
-    if w13.dtype == torch.uint8:
+    if q == 8:
         unit = math.lcm(32, I // w2_scales.shape[1])
     b = slice_bounds(I, unit, n)
     w13s, s13s, w2s, s2s = [], [], [], []

@@ -8,12 +8,44 @@ from typing import Optional
 
 import torch
 
+# MXFP4 experts kept as 4-bit codes (GGUF MXFP4, OpenAI's gpt-oss blocks): the int4 layout [E, N/16, K/8, 16, 4] whose
+# nibbles are E2M1 codes, marked by this dtype; each nibble u stands for MXFP4_CODES[u] (the E2M1 value doubled, the
+# gguf package's MXFP4.kvalues; kernels.h kMxfp4Codes), times a float32 scale 2**(e - 128) per group of 32.
+MXFP4_DTYPE = torch.float4_e2m1fn_x2
+MXFP4_CODES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+# The dtypes of packed int4-layout weights: plain int4 (u - 8, or u for the affine formats) and MXFP4 nibbles.
+INT4_DTYPES = (torch.uint8, MXFP4_DTYPE)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or for MXFP4 nibbles its uint8 view (the same shape): copies, selections and transfers of packed
+    weights go through it, since torch implements few ops for float4_e2m1fn_x2 (before 2.11, not even every copy)."""
+    return t.view(torch.uint8) if t.dtype == MXFP4_DTYPE else t
+
+
+def mxfp4_as_int8(packed: torch.Tensor) -> torch.Tensor:
+    """MXFP4 nibbles (``MXFP4_DTYPE`` [n, N/16, K/8, 16, 4], any device) -> the same weights as int8 codes in the int8
+    layout [n, N/16, K/4, 16, 4] (each nibble's ``MXFP4_CODES`` value; the scales stay as they are): the form the
+    device paths (resident rows, ``dequantize_packed``) compute with, and ``kt.fused_moe``'s int8-code form of MXFP4.
+    Line o of a block holds k 8o..8o+3 in its low nibbles and 8o+4..8o+7 in its high ones: int8 quads 2o and 2o+1."""
+    if packed.dtype != MXFP4_DTYPE or packed.dim() != 5 or packed.shape[3:] != (16, 4):
+        raise ValueError(f"mxfp4_as_int8: expected {MXFP4_DTYPE} [n, N/16, K/8, 16, 4], got {packed.dtype} "
+                         f"{tuple(packed.shape)}")
+    u = packed.view(torch.uint8)
+    n, nb, ko = u.shape[:3]
+    table = torch.tensor(MXFP4_CODES, dtype=torch.int8, device=u.device)
+    out = torch.empty(n, nb, ko, 2, 16, 4, dtype=torch.int8, device=u.device)
+    out[:, :, :, 0] = table[u.bitwise_and(0xF).long()]
+    out[:, :, :, 1] = table[u.bitwise_right_shift(4).long()]
+    return out.view(n, nb, 2 * ko, 16, 4)
+
 
 def dequantize_packed(packed: torch.Tensor, scales: Optional[torch.Tensor], gate_up: bool,
                       dtype: torch.dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Packed experts (``kt.pack_*`` layout, any device) -> their weights transposed, [n, K, N] in ``dtype``.
 
-    packed [n, N/16, K/per, 16, per] (bf16 per=2, int8 per=4; int4 uint8 [n, N/16, K/8, 16, 4]), scales float32
+    packed [n, N/16, K/per, 16, per] (bf16 per=2, int8 per=4; int4 uint8 [n, N/16, K/8, 16, 4]; MXFP4 nibbles
+    ``MXFP4_DTYPE`` in the int4 layout, decoded through ``mxfp4_as_int8``), scales float32
     [n, G, N] (None for bf16), or [n, 2, G, N] for the affine formats (scales then minimums: q * s - m, int4 codes
     the nibbles themselves). With ``gate_up`` the N = 2I columns come back in the original order (gate then up),
     undoing the packing's 32-row interleave. [n, K, N] is what ``torch._grouped_mm`` and ``gpu_experts_forward``
@@ -30,6 +62,10 @@ def dequantize_packed(packed: torch.Tensor, scales: Optional[torch.Tensor], gate
     the result is then ``out.transpose(1, 2)``."""
     if packed.dim() != 5 or packed.shape[3] != 16:
         raise ValueError(f"dequantize_packed: packed must be [n, N/16, K/per, 16, per], got {tuple(packed.shape)}")
+    if packed.dtype == MXFP4_DTYPE:  # MXFP4 nibbles: their int8 codes (the same values and scales)
+        if scales is None or scales.dim() != 3:
+            raise ValueError("dequantize_packed: MXFP4 nibbles need their scales [n, G, N]")
+        packed = mxfp4_as_int8(packed)
     n, N = packed.shape[0], packed.shape[1] * 16
     mins = None
     if scales is not None and scales.dim() == 4:  # affine (GGUF Q4_K/Q5_K kept exact): [n, 2, G, N] scales, minimums

@@ -1,7 +1,8 @@
 """Int8 resident experts in a row-major layout, decoded by fused Triton kernels (ktorch/ops/triton_experts.py).
 
 Which residents take it (``row_layout_applies``, decided when ``ktorch.gpu_memory`` places them): int8 codes with
-float32 scales per group (our int8 per channel, the exact GGUF Q8_0, Q6_K and MXFP4 codes) on a CUDA device with
+float32 scales per group (our int8 per channel, the exact GGUF Q8_0, Q6_K and MXFP4 codes, MXFP4's 4-bit codes made int8
+on the way to the device) on a CUDA device with
 Triton importable. Every other resident (bf16, int4, the affine Q5_K codes; no Triton; not CUDA) stays in the
 ``kt.pack`` layout and ``packed_experts_forward`` (ktorch/ops/gpu_experts.py).
 
@@ -29,6 +30,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from ktorch.ops.gpu_experts import ACTIVATIONS, GATHER_MAX_TOKENS, gpu_experts_forward
+from ktorch.ops.packed_weights import MXFP4_DTYPE
 
 
 class RowExperts(NamedTuple):
@@ -42,7 +44,8 @@ class RowExperts(NamedTuple):
 
 
 def _symmetric_int8(packed: torch.Tensor, scales: Optional[torch.Tensor]) -> bool:
-    return packed.dtype == torch.int8 and scales is not None and scales.dim() == 3
+    # MXFP4 nibbles count: residents hold them as their int8 codes (gpu_memory._resident_tensors, mxfp4_as_int8)
+    return packed.dtype in (torch.int8, MXFP4_DTYPE) and scales is not None and scales.dim() == 3
 
 
 def row_layout_applies(w13: torch.Tensor, w13_scales: Optional[torch.Tensor], w2: torch.Tensor,

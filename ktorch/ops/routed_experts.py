@@ -42,7 +42,7 @@ from typing import Optional, Sequence
 import torch
 
 from ktorch.ops.gpu_experts import gpu_experts_forward
-from ktorch.ops.streamed_experts import StreamedExperts, dequantize_packed, queue_timed_copies
+from ktorch.ops.streamed_experts import StreamedExperts, as_bytes, dequantize_packed, queue_timed_copies
 
 MIN_TOKENS = 64  # below this a call never splits (the CPU op alone; the host sync of the counts is not worth it)
 
@@ -206,7 +206,7 @@ class RoutedExperts:
         for a, b in contiguous_runs(chosen.tolist()):
             for dst, src in zip(views, self.layer.sources):
                 if dst is not None:
-                    dst[j:j + b - a].copy_(src[a:b], non_blocking=True)
+                    as_bytes(dst)[j:j + b - a].copy_(as_bytes(src[a:b]), non_blocking=True)
             j += b - a
         w13 = dequantize_packed(views[0], views[1], True, hidden.dtype, out=staging.w13[:k])
         w2 = dequantize_packed(views[2], views[3], False, hidden.dtype, out=staging.w2[:k])
@@ -257,7 +257,7 @@ def calibrate_split_costs(layers: Sequence[StreamedExperts], hidden_size: int, t
     first = layers[0]
     E = first.num_experts
     probe = min(E, 8)
-    src = first.sources[0][:probe]
+    src = as_bytes(first.sources[0][:probe])  # (MXFP4 nibbles measured as the bytes they are)
     dst = torch.empty(src.shape, dtype=src.dtype, device=device)
     copy_bytes = src.numel() * src.element_size()
     cuda = device.type == "cuda"

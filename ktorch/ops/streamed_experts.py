@@ -30,7 +30,7 @@ import torch
 from ktorch.ops.gpu_experts import gpu_experts_forward
 
 # dequantize_packed lives in packed_weights.py (gpu_experts uses it too); re-exported here
-from ktorch.ops.packed_weights import dequantize_packed  # noqa: E402,F401
+from ktorch.ops.packed_weights import as_bytes, dequantize_packed  # noqa: E402,F401
 
 # ---------------------------------------------------------------- which experts stream, by prompt length
 
@@ -138,7 +138,7 @@ class StreamedExperts:
                 continue
             nbytes = t[:n].numel() * t.element_size()
             if nbytes < self.REGISTER_IN_PLACE_BYTES:
-                sources.append(t[:n].pin_memory())
+                sources.append(as_bytes(t[:n]).pin_memory().view(t.dtype))
                 continue
             err = int(cudart.cudaHostRegister(t.data_ptr(), nbytes, 0))
             if err != 0:
@@ -174,7 +174,8 @@ class StreamedExperts:
             if tokens is not None:
                 ahead.queue_next(self, tokens)
         else:
-            w13, s13, w2, s2 = (None if t is None else t[:n].to(device, non_blocking=True) for t in self.sources)
+            w13, s13, w2, s2 = (None if t is None else as_bytes(t[:n]).to(device, non_blocking=True).view(t.dtype)
+                                for t in self.sources)
         return dequantize_packed(w13, s13, True, dtype), dequantize_packed(w2, s2, False, dtype)
 
     def prefix_bytes(self, n: int) -> int:
@@ -198,7 +199,7 @@ class StreamedExperts:
         """Queues the copies of experts [0, n) into ``views`` (``views_in``) on the current stream."""
         for dst, src in zip(views, self.sources):
             if dst is not None:
-                dst.copy_(src[:n], non_blocking=True)
+                as_bytes(dst).copy_(as_bytes(src[:n]), non_blocking=True)
 
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, n: int) -> torch.Tensor:
         """The part of experts [0, n) in the layer's output: [T, H] in hidden's dtype on hidden's device."""

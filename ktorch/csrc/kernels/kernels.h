@@ -28,6 +28,18 @@ constexpr int kNumFormats = 3;
 
 enum class Activation : int { SiLU = 0, GeluTanh = 1, Gelu = 2, Relu = 3 };
 
+// MXFP4's code table: nibble -> the E2M1 value doubled (gguf.quants.MXFP4.kvalues; nibble 8 is -0).
+inline constexpr int8_t kMxfp4Codes[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// The unsigned offset a kernel adds to coded nibbles so that codes[u] + offset >= 0 (vpdpbusd's unsigned operand):
+// -min(codes), at least 0; the kernels require max(codes) + offset <= 255 and codes in int8 (kMxfp4Codes: offset 12,
+// operands 0..24; the tables are constants of this header, chosen by the driver from the weights' dtype).
+inline int32_t code_offset(const int8_t* codes) {
+  int32_t lo = 0;
+  for (int i = 0; i < 16; ++i) lo = codes[i] < lo ? codes[i] : lo;
+  return -lo;
+}
+
 // Bytes of one 16-column block of a packed matrix with reduction length K.
 inline size_t block_bytes(WeightFormat f, int64_t K) {
   switch (f) {
@@ -72,6 +84,9 @@ struct GemmArgs {
   // Affine formats: the minimum of the first column in group 0, indexed like b_scale; nullptr: symmetric. The kernels
   // subtract min[g][n] * a_scale[m] * a_gsum[m][g] per group (the group sums of the quantized activations).
   const float* b_min = nullptr;
+  // int4 only: the 16 signed values the nibbles stand for (kMxfp4Codes), or nullptr (u - 8, or u with b_min). Never
+  // set together with b_min.
+  const int8_t* b_codes = nullptr;
   int nblocks = 0;                   // 16-column blocks to compute, 1..kMaxBlocks
   float* c = nullptr;
   int64_t ldc = 0;

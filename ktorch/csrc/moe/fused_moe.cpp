@@ -104,6 +104,7 @@ struct PackedMatrix {
   WeightFormat fmt = WeightFormat::BF16;
   int64_t groups = 1;  // scale groups along K (per-channel int8: 1)
   bool affine = false;  // scales [E, 2, G, N]: scale, then minimum (GGUF K-quants kept exact)
+  const int8_t* codes = nullptr;  // coded int4 (MXFP4: kernels::kMxfp4Codes), GemmArgs::b_codes
   int64_t group_size() const { return K / groups; }
   // floats from one expert's scales to the next one's, and from a scale to its minimum (affine)
   int64_t scale_expert_stride() const { return (affine ? 2 : 1) * groups * N; }
@@ -115,10 +116,18 @@ WeightFormat format_of(const at::Tensor& w, const char* name) {
     case at::kBFloat16: return WeightFormat::BF16;
     case at::kChar: return WeightFormat::INT8;
     case at::kByte: return WeightFormat::INT4;
+    case at::ScalarType::Float4_e2m1fn_x2: return WeightFormat::INT4;  // MXFP4 nibbles (codes_of)
     default:
       TORCH_CHECK(false, "fused_moe: ", name, " must be packed by kt.pack_bf16/pack_int8/pack_int4 (bfloat16, int8 or ",
-                  "uint8 for int4), got ", w.scalar_type());
+                  "uint8 for int4) or pack_quantized (float4_e2m1fn_x2 for MXFP4 nibbles), got ", w.scalar_type());
   }
+}
+
+// The code table of packed int4 weights whose nibbles stand for table values (GemmArgs::b_codes): the dtype
+// float4_e2m1fn_x2 marks MXFP4 nibbles (E2M1 codes, the table kMxfp4Codes: their values doubled); nullptr for the
+// plain int4 (uint8) and every other format.
+const int8_t* codes_of(const at::Tensor& w) {
+  return w.scalar_type() == at::ScalarType::Float4_e2m1fn_x2 ? kernels::kMxfp4Codes : nullptr;
 }
 
 // Scales: [E, G, N] (W = q * s; int8: G = 1 per output channel, or groups of a multiple of 16 input channels;
@@ -132,6 +141,7 @@ PackedMatrix describe(const at::Tensor& w, const std::optional<at::Tensor>& s, W
               " must be a contiguous packed tensor [E, N/16, K/", f == WeightFormat::INT4 ? 8 : per, ", 16, ", per,
               "], got shape ", w.sizes());
   PackedMatrix m{&w, &s, name, w.size(0), w.size(1) * 16, w.size(2) * (f == WeightFormat::INT4 ? 8 : per), f};
+  m.codes = codes_of(w);
   if (f == WeightFormat::BF16) {
     TORCH_CHECK(!s.has_value(), "fused_moe: bf16 weights take no scales, but ", scales_name, " was given");
     return m;
@@ -143,6 +153,8 @@ PackedMatrix describe(const at::Tensor& w, const std::optional<at::Tensor>& s, W
               "fused_moe: ", scales_name, " must be a contiguous float32 CPU tensor [E, G, N] (or [E, 2, G, N]: ",
               "scales and minimums), got ", sc.scalar_type(), " ", sc.sizes(), " on ", sc.device());
   m.affine = sc.dim() == 4;
+  TORCH_CHECK(!(m.affine && m.codes != nullptr), "fused_moe: ", name, " holds MXFP4 nibbles (float4_e2m1fn_x2), which ",
+              "take scales [E, G, N], but ", scales_name, " has minimums too: ", sc.sizes());
   TORCH_CHECK(sc.size(0) == m.E && sc.size(-1) == m.N && (!m.affine || sc.size(1) == 2), "fused_moe: ", scales_name,
               " has shape ", sc.sizes(), " but ", name, " needs [", m.E, ", G, ", m.N, "] or [", m.E, ", 2, G, ", m.N, "]");
   m.groups = sc.size(-2);
@@ -785,6 +797,7 @@ class Part {
         a.b_scale = s.up_scales + ch.e * s.up.scale_expert_stride() + 64 * g;
         a.b_scale_group_stride = s.up.N;
         if (s.up.affine) a.b_min = a.b_scale + s.up.min_offset();
+        a.b_codes = s.up.codes;
       }
       a.b = up_group(ch.e, g);
       a.prefetch_ahead = s.prefetch_ahead;
@@ -909,6 +922,7 @@ class Part {
             a.b_scale = s.down_scales + e * s.down.scale_expert_stride() + 16 * cb;
             a.b_scale_group_stride = s.down.N;
             if (s.down.affine) a.b_min = a.b_scale + s.down.min_offset();
+            a.b_codes = s.down.codes;
           }
           a.b = down_block_at(e, cb);
           a.prefetch_ahead = s.prefetch_ahead;
@@ -1258,8 +1272,8 @@ void run_call(WeightFormat fmt, const at::Tensor& hidden_in, const at::Tensor& i
                        " experts=" + std::to_string(now.experts());
     if (later) what += " later_pairs=" + std::to_string(later->pairs()) + " later_experts=" + std::to_string(later->experts());
     if (train != nullptr) what += " delta";  // fused_moe_with_delta
-    timer.print(what + " " + (fmt == WeightFormat::BF16 ? "bf16" : fmt == WeightFormat::INT8 ? "int8" : "int4") + " " +
-                ks.name);
+    const char* format = fmt == WeightFormat::BF16 ? "bf16" : fmt == WeightFormat::INT8 ? "int8" : up.codes ? "mxfp4" : "int4";
+    timer.print(what + " " + format + " " + ks.name);
   }
 }
 
@@ -1314,7 +1328,7 @@ at::Tensor fused_moe_with_delta(const at::Tensor& hidden, const at::Tensor& topk
                                 const std::optional<at::Tensor>& w13_bias, const std::optional<at::Tensor>& w2_bias) {
   const WeightFormat fmt = check_call(hidden, topk_ids, topk_weights, w13, w2);
   const int64_t T = hidden.size(0), K = topk_ids.size(1), n13 = w13.size(1) * 16;
-  const int64_t I = w2.size(2) * (w2.scalar_type() == at::kByte ? 8 : w2.size(4));
+  const int64_t I = w2.size(2) * (format_of(w2, "w2") == WeightFormat::INT4 ? 8 : w2.size(4));
   TORCH_CHECK(gate_up_delta.device().is_cpu() && gate_up_delta.is_floating_point() && gate_up_delta.dim() == 3 &&
                   gate_up_delta.size(0) == T && gate_up_delta.size(1) == K && gate_up_delta.size(2) == n13,
               "fused_moe_delta: gate_up_delta must be a float CPU tensor [T=", T, ", K=", K, ", ",

@@ -72,6 +72,8 @@ struct Packed {
   const uint8_t* data;
   const float* scales;  // [E, G, N] or nullptr
   int64_t E, N, K, G;
+  // INT4: the value of each nibble, u - 8, or MXFP4's code table (float4_e2m1fn_x2 weights: kernels::kMxfp4Codes)
+  int8_t nibble[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
   size_t expert_bytes() const {
     const size_t per = fmt == Fmt::BF16 ? 2 * 16 : fmt == Fmt::INT8 ? 16 : 8;  // bytes per 16-column block per K
     return static_cast<size_t>(N / 16) * K * per;
@@ -87,14 +89,16 @@ Packed describe_packed(const char* op, const at::Tensor& w, const std::optional<
     case at::kBFloat16: f = Fmt::BF16; per = 2; break;
     case at::kChar: f = Fmt::INT8; per = 4; break;
     case at::kByte: f = Fmt::INT4; per = 8; break;
+    case at::ScalarType::Float4_e2m1fn_x2: f = Fmt::INT4; per = 8; break;  // MXFP4 nibbles, decoded through the table
     default:
       TORCH_CHECK(false, op, ": ", name, " must be packed by kt.pack_bf16/pack_int8/pack_int4 (bfloat16, int8 or uint8 ",
-                  "for int4), got ", w.scalar_type());
+                  "for int4) or pack_quantized (float4_e2m1fn_x2 for MXFP4), got ", w.scalar_type());
   }
   TORCH_CHECK(w.dim() == 5 && w.size(3) == 16 && w.size(4) == (f == Fmt::BF16 ? 2 : 4) && w.is_contiguous(), op, ": ",
               name, " must be a contiguous packed tensor [E, N/16, K/", per, ", 16, ", f == Fmt::BF16 ? 2 : 4,
               "], got shape ", w.sizes());
   Packed p{f, static_cast<const uint8_t*>(w.data_ptr()), nullptr, w.size(0), w.size(1) * 16, w.size(2) * per, 1};
+  if (w.scalar_type() == at::ScalarType::Float4_e2m1fn_x2) std::memcpy(p.nibble, kernels::kMxfp4Codes, 16);
   if (f == Fmt::BF16) {
     TORCH_CHECK(!s.has_value(), op, ": bf16 weights take no scales, but ", scales_name, " was given");
     return p;
@@ -160,14 +164,14 @@ void decode_expert(const Packed& m, int64_t e, bool gate_up, T* out, int64_t nb0
             for (int64_t j = 0; j < 4; ++j) dst[4 * q + j] = static_cast<T>(static_cast<float>(blk[(q * 16 + c) * 4 + j]) * s);
           break;
         }
-        case Fmt::INT4: {  // [K/8][16][4] bytes: low nibble value 8o + j, high nibble 8o + 4 + j, both stored + 8
+        case Fmt::INT4: {  // [K/8][16][4] bytes: low nibble value 8o + j, high nibble 8o + 4 + j, values m.nibble[u]
           const uint8_t* blk = base + nb * (K / 2) * 16;
           for (int64_t o = 0; o < K / 8; ++o) {
             const float s = sc[(8 * o / gsize) * N + p];
             for (int64_t j = 0; j < 4; ++j) {
               const uint8_t b = blk[(o * 16 + c) * 4 + j];
-              dst[8 * o + j] = static_cast<T>(static_cast<float>(static_cast<int>(b & 0xf) - 8) * s);
-              dst[8 * o + 4 + j] = static_cast<T>(static_cast<float>(static_cast<int>(b >> 4) - 8) * s);
+              dst[8 * o + j] = static_cast<T>(static_cast<float>(m.nibble[b & 0xf]) * s);
+              dst[8 * o + 4 + j] = static_cast<T>(static_cast<float>(m.nibble[b >> 4]) * s);
             }
           }
           break;
@@ -219,7 +223,7 @@ void decode_expert_bf16(const Packed& m, int64_t e, bool gate_up, uint16_t* out,
         }
         break;
       }
-      case Fmt::INT4: {  // [K/8][16][4] bytes: low nibble value 8o + j, high nibble 8o + 4 + j, both stored + 8
+      case Fmt::INT4: {  // [K/8][16][4] bytes: low nibble value 8o + j, high nibble 8o + 4 + j, values m.nibble[u]
         const uint8_t* blk = base + nb * (K / 2) * 16;
         float s64[64];
         int64_t group = -1;
@@ -231,8 +235,8 @@ void decode_expert_bf16(const Packed& m, int64_t e, bool gate_up, uint16_t* out,
           const uint8_t* src = blk + o * 64;
           uint16_t lo[64], hi[64];
           for (int i = 0; i < 64; ++i) {
-            lo[i] = bf16_bits_rne(static_cast<float>(static_cast<int>(src[i] & 0xf) - 8) * s64[i]);
-            hi[i] = bf16_bits_rne(static_cast<float>(static_cast<int>(src[i] >> 4) - 8) * s64[i]);
+            lo[i] = bf16_bits_rne(static_cast<float>(m.nibble[src[i] & 0xf]) * s64[i]);
+            hi[i] = bf16_bits_rne(static_cast<float>(m.nibble[src[i] >> 4]) * s64[i]);
           }
           for (int c = 0; c < 16; ++c) {
             std::memcpy(dst + c * K + 8 * o, lo + 4 * c, 8);
@@ -573,7 +577,8 @@ std::tuple<at::Tensor, at::Tensor> fused_moe_delta(const at::Tensor& hidden, con
   if (hd == at::kBFloat16 || hd == at::kHalf) {  // the packed kernels: kt::fused_moe's path with the deltas added
     TORCH_CHECK(topk_ids.dim() == 2, op, ": topk_ids must be [T, K], got shape ", topk_ids.sizes());
     TORCH_CHECK(w2.dim() == 5, op, ": w2 must be a packed tensor [E, H/16, I/per, 16, per], got shape ", w2.sizes());
-    const int64_t I = w2.size(2) * (w2.scalar_type() == at::kByte ? 8 : w2.size(4));
+    const bool nibbles = w2.scalar_type() == at::kByte || w2.scalar_type() == at::ScalarType::Float4_e2m1fn_x2;
+    const int64_t I = w2.size(2) * (nibbles ? 8 : w2.size(4));
     at::Tensor h = at::empty({topk_ids.size(0), topk_ids.size(1), I}, hidden.options().memory_format(at::MemoryFormat::Contiguous));
     at::Tensor out = fused_moe_with_delta(hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales, activation,
                                           gate_up_delta, h, w13_bias, w2_bias);

@@ -55,9 +55,10 @@ Format format_of(const at::Tensor& w) {
     case at::kBFloat16: return {"bf16", 2};
     case at::kChar: return {"int8", 4};
     case at::kByte: return {"int4", 8};
+    case at::ScalarType::Float4_e2m1fn_x2: return {"mxfp4", 8};  // the int4 layout, nibbles that are MXFP4 codes
     default:
       TORCH_CHECK(false, "numa_split_experts: w13 must be packed by kt.pack_bf16/pack_int8/pack_int4 (bfloat16, int8 ",
-                  "or uint8), got ", w.scalar_type());
+                  "or uint8) or pack_quantized (float4_e2m1fn_x2 for MXFP4), got ", w.scalar_type());
   }
 }
 
@@ -214,7 +215,7 @@ numa_split_experts(const at::Tensor& w13_in, const std::optional<at::Tensor>& s1
                 "numa_split_experts: w2_scales must be float32 [E=", E, ", G, H=", H, "] with G dividing I=", I, ", got ",
                 s2.scalar_type(), " ", s2.sizes());
     // int4, and grouped int8 (GGUF Q8_0/Q6_K kept exact): slices hold whole groups of the down scales
-    if (w13_in.scalar_type() == at::kByte || s2.size(1) > 1) unit = std::lcm<int64_t>(32, I / s2.size(1));
+    if (f.k_per_index == 8 || s2.size(1) > 1) unit = std::lcm<int64_t>(32, I / s2.size(1));
   }
   const std::vector<int64_t> b = slice_bounds(I, unit, n, f.name);
   const at::Tensor w13 = w13_in.contiguous(), w2 = w2_in.contiguous();

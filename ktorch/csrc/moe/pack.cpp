@@ -19,6 +19,7 @@
 #include <limits>
 #include <vector>
 
+#include "../kernels/kernels.h"
 #include "../runtime/memory.h"
 
 namespace kt::moe {
@@ -241,8 +242,10 @@ at::Tensor unpack(const at::Tensor& packed, const std::optional<at::Tensor>& sca
     TORCH_CHECK(packed.size(4) == 2, "unpack: bf16 packed weights must end in [16, 2], got ", packed.sizes());
     w = from_lanes(packed).to(at::kFloat);
   } else {
-    TORCH_CHECK(dtype == at::kChar || dtype == at::kByte,
-                "unpack: packed weights must be bfloat16, int8 or uint8 (int4), got ", dtype);
+    const bool mxfp4 = dtype == at::ScalarType::Float4_e2m1fn_x2;  // int4 layout, nibbles through kMxfp4Codes
+    TORCH_CHECK(dtype == at::kChar || dtype == at::kByte || mxfp4,
+                "unpack: packed weights must be bfloat16, int8, uint8 (int4) or float4_e2m1fn_x2 (MXFP4 nibbles), got ",
+                dtype);
     TORCH_CHECK(packed.size(4) == 4, "unpack: quantized packed weights must end in [16, 4], got ", packed.sizes());
     TORCH_CHECK(scales.has_value(), "unpack: quantized packed weights need their scales");
     const at::Tensor& s = *scales;
@@ -259,9 +262,17 @@ at::Tensor unpack(const at::Tensor& packed, const std::optional<at::Tensor>& sca
                   "multiple of 16 input channels, got ", s.sizes(), " for K=", K);
       w = from_lanes(packed).to(at::kFloat);
     } else {
-      at::Tensor lo = packed.bitwise_and(0xf), hi = packed.bitwise_right_shift(4);
-      at::Tensor q = at::stack({lo, hi}, 3).to(at::kFloat);  // [E, N/16, K/8, 2, 16, 4]
-      if (!affine) q.sub_(8);
+      TORCH_CHECK(!(mxfp4 && affine), "unpack: MXFP4 nibbles take scales [E, G, N], got ", s.sizes());
+      const at::Tensor bytes = mxfp4 ? packed.view(at::kByte) : packed;
+      at::Tensor lo = bytes.bitwise_and(0xf), hi = bytes.bitwise_right_shift(4);
+      at::Tensor q = at::stack({lo, hi}, 3);  // [E, N/16, K/8, 2, 16, 4]
+      if (mxfp4) {
+        const at::Tensor table = at::from_blob(const_cast<int8_t*>(kernels::kMxfp4Codes), {16}, at::kChar);
+        q = table.to(at::kFloat).index_select(0, q.reshape({-1}).to(at::kLong)).reshape(q.sizes());
+      } else {
+        q = q.to(at::kFloat);
+        if (!affine) q.sub_(8);
+      }
       w = q.permute({0, 1, 4, 2, 3, 5}).reshape({E, N, K});
     }
     const at::Tensor scale = affine ? s.select(1, 0) : s;

@@ -5,6 +5,7 @@
 //   int4: per group g: acc_g = TDPBSSD(A, B_g), B_g = the nibbles unpacked to q - 8 (signed, [-8, 7]) in a
 //         thread-local buffer;  C = s_x[m] * sum_g acc_g * s_w[g][n]
 //   affine int4 (b_min, GGUF Q4_K): acc_g as above, then C += s_x[m] * ((acc_g + 8 sum_g(x)) * s_w[g][n] - sum_g(x) * min[g][n])
+//   coded int4 (b_codes, MXFP4): B_g = codes[nibble] (a byte shuffle of the table), otherwise as symmetric int4
 // Signed int8 x signed int8 needs no unsigned offset, so a_gsum is read only by affine int4.
 // Grouped/affine int8 (GGUF Q8_0, Q6_K, Q5_K) go to the AVX-512 kernel (gemm_amx).
 // The int8/int4 results equal the AVX-512 kernels' bit for bit (same integer sums, same fp32 operations in
@@ -354,14 +355,23 @@ void dense_block(const GemmArgs& a, const ARows& ar, const Block& blk, const uin
 }
 
 // ---------------------------------------------------------------- int4
+// The signed tile byte each nibble becomes, in each 128-bit lane (for _mm512_shuffle_epi8): the code table
+// (b_codes: MXFP4), or u - 8 (symmetric, and affine, whose epilogue adds the 8 back).
+inline __m512i int4_table(const GemmArgs& a) {
+  alignas(16) int8_t t[16];
+  for (int u = 0; u < 16; ++u) t[u] = a.b_codes != nullptr ? a.b_codes[u] : static_cast<int8_t>(u - 8);
+  return _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(t)));
+}
+
 // Unpacks `lines` int4 lines (64 bytes: 8 k of 16 columns) into 2 * lines int8 tile rows: line o gives row
-// 2o (its low nibbles, k = 8o..8o+3) and row 2o + 1 (its high nibbles, k = 8o+4..8o+7), each as q - 8.
-inline void unpack_int4(const uint8_t* src, int lines, uint8_t* dst) {
-  const __m512i low = _mm512_set1_epi8(0x0f), eight = _mm512_set1_epi8(8);
+// 2o (its low nibbles, k = 8o..8o+3) and row 2o + 1 (its high nibbles, k = 8o+4..8o+7), each as table[u]
+// (int4_table: q - 8, or the code).
+inline void unpack_int4(const uint8_t* src, int lines, uint8_t* dst, __m512i table) {
+  const __m512i low = _mm512_set1_epi8(0x0f);
   for (int o = 0; o < lines; ++o) {
     const __m512i v = _mm512_loadu_si512(src + o * 64);
-    _mm512_store_si512(dst + 128 * o, _mm512_sub_epi8(_mm512_and_si512(v, low), eight));
-    _mm512_store_si512(dst + 128 * o + 64, _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), eight));
+    _mm512_store_si512(dst + 128 * o, _mm512_shuffle_epi8(table, _mm512_and_si512(v, low)));
+    _mm512_store_si512(dst + 128 * o + 64, _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), low)));
   }
 }
 
@@ -385,14 +395,15 @@ void int4_block(const GemmArgs& a, const ARows& ar, const Block& blk, uint8_t* u
   const int rows = std::min(16 * RA, a.M - 16 * blk.g0);
   for (int r = 0; r < rows; ++r)
     for (int j = 0; j < RB; ++j) _mm512_store_ps(acc + r * 32 + 16 * j, _mm512_setzero_ps());
+  const __m512i table = int4_table(a);
 
   for (int64_t g = 0; g < a.K / a.group_size; ++g) {
     zero_c<RA, RB>();
     for (int64_t s = g * group_steps; s < (g + 1) * group_steps; ++s) {
       prefetch_step<RB>(a, blk, s, packed0, packed1, kPackedStep);
       if (blk.unpack) {
-        unpack_int4(packed0 + s * kPackedStep, kDepth / 8, u0 + s * kUnpackedStep);
-        if constexpr (RB > 1) unpack_int4(packed1 + s * kPackedStep, kDepth / 8, u1 + s * kUnpackedStep);
+        unpack_int4(packed0 + s * kPackedStep, kDepth / 8, u0 + s * kUnpackedStep, table);
+        if constexpr (RB > 1) unpack_int4(packed1 + s * kPackedStep, kDepth / 8, u1 + s * kUnpackedStep, table);
         KTAMX_COMPILER_BARRIER();
       }
       tile_step<false, RA, RB>(a0 + s * kDepth, sa0, a1 + s * kDepth, sa1, u0 + s * kUnpackedStep,

@@ -9,6 +9,8 @@
 //   grouped int8 (groups of 16/32, GGUF Q8_0/Q6_K): per group acc_g += dpbusd(W ^ 0x80, x_quad),
 //         acc += (acc_g - 128 * sum_g(x)) * s_w[g], then * s_x
 //   affine int8/int4 (b_min: GGUF Q5_K/Q4_K): the same without the int4 -8, and acc -= sum_g(x) * min[g] per group
+//   coded int4 (b_codes: MXFP4): the nibble shuffled through the table to codes[u] + offset (unsigned), the offset
+//         removed as the -8 is: acc += (acc_g - offset * sum_g(x)) * s_w[g]
 // With M = 1 (decode) the kernels stream each block's weights once, front to back; the driver keeps
 // enough blocks in flight across threads to saturate DRAM.
 #include <immintrin.h>
@@ -235,7 +237,9 @@ void int8g_tile(const GemmArgs& a, int m0, int b0, int64_t k0, int64_t k1, const
 // ---------------------------------------------------------------- int4
 
 // kAffine (b_min set): the nibbles are the codes u themselves (no -8) and each group subtracts min * sum_g(x).
-template <int MR, int NR, bool kPrefetch, bool kAffine>
+// kCoded (b_codes set): each nibble becomes codes[u] + offset (one in-lane byte shuffle of the table, offset =
+// code_offset(codes), so the operand is unsigned) and the group removes offset * sum_g(x), as for the -8.
+template <int MR, int NR, bool kPrefetch, bool kAffine, bool kCoded>
 void int4_tile(const GemmArgs& a, int m0, int b0, int64_t k0, int64_t k1, const Prefetch& pf) {
   __m512 acc[MR][NR];
   for (int r = 0; r < MR; ++r)
@@ -246,6 +250,14 @@ void int4_tile(const GemmArgs& a, int m0, int b0, int64_t k0, int64_t k1, const 
   const uint8_t* w[NR];
   for (int b = 0; b < NR; ++b) w[b] = a.b + (b0 + b) * a.b_block_stride;
   const __m512i low = _mm512_set1_epi8(0x0f);
+  int32_t offset = kAffine ? 0 : 8;
+  __m512i table = _mm512_setzero_si512();
+  if constexpr (kCoded) {
+    offset = code_offset(a.b_codes);
+    alignas(16) uint8_t t[16];
+    for (int u = 0; u < 16; ++u) t[u] = static_cast<uint8_t>(a.b_codes[u] + offset);
+    table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(t)));
+  }
   const int64_t octs = a.group_size / 8;
   Prefetch::Cursor next = pf.cursor();
   // Few rows (decode): the low and high nibbles go to separate accumulators, so each accumulator takes one
@@ -266,8 +278,12 @@ void int4_tile(const GemmArgs& a, int m0, int b0, int64_t k0, int64_t k1, const 
       prefetch_ahead<NR>(w, o, pf.ahead);
       for (int b = 0; b < NR; ++b) {
         const __m512i v = _mm512_loadu_si512(w[b] + o * 64);
-        const __m512i lo = _mm512_and_si512(v, low);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        __m512i lo = _mm512_and_si512(v, low);
+        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        if constexpr (kCoded) {
+          lo = _mm512_shuffle_epi8(table, lo);
+          hi = _mm512_shuffle_epi8(table, hi);
+        }
         for (int r = 0; r < MR; ++r) {
           gacc[r][b] = dpbusd(gacc[r][b], lo, _mm512_set1_epi32(load_i32(x[r] + 8 * o)));
           if constexpr (kSplitNibbles) {
@@ -282,7 +298,7 @@ void int4_tile(const GemmArgs& a, int m0, int b0, int64_t k0, int64_t k1, const 
       for (int r = 0; r < MR; ++r)
         for (int b = 0; b < NR; ++b) gacc[r][b] = _mm512_add_epi32(gacc[r][b], gacc_hi[r][b]);
     }
-    group_epilogue<MR, NR, kAffine>(a, m0, b0, g, kAffine ? 0 : 8, gacc, acc);
+    group_epilogue<MR, NR, kAffine>(a, m0, b0, g, offset, gacc, acc);
   }
   for (int r = 0; r < MR; ++r) {
     const __m512 xs = _mm512_set1_ps(k1 < a.K ? 1.0f : a.a_scale[m0 + r]);
@@ -366,11 +382,14 @@ template <int R, int B> struct Int4Tile {
   static void run(const GemmArgs& a, int m0, int b0, int64_t k0, int64_t k1, const Prefetch& pf) {
     const bool pre = pf.l1 > pf.l0;
     if (a.b_min != nullptr) {
-      if (pre) int4_tile<R, B, true, true>(a, m0, b0, k0, k1, pf);
-      else int4_tile<R, B, false, true>(a, m0, b0, k0, k1, pf);
+      if (pre) int4_tile<R, B, true, true, false>(a, m0, b0, k0, k1, pf);
+      else int4_tile<R, B, false, true, false>(a, m0, b0, k0, k1, pf);
+    } else if (a.b_codes != nullptr) {
+      if (pre) int4_tile<R, B, true, false, true>(a, m0, b0, k0, k1, pf);
+      else int4_tile<R, B, false, false, true>(a, m0, b0, k0, k1, pf);
     } else {
-      if (pre) int4_tile<R, B, true, false>(a, m0, b0, k0, k1, pf);
-      else int4_tile<R, B, false, false>(a, m0, b0, k0, k1, pf);
+      if (pre) int4_tile<R, B, true, false, false>(a, m0, b0, k0, k1, pf);
+      else int4_tile<R, B, false, false, false>(a, m0, b0, k0, k1, pf);
     }
   }
 };

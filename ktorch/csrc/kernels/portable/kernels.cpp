@@ -1,8 +1,9 @@
 // Portable kernels: plain C++ over the packed layouts described in kernels.h, compiled for the baseline
 // x86-64 ISA (any CPU runs them). They define the arithmetic every faster kernel must reproduce:
 // fp32 accumulation of bf16 products; int32 accumulation of int8 products with the weights offset to
-// unsigned (+128 for int8, +8 for symmetric int4) and the offset removed through the activation group sums; the
-// affine formats' minimums subtracted per group as min * (group sum of the quantized activations).
+// unsigned (+128 for int8, +8 for symmetric int4, code_offset for coded int4: MXFP4) and the offset removed through
+// the activation group sums; the affine formats' minimums subtracted per group as min * (group sum of the quantized
+// activations).
 // Speed is not their purpose: they are the path of last resort and the executable specification.
 #include <algorithm>
 #include <cmath>
@@ -110,10 +111,28 @@ void gemm_int8(const GemmArgs& a) {
   else gemm_int8_grouped(a);
 }
 
-// int4: symmetric, (u - 8) * s per group; affine (b_min), u * s - min per group. A group sums the nibbles u times x
-// over its octs (low nibbles the first 4 of 8 inputs, high nibbles the last 4).
+// int4: symmetric, (u - 8) * s per group; affine (b_min), u * s - min per group; coded (b_codes), codes[u] * s per
+// group, summed as (codes[u] + offset) * x with offset = code_offset(codes) (the unsigned operand the AVX-512 kernel
+// makes). A group sums the nibbles u (or their offset codes) times x over its octs (low nibbles the first 4 of 8
+// inputs, high nibbles the last 4).
 void gemm_int4(const GemmArgs& a) {
   const int64_t octs_per_group = a.group_size / 8;
+  if (a.b_codes != nullptr) {
+    const int32_t offset = code_offset(a.b_codes);
+    int32_t value[16];
+    for (int u = 0; u < 16; ++u) value[u] = a.b_codes[u] + offset;
+    gemm_grouped(a, offset, [&](const uint8_t* w, const int8_t* x, int64_t g, int32_t* gacc) {
+      for (int64_t o = g * octs_per_group; o < (g + 1) * octs_per_group; ++o) {
+        const uint8_t* wo = w + o * 64;
+        for (int c = 0; c < 16; ++c)
+          for (int j = 0; j < 4; ++j) {
+            const uint8_t v = wo[4 * c + j];
+            gacc[c] += value[v & 0xf] * x[8 * o + j] + value[v >> 4] * x[8 * o + 4 + j];
+          }
+      }
+    });
+    return;
+  }
   gemm_grouped(a, a.b_min != nullptr ? 0 : 8, [&](const uint8_t* w, const int8_t* x, int64_t g, int32_t* gacc) {
     for (int64_t o = g * octs_per_group; o < (g + 1) * octs_per_group; ++o) {
       const uint8_t* wo = w + o * 64;

@@ -1,7 +1,8 @@
 // Checks the AMX gemm kernels (amx/kernels.cpp) against a scalar double reference and against the AVX-512
 // kernels, over the calls the fused-MoE driver makes and their edges: M 1..100 (tile walks of 1-4 row
 // groups, partial groups, calls cut at 64 rows), nblocks 1-4, K with and without a 64-deep int8 tail,
-// int4 groups of 32/64/128, activation rows evenly strided (tile-loaded in place) or gathered (copied),
+// int4 groups of 32/64/128 (and int4 whose nibbles are MXFP4 codes, GemmArgs::b_codes), activation rows evenly
+// strided (tile-loaded in place) or gathered (copied),
 // and the output rows/columns a call must leave alone, under the format's tile walk (bf16/int8 'rows', M up to
 // 300 for the walks of 256 rows; int4 'pairs'), and (emulated) that the weight prefetches stay inside the weights
 // and cover what each walk fetches ahead.
@@ -76,6 +77,7 @@ struct Problem {
   int M, nblocks, total_blocks;
   int64_t K, group;  // group: int4 group size; K for int8
   bool strided;
+  bool coded = false;             // int4 with MXFP4's code table (GemmArgs::b_codes): w holds the codes' values
   std::vector<int> w;             // W[n][k] codes (bf16: the bf16 bits), n < 16 * total_blocks
   std::vector<uint8_t> packed;    // exactly the packed bytes
   std::vector<float> wscale;      // [G][N]
@@ -87,9 +89,10 @@ struct Problem {
   int64_t N() const { return 16 * total_blocks; }
 };
 
-Problem make_problem(WeightFormat f, int M, int64_t K, int nblocks, int64_t group, bool strided) {
+Problem make_problem(WeightFormat f, int M, int64_t K, int nblocks, int64_t group, bool strided, bool coded = false) {
   Problem p;
   p.f = f;
+  p.coded = coded;
   p.M = M;
   p.K = K;
   p.nblocks = nblocks;
@@ -98,9 +101,12 @@ Problem make_problem(WeightFormat f, int M, int64_t K, int nblocks, int64_t grou
   p.strided = strided;
   const int64_t N = p.N(), G = p.G();
   p.w.resize(N * K);
-  for (auto& v : p.w) {
+  std::vector<uint8_t> nibbles(coded ? N * K : 0);  // coded: the nibble of each weight, w its code's value
+  for (size_t i = 0; i < p.w.size(); ++i) {
+    int& v = p.w[i];
     if (f == WeightFormat::BF16) v = to_bf16(rand_float(-1, 1));
     else if (f == WeightFormat::INT8) v = rand_int(-127, 127);
+    else if (coded) v = kMxfp4Codes[nibbles[i] = static_cast<uint8_t>(rand_int(0, 15))];
     else v = rand_int(-8, 7);
   }
   const size_t bb = block_bytes(f, K);
@@ -117,7 +123,7 @@ Problem make_problem(WeightFormat f, int M, int64_t K, int nblocks, int64_t grou
         blk[((k / 4) * 16 + c) * 4 + k % 4] = static_cast<uint8_t>(static_cast<int8_t>(v));
       } else {
         uint8_t& byte = blk[((k / 8) * 16 + c) * 4 + k % 4];
-        const uint8_t nib = static_cast<uint8_t>(v + 8);
+        const uint8_t nib = coded ? nibbles[n * K + k] : static_cast<uint8_t>(v + 8);
         byte = (k % 8) < 4 ? static_cast<uint8_t>((byte & 0xf0) | nib) : static_cast<uint8_t>((byte & 0x0f) | (nib << 4));
       }
     }
@@ -218,6 +224,7 @@ std::vector<float> run(const Problem& p, GemmFn fn, int64_t ldc, int extra_rows,
     a.b_scale_group_stride = p.N();
     a.b_scale_block_stride = 16;
   }
+  if (p.coded) a.b_codes = kMxfp4Codes;
   a.b = p.packed.data() + first * block_bytes(p.f, p.K);
   a.b_block_stride = block_bytes(p.f, p.K);
   a.nblocks = p.nblocks;
@@ -285,8 +292,8 @@ std::string check_prefetches(const Problem& p, const std::vector<uint8_t>& next,
 }
 #endif
 
-void check_case(WeightFormat f, int M, int64_t K, int nblocks, int64_t group, bool strided) {
-  const Problem p = make_problem(f, M, K, nblocks, group, strided);
+void check_case(WeightFormat f, int M, int64_t K, int nblocks, int64_t group, bool strided, bool coded = false) {
+  const Problem p = make_problem(f, M, K, nblocks, group, strided, coded);
   const int64_t cols = 16 * nblocks, ldc = cols + 16;
   std::vector<uint8_t> next(block_bytes(f, K) * nblocks, 0);  // the caller's next call's weights
   std::vector<uint8_t> next_a(static_cast<size_t>(M) * 40 + 17, 0);  // its A rows (a length that ends mid-line)
@@ -334,7 +341,8 @@ void check_case(WeightFormat f, int M, int64_t K, int nblocks, int64_t group, bo
   const bool exact = f == WeightFormat::BF16 || worst_vs_avx == 0.0;
   if (worst > 1.0 || !untouched || !exact || !prefetch_error.empty()) {
     ++failures;
-    std::printf("FAIL %s M=%d K=%lld nblocks=%d group=%lld %s: error/bound %.3g, |amx-avx512| max %.3g%s%s%s\n", name(f),
+    std::printf("FAIL %s%s M=%d K=%lld nblocks=%d group=%lld %s: error/bound %.3g, |amx-avx512| max %.3g%s%s%s\n", name(f),
+                coded ? " (MXFP4 codes)" : "",
                 M, static_cast<long long>(K), nblocks, static_cast<long long>(group), strided ? "strided" : "gathered",
                 worst, worst_vs_avx, untouched ? "" : ", wrote outside its rows/columns",
                 prefetch_error.empty() ? "" : ", ", prefetch_error.c_str());
@@ -361,7 +369,8 @@ int check_walks() {
           ++cases;
         }
         check_case(WeightFormat::INT4, M, 96, nb, 32, strided);
-        ++cases;
+        check_case(WeightFormat::INT4, M, 96, nb, 32, strided, true);  // MXFP4's codes through the table
+        cases += 2;
       }
   // a driver-sized reduction for each format (int8 with its 32-deep tail)
   for (int M : {7, 37, 64, 130}) {
@@ -383,7 +392,8 @@ void check_all() {
   for (int M : {1, 3, 4, 9}) {
     check_case(WeightFormat::INT8, M, 128, 2, 0, false);
     check_case(WeightFormat::INT4, M, 128, 2, 64, true);
-    cases += 2;
+    check_case(WeightFormat::INT4, M, 128, 2, 32, false, true);
+    cases += 3;
   }
   std::printf("%d cases, %d failed\n", cases, failures);
 }
