@@ -45,6 +45,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 CACHE_BUCKET = 256  # static cache lengths are rounded up to this, so that calls of similar lengths share a capture
 
@@ -148,19 +149,11 @@ def _vocab_size(model: nn.Module) -> int:
 # on a new length against 0.9 ms on a repeated one; a 2048-token warm-up left a 512-token prompt 55-80 ms of such
 # first uses). Flash and memory-efficient attention need no plan. The decode step is captured once per cache and
 # keeps torch's own order. (Branch exp-sdpa: to be measured by benchmarks/device_sdpa.sh before it is merged.)
-_PREFILL_SDPA = None
+_PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def prefill_attention():
-    """A context in which SDPA calls skip cuDNN attention (``_PREFILL_SDPA``); a no-op where torch has no
-    ``sdpa_kernel``."""
-    global _PREFILL_SDPA
-    try:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-    except ImportError:  # pragma: no cover - every supported torch has it
-        return contextlib.nullcontext()
-    if _PREFILL_SDPA is None:
-        _PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    """A context in which SDPA calls skip cuDNN attention (``_PREFILL_SDPA``, in that order)."""
     return sdpa_kernel(_PREFILL_SDPA, set_priority=True)
 
 
