@@ -45,6 +45,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 CACHE_BUCKET = 256  # static cache lengths are rounded up to this, so that calls of similar lengths share a capture
 
@@ -141,6 +142,21 @@ def _vocab_size(model: nn.Module) -> int:
     return config.get_text_config().vocab_size if hasattr(config, "get_text_config") else config.vocab_size
 
 
+# SDPA backends for an eager prefill, in order: every fused backend but cuDNN's. On sm90/sm100 with cuDNN >= 9.15, torch
+# (2.11+) puts cuDNN attention first; for a call with a mask (a static cache's prefill has one) it builds an execution
+# plan per new shape (batch, query and key lengths, strides: ATen's MHA.cpp plan cache), tens of ms each: a prompt of
+# a length not seen before paid it in its first layer (device, H200, 12-layer Q8_0 file: "attention, layer 0" 54.6 ms
+# on a new length against 0.9 ms on a repeated one; a 2048-token warm-up left a 512-token prompt 55-80 ms of such
+# first uses). Flash and memory-efficient attention need no plan. The decode step is captured once per cache and
+# keeps torch's own order. (Branch exp-sdpa: to be measured by benchmarks/device_sdpa.sh before it is merged.)
+_PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def prefill_attention():
+    """A context in which SDPA calls skip cuDNN attention (``_PREFILL_SDPA``, in that order)."""
+    return sdpa_kernel(_PREFILL_SDPA, set_priority=True)
+
+
 class Decoder:
     """A static KV cache of ``max_len`` tokens for ``model`` and its decode step (captured as a CUDA graph on a GPU).
 
@@ -173,7 +189,8 @@ class Decoder:
         if self.seen is not None:
             self.seen.zero_()
             self.seen[ids[0]] = True
-        logits = self._forward(ids, positions)
+        with prefill_attention():
+            logits = self._forward(ids, positions)
         nxt = sample_next(logits, self.sampling, self.seen, self.generator)
         self.token.copy_(nxt[None])
         self.position.fill_(ids.shape[1])

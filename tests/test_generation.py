@@ -335,3 +335,21 @@ def test_captured_sampling_is_seeded():
     b = generate(model, ids, 24, temperature=1.2, top_p=0.9, seed=3).ids
     c = generate(model, ids, 24, temperature=1.2, top_p=0.9, seed=4).ids
     assert a == b and a != c
+
+
+def test_prefill_attention_skips_cudnn_and_restores():
+    """The prefill's SDPA context leaves cuDNN attention out (its plans are built per new shape) and puts the
+    process's backends back after, exceptions included; flash, memory-efficient and math stay on."""
+    import torch.backends.cuda as cb
+
+    from ktorch.generation import prefill_attention
+
+    before = (cb.cudnn_sdp_enabled(), cb.flash_sdp_enabled(), cb.mem_efficient_sdp_enabled(), cb.math_sdp_enabled())
+    with prefill_attention():
+        assert not cb.cudnn_sdp_enabled()
+        assert cb.flash_sdp_enabled() and cb.mem_efficient_sdp_enabled() and cb.math_sdp_enabled()
+    assert (cb.cudnn_sdp_enabled(), cb.flash_sdp_enabled(), cb.mem_efficient_sdp_enabled(), cb.math_sdp_enabled()) == before
+    with pytest.raises(RuntimeError):
+        with prefill_attention():
+            raise RuntimeError("inside")
+    assert cb.cudnn_sdp_enabled() == before[0]

@@ -383,7 +383,13 @@ class ServeEngine:
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()
-            compute(model, batch_data)
+            if mode == "eager":  # prompt chunks of new lengths: SDPA without cuDNN's per-shape plans (generation.py)
+                from ktorch.generation import prefill_attention
+
+                with prefill_attention():
+                    compute(model, batch_data)
+            else:
+                compute(model, batch_data)
             self.graph_replays += mode == "replay"
             self.graph_captures += mode == "capture"
             if self.config.step_stats and mode == "capture":
