@@ -100,14 +100,14 @@ def _packed_rows(packed: torch.Tensor, gate_up: bool) -> tuple:
 
 
 def _unpack_one(packed: torch.Tensor, scales: Optional[torch.Tensor], gate_up: bool) -> tuple:
-    if packed.dim() != 5 or packed.shape[3] != 16 or packed.shape[4] != 4:
+    if packed.dim() != 5 or packed.shape[3] != 16:
         raise ValueError(f"rows_from_packed: packed must be [n, N/16, K/4, 16, 4] (int8) or [n, N/16, K/8, 16, 4] "
                          f"(int4), got {tuple(packed.shape)}")
     n, N = packed.shape[0], packed.shape[1] * 16
     fmt = _packed_format(packed, scales)
     K = packed.shape[2] * (4 if packed.dtype == torch.int8 else 8)
     tail = None if fmt is None else (scales.shape[1:3] if fmt[1] else scales.shape[1:2])
-    if fmt is None or scales.shape[0] != n or scales.shape[-1] != N or K % scales.shape[-2] or (
+    if fmt is None or packed.shape[4] != 4 or scales.shape[0] != n or scales.shape[-1] != N or K % scales.shape[-2] or (
             fmt[0] == 4 and (K // scales.shape[-2]) % 8):
         raise ValueError(f"rows_from_packed: the row layout takes int8 or int4 packed experts with float32 scales "
                          f"[n={n}, G, N={N}] (or [n, 2, G, N] with minimums), G dividing K={K} (int4: into groups of "
