@@ -65,10 +65,12 @@ def _experts(fmt, group_size, n=6, H=128, I=64, seed=0):
     they were packed from (``pack_quantized``, as the exact GGUF types load): [(c13, s13, m13), (c2, s2, m2)]."""
     torch.manual_seed(seed)
     if fmt == "q4_k_m":
-        (w13, source13), (w2, source2) = _codes("q4_k", group_size, n, 2 * I, H, True), _codes("int8", 16, n, H, I, False)
+        (w13, source13), (w2, source2) = (_codes("q4_k", group_size, n, 2 * I, H, True),
+                                          _codes("int8", 16, n, H, I, False))
         return (*w13, *w2), [source13, source2]
     if fmt in CODES and not (fmt == "int8" and group_size is None):
-        (w13, source13), (w2, source2) = _codes(fmt, group_size, n, 2 * I, H, True), _codes(fmt, group_size, n, H, I, False)
+        (w13, source13), (w2, source2) = (_codes(fmt, group_size, n, 2 * I, H, True),
+                                          _codes(fmt, group_size, n, H, I, False))
         return (*w13, *w2), [source13, source2]
     packed = ktorch.pack_experts(torch.randn(n, 2 * I, H) / H**0.5, torch.randn(n, H, I) / I**0.5, fmt, group_size)
     return packed.tensors()[:4], None
@@ -152,7 +154,8 @@ def test_which_residents_take_the_row_layout(monkeypatch):
     assert not row_layout_applies(*bf16, cuda)
     for fmt, group_size in FORMATS:
         other = _experts(fmt, group_size)[0]
-        assert not row_layout_applies(*other[:2], *bf16[2:], cuda) and not row_layout_applies(*bf16[:2], *other[2:], cuda)
+        assert not row_layout_applies(*other[:2], *bf16[2:], cuda)
+        assert not row_layout_applies(*bf16[:2], *other[2:], cuda)
     int4, q4_k = _experts("int4", 32)[0], _experts("q4_k", 32)[0]
     assert row_layout_applies(*int4[:2], *q4_k[2:], cuda) and row_layout_applies(*q4_k[:2], *int4[2:], cuda)
     monkeypatch.setattr(triton_experts, "triton_available", lambda: False)
@@ -343,23 +346,23 @@ def test_kernels_decode_a_model_like_the_packed_path(monkeypatch, experts_dtype)
 # ---------------------------------------------------------------- CUDA: the Triton kernels
 
 
-KERNEL_CASES = [  # format, group, activation, T, K, H, I; the scales mode each projection's tile takes in brackets
+KERNEL_CASES = [  # format, group, activation, T, K, H, I (small: Triton's interpreter runs them on CPU tensors too)
     ("int8", None, "silu", 1, 8, 256, 128),  # per channel (a group spanning tiles)
-    ("int8", 32, "silu", 3, 4, 512, 192),  # whole groups per tile
-    ("int8", None, "silu", 2, 8, 512, 192),  # per channel: gate/up spanning tiles, down a scale per element
-    ("int8", 16, "silu", 4, 8, 256, 256),
-    ("int8", 32, "gelu", 3, 4, 512, 192),
-    ("int8", 32, "gelu_tanh", 3, 4, 512, 192),
-    ("int8", None, "relu", 2, 8, 256, 128),
+    ("int8", 32, "silu", 3, 2, 256, 96),  # whole groups per tile
+    ("int8", None, "silu", 2, 4, 256, 96),  # per channel: gate/up spanning tiles, down a scale per element
+    ("int8", 16, "silu", 4, 2, 256, 128),
+    ("int8", 32, "gelu", 3, 2, 160, 96),
+    ("int8", 32, "gelu_tanh", 3, 2, 160, 96),
+    ("int8", None, "relu", 2, 4, 256, 128),
     ("int4", 32, "silu", 1, 8, 256, 128),  # int4 (pack_experts) per 32: whole groups per tile
-    ("int4", 128, "silu", 4, 4, 384, 128),  # per 128, odd H (not a whole tile)
-    ("q4_0", 32, "gelu", 4, 4, 160, 96),  # odd sizes
+    ("int4", 128, "silu", 4, 2, 384, 128),  # per 128, odd H (not a whole tile)
+    ("q4_0", 32, "gelu", 4, 2, 160, 96),  # odd sizes
     ("q4_k", 32, "silu", 1, 8, 160, 96),
-    ("q4_k", 32, "gelu_tanh", 4, 4, 256, 128),
-    ("q4_k", 96, "silu", 4, 4, 192, 96),  # affine, a scale per element (48-byte groups)
+    ("q4_k", 32, "gelu_tanh", 4, 2, 256, 128),
+    ("q4_k", 96, "silu", 4, 2, 192, 96),  # affine, a scale per element (48-byte groups)
     ("q4_0", 256, "relu", 1, 4, 512, 256),  # 4-bit, a group spanning whole tiles (128 bytes)
-    ("q5_k", 32, "silu", 4, 4, 192, 96),
-    ("q4_k_m", 32, "relu", 4, 4, 192, 64),  # Q4_K gate/up, Q6_K-style int8 per 16 down
+    ("q5_k", 32, "silu", 4, 2, 192, 96),
+    ("q4_k_m", 32, "relu", 4, 2, 192, 64),  # Q4_K gate/up, Q6_K-style int8 per 16 down
 ]
 
 
@@ -387,7 +390,8 @@ def test_kernels_match_a_float64_reference(fmt, group_size, activation, T, K, H,
     packed_error = relative_error(packed_experts_forward(hidden, slots, weights, packed, activation).cpu(), ref)
     assert got.dtype == torch.bfloat16 and got.shape == (T, H)
     assert relative_error(got.cpu(), ref) <= max(1.2 * packed_error, 4e-3)
-    assert torch.equal(triton_experts.triton_rows_forward(hidden, slots, weights, rows, activation), got)
+    if KERNEL_DEVICE == "cuda":  # the same bits twice (no atomics); the interpreter runs programs in order anyway
+        assert torch.equal(triton_experts.triton_rows_forward(hidden, slots, weights, rows, activation), got)
 
 
 @needs_cuda_triton
@@ -428,8 +432,8 @@ def test_cuda_triton_kernels_replay_in_a_cuda_graph(fmt):
 @pytest.mark.parametrize("experts_dtype", ["int8", "int4", "bf16"])
 def test_cuda_every_expert_resident_decodes_without_the_cpu_op(monkeypatch, experts_dtype):
     """A tiny model with every expert resident on CUDA: int8 and int4 residents are RowExperts (Triton decode), bf16
-    ones stay packed; no CPU op call (prefill, eager or captured decode); HF eager's logits (int8, bf16; int4 within
-    its quantization of them); the captured decode steps give the eager steps' greedy tokens, with every routed slot
+    ones stay packed; no CPU op call (prefill, eager or captured decode); HF eager's logits (int8, bf16; int4: those of its
+    experts on the CPU op); the captured decode steps give the eager steps' greedy tokens, with every routed slot
     a resident hit."""
     calls = []
     run = transformers_experts._run_experts
@@ -447,9 +451,11 @@ def test_cuda_every_expert_resident_decodes_without_the_cpu_op(monkeypatch, expe
     assert all(len(m.kt_gpu_expert_ids) == m.kt_w13.shape[0] for m in moe_experts_modules(model))  # all resident
     assert all(isinstance(m.kt_gpu_packed, RowExperts) == (experts_dtype != "bf16")
                for m in moe_experts_modules(model))
-    if experts_dtype == "int4":
-        torch.testing.assert_close(_logits(model, ids.cuda()).float(), _logits(base.to("cuda"), ids.cuda()).float(),
-                                   atol=0.1, rtol=0)
+    if experts_dtype == "int4":  # the same int4 experts on the CPU op (int4 is far from HF eager)
+        on_cpu = ktorch.prepare(copy.deepcopy(base), device="cuda", experts_dtype="int4", stream_experts="off")
+        want = _logits(on_cpu, ids.cuda()).float()
+        calls.clear()  # those were the CPU op's
+        torch.testing.assert_close(_logits(model, ids.cuda()).float(), want, atol=0.05, rtol=0)
     else:
         assert_logits_match(base.to("cuda"), model, torch.bfloat16, ids.cuda())
     captured = ktorch.generate(model, ids, max_new_tokens=8)

@@ -58,8 +58,9 @@ def row_format(codes: torch.Tensor, scales: torch.Tensor) -> tuple:
     """(bits, affine) of one projection in the row layout: int8 codes 8 bits, uint8 4 (two a byte); affine when the
     scales hold minimums too ([n, N, 2, G])."""
     if codes.dtype not in (torch.int8, torch.uint8) or scales is None or scales.dim() not in (3, 4):
+        got = None if scales is None else tuple(scales.shape)
         raise ValueError(f"row_format: row-layout codes are int8 or uint8 with float32 scales [n, N, G] or "
-                         f"[n, N, 2, G], got {codes.dtype} with scales {None if scales is None else tuple(scales.shape)}")
+                         f"[n, N, 2, G], got {codes.dtype} with scales {got}")
     return (8 if codes.dtype == torch.int8 else 4), scales.dim() == 4
 
 
