@@ -47,18 +47,21 @@ _FORMATS = {
 }
 
 
-def _layer(fmt: str, n: int, H: int, I: int, seed: int = 0) -> tuple:
+def _layer(fmt: str, n: int, H: int, I: int, seed: int = 0, distinct: int = 8) -> tuple:
     """Packed experts (w13, w13_scales, w2, w2_scales) of random codes in ``fmt`` (``pack_quantized``, as the exact
-    GGUF types load), values of about unit-variance outputs."""
+    GGUF types load), values of about unit-variance outputs; ``distinct`` random experts packed and repeated to n
+    (each expert still has its own bytes on the device; building stays quick)."""
     from ktorch.ops.moe import pack_quantized
 
     g = torch.Generator().manual_seed(seed)
+    d = min(n, distinct)
     packed = []
     for (bits, (lo, hi), affine, group), (N, K, gate_up) in zip(_FORMATS[fmt], ((2 * I, H, True), (H, I, False))):
-        codes = torch.randint(lo, hi + 1, (n, N, K), generator=g, dtype=torch.int8)
-        s = torch.rand(n, N, K // group, generator=g) / (max(-lo, hi) * 0.5 * K**0.5)
-        m = torch.rand(n, N, K // group, generator=g) * (hi / 2) * s if affine else None
-        packed += pack_quantized(codes, s, m, bits=bits, gate_up=gate_up)
+        codes = torch.randint(lo, hi + 1, (d, N, K), generator=g, dtype=torch.int8)
+        s = torch.rand(d, N, K // group, generator=g) / (max(-lo, hi) * 0.5 * K**0.5)
+        m = torch.rand(d, N, K // group, generator=g) * (hi / 2) * s if affine else None
+        packed += [t.repeat(-(-n // d), *(1,) * (t.dim() - 1))[:n].contiguous()
+                   for t in pack_quantized(codes, s, m, bits=bits, gate_up=gate_up)]
     return tuple(packed)
 
 
