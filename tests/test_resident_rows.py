@@ -36,8 +36,9 @@ needs_cuda_triton = pytest.mark.skipif(
     reason="the Triton decode kernels need a CUDA GPU and Triton")
 # the kernels on CUDA, or on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1, Triton installed)
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+KERNELS_RUN = triton_experts.triton_available() and (torch.cuda.is_available() or triton_experts.interpreting())
 needs_kernels = pytest.mark.skipif(
-    not triton_experts.triton_available() or not (torch.cuda.is_available() or triton_experts.interpreting()),
+    not KERNELS_RUN,
     reason="the Triton decode kernels need Triton and a CUDA GPU, or Triton's interpreter (TRITON_INTERPRET=1)")
 COSTS = SplitCosts(h2d_bytes_per_s=1e9, cpu_fixed_s=1e-3, cpu_row_s=1e-5, cpu_expert_s=5e-4)
 # int8 per channel (pack_experts), a scale per 32 (Q8_0, MXFP4), a scale per 16 (Q6_K), affine int8 codes 0..31 with
@@ -180,6 +181,46 @@ def test_rows_refuse_what_they_cannot_hold():
             triton_experts.triton_rows_forward(hidden, slots, weights, rows)
     with pytest.raises(ValueError, match="row-layout codes are int8 or uint8"):
         dequantize_rows(rows.w13.float(), rows.w13_scales, torch.float32)
+
+
+@pytest.mark.parametrize("types", [{"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"},
+                                   {"gate": "Q5_K", "up": "Q5_K", "down": "Q8_0"},
+                                   {"gate": "Q4_0", "up": "Q4_0", "down": "Q4_0"}],
+                         ids=["Q4_K_M", "Q5_K-Q8_0", "Q4_0"])
+def test_gguf_experts_take_the_row_layout(types, tmp_path, monkeypatch):
+    """Experts loaded exact from a GGUF file (Q4_K_M: int4 affine gate/up, int8 per 16 down; Q5_K: affine int8;
+    Q4_0: symmetric int4 per 32) are held as rows on CUDA with Triton, hold the packed values bit for bit, and (with
+    the kernels: CUDA, or Triton's interpreter) decode within bf16 rounding of a float64 reference."""
+    pytest.importorskip("gguf")
+    from ktorch.integrations.gguf_writer import write_gguf_from_model
+
+    torch.manual_seed(0)
+    model = tiny_model("qwen3_moe", hidden_size=256, moe_intermediate_size=256, initializer_range=0.04,
+                       num_hidden_layers=1)
+    path = write_gguf_from_model(model, tmp_path / "k.gguf", experts_type=types["gate"], experts_types=types,
+                                 other_type="F16")
+    loaded, _ = ktorch.load(path, device="cpu", progress=False)
+    m = moe_experts_modules(loaded)[0]
+    packed = (m.kt_w13, m.kt_w13_scales, m.kt_w2, m.kt_w2_scales)
+    monkeypatch.setattr(triton_experts, "triton_available", lambda: True)
+    assert row_layout_applies(*packed, torch.device("cuda"))
+    monkeypatch.undo()
+    rows = rows_from_packed(*packed)
+    want = {"Q4_K": (torch.uint8, 4), "Q5_K": (torch.int8, 4), "Q4_0": (torch.uint8, 3), "Q6_K": (torch.int8, 3),
+            "Q8_0": (torch.int8, 3)}
+    assert (rows.w13.dtype, rows.w13_scales.dim()) == want[types["gate"]]
+    assert (rows.w2.dtype, rows.w2_scales.dim()) == want[types["down"]]
+    assert torch.equal(dequantize_rows(rows.w13, rows.w13_scales, torch.float32),
+                       dequantize_packed(packed[0], packed[1], True, torch.float32))
+    assert torch.equal(dequantize_rows(rows.w2, rows.w2_scales, torch.float32),
+                       dequantize_packed(packed[2], packed[3], False, torch.float32))
+    if not KERNELS_RUN:
+        return
+    rows = RowExperts(*(t.to(KERNEL_DEVICE) for t in rows))
+    hidden = torch.randn(2, 256).to(torch.bfloat16)
+    slots, weights = torch.tensor([[0, 5], [-1, 7]]), torch.rand(2, 2)
+    got = triton_experts.triton_rows_forward(*(t.to(KERNEL_DEVICE) for t in (hidden, slots, weights)), rows)
+    assert relative_error(got.cpu(), _reference(hidden, slots, weights, rows)) <= 4e-3
 
 
 # ---------------------------------------------------------------- in a model
