@@ -8,10 +8,11 @@
        half a bf16 copy), plus one scratch of n dequantized experts that a long call's residents are dequantized
        into; each layer keeps its most routed-to experts (counted at prefill), swapped by
        ``update_resident_experts`` outside decode when the gain passes a threshold. Decode computes their slots on
-       the device and the CPU op the others: int8 residents with per-group scales on CUDA with Triton are held
-       row-major and read once by fused Triton kernels (ktorch/ops/resident_rows.py, docs/resident_decode.md), the
-       others packed (``packed_experts_forward``: each token's K experts dequantized and multiplied). A layer whose
-       every expert is resident makes no CPU op call. The swap writes the new experts into the same device buffers
+       the device and the CPU op the others: quantized residents (int8 and int4 codes with per-group scales, and
+       minimums for the affine Q4_K/Q5_K codes) on CUDA with Triton are held row-major and read once by fused Triton
+       kernels (ktorch/ops/resident_rows.py, docs/resident_decode.md), bf16 ones packed (``packed_experts_forward``:
+       each token's K experts dequantized and multiplied). A layer whose every expert is resident makes no CPU op
+       call. The swap writes the new experts into the same device buffers
        and the slot map in place, so a captured decode step stays valid.
 
 ``ktorch.prepare(..., gpu_memory="24GiB")`` / ``--gpu-memory 24GiB``; default: the device's free memory (plus what
@@ -194,10 +195,10 @@ def _resident_tensors(module: nn.Module, ids: torch.Tensor, device: torch.device
 def place_resident_experts(module: nn.Module, n: int, device: torch.device,
                            initial: Optional[torch.Tensor] = None) -> None:
     """Keeps ``n`` experts of the packed ``module`` on ``device`` (``kt_gpu_packed``): ``initial`` ids, else the
-    most routed-to so far (``kt_routed.frequency``), else the first n. Int8 experts with per-group scales on CUDA with
-    Triton are held row-major (``RowExperts``, decoded by the Triton kernels: ktorch/ops/resident_rows.py
-    ``row_layout_applies``), others in the packed layout (``packed_experts_forward``). Their slots are masked from
-    the CPU op and computed on the device; ``kt_gpu_hits`` counts the slots they take."""
+    most routed-to so far (``kt_routed.frequency``), else the first n. Int8/int4 experts with per-group scales (and
+    minimums) on CUDA with Triton are held row-major (``RowExperts``, decoded by the Triton kernels:
+    ktorch/ops/resident_rows.py ``row_layout_applies``), bf16 ones in the packed layout (``packed_experts_forward``).
+    Their slots are masked from the CPU op and computed on the device; ``kt_gpu_hits`` counts the slots they take."""
     from ktorch.integrations.transformers_experts import _check_device_experts
     from ktorch.ops.resident_rows import row_layout_applies
 

@@ -22,7 +22,7 @@ from ktorch.gpu_memory import (device_bytes_held, place_resident_experts, reset_
                                update_resident_experts)
 from ktorch.integrations import transformers_experts
 from ktorch.ops import resident_rows, triton_experts
-from ktorch.ops.gpu_experts import packed_experts_forward
+from ktorch.ops.gpu_experts import GATHER_MAX_TOKENS, packed_experts_forward
 from ktorch.ops.moe import pack_quantized
 from ktorch.ops.packed_weights import dequantize_packed
 from ktorch.ops.resident_rows import RowExperts, dequantize_rows, row_layout_applies, rows_experts_forward, \
@@ -34,27 +34,56 @@ from reference import fused_moe_reference, relative_error
 needs_cuda_triton = pytest.mark.skipif(
     not torch.cuda.is_available() or not triton_experts.triton_available(),
     reason="the Triton decode kernels need a CUDA GPU and Triton")
+# the kernels on CUDA, or on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1, Triton installed)
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+KERNELS_RUN = triton_experts.triton_available() and (torch.cuda.is_available() or triton_experts.interpreting())
+needs_kernels = pytest.mark.skipif(
+    not KERNELS_RUN,
+    reason="the Triton decode kernels need Triton and a CUDA GPU, or Triton's interpreter (TRITON_INTERPRET=1)")
 COSTS = SplitCosts(h2d_bytes_per_s=1e9, cpu_fixed_s=1e-3, cpu_row_s=1e-5, cpu_expert_s=5e-4)
-# int8 per channel (pack_experts), a scale per 32 (Q8_0, MXFP4), a scale per 16 (Q6_K)
-FORMATS = [("int8", None), ("int8", 32), ("int8", 16)]
-FORMAT_IDS = ["int8", "int8_g32", "int8_g16"]
+# int8 per channel (pack_experts), a scale per 32 (Q8_0, MXFP4), a scale per 16 (Q6_K), affine int8 codes 0..31 with
+# a scale and minimum per 32 (Q5_K), int4 per 32 (pack_experts), int4 codes -8..7 per 32 (Q4_0), affine nibbles with a
+# scale and minimum per 32 (Q4_K), and Q4_K_M's mix (Q4_K gate/up, Q6_K down)
+FORMATS = [("int8", None), ("int8", 32), ("int8", 16), ("q5_k", 32), ("int4", 32), ("q4_0", 32), ("q4_k", 32),
+           ("q4_k_m", 32)]
+FORMAT_IDS = ["int8", "int8_g32", "int8_g16", "q5_k", "int4_g32", "q4_0", "q4_k", "q4_k_m"]
+# GGUF-style codes: (bits, code range, affine)
+CODES = {"int8": (8, (-128, 127), False), "q5_k": (8, (0, 31), True), "q4_0": (4, (-8, 7), False),
+         "q4_k": (4, (0, 15), True)}
 
 
-def _experts(fmt, group_size, n=6, H=128, I=64, seed=0, affine=False):
-    """Packed experts (w13, w13_scales, w2, w2_scales) and, for int8 with ``group_size``, the GGUF-style codes and
-    scales they were packed from (``pack_quantized``, as the exact GGUF types load; ``affine``: with minimums, as
-    Q5_K)."""
+def _codes(fmt, group_size, n, N, K, gate_up):
+    """(pack_quantized of random codes of ``fmt`` (CODES), (codes, scales, mins or None)): the values w = s q - m."""
+    bits, (lo, hi), affine = CODES[fmt]
+    codes = torch.randint(lo, hi + 1, (n, N, K))
+    s = torch.rand(n, N, K // group_size) / (max(-lo, hi) * K**0.5)
+    m = torch.rand_like(s) * (hi / 2) * s if affine else None  # minimums about half the codes' range: w centred
+    return pack_quantized(codes, s, m, bits=bits, gate_up=gate_up), (codes, s, m)
+
+
+def _experts(fmt, group_size, n=6, H=128, I=64, seed=0):
+    """Packed experts (w13, w13_scales, w2, w2_scales) and, for the GGUF-style formats, the codes, scales and mins
+    they were packed from (``pack_quantized``, as the exact GGUF types load): [(c13, s13, m13), (c2, s2, m2)]."""
     torch.manual_seed(seed)
-    if fmt == "int8" and group_size is not None:
-        c13, c2 = torch.randint(-128, 128, (n, 2 * I, H)), torch.randint(-128, 128, (n, H, I))
-        s13 = torch.rand(n, 2 * I, H // group_size) / (127 * H**0.5)
-        s2 = torch.rand(n, H, I // group_size) / (127 * I**0.5)
-        m13, m2 = (torch.rand_like(s13), torch.rand_like(s2)) if affine else (None, None)
-        w13, w13_scales = pack_quantized(c13, s13, m13, bits=8, gate_up=True)
-        w2, w2_scales = pack_quantized(c2, s2, m2, bits=8)
-        return (w13, w13_scales, w2, w2_scales), (c13, s13, c2, s2)
+    if fmt == "q4_k_m":
+        (w13, source13), (w2, source2) = (_codes("q4_k", group_size, n, 2 * I, H, True),
+                                          _codes("int8", 16, n, H, I, False))
+        return (*w13, *w2), [source13, source2]
+    if fmt in CODES and not (fmt == "int8" and group_size is None):
+        (w13, source13), (w2, source2) = (_codes(fmt, group_size, n, 2 * I, H, True),
+                                          _codes(fmt, group_size, n, H, I, False))
+        return (*w13, *w2), [source13, source2]
     packed = ktorch.pack_experts(torch.randn(n, 2 * I, H) / H**0.5, torch.randn(n, H, I) / I**0.5, fmt, group_size)
     return packed.tensors()[:4], None
+
+
+def _row_bytes(codes: torch.Tensor, affine: bool) -> torch.Tensor:
+    """The row layout's bytes of 4-bit codes [n, N, K] (module docstring of resident_rows): byte 4o + b holds column
+    8o + b in its low nibble and 8o + 4 + b in its high one, stored + 8 when symmetric."""
+    u = (codes + (0 if affine else 8)).to(torch.uint8)
+    n, N, K = u.shape
+    blocks = u.view(n, N, K // 8, 2, 4)
+    return (blocks[:, :, :, 0] | (blocks[:, :, :, 1] << 4)).reshape(n, N, K // 2)
 
 
 def _reference(hidden, slots, weights, rows: RowExperts, activation="silu") -> torch.Tensor:
@@ -68,18 +97,30 @@ def _reference(hidden, slots, weights, rows: RowExperts, activation="silu") -> t
 @pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)
 def test_rows_hold_the_packed_values(fmt, group_size):
     """The row layout dequantizes bit for bit to what dequantize_packed gives, in the same bytes; GGUF-style codes
-    packed with pack_quantized come back as they were given."""
+    packed with pack_quantized come back as they were given (4-bit: two a byte in the documented order; affine:
+    each row's scales, then its minimums), and their values are s q - m in float64."""
     packed, source = _experts(fmt, group_size)
     p13, s13, p2, s2 = packed
     rows = rows_from_packed(*packed)
-    assert rows.w13.shape == (6, 128, 128) and rows.w2.shape == (6, 128, 64) and rows.w13.dtype == torch.int8
+    for q, s, p, N, K in ((rows.w13, rows.w13_scales, p13, 128, 128), (rows.w2, rows.w2_scales, p2, 128, 64)):
+        assert q.dtype == p.dtype and q.shape == (6, N, K if p.dtype == torch.int8 else K // 2)
+        assert s.dtype == torch.float32 and s.shape[:2] == (6, N)
     assert sum(t.numel() * t.element_size() for t in rows) == sum(t.numel() * t.element_size() for t in packed)
     for dtype in (torch.float32, torch.bfloat16):
         assert torch.equal(dequantize_rows(rows.w13, rows.w13_scales, dtype), dequantize_packed(p13, s13, True, dtype))
         assert torch.equal(dequantize_rows(rows.w2, rows.w2_scales, dtype), dequantize_packed(p2, s2, False, dtype))
-    if source is not None:
-        for got, want in zip(rows, source):
-            assert torch.equal(got, want.to(got.dtype))
+    if source is None:
+        return
+    for q, scales, (codes, s, m) in ((rows.w13, rows.w13_scales, source[0]), (rows.w2, rows.w2_scales, source[1])):
+        affine = m is not None
+        assert torch.equal(q, codes.to(torch.int8) if q.dtype == torch.int8 else _row_bytes(codes, affine))
+        assert torch.equal(scales, torch.stack([s, m], 2) if affine else s)
+        group = codes.shape[2] // s.shape[2]
+        want = codes.double() * s.double().repeat_interleave(group, 2)
+        if affine:
+            want -= m.double().repeat_interleave(group, 2)
+        got = dequantize_rows(q, scales, torch.float64).transpose(1, 2)  # computed in float32, rounded once
+        assert torch.allclose(got, want, rtol=2**-23, atol=2**-23 * want.abs().max().item())
 
 
 @pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)
@@ -102,35 +143,84 @@ def test_rows_forward_off_cuda_equals_the_packed_one(fmt, group_size, kernel, dt
 
 
 def test_which_residents_take_the_row_layout(monkeypatch):
-    """Int8 codes with per-group float32 scales, on CUDA, with Triton: rows. bf16, int4, the affine int8 (Q5_K) and
-    a w13/w2 mix with either of those stay packed; so does everything on the CPU or without Triton."""
+    """Int8 and int4 codes with per-group float32 scales (symmetric or affine, w13 and w2 each its own format), on
+    CUDA, with Triton: rows. bf16, and a w13/w2 mix with bf16, stay packed; so does everything on the CPU or without
+    Triton."""
     cuda = torch.device("cuda")
     monkeypatch.setattr(triton_experts, "triton_available", lambda: True)
     for fmt, group_size in FORMATS:
         assert row_layout_applies(*_experts(fmt, group_size)[0], cuda)
         assert not row_layout_applies(*_experts(fmt, group_size)[0], torch.device("cpu"))
-    int8 = _experts("int8", 32)[0]
-    for other in (_experts("bf16", None)[0], _experts("int4", 32)[0], _experts("int8", 32, affine=True)[0]):
-        assert not row_layout_applies(*other, cuda)
-        assert not row_layout_applies(*int8[:2], *other[2:], cuda) and not row_layout_applies(*other[:2], *int8[2:], cuda)
+    bf16 = _experts("bf16", None)[0]
+    assert not row_layout_applies(*bf16, cuda)
+    for fmt, group_size in FORMATS:
+        other = _experts(fmt, group_size)[0]
+        assert not row_layout_applies(*other[:2], *bf16[2:], cuda)
+        assert not row_layout_applies(*bf16[:2], *other[2:], cuda)
+    int4, q4_k = _experts("int4", 32)[0], _experts("q4_k", 32)[0]
+    assert row_layout_applies(*int4[:2], *q4_k[2:], cuda) and row_layout_applies(*q4_k[:2], *int4[2:], cuda)
     monkeypatch.setattr(triton_experts, "triton_available", lambda: False)
-    assert not row_layout_applies(*int8, cuda)
+    assert not row_layout_applies(*int4, cuda)
 
 
 def test_rows_refuse_what_they_cannot_hold():
-    for name, packed in (("bf16", _experts("bf16", None)[0]), ("int4", _experts("int4", 32)[0]),
-                         ("affine int8", _experts("int8", 32, affine=True)[0])):
-        with pytest.raises(ValueError, match="the row layout takes int8 packed experts with float32 scales"):
-            rows_from_packed(*packed)
+    with pytest.raises(ValueError, match="the row layout takes int8 or int4 packed experts with float32 scales"):
+        rows_from_packed(*_experts("bf16", None)[0])
     int8, _ = _experts("int8", None)
     with pytest.raises(ValueError, match="got torch.int8 with scales None"):
         rows_from_packed(int8[0], None, int8[2], int8[3])
+    q4_k, _ = _experts("q4_k", 32)
+    with pytest.raises(ValueError, match="the row layout takes int8 or int4"):  # minimums without a [n, 2, G, N] shape
+        rows_from_packed(q4_k[0], q4_k[1].reshape(6, 1, 2 * q4_k[1].shape[2], -1), q4_k[2], q4_k[3])
     rows = rows_from_packed(*int8)
     hidden, slots, weights = torch.randn(1, 128), torch.zeros(1, 2, dtype=torch.int64), torch.rand(1, 2)
     with pytest.raises(ValueError, match="activation must be one of"):
         rows_experts_forward(hidden, slots, weights, rows, "swiglu")
-    with pytest.raises(ValueError, match="run on CUDA tensors"):
-        triton_experts.triton_rows_forward(hidden, slots, weights, rows)
+    if not triton_experts.interpreting():
+        with pytest.raises(ValueError, match="run on CUDA tensors"):
+            triton_experts.triton_rows_forward(hidden, slots, weights, rows)
+    with pytest.raises(ValueError, match="row-layout codes are int8 or uint8"):
+        dequantize_rows(rows.w13.float(), rows.w13_scales, torch.float32)
+
+
+@pytest.mark.parametrize("types", [{"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"},
+                                   {"gate": "Q5_K", "up": "Q5_K", "down": "Q8_0"},
+                                   {"gate": "Q4_0", "up": "Q4_0", "down": "Q4_0"}],
+                         ids=["Q4_K_M", "Q5_K-Q8_0", "Q4_0"])
+def test_gguf_experts_take_the_row_layout(types, tmp_path, monkeypatch):
+    """Experts loaded exact from a GGUF file (Q4_K_M: int4 affine gate/up, int8 per 16 down; Q5_K: affine int8;
+    Q4_0: symmetric int4 per 32) are held as rows on CUDA with Triton, hold the packed values bit for bit, and (with
+    the kernels: CUDA, or Triton's interpreter) decode within bf16 rounding of a float64 reference."""
+    pytest.importorskip("gguf")
+    from ktorch.integrations.gguf_writer import write_gguf_from_model
+
+    torch.manual_seed(0)
+    model = tiny_model("qwen3_moe", hidden_size=256, moe_intermediate_size=256, initializer_range=0.04,
+                       num_hidden_layers=1)
+    path = write_gguf_from_model(model, tmp_path / "k.gguf", experts_type=types["gate"], experts_types=types,
+                                 other_type="F16")
+    loaded, _ = ktorch.load(path, device="cpu", progress=False)
+    m = moe_experts_modules(loaded)[0]
+    packed = (m.kt_w13, m.kt_w13_scales, m.kt_w2, m.kt_w2_scales)
+    monkeypatch.setattr(triton_experts, "triton_available", lambda: True)
+    assert row_layout_applies(*packed, torch.device("cuda"))
+    monkeypatch.undo()
+    rows = rows_from_packed(*packed)
+    want = {"Q4_K": (torch.uint8, 4), "Q5_K": (torch.int8, 4), "Q4_0": (torch.uint8, 3), "Q6_K": (torch.int8, 3),
+            "Q8_0": (torch.int8, 3)}
+    assert (rows.w13.dtype, rows.w13_scales.dim()) == want[types["gate"]]
+    assert (rows.w2.dtype, rows.w2_scales.dim()) == want[types["down"]]
+    assert torch.equal(dequantize_rows(rows.w13, rows.w13_scales, torch.float32),
+                       dequantize_packed(packed[0], packed[1], True, torch.float32))
+    assert torch.equal(dequantize_rows(rows.w2, rows.w2_scales, torch.float32),
+                       dequantize_packed(packed[2], packed[3], False, torch.float32))
+    if not KERNELS_RUN:
+        return
+    rows = RowExperts(*(t.to(KERNEL_DEVICE) for t in rows))
+    hidden = torch.randn(2, 256).to(torch.bfloat16)
+    slots, weights = torch.tensor([[0, 5], [-1, 7]]), torch.rand(2, 2)
+    got = triton_experts.triton_rows_forward(*(t.to(KERNEL_DEVICE) for t in (hidden, slots, weights)), rows)
+    assert relative_error(got.cpu(), _reference(hidden, slots, weights, rows)) <= 4e-3
 
 
 # ---------------------------------------------------------------- in a model
@@ -175,13 +265,14 @@ def _cpu_op_calls(model, ids) -> tuple:
     return logits, ops.counts["kt.fused_moe"]
 
 
-def test_row_layout_in_a_model_equals_packed_and_swaps_in_place(monkeypatch):
+@pytest.mark.parametrize("experts_dtype", ["int8", "int4"])
+def test_row_layout_in_a_model_equals_packed_and_swaps_in_place(monkeypatch, experts_dtype):
     """Residents placed as RowExperts (forced here: the CPU stands in for CUDA) hold the packed ones' bytes; decode-
     and prefill-sized calls give the packed layout's logits bit for bit; swaps write rows into the same buffers
     (addresses kept) and still equal the packed layout swapped the same way."""
-    base, packed_model = _model_with_residents(3)
+    base, packed_model = _model_with_residents(3, experts_dtype)
     monkeypatch.setattr(resident_rows, "row_layout_applies", lambda *args: True)
-    _, model = _model_with_residents(3)
+    _, model = _model_with_residents(3, experts_dtype)
     monkeypatch.undo()
     assert all(isinstance(m.kt_gpu_packed, RowExperts) for m in moe_experts_modules(model))
     assert all(not isinstance(m.kt_gpu_packed, RowExperts) for m in moe_experts_modules(packed_model))
@@ -190,7 +281,8 @@ def test_row_layout_in_a_model_equals_packed_and_swaps_in_place(monkeypatch):
     short, long = torch.randint(0, 256, (1, 5)), torch.randint(0, 256, (1, 24))
     for ids in (short, long):
         assert torch.equal(_logits(model, ids), _logits(packed_model, ids))
-    assert_logits_match(base, model, torch.float32, short)
+    if experts_dtype == "int8":  # int4 is far from HF eager (the residents' own quantization)
+        assert_logits_match(base, model, torch.float32, short)
     addresses = [[t.data_ptr() for t in m.kt_gpu_packed] for m in moe_experts_modules(model)]
     for mm in (model, packed_model):
         for m in moe_experts_modules(mm):
@@ -318,40 +410,106 @@ def test_generate_with_every_expert_resident_counts_hits_without_the_cpu_op():
     assert line and f"{hits}/{rows} = 100.0%" in line[0]
 
 
+@needs_kernels
+@pytest.mark.parametrize("experts_dtype", ["int8", "int4"])
+def test_kernels_decode_a_model_like_the_packed_path(monkeypatch, experts_dtype):
+    """The whole resident decode path through the Triton kernels (on CUDA, or on the CPU under Triton's interpreter,
+    the row layout forced): a tiny model with every expert resident gives the packed layout's logits within float32
+    rounding at decode-sized calls, and ktorch.generate decodes the same greedy tokens, with no CPU op call."""
+    torch.manual_seed(0)
+    monkeypatch.setattr(resident_rows, "row_layout_applies", lambda *args: True)
+    monkeypatch.setattr(resident_rows, "_kernels_apply", lambda hidden: hidden.shape[0] <= GATHER_MAX_TOKENS)
+    _, model = _model_with_residents(8, experts_dtype)
+    monkeypatch.setattr(resident_rows, "row_layout_applies", lambda *args: False)
+    _, packed_model = _model_with_residents(8, experts_dtype)
+    assert all(isinstance(m.kt_gpu_packed, RowExperts) for m in moe_experts_modules(model))
+    assert all(not isinstance(m.kt_gpu_packed, RowExperts) for m in moe_experts_modules(packed_model))
+    calls = []
+    forward = triton_experts.triton_rows_forward
+    monkeypatch.setattr(triton_experts, "triton_rows_forward", lambda *args: calls.append(1) or forward(*args))
+    ids = torch.randint(0, 256, (1, 5))
+    logits, cpu_calls = _cpu_op_calls(model, ids)
+    assert len(calls) == 2 and cpu_calls == 0  # both layers through the kernels
+    want = _logits(packed_model, ids)
+    assert relative_error(logits, want) < 1e-5
+    prompt = torch.randint(0, 256, (1, 6))
+    with CountOps() as ops:
+        got = ktorch.generate(model, prompt, max_new_tokens=4)
+    assert ops.counts["kt.fused_moe"] == 0 and len(calls) > 2
+    assert got.ids == ktorch.generate(packed_model, prompt, max_new_tokens=4).ids
+
+
 # ---------------------------------------------------------------- CUDA: the Triton kernels
 
 
-@needs_cuda_triton
-@pytest.mark.parametrize("activation,T,K,H,I,group_size", [
-    ("silu", 1, 8, 256, 128, None), ("silu", 3, 4, 512, 192, 32), ("silu", 16, 8, 2048, 768, 32),
-    ("silu", 2, 8, 512, 192, None), ("silu", 4, 8, 256, 256, 16), ("gelu", 3, 4, 512, 192, 32),
-    ("gelu_tanh", 3, 4, 512, 192, 32), ("relu", 2, 8, 256, 128, None)])
-def test_cuda_triton_kernels_match_a_float64_reference(activation, T, K, H, I, group_size):
-    """The fused kernels: within bf16 rounding of the float64 reference, no worse than the packed path's error (plus
-    a little: they round once, it rounds the weights and each slot), absent slots skipped, odd sizes masked; each
-    way of applying the scales (per channel: a group spanning tiles (H=256, 512) or a scale per element (I=192);
-    whole groups per tile (32, 16))."""
+KERNEL_CASES = [  # format, group, activation, T, K, H, I (small: Triton's interpreter runs them on CPU tensors too)
+    ("int8", None, "silu", 1, 8, 256, 128),  # per channel (a group spanning tiles)
+    ("int8", 32, "silu", 3, 2, 256, 96),  # whole groups per tile
+    ("int8", None, "silu", 2, 4, 256, 96),  # per channel: gate/up spanning tiles, down a scale per element
+    ("int8", 16, "silu", 4, 2, 256, 128),
+    ("int8", 32, "gelu", 3, 2, 160, 96),
+    ("int8", 32, "gelu_tanh", 3, 2, 160, 96),
+    ("int8", None, "relu", 2, 4, 256, 128),
+    ("int4", 32, "silu", 1, 8, 256, 128),  # int4 (pack_experts) per 32: whole groups per tile
+    ("int4", 128, "silu", 4, 2, 384, 128),  # per 128, odd H (not a whole tile)
+    ("q4_0", 32, "gelu", 4, 2, 160, 96),  # odd sizes
+    ("q4_k", 32, "silu", 1, 8, 160, 96),
+    ("q4_k", 32, "gelu_tanh", 4, 2, 256, 128),
+    ("q4_k", 96, "silu", 4, 2, 192, 96),  # affine, a scale per element (48-byte groups)
+    ("q4_0", 256, "relu", 1, 4, 512, 256),  # 4-bit, a group spanning whole tiles (128 bytes)
+    ("q5_k", 32, "silu", 4, 2, 192, 96),
+    ("q4_k_m", 32, "relu", 4, 2, 192, 64),  # Q4_K gate/up, Q6_K-style int8 per 16 down
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt,group_size,activation,T,K,H,I", KERNEL_CASES,
+                         ids=[f"{c[0]}_{c[1]}_{c[2]}_T{c[3]}_H{c[5]}_I{c[6]}" for c in KERNEL_CASES])
+def test_kernels_match_a_float64_reference(fmt, group_size, activation, T, K, H, I):
+    """The fused kernels (on CUDA, or on CPU tensors under Triton's interpreter) for each format: within bf16
+    rounding of the float64 reference, no worse than the packed path's error (plus a little: they round once, it
+    rounds the weights and each slot), absent slots (-1) skipped, odd sizes masked; each way of applying the scales;
+    the same bits twice (no atomics)."""
     torch.manual_seed(0)
     n = 12
-    packed, _ = _experts("int8", group_size, n=n, H=H, I=I)
-    packed = tuple(t.cuda() for t in packed)
+    packed, _ = _experts(fmt, group_size, n=n, H=H, I=I)
+    packed = tuple(t.to(KERNEL_DEVICE) for t in packed)
     rows = rows_from_packed(*packed)
-    hidden = torch.randn(T, H, device="cuda").to(torch.bfloat16)
-    slots = torch.randint(-1, n, (T, K), device="cuda")
-    weights = torch.rand(T, K, device="cuda")
-    got = rows_experts_forward(hidden, slots, weights, rows, activation)
-    assert torch.equal(got, triton_experts.triton_rows_forward(hidden, slots, weights, rows, activation))
+    hidden = torch.randn(T, H, device=KERNEL_DEVICE).to(torch.bfloat16)
+    slots = torch.randint(-1, n, (T, K), device=KERNEL_DEVICE)
+    slots[0, 0] = -1  # at least one absent slot
+    weights = torch.rand(T, K, device=KERNEL_DEVICE)
+    got = triton_experts.triton_rows_forward(hidden, slots, weights, rows, activation)
+    if KERNEL_DEVICE == "cuda":
+        assert torch.equal(rows_experts_forward(hidden, slots, weights, rows, activation), got)
     ref = _reference(hidden, slots, weights, rows, activation)
     packed_error = relative_error(packed_experts_forward(hidden, slots, weights, packed, activation).cpu(), ref)
     assert got.dtype == torch.bfloat16 and got.shape == (T, H)
     assert relative_error(got.cpu(), ref) <= max(1.2 * packed_error, 4e-3)
-    assert torch.equal(rows_experts_forward(hidden, slots, weights, rows, activation), got)  # no atomics
+    if KERNEL_DEVICE == "cuda":  # the same bits twice (no atomics); the interpreter runs programs in order anyway
+        assert torch.equal(triton_experts.triton_rows_forward(hidden, slots, weights, rows, activation), got)
 
 
 @needs_cuda_triton
-def test_cuda_triton_kernels_replay_in_a_cuda_graph():
+@pytest.mark.parametrize("fmt,group_size", [("int8", 32), ("int4", 128), ("q4_k", 32)])
+def test_cuda_kernels_at_the_qwen3_shape(fmt, group_size):
+    """Qwen3-30B-A3B's expert shape (H 2048, I 768) at T = 16 (the most a decode call takes): within bf16 rounding."""
     torch.manual_seed(0)
-    packed, _ = _experts("int8", 32, n=16, H=2048, I=768)
+    n, T, K, H, I = 16, 16, 8, 2048, 768
+    packed, _ = _experts(fmt, group_size, n=n, H=H, I=I)
+    rows = rows_from_packed(*(t.cuda() for t in packed))
+    hidden = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    slots = torch.randint(-1, n, (T, K), device="cuda")
+    weights = torch.rand(T, K, device="cuda")
+    got = rows_experts_forward(hidden, slots, weights, rows)
+    assert relative_error(got.cpu(), _reference(hidden, slots, weights, rows)) <= 4e-3
+
+
+@needs_cuda_triton
+@pytest.mark.parametrize("fmt", ["int8", "q4_k"])
+def test_cuda_triton_kernels_replay_in_a_cuda_graph(fmt):
+    torch.manual_seed(0)
+    packed, _ = _experts(fmt, 32, n=16, H=2048, I=768)
     rows = rows_from_packed(*(t.cuda() for t in packed))
     hidden = torch.randn(1, 2048, device="cuda").to(torch.bfloat16)
     slots = torch.randint(-1, 16, (1, 8), device="cuda")
@@ -367,11 +525,12 @@ def test_cuda_triton_kernels_replay_in_a_cuda_graph():
 
 
 @needs_cuda_triton
-@pytest.mark.parametrize("experts_dtype", ["int8", "bf16"])
+@pytest.mark.parametrize("experts_dtype", ["int8", "int4", "bf16"])
 def test_cuda_every_expert_resident_decodes_without_the_cpu_op(monkeypatch, experts_dtype):
-    """A tiny model with every expert resident on CUDA: int8 residents are RowExperts (Triton decode), bf16 ones stay
-    packed; no CPU op call (prefill, eager or captured decode); HF eager's logits; the captured decode steps give the
-    eager steps' greedy tokens, with every routed slot a resident hit."""
+    """A tiny model with every expert resident on CUDA: int8 and int4 residents are RowExperts (Triton decode), bf16
+    ones stay packed; no CPU op call (prefill, eager or captured decode); HF eager's logits (int8, bf16; int4: those of its
+    experts on the CPU op); the captured decode steps give the eager steps' greedy tokens, with every routed slot
+    a resident hit."""
     calls = []
     run = transformers_experts._run_experts
 
@@ -386,9 +545,15 @@ def test_cuda_every_expert_resident_decodes_without_the_cpu_op(monkeypatch, expe
     model = ktorch.prepare(copy.deepcopy(base), device="cuda", experts_dtype=experts_dtype, stream_experts="off",
                            gpu_memory="4GiB")
     assert all(len(m.kt_gpu_expert_ids) == m.kt_w13.shape[0] for m in moe_experts_modules(model))  # all resident
-    assert all(isinstance(m.kt_gpu_packed, RowExperts) == (experts_dtype == "int8")
+    assert all(isinstance(m.kt_gpu_packed, RowExperts) == (experts_dtype != "bf16")
                for m in moe_experts_modules(model))
-    assert_logits_match(base.to("cuda"), model, torch.bfloat16, ids.cuda())
+    if experts_dtype == "int4":  # the same int4 experts on the CPU op (int4 is far from HF eager)
+        on_cpu = ktorch.prepare(copy.deepcopy(base), device="cuda", experts_dtype="int4", stream_experts="off")
+        want = _logits(on_cpu, ids.cuda()).float()
+        calls.clear()  # those were the CPU op's
+        torch.testing.assert_close(_logits(model, ids.cuda()).float(), want, atol=0.05, rtol=0)
+    else:
+        assert_logits_match(base.to("cuda"), model, torch.bfloat16, ids.cuda())
     captured = ktorch.generate(model, ids, max_new_tokens=8)
     assert captured.timings.cuda_graphs
     hits, rows = resident_hits(model)

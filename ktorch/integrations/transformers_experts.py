@@ -448,7 +448,7 @@ def _split_gpu_experts(self: nn.Module, hidden_states, top_k_index, top_k_weight
     packed = getattr(self, "kt_gpu_packed", None)  # the budget's residents (ktorch.gpu_memory) on the device
 
     def gpu_work() -> torch.Tensor:
-        if isinstance(packed, RowExperts):  # int8 on CUDA with Triton: the fused decode kernels (resident_rows.py)
+        if isinstance(packed, RowExperts):  # int8/int4 on CUDA with Triton: fused decode kernels (resident_rows.py)
             return rows_experts_forward(hidden_states, slots, top_k_weights, packed, self.kt_activation,
                                         self.kt_gpu_kernel)
         if packed is not None:

@@ -5,29 +5,43 @@
     out[t]   = sum_k y[t, k]                                 in slot order (no atomics: the same bits every replay)
 
 Two kernels and one sum: ``gate_up`` (one program per (token, slot) row and ``BLOCK_N`` output channels: reads those
-channels' gate and up int8 rows and their scales once, dequantizes in registers, float32 dot products, writes h in
-float32), ``down`` (one program per (token, slot) row and BLOCK_N channels of H: y), then ``y.sum(1)``. The int8
-weights are read once and no bf16 weights are ever written: at Qwen3-30B-A3B's shape (H 2048, I 768, K 8) a decode
-token reads 37.7 MB of int8 and 4.7 MB of float32 scales per layer, where the packed layout's path moves about
-288 MB (gather copies, bf16 dequantized weights written and read again). Slots of -1 load nothing (masked loads).
+channels' gate and up code rows and their scales once, dequantizes in registers, float32 dot products, writes h in
+float32), ``down`` (one program per (token, slot) row and BLOCK_N channels of H: y), then ``y.sum(1)``. The codes
+are read once and no bf16 weights are ever written: at Qwen3-30B-A3B's shape (H 2048, I 768, K 8) a decode token
+reads 37.7 MB of int8 and 4.7 MB of float32 scales per layer (int8, a scale per 32), 18.9 MB of nibbles and 4.7 MB
+of scales (int4, a scale per 32; 1.2 MB at 128) or 9.4 MB of scales and minimums (Q4_K), where the packed layout's
+path moves about 288 MB (gather copies, bf16 dequantized weights written and read again). Slots of -1 load nothing.
 
-Limits: int8 residents with float32 scales [n, N, G] (G dividing the row length); CUDA tensors; Triton imported
-if present, so this module imports anywhere and fails on use with a clear error. Scales are applied per tile as the
-group size allows (``scales_mode``): one per row when a group spans whole tiles (per channel), per group when whole
-groups fit a tile (Q8_0's 32, Q6_K's 16), else one per element (any group size, slower).
+Formats (constexprs, one per kernel: w13 and w2 may differ, as in a Q4_K_M layer): ``BITS`` 8 (int8 codes) or 4
+(uint8 bytes of two codes: byte 4o + b of a row holds column 8o + b in its low nibble and 8o + 4 + b in its high
+one; the activations are loaded at those columns, so the nibbles are never reordered); ``AFFINE`` 0 (w = s * q,
+4-bit codes stored + 8) or 1 (w = s * q - m, the row's minimums after its scales). Per group the kernels sum q * x
+(and for affine x) over the group and apply s (and m) once: s * sum(q x) - m * sum(x).
+
+Limits: float32 scales [n, N, G] or [n, N, 2, G] (G dividing the row length; 4-bit groups whole bytes); CUDA
+tensors (or CPU tensors under Triton's interpreter, TRITON_INTERPRET=1, for tests); Triton imported if present, so
+this module imports anywhere and fails on use with a clear error. A tile loads ``BLOCK_K`` bytes of each row (int8:
+columns; 4-bit: twice as many). Scales are applied per tile as the group size allows (``scales_mode``): one per row
+when a group spans whole tiles (per channel), per group when whole groups fit a tile (Q8_0's 32, Q6_K's 16, the
+4-bit 32 and 128), else one per element (any group size, slower).
 Numerics: float32 sums throughout, one rounding at the end; ``packed_experts_forward`` (the packed layout's path)
 rounds the dequantized weights, h and each slot's output to bf16, so the two agree within bf16 rounding, not bit for
 bit (tests against a float64 reference).
 """
 
+import os
+from typing import Optional
+
 import torch  # no "from __future__ import annotations": Triton reads the tl.constexpr annotations
 
-# The tile, measured on an H200 (2026-11-26, benchmarks/bench_resident_decode.py: one Qwen3-30B-A3B layer, 128 int8
-# residents, scale per 32, top-8, in a CUDA graph; us a layer at T=1 / T=4): BLOCK_N/BLOCK_K/NUM_WARPS 8/256/4
-# 24.7 / 63.9, 16/256/4 27.2 / 66.6, 4/512/4 27.0, 16/512/8 26.0 / 68.7, 32/128/4 46.8 / 75.6.
-BLOCK_N = 8  # output channels per program: 8*768/8 = 768 gate/up programs and 8*2048/8 = 2048 down programs at T=1
-BLOCK_K = 256  # int8 columns per load: each row 256 contiguous bytes
-NUM_WARPS = 4
+# The tile per format (code bits -> BLOCK_N output channels a program, BLOCK_K bytes of a row a load, NUM_WARPS).
+# int8, measured on an H200 (2026-11-26, benchmarks/bench_resident_decode.py: one Qwen3-30B-A3B layer, 128 int8
+# residents, scale per 32, top-8, in a CUDA graph; us a layer at T=1 / T=4): 8/256/4 24.7 / 63.9, 16/256/4
+# 27.2 / 66.6, 4/512/4 27.0, 16/512/8 26.0 / 68.7, 32/128/4 46.8 / 75.6.
+# 4-bit: not measured yet; 8/128/4 loads the same 256 columns a tile as int8's tile (half the bytes), so the grid,
+# the activation loads and the groups per tile are int8's (benchmarks/device_resident4.sh compares 8/256/4).
+TILES = {8: (8, 256, 4), 4: (8, 128, 4)}
+BLOCK_N, BLOCK_K, NUM_WARPS = TILES[8]  # 8*768/8 = 768 gate/up programs and 8*2048/8 = 2048 down programs at T=1
 _ACT_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
 
 
@@ -40,6 +54,16 @@ except ImportError:
 
 def triton_available() -> bool:
     return triton is not None
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (Triton's own TRITON_INTERPRET=1): then they take CPU tensors."""
+    if triton is None:
+        return False
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 if triton is not None:
@@ -57,69 +81,129 @@ if triton is not None:
         return out
 
     @triton.jit
-    def _tile_dot(q_rows, s_rows, row_mask, v, k0, K, G, GROUP: tl.constexpr, MODE: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # [BLOCK_N] float32: sum over k in [k0, k0 + BLOCK_K) of q[n, k] * s[n, k // GROUP] * v[k]; q_rows/s_rows
-        # [BLOCK_N] pointers to the rows' codes and scales, row_mask [BLOCK_N], v [BLOCK_K] float32 (0 past K)
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        m = row_mask[:, None] & (offs_k < K)[None, :]
-        qv = tl.load(q_rows[:, None] + offs_k[None, :], mask=m, other=0).to(tl.float32) * v[None, :]
-        if MODE == 0:  # a scale group spans whole tiles: one scale per row
-            s = tl.load(s_rows + k0 // GROUP, mask=row_mask, other=0.0)
-            out = tl.sum(qv, axis=1) * s
+    def _load_x(x_row, kb0, K, BITS: tl.constexpr, BLOCK_K: tl.constexpr):
+        # (v_lo, v_hi) [BLOCK_K] float32: the activations the tile's bytes [kb0, kb0 + BLOCK_K) multiply, 0 past K
+        # columns. int8: byte j is column j (v_hi = v_lo, unused); 4-bit: byte 4o + b holds columns 8o + b (low
+        # nibble) and 8o + 4 + b (high)
+        offs_b = kb0 + tl.arange(0, BLOCK_K)
+        if BITS == 8:
+            v_lo = tl.load(x_row + offs_b, mask=offs_b < K, other=0.0).to(tl.float32)
+            v_hi = v_lo
+        else:
+            col = 2 * offs_b - offs_b % 4
+            v_lo = tl.load(x_row + col, mask=col < K, other=0.0).to(tl.float32)
+            v_hi = tl.load(x_row + col + 4, mask=col < K, other=0.0).to(tl.float32)
+        return v_lo, v_hi
+
+    @triton.jit
+    def _tile_dot(q_rows, s_rows, row_mask, v_lo, v_hi, kb0, KB, G, GROUP: tl.constexpr, MODE: tl.constexpr,
+                  BITS: tl.constexpr, AFFINE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # [BLOCK_N] float32: the rows' weights over bytes [kb0, kb0 + BLOCK_K) times the activations (v_lo, v_hi
+        # from _load_x); q_rows/s_rows [BLOCK_N] pointers to the rows' codes and scales (minimums G further),
+        # row_mask [BLOCK_N], KB bytes a row, GROUP bytes a scale covers
+        offs = kb0 + tl.arange(0, BLOCK_K)
+        m = row_mask[:, None] & (offs < KB)[None, :]
+        if BITS == 8:
+            p = tl.load(q_rows[:, None] + offs[None, :], mask=m, other=0).to(tl.float32) * v_lo[None, :]
+            xv = v_lo
+        else:  # masked bytes: scales 0 (rows) or activations 0 (columns), whatever the nibbles
+            b = tl.load(q_rows[:, None] + offs[None, :], mask=m, other=0)
+            lo = (b & 15).to(tl.float32)
+            hi = (b >> 4).to(tl.float32)
+            if AFFINE == 0:  # symmetric int4 codes are stored + 8
+                lo = lo - 8.0
+                hi = hi - 8.0
+            p = lo * v_lo[None, :] + hi * v_hi[None, :]
+            xv = v_lo + v_hi
+        if MODE == 0:  # a scale group spans whole tiles: one scale (and minimum) per row
+            s = tl.load(s_rows + kb0 // GROUP, mask=row_mask, other=0.0)
+            out = tl.sum(p, axis=1) * s
+            if AFFINE == 1:
+                mn = tl.load(s_rows + G + kb0 // GROUP, mask=row_mask, other=0.0)
+                out = out - mn * tl.sum(xv, axis=0)
         elif MODE == 1:  # whole groups in a tile: sum each group, then scale
-            gi = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-            s = tl.load(s_rows[:, None] + gi[None, :], mask=row_mask[:, None] & (gi < G)[None, :], other=0.0)
-            out = tl.sum(tl.sum(tl.reshape(qv, (BLOCK_N, BLOCK_K // GROUP, GROUP)), axis=2) * s, axis=1)
+            gi = kb0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+            gm = row_mask[:, None] & (gi < G)[None, :]
+            s = tl.load(s_rows[:, None] + gi[None, :], mask=gm, other=0.0)
+            out = tl.sum(tl.sum(tl.reshape(p, (BLOCK_N, BLOCK_K // GROUP, GROUP)), axis=2) * s, axis=1)
+            if AFFINE == 1:
+                mn = tl.load(s_rows[:, None] + G + gi[None, :], mask=gm, other=0.0)
+                xg = tl.sum(tl.reshape(xv, (BLOCK_K // GROUP, GROUP)), axis=1)
+                out = out - tl.sum(mn * xg[None, :], axis=1)
         else:  # any group size: a scale per element (cached loads)
-            s = tl.load(s_rows[:, None] + (offs_k // GROUP)[None, :], mask=m, other=0.0)
-            out = tl.sum(qv * s, axis=1)
+            gk = (offs // GROUP)[None, :]
+            s = tl.load(s_rows[:, None] + gk, mask=m, other=0.0)
+            w = p * s
+            if AFFINE == 1:
+                mn = tl.load(s_rows[:, None] + G + gk, mask=m, other=0.0)
+                w = w - mn * xv[None, :]
+            out = tl.sum(w, axis=1)
         return out
 
     @triton.jit
     def _gate_up(x_ptr, slots_ptr, q_ptr, s_ptr, h_ptr, n_slots, H, I, G, GROUP: tl.constexpr, MODE: tl.constexpr,
-                 ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BITS: tl.constexpr, AFFINE: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
         row = tl.program_id(0)  # t * n_slots + k
         t = row // n_slots
         slot = tl.load(slots_ptr + row)
         e = tl.maximum(slot, 0).to(tl.int64)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < I
-        row_mask = mask_n & (slot >= 0)  # an absent slot loads nothing
-        gate_q = q_ptr + e * 2 * I * H + offs_n.to(tl.int64) * H
-        gate_s = s_ptr + e * 2 * I * G + offs_n.to(tl.int64) * G
+        # an absent slot loads nothing (the slot splat to [BLOCK_N] first: Triton's interpreter mishandles a scalar
+        # mask broadcast into a load mask)
+        row_mask = mask_n & (tl.zeros([BLOCK_N], dtype=tl.int32) + slot >= 0)
+        if BITS == 8:
+            KB = H
+        else:
+            KB = H // 2
+        if AFFINE == 1:
+            SG = 2 * G
+        else:
+            SG = G
+        gate_q = q_ptr + e * 2 * I * KB + offs_n.to(tl.int64) * KB
+        gate_s = s_ptr + e * 2 * I * SG + offs_n.to(tl.int64) * SG
         acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + t * H + offs_k, mask=offs_k < H, other=0.0).to(tl.float32)
-            acc_g += _tile_dot(gate_q, gate_s, row_mask, x, k0, H, G, GROUP, MODE, BLOCK_N, BLOCK_K)
-            acc_u += _tile_dot(gate_q + I * H, gate_s + I * G, row_mask, x, k0, H, G, GROUP, MODE, BLOCK_N, BLOCK_K)
+        for kb0 in range(0, KB, BLOCK_K):
+            v_lo, v_hi = _load_x(x_ptr + t * H, kb0, H, BITS, BLOCK_K)
+            acc_g += _tile_dot(gate_q, gate_s, row_mask, v_lo, v_hi, kb0, KB, G, GROUP, MODE, BITS, AFFINE,
+                               BLOCK_N, BLOCK_K)
+            acc_u += _tile_dot(gate_q + I * KB, gate_s + I * SG, row_mask, v_lo, v_hi, kb0, KB, G, GROUP, MODE, BITS,
+                               AFFINE, BLOCK_N, BLOCK_K)
         tl.store(h_ptr + row * I + offs_n, _act(acc_g, ACT) * acc_u, mask=mask_n)
 
     @triton.jit
     def _down(h_ptr, slots_ptr, w_ptr, q_ptr, s_ptr, y_ptr, H, I, G, GROUP: tl.constexpr, MODE: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+              BITS: tl.constexpr, AFFINE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         row = tl.program_id(0)
         slot = tl.load(slots_ptr + row)
         e = tl.maximum(slot, 0).to(tl.int64)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < H
-        row_mask = mask_n & (slot >= 0)
-        q_rows = q_ptr + e * H * I + offs_n.to(tl.int64) * I
-        s_rows = s_ptr + e * H * G + offs_n.to(tl.int64) * G
+        row_mask = mask_n & (tl.zeros([BLOCK_N], dtype=tl.int32) + slot >= 0)
+        if BITS == 8:
+            KB = I
+        else:
+            KB = I // 2
+        if AFFINE == 1:
+            SG = 2 * G
+        else:
+            SG = G
+        q_rows = q_ptr + e * H * KB + offs_n.to(tl.int64) * KB
+        s_rows = s_ptr + e * H * SG + offs_n.to(tl.int64) * SG
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            hk = tl.load(h_ptr + row * I + offs_k, mask=offs_k < I, other=0.0)
-            acc += _tile_dot(q_rows, s_rows, row_mask, hk, k0, I, G, GROUP, MODE, BLOCK_N, BLOCK_K)
+        for kb0 in range(0, KB, BLOCK_K):
+            v_lo, v_hi = _load_x(h_ptr + row * I, kb0, I, BITS, BLOCK_K)
+            acc += _tile_dot(q_rows, s_rows, row_mask, v_lo, v_hi, kb0, KB, G, GROUP, MODE, BITS, AFFINE, BLOCK_N,
+                             BLOCK_K)
         coef = tl.where(slot >= 0, tl.load(w_ptr + row).to(tl.float32), 0.0)
         tl.store(y_ptr + row * H + offs_n, acc * coef, mask=mask_n)
 
 
 def scales_mode(group: int, block_k: int) -> int:
-    """How a tile applies the scales (``_tile_dot``): 0 a group spans whole tiles, 1 whole groups in a tile (powers
-    of two), 2 a scale per element (any group size)."""
+    """How a tile applies the scales (``_tile_dot``), ``group`` and ``block_k`` in bytes of codes: 0 a group spans
+    whole tiles, 1 whole groups in a tile (powers of two), 2 a scale per element (any group size)."""
     if group % block_k == 0:
         return 0
     if block_k % group == 0 and group & (group - 1) == 0:
@@ -127,41 +211,60 @@ def scales_mode(group: int, block_k: int) -> int:
     return 2
 
 
+def _kernel_format(codes: torch.Tensor, scales: torch.Tensor, K: int, name: str) -> tuple:
+    """(bits, affine, G, bytes a scale group covers) of one projection's rows (K columns a row)."""
+    from ktorch.ops.resident_rows import row_format
+
+    bits, affine = row_format(codes, scales)
+    G = scales.shape[-1]
+    if scales.dtype != torch.float32 or K % G or (bits == 4 and (K // G) % 8) or (affine and scales.shape[-2] != 2):
+        raise ValueError(f"triton_rows_forward: {name} scales must be float32 [n, N, G] (or [n, N, 2, G]) with G "
+                         f"dividing K={K} (4-bit: groups of multiples of 8); got {scales.dtype} {tuple(scales.shape)}")
+    return bits, affine, G, K // G * bits // 8
+
+
 def triton_rows_forward(hidden: torch.Tensor, slots: torch.Tensor, topk_weights: torch.Tensor, rows,
-                        activation: str = "silu", block_n: int = BLOCK_N, block_k: int = BLOCK_K,
-                        num_warps: int = NUM_WARPS) -> torch.Tensor:
-    """hidden [T, H] (CUDA), slots [T, K] (-1: not resident), topk_weights [T, K], rows: ``RowExperts`` of int8
-    with float32 scales -> [T, H] in hidden's dtype. Shape-static and free of host syncs (CUDA-graph capturable).
-    ``block_n``/``block_k``/``num_warps``: the tile (powers of two), the measured ``BLOCK_N``/``BLOCK_K``/``NUM_WARPS``
-    unless a benchmark compares others (benchmarks/bench_resident_decode.py --tiles)."""
-    if not hidden.is_cuda:
+                        activation: str = "silu", block_n: Optional[int] = None, block_k: Optional[int] = None,
+                        num_warps: Optional[int] = None) -> torch.Tensor:
+    """hidden [T, H] (CUDA), slots [T, K] (-1: not resident), topk_weights [T, K], rows: ``RowExperts`` (int8 or
+    4-bit codes with float32 scales, symmetric or affine, w13 and w2 each its own format) -> [T, H] in hidden's
+    dtype. Shape-static and free of host syncs (CUDA-graph capturable). ``block_n``/``block_k``/``num_warps``: the
+    tile of both kernels (powers of two; block_k in bytes of codes), each kernel's format's ``TILES`` entry unless a
+    benchmark compares others (benchmarks/bench_resident_decode.py --tiles)."""
+    if not hidden.is_cuda and not (hidden.device.type == "cpu" and interpreting()):
         raise ValueError(f"triton_rows_forward: the Triton kernels run on CUDA tensors, hidden is on {hidden.device}")
     if not triton_available():
         raise RuntimeError("triton_rows_forward: Triton is not installed (residents without it stay in the packed "
                            "layout: ktorch/ops/resident_rows.py row_layout_applies)")
-    if rows.w13.dtype != torch.int8 or rows.w13_scales is None or rows.w2_scales is None:
-        raise ValueError(f"triton_rows_forward: int8 residents with scales only, got {rows.w13.dtype}")
     if activation not in _ACT_CODES:
         raise ValueError(f"triton_rows_forward: activation must be one of {tuple(_ACT_CODES)}, got {activation!r}")
-    n, two_i, H = rows.w13.shape
+    if rows.w13.dim() != 3 or rows.w2.dim() != 3:
+        raise ValueError(f"triton_rows_forward: w13 [n, 2I, H(/2)] and w2 [n, H, I(/2)], got "
+                         f"{tuple(rows.w13.shape)} and {tuple(rows.w2.shape)}")
+    n, two_i, kb13 = rows.w13.shape
     I = two_i // 2
+    H = kb13 * (1 if rows.w13.dtype == torch.int8 else 2)
     T, K = slots.shape
-    if hidden.shape != (T, H) or rows.w2.shape != (n, H, I) or topk_weights.shape != (T, K):
-        raise ValueError(f"triton_rows_forward: hidden [T, H={H}], slots/topk_weights [T, K], w2 [n, H, I={I}]; got "
-                         f"{tuple(hidden.shape)}, {tuple(slots.shape)}, {tuple(topk_weights.shape)}, "
-                         f"{tuple(rows.w2.shape)}")
-    G13, G2 = rows.w13_scales.shape[2], rows.w2_scales.shape[2]
+    kb2 = I if rows.w2.dtype == torch.int8 else I // 2
+    if hidden.shape != (T, H) or rows.w2.shape != (n, H, kb2) or topk_weights.shape != (T, K):
+        raise ValueError(f"triton_rows_forward: hidden [T, H={H}], slots/topk_weights [T, K], w2 [n, H, I={I}] (I/2 "
+                         f"bytes for 4-bit codes); got {tuple(hidden.shape)}, {tuple(slots.shape)}, "
+                         f"{tuple(topk_weights.shape)}, {tuple(rows.w2.shape)} {rows.w2.dtype}")
+    b13, a13, G13, g13 = _kernel_format(rows.w13, rows.w13_scales, H, "w13")
+    b2, a2, G2, g2 = _kernel_format(rows.w2, rows.w2_scales, I, "w2")
+    if rows.w13_scales.shape[:2] != (n, two_i) or rows.w2_scales.shape[:2] != (n, H):
+        raise ValueError(f"triton_rows_forward: scales [n, N, ...] for w13 [{n}, {two_i}] and w2 [{n}, {H}], got "
+                         f"{tuple(rows.w13_scales.shape)} and {tuple(rows.w2_scales.shape)}")
     x = hidden.contiguous()
     s = slots.to(torch.int32).contiguous()
     w = topk_weights.to(torch.float32).contiguous()
     h = torch.empty(T * K, I, dtype=torch.float32, device=hidden.device)
     y = torch.empty(T, K, H, dtype=torch.float32, device=hidden.device)
-    g13, g2 = H // G13, I // G2
-    _gate_up[(T * K, -(-I // block_n))](x, s, rows.w13, rows.w13_scales, h, K, H, I, G13, GROUP=g13,
-                                        MODE=scales_mode(g13, block_k),
-                                        ACT=_ACT_CODES[activation], BLOCK_N=block_n, BLOCK_K=block_k,
-                                        num_warps=num_warps)
-    _down[(T * K, -(-H // block_n))](h, s, w, rows.w2, rows.w2_scales, y, H, I, G2, GROUP=g2,
-                                     MODE=scales_mode(g2, block_k), BLOCK_N=block_n,
-                                     BLOCK_K=block_k, num_warps=num_warps)
+    bn, bk, nw = (block_n, block_k, num_warps) if block_n else TILES[b13]
+    _gate_up[(T * K, -(-I // bn))](x, s, rows.w13, rows.w13_scales, h, K, H, I, G13, GROUP=g13,
+                                   MODE=scales_mode(g13, bk), BITS=b13, AFFINE=int(a13),
+                                   ACT=_ACT_CODES[activation], BLOCK_N=bn, BLOCK_K=bk, num_warps=nw)
+    bn, bk, nw = (block_n, block_k, num_warps) if block_n else TILES[b2]
+    _down[(T * K, -(-H // bn))](h, s, w, rows.w2, rows.w2_scales, y, H, I, G2, GROUP=g2, MODE=scales_mode(g2, bk),
+                                BITS=b2, AFFINE=int(a2), BLOCK_N=bn, BLOCK_K=bk, num_warps=nw)
     return y.sum(1).to(hidden.dtype)
