@@ -56,16 +56,6 @@ class RowExperts(NamedTuple):
     w2_scales: torch.Tensor
 
 
-def row_format(codes: torch.Tensor, scales: torch.Tensor) -> tuple:
-    """(bits, affine) of one projection in the row layout: int8 codes 8 bits, uint8 4 (two a byte); affine when the
-    scales hold minimums too ([n, N, 2, G])."""
-    if codes.dtype not in (torch.int8, torch.uint8) or scales is None or scales.dim() not in (3, 4):
-        got = None if scales is None else tuple(scales.shape)
-        raise ValueError(f"row_format: row-layout codes are int8 or uint8 with float32 scales [n, N, G] or "
-                         f"[n, N, 2, G], got {codes.dtype} with scales {got}")
-    return (8 if codes.dtype == torch.int8 else 4), scales.dim() == 4
-
-
 def _packed_format(packed: torch.Tensor, scales: Optional[torch.Tensor]) -> Optional[tuple]:
     """(bits, affine) of packed experts the row layout takes (int8 [n, N/16, K/4, 16, 4] or int4 uint8
     [n, N/16, K/8, 16, 4], float32 scales [n, G, N] or [n, 2, G, N] with minimums), else None (bf16)."""
@@ -143,6 +133,8 @@ def dequantize_rows(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -
     minimums) float32 -> [n, K, N] in ``dtype``, the transposed view of a contiguous [n, N, K], as
     ``dequantize_packed`` returns it: bit for bit its values (q * s, (q - 8) * s as q * s + (-8 s), or q * s - m,
     computed in float32 by the same ops, rounded once)."""
+    from ktorch.ops.triton_experts import row_format
+
     bits, affine = row_format(q, scales)
     n, N, KB = q.shape
     G = scales.shape[-1]

@@ -52,6 +52,16 @@ except ImportError:
     triton = None
 
 
+def row_format(codes: torch.Tensor, scales: torch.Tensor) -> tuple:
+    """(bits, affine) of one projection in the row layout: int8 codes 8 bits, uint8 4 (two a byte); affine when the
+    scales hold minimums too ([n, N, 2, G])."""
+    if codes.dtype not in (torch.int8, torch.uint8) or scales is None or scales.dim() not in (3, 4):
+        got = None if scales is None else tuple(scales.shape)
+        raise ValueError(f"row_format: row-layout codes are int8 or uint8 with float32 scales [n, N, G] or "
+                         f"[n, N, 2, G], got {codes.dtype} with scales {got}")
+    return (8 if codes.dtype == torch.int8 else 4), scales.dim() == 4
+
+
 def triton_available() -> bool:
     return triton is not None
 
@@ -213,8 +223,6 @@ def scales_mode(group: int, block_k: int) -> int:
 
 def _kernel_format(codes: torch.Tensor, scales: torch.Tensor, K: int, name: str) -> tuple:
     """(bits, affine, G, bytes a scale group covers) of one projection's rows (K columns a row)."""
-    from ktorch.ops.resident_rows import row_format
-
     bits, affine = row_format(codes, scales)
     G = scales.shape[-1]
     if scales.dtype != torch.float32 or K % G or (bits == 4 and (K // G) % 8) or (affine and scales.shape[-2] != 2):
