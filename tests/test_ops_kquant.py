@@ -241,6 +241,30 @@ def test_kscales_opcheck_numa_and_errors(seed):
         torch.ops.kt.unpack(q4.w2, bad)
 
 
+def test_kscales_device_forms(seed):
+    """GPU residents (the CPU standing in) hold two-level scales as their float32 form: the same tensors as the
+    float32 form's residents, counted as such (resident_bytes_per_expert); the streamed experts' dequantization
+    (dequantize_packed) of both forms is equal."""
+    from ktorch.gpu_memory import _resident_tensors, resident_bytes_per_expert
+    from ktorch.ops.packed_weights import dequantize_packed
+
+    state = torch.random.get_rng_state()
+    ref, _, _ = exact_experts(5, 256, 256, ("Q4_K", "Q4_K", "Q6_K"))
+    torch.random.set_rng_state(state)
+    two, _, _ = exact_experts(5, 256, 256, ("Q4_K", "Q4_K", "Q6_K"), two_level=True)
+    modules = []
+    for p in (ref, two):
+        m = torch.nn.Module()
+        m.kt_w13, m.kt_w13_scales, m.kt_w2, m.kt_w2_scales = p.tensors()
+        modules.append(m)
+    ids = torch.tensor([4, 1])
+    got, want = (_resident_tensors(m, ids, torch.device("cpu"), False) for m in (modules[1], modules[0]))
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(got, want))
+    assert resident_bytes_per_expert(modules[1]) == resident_bytes_per_expert(modules[0])
+    for w, s, r, gu in ((two.w13, two.w13_scales, ref.w13_scales, True), (two.w2, two.w2_scales, ref.w2_scales, False)):
+        assert torch.equal(dequantize_packed(w, s, gu, torch.float32), dequantize_packed(w, r, gu, torch.float32))
+
+
 # ---------------------------------------------------------------- bad input
 
 
