@@ -27,7 +27,7 @@ python3 -c "import gguf" 2>/dev/null || echo "WARNING: the gguf package is missi
 
 echo "== 1. tests at every kernel level (limit 110 s)"
 timeout -k 5 110 python3 -m pytest -q -p no:cacheprovider \
-  tests/test_ops_kquant.py -k "kscales or unpack or opcheck or numa or streamed or tiles" tests/test_ops_mxfp4.py \
+  tests/test_ops_kquant.py -k "kscales or unpack or opcheck or numa or streamed or tiles or mxfp4 or mixed" tests/test_ops_mxfp4.py \
   "tests/test_load_gguf.py::test_mixed_types_load_exactly" \
   >"$OUT/tests.log" 2>&1
 echo "   rc $? ($(($(date +%s) - START)) s)"

@@ -17,7 +17,7 @@ MXFP4_CODES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 INT4_DTYPES = (torch.uint8, MXFP4_DTYPE)
 
 
-# GGUF K-quant scales at the file's size ("two-level", ``kt.pack_kscales``): uint8 (Q4_K, Q5_K: 6-bit sc and m) or
+# GGUF K-quant scales at the file's size ("two-level", ``ktorch.ops.moe.pack_kscales``): uint8 (Q4_K, Q5_K: 6-bit sc and m) or
 # int8 (Q6_K: sc) [E, G + K/64, N], or [E, 2, G + K/64, N] with minimums: per part, G rows of sub-scales, then the
 # float32 super-scales [K/256, N] (d, dmin per 256 input channels) stored as K/64 byte rows; the scale of group g is
 # super[g // (G * 256 / K)] * sub[g], exact in float32 (the same value as the float32 per-group form).

@@ -157,7 +157,7 @@ PackedMatrix describe(const at::Tensor& w, const std::optional<at::Tensor>& s, W
   TORCH_CHECK(sc.device().is_cpu() && (sc.scalar_type() == at::kFloat || two_level) && (sc.dim() == 3 || sc.dim() == 4) &&
                   sc.is_contiguous(),
               "fused_moe: ", scales_name, " must be a contiguous float32 CPU tensor [E, G, N] (or [E, 2, G, N]: ",
-              "scales and minimums), or two-level uint8/int8 [E, (2,) G + K/64, N] (kt.pack_kscales), got ",
+              "scales and minimums), or two-level uint8/int8 [E, (2,) G + K/64, N] (ktorch.ops.moe.pack_kscales), got ",
               sc.scalar_type(), " ", sc.sizes(), " on ", sc.device());
   m.affine = sc.dim() == 4;
   TORCH_CHECK(!(m.affine && m.codes != nullptr), "fused_moe: ", name, " holds MXFP4 nibbles (float4_e2m1fn_x2), which ",
