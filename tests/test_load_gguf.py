@@ -138,7 +138,7 @@ def test_mixed_types_load_exactly(wide_qwen3, types):
         assert packed.w13.dtype == torch.uint8 and packed.w2.dtype == torch.int8
     # K-quant scales at the file's size (two-level: uint8 Q4_K/Q5_K, int8 Q6_K) per projection; gate/up of different
     # types share the float32 form
-    kscale = {"Q4_K": torch.uint8, "Q5_K": torch.uint8, "Q6_K": torch.int8}
+    kscale = {"Q4_K": torch.uint8, "Q5_K": torch.uint8, "Q6_K": torch.int8, "Q8_0": torch.float16}
     assert packed.w13_scales.dtype == (kscale.get(types["gate"], torch.float32) if types["gate"] == types["up"]
                                        else torch.float32)
     assert packed.w2_scales.dtype == kscale.get(types["down"], torch.float32)

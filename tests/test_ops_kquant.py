@@ -50,6 +50,8 @@ def pack_file(data: np.ndarray, type_name: str, gate_up: bool, two_level: bool =
     packed, scales = pack_quantized(codes, scales, mins, bits=bits, gate_up=gate_up, mxfp4=table == "mxfp4")
     if two_level and type_name in KSCALE_TYPES:
         scales = pack_kscales(*exact_kscales(data, type_name), gate_up=gate_up)
+    elif two_level and type_name == "Q8_0":  # the file's float16 d
+        scales = scales.half()
     return packed, scales
 
 
@@ -177,7 +179,7 @@ def test_opcheck(types):
 
 # ---------------------------------------------------------------- K-quant scales at the file's size (two-level)
 
-KSCALE_MIXES = [("Q4_K",) * 3, ("Q4_K", "Q4_K", "Q6_K"), ("Q5_K",) * 3, ("Q6_K",) * 3]
+KSCALE_MIXES = [("Q4_K",) * 3, ("Q4_K", "Q4_K", "Q6_K"), ("Q5_K",) * 3, ("Q6_K",) * 3, ("Q5_K", "Q5_K", "Q8_0")]
 
 
 @pytest.mark.parametrize("types", KSCALE_MIXES, ids=lambda ts: "-".join(dict.fromkeys(ts)))
@@ -194,9 +196,12 @@ def test_kscales_same_output_as_float_scales(kernel, types, seed):
     assert torch.equal(gate_up, gate_up2) and torch.equal(down, down2)
     for s, ref_s, K_in, t in ((packed.w13_scales, ref_packed.w13_scales, H, types[0]),
                               (packed.w2_scales, ref_packed.w2_scales, I, types[2])):
-        assert s.dtype == (torch.int8 if t == "Q6_K" else torch.uint8)
         assert torch.equal(kscales_as_float(s, K_in), ref_s)
         group = EXACT_TYPES[t][1]
+        if t == "Q8_0":  # float16 per group
+            assert s.dtype == torch.float16 and s.shape == ref_s.shape
+            continue
+        assert s.dtype == (torch.int8 if t == "Q6_K" else torch.uint8)
         assert s[0].numel() == (2 if t != "Q6_K" else 1) * (K_in // group + 4 * K_in // 256) * s.shape[-1]
     if types[0] == "Q4_K":
         w = packed.w13[0].numel() + packed.w13_scales[0].numel()
@@ -232,6 +237,16 @@ def test_kscales_opcheck_numa_and_errors(seed):
     for a, b in zip(split.op_args(), ref_split.op_args()):
         assert all(torch.equal(x, y) for x, y in zip(a, b)) if isinstance(a, (list, tuple)) else a == b
     assert torch.equal(ktorch.fused_moe(hidden, ids, weights, split), ktorch.fused_moe(hidden, ids, weights, ref_split))
+    state = torch.random.get_rng_state()
+    q8_ref, _, _ = exact_experts(E, H, I, ("Q8_0",) * 3)
+    torch.random.set_rng_state(state)
+    q8, _, _ = exact_experts(E, H, I, ("Q8_0",) * 3, two_level=True)  # float16 scales
+    assert q8.w2_scales.dtype == torch.float16
+    opcheck(torch.ops.kt.fused_moe, (hidden, ids, weights, *q8.tensors(), "silu"))
+    q8_split = q8.split_numa(2)
+    assert q8_split.op_args()[3][0].dtype == torch.float32
+    assert torch.equal(ktorch.fused_moe(hidden, ids, weights, q8_split),
+                       ktorch.fused_moe(hidden, ids, weights, q8_ref.split_numa(2)))
     q4, _, _ = exact_experts(E, H, I, ("Q4_K",) * 3, two_level=True)
     opcheck(torch.ops.kt.fused_moe, (hidden, ids, weights, *q4.tensors(), "silu"))
     bad = q4.w2_scales[:, :, 1:].contiguous()  # one sub-scale row short: groups no longer whole per 256

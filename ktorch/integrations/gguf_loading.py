@@ -506,6 +506,12 @@ class GGUFSource(CheckpointSource):
             s13 = pack_kscales(*(None if a is None else torch.cat([a, b], dim=1) for a, b in zip(g, u)), gate_up=True)
         if "down" in ktypes:
             s2 = pack_kscales(*exact_kscales(np.asarray(tensors["down"].data[first:end]), ktypes["down"]))
+        # Q8_0: its float16 d per 32 as float16 (the float32 values came from it: exact)
+        tnames = {p: t.tensor_type.name for p, t in tensors.items()}
+        if tnames["gate"] == tnames["up"] == "Q8_0":
+            s13 = s13.half()
+        if tnames["down"] == "Q8_0":
+            s2 = s2.half()
         names = dict.fromkeys(t.tensor_type.name for t in tensors.values())
         b13 = b2 = None
         if self.arch == "gpt-oss":  # biases: gate's then up's [e, 2I] (PackedExperts.w13_bias), down's [e, H]

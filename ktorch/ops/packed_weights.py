@@ -21,16 +21,21 @@ INT4_DTYPES = (torch.uint8, MXFP4_DTYPE)
 # int8 (Q6_K: sc) [E, G + K/64, N], or [E, 2, G + K/64, N] with minimums: per part, G rows of sub-scales, then the
 # float32 super-scales [K/256, N] (d, dmin per 256 input channels) stored as K/64 byte rows; the scale of group g is
 # super[g // (G * 256 / K)] * sub[g], exact in float32 (the same value as the float32 per-group form).
+# GGUF Q8_0's scales likewise stay the file's float16 d per group (a float16 scales tensor [E, G, N]).
 def is_kscales(scales: Optional[torch.Tensor]) -> bool:
-    """Whether ``scales`` are two-level K-quant scales (uint8/int8) rather than float32 per group."""
-    return scales is not None and scales.dtype in (torch.uint8, torch.int8)
+    """Whether ``scales`` are at the file's size (two-level K-quant scales, uint8/int8; float16 per group) rather
+    than float32 per group."""
+    return scales is not None and scales.dtype in (torch.uint8, torch.int8, torch.float16)
 
 
 def kscales_as_float(scales: Optional[torch.Tensor], K: int) -> Optional[torch.Tensor]:
-    """Two-level K-quant scales (any device) -> the float32 per-group form [E, (2,) G, N], exactly; anything else
-    (float32 scales, None) as it is. K: the input channels of the packed weights the scales belong to."""
+    """Scales at the file's size (any device: two-level K-quant scales, float16 ones) -> the float32 per-group form
+    [E, (2,) G, N], exactly; anything else (float32 scales, None) as it is. K: the input channels of the packed
+    weights the scales belong to."""
     if not is_kscales(scales):
         return scales
+    if scales.dtype == torch.float16:
+        return scales.float()
     S = K // 256
     R = scales.shape[-2]
     if K % 256 or scales.dim() not in (3, 4) or R <= 4 * S or (R - 4 * S) % S:

@@ -105,8 +105,9 @@ struct PackedMatrix {
   int64_t groups = 1;  // scale groups along K (per-channel int8: 1)
   bool affine = false;  // scales [E, 2, G, N]: scale, then minimum (GGUF K-quants kept exact)
   const int8_t* codes = nullptr;  // coded int4 (MXFP4: kernels::kMxfp4Codes), GemmArgs::b_codes
-  // Two-level scales (GGUF K-quants at the file's size; describe): 0 none (fp32 per group), 1 uint8 sub-scales
-  // (Q4_K, Q5_K), 2 int8 (Q6_K); supers the fp32 super-scales along K (one per 256 input channels).
+  // Scales at the file's size (describe): 0 none (fp32 per group); two-level (GGUF K-quants): 1 uint8 sub-scales
+  // (Q4_K, Q5_K), 2 int8 (Q6_K), supers the fp32 super-scales along K (one per 256 input channels); 3 fp16 per group
+  // (GGUF Q8_0's d), supers 0.
   int sub_kind = 0;
   int64_t supers = 0;
   int64_t group_size() const { return K / groups; }
@@ -154,10 +155,13 @@ PackedMatrix describe(const at::Tensor& w, const std::optional<at::Tensor>& s, W
   TORCH_CHECK(s.has_value(), "fused_moe: ", f == WeightFormat::INT8 ? "int8" : "int4", " weights need ", scales_name);
   const at::Tensor& sc = *s;
   const bool two_level = sc.scalar_type() == at::kByte || sc.scalar_type() == at::kChar;
-  TORCH_CHECK(sc.device().is_cpu() && (sc.scalar_type() == at::kFloat || two_level) && (sc.dim() == 3 || sc.dim() == 4) &&
+  const bool half = sc.scalar_type() == at::kHalf;
+  TORCH_CHECK(sc.device().is_cpu() && (sc.scalar_type() == at::kFloat || two_level || half) &&
+                  (sc.dim() == 3 || sc.dim() == 4) &&
                   sc.is_contiguous(),
               "fused_moe: ", scales_name, " must be a contiguous float32 CPU tensor [E, G, N] (or [E, 2, G, N]: ",
-              "scales and minimums), or two-level uint8/int8 [E, (2,) G + K/64, N] (ktorch.ops.moe.pack_kscales), got ",
+              "scales and minimums), float16 like them, or two-level uint8/int8 [E, (2,) G + K/64, N] ",
+              "(ktorch.ops.moe.pack_kscales), got ",
               sc.scalar_type(), " ", sc.sizes(), " on ", sc.device());
   m.affine = sc.dim() == 4;
   TORCH_CHECK(!(m.affine && m.codes != nullptr), "fused_moe: ", name, " holds MXFP4 nibbles (float4_e2m1fn_x2), which ",
@@ -165,6 +169,7 @@ PackedMatrix describe(const at::Tensor& w, const std::optional<at::Tensor>& s, W
   TORCH_CHECK(sc.size(0) == m.E && sc.size(-1) == m.N && (!m.affine || sc.size(1) == 2), "fused_moe: ", scales_name,
               " has shape ", sc.sizes(), " but ", name, " needs [", m.E, ", G, ", m.N, "] or [", m.E, ", 2, G, ", m.N, "]");
   m.groups = sc.size(-2);
+  if (half) m.sub_kind = 3;
   if (two_level) {  // rows [0, G): the sub-scales; then the fp32 super-scales [K/256][N] as 4 K/256 byte rows
     TORCH_CHECK(m.K % 256 == 0 && m.groups > 4 * (m.K / 256), "fused_moe: two-level ", scales_name, " ", sc.sizes(),
                 " needs K a multiple of 256 and more than K/64 rows, K=", m.K);
@@ -187,7 +192,8 @@ PackedMatrix describe(const at::Tensor& w, const std::optional<at::Tensor>& s, W
   return m;
 }
 
-// Two-level scales (m.sub_kind != 0) as the kernels take them: out[g * n + c] = super[g / (G / S)][c0 + c] *
+// Scales at the file's size (m.sub_kind != 0) as the kernels take them: fp16 ones converted; two-level ones
+// out[g * n + c] = super[g / (G / S)][c0 + c] *
 // sub[g][c0 + c] for columns [c0, c0 + n) of expert e, in fp32 (the product of an fp32 holding a GGUF fp16 d and a
 // small integer is exact: the same value as the fp32 per-group form); affine: the minimums follow at out + G * n.
 // The driver runs it before each kernel call (reading the file's bytes, not 4 a group), into a thread's buffer.
@@ -195,6 +201,15 @@ const float* expand_kscales(const PackedMatrix& m, const void* scales, int64_t e
   thread_local std::vector<float> buf;
   const int parts = m.affine ? 2 : 1;
   if (buf.size() < static_cast<size_t>(parts * m.groups * n)) buf.resize(parts * m.groups * n);
+  if (m.sub_kind == 3) {  // fp16 per group: converted (exactly)
+    for (int part = 0; part < parts; ++part) {
+      const c10::Half* p = static_cast<const c10::Half*>(scales) + ((e * parts + part) * m.groups) * m.N + c0;
+      float* o = buf.data() + part * m.groups * n;
+      for (int64_t g = 0; g < m.groups; ++g)
+        for (int64_t c = 0; c < n; ++c) o[g * n + c] = static_cast<float>(p[g * m.N + c]);
+    }
+    return buf.data();
+  }
   const int64_t per = m.groups / m.supers;
   for (int part = 0; part < parts; ++part) {
     const uint8_t* p = static_cast<const uint8_t*>(scales) + (e * parts + part) * m.rows() * m.N;

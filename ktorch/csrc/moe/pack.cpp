@@ -231,6 +231,7 @@ std::tuple<at::Tensor, at::Tensor> pack_int4(const at::Tensor& weight, int64_t g
 }
 
 at::Tensor kscales_as_float(const at::Tensor& scales, int64_t K) {
+  if (scales.scalar_type() == at::kHalf) return scales.to(at::kFloat);  // Q8_0's fp16 scales (exact)
   if (scales.scalar_type() != at::kByte && scales.scalar_type() != at::kChar) return scales;
   TORCH_CHECK((scales.dim() == 3 || (scales.dim() == 4 && scales.size(1) == 2)) && K % 256 == 0 &&
                   scales.size(-2) > K / 64 && (scales.size(-2) - K / 64) % (K / 256) == 0,
