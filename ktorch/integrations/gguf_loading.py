@@ -642,7 +642,8 @@ def _q4k_steps(gguf, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 # table). The codes of Q5_K (0..31) and Q6_K (-32..31) are held one byte each (int8), Q4_0 and Q4_K as nibbles (int4),
 # MXFP4's as their 4-bit E2M1 codes (the int4 layout, code table "mxfp4": each nibble the E2M1 value doubled,
 # -12..12; ``pack_quantized(mxfp4=True)``); the scales (and minimums) as float32 per group, which holds each exactly
-# (an fp16 times a 6-bit integer, or a power of two).
+# (an fp16 times a 6-bit integer, or a power of two) - except where a projection is a K-quant (``KSCALE_TYPES``:
+# two-level, at the file's size) or Q8_0 (float16 d), which ``_exact_experts`` keeps as the file has them.
 EXACT_TYPES = {"Q8_0": (8, 32, False, None), "Q6_K": (8, 16, False, None), "Q5_K": (8, 32, True, None),
                "MXFP4": (4, 32, False, "mxfp4"), "Q4_0": (4, 32, False, None), "Q4_K": (4, 32, True, None)}
 

@@ -30,7 +30,8 @@ class PackedExperts:
     ([E, H/16, I/per, 16, per]); the scales are float32 [E, G, N] for int8 (G = 1) and int4 (G = K / group)
     and None for bf16. GGUF experts kept exact (``format`` "gguf:<types>", e.g. "gguf:Q4_K/Q6_K";
     ``pack_quantized``) hold int8 scales per group of 16 or 32 too, and the affine types (Q4_K, Q5_K) scales and
-    minimums [E, 2, G, N] (W = q * scale - min); w13 and w2 may then differ in format (int4 gate/up, int8 down). w13_bias (float32 [E, 2I]: gate biases then up biases; [E, I] gateless) and w2_bias
+    minimums [E, 2, G, N] (W = q * scale - min), the K-quants' at the file's size (two-level uint8/int8, ``pack_kscales``)
+    and Q8_0's as float16; w13 and w2 may then differ in format (int4 gate/up, int8 down). w13_bias (float32 [E, 2I]: gate biases then up biases; [E, I] gateless) and w2_bias
     (float32 [E, H]) are the experts' biases, or None.
     """
 
