@@ -20,7 +20,8 @@ measures for itself at start: DRAM read bandwidth (a large fp32 sum) and the dot
     python benchmarks/bench_fused_moe.py --shapes qwen3 --tokens 1 512 2048 --impls ktorch-int8 ktorch-q4_k ktorch-q4_k_m
 
 ktorch-q8_0, -q6_k, -q5_k, -q4_k, -q4_k_m (Q4_K gate/up, Q6_K down), -q4_0, -mxfp4: the GGUF types kept exact
-(docs/loading.md), their codes and fp32 group scales (and minimums) counted in the GB/s column; -mxfp4_int8: MXFP4 as
+(docs/loading.md), their codes and fp32 group scales (and minimums) counted in the GB/s column (-q4_k_2l, -q6_k_2l,
+-q5_k_2l, -q4_k_m_2l: the same with two-level scales at the file's size; -q8_0_2l: float16 scales); -mxfp4_int8: MXFP4 as
 int8 codes (a byte each), the form the 4-bit codes replaced. gpt-oss-120b's shape (--shapes gpt-oss-120b) runs them
 with silu and no biases (the activation and biases cost the same in both forms).
 
@@ -69,6 +70,10 @@ EXACT = {"q8_0": ((8, 32, False), (8, 32, False)), "q6_k": ((8, 16, False), (8, 
          "q5_k": ((8, 32, True), (8, 32, True)), "q4_k": ((4, 32, True), (4, 32, True)),
          "q4_k_m": ((4, 32, True), (8, 16, False)), "q4_0": ((4, 32, False), (4, 32, False)),
          "mxfp4": ((4, 32, False), (4, 32, False)), "mxfp4_int8": ((8, 32, False), (8, 32, False))}
+# The K-quants with their scales at the file's size (two-level: a byte sub-scale per group, fp32 d/dmin per 256;
+# ktorch.ops.moe.pack_kscales), beside the fp32-per-group forms above: -q4_k_2l, -q6_k_2l, -q4_k_m_2l.
+KSCALES = {f"{t}_2l": t for t in ("q4_k", "q6_k", "q5_k", "q4_k_m", "q8_0")}  # (q8_0_2l: float16 d per 32)
+EXACT.update({k: EXACT[t] for k, t in KSCALES.items()})
 IMPLS = ("ktorch-bf16", "ktorch-int8", "ktorch-int4", *(f"ktorch-{f}" for f in EXACT), "eager", "grouped_mm")
 
 
@@ -192,6 +197,16 @@ def random_packed(E: int, H: int, I: int, fmt: str, group_size: int = 128, pages
     def exact_mat(N, K, form):
         bits, group, affine = form
         scales = torch.rand(E, *((2,) if affine else ()), K // group, N).add_(0.5).mul_(K**-0.5 / 8)
+        if fmt == "q8_0_2l":
+            scales = scales.half()
+        elif fmt in KSCALES:  # two-level: sub-scales 1..63 (Q6_K: int8), then fp32 super-scales [K/256, N] as bytes
+            P = 2 if affine else 1
+            sub = torch.randint(1, 64, (E, P, K // group, N), dtype=torch.uint8)
+            sup = torch.rand(E, P, K // 256, N).add_(0.5).mul_(K**-0.5 / 256).view(torch.uint8).reshape(E, P, -1, N)
+            scales = torch.cat([sub, sup], dim=2)
+            scales = (scales if affine else scales[:, 0]).contiguous()
+            if not affine:
+                scales = scales.view(torch.int8)
         if fmt == "mxfp4":  # any nibble is an E2M1 code
             return codes(N, K, 4).view(torch.float4_e2m1fn_x2), scales
         return (codes(N, K, 8, *((-12, 13) if fmt == "mxfp4_int8" else (-32, 32))) if bits == 8 else codes(N, K, 4)), scales
@@ -228,6 +243,10 @@ def expert_bytes(impl: str, H: int, I: int, group_size: int = 128) -> float:
     if fmt in EXACT:  # codes (a byte, or a nibble) and fp32 scales (and minimums) per group
         def part(elements, form):
             bits, group, affine = form
+            if fmt == "q8_0_2l":  # float16 per group
+                return elements * bits / 8 + elements / group * 2
+            if fmt in KSCALES:  # a byte per group, an fp32 per 256 (each, scale and minimum)
+                return elements * bits / 8 + (elements / group + elements / 256 * 4) * (2 if affine else 1)
             return elements * bits / 8 + elements / group * 4 * (2 if affine else 1)
         return part(2 * I * H, EXACT[fmt][0]) + part(H * I, EXACT[fmt][1])
     return 2 * n

@@ -123,11 +123,15 @@ def default_budget(model: nn.Module, device: torch.device) -> Optional[int]:
 
 def resident_bytes_per_expert(module: nn.Module) -> int:
     """Device bytes of one resident expert: its packed rows of w13, w2 and their scales (MXFP4 nibbles: their int8
-    codes, twice the bytes, which residents hold: ``_resident_tensors``)."""
-    from ktorch.ops.packed_weights import MXFP4_DTYPE
+    codes, twice the bytes, and two-level K-quant scales their float32 form, which residents hold:
+    ``_resident_tensors``)."""
+    from ktorch.ops.packed_weights import MXFP4_DTYPE, kscales_as_float, packed_in_features
 
+    w13, w2 = module.kt_w13, module.kt_w2
+    s13 = kscales_as_float(None if module.kt_w13_scales is None else module.kt_w13_scales[:1], packed_in_features(w13))
+    s2 = kscales_as_float(None if module.kt_w2_scales is None else module.kt_w2_scales[:1], packed_in_features(w2))
     return sum(t[0].numel() * t.element_size() * (2 if t.dtype == MXFP4_DTYPE else 1)
-               for t in (module.kt_w13, module.kt_w13_scales, module.kt_w2, module.kt_w2_scales) if t is not None)
+               for t in (w13, s13, w2, s2) if t is not None)
 
 
 def dequantized_bytes_per_expert(module: nn.Module, dtype: torch.dtype) -> int:
@@ -173,8 +177,9 @@ def _resident_tensors(module: nn.Module, ids: torch.Tensor, device: torch.device
     """The packed module's experts ``ids`` on ``device``: (w13, w13_scales, w2, w2_scales) rows of the packed layout
     (scales None for bf16), or with ``rows`` the same bytes as ``RowExperts`` (ktorch/ops/resident_rows.py). MXFP4
     nibbles become their int8 codes on the device (``mxfp4_as_int8``: the same values and scales), so MXFP4 residents
-    take the int8 paths (the Triton rows with ``rows``)."""
-    from ktorch.ops.packed_weights import MXFP4_DTYPE, as_bytes, mxfp4_as_int8
+    take the int8 paths (the Triton rows with ``rows``); two-level K-quant scales become their float32 form on the
+    device (``kscales_as_float``), which every device path takes."""
+    from ktorch.ops.packed_weights import MXFP4_DTYPE, as_bytes, kscales_as_float, mxfp4_as_int8, packed_in_features
 
     ids = ids.to("cpu", torch.int64)
 
@@ -183,8 +188,10 @@ def _resident_tensors(module: nn.Module, ids: torch.Tensor, device: torch.device
             return mxfp4_as_int8(as_bytes(t).index_select(0, ids).to(device).view(MXFP4_DTYPE))
         return t.index_select(0, ids).to(device)
 
-    packed = tuple(None if t is None else selected(t)
-                   for t in (module.kt_w13, module.kt_w13_scales, module.kt_w2, module.kt_w2_scales))
+    w13, w2 = module.kt_w13, module.kt_w2
+    s13, s2 = (None if s is None else kscales_as_float(selected(s), packed_in_features(w))
+               for s, w in ((module.kt_w13_scales, w13), (module.kt_w2_scales, w2)))
+    packed = (selected(w13), s13, selected(w2), s2)
     if rows:
         from ktorch.ops.resident_rows import rows_from_packed
 

@@ -133,9 +133,15 @@ def test_mixed_types_load_exactly(wide_qwen3, types):
         assert torch.equal(gate_up, torch.cat([_file_values(path, f"blk.{layer}.ffn_gate_exps.weight"),
                                                _file_values(path, f"blk.{layer}.ffn_up_exps.weight")], dim=1))
         assert torch.equal(down, _file_values(path, f"blk.{layer}.ffn_down_exps.weight"))
+    packed = packed_experts_of(moe_experts_modules(loaded)[0])
     if types["down"] == "Q6_K":
-        packed = packed_experts_of(moe_experts_modules(loaded)[0])
         assert packed.w13.dtype == torch.uint8 and packed.w2.dtype == torch.int8
+    # K-quant scales at the file's size (two-level: uint8 Q4_K/Q5_K, int8 Q6_K) per projection; gate/up of different
+    # types share the float32 form
+    kscale = {"Q4_K": torch.uint8, "Q5_K": torch.uint8, "Q6_K": torch.int8, "Q8_0": torch.float16}
+    assert packed.w13_scales.dtype == (kscale.get(types["gate"], torch.float32) if types["gate"] == types["up"]
+                                       else torch.float32)
+    assert packed.w2_scales.dtype == kscale.get(types["down"], torch.float32)
 
 
 # ---------------------------------------------------------------- whole models

@@ -21,9 +21,10 @@ from torch.library import opcheck
 import ktorch
 
 gguf = pytest.importorskip("gguf")  # the blocks are written and decoded by the gguf package
-from ktorch.integrations.gguf_loading import EXACT_TYPES, exact_codes
+from ktorch.integrations.gguf_loading import EXACT_TYPES, KSCALE_TYPES, exact_codes, exact_kscales
 from ktorch.integrations.gguf_writer import encode
-from ktorch.ops.moe import PackedExperts, pack_quantized
+from ktorch.ops.moe import PackedExperts, pack_kscales, pack_quantized
+from ktorch.ops.packed_weights import kscales_as_float
 from reference import fused_moe_reference, relative_error
 
 TYPES = sorted(EXACT_TYPES)
@@ -42,21 +43,27 @@ def file_values(data: np.ndarray, type_name: str) -> torch.Tensor:
                                        dtype=np.float32))
 
 
-def pack_file(data: np.ndarray, type_name: str, gate_up: bool):
+def pack_file(data: np.ndarray, type_name: str, gate_up: bool, two_level: bool = False):
+    """(packed, scales) of GGUF blocks; two_level: the K-quant scales at the file's size (pack_kscales)."""
     codes, scales, mins = exact_codes(data, type_name)
     bits, _, _, table = EXACT_TYPES[type_name]
-    return pack_quantized(codes, scales, mins, bits=bits, gate_up=gate_up, mxfp4=table == "mxfp4")
+    packed, scales = pack_quantized(codes, scales, mins, bits=bits, gate_up=gate_up, mxfp4=table == "mxfp4")
+    if two_level and type_name in KSCALE_TYPES:
+        scales = pack_kscales(*exact_kscales(data, type_name), gate_up=gate_up)
+    elif two_level and type_name == "Q8_0":  # the file's float16 d
+        scales = scales.half()
+    return packed, scales
 
 
-def exact_experts(E: int, H: int, I: int, types: tuple[str, str, str]):
+def exact_experts(E: int, H: int, I: int, types: tuple[str, str, str], two_level: bool = False):
     """Experts whose gate, up, down are GGUF blocks of types[0..2]: (PackedExperts, gate_up [E, 2I, H], down
     [E, H, I] as the file's values). gate and up of one type (the loader's wider form for mixed ones is tested in
     tests/test_load_gguf.py)."""
     assert types[0] == types[1]
     gate_up_data = file_blocks((E, 2 * I, H), types[0], 1 / math.sqrt(H))
     down_data = file_blocks((E, H, I), types[2], 1 / math.sqrt(I))
-    w13, s13 = pack_file(gate_up_data, types[0], gate_up=True)
-    w2, s2 = pack_file(down_data, types[2], gate_up=False)
+    w13, s13 = pack_file(gate_up_data, types[0], gate_up=True, two_level=two_level)
+    w2, s2 = pack_file(down_data, types[2], gate_up=False, two_level=two_level)
     packed = PackedExperts(w13, s13, w2, s2, "gguf:" + "/".join(dict.fromkeys(types)))
     return packed, file_values(gate_up_data, types[0]), file_values(down_data, types[2])
 
@@ -168,6 +175,109 @@ def test_opcheck(types):
     ids, weights = make_routing(T, E, K)
     opcheck(torch.ops.kt.fused_moe, (hidden, ids, weights, *packed.tensors(), "silu"))
     opcheck(torch.ops.kt.unpack, (packed.w13, packed.w13_scales, True))
+
+
+# ---------------------------------------------------------------- K-quant scales at the file's size (two-level)
+
+KSCALE_MIXES = [("Q4_K",) * 3, ("Q4_K", "Q4_K", "Q6_K"), ("Q5_K",) * 3, ("Q6_K",) * 3, ("Q5_K", "Q5_K", "Q8_0")]
+
+
+@pytest.mark.parametrize("types", KSCALE_MIXES, ids=lambda ts: "-".join(dict.fromkeys(ts)))
+def test_kscales_same_output_as_float_scales(kernel, types, seed):
+    """The same blocks with two-level scales (a sub-scale a group, d and dmin a 256) and with float32 scales a group:
+    the op's output bit for bit at this kernel level (T = 1, 5 and 300: decode, small and tiled calls), the float64
+    reference met, the weights (kt.unpack, the device paths' dequantize_packed) the file's, the scales' bytes the
+    file's (Q4_K 0.59375 a weight with its codes)."""
+    E, K, H, I = 6, 2, 512, 256
+    state = torch.random.get_rng_state()
+    ref_packed, gate_up, down = exact_experts(E, H, I, types)
+    torch.random.set_rng_state(state)  # the same blocks again, two-level
+    packed, gate_up2, down2 = exact_experts(E, H, I, types, two_level=True)
+    assert torch.equal(gate_up, gate_up2) and torch.equal(down, down2)
+    for s, ref_s, K_in, t in ((packed.w13_scales, ref_packed.w13_scales, H, types[0]),
+                              (packed.w2_scales, ref_packed.w2_scales, I, types[2])):
+        assert torch.equal(kscales_as_float(s, K_in), ref_s)
+        group = EXACT_TYPES[t][1]
+        if t == "Q8_0":  # float16 per group
+            assert s.dtype == torch.float16 and s.shape == ref_s.shape
+            continue
+        assert s.dtype == (torch.int8 if t == "Q6_K" else torch.uint8)
+        assert s[0].numel() == (2 if t != "Q6_K" else 1) * (K_in // group + 4 * K_in // 256) * s.shape[-1]
+    if types[0] == "Q4_K":
+        w = packed.w13[0].numel() + packed.w13_scales[0].numel()
+        assert w / (2 * I * H) == 0.59375
+    g13, g2 = packed.dequantize()
+    assert torch.equal(g13, gate_up) and torch.equal(g2, down)
+    from ktorch.ops.packed_weights import dequantize_packed
+
+    assert torch.equal(dequantize_packed(packed.w2, packed.w2_scales, False, torch.float32), down.transpose(1, 2))
+    for T in (1, 5, 300):
+        hidden = torch.randn(T, H).to(torch.bfloat16)
+        ids, weights = make_routing(T, E, K)
+        out = ktorch.fused_moe(hidden, ids, weights, packed)
+        want = ktorch.fused_moe(hidden, ids, weights, ref_packed)
+        assert torch.equal(out, want), f"seed={seed} {kernel} {types} T={T}: two-level differs from float32 scales"
+        ref = fused_moe_reference(hidden, ids, weights, gate_up, down, "silu")
+        assert relative_error(out, ref) <= INT8_TOLERANCE * (4 / 3 if T < 4 else 1)
+
+
+def test_kscales_opcheck_numa_and_errors(seed):
+    """opcheck of fused_moe and unpack on two-level scales; the NUMA split (slices hold the float32 form) matches
+    the unsplit op; scales with a row count that is no sub-scales + K/64 are errors, not wrong answers."""
+    E, K, H, I, T = 4, 2, 256, 512, 5
+    state = torch.random.get_rng_state()
+    ref_packed, _, _ = exact_experts(E, H, I, ("Q6_K",) * 3)
+    torch.random.set_rng_state(state)
+    packed, _, _ = exact_experts(E, H, I, ("Q6_K",) * 3, two_level=True)
+    hidden = torch.randn(T, H).to(torch.bfloat16)
+    ids, weights = make_routing(T, E, K)
+    opcheck(torch.ops.kt.fused_moe, (hidden, ids, weights, *packed.tensors(), "silu"))
+    opcheck(torch.ops.kt.unpack, (packed.w13, packed.w13_scales, True))
+    split, ref_split = packed.split_numa(2), ref_packed.split_numa(2)
+    for a, b in zip(split.op_args(), ref_split.op_args()):
+        assert all(torch.equal(x, y) for x, y in zip(a, b)) if isinstance(a, (list, tuple)) else a == b
+    assert torch.equal(ktorch.fused_moe(hidden, ids, weights, split), ktorch.fused_moe(hidden, ids, weights, ref_split))
+    state = torch.random.get_rng_state()
+    q8_ref, _, _ = exact_experts(E, H, I, ("Q8_0",) * 3)
+    torch.random.set_rng_state(state)
+    q8, _, _ = exact_experts(E, H, I, ("Q8_0",) * 3, two_level=True)  # float16 scales
+    assert q8.w2_scales.dtype == torch.float16
+    opcheck(torch.ops.kt.fused_moe, (hidden, ids, weights, *q8.tensors(), "silu"))
+    q8_split = q8.split_numa(2)
+    assert q8_split.op_args()[3][0].dtype == torch.float32
+    assert torch.equal(ktorch.fused_moe(hidden, ids, weights, q8_split),
+                       ktorch.fused_moe(hidden, ids, weights, q8_ref.split_numa(2)))
+    q4, _, _ = exact_experts(E, H, I, ("Q4_K",) * 3, two_level=True)
+    opcheck(torch.ops.kt.fused_moe, (hidden, ids, weights, *q4.tensors(), "silu"))
+    bad = q4.w2_scales[:, :, 1:].contiguous()  # one sub-scale row short: groups no longer whole per 256
+    with pytest.raises(RuntimeError, match="two-level"):
+        torch.ops.kt.fused_moe(hidden, ids, weights, q4.w13, q4.w13_scales, q4.w2, bad)
+    with pytest.raises(RuntimeError, match="two-level"):
+        torch.ops.kt.unpack(q4.w2, bad)
+
+
+def test_kscales_device_forms(seed):
+    """GPU residents (the CPU standing in) hold two-level scales as their float32 form: the same tensors as the
+    float32 form's residents, counted as such (resident_bytes_per_expert); the streamed experts' dequantization
+    (dequantize_packed) of both forms is equal."""
+    from ktorch.gpu_memory import _resident_tensors, resident_bytes_per_expert
+    from ktorch.ops.packed_weights import dequantize_packed
+
+    state = torch.random.get_rng_state()
+    ref, _, _ = exact_experts(5, 256, 256, ("Q4_K", "Q4_K", "Q6_K"))
+    torch.random.set_rng_state(state)
+    two, _, _ = exact_experts(5, 256, 256, ("Q4_K", "Q4_K", "Q6_K"), two_level=True)
+    modules = []
+    for p in (ref, two):
+        m = torch.nn.Module()
+        m.kt_w13, m.kt_w13_scales, m.kt_w2, m.kt_w2_scales = p.tensors()
+        modules.append(m)
+    ids = torch.tensor([4, 1])
+    got, want = (_resident_tensors(m, ids, torch.device("cpu"), False) for m in (modules[1], modules[0]))
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(got, want))
+    assert resident_bytes_per_expert(modules[1]) == resident_bytes_per_expert(modules[0])
+    for w, s, r, gu in ((two.w13, two.w13_scales, ref.w13_scales, True), (two.w2, two.w2_scales, ref.w2_scales, False)):
+        assert torch.equal(dequantize_packed(w, s, gu, torch.float32), dequantize_packed(w, r, gu, torch.float32))
 
 
 # ---------------------------------------------------------------- bad input

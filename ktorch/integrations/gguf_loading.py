@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from ktorch.integrations.checkpoint_loading import CheckpointError, CheckpointSource, _layer_index
-from ktorch.ops.moe import GGUF_NATIVE_BLOCK_SIZES, PackedExperts, pack_experts, pack_quantized
+from ktorch.ops.moe import GGUF_NATIVE_BLOCK_SIZES, PackedExperts, pack_experts, pack_kscales, pack_quantized
 
 ARCHITECTURES = ("qwen3moe", "qwen2moe", "deepseek2", "llama", "gpt-oss")
 _EXPERT_PROJS = ("gate", "up", "down")
@@ -499,6 +499,19 @@ class GGUFSource(CheckpointSource):
                                   bits=form13[0], gate_up=True, mxfp4=form13[3] == "mxfp4")
         codes, scales, mins = parts["down"]
         w2, s2 = pack_quantized(codes, scales, mins, bits=forms["down"][0], mxfp4=forms["down"][3] == "mxfp4")
+        # K-quant scales at the file's size (two-level), where a projection (gate and up: both) is of such a type
+        ktypes = {p: t.tensor_type.name for p, t in tensors.items() if t.tensor_type.name in KSCALE_TYPES}
+        if ktypes.get("gate") is not None and ktypes.get("gate") == ktypes.get("up"):
+            g, u = (exact_kscales(np.asarray(tensors[p].data[first:end]), ktypes[p]) for p in ("gate", "up"))
+            s13 = pack_kscales(*(None if a is None else torch.cat([a, b], dim=1) for a, b in zip(g, u)), gate_up=True)
+        if "down" in ktypes:
+            s2 = pack_kscales(*exact_kscales(np.asarray(tensors["down"].data[first:end]), ktypes["down"]))
+        # Q8_0: its float16 d per 32 as float16 (the float32 values came from it: exact)
+        tnames = {p: t.tensor_type.name for p, t in tensors.items()}
+        if tnames["gate"] == tnames["up"] == "Q8_0":
+            s13 = s13.half()
+        if tnames["down"] == "Q8_0":
+            s2 = s2.half()
         names = dict.fromkeys(t.tensor_type.name for t in tensors.values())
         b13 = b2 = None
         if self.arch == "gpt-oss":  # biases: gate's then up's [e, 2I] (PackedExperts.w13_bias), down's [e, H]
@@ -629,7 +642,8 @@ def _q4k_steps(gguf, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 # table). The codes of Q5_K (0..31) and Q6_K (-32..31) are held one byte each (int8), Q4_0 and Q4_K as nibbles (int4),
 # MXFP4's as their 4-bit E2M1 codes (the int4 layout, code table "mxfp4": each nibble the E2M1 value doubled,
 # -12..12; ``pack_quantized(mxfp4=True)``); the scales (and minimums) as float32 per group, which holds each exactly
-# (an fp16 times a 6-bit integer, or a power of two).
+# (an fp16 times a 6-bit integer, or a power of two) - except where a projection is a K-quant (``KSCALE_TYPES``:
+# two-level, at the file's size) or Q8_0 (float16 d), which ``_exact_experts`` keeps as the file has them.
 EXACT_TYPES = {"Q8_0": (8, 32, False, None), "Q6_K": (8, 16, False, None), "Q5_K": (8, 32, True, None),
                "MXFP4": (4, 32, False, "mxfp4"), "Q4_0": (4, 32, False, None), "Q4_K": (4, 32, True, None)}
 
@@ -695,6 +709,33 @@ def exact_codes(data: np.ndarray, type_name: str) -> tuple[torch.Tensor, torch.T
     group = EXACT_TYPES[type_name][1]
     return (out(codes, K), out(scales.astype(np.float32), K // group),
             None if mins is None else out(mins.astype(np.float32), K // group))
+
+
+# The K-quant types whose scales load at the file's size (two-level: ``pack_kscales``): a sub-scale per group
+# (Q4_K/Q5_K: 6-bit sc and m as uint8; Q6_K: sc as int8) and a float32 d (and dmin) per 256 weights.
+KSCALE_TYPES = ("Q4_K", "Q5_K", "Q6_K")
+
+
+def exact_kscales(data: np.ndarray, type_name: str) -> tuple:
+    """The two-level scales of GGUF blocks of a type in ``KSCALE_TYPES``: data [..., row bytes] (numpy order) ->
+    (sub [..., K / group] uint8 (Q4_K, Q5_K) or int8 (Q6_K), supers float32 [..., K / 256], sub_mins, super_mins
+    like them or None), such that ``supers * sub`` (per group) is ``exact_codes``'s scales bit for bit (and
+    ``super_mins * sub_mins`` its minimums)."""
+    gguf = _gguf()
+    qtype = gguf.GGMLQuantizationType[type_name]
+    type_size = gguf.GGML_QUANT_SIZES[qtype][1]
+    lead = data.shape[:-1]
+    b = np.ascontiguousarray(data).reshape(-1, type_size)
+
+    def out(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).reshape(*lead, -1)
+
+    if type_name in ("Q4_K", "Q5_K"):
+        sc, m = gguf.quants.Q4_K.get_scale_min(b[:, 4:16])
+        return (out(sc.astype(np.uint8)), out(_f16(b[:, 0:2])), out(m.astype(np.uint8)), out(_f16(b[:, 2:4])))
+    if type_name == "Q6_K":
+        return out(np.ascontiguousarray(b[:, 192:208]).view(np.int8)), out(_f16(b[:, 208:210])), None, None
+    raise ValueError(f"exact_kscales: {type_name} is not one of {KSCALE_TYPES}")
 
 
 def _common_form(a: tuple, b: tuple) -> tuple:

@@ -30,7 +30,8 @@ class PackedExperts:
     ([E, H/16, I/per, 16, per]); the scales are float32 [E, G, N] for int8 (G = 1) and int4 (G = K / group)
     and None for bf16. GGUF experts kept exact (``format`` "gguf:<types>", e.g. "gguf:Q4_K/Q6_K";
     ``pack_quantized``) hold int8 scales per group of 16 or 32 too, and the affine types (Q4_K, Q5_K) scales and
-    minimums [E, 2, G, N] (W = q * scale - min); w13 and w2 may then differ in format (int4 gate/up, int8 down). w13_bias (float32 [E, 2I]: gate biases then up biases; [E, I] gateless) and w2_bias
+    minimums [E, 2, G, N] (W = q * scale - min), the K-quants' at the file's size (two-level uint8/int8, ``pack_kscales``)
+    and Q8_0's as float16; w13 and w2 may then differ in format (int4 gate/up, int8 down). w13_bias (float32 [E, 2I]: gate biases then up biases; [E, I] gateless) and w2_bias
     (float32 [E, H]) are the experts' biases, or None.
     """
 
@@ -470,6 +471,48 @@ def pack_quantized(codes: torch.Tensor, scales: torch.Tensor, mins: Optional[tor
     if mins is not None:
         s = torch.stack([s, packed_rows(mins.float()).transpose(1, 2)], dim=1)
     return packed, s.contiguous()
+
+
+def pack_kscales(sub: torch.Tensor, supers: torch.Tensor, sub_mins: Optional[torch.Tensor] = None,
+                 super_mins: Optional[torch.Tensor] = None, *, gate_up: bool = False) -> torch.Tensor:
+    """GGUF K-quant scales at the file's size (two-level) for ``pack_quantized``'s weights of the same blocks: the
+    scale of group g of row n is ``supers[n, g // (G / S)] * sub[n, g]`` (and the minimum ``super_mins * sub_mins``),
+    the float32 product ``kt.fused_moe`` forms per group, exactly the float32 form's value (an fp16 d times a 6- or
+    8-bit integer).
+
+    Args:
+        sub: [E, N, G] integers: uint8 0..255 (Q4_K, Q5_K's 6-bit sc) or int8 (Q6_K's sc), G groups along K.
+        supers: [E, N, S] float32 (Q4_K's d, Q6_K's d), S = K / 256 (one per super-block of 256 input channels).
+        sub_mins, super_mins: both None, or like sub and supers (the affine types' m and dmin).
+        gate_up: as for ``pack_quantized``.
+
+    Returns:
+        uint8 (sub uint8) or int8 [E, G + 4S, N], or [E, 2, G + 4S, N] with mins: per part, the sub-scales' rows then
+        the super-scales' float32 bytes (``packed_weights.kscales_as_float`` gives the float32 form).
+    """
+    if sub.dtype not in (torch.uint8, torch.int8) or supers.dtype != torch.float32 or sub.dim() != 3 or \
+            supers.dim() != 3 or sub.shape[:2] != supers.shape[:2] or sub.shape[2] % supers.shape[2]:
+        raise ValueError(f"pack_kscales: expected sub uint8/int8 [E, N, G] and supers float32 [E, N, S] with S "
+                         f"dividing G, got {sub.dtype} {tuple(sub.shape)} and {supers.dtype} {tuple(supers.shape)}")
+    if (sub_mins is None) != (super_mins is None) or (sub_mins is not None and (
+            sub_mins.dtype != sub.dtype or sub_mins.shape != sub.shape or super_mins.shape != supers.shape or
+            super_mins.dtype != torch.float32)):
+        raise ValueError("pack_kscales: sub_mins and super_mins must both be None or like sub and supers")
+    E, N, _ = sub.shape
+    if N % (64 if gate_up else 16):
+        raise ValueError(f"pack_kscales: N={N} must be a multiple of {64 if gate_up else 16}")
+
+    def part(sb: torch.Tensor, sp: torch.Tensor) -> torch.Tensor:
+        if gate_up:  # pack.cpp's packed_row_order: 32 gate rows, then 32 up rows
+            sb, sp = (t.reshape(E, 2, N // 64, 32, t.shape[-1]).transpose(1, 2).reshape(E, N, t.shape[-1])
+                      for t in (sb, sp))
+        sup = sp.transpose(1, 2).contiguous().view(sub.dtype).reshape(E, -1, N)  # [S, N] float32 as 4S byte rows
+        return torch.cat([sb.transpose(1, 2), sup], dim=1)
+
+    out = part(sub, supers)
+    if sub_mins is not None:
+        out = torch.stack([out, part(sub_mins, super_mins)], dim=1)
+    return out.contiguous()
 
 
 def pack_int4_from_quantized(values: torch.Tensor, scales: torch.Tensor, gate_up: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

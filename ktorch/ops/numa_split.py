@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 
-from ktorch.ops.packed_weights import MXFP4_DTYPE
+from ktorch.ops.packed_weights import MXFP4_DTYPE, kscales_as_float
 
 if TYPE_CHECKING:
     from ktorch.ops.moe import PackedExperts
@@ -135,6 +135,9 @@ def slice_bounds(intermediate: int, unit: int, n: int) -> list[int]:
 def _numa_split_experts_fake(w13, w13_scales, w2, w2_scales, n):
     E, nb13, kq13, _, per13 = w13.shape
     I = nb13 * 8
+    # scales at the file's size (two-level K-quant, float16): the slices hold their float32 form (numa_split.cpp)
+    w13_scales = kscales_as_float(w13_scales, w2.shape[1] * 16)
+    w2_scales = kscales_as_float(w2_scales, I)
     q = {torch.bfloat16: 2, torch.int8: 4, torch.uint8: 8, MXFP4_DTYPE: 8}[w13.dtype]
     unit = 32
     if q == 8:

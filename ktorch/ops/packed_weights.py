@@ -17,6 +17,43 @@ MXFP4_CODES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 INT4_DTYPES = (torch.uint8, MXFP4_DTYPE)
 
 
+# GGUF K-quant scales at the file's size ("two-level", ``ktorch.ops.moe.pack_kscales``): uint8 (Q4_K, Q5_K: 6-bit sc and m) or
+# int8 (Q6_K: sc) [E, G + K/64, N], or [E, 2, G + K/64, N] with minimums: per part, G rows of sub-scales, then the
+# float32 super-scales [K/256, N] (d, dmin per 256 input channels) stored as K/64 byte rows; the scale of group g is
+# super[g // (G * 256 / K)] * sub[g], exact in float32 (the same value as the float32 per-group form).
+# GGUF Q8_0's scales likewise stay the file's float16 d per group (a float16 scales tensor [E, G, N]).
+def is_kscales(scales: Optional[torch.Tensor]) -> bool:
+    """Whether ``scales`` are at the file's size (two-level K-quant scales, uint8/int8; float16 per group) rather
+    than float32 per group."""
+    return scales is not None and scales.dtype in (torch.uint8, torch.int8, torch.float16)
+
+
+def kscales_as_float(scales: Optional[torch.Tensor], K: int) -> Optional[torch.Tensor]:
+    """Scales at the file's size (any device: two-level K-quant scales, float16 ones) -> the float32 per-group form
+    [E, (2,) G, N], exactly; anything else (float32 scales, None) as it is. K: the input channels of the packed
+    weights the scales belong to."""
+    if not is_kscales(scales):
+        return scales
+    if scales.dtype == torch.float16:
+        return scales.float()
+    S = K // 256
+    R = scales.shape[-2]
+    if K % 256 or scales.dim() not in (3, 4) or R <= 4 * S or (R - 4 * S) % S:
+        raise ValueError(f"kscales_as_float: two-level scales must be [E, (2,) G + K/64, N] with K a multiple of 256 "
+                         f"and G of K/256, got {tuple(scales.shape)} for K={K}")
+    s = scales if scales.dim() == 4 else scales.unsqueeze(1)
+    E, P, _, N = s.shape
+    G = R - 4 * S
+    sup = s[:, :, G:].contiguous().view(torch.uint8).reshape(E, P, 4 * S * N).view(torch.float32).reshape(E, P, S, N)
+    out = sup.repeat_interleave(G // S, dim=2) * s[:, :, :G].float()
+    return (out if scales.dim() == 4 else out.squeeze(1)).contiguous()
+
+
+def packed_in_features(packed: torch.Tensor) -> int:
+    """K of packed weights [E, N/16, K/per, 16, per]: per 2 (bf16), 4 (int8), 8 (int4, MXFP4 nibbles)."""
+    return packed.shape[2] * (8 if packed.dtype in INT4_DTYPES else 2 if packed.dtype == torch.bfloat16 else 4)
+
+
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself, or for MXFP4 nibbles its uint8 view (the same shape): copies, selections and transfers of packed
     weights go through it, since torch implements few ops for float4_e2m1fn_x2 (before 2.11, not even every copy)."""
@@ -46,7 +83,8 @@ def dequantize_packed(packed: torch.Tensor, scales: Optional[torch.Tensor], gate
 
     packed [n, N/16, K/per, 16, per] (bf16 per=2, int8 per=4; int4 uint8 [n, N/16, K/8, 16, 4]; MXFP4 nibbles
     ``MXFP4_DTYPE`` in the int4 layout, decoded through ``mxfp4_as_int8``), scales float32
-    [n, G, N] (None for bf16), or [n, 2, G, N] for the affine formats (scales then minimums: q * s - m, int4 codes
+    [n, G, N] (None for bf16; two-level K-quant scales are made float32 first: ``kscales_as_float``), or [n, 2, G, N]
+    for the affine formats (scales then minimums: q * s - m, int4 codes
     the nibbles themselves). With ``gate_up`` the N = 2I columns come back in the original order (gate then up),
     undoing the packing's 32-row interleave. [n, K, N] is what ``torch._grouped_mm`` and ``gpu_experts_forward``
     take (w13 [n, H, 2I], w2 [n, I, H]). Equals ``kt.unpack(packed, scales, gate_up).transpose(1, 2)`` up to the
@@ -62,6 +100,7 @@ def dequantize_packed(packed: torch.Tensor, scales: Optional[torch.Tensor], gate
     the result is then ``out.transpose(1, 2)``."""
     if packed.dim() != 5 or packed.shape[3] != 16:
         raise ValueError(f"dequantize_packed: packed must be [n, N/16, K/per, 16, per], got {tuple(packed.shape)}")
+    scales = kscales_as_float(scales, packed_in_features(packed))  # two-level K-quant scales: float32, exactly
     if packed.dtype == MXFP4_DTYPE:  # MXFP4 nibbles: their int8 codes (the same values and scales)
         if scales is None or scales.dim() != 3:
             raise ValueError("dequantize_packed: MXFP4 nibbles need their scales [n, G, N]")

@@ -105,7 +105,13 @@ struct PackedMatrix {
   int64_t groups = 1;  // scale groups along K (per-channel int8: 1)
   bool affine = false;  // scales [E, 2, G, N]: scale, then minimum (GGUF K-quants kept exact)
   const int8_t* codes = nullptr;  // coded int4 (MXFP4: kernels::kMxfp4Codes), GemmArgs::b_codes
+  // Scales at the file's size (describe): 0 none (fp32 per group); two-level (GGUF K-quants): 1 uint8 sub-scales
+  // (Q4_K, Q5_K), 2 int8 (Q6_K), supers the fp32 super-scales along K (one per 256 input channels); 3 fp16 per group
+  // (GGUF Q8_0's d), supers 0.
+  int sub_kind = 0;
+  int64_t supers = 0;
   int64_t group_size() const { return K / groups; }
+  int64_t rows() const { return groups + 4 * supers; }  // two-level: byte rows of one scale part
   // floats from one expert's scales to the next one's, and from a scale to its minimum (affine)
   int64_t scale_expert_stride() const { return (affine ? 2 : 1) * groups * N; }
   int64_t min_offset() const { return groups * N; }
@@ -148,16 +154,31 @@ PackedMatrix describe(const at::Tensor& w, const std::optional<at::Tensor>& s, W
   }
   TORCH_CHECK(s.has_value(), "fused_moe: ", f == WeightFormat::INT8 ? "int8" : "int4", " weights need ", scales_name);
   const at::Tensor& sc = *s;
-  TORCH_CHECK(sc.device().is_cpu() && sc.scalar_type() == at::kFloat && (sc.dim() == 3 || sc.dim() == 4) &&
+  const bool two_level = sc.scalar_type() == at::kByte || sc.scalar_type() == at::kChar;
+  const bool half = sc.scalar_type() == at::kHalf;
+  TORCH_CHECK(sc.device().is_cpu() && (sc.scalar_type() == at::kFloat || two_level || half) &&
+                  (sc.dim() == 3 || sc.dim() == 4) &&
                   sc.is_contiguous(),
               "fused_moe: ", scales_name, " must be a contiguous float32 CPU tensor [E, G, N] (or [E, 2, G, N]: ",
-              "scales and minimums), got ", sc.scalar_type(), " ", sc.sizes(), " on ", sc.device());
+              "scales and minimums), float16 like them, or two-level uint8/int8 [E, (2,) G + K/64, N] ",
+              "(ktorch.ops.moe.pack_kscales), got ",
+              sc.scalar_type(), " ", sc.sizes(), " on ", sc.device());
   m.affine = sc.dim() == 4;
   TORCH_CHECK(!(m.affine && m.codes != nullptr), "fused_moe: ", name, " holds MXFP4 nibbles (float4_e2m1fn_x2), which ",
               "take scales [E, G, N], but ", scales_name, " has minimums too: ", sc.sizes());
   TORCH_CHECK(sc.size(0) == m.E && sc.size(-1) == m.N && (!m.affine || sc.size(1) == 2), "fused_moe: ", scales_name,
               " has shape ", sc.sizes(), " but ", name, " needs [", m.E, ", G, ", m.N, "] or [", m.E, ", 2, G, ", m.N, "]");
   m.groups = sc.size(-2);
+  if (half) m.sub_kind = 3;
+  if (two_level) {  // rows [0, G): the sub-scales; then the fp32 super-scales [K/256][N] as 4 K/256 byte rows
+    TORCH_CHECK(m.K % 256 == 0 && m.groups > 4 * (m.K / 256), "fused_moe: two-level ", scales_name, " ", sc.sizes(),
+                " needs K a multiple of 256 and more than K/64 rows, K=", m.K);
+    m.supers = m.K / 256;
+    m.groups -= 4 * m.supers;
+    m.sub_kind = sc.scalar_type() == at::kByte ? 1 : 2;
+    TORCH_CHECK(m.groups % m.supers == 0 && m.K % m.groups == 0, "fused_moe: two-level ", scales_name, " has ",
+                m.groups, " sub-scale rows, not a whole number per 256 input channels of K=", m.K);
+  }
   TORCH_CHECK(m.groups > 0 && m.K % m.groups == 0, "fused_moe: ", scales_name, " has ", m.groups,
               " groups, which do not divide K=", m.K);
   if (f == WeightFormat::INT8) {
@@ -169,6 +190,43 @@ PackedMatrix describe(const at::Tensor& w, const std::optional<at::Tensor>& s, W
                 m.groups, " groups, which does not give a group size that is a multiple of 32 dividing K=", m.K);
   }
   return m;
+}
+
+// Scales at the file's size (m.sub_kind != 0) as the kernels take them: fp16 ones converted; two-level ones
+// out[g * n + c] = super[g / (G / S)][c0 + c] *
+// sub[g][c0 + c] for columns [c0, c0 + n) of expert e, in fp32 (the product of an fp32 holding a GGUF fp16 d and a
+// small integer is exact: the same value as the fp32 per-group form); affine: the minimums follow at out + G * n.
+// The driver runs it before each kernel call (reading the file's bytes, not 4 a group), into a thread's buffer.
+const float* expand_kscales(const PackedMatrix& m, const void* scales, int64_t e, int64_t c0, int64_t n) {
+  thread_local std::vector<float> buf;
+  const int parts = m.affine ? 2 : 1;
+  if (buf.size() < static_cast<size_t>(parts * m.groups * n)) buf.resize(parts * m.groups * n);
+  if (m.sub_kind == 3) {  // fp16 per group: converted (exactly)
+    for (int part = 0; part < parts; ++part) {
+      const c10::Half* p = static_cast<const c10::Half*>(scales) + ((e * parts + part) * m.groups) * m.N + c0;
+      float* o = buf.data() + part * m.groups * n;
+      for (int64_t g = 0; g < m.groups; ++g)
+        for (int64_t c = 0; c < n; ++c) o[g * n + c] = static_cast<float>(p[g * m.N + c]);
+    }
+    return buf.data();
+  }
+  const int64_t per = m.groups / m.supers;
+  for (int part = 0; part < parts; ++part) {
+    const uint8_t* p = static_cast<const uint8_t*>(scales) + (e * parts + part) * m.rows() * m.N;
+    const float* sup = reinterpret_cast<const float*>(p + m.groups * m.N) + c0;
+    float* o = buf.data() + part * m.groups * n;
+    for (int64_t g = 0; g < m.groups; ++g) {
+      const float* d = sup + (g / per) * m.N;
+      const uint8_t* sub = p + g * m.N + c0;
+      if (m.sub_kind == 1) {
+        for (int64_t c = 0; c < n; ++c) o[g * n + c] = d[c] * static_cast<float>(sub[c]);
+      } else {
+        const int8_t* ss = reinterpret_cast<const int8_t*>(sub);
+        for (int64_t c = 0; c < n; ++c) o[g * n + c] = d[c] * static_cast<float>(ss[c]);
+      }
+    }
+  }
+  return buf.data();
 }
 
 // What the driver does between the gate/up kernel calls and h (and to the down calls' output). The kernels' GLU
@@ -794,9 +852,16 @@ class Part {
         a.a_gsum = a_gsum;
         a.a_gsum_stride = s.x_groups;
         a.group_size = s.up.group_size();
-        a.b_scale = s.up_scales + ch.e * s.up.scale_expert_stride() + 64 * g;
-        a.b_scale_group_stride = s.up.N;
-        if (s.up.affine) a.b_min = a.b_scale + s.up.min_offset();
+        if (s.up.sub_kind != 0) {
+          const int64_t n = 16 * blocks_of(g);
+          a.b_scale = expand_kscales(s.up, s.up_scales, ch.e, 64 * g, n);
+          a.b_scale_group_stride = n;
+          if (s.up.affine) a.b_min = a.b_scale + s.up.groups * n;
+        } else {
+          a.b_scale = s.up_scales + ch.e * s.up.scale_expert_stride() + 64 * g;
+          a.b_scale_group_stride = s.up.N;
+          if (s.up.affine) a.b_min = a.b_scale + s.up.min_offset();
+        }
         a.b_codes = s.up.codes;
       }
       a.b = up_group(ch.e, g);
@@ -919,9 +984,16 @@ class Part {
             a.a_gsum = hg_.data_ptr<int32_t>() + p0 * s.down.groups;
             a.a_gsum_stride = s.down.groups;
             a.group_size = s.down.group_size();
-            a.b_scale = s.down_scales + e * s.down.scale_expert_stride() + 16 * cb;
-            a.b_scale_group_stride = s.down.N;
-            if (s.down.affine) a.b_min = a.b_scale + s.down.min_offset();
+            if (s.down.sub_kind != 0) {
+              const int64_t n = 16 * std::min<int64_t>(kernels::kMaxBlocks, b1 - cb);
+              a.b_scale = expand_kscales(s.down, s.down_scales, e, 16 * cb, n);
+              a.b_scale_group_stride = n;
+              if (s.down.affine) a.b_min = a.b_scale + s.down.groups * n;
+            } else {
+              a.b_scale = s.down_scales + e * s.down.scale_expert_stride() + 16 * cb;
+              a.b_scale_group_stride = s.down.N;
+              if (s.down.affine) a.b_min = a.b_scale + s.down.min_offset();
+            }
             a.b_codes = s.down.codes;
           }
           a.b = down_block_at(e, cb);
@@ -1182,8 +1254,10 @@ void run_call(WeightFormat fmt, const at::Tensor& hidden_in, const at::Tensor& i
   const bool int_fmt = fmt != WeightFormat::BF16;
   const bool caller_quantizes_h = int_fmt && quantize_h;  // bf16 weights have no h to quantize (fused_moe.h)
   Shared s{hidden_in, hidden_in.scalar_type(), T, H, I, E, fmt, int_fmt, up, down, act, ks, workers,
-           static_cast<const uint8_t*>(w13.data_ptr()), w13_scales ? w13_scales->data_ptr<float>() : nullptr,
-           static_cast<const uint8_t*>(w2.data_ptr()), w2_scales ? w2_scales->data_ptr<float>() : nullptr,
+           static_cast<const uint8_t*>(w13.data_ptr()),
+           w13_scales ? static_cast<const float*>(w13_scales->data_ptr()) : nullptr,  // (two-level: bytes, describe)
+           static_cast<const uint8_t*>(w2.data_ptr()),
+           w2_scales ? static_cast<const float*>(w2_scales->data_ptr()) : nullptr,
            int_fmt ? up.groups : 1, int_fmt ? H : 2 * H, 0, 0};
   s.ep = ep;
   s.train = train;

@@ -230,7 +230,23 @@ std::tuple<at::Tensor, at::Tensor> pack_int4(const at::Tensor& weight, int64_t g
   return {out, scales};
 }
 
-at::Tensor unpack(const at::Tensor& packed, const std::optional<at::Tensor>& scales, bool gate_up) {
+at::Tensor kscales_as_float(const at::Tensor& scales, int64_t K) {
+  if (scales.scalar_type() == at::kHalf) return scales.to(at::kFloat);  // Q8_0's fp16 scales (exact)
+  if (scales.scalar_type() != at::kByte && scales.scalar_type() != at::kChar) return scales;
+  TORCH_CHECK((scales.dim() == 3 || (scales.dim() == 4 && scales.size(1) == 2)) && K % 256 == 0 &&
+                  scales.size(-2) > K / 64 && (scales.size(-2) - K / 64) % (K / 256) == 0,
+              "two-level scales must be uint8/int8 [E, G + K/64, N] or [E, 2, G + K/64, N] with K a multiple of 256 and ",
+              "G a multiple of K/256, got ", scales.sizes(), " for K=", K);
+  const at::Tensor s = scales.dim() == 3 ? scales.unsqueeze(1) : scales;
+  const int64_t E = s.size(0), P = s.size(1), R = s.size(2), N = s.size(3), S = K / 256, G = R - 4 * S;
+  const at::Tensor sub = s.narrow(2, 0, G).to(at::kFloat);
+  const at::Tensor sup = s.narrow(2, G, 4 * S).contiguous().view(at::kByte).reshape({E, P, 4 * S * N})
+                             .view(at::kFloat).reshape({E, P, S, N});
+  at::Tensor out = sup.repeat_interleave(G / S, 2) * sub;
+  return scales.dim() == 3 ? out.squeeze(1).contiguous() : out.contiguous();
+}
+
+at::Tensor unpack(const at::Tensor& packed, const std::optional<at::Tensor>& scales_in, bool gate_up) {
   TORCH_CHECK(packed.device().is_cpu(), "unpack: packed must be a CPU tensor, got device ", packed.device());
   TORCH_CHECK(packed.dim() == 5 && packed.size(3) == 16, "unpack: packed must be [E, N/16, K/per, 16, per], got shape ",
               packed.sizes());
@@ -238,7 +254,7 @@ at::Tensor unpack(const at::Tensor& packed, const std::optional<at::Tensor>& sca
   const int64_t E = packed.size(0), N = packed.size(1) * 16;
   at::Tensor w;
   if (dtype == at::kBFloat16) {
-    TORCH_CHECK(!scales.has_value(), "unpack: bf16 packed weights take no scales");
+    TORCH_CHECK(!scales_in.has_value(), "unpack: bf16 packed weights take no scales");
     TORCH_CHECK(packed.size(4) == 2, "unpack: bf16 packed weights must end in [16, 2], got ", packed.sizes());
     w = from_lanes(packed).to(at::kFloat);
   } else {
@@ -247,9 +263,9 @@ at::Tensor unpack(const at::Tensor& packed, const std::optional<at::Tensor>& sca
                 "unpack: packed weights must be bfloat16, int8, uint8 (int4) or float4_e2m1fn_x2 (MXFP4 nibbles), got ",
                 dtype);
     TORCH_CHECK(packed.size(4) == 4, "unpack: quantized packed weights must end in [16, 4], got ", packed.sizes());
-    TORCH_CHECK(scales.has_value(), "unpack: quantized packed weights need their scales");
-    const at::Tensor& s = *scales;
+    TORCH_CHECK(scales_in.has_value(), "unpack: quantized packed weights need their scales");
     const int64_t K = dtype == at::kChar ? packed.size(2) * 4 : packed.size(2) * 8;
+    const at::Tensor s = kscales_as_float(*scales_in, K);
     // [E, G, N]: W = q * s; [E, 2, G, N] (affine): W = q * s - m, int4 codes the unsigned nibbles themselves
     const bool affine = s.dim() == 4;
     TORCH_CHECK(s.scalar_type() == at::kFloat && (s.dim() == 3 || (affine && s.size(1) == 2)) && s.size(0) == E &&
