@@ -166,8 +166,9 @@ def test_fused_moe_scales_missing_or_wrong(fmt, group_size):
         call(packed=p, w2_scales=None)
     with raises(r"w13_scales has shape \[6, \d+, 96\] but w13 needs \[6, G, 128\]"):
         call(packed=p, w13_scales=p.w2_scales)
-    with raises(r"w2_scales must be a contiguous float32 CPU tensor \[E, G, N\] .*, got Half"):
-        call(packed=p, w2_scales=p.w2_scales.half())
+    with raises(r"w2_scales must be a contiguous float32 CPU tensor \[E, G, N\] .*, float16 like them, or two-level "
+                r"uint8/int8 .*, got Double"):  # float16 scales are a form of their own (GGUF Q8_0's d)
+        call(packed=p, w2_scales=p.w2_scales.double())
     with raises(r"w13_scales must be a contiguous float32 CPU tensor \[E, G, N\]"):
         call(packed=p, w13_scales=torch.cat([p.w13_scales, p.w13_scales], dim=2)[:, :, ::2])
 
@@ -293,13 +294,15 @@ def test_unpack_bad_arguments():
                 r"\[3, 8, 128\] for K=64"):
         kt.unpack(p8, torch.ones(3, 8, 128))
     with raises(r"unpack: scales must be float32 \[E=3, G, N=128\] or \[E, 2, G, N\] \(scales, minimums\) with G "
-                r"dividing K=64, got Float \[2, 1, 128\]"):
+                r"dividing K=64 \(or float16 like them, or two-level uint8/int8: ktorch.ops.moe.pack_kscales\), got Float "
+                r"\[2, 1, 128\]"):
         kt.unpack(p8, s8[:2])
-    with raises(r"unpack: scales must be float32 \[E=3, G, N=128\] or \[E, 2, G, N\] .*, got Half"):
-        kt.unpack(p4, s4.half())
+    with raises(r"unpack: scales must be float32 \[E=3, G, N=128\] or \[E, 2, G, N\] .*, got Double"):
+        kt.unpack(p4, s4.double())
     with raises(r"unpack: packed must be \[E, N/16, K/per, 16, per\], got shape \[3, 128, 64\]"):
         kt.unpack(w, None)
-    with raises(r"unpack: packed weights must be bfloat16, int8 or uint8 \(int4\), got Float"):
+    with raises(r"unpack: packed weights must be bfloat16, int8, uint8 \(int4\) or float4_e2m1fn_x2 \(MXFP4 nibbles\), "
+                r"got Float"):
         kt.unpack(pb.float(), None)
 
 

@@ -271,7 +271,8 @@ at::Tensor unpack(const at::Tensor& packed, const std::optional<at::Tensor>& sca
     TORCH_CHECK(s.scalar_type() == at::kFloat && (s.dim() == 3 || (affine && s.size(1) == 2)) && s.size(0) == E &&
                     s.size(-1) == N && s.size(-2) > 0 && K % s.size(-2) == 0,
                 "unpack: scales must be float32 [E=", E, ", G, N=", N, "] or [E, 2, G, N] (scales, minimums) with G ",
-                "dividing K=", K, ", got ", s.scalar_type(), " ", s.sizes());
+                "dividing K=", K, " (or float16 like them, or two-level uint8/int8: ktorch.ops.moe.pack_kscales), got ",
+                s.scalar_type(), " ", s.sizes());
     const int64_t G = s.size(-2);
     if (dtype == at::kChar) {
       TORCH_CHECK((G == 1 && !affine) || (K / G) % 16 == 0, "unpack: grouped or affine int8 scales need groups of a ",
