@@ -42,7 +42,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from ktorch.ops.gpu_experts import ACTIVATIONS, GATHER_MAX_TOKENS, gpu_experts_forward
-from ktorch.ops.packed_weights import MXFP4_DTYPE
+from ktorch.ops.packed_weights import MXFP4_DTYPE, kscales_as_float, packed_in_features
 
 
 class RowExperts(NamedTuple):
@@ -61,6 +61,8 @@ def _packed_format(packed: torch.Tensor, scales: Optional[torch.Tensor]) -> Opti
     [n, N/16, K/8, 16, 4], float32 scales [n, G, N] or [n, 2, G, N] with minimums), else None (bf16)."""
     if packed.dtype == MXFP4_DTYPE:  # residents hold MXFP4 nibbles as their int8 codes (gpu_memory, mxfp4_as_int8)
         return (8, False) if scales is not None and scales.dim() == 3 else None
+    if packed.dtype in (torch.int8, torch.uint8) and scales is not None:  # scales at the file's size: residents
+        scales = kscales_as_float(scales[:1], packed_in_features(packed))  # hold their float32 form (gpu_memory)
     if packed.dtype not in (torch.int8, torch.uint8) or scales is None or scales.dtype != torch.float32:
         return None
     if scales.dim() == 3:
@@ -123,8 +125,8 @@ def rows_from_packed(w13: torch.Tensor, w13_scales: Optional[torch.Tensor], w2: 
                      w2_scales: Optional[torch.Tensor]) -> RowExperts:
     """Packed int8/int4 experts (``kt.pack_*`` layout, [n, ...], any device; w13 and w2 each in its own format) ->
     ``RowExperts`` on the same device: the same values, the same bytes, rows in the original order."""
-    q13, s13 = _unpack_one(w13, w13_scales, True)
-    q2, s2 = _unpack_one(w2, w2_scales, False)
+    q13, s13 = _unpack_one(w13, kscales_as_float(w13_scales, packed_in_features(w13)), True)  # file-size scales:
+    q2, s2 = _unpack_one(w2, kscales_as_float(w2_scales, packed_in_features(w2)), False)  # their float32 form
     return RowExperts(q13, s13, q2, s2)
 
 
