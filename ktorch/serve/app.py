@@ -181,8 +181,7 @@ class SSEChunks:
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
         else:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
-        payload = {"id": self.rid, "object": self.obj, "created": self.created, "model": self.model,
-                   "choices": [choice]}
+        payload = self._envelope([choice])
         if self.include_usage:
             payload["usage"] = None
         return payload
@@ -193,9 +192,10 @@ class SSEChunks:
         return b"data: " + json.dumps(self.payload(text, reason, first)).encode() + b"\n\n"
 
     def usage(self, usage: dict) -> bytes:
-        payload = {"id": self.rid, "object": self.obj, "created": self.created, "model": self.model, "choices": [],
-                   "usage": usage}
-        return b"data: " + json.dumps(payload).encode() + b"\n\n"
+        return b"data: " + json.dumps({**self._envelope([]), "usage": usage}).encode() + b"\n\n"
+
+    def _envelope(self, choices: list) -> dict:
+        return {"id": self.rid, "object": self.obj, "created": self.created, "model": self.model, "choices": choices}
 
 
 # ---------------------------------------------------------------- the server
@@ -461,9 +461,9 @@ class OpenAIServer:
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         info: dict[str, Any] = {}
-        gen = self._generate(request, prompt_ids, params, stops, info)
 
         if not stream:
+            gen = self._generate(request, prompt_ids, params, stops, info)
             pieces, reason = [], None
             try:
                 async for text, reason in gen:
