@@ -500,18 +500,12 @@ class GGUFSource(CheckpointSource):
         codes, scales, mins = parts["down"]
         w2, s2 = pack_quantized(codes, scales, mins, bits=forms["down"][0], mxfp4=forms["down"][3] == "mxfp4")
         # K-quant scales at the file's size (two-level), where a projection (gate and up: both) is of such a type
-        ktypes = {p: t.tensor_type.name for p, t in tensors.items() if t.tensor_type.name in KSCALE_TYPES}
+        ktypes = {p: t.tensor_type.name for p, t in tensors.items() if t.tensor_type.name in KSCALES_ON_LOAD}
         if ktypes.get("gate") is not None and ktypes.get("gate") == ktypes.get("up"):
             g, u = (exact_kscales(np.asarray(tensors[p].data[first:end]), ktypes[p]) for p in ("gate", "up"))
             s13 = pack_kscales(*(None if a is None else torch.cat([a, b], dim=1) for a, b in zip(g, u)), gate_up=True)
         if "down" in ktypes:
             s2 = pack_kscales(*exact_kscales(np.asarray(tensors["down"].data[first:end]), ktypes["down"]))
-        # Q8_0: its float16 d per 32 as float16 (the float32 values came from it: exact)
-        tnames = {p: t.tensor_type.name for p, t in tensors.items()}
-        if tnames["gate"] == tnames["up"] == "Q8_0":
-            s13 = s13.half()
-        if tnames["down"] == "Q8_0":
-            s2 = s2.half()
         names = dict.fromkeys(t.tensor_type.name for t in tensors.values())
         b13 = b2 = None
         if self.arch == "gpt-oss":  # biases: gate's then up's [e, 2I] (PackedExperts.w13_bias), down's [e, H]
@@ -642,8 +636,8 @@ def _q4k_steps(gguf, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 # table). The codes of Q5_K (0..31) and Q6_K (-32..31) are held one byte each (int8), Q4_0 and Q4_K as nibbles (int4),
 # MXFP4's as their 4-bit E2M1 codes (the int4 layout, code table "mxfp4": each nibble the E2M1 value doubled,
 # -12..12; ``pack_quantized(mxfp4=True)``); the scales (and minimums) as float32 per group, which holds each exactly
-# (an fp16 times a 6-bit integer, or a power of two) - except where a projection is a K-quant (``KSCALE_TYPES``:
-# two-level, at the file's size) or Q8_0 (float16 d), which ``_exact_experts`` keeps as the file has them.
+# (an fp16 times a 6-bit integer, or a power of two) - except where a projection is Q5_K or Q6_K
+# (``KSCALES_ON_LOAD``: two-level, at the file's size), which ``_exact_experts`` keeps as the file has them.
 EXACT_TYPES = {"Q8_0": (8, 32, False, None), "Q6_K": (8, 16, False, None), "Q5_K": (8, 32, True, None),
                "MXFP4": (4, 32, False, "mxfp4"), "Q4_0": (4, 32, False, None), "Q4_K": (4, 32, True, None)}
 
@@ -714,6 +708,13 @@ def exact_codes(data: np.ndarray, type_name: str) -> tuple[torch.Tensor, torch.T
 # The K-quant types whose scales load at the file's size (two-level: ``pack_kscales``): a sub-scale per group
 # (Q4_K/Q5_K: 6-bit sc and m as uint8; Q6_K: sc as int8) and a float32 d (and dmin) per 256 weights.
 KSCALE_TYPES = ("Q4_K", "Q5_K", "Q6_K")
+# The types the loader keeps in that form: those whose decode measured no slower than the float32-per-group form.
+# One Qwen3-30B-A3B layer at T = 1, cold caches, H200 host (session 29, aa017df, `bench_fused_moe.py --tokens 1`):
+# Q6_K two-level 0.371 ms against 0.514 (fewer bytes, and faster), Q5_K two-level 0.362 ms (116% of the read
+# bandwidth); Q4_K two-level 0.336 against 0.298 and Q8_0 with its float16 d 0.349 against 0.329: the per-call
+# expansion of their scales costs more than the bytes it saves, so they load float32 per group (0.75 and 1.125 bytes
+# a weight instead of 0.594 and 1.0625). The op takes every form (docs/loading.md).
+KSCALES_ON_LOAD = ("Q5_K", "Q6_K")
 
 
 def exact_kscales(data: np.ndarray, type_name: str) -> tuple:
