@@ -1309,7 +1309,24 @@ void run_call(WeightFormat fmt, const at::Tensor& hidden_in, const at::Tensor& i
   Workspace& ws = ws_lock.owns_lock() ? shared_workspace() : private_ws;
   Workspace& ws2 = ws_lock.owns_lock() ? second_shared_workspace() : private_ws2;
   const kernels::KernelSet& ks = runtime::select_kernels();
-  if (T == 0 || ids_now.size(1) == 0) {
+  // Nothing routed here (T = 0, or every slot negative: a decode step whose experts are all resident on the GPU,
+  // ktorch.gpu_memory): zeros, without waking the pool.
+  auto any_routed = [](const at::Tensor& ids_any) {
+    const at::Tensor ids = ids_any.contiguous();
+    const int64_t n = ids.numel();
+    if (ids.scalar_type() == at::kInt) {
+      const int32_t* p = ids.data_ptr<int32_t>();
+      for (int64_t i = 0; i < n; ++i)
+        if (p[i] >= 0) return true;
+    } else {
+      const int64_t* p = ids.data_ptr<int64_t>();
+      for (int64_t i = 0; i < n; ++i)
+        if (p[i] >= 0) return true;
+    }
+    return false;
+  };
+  if (T == 0 || ids_now.size(1) == 0 ||
+      (!train && !any_routed(ids_now) && (ids_later == nullptr || !any_routed(*ids_later)))) {
     out_now.zero_();
     if (on_now) on_now();
     if (out_later != nullptr) out_later->zero_();
