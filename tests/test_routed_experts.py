@@ -685,3 +685,30 @@ def test_a_larger_reserve_gives_fewer_residents():
         ktorch.set_stream_experts(model, "off", gpu_memory=weights + pool.nbytes - 1, reserve=pool.nbytes)
     with pytest.raises(ValueError, match="reserve must be a byte count"):
         ktorch.set_stream_experts(model, "off", gpu_memory=budget, reserve=-1)
+
+
+@needs_cuda
+def test_cuda_prepare_and_load_default_to_resident_experts():
+    """On a GPU, prepare and ktorch.load with no placement option hold resident experts within the free memory
+    (the tiny models' experts all fit: every layer's), give HF eager's logits and decode on residents only;
+    gpu_memory="off" holds none; trainable=True takes them back to the CPU op."""
+    torch.manual_seed(0)
+    base = tiny_model("qwen3_moe")
+    model = ktorch.prepare(copy.deepcopy(base), device="cuda")
+    plan = model.kt_gpu_memory
+    assert plan is not None and plan.resident_per_layer == 8 and plan.staging_experts == 0
+    assert plan.used <= plan.budget and torch.cuda.memory_allocated() <= plan.budget
+    ids = torch.randint(0, 256, (1, 12))
+    assert_logits_match(copy.deepcopy(base).to("cuda"), model, torch.float32, ids.cuda())
+    reset_resident_hits(model)
+    result = ktorch.generate(model, ids, max_new_tokens=8)
+    hits, rows = resident_hits(model)
+    assert len(result.ids) == 8 and hits == rows > 0
+    off = ktorch.prepare(copy.deepcopy(base), device="cuda", gpu_memory="off")
+    assert getattr(off, "kt_gpu_memory", None) is None
+    assert all(getattr(m, "kt_gpu_expert_ids", None) is None for m in moe_experts_modules(off))
+    loaded, _ = ktorch.load("builtin", device="cuda", progress=False, tokenizer=False, warm_up=False)
+    assert loaded.kt_gpu_memory.resident_per_layer == loaded.config.num_experts
+    ktorch.prepare(loaded, device="cuda", trainable=True, gradient_checkpointing=False)
+    assert loaded.kt_gpu_memory is None
+    assert all(getattr(m, "kt_gpu_expert_ids", None) is None for m in moe_experts_modules(loaded))

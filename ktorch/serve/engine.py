@@ -151,7 +151,8 @@ def count_distinct_experts(refs: list) -> tuple[int, int]:
 DEFAULT_MAX_BATCH_TOKENS = 8192  # transformers' tokens per step on a GPU when none is given (its memory handler's)
 KV_POOL_TOKENS = 32768  # the pool's default size on a GPU whose memory resident experts share (ktorch/gpu_memory.py):
 # 3 GiB of KV for Qwen3-30B-A3B (96 KiB a token), e.g. 32 requests of 1k tokens; what the budget leaves over joins it
-LOGIT_ROWS = 1024  # rows of fp32 logits a step may hold (transformers' default requests per step)
+LOGIT_ROWS = 1024  # rows of logits a step may hold (transformers' default requests per step)
+LOGIT_BYTES = 16  # per row and vocabulary entry: fp32 logits, and top-p's sorted fp32 copy with its int64 indices
 
 
 @dataclass
@@ -198,8 +199,8 @@ def kv_pool_for(model_config, dtype: torch.dtype, config: "EngineConfig") -> KvP
     Its bytes (``KvPool.nbytes``) are the GPU memory plan's reserve (``ktorch.set_stream_experts(..., reserve=)``),
     counted as transformers' memory handler counts a pool (pages, attention masks [M, pool + M] in the model's dtype
     for sdpa/eager attention, the per-token activations; ktorch's generous per-token activation estimate of
-    ktorch/gpu_memory.py covers the experts' temporaries and transformers' attention peak), plus ``LOGIT_ROWS`` fp32
-    logits."""
+    ktorch/gpu_memory.py covers the experts' temporaries and transformers' attention peak), plus ``LOGIT_ROWS`` rows
+    of logits and their sampling's copies (``LOGIT_BYTES``)."""
     from ktorch.gpu_memory import ACTIVATION_BYTES_PER_TOKEN_HIDDEN
 
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
@@ -219,7 +220,7 @@ def kv_pool_for(model_config, dtype: torch.dtype, config: "EngineConfig") -> KvP
     flash = "flash" in str(getattr(model_config, "_attn_implementation", None) or "")
     mask_per_token = 0 if flash else m * size  # one more pooled token: one more mask column for every step row
     activations = (m * m * size * (not flash) + m * text.hidden_size * ACTIVATION_BYTES_PER_TOKEN_HIDDEN
-                   + min(m, LOGIT_ROWS) * text.vocab_size * 4)
+                   + min(m, LOGIT_ROWS) * text.vocab_size * LOGIT_BYTES)
     return KvPool(blocks, page, m, kv_per_token, mask_per_token, activations)
 
 
