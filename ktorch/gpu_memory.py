@@ -19,7 +19,7 @@
 device's free memory (plus what the model already holds) minus ``FREE_MARGIN`` (measured against ``off``, every
 expert in host memory, on the 48-layer Qwen3-30B-A3B-shaped Q8_0 file, H200: prefill 2060 vs 1238 tok/s, decode
 130.7 vs 25.2 tok/s at 512 prompt tokens, 2026-11-26). ``"off"``: no budget, no residents. ``ktorch
-serve`` gives its paged KV pool's bytes as the reserve (``reserve=``, ktorch/serve/engine.py ``kv_pool_reserve``),
+serve`` gives its paged KV pool's bytes as the reserve (``reserve=``, ktorch/serve/engine.py ``kv_pool_for``),
 so residents never take the pool's memory. ``model.kt_gpu_memory`` keeps the ``GpuMemoryPlan``; its ``summary()``
 is what the CLI prints.
 """

@@ -1033,20 +1033,23 @@ def test_kv_pool_reserve_counts_pages_masks_and_activations():
     assert pool.grown_by(-5).num_blocks == 10 and "KV pool 10 pages of 16 tokens" in pool.line()
 
 
-def test_stats_report_the_resident_hit_rate_of_real_rows():
-    """With resident experts (a CPU stand-in budget here; on a GPU the default) /v1/stats reports their hit rate:
-    routed slots of real tokens on residents / all routed slots, the padding rows (forced on, as CUDA graphs do)
-    counted in neither; the tokens equal a run with every expert on the CPU op. Without residents: no such keys."""
+def test_residents_follow_the_routing_and_stats_report_their_hit_rate():
+    """With resident experts (a CPU stand-in budget here; on a GPU the default) the prompt chunks' routing swaps the
+    most routed-to experts in (they start as each layer's first ones), and /v1/stats reports the hit rate since the
+    start across those swaps: routed slots of real tokens on residents / all routed slots, the padding rows (forced
+    on, as CUDA graphs do) counted in neither; the tokens equal a run with every expert on the CPU op. Without
+    residents: no such keys."""
     from ktorch.gpu_memory import (dequantized_bytes_per_expert, device_bytes_held, reserve_bytes,
                                    reset_resident_hits, resident_bytes_per_expert)
 
     model, _ = ktorch.load("builtin", device="cpu", dtype=torch.float32, progress=False, tokenizer=False)
     experts = [m for m in model.modules() if getattr(m, "kt_w13", None) is not None]
-    prompts = [list(range(10 + i, 30 + 3 * i)) for i in range(3)]
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 4096) for _ in range(70 + 9 * i)] for i in range(3)]  # chunks >= MIN_TOKENS count
 
     def run():
         engine = ServeEngine(model, model.generation_config.eos_token_id, 0,
-                             EngineConfig(page_size=PAGE, num_blocks=64, max_batch_tokens=32))
+                             EngineConfig(page_size=PAGE, num_blocks=64, max_batch_tokens=128))
         create = engine.manager._create_batch_processor
 
         def create_padded():
@@ -1070,11 +1073,13 @@ def test_stats_report_the_resident_hit_rate_of_real_rows():
     ktorch.set_stream_experts(model, "off", gpu_memory=floor + (model.config.num_experts // 2) * per_resident)
     resident = model.kt_gpu_memory.resident_per_layer
     assert 0 < resident < model.config.num_experts
+    assert all(m.kt_gpu_expert_ids == list(range(resident)) for m in experts)
     reset_resident_hits(model)
     with_residents, slots, engine = run()
     stats = engine.stats()
     hits, rows = sum(h for _, h in slots), sum(r for r, _ in slots)
-    assert stats["resident_experts_per_layer"] == resident
+    assert stats["resident_experts_per_layer"] == resident and stats["resident_swaps"] == engine.resident_swaps > 0
+    assert any(m.kt_gpu_expert_ids != list(range(resident)) for m in experts)
     assert (stats["resident_hits"], stats["resident_rows"]) == (hits, rows) and 0 < hits < rows
     assert stats["resident_hit_rate"] == pytest.approx(hits / rows, abs=1e-6)
     assert with_residents == plain

@@ -373,6 +373,9 @@ class ServeEngine:
         self.steps: deque[StepRecord] = deque(maxlen=4096)
         self.requests_done = 0
         self.requests_cancelled = 0
+        self.resident_swaps = 0  # resident experts swapped toward the prompts' routing (_follow_routing)
+        self._resident_counted = [0, 0]  # (hits, rows) counted before the counters' last reset by a swap
+        self._resident_lock = threading.Lock()
         self._hooks = []
         self._ready = threading.Event()  # set by the generation thread once its processor (and graphs) are made
         self._warming_up = False
@@ -487,6 +490,8 @@ class ServeEngine:
                 refs = self._graph_ids.get(key, []) if mode == "replay" else self._step_ids
                 self.steps.append(StepRecord(tokens, seconds, *count_distinct_experts(refs), mode))
                 self._step_ids = []
+            if mode == "eager":
+                self._follow_routing(tokens, getattr(io, "compute_stream", None))
 
         runner.compute_batch = compute_batch
 
@@ -632,17 +637,43 @@ class ServeEngine:
                 "requests_cancelled": self.requests_cancelled, **memory, **self.cache_state(),
                 **(self.host_tier.stats() if self.host_tier is not None else {})}
 
+    def _follow_routing(self, tokens: int, stream) -> None:
+        """After an eager step of at least ``RoutedExperts.min_tokens`` tokens (prompt chunks: the routed layers
+        counted their routing, ktorch/ops/routed_experts.py), the resident experts follow it as ``ktorch.generate`` has them follow each prompt's: swapped in place where
+        the gain passes ``MIN_GAIN`` (``update_resident_experts``), on the compute stream, so captured graphs (which
+        read the same buffers) stay valid and the next step sees the new ones. The hit counters it resets are kept in
+        ``_resident_counted``."""
+        plan = getattr(self.model, "kt_gpu_memory", None)
+        if plan is None or not plan.resident_per_layer:
+            return
+        routed = next((m.kt_routed for m in self.model.modules() if getattr(m, "kt_routed", None) is not None), None)
+        if routed is None or tokens < routed.min_tokens:
+            return
+        import contextlib
+
+        from ktorch.gpu_memory import update_resident_experts
+
+        with self._resident_lock, (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
+            result = update_resident_experts(self.model)
+            self.resident_swaps += result["swapped"]
+            for i, n in enumerate(result["prefill_hits"]):
+                self._resident_counted[i] += n
+
     def resident_stats(self) -> dict:
-        """The GPU memory plan's resident experts (ktorch/gpu_memory.py) and their hit rate since the start: routed
-        slots of real tokens computed by residents / all routed slots (the padding rows' -1 ids are not counted);
-        empty without residents. One read of the counters (a device sync)."""
+        """The GPU memory plan's resident experts (ktorch/gpu_memory.py), the swaps that made them follow the prompts'
+        routing, and their hit rate since the start: routed slots of real tokens computed by residents / all routed
+        slots (the padding rows' -1 ids are not counted); empty without residents. One read of the counters (a
+        device sync)."""
         plan = getattr(self.model, "kt_gpu_memory", None)
         if plan is None or not plan.resident_per_layer:
             return {}
         from ktorch.gpu_memory import resident_hits
 
-        hits, rows = resident_hits(self.model)
-        return {"resident_experts_per_layer": plan.resident_per_layer, "resident_hits": hits, "resident_rows": rows,
+        with self._resident_lock:
+            hits, rows = resident_hits(self.model)
+            hits, rows = hits + self._resident_counted[0], rows + self._resident_counted[1]
+        return {"resident_experts_per_layer": plan.resident_per_layer, "resident_swaps": self.resident_swaps,
+                "resident_hits": hits, "resident_rows": rows,
                 "resident_hit_rate": round(hits / rows, 6) if rows else 0.0}
 
     # ------------------------------------------------------------ requests
