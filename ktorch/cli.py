@@ -690,7 +690,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"[ktorch] {args.model} has no tokenizer: completions take token-id prompts (a string's UTF-8 bytes "
               "become ids) and return the new ids as text; chat is refused", file=sys.stderr, flush=True)
     on_gpu = model.get_input_embeddings().weight.device.type == "cuda"
-    config.host_cache_gib = args.host_prefix_cache_gib if args.host_prefix_cache_gib is not None else (4.0 if on_gpu else 0.0)
+    host_gib = args.host_prefix_cache_gib
+    config.host_cache_gib = host_gib if host_gib is not None else (4.0 if on_gpu else 0.0)
     plan = getattr(model, "kt_gpu_memory", None)
     if pools and plan is not None:
         pool = pools[-1]

@@ -66,7 +66,7 @@ class GpuMemoryPlan:
 
     budget: int
     weights: int  # measured after placement: non-expert weights and buffers
-    reserve: int  # KV cache of KV_TOKENS tokens and prefill activations (an estimate), or the caller's (serve: its pool)
+    reserve: int  # KV cache of KV_TOKENS tokens and prefill activations (an estimate), or the caller's (serve's pool)
     staging: int  # the routed split's staging (DeviceStaging.nbytes)
     staging_experts: int
     resident_per_layer: int

@@ -251,8 +251,8 @@ def set_stream_experts(model: nn.Module, stream_experts, kernel: str = "auto", c
     if gpu_memory == "auto" and not any(p.device.type == "cuda" for p in model.parameters()):
         raise ValueError("set_stream_experts: gpu_memory='auto' sizes the budget from a CUDA device's free memory; the "
                          "model has no CUDA parameters (give a size, or 'off')")
-    if gpu_memory not in (None, "off") and any(getattr(m, "kt_gpu_expert_ids", None) and getattr(m, "kt_routed", None) is None
-                                              for _, m in modules):
+    if gpu_memory not in (None, "off") and any(
+            getattr(m, "kt_gpu_expert_ids", None) and getattr(m, "kt_routed", None) is None for _, m in modules):
         raise ValueError("set_stream_experts: gpu_memory fills the budget with resident experts; this model keeps "
                          "experts placed by gpu_experts=")
     _clear_gpu_placement(model, modules)

@@ -128,7 +128,8 @@ def test_cuda_serve_reserves_the_kv_pool_before_residents(monkeypatch, capsys):
 
     runs = []
     monkeypatch.setattr(ktorch.serve, "run_server", lambda model, tok, name, **k: runs.append((model, k["config"])))
-    assert main(["serve", "--model", "builtin", "--dtype", "fp32", "--kv-pages", "512", "--max-batch-tokens", "128"]) == 0
+    assert main(["serve", "--model", "builtin", "--dtype", "fp32", "--kv-pages", "512",
+                 "--max-batch-tokens", "128"]) == 0
     err = capsys.readouterr().err
     model, config = runs[-1]
     plan = model.kt_gpu_memory

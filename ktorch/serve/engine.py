@@ -639,10 +639,10 @@ class ServeEngine:
 
     def _follow_routing(self, tokens: int, stream) -> None:
         """After an eager step of at least ``RoutedExperts.min_tokens`` tokens (prompt chunks: the routed layers
-        counted their routing, ktorch/ops/routed_experts.py), the resident experts follow it as ``ktorch.generate`` has them follow each prompt's: swapped in place where
-        the gain passes ``MIN_GAIN`` (``update_resident_experts``), on the compute stream, so captured graphs (which
-        read the same buffers) stay valid and the next step sees the new ones. The hit counters it resets are kept in
-        ``_resident_counted``."""
+        counted their routing, ktorch/ops/routed_experts.py) the resident experts follow it, as ``ktorch.generate``
+        has them follow each prompt's: swapped in place where the gain passes ``MIN_GAIN``
+        (``update_resident_experts``), on the compute stream, so captured graphs (which read the same buffers) stay
+        valid and the next step sees the new ones. The hit counters it resets are kept in ``_resident_counted``."""
         plan = getattr(self.model, "kt_gpu_memory", None)
         if plan is None or not plan.resident_per_layer:
             return
