@@ -269,13 +269,14 @@ def test_generate_on_the_gpu_captures_the_decode_step_and_matches_eager():
 
 def test_defaults_are_the_fast_path():
     """No option is needed for the fast path: decode-step capture is on unless --no-compile, and experts stream to
-    the GPU at prefill (auto) where there is one; on the CPU streaming resolves to off and capture does not apply."""
+    the GPU at prefill and fill its memory as residents (both auto) where there is one; on the CPU both resolve to off
+    and capture does not apply."""
     from ktorch.cli import load_model
 
     args = build_parser().parse_args(["generate", "--prompt", "x", "--device", "cpu"])
-    assert args.no_compile is False and args.stream_experts is None
+    assert args.no_compile is False and args.stream_experts is None and args.gpu_memory is None
     model, _, device = load_model(args)
-    assert device.type == "cpu" and args.stream_experts == "off"
+    assert device.type == "cpu" and args.stream_experts == "off" and args.gpu_memory == "off"
     assert all(getattr(m, "kt_stream_plan", None) is None for m in model.modules())
 
 
