@@ -35,7 +35,8 @@ def main() -> None:
     p.add_argument("--out", default="lora-adapter", help="folder for the adapter (peft format)")
     args = p.parse_args()
 
-    model, tokenizer = ktorch.load(args.model, experts_dtype=args.experts_dtype)
+    model, tokenizer = ktorch.load(args.model, experts_dtype=args.experts_dtype,
+                                   gpu_memory="off")  # training: every expert on the CPU op (no resident experts)
     ktorch.prepare(model, device=model.device, trainable=True)  # experts frozen, layers checkpointed
     model = get_peft_model(model, LoraConfig(r=args.rank, lora_alpha=2 * args.rank,
                                              target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))

@@ -71,7 +71,9 @@ def load(
         tokenizer: also build the tokenizer (None when the checkpoint has none, e.g. a GGUF benchmark file with
             ``tokenizer.ggml.model = "none"``).
         stream_experts, gpu_memory: GPU only, as ``ktorch.prepare`` takes them (the routing-aware prefill split,
-            the GPU memory budget and its resident experts; docs/prefill_streaming.md); default None: neither.
+            the GPU memory budget and its resident experts; docs/prefill_streaming.md); default None: no split, and
+            the budget ``"auto"`` on a CUDA device (resident experts fill the free memory minus a margin; "off":
+            every expert in host memory), nothing on the CPU.
         warm_up: on a GPU, end with ``ktorch.warm_up(model)``: one prefill of ``ktorch.generation.WARM_UP_TOKENS``
             random ids through a throwaway cache, so that the first prompt runs at warm speed (a fresh process's
             first prefill pays ~0.4 s of first kernel launches, stagings and page faults; docs/architecture.md).
@@ -91,6 +93,10 @@ def load(
         dtype = source.default_dtype(device)
     model = build_model(source, device=device, dtype=dtype, experts_dtype=experts_dtype, group_size=group_size,
                         progress=progress)
+    if gpu_memory is None:
+        from ktorch.placement import default_gpu_memory, experts_modules
+
+        gpu_memory = default_gpu_memory(experts_modules(model), device, stream_experts)
     if stream_experts is not None or gpu_memory is not None:
         from ktorch.placement import set_stream_experts
 

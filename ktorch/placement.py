@@ -72,19 +72,23 @@ def prepare(
     ``{512: 0.4}``) streams a fixed prefix of every layer's experts instead (ktorch/ops/streamed_experts.py; kept for
     comparison). Decode never streams. ``set_stream_experts`` changes it later.
 
-    ``gpu_memory`` (GPU only: bytes, or "24GiB", "24GB"; "off": no residents; default with ``stream_experts="auto"``:
-    the free device memory minus a margin) is the budget ktorch.gpu_memory divides: the non-expert weights, a KV cache/activations
-    reserve, the split's staging, and the rest as resident experts (packed; the same count per layer, the most
-    routed-to at prefill, swapped between generate calls' prefill and decode when worth it); decode computes residents
-    on the GPU.
-    ``model.kt_gpu_memory.summary()`` shows the division. Not with ``gpu_experts`` (which places residents by hand).
+    ``gpu_memory`` is the budget ktorch.gpu_memory divides: the non-expert weights, a KV cache/activations reserve,
+    the split's staging, and the rest as resident experts (packed; the same count per layer, the most routed-to at
+    prefill, swapped between generate calls' prefill and decode when worth it); decode computes residents on the GPU.
+    ``"auto"``: the free device memory minus a margin; bytes, or "24GiB", "24GB"; ``"off"``: no budget, every expert
+    in host memory. Default (None): ``"auto"`` on a CUDA device, measured faster than ``"off"`` at prefill and decode
+    (ktorch/gpu_memory.py); nothing where it does not apply: another device, ``trainable``, ``gpu_experts`` (which
+    places residents by hand), a ``stream_experts`` table, or experts the device kernels cannot run (biases, ...).
+    ``model.kt_gpu_memory.summary()`` shows the division. An explicit size on the CPU makes the CPU a stand-in device
+    (tests); an explicit ``"auto"`` needs a CUDA device.
 
     ``trainable=True`` prepares for fine-tuning (docs/training.md): the experts stay frozen and packed, every other
     parameter requires grad (train all of them, or wrap the model with peft and ``ktorch.lora.add_expert_lora`` for
     adapters), ``loss.backward()`` reaches attention and routers through the experts (``kt.fused_moe``'s backward,
     ktorch/ops/moe_autograd.py), and with ``gradient_checkpointing`` (default) the decoder layers are recomputed in
     the backward (transformers' ``gradient_checkpointing_enable``, non-reentrant) and the KV cache is off. Deferral
-    and streaming have no backward: they are refused with ``trainable``.
+    and streaming have no backward: they are refused with ``trainable``, and a placement made before (a model
+    ``ktorch.load`` placed: residents, the split) is undone.
     Otherwise parameters stop requiring grad (inference). The result runs eagerly (hidden states hop to the CPU op and back) and under ``torch.compile``.
     ``device="cpu"`` (or None) keeps the whole model on the CPU: no GPU is needed.
 
@@ -113,10 +117,15 @@ def prepare(
         raise ValueError("prepare: deferred_experts and stream_experts have no backward; leave them off with trainable")
     if stream_experts is not None and device.type != "cuda":
         raise ValueError(f"prepare: stream_experts copies experts to a CUDA device; device is {device}")
-    if gpu_memory is not None and gpu_experts is not None:
+    if gpu_memory not in (None, "off") and gpu_experts is not None:
         raise ValueError("prepare: gpu_memory fills the budget with resident experts itself; leave gpu_experts unset")
-    if gpu_memory is not None and trainable:
+    if gpu_memory not in (None, "off") and trainable:
         raise ValueError("prepare: gpu_memory places experts for inference; leave it unset with trainable")
+    if gpu_memory == "auto" and device.type != "cuda":
+        raise ValueError(f"prepare: gpu_memory='auto' sizes the budget from a CUDA device's free memory; device is "
+                         f"{device} (give a size, or leave gpu_memory unset)")
+    if gpu_memory is None:
+        gpu_memory = default_gpu_memory(modules, device, stream_experts, trainable, gpu_experts)
     if device.type != "cpu":
         leave_cores_for_the_gpu_side()  # see ktorch.set_num_threads
     if device.type == "cuda":
@@ -146,6 +155,9 @@ def prepare(
     model.requires_grad_(trainable)  # the packed experts are buffers: frozen either way
     model.to(device)  # the packed experts modules ignore it (see attach_packed_experts)
     if trainable:
+        if any(getattr(m, "kt_routed", None) is not None or getattr(m, "kt_stream_handle", None) is not None
+               for _, m in modules):  # placed before (ktorch.load's default on a GPU): no backward
+            set_stream_experts(model, "off")
         _prepare_for_training(model, gradient_checkpointing)
     if stream_experts is not None or gpu_memory is not None:
         set_stream_experts(model, stream_experts, gpu_experts_kernel, gpu_memory=gpu_memory,
@@ -159,6 +171,19 @@ def prepare(
         for _, m in modules:
             m.config._experts_implementation = IMPLEMENTATION_NAME
     return model
+
+
+def default_gpu_memory(modules: list, device: torch.device, stream_experts=None, trainable: bool = False,
+                       gpu_experts=None) -> Optional[str]:
+    """What an unset ``gpu_memory`` means for ``prepare`` / ``ktorch.load`` / the command line: ``"auto"`` on a CUDA
+    device for inference, else None (nothing placed): another device, ``trainable``, ``gpu_experts``, a fixed
+    ``stream_experts`` table (kept for comparison, without residents), or experts the device kernels cannot run
+    (``device_experts_problem``: biases, no gate, another activation), which then all stay on the CPU op."""
+    if device.type != "cuda" or trainable or gpu_experts is not None or isinstance(stream_experts, dict):
+        return None
+    if any(device_experts_problem(m) is not None for _, m in modules):
+        return None
+    return "auto"
 
 
 def _prepare_for_training(model: nn.Module, gradient_checkpointing: bool) -> None:
@@ -199,17 +224,20 @@ def _set_cuda_sync() -> None:
 
 def set_stream_experts(model: nn.Module, stream_experts, kernel: str = "auto", copy_ahead: bool = True,
                        gpu_memory: Union[int, str, None] = None,
-                       expert_profile: Optional[ExpertsProfile] = None) -> nn.Module:
+                       expert_profile: Optional[ExpertsProfile] = None, reserve: Optional[int] = None) -> nn.Module:
     """Sets how long inputs use the GPU for every MoE layer's routed experts (``prepare(..., stream_experts=...,
     gpu_memory=...)``), and the GPU memory budget.
 
     ``stream_experts``: ``"auto"`` (the routing-aware split, its costs measured now), a ``SplitCosts`` (the split
     with these costs: tests, experiments), a table ``{min_tokens: experts or fraction}`` (a fixed prefix streamed,
     ``copy_ahead`` copying layer i+1's while layer i computes), or None / ``"off"``. ``gpu_memory``: the budget
-    (see ``prepare``); with ``"auto"`` on a GPU it defaults to the free memory minus a margin; with the split off
-    and a budget, resident experts still fill it; ``expert_profile`` (``ktorch.profile_experts``) picks the first
-    residents (default: each layer's first experts, until prefills have counted routing). The model must be prepared
-    (its experts packed). Replaces what was
+    (see ``prepare``): ``"auto"`` (the free memory minus a margin), a size, or ``"off"``; None (this setter's
+    default, unlike ``prepare``'s) is ``"auto"`` with the split on and ``"off"`` with it off, so that
+    ``set_stream_experts(model, None)`` takes every expert back to the CPU op. With the split off and a budget,
+    resident experts still fill it; ``expert_profile`` (``ktorch.profile_experts``) picks the first
+    residents (default: each layer's first experts, until prefills have counted routing). ``reserve``: the bytes kept
+    for the KV cache and activations before the residents (default: generate's static cache, ``reserve_bytes``;
+    ``ktorch serve`` gives its paged pool's). The model must be prepared (its experts packed). Replaces what was
     set before (page-locked memory released, residents and staging freed, a captured decode step dropped)."""
     from ktorch.ops.routed_experts import SplitCosts
     from ktorch.ops.streamed_experts import StreamPlan, link_streamed_layers, streamed_experts_of
@@ -220,8 +248,11 @@ def set_stream_experts(model: nn.Module, stream_experts, kernel: str = "auto", c
     if not (stream_experts is None or stream_experts in ("off", "auto") or isinstance(stream_experts, (dict, SplitCosts))):
         raise ValueError(f"stream_experts must be 'auto', 'off', None, a SplitCosts or a {{min_tokens: experts}} "
                          f"table, got {stream_experts!r}")
-    if gpu_memory is not None and any(getattr(m, "kt_gpu_expert_ids", None) and getattr(m, "kt_routed", None) is None
-                                      for _, m in modules):
+    if gpu_memory == "auto" and not any(p.device.type == "cuda" for p in model.parameters()):
+        raise ValueError("set_stream_experts: gpu_memory='auto' sizes the budget from a CUDA device's free memory; the "
+                         "model has no CUDA parameters (give a size, or 'off')")
+    if gpu_memory not in (None, "off") and any(
+            getattr(m, "kt_gpu_expert_ids", None) and getattr(m, "kt_routed", None) is None for _, m in modules):
         raise ValueError("set_stream_experts: gpu_memory fills the budget with resident experts; this model keeps "
                          "experts placed by gpu_experts=")
     _clear_gpu_placement(model, modules)
@@ -240,7 +271,7 @@ def set_stream_experts(model: nn.Module, stream_experts, kernel: str = "auto", c
         if stream_experts == "auto" and device is None:
             raise ValueError("set_stream_experts: 'auto' measures copies to the GPU; the model has no CUDA parameters")
         routed = stream_experts if isinstance(stream_experts, SplitCosts) or stream_experts == "auto" else None
-        _place_routed(model, modules, routed, gpu_memory, kernel, expert_profile)
+        _place_routed(model, modules, routed, gpu_memory, kernel, expert_profile, reserve)
     return model
 
 
@@ -265,9 +296,9 @@ def _clear_gpu_placement(model: nn.Module, modules) -> None:
 
 
 def _place_routed(model: nn.Module, named_modules: list, costs, gpu_memory, kernel: str,
-                  expert_profile: Optional[ExpertsProfile] = None) -> None:
+                  expert_profile: Optional[ExpertsProfile] = None, reserve: Optional[int] = None) -> None:
     """The routing-aware split (``costs``: a SplitCosts, "auto" to measure, None: off) and the GPU memory budget."""
-    from ktorch.gpu_memory import default_budget, parse_memory_size, place_resident_experts, plan_gpu_memory
+    from ktorch.gpu_memory import budget_bytes, place_resident_experts, plan_gpu_memory
     from ktorch.ops.routed_experts import DeviceStaging, RoutedExperts, SplitCosts, calibrate_split_costs
     from ktorch.ops.streamed_experts import StreamedExperts
 
@@ -286,12 +317,9 @@ def _place_routed(model: nn.Module, named_modules: list, costs, gpu_memory, kern
         top_k = getattr(model.config, "num_experts_per_tok", None) or 8
         costs = calibrate_split_costs(layers, modules[0].kt_w2.shape[1] * 16, top_k, device)
     model.kt_split_costs = costs
-    if gpu_memory == "off":
-        budget = None  # no budget: a full staging, no residents
-    else:
-        budget = parse_memory_size(gpu_memory) if gpu_memory is not None else default_budget(model, device)
+    budget = budget_bytes(gpu_memory, model, device)  # None ("off"): a full staging, no residents
     staging_bytes = (lambda n: DeviceStaging.bytes_for(layers[0], n, dtype)) if costs is not None else None
-    plan = plan_gpu_memory(model, modules, budget, device, dtype, staging_bytes)
+    plan = plan_gpu_memory(model, modules, budget, device, dtype, staging_bytes, reserve)
     staging = DeviceStaging(layers[0], plan.staging_experts, device, dtype) if costs is not None else None
     counting = SplitCosts(1.0, 0.0, 0.0, 0.0)  # split off: the layers only count routing (capacity 0)
     for (name, m), layer in zip(named_modules, layers):

@@ -269,11 +269,65 @@ def test_generate_on_the_gpu_captures_the_decode_step_and_matches_eager():
 
 def test_defaults_are_the_fast_path():
     """No option is needed for the fast path: decode-step capture is on unless --no-compile, and experts stream to
-    the GPU at prefill (auto) where there is one; on the CPU streaming resolves to off and capture does not apply."""
+    the GPU at prefill and fill its memory as residents (both auto) where there is one; on the CPU both resolve to off
+    and capture does not apply."""
     from ktorch.cli import load_model
 
     args = build_parser().parse_args(["generate", "--prompt", "x", "--device", "cpu"])
-    assert args.no_compile is False and args.stream_experts is None
+    assert args.no_compile is False and args.stream_experts is None and args.gpu_memory is None
     model, _, device = load_model(args)
-    assert device.type == "cpu" and args.stream_experts == "off"
+    assert device.type == "cpu" and args.stream_experts == "off" and args.gpu_memory == "off"
     assert all(getattr(m, "kt_stream_plan", None) is None for m in model.modules())
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+def test_gpu_memory_defaults_to_auto_on_a_gpu_and_is_ignored_on_the_cpu(command):
+    """--gpu-memory and --stream-experts unset: auto on a CUDA device (the measured fast path), off on the CPU (no
+    error); --plain keeps both off; a value given stays as given (and is reported as given)."""
+    import torch
+
+    from ktorch.cli import _gpu_memory_argument, placement_defaults
+
+    extra = ["--prompt", "x"] if command == "generate" else []
+    parse = build_parser().parse_args
+    for device, want in (("cuda", "auto"), ("cuda:1", "auto"), ("cpu", "off")):
+        args = parse([command, *extra])
+        assert args.gpu_memory is None and args.stream_experts is None
+        assert placement_defaults(args, torch.device(device)) == (True, True)
+        assert args.gpu_memory == want and args.stream_experts == want
+        assert _gpu_memory_argument(args.gpu_memory, args.stream_experts) == want
+    args = parse([command, *extra, "--gpu-memory", "off"])
+    assert placement_defaults(args, torch.device("cuda")) == (True, False)
+    assert args.gpu_memory == "off" and args.stream_experts == "auto"
+    args = parse([command, *extra, "--gpu-memory", "24GiB", "--stream-experts", "off"])
+    assert placement_defaults(args, torch.device("cpu")) == (False, False)
+    assert _gpu_memory_argument(args.gpu_memory, "off") == 24 << 30
+    if command != "serve":
+        args = parse([command, *extra, "--plain"])
+        placement_defaults(args, torch.device("cuda"))
+        assert args.gpu_memory == "off" and args.stream_experts == "off"
+
+
+def test_gpu_memory_default_on_the_cpu_places_nothing(capsys, monkeypatch):
+    """On the CPU the defaulted --gpu-memory loads and generates without a word about it and places nothing; given
+    explicitly (auto or a size) it is a clear error; off is accepted (it means none anyway). serve's engine then gets
+    no pool of ktorch's sizing (its CPU default, 1 GiB) and transformers' own memory share."""
+    import ktorch.serve
+    from ktorch.cli import load_model
+
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--device", "cpu"])
+    model, _, device = load_model(args, warm_up=False)
+    assert device.type == "cpu" and args.gpu_memory == "off"
+    assert getattr(model, "kt_gpu_memory", None) is None
+    assert all(getattr(m, "kt_routed", None) is None for m in model.modules())
+    for value in ("auto", "2GiB"):
+        assert main(["generate", "--prompt", "hi", "--device", "cpu", "--gpu-memory", value]) == 1
+        assert "place experts on a GPU; --device is cpu" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "hi", "--device", "cpu", "--gpu-memory", "off", "--max-new-tokens", "2"]) == 0
+    err = capsys.readouterr().err
+    assert TIMING.search(err) and "GPU memory" not in err
+    configs = []
+    monkeypatch.setattr(ktorch.serve, "run_server", lambda *a, **k: configs.append(k["config"]))
+    assert main(["serve", "--device", "cpu"]) == 0
+    assert configs[0].num_blocks is None and configs[0].max_memory_percent is None
+    assert "KV pool" not in capsys.readouterr().err

@@ -210,7 +210,7 @@ def test_cuda_compiled_greedy_generate_matches_eager(family, dtype, cuda_graphs)
     dtype = DTYPES[dtype]
     torch._dynamo.reset()
     model = tiny_model(family, dtype=dtype)
-    prepared = ktorch.prepare(copy.deepcopy(model), device="cuda")
+    prepared = ktorch.prepare(copy.deepcopy(model), device="cuda", gpu_memory="off")  # the CPU op
     model = model.to("cuda")
     prompt = torch.randint(0, 256, (1, PROMPT), device="cuda")
     assert_logits_match(model, prepared, dtype, prompt)  # eager: hops to the CPU op and back
@@ -226,7 +226,7 @@ def test_cuda_graph_decode_step_costs_no_host_wait():
     """Under CUDA graphs a replayed decode step enqueues the experts through host functions: the launching
     thread neither submits nor waits in Python."""
     torch._dynamo.reset()
-    model = ktorch.prepare(tiny_model("deepseek_v3", dtype=torch.bfloat16), device="cuda")
+    model = ktorch.prepare(tiny_model("deepseek_v3", dtype=torch.bfloat16), device="cuda", gpu_memory="off")
     kwargs = decode_step_inputs(model)
     step = torch.compile(model, backend="ktorch", mode="reduce-overhead", fullgraph=True)
 
@@ -263,7 +263,7 @@ def test_cuda_graph_native_host_functions_match_python(monkeypatch):
         monkeypatch.setattr(RUNTIME, "observers", [lambda *args: None] if mode == "python" else [])
         torch._dynamo.reset()
         torch.manual_seed(0)
-        model = ktorch.prepare(tiny_model("deepseek_v3", dtype=torch.bfloat16), device="cuda")
+        model = ktorch.prepare(tiny_model("deepseek_v3", dtype=torch.bfloat16), device="cuda", gpu_memory="off")
         torch.manual_seed(1)
         kwargs = decode_step_inputs(model)
         step = torch.compile(model, backend="ktorch", mode="reduce-overhead", fullgraph=True)

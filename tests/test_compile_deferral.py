@@ -262,7 +262,7 @@ def test_cuda_compiled_deferral_decode_matches_eager_deferral(family, cuda_graph
     by Python ones (what captures use while a test observer watches the calls; a no-op observer here)."""
     monkeypatch.setattr(RUNTIME, "observers", [lambda *args: None] if start == "python" else [])
     torch._dynamo.reset()
-    model = ktorch.prepare(tiny_model(family), device="cuda", deferred_experts=1)
+    model = ktorch.prepare(tiny_model(family), device="cuda", deferred_experts=1, gpu_memory="off")
     n_moe = len(moe_experts_modules(model))
     implied_before = RUNTIME.stats["implied_joins"]
     torch.manual_seed(1)
@@ -297,7 +297,7 @@ def test_cuda_graph_runtime_deferral_count_changes_between_replays():
     from ktorch.compile import set_runtime_deferred_experts
 
     torch._dynamo.reset()
-    model = ktorch.prepare(tiny_model("qwen3_moe"), device="cuda")
+    model = ktorch.prepare(tiny_model("qwen3_moe"), device="cuda", gpu_memory="off")
     torch.manual_seed(1)
     start = decode_step_inputs(model)
     tokens = torch.randint(0, 256, (12,), device="cuda")

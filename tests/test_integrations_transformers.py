@@ -89,7 +89,7 @@ def test_prepare_rejects_gpu_experts_device():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_prepare_places_everything_else_on_the_gpu():
-    model = ktorch.prepare(tiny_model("deepseek_v3", dtype=torch.bfloat16), device="cuda")
+    model = ktorch.prepare(tiny_model("deepseek_v3", dtype=torch.bfloat16), device="cuda", gpu_memory="off")
     assert all(p.device.type == "cuda" for p in model.parameters())
     for m in moe_experts_modules(model):
         assert m.kt_w13.device.type == "cpu"

@@ -548,7 +548,8 @@ def test_cuda_every_expert_resident_decodes_without_the_cpu_op(monkeypatch, expe
     assert all(isinstance(m.kt_gpu_packed, RowExperts) == (experts_dtype != "bf16")
                for m in moe_experts_modules(model))
     if experts_dtype == "int4":  # the same int4 experts on the CPU op (int4 is far from HF eager)
-        on_cpu = ktorch.prepare(copy.deepcopy(base), device="cuda", experts_dtype="int4", stream_experts="off")
+        on_cpu = ktorch.prepare(copy.deepcopy(base), device="cuda", experts_dtype="int4", stream_experts="off",
+                                gpu_memory="off")
         want = _logits(on_cpu, ids.cuda()).float()
         calls.clear()  # those were the CPU op's
         torch.testing.assert_close(_logits(model, ids.cuda()).float(), want, atol=0.05, rtol=0)

@@ -595,3 +595,120 @@ def test_prepare_budget_starts_residents_from_a_profile():
     assert_logits_match(base, model, torch.float32, ids)
     with pytest.raises(ValueError, match="leave gpu_experts unset"):
         ktorch.prepare(copy.deepcopy(base), device="cpu", gpu_memory="1GiB", gpu_experts=2, expert_profile=profile)
+
+
+# ---------------------------------------------------------------- the defaults and the serve's reserve
+
+
+def test_default_gpu_memory_is_auto_on_cuda_for_inference_only():
+    """What an unset gpu_memory means for prepare, ktorch.load and the command line (placement.default_gpu_memory):
+    "auto" on a CUDA device for inference; nothing on the CPU, for training, beside gpu_experts or a fixed stream
+    table, or for experts the device kernels cannot run (gpt-oss's biased experts: every expert stays on the CPU)."""
+    from ktorch.placement import default_gpu_memory, experts_modules
+    from test_integrations_families import tiny_family_model
+
+    modules = experts_modules(tiny_model("qwen3_moe"))
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert default_gpu_memory(modules, cuda) == "auto" == default_gpu_memory(modules, cuda, "auto")
+    assert default_gpu_memory(modules, cuda, COSTS) == "auto"
+    assert default_gpu_memory(modules, cpu) is None
+    assert default_gpu_memory(modules, cuda, trainable=True) is None
+    assert default_gpu_memory(modules, cuda, gpu_experts=2) is None
+    assert default_gpu_memory(modules, cuda, {512: 0.4}) is None
+    biased = experts_modules(tiny_family_model("gpt_oss"))
+    assert default_gpu_memory(biased, cuda) is None
+
+
+def test_gpu_memory_auto_needs_cuda_and_off_places_no_resident():
+    """Unset on the CPU: nothing placed, as before. "auto" given where there is no CUDA device is a clear error
+    (prepare, ktorch.load, set_stream_experts), never a silent no-op. "off" keeps every expert in host memory, with
+    the split on or off."""
+    base = tiny_model("qwen3_moe")
+    model = ktorch.prepare(copy.deepcopy(base), device="cpu")
+    assert getattr(model, "kt_gpu_memory", None) is None
+    assert all(getattr(m, "kt_routed", None) is None for m in moe_experts_modules(model))
+    with pytest.raises(ValueError, match="gpu_memory='auto' sizes the budget from a CUDA device's free memory"):
+        ktorch.prepare(copy.deepcopy(base), device="cpu", gpu_memory="auto")
+    with pytest.raises(ValueError, match="gpu_memory='auto' sizes the budget from a CUDA device's free memory"):
+        ktorch.set_stream_experts(model, "off", gpu_memory="auto")
+    with pytest.raises(ValueError, match="gpu_memory='auto' sizes the budget from a CUDA device's free memory"):
+        ktorch.load("builtin", device="cpu", gpu_memory="auto", tokenizer=False, progress=False)
+    off = ktorch.prepare(copy.deepcopy(base), device="cpu", gpu_memory="off")
+    assert getattr(off, "kt_gpu_memory", None) is None
+    assert all(getattr(m, "kt_gpu_expert_ids", None) is None for m in moe_experts_modules(off))
+    ktorch.set_stream_experts(model, COSTS, gpu_memory="off")  # the split with no budget: a full staging, no resident
+    assert model.kt_gpu_memory.resident_per_layer == 0 and model.kt_gpu_memory.staging_experts == 8
+    assert all(getattr(m, "kt_gpu_expert_ids", None) is None and getattr(m, "kt_gpu_slot_of", None) is None
+               for m in moe_experts_modules(model))
+    ids = torch.randint(0, 256, (1, 12))
+    assert_logits_match(base, model, torch.float32, ids)
+
+
+def test_prepare_for_training_undoes_a_placement():
+    """A model placed with residents (what ktorch.load does by default on a GPU; a CPU stand-in budget here) and
+    then prepared with trainable=True loses its residents and split, so that the backward runs (neither has one)."""
+    base = tiny_model("qwen3_moe")
+    model = ktorch.prepare(copy.deepcopy(base), device="cpu")
+    ktorch.set_stream_experts(model, "off", gpu_memory=_floor(model) + 3 * _per_resident(model))
+    assert model.kt_gpu_memory.resident_per_layer == 3
+    ktorch.prepare(model, device="cpu", trainable=True, gradient_checkpointing=False)
+    assert model.kt_gpu_memory is None
+    assert all(getattr(m, "kt_routed", None) is None and getattr(m, "kt_gpu_expert_ids", None) is None
+               for m in moe_experts_modules(model))
+    ids = torch.randint(0, 256, (2, 10))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert model.model.layers[0].self_attn.q_proj.weight.grad is not None
+
+
+def test_a_larger_reserve_gives_fewer_residents():
+    """The reserve comes before the residents (ktorch serve gives its KV pool's bytes): a budget whose residents
+    would eat the pool's bytes holds fewer, exactly (budget - weights - reserve) // bytes per resident; the pool's
+    reserve is what the plan says it kept; a budget below the weights and the pool is refused."""
+    from ktorch.gpu_memory import dequantized_bytes_per_expert, resident_bytes_per_expert
+    from ktorch.serve.engine import EngineConfig, kv_pool_for
+
+    model = ktorch.prepare(copy.deepcopy(tiny_model("qwen3_moe")), device="cpu")
+    modules = moe_experts_modules(model)
+    per = resident_bytes_per_expert(modules[0]) * len(modules) + dequantized_bytes_per_expert(modules[0], torch.float32)
+    weights = device_bytes_held(model, torch.device("cpu"))
+    pool = kv_pool_for(model.config, torch.float32, EngineConfig(page_size=16, num_blocks=400, max_batch_tokens=2048))
+    assert pool.nbytes > reserve_bytes(model, torch.float32) + 8 * per  # generate's reserve leaves room for all 8
+    budget = weights + pool.nbytes + 3 * per + 10
+    ktorch.set_stream_experts(model, "off", gpu_memory=budget)
+    assert model.kt_gpu_memory.resident_per_layer == 8  # residents would take the pool's bytes
+    ktorch.set_stream_experts(model, "off", gpu_memory=budget, reserve=pool.nbytes)
+    plan = model.kt_gpu_memory
+    assert plan.reserve == pool.nbytes and plan.used <= budget
+    assert plan.resident_per_layer == (budget - weights - pool.nbytes) // per == 3
+    assert all(len(m.kt_gpu_expert_ids) == 3 for m in modules)
+    with pytest.raises(ValueError, match="less than the model's weights"):
+        ktorch.set_stream_experts(model, "off", gpu_memory=weights + pool.nbytes - 1, reserve=pool.nbytes)
+    with pytest.raises(ValueError, match="reserve must be a byte count"):
+        ktorch.set_stream_experts(model, "off", gpu_memory=budget, reserve=-1)
+
+
+@needs_cuda
+def test_cuda_prepare_and_load_default_to_resident_experts():
+    """On a GPU, prepare and ktorch.load with no placement option hold resident experts within the free memory
+    (the tiny models' experts all fit: every layer's), give HF eager's logits and decode on residents only;
+    gpu_memory="off" holds none; trainable=True takes them back to the CPU op."""
+    torch.manual_seed(0)
+    base = tiny_model("qwen3_moe")
+    model = ktorch.prepare(copy.deepcopy(base), device="cuda")
+    plan = model.kt_gpu_memory
+    assert plan is not None and plan.resident_per_layer == 8 and plan.staging_experts == 0
+    assert plan.used <= plan.budget and torch.cuda.memory_allocated() <= plan.budget
+    ids = torch.randint(0, 256, (1, 12))
+    assert_logits_match(copy.deepcopy(base).to("cuda"), model, torch.float32, ids.cuda())
+    reset_resident_hits(model)
+    result = ktorch.generate(model, ids, max_new_tokens=8, cuda_graphs=False)  # captured: tests/test_resident_rows.py
+    hits, rows = resident_hits(model)
+    assert len(result.ids) == 8 and hits == rows > 0
+    off = ktorch.prepare(copy.deepcopy(base), device="cuda", gpu_memory="off")
+    assert getattr(off, "kt_gpu_memory", None) is None
+    assert all(getattr(m, "kt_gpu_expert_ids", None) is None for m in moe_experts_modules(off))
+    loaded, _ = ktorch.load("builtin", device="cuda", progress=False, tokenizer=False, warm_up=False)
+    assert loaded.kt_gpu_memory.resident_per_layer == loaded.config.num_experts
+    ktorch.prepare(loaded, device="cuda", trainable=True, gradient_checkpointing=False)
+    assert loaded.kt_gpu_memory is None
+    assert all(getattr(m, "kt_gpu_expert_ids", None) is None for m in moe_experts_modules(loaded))

@@ -998,3 +998,88 @@ def test_first_outputs_are_handled_before_the_next_step(builtin, monkeypatch):
             j = times.index("first done", i)
             assert "step" not in times[i:j], times
     assert times.count("step") >= 5  # the first two together (3 or more), the third's 3 (its prefill, 2 decode)
+
+
+def test_kv_pool_reserve_counts_pages_masks_and_activations():
+    """The pool ktorch serve reserves before resident experts (engine.kv_pool_for), by hand for a fake model of 4
+    layers, 2 KV heads of 32 dims, hidden 256, vocabulary 1000, bf16: pages from --kv-pages, --kv-cache-gib or the
+    default tokens; attention masks [M, pool + M] for sdpa and none for flash attention; the pool grows by whole pages
+    paid for with their masks' share."""
+    import types
+
+    from ktorch.gpu_memory import ACTIVATION_BYTES_PER_TOKEN_HIDDEN
+    from ktorch.serve.engine import DEFAULT_MAX_BATCH_TOKENS, KV_POOL_TOKENS, LOGIT_BYTES, LOGIT_ROWS, kv_pool_for
+
+    fake = types.SimpleNamespace(num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=32,
+                                 hidden_size=256, vocab_size=1000, _attn_implementation="sdpa")
+    kv = 2 * 4 * 2 * 32 * 2  # keys and values, all layers, bf16
+    pool = kv_pool_for(fake, torch.bfloat16, EngineConfig(page_size=16, num_blocks=10, max_batch_tokens=64))
+    assert (pool.num_blocks, pool.tokens, pool.kv_bytes_per_token, pool.mask_bytes_per_token) == (10, 160, kv, 64 * 2)
+    activations = 64 * 64 * 2 + 64 * 256 * ACTIVATION_BYTES_PER_TOKEN_HIDDEN + 64 * 1000 * LOGIT_BYTES
+    assert pool.activation_bytes == activations
+    assert pool.nbytes == 160 * kv + 64 * (160 + 64) * 2 + activations - 64 * 64 * 2
+    gib = kv_pool_for(fake, torch.bfloat16, EngineConfig(page_size=16, kv_cache_gib=0.5))
+    assert gib.num_blocks == (1 << 29) // (16 * kv) and gib.max_batch_tokens == DEFAULT_MAX_BATCH_TOKENS
+    default = kv_pool_for(fake, torch.bfloat16, EngineConfig(page_size=16))
+    assert default.tokens == KV_POOL_TOKENS
+    assert default.activation_bytes == (DEFAULT_MAX_BATCH_TOKENS ** 2 * 2 + DEFAULT_MAX_BATCH_TOKENS * 256
+                                        * ACTIVATION_BYTES_PER_TOKEN_HIDDEN + LOGIT_ROWS * 1000 * LOGIT_BYTES)
+    flash = kv_pool_for(types.SimpleNamespace(**{**vars(fake), "_attn_implementation": "flash_attention_2"}),
+                        torch.bfloat16, EngineConfig(page_size=16, num_blocks=10, max_batch_tokens=64))
+    assert flash.mask_bytes_per_token == 0 and flash.nbytes == pool.nbytes - 64 * (160 + 64) * 2
+    per_page = 16 * (kv + 128)
+    grown = pool.grown_by(3 * per_page + per_page - 1)
+    assert grown.num_blocks == 13 and grown.nbytes - pool.nbytes == 3 * per_page
+    assert pool.grown_by(-5).num_blocks == 10 and "KV pool 10 pages of 16 tokens" in pool.line()
+
+
+def test_residents_follow_the_routing_and_stats_report_their_hit_rate():
+    """With resident experts (a CPU stand-in budget here; on a GPU the default) the prompt chunks' routing swaps the
+    most routed-to experts in (they start as each layer's first ones), and /v1/stats reports the hit rate since the
+    start across those swaps: routed slots of real tokens on residents / all routed slots, the padding rows (forced
+    on, as CUDA graphs do) counted in neither; the tokens equal a run with every expert on the CPU op. Without
+    residents: no such keys."""
+    from ktorch.gpu_memory import (dequantized_bytes_per_expert, device_bytes_held, reserve_bytes,
+                                   reset_resident_hits, resident_bytes_per_expert)
+
+    model, _ = ktorch.load("builtin", device="cpu", dtype=torch.float32, progress=False, tokenizer=False)
+    experts = [m for m in model.modules() if getattr(m, "kt_w13", None) is not None]
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 4096) for _ in range(70 + 9 * i)] for i in range(3)]  # chunks >= MIN_TOKENS count
+
+    def run():
+        engine = ServeEngine(model, model.generation_config.eos_token_id, 0,
+                             EngineConfig(page_size=PAGE, num_blocks=64, max_batch_tokens=128))
+        create = engine.manager._create_batch_processor
+
+        def create_padded():
+            processor = create()
+            processor.model_runner.pad_inputs = True  # what CUDA graphs switch on
+            return processor
+
+        engine.manager._create_batch_processor = create_padded
+        slots = []  # per experts call: (real slots, real slots on residents), after the engine's padding mask
+        hooks = [m.register_forward_pre_hook(lambda mod, args, kw: slots.append(
+            (int((args[1] >= 0).sum()), int(((args[1] >= 0) & (mod.kt_gpu_slot_of[args[1].clamp(min=0)] >= 0)).sum())
+             if getattr(mod, "kt_gpu_slot_of", None) is not None else 0)), with_kwargs=True) for m in experts]
+        return run_engine(engine, prompts, 8, hooks), slots, engine
+
+    plain, _, engine = run()
+    assert "resident_hit_rate" not in engine.stats()
+    per_resident = (resident_bytes_per_expert(experts[0]) * len(experts)
+                    + dequantized_bytes_per_expert(experts[0], torch.float32))
+
+    floor = device_bytes_held(model, torch.device("cpu")) + reserve_bytes(model, torch.float32)
+    ktorch.set_stream_experts(model, "off", gpu_memory=floor + (model.config.num_experts // 2) * per_resident)
+    resident = model.kt_gpu_memory.resident_per_layer
+    assert 0 < resident < model.config.num_experts
+    assert all(m.kt_gpu_expert_ids == list(range(resident)) for m in experts)
+    reset_resident_hits(model)
+    with_residents, slots, engine = run()
+    stats = engine.stats()
+    hits, rows = sum(h for _, h in slots), sum(r for r, _ in slots)
+    assert stats["resident_experts_per_layer"] == resident and stats["resident_swaps"] == engine.resident_swaps > 0
+    assert any(m.kt_gpu_expert_ids != list(range(resident)) for m in experts)
+    assert (stats["resident_hits"], stats["resident_rows"]) == (hits, rows) and 0 < hits < rows
+    assert stats["resident_hit_rate"] == pytest.approx(hits / rows, abs=1e-6)
+    assert with_residents == plain

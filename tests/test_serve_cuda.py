@@ -7,6 +7,7 @@ kept out of the experts, the warm-up's forwards) is tested in tests/test_serve.p
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
 
 import pytest
@@ -40,7 +41,7 @@ def test_cuda_decode_steps_replay_graphs_and_equal_eager():
     experts it routed (the padding rows' -1 ids are not counted as experts)."""
     from ktorch.serve.engine import GRAPH_TOKEN_BUCKETS, step_bucket
 
-    model, _ = ktorch.load("builtin", device="cuda", dtype=torch.float32, progress=False)
+    model, _ = ktorch.load("builtin", device="cuda", dtype=torch.float32, progress=False, gpu_memory="off")
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 4096) for _ in range(rng.randint(5, 40))] for _ in range(6)]
     eager, e_engine = _cuda_run(model, prompts, 12, cuda_graphs=False)
@@ -70,7 +71,7 @@ def test_cuda_decode_steps_replay_graphs_and_equal_eager():
 def test_cuda_shared_prefix_computes_only_the_suffix_under_graphs():
     """A prompt sharing a cached prefix computes only the suffix on the GPU too (its step is graphed), with the
     tokens of an uncached run."""
-    model, _ = ktorch.load("builtin", device="cuda", dtype=torch.float32, progress=False)
+    model, _ = ktorch.load("builtin", device="cuda", dtype=torch.float32, progress=False, gpu_memory="off")
     rng = random.Random(6)
     prefix = [rng.randrange(3, 4096) for _ in range(20 * PAGE + 3)]
     second = prefix + [rng.randrange(3, 4096) for _ in range(7)]
@@ -92,3 +93,59 @@ def test_cuda_shared_prefix_computes_only_the_suffix_under_graphs():
     with torch.inference_mode():
         ref = model.generate(torch.tensor([second], device="cuda"), max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert out == ref[0, len(second):].tolist()
+
+
+@needs_cuda
+def test_cuda_default_residents_serve_under_graphs():
+    """ktorch.load's default on a GPU (--gpu-memory auto): the built-in model's experts all fit, so every layer's
+    experts are resident; graphed steps give the eager engine's tokens, no CPU experts call is made, captured or
+    not, and /v1/stats reports every real routed slot on a resident."""
+    from ktorch.compile.experts_runtime import RUNTIME
+
+    model, _ = ktorch.load("builtin", device="cuda", dtype=torch.float32, progress=False)
+    plan = model.kt_gpu_memory
+    assert plan is not None and plan.resident_per_layer == model.config.num_experts
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 4096) for _ in range(rng.randint(5, 40))] for _ in range(4)]
+    submits, captured = RUNTIME.stats["submits"], RUNTIME.stats["captured_submits"]
+    eager, _ = _cuda_run(model, prompts, 10, cuda_graphs=False)
+    graphed, engine = _cuda_run(model, prompts, 10)
+    assert graphed == eager and engine.graph_replays > 0
+    assert (RUNTIME.stats["submits"], RUNTIME.stats["captured_submits"]) == (submits, captured)
+    stats = engine.stats()
+    assert stats["resident_experts_per_layer"] == model.config.num_experts
+    assert stats["resident_rows"] > 0 and stats["resident_hit_rate"] == 1.0
+
+
+@needs_cuda
+def test_cuda_serve_reserves_the_kv_pool_before_residents(monkeypatch, capsys):
+    """ktorch serve on a GPU with the default budget: the plan's reserve is the KV pool's bytes (kv_pool_for), the
+    pool the engine gets is that one (--kv-pages given) or grown by what the residents left (default), the plan and
+    the pool are printed at start-up, and transformers allocates the planned pool (no memory error) and serves."""
+    import ktorch.serve
+    from ktorch.cli import main
+    from ktorch.serve.engine import KV_POOL_TOKENS, kv_pool_for
+
+    runs = []
+    monkeypatch.setattr(ktorch.serve, "run_server", lambda model, tok, name, **k: runs.append((model, k["config"])))
+    assert main(["serve", "--model", "builtin", "--dtype", "fp32", "--kv-pages", "512",
+                 "--max-batch-tokens", "128"]) == 0
+    err = capsys.readouterr().err
+    model, config = runs[-1]
+    plan = model.kt_gpu_memory
+    assert config.num_blocks == 512 and config.max_batch_tokens == 128 and config.max_memory_percent == 1.0
+    assert plan.reserve == kv_pool_for(model.config, model.dtype, config).nbytes and plan.used <= plan.budget
+    assert "GPU memory: budget" in err and "KV pool 512 pages of 16 tokens" in err
+    out = run_engine(ServeEngine(model, model.generation_config.eos_token_id, 0, config), [[5, 6, 7, 8]], 4,
+                     timeout=300)
+    assert len(out[0]) == 4
+    del model, runs[:]
+    gc.collect()
+    torch.cuda.empty_cache()
+    assert main(["serve", "--model", "builtin", "--dtype", "fp32"]) == 0
+    model, config = runs[-1]
+    plan = model.kt_gpu_memory
+    asked = kv_pool_for(model.config, model.dtype, ktorch.serve.EngineConfig())
+    assert plan.reserve == asked.nbytes and asked.tokens == KV_POOL_TOKENS
+    assert config.num_blocks == asked.grown_by(plan.budget - plan.used).num_blocks >= asked.num_blocks
+    assert "KV pool" in capsys.readouterr().err

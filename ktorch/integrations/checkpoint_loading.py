@@ -328,4 +328,4 @@ def build_model(
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         if t.is_meta:
             raise CheckpointError(source.path, "no value for it in the checkpoint", tensor=name)
-    return prepare(model, device=device)
+    return prepare(model, device=device, gpu_memory="off")  # ktorch.load places the experts after (its options)

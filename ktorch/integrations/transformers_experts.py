@@ -442,8 +442,9 @@ def _split_gpu_experts(self: nn.Module, hidden_states, top_k_index, top_k_weight
     on_device = slots >= 0
     cpu_ids = torch.where(on_device, -1, top_k_index)
     hits = getattr(self, "kt_gpu_hits", None)  # slots << 32 | slots on residents (ktorch.gpu_memory), capturable:
-    if hits is not None and not torch.compiler.is_compiling():  # three small kernels a layer, no host sync
-        hits.add_(torch.where(on_device, (1 << 32) + 1, 1 << 32).sum())
+    if hits is not None and not torch.compiler.is_compiling():  # a few small kernels a layer, no host sync
+        routed = torch.where(top_k_index >= 0, 1 << 32, 0)  # padding rows' -1 slots (serve's padded steps): neither
+        hits.add_(torch.where(on_device, routed + 1, routed).sum())
 
     packed = getattr(self, "kt_gpu_packed", None)  # the budget's residents (ktorch.gpu_memory) on the device
 

@@ -146,6 +146,84 @@ def count_distinct_experts(refs: list) -> tuple[int, int]:
     return sum(used), sum(u * r[1] for u, r in zip(used, refs))
 
 
+# ---------------------------------------------------------------- the KV pool in the GPU memory budget
+
+DEFAULT_MAX_BATCH_TOKENS = 8192  # transformers' tokens per step on a GPU when none is given (its memory handler's)
+KV_POOL_TOKENS = 32768  # the pool's default size on a GPU whose memory resident experts share (ktorch/gpu_memory.py):
+# 3 GiB of KV for Qwen3-30B-A3B (96 KiB a token), e.g. 32 requests of 1k tokens; what the budget leaves over joins it
+LOGIT_ROWS = 1024  # rows of logits a step may hold (transformers' default requests per step)
+LOGIT_BYTES = 16  # per row and vocabulary entry: fp32 logits, and top-p's sorted fp32 copy with its int64 indices
+
+
+@dataclass
+class KvPool:
+    """The paged pool ``ktorch serve`` sizes before resident experts fill the GPU: ``num_blocks`` pages of
+    ``page_size`` tokens, steps of at most ``max_batch_tokens`` tokens; ``kv_bytes_per_token`` over all layers;
+    ``activation_bytes`` the device memory a step takes beside the pool (attention masks over the whole pool, the
+    experts' and attention's temporaries, the logits); ``mask_bytes_per_token``: what one more pooled token adds to
+    the masks."""
+
+    num_blocks: int
+    page_size: int
+    max_batch_tokens: int
+    kv_bytes_per_token: int
+    mask_bytes_per_token: int
+    activation_bytes: int
+
+    @property
+    def tokens(self) -> int:
+        return self.num_blocks * self.page_size
+
+    @property
+    def nbytes(self) -> int:
+        """The reserve: the pool's KV pages plus what a step takes beside them."""
+        return self.tokens * (self.kv_bytes_per_token + self.mask_bytes_per_token) + self.activation_bytes
+
+    def grown_by(self, extra_bytes: int) -> "KvPool":
+        """The pool with as many more pages as ``extra_bytes`` pay for (their KV and their share of the masks)."""
+        per_page = self.page_size * (self.kv_bytes_per_token + self.mask_bytes_per_token)
+        return KvPool(self.num_blocks + max(int(extra_bytes), 0) // per_page, self.page_size, self.max_batch_tokens,
+                      self.kv_bytes_per_token, self.mask_bytes_per_token, self.activation_bytes)
+
+    def line(self) -> str:
+        g = 1 << 30
+        return (f"KV pool {self.num_blocks} pages of {self.page_size} tokens ({self.tokens} tokens, "
+                f"{self.tokens * self.kv_bytes_per_token / g:.2f} GiB; with the steps' masks and activations "
+                f"{self.nbytes / g:.2f} GiB, reserved before the resident experts)")
+
+
+def kv_pool_for(model_config, dtype: torch.dtype, config: "EngineConfig") -> KvPool:
+    """The pool ``config`` asks for on a GPU whose memory resident experts share: ``num_blocks`` pages, else
+    ``kv_cache_gib`` of KV, else ``KV_POOL_TOKENS`` tokens; steps of ``max_batch_tokens`` (default transformers' 8192).
+
+    Its bytes (``KvPool.nbytes``) are the GPU memory plan's reserve (``ktorch.set_stream_experts(..., reserve=)``),
+    counted as transformers' memory handler counts a pool (pages, attention masks [M, pool + M] in the model's dtype
+    for sdpa/eager attention, the per-token activations; ktorch's generous per-token activation estimate of
+    ktorch/gpu_memory.py covers the experts' temporaries and transformers' attention peak), plus ``LOGIT_ROWS`` rows
+    of logits and their sampling's copies (``LOGIT_BYTES``)."""
+    from ktorch.gpu_memory import ACTIVATION_BYTES_PER_TOKEN_HIDDEN
+
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    size = torch.empty((), dtype=dtype).element_size()
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    kv_per_token = 2 * text.num_hidden_layers * kv_heads * head_dim * size
+    page = config.page_size
+    if config.num_blocks is not None:
+        blocks = config.num_blocks
+    elif config.kv_cache_gib is not None:
+        blocks = max(4, int(config.kv_cache_gib * (1 << 30) // (page * kv_per_token)))
+    else:
+        blocks = -(-KV_POOL_TOKENS // page)
+    m = config.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS
+    flash = "flash" in str(getattr(model_config, "_attn_implementation", None) or "")
+    mask_per_token = 0 if flash else m * size  # one more pooled token: one more mask column for every step row
+    activations = (m * m * size * (not flash) + m * text.hidden_size * ACTIVATION_BYTES_PER_TOKEN_HIDDEN
+                   + min(m, LOGIT_ROWS) * text.vocab_size * LOGIT_BYTES)
+    return KvPool(blocks, page, m, kv_per_token, mask_per_token, activations)
+
+
 class AdmissionError(Exception):
     """The engine is full (requests in flight or prompt tokens waiting): the server answers 429."""
 
@@ -170,6 +248,8 @@ class EngineConfig:
     prefix_cache: bool = True
     host_cache_gib: float = 0.0  # the prefix cache's second tier: evicted pages kept in host memory (0: off)
     step_stats: bool = False  # record per-step tokens/seconds/distinct experts (syncs the device around each step)
+    max_memory_percent: Optional[float] = None  # the share of free memory transformers checks the pool against
+    # (None: its own 0.8 or 0.9); 1.0 when ktorch's GPU memory plan reserved the pool's bytes already (kv_pool_for)
 
 
 @dataclass
@@ -240,6 +320,7 @@ class ServeEngine:
             use_cuda_graph=graphs, cpu_offload_space=config.cpu_offload_gib,
             use_async_batching=False if self.graph_plan == "ktorch" else None,
             per_request_processors=True, auto_switch_to_flash=False, return_logprobs=False,
+            max_memory_percent=config.max_memory_percent,
         )
         self.manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
         processors = self.manager.logit_processor
@@ -292,6 +373,9 @@ class ServeEngine:
         self.steps: deque[StepRecord] = deque(maxlen=4096)
         self.requests_done = 0
         self.requests_cancelled = 0
+        self.resident_swaps = 0  # resident experts swapped toward the prompts' routing (_follow_routing)
+        self._resident_counted = [0, 0]  # (hits, rows) counted before the counters' last reset by a swap
+        self._resident_lock = threading.Lock()
         self._hooks = []
         self._ready = threading.Event()  # set by the generation thread once its processor (and graphs) are made
         self._warming_up = False
@@ -406,6 +490,8 @@ class ServeEngine:
                 refs = self._graph_ids.get(key, []) if mode == "replay" else self._step_ids
                 self.steps.append(StepRecord(tokens, seconds, *count_distinct_experts(refs), mode))
                 self._step_ids = []
+            if mode == "eager":
+                self._follow_routing(tokens, getattr(io, "compute_stream", None))
 
         runner.compute_batch = compute_batch
 
@@ -543,12 +629,52 @@ class ServeEngine:
             # run them again without counting: a nonzero captured count says the steps run under graphs)
             memory["experts_submits"] = RUNTIME.stats["submits"]
             memory["experts_captured_submits"] = RUNTIME.stats["captured_submits"]
+        memory.update(self.resident_stats())
         return {"requests_in_flight": active, "queued_prompt_tokens": queued, "forwards": self.forwards,
                 "tokens_computed": self.tokens_computed, "cuda_graphs": self.graph_plan,
                 "graph_replays": self.graph_replays, "graph_captures": self.graph_captures,
                 "graph_warmup_seconds": round(self.warmup_seconds, 3), "requests_done": self.requests_done,
                 "requests_cancelled": self.requests_cancelled, **memory, **self.cache_state(),
                 **(self.host_tier.stats() if self.host_tier is not None else {})}
+
+    def _follow_routing(self, tokens: int, stream) -> None:
+        """After an eager step of at least ``RoutedExperts.min_tokens`` tokens (prompt chunks: the routed layers
+        counted their routing, ktorch/ops/routed_experts.py) the resident experts follow it, as ``ktorch.generate``
+        has them follow each prompt's: swapped in place where the gain passes ``MIN_GAIN``
+        (``update_resident_experts``), on the compute stream, so captured graphs (which read the same buffers) stay
+        valid and the next step sees the new ones. The hit counters it resets are kept in ``_resident_counted``."""
+        plan = getattr(self.model, "kt_gpu_memory", None)
+        if plan is None or not plan.resident_per_layer:
+            return
+        routed = next((m.kt_routed for m in self.model.modules() if getattr(m, "kt_routed", None) is not None), None)
+        if routed is None or tokens < routed.min_tokens:
+            return
+        import contextlib
+
+        from ktorch.gpu_memory import update_resident_experts
+
+        with self._resident_lock, (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
+            result = update_resident_experts(self.model)
+            self.resident_swaps += result["swapped"]
+            for i, n in enumerate(result["prefill_hits"]):
+                self._resident_counted[i] += n
+
+    def resident_stats(self) -> dict:
+        """The GPU memory plan's resident experts (ktorch/gpu_memory.py), the swaps that made them follow the prompts'
+        routing, and their hit rate since the start: routed slots of real tokens computed by residents / all routed
+        slots (the padding rows' -1 ids are not counted); empty without residents. One read of the counters (a
+        device sync)."""
+        plan = getattr(self.model, "kt_gpu_memory", None)
+        if plan is None or not plan.resident_per_layer:
+            return {}
+        from ktorch.gpu_memory import resident_hits
+
+        with self._resident_lock:
+            hits, rows = resident_hits(self.model)
+            hits, rows = hits + self._resident_counted[0], rows + self._resident_counted[1]
+        return {"resident_experts_per_layer": plan.resident_per_layer, "resident_swaps": self.resident_swaps,
+                "resident_hits": hits, "resident_rows": rows,
+                "resident_hit_rate": round(hits / rows, 6) if rows else 0.0}
 
     # ------------------------------------------------------------ requests
 
