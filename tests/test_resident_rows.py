@@ -651,3 +651,51 @@ def test_cuda_every_expert_resident_decodes_without_the_cpu_op(monkeypatch, expe
     plain = ktorch.generate(model, ids, max_new_tokens=8, cuda_graphs=False)
     assert not plain.timings.cuda_graphs and plain.ids[0] == captured.ids[0]  # the same prefill
     assert calls == []
+
+
+@needs_cuda_triton
+@pytest.mark.parametrize("split", ["pinned", "pageable"])
+def test_cuda_swaps_behind_decode_write_what_placement_writes(split):
+    """begin_resident_swaps on CUDA: the outgoing experts leave the slot map at once (stream order: their slots go to
+    the CPU op), the host's resident ids change only when the slot maps flip (poll / finish); the side stream's
+    copies (from the split's page-locked experts, or gathered into page-locked memory with the split off) write the
+    rows a fresh placement makes, bit for bit, and the logits are a fresh placement's. generate with swaps under way
+    behind its decode ends with them finished and the decode counted."""
+    from ktorch.gpu_memory import _resident_tensors, begin_resident_swaps, drop_resident_experts
+
+    torch.manual_seed(0)
+    model = ktorch.prepare(tiny_model("qwen3_moe", dtype=torch.float32), device="cuda", experts_dtype="int8",
+                           stream_experts=COSTS if split == "pinned" else "off", gpu_memory="4GiB")
+    for m in moe_experts_modules(model):
+        drop_resident_experts(m)
+        place_resident_experts(m, 3, torch.device("cuda"), initial=torch.tensor([0, 1, 2]))
+        assert isinstance(m.kt_gpu_packed, RowExperts)
+        assert (m.kt_routed.layer.pinned_experts == 8) == (split == "pinned")
+        m.kt_routed.frequency.zero_()
+        m.kt_routed.frequency[5:8] = torch.tensor([300.0, 200.0, 100.0], dtype=torch.float64)
+    swaps = begin_resident_swaps(model)
+    assert swaps.swapped == 6 and swaps.pending
+    for m in moe_experts_modules(model):
+        assert m.kt_gpu_slot_of.tolist() == [-1] * 8 and m.kt_gpu_expert_ids == [0, 1, 2]
+    swaps.finish()
+    assert not swaps.pending
+    torch.cuda.synchronize()
+    fresh = copy.deepcopy(model)
+    for m, f in zip(moe_experts_modules(model), moe_experts_modules(fresh)):
+        assert sorted(m.kt_gpu_expert_ids) == [5, 6, 7]
+        assert [m.kt_gpu_slot_of.tolist()[e] for e in m.kt_gpu_expert_ids] == [0, 1, 2]
+        placed = _resident_tensors(m, torch.tensor(m.kt_gpu_expert_ids), torch.device("cuda"), True)
+        assert all(torch.equal(a, b) for a, b in zip(m.kt_gpu_packed, placed))
+        order = torch.tensor(f.kt_gpu_expert_ids)
+        drop_resident_experts(f)
+        place_resident_experts(f, 3, torch.device("cuda"), initial=order)
+    ids = torch.randint(0, 256, (1, 5), device="cuda")
+    assert torch.equal(_logits(model, ids), _logits(fresh, ids))
+    for m in moe_experts_modules(model):  # 0, 1, 2 far the most routed-to again: swapped back behind decode
+        m.kt_routed.frequency[0:3] = 1e4
+    result = ktorch.generate(model, torch.randint(0, 256, (1, 40)), max_new_tokens=8, eos_token_id=[])
+    assert result.timings.resident_swaps == 6 and len(result.ids) == 8
+    assert all(sorted(m.kt_gpu_expert_ids) == [0, 1, 2] for m in moe_experts_modules(model))
+    assert not model.kt_resident_swaps.pending
+    hits, rows = resident_hits(model)
+    assert rows == 7 * model.config.num_experts_per_tok * 2 and 0 <= hits <= rows
