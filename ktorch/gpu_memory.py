@@ -210,7 +210,8 @@ def _resident_tensors(module: nn.Module, ids: torch.Tensor, device: torch.device
                     k += 1
                 out[j:k].copy_(b[id_list[j]:id_list[j] + k - j], non_blocking=True)
                 j = k
-        elif device.type == "cuda":  # gathered into page-locked memory, then non-blocking
+        elif device.type == "cuda" and len(id_list) <= SWAP_CHUNK:  # a swap's chunk: gathered into page-locked
+            # memory, then non-blocking (a placement's many experts go the blocking way: no pinned block that large)
             host = torch.empty((len(id_list),) + tuple(b.shape[1:]), dtype=b.dtype, pin_memory=True)
             out = torch.index_select(b, 0, ids, out=host).to(device, non_blocking=True)
         else:
