@@ -16,7 +16,9 @@ XDIST=""
 python3 -c "import xdist" 2>/dev/null && XDIST="-n 6"
 timeout -k 5 140 python3 -m pytest -q -p no:cacheprovider $XDIST tests/test_resident_rows.py tests/test_resident_swaps.py \
   "tests/test_routed_experts.py::test_cuda_captured_decode_after_a_swap_matches_eager" >"$OUT/tests.log" 2>&1
-echo "rc $? ($(($(date +%s) - START)) s)"
+RC=$?
+echo "rc $RC ($(($(date +%s) - START)) s)"
 grep -E "passed|failed|error" "$OUT/tests.log" | tail -2
+[ "$RC" = 124 ] && { echo "timed out; the log's last lines:"; tail -c 600 "$OUT/tests.log"; echo; }
 grep -E "^FAILED|^ERROR" "$OUT/tests.log" | head -20
 grep -E "^E  " "$OUT/tests.log" | head -12

@@ -183,6 +183,18 @@ def plan_gpu_memory(model: nn.Module, modules: list, budget: Optional[int], devi
 # ---------------------------------------------------------------- resident experts
 
 
+def _copy_runs(source: torch.Tensor, ids: list, out: torch.Tensor) -> torch.Tensor:
+    """``out[j] = source[ids[j]]``, one non-blocking copy per run of consecutive ids; returns ``out``."""
+    j = 0
+    while j < len(ids):
+        k = j + 1
+        while k < len(ids) and ids[k] == ids[k - 1] + 1:
+            k += 1
+        out[j:k].copy_(source[ids[j]:ids[j] + k - j], non_blocking=True)
+        j = k
+    return out
+
+
 def _resident_tensors(module: nn.Module, ids: torch.Tensor, device: torch.device, rows: bool) -> tuple:
     """The packed module's experts ``ids`` on ``device``: (w13, w13_scales, w2, w2_scales) rows of the packed layout
     (scales None for bf16), or with ``rows`` the same bytes as ``RowExperts`` (ktorch/ops/resident_rows.py). MXFP4
@@ -202,14 +214,8 @@ def _resident_tensors(module: nn.Module, ids: torch.Tensor, device: torch.device
         source = pinned.get(id(t))
         b = as_bytes(t if source is None else source)
         if source is not None:  # non-blocking DMA, one copy per run of consecutive ids
-            out = torch.empty((len(id_list),) + tuple(b.shape[1:]), dtype=b.dtype, device=device)
-            j = 0
-            while j < len(id_list):
-                k = j + 1
-                while k < len(id_list) and id_list[k] == id_list[k - 1] + 1:
-                    k += 1
-                out[j:k].copy_(b[id_list[j]:id_list[j] + k - j], non_blocking=True)
-                j = k
+            out = _copy_runs(b, id_list, torch.empty((len(id_list),) + tuple(b.shape[1:]), dtype=b.dtype,
+                                                     device=device))
         elif device.type == "cuda" and len(id_list) <= SWAP_CHUNK:  # a swap's chunk: gathered into page-locked
             # memory, then non-blocking (a placement's many experts go the blocking way: no pinned block that large)
             host = torch.empty((len(id_list),) + tuple(b.shape[1:]), dtype=b.dtype, pin_memory=True)

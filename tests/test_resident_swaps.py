@@ -181,3 +181,12 @@ def test_begin_on_the_cpu_finishes_at_once_and_generate_decodes_with_the_swapped
     ids = torch.randint(0, 256, (1, 5))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, fresh(ids).logits)
+
+
+def test_copy_runs_selects_the_experts_in_order():
+    """The swap's copies from page-locked experts (CUDA) go one per run of consecutive ids: any order and runs give
+    ``index_select``'s result."""
+    source = torch.randn(12, 3, 5)
+    for ids in ([0], [3, 4, 5], [7, 2, 3, 4, 11, 0, 1], list(range(12)), [5, 4, 3]):
+        out = gpu_memory._copy_runs(source, ids, torch.empty(len(ids), 3, 5))
+        assert torch.equal(out, source.index_select(0, torch.tensor(ids)))
