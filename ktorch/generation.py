@@ -63,8 +63,8 @@ class Timings:
     warmup_tokens: int = 0  # new tokens made during the capture (its eager step), not counted in the decode rate
     decode_s: float = 0.0
     cuda_graphs: bool = False
-    resident_swaps: int = 0  # resident experts swapped after the prefill (ktorch.gpu_memory), in resident_swap_s
-    resident_swap_s: float = 0.0
+    resident_swaps: int = 0  # resident experts swapped after the prefill (ktorch.gpu_memory.begin_resident_swaps)
+    resident_swap_s: float = 0.0  # the host's time starting them (on a GPU the copies run behind decode)
 
     @property
     def prefill_tok_s(self) -> float:
@@ -506,11 +506,12 @@ def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int = 64
         timings.new_tokens = len(result.ids)
         return result
 
-    if getattr(model, "kt_gpu_memory", None) is not None:  # residents follow the prefill's routing, outside decode
-        from ktorch.gpu_memory import update_resident_experts
+    swaps = None
+    if getattr(model, "kt_gpu_memory", None) is not None:  # residents follow the prefill's routing, behind decode
+        from ktorch.gpu_memory import begin_resident_swaps
 
-        swap = update_resident_experts(model)
-        timings.resident_swaps, timings.resident_swap_s = swap["swapped"], swap["seconds"]
+        swaps = begin_resident_swaps(model)  # copies on a side stream; poll() flips the slot maps between steps
+        timings.resident_swaps, timings.resident_swap_s = swaps.swapped, swaps.seconds
 
     stepped = 0  # decode steps already run (the capture's eager one)
     if decoder.cuda_graphs and decoder.graph is None:
@@ -546,6 +547,8 @@ def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int = 64
     for i in range(n_steps):
         if i >= stepped:
             decoder.step()
+        if swaps is not None and swaps.pending:
+            swaps.poll()
         host[i].copy_(decoder.token[0, 0], non_blocking=True)
         if device.type == "cuda":
             events[i] = torch.cuda.Event()
@@ -557,6 +560,8 @@ def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int = 64
             break
     while pending and not stopped:
         stopped = read(pending.popleft())
+    if swaps is not None:
+        swaps.finish()  # in stream order: the next prefill sees the new residents
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # steps launched after an end-of-sequence token
     timings.decode_s = time.perf_counter() - t2

@@ -6,8 +6,12 @@
        weights of up to one layer's experts;
     4. resident experts: the rest, the same count n in every MoE layer, held packed as the CPU op holds them (int8:
        half a bf16 copy), plus one scratch of n dequantized experts that a long call's residents are dequantized
-       into; each layer keeps its most routed-to experts (counted at prefill), swapped by
-       ``update_resident_experts`` outside decode when the gain passes a threshold. Decode computes their slots on
+       into; each layer keeps its most routed-to experts (counted at prefill). After each prefill
+       ``begin_resident_swaps`` swaps an expert in only where its count beats the resident it replaces by more
+       than the hysteresis (``SWAP_HYSTERESIS`` of that count), the noise (``SWAP_SIGMAS`` standard deviations)
+       and the copy's cost (``SWAP_HORIZON_TOKENS``), so repeated or one-off prompts do not churn the set; the
+       copies run on a side stream from the page-locked packed experts behind decode (the outgoing experts go to
+       the CPU op meanwhile), never in a decode step. Decode computes their slots on
        the device and the CPU op the others: quantized residents (int8 and int4 codes with per-group scales, and
        minimums for the affine Q4_K/Q5_K codes) on CUDA with Triton are held row-major and read once by fused Triton
        kernels (ktorch/ops/resident_rows.py, docs/resident_decode.md), bf16 ones packed (``packed_experts_forward``:
@@ -40,7 +44,13 @@ ACTIVATION_BYTES_PER_TOKEN_HIDDEN = 256  # prefill of PREFILL_TOKENS: hidden sta
 PREFILL_TOKENS = 2048
 FREE_MARGIN = 1 << 30  # left free by the default budget (CUDA context growth, allocator fragmentation)
 DECAY = 0.5  # routing frequencies are scaled by this after each update, so recent prompts weigh more
-MIN_GAIN = 0.02  # swap when the incoming experts' share of the counted rows beats the outgoing ones' by this
+# A resident swap (resident_swap_pairs) needs the incoming expert's routing count f_i to beat the outgoing one's f_o
+# by more than SWAP_HYSTERESIS * f_o + SWAP_SIGMAS * sqrt(f_i + f_o), and the copy to pay for itself within
+# SWAP_HORIZON_TOKENS decode tokens (measured costs); SWAP_CHUNK experts a layer are staged on the device at a time.
+SWAP_HYSTERESIS = 0.25
+SWAP_SIGMAS = 3.0
+SWAP_HORIZON_TOKENS = 256
+SWAP_CHUNK = 16
 
 _UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
           "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
@@ -192,6 +202,18 @@ def plan_gpu_memory(model: nn.Module, modules: list, budget: Optional[int], devi
 # ---------------------------------------------------------------- resident experts
 
 
+def _copy_runs(source: torch.Tensor, ids: list, out: torch.Tensor) -> torch.Tensor:
+    """``out[j] = source[ids[j]]``, one non-blocking copy per run of consecutive ids; returns ``out``."""
+    j = 0
+    while j < len(ids):
+        k = j + 1
+        while k < len(ids) and ids[k] == ids[k - 1] + 1:
+            k += 1
+        out[j:k].copy_(source[ids[j]:ids[j] + k - j], non_blocking=True)
+        j = k
+    return out
+
+
 def _resident_tensors(module: nn.Module, ids: torch.Tensor, device: torch.device, rows: bool) -> tuple:
     """The packed module's experts ``ids`` on ``device``: (w13, w13_scales, w2, w2_scales) rows of the packed layout
     (scales None for bf16), or with ``rows`` the same bytes as ``RowExperts`` (ktorch/ops/resident_rows.py). MXFP4
@@ -201,11 +223,25 @@ def _resident_tensors(module: nn.Module, ids: torch.Tensor, device: torch.device
     from ktorch.ops.packed_weights import MXFP4_DTYPE, as_bytes, kscales_as_float, mxfp4_as_int8, packed_in_features
 
     ids = ids.to("cpu", torch.int64)
+    id_list = ids.tolist()
+    layer = getattr(getattr(module, "kt_routed", None), "layer", None)
+    pinned = {}  # the split's page-locked copies of the packed tensors (all experts), by tensor
+    if device.type == "cuda" and layer is not None and layer.pinned_experts == module.kt_w13.shape[0]:
+        pinned = {id(t): src for t, src in zip(layer.tensors, layer.sources) if t is not None}
 
-    def selected(t: torch.Tensor) -> torch.Tensor:
-        if t.dtype == MXFP4_DTYPE:  # selected and copied as bytes (packed_weights.as_bytes)
-            return mxfp4_as_int8(as_bytes(t).index_select(0, ids).to(device).view(MXFP4_DTYPE))
-        return t.index_select(0, ids).to(device)
+    def selected(t: torch.Tensor) -> torch.Tensor:  # MXFP4 selected and copied as bytes (packed_weights.as_bytes)
+        source = pinned.get(id(t))
+        b = as_bytes(t if source is None else source)
+        if source is not None:  # non-blocking DMA, one copy per run of consecutive ids
+            out = _copy_runs(b, id_list, torch.empty((len(id_list),) + tuple(b.shape[1:]), dtype=b.dtype,
+                                                     device=device))
+        elif device.type == "cuda" and len(id_list) <= SWAP_CHUNK:  # a swap's chunk: gathered into page-locked
+            # memory, then non-blocking (a placement's many experts go the blocking way: no pinned block that large)
+            host = torch.empty((len(id_list),) + tuple(b.shape[1:]), dtype=b.dtype, pin_memory=True)
+            out = torch.index_select(b, 0, ids, out=host).to(device, non_blocking=True)
+        else:
+            out = b.index_select(0, ids).to(device)
+        return mxfp4_as_int8(out.view(MXFP4_DTYPE)) if t.dtype == MXFP4_DTYPE else out
 
     w13, w2 = module.kt_w13, module.kt_w2
     s13, s2 = (None if s is None else kscales_as_float(selected(s), packed_in_features(w))
@@ -257,72 +293,220 @@ def drop_resident_experts(module: nn.Module) -> None:
         module.__dict__.pop(name, None)
 
 
-def swap_resident_experts(module: nn.Module, incoming: list, outgoing: list) -> None:
-    """Replaces the resident experts ``outgoing`` by ``incoming`` (same count) in place: their rows (in the residents'
-    layout, packed or ``RowExperts``) are written into the outgoing ones' slots and the slot map updated on the
-    device, in stream order, so buffers a captured graph reads keep their addresses."""
-    from ktorch.ops.resident_rows import RowExperts
+def resident_swap_pairs(frequency: torch.Tensor, resident: list, min_rows: float = 0.0) -> list:
+    """The (incoming, outgoing) expert pairs worth a swap, by routing counts ``frequency`` [E] (rows per expert) and
+    the ``resident`` ids: the non-residents among the top len(resident), most routed first, against the least routed
+    residents outside it. A pair swaps only when the incoming count f_i beats the outgoing one f_o by more than
+    ``SWAP_HYSTERESIS`` of f_o (a resident set within that of the best one stays, however often the same routing
+    repeats), by more than ``SWAP_SIGMAS`` standard deviations of the difference of two counts (sqrt(f_i + f_o):
+    one prompt's noise does not churn the set) and by at least ``min_rows`` (the rows that pay for the copy:
+    ``_copy_rows``)."""
+    frequency = frequency.to("cpu", torch.float64)
+    n = len(resident)
+    held = set(resident)
+    want = torch.argsort(-frequency, stable=True)[:n].tolist()
+    incoming = [e for e in want if e not in held]  # most routed first
+    outgoing = sorted(held - set(want), key=lambda e: (float(frequency[e]), e))  # least routed first
+    pairs = []
+    for i, o in zip(incoming, outgoing):
+        fi, fo = float(frequency[i]), float(frequency[o])
+        if fi - fo > SWAP_HYSTERESIS * fo + SWAP_SIGMAS * (fi + fo) ** 0.5 and fi - fo >= min_rows:
+            pairs.append((i, o))
+    return pairs
 
+
+def _copy_rows(model: nn.Module, module: nn.Module) -> float:
+    """Routing rows (in the units of ``kt_routed.frequency``) an incoming expert must gain over the outgoing one for
+    the copy to pay for itself: the copy takes bytes / h2d seconds; each decode token routed to the expert off the
+    device costs the CPU op about cpu_expert_s + cpu_row_s; over ``SWAP_HORIZON_TOKENS`` decode tokens, a gain of g
+    rows among the R counted (R / top_k tokens) saves g top_k / R x horizon such misses. 0 without measured costs
+    (``model.kt_split_costs`` None: the split off)."""
+    costs = getattr(model, "kt_split_costs", None)
+    miss_s = 0.0 if costs is None else costs.cpu_expert_s + costs.cpu_row_s
+    if costs is None or miss_s <= 0 or costs.h2d_bytes_per_s <= 0:
+        return 0.0
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    top_k = getattr(config, "num_experts_per_tok", None) or 8
+    counted = float(module.kt_routed.frequency.sum())
+    copy_s = resident_bytes_per_expert(module) / costs.h2d_bytes_per_s
+    return copy_s * counted / (top_k * SWAP_HORIZON_TOKENS * miss_s)
+
+
+def _small_index(values: list, device: torch.device) -> torch.Tensor:
+    """An int64 index on ``device`` without a host sync (page-locked, non-blocking on CUDA)."""
+    t = torch.tensor(values, dtype=torch.int64)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def _check_swap(module: nn.Module, incoming: list, outgoing: list) -> list:
+    """The slots of ``outgoing``; ValueError unless ``incoming`` are distinct non-residents of the same count."""
     if len(incoming) != len(outgoing):
         raise ValueError(f"swap_resident_experts: {len(incoming)} incoming and {len(outgoing)} outgoing experts")
-    if not incoming:
-        return
-    ids = list(module.kt_gpu_expert_ids)
-    position = {e: j for j, e in enumerate(ids)}
+    position = {e: j for j, e in enumerate(module.kt_gpu_expert_ids)}
     for e in incoming:
         if e in position:
             raise ValueError(f"swap_resident_experts: expert {e} is already resident")
+    if len(set(incoming)) != len(incoming) or len(set(outgoing)) != len(outgoing):
+        raise ValueError(f"swap_resident_experts: repeated experts in {incoming} / {outgoing}")
     for e in outgoing:
         if e not in position:
             raise ValueError(f"swap_resident_experts: expert {e} is not resident")
-    slots = [position[e] for e in outgoing]
+    return [position[e] for e in outgoing]
+
+
+def _write_residents(module: nn.Module, incoming: list, slots: list) -> None:
+    """Writes experts ``incoming`` into the residents' ``slots`` (their layout, packed or ``RowExperts``), at most
+    ``SWAP_CHUNK`` experts staged on the device at a time, on the current stream; reads the page-locked copies of
+    the packed experts where the split holds them (non-blocking DMA)."""
+    from ktorch.ops.resident_rows import RowExperts
+
     device = module.kt_gpu_slot_of.device
-    rows = _resident_tensors(module, torch.tensor(incoming), device,  # all incoming at once, then into their slots
-                             isinstance(module.kt_gpu_packed, RowExperts))
-    where = torch.tensor(slots, dtype=torch.int64, device=device)
-    for dst, src in zip(module.kt_gpu_packed, rows):
-        if dst is not None:
-            dst.index_copy_(0, where, src)
+    rows = isinstance(module.kt_gpu_packed, RowExperts)
+    order = sorted(range(len(incoming)), key=lambda j: incoming[j])  # ascending ids: contiguous runs copy at once
+    for start in range(0, len(order), SWAP_CHUNK):
+        chunk = order[start:start + SWAP_CHUNK]
+        fresh = _resident_tensors(module, torch.tensor([incoming[j] for j in chunk]), device, rows)
+        where = _small_index([slots[j] for j in chunk], device)
+        for dst, src in zip(module.kt_gpu_packed, fresh):
+            if dst is not None:
+                dst.index_copy_(0, where, src)
+
+
+def swap_resident_experts(module: nn.Module, incoming: list, outgoing: list) -> None:
+    """Replaces the resident experts ``outgoing`` by ``incoming`` (same count) in place, now: their rows (in the
+    residents' layout, packed or ``RowExperts``) are written into the outgoing ones' slots and the slot map updated
+    on the device, in stream order, so buffers a captured graph reads keep their addresses. (``generate`` swaps
+    behind decode instead: ``begin_resident_swaps``.)"""
+    slots = _check_swap(module, list(incoming), list(outgoing))
+    if not slots:
+        return
+    _write_residents(module, list(incoming), slots)
+    _flip_slots(module, list(incoming), list(outgoing), slots)()
+
+
+def _flip_slots(module: nn.Module, incoming: list, outgoing: list, slots: list):
+    """A function that points the slot map at the incoming experts (and the host's resident ids), stream-ordered
+    and without a host sync: its index tensors are made now."""
+    device = module.kt_gpu_slot_of.device
+    index = _small_index(list(outgoing) + list(incoming), device)  # outgoing -1 (already, behind decode), incoming
+    values = _small_index([-1] * len(outgoing) + list(slots), device)
+    ids = list(module.kt_gpu_expert_ids)
     for e, j in zip(incoming, slots):
         ids[j] = e
-    slot_of = module.kt_gpu_slot_of
-    index = torch.tensor(list(outgoing) + list(incoming), dtype=torch.int64)
-    values = torch.tensor([-1] * len(outgoing) + slots, dtype=slot_of.dtype)
-    slot_of.index_copy_(0, index.to(slot_of.device), values.to(slot_of.device))
-    module.kt_gpu_expert_ids = ids
+
+    def flip() -> None:
+        module.kt_gpu_slot_of.index_copy_(0, index, values.to(module.kt_gpu_slot_of.dtype))
+        module.kt_gpu_expert_ids = ids
+
+    return flip
 
 
-def update_resident_experts(model: nn.Module, min_gain: float = MIN_GAIN) -> dict:
-    """Per MoE layer with resident experts and routing counts (``kt_routed.frequency``, from prefill splits): swaps
-    in the most routed-to experts where the incoming ones' rows beat the outgoing ones' by ``min_gain`` of the
-    layer's counted rows, then decays the counts (``DECAY``). Never during a decode step (ktorch.generate calls it
-    after prefill, before decoding). Returns {"swapped": experts swapped, "seconds": time taken, "prefill_hits":
-    (rows on residents, routed rows) counted since the last reset}, and resets those counters, so that
-    ``resident_hits`` then counts the decode steps."""
+_SWAP_STREAMS: dict = {}  # device -> the side stream resident copies run on
+
+
+class ResidentSwaps:
+    """Resident swaps started by ``begin_resident_swaps``: ``swapped`` experts, ``seconds`` the host spent starting
+    them, ``prefill_hits`` (rows on residents, routed rows) of the prefill. On CUDA the copies run on a side stream
+    behind decode; ``poll()`` between decode steps points the slot maps at the new experts once they have landed
+    (stream-ordered, no host sync), ``finish()`` does it in stream order whatever the copies' progress (the stream
+    waits for them; the host does not)."""
+
+    def __init__(self, prefill_hits: tuple):
+        self.swapped, self.seconds, self.prefill_hits = 0, 0.0, prefill_hits
+        self._flips: list = []
+        self._event = None
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._flips)
+
+    def poll(self) -> bool:
+        """True once nothing is pending (the slot maps flipped now if the copies are done)."""
+        if self._flips and (self._event is None or self._event.query()):
+            self._flip()
+        return not self._flips
+
+    def finish(self) -> None:
+        if self._flips:
+            if self._event is not None:
+                torch.cuda.current_stream(self._event_device).wait_event(self._event)
+            self._flip()
+
+    def _flip(self) -> None:
+        for flip in self._flips:
+            flip()
+        self._flips, self._event = [], None
+
+
+def begin_resident_swaps(model: nn.Module) -> ResidentSwaps:
+    """Per MoE layer with resident experts and routing counts (``kt_routed.frequency``, from prefill splits): the
+    pairs ``resident_swap_pairs`` finds worth a copy (hysteresis, noise and copy cost), then the counts decay
+    (``DECAY``). The prefill's hit counters are read and reset first, so ``resident_hits`` then counts decode.
+
+    The swaps, off the decode critical path: the outgoing experts leave the slot maps at once, in stream order (their
+    slots go to the CPU op, which holds every expert), the incoming ones are copied on a side stream from the
+    page-locked packed experts (non-blocking; ``SWAP_CHUNK`` experts staged at a time) into the outgoing ones' slots,
+    which no step reads any more, and the slot maps point at them when ``poll()`` finds the copies done between two
+    decode steps (or at ``finish()``). Buffers keep their addresses, so a captured decode step stays valid. On the
+    CPU (a stand-in device) everything is done before it returns."""
     from ktorch.integrations.transformers_experts import experts_modules
 
     start = time.perf_counter()
-    swapped = 0
+    previous = getattr(model, "kt_resident_swaps", None)
+    if previous is not None:  # a call that did not finish them (an error mid-decode)
+        previous.finish()
+    swaps = ResidentSwaps(resident_hits(model))  # the prefill's; from here on the counters count decode
+    model.kt_resident_swaps = swaps
+    reset_resident_hits(model)
+    plans = []
     for _, m in experts_modules(model):
         routed = getattr(m, "kt_routed", None)
         ids = getattr(m, "kt_gpu_expert_ids", None)
         if routed is None or not ids:
             continue
-        frequency = routed.frequency
-        total = float(frequency.sum())
-        if total > 0:
-            want = set(torch.argsort(-frequency, stable=True)[:len(ids)].tolist())
-            incoming = sorted(want - set(ids), key=lambda e: -float(frequency[e]))
-            outgoing = sorted(set(ids) - want, key=lambda e: float(frequency[e]))
-            pairs = [(i, o) for i, o in zip(incoming, outgoing) if frequency[i] > frequency[o]]
-            gain = sum(float(frequency[i] - frequency[o]) for i, o in pairs) / total
-            if pairs and gain >= min_gain:
-                swap_resident_experts(m, [i for i, _ in pairs], [o for _, o in pairs])
-                swapped += len(pairs)
+        if float(routed.frequency.sum()) > 0:
+            pairs = resident_swap_pairs(routed.frequency, ids, _copy_rows(model, m))
+            if pairs:
+                incoming, outgoing = [i for i, _ in pairs], [o for _, o in pairs]
+                plans.append((m, incoming, outgoing, _check_swap(m, incoming, outgoing)))
         routed.frequency *= DECAY
-    hits, rows = resident_hits(model)  # the prefill's; from here on the counters count decode
-    reset_resident_hits(model)
-    return {"swapped": swapped, "seconds": time.perf_counter() - start, "prefill_hits": (hits, rows)}
+    if not plans:
+        swaps.seconds = time.perf_counter() - start
+        return swaps
+    device = plans[0][0].kt_gpu_slot_of.device
+    if device.type != "cuda":
+        for m, incoming, outgoing, slots in plans:
+            swap_resident_experts(m, incoming, outgoing)
+            swaps.swapped += len(incoming)
+        swaps.seconds = time.perf_counter() - start
+        return swaps
+    compute = torch.cuda.current_stream(device)
+    for m, incoming, outgoing, slots in plans:  # the outgoing experts go to the CPU op from the next step on
+        m.kt_gpu_slot_of.index_fill_(0, _small_index(outgoing, device), -1)
+        swaps._flips.append(_flip_slots(m, incoming, outgoing, slots))
+        swaps.swapped += len(incoming)
+    side = _SWAP_STREAMS.get(device)
+    if side is None:
+        side = _SWAP_STREAMS[device] = torch.cuda.Stream(device)
+    side.wait_stream(compute)  # steps before the unmapping are done before a slot is overwritten
+    with torch.cuda.stream(side):
+        for m, incoming, outgoing, slots in plans:
+            _write_residents(m, incoming, slots)
+        swaps._event = torch.cuda.Event()
+        swaps._event.record(side)
+    swaps._event_device = device
+    swaps.seconds = time.perf_counter() - start
+    return swaps
+
+
+def update_resident_experts(model: nn.Module) -> dict:
+    """``begin_resident_swaps`` finished at once (in stream order): returns {"swapped": experts swapped,
+    "seconds": the host's time, "prefill_hits": (rows on residents, routed rows) counted since the last reset}."""
+    swaps = begin_resident_swaps(model)
+    swaps.finish()
+    return {"swapped": swaps.swapped, "seconds": swaps.seconds, "prefill_hits": swaps.prefill_hits}
 
 
 def resident_hits(model: nn.Module) -> tuple[int, int]:

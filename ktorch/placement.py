@@ -280,6 +280,10 @@ def _clear_gpu_placement(model: nn.Module, modules) -> None:
     residents) is dropped."""
     from ktorch.gpu_memory import drop_resident_experts
 
+    swaps = getattr(model, "kt_resident_swaps", None)
+    if swaps is not None:  # copies still under way write the buffers about to be freed: ordered before it
+        swaps.finish()
+        model.kt_resident_swaps = None
     placed = False
     for _, m in modules:
         routed = getattr(m, "kt_routed", None)

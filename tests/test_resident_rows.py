@@ -11,6 +11,7 @@ model decoding through them need CUDA and Triton and are skipped without them.
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 
 import pytest
@@ -238,17 +239,17 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _model_with_residents(residents: int, experts_dtype="int8", seed=0, deferred=0):
-    """A tiny Qwen3-MoE (8 experts a layer, 2 layers) prepared on the CPU with the prefill split (from 8 tokens) and
-    ``residents`` resident experts a layer (the CPU stands in for the device)."""
+def _model_with_residents(residents: int, experts_dtype="int8", seed=0, deferred=0, device="cpu"):
+    """A tiny Qwen3-MoE (8 experts a layer, 2 layers) prepared on ``device`` with the prefill split (from 8 tokens)
+    and ``residents`` resident experts a layer (on the CPU, the CPU stands in for the device)."""
     torch.manual_seed(seed)
     base = tiny_model("qwen3_moe", dtype=torch.float32)
-    model = ktorch.prepare(copy.deepcopy(base), device="cpu", experts_dtype=experts_dtype)
+    model = ktorch.prepare(copy.deepcopy(base), device=device, experts_dtype=experts_dtype)
     ktorch.set_stream_experts(model, COSTS)
     for m in moe_experts_modules(model):
         m.kt_routed.min_tokens = 8
         if residents:
-            place_resident_experts(m, residents, torch.device("cpu"))
+            place_resident_experts(m, residents, torch.device(device))
     if deferred:
         ktorch.set_deferred_experts(model, deferred)
     return base, model
@@ -410,33 +411,75 @@ def test_generate_with_every_expert_resident_counts_hits_without_the_cpu_op():
     assert line and f"{hits}/{rows} = 100.0%" in line[0]
 
 
+def _count_cpu_op_calls(monkeypatch) -> list:
+    """A list that gets an item per call of the CPU op's wrapper (``_run_experts``): counts in eager, compiled and
+    captured steps alike, where a dispatch mode (CountOps) would change what Dynamo compiles."""
+    calls = []
+    run = transformers_experts._run_experts
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(transformers_experts, "_run_experts", counting)
+    return calls
+
+
 @needs_kernels
 @pytest.mark.parametrize("experts_dtype", ["int8", "int4"])
 def test_kernels_decode_a_model_like_the_packed_path(monkeypatch, experts_dtype):
-    """The whole resident decode path through the Triton kernels (on CUDA, or on the CPU under Triton's interpreter,
-    the row layout forced): a tiny model with every expert resident gives the packed layout's logits within float32
-    rounding at decode-sized calls, and ktorch.generate decodes the same greedy tokens, with no CPU op call."""
+    """The whole resident decode path through the Triton kernels, the model where the kernels run (on CUDA, as
+    placement makes rows there; or on the CPU under Triton's interpreter, the row layout forced): a tiny model with
+    every expert resident gives the packed layout's logits within float32 rounding at decode-sized calls, and
+    ktorch.generate decodes the same greedy tokens, with no CPU op call."""
     torch.manual_seed(0)
-    monkeypatch.setattr(resident_rows, "row_layout_applies", lambda *args: True)
-    monkeypatch.setattr(resident_rows, "_kernels_apply", lambda hidden: hidden.shape[0] <= GATHER_MAX_TOKENS)
-    _, model = _model_with_residents(8, experts_dtype)
+    if KERNEL_DEVICE == "cpu":
+        monkeypatch.setattr(resident_rows, "row_layout_applies", lambda *args: True)
+        monkeypatch.setattr(resident_rows, "_kernels_apply", lambda hidden: hidden.shape[0] <= GATHER_MAX_TOKENS)
+    _, model = _model_with_residents(8, experts_dtype, device=KERNEL_DEVICE)
     monkeypatch.setattr(resident_rows, "row_layout_applies", lambda *args: False)
-    _, packed_model = _model_with_residents(8, experts_dtype)
-    assert all(isinstance(m.kt_gpu_packed, RowExperts) for m in moe_experts_modules(model))
+    _, packed_model = _model_with_residents(8, experts_dtype, device=KERNEL_DEVICE)
+    assert all(isinstance(m.kt_gpu_packed, RowExperts) and m.kt_gpu_packed.w13.device.type == KERNEL_DEVICE
+               for m in moe_experts_modules(model))
     assert all(not isinstance(m.kt_gpu_packed, RowExperts) for m in moe_experts_modules(packed_model))
     calls = []
     forward = triton_experts.triton_rows_forward
     monkeypatch.setattr(triton_experts, "triton_rows_forward", lambda *args: calls.append(1) or forward(*args))
-    ids = torch.randint(0, 256, (1, 5))
-    logits, cpu_calls = _cpu_op_calls(model, ids)
-    assert len(calls) == 2 and cpu_calls == 0  # both layers through the kernels
+    cpu_calls = _count_cpu_op_calls(monkeypatch)
+    ids = torch.randint(0, 256, (1, 5), device=KERNEL_DEVICE)
+    logits, fused_calls = _cpu_op_calls(model, ids)
+    assert len(calls) == 2 and fused_calls == 0 and cpu_calls == []  # both layers through the kernels
     want = _logits(packed_model, ids)
     assert relative_error(logits, want) < 1e-5
-    prompt = torch.randint(0, 256, (1, 6))
-    with CountOps() as ops:
-        got = ktorch.generate(model, prompt, max_new_tokens=4)
-    assert ops.counts["kt.fused_moe"] == 0 and len(calls) > 2
+    prompt = torch.randint(0, 256, (1, 6), device=KERNEL_DEVICE)
+    got = ktorch.generate(model, prompt, max_new_tokens=4)
+    assert cpu_calls == [] and len(calls) > 2
     assert got.ids == ktorch.generate(packed_model, prompt, max_new_tokens=4).ids
+
+
+def test_residents_on_another_device_than_the_input_are_refused_clearly():
+    """A model run on one device with residents placed on another (here the meta device stands in: placed there,
+    run on the CPU) gets a ValueError naming both devices from the experts' forward, before any kernel."""
+    _, model = _model_with_residents(0)
+    for m in moe_experts_modules(model):
+        place_resident_experts(m, 8, torch.device("meta"))
+    with pytest.raises(ValueError, match="device experts are on meta .* and its input on cpu"):
+        _logits(model, torch.randint(0, 256, (1, 3)))
+    rows = RowExperts(*(t.to("meta") for t in rows_from_packed(*_experts("int8", 32)[0])))
+    with pytest.raises(ValueError, match="the residents are on meta and hidden on cpu"):
+        rows_experts_forward(torch.randn(1, 128), torch.zeros(1, 2, dtype=torch.int64), torch.rand(1, 2), rows)
+
+
+@needs_cuda_triton
+def test_cuda_residents_with_the_model_on_the_cpu_are_refused_clearly():
+    """Residents forced onto CUDA (Triton rows) while the model runs on the CPU: the clear error, not the Triton
+    wrapper's (nor a device mismatch deep in a kernel)."""
+    _, model = _model_with_residents(0)
+    for m in moe_experts_modules(model):
+        place_resident_experts(m, 8, torch.device("cuda"))
+        assert isinstance(m.kt_gpu_packed, RowExperts)
+    with pytest.raises(ValueError, match="device experts are on cuda:0 .* and its input on cpu"):
+        _logits(model, torch.randint(0, 256, (1, 3)))
 
 
 # ---------------------------------------------------------------- CUDA: the Triton kernels
@@ -524,21 +567,55 @@ def test_cuda_triton_kernels_replay_in_a_cuda_graph(fmt):
     assert torch.equal(out, rows_experts_forward(hidden, slots, weights, rows))
 
 
+def _teacher_forced_steps(monkeypatch, model, prompt, tokens, compiled: bool) -> tuple:
+    """Decode steps run eagerly from a fresh static cache (the kept decoder's length), fed ``tokens[:-1]`` after the
+    prompt (teacher-forced): with the decoder layers compiled as the captured step compiles them
+    (``generation.compiled_layers``: the same kernels a replay runs) or plain eager. Returns (the prefill's token,
+    float32 logits [steps, V], per step the (router input [T, H] float32, sorted experts [T, K]) of each MoE layer,
+    recorded where the experts forward splits its slots: eager in compiled steps too)."""
+    from ktorch.generation import Decoder, Sampling, compiled_layers
+
+    routing = []
+    split = transformers_experts._split_gpu_experts
+
+    def recording(module, hidden, ids, weights):
+        routing[-1].append((hidden.detach().float().cpu(), ids.detach().cpu().sort(-1).values))
+        return split(module, hidden, ids, weights)
+
+    monkeypatch.setattr(transformers_experts, "_split_gpu_experts", recording)
+    decoder = Decoder(model, model.kt_decoder.max_len, prompt.device, Sampling(), cuda_graphs=False)
+    logits = []
+    try:
+        with torch.inference_mode():  # as generate runs (the compiled layers' guards)
+            routing.append([])
+            first = int(decoder.prefill(prompt))
+            with compiled_layers(model, decoder.cache) if compiled else contextlib.nullcontext():
+                for token in tokens[:-1]:
+                    routing.append([])
+                    decoder.token.fill_(token)
+                    logits.append(decoder._forward(decoder.token, decoder.position).float())
+                    decoder.position.add_(1)
+    finally:
+        monkeypatch.setattr(transformers_experts, "_split_gpu_experts", split)
+    return first, torch.cat(logits), routing[1:]
+
+
 @needs_cuda_triton
 @pytest.mark.parametrize("experts_dtype", ["int8", "int4", "bf16"])
 def test_cuda_every_expert_resident_decodes_without_the_cpu_op(monkeypatch, experts_dtype):
     """A tiny model with every expert resident on CUDA: int8 and int4 residents are RowExperts (Triton decode), bf16
-    ones stay packed; no CPU op call (prefill, eager or captured decode); HF eager's logits (int8, bf16; int4: those of its
-    experts on the CPU op); the captured decode steps give the eager steps' greedy tokens, with every routed slot
-    a resident hit."""
-    calls = []
-    run = transformers_experts._run_experts
+    ones stay packed; no CPU op call (prefill, eager or captured decode); HF eager's logits (int8, bf16; int4: those
+    of its experts on the CPU op); every routed slot of the captured decode a resident hit.
 
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return run(*args, **kwargs)
+    The captured steps (CUDA-graph replays) give exactly the tokens of the same compiled step run eagerly on the
+    same tokens (teacher-forced: the same kernels in the same order, so a replay reading a stale buffer differs);
+    plain eager decode (``cuda_graphs=False``) runs the decoder layers uncompiled (Inductor fuses the bf16 norms,
+    rotary and router math in float32, eager rounds each op to bf16), so its logits on the same tokens agree
+    within bf16 tolerance up to the first routing flip, which must be a near-tie, and its greedy tokens may differ
+    at a near-tie of the tiny random model."""
+    from models import LOGIT_ATOL, ROUTER_RTOL
 
-    monkeypatch.setattr(transformers_experts, "_run_experts", counting)
+    calls = _count_cpu_op_calls(monkeypatch)
     torch.manual_seed(0)
     base = tiny_model("qwen3_moe", dtype=torch.bfloat16)
     ids = torch.randint(0, 256, (1, 6))
@@ -559,5 +636,67 @@ def test_cuda_every_expert_resident_decodes_without_the_cpu_op(monkeypatch, expe
     assert captured.timings.cuda_graphs
     hits, rows = resident_hits(model)
     assert hits == rows > 0
-    assert ktorch.generate(model, ids, max_new_tokens=8, cuda_graphs=False).ids == captured.ids
+    prompt = ids.cuda()
+    first, compiled, routing_c = _teacher_forced_steps(monkeypatch, model, prompt, captured.ids, compiled=True)
+    assert [first] + compiled.argmax(-1).tolist() == captured.ids  # the replays: exactly the compiled step's tokens
+    _, eager, routing_e = _teacher_forced_steps(monkeypatch, model, prompt, captured.ids, compiled=False)
+    assert len(routing_e) == len(routing_c) == len(captured.ids) - 1
+    for step, (layers_e, layers_c) in enumerate(zip(routing_e, routing_c)):
+        flips = [(x_e, x_c) for (x_e, ids_e), (x_c, ids_c) in zip(layers_e, layers_c) if not torch.equal(ids_e, ids_c)]
+        if flips:  # a near-tie: the two routers' inputs within rounding; nothing after it is compared
+            x_e, x_c = flips[0]
+            assert ((x_e - x_c).norm() / x_c.norm()).item() <= ROUTER_RTOL[torch.bfloat16], f"step {step}"
+            break
+        diff = (eager[step] - compiled[step]).abs().max().item()
+        assert diff <= LOGIT_ATOL[torch.bfloat16], f"step {step}: eager and compiled logits differ by {diff:.3g}"
+    plain = ktorch.generate(model, ids, max_new_tokens=8, cuda_graphs=False)
+    assert not plain.timings.cuda_graphs and plain.ids[0] == captured.ids[0]  # the same prefill
     assert calls == []
+
+
+@needs_cuda_triton
+@pytest.mark.parametrize("split", ["pinned", "pageable"])
+def test_cuda_swaps_behind_decode_write_what_placement_writes(split):
+    """begin_resident_swaps on CUDA: the outgoing experts leave the slot map at once (stream order: their slots go to
+    the CPU op), the host's resident ids change only when the slot maps flip (poll / finish); the side stream's
+    copies (from the split's page-locked experts, or gathered into page-locked memory with the split off) write the
+    rows a fresh placement makes, bit for bit, and the logits are a fresh placement's. generate with swaps under way
+    behind its decode ends with them finished and the decode counted."""
+    from ktorch.gpu_memory import _resident_tensors, begin_resident_swaps, drop_resident_experts
+
+    torch.manual_seed(0)
+    model = ktorch.prepare(tiny_model("qwen3_moe", dtype=torch.float32), device="cuda", experts_dtype="int8",
+                           stream_experts=COSTS if split == "pinned" else "off", gpu_memory="4GiB")
+    for m in moe_experts_modules(model):
+        drop_resident_experts(m)
+        place_resident_experts(m, 3, torch.device("cuda"), initial=torch.tensor([0, 1, 2]))
+        assert isinstance(m.kt_gpu_packed, RowExperts)
+        assert (m.kt_routed.layer.pinned_experts == 8) == (split == "pinned")
+        m.kt_routed.frequency.zero_()
+        m.kt_routed.frequency[5:8] = torch.tensor([300.0, 200.0, 100.0], dtype=torch.float64)
+    swaps = begin_resident_swaps(model)
+    assert swaps.swapped == 6 and swaps.pending
+    for m in moe_experts_modules(model):
+        assert m.kt_gpu_slot_of.tolist() == [-1] * 8 and m.kt_gpu_expert_ids == [0, 1, 2]
+    swaps.finish()
+    assert not swaps.pending
+    torch.cuda.synchronize()
+    fresh = copy.deepcopy(model)
+    for m, f in zip(moe_experts_modules(model), moe_experts_modules(fresh)):
+        assert sorted(m.kt_gpu_expert_ids) == [5, 6, 7]
+        assert [m.kt_gpu_slot_of.tolist()[e] for e in m.kt_gpu_expert_ids] == [0, 1, 2]
+        placed = _resident_tensors(m, torch.tensor(m.kt_gpu_expert_ids), torch.device("cuda"), True)
+        assert all(torch.equal(a, b) for a, b in zip(m.kt_gpu_packed, placed))
+        order = torch.tensor(f.kt_gpu_expert_ids)
+        drop_resident_experts(f)
+        place_resident_experts(f, 3, torch.device("cuda"), initial=order)
+    ids = torch.randint(0, 256, (1, 5), device="cuda")
+    assert torch.equal(_logits(model, ids), _logits(fresh, ids))
+    for m in moe_experts_modules(model):  # 0, 1, 2 far the most routed-to again: swapped back behind decode
+        m.kt_routed.frequency[0:3] = 1e4
+    result = ktorch.generate(model, torch.randint(0, 256, (1, 40)), max_new_tokens=8, eos_token_id=[])
+    assert result.timings.resident_swaps == 6 and len(result.ids) == 8
+    assert all(sorted(m.kt_gpu_expert_ids) == [0, 1, 2] for m in moe_experts_modules(model))
+    assert not model.kt_resident_swaps.pending
+    hits, rows = resident_hits(model)
+    assert rows == 7 * model.config.num_experts_per_tok * 2 and 0 <= hits <= rows

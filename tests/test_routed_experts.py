@@ -354,14 +354,18 @@ def test_resident_hits_count_rows_on_residents():
 
 
 def test_generate_updates_residents_after_prefill():
-    """ktorch.generate swaps residents after the prefill (outside decode) and decodes with them."""
+    """ktorch.generate swaps residents after the prefill (outside decode) and decodes with them: an expert far more
+    routed-to than the resident one (counts as if from earlier prompts, plus the prefill's) replaces it."""
     _, model = _split_model(COSTS)
     _split_with_residents(model, _floor(model), 1)
+    assert all(m.kt_gpu_expert_ids == [0] for m in moe_experts_modules(model))
+    for m in moe_experts_modules(model):
+        m.kt_routed.frequency[5] = 1000.0
     prompt = torch.randint(0, 256, (1, 40))
     ktorch.generate(model, prompt, max_new_tokens=4)
     for m in moe_experts_modules(model):
-        hottest = int(torch.argmax(m.kt_routed.frequency))
-        assert m.kt_gpu_expert_ids == [hottest]  # the prefill's most routed-to expert (counts decayed, same order)
+        assert int(torch.argmax(m.kt_routed.frequency)) == 5  # counts decayed, same order
+        assert m.kt_gpu_expert_ids == [5] and m.kt_gpu_slot_of.tolist() == [-1] * 5 + [0] + [-1] * 2
     hits, rows = resident_hits(model)  # decode's (3 steps: the counters were reset after the prefill's update)
     assert rows == 3 * model.config.num_experts_per_tok * 2 and 0 <= hits <= rows
 

@@ -438,6 +438,13 @@ def _split_gpu_experts(self: nn.Module, hidden_states, top_k_index, top_k_weight
     from ktorch.ops.resident_rows import RowExperts, rows_experts_forward
 
     slot_of = self.kt_gpu_slot_of  # [E] int64 on the device: index among the device experts, or -1
+    packed = getattr(self, "kt_gpu_packed", None)  # the budget's residents (ktorch.gpu_memory) on the device
+    held = packed[0] if packed is not None else self.kt_gpu_w13
+    if slot_of.device != hidden_states.device or held.device != hidden_states.device:
+        raise ValueError(f"ktorch experts: {type(self).__name__}'s device experts are on {held.device} (slot map on "
+                         f"{slot_of.device}) and its input on {hidden_states.device}; run the model on the device "
+                         "they were placed on, or place them again there (ktorch.prepare / set_stream_experts with "
+                         "gpu_memory, attach_gpu_experts)")
     slots = torch.where(top_k_index >= 0, slot_of[top_k_index.clamp(min=0)], -1)
     on_device = slots >= 0
     cpu_ids = torch.where(on_device, -1, top_k_index)
@@ -446,7 +453,6 @@ def _split_gpu_experts(self: nn.Module, hidden_states, top_k_index, top_k_weight
         routed = torch.where(top_k_index >= 0, 1 << 32, 0)  # padding rows' -1 slots (serve's padded steps): neither
         hits.add_(torch.where(on_device, routed + 1, routed).sum())
 
-    packed = getattr(self, "kt_gpu_packed", None)  # the budget's residents (ktorch.gpu_memory) on the device
 
     def gpu_work() -> torch.Tensor:
         if isinstance(packed, RowExperts):  # int8/int4 on CUDA with Triton: fused decode kernels (resident_rows.py)

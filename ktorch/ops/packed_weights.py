@@ -60,6 +60,9 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == MXFP4_DTYPE else t
 
 
+_MXFP4_TABLES: dict = {}  # device -> MXFP4_CODES as an int8 tensor there
+
+
 def mxfp4_as_int8(packed: torch.Tensor) -> torch.Tensor:
     """MXFP4 nibbles (``MXFP4_DTYPE`` [n, N/16, K/8, 16, 4], any device) -> the same weights as int8 codes in the int8
     layout [n, N/16, K/4, 16, 4] (each nibble's ``MXFP4_CODES`` value; the scales stay as they are): the form the
@@ -70,7 +73,9 @@ def mxfp4_as_int8(packed: torch.Tensor) -> torch.Tensor:
                          f"{tuple(packed.shape)}")
     u = packed.view(torch.uint8)
     n, nb, ko = u.shape[:3]
-    table = torch.tensor(MXFP4_CODES, dtype=torch.int8, device=u.device)
+    table = _MXFP4_TABLES.get(u.device)
+    if table is None:  # made once per device: a copy to the device here would wait for the stream (resident swaps)
+        table = _MXFP4_TABLES[u.device] = torch.tensor(MXFP4_CODES, dtype=torch.int8, device=u.device)
     out = torch.empty(n, nb, ko, 2, 16, 4, dtype=torch.int8, device=u.device)
     out[:, :, :, 0] = table[u.bitwise_and(0xF).long()]
     out[:, :, :, 1] = table[u.bitwise_right_shift(4).long()]

@@ -182,6 +182,9 @@ def rows_experts_forward(
     bit ``packed_experts_forward`` on the same experts with the same kernel."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"rows_experts_forward: activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
+    if rows.w13.device != hidden.device:
+        raise ValueError(f"rows_experts_forward: the residents are on {rows.w13.device} and hidden on {hidden.device}; "
+                         "run the model on the device the residents were placed on")
     if _kernels_apply(hidden):
         from ktorch.ops.triton_experts import triton_rows_forward
 
