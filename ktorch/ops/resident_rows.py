@@ -30,8 +30,10 @@ Decode (calls of at most ``GATHER_MAX_TOKENS`` tokens, on CUDA): ``triton_rows_f
 used expert's codes, scales (and minimums) once and never write bf16 weights. Measured for int8 on an H200
 (2026-11-26, one Qwen3-30B-A3B layer, 128 int8 residents with a scale per 32, top-8, under a CUDA graph): 24.7 us a
 layer at T=1 where the packed path's gather + dequantize + bmm took 354.0 us (63.9 vs 1289.0 us at T=4); the 4-bit
-formats are not measured yet (docs/resident_decode.md). More tokens (prefill), or a CPU standing in for the device:
-the residents the call's slots use (``used_experts``: one host sync) have their rows gathered and dequantized
+formats are not measured yet (docs/resident_decode.md). Prefill (more tokens) on int8 rows on CUDA: a Triton grouped
+GEMM (``triton_grouped_forward``, ktorch/ops/triton_prefill.py: the (token, slot) rows sorted by expert, each used
+expert's codes read once per block of its rows, no bf16 weights written). Prefill on 4-bit rows, or a CPU standing
+in for the device: the residents the call's slots use (``used_experts``: one host sync) have their rows gathered and dequantized
 (``dequantize_rows``, bit for bit ``dequantize_packed``) and ``gpu_experts_forward`` runs on them with the slots
 renumbered: bit for bit the result of dequantizing all n (what the packed layout does, and what a call under
 Dynamo's trace or a CUDA graph's capture still does: no host sync there).
@@ -168,6 +170,15 @@ def _kernels_apply(hidden: torch.Tensor) -> bool:
     return hidden.is_cuda and hidden.shape[0] <= GATHER_MAX_TOKENS
 
 
+def _grouped_kernels_apply(hidden: torch.Tensor, rows: RowExperts) -> bool:
+    """Whether ``rows_experts_forward`` runs the Triton grouped GEMM (ktorch/ops/triton_prefill.py): CUDA, more than
+    ``GATHER_MAX_TOKENS`` tokens (prefill), bf16/fp16 activations, int8 codes in w13 and w2. (Tests running Triton's
+    interpreter on CPU tensors replace it.)"""
+    from ktorch.ops.triton_prefill import grouped_applies
+
+    return hidden.is_cuda and hidden.shape[0] > GATHER_MAX_TOKENS and grouped_applies(hidden, rows)
+
+
 def rows_experts_forward(
     hidden: torch.Tensor,
     slots: torch.Tensor,
@@ -179,7 +190,9 @@ def rows_experts_forward(
     """``packed_experts_forward`` for residents in the row layout: hidden [T, H], slots [T, K] (index into the n
     residents, -1: not here), topk_weights [T, K] -> [T, H] in hidden's dtype.
 
-    On CUDA with T <= ``GATHER_MAX_TOKENS`` (decode): the Triton kernels (``triton_rows_forward``). Otherwise the
+    On CUDA with T <= ``GATHER_MAX_TOKENS`` (decode): the Triton kernels (``triton_rows_forward``). On CUDA with more
+    tokens, int8 codes in w13 and w2, bf16/fp16 activations and ``kernel="auto"``: the Triton grouped GEMM
+    (``triton_grouped_forward``, ktorch/ops/triton_prefill.py). Otherwise (4-bit codes, a kernel named, a CPU) the
     residents the slots use are dequantized (every resident under Dynamo or a CUDA graph's capture) and
     ``gpu_experts_forward`` runs with ``kernel`` ("auto", "gather", "grouped_mm"): bit for bit
     ``packed_experts_forward`` on the same experts with the same kernel."""
@@ -189,6 +202,10 @@ def rows_experts_forward(
         from ktorch.ops.triton_experts import triton_rows_forward
 
         return triton_rows_forward(hidden, slots, topk_weights, rows, activation)
+    if kernel == "auto" and _grouped_kernels_apply(hidden, rows):
+        from ktorch.ops.triton_prefill import triton_grouped_forward
+
+        return triton_grouped_forward(hidden, slots, topk_weights, rows, activation)
     if not _compact_applies(hidden):
         w13 = dequantize_rows(rows.w13, rows.w13_scales, hidden.dtype)
         w2 = dequantize_rows(rows.w2, rows.w2_scales, hidden.dtype)
