@@ -9,19 +9,24 @@ casts to bf16 truncate): the CUDA runs test that rounding.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
+import ktorch
 from ktorch.ops import resident_rows, triton_experts, triton_prefill
-from ktorch.ops.gpu_experts import GATHER_MAX_TOKENS, packed_experts_forward
-from ktorch.ops.resident_rows import RowExperts, rows_experts_forward, rows_from_packed
+from ktorch.ops.gpu_experts import GATHER_MAX_TOKENS, gpu_experts_forward, packed_experts_forward
+from ktorch.ops.resident_rows import RowExperts, dequantize_rows, rows_experts_forward, rows_from_packed
 from ktorch.ops.triton_prefill import align_by_expert, grouped_applies, tile_for, triton_grouped_forward
+from models import assert_logits_match, moe_experts_modules, tiny_model
 from reference import relative_error
 from test_resident_rows import KERNEL_DEVICE, _experts, _reference
 
 KERNELS_RUN = triton_experts.triton_available() and (torch.cuda.is_available() or triton_experts.interpreting())
 needs_kernels = pytest.mark.skipif(
-    not KERNELS_RUN, reason="the Triton kernels need Triton and a CUDA GPU, or Triton's interpreter (TRITON_INTERPRET=1)")
+    not KERNELS_RUN,
+    reason="the Triton kernels need Triton and a CUDA GPU, or Triton's interpreter (TRITON_INTERPRET=1)")
 needs_cuda_triton = pytest.mark.skipif(not torch.cuda.is_available() or not triton_experts.triton_available(),
                                        reason="needs a CUDA GPU and Triton")
 
@@ -184,3 +189,74 @@ def test_cuda_grouped_kernels_at_the_qwen3_shape(group_size):
     slots.copy_(torch.stack([torch.randperm(n)[:K] for _ in range(T)]))
     graph.replay()
     assert torch.equal(out, triton_grouped_forward(hidden, slots, weights, rows))
+
+
+@needs_cuda_triton
+@pytest.mark.parametrize("fmt,group_size", [("int4", 128), ("q4_k_m", 32), ("int8", 32)])
+def test_cuda_prefill_dequantizing_the_used_residents_is_bit_for_bit(fmt, group_size):
+    """On CUDA, the path 4-bit rows take at prefill (and int8 rows with a kernel named): the used residents
+    dequantized give the bits of all n dequantized, with torch's grouped_mm (sm90+) or the gather kernel."""
+    torch.manual_seed(0)
+    n, T, K, H, I = 32, 300, 8, 512, 256
+    packed, _ = _experts(fmt, group_size, n=n, H=H, I=I)
+    rows = rows_from_packed(*(t.cuda() for t in packed))
+    hidden = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    slots, weights = _routing(T, K, n, "cuda")
+    kernel = "auto" if fmt != "int8" else "gather"
+    want = gpu_experts_forward(hidden, slots, weights, dequantize_rows(rows.w13, rows.w13_scales, torch.bfloat16),
+                               dequantize_rows(rows.w2, rows.w2_scales, torch.bfloat16), "silu", kernel)
+    assert torch.equal(rows_experts_forward(hidden, slots, weights, rows, "silu", kernel), want)
+
+
+@needs_cuda_triton
+def test_cuda_prefill_of_a_model_with_int8_residents_takes_the_grouped_kernels(monkeypatch):
+    """A tiny model with every expert resident as int8 rows: a 40-token prompt's layers run the grouped GEMM and give
+    HF eager's logits (within the int8 quantization's tolerance of assert_logits_match)."""
+    calls = []
+    forward = triton_prefill.triton_grouped_forward
+    monkeypatch.setattr(triton_prefill, "triton_grouped_forward", lambda *a: calls.append(1) or forward(*a))
+    torch.manual_seed(0)
+    base = tiny_model("qwen3_moe", dtype=torch.bfloat16)
+    ids = torch.randint(0, 256, (1, 40))
+    model = ktorch.prepare(copy.deepcopy(base), device="cuda", experts_dtype="int8", stream_experts="off",
+                           gpu_memory="4GiB")
+    assert all(isinstance(m.kt_gpu_packed, RowExperts) for m in moe_experts_modules(model))
+    assert_logits_match(base.to("cuda"), model, torch.bfloat16, ids.cuda())
+    assert len(calls) >= len(moe_experts_modules(model))
+
+
+@needs_kernels
+def test_prefill_of_a_model_through_the_grouped_kernels(monkeypatch):
+    """A tiny bf16 model with every expert resident as int8 rows (the row layout forced; on the CPU under Triton's
+    interpreter, or on CUDA): a 24-token forward runs each layer's grouped GEMM, makes no CPU op call, and gives the
+    packed layout's logits within bf16 rounding."""
+    from ktorch.gpu_memory import place_resident_experts
+
+    device = torch.device(KERNEL_DEVICE)
+    torch.manual_seed(0)
+    base = tiny_model("qwen3_moe", dtype=torch.bfloat16)
+
+    def prepared(rows: bool):
+        monkeypatch.setattr(resident_rows, "row_layout_applies", lambda *args: rows)
+        model = ktorch.prepare(copy.deepcopy(base), device=str(device), experts_dtype="int8")
+        for m in moe_experts_modules(model):
+            place_resident_experts(m, m.kt_w13.shape[0], device)
+        return model
+
+    model, packed_model = prepared(True), prepared(False)
+    assert all(isinstance(m.kt_gpu_packed, RowExperts) for m in moe_experts_modules(model))
+    monkeypatch.setattr(resident_rows, "_grouped_kernels_apply",
+                        lambda hidden, rows: hidden.shape[0] > GATHER_MAX_TOKENS and grouped_applies(hidden, rows))
+    calls, cpu_op = [], []
+    forward = triton_prefill.triton_grouped_forward
+    monkeypatch.setattr(triton_prefill, "triton_grouped_forward", lambda *a: calls.append(1) or forward(*a))
+    from ktorch.integrations import transformers_experts
+
+    run = transformers_experts._run_experts
+    monkeypatch.setattr(transformers_experts, "_run_experts", lambda *a, **k: cpu_op.append(1) or run(*a, **k))
+    ids = torch.randint(0, 256, (1, 24), device=device)
+    with torch.no_grad():
+        got = model(ids).logits.float()
+        assert len(calls) == len(moe_experts_modules(model)) and not cpu_op
+        want = packed_model(ids).logits.float()
+    assert relative_error(got.cpu(), want.cpu()) < 2e-2

@@ -33,10 +33,10 @@ layer at T=1 where the packed path's gather + dequantize + bmm took 354.0 us (63
 formats are not measured yet (docs/resident_decode.md). Prefill (more tokens) on int8 rows on CUDA: a Triton grouped
 GEMM (``triton_grouped_forward``, ktorch/ops/triton_prefill.py: the (token, slot) rows sorted by expert, each used
 expert's codes read once per block of its rows, no bf16 weights written). Prefill on 4-bit rows, or a CPU standing
-in for the device: the residents the call's slots use (``used_experts``: one host sync) have their rows gathered and dequantized
-(``dequantize_rows``, bit for bit ``dequantize_packed``) and ``gpu_experts_forward`` runs on them with the slots
-renumbered: bit for bit the result of dequantizing all n (what the packed layout does, and what a call under
-Dynamo's trace or a CUDA graph's capture still does: no host sync there).
+in for the device: the residents the call's slots use (``used_experts``: one host sync) have their rows gathered
+and dequantized (``dequantize_rows``, bit for bit ``dequantize_packed``) and ``gpu_experts_forward`` runs on them
+with the slots renumbered: bit for bit the result of dequantizing all n (what the packed layout does, and what a call
+under Dynamo's trace or a CUDA graph's capture still does: no host sync there).
 """
 
 from __future__ import annotations

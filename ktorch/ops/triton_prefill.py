@@ -2,9 +2,9 @@
 Triton: W8A16 (bf16/fp16 activations, int8 codes turned into weights in registers with their float32 scales, float32
 accumulation).
 
-    h[r]   = act(x_t @ gate_s^T) * (x_t @ up_s^T)       r = t*K + k, s = slots[t, k] >= 0, gate/up rows of w13 [n, 2I, H]
-    y[r]   = w[t, k] * (h[r] @ down_s^T)                down rows of w2 [n, H, I]
-    out[t] = sum_k y[t*K + k]                           over the slots k with s >= 0, in slot order (no atomics)
+    h[r]   = act(x_t @ gate_s^T) * (x_t @ up_s^T)   r = t*K + k, s = slots[t, k] >= 0, gate/up rows of w13 [n, 2I, H]
+    y[r]   = w[t, k] * (h[r] @ down_s^T)            down rows of w2 [n, H, I]
+    out[t] = sum_k y[t*K + k]                       over the slots k with s >= 0, in slot order (no atomics)
 
 The (token, slot) rows are sorted by expert and each expert's run padded to ``BLOCK_M`` rows (``align_by_expert``,
 the classic MoE layout: vLLM's and SGLang's ``moe_align_block_size``): then one program computes ``BLOCK_M`` rows of
@@ -277,11 +277,11 @@ def triton_grouped_forward(hidden: torch.Tensor, slots: torch.Tensor, topk_weigh
     a13, G13, g13, m13 = f13
     _gate_up_grouped[(blocks * -(-I // bn),)](x, sorted_ids, block_expert, rows.w13, rows.w13_scales, h, R, K, n, H,
                                               I, G13, GROUP=g13, MODE=m13, AFFINE=int(a13),
-                                              ACT=_ACT_CODES[activation], DOT_F32=dot_f32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                                              num_warps=nw, num_stages=ns)
+                                              ACT=_ACT_CODES[activation], DOT_F32=dot_f32, BLOCK_M=bm, BLOCK_N=bn,
+                                              BLOCK_K=bk, num_warps=nw, num_stages=ns)
     a2, G2, g2, m2 = f2
     _down_grouped[(blocks * -(-H // bn),)](h, sorted_ids, block_expert, w, rows.w2, rows.w2_scales, y, R, n, H, I, G2,
-                                           GROUP=g2, MODE=m2, AFFINE=int(a2), DOT_F32=dot_f32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                                           num_warps=nw, num_stages=ns)
+                                           GROUP=g2, MODE=m2, AFFINE=int(a2), DOT_F32=dot_f32, BLOCK_M=bm,
+                                           BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
     _sum_slots[(T, -(-H // BLOCK_SUM))](y, s, out, H, K, BLOCK=BLOCK_SUM)
     return out
