@@ -47,7 +47,7 @@ if triton is not None:
 
     @triton.jit
     def _tile_product(x, q_rows, s_rows, offs_k, mask_k, mask_n, k0, G, GROUP: tl.constexpr, MODE: tl.constexpr,
-                      AFFINE: tl.constexpr, DOT_F32: tl.constexpr):
+                      AFFINE: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # [BLOCK_M, BLOCK_N] float32: x [BLOCK_M, BLOCK_K] (the activations' dtype) times the rows' weights over
         # columns offs_k; q_rows/s_rows [BLOCK_N] pointers to the rows' codes and scales (minimums G further).
         # DOT_F32 (Triton's interpreter only, whose bf16 dot products are wrong and casts to bf16 truncate): the same
@@ -64,13 +64,17 @@ if triton is not None:
                 if AFFINE == 1:
                     mn = tl.load(s_rows + G + k0 // GROUP, mask=mask_n, other=0.0)
                     p = p - tl.sum(x.to(tl.float32), axis=1)[:, None] * mn[None, :]
-        else:  # groups within the tile: each code's scale (and minimum), the weight rounded to x's dtype
-            gk = (offs_k // GROUP)[:, None]
-            m2 = mask_k[:, None] & mask_n[None, :]
-            s = tl.load(s_rows[None, :] + gk, mask=m2, other=0.0)
+        else:  # groups within the tile: each code's scale (and minimum), the weight rounded to x's dtype. The
+            # tile's BLOCK_K / GROUP scales a row loaded once and broadcast over their groups' codes
+            gi = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+            gm = (gi < G)[:, None] & mask_n[None, :]
+            s = tl.load(s_rows[None, :] + gi[:, None], mask=gm, other=0.0)  # [BLOCK_K / GROUP, BLOCK_N]
+            s = tl.reshape(tl.broadcast_to(s[:, None, :], (BLOCK_K // GROUP, GROUP, BLOCK_N)), (BLOCK_K, BLOCK_N))
             w = q.to(tl.float32) * s
             if AFFINE == 1:
-                w = w - tl.load(s_rows[None, :] + G + gk, mask=m2, other=0.0)
+                mn = tl.load(s_rows[None, :] + G + gi[:, None], mask=gm, other=0.0)
+                w = w - tl.reshape(tl.broadcast_to(mn[:, None, :], (BLOCK_K // GROUP, GROUP, BLOCK_N)),
+                                   (BLOCK_K, BLOCK_N))
             if DOT_F32:
                 p = tl.dot(x.to(tl.float32), w, input_precision="ieee")
             else:
@@ -107,9 +111,9 @@ if triton is not None:
             mask_k = offs_k < H
             x = tl.load(x_ptr + tok[:, None] * H + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
             acc_g += _tile_product(x, gate_q, gate_s, offs_k, mask_k, mask_n, k0, G, GROUP, MODE, AFFINE,
-                                   DOT_F32)
+                                   DOT_F32, BLOCK_N, BLOCK_K)
             acc_u += _tile_product(x, gate_q + I * H, gate_s + I * SG, offs_k, mask_k, mask_n, k0, G, GROUP, MODE,
-                                   AFFINE, DOT_F32)
+                                   AFFINE, DOT_F32, BLOCK_N, BLOCK_K)
         if MODE == 0 and GROUP == 0:
             acc_g = acc_g * tl.load(gate_s, mask=mask_n, other=0.0)[None, :]
             acc_u = acc_u * tl.load(gate_s + I * SG, mask=mask_n, other=0.0)[None, :]
@@ -146,7 +150,8 @@ if triton is not None:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < I
             x = tl.load(h_ptr + r64[:, None] * I + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            acc += _tile_product(x, q_rows, s_rows, offs_k, mask_k, mask_n, k0, G, GROUP, MODE, AFFINE, DOT_F32)
+            acc += _tile_product(x, q_rows, s_rows, offs_k, mask_k, mask_n, k0, G, GROUP, MODE, AFFINE, DOT_F32,
+                                 BLOCK_N, BLOCK_K)
         if MODE == 0 and GROUP == 0:
             acc = acc * tl.load(s_rows, mask=mask_n, other=0.0)[None, :]
         coef = tl.load(w_ptr + r64, mask=mask_m, other=0.0)
