@@ -23,7 +23,7 @@ from ktorch.gpu_memory import (device_bytes_held, place_resident_experts, reset_
                                update_resident_experts)
 from ktorch.integrations import transformers_experts
 from ktorch.ops import resident_rows, triton_experts
-from ktorch.ops.gpu_experts import GATHER_MAX_TOKENS, packed_experts_forward
+from ktorch.ops.gpu_experts import GATHER_MAX_TOKENS, gpu_experts_forward, packed_experts_forward
 from ktorch.ops.moe import pack_quantized
 from ktorch.ops.packed_weights import dequantize_packed
 from ktorch.ops.resident_rows import RowExperts, dequantize_rows, row_layout_applies, rows_experts_forward, \
@@ -141,6 +141,42 @@ def test_rows_forward_off_cuda_equals_the_packed_one(fmt, group_size, kernel, dt
     got = rows_experts_forward(hidden, slots, weights, rows, "silu", kernel)
     assert got.dtype == dtype and torch.equal(got, want)
     assert relative_error(got, _reference(hidden, slots, weights, rows)) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("kernel,dtype,T", [("auto", torch.bfloat16, 17), ("grouped_mm", torch.bfloat16, 64),
+                                            ("gather", torch.bfloat16, 24), ("gather", torch.float32, 17)])
+def test_prefill_dequantizes_only_the_experts_it_uses(monkeypatch, fmt, group_size, kernel, dtype, T):
+    """A call of more than GATHER_MAX_TOKENS tokens dequantizes the residents its slots use (their rows gathered),
+    not all n: bit for bit the result of dequantizing all n and running gpu_experts_forward with the same kernel,
+    with absent slots (-1), experts never used (including the first and the last) and one used by a single slot."""
+    torch.manual_seed(1)
+    n, K = 12, 4
+    packed, _ = _experts(fmt, group_size, n=n)
+    rows = rows_from_packed(*packed)
+    hidden = torch.randn(T, 128).to(dtype)
+    slots = torch.tensor([2, 3, 5, 7, 10])[torch.randint(0, 5, (T, K))]
+    slots[torch.rand(T, K) < 0.2] = -1
+    slots[0, 0], slots[1, 1] = 8, -1  # expert 8: one slot; 0, 1, 4, 6, 9, 11: none
+    weights = torch.rand(T, K)
+    full = gpu_experts_forward(hidden, slots, weights, dequantize_rows(rows.w13, rows.w13_scales, dtype),
+                               dequantize_rows(rows.w2, rows.w2_scales, dtype), "silu", kernel)
+    seen = []
+    dequantize = resident_rows.dequantize_rows
+    monkeypatch.setattr(resident_rows, "dequantize_rows", lambda q, *a: seen.append(q.shape[0]) or dequantize(q, *a))
+    got = rows_experts_forward(hidden, slots, weights, rows, "silu", kernel)
+    assert seen == [6, 6]  # experts 2, 3, 5, 7, 8, 10
+    assert got.dtype == dtype and torch.equal(got, full)
+    assert relative_error(got, _reference(hidden, slots, weights, rows)) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+    assert torch.equal(rows_experts_forward(hidden, torch.full_like(slots, -1), weights, rows, "silu", kernel),
+                       torch.zeros_like(hidden))
+
+
+def test_used_experts_renumbers_in_order():
+    slots = torch.tensor([[7, -1, 3], [3, 12, -1]], dtype=torch.int32)
+    used, compact = resident_rows.used_experts(slots)
+    assert used.tolist() == [3, 7, 12] and compact.dtype == torch.int32
+    assert compact.tolist() == [[1, -1, 0], [0, 2, -1]]
 
 
 def test_which_residents_take_the_row_layout(monkeypatch):

@@ -30,9 +30,13 @@ Decode (calls of at most ``GATHER_MAX_TOKENS`` tokens, on CUDA): ``triton_rows_f
 used expert's codes, scales (and minimums) once and never write bf16 weights. Measured for int8 on an H200
 (2026-11-26, one Qwen3-30B-A3B layer, 128 int8 residents with a scale per 32, top-8, under a CUDA graph): 24.7 us a
 layer at T=1 where the packed path's gather + dequantize + bmm took 354.0 us (63.9 vs 1289.0 us at T=4); the 4-bit
-formats are not measured yet (docs/resident_decode.md). More tokens (prefill), or a CPU standing in for the device:
-all n residents dequantized at once (``dequantize_rows``, bit for bit ``dequantize_packed``) and
-``gpu_experts_forward``, as the packed layout does.
+formats are not measured yet (docs/resident_decode.md). Prefill (more tokens) on int8 rows on CUDA: a Triton grouped
+GEMM (``triton_grouped_forward``, ktorch/ops/triton_prefill.py: the (token, slot) rows sorted by expert, each used
+expert's codes read once per block of its rows, no bf16 weights written). Prefill on 4-bit rows, or a CPU standing
+in for the device: the residents the call's slots use (``used_experts``: one host sync) have their rows gathered
+and dequantized (``dequantize_rows``, bit for bit ``dequantize_packed``) and ``gpu_experts_forward`` runs on them
+with the slots renumbered: bit for bit the result of dequantizing all n (what the packed layout does, and what a call
+under Dynamo's trace or a CUDA graph's capture still does: no host sync there).
 """
 
 from __future__ import annotations
@@ -166,6 +170,15 @@ def _kernels_apply(hidden: torch.Tensor) -> bool:
     return hidden.is_cuda and hidden.shape[0] <= GATHER_MAX_TOKENS
 
 
+def _grouped_kernels_apply(hidden: torch.Tensor, rows: RowExperts) -> bool:
+    """Whether ``rows_experts_forward`` runs the Triton grouped GEMM (ktorch/ops/triton_prefill.py): CUDA, more than
+    ``GATHER_MAX_TOKENS`` tokens (prefill), bf16/fp16 activations, int8 codes in w13 and w2. (Tests running Triton's
+    interpreter on CPU tensors replace it.)"""
+    from ktorch.ops.triton_prefill import grouped_applies
+
+    return hidden.is_cuda and hidden.shape[0] > GATHER_MAX_TOKENS and grouped_applies(hidden, rows)
+
+
 def rows_experts_forward(
     hidden: torch.Tensor,
     slots: torch.Tensor,
@@ -177,9 +190,12 @@ def rows_experts_forward(
     """``packed_experts_forward`` for residents in the row layout: hidden [T, H], slots [T, K] (index into the n
     residents, -1: not here), topk_weights [T, K] -> [T, H] in hidden's dtype.
 
-    On CUDA with T <= ``GATHER_MAX_TOKENS`` (decode): the Triton kernels (``triton_rows_forward``). Otherwise every
-    resident is dequantized and ``gpu_experts_forward`` runs with ``kernel`` ("auto", "gather", "grouped_mm"): bit for
-    bit ``packed_experts_forward`` on the same experts with the same kernel."""
+    On CUDA with T <= ``GATHER_MAX_TOKENS`` (decode): the Triton kernels (``triton_rows_forward``). On CUDA with more
+    tokens, int8 codes in w13 and w2, bf16/fp16 activations and ``kernel="auto"``: the Triton grouped GEMM
+    (``triton_grouped_forward``, ktorch/ops/triton_prefill.py). Otherwise (4-bit codes, a kernel named, a CPU) the
+    residents the slots use are dequantized (every resident under Dynamo or a CUDA graph's capture) and
+    ``gpu_experts_forward`` runs with ``kernel`` ("auto", "gather", "grouped_mm"): bit for bit
+    ``packed_experts_forward`` on the same experts with the same kernel."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"rows_experts_forward: activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
     if rows.w13.device != hidden.device:
@@ -189,6 +205,36 @@ def rows_experts_forward(
         from ktorch.ops.triton_experts import triton_rows_forward
 
         return triton_rows_forward(hidden, slots, topk_weights, rows, activation)
-    w13 = dequantize_rows(rows.w13, rows.w13_scales, hidden.dtype)
-    w2 = dequantize_rows(rows.w2, rows.w2_scales, hidden.dtype)
-    return gpu_experts_forward(hidden, slots, topk_weights, w13, w2, activation, kernel)
+    if kernel == "auto" and _grouped_kernels_apply(hidden, rows):
+        from ktorch.ops.triton_prefill import triton_grouped_forward
+
+        return triton_grouped_forward(hidden, slots, topk_weights, rows, activation)
+    if not _compact_applies(hidden):
+        w13 = dequantize_rows(rows.w13, rows.w13_scales, hidden.dtype)
+        w2 = dequantize_rows(rows.w2, rows.w2_scales, hidden.dtype)
+        return gpu_experts_forward(hidden, slots, topk_weights, w13, w2, activation, kernel)
+    used, compact = used_experts(slots)
+    if used.numel() == 0:  # every slot elsewhere (the CPU op's): nothing here
+        return hidden.new_zeros(hidden.shape)
+    part = RowExperts(*(t.index_select(0, used) for t in rows))
+    w13 = dequantize_rows(part.w13, part.w13_scales, hidden.dtype)
+    w2 = dequantize_rows(part.w2, part.w2_scales, hidden.dtype)
+    return gpu_experts_forward(hidden, compact, topk_weights, w13, w2, activation, kernel)
+
+
+def _compact_applies(hidden: torch.Tensor) -> bool:
+    """Whether a longer call may dequantize only the residents it uses: their number is known on the host only (one
+    sync), which neither Dynamo's trace nor a CUDA graph's capture takes; those dequantize every resident."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (hidden.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def used_experts(slots: torch.Tensor) -> tuple:
+    """(the residents slots [T, K] use, ascending [m] (a host sync: m is data-dependent), slots renumbered into them
+    [T, K], -1 kept). The renumbering keeps the order of experts, so ``gpu_experts_forward`` sorts the (token, slot)
+    rows as it would on all n and computes bit for bit the same rows."""
+    here = slots >= 0
+    used = torch.unique(slots[here])  # sorted
+    compact = torch.where(here, torch.searchsorted(used, slots.clamp(min=0).contiguous()), -1)
+    return used, compact.to(slots.dtype)

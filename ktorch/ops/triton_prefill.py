@@ -1,0 +1,292 @@
+"""Grouped GEMM kernels for prefill on int8 resident experts in the row layout (ktorch/ops/resident_rows.py), in
+Triton: W8A16 (bf16/fp16 activations, int8 codes turned into weights in registers with their float32 scales, float32
+accumulation).
+
+    h[r]   = act(x_t @ gate_s^T) * (x_t @ up_s^T)   r = t*K + k, s = slots[t, k] >= 0, gate/up rows of w13 [n, 2I, H]
+    y[r]   = w[t, k] * (h[r] @ down_s^T)            down rows of w2 [n, H, I]
+    out[t] = sum_k y[t*K + k]                       over the slots k with s >= 0, in slot order (no atomics)
+
+The (token, slot) rows are sorted by expert and each expert's run padded to ``BLOCK_M`` rows (``align_by_expert``,
+the classic MoE layout: vLLM's and SGLang's ``moe_align_block_size``): then one program computes ``BLOCK_M`` rows of
+one expert by ``BLOCK_N`` output channels, so each used expert's codes are read once per block of its rows (once in
+all at prefill lengths where an expert gets at most ``BLOCK_M`` rows) and no bf16 weights are written. Three
+kernels: ``gate_up`` (h in the activations' dtype, [T*K, I] by row), ``down`` (y float32 [T*K, H] by row, the
+routing weight applied), ``sum_slots`` (out). The alignment is plain torch of fixed shapes (the padded length is
+bounded by T*K + min(n, T*K) * (BLOCK_M - 1); blocks past the last expert's exit at once): no host sync, so a call
+is CUDA-graph capturable.
+
+Formats: int8 codes, symmetric (w = s q) or affine (w = s q - m: Q5_K's codes 0..31 with a minimum per group),
+float32 scales [n, N, G] or [n, N, 2, G] as resident_rows holds them, for w13 and w2 each. 4-bit rows take
+resident_rows' other prefill path (the used residents dequantized, then ``gpu_experts_forward``). How a tile applies
+the scales (``MODE``, chosen from the group and ``BLOCK_K``):
+  0  ``BLOCK_K`` divides the group (per channel, or a group of 32 with BLOCK_K 32/16): the codes (exact in bf16)
+     are multiplied as they are and each tile's float32 product scaled per output channel: s * (x . q) - m * sum(x)
+     (per channel symmetric: the scale applied once, at the end). The weights are never rounded.
+  1  the group divides ``BLOCK_K`` (a longer tile): each code gets its scale (and minimum) in registers and the
+     weight is rounded to the activations' dtype before the dot product (as the dequantize path rounds it).
+Limits: CUDA tensors (or CPU tensors under Triton's interpreter, TRITON_INTERPRET=1, for tests), bf16 or fp16
+activations; a group that neither divides nor is divided by a BLOCK_K of 16..128 (a power of two), is refused.
+"""
+
+from typing import Optional
+
+import torch  # no "from __future__ import annotations": Triton reads the tl.constexpr annotations
+
+from ktorch.ops.triton_experts import _ACT_CODES, interpreting, row_format, triton, triton_available
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by the average (token, slot) rows an expert gets; not measured
+# yet (benchmarks/bench_resident_prefill.py --tiles compares others).
+TILES = ((16, (16, 64, 64, 4, 3)), (32, (32, 64, 64, 4, 3)), (None, (64, 64, 64, 4, 3)))
+BLOCK_SUM = 256  # output channels a program of sum_slots
+
+
+if triton is not None:
+    import triton.language as tl
+
+    from ktorch.ops.triton_experts import _act
+
+    @triton.jit
+    def _tile_product(x, q_rows, s_rows, offs_k, mask_k, mask_n, k0, G, GROUP: tl.constexpr, MODE: tl.constexpr,
+                      AFFINE: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # [BLOCK_M, BLOCK_N] float32: x [BLOCK_M, BLOCK_K] (the activations' dtype) times the rows' weights over
+        # columns offs_k; q_rows/s_rows [BLOCK_N] pointers to the rows' codes and scales (minimums G further).
+        # DOT_F32 (Triton's interpreter only, whose bf16 dot products are wrong and casts to bf16 truncate): the same
+        # values multiplied in float32, MODE 1's weights unrounded (and h kept in float32 by the caller)
+        q = tl.load(q_rows[None, :] + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0)
+        if MODE == 0:  # the tile in one group: codes as they are, then the group's scale (and minimum)
+            if DOT_F32:
+                p = tl.dot(x.to(tl.float32), q.to(tl.float32), input_precision="ieee")
+            else:
+                p = tl.dot(x, q.to(x.dtype))
+            if GROUP > 0:  # GROUP 0: per channel symmetric, the scale applied by the caller at the end
+                s = tl.load(s_rows + k0 // GROUP, mask=mask_n, other=0.0)
+                p = p * s[None, :]
+                if AFFINE == 1:
+                    mn = tl.load(s_rows + G + k0 // GROUP, mask=mask_n, other=0.0)
+                    p = p - tl.sum(x.to(tl.float32), axis=1)[:, None] * mn[None, :]
+        else:  # groups within the tile: each code's scale (and minimum), the weight rounded to x's dtype. The
+            # tile's BLOCK_K / GROUP scales a row loaded once and broadcast over their groups' codes
+            gi = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+            gm = (gi < G)[:, None] & mask_n[None, :]
+            s = tl.load(s_rows[None, :] + gi[:, None], mask=gm, other=0.0)  # [BLOCK_K / GROUP, BLOCK_N]
+            s = tl.reshape(tl.broadcast_to(s[:, None, :], (BLOCK_K // GROUP, GROUP, BLOCK_N)), (BLOCK_K, BLOCK_N))
+            w = q.to(tl.float32) * s
+            if AFFINE == 1:
+                mn = tl.load(s_rows[None, :] + G + gi[:, None], mask=gm, other=0.0)
+                w = w - tl.reshape(tl.broadcast_to(mn[:, None, :], (BLOCK_K // GROUP, GROUP, BLOCK_N)),
+                                   (BLOCK_K, BLOCK_N))
+            if DOT_F32:
+                p = tl.dot(x.to(tl.float32), w, input_precision="ieee")
+            else:
+                p = tl.dot(x, w.to(x.dtype))
+        return p
+
+    @triton.jit
+    def _gate_up_grouped(x_ptr, sorted_ptr, block_expert_ptr, q_ptr, s_ptr, h_ptr, n_rows, n_slots, n_experts, H, I,
+                         G, GROUP: tl.constexpr, MODE: tl.constexpr, AFFINE: tl.constexpr, ACT: tl.constexpr,
+                         DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid = tl.program_id(0)
+        num_n = tl.cdiv(I, BLOCK_N)
+        pid_m = pid // num_n
+        pid_n = pid % num_n
+        e = tl.load(block_expert_ptr + pid_m)
+        if e >= n_experts:  # a block past the last expert's rows
+            return
+        r = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # row t*K + k, or n_rows (padding)
+        mask_m = r < n_rows
+        tok = (r // n_slots).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < I
+        if AFFINE == 1:
+            SG = 2 * G
+        else:
+            SG = G
+        e64 = e.to(tl.int64)
+        gate_q = q_ptr + e64 * 2 * I * H + offs_n.to(tl.int64) * H
+        gate_s = s_ptr + e64 * 2 * I * SG + offs_n.to(tl.int64) * SG
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < H
+            x = tl.load(x_ptr + tok[:, None] * H + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            acc_g += _tile_product(x, gate_q, gate_s, offs_k, mask_k, mask_n, k0, G, GROUP, MODE, AFFINE,
+                                   DOT_F32, BLOCK_N, BLOCK_K)
+            acc_u += _tile_product(x, gate_q + I * H, gate_s + I * SG, offs_k, mask_k, mask_n, k0, G, GROUP, MODE,
+                                   AFFINE, DOT_F32, BLOCK_N, BLOCK_K)
+        if MODE == 0 and GROUP == 0:
+            acc_g = acc_g * tl.load(gate_s, mask=mask_n, other=0.0)[None, :]
+            acc_u = acc_u * tl.load(gate_s + I * SG, mask=mask_n, other=0.0)[None, :]
+        h = _act(acc_g, ACT) * acc_u
+        tl.store(h_ptr + r.to(tl.int64)[:, None] * I + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
+                 mask=mask_m[:, None] & mask_n[None, :])
+
+    @triton.jit
+    def _down_grouped(h_ptr, sorted_ptr, block_expert_ptr, w_ptr, q_ptr, s_ptr, y_ptr, n_rows, n_experts, H, I, G,
+                      GROUP: tl.constexpr, MODE: tl.constexpr, AFFINE: tl.constexpr, DOT_F32: tl.constexpr,
+                      BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid = tl.program_id(0)
+        num_n = tl.cdiv(H, BLOCK_N)
+        pid_m = pid // num_n
+        pid_n = pid % num_n
+        e = tl.load(block_expert_ptr + pid_m)
+        if e >= n_experts:
+            return
+        r = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        mask_m = r < n_rows
+        r64 = r.to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < H
+        if AFFINE == 1:
+            SG = 2 * G
+        else:
+            SG = G
+        e64 = e.to(tl.int64)
+        q_rows = q_ptr + e64 * H * I + offs_n.to(tl.int64) * I
+        s_rows = s_ptr + e64 * H * SG + offs_n.to(tl.int64) * SG
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < I
+            x = tl.load(h_ptr + r64[:, None] * I + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            acc += _tile_product(x, q_rows, s_rows, offs_k, mask_k, mask_n, k0, G, GROUP, MODE, AFFINE, DOT_F32,
+                                 BLOCK_N, BLOCK_K)
+        if MODE == 0 and GROUP == 0:
+            acc = acc * tl.load(s_rows, mask=mask_n, other=0.0)[None, :]
+        coef = tl.load(w_ptr + r64, mask=mask_m, other=0.0)
+        tl.store(y_ptr + r64[:, None] * H + offs_n[None, :], acc * coef[:, None],
+                 mask=mask_m[:, None] & mask_n[None, :])
+
+    @triton.jit
+    def _sum_slots(y_ptr, slots_ptr, out_ptr, H, n_slots, BLOCK: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < H
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for k in range(0, n_slots):
+            here = (tl.zeros([BLOCK], dtype=tl.int32) + tl.load(slots_ptr + t * n_slots + k)) >= 0
+            acc += tl.load(y_ptr + (t * n_slots + k) * H + offs, mask=mask & here, other=0.0)
+        tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def align_by_expert(slots: torch.Tensor, n: int, block_m: int) -> tuple:
+    """slots [T, K] (index into n experts, -1: none) -> (sorted_ids [P] int32: the rows t*K + k sorted by expert
+    (stable), each expert's run padded with T*K to a multiple of ``block_m``, then T*K to the end; block_expert
+    [P / block_m] int32: each block's expert, n past the last one). P = the bound for any routing of this shape,
+    T*K + min(n, T*K) * (block_m - 1) rounded up to block_m: fixed shapes, no host sync."""
+    T, K = slots.shape
+    R = T * K
+    dev = slots.device
+    key = torch.where(slots >= 0, slots, n).reshape(-1).long()
+    counts = torch.zeros(n + 1, dtype=torch.long, device=dev).scatter_add_(0, key, torch.ones_like(key))
+    padded = (counts[:n] + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    padded_start = padded_end - padded
+    start = counts.cumsum(0) - counts
+    order = torch.argsort(key, stable=True)
+    sorted_key = key[order]
+    capacity = -(-(R + min(n, R) * (block_m - 1)) // block_m) * block_m
+    pos = torch.arange(R, device=dev) - start[sorted_key] + padded_start[sorted_key.clamp(max=n - 1)]
+    pos = torch.where(sorted_key < n, pos, capacity)  # absent slots: a dropped last entry
+    sorted_ids = torch.full((capacity + 1,), R, dtype=torch.int32, device=dev)
+    sorted_ids[pos] = order.to(torch.int32)
+    blocks = torch.arange(0, capacity, block_m, device=dev)
+    block_expert = torch.searchsorted(padded_end, blocks, right=True).to(torch.int32)
+    return sorted_ids[:capacity], block_expert
+
+
+def _grouped_format(codes: torch.Tensor, scales: torch.Tensor, K: int, block_k: int) -> Optional[tuple]:
+    """(affine, G, GROUP constexpr, MODE) of int8 rows with K columns for tiles of ``block_k`` columns, or None where
+    the kernels do not take them (4-bit codes, a group that neither divides nor is divided by block_k)."""
+    bits, affine = row_format(codes, scales)
+    G = scales.shape[-1]
+    if bits != 8 or scales.dtype != torch.float32 or K % G:
+        return None
+    group = K // G
+    if G == 1 and not affine:
+        return affine, G, 0, 0
+    if G == 1 or group % block_k == 0:
+        return affine, G, group, 0
+    if block_k % group == 0:
+        return affine, G, group, 1
+    return None
+
+
+def tile_for(rows_per_expert: float) -> tuple:
+    """The ``TILES`` entry for an average of ``rows_per_expert`` (token, slot) rows an expert."""
+    for most, tile in TILES:
+        if most is None or rows_per_expert <= most:
+            return tile
+    raise AssertionError("TILES ends with a catch-all")
+
+
+def grouped_applies(hidden: torch.Tensor, rows, tile: Optional[tuple] = None) -> bool:
+    """Whether ``triton_grouped_forward`` takes this call: CUDA (or Triton's interpreter on CPU tensors), bf16 or
+    fp16 activations, int8 codes for w13 and w2 in a group the tile takes."""
+    if not triton_available() or hidden.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if not (hidden.is_cuda or (hidden.device.type == "cpu" and interpreting())):
+        return False
+    if rows.w13.dtype != torch.int8 or rows.w2.dtype != torch.int8:
+        return False
+    bk = (tile or tile_for(1.0))[2]
+    return (_grouped_format(rows.w13, rows.w13_scales, rows.w13.shape[2], bk) is not None
+            and _grouped_format(rows.w2, rows.w2_scales, rows.w2.shape[2], bk) is not None)
+
+
+def triton_grouped_forward(hidden: torch.Tensor, slots: torch.Tensor, topk_weights: torch.Tensor, rows,
+                           activation: str = "silu", tile: Optional[tuple] = None) -> torch.Tensor:
+    """hidden [T, H] bf16/fp16 (CUDA), slots [T, K] (index into the n residents, -1: not here), topk_weights [T, K],
+    rows: ``RowExperts`` with int8 codes -> [T, H] in hidden's dtype. ``tile``: (block_m, block_n, block_k,
+    num_warps, num_stages), ``tile_for`` the average rows an expert unless a benchmark compares others."""
+    if not triton_available():
+        raise RuntimeError("triton_grouped_forward: Triton is not installed")
+    if not hidden.is_cuda and not (hidden.device.type == "cpu" and interpreting()):
+        raise ValueError(f"triton_grouped_forward: the Triton kernels run on CUDA tensors, hidden is on "
+                         f"{hidden.device}")
+    if activation not in _ACT_CODES:
+        raise ValueError(f"triton_grouped_forward: activation must be one of {tuple(_ACT_CODES)}, got {activation!r}")
+    if hidden.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"triton_grouped_forward: hidden must be bf16 or fp16, got {hidden.dtype}")
+    if rows.w13.dtype != torch.int8 or rows.w2.dtype != torch.int8 or rows.w13.dim() != 3 or rows.w2.dim() != 3:
+        raise ValueError(f"triton_grouped_forward: int8 rows w13 [n, 2I, H] and w2 [n, H, I], got "
+                         f"{rows.w13.dtype} {tuple(rows.w13.shape)} and {rows.w2.dtype} {tuple(rows.w2.shape)} "
+                         "(4-bit rows: resident_rows' dequantizing path)")
+    n, two_i, H = rows.w13.shape
+    I = two_i // 2
+    T, K = slots.shape
+    if hidden.shape != (T, H) or rows.w2.shape != (n, H, I) or topk_weights.shape != (T, K):
+        raise ValueError(f"triton_grouped_forward: hidden [T, H={H}], slots/topk_weights [T, K], w2 [n={n}, H, I={I}];"
+                         f" got {tuple(hidden.shape)}, {tuple(slots.shape)}, {tuple(topk_weights.shape)}, "
+                         f"{tuple(rows.w2.shape)}")
+    if rows.w13_scales.shape[:2] != (n, two_i) or rows.w2_scales.shape[:2] != (n, H):
+        raise ValueError(f"triton_grouped_forward: scales [n, N, ...] for w13 [{n}, {two_i}] and w2 [{n}, {H}], got "
+                         f"{tuple(rows.w13_scales.shape)} and {tuple(rows.w2_scales.shape)}")
+    bm, bn, bk, nw, ns = tile or tile_for(T * K / n)
+    f13 = _grouped_format(rows.w13, rows.w13_scales, H, bk)
+    f2 = _grouped_format(rows.w2, rows.w2_scales, I, bk)
+    if f13 is None or f2 is None:
+        raise ValueError(f"triton_grouped_forward: scale groups of {H // rows.w13_scales.shape[-1]} (w13) and "
+                         f"{I // rows.w2_scales.shape[-1]} (w2) columns must divide or be divided by block_k={bk}")
+    x = hidden.contiguous()
+    s = slots.to(torch.int32).contiguous()
+    w = topk_weights.to(torch.float32).contiguous()
+    sorted_ids, block_expert = align_by_expert(s, n, bm)
+    R = T * K
+    dot_f32 = int(not hidden.is_cuda)  # Triton's interpreter (see _tile_product), whose casts to bf16 truncate: h
+    h = torch.empty(R, I, dtype=torch.float32 if dot_f32 else hidden.dtype, device=hidden.device)  # kept float32
+    y = torch.empty(R, H, dtype=torch.float32, device=hidden.device)
+    out = torch.empty(T, H, dtype=hidden.dtype, device=hidden.device)
+    blocks = block_expert.numel()
+    a13, G13, g13, m13 = f13
+    _gate_up_grouped[(blocks * -(-I // bn),)](x, sorted_ids, block_expert, rows.w13, rows.w13_scales, h, R, K, n, H,
+                                              I, G13, GROUP=g13, MODE=m13, AFFINE=int(a13),
+                                              ACT=_ACT_CODES[activation], DOT_F32=dot_f32, BLOCK_M=bm, BLOCK_N=bn,
+                                              BLOCK_K=bk, num_warps=nw, num_stages=ns)
+    a2, G2, g2, m2 = f2
+    _down_grouped[(blocks * -(-H // bn),)](h, sorted_ids, block_expert, w, rows.w2, rows.w2_scales, y, R, n, H, I, G2,
+                                           GROUP=g2, MODE=m2, AFFINE=int(a2), DOT_F32=dot_f32, BLOCK_M=bm,
+                                           BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
+    _sum_slots[(T, -(-H // BLOCK_SUM))](y, s, out, H, K, BLOCK=BLOCK_SUM)
+    return out
