@@ -38,8 +38,9 @@ import torch  # no "from __future__ import annotations": Triton reads the tl.con
 # int8, measured on an H200 (2026-11-26, benchmarks/bench_resident_decode.py: one Qwen3-30B-A3B layer, 128 int8
 # residents, scale per 32, top-8, in a CUDA graph; us a layer at T=1 / T=4): 8/256/4 24.7 / 63.9, 16/256/4
 # 27.2 / 66.6, 4/512/4 27.0, 16/512/8 26.0 / 68.7, 32/128/4 46.8 / 75.6.
-# 4-bit: not measured yet; 8/128/4 loads the same 256 columns a tile as int8's tile (half the bytes), so the grid,
-# the activation loads and the groups per tile are int8's (benchmarks/device_resident4.sh compares 8/256/4).
+# 4-bit (the same day and machine kind, `bench_resident_decode.py --formats int4 q4_k --tokens 1 4 --tiles 8/256/4`):
+# 8/128/4, which loads the same 256 columns a tile as int8's tile, int4 23.1 / 66.2 us against 8/256/4's 24.6 / 76.6,
+# Q4_K 26.4 against 29.3 at T=1 (the packed path: 422-434 us at T=1).
 TILES = {8: (8, 256, 4), 4: (8, 128, 4)}
 BLOCK_N, BLOCK_K, NUM_WARPS = TILES[8]  # 8*768/8 = 768 gate/up programs and 8*2048/8 = 2048 down programs at T=1
 _ACT_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
