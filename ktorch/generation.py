@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import inspect
 import threading
 import time
 import types
@@ -137,6 +138,16 @@ def sample_next(logits: torch.Tensor, sampling: Sampling, seen: Optional[torch.T
 # ---------------------------------------------------------------- the decode step
 
 
+def _cache_argument(model: nn.Module) -> str:
+    """The forward's name for the KV cache: ``cache`` (transformers >= 5.24, where ``past_key_values`` still works
+    with a FutureWarning until 5.40) or ``past_key_values`` (before)."""
+    name = getattr(type(model), "_kt_cache_argument", None)
+    if name is None:
+        name = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+        type(model)._kt_cache_argument = name
+    return name
+
+
 def _vocab_size(model: nn.Module) -> int:
     config = model.config
     return config.get_text_config().vocab_size if hasattr(config, "get_text_config") else config.vocab_size
@@ -180,8 +191,9 @@ class Decoder:
         self.deferred = 0  # the deferral the capture was made with
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        out = self.model(input_ids=ids, past_key_values=self.cache, cache_position=positions,
-                         position_ids=positions[None], use_cache=True, logits_to_keep=1)
+        cache = {_cache_argument(self.model): self.cache}
+        out = self.model(input_ids=ids, cache_position=positions, position_ids=positions[None], use_cache=True,
+                         logits_to_keep=1, **cache)
         return out.logits[0]  # [1, V]
 
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
