@@ -214,7 +214,7 @@ void expand_row_scalar(int kind, const void* src, const float* d, float* o, int6
 }
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define KT_EXPAND_VECTORS 1
+#define EXPAND_WITH_VECTORS 1
 __attribute__((target("avx512f"))) void expand_row_avx512(int kind, const void* src, const float* d, float* o,
                                                             int64_t n) {
   int64_t c = 0;
@@ -252,7 +252,7 @@ __attribute__((target("avx2,f16c"))) void expand_row_avx2(int kind, const void* 
 
 // The vector width this host takes (0: scalar); KT's kernel level does not matter here: the row is plain conversion.
 int expand_level() {
-#ifdef KT_EXPAND_VECTORS
+#ifdef EXPAND_WITH_VECTORS
   static const int level = __builtin_cpu_supports("avx512f") ? 2
                            : (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) ? 1
                                                                                                 : 0;
@@ -263,7 +263,7 @@ int expand_level() {
 }
 
 inline void expand_row(int level, int kind, const void* src, const float* d, float* o, int64_t n) {
-#ifdef KT_EXPAND_VECTORS
+#ifdef EXPAND_WITH_VECTORS
   if (level == 2) return expand_row_avx512(kind, src, d, o, n);
   if (level == 1) return expand_row_avx2(kind, src, d, o, n);
 #endif
