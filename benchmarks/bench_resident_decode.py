@@ -66,22 +66,31 @@ def _layer(fmt: str, n: int, H: int, I: int, seed: int = 0, distinct: int = 8) -
 
 
 def _reference(hidden, slots, weights, rows) -> torch.Tensor:
-    """float64 out [T, H] from the row layout's values (silu), one used expert at a time."""
+    """float64 out [T, H] from the row layout's values (silu), one used expert at a time, on hidden's device
+    (benchmarks/bench_resident_prefill.py uses it too)."""
     from ktorch.ops.resident_rows import dequantize_rows
 
-    def dense(q, s, e):  # [N, K]
-        return dequantize_rows(q[e:e + 1], s[e:e + 1], torch.float64)[0].transpose(0, 1)
-
     I = rows.w13.shape[1] // 2
-    out = torch.zeros(hidden.shape, dtype=torch.float64)
-    for t in range(slots.shape[0]):
-        x = hidden[t].double()
-        for k in range(slots.shape[1]):
-            e = int(slots[t, k])
-            gu = dense(rows.w13, rows.w13_scales, e) @ x
-            h = torch.nn.functional.silu(gu[:I]) * gu[I:]
-            out[t] += float(weights[t, k]) * (dense(rows.w2, rows.w2_scales, e) @ h)
+    x = hidden.double()
+    out = torch.zeros(hidden.shape, dtype=torch.float64, device=hidden.device)
+    for e in slots[slots >= 0].unique().tolist():
+        t, k = (slots == e).nonzero(as_tuple=True)
+        w13 = dequantize_rows(rows.w13[e:e + 1], rows.w13_scales[e:e + 1], torch.float64)[0]  # [H, 2I]
+        w2 = dequantize_rows(rows.w2[e:e + 1], rows.w2_scales[e:e + 1], torch.float64)[0]  # [I, H]
+        gu = x[t] @ w13
+        y = (torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]) @ w2
+        out.index_add_(0, t, y * weights[t, k].double()[:, None])
     return out
+
+
+def random_call(T: int, H: int, K: int, n: int) -> tuple:
+    """One call's CUDA inputs, seeded by T: hidden [T, H] bf16, slots [T, K] (K distinct residents of n a token),
+    weights [T, K]; and how many residents the slots use (also for benchmarks/bench_resident_prefill.py)."""
+    g = torch.Generator().manual_seed(T)
+    hidden = torch.randn(T, H, generator=g).to(torch.bfloat16).cuda()
+    slots = torch.stack([torch.randperm(n, generator=g)[:K] for _ in range(T)]).cuda()
+    weights = torch.rand(T, K, generator=g).cuda()
+    return hidden, slots, weights, slots.unique().numel()
 
 
 def _time_graph(fn, repeat: int, replays: int) -> float:
@@ -166,11 +175,7 @@ def main(argv=None) -> None:
         print(f"\n== {fmt}: {n} experts, H {H}, I {I}, top-{K}, {per_expert / 1e6:.2f} MB an expert "
               f"(codes, scales, minimums); built in {time.perf_counter() - t0:.1f} s")
         for T in args.tokens:
-            g = torch.Generator().manual_seed(T)
-            hidden = torch.randn(T, H, generator=g).to(torch.bfloat16).cuda()
-            slots = torch.stack([torch.randperm(n, generator=g)[:K] for _ in range(T)]).cuda()
-            weights = torch.rand(T, K, generator=g).cuda()
-            used = slots.unique().numel()
+            hidden, slots, weights, used = random_call(T, H, K, n)
             least = used * per_expert
             variants = {"packed": lambda: packed_experts_forward(hidden, slots, weights, packed, "silu", "gather")}
             if triton_available():

@@ -27,6 +27,8 @@ import time
 
 import torch
 
+from bench_resident_decode import _reference, random_call  # (benchmarks/ is on sys.path when run as a script)
+
 
 def _layer(n: int, H: int, I: int, group: int, distinct: int = 8, seed: int = 0) -> tuple:
     """Packed int8 experts (w13, w13_scales, w2, w2_scales): ``distinct`` random ones repeated to n (each expert
@@ -42,24 +44,6 @@ def _layer(n: int, H: int, I: int, group: int, distinct: int = 8, seed: int = 0)
         packed += [t.repeat(-(-n // d), *(1,) * (t.dim() - 1))[:n].contiguous()
                    for t in pack_quantized(codes, s, None, bits=8, gate_up=gate_up)]
     return tuple(packed)
-
-
-def _reference(hidden, slots, weights, rows) -> torch.Tensor:
-    """float64 out [T, H] (silu), one used expert at a time, on hidden's device."""
-    from ktorch.ops.resident_rows import dequantize_rows
-
-    T, K = slots.shape
-    I = rows.w13.shape[1] // 2
-    x = hidden.double()
-    out = torch.zeros(hidden.shape, dtype=torch.float64, device=hidden.device)
-    for e in slots[slots >= 0].unique().tolist():
-        t, k = (slots == e).nonzero(as_tuple=True)
-        w13 = dequantize_rows(rows.w13[e:e + 1], rows.w13_scales[e:e + 1], torch.float64)[0]  # [H, 2I]
-        w2 = dequantize_rows(rows.w2[e:e + 1], rows.w2_scales[e:e + 1], torch.float64)[0]  # [I, H]
-        gu = x[t] @ w13
-        y = (torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]) @ w2
-        out.index_add_(0, t, y * weights[t, k].double()[:, None])
-    return out
 
 
 def _time(fn, iters: int) -> float:
@@ -108,11 +92,7 @@ def main(argv=None) -> None:
     print(f"== {n} int8 experts resident, H {H}, I {I}, top-{K}, a scale per {args.group or 'channel'}, "
           f"{per_expert / 1e6:.2f} MB an expert; built in {time.perf_counter() - t0:.1f} s")
     for T in args.tokens:
-        g = torch.Generator().manual_seed(T)
-        hidden = torch.randn(T, H, generator=g).to(torch.bfloat16).cuda()
-        slots = torch.stack([torch.randperm(n, generator=g)[:K] for _ in range(T)]).cuda()
-        weights = torch.rand(T, K, generator=g).cuda()
-        used = slots.unique().numel()
+        hidden, slots, weights, used = random_call(T, H, K, n)
         least = used * per_expert
         tiles = [tile_for(T * K / n)] + [tuple(int(v) for v in t.split("/")) for t in args.tiles]
 
