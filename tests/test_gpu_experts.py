@@ -212,3 +212,51 @@ def test_packed_device_experts_equal_the_dense_ones(fmt, group_size, kernel, dty
     want = gpu_experts_forward(hidden, slots, weights, w13, w2, "silu", kernel)
     got = packed_experts_forward(hidden, slots, weights, packed.tensors(), "silu", kernel)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("fmt,group_size,affine", [("int8", None, False), ("int8", 32, True), ("int4", 32, False),
+                                                   ("int4", 32, True), ("bf16", None, False)],
+                         ids=["int8", "int8-affine", "int4", "int4-affine", "bf16"])
+@pytest.mark.parametrize("gate_up", [True, False], ids=["gate_up", "down"])
+def test_dequantize_packed_under_torch_compile_equals_eager(fmt, group_size, affine, gate_up):
+    """dequantize_packed traced by torch.compile (its functional form: the eager one writes into views of its output,
+    which AOT autograd could not trace) gives the eager weights bit for bit, for every packed format, affine ones
+    (scales and minimums) included, with the gate/up rows' interleave undone."""
+    from ktorch.ops.moe import pack_quantized
+    from ktorch.ops.streamed_experts import dequantize_packed
+
+    torch.manual_seed(0)
+    n, N, K = 3, 128, 64
+    if fmt == "bf16":
+        experts = (ktorch.pack_experts(torch.randn(n, N, K), torch.randn(n, K, N // 2), "bf16") if gate_up
+                   else ktorch.pack_experts(torch.randn(n, 2 * K, N), torch.randn(n, N, K), "bf16"))
+        packed, scales = experts.tensors()[:2] if gate_up else experts.tensors()[2:]
+    else:
+        bits = 8 if fmt == "int8" else 4
+        lo, hi = ((0, 15) if affine else (-8, 7)) if bits == 4 else ((0, 31) if affine else (-127, 127))
+        codes = torch.randint(lo, hi + 1, (n, N, K), dtype=torch.int8)
+        G = K // (group_size or K)
+        s = torch.rand(n, N, G) + 0.1
+        m = torch.rand(n, N, G) if affine else None
+        packed, scales = pack_quantized(codes, s, m, bits=bits, gate_up=gate_up)
+    want = dequantize_packed(packed, scales, gate_up, torch.bfloat16)
+    torch._dynamo.reset()  # each case traces anew (ten cases would pass Dynamo's recompile limit of one function)
+    got = torch.compile(dequantize_packed, backend="aot_eager", fullgraph=True)(packed, scales, gate_up,
+                                                                               torch.bfloat16)
+    assert got.shape == want.shape and torch.equal(got, want)
+
+
+def test_torch_compile_ktorch_backend_on_a_model_with_resident_experts():
+    """torch.compile(model, backend="ktorch") on a model whose experts are partly resident (what prepare places on a
+    GPU by default; the CPU stands in for the device here): decode-sized calls give the eager model's logits."""
+    from ktorch.gpu_memory import place_resident_experts
+
+    torch.manual_seed(0)
+    model = ktorch.prepare(tiny_model("qwen3_moe", dtype=torch.float32), device="cpu", experts_dtype="int8")
+    for module in moe_experts_modules(model):
+        place_resident_experts(module, 4, torch.device("cpu"))
+    ids = torch.randint(0, 256, (1, 5))
+    with torch.no_grad():
+        want = model(ids).logits
+        got = torch.compile(model, backend="ktorch")(ids).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)

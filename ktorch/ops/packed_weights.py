@@ -82,6 +82,32 @@ def mxfp4_as_int8(packed: torch.Tensor) -> torch.Tensor:
     return out.view(n, nb, 2 * ko, 16, 4)
 
 
+def _dequantize_functional(q, scales, mins, offset, gate_up, n, N, K, dtype, out):
+    """``dequantize_packed``'s values by functional ops (for torch.compile): q [n, N/16, 16, ...] codes in packed row
+    order -> [n, K, N], the same op per element as the eager path (so the same rounding)."""
+    inner = q.shape[3:]
+    if scales is None:
+        w = q.to(dtype)
+    else:
+        G = scales.shape[1]
+        s = scales.transpose(1, 2).reshape(n, N // 16, 16, G, *(1,) * len(inner))
+        q_groups = q.unflatten(3, (G, -1))
+        if offset:
+            w = torch.addcmul(s * offset, q_groups, s)
+        elif mins is not None:
+            w = torch.addcmul(-mins.transpose(1, 2).reshape(s.shape), q_groups, s)
+        else:
+            w = torch.mul(q_groups, s)
+        w = w.to(dtype).reshape(n, N // 16, 16, *inner)
+    if gate_up:  # packed row 64b + 32h + 16c + r is row h*N/2 + 32b + 16c + r
+        w = w.reshape(n, N // 64, 2, 2, 16, *inner).transpose(1, 2)
+    w = w.reshape(n, N, K)
+    if out is not None:
+        out.copy_(w)
+        w = out
+    return w.transpose(1, 2)
+
+
 def dequantize_packed(packed: torch.Tensor, scales: Optional[torch.Tensor], gate_up: bool,
                       dtype: torch.dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Packed experts (``kt.pack_*`` layout, any device) -> their weights transposed, [n, K, N] in ``dtype``.
@@ -115,21 +141,30 @@ def dequantize_packed(packed: torch.Tensor, scales: Optional[torch.Tensor], gate
     if scales is not None and scales.dim() == 4:  # affine (GGUF Q4_K/Q5_K kept exact): [n, 2, G, N] scales, minimums
         scales, mins = scales[:, 0], scales[:, 1]
     blocks = packed.permute(0, 1, 3, 2, 4)  # [n, N/16, 16, K/per, per]: rows in packed order, K along each row
+    # Under torch.compile the same values come from functional ops (out= writes into views of out did not trace:
+    # AOT autograd's functionalization failed to view the permuted blocks), then one reshape into [n, N, K].
+    compiling = torch.compiler.is_compiling()
     if packed.dtype == torch.uint8:  # int4: low nibbles are k 8o..8o+3, high nibbles 8o+4..8o+7, stored + 8
         K = packed.shape[2] * 8
-        q = torch.empty(*blocks.shape[:4], 2, 4, dtype=torch.uint8, device=packed.device)  # [.., K/8, 2, 4]
-        torch.bitwise_and(blocks, 0xF, out=q[..., 0, :])
-        torch.bitwise_right_shift(blocks, 4, out=q[..., 1, :])
+        if compiling:
+            q = torch.stack([torch.bitwise_and(blocks, 0xF), torch.bitwise_right_shift(blocks, 4)], dim=-2)
+        else:
+            q = torch.empty(*blocks.shape[:4], 2, 4, dtype=torch.uint8, device=packed.device)  # [.., K/8, 2, 4]
+            torch.bitwise_and(blocks, 0xF, out=q[..., 0, :])
+            torch.bitwise_right_shift(blocks, 4, out=q[..., 1, :])
         offset = -8.0 if mins is None else 0.0  # affine codes are the nibbles themselves
     else:  # bf16, int8: read in place, as [n, N/16, 16, K/per, per] blocks (rows in packed order)
         per = packed.shape[4]
         K = packed.shape[2] * per
         q, offset = blocks, 0.0
-    if out is None:
-        out = torch.empty(n, N, K, dtype=dtype, device=packed.device)
-    elif out.shape != (n, N, K) or out.dtype != dtype or out.device != packed.device or not out.is_contiguous():
+    if out is not None and (out.shape != (n, N, K) or out.dtype != dtype or out.device != packed.device
+                            or not out.is_contiguous()):
         raise ValueError(f"dequantize_packed: out must be a contiguous [{n}, {N}, {K}] {dtype} tensor on "
                          f"{packed.device}, got {tuple(out.shape)} {out.dtype} on {out.device}")
+    if compiling:
+        return _dequantize_functional(q, scales, mins, offset, gate_up, n, N, K, dtype, out)
+    if out is None:
+        out = torch.empty(n, N, K, dtype=dtype, device=packed.device)
     # out's rows seen in q's shape with the rows in packed order, so that one elementwise pass writes them where
     # they belong: [n, N/16, 16, K/per, per]; gate/up rows 64b + 32h + 16c + r go to row h*N/2 + 32b + 16c + r
     inner = q.shape[3:]  # (K/per, per), or (K/8, 2, 4) for int4
