@@ -222,6 +222,26 @@ def test_cuda_compiled_greedy_generate_matches_eager(family, dtype, cuda_graphs)
 
 
 @needs_cuda
+@pytest.mark.parametrize("dtype", ["bf16", "int8"])
+def test_cuda_compiled_greedy_generate_with_default_residents_matches_eager(dtype):
+    """On the GPU with prepare's default placement (gpu_memory auto: every expert of the tiny model resident, int8
+    ones as Triton rows): greedy tokens with the decode step compiled by the ktorch backend under CUDA graphs against
+    the same model decoding eagerly (and, for bf16 experts, its logits against HF eager). Before session 29,
+    torch.compile on residents was traced only on the CPU stand-in (test_gpu_experts)."""
+    torch._dynamo.reset()
+    model = tiny_model("qwen3_moe", dtype=torch.bfloat16)
+    prepared = ktorch.prepare(copy.deepcopy(model), device="cuda", experts_dtype=dtype)  # the default: residents
+    assert any(getattr(m, "kt_gpu_packed", None) is not None for m in moe_experts_modules(prepared))
+    model = model.to("cuda")
+    prompt = torch.randint(0, 256, (1, PROMPT), device="cuda")
+    if dtype == "bf16":  # the experts hold HF's own values: the eager prepared model against HF eager first
+        assert_logits_match(model, prepared, torch.bfloat16, prompt)
+    # the prepared model decoding eagerly, then with the step compiled by the ktorch backend under CUDA graphs
+    assert_greedy_matches(prepared, prepared, torch.bfloat16, prompt,
+                          compile_config=compile_config(mode="reduce-overhead"))
+
+
+@needs_cuda
 def test_cuda_graph_decode_step_costs_no_host_wait():
     """Under CUDA graphs a replayed decode step enqueues the experts through host functions: the launching
     thread neither submits nor waits in Python."""
