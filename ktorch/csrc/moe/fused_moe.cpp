@@ -296,6 +296,21 @@ const float* expand_kscales(const PackedMatrix& m, const void* scales, int64_t e
   return buf.data();
 }
 
+// A kernel call's weight scales (and minimums) for columns [c0, c0 + n) of expert e: pointers into the float32
+// scales, or (scales at the file's size) the expanded form in this thread's buffer.
+void set_b_scales(kernels::GemmArgs& a, const PackedMatrix& m, const float* scales, int64_t e, int64_t c0,
+                  int64_t n) {
+  if (m.sub_kind != 0) {
+    a.b_scale = expand_kscales(m, scales, e, c0, n);
+    a.b_scale_group_stride = n;
+    if (m.affine) a.b_min = a.b_scale + m.groups * n;
+  } else {
+    a.b_scale = scales + e * m.scale_expert_stride() + c0;
+    a.b_scale_group_stride = m.N;
+    if (m.affine) a.b_min = a.b_scale + m.min_offset();
+  }
+}
+
 // What the driver does between the gate/up kernel calls and h (and to the down calls' output). The kernels' GLU
 // computes act(gate) * up for the first four activations; the rest, biases and gateless experts run in
 // Part::Glu::run_epilogue, scalar C++ the compiler may vectorize (its cost beside the kernels' GLU is not measured
@@ -919,16 +934,7 @@ class Part {
         a.a_gsum = a_gsum;
         a.a_gsum_stride = s.x_groups;
         a.group_size = s.up.group_size();
-        if (s.up.sub_kind != 0) {
-          const int64_t n = 16 * blocks_of(g);
-          a.b_scale = expand_kscales(s.up, s.up_scales, ch.e, 64 * g, n);
-          a.b_scale_group_stride = n;
-          if (s.up.affine) a.b_min = a.b_scale + s.up.groups * n;
-        } else {
-          a.b_scale = s.up_scales + ch.e * s.up.scale_expert_stride() + 64 * g;
-          a.b_scale_group_stride = s.up.N;
-          if (s.up.affine) a.b_min = a.b_scale + s.up.min_offset();
-        }
+        set_b_scales(a, s.up, s.up_scales, ch.e, 64 * g, 16 * blocks_of(g));
         a.b_codes = s.up.codes;
       }
       a.b = up_group(ch.e, g);
@@ -1051,16 +1057,7 @@ class Part {
             a.a_gsum = hg_.data_ptr<int32_t>() + p0 * s.down.groups;
             a.a_gsum_stride = s.down.groups;
             a.group_size = s.down.group_size();
-            if (s.down.sub_kind != 0) {
-              const int64_t n = 16 * std::min<int64_t>(kernels::kMaxBlocks, b1 - cb);
-              a.b_scale = expand_kscales(s.down, s.down_scales, e, 16 * cb, n);
-              a.b_scale_group_stride = n;
-              if (s.down.affine) a.b_min = a.b_scale + s.down.groups * n;
-            } else {
-              a.b_scale = s.down_scales + e * s.down.scale_expert_stride() + 16 * cb;
-              a.b_scale_group_stride = s.down.N;
-              if (s.down.affine) a.b_min = a.b_scale + s.down.min_offset();
-            }
+            set_b_scales(a, s.down, s.down_scales, e, 16 * cb, 16 * std::min<int64_t>(kernels::kMaxBlocks, b1 - cb));
             a.b_codes = s.down.codes;
           }
           a.b = down_block_at(e, cb);

@@ -206,9 +206,11 @@ numa_split_experts(const at::Tensor& w13_in, const std::optional<at::Tensor>& s1
   TORCH_CHECK(w2_in.size(0) == E && w2_in.size(2) * f.k_per_index == I, "numa_split_experts: w2 ", w2_in.sizes(),
               " does not match w13 ", w13_in.sizes(), " (E=", E, ", I=", I, ")");
   int64_t unit = 32;
+  // scales at the file's size (two-level K-quant, float16): the slices hold the float32 form (expanded once here,
+  // exactly)
+  const at::Tensor s13 = quantized ? kscales_as_float(*s13_in, H).contiguous() : at::Tensor();
+  const at::Tensor s2 = quantized ? kscales_as_float(*s2_in, I).contiguous() : at::Tensor();
   if (quantized) {
-    // two-level K-quant scales: the slices hold the float32 form (expanded once here, exactly)
-    const at::Tensor s13 = kscales_as_float(*s13_in, H), s2 = kscales_as_float(*s2_in, I);
     TORCH_CHECK(s13.scalar_type() == at::kFloat && s13.dim() == 3 && s13.size(0) == E && s13.size(2) == 2 * I,
                 "numa_split_experts: w13_scales must be float32 [E=", E, ", G, 2I=", 2 * I, "], got ", s13.scalar_type(),
                 " ", s13.sizes());
@@ -221,8 +223,6 @@ numa_split_experts(const at::Tensor& w13_in, const std::optional<at::Tensor>& s1
   }
   const std::vector<int64_t> b = slice_bounds(I, unit, n, f.name);
   const at::Tensor w13 = w13_in.contiguous(), w2 = w2_in.contiguous();
-  const at::Tensor s13 = quantized ? kscales_as_float(*s13_in, H).contiguous() : at::Tensor();
-  const at::Tensor s2 = quantized ? kscales_as_float(*s2_in, I).contiguous() : at::Tensor();
   std::vector<at::Tensor> w13s(n), s13s(quantized ? n : 0), w2s(n), s2s(quantized ? n : 0);
   runtime::NumaGroups& groups = runtime::NumaGroups::for_split(static_cast<int>(n));
   groups.run([&](int g) {
