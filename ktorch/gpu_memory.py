@@ -21,8 +21,8 @@
 
 ``ktorch.prepare(..., gpu_memory="24GiB")`` / ``--gpu-memory 24GiB``; the default on a CUDA device, ``"auto"``: the
 device's free memory (plus what the model already holds) minus ``FREE_MARGIN`` (measured against ``off``, every
-expert in host memory, on the 48-layer Qwen3-30B-A3B-shaped Q8_0 file, H200: prefill 2060 vs 1238 tok/s, decode
-130.7 vs 25.2 tok/s at 512 prompt tokens, 2026-11-26). ``"off"``: no budget, no residents. ``ktorch
+expert in host memory, on the 48-layer Qwen3-30B-A3B-shaped Q8_0 file, H200: prefill 3007 vs 1224 tok/s, decode
+124.7 vs 34.3 tok/s at 512 prompt tokens, 2026-11-26; benchmarks/RESULTS.md section 2). ``"off"``: no budget, no residents. ``ktorch
 serve`` gives its paged KV pool's bytes as the reserve (``reserve=``, ktorch/serve/engine.py ``kv_pool_for``),
 so residents never take the pool's memory. ``model.kt_gpu_memory`` keeps the ``GpuMemoryPlan``; its ``summary()``
 is what the CLI prints.
@@ -203,14 +203,14 @@ def plan_gpu_memory(model: nn.Module, modules: list, budget: Optional[int], devi
 
 
 def _copy_runs(source: torch.Tensor, ids: list, out: torch.Tensor) -> torch.Tensor:
-    """``out[j] = source[ids[j]]``, one non-blocking copy per run of consecutive ids; returns ``out``."""
+    """``out[j] = source[ids[j]]``, one non-blocking copy per run of consecutive ids (``contiguous_runs``, as the
+    prefill split copies); returns ``out``."""
+    from ktorch.ops.routed_experts import contiguous_runs
+
     j = 0
-    while j < len(ids):
-        k = j + 1
-        while k < len(ids) and ids[k] == ids[k - 1] + 1:
-            k += 1
-        out[j:k].copy_(source[ids[j]:ids[j] + k - j], non_blocking=True)
-        j = k
+    for first, end in contiguous_runs(ids):
+        out[j:j + end - first].copy_(source[first:end], non_blocking=True)
+        j += end - first
     return out
 
 
@@ -416,7 +416,8 @@ class ResidentSwaps:
     def __init__(self, prefill_hits: tuple):
         self.swapped, self.seconds, self.prefill_hits = 0, 0.0, prefill_hits
         self._flips: list = []
-        self._event = None
+        self._event = None  # recorded on the side stream after the copies (CUDA), with its device
+        self._event_device = None
 
     @property
     def pending(self) -> bool:

@@ -376,6 +376,7 @@ class ServeEngine:
         self.resident_swaps = 0  # resident experts swapped toward the prompts' routing (_follow_routing)
         self._resident_counted = [0, 0]  # (hits, rows) counted before the counters' last reset by a swap
         self._resident_lock = threading.Lock()
+        self._routed = None  # _follow_routing's routed layer (False: none)
         self._hooks = []
         self._ready = threading.Event()  # set by the generation thread once its processor (and graphs) are made
         self._warming_up = False
@@ -640,14 +641,17 @@ class ServeEngine:
     def _follow_routing(self, tokens: int, stream) -> None:
         """After an eager step of at least ``RoutedExperts.min_tokens`` tokens (prompt chunks: the routed layers
         counted their routing, ktorch/ops/routed_experts.py) the resident experts follow it, as ``ktorch.generate``
-        has them follow each prompt's: swapped in place where the gain passes ``MIN_GAIN``
-        (``update_resident_experts``), on the compute stream, so captured graphs (which read the same buffers) stay
-        valid and the next step sees the new ones. The hit counters it resets are kept in ``_resident_counted``."""
+        has them follow each prompt's: swapped in place where the gain passes the swap policy's thresholds
+        (``update_resident_experts``, ``resident_swap_pairs``), on the compute stream, so captured graphs (which read
+        the same buffers) stay valid and the next step sees the new ones. The hit counters it resets are kept in
+        ``_resident_counted``."""
         plan = getattr(self.model, "kt_gpu_memory", None)
         if plan is None or not plan.resident_per_layer:
             return
-        routed = next((m.kt_routed for m in self.model.modules() if getattr(m, "kt_routed", None) is not None), None)
-        if routed is None or tokens < routed.min_tokens:
+        if self._routed is None:  # the first routed layer, found once (the placement is fixed while serving)
+            self._routed = next((m.kt_routed for m in self.model.modules()
+                                 if getattr(m, "kt_routed", None) is not None), False)
+        if not self._routed or tokens < self._routed.min_tokens:
             return
         import contextlib
 
