@@ -341,3 +341,23 @@ def test_streamed_dequantize_matches_unpack(types):
     packed, gate_up, down = exact_experts(3, 256, 256, types)
     assert torch.equal(dequantize_packed(packed.w13, packed.w13_scales, True, torch.float32), gate_up.transpose(1, 2))
     assert torch.equal(dequantize_packed(packed.w2, packed.w2_scales, False, torch.float32), down.transpose(1, 2))
+
+
+def test_pack_kscales_and_kscales_as_float_refuse_bad_shapes():
+    """pack_kscales and kscales_as_float name what is wrong with two-level scales they cannot read."""
+    sub, sup = torch.randint(0, 64, (2, 64, 8), dtype=torch.uint8), torch.rand(2, 64, 1)
+    with pytest.raises(ValueError, match="pack_kscales: expected sub uint8/int8"):
+        pack_kscales(sub.float(), sup)
+    with pytest.raises(ValueError, match="pack_kscales: expected sub uint8/int8"):
+        pack_kscales(sub[:, :, :7], torch.rand(2, 64, 2))  # S does not divide G
+    with pytest.raises(ValueError, match="sub_mins and super_mins must both be None"):
+        pack_kscales(sub, sup, sub_mins=sub)
+    with pytest.raises(ValueError, match="N=48 must be a multiple of 64"):
+        pack_kscales(sub[:, :48], sup[:, :48], gate_up=True)
+    packed = pack_kscales(sub, sup)  # [2, 8 + 4, 64] for K = 256
+    assert torch.equal(kscales_as_float(packed, 256), sup.repeat_interleave(8, dim=2).transpose(1, 2) *
+                       sub.transpose(1, 2).float())
+    with pytest.raises(ValueError, match="kscales_as_float: two-level scales must be"):
+        kscales_as_float(packed, 1024)  # K/64 = 16 super-scale rows: more than the tensor's 12 rows
+    with pytest.raises(ValueError, match="kscales_as_float: two-level scales must be"):
+        kscales_as_float(packed, 200)  # K not a multiple of 256

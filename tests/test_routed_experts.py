@@ -339,6 +339,8 @@ def test_swapping_residents_mid_run_keeps_results():
         swap_resident_experts(m0, [5], [6])
     with pytest.raises(ValueError, match="expert 4 is not resident"):
         swap_resident_experts(m0, [3], [4])
+    with pytest.raises(ValueError, match=r"repeated experts in \[3, 3\]"):
+        swap_resident_experts(m0, [3, 3], [5, 6])
 
 
 def test_resident_hits_count_rows_on_residents():
