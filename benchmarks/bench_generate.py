@@ -136,7 +136,7 @@ def ab_compile(args) -> None:
     import ktorch.generation as generation
     from ktorch.compile.experts_runtime import ExpertsRuntime
 
-    model, _ = ktorch.load(args.gguf, device="cuda", gpu_memory="off")  # the CPU experts' host functions are timed
+    model, _ = ktorch.load(args.gguf, device="cuda", gpu_memory=args.ab_gpu_memory)
     ids = torch.tensor([[b for b in prompt_of(args.prompts[0]).encode()]])
 
     compiled = generation.compiled_layers
@@ -163,14 +163,18 @@ def ab_compile(args) -> None:
         if args.profile_steps:
             model.kt_decoder = None
             ktorch.generate(model, ids, 4)
-            profile_steps(model.kt_decoder, args.profile_steps, f"d={d} default")
+            profile_steps(model.kt_decoder, args.profile_steps, f"d={d} default", args.profile_trace)
     set_variant("default")
+    for length in args.prompts[1:] if args.profile_steps else ():  # the step after longer prompts (its attention)
+        model.kt_decoder = None
+        ktorch.generate(model, torch.tensor([[b for b in prompt_of(length).encode()]]), 4)
+        profile_steps(model.kt_decoder, args.profile_steps, f"after a {length}-token prompt")
     for (d, variant), rows in results.items():
         print(f"d={d} {variant}: decode median {statistics.median(r[0] for r in rows):.1f} tok/s, capture median "
               f"{statistics.median(r[1] for r in rows):.2f} s ({len(rows)} runs)")
 
 
-def profile_steps(decoder, steps: int, label: str) -> None:
+def profile_steps(decoder, steps: int, label: str, trace: str = None) -> None:
     """Replays the decoder's captured step ``steps`` times: wall ms per step, then again under torch.profiler for
     the GPU's kernel and copy time per step, and the CPU experts' time per step (native timeline)."""
     import time as _time
@@ -208,7 +212,9 @@ def profile_steps(decoder, steps: int, label: str) -> None:
           f"({len(timeline) / steps:.0f} calls); GPU kernels {kernel_us / steps / 1e3:.2f} ms/step "
           f"({kernels / steps:.0f} kernels); copies {copy_us / steps / 1e3:.2f} ms/step ({copies / steps:.0f})",
           flush=True)
-    top = sorted(prof.key_averages(), key=lambda k: -k.device_time_total)[:12]
+    if trace:
+        prof.export_chrome_trace(trace)
+    top = sorted(prof.key_averages(), key=lambda k: -k.device_time_total)[:25]
     for k in top:
         print(f"    {k.device_time_total / steps:8.1f} us/step  x{k.count / steps:5.1f}  {k.key[:90]}")
 
@@ -344,6 +350,9 @@ def main(argv=None) -> None:
                    "the captured step's decoder layers compiled (the default) and eager, per deferral in --deferred; "
                    "prints decode tok/s and capture s of each, then --profile-steps replays profiled")
     p.add_argument("--profile-steps", type=int, default=0)
+    p.add_argument("--profile-trace", default=None, help="--ab-compile: the profiled replays as a Chrome trace")
+    p.add_argument("--ab-gpu-memory", default="auto", help="--ab-compile: the model's GPU memory option (off: the "
+                   "CPU experts' host functions are timed; auto, the default: every expert resident where it fits)")
     p.add_argument("--deferred", type=int, nargs="+", default=[0, 3])
     p.add_argument("--breakdown", type=int, default=0, metavar="RUNS",
                    help="experiment: per --ktorch-args set, one process (loaded as ktorch generate loads, its warm-up "
