@@ -139,8 +139,12 @@ def ab_compile(args) -> None:
     model, _ = ktorch.load(args.gguf, device="cuda", gpu_memory=args.ab_gpu_memory)
     ids = torch.tensor([[b for b in prompt_of(args.prompts[0]).encode()]])
 
+    from ktorch import decode_attention
+    from ktorch.ops import triton_experts
+
     compiled = generation.compiled_layers
     submit = ExpertsRuntime._submit
+    flex_applies, route_applies = decode_attention.applies, triton_experts.route_applies
     results: dict = {}
 
     def set_variant(variant: str) -> None:
@@ -149,11 +153,15 @@ def ab_compile(args) -> None:
             else compiled
         ExpertsRuntime._submit = (lambda self, *a, join_now=False, **k: submit(self, *a, join_now=False, **k)) \
             if variant == "two host functions" else submit
+        # SDPA over the whole cache instead of the flex attention over its filled blocks (ktorch/decode_attention.py)
+        decode_attention.applies = (lambda *a: "A/B") if variant == "sdpa attention" else flex_applies
+        # the resident split's ATen ops instead of its one Triton kernel
+        triton_experts.route_applies = (lambda ids: False) if variant == "aten route" else route_applies
 
     for d in args.deferred:
         ktorch.set_deferred_experts(model, d)
         for _ in range(args.ab_compile):
-            for variant in ("default", "eager layers", "two host functions"):
+            for variant in args.ab_variants:
                 set_variant(variant)
                 model.kt_decoder = None
                 t = ktorch.generate(model, ids, args.gen).timings
@@ -350,6 +358,9 @@ def main(argv=None) -> None:
                    "the captured step's decoder layers compiled (the default) and eager, per deferral in --deferred; "
                    "prints decode tok/s and capture s of each, then --profile-steps replays profiled")
     p.add_argument("--profile-steps", type=int, default=0)
+    p.add_argument("--ab-variants", nargs="+", default=["default", "eager layers", "two host functions"],
+                   choices=["default", "eager layers", "two host functions", "sdpa attention", "aten route"],
+                   help="--ab-compile: the variants alternated (default: the captured step as generate makes it)")
     p.add_argument("--profile-trace", default=None, help="--ab-compile: the profiled replays as a Chrome trace")
     p.add_argument("--ab-gpu-memory", default="auto", help="--ab-compile: the model's GPU memory option (off: the "
                    "CPU experts' host functions are timed; auto, the default: every expert resident where it fits)")
