@@ -63,9 +63,28 @@ def applies(model: nn.Module, device: torch.device) -> Optional[str]:
     return None
 
 
+# The query's position as the mask reads it: one tensor per process (re-made on another device), which every
+# decoder's step copies its own position into. The mask function is then one module-level function over one tensor,
+# so a new decoder (a new capture of the same model) compiles nothing anew: Dynamo guards a mask function's identity
+# and the tensors it closes over.
+_POSITION: Optional[torch.Tensor] = None
+
+
+def _position_on(device: torch.device) -> torch.Tensor:
+    global _POSITION
+    if _POSITION is None or _POSITION.device != device:
+        _POSITION = torch.zeros(1, dtype=torch.long, device=device)
+    return _POSITION
+
+
+def _causal(b, h, q, kv):
+    return kv <= _POSITION[0]  # the one query sits at the step's position and sees the keys up to it
+
+
 class DecodeAttention:
     """The block mask of one static cache of ``max_len`` positions (a multiple of ``BLOCK``), for the query at
-    ``position`` (the decoder's [1] device tensor, read by the mask at each call: a replay sees its new value)."""
+    ``position`` (the decoder's [1] device tensor; ``update`` copies it for the mask and sets the block count, on
+    the device, so a replay sees each step's value)."""
 
     def __init__(self, max_len: int, position: torch.Tensor):
         from torch.nn.attention.flex_attention import BlockMask
@@ -78,17 +97,19 @@ class DecodeAttention:
         device = position.device
         blocks = max_len // BLOCK
         self.position = position
+        self.mask_position = _position_on(device)
         self.kv_num_blocks = torch.ones(1, 1, 1, dtype=torch.int32, device=device)
         kv_indices = torch.arange(blocks, dtype=torch.int32, device=device).view(1, 1, 1, blocks)
-
-        def causal(b, h, q, kv):  # the query sits at ``position`` and sees the keys up to it
-            return kv <= position[0]
-
-        self.block_mask = BlockMask.from_kv_blocks(self.kv_num_blocks, kv_indices, BLOCK_SIZE=BLOCK, mask_mod=causal,
+        self.block_mask = BlockMask.from_kv_blocks(self.kv_num_blocks, kv_indices, BLOCK_SIZE=BLOCK, mask_mod=_causal,
                                                    seq_lengths=(1, max_len))
 
     def update(self) -> None:
-        """The step's block count from its position (device ops, no host sync: captured with the step)."""
+        """The step's position for the mask and its block count (device ops, no host sync: captured with the
+        step)."""
+        if self.mask_position is not _POSITION:  # another decoder on another device re-made it since
+            raise RuntimeError("ktorch: this decode attention's position tensor was replaced (a decoder on another "
+                               "device); make the decoder again")
+        self.mask_position.copy_(self.position)
         torch.add(torch.div(self.position, BLOCK, rounding_mode="floor"), 1, out=self.kv_num_blocks.view(1))
 
 

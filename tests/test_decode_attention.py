@@ -106,3 +106,24 @@ def _decode(model, decoder, state, prompt, tokens, flex, out):
                 out.append(decoder._forward(t.view(1, 1), position, kt_decode=state).float())
         else:
             out.append(decoder._forward(t.view(1, 1), position).float())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the captured decode step)")
+def test_cuda_captured_generate_takes_it_and_matches_sdpa(monkeypatch):
+    """On CUDA, ktorch.generate's captured step takes the flex attention (its decoder holds the block mask) and
+    decodes, past a block edge, the greedy tokens of the same captured step on SDPA (a float32 model: rounding far
+    below the logits' gaps)."""
+    import ktorch
+
+    torch.manual_seed(0)
+    model = tiny_model("qwen3_moe", dtype=torch.float32, attn_implementation="sdpa")
+    model.generation_config.eos_token_id = None
+    ktorch.prepare(model, device="cuda", experts_dtype="bf16", gpu_memory="off")
+    ids = torch.randint(0, 256, (1, 100), generator=torch.Generator().manual_seed(3))
+    flex = ktorch.generate(model, ids, 60)
+    assert model.kt_decoder.attention is not None and flex.timings.cuda_graphs
+    model.kt_decoder = None
+    monkeypatch.setattr(decode_attention, "applies", lambda *args: "off for the comparison")
+    sdpa = ktorch.generate(model, ids, 60)
+    assert model.kt_decoder.attention is None
+    assert flex.ids == sdpa.ids
