@@ -143,14 +143,14 @@ def test_wait_kernel_waits_for_a_split_calls_deferred_part():
 
 @needs_kernels
 def test_wait_kernel_gives_up_and_sets_the_error_flag():
-    """A call that never finishes (no doorbell rung: the worker never runs it) ends the spin after max_polls loads,
+    """A call that never finishes (no doorbell rung: the worker never runs it) ends the spin after its limit,
     with the call's number in the error flag; the runtime's check then raises instead of using the output."""
     staging, layer, _ = make_task(5)
     counter, error = device_words()
     task = _GpuHandoffTask(staging, layer, counter, error)
     counter.fill_(41)
     task.seq.fill_(42)  # what a ring would have written, without the doorbell
-    gpu_handoff.wait(task.seq, task.words, 1, error, max_polls=20)
+    gpu_handoff.wait(task.seq, task.words, 1, error, limit_ns=20_000)  # 20 us (20 loads without the GPU's timer)
     if DEV == "cuda":
         torch.cuda.synchronize()
     assert int(error) == 42 and int(task.words[1]) == 0
@@ -167,8 +167,8 @@ def test_wait_arguments_are_checked():
     words = gpu_handoff.new_words()
     with pytest.raises(ValueError, match="part must be 1 \\(done\\) or 2"):
         gpu_handoff.wait(counter, words, 0, error)
-    with pytest.raises(ValueError, match="max_polls must be >= 1"):
-        gpu_handoff.wait(counter, words, 1, error, max_polls=0)
+    with pytest.raises(ValueError, match="limit_ns must be >= 1000"):
+        gpu_handoff.wait(counter, words, 1, error, limit_ns=999)
 
 
 @pytest.mark.skipif(not (CUDA and gpu_handoff.available() and not interpreting()), reason="needs a CUDA GPU")
@@ -179,6 +179,29 @@ def test_pageable_words_are_refused_by_the_launcher():
     seq = torch.zeros(1, dtype=torch.int64, device="cuda")
     with pytest.raises(ValueError, match="cannot be accessed from Triton"):
         gpu_handoff.ring(counter, seq, torch.zeros(3, dtype=torch.int64))
+
+
+@pytest.mark.skipif(gpu_handoff.triton is None or interpreting(),
+                    reason="needs Triton, not its interpreter (which makes the kernels Python functions)")
+def test_kernels_compile_for_the_gpu_with_system_memory_accesses():
+    """The CUDA path, compiled for sm_90 here without a GPU (Triton's own compiler and ptxas): the wait polls with
+    volatile loads and reads the global timer, the doorbell is written through to system memory and fenced at
+    system scope, the error flag written through."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    def ptx(fn, signature, constexprs):
+        src = ASTSource(fn, signature={**signature, **{k: "constexpr" for k in constexprs}}, constexprs=constexprs)
+        return gpu_handoff.triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1}).asm["ptx"]
+
+    pointers = {"counter_ptr": "*i64", "seq_ptr": "*i64", "words_ptr": "*i64"}
+    ring = ptx(gpu_handoff._ring_kernel, pointers, {"FENCE": True})
+    assert "st.global.wt.b64" in ring and "membar.sys" in ring
+    wait_sig = {"seq_ptr": "*i64", "words_ptr": "*i64", "error_ptr": "*i64", "limit": "i64"}
+    for clock in (True, False):
+        wait = ptx(gpu_handoff._wait_kernel, wait_sig, {"PART": 2, "CLOCK": clock})
+        assert "ld.volatile.global.b64" in wait and "st.global.wt.b64" in wait
+        assert ("%globaltimer" in wait) == clock
 
 
 # ---------------------------------------------------------------- CUDA graphs

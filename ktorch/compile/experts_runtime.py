@@ -368,8 +368,8 @@ class ExpertsRuntime:
         self._joined_through.clear()
 
     def check_handoff(self) -> None:
-        """Raises if a GPU wait kernel of a captured step gave up on its CPU experts call (gpu_handoff.MAX_POLLS
-        loads of its done word, about 1-4 s): the steps replayed since read a result that was not complete. Reads
+        """Raises if a GPU wait kernel of a captured step gave up on its CPU experts call (after
+        gpu_handoff.LIMIT_NS, 2 s): the steps replayed since read a result that was not complete. Reads
         pinned memory: call it after synchronizing with the steps it covers (generate does, per token)."""
         error = self._handoff_error
         if error is not None and int(error[0]) != 0:
