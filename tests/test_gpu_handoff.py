@@ -270,6 +270,7 @@ def test_graph_with_gpu_handoff_equals_host_functions(d):
                 got.append(out.clone())
             torch.cuda.synchronize()
         runtime.check_handoff()
+        assert torch.equal(got[0], eager)  # the first replay's inputs are the eager call's
         tasks = [s.host_functions for site in runtime._sites.values() for s in site.staging.values()]
         assert tasks and all(isinstance(t, _GpuHandoffTask if handoff else _NativeHostFunctions) for t in tasks)
         results[handoff] = (eager, got)
