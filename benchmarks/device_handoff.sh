@@ -6,7 +6,7 @@
 #   1. tests (limit 45 s): tests/test_gpu_handoff.py on CUDA (the kernels against the real worker, the bounded
 #      spin's error flag, pageable words refused; a CUDA graph of 6 layers' submit/wait with the handoff equal bit for
 #      bit to the host-function graph over 20 replays, d = 0 and deferral d = 2; ktorch.generate's captured tokens
-#      equal the eager ones both ways, deferred 0 and 1; the kernels' PTX) and tests/test_host_tasks.py's handoff and
+#      equal the eager ones both ways, deferred 0 and 1; the kernels' PTX; a failing self-test falls back) and tests/test_host_tasks.py's handoff and
 #      start/join tests (the worker's protocol). Prints pytest's summary and the failures.
 #   2. a random 12-layer Qwen3-30B-A3B-shaped Q8_0 file (/tmp/h12.gguf, bench_generate.py --write-layers 12, ~8 GB,
 #      ~25 s, limit 35 s; kept if present).
@@ -32,7 +32,7 @@ python3 -c "import torch, triton, ktorch; print('torch', torch.__version__, 'tri
 
 echo "== 1. tests (limit 45 s)"
 timeout -k 5 45 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_handoff.py tests/test_host_tasks.py \
-  -k "handoff or wait_kernel or ring or kernels_compile or pageable or graph_with or generate_through or start_join" \
+  -k "handoff or wait_kernel or ring or kernels_compile or pageable or graph_with or generate_through or start_join or self_test" \
   >"$OUT/tests.log" 2>&1
 echo "   rc $? ($(($(date +%s) - START)) s)"
 grep -E "passed|failed|error" "$OUT/tests.log" | tail -3

@@ -310,3 +310,28 @@ def test_generate_through_the_gpu_handoff_gives_the_eager_tokens(deferred):
     finally:
         RUNTIME.gpu_handoff = before
     RUNTIME.check_handoff()
+
+
+@needs_cuda
+def test_a_failing_self_test_falls_back_to_host_functions(monkeypatch):
+    """The runtime checks the kernels once per device before any capture (the doorbell must reach host memory,
+    the waits must return clean): a doorbell that never lands (a ring doing nothing here) gives a warning and
+    host functions for the captures, whose results are still right."""
+    runtime = ExpertsRuntime()
+    monkeypatch.setattr(gpu_handoff, "ring", lambda counter, seq, words: None)
+    layers = _layers(runtime, 2)
+    sites = [(runtime.new_site(), runtime.new_site()) for _ in layers]
+    gen = torch.Generator().manual_seed(3)
+    static = [torch.randn(1, 256, generator=gen).cuda(), torch.randint(0, 8, (1, 4), generator=gen).cuda(),
+              torch.rand(1, 4, generator=gen).cuda()]
+    with torch.inference_mode():
+        with pytest.warns(RuntimeWarning, match="GPU handoff of CPU experts calls is unavailable"):
+            eager = _chain(runtime, layers, sites, *static, 0)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = _chain(runtime, layers, sites, *static, 0)
+        graph.replay()
+        torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    tasks = [s.host_functions for site in runtime._sites.values() for s in site.staging.values()]
+    assert tasks and all(isinstance(t, _NativeHostFunctions) for t in tasks)

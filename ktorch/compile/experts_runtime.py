@@ -318,6 +318,7 @@ class ExpertsRuntime:
         # host functions. False: host functions (benchmarks/bench_generate.py's A/B sets it; no user option).
         self.gpu_handoff = True  # read when a staging's task is made (at its first capture)
         # per CUDA device: its int64 [1] doorbell counter, made outside any capture when the kernels are warmed up
+        # (None: the kernels' self-test failed there, host functions)
         self._handoff_counters: dict = {}
         self._handoff_error: Optional[torch.Tensor] = None  # int64 [1], pinned: a wait kernel that gave up
 
@@ -392,13 +393,25 @@ class ExpertsRuntime:
             seq = torch.zeros(1, dtype=torch.int64, device=device)
             words = gpu_handoff.new_words()
             scratch_error = torch.zeros(1, dtype=torch.int64, pin_memory=True)
-        with torch.cuda.device(device):
-            gpu_handoff.ring(counter, seq, words)
-            words[1:].fill_(1 << 62)  # done: the waits return at once (the worker never sees this doorbell)
-            torch.cuda.current_stream(device).synchronize()
-            gpu_handoff.wait(seq, words, 1, scratch_error)
-            gpu_handoff.wait(seq, words, 2, scratch_error)
-            torch.cuda.current_stream(device).synchronize()
+        try:
+            with torch.cuda.device(device):
+                gpu_handoff.ring(counter, seq, words)
+                torch.cuda.current_stream(device).synchronize()
+                rung = words.tolist()
+                words[1:].fill_(1 << 62)  # done: the waits return at once (the worker never sees this doorbell)
+                gpu_handoff.wait(seq, words, 1, scratch_error)
+                gpu_handoff.wait(seq, words, 2, scratch_error)
+                torch.cuda.current_stream(device).synchronize()
+            if rung != [1, 0, 0] or int(scratch_error) != 0 or int(counter) != 1:
+                raise RuntimeError(f"the kernels' self-test read doorbell words {rung}, error "
+                                   f"{int(scratch_error)}, counter {int(counter)} (want [1, 0, 0], 0, 1)")
+        except Exception as e:  # the host functions still work: slower, never wrong
+            import warnings
+
+            warnings.warn(f"ktorch: the GPU handoff of CPU experts calls is unavailable on {device} ({e}); captured "
+                          f"steps use host functions", RuntimeWarning)
+            self._handoff_counters[device] = None  # not tried again
+            return
         self._handoff_counters[device] = counter
 
     # -- run time

@@ -198,6 +198,8 @@ class Worker {
       if (stop_ && pushed_.load(std::memory_order_acquire) == taken) return;
       if (pushed_.load(std::memory_order_acquire) != taken)
         spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
+      else
+        polls = -1;  // a timed wake to look at the doorbells: one look, then park again (no spin)
     }
   }
   // The GPU-handoff task whose doorbell holds the lowest number above the one it last ran (the order the GPU rang
