@@ -6,8 +6,9 @@
 #   1. tests (limit 45 s): tests/test_gpu_handoff.py on CUDA (the kernels against the real worker, the bounded
 #      spin's error flag, pageable words refused; a CUDA graph of 6 layers' submit/wait with the handoff equal bit for
 #      bit to the host-function graph over 20 replays, d = 0 and deferral d = 2; ktorch.generate's captured tokens
-#      equal the eager ones both ways, deferred 0 and 1; the kernels' PTX; a failing self-test falls back) and tests/test_host_tasks.py's handoff and
-#      start/join tests (the worker's protocol). Prints pytest's summary and the failures.
+#      equal the eager ones both ways, deferred 0 and 1; the kernels' PTX; a failing self-test falls back) and
+#      tests/test_host_tasks.py's handoff and start/join tests (the worker's protocol). Prints pytest's summary and
+#      the failures.
 #   2. a random 12-layer Qwen3-30B-A3B-shaped Q8_0 file (/tmp/h12.gguf, bench_generate.py --write-layers 12, ~8 GB,
 #      ~25 s, limit 35 s; kept if present).
 #   3. bench_generate.py --ab-compile, every expert on the CPU (--ab-gpu-memory off; limit 65 s): "default" (the GPU
@@ -55,7 +56,7 @@ ab() {  # label, limit, args...
     --ab-variants default "host-function handoff" --prompts 64 --gen 96 --profile-steps 20 --deferred 0 "$@" \
     >"$OUT/$label.log" 2>&1
   echo "   rc $? ($(($(date +%s) - START)) s)"
-  grep -E "decode median|^\[profile|Error|error:" "$OUT/$label.log" | head -12
+  grep -E "^d=|^\[profile|Error|error:" "$OUT/$label.log" | head -20
 }
 ab "3.off" 65 --ab-gpu-memory off --ab-compile 3
 ab "4.4GiB" 45 --ab-gpu-memory 4GiB --ab-compile 2
