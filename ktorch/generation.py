@@ -563,11 +563,14 @@ def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int = 64
     def read(i: int) -> bool:
         if events[i] is not None:
             events[i].synchronize()
+            RUNTIME.check_handoff()  # a captured step whose CPU experts call timed out is an error, not a token
         tok = int(host[i])
         result.ids.append(tok)
         if on_tokens:
             on_tokens([tok])
         return tok in eos
+
+    from ktorch.compile.experts_runtime import RUNTIME
 
     t2 = time.perf_counter()
     for i in range(n_steps):

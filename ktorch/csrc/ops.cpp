@@ -113,7 +113,8 @@ TORCH_LIBRARY(kt, m) {
   m.def(
       "host_task_new(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor out, Tensor w13, Tensor? w13_scales, "
       "Tensor w2, Tensor? w2_scales, str activation, bool record_times=False, "
-      "Tensor? out_later=None, Tensor? deferred=None, Tensor? w13_bias=None, Tensor? w2_bias=None) -> int",
+      "Tensor? out_later=None, Tensor? deferred=None, Tensor? w13_bias=None, Tensor? w2_bias=None, "
+      "Tensor? handoff=None) -> int",
       &kt::runtime::host_task_new);
   m.def("host_task_free(int handle) -> ()", &kt::runtime::host_task_free);
   m.def("host_task_run(int handle) -> ()", &kt::runtime::host_task_run);
