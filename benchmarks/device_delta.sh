@@ -6,10 +6,13 @@
 #      delta dtype and fp16 hidden; zero deltas equal to kt.fused_moe bit for bit; its bf16 autograd; the backward's
 #      decode and the fewer-experts-than-threads mode. Prints pytest's summary (passed/failed/skipped per level).
 #   2. one Qwen3-30B-A3B layer (E=128, H=2048, I=768, K=8, int8, T=2048, random weights): ms a call of kt.fused_moe,
-#      kt.fused_moe_delta, kt.fused_moe_backward (with deltas and grad_h) and the plain backward side by side with
-#      their ratios to kt.fused_moe, and each call's KT_PROFILE line (the backward's: setup, experts per worker as
-#      decode / products / elementwise / copies, sum). Before this change the device measured (H200 host, 16-core
-#      Xeon with AMX): fused_moe 14.09, fused_moe_delta 140.26, backward 188.61, plain backward 153.46 ms.
+#      kt.fused_moe_delta, kt.fused_moe_backward (with deltas and grad_h, reading the forward's saved
+#      pre-activations: what expert LoRA's autograd runs), the plain backward, and the expert-LoRA backward
+#      recomputing the pre-activations (fused_moe_backward_recompute: the path before they were saved) side by side
+#      with their ratios to kt.fused_moe, and each call's KT_PROFILE line (the backward's: setup, experts per worker
+#      as decode / products / elementwise / copies, sum; "saved" marks the one reading them). Measured before
+#      (f3c8000, H200 host, 16-core Xeon with AMX): fused_moe 14.15, fused_moe_delta 20.54, backward 155.85, plain
+#      backward 118.97 ms.
 #
 #   bash benchmarks/device_delta.sh        # from the repo root, ktorch built; logs under $OUT
 set -uo pipefail
@@ -22,7 +25,7 @@ python3 -c "import torch, ktorch; print('torch', torch.__version__, 'kernel leve
 
 echo "== 1. tests (limit 120 s)"
 timeout -k 5 120 python3 -m pytest -q -p no:cacheprovider tests/test_ops_fused_moe_backward.py \
-  -k "delta_forward or delta_dtypes or packed_delta or autograd_through or decode or fewer_experts or exact_gguf" \
+  -k "delta_forward or delta_dtypes or packed_delta or autograd_through or decode or fewer_experts or exact_gguf or saved" \
   >"$OUT/tests.log" 2>&1
 echo "   rc $? ($(($(date +%s) - START)) s)"
 grep -E "passed|failed|error" "$OUT/tests.log" | tail -3
@@ -30,7 +33,7 @@ grep -E "^FAILED" "$OUT/tests.log" | head -10
 
 echo "== 2. one layer's CPU calls (limit 100 s)"
 timeout -k 5 100 python3 benchmarks/bench_train.py --variants ops --seq 2048 --experts-dtype int8 --op-reps 3 \
-  --profile >"$OUT/ops.log" 2>&1
+  --recompute-row --profile >"$OUT/ops.log" 2>&1
 echo "   rc $? ($(($(date +%s) - START)) s)"
-grep -v "^machine:" "$OUT/ops.log" | tail -8
+grep -v "^machine:" "$OUT/ops.log" | tail -9
 echo "device_delta.sh: $(($(date +%s) - START)) s"

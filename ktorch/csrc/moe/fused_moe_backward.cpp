@@ -11,10 +11,15 @@
 //   dX[t] += [dg | du] W13_e              [H]     (gate/up read transposed); d delta_p = [dg | du]
 // The expert weights are frozen: no gradient for them.
 //
-// What is saved and what is recomputed: autograd saves only the op's inputs (hidden, ids, weights and references to
-// the packed tensors, no copies); the backward recomputes [g | u] = x W13^T from hidden instead of saving the
-// [T, K, 2I] pre-activations (Qwen3-30B-A3B at T = 2048: 48 MiB a layer in bf16, 2.4 GiB for 48 layers), at the
-// price of one more x W13^T product per pair (2 of the 5 H*I-sized products a pair's backward makes here).
+// What is saved and what is recomputed: fused_moe_delta (the expert-LoRA forward) returns the pre-activations
+// [g | u] it computed ([T, K, N13] in hidden's dtype: biases and deltas included, as the GLU read them; Qwen3-30B-A3B
+// at T = 2048: 48 MiB a layer in bf16, one layer's at a time with the decoder layers checkpointed, 2.4 GiB for 48
+// layers without), its autograd saves them, and the backward reads them (its gate_up argument): 2 H*I-sized
+// products a pair (dY W2, [dg | du] W13). Without them (kt.fused_moe's autograd, which saves only the op's inputs:
+// hidden, ids, weights and references to the packed tensors) it recomputes [g | u] = x W13^T (+ biases + deltas)
+// from hidden: 2 more, 5 in all. Measured here (2-core AMD EPYC, AVX2, loaded; int8, E=32, H=1024, I=384, K=8,
+// T=256, fp32 hidden: fp32 products, as this CPU's bf16 matmul is an emulation): 252-315 ms a call with them against
+// 365-384 recomputing (three runs; one profile: products 130 against 242, copies 6 against 33).
 //
 // The forward with deltas (fused_moe_delta) takes two paths by hidden's dtype:
 // - bf16/fp16 (training): kt.fused_moe's own path (fused_moe.cpp, fused_moe_with_delta): the same packed kernels
@@ -35,16 +40,19 @@
 // worker's scratch as dense [2I, H] and [H, I] matrices in the compute dtype (no unpacked copy of the layer: one
 // expert per worker at a time), then runs the products with ATen's matmuls (oneDNN/MKL), single threaded inside the
 // task. With fewer experts than threads (Mixtral's 8 on 16 cores, or few tokens) the experts run one at a time, the
-// decode split over the workers by blocks and the ATen ops multi-threaded. Each pair's row of d hidden goes to its own
-// slot of a [T * K, H] buffer and the routed slots are summed in slot order afterwards (sum_slots: the skipped slots'
-// rows are never read, so the buffer is not zeroed): no atomics, the same result whatever the thread count. d delta
-// is written in its own dtype, one rounding a row. KT_PROFILE=1 prints a line a call: setup, experts (per worker:
-// decode, products, element-wise work, copies), sum (ExpertTimes below).
+// decode split over the workers by blocks and the ATen ops multi-threaded. Each pair's row of d hidden is its own
+// row of a [pairs, H] buffer in the compute dtype, grouped by expert (the product of an expert writes its rows in
+// place, mm_out: no scatter, no cast), and the routed slots are summed by token in slot order afterwards in the
+// element dtype (sum_slots; the skipped slots have no row): no atomics, the same result whatever the thread count.
+// d delta is written in its own dtype, one rounding a row. KT_PROFILE=1 prints a line a call: setup, experts (per
+// worker: decode, products, element-wise work, copies), sum (ExpertTimes below).
 // Dtypes: the products run in float64 for float64 hidden (gradcheck), float32 for float32, bf16 otherwise (fp32
 // accumulation inside the matmul); the element-wise work in float32 (float64 for float64). Decoded int8/int4 weights
 // are q * scale in fp32 (as kt.unpack), then cast. The int formats' forward (kt.fused_moe) also quantizes the
 // activations to int8; this backward differentiates the function of the dequantized weights with float
-// activations (a straight-through estimate for the activation rounding).
+// activations (a straight-through estimate for the activation rounding); given the forward's pre-activations it
+// takes act' and h at the values the forward had (with that rounding, and rounded once to hidden's dtype, as the
+// recompute's bf16 product rounds them too).
 #include "fused_moe_backward.h"
 
 #include "fused_moe.h"
@@ -53,6 +61,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <c10/core/GradMode.h>
 
 #include <algorithm>
 #include <atomic>
@@ -484,6 +493,7 @@ void for_each_expert(const Call& c, ExpertTimes& times, bool need_w13, bool need
   std::atomic<int64_t> next{0};
   std::vector<std::string> errors(threads);
   at::parallel_for(0, threads, 1, [&](int64_t b, int64_t end) {
+    const c10::AutoGradMode no_grad(false);
     for (int64_t slot = b; slot < end; ++slot) {
       try {
         at::Tensor w13 = need_w13 ? at::empty({c.N13, c.H}, opts) : at::Tensor();
@@ -505,31 +515,44 @@ void for_each_expert(const Call& c, ExpertTimes& times, bool need_w13, bool need
   for (const auto& err : errors) TORCH_CHECK(err.empty(), c.op, ": ", err);
 }
 
-// out [T, H] in `dtype`: out[t] = the sum of pairs[t * K + k] over the routed slots k (ids >= 0), added in slot
-// order (zeros for a token with none), in the element dtype, then rounded once. The pairs of skipped slots are never
-// read, so the pair buffer needs no zeroing. Tokens split over the ATen workers: the same result for any count.
-at::Tensor sum_slots(const Call& c, const at::Tensor& pairs, at::ScalarType dtype) {
-  at::Tensor acc = at::empty({c.T, c.H}, pairs.options());
+// out [T, H] in `dtype`: out[t] = the sum of pair t * K + k's row of d hidden over the routed slots k (ids >= 0),
+// added in slot order (zeros for a token with none) in the element dtype A, then rounded once. The rows are
+// `grouped` [pairs, H] of the compute dtype S, in c.order's order (each expert's product writes its rows in place):
+// pair p's row is the one at its position in c.order. Tokens split over the ATen workers: the same result for any
+// count.
+template <typename S, typename A>
+void sum_slots_as(const Call& c, const S* src, A* dst) {
   const int64_t* id = c.ids.data_ptr<int64_t>();
-  AT_DISPATCH_FLOATING_TYPES(pairs.scalar_type(), "fused_moe_backward_sum", [&] {
-    const scalar_t* src = pairs.data_ptr<scalar_t>();
-    scalar_t* dst = acc.data_ptr<scalar_t>();
-    const int64_t H = c.H, K = c.K;
-    at::parallel_for(0, c.T, std::max<int64_t>(1, 32768 / std::max<int64_t>(H, 1)), [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {
-        scalar_t* o = dst + t * H;
-        bool first = true;
-        for (int64_t k = 0; k < K; ++k) {
-          if (id[t * K + k] < 0) continue;
-          const scalar_t* r = src + (t * K + k) * H;
-          if (first) std::memcpy(o, r, H * sizeof(scalar_t));
-          else for (int64_t j = 0; j < H; ++j) o[j] += r[j];
-          first = false;
-        }
-        if (first) std::fill(o, o + H, scalar_t(0));
+  std::vector<int64_t> pos(c.T * c.K, -1);
+  for (int64_t i = 0; i < static_cast<int64_t>(c.order.size()); ++i) pos[c.order[i]] = i;
+  const int64_t H = c.H, K = c.K;
+  at::parallel_for(0, c.T, std::max<int64_t>(1, 32768 / std::max<int64_t>(H, 1)), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      A* o = dst + t * H;
+      bool first = true;
+      for (int64_t k = 0; k < K; ++k) {
+        if (id[t * K + k] < 0) continue;
+        const S* r = src + pos[t * K + k] * H;
+        if (first) for (int64_t j = 0; j < H; ++j) o[j] = static_cast<A>(r[j]);
+        else for (int64_t j = 0; j < H; ++j) o[j] += static_cast<A>(r[j]);
+        first = false;
       }
-    });
+      if (first) std::fill(o, o + H, A(0));
+    }
   });
+}
+
+at::Tensor sum_slots(const Call& c, const at::Tensor& grouped, at::ScalarType dtype) {
+  at::Tensor acc = at::empty({c.T, c.H}, at::TensorOptions().dtype(c.et));
+  if (c.et == at::kDouble) {
+    sum_slots_as(c, grouped.data_ptr<double>(), acc.data_ptr<double>());
+  } else if (grouped.scalar_type() == at::kFloat) {
+    sum_slots_as(c, grouped.data_ptr<float>(), acc.data_ptr<float>());
+  } else {
+    TORCH_CHECK(grouped.scalar_type() == at::kBFloat16 && c.et == at::kFloat, c.op, ": unexpected dtypes ",
+                grouped.scalar_type(), ", ", c.et);
+    sum_slots_as(c, grouped.data_ptr<at::BFloat16>(), acc.data_ptr<float>());
+  }
   return acc.to(dtype);
 }
 
@@ -546,6 +569,7 @@ at::Tensor pair_rows(const Call& c, int64_t e) {
   return at::from_blob(const_cast<int64_t*>(c.order.data()) + c.start[e], {c.start[e + 1] - c.start[e]}, at::kLong);
 }
 
+// d [T, K, N13] (deltas or pre-activations) as [T * K, N13], checked
 at::Tensor checked_delta(const Call& c, const at::Tensor& d, const char* name) {
   TORCH_CHECK(d.device().is_cpu() && d.is_floating_point() && d.dim() == 3 && d.size(0) == c.T && d.size(1) == c.K &&
                   d.size(2) == c.N13,
@@ -565,13 +589,11 @@ at::Tensor pre_activations(const Call& c, int64_t e, const at::Tensor& x, const 
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> fused_moe_delta(const at::Tensor& hidden, const at::Tensor& topk_ids,
-                                                   const at::Tensor& topk_weights, const at::Tensor& w13,
-                                                   const std::optional<at::Tensor>& w13_scales, const at::Tensor& w2,
-                                                   const std::optional<at::Tensor>& w2_scales,
-                                                   const at::Tensor& gate_up_delta, c10::string_view activation,
-                                                   const std::optional<at::Tensor>& w13_bias,
-                                                   const std::optional<at::Tensor>& w2_bias) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_moe_delta(
+    const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights, const at::Tensor& w13,
+    const std::optional<at::Tensor>& w13_scales, const at::Tensor& w2, const std::optional<at::Tensor>& w2_scales,
+    const at::Tensor& gate_up_delta, c10::string_view activation,
+    const std::optional<at::Tensor>& w13_bias, const std::optional<at::Tensor>& w2_bias) {
   const char* op = "fused_moe_delta";
   const auto hd = hidden.scalar_type();
   if (hd == at::kBFloat16 || hd == at::kHalf) {  // the packed kernels: kt::fused_moe's path with the deltas added
@@ -579,29 +601,35 @@ std::tuple<at::Tensor, at::Tensor> fused_moe_delta(const at::Tensor& hidden, con
     TORCH_CHECK(w2.dim() == 5, op, ": w2 must be a packed tensor [E, H/16, I/per, 16, per], got shape ", w2.sizes());
     const bool nibbles = w2.scalar_type() == at::kByte || w2.scalar_type() == at::ScalarType::Float4_e2m1fn_x2;
     const int64_t I = w2.size(2) * (nibbles ? 8 : w2.size(4));
-    at::Tensor h = at::empty({topk_ids.size(0), topk_ids.size(1), I}, hidden.options().memory_format(at::MemoryFormat::Contiguous));
+    const auto opts = hidden.options().memory_format(at::MemoryFormat::Contiguous);
+    at::Tensor h = at::empty({topk_ids.size(0), topk_ids.size(1), I}, opts);
+    at::Tensor gu = at::empty({topk_ids.size(0), topk_ids.size(1), w13.size(1) * 16}, opts);
     at::Tensor out = fused_moe_with_delta(hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales, activation,
-                                          gate_up_delta, h, w13_bias, w2_bias);
-    return {out, h};
+                                          gate_up_delta, h, gu, w13_bias, w2_bias);
+    return {out, h, gu};
   }
   // float32/float64: the function of the dequantized weights, exactly (the reference gradcheck and the tests run)
   Call c = make_call(op, hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales, activation, w13_bias, w2_bias);
   const at::Tensor delta = checked_delta(c, gate_up_delta, "gate_up_delta");
   const at::Tensor out_pairs = at::zeros({c.T * c.K, c.H}, at::TensorOptions().dtype(c.et));
   const at::Tensor h_pairs = at::zeros({c.T * c.K, c.I}, at::TensorOptions().dtype(c.et));
+  const at::Tensor gu_pairs = at::zeros({c.T * c.K, c.N13}, at::TensorOptions().dtype(c.et));
   const at::Tensor wflat = c.weights.reshape({c.T * c.K});
   ExpertTimes times(false, 0);  // (no profile line: the reference)
   for_each_expert(c, times, true, true, [&](int64_t e, const at::Tensor& W13, const at::Tensor& W2, int) {
     const at::Tensor rows = pair_rows(c, e);
     const at::Tensor x = c.hidden.index_select(0, at::floor_divide(rows, c.K)).to(c.ct);
-    const at::Tensor h = glu_forward(c, pre_activations(c, e, x, W13, delta, rows));
+    const at::Tensor gu = pre_activations(c, e, x, W13, delta, rows);
+    const at::Tensor h = glu_forward(c, gu);
     at::Tensor y = at::mm(h.to(c.ct), W2.t()).to(c.et);
     if (c.b2.defined()) y.add_(c.b2.select(0, e));  // the down bias, before the routing weight
     out_pairs.index_copy_(0, rows, y.mul_(wflat.index_select(0, rows).unsqueeze(1)));
     h_pairs.index_copy_(0, rows, h);
+    gu_pairs.index_copy_(0, rows, gu);
   });
   at::Tensor out = out_pairs.view({c.T, c.K, c.H}).sum(1).to(hidden.scalar_type());
-  return {out, h_pairs.view({c.T, c.K, c.I}).to(hidden.scalar_type())};
+  return {out, h_pairs.view({c.T, c.K, c.I}).to(hidden.scalar_type()),
+          gu_pairs.view({c.T, c.K, c.N13}).to(hidden.scalar_type())};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_moe_backward(
@@ -609,14 +637,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_moe_backward(
     const at::Tensor& w13, const std::optional<at::Tensor>& w13_scales, const at::Tensor& w2,
     const std::optional<at::Tensor>& w2_scales, c10::string_view activation,
     const std::optional<at::Tensor>& gate_up_delta, const std::optional<at::Tensor>& grad_h,
-    const std::optional<at::Tensor>& w13_bias, const std::optional<at::Tensor>& w2_bias) {
+    const std::optional<at::Tensor>& w13_bias, const std::optional<at::Tensor>& w2_bias,
+    const std::optional<at::Tensor>& gate_up) {
   const char* op = "fused_moe_backward";
+  // the matmuls write d hidden's rows in place (mm_out), which autograd refuses on inputs that require grad
+  // (gradcheck's); nothing here is differentiated (grad mode is per thread: for_each_expert's workers set it too)
+  c10::AutoGradMode no_grad(false);
   PhaseTimer timer(op);
   Call c = make_call(op, hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales, activation, w13_bias, w2_bias);
   TORCH_CHECK(grad_out.device().is_cpu() && grad_out.is_floating_point() && grad_out.sizes() == hidden.sizes(), op,
               ": grad_out must be a float CPU tensor shaped like hidden ", hidden.sizes(), ", got ",
               grad_out.scalar_type(), " ", grad_out.sizes(), " on ", grad_out.device());
   const at::Tensor delta = gate_up_delta.has_value() ? checked_delta(c, *gate_up_delta, "gate_up_delta") : at::Tensor();
+  // the forward's pre-activations (biases and deltas included), or undefined: recomputed from hidden
+  const at::Tensor saved = gate_up.has_value() ? checked_delta(c, *gate_up, "gate_up") : at::Tensor();
   at::Tensor dh_ext;
   if (grad_h.has_value()) {
     const at::Tensor& d = *grad_h;
@@ -627,10 +661,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_moe_backward(
     dh_ext = d.reshape({c.T * c.K, c.I});
   }
   const auto eopts = at::TensorOptions().dtype(c.et);
-  // the pairs' rows of d hidden and d delta: every routed row is written by its expert's task; the skipped slots'
-  // rows of d delta are zeroed, those of d hidden never read (sum_slots). d delta is kept in its output dtype: each
-  // row rounded once, no second pass.
-  const at::Tensor dx_pairs = at::empty({c.T * c.K, c.H}, eopts);
+  // the pairs' rows of d hidden and d delta: every routed row is written by its expert's task. d hidden's rows in
+  // c.order's order, in the compute dtype (each expert's product writes its rows in place, as the matmul rounds
+  // them; sum_slots adds them up by token). The skipped slots' rows of d delta are zeroed. d delta is kept in its
+  // output dtype: each row rounded once, no second pass.
+  const at::Tensor dx_grouped = at::empty({static_cast<int64_t>(c.order.size()), c.H}, at::TensorOptions().dtype(c.ct));
   const at::Tensor dw = at::zeros({c.T * c.K}, eopts);
   at::Tensor ddelta;
   if (delta.defined()) {
@@ -645,19 +680,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_moe_backward(
     auto mark = times.start();
     const at::Tensor rows = pair_rows(c, e);
     const at::Tensor tokens = at::floor_divide(rows, c.K);
-    const at::Tensor x = c.hidden.index_select(0, tokens).to(c.ct);
+    const at::Tensor x = saved.defined() ? at::Tensor() : c.hidden.index_select(0, tokens).to(c.ct);
     const at::Tensor dy = dy_all.index_select(0, tokens);
     const at::Tensor dyc = dy.to(c.ct);
     const at::Tensor we = wflat.index_select(0, rows).unsqueeze(1);
     const at::Tensor dhe = dh_ext.defined() ? dh_ext.index_select(0, rows).to(c.et) : at::Tensor();
-    const at::Tensor de = delta.defined() ? delta.index_select(0, rows).to(c.et) : at::Tensor();
+    const at::Tensor de = delta.defined() && !saved.defined() ? delta.index_select(0, rows).to(c.et) : at::Tensor();
+    at::Tensor gu = saved.defined() ? saved.index_select(0, rows).to(c.et) : at::Tensor();
     times.lap(worker, ExpertTimes::kCopies, mark);
-    at::Tensor gu = at::mm(x, W13.t());
+    if (!saved.defined()) gu = at::mm(x, W13.t());
     const at::Tensor G = at::mm(dyc, W2).to(c.et);  // [n, I]
     times.lap(worker, ExpertTimes::kProducts, mark);
-    gu = gu.to(c.et);
-    if (c.b13.defined()) gu.add_(c.b13.select(0, e));
-    if (de.defined()) gu.add_(de);
+    if (!saved.defined()) {
+      gu = gu.to(c.et);
+      if (c.b13.defined()) gu.add_(c.b13.select(0, e));
+      if (de.defined()) gu.add_(de);
+    }
     const at::Tensor h = glu_forward(c, gu);
     at::Tensor dwe = (G * h).sum(1);
     if (c.b2.defined()) dwe.add_(at::mv(dy.to(c.et), c.b2.select(0, e)));  // d w also sees the down bias
@@ -666,22 +704,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_moe_backward(
     const at::Tensor dgu = glu_backward(c, gu, dh);  // [n, N13]
     const at::Tensor dguc = dgu.to(c.ct);
     times.lap(worker, ExpertTimes::kElementwise, mark);
-    const at::Tensor dxe = at::mm(dguc, W13);
+    at::Tensor dxe = dx_grouped.narrow(0, c.start[e], rows.size(0));
+    at::mm_out(dxe, dguc, W13);
     times.lap(worker, ExpertTimes::kProducts, mark);
     dw.index_copy_(0, rows, dwe);
     if (ddelta.defined()) ddelta.index_copy_(0, rows, dgu.to(ddelta.scalar_type()));
-    dx_pairs.index_copy_(0, rows, dxe.to(c.et));
     times.lap(worker, ExpertTimes::kCopies, mark);
   });
   timer.mark("experts");
   times.report(timer);
-  at::Tensor dx = sum_slots(c, dx_pairs, hidden.scalar_type());
+  at::Tensor dx = sum_slots(c, dx_grouped, hidden.scalar_type());
   at::Tensor dweights = dw.view({c.T, c.K}).to(topk_weights.scalar_type());
   at::Tensor dd = ddelta.defined() ? ddelta.view({c.T, c.K, c.N13}) : at::empty({0}, hidden.options());
   timer.mark("sum");
   timer.print("T=" + std::to_string(c.T) + " pairs=" + std::to_string(c.order.size()) +
              " experts=" + std::to_string(c.experts.size()) + (delta.defined() ? " delta" : "") +
-             (dh_ext.defined() ? " grad_h" : "") + " " + std::string(c10::toString(c.ct)));
+             (dh_ext.defined() ? " grad_h" : "") + (saved.defined() ? " saved" : "") + " " +
+             std::string(c10::toString(c.ct)));
   return {dx, dweights, dd};
 }
 
