@@ -3,8 +3,10 @@
 # kt.fused_moe's path; fused_moe_backward.cpp's opening comment), in one call of at most 240 s:
 #   1. correctness at every kernel level the host has (portable, avx512, amx: the suite's `kernel` fixture): the delta
 #      forward against the float64 reference with the deltas for every task plan, activation, bias, gateless experts,
-#      delta dtype and fp16 hidden; zero deltas equal to kt.fused_moe bit for bit; its bf16 autograd; the backward's
-#      decode and the fewer-experts-than-threads mode. Prints pytest's summary (passed/failed/skipped per level).
+#      delta dtype and fp16 hidden, its pre-activations output (gate_up) too; zero deltas equal to kt.fused_moe bit
+#      for bit; its bf16 autograd; the backward reading the saved pre-activations against the reference and the
+#      recompute (test_saved_*); the backward's decode and the fewer-experts-than-threads mode. Prints pytest's summary
+#      (passed/failed/skipped per level).
 #   2. one Qwen3-30B-A3B layer (E=128, H=2048, I=768, K=8, int8, T=2048, random weights): ms a call of kt.fused_moe,
 #      kt.fused_moe_delta, kt.fused_moe_backward (with deltas and grad_h, reading the forward's saved
 #      pre-activations: what expert LoRA's autograd runs), the plain backward, and the expert-LoRA backward
