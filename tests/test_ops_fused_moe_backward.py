@@ -393,25 +393,34 @@ def test_family_errors_name_the_problem():
 def test_bf16_decode_is_the_weights_rounded_to_bf16(fmt, one_thread):
     """bf16 hidden states run the backward on experts decoded to bf16 by its own block walk: d gate_up_delta equals
     torch's bf16 products on kt.unpack's weights rounded to nearest even, bit for bit (one thread: the same matmul
-    kernel on both sides), for the gate/up rows of both halves of every 64-row block, the down rows and every int4
-    group. With relu, routing weights 1 and zero deltas, d delta = [dh * u * (g > 0) | dh * relu(g)] with
-    [g | u] = x W13^T and dh = dY W2: elementwise products of the two decoded products."""
+    kernel on both sides, the weights in the op's layouts: W13 for x W13^T as stored, W2 for dY W2 stored transposed
+    and read as W2 = (W2^T)^T, the transposed decode), for the gate/up rows of both halves of every 64-row block, the
+    down rows and every int4 group. With relu, routing weights 1 and zero deltas, d delta = [dh * u * (g > 0) |
+    dh * relu(g)] with [g | u] = x W13^T and dh = dY W2: elementwise products of the two decoded products; and
+    d hidden = the sum over slots of [dg | du] W13 (W13 decoded transposed and read as (W13^T)^T) bit for bit."""
     E, H, I, T, K = 3, 256, 96, 17, 2
     packed = _packed(E, H, I, fmt)
     ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
     x = torch.randn(T, H).to(torch.bfloat16)
     dy = torch.randn(T, H).to(torch.bfloat16)
-    _, _, dd = torch.ops.kt.fused_moe_backward(dy, x, ids, torch.ones(T, K), *packed.tensors(), "relu",
-                                               torch.zeros(T, K, 2 * I), None)
+    dx, _, dd = torch.ops.kt.fused_moe_backward(dy, x, ids, torch.ones(T, K), *packed.tensors(), "relu",
+                                                torch.zeros(T, K, 2 * I), None)
     gate_up, down = (w.to(torch.bfloat16) for w in packed.dequantize())
+    dx_pairs = torch.empty(T, K, H, dtype=torch.bfloat16)
     for e in range(E):
         t, k = (ids == e).nonzero(as_tuple=True)  # (t, k) ascending: the op's pair order within an expert
         gu = torch.mm(x[t], gate_up[e].t()).float()
-        dh = torch.mm(dy[t], down[e]).float()
+        dh = torch.mm(dy[t], down[e].t().contiguous().t()).float()
         g, u = gu[:, :I], gu[:, I:]
         want = torch.cat([torch.where(g > 0, dh * u, torch.zeros_like(g)), dh * torch.relu(g)], 1)
         got = dd[t, k]
         assert torch.equal(got, want), f"expert {e}: {(got != want).sum()} of {want.numel()} differ"
+        # d hidden's rows: [dg | du] W13 in bf16 with W13 decoded transposed (W13 = (W13^T)^T)
+        dx_pairs[t, k] = torch.mm(want.to(torch.bfloat16), gate_up[e].t().contiguous().t())
+    want_dx = dx_pairs[:, 0].float()  # the slots added in slot order in fp32, rounded once
+    for k in range(1, K):
+        want_dx += dx_pairs[:, k].float()
+    assert torch.equal(dx, want_dx.to(torch.bfloat16)), f"d hidden: {(dx != want_dx.to(torch.bfloat16)).sum()} differ"
 
 
 # ---------------------------------------------------------------- kt.fused_moe_delta on the packed kernels (bf16 and

@@ -258,9 +258,104 @@ void decode_expert_bf16(const Packed& m, int64_t e, bool gate_up, uint16_t* out,
   }
 }
 
-// Decodes packed blocks [nb0, nb1) of expert e into out (all of them when nb1 < 0).
-void decode_into(const Packed& m, int64_t e, bool gate_up, at::Tensor& out, int64_t nb0 = 0, int64_t nb1 = -1) {
+// Expert e of m transposed: a dense row-major [K, N] matrix in out (W^T, the [N, K] matrix of decode_expert read
+// by columns), column n of it dense_row's row n, the same values as decode_expert's. The backward's two transposed
+// products (dY W2, [dg | du] W13) read it as a transposed view (W = (W^T)^T: the reduction dimension contiguous,
+// the layout x W13^T has), which ATen's matmuls take fast where they care (docs/training.md). The write needs no
+// tiling: one q step of a packed block is 16 rows x `per` values, and its transposed image is `per` pieces of 16
+// consecutive columns (64 bytes in fp32, 32 in bf16) of `per` consecutive rows of W^T. The `per` x 16 values of a
+// step are computed in block order (loops the compiler vectorizes) and stored as those pieces. Cvt converts a float
+// to T (a plain cast; bf16 bits rounded to nearest even for bf16).
+template <typename T, typename Cvt>
+__attribute__((always_inline)) inline void decode_expert_t_impl(const Packed& m, int64_t e, bool gate_up, T* out,
+                                                                int64_t nb0, int64_t nb1, Cvt cvt) {
+  const int64_t N = m.N, K = m.K;
+  const uint8_t* base = m.data + e * m.expert_bytes();
+  const float* sc = expert_scales(m, e);
+  const int64_t gsize = K / m.G;
+  for (int64_t nb = nb0; nb < nb1; ++nb) {
+    const int64_t p0 = nb * 16;  // 16 packed rows are 16 consecutive dense rows: 16 consecutive columns of W^T
+    T* dst = out + dense_row(p0, N, gate_up);
+    switch (m.fmt) {
+      case Fmt::BF16: {  // [K/2][16][2]
+        const uint16_t* blk = reinterpret_cast<const uint16_t*>(base) + nb * K * 16;
+        for (int64_t q = 0; q < K / 2; ++q) {
+          const uint16_t* src = blk + q * 32;
+          T v[2][16];
+          for (int c = 0; c < 16; ++c)
+            for (int j = 0; j < 2; ++j) v[j][c] = cvt(bf16_bits_to_float(src[2 * c + j]));
+          for (int j = 0; j < 2; ++j) std::memcpy(dst + (2 * q + j) * N, v[j], sizeof(v[j]));
+        }
+        break;
+      }
+      case Fmt::INT8: {  // [K/4][16][4], one scale a row
+        const int8_t* blk = reinterpret_cast<const int8_t*>(base) + nb * K * 16;
+        float s[16];
+        for (int c = 0; c < 16; ++c) s[c] = sc[p0 + c];
+        for (int64_t q = 0; q < K / 4; ++q) {
+          const int8_t* src = blk + q * 64;
+          T v[4][16];
+          for (int c = 0; c < 16; ++c)
+            for (int j = 0; j < 4; ++j) v[j][c] = cvt(static_cast<float>(src[4 * c + j]) * s[c]);
+          for (int j = 0; j < 4; ++j) std::memcpy(dst + (4 * q + j) * N, v[j], sizeof(v[j]));
+        }
+        break;
+      }
+      case Fmt::INT4: {  // [K/8][16][4] bytes: low nibble value 8o + j, high nibble 8o + 4 + j, values m.nibble[u]
+        const uint8_t* blk = base + nb * (K / 2) * 16;
+        float s[16];
+        int64_t group = -1;
+        for (int64_t o = 0; o < K / 8; ++o) {
+          if (8 * o / gsize != group) {
+            group = 8 * o / gsize;
+            for (int c = 0; c < 16; ++c) s[c] = sc[group * N + p0 + c];
+          }
+          const uint8_t* src = blk + o * 64;
+          T v[8][16];
+          for (int c = 0; c < 16; ++c)
+            for (int j = 0; j < 4; ++j) {
+              v[j][c] = cvt(static_cast<float>(m.nibble[src[4 * c + j] & 0xf]) * s[c]);
+              v[4 + j][c] = cvt(static_cast<float>(m.nibble[src[4 * c + j] >> 4]) * s[c]);
+            }
+          for (int j = 0; j < 8; ++j) std::memcpy(dst + (8 * o + j) * N, v[j], sizeof(v[j]));
+        }
+        break;
+      }
+    }
+  }
+}
+
+// decode_expert_t_impl for each compute dtype, compiled for AVX-512 (skylake-avx512), AVX2 (haswell) and the
+// baseline, picked at load time (as decode_expert_bf16).
+__attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
+void decode_expert_t_bf16(const Packed& m, int64_t e, bool gate_up, uint16_t* out, int64_t nb0, int64_t nb1) {
+  decode_expert_t_impl(m, e, gate_up, out, nb0, nb1, [](float f) { return bf16_bits_rne(f); });
+}
+__attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
+void decode_expert_t_float(const Packed& m, int64_t e, bool gate_up, float* out, int64_t nb0, int64_t nb1) {
+  decode_expert_t_impl(m, e, gate_up, out, nb0, nb1, [](float f) { return f; });
+}
+__attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
+void decode_expert_t_double(const Packed& m, int64_t e, bool gate_up, double* out, int64_t nb0, int64_t nb1) {
+  decode_expert_t_impl(m, e, gate_up, out, nb0, nb1, [](float f) { return static_cast<double>(f); });
+}
+
+// Decodes packed blocks [nb0, nb1) of expert e into out (all of them when nb1 < 0): [N, K], or transposed [K, N]
+// (W^T, decode_expert_t_impl).
+void decode_into(const Packed& m, int64_t e, bool gate_up, at::Tensor& out, bool transposed, int64_t nb0 = 0,
+                 int64_t nb1 = -1) {
   if (nb1 < 0) nb1 = m.N / 16;
+  if (transposed) {
+    switch (out.scalar_type()) {
+      case at::kDouble: decode_expert_t_double(m, e, gate_up, out.data_ptr<double>(), nb0, nb1); break;
+      case at::kFloat: decode_expert_t_float(m, e, gate_up, out.data_ptr<float>(), nb0, nb1); break;
+      case at::kBFloat16:
+        decode_expert_t_bf16(m, e, gate_up, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), nb0, nb1);
+        break;
+      default: TORCH_CHECK(false, "fused_moe backward: unexpected compute dtype ", out.scalar_type());
+    }
+    return;
+  }
   switch (out.scalar_type()) {
     case at::kDouble: decode_expert(m, e, gate_up, out.data_ptr<double>(), nb0, nb1); break;
     case at::kFloat: decode_expert(m, e, gate_up, out.data_ptr<float>(), nb0, nb1); break;
@@ -465,28 +560,55 @@ int expert_workers(const Call& c) {
   return n == 0 ? 0 : n < at::get_num_threads() ? 1 : at::get_num_threads();
 }
 
-// Runs fn(e, w13 [N13, H], w2 [H, I], worker) for every expert with pairs, each expert decoded into its worker's
-// scratch. As many experts as threads or more: the experts are tasks pulled by the ATen workers (most pairs first),
-// each single threaded inside. Fewer (e.g. Mixtral's 8 on 16 cores, or a few tokens): one expert at a time on the
-// calling thread, its decode split over the workers by blocks and its ATen ops multi-threaded, so that no core
-// idles for want of an expert (worker 0 in the profile).
+// The dense matrices of one expert a worker holds, each decoded only where asked for (Layouts): w13 [N13, H] and
+// w2 [H, I] as stored (what x W13^T and h W2^T read, through .t()), w13t [H, N13] and w2t [I, H] transposed (what
+// the backward's dY W2 and [dg | du] W13 read, through .t(): the reduction dimension contiguous on both sides).
+struct Dense {
+  at::Tensor w13, w2, w13t, w2t;
+};
+struct Layouts {
+  bool w13, w2, w13t, w2t;
+};
+
+// Runs fn(e, dense, worker) for every expert with pairs, each expert decoded into its worker's scratch (the layouts
+// `need` asks for). As many experts as threads or more: the experts are tasks pulled by the ATen workers (most pairs
+// first), each single threaded inside. Fewer (e.g. Mixtral's 8 on 16 cores, or a few tokens): one expert at a time
+// on the calling thread, its decode split over the workers by blocks and its ATen ops multi-threaded, so that no
+// core idles for want of an expert (worker 0 in the profile).
 template <typename Fn>
-void for_each_expert(const Call& c, ExpertTimes& times, bool need_w13, bool need_w2, const Fn& fn) {
+void for_each_expert(const Call& c, ExpertTimes& times, Layouts need, const Fn& fn) {
   const int64_t n = static_cast<int64_t>(c.experts.size());
   const int threads = expert_workers(c);
   if (threads == 0) return;
   const auto opts = at::TensorOptions().dtype(c.ct);
+  auto scratch = [&]() {
+    Dense d;
+    if (need.w13) d.w13 = at::empty({c.N13, c.H}, opts);
+    if (need.w2) d.w2 = at::empty({c.H, c.I}, opts);
+    if (need.w13t) d.w13t = at::empty({c.H, c.N13}, opts);
+    if (need.w2t) d.w2t = at::empty({c.I, c.H}, opts);
+    return d;
+  };
+  // decodes blocks [b0, b1) (of w13's, of w2's) of expert e into d (b1 < 0: all)
+  auto decode = [&](int64_t e, Dense& d, bool of_w13, int64_t b0, int64_t b1) {
+    if (of_w13) {
+      if (need.w13) decode_into(c.up, e, c.gated, d.w13, false, b0, b1);
+      if (need.w13t) decode_into(c.up, e, c.gated, d.w13t, true, b0, b1);
+    } else {
+      if (need.w2) decode_into(c.down, e, false, d.w2, false, b0, b1);
+      if (need.w2t) decode_into(c.down, e, false, d.w2t, true, b0, b1);
+    }
+  };
   if (n < at::get_num_threads()) {  // expert_workers: 1
-    at::Tensor w13 = need_w13 ? at::empty({c.N13, c.H}, opts) : at::Tensor();
-    at::Tensor w2 = need_w2 ? at::empty({c.H, c.I}, opts) : at::Tensor();
+    Dense d = scratch();
     for (int64_t e : c.experts) {
       auto mark = times.start();
-      if (need_w13)
-        at::parallel_for(0, c.up.N / 16, 4, [&](int64_t b0, int64_t b1) { decode_into(c.up, e, c.gated, w13, b0, b1); });
-      if (need_w2)
-        at::parallel_for(0, c.down.N / 16, 4, [&](int64_t b0, int64_t b1) { decode_into(c.down, e, false, w2, b0, b1); });
+      if (need.w13 || need.w13t)
+        at::parallel_for(0, c.up.N / 16, 4, [&](int64_t b0, int64_t b1) { decode(e, d, true, b0, b1); });
+      if (need.w2 || need.w2t)
+        at::parallel_for(0, c.down.N / 16, 4, [&](int64_t b0, int64_t b1) { decode(e, d, false, b0, b1); });
       times.lap(0, ExpertTimes::kDecode, mark);
-      fn(e, w13, w2, 0);
+      fn(e, static_cast<const Dense&>(d), 0);
     }
     return;
   }
@@ -496,15 +618,14 @@ void for_each_expert(const Call& c, ExpertTimes& times, bool need_w13, bool need
     const c10::AutoGradMode no_grad(false);
     for (int64_t slot = b; slot < end; ++slot) {
       try {
-        at::Tensor w13 = need_w13 ? at::empty({c.N13, c.H}, opts) : at::Tensor();
-        at::Tensor w2 = need_w2 ? at::empty({c.H, c.I}, opts) : at::Tensor();
+        Dense d = scratch();
         for (int64_t i = next++; i < n; i = next++) {
           const int64_t e = c.experts[i];
           auto mark = times.start();
-          if (need_w13) decode_into(c.up, e, c.gated, w13);
-          if (need_w2) decode_into(c.down, e, false, w2);
+          decode(e, d, true, 0, -1);
+          decode(e, d, false, 0, -1);
           times.lap(static_cast<int>(slot), ExpertTimes::kDecode, mark);
-          fn(e, w13, w2, static_cast<int>(slot));
+          fn(e, static_cast<const Dense&>(d), static_cast<int>(slot));
         }
       } catch (const std::exception& ex) {
         errors[slot] = ex.what();
@@ -616,12 +737,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_moe_delta(
   const at::Tensor gu_pairs = at::zeros({c.T * c.K, c.N13}, at::TensorOptions().dtype(c.et));
   const at::Tensor wflat = c.weights.reshape({c.T * c.K});
   ExpertTimes times(false, 0);  // (no profile line: the reference)
-  for_each_expert(c, times, true, true, [&](int64_t e, const at::Tensor& W13, const at::Tensor& W2, int) {
+  for_each_expert(c, times, {true, true, false, false}, [&](int64_t e, const Dense& d, int) {
     const at::Tensor rows = pair_rows(c, e);
     const at::Tensor x = c.hidden.index_select(0, at::floor_divide(rows, c.K)).to(c.ct);
-    const at::Tensor gu = pre_activations(c, e, x, W13, delta, rows);
+    const at::Tensor gu = pre_activations(c, e, x, d.w13, delta, rows);
     const at::Tensor h = glu_forward(c, gu);
-    at::Tensor y = at::mm(h.to(c.ct), W2.t()).to(c.et);
+    at::Tensor y = at::mm(h.to(c.ct), d.w2.t()).to(c.et);
     if (c.b2.defined()) y.add_(c.b2.select(0, e));  // the down bias, before the routing weight
     out_pairs.index_copy_(0, rows, y.mul_(wflat.index_select(0, rows).unsqueeze(1)));
     h_pairs.index_copy_(0, rows, h);
@@ -676,7 +797,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_moe_backward(
   const at::Tensor dy_all = grad_out.contiguous();
   timer.mark("setup");
   ExpertTimes times(timer.on(), expert_workers(c));
-  for_each_expert(c, times, true, true, [&](int64_t e, const at::Tensor& W13, const at::Tensor& W2, int worker) {
+  // W13 as stored only to recompute x W13^T; the transposed products read W^T (Dense)
+  for_each_expert(c, times, {!saved.defined(), false, true, true}, [&](int64_t e, const Dense& d, int worker) {
     auto mark = times.start();
     const at::Tensor rows = pair_rows(c, e);
     const at::Tensor tokens = at::floor_divide(rows, c.K);
@@ -688,8 +810,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_moe_backward(
     const at::Tensor de = delta.defined() && !saved.defined() ? delta.index_select(0, rows).to(c.et) : at::Tensor();
     at::Tensor gu = saved.defined() ? saved.index_select(0, rows).to(c.et) : at::Tensor();
     times.lap(worker, ExpertTimes::kCopies, mark);
-    if (!saved.defined()) gu = at::mm(x, W13.t());
-    const at::Tensor G = at::mm(dyc, W2).to(c.et);  // [n, I]
+    if (!saved.defined()) gu = at::mm(x, d.w13.t());
+    const at::Tensor G = at::mm(dyc, d.w2t.t()).to(c.et);  // [n, I]
     times.lap(worker, ExpertTimes::kProducts, mark);
     if (!saved.defined()) {
       gu = gu.to(c.et);
@@ -705,7 +827,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_moe_backward(
     const at::Tensor dguc = dgu.to(c.ct);
     times.lap(worker, ExpertTimes::kElementwise, mark);
     at::Tensor dxe = dx_grouped.narrow(0, c.start[e], rows.size(0));
-    at::mm_out(dxe, dguc, W13);
+    at::mm_out(dxe, dguc, d.w13t.t());
     times.lap(worker, ExpertTimes::kProducts, mark);
     dw.index_copy_(0, rows, dwe);
     if (ddelta.defined()) ddelta.index_copy_(0, rows, dgu.to(ddelta.scalar_type()));
