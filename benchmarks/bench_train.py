@@ -22,7 +22,8 @@ Variants (each runs in its own process, one after the other, so that the host me
                recomputed); ms per call at ``--seq`` tokens side by side with each one's ratio to kt.fused_moe, and
                the CPU experts' share of a step these make for the shape's layers (``cpu_step_s``);
                ``--recompute-row``: also the expert-LoRA backward recomputing the pre-activations (the path before
-               they were saved); ``--profile``: one more call of each with KT_PROFILE on, whose phase lines
+               they were saved); ``--layout-row``: also the backward's two transposed products on one thread with
+               the weights decoded transposed (now) and row-major (before); ``--profile``: one more call of each with KT_PROFILE on, whose phase lines
                (kt.fused_moe_backward's: decode, products, element-wise work, copies per worker) print after the
                table
 
@@ -67,6 +68,28 @@ def _median_ms(fn, reps: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def _layout_ms(dtype, n: int, H: int, I: int, reps: int, gen) -> dict:
+    """``--layout-row``: ms of the backward's two transposed products on one thread (as each expert task runs
+    them), n rows (the layer's mean pairs an expert), in the compute dtype, with the weight matrix stored as
+    kt.fused_moe_backward decodes it (``transposed``: W^T contiguous, read as the view (W^T)^T, the reduction
+    dimension contiguous) and as it decoded it before (``rows``: W row-major as stored, [H, I] and [2I, H]). Where
+    ``rows`` is as fast, the transposed decode buys nothing there and costs only its own decode time (the profile
+    line's experts.decode)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        dy, dgu = (torch.randn(n, k, generator=gen).to(dtype) for k in (H, 2 * I))
+        w2, w13 = torch.randn(H, I, generator=gen).to(dtype), torch.randn(2 * I, H, generator=gen).to(dtype)
+        w2t, w13t = w2.t().contiguous(), w13.t().contiguous()
+        g, dx = torch.empty(n, I, dtype=dtype), torch.empty(n, H, dtype=dtype)
+        return dict(n=n, dY_W2_rows=_median_ms(lambda: torch.mm(dy, w2, out=g), reps),
+                    dY_W2_transposed=_median_ms(lambda: torch.mm(dy, w2t.t(), out=g), reps),
+                    dgu_W13_rows=_median_ms(lambda: torch.mm(dgu, w13, out=dx), reps),
+                    dgu_W13_transposed=_median_ms(lambda: torch.mm(dgu, w13t.t(), out=dx), reps))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def run_ops(args) -> dict:
     """The CPU experts' calls of one trained layer at ``args.seq`` tokens (see the module docstring, ``ops``)."""
     from bench_e2e import SHAPES, machine_info, random_packed_experts
@@ -103,6 +126,9 @@ def run_ops(args) -> dict:
     if args.recompute_row:  # the same backward recomputing x W13^T (what the expert-LoRA step ran before)
         ms["fused_moe_backward_recompute"] = _median_ms(
             lambda: torch.ops.kt.fused_moe_backward(dy, x, ids, w, *p, "silu", delta, dh), args.op_reps)
+    layout_ms = None
+    if args.layout_row:  # the backward's two transposed products on one dense expert, both weight layouts
+        layout_ms = _layout_ms(dtype, max(1, T * K // E), H, I, args.op_reps, gen)
     if args.profile:  # one profiled call of each (KT_PROFILE's lines go to stderr; main() prints them)
         from ktorch import config
 
@@ -117,7 +143,7 @@ def run_ops(args) -> dict:
             config.set_profile(False)
     return dict(variant="ops", shape=args.shape, layers=layers, seq=T, experts_dtype=args.experts_dtype,
                 dims=dict(E=E, H=H, I=I, K=K), op_dtype=args.op_dtype,
-                ms={k: round(v, 2) for k, v in ms.items()},
+                ms={k: round(v, 2) for k, v in ms.items()}, layout_ms=layout_ms,
                 # per step with expert LoRA: forward, the checkpoint's recompute, backward, for every layer
                 cpu_step_s=layers * (2 * ms["fused_moe_delta"] + ms["fused_moe_backward"]) / 1e3,
                 # the same without expert LoRA (the fused kernels forward twice, the plain backward)
@@ -210,6 +236,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--recompute-row", action="store_true",
                    help="ops: also time the expert-LoRA backward recomputing the pre-activations instead of reading "
                    "the forward's (fused_moe_backward_recompute)")
+    p.add_argument("--layout-row", action="store_true",
+                   help="ops: also time the backward's two transposed products (dY W2, [dg|du] W13) on one thread "
+                   "with the weights decoded transposed (as kt.fused_moe_backward decodes them) and row-major (as "
+                   "it decoded them before): what decides the decode's layout on a CPU")
     p.add_argument("--profile", action="store_true",
                    help="ops: one more call of each op with KT_PROFILE on; their phase lines print after the table")
     p.add_argument("--jsonl", help="append one JSON line per variant to this file")
@@ -258,6 +288,12 @@ def main(argv=None) -> None:
                                for k, v in ms.items()))
             print(f"{'':<12} CPU experts a step ({r['layers']} layers, forward + recompute + backward): "
                   f"{r['cpu_step_s']:.2f} s with expert LoRA, {r['cpu_step_s_no_expert_lora']:.2f} s without")
+            if r.get("layout_ms"):
+                lm = r["layout_ms"]
+                print(f"{'':<12} backward products, one thread, n={lm['n']}, {r['op_dtype']}, ms: dY W2 "
+                      f"{lm['dY_W2_transposed']:.3f} transposed (now) | {lm['dY_W2_rows']:.3f} rows (before); "
+                      f"[dg|du] W13 {lm['dgu_W13_transposed']:.3f} transposed (now) | {lm['dgu_W13_rows']:.3f} rows "
+                      f"(before)")
             continue
         gpu = f"{r['gpu_peak_gib']:.2f}" if r["gpu_peak_gib"] is not None else "-"
         print(f"{r['variant']:<12} {r['experts_dtype']:>8} {str(r['expert_lora']):>12} {r['step_s']:>9.3f} {gpu:>13} "

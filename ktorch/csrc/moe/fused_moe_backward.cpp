@@ -36,10 +36,13 @@
 //
 // How the backward (and the reference forward) run: the pairs are grouped by expert. With at least as many experts
 // as ATen threads, each expert is one task, pulled by the ATen (OpenMP) workers from a shared counter, most tokens
-// first; a task decodes its expert's packed blocks (bf16, int8 per channel, int4 grouped: kernels.h) into its
-// worker's scratch as dense [2I, H] and [H, I] matrices in the compute dtype (no unpacked copy of the layer: one
-// expert per worker at a time), then runs the products with ATen's matmuls (oneDNN/MKL), single threaded inside the
-// task. With fewer experts than threads (Mixtral's 8 on 16 cores, or few tokens) the experts run one at a time, the
+// first; a task decodes its expert's packed blocks (bf16, int8 per channel, int4 grouped, MXFP4 nibbles: kernels.h)
+// into its worker's scratch as dense matrices in the compute dtype (no unpacked copy of the layer: one expert per
+// worker at a time), then runs the products with ATen's matmuls (oneDNN/MKL), single threaded inside the task. The
+// backward decodes W2 and W13 transposed (W2^T [I, H], W13^T [H, N13]; decode_expert_t_impl) and reads them as the
+// views (W^T)^T, so that both operands of dY W2 and [dg | du] W13 have the reduction dimension contiguous (x W13^T's
+// layout); W13 as stored [N13, H] only where x W13^T is recomputed (and in the float forward below). ATen's bf16
+// fallback matmul (no AVX-512 BF16) is 5-9x faster so (docs/training.md); its fp32 sgemm does not care. With fewer experts than threads (Mixtral's 8 on 16 cores, or few tokens) the experts run one at a time, the
 // decode split over the workers by blocks and the ATen ops multi-threaded. Each pair's row of d hidden is its own
 // row of a [pairs, H] buffer in the compute dtype, grouped by expert (the product of an expert writes its rows in
 // place, mm_out: no scatter, no cast), and the routed slots are summed by token in slot order afterwards in the
