@@ -594,7 +594,33 @@ class ExpertsRuntime:
         return kind in (_NativeHostFunctions, _GpuHandoffTask) and number < self._joined_through.get(kind, 0)
 
 
-class _NativeHostFunctions:
+class _NativeTask:
+    """A staging's native host task (runtime/host_tasks.cpp), made by ``host_task_new`` over the staging's tensors
+    and the layer's weights (``words``: the GPU handoff's pinned doorbell and done words, or None); freed with the
+    object."""
+
+    def _new_task(self, staging: "_Staging", layer: ExpertsLayer, words=None) -> None:
+        self.staging, self.layer = staging, layer  # the task holds these tensors; keep them referenced too
+        self.tokens = staging.hidden.shape[0]
+        # a split staging (deferral): the task also runs the deferred slots into out_later, d read from deferred
+        deferred = getattr(staging, "deferred", None)
+        extra = () if words is None else (words,)
+        self.handle = torch.ops.kt.host_task_new(staging.hidden, staging.topk_ids, staging.topk_weights, staging.out,
+                                                 layer.w13, layer.w13_scales, layer.w2, layer.w2_scales,
+                                                 layer.activation, True,
+                                                 staging.out_later if deferred is not None else None, deferred,
+                                                 layer.w13_bias, layer.w2_bias, *extra)
+
+    def error(self) -> str:
+        return torch.ops.kt.host_task_error(self.handle)
+
+    def __del__(self):
+        handle, self.handle = getattr(self, "handle", 0), 0
+        if handle:
+            torch.ops.kt.host_task_free(handle)
+
+
+class _NativeHostFunctions(_NativeTask):
     """The start/join host functions of one staging as C functions (runtime/host_tasks.cpp): indexable like the
     Python ones, ``[0].launch()`` starts, ``[1].launch()`` joins, ``[2].launch()`` joins a split call's deferred
     part, ``[3].launch()`` starts and joins the first part in one host function."""
@@ -609,15 +635,7 @@ class _NativeHostFunctions:
             launch_native(self.ptr, self.handle)
 
     def __init__(self, staging: "_Staging", layer: ExpertsLayer):
-        self.staging, self.layer = staging, layer  # the task holds these tensors; keep them referenced too
-        self.tokens = staging.hidden.shape[0]
-        # a split staging (deferral): the task also runs the deferred slots into out_later, d read from deferred
-        deferred = getattr(staging, "deferred", None)
-        self.handle = torch.ops.kt.host_task_new(staging.hidden, staging.topk_ids, staging.topk_weights, staging.out,
-                                                 layer.w13, layer.w13_scales, layer.w2, layer.w2_scales,
-                                                 layer.activation, True,
-                                                 staging.out_later if deferred is not None else None, deferred,
-                                                 layer.w13_bias, layer.w2_bias)
+        self._new_task(staging, layer)
         self._fns = tuple(self._Fn(fn, self.handle) for fn in torch.ops.kt.host_task_functions())
 
     def __getitem__(self, i: int):
@@ -628,16 +646,9 @@ class _NativeHostFunctions:
         CUDA."""
         torch.ops.kt.host_task_run(self.handle)
 
-    def error(self) -> str:
-        return torch.ops.kt.host_task_error(self.handle)
-
-    def __del__(self):
-        handle, self.handle = getattr(self, "handle", 0), 0
-        if handle:
-            torch.ops.kt.host_task_free(handle)
 
 
-class _GpuHandoffTask:
+class _GpuHandoffTask(_NativeTask):
     """A staging's native host task handed over by the GPU (gpu_handoff.py): ``ring()`` after the input copies
     (the doorbell kernel: the device's next number into the task's pinned doorbell, which the C++ worker watches),
     ``wait(part)`` before the result's copy (the wait kernel: until the worker's done word for part 1, the call, or
@@ -646,19 +657,13 @@ class _GpuHandoffTask:
     def __init__(self, staging: "_Staging", layer: ExpertsLayer, counter: torch.Tensor, error: torch.Tensor):
         from ktorch.compile import gpu_handoff
 
-        self.staging, self.layer, self.counter, self.error_flag = staging, layer, counter, error
-        self.tokens = staging.hidden.shape[0]
+        self.counter, self.error_flag = counter, error
         self.words = gpu_handoff.new_words()  # doorbell, done, done_later (pinned)
         with torch.inference_mode(False):
             # the task's number, device memory: written by each ring before any wait reads it (empty: no kernel
             # captured to fill it)
             self.seq = torch.empty(1, dtype=torch.int64, device=counter.device)
-        deferred = getattr(staging, "deferred", None)
-        self.handle = torch.ops.kt.host_task_new(staging.hidden, staging.topk_ids, staging.topk_weights, staging.out,
-                                                 layer.w13, layer.w13_scales, layer.w2, layer.w2_scales,
-                                                 layer.activation, True,
-                                                 staging.out_later if deferred is not None else None, deferred,
-                                                 layer.w13_bias, layer.w2_bias, self.words)
+        self._new_task(staging, layer, self.words)
 
     def ring(self) -> None:
         from ktorch.compile import gpu_handoff
@@ -670,13 +675,6 @@ class _GpuHandoffTask:
 
         gpu_handoff.wait(self.seq, self.words, part, self.error_flag)
 
-    def error(self) -> str:
-        return torch.ops.kt.host_task_error(self.handle)
-
-    def __del__(self):
-        handle, self.handle = getattr(self, "handle", 0), 0
-        if handle:
-            torch.ops.kt.host_task_free(handle)
 
 
 RUNTIME = ExpertsRuntime()
