@@ -95,6 +95,14 @@ def prompt_of(tokens: int, kind: str = "text") -> str:
     return (text * (tokens // len(text) + 1))[:tokens]
 
 
+def prompt_ids(tokens: int, kind: str = "text"):
+    """``prompt_of``'s bytes as token ids [1, tokens] (a file without a tokenizer), what ``ktorch generate`` makes of
+    the same prompt."""
+    import torch
+
+    return torch.tensor([list(prompt_of(tokens, kind).encode())])
+
+
 def run_generate(gguf: str, prompt_tokens: int, gen: int, extra: list[str], timeout_s: float,
                  prompt_kind: str = "text") -> dict:
     """One fresh ``ktorch generate`` process on ``gguf`` (a prompt of ``prompt_tokens`` ids, ``gen`` new tokens,
@@ -144,7 +152,7 @@ def ab_compile(args) -> None:
     from ktorch.compile.experts_runtime import RUNTIME, ExpertsRuntime
 
     model, _ = ktorch.load(args.gguf, device="cuda", gpu_memory=args.ab_gpu_memory)
-    ids = torch.tensor([[b for b in prompt_of(args.prompts[0]).encode()]])
+    ids = prompt_ids(args.prompts[0])
 
     from ktorch import decode_attention
     from ktorch.ops import triton_experts
@@ -187,7 +195,7 @@ def ab_compile(args) -> None:
     set_variant("default")
     for length in args.prompts[1:] if args.profile_steps else ():  # the step after longer prompts (its attention)
         model.kt_decoder = None
-        ktorch.generate(model, torch.tensor([[b for b in prompt_of(length).encode()]]), 4)
+        ktorch.generate(model, prompt_ids(length), 4)
         profile_steps(model.kt_decoder, args.profile_steps, f"after a {length}-token prompt")
     for (d, variant), rows in results.items():
         print(f"d={d} {variant}: decode median {statistics.median(r[0] for r in rows):.1f} tok/s, capture median "
@@ -309,7 +317,7 @@ def breakdown(args) -> None:
               f"warm-up {cli.warm_up_s:.2f} s{', skipped: --breakdown-cold' if args.breakdown_cold else ''})", flush=True)
         timer = PartTimer(model, device)
         for prompt in args.prompts:
-            ids = torch.tensor([[b for b in prompt_of(prompt, args.prompt_kind).encode()]])
+            ids = prompt_ids(prompt, args.prompt_kind)
             runs = []
             for _ in range(args.breakdown):
                 timer.totals.clear()
