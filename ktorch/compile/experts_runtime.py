@@ -666,8 +666,8 @@ class _NativeHostFunctions(_NativeTask):
 def _outside_graph_pools(make: Callable[[], torch.Tensor]) -> torch.Tensor:
     """``make()`` run on a new thread. The caching allocator sends a thread's CUDA allocations to a CUDA graph's
     private pool while that thread captures, and while cudagraph trees (torch.compile's "reduce-overhead") warm a
-    graph up on it (the compiled function runs eagerly once, not capturing, its tensors in the pool: torch 2.13
-    routes by thread, older versions by the warm-up's stream). Memory that outlives every graph is made on another
+    graph up on it (the compiled function runs eagerly once, not capturing, its tensors in the pool: torch 2.8 and
+    later route the warm-up by thread, older versions by its stream). Memory that outlives every graph is made on another
     thread: the device's ordinary pool (a tensor left in a graph's pool is memory that no graph output tracks,
     which cudagraph trees refuse, and may hand to a later graph)."""
     made: list = []
