@@ -76,7 +76,9 @@ echo "== tests (pytest -n 8 --timeout 120, limit 130 s)"
 timeout -k 5 130 python3 -m pytest -v -n 8 --timeout 120 -p no:cacheprovider --durations=30 "${TESTS[@]}" \
   >"$OUT/tests.log" 2>&1
 echo "   rc $? ($(($(date +%s) - START)) s)"
-grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | cut -c1-300 | head -30
+# -v lines ("[gw3] [ 40%] PASSED tests/..."): there even when the limit cut pytest short
+echo "   finished: $(grep -cE '(PASSED|SKIPPED) tests/' "$OUT/tests.log") passed or skipped, $(grep -cE '(FAILED|ERROR) tests/' "$OUT/tests.log") failed"
+grep -E "(FAILED|ERROR) tests/|^(FAILED|ERROR) " "$OUT/tests.log" | cut -c1-300 | sort -u | head -30
 grep -E "Timeout|not tracked as outputs|MoE calls recorded" "$OUT/tests.log" | sort | uniq -c | head -10
 sed -n '/slowest 30 durations/,/^$/p' "$OUT/tests.log" | head -32
 grep -E "(passed|failed|error)" "$OUT/tests.log" | tail -1
