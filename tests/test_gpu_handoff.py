@@ -17,7 +17,8 @@ import torch
 
 import ktorch
 from ktorch.compile import gpu_handoff
-from ktorch.compile.experts_runtime import ExpertsLayer, ExpertsRuntime, _GpuHandoffTask, _NativeHostFunctions
+from ktorch.compile.experts_runtime import (ExpertsLayer, ExpertsRuntime, _GpuHandoffTask, _HandoffSeqs,
+                                            _NativeHostFunctions)
 from ktorch.ops.triton_experts import interpreting
 
 CUDA = torch.cuda.is_available()
@@ -54,14 +55,14 @@ def expected(staging, packed, ids=None):
 
 
 def device_words():
-    counter = torch.zeros(1, dtype=torch.int64, device=DEV)
-    error = _pinned(torch.zeros(1, dtype=torch.int64))
-    return counter, error
+    """The device's handoff words as the runtime makes them (the counter and the tasks' sequence words) and a pinned
+    error flag."""
+    return _HandoffSeqs(DEV), _pinned(torch.zeros(1, dtype=torch.int64))
 
 
 @needs_kernels
 def test_ring_writes_the_next_number_to_the_doorbell():
-    counter, _ = device_words()
+    counter = device_words()[0].counter
     seq = torch.zeros(1, dtype=torch.int64, device=DEV)
     words = gpu_handoff.new_words()
     for n in (1, 2, 3):
@@ -78,8 +79,9 @@ def test_wait_kernel_spins_until_the_worker_is_done(T):
     published that call's number (its returns come after the call's end on the worker's own clock), with the
     result in the pinned output and no error flag."""
     staging, layer, packed = make_task(1, T=T, H=256, I=256)
-    counter, error = device_words()
-    task = _GpuHandoffTask(staging, layer, counter, error)
+    seqs, error = device_words()
+    counter = seqs.counter
+    task = _GpuHandoffTask(staging, layer, counter, seqs.take(), error)
     for step in range(3):
         staging.hidden.copy_(torch.randn_like(staging.hidden))
         staging.out.fill_(7.0)
@@ -101,8 +103,9 @@ def test_wait_kernel_outlasts_a_slow_call():
     """The worker is kept busy by a long pushed call, so the rung doorbell waits and the wait kernel spins through
     it (many polls under the interpreter); it returns with the right result once the worker gets to it."""
     staging, layer, packed = make_task(2, T=3)
-    counter, error = device_words()
-    task = _GpuHandoffTask(staging, layer, counter, error)
+    seqs, error = device_words()
+    counter = seqs.counter
+    task = _GpuHandoffTask(staging, layer, counter, seqs.take(), error)
     busy, busy_layer, _ = make_task(3, T=2048, E=8, H=512, I=512)
     c = _NativeHostFunctions(busy, busy_layer)
     torch.ops.kt.host_task_take_times(c.handle)
@@ -126,8 +129,9 @@ def test_wait_kernel_waits_for_a_split_calls_deferred_part():
     from ktorch.passes.deferral import split_topk_slots
 
     staging, layer, packed = make_task(4, T=6, split_d=2)
-    counter, error = device_words()
-    task = _GpuHandoffTask(staging, layer, counter, error)
+    seqs, error = device_words()
+    counter = seqs.counter
+    task = _GpuHandoffTask(staging, layer, counter, seqs.take(), error)
     for d in (2, 0, 1):
         staging.deferred.fill_(d)
         task.ring()
@@ -146,8 +150,9 @@ def test_wait_kernel_gives_up_and_sets_the_error_flag():
     """A call that never finishes (no doorbell rung: the worker never runs it) ends the spin after its limit,
     with the call's number in the error flag; the runtime's check then raises instead of using the output."""
     staging, layer, _ = make_task(5)
-    counter, error = device_words()
-    task = _GpuHandoffTask(staging, layer, counter, error)
+    seqs, error = device_words()
+    counter = seqs.counter
+    task = _GpuHandoffTask(staging, layer, counter, seqs.take(), error)
     counter.fill_(41)
     task.seq.fill_(42)  # what a ring would have written, without the doorbell
     gpu_handoff.wait(task.seq, task.words, 1, error, limit_ns=20_000)  # 20 us (20 loads without the GPU's timer)
@@ -163,7 +168,8 @@ def test_wait_kernel_gives_up_and_sets_the_error_flag():
 
 @needs_kernels
 def test_wait_arguments_are_checked():
-    counter, error = device_words()
+    seqs, error = device_words()
+    counter = seqs.counter
     words = gpu_handoff.new_words()
     with pytest.raises(ValueError, match="part must be 1 \\(done\\) or 2"):
         gpu_handoff.wait(counter, words, 0, error)
@@ -202,6 +208,68 @@ def test_kernels_compile_for_the_gpu_with_system_memory_accesses():
         wait = ptx(gpu_handoff._wait_kernel, wait_sig, {"PART": 2, "CLOCK": clock})
         assert "ld.volatile.global.b64" in wait and "st.global.wt.b64" in wait
         assert ("%globaltimer" in wait) == clock
+
+
+def _device_factories():
+    """A dispatch mode that lists the ops which made a tensor on a CUDA device while it was open."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Factories(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.made = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            tensors = out if isinstance(out, (tuple, list)) else (out,)
+            fresh = [t for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda
+                     and not any(isinstance(a, torch.Tensor) and a.is_cuda and a.untyped_storage().data_ptr()
+                                 == t.untyped_storage().data_ptr() for a in args)]
+            if fresh:
+                self.made.append(str(func))
+            return out
+
+    return Factories()
+
+
+def test_captured_tasks_take_words_made_before_and_allocate_no_device_memory():
+    """A staging's task is made inside a capture, where a new device tensor lands in the graph's private pool
+    (cudagraph trees then refuse the graph: "tensor(s) in the cudagraph pool not tracked as outputs"). Each GPU-
+    handoff task's sequence word is a view of the block _HandoffSeqs made beforehand, one word per task; once the
+    block is used up, a capture's task takes host functions (no allocation), and the next eager call's top-up
+    gives a later capture of that staging a handoff task again. No op makes a CUDA tensor meanwhile."""
+    from ktorch.compile.experts_runtime import _Site, _Staging
+
+    runtime = ExpertsRuntime()
+    (layer,) = _layers(runtime, 1, H=64, I=32)
+    device = torch.device(DEV)
+    seqs = _HandoffSeqs(device, slots=4)  # the counter and 3 words
+    runtime._handoff_seqs[device] = seqs  # what _prepare_handoff leaves
+    runtime._handoff_error = _pinned(torch.zeros(1, dtype=torch.int64))
+    block = seqs.blocks[0].untyped_storage().data_ptr()
+    site = _Site()
+    stagings = [_Staging.like(torch.zeros(T, 64), torch.zeros(T, 4, dtype=torch.long), torch.zeros(T, 4))
+                for T in (1, 2, 3, 4)]
+    factories = _device_factories()
+    with factories:
+        tasks = [runtime._host_functions(site, s, runtime.layers[layer], device=device) for s in stagings]
+    assert factories.made == []
+    assert [type(t) for t in tasks] == [_GpuHandoffTask] * 3 + [_NativeHostFunctions]
+    assert runtime.stats["handoff_words_short"] == 1
+    assert all(t.seq.untyped_storage().data_ptr() == block for t in tasks[:3])
+    assert sorted(t.seq.storage_offset() for t in tasks[:3]) == [1, 2, 3]  # word 0 is the counter
+    assert all(t.counter is seqs.counter for t in tasks[:3]) and seqs.counter.storage_offset() == 0
+    assert seqs.take() is None
+    runtime._prepare_handoff(device)  # an eager call: a new block
+    assert len(seqs.blocks) == 2 and seqs.free() == 4
+    with factories:
+        again = runtime._host_functions(site, stagings[3], runtime.layers[layer], device=device)
+    assert factories.made == []
+    assert isinstance(again, _GpuHandoffTask) and stagings[3].host_functions is again
+    assert again.seq.untyped_storage().data_ptr() == seqs.blocks[1].untyped_storage().data_ptr()
+    assert runtime._host_functions(site, stagings[0], runtime.layers[layer], device=device) is tasks[0]  # kept
+    with pytest.raises(ValueError, match="seq must be an int64"):
+        _GpuHandoffTask(stagings[0], runtime.layers[layer], seqs.counter, seqs.blocks[1][:2], runtime._handoff_error)
 
 
 # ---------------------------------------------------------------- CUDA graphs
@@ -335,3 +403,40 @@ def test_a_failing_self_test_falls_back_to_host_functions(monkeypatch):
     assert torch.equal(out, eager)
     tasks = [s.host_functions for site in runtime._sites.values() for s in site.staging.values()]
     assert tasks and all(isinstance(t, _NativeHostFunctions) for t in tasks)
+
+
+@needs_cuda
+def test_cudagraph_trees_keep_no_handoff_memory_in_their_pool(monkeypatch):
+    """torch.compile(mode="reduce-overhead") (cudagraph trees) over a CPU experts call whose runtime has made nothing
+    for the device yet: the warm-up run (eager, its allocations in the graph's pool) prepares the handoff and the
+    recording makes the task, and neither leaves a tensor in the pool (the trees' own checks, on here, raise
+    "tensor(s) in the cudagraph pool not tracked as outputs"). The replays give the eager op's results."""
+    from torch._inductor import config as inductor_config
+
+    from ktorch.compile.experts_runtime import RUNTIME
+
+    monkeypatch.setattr(RUNTIME, "_handoff_seqs", {})  # as in a fresh process: the first CUDA call comes below
+    monkeypatch.setattr(RUNTIME, "observers", [])
+    monkeypatch.setattr(RUNTIME, "gpu_handoff", True)
+    monkeypatch.setattr(inductor_config.triton, "slow_path_cudagraph_asserts", True)
+    (layer,) = _layers(RUNTIME, 1)
+    site = RUNTIME.new_site()
+
+    def step(hidden, ids, weights):
+        ticket = torch.ops.ktorch.submit_experts(hidden, ids, weights, layer, site)
+        return torch.ops.ktorch.wait_experts(ticket, hidden, layer, site, []) * 2
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+    gen = torch.Generator().manual_seed(5)
+    for i in range(4):  # warm-up, recording, replays
+        args = (torch.randn(1, 256, generator=gen), torch.randint(0, 8, (1, 4), generator=gen),
+                torch.rand(1, 4, generator=gen))
+        torch.compiler.cudagraph_mark_step_begin()
+        got = compiled(*(a.cuda() for a in args)).cpu()
+        w = RUNTIME.layers[layer]
+        want = torch.ops.kt.fused_moe(*args, w.w13, w.w13_scales, w.w2, w.w2_scales, "silu")
+        assert torch.equal(got, want * 2), f"call {i}"
+    tasks = [s.host_functions for s in RUNTIME._sites[site].staging.values()]
+    assert tasks and all(isinstance(t, _GpuHandoffTask) for t in tasks)
+    RUNTIME.check_handoff()

@@ -575,9 +575,10 @@ def test_packed_delta_forward_errors_and_opcheck():
 
 def test_backward_with_fewer_experts_than_threads():
     """Fewer routed experts than threads: one expert at a time, its decode split over the workers by blocks and its
-    products multi-threaded (fused_moe_backward.cpp, for_each_expert). float64: the reference gradients; bf16: the
-    per-expert tasks' result (more experts than threads) within bf16 rounding, d delta included."""
-    E, H, I, T, K = 6, 64, 96, 23, 2
+    products multi-threaded (fused_moe_backward.cpp, for_each_expert; the busiest expert's rows x H x 2I above
+    kMinThreadedMacs, 2^20, here >= 16 x 256 x 512 with 3 experts used; tiny products run one expert a worker).
+    float64: the reference gradients; bf16: the float64 op's result within bf16 rounding, d delta included."""
+    E, H, I, T, K = 6, 256, 256, 23, 2
     packed = _packed(E, H, I, "int8")
     threads = torch.get_num_threads()
     try:

@@ -317,9 +317,9 @@ class ExpertsRuntime:
         # GPU handoff (gpu_handoff.py) for captured calls, where available: doorbell + wait kernel instead of
         # host functions. False: host functions (benchmarks/bench_generate.py's A/B sets it; no user option).
         self.gpu_handoff = True  # read when a staging's task is made (at its first capture)
-        # per CUDA device: its int64 [1] doorbell counter, made outside any capture when the kernels are warmed up
-        # (None: the kernels' self-test failed there, host functions)
-        self._handoff_counters: dict = {}
+        # per CUDA device: its _HandoffSeqs (the doorbell counter and the tasks' sequence words), made outside any
+        # capture when the kernels are warmed up (None: the kernels' self-test failed there, host functions)
+        self._handoff_seqs: dict = {}
         self._handoff_error: Optional[torch.Tensor] = None  # int64 [1], pinned: a wait kernel that gave up
 
     # -- compile time
@@ -380,20 +380,26 @@ class ExpertsRuntime:
                 "far slower than expected (see its messages above); restart the process")
 
     def _prepare_handoff(self, device: torch.device) -> None:
-        """Outside any capture (an eager call): the device's doorbell counter and the error flag, and one launch of
-        each kernel (compiled and loaded here, not inside a capture)."""
+        """Outside any capture (an eager call): the device's doorbell counter and tasks' sequence words
+        (``_HandoffSeqs``, topped up here once a capture used them all), the error flag, and one launch of each
+        kernel (compiled and loaded here, not inside a capture)."""
         from ktorch.compile import gpu_handoff
 
-        if not self.gpu_handoff or device in self._handoff_counters or not gpu_handoff.available():
+        if device in self._handoff_seqs:
+            seqs = self._handoff_seqs[device]
+            if seqs is not None and seqs.free() == 0:
+                seqs.grow()
+            return
+        if not self.gpu_handoff or not gpu_handoff.available():
             return
         with torch.inference_mode(False):
             if self._handoff_error is None:
                 self._handoff_error = torch.zeros(1, dtype=torch.int64, pin_memory=True)
-            counter = torch.zeros(1, dtype=torch.int64, device=device)
-            seq = torch.zeros(1, dtype=torch.int64, device=device)
             words = gpu_handoff.new_words()
             scratch_error = torch.zeros(1, dtype=torch.int64, pin_memory=True)
         try:
+            seqs = _HandoffSeqs(device)
+            counter, seq = seqs.counter, seqs.take()  # the self-test's number: a word no task gets
             with torch.cuda.device(device):
                 gpu_handoff.ring(counter, seq, words)
                 torch.cuda.current_stream(device).synchronize()
@@ -410,9 +416,9 @@ class ExpertsRuntime:
 
             warnings.warn(f"ktorch: the GPU handoff of CPU experts calls is unavailable on {device} ({e}); captured "
                           f"steps use host functions", RuntimeWarning)
-            self._handoff_counters[device] = None  # not tried again
+            self._handoff_seqs[device] = None  # not tried again
             return
-        self._handoff_counters[device] = counter
+        self._handoff_seqs[device] = seqs
 
     # -- run time
     def submit(self, hidden, topk_ids, topk_weights, layer: int, site: int, join_now: bool = False) -> torch.Tensor:
@@ -543,14 +549,23 @@ class ExpertsRuntime:
         faster (H100 host, 12 Qwen3-30B-A3B layers, int8: 137.6 against 87.3 tok/s; benchmarks/RESULTS.md)."""
         from ktorch.compile.host_func import HostFunction
 
-        counter = self._handoff_counters.get(device) if self.gpu_handoff and not self.observers else None
-        if staging.host_functions is not None and (counter is not None) != isinstance(staging.host_functions,
-                                                                                         _GpuHandoffTask):
-            staging.host_functions = None  # captured before under the other handoff (an A/B): a new task
+        # made by an eager call before (a capture's warm-up step); None: host functions
+        seqs = self._handoff_seqs.get(device) if self.gpu_handoff and not self.observers else None
+        task = staging.host_functions
+        if task is not None and (seqs is not None) != isinstance(task, _GpuHandoffTask):
+            if isinstance(task, _GpuHandoffTask) or seqs.free():
+                staging.host_functions = None  # captured before under the other handoff (an A/B): a new task
         if staging.host_functions is None and not self.observers:
-            if counter is not None:  # made by an eager call before (a capture's warm-up step)
-                staging.host_functions = _GpuHandoffTask(staging, weights, counter, self._handoff_error)
+            # Nothing is allocated on the device here: this runs inside captures, where the caching allocator puts
+            # new tensors in the graph's private pool (cudagraph trees then refuse the graph: memory no output
+            # tracks). The task's sequence word is one of those _prepare_handoff made; when a capture has used
+            # them all, the task takes host functions (the next eager call makes more for later captures).
+            seq = seqs.take() if seqs is not None else None
+            if seq is not None:
+                staging.host_functions = _GpuHandoffTask(staging, weights, seqs.counter, seq, self._handoff_error)
             else:
+                if seqs is not None:
+                    self.stats["handoff_words_short"] += 1
                 staging.host_functions = _NativeHostFunctions(staging, weights)
             self._native_tasks.append(staging.host_functions)
         if staging.host_functions is None:
@@ -648,21 +663,95 @@ class _NativeHostFunctions(_NativeTask):
 
 
 
+def _outside_graph_pools(make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``make()`` run on a new thread. The caching allocator sends a thread's CUDA allocations to a CUDA graph's
+    private pool while that thread captures, and while cudagraph trees (torch.compile's "reduce-overhead") warm a
+    graph up on it (the compiled function runs eagerly once, not capturing, its tensors in the pool: torch 2.8 and
+    later route the warm-up by thread, older versions by its stream). Memory that outlives every graph is made on another
+    thread: the device's ordinary pool (a tensor left in a graph's pool is memory that no graph output tracks,
+    which cudagraph trees refuse, and may hand to a later graph)."""
+    made: list = []
+
+    def run():
+        try:
+            made.append(make())
+        except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread
+            made.append(e)
+
+    thread = threading.Thread(target=run, name="ktorch-handoff-alloc")
+    thread.start()
+    thread.join()
+    if isinstance(made[0], BaseException):
+        raise made[0]
+    return made[0]
+
+
+class _HandoffSeqs:
+    """One device's GPU-handoff words in device memory: the doorbell counter (one int64 a device, so numbers grow in
+    stream order across its tasks) and each task's sequence word, ``SLOTS`` int64 a block, made outside any capture
+    and outside any graph's pool (``_outside_graph_pools``). Tasks are made inside captures, where a new device
+    tensor would land in the graph's private pool; each takes a word of a block made before (``take``), and a
+    capture that finds none left gives its task host functions (``grow``, at the next eager call, adds a block).
+    Blocks are never freed: the graphs that captured their words may replay as long as the process runs."""
+
+    SLOTS = 4096  # 32 KB a block; a 48-layer model's decode and prefill captures take a few hundred words
+
+    def __init__(self, device: torch.device, slots: int = SLOTS):
+        if slots < 2:
+            raise ValueError(f"_HandoffSeqs: a block needs at least 2 words (the counter and a task's), got {slots}")
+        self.device, self.slots = torch.device(device), slots
+        self.blocks: list = []
+        self._next = 0  # the next free word of the last block
+        self.grow()
+        self.counter = self.blocks[0][:1]
+        self._next = 1
+
+    def _block(self) -> torch.Tensor:
+        def make():  # no kernel on the other thread: its zero fill runs on the caller's stream, before any ring
+            return torch.empty(self.slots, dtype=torch.int64, device=self.device)
+
+        with torch.inference_mode(False):  # a plain tensor whatever the caller's mode (the new thread has none)
+            block = _outside_graph_pools(make) if self.device.type == "cuda" else make()
+            return block.zero_()
+
+    def grow(self) -> None:
+        """Another block of words (outside any capture)."""
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("_HandoffSeqs.grow: not inside a CUDA-graph capture")
+        self.blocks.append(self._block())
+        self._next = 0
+
+    def free(self) -> int:
+        """Words left for tasks."""
+        return self.slots - self._next
+
+    def take(self) -> Optional[torch.Tensor]:
+        """A task's sequence word: an int64 [1] view of a block (no allocation), or None when none is left."""
+        if self._next >= self.slots:
+            return None
+        word = self.blocks[-1][self._next:self._next + 1]
+        self._next += 1
+        return word
+
+
 class _GpuHandoffTask(_NativeTask):
     """A staging's native host task handed over by the GPU (gpu_handoff.py): ``ring()`` after the input copies
     (the doorbell kernel: the device's next number into the task's pinned doorbell, which the C++ worker watches),
     ``wait(part)`` before the result's copy (the wait kernel: until the worker's done word for part 1, the call, or
     2, a split call's deferred part, reaches that number). No host function: the graph holds two small kernels."""
 
-    def __init__(self, staging: "_Staging", layer: ExpertsLayer, counter: torch.Tensor, error: torch.Tensor):
+    def __init__(self, staging: "_Staging", layer: ExpertsLayer, counter: torch.Tensor, seq: torch.Tensor,
+                 error: torch.Tensor):
+        """``counter``: the device's doorbell counter; ``seq``: the task's own int64 [1] word, device memory written
+        by each ring before any wait reads it (a slot of ``_HandoffSeqs``: the task is made inside captures and
+        allocates no device memory); ``error``: the pinned error flag."""
         from ktorch.compile import gpu_handoff
 
-        self.counter, self.error_flag = counter, error
-        self.words = gpu_handoff.new_words()  # doorbell, done, done_later (pinned)
-        with torch.inference_mode(False):
-            # the task's number, device memory: written by each ring before any wait reads it (empty: no kernel
-            # captured to fill it)
-            self.seq = torch.empty(1, dtype=torch.int64, device=counter.device)
+        if seq.shape != (1,) or seq.dtype != torch.int64 or seq.device != counter.device:
+            raise ValueError(f"_GpuHandoffTask: seq must be an int64 [1] tensor on {counter.device}, got {seq.dtype} "
+                             f"{tuple(seq.shape)} on {seq.device}")
+        self.counter, self.seq, self.error_flag = counter, seq, error
+        self.words = gpu_handoff.new_words()  # doorbell, done, done_later (pinned host memory)
         self._new_task(staging, layer, self.words)
 
     def ring(self) -> None:

@@ -42,8 +42,10 @@
 // backward decodes W2 and W13 transposed (W2^T [I, H], W13^T [H, N13]; decode_expert_t_impl) and reads them as the
 // views (W^T)^T, so that both operands of dY W2 and [dg | du] W13 have the reduction dimension contiguous (x W13^T's
 // layout); W13 as stored [N13, H] only where x W13^T is recomputed (and in the float forward below). ATen's bf16
-// fallback matmul (no AVX-512 BF16) is 5-9x faster so (docs/training.md); its fp32 sgemm does not care. With fewer experts than threads (Mixtral's 8 on 16 cores, or few tokens) the experts run one at a time, the
-// decode split over the workers by blocks and the ATen ops multi-threaded. Each pair's row of d hidden is its own
+// fallback matmul (no AVX-512 BF16) is 5-9x faster so (docs/training.md); its fp32 sgemm does not care. With fewer
+// experts than threads (Mixtral's 8 on 16 cores, or few tokens) the experts run one at a time, the decode split over
+// the workers by blocks and the ATen ops multi-threaded, where the busiest expert's products are big enough for
+// threads to pay (kMinThreadedMacs); smaller ones run one expert a worker as above. Each pair's row of d hidden is its own
 // row of a [pairs, H] buffer in the compute dtype, grouped by expert (the product of an expert writes its rows in
 // place, mm_out: no scatter, no cast), and the routed slots are summed by token in slot order afterwards in the
 // element dtype (sum_slots; the skipped slots have no row): no atomics, the same result whatever the thread count.
@@ -556,11 +558,25 @@ struct ExpertTimes : WorkerTimes<4> {
   }
 };
 
-// How many workers for_each_expert runs c's experts on: none without experts, one (the calling thread, its ATen ops
-// multi-threaded) when they are fewer than the ATen threads, else one a thread.
+// The busiest expert's rows x H x N13 (one product's multiply-adds) below which fewer experts than threads still run
+// one a worker (single-threaded products inside the parallel region) rather than one at a time with multi-threaded
+// ATen ops: MKL forks all its threads for a product of any size outside a parallel region. A [5, 32] x [32, 64]
+// float64 product took 509 us on 16 threads against 7.5 us on one (2-core host, oversubscribed 8x), and the float64
+// gradcheck tests (E = 4, H = I = 32, a few hundred calls of 5 tokens) ran past a minute on the device's 16 cores
+// under 12 test processes. 2^20: about 0.1-0.5 ms on one core, where the fork pays.
+constexpr int64_t kMinThreadedMacs = int64_t(1) << 20;
+
+// How many workers for_each_expert runs c's experts on: none without experts; one (the calling thread, its ATen ops
+// multi-threaded) when they are fewer than the ATen threads and the busiest one's products are big enough
+// (kMinThreadedMacs) or there is one; else one a thread, at most one an expert.
 int expert_workers(const Call& c) {
   const int64_t n = static_cast<int64_t>(c.experts.size());
-  return n == 0 ? 0 : n < at::get_num_threads() ? 1 : at::get_num_threads();
+  const int threads = at::get_num_threads();
+  if (n == 0) return 0;
+  if (n >= threads) return threads;
+  const int64_t rows = c.start[c.experts[0] + 1] - c.start[c.experts[0]];  // most pairs first
+  if (n == 1 || rows * c.H * c.N13 >= kMinThreadedMacs) return 1;
+  return static_cast<int>(n);
 }
 
 // The dense matrices of one expert a worker holds, each decoded only where asked for (Layouts): w13 [N13, H] and
@@ -602,7 +618,7 @@ void for_each_expert(const Call& c, ExpertTimes& times, Layouts need, const Fn& 
       if (need.w2t) decode_into(c.down, e, false, d.w2t, true, b0, b1);
     }
   };
-  if (n < at::get_num_threads()) {  // expert_workers: 1
+  if (threads == 1) {  // one at a time, the decode split by blocks and the ATen ops over the threads
     Dense d = scratch();
     for (int64_t e : c.experts) {
       auto mark = times.start();
