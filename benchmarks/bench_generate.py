@@ -129,12 +129,19 @@ def run_generate(gguf: str, prompt_tokens: int, gen: int, extra: list[str], time
     return result
 
 
+AB_VARIANTS = ("default", "eager layers", "host-function handoff", "two host functions", "sdpa attention", "aten route")
+
+
 def ab_compile(args) -> None:
     """Experiments (benchmark flag): the captured decode step as ``generate`` makes it (decoder layers compiled
-    regionally, each layer's experts started and joined by one host function) against the eager layers and against
-    separate start and join host functions, alternating on one loaded model (a fresh decoder, so a fresh capture,
-    each time), per deferral in --deferred; then a profile of --profile-steps replays of the default's graph: GPU kernel time and kernel
-    count per step (torch.profiler), the CPU experts' time per step (the native host tasks' timeline) and the step's wall time."""
+    regionally, each layer's CPU experts handed over by the GPU: a doorbell kernel and a wait kernel, no host
+    function) against the eager layers, against host functions for the handoff (start and join in one where no GPU
+    work sits between: "host-function handoff") and against separate start and join host functions, those of
+    --ab-variants alternating on one loaded model (a fresh decoder, so a fresh capture, each time), per deferral in
+    --deferred ("sdpa attention": transformers' SDPA over the whole cache instead of ktorch/decode_attention.py's
+    flex attention; "aten route": the resident split's ATen ops instead of its Triton kernel); then a profile of --profile-steps replays of the default's graph and of the host-function handoff's
+    (where it is among the variants): GPU kernel time and kernel count per step (torch.profiler), the CPU experts'
+    time per step (the native host tasks' timeline) and the step's wall time."""
     import contextlib
     import statistics
 
@@ -142,13 +149,17 @@ def ab_compile(args) -> None:
 
     import ktorch
     import ktorch.generation as generation
-    from ktorch.compile.experts_runtime import ExpertsRuntime
+    from ktorch.compile.experts_runtime import RUNTIME, ExpertsRuntime
 
     model, _ = ktorch.load(args.gguf, device="cuda", gpu_memory=args.ab_gpu_memory)
     ids = prompt_ids(args.prompts[0])
 
+    from ktorch import decode_attention
+    from ktorch.ops import triton_experts
+
     compiled = generation.compiled_layers
     submit = ExpertsRuntime._submit
+    flex_applies, route_applies = decode_attention.applies, triton_experts.route_applies
     results: dict = {}
 
     def set_variant(variant: str) -> None:
@@ -157,21 +168,30 @@ def ab_compile(args) -> None:
             else compiled
         ExpertsRuntime._submit = (lambda self, *a, join_now=False, **k: submit(self, *a, join_now=False, **k)) \
             if variant == "two host functions" else submit
+        # SDPA over the whole cache instead of the flex attention over its filled blocks (ktorch/decode_attention.py)
+        decode_attention.applies = (lambda *a: "A/B") if variant == "sdpa attention" else flex_applies
+        # the resident split's ATen ops instead of its one Triton kernel
+        triton_experts.route_applies = (lambda ids: False) if variant == "aten route" else route_applies
+        RUNTIME.gpu_handoff = variant not in ("host-function handoff", "two host functions")  # read at capture
 
     for d in args.deferred:
         ktorch.set_deferred_experts(model, d)
         for _ in range(args.ab_compile):
-            for variant in ("default", "eager layers", "two host functions"):
+            for variant in args.ab_variants:
                 set_variant(variant)
                 model.kt_decoder = None
                 t = ktorch.generate(model, ids, args.gen).timings
                 results.setdefault((d, variant), []).append((t.decode_tok_s, t.warmup_s))
                 print(f"d={d} {variant}: {t.line()} capture {t.warmup_s:.2f} s", flush=True)
-        set_variant("default")
-        if args.profile_steps:
+        for variant in ("default", "host-function handoff") if args.profile_steps else ():
+            if variant != "default" and variant not in args.ab_variants:
+                continue
+            set_variant(variant)
             model.kt_decoder = None
             ktorch.generate(model, ids, 4)
-            profile_steps(model.kt_decoder, args.profile_steps, f"d={d} default", args.profile_trace)
+            profile_steps(model.kt_decoder, args.profile_steps, f"d={d} {variant}",
+                          args.profile_trace if variant == "default" else None)
+        set_variant("default")
     set_variant("default")
     for length in args.prompts[1:] if args.profile_steps else ():  # the step after longer prompts (its attention)
         model.kt_decoder = None
@@ -359,9 +379,12 @@ def main(argv=None) -> None:
                    "prints decode tok/s and capture s of each, then --profile-steps replays profiled")
     p.add_argument("--profile-steps", type=int, default=0)
     p.add_argument("--profile-trace", default=None, help="--ab-compile: the profiled replays as a Chrome trace")
-    p.add_argument("--ab-gpu-memory", default="auto", help="--ab-compile: the model's GPU memory option (off: the "
-                   "CPU experts' host functions are timed; auto, the default: every expert resident where it fits)")
+    p.add_argument("--ab-gpu-memory", default="auto", help="--ab-compile: the model's GPU memory option (off: every "
+                   "expert on the CPU, the handoffs timed; auto, the default: every expert resident where it fits)")
     p.add_argument("--deferred", type=int, nargs="+", default=[0, 3])
+    p.add_argument("--ab-variants", nargs="+", default=list(AB_VARIANTS), choices=AB_VARIANTS,
+                   help="--ab-compile: the variants alternated (default: all; 'default' is the captured step as "
+                   "generate makes it)")
     p.add_argument("--breakdown", type=int, default=0, metavar="RUNS",
                    help="experiment: per --ktorch-args set, one process (loaded as ktorch generate loads, its warm-up "
                    "included) times RUNS prefills of each --prompts length by part (attention, router/shared, routed "

@@ -14,13 +14,18 @@ Variants (each runs in its own process, one after the other, so that the host me
                scalarType" (device, 2026-11-26); ``--hf-expert-lora on`` tries it. The peer then trains less than
                ktorch does (no expert adapters): its step time is a lower bound for the same work
 
-  ops          no model: one MoE layer of the shape (random packed experts, ``--experts-dtype``) and the three CPU
-               calls a trained layer makes per step with expert LoRA and checkpointing (kt.fused_moe_delta in the
-               forward and again in the recompute, kt.fused_moe_backward), beside kt.fused_moe (the fused inference
-               kernels); ms per call at ``--seq`` tokens side by side with each one's ratio to kt.fused_moe, and the
-               CPU experts' share of a step these make for the shape's layers (``cpu_step_s``); ``--profile``: one
-               more call of each with KT_PROFILE on, whose phase lines (kt.fused_moe_backward's: decode, products,
-               element-wise work, copies per worker) print after the table
+  ops          no model: one MoE layer of the shape (random packed experts, ``--experts-dtype``; ``--op-shape
+               E,H,I,K`` for another size) and the three CPU calls a trained layer makes per step with expert LoRA
+               and checkpointing (kt.fused_moe_delta in the forward and again in the recompute,
+               kt.fused_moe_backward reading the forward's saved pre-activations), beside kt.fused_moe (the fused
+               inference kernels) and the backward of a layer without expert LoRA (``_plain``: no deltas, x W13^T
+               recomputed); ms per call at ``--seq`` tokens side by side with each one's ratio to kt.fused_moe, and
+               the CPU experts' share of a step these make for the shape's layers (``cpu_step_s``);
+               ``--recompute-row``: also the expert-LoRA backward recomputing the pre-activations (the path before
+               they were saved); ``--layout-row``: also the backward's two transposed products on one thread with
+               the weights decoded transposed (now) and row-major (before); ``--profile``: one more call of each with KT_PROFILE on, whose phase lines
+               (kt.fused_moe_backward's: decode, products, element-wise work, copies per worker) print after the
+               table
 
 A step = forward over ``--seq`` random tokens (batch 1, labels = inputs), backward, AdamW step, zero_grad, synced.
 ``--steps`` timed steps after ``--warmup`` warm-up steps; the table shows the median, the peak GPU memory of the
@@ -63,6 +68,28 @@ def _median_ms(fn, reps: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def _layout_ms(dtype, n: int, H: int, I: int, reps: int, gen) -> dict:
+    """``--layout-row``: ms of the backward's two transposed products on one thread (as each expert task runs
+    them), n rows (the layer's mean pairs an expert), in the compute dtype, with the weight matrix stored as
+    kt.fused_moe_backward decodes it (``transposed``: W^T contiguous, read as the view (W^T)^T, the reduction
+    dimension contiguous) and as it decoded it before (``rows``: W row-major as stored, [H, I] and [2I, H]). Where
+    ``rows`` is as fast, the transposed decode buys nothing there and costs only its own decode time (the profile
+    line's experts.decode)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        dy, dgu = (torch.randn(n, k, generator=gen).to(dtype) for k in (H, 2 * I))
+        w2, w13 = torch.randn(H, I, generator=gen).to(dtype), torch.randn(2 * I, H, generator=gen).to(dtype)
+        w2t, w13t = w2.t().contiguous(), w13.t().contiguous()
+        g, dx = torch.empty(n, I, dtype=dtype), torch.empty(n, H, dtype=dtype)
+        return dict(n=n, dY_W2_rows=_median_ms(lambda: torch.mm(dy, w2, out=g), reps),
+                    dY_W2_transposed=_median_ms(lambda: torch.mm(dy, w2t.t(), out=g), reps),
+                    dgu_W13_rows=_median_ms(lambda: torch.mm(dgu, w13, out=dx), reps),
+                    dgu_W13_transposed=_median_ms(lambda: torch.mm(dgu, w13t.t(), out=dx), reps))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def run_ops(args) -> dict:
     """The CPU experts' calls of one trained layer at ``args.seq`` tokens (see the module docstring, ``ops``)."""
     from bench_e2e import SHAPES, machine_info, random_packed_experts
@@ -70,26 +97,38 @@ def run_ops(args) -> dict:
     shape = SHAPES[args.shape]
     E = shape.get("num_experts", shape.get("n_routed_experts"))
     H, I, K = shape["hidden_size"], shape["moe_intermediate_size"], shape["num_experts_per_tok"]
+    if args.op_shape:  # a smaller layer than the shape's (e.g. one a 2-core machine runs in seconds)
+        E, H, I, K = (int(v) for v in args.op_shape.split(","))
     layers = args.layers or shape["num_hidden_layers"]
     gen = torch.Generator().manual_seed(0)
     packed = random_packed_experts(E, H, I, args.experts_dtype, gen)
     T = args.seq
-    x = torch.randn(T, H, generator=gen).to(torch.bfloat16)
+    dtype = getattr(torch, args.op_dtype)
+    x = torch.randn(T, H, generator=gen).to(dtype)
     ids = torch.rand(T, E, generator=gen).argsort(dim=1)[:, :K].to(torch.int32)
     w = torch.softmax(torch.randn(T, K, generator=gen), -1)
     delta = torch.randn(T, K, 2 * I, generator=gen) * 0.01
-    dy = torch.randn(T, H, generator=gen).to(torch.bfloat16)
-    dh = torch.randn(T, K, I, generator=gen).to(torch.bfloat16)
+    dy = torch.randn(T, H, generator=gen).to(dtype)
+    dh = torch.randn(T, K, I, generator=gen).to(dtype)
     p = packed.tensors()
+    gate_up = torch.ops.kt.fused_moe_delta(x, ids, w, *p, delta, "silu")[2]  # the pre-activations autograd saves
     ms = dict(
         fused_moe=_median_ms(lambda: torch.ops.kt.fused_moe(x, ids, w, *p, "silu"), args.op_reps),
         fused_moe_delta=_median_ms(lambda: torch.ops.kt.fused_moe_delta(x, ids, w, *p, delta, "silu"), args.op_reps),
+        # what kt.fused_moe_delta's autograd runs: the forward's pre-activations read, not recomputed
         fused_moe_backward=_median_ms(
-            lambda: torch.ops.kt.fused_moe_backward(dy, x, ids, w, *p, "silu", delta, dh), args.op_reps),
-        # the backward of a layer without expert adapters (kt.fused_moe's autograd: no deltas, no d h)
+            lambda: torch.ops.kt.fused_moe_backward(dy, x, ids, w, *p, "silu", delta, dh, None, None, gate_up),
+            args.op_reps),
+        # the backward of a layer without expert adapters (kt.fused_moe's autograd: no deltas, no d h, recomputed)
         fused_moe_backward_plain=_median_ms(lambda: torch.ops.kt.fused_moe_backward(dy, x, ids, w, *p, "silu"),
                                             args.op_reps),
     )
+    if args.recompute_row:  # the same backward recomputing x W13^T (what the expert-LoRA step ran before)
+        ms["fused_moe_backward_recompute"] = _median_ms(
+            lambda: torch.ops.kt.fused_moe_backward(dy, x, ids, w, *p, "silu", delta, dh), args.op_reps)
+    layout_ms = None
+    if args.layout_row:  # the backward's two transposed products on one dense expert, both weight layouts
+        layout_ms = _layout_ms(dtype, max(1, T * K // E), H, I, args.op_reps, gen)
     if args.profile:  # one profiled call of each (KT_PROFILE's lines go to stderr; main() prints them)
         from ktorch import config
 
@@ -97,11 +136,14 @@ def run_ops(args) -> dict:
         try:
             torch.ops.kt.fused_moe(x, ids, w, *p, "silu")
             torch.ops.kt.fused_moe_delta(x, ids, w, *p, delta, "silu")
-            torch.ops.kt.fused_moe_backward(dy, x, ids, w, *p, "silu", delta, dh)
+            torch.ops.kt.fused_moe_backward(dy, x, ids, w, *p, "silu", delta, dh, None, None, gate_up)
+            if args.recompute_row:
+                torch.ops.kt.fused_moe_backward(dy, x, ids, w, *p, "silu", delta, dh)
         finally:
             config.set_profile(False)
     return dict(variant="ops", shape=args.shape, layers=layers, seq=T, experts_dtype=args.experts_dtype,
-                ms={k: round(v, 2) for k, v in ms.items()},
+                dims=dict(E=E, H=H, I=I, K=K), op_dtype=args.op_dtype,
+                ms={k: round(v, 2) for k, v in ms.items()}, layout_ms=layout_ms,
                 # per step with expert LoRA: forward, the checkpoint's recompute, backward, for every layer
                 cpu_step_s=layers * (2 * ms["fused_moe_delta"] + ms["fused_moe_backward"]) / 1e3,
                 # the same without expert LoRA (the fused kernels forward twice, the plain backward)
@@ -186,6 +228,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="gradient checkpointing of the decoder layers (off: no recompute, every layer's activations "
                    "kept)")
     p.add_argument("--op-reps", type=int, default=3, help="ops: timed calls of each op (median)")
+    p.add_argument("--op-shape", metavar="E,H,I,K",
+                   help="ops: the layer's experts, hidden size, intermediate size and top-k instead of the shape's")
+    p.add_argument("--op-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                   help="ops: hidden's dtype (float32: the decoded-expert forward and fp32 products, e.g. where the "
+                   "CPU has no bf16 matmul)")
+    p.add_argument("--recompute-row", action="store_true",
+                   help="ops: also time the expert-LoRA backward recomputing the pre-activations instead of reading "
+                   "the forward's (fused_moe_backward_recompute)")
+    p.add_argument("--layout-row", action="store_true",
+                   help="ops: also time the backward's two transposed products (dY W2, [dg|du] W13) on one thread "
+                   "with the weights decoded transposed (as kt.fused_moe_backward decodes them) and row-major (as "
+                   "it decoded them before): what decides the decode's layout on a CPU")
     p.add_argument("--profile", action="store_true",
                    help="ops: one more call of each op with KT_PROFILE on; their phase lines print after the table")
     p.add_argument("--jsonl", help="append one JSON line per variant to this file")
@@ -228,11 +282,18 @@ def main(argv=None) -> None:
             continue
         if r["variant"] == "ops":  # the calls side by side, each also as a multiple of the inference op's time
             ms = r["ms"]
-            print(f"{'ops':<12} one layer, {r['experts_dtype']}, {r['seq']} tokens, ms a call: "
+            print(f"{'ops':<12} one layer ({', '.join(f'{k}={v}' for k, v in r['dims'].items())}), "
+                  f"{r['experts_dtype']}, {r['op_dtype']} hidden, {r['seq']} tokens, ms a call: "
                   + " | ".join(f"{k} {v}" + (f" ({v / ms['fused_moe']:.2f}x fused_moe)" if k != "fused_moe" else "")
                                for k, v in ms.items()))
             print(f"{'':<12} CPU experts a step ({r['layers']} layers, forward + recompute + backward): "
                   f"{r['cpu_step_s']:.2f} s with expert LoRA, {r['cpu_step_s_no_expert_lora']:.2f} s without")
+            if r.get("layout_ms"):
+                lm = r["layout_ms"]
+                print(f"{'':<12} backward products, one thread, n={lm['n']}, {r['op_dtype']}, ms: dY W2 "
+                      f"{lm['dY_W2_transposed']:.3f} transposed (now) | {lm['dY_W2_rows']:.3f} rows (before); "
+                      f"[dg|du] W13 {lm['dgu_W13_transposed']:.3f} transposed (now) | {lm['dgu_W13_rows']:.3f} rows "
+                      f"(before)")
             continue
         gpu = f"{r['gpu_peak_gib']:.2f}" if r["gpu_peak_gib"] is not None else "-"
         print(f"{r['variant']:<12} {r['experts_dtype']:>8} {str(r['expert_lora']):>12} {r['step_s']:>9.3f} {gpu:>13} "

@@ -48,6 +48,8 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ktorch import decode_attention
+
 CACHE_BUCKET = 256  # static cache lengths are rounded up to this, so that calls of similar lengths share a capture
 
 
@@ -189,11 +191,15 @@ class Decoder:
         self.generator = torch.Generator(device=device)
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.deferred = 0  # the deferral the capture was made with
+        # the captured step's attention over the cache's filled blocks (ktorch/decode_attention.py), where it applies
+        self.attention = None
+        if self.cuda_graphs and decode_attention.applies(model, device) is None:
+            self.attention = decode_attention.DecodeAttention(max_len, self.position)
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, **extra) -> torch.Tensor:
         cache = {_cache_argument(self.model): self.cache}
         out = self.model(input_ids=ids, cache_position=positions, position_ids=positions[None], use_cache=True,
-                         logits_to_keep=1, **cache)
+                         logits_to_keep=1, **cache, **extra)
         return out.logits[0]  # [1, V]
 
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
@@ -213,7 +219,11 @@ class Decoder:
         return self.token
 
     def _step(self) -> None:
-        logits = self._forward(self.token, self.position)
+        extra = {}
+        if self.attention is not None and self.model.config._attn_implementation == decode_attention.NAME:
+            self.attention.update()  # inside capture(): the step's block count, on the device
+            extra["kt_decode"] = self.attention
+        logits = self._forward(self.token, self.position, **extra)
         nxt = sample_next(logits, self.sampling, self.seen, self.generator)
         if self.seen is not None:
             self.seen[nxt] = True
@@ -221,8 +231,10 @@ class Decoder:
         self.position.add_(1)
 
     def capture(self) -> None:
-        """Captures the decode step with its decoder layers compiled regionally (``compiled_layers``)."""
-        with compiled_layers(self.model, self.cache):
+        """Captures the decode step with its decoder layers compiled regionally (``compiled_layers``) and, where it
+        applies, its attention over the cache's filled blocks only (ktorch/decode_attention.py)."""
+        switch = decode_attention.switched(self.model) if self.attention is not None else contextlib.nullcontext()
+        with compiled_layers(self.model, self.cache), switch:
             self._capture()
 
     def _capture(self) -> None:
@@ -551,11 +563,14 @@ def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int = 64
     def read(i: int) -> bool:
         if events[i] is not None:
             events[i].synchronize()
+            RUNTIME.check_handoff()  # a captured step whose CPU experts call timed out is an error, not a token
         tok = int(host[i])
         result.ids.append(tok)
         if on_tokens:
             on_tokens([tok])
         return tok in eos
+
+    from ktorch.compile.experts_runtime import RUNTIME
 
     t2 = time.perf_counter()
     for i in range(n_steps):

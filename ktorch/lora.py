@@ -121,10 +121,10 @@ def expert_lora_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: to
     else:
         delta = torch.zeros(T, K, n13, dtype=torch.float32, device=device)
     cpu = torch.device("cpu")
-    out, h = torch.ops.kt.fused_moe_delta(hidden.to(cpu), top_k_index.to(cpu), top_k_weights.to(cpu), module.kt_w13,
-                                          module.kt_w13_scales, module.kt_w2, module.kt_w2_scales, delta.to(cpu),
-                                          module.kt_activation, getattr(module, "kt_w13_bias", None),
-                                          getattr(module, "kt_w2_bias", None))
+    out, h, _ = torch.ops.kt.fused_moe_delta(hidden.to(cpu), top_k_index.to(cpu), top_k_weights.to(cpu),
+                                             module.kt_w13, module.kt_w13_scales, module.kt_w2, module.kt_w2_scales,
+                                             delta.to(cpu), module.kt_activation, getattr(module, "kt_w13_bias", None),
+                                             getattr(module, "kt_w2_bias", None))
     out = out.to(device)
     if lora.down_proj is not None:
         f = lora.down_proj

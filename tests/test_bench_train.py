@@ -36,3 +36,17 @@ def test_ops_variant_times_the_three_cpu_calls_of_a_trained_layer():
     # two delta calls (forward, recompute) and one backward a layer
     expected = row["layers"] * (2 * row["ms"]["fused_moe_delta"] + row["ms"]["fused_moe_backward"]) / 1e3
     assert abs(row["cpu_step_s"] - expected) <= row["layers"] * 3 * 0.005e-3 + 1e-9  # ms rounded to 0.01
+
+
+def test_ops_variant_with_its_own_layer_shape_and_the_recompute_row():
+    args = bench.parse_args(["--shape", "tiny", "--seq", "16", "--op-reps", "1", "--variant", "ops", "--op-shape",
+                             "6,64,32,3", "--recompute-row", "--op-dtype", "float32", "--layout-row"])
+    row = bench.run_variant(args)
+    assert row["dims"] == dict(E=6, H=64, I=32, K=3) and row["op_dtype"] == "float32"
+    assert set(row["ms"]) == {"fused_moe", "fused_moe_delta", "fused_moe_backward", "fused_moe_backward_plain",
+                              "fused_moe_backward_recompute"}
+    assert all(v > 0 for v in row["ms"].values())
+    layout = row["layout_ms"]  # the backward's products in both weight layouts, at the layer's mean rows an expert
+    assert layout.pop("n") == 16 * 3 // 6 and set(layout) == {"dY_W2_rows", "dY_W2_transposed", "dgu_W13_rows",
+                                                              "dgu_W13_transposed"}
+    assert all(v > 0 for v in layout.values())

@@ -296,3 +296,168 @@ def test_prepare_makes_the_launching_thread_sleep_in_cuda_waits():
     assert set_context_sync("block") and context_sync() == "block"
     with pytest.raises(ValueError, match="auto"):
         set_context_sync("sleepy")
+
+
+# ---------------------------------------------------------------- GPU handoff (made with handoff words)
+# The GPU's part (gpu_handoff.py: a device counter's next number into the doorbell after the input copies, then a
+# spin on the done word) is played here by a Python thread writing and polling the three pinned int64 words.
+
+_NUMBERS = iter(range(1, 1 << 40))  # one counter, as the device's: numbers grow across tasks
+
+
+def handoff_task(seed: int, split_d=None, **shape):
+    staging, layer, packed = make_task(seed, **shape)
+    if split_d is not None:
+        K = 4
+        T = staging.hidden.shape[0]
+        staging.topk_ids = torch.randint(-1, 6, (T, K))
+        staging.topk_weights = torch.rand(T, K)
+        staging.deferred = torch.tensor(split_d)
+        staging.out_later = torch.full_like(staging.out, 5.0)
+    words = torch.zeros(3, dtype=torch.int64)
+    handle = torch.ops.kt.host_task_new(staging.hidden, staging.topk_ids, staging.topk_weights, staging.out,
+                                        layer.w13, layer.w13_scales, layer.w2, layer.w2_scales, "silu", True,
+                                        getattr(staging, "out_later", None), getattr(staging, "deferred", None),
+                                        None, None, words)
+    return staging, packed, words, handle
+
+
+def ring_and_wait(words, part: int = 1, timeout_s: float = 30.0) -> int:
+    """The GPU's part: the next number into the doorbell, then a poll of words[part] until it reaches it."""
+    seq = next(_NUMBERS)
+    words[0] = seq
+    deadline = time.monotonic() + timeout_s
+    while int(words[part]) < seq:
+        assert time.monotonic() < deadline, f"words[{part}] stayed {int(words[part])} below {seq}"
+        time.sleep(0)
+    return seq
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_handoff_task_runs_from_its_doorbell_and_publishes_its_number(fmt):
+    """Each doorbell number starts one call; when the done word holds that number, out is the call's result (the
+    worker writes it after the output), and the number never runs again (the done word stays put)."""
+    staging, packed, words, handle = handoff_task(31, T=9, fmt=fmt)
+    try:
+        for step in range(5):
+            staging.hidden.copy_(torch.randn_like(staging.hidden))
+            staging.topk_ids.copy_(torch.randint(-1, 6, staging.topk_ids.shape))
+            staging.out.fill_(3.0)
+            seq = ring_and_wait(words)
+            assert int(words[1]) == seq and int(words[2]) == 0  # a plain task: no deferred part
+            assert torch.equal(staging.out, expected(staging, packed)), f"step {step}"
+        assert len(torch.ops.kt.host_task_take_times(handle)) == 2 * 5  # one run per number
+        assert torch.ops.kt.host_task_error(handle) == ""
+    finally:
+        torch.ops.kt.host_task_free(handle)
+
+
+def test_handoff_split_task_publishes_each_part():
+    """A split task's first part is in out when words[1] reaches the number, its deferred part in out_later when
+    words[2] does; d is read at each run (0: zeros, no second call)."""
+    staging, packed, words, handle = handoff_task(32, split_d=2, T=7)
+    try:
+        for d in (2, 0, 3, 1):
+            staging.deferred.fill_(d)
+            staging.hidden.copy_(torch.randn_like(staging.hidden))
+            seq = ring_and_wait(words, 1)
+            now, later = expected_split(staging, packed, d)
+            assert torch.equal(staging.out, now), f"d={d}"
+            deadline = time.monotonic() + 30
+            while int(words[2]) < seq:
+                assert time.monotonic() < deadline
+            assert torch.equal(staging.out_later, later), f"d={d}"
+        assert torch.ops.kt.host_task_error(handle) == ""
+    finally:
+        torch.ops.kt.host_task_free(handle)
+
+
+def test_handoff_doorbells_run_lowest_number_first():
+    """Doorbells rung while the worker is busy run in the order of their numbers (the order the GPU rang them), not
+    the order they were written or made."""
+    a_staging, a_packed, a_words, a = handoff_task(33, T=3)
+    b_staging, b_packed, b_words, b = handoff_task(34, T=3)
+    try:
+        for tokens in (1024, 4096, 16384):  # a longer busy call if the worker finished before both were written
+            busy, busy_layer, _ = make_task(35, T=tokens, E=8, H=512, I=512, fmt="bf16")
+            c = _NativeHostFunctions(busy, busy_layer)  # a pushed task: keeps the worker busy
+            threading.Thread(target=_FN(c[0].ptr), args=(c.handle,)).start()
+            time.sleep(0.005)
+            seq_a, seq_b = next(_NUMBERS), next(_NUMBERS)
+            b_words[0] = seq_b  # the later number written first
+            a_words[0] = seq_a
+            written = time.perf_counter_ns()
+            _FN(c[1].ptr)(c.handle)  # join c
+            deadline = time.monotonic() + 60
+            while int(a_words[1]) < seq_a or int(b_words[1]) < seq_b:
+                assert time.monotonic() < deadline
+            (c_start, c_end), (a_start, _), (b_start, _) = (torch.ops.kt.host_task_take_times(h)[-2:]
+                                                            for h in (c.handle, a, b))
+            if c_end > written:  # both were rung before the worker was free
+                assert a_start < b_start
+                break
+        else:
+            pytest.fail("the busy call never outlasted writing two doorbells")
+        assert torch.equal(a_staging.out, expected(a_staging, a_packed))
+        assert torch.equal(b_staging.out, expected(b_staging, b_packed))
+    finally:
+        torch.ops.kt.host_task_free(a)
+        torch.ops.kt.host_task_free(b)
+
+
+def test_handoff_reaches_a_parked_worker():
+    """Nothing wakes the worker when the GPU writes a doorbell: a parked worker looks at the doorbells on its own
+    (every 100 us, every 1 ms once idle for 100 ms), so a call rung after a long pause still runs."""
+    staging, packed, words, handle = handoff_task(36, T=4)
+    try:
+        time.sleep(0.3)  # past the worker's spin (2 ms) and the idle threshold (100 ms)
+        t0 = time.monotonic()
+        ring_and_wait(words, timeout_s=10)
+        assert time.monotonic() - t0 < 5
+        assert torch.equal(staging.out, expected(staging, packed))
+    finally:
+        torch.ops.kt.host_task_free(handle)
+
+
+def test_handoff_failure_gives_nan_and_still_publishes():
+    """A failing call publishes its number too (the GPU must not wait for a call that ended), with NaN in out and
+    the message kept."""
+    staging, _, words, handle = handoff_task(37, T=5)
+    try:
+        staging.topk_ids[0, 0] = 99  # out of range for 6 experts
+        ring_and_wait(words)
+        assert torch.isnan(staging.out).all()
+        assert "out of range for 6 experts" in torch.ops.kt.host_task_error(handle)
+    finally:
+        torch.ops.kt.host_task_free(handle)
+
+
+def test_handoff_task_refuses_a_host_function_start():
+    """A handoff task runs from its doorbell only: the start host function records a clear error and runs
+    nothing (a doorbell plus a start would run one call twice)."""
+    staging, _, words, handle = handoff_task(38, T=3)
+    try:
+        staging.out.fill_(2.0)
+        torch.ops.kt.host_task_run(handle)  # start + join, as the host functions would
+        assert torch.equal(staging.out, torch.full_like(staging.out, 2.0))
+        assert "started by its doorbell, not by a host function" in torch.ops.kt.host_task_error(handle)
+        assert int(words[1]) == 0
+    finally:
+        torch.ops.kt.host_task_free(handle)
+
+
+def test_handoff_words_are_checked():
+    staging, layer, _ = make_task(39)
+    w13, s13, w2, s2 = layer.w13, layer.w13_scales, layer.w2, layer.w2_scales
+    args = (staging.hidden, staging.topk_ids, staging.topk_weights, staging.out, w13, s13, w2, s2, "silu", False,
+            None, None, None, None)
+    for bad in (torch.zeros(2, dtype=torch.int64), torch.zeros(3, dtype=torch.int32), torch.zeros(3, 1, dtype=torch.int64),
+                torch.zeros(6, dtype=torch.int64)[::2]):
+        with pytest.raises(RuntimeError, match=r"handoff must be three int64 \(doorbell, done, done_later\)"):
+            torch.ops.kt.host_task_new(*args, bad)
+    with pytest.raises(RuntimeError, match="a new handoff must read 0 0 0, got 0 4 0"):
+        torch.ops.kt.host_task_new(*args, torch.tensor([0, 4, 0]))
+    out_as_words = staging.out.view(-1).view(torch.int64)[:3]  # the words inside the output buffer
+    out_as_words.zero_()
+    with pytest.raises(RuntimeError, match="handoff overlaps the task's staging tensors"):
+        torch.ops.kt.host_task_new(*args, out_as_words)

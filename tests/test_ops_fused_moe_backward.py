@@ -171,7 +171,8 @@ def test_fused_moe_delta_forward(fmt, activation):
     ids, weights = _routing(T, K, E, "skips")
     hidden = torch.randn(T, H, dtype=torch.float64)
     delta = torch.randn(T, K, 2 * I, dtype=torch.float64) * 0.5
-    out, h = torch.ops.kt.fused_moe_delta(hidden, ids, weights.double(), *packed.tensors(), delta, activation)
+    out, h, gu = torch.ops.kt.fused_moe_delta(hidden, ids, weights.double(), *packed.tensors(), delta, activation)
+    torch.testing.assert_close(gu, _reference_pre_activations(hidden, ids, packed, delta), rtol=1e-10, atol=1e-12)
     gate_up, down = packed.dequantize()
     act = ACTIVATIONS[ACTIVATION_ALIASES.get(activation, activation)]
     ref_out = torch.zeros(T, H, dtype=torch.float64)
@@ -188,7 +189,7 @@ def test_fused_moe_delta_forward(fmt, activation):
     torch.testing.assert_close(h, ref_h, rtol=1e-10, atol=1e-12)
     # zero deltas: kt.fused_moe's function (fp32 against the fused kernels, which round the activations to bf16 or int8)
     zero = torch.zeros(T, K, 2 * I)
-    out32, _ = torch.ops.kt.fused_moe_delta(hidden.float(), ids, weights, *packed.tensors(), zero, activation)
+    out32, _, _ = torch.ops.kt.fused_moe_delta(hidden.float(), ids, weights, *packed.tensors(), zero, activation)
     fused = torch.ops.kt.fused_moe(hidden.float(), ids, weights, *packed.tensors(), activation)
     assert relative_error(out32, fused) < 2e-2
 
@@ -209,6 +210,11 @@ def test_opcheck_with_autograd(fmt):
     torch.library.opcheck(torch.ops.kt.fused_moe_backward.default,
                           (grad_out, hidden.detach(), ids, weights, *packed.tensors(), "silu", delta.detach(),
                            torch.randn(T, K, I)),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+    gu = torch.ops.kt.fused_moe_delta(hidden.detach(), ids, weights, *packed.tensors(), delta.detach(), "silu")[2]
+    torch.library.opcheck(torch.ops.kt.fused_moe_backward.default,
+                          (grad_out, hidden.detach(), ids, weights, *packed.tensors(), "silu", delta.detach(),
+                           torch.randn(T, K, I), None, None, gu),
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
@@ -299,7 +305,7 @@ def test_family_backward_equals_float64_reference_gradient(fmt, gated, activatio
     assert (dw[ids < 0] == 0).all()
     # kt.fused_moe_delta with zero deltas is the reference's forward, biases included; its h is the GLU's output
     zero = torch.zeros(T, K, packed.w13.shape[1] * 16, dtype=torch.float64)
-    out, h = torch.ops.kt.fused_moe_delta(hidden, ids, weights.double(), *packed.tensors(), zero, activation,
+    out, h, _ = torch.ops.kt.fused_moe_delta(hidden, ids, weights.double(), *packed.tensors(), zero, activation,
                                           *packed.biases())
     gate_up, down = packed.dequantize()
     want = fused_moe_reference(hidden, ids, weights, gate_up, down, activation, gate_up_bias=packed.w13_bias,
@@ -387,25 +393,34 @@ def test_family_errors_name_the_problem():
 def test_bf16_decode_is_the_weights_rounded_to_bf16(fmt, one_thread):
     """bf16 hidden states run the backward on experts decoded to bf16 by its own block walk: d gate_up_delta equals
     torch's bf16 products on kt.unpack's weights rounded to nearest even, bit for bit (one thread: the same matmul
-    kernel on both sides), for the gate/up rows of both halves of every 64-row block, the down rows and every int4
-    group. With relu, routing weights 1 and zero deltas, d delta = [dh * u * (g > 0) | dh * relu(g)] with
-    [g | u] = x W13^T and dh = dY W2: elementwise products of the two decoded products."""
+    kernel on both sides, the weights in the op's layouts: W13 for x W13^T as stored, W2 for dY W2 stored transposed
+    and read as W2 = (W2^T)^T, the transposed decode), for the gate/up rows of both halves of every 64-row block, the
+    down rows and every int4 group. With relu, routing weights 1 and zero deltas, d delta = [dh * u * (g > 0) |
+    dh * relu(g)] with [g | u] = x W13^T and dh = dY W2: elementwise products of the two decoded products; and
+    d hidden = the sum over slots of [dg | du] W13 (W13 decoded transposed and read as (W13^T)^T) bit for bit."""
     E, H, I, T, K = 3, 256, 96, 17, 2
     packed = _packed(E, H, I, fmt)
     ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
     x = torch.randn(T, H).to(torch.bfloat16)
     dy = torch.randn(T, H).to(torch.bfloat16)
-    _, _, dd = torch.ops.kt.fused_moe_backward(dy, x, ids, torch.ones(T, K), *packed.tensors(), "relu",
-                                               torch.zeros(T, K, 2 * I), None)
+    dx, _, dd = torch.ops.kt.fused_moe_backward(dy, x, ids, torch.ones(T, K), *packed.tensors(), "relu",
+                                                torch.zeros(T, K, 2 * I), None)
     gate_up, down = (w.to(torch.bfloat16) for w in packed.dequantize())
+    dx_pairs = torch.empty(T, K, H, dtype=torch.bfloat16)
     for e in range(E):
         t, k = (ids == e).nonzero(as_tuple=True)  # (t, k) ascending: the op's pair order within an expert
         gu = torch.mm(x[t], gate_up[e].t()).float()
-        dh = torch.mm(dy[t], down[e]).float()
+        dh = torch.mm(dy[t], down[e].t().contiguous().t()).float()
         g, u = gu[:, :I], gu[:, I:]
         want = torch.cat([torch.where(g > 0, dh * u, torch.zeros_like(g)), dh * torch.relu(g)], 1)
         got = dd[t, k]
         assert torch.equal(got, want), f"expert {e}: {(got != want).sum()} of {want.numel()} differ"
+        # d hidden's rows: [dg | du] W13 in bf16 with W13 decoded transposed (W13 = (W13^T)^T)
+        dx_pairs[t, k] = torch.mm(want.to(torch.bfloat16), gate_up[e].t().contiguous().t())
+    want_dx = dx_pairs[:, 0].float()  # the slots added in slot order in fp32, rounded once
+    for k in range(1, K):
+        want_dx += dx_pairs[:, k].float()
+    assert torch.equal(dx, want_dx.to(torch.bfloat16)), f"d hidden: {(dx != want_dx.to(torch.bfloat16)).sum()} differ"
 
 
 # ---------------------------------------------------------------- kt.fused_moe_delta on the packed kernels (bf16 and
@@ -420,10 +435,24 @@ def _delta_case(E, H, I, T, K, fmt, gated=True, biases=False, delta_scale=0.5, d
     return packed, ids, weights, hidden, delta
 
 
-def _check_delta_forward(out, h, hidden, ids, weights, packed, delta, activation, what):
-    """out and h against the float64 reference with the deltas, within kt.fused_moe's own tolerances (its kernels
-    round the activations to bf16, or to int8 for int formats: tests/test_ops_fused_moe.py, TOLERANCE); skipped
-    slots' h rows exactly zero."""
+def _reference_pre_activations(hidden, ids, packed, delta):
+    """[T, K, N13] float64: each routed pair's x W13_e^T + its gate/up bias + its delta (zeros for skipped slots), on
+    kt.unpack's weights: what kt.fused_moe_delta's third output holds."""
+    gate_up, _ = packed.dequantize()
+    T, K = ids.shape
+    gu = torch.zeros(T, K, gate_up.shape[1], dtype=torch.float64)
+    for t, k in (ids >= 0).nonzero().tolist():
+        e = int(ids[t, k])
+        gu[t, k] = hidden[t].double() @ gate_up[e].double().T + delta[t, k].double()
+        if packed.w13_bias is not None:
+            gu[t, k] += packed.w13_bias[e].double()
+    return gu
+
+
+def _check_delta_forward(out, h, hidden, ids, weights, packed, delta, activation, what, pre=None):
+    """out and h (and pre, kt.fused_moe_delta's third output: the pre-activations, when given) against the float64 reference with the deltas,
+    within kt.fused_moe's own tolerances (its kernels round the activations to bf16, or to int8 for int formats:
+    tests/test_ops_fused_moe.py, TOLERANCE); skipped slots' h and gate_up rows exactly zero."""
     gate_up, down = packed.dequantize()
     ref, ref_h = fused_moe_reference(hidden, ids, weights, gate_up, down, activation, gate_up_bias=packed.w13_bias,
                                      down_bias=packed.w2_bias, gate_up_delta=delta, return_h=True)
@@ -435,6 +464,12 @@ def _check_delta_forward(out, h, hidden, ids, weights, packed, delta, activation
     assert err_out <= tol, f"{what}: out relative error {err_out:.4g} > {tol}"
     assert err_h <= tol, f"{what}: h relative error {err_h:.4g} > {tol}"
     assert (h[ids < 0] == 0).all(), what
+    if pre is not None:
+        ref_pre = _reference_pre_activations(hidden, ids, packed, delta)
+        assert pre.shape == ref_pre.shape and pre.dtype == hidden.dtype and pre.is_contiguous(), what
+        err_pre = relative_error(pre, ref_pre)
+        assert err_pre <= tol, f"{what}: gate_up relative error {err_pre:.4g} > {tol}"
+        assert (pre[ids < 0] == 0).all(), what
 
 
 # kt.fused_moe's tolerances against the float64 reference (tests/test_ops_fused_moe.py, TOLERANCE)
@@ -451,11 +486,11 @@ def test_delta_forward_on_the_packed_kernels(kernel, fmt, T, seed):
     E, K, H, I = 7, 3, 192, 320
     packed, ids, weights, hidden, delta = _delta_case(E, H, I, T, K, fmt)
     what = f"seed={seed} {kernel} {fmt} T={T}"
-    out, h = torch.ops.kt.fused_moe_delta(hidden, ids, weights, *packed.tensors(), delta, "silu")
-    _check_delta_forward(out, h, hidden, ids, weights, packed, delta, "silu", what)
-    again, h_again = torch.ops.kt.fused_moe_delta(hidden, ids, weights, *packed.tensors(), delta, "silu")
+    out, h, gu = torch.ops.kt.fused_moe_delta(hidden, ids, weights, *packed.tensors(), delta, "silu")
+    _check_delta_forward(out, h, hidden, ids, weights, packed, delta, "silu", what, gu)
+    again, h_again, _ = torch.ops.kt.fused_moe_delta(hidden, ids, weights, *packed.tensors(), delta, "silu")
     assert torch.equal(again, out) and torch.equal(h_again, h), f"{what}: a repeat differs"
-    zero, _ = torch.ops.kt.fused_moe_delta(hidden, ids, weights, *packed.tensors(), torch.zeros_like(delta), "silu")
+    zero, _, _ = torch.ops.kt.fused_moe_delta(hidden, ids, weights, *packed.tensors(), torch.zeros_like(delta), "silu")
     assert torch.equal(zero, torch.ops.kt.fused_moe(hidden, ids, weights, *packed.tensors(), "silu")), what
     # the deltas do change the result (B != 0: the test means something)
     assert relative_error(out, zero) > 0.05, what
@@ -470,11 +505,12 @@ def test_delta_forward_activations_biases_gateless(kernel, fmt, gated, activatio
     softcapped activations, gateless experts) both see the deltas, added before them."""
     E, K, H, I, T = 5, 2, 96, 96, 37  # I = 96: gateless experts' last gate/up call covers 32 channels
     packed, ids, weights, hidden, delta = _delta_case(E, H, I, T, K, fmt, gated, biases)
-    out, h = torch.ops.kt.fused_moe_delta(hidden, ids, weights, *packed.tensors(), delta, activation, *packed.biases())
+    out, h, gu = torch.ops.kt.fused_moe_delta(hidden, ids, weights, *packed.tensors(), delta, activation,
+                                              *packed.biases())
     _check_delta_forward(out, h, hidden, ids, weights, packed, delta, activation,
-                         f"seed={seed} {kernel} {fmt} {activation} biases={biases} gated={gated}")
+                         f"seed={seed} {kernel} {fmt} {activation} biases={biases} gated={gated}", gu)
     zero = torch.zeros_like(delta)
-    z, _ = torch.ops.kt.fused_moe_delta(hidden, ids, weights, *packed.tensors(), zero, activation, *packed.biases())
+    z, _, _ = torch.ops.kt.fused_moe_delta(hidden, ids, weights, *packed.tensors(), zero, activation, *packed.biases())
     assert torch.equal(z, torch.ops.kt.fused_moe(hidden, ids, weights, *packed.tensors(), activation,
                                                  *packed.biases()))
 
@@ -489,10 +525,10 @@ def test_delta_dtypes_and_layouts_and_fp16_hidden(kernel, fmt, seed):
     strided = delta.float().transpose(0, 1).contiguous().transpose(0, 1)  # [T, K, 2I] with T not outermost
     for d in (delta.float(), delta.double(), strided, delta.half()):
         got = torch.ops.kt.fused_moe_delta(hidden, ids, weights, *packed.tensors(), d, "gelu")
-        assert torch.equal(got[0], base[0]) and torch.equal(got[1], base[1]), f"seed={seed} delta {d.dtype}"
+        assert all(torch.equal(g, b) for g, b in zip(got, base)), f"seed={seed} delta {d.dtype}"
     h16 = hidden.half()
-    out, h = torch.ops.kt.fused_moe_delta(h16, ids, weights, *packed.tensors(), delta.float(), "gelu")
-    _check_delta_forward(out, h, h16, ids, weights, packed, delta.float(), "gelu", f"seed={seed} {kernel} fp16")
+    out, h, gu = torch.ops.kt.fused_moe_delta(h16, ids, weights, *packed.tensors(), delta.float(), "gelu")
+    _check_delta_forward(out, h, h16, ids, weights, packed, delta.float(), "gelu", f"seed={seed} {kernel} fp16", gu)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -506,7 +542,7 @@ def test_autograd_through_the_packed_delta_forward(fmt):
     w = weights.clone().requires_grad_()
     d = delta.clone().requires_grad_()
     grad_out, grad_h = torch.randn(T, H), torch.randn(T, K, I)
-    out, h = torch.ops.kt.fused_moe_delta(x, ids, w, *packed.tensors(), d, "silu")
+    out, h, _ = torch.ops.kt.fused_moe_delta(x, ids, w, *packed.tensors(), d, "silu")
     torch.autograd.backward((out, h), (grad_out.to(out.dtype), grad_h.to(h.dtype)))
     gate_up, down = packed.dequantize()
     rx, rw, rd = (t.detach().double().requires_grad_() for t in (hidden, weights, delta))
@@ -539,9 +575,10 @@ def test_packed_delta_forward_errors_and_opcheck():
 
 def test_backward_with_fewer_experts_than_threads():
     """Fewer routed experts than threads: one expert at a time, its decode split over the workers by blocks and its
-    products multi-threaded (fused_moe_backward.cpp, for_each_expert). float64: the reference gradients; bf16: the
-    per-expert tasks' result (more experts than threads) within bf16 rounding, d delta included."""
-    E, H, I, T, K = 6, 64, 96, 23, 2
+    products multi-threaded (fused_moe_backward.cpp, for_each_expert; the busiest expert's rows x H x 2I above
+    kMinThreadedMacs, 2^20, here >= 16 x 256 x 512 with 3 experts used; tiny products run one expert a worker).
+    float64: the reference gradients; bf16: the float64 op's result within bf16 rounding, d delta included."""
+    E, H, I, T, K = 6, 256, 256, 23, 2
     packed = _packed(E, H, I, "int8")
     threads = torch.get_num_threads()
     try:
@@ -587,7 +624,7 @@ def test_delta_forward_on_exact_gguf_layouts(kernel, seed):
     ids, weights = _routing(T, K, E, "skips")
     hidden = torch.randn(T, H).to(torch.bfloat16)
     delta = (torch.randn(T, K, 2 * I) * 0.5).to(torch.bfloat16)
-    out, h = torch.ops.kt.fused_moe_delta(hidden, ids, weights, *tensors, delta, "silu")
+    out, h, _ = torch.ops.kt.fused_moe_delta(hidden, ids, weights, *tensors, delta, "silu")
     gate_up = torch.ops.kt.unpack(w13, sc13, gate_up=True)
     down = torch.ops.kt.unpack(w2, sc2, gate_up=False)
     ref, ref_h = fused_moe_reference(hidden, ids, weights, gate_up, down, "silu", gate_up_delta=delta, return_h=True)
@@ -600,3 +637,80 @@ def test_delta_forward_on_exact_gguf_layouts(kernel, seed):
     with pytest.raises(RuntimeError, match=r"int8 w2_scales must be per output channel"):  # grouped int8 down
         torch.ops.kt.fused_moe_backward(dy, hidden, ids, weights, *_packed(E, H, I, "int8").tensors()[:2], w2, sc2,
                                         "silu", delta, None)
+
+
+# ---------------------------------------------------------------- the saved pre-activations (kt.fused_moe_delta's
+# third output, read by the backward instead of recomputing x W13^T)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("gated,activation,biases", [(True, "silu", False), (True, "swiglu_oai(alpha=1.703125, "
+                                                     "limit=0.75)", True), (False, "relu2", True)])
+def test_saved_pre_activations_give_the_recomputed_gradients(fmt, gated, activation, biases):
+    """float64 (the decoded-expert forward, exact): the backward given the forward's gate_up equals the backward
+    that recomputes it, d hidden, d weights and d delta, to rounding; the float64 reference's gradients too.
+    Skipped and repeated slots; grad_h included."""
+    E, H, I, T, K = 5, 64, 32, 11, 3
+    packed = _family_packed(E, H, I, fmt, gated, biases)
+    ids, weights = _routing(T, K, E, "skips")
+    ids[1, 2] = ids[1, 1] = 2  # a repeated expert
+    n13 = packed.w13.shape[1] * 16
+    hidden = torch.randn(T, H, dtype=torch.float64)
+    delta = torch.randn(T, K, n13, dtype=torch.float64) * 0.3
+    grad_out, grad_h = torch.randn(T, H, dtype=torch.float64), torch.randn(T, K, I, dtype=torch.float64)
+    w = weights.double()
+    _, _, gu = torch.ops.kt.fused_moe_delta(hidden, ids, w, *packed.tensors(), delta, activation, *packed.biases())
+    args = (grad_out, hidden, ids, w, *packed.tensors(), activation, delta, grad_h, *packed.biases())
+    recomputed = torch.ops.kt.fused_moe_backward(*args)
+    saved = torch.ops.kt.fused_moe_backward(*args, gu)
+    for name, a, b in zip(("hidden", "weights", "delta"), saved, recomputed):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=lambda m: f"{fmt} {activation} d {name}: {m}")
+    gate_up, down = packed.dequantize()
+    rx, rw, rd = (t.clone().requires_grad_() for t in (hidden, w, delta))
+    ref, ref_h = fused_moe_reference(rx, ids, rw, gate_up, down, activation, gate_up_bias=packed.w13_bias,
+                                     down_bias=packed.w2_bias, gate_up_delta=rd, return_h=True)
+    torch.autograd.backward((ref, ref_h), (grad_out, grad_h))
+    for name, a, b in zip(("hidden", "weights", "delta"), saved, (rx.grad, rw.grad, rd.grad)):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11, msg=lambda m: f"{fmt} {activation} d {name}: {m}")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_saved_pre_activations_on_the_packed_kernels(kernel, fmt, seed):
+    """bf16: the packed-kernel forward's gate_up (its own pre-activations, rounded once to bf16) read by the
+    backward: gradients within bf16 tolerance of the float64 reference and of the backward that recomputes them, at
+    every kernel level here; the autograd of kt.fused_moe_delta passes them (its gradients are the saved path's bit
+    for bit)."""
+    E, K, H, I, T = 6, 3, 96, 64, 45
+    packed, ids, weights, hidden, delta = _delta_case(E, H, I, T, K, fmt, delta_scale=0.3)
+    grad_out, grad_h = torch.randn(T, H).to(torch.bfloat16), torch.randn(T, K, I).to(torch.bfloat16)
+    _, _, gu = torch.ops.kt.fused_moe_delta(hidden, ids, weights, *packed.tensors(), delta, "silu")
+    args = (grad_out, hidden, ids, weights, *packed.tensors(), "silu", delta, grad_h, None, None)
+    saved = torch.ops.kt.fused_moe_backward(*args, gu)
+    recomputed = torch.ops.kt.fused_moe_backward(*args)
+    gate_up, down = packed.dequantize()
+    rx, rw, rd = (t.detach().double().requires_grad_() for t in (hidden, weights, delta))
+    ref, ref_h = fused_moe_reference(rx, ids, rw, gate_up, down, "silu", gate_up_delta=rd, return_h=True)
+    torch.autograd.backward((ref, ref_h), (grad_out.double(), grad_h.double()))
+    tol = {"bf16": 2e-2, "int8": 4e-2, "int4": 8e-2}[fmt]  # (test_autograd_through_the_packed_delta_forward's)
+    what = f"seed={seed} {kernel} {fmt}"
+    for name, a, b, want in zip(("hidden", "weights", "delta"), saved, recomputed, (rx.grad, rw.grad, rd.grad)):
+        assert relative_error(a, want) < tol, f"{what} d {name}: {relative_error(a, want):.4g} from the reference"
+        assert relative_error(a, b) < tol, f"{what} d {name}: {relative_error(a, b):.4g} from the recompute"
+    x, w, d = (t.clone().requires_grad_() for t in (hidden, weights, delta))
+    out, h, gu2 = torch.ops.kt.fused_moe_delta(x, ids, w, *packed.tensors(), d, "silu")
+    assert not gu2.requires_grad
+    torch.autograd.backward((out, h), (grad_out, grad_h))
+    for name, got, want in (("hidden", x.grad, saved[0]), ("weights", w.grad, saved[1]), ("delta", d.grad, saved[2])):
+        assert torch.equal(got, want.to(got.dtype)), f"{what}: autograd's d {name} is not the saved path's"
+
+
+def test_saved_pre_activations_errors():
+    packed = _packed(4, 32, 32, "int8")
+    ids, weights = _routing(6, 2, 4, "skips")
+    hidden, grad_out = torch.randn(6, 32).to(torch.bfloat16), torch.randn(6, 32).to(torch.bfloat16)
+    delta = torch.zeros(6, 2, 64)
+    for bad in (torch.zeros(6, 2, 32), torch.zeros(6, 3, 64), torch.zeros(6, 2, 64, dtype=torch.int32),
+                torch.zeros(12, 64)):
+        with pytest.raises(RuntimeError, match=r"gate_up must be a float CPU tensor \[T=6, K=2, 2I=64\]"):
+            torch.ops.kt.fused_moe_backward(grad_out, hidden, ids, weights, *packed.tensors(), "silu", delta, None,
+                                            None, None, bad)

@@ -567,6 +567,49 @@ def test_kernels_match_a_float64_reference(fmt, group_size, activation, T, K, H,
     assert relative_error(got.cpu(), ref) <= max(1.2 * packed_error, 4e-3)
     if KERNEL_DEVICE == "cuda":  # the same bits twice (no atomics); the interpreter runs programs in order anyway
         assert torch.equal(triton_experts.triton_rows_forward(hidden, slots, weights, rows, activation), got)
+    # the router's bf16 weights and int32 slots are read as they are: the values of their float32 / int64 forms
+    low = weights.to(torch.bfloat16)
+    assert torch.equal(triton_experts.triton_rows_forward(hidden, slots.int(), low, rows, activation),
+                       triton_experts.triton_rows_forward(hidden, slots, low.float(), rows, activation))
+
+
+@needs_kernels
+@pytest.mark.parametrize("T,K,E,n,ids_dtype", [(1, 8, 128, 73, torch.int64), (5, 4, 16, 16, torch.int64),
+                                               (16, 8, 128, 0, torch.int32), (70, 6, 64, 20, torch.int64)])
+def test_route_kernel_matches_the_aten_split(T, K, E, n, ids_dtype):
+    """triton_route (the resident split in one kernel) against the ATen ops it replaces, at decode sizes and past one
+    loop of the kernel (70 x 6 pairs): slots in slot_of's dtype, the CPU op's ids in ids' dtype, padding -1 ids
+    neither routed nor held, the hit counter added to (not overwritten), and again at the same bits."""
+    torch.manual_seed(T * 131 + n)
+    ids = torch.randint(0, E, (T, K), dtype=ids_dtype, device=KERNEL_DEVICE)
+    ids[0, : K // 2] = -1  # padding and skipped slots
+    slot_of = torch.full((E,), -1, dtype=torch.int64)
+    slot_of[torch.randperm(E)[:n]] = torch.randperm(n)
+    slot_of = slot_of.to(KERNEL_DEVICE)
+    hits = torch.tensor(7 << 32 | 5, dtype=torch.int64, device=KERNEL_DEVICE)
+    slots, cpu_ids = triton_experts.triton_route(ids, slot_of, hits)
+    want_slots = torch.where(ids >= 0, slot_of[ids.clamp(min=0).long()], -1)
+    assert slots.dtype == slot_of.dtype and cpu_ids.dtype == ids.dtype
+    assert torch.equal(slots, want_slots)
+    assert torch.equal(cpu_ids, torch.where(want_slots >= 0, -1, ids))
+    routed, held = int((ids >= 0).sum()), int((want_slots >= 0).sum())
+    assert int(hits) == (7 + routed) << 32 | (5 + held)
+    again, cpu_again = triton_experts.triton_route(ids, slot_of)
+    assert torch.equal(again, slots) and torch.equal(cpu_again, cpu_ids)
+
+
+@needs_kernels
+def test_route_kernel_refuses_bad_inputs():
+    ids = torch.zeros(2, 3, dtype=torch.int64, device=KERNEL_DEVICE)
+    slot_of = torch.zeros(4, dtype=torch.int64, device=KERNEL_DEVICE)
+    with pytest.raises(ValueError, match="integer tensors"):
+        triton_experts.triton_route(ids.float(), slot_of)
+    with pytest.raises(ValueError, match=r"ids \[T, K\]"):
+        triton_experts.triton_route(ids[0], slot_of)
+    with pytest.raises(ValueError, match="int64, 0-d"):
+        triton_experts.triton_route(ids, slot_of, torch.zeros(1, dtype=torch.int64, device=KERNEL_DEVICE))
+    with pytest.raises(ValueError, match="int64, 0-d"):
+        triton_experts.triton_route(ids, slot_of, torch.zeros((), dtype=torch.int32, device=KERNEL_DEVICE))
 
 
 @needs_cuda_triton

@@ -18,10 +18,18 @@ What submit and wait do depends on where the hidden states are:
   CUDA, eager:      submit copies hidden/ids/weights to pinned buffers (non-blocking), records an event and
                     hands the op to the worker, which waits for the event; wait blocks the host until the
                     worker is done and copies the result back (non-blocking). One host sync per layer.
-  CUDA, capturing:  the same copies, but the worker is started and joined by host functions on the stream
-                    (host_func.py), so a replayed CUDA graph costs the launching thread no host sync at all.
-                    The host functions are C ones (runtime/host_tasks.cpp: no GIL on CUDA's callback thread;
-                    Python ones decoded 1.58x slower on the device and remain only for test observers).
+  CUDA, capturing:  the same copies, and no host sync on the launching thread when the graph replays. The
+                    C++ worker (runtime/host_tasks.cpp) is handed the call by the GPU itself (gpu_handoff.py):
+                    a Triton kernel after the copies writes a sequence number into the task's pinned doorbell,
+                    which the spinning worker watches; another before the result's H2D copy spins on the
+                    pinned done word the worker writes when the output is complete (bounded: a call that never
+                    finishes sets an error flag that ``check_handoff`` raises, never a silent stale result).
+                    No host-function node for the CPU experts in the graph: CUDA runs one ~55 us after the
+                    work before it has landed. The fallback, where Triton is missing, test observers watch the
+                    calls or ``gpu_handoff`` is False (benchmarks' A/B): start/join host functions on the
+                    stream (host_func.py), C ones (no GIL on CUDA's callback thread), or Python ones for test
+                    observers (C ones decoded 1.58x faster on the device). Which of the two handoffs decodes
+                    faster is unmeasured (benchmarks/device_handoff.sh measures it).
 
 Expert deferral (passes/deferral.py) submits a layer once with ``submit_experts_split`` instead: the CPU side
 ranks each token's slots by weight, runs the ``K - d`` highest (waited for at ``site``) and then the ``d`` lowest
@@ -301,11 +309,18 @@ class ExpertsRuntime:
         # function a capture has launched. The native worker runs calls in that order, so a captured wait of an
         # earlier call needs no join of its own (deferral's waits, each behind the next layer's join).
         self._capture_numbers = itertools.count(1)
-        self._joined_through = 0
+        self._joined_through: dict = {}  # by task kind (_NativeHostFunctions, _GpuHandoffTask)
         # n_deferred_experts="runtime": how many slots per token graphs compiled so defer, as an int and as the
         # int64 the split calls read when they run (CUDA-graph replays included)
         self.runtime_deferred = 0
         self._runtime_deferred_host = torch.zeros((), dtype=torch.int64)
+        # GPU handoff (gpu_handoff.py) for captured calls, where available: doorbell + wait kernel instead of
+        # host functions. False: host functions (benchmarks/bench_generate.py's A/B sets it; no user option).
+        self.gpu_handoff = True  # read when a staging's task is made (at its first capture)
+        # per CUDA device: its _HandoffSeqs (the doorbell counter and the tasks' sequence words), made outside any
+        # capture when the kernels are warmed up (None: the kernels' self-test failed there, host functions)
+        self._handoff_seqs: dict = {}
+        self._handoff_error: Optional[torch.Tensor] = None  # int64 [1], pinned: a wait kernel that gave up
 
     # -- compile time
     def register_layer(self, w13, w13_scales, w2, w2_scales, activation: str, w13_bias=None, w2_bias=None) -> int:
@@ -351,6 +366,59 @@ class ExpertsRuntime:
         self._sites.clear()
         self._shared_pools.clear()
         self._native_tasks.clear()
+        self._joined_through.clear()
+
+    def check_handoff(self) -> None:
+        """Raises if a GPU wait kernel of a captured step gave up on its CPU experts call (after
+        gpu_handoff.LIMIT_NS, 2 s): the steps replayed since read a result that was not complete. Reads
+        pinned memory: call it after synchronizing with the steps it covers (generate does, per token)."""
+        error = self._handoff_error
+        if error is not None and int(error[0]) != 0:
+            raise RuntimeError(
+                "ktorch: a CPU experts call of a captured decode step did not finish within the GPU's wait limit "
+                f"(call number {int(error[0])}); the step's result was not used. The host-task worker is stuck or "
+                "far slower than expected (see its messages above); restart the process")
+
+    def _prepare_handoff(self, device: torch.device) -> None:
+        """Outside any capture (an eager call): the device's doorbell counter and tasks' sequence words
+        (``_HandoffSeqs``, topped up here once a capture used them all), the error flag, and one launch of each
+        kernel (compiled and loaded here, not inside a capture)."""
+        from ktorch.compile import gpu_handoff
+
+        if device in self._handoff_seqs:
+            seqs = self._handoff_seqs[device]
+            if seqs is not None and seqs.free() == 0:
+                seqs.grow()
+            return
+        if not self.gpu_handoff or not gpu_handoff.available():
+            return
+        with torch.inference_mode(False):
+            if self._handoff_error is None:
+                self._handoff_error = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+            words = gpu_handoff.new_words()
+            scratch_error = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+        try:
+            seqs = _HandoffSeqs(device)
+            counter, seq = seqs.counter, seqs.take()  # the self-test's number: a word no task gets
+            with torch.cuda.device(device):
+                gpu_handoff.ring(counter, seq, words)
+                torch.cuda.current_stream(device).synchronize()
+                rung = words.tolist()
+                words[1:].fill_(1 << 62)  # done: the waits return at once (the worker never sees this doorbell)
+                gpu_handoff.wait(seq, words, 1, scratch_error)
+                gpu_handoff.wait(seq, words, 2, scratch_error)
+                torch.cuda.current_stream(device).synchronize()
+            if rung != [1, 0, 0] or int(scratch_error) != 0 or int(counter) != 1:
+                raise RuntimeError(f"the kernels' self-test read doorbell words {rung}, error "
+                                   f"{int(scratch_error)}, counter {int(counter)} (want [1, 0, 0], 0, 1)")
+        except Exception as e:  # the host functions still work: slower, never wrong
+            import warnings
+
+            warnings.warn(f"ktorch: the GPU handoff of CPU experts calls is unavailable on {device} ({e}); captured "
+                          f"steps use host functions", RuntimeWarning)
+            self._handoff_seqs[device] = None  # not tried again
+            return
+        self._handoff_seqs[device] = seqs
 
     # -- run time
     def submit(self, hidden, topk_ids, topk_weights, layer: int, site: int, join_now: bool = False) -> torch.Tensor:
@@ -391,6 +459,8 @@ class ExpertsRuntime:
         if hidden.device.type != "cuda":
             raise RuntimeError(f"ktorch.submit_experts: hidden states on {hidden.device} are not supported")
         capturing = torch.cuda.is_current_stream_capturing()
+        if not capturing:
+            self._prepare_handoff(hidden.device)
         if capturing:
             staging = state.staging_for(hidden, topk_ids, topk_weights, deferred, captured=True)
         else:
@@ -413,8 +483,10 @@ class ExpertsRuntime:
         staging.fill(hidden, topk_ids, topk_weights)
         if capturing:
             self.stats["captured_submits"] += 1
-            functions = self._host_functions(state, staging, weights, later_state, join_now)
-            if not join_now:
+            functions = self._host_functions(state, staging, weights, later_state, join_now, hidden.device)
+            if isinstance(functions, _GpuHandoffTask):
+                functions.ring()
+            elif not join_now:
                 functions[0].launch()
             elif isinstance(functions, _NativeHostFunctions):
                 functions[3].launch()  # start and join in one host function
@@ -447,13 +519,18 @@ class ExpertsRuntime:
         if torch.cuda.is_current_stream_capturing():
             # the staging this capture's submit at this site used, that submit's number, its join and result
             staging, number, join, result = state.captured_pending.popleft()
-            if join == 0:  # joined by the submit's own host function (join_now)
+            handoff = isinstance(staging.host_functions, _GpuHandoffTask)
+            if join == 0 and not handoff:  # joined by the submit's own host function (join_now)
                 self.stats["implied_joins"] += 1
             elif self.join_implied(staging, number):
                 self.stats["implied_joins"] += 1
             else:
-                staging.host_functions[join].launch()
-                self._joined_through = max(self._joined_through, number)
+                if handoff:
+                    staging.host_functions.wait(2 if join == 2 else 1)
+                else:
+                    staging.host_functions[join].launch()
+                kind = type(staging.host_functions)
+                self._joined_through[kind] = max(self._joined_through.get(kind, 0), number)
         else:
             self.stats["host_waits"] += 1
             try:
@@ -466,14 +543,30 @@ class ExpertsRuntime:
         return out
 
     def _host_functions(self, state: _Site, staging: _Staging, weights: ExpertsLayer,
-                        later_state: Optional[_Site] = None, join_now: bool = False):
+                        later_state: Optional[_Site] = None, join_now: bool = False, device=None):
         """The staging's start/join host functions: C ones (runtime/host_tasks.cpp, no GIL on CUDA's callback
         thread), or Python ones where test observers (``observers``) must see each call. The C ones decode 1.58x
         faster (H100 host, 12 Qwen3-30B-A3B layers, int8: 137.6 against 87.3 tok/s; benchmarks/RESULTS.md)."""
         from ktorch.compile.host_func import HostFunction
 
+        # made by an eager call before (a capture's warm-up step); None: host functions
+        seqs = self._handoff_seqs.get(device) if self.gpu_handoff and not self.observers else None
+        task = staging.host_functions
+        if task is not None and (seqs is not None) != isinstance(task, _GpuHandoffTask):
+            if isinstance(task, _GpuHandoffTask) or seqs.free():
+                staging.host_functions = None  # captured before under the other handoff (an A/B): a new task
         if staging.host_functions is None and not self.observers:
-            staging.host_functions = _NativeHostFunctions(staging, weights)
+            # Nothing is allocated on the device here: this runs inside captures, where the caching allocator puts
+            # new tensors in the graph's private pool (cudagraph trees then refuse the graph: memory no output
+            # tracks). The task's sequence word is one of those _prepare_handoff made; when a capture has used
+            # them all, the task takes host functions (the next eager call makes more for later captures).
+            seq = seqs.take() if seqs is not None else None
+            if seq is not None:
+                staging.host_functions = _GpuHandoffTask(staging, weights, seqs.counter, seq, self._handoff_error)
+            else:
+                if seqs is not None:
+                    self.stats["handoff_words_short"] += 1
+                staging.host_functions = _NativeHostFunctions(staging, weights)
             self._native_tasks.append(staging.host_functions)
         if staging.host_functions is None:
             split = staging.deferred is not None
@@ -495,9 +588,10 @@ class ExpertsRuntime:
 
             staging.host_functions = (HostFunction(start), HostFunction(join), HostFunction(join_later))
         number = next(self._capture_numbers)
-        if join_now:
-            self._joined_through = max(self._joined_through, number)
-        state.captured_pending.append((staging, number, 0 if join_now else 1, staging.out))
+        handoff = isinstance(staging.host_functions, _GpuHandoffTask)  # no host function: every wait launches one
+        if join_now and isinstance(staging.host_functions, _NativeHostFunctions):
+            self._joined_through[_NativeHostFunctions] = max(self._joined_through.get(_NativeHostFunctions, 0), number)
+        state.captured_pending.append((staging, number, 0 if join_now and not handoff else 1, staging.out))
         if later_state is not None:
             later_state.captured_pending.append((staging, number, 2, staging.out_later))
         return staging.host_functions
@@ -506,13 +600,42 @@ class ExpertsRuntime:
         """Whether a captured wait for the submit numbered ``number`` can go without its join host function: the
         capture has already joined a later submit, and native host tasks run one at a time in submission order
         (one C++ worker, both parts of a split call before the next call), so the stream is past the end of this
-        call too. Python host functions keep every join (their join pops the call it waits for). Deferral's waits are such: layer i's deferred part is waited
-        for after layer i+1's join, so each would otherwise cost the stream one more host function round trip
-        (~50 us on the H100 host)."""
-        return isinstance(staging.host_functions, _NativeHostFunctions) and number < self._joined_through
+        call too. Python host functions keep every join (their join pops the call it waits for). Deferral's waits
+        are such: layer i's deferred part is waited for after layer i+1's join, so each would otherwise cost the
+        stream one more host function round trip (~50 us on the H100 host), or one more wait kernel. The same holds
+        for GPU-handoff tasks (one worker, doorbells taken lowest number first), within one kind of task: a pushed
+        task and a rung doorbell are not ordered against each other."""
+        kind = type(staging.host_functions)
+        return kind in (_NativeHostFunctions, _GpuHandoffTask) and number < self._joined_through.get(kind, 0)
 
 
-class _NativeHostFunctions:
+class _NativeTask:
+    """A staging's native host task (runtime/host_tasks.cpp), made by ``host_task_new`` over the staging's tensors
+    and the layer's weights (``words``: the GPU handoff's pinned doorbell and done words, or None); freed with the
+    object."""
+
+    def _new_task(self, staging: "_Staging", layer: ExpertsLayer, words=None) -> None:
+        self.staging, self.layer = staging, layer  # the task holds these tensors; keep them referenced too
+        self.tokens = staging.hidden.shape[0]
+        # a split staging (deferral): the task also runs the deferred slots into out_later, d read from deferred
+        deferred = getattr(staging, "deferred", None)
+        extra = () if words is None else (words,)
+        self.handle = torch.ops.kt.host_task_new(staging.hidden, staging.topk_ids, staging.topk_weights, staging.out,
+                                                 layer.w13, layer.w13_scales, layer.w2, layer.w2_scales,
+                                                 layer.activation, True,
+                                                 staging.out_later if deferred is not None else None, deferred,
+                                                 layer.w13_bias, layer.w2_bias, *extra)
+
+    def error(self) -> str:
+        return torch.ops.kt.host_task_error(self.handle)
+
+    def __del__(self):
+        handle, self.handle = getattr(self, "handle", 0), 0
+        if handle:
+            torch.ops.kt.host_task_free(handle)
+
+
+class _NativeHostFunctions(_NativeTask):
     """The start/join host functions of one staging as C functions (runtime/host_tasks.cpp): indexable like the
     Python ones, ``[0].launch()`` starts, ``[1].launch()`` joins, ``[2].launch()`` joins a split call's deferred
     part, ``[3].launch()`` starts and joins the first part in one host function."""
@@ -527,15 +650,7 @@ class _NativeHostFunctions:
             launch_native(self.ptr, self.handle)
 
     def __init__(self, staging: "_Staging", layer: ExpertsLayer):
-        self.staging, self.layer = staging, layer  # the task holds these tensors; keep them referenced too
-        self.tokens = staging.hidden.shape[0]
-        # a split staging (deferral): the task also runs the deferred slots into out_later, d read from deferred
-        deferred = getattr(staging, "deferred", None)
-        self.handle = torch.ops.kt.host_task_new(staging.hidden, staging.topk_ids, staging.topk_weights, staging.out,
-                                                 layer.w13, layer.w13_scales, layer.w2, layer.w2_scales,
-                                                 layer.activation, True,
-                                                 staging.out_later if deferred is not None else None, deferred,
-                                                 layer.w13_bias, layer.w2_bias)
+        self._new_task(staging, layer)
         self._fns = tuple(self._Fn(fn, self.handle) for fn in torch.ops.kt.host_task_functions())
 
     def __getitem__(self, i: int):
@@ -546,13 +661,109 @@ class _NativeHostFunctions:
         CUDA."""
         torch.ops.kt.host_task_run(self.handle)
 
-    def error(self) -> str:
-        return torch.ops.kt.host_task_error(self.handle)
 
-    def __del__(self):
-        handle, self.handle = getattr(self, "handle", 0), 0
-        if handle:
-            torch.ops.kt.host_task_free(handle)
+
+def _outside_graph_pools(make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``make()`` run on a new thread. The caching allocator sends a thread's CUDA allocations to a CUDA graph's
+    private pool while that thread captures, and while cudagraph trees (torch.compile's "reduce-overhead") warm a
+    graph up on it (the compiled function runs eagerly once, not capturing, its tensors in the pool: torch 2.8 and
+    later route the warm-up by thread, older versions by its stream). Memory that outlives every graph is made on another
+    thread: the device's ordinary pool (a tensor left in a graph's pool is memory that no graph output tracks,
+    which cudagraph trees refuse, and may hand to a later graph)."""
+    made: list = []
+
+    def run():
+        try:
+            made.append(make())
+        except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread
+            made.append(e)
+
+    thread = threading.Thread(target=run, name="ktorch-handoff-alloc")
+    thread.start()
+    thread.join()
+    if isinstance(made[0], BaseException):
+        raise made[0]
+    return made[0]
+
+
+class _HandoffSeqs:
+    """One device's GPU-handoff words in device memory: the doorbell counter (one int64 a device, so numbers grow in
+    stream order across its tasks) and each task's sequence word, ``SLOTS`` int64 a block, made outside any capture
+    and outside any graph's pool (``_outside_graph_pools``). Tasks are made inside captures, where a new device
+    tensor would land in the graph's private pool; each takes a word of a block made before (``take``), and a
+    capture that finds none left gives its task host functions (``grow``, at the next eager call, adds a block).
+    Blocks are never freed: the graphs that captured their words may replay as long as the process runs."""
+
+    SLOTS = 4096  # 32 KB a block; a 48-layer model's decode and prefill captures take a few hundred words
+
+    def __init__(self, device: torch.device, slots: int = SLOTS):
+        if slots < 2:
+            raise ValueError(f"_HandoffSeqs: a block needs at least 2 words (the counter and a task's), got {slots}")
+        self.device, self.slots = torch.device(device), slots
+        self.blocks: list = []
+        self._next = 0  # the next free word of the last block
+        self.grow()
+        self.counter = self.blocks[0][:1]
+        self._next = 1
+
+    def _block(self) -> torch.Tensor:
+        def make():  # no kernel on the other thread: its zero fill runs on the caller's stream, before any ring
+            return torch.empty(self.slots, dtype=torch.int64, device=self.device)
+
+        with torch.inference_mode(False):  # a plain tensor whatever the caller's mode (the new thread has none)
+            block = _outside_graph_pools(make) if self.device.type == "cuda" else make()
+            return block.zero_()
+
+    def grow(self) -> None:
+        """Another block of words (outside any capture)."""
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("_HandoffSeqs.grow: not inside a CUDA-graph capture")
+        self.blocks.append(self._block())
+        self._next = 0
+
+    def free(self) -> int:
+        """Words left for tasks."""
+        return self.slots - self._next
+
+    def take(self) -> Optional[torch.Tensor]:
+        """A task's sequence word: an int64 [1] view of a block (no allocation), or None when none is left."""
+        if self._next >= self.slots:
+            return None
+        word = self.blocks[-1][self._next:self._next + 1]
+        self._next += 1
+        return word
+
+
+class _GpuHandoffTask(_NativeTask):
+    """A staging's native host task handed over by the GPU (gpu_handoff.py): ``ring()`` after the input copies
+    (the doorbell kernel: the device's next number into the task's pinned doorbell, which the C++ worker watches),
+    ``wait(part)`` before the result's copy (the wait kernel: until the worker's done word for part 1, the call, or
+    2, a split call's deferred part, reaches that number). No host function: the graph holds two small kernels."""
+
+    def __init__(self, staging: "_Staging", layer: ExpertsLayer, counter: torch.Tensor, seq: torch.Tensor,
+                 error: torch.Tensor):
+        """``counter``: the device's doorbell counter; ``seq``: the task's own int64 [1] word, device memory written
+        by each ring before any wait reads it (a slot of ``_HandoffSeqs``: the task is made inside captures and
+        allocates no device memory); ``error``: the pinned error flag."""
+        from ktorch.compile import gpu_handoff
+
+        if seq.shape != (1,) or seq.dtype != torch.int64 or seq.device != counter.device:
+            raise ValueError(f"_GpuHandoffTask: seq must be an int64 [1] tensor on {counter.device}, got {seq.dtype} "
+                             f"{tuple(seq.shape)} on {seq.device}")
+        self.counter, self.seq, self.error_flag = counter, seq, error
+        self.words = gpu_handoff.new_words()  # doorbell, done, done_later (pinned host memory)
+        self._new_task(staging, layer, self.words)
+
+    def ring(self) -> None:
+        from ktorch.compile import gpu_handoff
+
+        gpu_handoff.ring(self.counter, self.seq, self.words)
+
+    def wait(self, part: int) -> None:
+        from ktorch.compile import gpu_handoff
+
+        gpu_handoff.wait(self.seq, self.words, part, self.error_flag)
+
 
 
 RUNTIME = ExpertsRuntime()

@@ -88,11 +88,12 @@ TORCH_LIBRARY(kt, m) {
   m.def(
       "fused_moe_backward(Tensor grad_out, Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor w13, "
       "Tensor? w13_scales, Tensor w2, Tensor? w2_scales, str activation=\"silu\", Tensor? gate_up_delta=None, "
-      "Tensor? grad_h=None, Tensor? w13_bias=None, Tensor? w2_bias=None) -> (Tensor, Tensor, Tensor)");
+      "Tensor? grad_h=None, Tensor? w13_bias=None, Tensor? w2_bias=None, Tensor? gate_up=None) -> "
+      "(Tensor, Tensor, Tensor)");
   m.def(
       "fused_moe_delta(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor w13, Tensor? w13_scales, Tensor w2, "
       "Tensor? w2_scales, Tensor gate_up_delta, str activation=\"silu\", "
-      "Tensor? w13_bias=None, Tensor? w2_bias=None) -> (Tensor, Tensor)");
+      "Tensor? w13_bias=None, Tensor? w2_bias=None) -> (Tensor, Tensor, Tensor)");
   m.def(
       "numa_split_experts(Tensor w13, Tensor? w13_scales, Tensor w2, Tensor? w2_scales, int n) -> "
       "(Tensor[], Tensor[], Tensor[], Tensor[])");
@@ -113,7 +114,8 @@ TORCH_LIBRARY(kt, m) {
   m.def(
       "host_task_new(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor out, Tensor w13, Tensor? w13_scales, "
       "Tensor w2, Tensor? w2_scales, str activation, bool record_times=False, "
-      "Tensor? out_later=None, Tensor? deferred=None, Tensor? w13_bias=None, Tensor? w2_bias=None) -> int",
+      "Tensor? out_later=None, Tensor? deferred=None, Tensor? w13_bias=None, Tensor? w2_bias=None, "
+      "Tensor? handoff=None) -> int",
       &kt::runtime::host_task_new);
   m.def("host_task_free(int handle) -> ()", &kt::runtime::host_task_free);
   m.def("host_task_run(int handle) -> ()", &kt::runtime::host_task_run);

@@ -434,6 +434,7 @@ def _run_differentiable(self: nn.Module, hidden_states, top_k_index, top_k_weigh
 def _split_gpu_experts(self: nn.Module, hidden_states, top_k_index, top_k_weights):
     """(ids for the CPU [T, K] with the device-resident experts' slots set to -1, a callable computing those
     experts' part [T, H] on the device). See ktorch/ops/gpu_experts.py and ``attach_gpu_experts``."""
+    from ktorch.ops import triton_experts
     from ktorch.ops.gpu_experts import gpu_experts_forward, packed_experts_forward
     from ktorch.ops.resident_rows import RowExperts, rows_experts_forward
 
@@ -445,13 +446,17 @@ def _split_gpu_experts(self: nn.Module, hidden_states, top_k_index, top_k_weight
                          f"{slot_of.device}) and its input on {hidden_states.device}; run the model on the device "
                          "they were placed on, or place them again there (ktorch.prepare / set_stream_experts with "
                          "gpu_memory, attach_gpu_experts)")
-    slots = torch.where(top_k_index >= 0, slot_of[top_k_index.clamp(min=0)], -1)
-    on_device = slots >= 0
-    cpu_ids = torch.where(on_device, -1, top_k_index)
-    hits = getattr(self, "kt_gpu_hits", None)  # slots << 32 | slots on residents (ktorch.gpu_memory), capturable:
-    if hits is not None and not torch.compiler.is_compiling():  # a few small kernels a layer, no host sync
-        routed = torch.where(top_k_index >= 0, 1 << 32, 0)  # padding rows' -1 slots (serve's padded steps): neither
-        hits.add_(torch.where(on_device, routed + 1, routed).sum())
+    hits = getattr(self, "kt_gpu_hits", None)  # slots << 32 | slots on residents (ktorch.gpu_memory), capturable;
+    # padding rows' -1 slots (serve's padded steps) count as neither
+    if triton_experts.route_applies(top_k_index):  # one kernel (a decode step replays it per layer)
+        slots, cpu_ids = triton_experts.triton_route(top_k_index, slot_of, hits)
+    else:  # the same in ATen ops (CPU; traced and fused under Dynamo)
+        slots = torch.where(top_k_index >= 0, slot_of[top_k_index.clamp(min=0)], -1)
+        on_device = slots >= 0
+        cpu_ids = torch.where(on_device, -1, top_k_index)
+        if hits is not None and not torch.compiler.is_compiling():  # no host sync
+            routed = torch.where(top_k_index >= 0, 1 << 32, 0)
+            hits.add_(torch.where(on_device, routed + 1, routed).sum())
 
 
     def gpu_work() -> torch.Tensor:

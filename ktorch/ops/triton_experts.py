@@ -4,9 +4,13 @@
     y[t, k]  = w[t, k] * (h[t, k] @ down_s^T)                down rows of w2 [n, H, I]; 0 where s = -1
     out[t]   = sum_k y[t, k]                                 in slot order (no atomics: the same bits every replay)
 
-Two kernels and one sum: ``gate_up`` (one program per (token, slot) row and ``BLOCK_N`` output channels: reads those
+Three kernels: ``gate_up`` (one program per (token, slot) row and ``BLOCK_N`` output channels: reads those
 channels' gate and up code rows and their scales once, dequantizes in registers, float32 dot products, writes h in
-float32), ``down`` (one program per (token, slot) row and BLOCK_N channels of H: y), then ``y.sum(1)``. The codes
+float32), ``down`` (one program per (token, slot) row and BLOCK_N channels of H: y), then ``sum_slots`` (out[t] = the
+slots' y summed in slot order, rounded once to hidden's dtype). Before them, ``triton_route`` (one program) maps the
+router's expert ids to resident slots and the CPU op's ids and counts hits. A decode step replays these four
+kernels per resident layer where the ATen ops they replace launched ~19 (slot lookup, masks, the hit counter's
+sums, dtype conversions, the slot sum and its cast). The codes
 are read once and no bf16 weights are ever written: at Qwen3-30B-A3B's shape (H 2048, I 768, K 8) a decode token
 reads 37.7 MB of int8 and 4.7 MB of float32 scales per layer (int8, a scale per 32), 18.9 MB of nibbles and 4.7 MB
 of scales (int4, a scale per 32; 1.2 MB at 128) or 9.4 MB of scales and minimums (Q4_K), where the packed layout's
@@ -212,6 +216,69 @@ if triton is not None:
         tl.store(y_ptr + row * H + offs_n, acc * coef, mask=mask_n)
 
 
+    @triton.jit
+    def _route(ids_ptr, slot_of_ptr, slots_ptr, cpu_ids_ptr, hits_ptr, n, COUNT: tl.constexpr, BLOCK: tl.constexpr):
+        # one program over the n (token, slot) pairs: slots = slot_of[id] (-1 for id < 0 or an expert not held),
+        # cpu_ids = id where the slot is not held, else -1; hits += routed pairs << 32 | held pairs
+        total = tl.zeros([BLOCK], dtype=tl.int64)
+        for start in range(0, n, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            m = offs < n
+            e = tl.load(ids_ptr + offs, mask=m, other=-1)
+            routed = m & (e >= 0)
+            s = tl.load(slot_of_ptr + tl.maximum(e, 0), mask=routed, other=-1)
+            tl.store(slots_ptr + offs, s, mask=m)
+            tl.store(cpu_ids_ptr + offs, tl.where(s >= 0, -1, e), mask=m)
+            if COUNT:
+                total += tl.where(routed, 4294967296, 0).to(tl.int64) + tl.where(s >= 0, 1, 0).to(tl.int64)
+        if COUNT:
+            tl.store(hits_ptr, tl.load(hits_ptr) + tl.sum(total, axis=0))
+
+    @triton.jit
+    def _sum_slots(y_ptr, out_ptr, K, H, BLOCK: tl.constexpr):
+        # out[t] = sum_k y[t, k] in slot order, float32, rounded once to out's dtype
+        t = tl.program_id(0)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < H
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for k in range(0, K):
+            acc += tl.load(y_ptr + (t * K + k) * H + offs, mask=m, other=0.0)
+        tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=m)
+
+
+ROUTE_BLOCK = 256  # pairs a loop of _route (a decode call has T * K <= 16 * K)
+
+
+def route_applies(ids: torch.Tensor) -> bool:
+    """Whether ``triton_route`` runs for these ids: Triton present, CUDA tensors (or CPU ones under the interpreter:
+    tests), not under Dynamo's trace (there the same ops in ATen are traced and fused by Inductor)."""
+    if triton is None or torch.compiler.is_compiling():
+        return False
+    return ids.is_cuda or (ids.device.type == "cpu" and interpreting())
+
+
+def triton_route(ids: torch.Tensor, slot_of: torch.Tensor, hits: Optional[torch.Tensor] = None) -> tuple:
+    """One kernel for what the resident split does with ~11 small ATen kernels a layer (a decode step's launches add
+    up: 48 layers): ids [T, K] integer (-1: no expert), slot_of [E] integer (an expert's index among the residents,
+    -1: not held) -> (slots [T, K] in slot_of's dtype, -1 where not held; cpu_ids [T, K] in ids' dtype, the ids of
+    the pairs not held, -1 elsewhere). ``hits`` (int64 0-d): += routed pairs << 32 | held pairs (``kt_gpu_hits``).
+    Shape-static, no host sync (CUDA-graph capturable)."""
+    if ids.dim() != 2 or slot_of.dim() != 1 or ids.dtype.is_floating_point or slot_of.dtype.is_floating_point:
+        raise ValueError(f"triton_route: ids [T, K] and slot_of [E] integer tensors, got {ids.dtype} "
+                         f"{tuple(ids.shape)} and {slot_of.dtype} {tuple(slot_of.shape)}")
+    if slot_of.device != ids.device or (hits is not None and (hits.device != ids.device or hits.dtype != torch.int64
+                                                              or hits.dim() != 0)):
+        raise ValueError(f"triton_route: ids, slot_of and hits (int64, 0-d) on one device, got {ids.device}, "
+                         f"{slot_of.device}, {None if hits is None else (hits.device, hits.dtype, hits.dim())}")
+    ids = ids.contiguous()
+    slot_of = slot_of.contiguous()
+    slots = torch.empty(ids.shape, dtype=slot_of.dtype, device=ids.device)
+    cpu_ids = torch.empty_like(ids)
+    _route[(1,)](ids, slot_of, slots, cpu_ids, slots if hits is None else hits, ids.numel(), COUNT=hits is not None,
+                 BLOCK=ROUTE_BLOCK)
+    return slots, cpu_ids
+
+
 def scales_mode(group: int, block_k: int) -> int:
     """How a tile applies the scales (``_tile_dot``), ``group`` and ``block_k`` in bytes of codes: 0 a group spans
     whole tiles, 1 whole groups in a tile (powers of two), 2 a scale per element (any group size)."""
@@ -264,9 +331,11 @@ def triton_rows_forward(hidden: torch.Tensor, slots: torch.Tensor, topk_weights:
     if rows.w13_scales.shape[:2] != (n, two_i) or rows.w2_scales.shape[:2] != (n, H):
         raise ValueError(f"triton_rows_forward: scales [n, N, ...] for w13 [{n}, {two_i}] and w2 [{n}, {H}], got "
                          f"{tuple(rows.w13_scales.shape)} and {tuple(rows.w2_scales.shape)}")
+    # no conversion kernels (a decode step launches each of these per layer): the kernels load int32/int64 slots and
+    # any float weights as they are
     x = hidden.contiguous()
-    s = slots.to(torch.int32).contiguous()
-    w = topk_weights.to(torch.float32).contiguous()
+    s = slots.contiguous() if slots.dtype in (torch.int32, torch.int64) else slots.to(torch.int32).contiguous()
+    w = topk_weights.contiguous() if topk_weights.is_floating_point() else topk_weights.float().contiguous()
     h = torch.empty(T * K, I, dtype=torch.float32, device=hidden.device)
     y = torch.empty(T, K, H, dtype=torch.float32, device=hidden.device)
     bn, bk, nw = (block_n, block_k, num_warps) if block_n else TILES[b13]
@@ -276,4 +345,6 @@ def triton_rows_forward(hidden: torch.Tensor, slots: torch.Tensor, topk_weights:
     bn, bk, nw = (block_n, block_k, num_warps) if block_n else TILES[b2]
     _down[(T * K, -(-H // bn))](h, s, w, rows.w2, rows.w2_scales, y, H, I, G2, GROUP=g2, MODE=scales_mode(g2, bk),
                                 BITS=b2, AFFINE=int(a2), BLOCK_N=bn, BLOCK_K=bk, num_warps=nw)
-    return y.sum(1).to(hidden.dtype)
+    out = torch.empty(T, H, dtype=hidden.dtype, device=hidden.device)
+    _sum_slots[(T, -(-H // 1024))](y, out, K, H, BLOCK=1024)
+    return out

@@ -456,6 +456,12 @@ class ServeEngine:
             return io.io_pairs[io.current_pair].device_io if hasattr(io, "io_pairs") else io
 
         def compute_batch(model, batch_data) -> None:
+            from ktorch.compile.experts_runtime import RUNTIME
+
+            # a captured step whose CPU experts call timed out on the GPU's wait (gpu_handoff.py) stops the
+            # engine (a fatal error of its thread) at the next step; the tokens of that step itself may have been
+            # sent, as transformers reads them before this runs
+            RUNTIME.check_handoff()
             io = step_io()
             graphed = runner._get_forward_fn(io.use_block_table)[1] if runner.pad_inputs else False
             key = io._get_graph_key() if graphed else None

@@ -34,8 +34,9 @@
 // before the routing weight scales it. Calls without them keep the kernels' vectorized GLU.
 // The training forward (fused_moe_with_delta, fused_moe.h; kt.fused_moe_delta for bf16/fp16 hidden) is this same
 // call with deltas added to each gate/up kernel call's fp32 output in the GLU step (Part::Glu, before the kernels'
-// GLU or the driver's epilogue: shared code, so every kernel level and the AMX side work get them) and each routed
-// pair's h written out at the end of its gate/up task.
+// GLU or the driver's epilogue: shared code, so every kernel level and the AMX side work get them), each routed
+// pair's pre-activations (biases and deltas added) written out in that same step for the backward to read, and its
+// h written out at the end of its gate/up task.
 // KT_PROFILE=1 prints each call's phase times to stderr.
 #include "fused_moe.h"
 
@@ -639,14 +640,17 @@ void run_stages(std::vector<Stage>& stages, bool one_dispatch, PhaseTimer& timer
   }
 }
 
-// The training forward's additions (fused_moe_with_delta, fused_moe.h), both indexed by the (token, slot) pair
-// t * K + k: deltas added to each routed pair's gate/up outputs before the epilogue, and h written out.
+// The training forward's additions (fused_moe_with_delta, fused_moe.h), all indexed by the (token, slot) pair
+// t * K + k: deltas added to each routed pair's gate/up outputs before the epilogue, h written out, and the
+// pre-activations the GLU read (biases and deltas included) written out for the backward.
 struct Training {
   const void* delta = nullptr;  // [T * K, N13] (gate columns, then up columns; gateless: up), bf16 or fp32
   bool delta_bf16 = false;
   int64_t n13 = 0;
   void* h = nullptr;  // [T * K, I] of h_dtype (bf16, fp16 or fp32)
   at::ScalarType h_dtype = at::kBFloat16;
+  void* gate_up = nullptr;  // [T * K, N13] of gate_up_dtype (bf16, fp16 or fp32), or nullptr
+  at::ScalarType gate_up_dtype = at::kBFloat16;
 };
 
 // What the parts of a call share: the shapes, the kernels, each token's activation row and per-worker scratch.
@@ -894,7 +898,7 @@ class Part {
     auto glu_of = [&](int64_t g, float* cg) {
       const int64_t h0 = ep.gated ? 32 * g : 64 * g;
       Glu u{&s.ks, cg, s.act, nullptr, nullptr, I};
-      if (s.train != nullptr && s.train->delta != nullptr) {  // this call's delta columns, added before the epilogue
+      if (s.train != nullptr) {  // this call's delta columns, added before the epilogue; its pre-activations' columns
         u.train = s.train;
         u.slots = pair_slot_.data() + ch.p0;
         u.d_gate = ep.gated ? h0 : -1;
@@ -1143,7 +1147,8 @@ class Part {
     static void run(void* self, int64_t r0, int64_t r1) {
       const Glu& u = *static_cast<const Glu*>(self);
       const int rows = static_cast<int>(r1 - r0);
-      if (u.train != nullptr) u.add_delta(r0, r1);
+      if (u.train != nullptr && u.train->delta != nullptr) u.add_delta(r0, r1);
+      if (u.train != nullptr && u.train->gate_up != nullptr) u.store_gate_up(r0, r1);
       if (u.ep != nullptr) return u.run_epilogue(r0, r1);
       if (u.bf16 != nullptr) u.ks->glu_bf16(u.c + r0 * 64, 64, rows, 32, u.act, u.bf16 + r0 * u.ldo, u.ldo);
       else u.ks->glu_f32(u.c + r0 * 64, 64, rows, 32, u.act, u.f32 + r0 * u.ldo, u.ldo);
@@ -1162,6 +1167,38 @@ class Part {
         if (d_gate >= 0)
           for (int i = 0; i < 32; ++i) cr[i] += load(d[d_gate + i]);
         for (int i = 0; i < nd; ++i) cr[up_at + i] += load(d[d_up + i]);
+      }
+    }
+    // The training forward's pre-activations: c's gate and up columns of rows [r0, r1) with their biases (what the
+    // epilogue or the kernels' GLU reads) into the same columns of train->gate_up as the deltas came from, rounded
+    // once to its dtype.
+    void store_gate_up(int64_t r0, int64_t r1) const {
+      const int up_at = d_gate >= 0 ? 32 : 0;
+      float v[64];
+      for (int64_t r = r0; r < r1; ++r) {
+        const float* cr = c + r * 64;
+        int n = 0;
+        if (d_gate >= 0)
+          for (int i = 0; i < 32; ++i) v[n++] = cr[i] + (bias_gate != nullptr ? bias_gate[i] : 0.0f);
+        for (int i = 0; i < nd; ++i) v[n++] = cr[up_at + i] + (bias_up != nullptr ? bias_up[i] : 0.0f);
+        const int64_t row = slots[r] * train->n13;
+        if (d_gate >= 0) store_row(v, 32, row + d_gate);
+        store_row(v + up_at, nd, row + d_up);
+      }
+    }
+    void store_row(const float* v, int n, int64_t at) const {
+      switch (train->gate_up_dtype) {
+        case at::kBFloat16: {
+          uint16_t* dst = static_cast<uint16_t*>(train->gate_up) + at;
+          for (int i = 0; i < n; ++i) dst[i] = f32_to_bf16(v[i]);
+          break;
+        }
+        case at::kHalf: {
+          at::Half* dst = static_cast<at::Half*>(train->gate_up) + at;
+          for (int i = 0; i < n; ++i) dst[i] = static_cast<at::Half>(v[i]);
+          break;
+        }
+        default: std::memcpy(static_cast<float*>(train->gate_up) + at, v, n * sizeof(float));
       }
     }
     void run_epilogue(int64_t r0, int64_t r1) const {
@@ -1479,7 +1516,7 @@ void fused_moe_split(const at::Tensor& hidden, const at::Tensor& ids_now, const 
 at::Tensor fused_moe_with_delta(const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                                 const at::Tensor& w13, const std::optional<at::Tensor>& w13_scales, const at::Tensor& w2,
                                 const std::optional<at::Tensor>& w2_scales, c10::string_view activation,
-                                const at::Tensor& gate_up_delta, const at::Tensor& h_out,
+                                const at::Tensor& gate_up_delta, const at::Tensor& h_out, const at::Tensor& gate_up_out,
                                 const std::optional<at::Tensor>& w13_bias, const std::optional<at::Tensor>& w2_bias) {
   const WeightFormat fmt = check_call(hidden, topk_ids, topk_weights, w13, w2);
   const int64_t T = hidden.size(0), K = topk_ids.size(1), n13 = w13.size(1) * 16;
@@ -1495,6 +1532,13 @@ at::Tensor fused_moe_with_delta(const at::Tensor& hidden, const at::Tensor& topk
                    h_out.scalar_type() == at::kFloat),
               "fused_moe_delta: h_out must be a contiguous bf16/fp16/fp32 CPU tensor [T=", T, ", K=", K, ", I=", I,
               "], got ", h_out.scalar_type(), " ", h_out.sizes());
+  TORCH_CHECK(!gate_up_out.defined() ||
+                  (gate_up_out.device().is_cpu() && gate_up_out.is_contiguous() && gate_up_out.dim() == 3 &&
+                   gate_up_out.size(0) == T && gate_up_out.size(1) == K && gate_up_out.size(2) == n13 &&
+                   (gate_up_out.scalar_type() == at::kBFloat16 || gate_up_out.scalar_type() == at::kHalf ||
+                    gate_up_out.scalar_type() == at::kFloat)),
+              "fused_moe_delta: gate_up_out must be a contiguous bf16/fp16/fp32 CPU tensor [T=", T, ", K=", K, ", ",
+              n13, "], got ", gate_up_out.scalar_type(), " ", gate_up_out.sizes());
   // the deltas read in place when bf16 or fp32 and contiguous (the usual case: an adapter's output)
   const at::Tensor delta = gate_up_delta.scalar_type() == at::kBFloat16
                                ? gate_up_delta.contiguous()
@@ -1505,12 +1549,20 @@ at::Tensor fused_moe_with_delta(const at::Tensor& hidden, const at::Tensor& topk
   train.n13 = n13;
   train.h = h_out.data_ptr();
   train.h_dtype = h_out.scalar_type();
-  // skipped slots' h rows are zeros (the routed ones are all written by the gate/up tasks)
+  if (gate_up_out.defined()) {
+    train.gate_up = gate_up_out.data_ptr();
+    train.gate_up_dtype = gate_up_out.scalar_type();
+  }
+  // skipped slots' h (and pre-activation) rows are zeros (the routed ones are all written by the gate/up tasks)
   const at::Tensor ids = topk_ids.to(at::kLong).contiguous();
   const int64_t* idp = ids.data_ptr<int64_t>();
-  for (int64_t i = 0; i < T * K; ++i)
-    if (idp[i] < 0) std::memset(static_cast<char*>(h_out.data_ptr()) + i * I * h_out.element_size(), 0,
-                                I * h_out.element_size());
+  for (int64_t i = 0; i < T * K; ++i) {
+    if (idp[i] >= 0) continue;
+    std::memset(static_cast<char*>(h_out.data_ptr()) + i * I * h_out.element_size(), 0, I * h_out.element_size());
+    if (gate_up_out.defined())
+      std::memset(static_cast<char*>(gate_up_out.data_ptr()) + i * n13 * gate_up_out.element_size(), 0,
+                  n13 * gate_up_out.element_size());
+  }
   at::Tensor out = at::empty({T, hidden.size(1)}, hidden.options());
   run_call(fmt, hidden, topk_ids, nullptr, topk_weights, w13, w13_scales, w2, w2_scales, activation, QuantizeH(), out,
            nullptr, {}, w13_bias, w2_bias, &train);

@@ -68,11 +68,15 @@ void fused_moe_split(const at::Tensor& hidden, const at::Tensor& ids_now, const 
 // activation), and each routed pair's h = act(gate) * up written into h_out (contiguous [T, K, I], bf16, fp16 or
 // fp32; the rows of skipped slots zeroed). The same kernels, tasks, stages and numerics as fused_moe (whose result
 // it is bit for bit when the deltas are zeros); h_out holds h as the GLU made it (fp32 for int formats, before their
-// int8 quantization for the down projection; bf16 for bf16 weights), rounded once to h_out's dtype.
+// int8 quantization for the down projection; bf16 for bf16 weights), rounded once to h_out's dtype. gate_up_out
+// (optional, contiguous [T, K, N13], bf16, fp16 or fp32): each routed pair's pre-activations as the GLU read them (the
+// kernels' fp32 output with the biases and deltas added), rounded once to its dtype, skipped slots' rows zeroed:
+// what the backward would otherwise recompute.
 at::Tensor fused_moe_with_delta(const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                                 const at::Tensor& w13, const std::optional<at::Tensor>& w13_scales, const at::Tensor& w2,
                                 const std::optional<at::Tensor>& w2_scales, c10::string_view activation,
                                 const at::Tensor& gate_up_delta, const at::Tensor& h_out,
+                                const at::Tensor& gate_up_out = at::Tensor(),
                                 const std::optional<at::Tensor>& w13_bias = std::nullopt,
                                 const std::optional<at::Tensor>& w2_bias = std::nullopt);
 

@@ -11,10 +11,15 @@
 //   dX[t] += [dg | du] W13_e              [H]     (gate/up read transposed); d delta_p = [dg | du]
 // The expert weights are frozen: no gradient for them.
 //
-// What is saved and what is recomputed: autograd saves only the op's inputs (hidden, ids, weights and references to
-// the packed tensors, no copies); the backward recomputes [g | u] = x W13^T from hidden instead of saving the
-// [T, K, 2I] pre-activations (Qwen3-30B-A3B at T = 2048: 48 MiB a layer in bf16, 2.4 GiB for 48 layers), at the
-// price of one more x W13^T product per pair (2 of the 5 H*I-sized products a pair's backward makes here).
+// What is saved and what is recomputed: fused_moe_delta (the expert-LoRA forward) returns the pre-activations
+// [g | u] it computed ([T, K, N13] in hidden's dtype: biases and deltas included, as the GLU read them; Qwen3-30B-A3B
+// at T = 2048: 48 MiB a layer in bf16, one layer's at a time with the decoder layers checkpointed, 2.4 GiB for 48
+// layers without), its autograd saves them, and the backward reads them (its gate_up argument): 2 H*I-sized
+// products a pair (dY W2, [dg | du] W13). Without them (kt.fused_moe's autograd, which saves only the op's inputs:
+// hidden, ids, weights and references to the packed tensors) it recomputes [g | u] = x W13^T (+ biases + deltas)
+// from hidden: 2 more, 5 in all. Measured here (2-core AMD EPYC, AVX2, loaded; int8, E=32, H=1024, I=384, K=8,
+// T=256, fp32 hidden: fp32 products, as this CPU's bf16 matmul is an emulation): 252-315 ms a call with them against
+// 365-384 recomputing (three runs; one profile: products 130 against 242, copies 6 against 33).
 //
 // The forward with deltas (fused_moe_delta) takes two paths by hidden's dtype:
 // - bf16/fp16 (training): kt.fused_moe's own path (fused_moe.cpp, fused_moe_with_delta): the same packed kernels
@@ -31,20 +36,28 @@
 //
 // How the backward (and the reference forward) run: the pairs are grouped by expert. With at least as many experts
 // as ATen threads, each expert is one task, pulled by the ATen (OpenMP) workers from a shared counter, most tokens
-// first; a task decodes its expert's packed blocks (bf16, int8 per channel, int4 grouped: kernels.h) into its
-// worker's scratch as dense [2I, H] and [H, I] matrices in the compute dtype (no unpacked copy of the layer: one
-// expert per worker at a time), then runs the products with ATen's matmuls (oneDNN/MKL), single threaded inside the
-// task. With fewer experts than threads (Mixtral's 8 on 16 cores, or few tokens) the experts run one at a time, the
-// decode split over the workers by blocks and the ATen ops multi-threaded. Each pair's row of d hidden goes to its own
-// slot of a [T * K, H] buffer and the routed slots are summed in slot order afterwards (sum_slots: the skipped slots'
-// rows are never read, so the buffer is not zeroed): no atomics, the same result whatever the thread count. d delta
-// is written in its own dtype, one rounding a row. KT_PROFILE=1 prints a line a call: setup, experts (per worker:
-// decode, products, element-wise work, copies), sum (ExpertTimes below).
+// first; a task decodes its expert's packed blocks (bf16, int8 per channel, int4 grouped, MXFP4 nibbles: kernels.h)
+// into its worker's scratch as dense matrices in the compute dtype (no unpacked copy of the layer: one expert per
+// worker at a time), then runs the products with ATen's matmuls (oneDNN/MKL), single threaded inside the task. The
+// backward decodes W2 and W13 transposed (W2^T [I, H], W13^T [H, N13]; decode_expert_t_impl) and reads them as the
+// views (W^T)^T, so that both operands of dY W2 and [dg | du] W13 have the reduction dimension contiguous (x W13^T's
+// layout); W13 as stored [N13, H] only where x W13^T is recomputed (and in the float forward below). ATen's bf16
+// fallback matmul (no AVX-512 BF16) is 5-9x faster so (docs/training.md); its fp32 sgemm does not care. With fewer
+// experts than threads (Mixtral's 8 on 16 cores, or few tokens) the experts run one at a time, the decode split over
+// the workers by blocks and the ATen ops multi-threaded, where the busiest expert's products are big enough for
+// threads to pay (kMinThreadedMacs); smaller ones run one expert a worker as above. Each pair's row of d hidden is its own
+// row of a [pairs, H] buffer in the compute dtype, grouped by expert (the product of an expert writes its rows in
+// place, mm_out: no scatter, no cast), and the routed slots are summed by token in slot order afterwards in the
+// element dtype (sum_slots; the skipped slots have no row): no atomics, the same result whatever the thread count.
+// d delta is written in its own dtype, one rounding a row. KT_PROFILE=1 prints a line a call: setup, experts (per
+// worker: decode, products, element-wise work, copies), sum (ExpertTimes below).
 // Dtypes: the products run in float64 for float64 hidden (gradcheck), float32 for float32, bf16 otherwise (fp32
 // accumulation inside the matmul); the element-wise work in float32 (float64 for float64). Decoded int8/int4 weights
 // are q * scale in fp32 (as kt.unpack), then cast. The int formats' forward (kt.fused_moe) also quantizes the
 // activations to int8; this backward differentiates the function of the dequantized weights with float
-// activations (a straight-through estimate for the activation rounding).
+// activations (a straight-through estimate for the activation rounding); given the forward's pre-activations it
+// takes act' and h at the values the forward had (with that rounding, and rounded once to hidden's dtype, as the
+// recompute's bf16 product rounds them too).
 #include "fused_moe_backward.h"
 
 #include "fused_moe.h"
@@ -53,6 +66,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <c10/core/GradMode.h>
 
 #include <algorithm>
 #include <atomic>
@@ -249,9 +263,104 @@ void decode_expert_bf16(const Packed& m, int64_t e, bool gate_up, uint16_t* out,
   }
 }
 
-// Decodes packed blocks [nb0, nb1) of expert e into out (all of them when nb1 < 0).
-void decode_into(const Packed& m, int64_t e, bool gate_up, at::Tensor& out, int64_t nb0 = 0, int64_t nb1 = -1) {
+// Expert e of m transposed: a dense row-major [K, N] matrix in out (W^T, the [N, K] matrix of decode_expert read
+// by columns), column n of it dense_row's row n, the same values as decode_expert's. The backward's two transposed
+// products (dY W2, [dg | du] W13) read it as a transposed view (W = (W^T)^T: the reduction dimension contiguous,
+// the layout x W13^T has), which ATen's matmuls take fast where they care (docs/training.md). The write needs no
+// tiling: one q step of a packed block is 16 rows x `per` values, and its transposed image is `per` pieces of 16
+// consecutive columns (64 bytes in fp32, 32 in bf16) of `per` consecutive rows of W^T. The `per` x 16 values of a
+// step are computed in block order (loops the compiler vectorizes) and stored as those pieces. Cvt converts a float
+// to T (a plain cast; bf16 bits rounded to nearest even for bf16).
+template <typename T, typename Cvt>
+__attribute__((always_inline)) inline void decode_expert_t_impl(const Packed& m, int64_t e, bool gate_up, T* out,
+                                                                int64_t nb0, int64_t nb1, Cvt cvt) {
+  const int64_t N = m.N, K = m.K;
+  const uint8_t* base = m.data + e * m.expert_bytes();
+  const float* sc = expert_scales(m, e);
+  const int64_t gsize = K / m.G;
+  for (int64_t nb = nb0; nb < nb1; ++nb) {
+    const int64_t p0 = nb * 16;  // 16 packed rows are 16 consecutive dense rows: 16 consecutive columns of W^T
+    T* dst = out + dense_row(p0, N, gate_up);
+    switch (m.fmt) {
+      case Fmt::BF16: {  // [K/2][16][2]
+        const uint16_t* blk = reinterpret_cast<const uint16_t*>(base) + nb * K * 16;
+        for (int64_t q = 0; q < K / 2; ++q) {
+          const uint16_t* src = blk + q * 32;
+          T v[2][16];
+          for (int c = 0; c < 16; ++c)
+            for (int j = 0; j < 2; ++j) v[j][c] = cvt(bf16_bits_to_float(src[2 * c + j]));
+          for (int j = 0; j < 2; ++j) std::memcpy(dst + (2 * q + j) * N, v[j], sizeof(v[j]));
+        }
+        break;
+      }
+      case Fmt::INT8: {  // [K/4][16][4], one scale a row
+        const int8_t* blk = reinterpret_cast<const int8_t*>(base) + nb * K * 16;
+        float s[16];
+        for (int c = 0; c < 16; ++c) s[c] = sc[p0 + c];
+        for (int64_t q = 0; q < K / 4; ++q) {
+          const int8_t* src = blk + q * 64;
+          T v[4][16];
+          for (int c = 0; c < 16; ++c)
+            for (int j = 0; j < 4; ++j) v[j][c] = cvt(static_cast<float>(src[4 * c + j]) * s[c]);
+          for (int j = 0; j < 4; ++j) std::memcpy(dst + (4 * q + j) * N, v[j], sizeof(v[j]));
+        }
+        break;
+      }
+      case Fmt::INT4: {  // [K/8][16][4] bytes: low nibble value 8o + j, high nibble 8o + 4 + j, values m.nibble[u]
+        const uint8_t* blk = base + nb * (K / 2) * 16;
+        float s[16];
+        int64_t group = -1;
+        for (int64_t o = 0; o < K / 8; ++o) {
+          if (8 * o / gsize != group) {
+            group = 8 * o / gsize;
+            for (int c = 0; c < 16; ++c) s[c] = sc[group * N + p0 + c];
+          }
+          const uint8_t* src = blk + o * 64;
+          T v[8][16];
+          for (int c = 0; c < 16; ++c)
+            for (int j = 0; j < 4; ++j) {
+              v[j][c] = cvt(static_cast<float>(m.nibble[src[4 * c + j] & 0xf]) * s[c]);
+              v[4 + j][c] = cvt(static_cast<float>(m.nibble[src[4 * c + j] >> 4]) * s[c]);
+            }
+          for (int j = 0; j < 8; ++j) std::memcpy(dst + (8 * o + j) * N, v[j], sizeof(v[j]));
+        }
+        break;
+      }
+    }
+  }
+}
+
+// decode_expert_t_impl for each compute dtype, compiled for AVX-512 (skylake-avx512), AVX2 (haswell) and the
+// baseline, picked at load time (as decode_expert_bf16).
+__attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
+void decode_expert_t_bf16(const Packed& m, int64_t e, bool gate_up, uint16_t* out, int64_t nb0, int64_t nb1) {
+  decode_expert_t_impl(m, e, gate_up, out, nb0, nb1, [](float f) { return bf16_bits_rne(f); });
+}
+__attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
+void decode_expert_t_float(const Packed& m, int64_t e, bool gate_up, float* out, int64_t nb0, int64_t nb1) {
+  decode_expert_t_impl(m, e, gate_up, out, nb0, nb1, [](float f) { return f; });
+}
+__attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
+void decode_expert_t_double(const Packed& m, int64_t e, bool gate_up, double* out, int64_t nb0, int64_t nb1) {
+  decode_expert_t_impl(m, e, gate_up, out, nb0, nb1, [](float f) { return static_cast<double>(f); });
+}
+
+// Decodes packed blocks [nb0, nb1) of expert e into out (all of them when nb1 < 0): [N, K], or transposed [K, N]
+// (W^T, decode_expert_t_impl).
+void decode_into(const Packed& m, int64_t e, bool gate_up, at::Tensor& out, bool transposed, int64_t nb0 = 0,
+                 int64_t nb1 = -1) {
   if (nb1 < 0) nb1 = m.N / 16;
+  if (transposed) {
+    switch (out.scalar_type()) {
+      case at::kDouble: decode_expert_t_double(m, e, gate_up, out.data_ptr<double>(), nb0, nb1); break;
+      case at::kFloat: decode_expert_t_float(m, e, gate_up, out.data_ptr<float>(), nb0, nb1); break;
+      case at::kBFloat16:
+        decode_expert_t_bf16(m, e, gate_up, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), nb0, nb1);
+        break;
+      default: TORCH_CHECK(false, "fused_moe backward: unexpected compute dtype ", out.scalar_type());
+    }
+    return;
+  }
   switch (out.scalar_type()) {
     case at::kDouble: decode_expert(m, e, gate_up, out.data_ptr<double>(), nb0, nb1); break;
     case at::kFloat: decode_expert(m, e, gate_up, out.data_ptr<float>(), nb0, nb1); break;
@@ -449,52 +558,93 @@ struct ExpertTimes : WorkerTimes<4> {
   }
 };
 
-// How many workers for_each_expert runs c's experts on: none without experts, one (the calling thread, its ATen ops
-// multi-threaded) when they are fewer than the ATen threads, else one a thread.
+// The busiest expert's rows x H x N13 (one product's multiply-adds) below which fewer experts than threads still run
+// one a worker (single-threaded products inside the parallel region) rather than one at a time with multi-threaded
+// ATen ops: MKL forks all its threads for a product of any size outside a parallel region. A [5, 32] x [32, 64]
+// float64 product took 509 us on 16 threads against 7.5 us on one (2-core host, oversubscribed 8x), and the float64
+// gradcheck tests (E = 4, H = I = 32, a few hundred calls of 5 tokens) ran past a minute on the device's 16 cores
+// under 12 test processes. 2^20: about 0.1-0.5 ms on one core, where the fork pays.
+constexpr int64_t kMinThreadedMacs = int64_t(1) << 20;
+
+// How many workers for_each_expert runs c's experts on: none without experts; one (the calling thread, its ATen ops
+// multi-threaded) when they are fewer than the ATen threads and the busiest one's products are big enough
+// (kMinThreadedMacs) or there is one; else one a thread, at most one an expert.
 int expert_workers(const Call& c) {
   const int64_t n = static_cast<int64_t>(c.experts.size());
-  return n == 0 ? 0 : n < at::get_num_threads() ? 1 : at::get_num_threads();
+  const int threads = at::get_num_threads();
+  if (n == 0) return 0;
+  if (n >= threads) return threads;
+  const int64_t rows = c.start[c.experts[0] + 1] - c.start[c.experts[0]];  // most pairs first
+  if (n == 1 || rows * c.H * c.N13 >= kMinThreadedMacs) return 1;
+  return static_cast<int>(n);
 }
 
-// Runs fn(e, w13 [N13, H], w2 [H, I], worker) for every expert with pairs, each expert decoded into its worker's
-// scratch. As many experts as threads or more: the experts are tasks pulled by the ATen workers (most pairs first),
-// each single threaded inside. Fewer (e.g. Mixtral's 8 on 16 cores, or a few tokens): one expert at a time on the
-// calling thread, its decode split over the workers by blocks and its ATen ops multi-threaded, so that no core
-// idles for want of an expert (worker 0 in the profile).
+// The dense matrices of one expert a worker holds, each decoded only where asked for (Layouts): w13 [N13, H] and
+// w2 [H, I] as stored (what x W13^T and h W2^T read, through .t()), w13t [H, N13] and w2t [I, H] transposed (what
+// the backward's dY W2 and [dg | du] W13 read, through .t(): the reduction dimension contiguous on both sides).
+struct Dense {
+  at::Tensor w13, w2, w13t, w2t;
+};
+struct Layouts {
+  bool w13, w2, w13t, w2t;
+};
+
+// Runs fn(e, dense, worker) for every expert with pairs, each expert decoded into its worker's scratch (the layouts
+// `need` asks for). As many experts as threads or more: the experts are tasks pulled by the ATen workers (most pairs
+// first), each single threaded inside. Fewer (e.g. Mixtral's 8 on 16 cores, or a few tokens): one expert at a time
+// on the calling thread, its decode split over the workers by blocks and its ATen ops multi-threaded, so that no
+// core idles for want of an expert (worker 0 in the profile).
 template <typename Fn>
-void for_each_expert(const Call& c, ExpertTimes& times, bool need_w13, bool need_w2, const Fn& fn) {
+void for_each_expert(const Call& c, ExpertTimes& times, Layouts need, const Fn& fn) {
   const int64_t n = static_cast<int64_t>(c.experts.size());
   const int threads = expert_workers(c);
   if (threads == 0) return;
   const auto opts = at::TensorOptions().dtype(c.ct);
-  if (n < at::get_num_threads()) {  // expert_workers: 1
-    at::Tensor w13 = need_w13 ? at::empty({c.N13, c.H}, opts) : at::Tensor();
-    at::Tensor w2 = need_w2 ? at::empty({c.H, c.I}, opts) : at::Tensor();
+  auto scratch = [&]() {
+    Dense d;
+    if (need.w13) d.w13 = at::empty({c.N13, c.H}, opts);
+    if (need.w2) d.w2 = at::empty({c.H, c.I}, opts);
+    if (need.w13t) d.w13t = at::empty({c.H, c.N13}, opts);
+    if (need.w2t) d.w2t = at::empty({c.I, c.H}, opts);
+    return d;
+  };
+  // decodes blocks [b0, b1) (of w13's, of w2's) of expert e into d (b1 < 0: all)
+  auto decode = [&](int64_t e, Dense& d, bool of_w13, int64_t b0, int64_t b1) {
+    if (of_w13) {
+      if (need.w13) decode_into(c.up, e, c.gated, d.w13, false, b0, b1);
+      if (need.w13t) decode_into(c.up, e, c.gated, d.w13t, true, b0, b1);
+    } else {
+      if (need.w2) decode_into(c.down, e, false, d.w2, false, b0, b1);
+      if (need.w2t) decode_into(c.down, e, false, d.w2t, true, b0, b1);
+    }
+  };
+  if (threads == 1) {  // one at a time, the decode split by blocks and the ATen ops over the threads
+    Dense d = scratch();
     for (int64_t e : c.experts) {
       auto mark = times.start();
-      if (need_w13)
-        at::parallel_for(0, c.up.N / 16, 4, [&](int64_t b0, int64_t b1) { decode_into(c.up, e, c.gated, w13, b0, b1); });
-      if (need_w2)
-        at::parallel_for(0, c.down.N / 16, 4, [&](int64_t b0, int64_t b1) { decode_into(c.down, e, false, w2, b0, b1); });
+      if (need.w13 || need.w13t)
+        at::parallel_for(0, c.up.N / 16, 4, [&](int64_t b0, int64_t b1) { decode(e, d, true, b0, b1); });
+      if (need.w2 || need.w2t)
+        at::parallel_for(0, c.down.N / 16, 4, [&](int64_t b0, int64_t b1) { decode(e, d, false, b0, b1); });
       times.lap(0, ExpertTimes::kDecode, mark);
-      fn(e, w13, w2, 0);
+      fn(e, static_cast<const Dense&>(d), 0);
     }
     return;
   }
   std::atomic<int64_t> next{0};
   std::vector<std::string> errors(threads);
   at::parallel_for(0, threads, 1, [&](int64_t b, int64_t end) {
+    const c10::AutoGradMode no_grad(false);
     for (int64_t slot = b; slot < end; ++slot) {
       try {
-        at::Tensor w13 = need_w13 ? at::empty({c.N13, c.H}, opts) : at::Tensor();
-        at::Tensor w2 = need_w2 ? at::empty({c.H, c.I}, opts) : at::Tensor();
+        Dense d = scratch();
         for (int64_t i = next++; i < n; i = next++) {
           const int64_t e = c.experts[i];
           auto mark = times.start();
-          if (need_w13) decode_into(c.up, e, c.gated, w13);
-          if (need_w2) decode_into(c.down, e, false, w2);
+          decode(e, d, true, 0, -1);
+          decode(e, d, false, 0, -1);
           times.lap(static_cast<int>(slot), ExpertTimes::kDecode, mark);
-          fn(e, w13, w2, static_cast<int>(slot));
+          fn(e, static_cast<const Dense&>(d), static_cast<int>(slot));
         }
       } catch (const std::exception& ex) {
         errors[slot] = ex.what();
@@ -505,31 +655,44 @@ void for_each_expert(const Call& c, ExpertTimes& times, bool need_w13, bool need
   for (const auto& err : errors) TORCH_CHECK(err.empty(), c.op, ": ", err);
 }
 
-// out [T, H] in `dtype`: out[t] = the sum of pairs[t * K + k] over the routed slots k (ids >= 0), added in slot
-// order (zeros for a token with none), in the element dtype, then rounded once. The pairs of skipped slots are never
-// read, so the pair buffer needs no zeroing. Tokens split over the ATen workers: the same result for any count.
-at::Tensor sum_slots(const Call& c, const at::Tensor& pairs, at::ScalarType dtype) {
-  at::Tensor acc = at::empty({c.T, c.H}, pairs.options());
+// out [T, H] in `dtype`: out[t] = the sum of pair t * K + k's row of d hidden over the routed slots k (ids >= 0),
+// added in slot order (zeros for a token with none) in the element dtype A, then rounded once. The rows are
+// `grouped` [pairs, H] of the compute dtype S, in c.order's order (each expert's product writes its rows in place):
+// pair p's row is the one at its position in c.order. Tokens split over the ATen workers: the same result for any
+// count.
+template <typename S, typename A>
+void sum_slots_as(const Call& c, const S* src, A* dst) {
   const int64_t* id = c.ids.data_ptr<int64_t>();
-  AT_DISPATCH_FLOATING_TYPES(pairs.scalar_type(), "fused_moe_backward_sum", [&] {
-    const scalar_t* src = pairs.data_ptr<scalar_t>();
-    scalar_t* dst = acc.data_ptr<scalar_t>();
-    const int64_t H = c.H, K = c.K;
-    at::parallel_for(0, c.T, std::max<int64_t>(1, 32768 / std::max<int64_t>(H, 1)), [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {
-        scalar_t* o = dst + t * H;
-        bool first = true;
-        for (int64_t k = 0; k < K; ++k) {
-          if (id[t * K + k] < 0) continue;
-          const scalar_t* r = src + (t * K + k) * H;
-          if (first) std::memcpy(o, r, H * sizeof(scalar_t));
-          else for (int64_t j = 0; j < H; ++j) o[j] += r[j];
-          first = false;
-        }
-        if (first) std::fill(o, o + H, scalar_t(0));
+  std::vector<int64_t> pos(c.T * c.K, -1);
+  for (int64_t i = 0; i < static_cast<int64_t>(c.order.size()); ++i) pos[c.order[i]] = i;
+  const int64_t H = c.H, K = c.K;
+  at::parallel_for(0, c.T, std::max<int64_t>(1, 32768 / std::max<int64_t>(H, 1)), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      A* o = dst + t * H;
+      bool first = true;
+      for (int64_t k = 0; k < K; ++k) {
+        if (id[t * K + k] < 0) continue;
+        const S* r = src + pos[t * K + k] * H;
+        if (first) for (int64_t j = 0; j < H; ++j) o[j] = static_cast<A>(r[j]);
+        else for (int64_t j = 0; j < H; ++j) o[j] += static_cast<A>(r[j]);
+        first = false;
       }
-    });
+      if (first) std::fill(o, o + H, A(0));
+    }
   });
+}
+
+at::Tensor sum_slots(const Call& c, const at::Tensor& grouped, at::ScalarType dtype) {
+  at::Tensor acc = at::empty({c.T, c.H}, at::TensorOptions().dtype(c.et));
+  if (c.et == at::kDouble) {
+    sum_slots_as(c, grouped.data_ptr<double>(), acc.data_ptr<double>());
+  } else if (grouped.scalar_type() == at::kFloat) {
+    sum_slots_as(c, grouped.data_ptr<float>(), acc.data_ptr<float>());
+  } else {
+    TORCH_CHECK(grouped.scalar_type() == at::kBFloat16 && c.et == at::kFloat, c.op, ": unexpected dtypes ",
+                grouped.scalar_type(), ", ", c.et);
+    sum_slots_as(c, grouped.data_ptr<at::BFloat16>(), acc.data_ptr<float>());
+  }
   return acc.to(dtype);
 }
 
@@ -546,6 +709,7 @@ at::Tensor pair_rows(const Call& c, int64_t e) {
   return at::from_blob(const_cast<int64_t*>(c.order.data()) + c.start[e], {c.start[e + 1] - c.start[e]}, at::kLong);
 }
 
+// d [T, K, N13] (deltas or pre-activations) as [T * K, N13], checked
 at::Tensor checked_delta(const Call& c, const at::Tensor& d, const char* name) {
   TORCH_CHECK(d.device().is_cpu() && d.is_floating_point() && d.dim() == 3 && d.size(0) == c.T && d.size(1) == c.K &&
                   d.size(2) == c.N13,
@@ -565,13 +729,11 @@ at::Tensor pre_activations(const Call& c, int64_t e, const at::Tensor& x, const 
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> fused_moe_delta(const at::Tensor& hidden, const at::Tensor& topk_ids,
-                                                   const at::Tensor& topk_weights, const at::Tensor& w13,
-                                                   const std::optional<at::Tensor>& w13_scales, const at::Tensor& w2,
-                                                   const std::optional<at::Tensor>& w2_scales,
-                                                   const at::Tensor& gate_up_delta, c10::string_view activation,
-                                                   const std::optional<at::Tensor>& w13_bias,
-                                                   const std::optional<at::Tensor>& w2_bias) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_moe_delta(
+    const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights, const at::Tensor& w13,
+    const std::optional<at::Tensor>& w13_scales, const at::Tensor& w2, const std::optional<at::Tensor>& w2_scales,
+    const at::Tensor& gate_up_delta, c10::string_view activation,
+    const std::optional<at::Tensor>& w13_bias, const std::optional<at::Tensor>& w2_bias) {
   const char* op = "fused_moe_delta";
   const auto hd = hidden.scalar_type();
   if (hd == at::kBFloat16 || hd == at::kHalf) {  // the packed kernels: kt::fused_moe's path with the deltas added
@@ -579,29 +741,35 @@ std::tuple<at::Tensor, at::Tensor> fused_moe_delta(const at::Tensor& hidden, con
     TORCH_CHECK(w2.dim() == 5, op, ": w2 must be a packed tensor [E, H/16, I/per, 16, per], got shape ", w2.sizes());
     const bool nibbles = w2.scalar_type() == at::kByte || w2.scalar_type() == at::ScalarType::Float4_e2m1fn_x2;
     const int64_t I = w2.size(2) * (nibbles ? 8 : w2.size(4));
-    at::Tensor h = at::empty({topk_ids.size(0), topk_ids.size(1), I}, hidden.options().memory_format(at::MemoryFormat::Contiguous));
+    const auto opts = hidden.options().memory_format(at::MemoryFormat::Contiguous);
+    at::Tensor h = at::empty({topk_ids.size(0), topk_ids.size(1), I}, opts);
+    at::Tensor gu = at::empty({topk_ids.size(0), topk_ids.size(1), w13.size(1) * 16}, opts);
     at::Tensor out = fused_moe_with_delta(hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales, activation,
-                                          gate_up_delta, h, w13_bias, w2_bias);
-    return {out, h};
+                                          gate_up_delta, h, gu, w13_bias, w2_bias);
+    return {out, h, gu};
   }
   // float32/float64: the function of the dequantized weights, exactly (the reference gradcheck and the tests run)
   Call c = make_call(op, hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales, activation, w13_bias, w2_bias);
   const at::Tensor delta = checked_delta(c, gate_up_delta, "gate_up_delta");
   const at::Tensor out_pairs = at::zeros({c.T * c.K, c.H}, at::TensorOptions().dtype(c.et));
   const at::Tensor h_pairs = at::zeros({c.T * c.K, c.I}, at::TensorOptions().dtype(c.et));
+  const at::Tensor gu_pairs = at::zeros({c.T * c.K, c.N13}, at::TensorOptions().dtype(c.et));
   const at::Tensor wflat = c.weights.reshape({c.T * c.K});
   ExpertTimes times(false, 0);  // (no profile line: the reference)
-  for_each_expert(c, times, true, true, [&](int64_t e, const at::Tensor& W13, const at::Tensor& W2, int) {
+  for_each_expert(c, times, {true, true, false, false}, [&](int64_t e, const Dense& d, int) {
     const at::Tensor rows = pair_rows(c, e);
     const at::Tensor x = c.hidden.index_select(0, at::floor_divide(rows, c.K)).to(c.ct);
-    const at::Tensor h = glu_forward(c, pre_activations(c, e, x, W13, delta, rows));
-    at::Tensor y = at::mm(h.to(c.ct), W2.t()).to(c.et);
+    const at::Tensor gu = pre_activations(c, e, x, d.w13, delta, rows);
+    const at::Tensor h = glu_forward(c, gu);
+    at::Tensor y = at::mm(h.to(c.ct), d.w2.t()).to(c.et);
     if (c.b2.defined()) y.add_(c.b2.select(0, e));  // the down bias, before the routing weight
     out_pairs.index_copy_(0, rows, y.mul_(wflat.index_select(0, rows).unsqueeze(1)));
     h_pairs.index_copy_(0, rows, h);
+    gu_pairs.index_copy_(0, rows, gu);
   });
   at::Tensor out = out_pairs.view({c.T, c.K, c.H}).sum(1).to(hidden.scalar_type());
-  return {out, h_pairs.view({c.T, c.K, c.I}).to(hidden.scalar_type())};
+  return {out, h_pairs.view({c.T, c.K, c.I}).to(hidden.scalar_type()),
+          gu_pairs.view({c.T, c.K, c.N13}).to(hidden.scalar_type())};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_moe_backward(
@@ -609,14 +777,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_moe_backward(
     const at::Tensor& w13, const std::optional<at::Tensor>& w13_scales, const at::Tensor& w2,
     const std::optional<at::Tensor>& w2_scales, c10::string_view activation,
     const std::optional<at::Tensor>& gate_up_delta, const std::optional<at::Tensor>& grad_h,
-    const std::optional<at::Tensor>& w13_bias, const std::optional<at::Tensor>& w2_bias) {
+    const std::optional<at::Tensor>& w13_bias, const std::optional<at::Tensor>& w2_bias,
+    const std::optional<at::Tensor>& gate_up) {
   const char* op = "fused_moe_backward";
+  // the matmuls write d hidden's rows in place (mm_out), which autograd refuses on inputs that require grad
+  // (gradcheck's); nothing here is differentiated (grad mode is per thread: for_each_expert's workers set it too)
+  c10::AutoGradMode no_grad(false);
   PhaseTimer timer(op);
   Call c = make_call(op, hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales, activation, w13_bias, w2_bias);
   TORCH_CHECK(grad_out.device().is_cpu() && grad_out.is_floating_point() && grad_out.sizes() == hidden.sizes(), op,
               ": grad_out must be a float CPU tensor shaped like hidden ", hidden.sizes(), ", got ",
               grad_out.scalar_type(), " ", grad_out.sizes(), " on ", grad_out.device());
   const at::Tensor delta = gate_up_delta.has_value() ? checked_delta(c, *gate_up_delta, "gate_up_delta") : at::Tensor();
+  // the forward's pre-activations (biases and deltas included), or undefined: recomputed from hidden
+  const at::Tensor saved = gate_up.has_value() ? checked_delta(c, *gate_up, "gate_up") : at::Tensor();
   at::Tensor dh_ext;
   if (grad_h.has_value()) {
     const at::Tensor& d = *grad_h;
@@ -627,10 +801,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_moe_backward(
     dh_ext = d.reshape({c.T * c.K, c.I});
   }
   const auto eopts = at::TensorOptions().dtype(c.et);
-  // the pairs' rows of d hidden and d delta: every routed row is written by its expert's task; the skipped slots'
-  // rows of d delta are zeroed, those of d hidden never read (sum_slots). d delta is kept in its output dtype: each
-  // row rounded once, no second pass.
-  const at::Tensor dx_pairs = at::empty({c.T * c.K, c.H}, eopts);
+  // the pairs' rows of d hidden and d delta: every routed row is written by its expert's task. d hidden's rows in
+  // c.order's order, in the compute dtype (each expert's product writes its rows in place, as the matmul rounds
+  // them; sum_slots adds them up by token). The skipped slots' rows of d delta are zeroed. d delta is kept in its
+  // output dtype: each row rounded once, no second pass.
+  const at::Tensor dx_grouped = at::empty({static_cast<int64_t>(c.order.size()), c.H}, at::TensorOptions().dtype(c.ct));
   const at::Tensor dw = at::zeros({c.T * c.K}, eopts);
   at::Tensor ddelta;
   if (delta.defined()) {
@@ -641,23 +816,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_moe_backward(
   const at::Tensor dy_all = grad_out.contiguous();
   timer.mark("setup");
   ExpertTimes times(timer.on(), expert_workers(c));
-  for_each_expert(c, times, true, true, [&](int64_t e, const at::Tensor& W13, const at::Tensor& W2, int worker) {
+  // W13 as stored only to recompute x W13^T; the transposed products read W^T (Dense)
+  for_each_expert(c, times, {!saved.defined(), false, true, true}, [&](int64_t e, const Dense& d, int worker) {
     auto mark = times.start();
     const at::Tensor rows = pair_rows(c, e);
     const at::Tensor tokens = at::floor_divide(rows, c.K);
-    const at::Tensor x = c.hidden.index_select(0, tokens).to(c.ct);
+    const at::Tensor x = saved.defined() ? at::Tensor() : c.hidden.index_select(0, tokens).to(c.ct);
     const at::Tensor dy = dy_all.index_select(0, tokens);
     const at::Tensor dyc = dy.to(c.ct);
     const at::Tensor we = wflat.index_select(0, rows).unsqueeze(1);
     const at::Tensor dhe = dh_ext.defined() ? dh_ext.index_select(0, rows).to(c.et) : at::Tensor();
-    const at::Tensor de = delta.defined() ? delta.index_select(0, rows).to(c.et) : at::Tensor();
+    const at::Tensor de = delta.defined() && !saved.defined() ? delta.index_select(0, rows).to(c.et) : at::Tensor();
+    at::Tensor gu = saved.defined() ? saved.index_select(0, rows).to(c.et) : at::Tensor();
     times.lap(worker, ExpertTimes::kCopies, mark);
-    at::Tensor gu = at::mm(x, W13.t());
-    const at::Tensor G = at::mm(dyc, W2).to(c.et);  // [n, I]
+    if (!saved.defined()) gu = at::mm(x, d.w13.t());
+    const at::Tensor G = at::mm(dyc, d.w2t.t()).to(c.et);  // [n, I]
     times.lap(worker, ExpertTimes::kProducts, mark);
-    gu = gu.to(c.et);
-    if (c.b13.defined()) gu.add_(c.b13.select(0, e));
-    if (de.defined()) gu.add_(de);
+    if (!saved.defined()) {
+      gu = gu.to(c.et);
+      if (c.b13.defined()) gu.add_(c.b13.select(0, e));
+      if (de.defined()) gu.add_(de);
+    }
     const at::Tensor h = glu_forward(c, gu);
     at::Tensor dwe = (G * h).sum(1);
     if (c.b2.defined()) dwe.add_(at::mv(dy.to(c.et), c.b2.select(0, e)));  // d w also sees the down bias
@@ -666,22 +845,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_moe_backward(
     const at::Tensor dgu = glu_backward(c, gu, dh);  // [n, N13]
     const at::Tensor dguc = dgu.to(c.ct);
     times.lap(worker, ExpertTimes::kElementwise, mark);
-    const at::Tensor dxe = at::mm(dguc, W13);
+    at::Tensor dxe = dx_grouped.narrow(0, c.start[e], rows.size(0));
+    at::mm_out(dxe, dguc, d.w13t.t());
     times.lap(worker, ExpertTimes::kProducts, mark);
     dw.index_copy_(0, rows, dwe);
     if (ddelta.defined()) ddelta.index_copy_(0, rows, dgu.to(ddelta.scalar_type()));
-    dx_pairs.index_copy_(0, rows, dxe.to(c.et));
     times.lap(worker, ExpertTimes::kCopies, mark);
   });
   timer.mark("experts");
   times.report(timer);
-  at::Tensor dx = sum_slots(c, dx_pairs, hidden.scalar_type());
+  at::Tensor dx = sum_slots(c, dx_grouped, hidden.scalar_type());
   at::Tensor dweights = dw.view({c.T, c.K}).to(topk_weights.scalar_type());
   at::Tensor dd = ddelta.defined() ? ddelta.view({c.T, c.K, c.N13}) : at::empty({0}, hidden.options());
   timer.mark("sum");
   timer.print("T=" + std::to_string(c.T) + " pairs=" + std::to_string(c.order.size()) +
              " experts=" + std::to_string(c.experts.size()) + (delta.defined() ? " delta" : "") +
-             (dh_ext.defined() ? " grad_h" : "") + " " + std::string(c10::toString(c.ct)));
+             (dh_ext.defined() ? " grad_h" : "") + (saved.defined() ? " saved" : "") + " " +
+             std::string(c10::toString(c.ct)));
   return {dx, dweights, dd};
 }
 

@@ -11,9 +11,17 @@
 //   kt_host_task_start_join(task): both, in one host function, where no device work sits between them.
 // The worker spins kHostSpinUs after each call before it parks, so that the next layer's start reaches a thread
 // that is awake.
-// (A GPU-written doorbell that let the spinning worker start a call without waiting for CUDA's host function,
-// ~55 us after the copies before it on the H100 host, was measured no faster end to end, 105.9 against 106.2
-// tok/s, and was removed: benchmarks/RESULTS.md.)
+// GPU handoff (tasks made with handoff: three int64 in pinned memory, ktorch/compile/gpu_handoff.py): no host
+// function at all. CUDA runs a host function ~55 us after the work before it has landed and the stream waits for
+// it to return, once or twice per layer and decode step. Instead the GPU writes a sequence number (one counter a
+// device, so numbers grow in stream order across tasks) into the task's doorbell, words[0], with a small kernel
+// after the input copies; the worker, while it spins (and, parked, every kBellPollUs), runs the task whose doorbell
+// moved past the number it last took, lowest number first, and writes that number into words[1] once out is
+// complete (words[2] once a split task's out_later is), with release semantics. The GPU's wait kernel spins on
+// words[1] (or [2]) until it reaches the number, then the stream's H2D copy reads out. A handoff task is never
+// started by a host function (refused with an error: it would run twice). Session 7-8's doorbell start alone
+// (its join still a host function) measured no faster, 105.9 against 106.2 tok/s; this one removes the join's
+// host function too. Unmeasured on the device so far (benchmarks/device_handoff.sh).
 // Their addresses come from kt::host_task_functions(); a task is an opaque int64 handle made by
 // kt::host_task_new and kept alive by the caller as long as any CUDA graph uses it.
 // Split tasks (expert deferral, passes/deferral.py): a task made with out_later and a deferred count d runs its
@@ -73,7 +81,18 @@ struct HostTask {
   bool later_zero = false;
   std::atomic<int64_t> done_later{0};
   bool split() const { return out_later.defined(); }
+  // GPU-handoff tasks (made with handoff, three int64 in pinned memory): words[0] is the doorbell the GPU writes a
+  // sequence number into after the input copies, words[1] / words[2] the number of the last run whose first /
+  // deferred part is complete in out / out_later (written by the worker with release semantics, read by the GPU's
+  // wait kernel). taken_seq (the worker's, under its bells mutex) is the last number taken; seq the running one's.
+  at::Tensor handoff;
+  int64_t* words = nullptr;
+  int64_t taken_seq = 0;
+  int64_t seq = 0;
+  bool gpu_handoff() const { return words != nullptr; }
 };
+
+int64_t doorbell_of(const HostTask* t) { return __atomic_load_n(t->words, __ATOMIC_ACQUIRE); }
 
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
@@ -85,6 +104,11 @@ int64_t now_ns() {
 // spin variable at 2000: benchmarks/RESULTS.md sessions 10-13 and the llama.cpp comparison). A constant since the
 // separate variable was retired; KT_SPIN_US sets the pool's spin alone.
 constexpr int64_t kHostSpinUs = 2000;
+// A parked worker with doorbells to watch looks at them every 100 us, every 1000 us once no call ran for 100 ms
+// (the first layer after a pause pays up to that; a decode step's layers reach a worker that still spins).
+constexpr int64_t kBellPollUs = 100;
+constexpr int64_t kBellIdlePollUs = 1000;
+constexpr int64_t kBellIdleMs = 100;
 
 class Worker {
  public:
@@ -109,11 +133,30 @@ class Worker {
     }
     cv_.notify_one();  // no system call when the worker is spinning (nobody waits on the condition variable)
   }
+  void add_bell(HostTask* t) {
+    {
+      std::lock_guard<std::mutex> lock(bells_mutex_);
+      bells_.push_back(t);
+      n_bells_.store(static_cast<int64_t>(bells_.size()), std::memory_order_release);
+    }
+    { std::lock_guard<std::mutex> lock(mutex_); }  // a worker parked without doorbells to watch wakes to poll them
+    cv_.notify_one();
+  }
+  // Stops watching t's doorbell and returns once the worker is not running it (it never takes it again).
+  void remove_bell(HostTask* t) {
+    {
+      std::lock_guard<std::mutex> lock(bells_mutex_);
+      bells_.erase(std::remove(bells_.begin(), bells_.end(), t), bells_.end());
+      n_bells_.store(static_cast<int64_t>(bells_.size()), std::memory_order_release);
+    }
+    while (running_.load(std::memory_order_acquire) == t) std::this_thread::yield();
+  }
 
  private:
   void loop() {
     int64_t taken = 0;
     auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
+    auto last_run = std::chrono::steady_clock::now();
     for (int polls = 1;; ++polls) {
       if (pushed_.load(std::memory_order_acquire) != taken) {
         HostTask* t = nullptr;
@@ -123,20 +166,60 @@ class Worker {
           queue_.pop_front();
         }
         ++taken;
+        t->seq = 0;  // a pushed run publishes no sequence number
         run(t);
-        spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
+        last_run = std::chrono::steady_clock::now();
+        spin_until = last_run + std::chrono::microseconds(spin_us_);
         continue;
+      }
+      if (n_bells_.load(std::memory_order_acquire) > 0) {
+        if (HostTask* t = take_rung()) {
+          run(t);
+          running_.store(nullptr, std::memory_order_release);
+          last_run = std::chrono::steady_clock::now();
+          spin_until = last_run + std::chrono::microseconds(spin_us_);
+          continue;
+        }
       }
       if (polls % 256 != 0 || std::chrono::steady_clock::now() <= spin_until) {
         _mm_pause();
         continue;
       }
-      // park until a push or the end
+      // park until a push or the end; with doorbells to watch (nothing wakes the thread when the GPU writes one),
+      // wake every kBellPollUs to look, every kBellIdlePollUs once idle for kBellIdleMs
       std::unique_lock<std::mutex> lock(mutex_);
-      cv_.wait(lock, [&] { return stop_ || pushed_.load(std::memory_order_acquire) != taken; });
+      auto woken = [&] { return stop_ || pushed_.load(std::memory_order_acquire) != taken; };
+      if (n_bells_.load(std::memory_order_acquire) > 0) {
+        const bool idle = std::chrono::steady_clock::now() - last_run > std::chrono::milliseconds(kBellIdleMs);
+        cv_.wait_for(lock, std::chrono::microseconds(idle ? kBellIdlePollUs : kBellPollUs), woken);
+      } else {
+        cv_.wait(lock, [&] { return woken() || n_bells_.load(std::memory_order_acquire) > 0; });
+      }
       if (stop_ && pushed_.load(std::memory_order_acquire) == taken) return;
-      spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
+      if (pushed_.load(std::memory_order_acquire) != taken)
+        spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
+      else
+        polls = -1;  // a timed wake to look at the doorbells: one look, then park again (no spin)
     }
+  }
+  // The GPU-handoff task whose doorbell holds the lowest number above the one it last ran (the order the GPU rang
+  // them: the numbers come from one counter a device), marked taken and running; nullptr if none rang.
+  HostTask* take_rung() {
+    std::lock_guard<std::mutex> lock(bells_mutex_);
+    HostTask* best = nullptr;
+    int64_t best_seq = 0;
+    for (HostTask* t : bells_) {
+      const int64_t seq = doorbell_of(t);
+      if (seq > t->taken_seq && (best == nullptr || seq < best_seq)) {
+        best = t;
+        best_seq = seq;
+      }
+    }
+    if (best != nullptr) {
+      best->taken_seq = best->seq = best_seq;
+      running_.store(best, std::memory_order_release);  // under the lock: remove_bell waits for it
+    }
+    return best;
   }
   static void run(HostTask* t) {
     const int64_t t0 = now_ns();
@@ -210,6 +293,8 @@ class Worker {
       t->times.push_back(now_ns());
     }
     (later ? t->done_later : t->done).fetch_add(1, std::memory_order_release);
+    // a doorbell's run: its number in the pinned word the GPU's wait kernel polls, after the output is complete
+    if (t->seq > 0) __atomic_store_n(t->words + (later ? 2 : 1), t->seq, __ATOMIC_RELEASE);
     // under the lock: host_task_free takes it after its joins, so the task outlives this last touch
     t->cv.notify_all();
   }
@@ -240,6 +325,10 @@ class Worker {
   }
 
   int64_t spin_us_;
+  std::mutex bells_mutex_;
+  std::vector<HostTask*> bells_;  // the GPU-handoff tasks (guarded by bells_mutex_)
+  std::atomic<int64_t> n_bells_{0};
+  std::atomic<HostTask*> running_{nullptr};  // the GPU-handoff task the worker is running, if any
   std::atomic<int64_t> pushed_{0};  // tasks pushed so far; the worker spins while it has taken them all
   std::mutex mutex_;
   std::condition_variable cv_;
@@ -288,6 +377,12 @@ extern "C" {
 // cudaHostFn_t-compatible: void (*)(void*).
 __attribute__((visibility("default"))) void kt_host_task_start(void* p) {
   auto* t = static_cast<kt::runtime::HostTask*>(p);
+  if (t->gpu_handoff()) {  // a GPU-handoff task runs from its doorbell only (a host function could run it twice)
+    std::lock_guard<std::mutex> lock(t->mutex);
+    t->error = "host task: a GPU-handoff task (made with handoff) is started by its doorbell, not by a host function";
+    std::fprintf(stderr, "ktorch: %s\n", t->error.c_str());
+    return;
+  }
   t->started.fetch_add(1, std::memory_order_relaxed);
   kt::runtime::worker().push(t);
 }
@@ -318,7 +413,7 @@ int64_t host_task_new(const at::Tensor& hidden, const at::Tensor& topk_ids, cons
                       const at::Tensor& w2, const std::optional<at::Tensor>& w2_scales, c10::string_view activation,
                       bool record_times, const std::optional<at::Tensor>& out_later,
                       const std::optional<at::Tensor>& deferred, const std::optional<at::Tensor>& w13_bias,
-                      const std::optional<at::Tensor>& w2_bias) {
+                      const std::optional<at::Tensor>& w2_bias, const std::optional<at::Tensor>& handoff) {
   TORCH_CHECK(out.sizes() == hidden.sizes() && out.scalar_type() == hidden.scalar_type() && out.is_contiguous(),
               "host_task_new: out must be a contiguous tensor like hidden ", hidden.sizes(), " ", hidden.scalar_type(),
               ", got ", out.sizes(), " ", out.scalar_type());
@@ -342,6 +437,28 @@ int64_t host_task_new(const at::Tensor& hidden, const at::Tensor& topk_ids, cons
                 "of the same shape, got ", topk_ids.sizes(), " ", topk_ids.scalar_type(), " and ",
                 topk_weights.sizes(), " ", topk_weights.scalar_type());
   }
+  if (handoff.has_value()) {
+    const at::Tensor& h = *handoff;
+    TORCH_CHECK(h.device().is_cpu() && h.scalar_type() == at::kLong && h.dim() == 1 && h.numel() == 3 &&
+                    h.is_contiguous(),
+                "host_task_new: handoff must be three int64 (doorbell, done, done_later) contiguous in CPU (pinned) "
+                "memory, got ", h.sizes(), " ", h.scalar_type(), " on ", h.device());
+    const int64_t* w = h.data_ptr<int64_t>();
+    TORCH_CHECK(w[0] == 0 && w[1] == 0 && w[2] == 0, "host_task_new: a new handoff must read 0 0 0, got ", w[0], " ",
+                w[1], " ", w[2]);
+    const auto* lo = reinterpret_cast<const char*>(w);
+    const auto* hi = lo + 3 * sizeof(int64_t);
+    for (const at::Tensor* o : {&hidden, &topk_ids, &topk_weights, &out}) {
+      const auto* olo = static_cast<const char*>(o->data_ptr());
+      const auto* ohi = olo + o->numel() * o->element_size();
+      TORCH_CHECK(hi <= olo || ohi <= lo, "host_task_new: handoff overlaps the task's staging tensors");
+    }
+    if (out_later.has_value()) {
+      const auto* olo = static_cast<const char*>(out_later->data_ptr());
+      TORCH_CHECK(hi <= olo || olo + out_later->numel() * out_later->element_size() <= lo,
+                  "host_task_new: handoff overlaps the task's staging tensors");
+    }
+  }
   worker();  // started here, on a Python thread, never first on CUDA's callback thread
   auto* t = new HostTask();
   t->hidden = hidden;
@@ -362,11 +479,17 @@ int64_t host_task_new(const at::Tensor& hidden, const at::Tensor& topk_ids, cons
     t->ids_now = at::empty_like(topk_ids);
     t->ids_later = at::empty_like(topk_ids);
   }
+  if (handoff.has_value()) {
+    t->handoff = *handoff;
+    t->words = t->handoff.data_ptr<int64_t>();
+    worker().add_bell(t);
+  }
   return reinterpret_cast<int64_t>(t);
 }
 
 void host_task_free(int64_t handle) {
   auto* t = task_of(handle);
+  if (t->gpu_handoff()) worker().remove_bell(t);  // not watched from here on, and not running
   kt_host_task_join(t);  // never free a task the worker still holds
   if (t->split()) kt_host_task_join_later(t);
   { std::lock_guard<std::mutex> lock(t->mutex); }  // ... nor one it is still notifying (a spinning join returns first)

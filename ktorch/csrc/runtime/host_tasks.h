@@ -1,4 +1,5 @@
-// Host tasks: routed-experts calls started and joined by CUDA host functions without Python (host_tasks.cpp).
+// Host tasks: routed-experts calls started and joined without Python (host_tasks.cpp): by CUDA host functions, or
+// by the GPU through pinned words (a doorbell it writes, done sequences it waits for).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -16,7 +17,7 @@ int64_t host_task_new(const at::Tensor& hidden, const at::Tensor& topk_ids, cons
                       const at::Tensor& w2, const std::optional<at::Tensor>& w2_scales, c10::string_view activation,
                       bool record_times, const std::optional<at::Tensor>& out_later,
                       const std::optional<at::Tensor>& deferred, const std::optional<at::Tensor>& w13_bias,
-                      const std::optional<at::Tensor>& w2_bias);
+                      const std::optional<at::Tensor>& w2_bias, const std::optional<at::Tensor>& handoff);
 void host_task_free(int64_t handle);
 void host_task_run(int64_t handle);
 std::string host_task_error(int64_t handle);
