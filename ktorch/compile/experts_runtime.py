@@ -28,8 +28,9 @@ What submit and wait do depends on where the hidden states are:
                     work before it has landed. The fallback, where Triton is missing, test observers watch the
                     calls or ``gpu_handoff`` is False (benchmarks' A/B): start/join host functions on the
                     stream (host_func.py), C ones (no GIL on CUDA's callback thread), or Python ones for test
-                    observers (C ones decoded 1.58x faster on the device). Which of the two handoffs decodes
-                    faster is unmeasured (benchmarks/device_handoff.sh measures it).
+                    observers (C ones decoded 1.58x faster on the device). The GPU handoff decodes faster
+                    (48 layers, H200 host: 35.5 against 32.4 tok/s in host memory, 143.8 against 90.7 with
+                    a 24 GiB budget; benchmarks/RESULTS.md section 2).
 
 Expert deferral (passes/deferral.py) submits a layer once with ``submit_experts_split`` instead: the CPU side
 ranks each token's slots by weight, runs the ``K - d`` highest (waited for at ``site``) and then the ``d`` lowest
