@@ -663,7 +663,6 @@ class _NativeHostFunctions(_NativeTask):
         torch.ops.kt.host_task_run(self.handle)
 
 
-
 def _outside_graph_pools(make: Callable[[], torch.Tensor]) -> torch.Tensor:
     """``make()`` run on a new thread. The caching allocator sends a thread's CUDA allocations to a CUDA graph's
     private pool while that thread captures, and while cudagraph trees (torch.compile's "reduce-overhead") warm a
@@ -764,7 +763,6 @@ class _GpuHandoffTask(_NativeTask):
         from ktorch.compile import gpu_handoff
 
         gpu_handoff.wait(self.seq, self.words, part, self.error_flag)
-
 
 
 RUNTIME = ExpertsRuntime()
