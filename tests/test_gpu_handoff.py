@@ -270,6 +270,8 @@ def test_captured_tasks_take_words_made_before_and_allocate_no_device_memory():
     assert runtime._host_functions(site, stagings[0], runtime.layers[layer], device=device) is tasks[0]  # kept
     with pytest.raises(ValueError, match="seq must be an int64"):
         _GpuHandoffTask(stagings[0], runtime.layers[layer], seqs.counter, seqs.blocks[1][:2], runtime._handoff_error)
+    with pytest.raises(ValueError, match="a block needs at least 2 words .* got 1"):
+        _HandoffSeqs(device, slots=1)
 
 
 # ---------------------------------------------------------------- CUDA graphs
