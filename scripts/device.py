@@ -540,6 +540,10 @@ def lcpp_start(root: Path, jobs: int) -> None:
         log.flush()
         subprocess.Popen(["bash", "-c", script], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                          start_new_session=True)
+    # the detached script writes its pid first thing: until then lcpp_running() would read "not running"
+    deadline = time.monotonic() + 20
+    while not (LCPP_BUILD / "build.pid").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
     print(f"llama.cpp build started, detached, {jobs} jobs (log {LCPP_BUILD}/build.log)", flush=True)
 
 
