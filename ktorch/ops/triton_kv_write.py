@@ -22,7 +22,7 @@ rows (the swap, ktorch/integrations/transformers_cache.py, takes it for S <= 64)
 
 import torch  # no "from __future__ import annotations": Triton reads the tl.constexpr annotations
 
-from ktorch.ops.triton_experts import kernel_runs_on, triton, triton_available  # noqa: F401
+from ktorch.ops.triton_experts import interpreting, kernel_runs_on, triton, triton_available  # noqa: F401
 
 MAX_HEAD_DIM = 1024
 MAX_ROWS = 4096  # B * Hkv * S: one program copies them all (a decode step: Hkv rows)

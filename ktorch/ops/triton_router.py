@@ -32,7 +32,7 @@ from typing import Optional
 
 import torch  # no "from __future__ import annotations": Triton reads the tl.constexpr annotations
 
-from ktorch.ops.triton_experts import kernel_runs_on, triton, triton_available  # noqa: F401
+from ktorch.ops.triton_experts import interpreting, kernel_runs_on, triton, triton_available  # noqa: F401
 
 MAX_EXPERTS = 1024  # a row's logits sit in one program's registers (BLOCK_E = E rounded up to a power of two)
 MAX_TOP_K = 32  # K rounds of two reductions each; routers take 1 to 16
