@@ -289,6 +289,34 @@ def test_swapped_routers_give_the_models_logits(family, dtype, monkeypatch):
 
 
 @needs_kernels
+def test_the_swapped_router_traces_into_one_graph_with_the_op():
+    """Dynamo (as the decode step's regional compile runs it) traces a swapped router with no graph break, the op a
+    node of the graph; it compiles anew when the swap is undone (the A/B variants alternate)."""
+    model = _tiny("qwen3_moe", torch.float32)
+    gate = model.model.layers[0].mlp.gate
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def route(gate, x):
+        logits, w, ids = gate(x * 2)
+        return logits, w * 3, ids
+
+    route = torch.compile(route, backend=backend, dynamic=False, fullgraph=True)
+    x = torch.randn(3, model.config.hidden_size, device=DEVICE)
+    with torch.no_grad():
+        want = gate(x * 2)
+        with swapped(model):
+            got = route(gate, x)
+        route(gate, x)
+    uses = [any("ktorch.router_topk" in str(n.target) for n in g.graph.nodes) for g in graphs]
+    assert uses == [True, False]
+    assert_same_routing((got[0], got[1] / 3, got[2]), want)
+
+
+@needs_kernels
 def test_no_swap_for_a_trainable_model_or_an_unfit_router():
     model = _tiny("qwen3_moe", torch.float32)
     model.requires_grad_(True)  # prepare(trainable=True)

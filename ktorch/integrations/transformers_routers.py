@@ -23,9 +23,9 @@ that dtype's rounding, and in float32 to 1e-5. No fitting candidate: the router 
 group-limited DeepSeek routers, bias-corrected ones, Gemma-4's scaled ones). A probe's answer is kept per class and
 plain attributes (``top_k``, ``norm_topk_prob``, ...), dtype and shape.
 
-The swapped forward falls back to the class's own for more than ``DECODE_MAX_TOKENS`` rows, where the kernel cannot
-run (no Triton, not CUDA) and where the router's weight needs grad; the swap is not made for a trainable model
-(``prepare(trainable=True)``: every router weight requires grad).
+The swap is made only where the kernel runs on the router weight's device (Triton, CUDA), and not for a trainable
+model (``prepare(trainable=True)``: every router weight requires grad); the swapped forward falls back to the class's
+own for more than ``DECODE_MAX_TOKENS`` rows (prefill) and where the router's weight needs grad.
 """
 
 from __future__ import annotations
@@ -167,9 +167,10 @@ def _probe(m: nn.Module) -> Optional[RouterForm]:
 
 def _decode_forward(self, hidden_states):
     """The swapped forward: one kernel after the linear layer for up to DECODE_MAX_TOKENS rows, else the class's."""
+    # (the swap was made only where the kernel runs on the weight's device: no check of Triton here, whose
+    # interpreter flag Dynamo cannot trace)
     rows = hidden_states.numel() // hidden_states.shape[-1]
-    if (rows > DECODE_MAX_TOKENS or not triton_router.kernel_runs_on(hidden_states)
-            or (self.weight.requires_grad and torch.is_grad_enabled())):
+    if rows > DECODE_MAX_TOKENS or (self.weight.requires_grad and torch.is_grad_enabled()):
         return type(self).forward(self, hidden_states)
     return _kernel_forward(self, hidden_states, self.kt_router_renormalize, self.kt_router_cast,
                            self.kt_router_flatten)
