@@ -195,7 +195,8 @@ def ab_compile(args) -> None:
                 model.kt_decoder = None
                 t = ktorch.generate(model, ids, args.gen).timings
                 results.setdefault((d, variant), []).append((t.decode_tok_s, t.warmup_s))
-                print(f"d={d} {variant}: {t.line()} capture {t.warmup_s:.2f} s", flush=True)
+                print(f"d={d} {variant}: {t.line()} capture {t.warmup_s:.2f} s, on ktorch's kernels "
+                      f"{model.kt_decoder.swapped}", flush=True)
         for variant in PROFILED_VARIANTS if args.profile_steps else ():
             if variant != "default" and variant not in args.ab_variants:
                 continue

@@ -190,6 +190,7 @@ class Decoder:
                      if sampling.repetition_penalty != 1.0 else None)
         self.generator = torch.Generator(device=device)
         self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self.swapped: dict = {}  # what the capture ran on ktorch's Triton kernels: routers, cache layers (counts)
         self.deferred = 0  # the deferral the capture was made with
         # the captured step's attention over the cache's filled blocks (ktorch/decode_attention.py), where it applies
         self.attention = None
@@ -239,8 +240,9 @@ class Decoder:
 
         switch = decode_attention.switched(self.model) if self.attention is not None else contextlib.nullcontext()
         # looked up in their modules at each capture: the benchmark's A/B turns them off there
-        with compiled_layers(self.model, self.cache), switch, transformers_routers.swapped(self.model), \
-                transformers_cache.swapped(self.cache):
+        with compiled_layers(self.model, self.cache), switch, transformers_routers.swapped(self.model) as routers, \
+                transformers_cache.swapped(self.cache) as cache_layers:
+            self.swapped = {"routers": len(routers), "cache layers": len(cache_layers)}
             self._capture()
 
     def _capture(self) -> None:

@@ -143,6 +143,13 @@ def router_form(m: nn.Module) -> Optional[RouterForm]:
 
 @torch.no_grad()
 def _probe(m: nn.Module) -> Optional[RouterForm]:
+    try:
+        return _probe_forms(m)
+    except Exception:  # a module that cannot be copied, or rows the kernel refuses: not a router it stands in for
+        return None
+
+
+def _probe_forms(m: nn.Module) -> Optional[RouterForm]:
     gen = torch.Generator().manual_seed(PROBE_SEED)
     probe = copy.deepcopy(m)
     probe.__dict__.pop("forward", None)
@@ -155,10 +162,7 @@ def _probe(m: nn.Module) -> Optional[RouterForm]:
     for module, rtol in ((probe, None), (copy.deepcopy(probe).float(), 1e-5)):
         dtype, device = module.weight.dtype, module.weight.device
         for x in (rows.to(dtype=dtype, device=device), rows[None].to(dtype=dtype, device=device)):
-            try:
-                cases.append((module, x, type(module).forward(module, x), rtol))
-            except Exception:  # a forward that does not run on bare rows is not this router
-                return None
+            cases.append((module, x, type(module).forward(module, x), rtol))
     for form in CANDIDATES:  # the first that fits every case
         if all(_same_routing(_candidate_forward(module, x, form), want, rtol) for module, x, want, rtol in cases):
             return form
