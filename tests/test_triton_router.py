@@ -224,6 +224,44 @@ def test_probe_finds_each_routers_form_and_refuses_others():
     assert router_form(LogitTopkRouter().to(DEVICE).to(torch.bfloat16)) == RouterForm(True, True, False)
 
 
+# transformers' router classes built alone from one config namespace, bf16 (so that the weights' dtype is decided):
+# module, class, the form the probe must find (None: left alone)
+ROUTER_CLASSES = [
+    ("qwen2_moe", "Qwen2MoeTopKRouter", RouterForm(renormalize=True, cast=True, flatten=True)),
+    ("flex_olmo", "FlexOlmoTopKRouter", RouterForm(renormalize=True, cast=True, flatten=True)),
+    ("minimax", "MiniMaxTopKRouter", RouterForm(renormalize=True, cast=False, flatten=True)),
+    # the top-k of the logits, then a softmax over those k: the same values; outputs keep the input's leading dims
+    ("granitemoe", "GraniteMoeTopKRouter", RouterForm(renormalize=True, cast=True, flatten=False)),
+    ("jamba", "JambaTopKRouter", RouterForm(renormalize=False, cast=True, flatten=False)),
+    ("gpt_oss", "GptOssTopKRouter", None),  # a bias
+    ("deepseek_v2", "DeepseekV2TopkRouter", None),  # weights scaled by routed_scaling_factor
+    ("llama4", "Llama4Router", None),  # sigmoid of the top-k logits
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("module,name,form", ROUTER_CLASSES, ids=[c[1] for c in ROUTER_CLASSES])
+def test_probe_on_transformers_router_classes(module, name, form):
+    import importlib
+    import types
+
+    config = types.SimpleNamespace(num_experts_per_tok=4, num_experts=16, num_local_experts=16, n_routed_experts=16,
+                                   norm_topk_prob=True, hidden_size=32, n_group=4, topk_group=2,
+                                   routed_scaling_factor=2.5, topk_method="greedy", moe_num_experts=16, moe_topk=4)
+    try:
+        cls = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name)
+    except (ImportError, AttributeError):
+        import transformers
+
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
+    torch.manual_seed(0)
+    router = cls(config).to(DEVICE, torch.bfloat16).requires_grad_(False)
+    with torch.no_grad():
+        for p in router.parameters():
+            p.normal_()
+    assert router_form(router) == form
+
+
 class _RouterCalls:
     """Every router call's input and (logits, weights, ids), in order."""
 
