@@ -1,11 +1,11 @@
 """transformers' softmax top-k routers on ktorch's one-kernel top-k (``torch.ops.ktorch.router_topk``) in the
 captured decode step.
 
-A router of Qwen2/3-MoE, OLMoE, Mixtral, FlexOlmo, Qwen3-Next, Qwen3-VL/Omni-MoE, Granite-MoE, ... computes
+A router of Qwen2/3-MoE, OLMoE, Mixtral, FlexOlmo, MiniMax, Qwen3-Next, Qwen3-VL/Omni-MoE, Jamba, ... computes
 
     logits = hidden @ W^T;  p = softmax(float32(logits));  w, ids = topk(p, K);  [w /= sum(w)];  [w = w.to(logits.dtype)]
 
-(Granite and Cohere2 take the top-k of the logits and a softmax over those K: the same values). In the decode step,
+(Granite-MoE and Aria take the top-k of the logits and a softmax over those K: the same values). In the decode step,
 compiled by Inductor, that was a fused softmax kernel, ATen's topk (gatherTopK and a bitonic sort) and the
 renormalization: 0.44 ms of a 5.15 ms step on the 48-layer Qwen3-30B-A3B shape (device, H200 host). ``swapped``
 gives each router that computes exactly this (the linear layer stays the module's own) a forward that calls the
@@ -20,8 +20,10 @@ the input flattened to [T, H] first or not): the original forward and each candi
 equal, at every rank the two picks have the same probability (ties may be ordered differently: the kernel takes the
 lowest expert first, ATen's topk on CUDA leaves it unspecified), the weights have the same dtype and agree to
 that dtype's rounding, and in float32 to 1e-5. No fitting candidate: the router is left alone (sigmoid and
-group-limited DeepSeek routers, bias-corrected ones, Gemma-4's scaled ones). A probe's answer is kept per class and
-plain attributes (``top_k``, ``norm_topk_prob``, ...), dtype and shape.
+group-limited DeepSeek routers, bias-corrected ones, Gemma-4's and DeepSeek-V2's scaled ones, Llama-4's sigmoid;
+tests/test_triton_router.py lists the classes tried). The probe runs on the router's device, so it judges the
+ATen ops the step would otherwise run; its answer is kept per class and plain attributes (``top_k``,
+``norm_topk_prob``, ``topk_method``, ...), dtype and shape.
 
 The swap is made only where the kernel runs on the router weight's device (Triton, CUDA), and not for a trainable
 model (``prepare(trainable=True)``: every router weight requires grad); the swapped forward falls back to the class's

@@ -8,16 +8,17 @@
 What transformers' ``StaticLayer.update`` does (transformers/cache_utils.py) with ``arange + cumulative_length``,
 ``cumulative_length.add_`` and two ``index_copy_`` calls: four to five launches a layer, 0.22 ms of a 5.15 ms
 captured decode step (device, H200 host, the 48-layer Qwen3-30B-A3B-shaped file, every expert resident). One
-program does it all: it reads the counter, copies the B * Hkv * S rows of both tensors (any strides of the new rows:
-the attention's transposed projections are written without a copy first), then, after a barrier (every thread has
-read the counter), advances the counter. A copy: the cache holds exactly the new rows' values, as index_copy_
-leaves it.
+program does it all: it reads the counter, copies the B * Hkv * S rows of both tensors in tiles of ``ROW_TILE`` rows
+(the new rows at any strides with a unit stride along the head: the attention's transposed projections are read in
+place), then, after a barrier (every thread has read the counter), advances the counter. A copy: the cache holds
+exactly the new rows' bits, as index_copy_ leaves it.
 
-Limits: keys/values contiguous, of the new rows' dtype; head sizes up to ``MAX_HEAD_DIM``; CUDA tensors (or CPU
-tensors under Triton's interpreter, TRITON_INTERPRET=1, for tests); ``cumulative_length`` an int64 0-d tensor on
-their device. Rows whose position falls past the cache (pos >= L) are not written (index_copy_ fails a device-side
-assert there; ``generate``'s caches are sized for the whole generation). One program: meant for a decode step's few
-rows (the swap, ktorch/integrations/transformers_cache.py, takes it for S <= 64).
+Limits: keys/values contiguous, of the new rows' dtype; head sizes up to ``MAX_HEAD_DIM``, at most ``MAX_ROWS`` new
+rows; CUDA tensors (or CPU tensors under Triton's interpreter, TRITON_INTERPRET=1, for tests); ``cumulative_length``
+an int64 0-d tensor on their device. The row count is a compile-time constant (one compile for a decode step's
+shape). Rows whose position falls past the cache (pos >= L) are not written (index_copy_ fails a device-side assert
+there; ``generate``'s caches are sized for the whole generation). One program: meant for a decode step's few rows
+(the swap, ktorch/integrations/transformers_cache.py, takes it for S <= 64).
 """
 
 import torch  # no "from __future__ import annotations": Triton reads the tl.constexpr annotations
