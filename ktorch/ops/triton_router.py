@@ -62,8 +62,8 @@ if triton is not None:
             ids = tl.where(ranks == j, i.to(tl.int64), ids)
             p = tl.where(offs == i, -1.0, p)
         if RENORM:
-            total = 0.0
-            for j in tl.static_range(K):  # in rank order, as the reference sums them
+            total = tl.sum(tl.where(ranks == 0, w, 0.0), axis=0)
+            for j in tl.static_range(1, K):  # in rank order
                 total += tl.sum(tl.where(ranks == j, w, 0.0), axis=0)
             w = w / total
         keep = ranks < K
