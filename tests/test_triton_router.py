@@ -11,7 +11,6 @@ with and without the swap needs CUDA.
 from __future__ import annotations
 
 import contextlib
-import copy
 
 import pytest
 import torch
@@ -23,23 +22,13 @@ from ktorch.ops import triton_router
 from ktorch.ops.triton_router import router_topk
 from models import (LOGIT_ATOL, ROUTER_RTOL, RoutingRecorder, assert_flip_is_near_tie, first_routing_flip,
                     tiny_model)
+from reference import router_topk_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KERNELS_RUN = triton_router.triton_available() and (torch.cuda.is_available() or triton_router.interpreting())
 needs_kernels = pytest.mark.skipif(
     not KERNELS_RUN,
     reason="the Triton router kernel needs Triton and a CUDA GPU, or Triton's interpreter (TRITON_INTERPRET=1)")
-
-
-def reference_topk(logits: torch.Tensor, k: int, renormalize: bool) -> tuple:
-    """(weights float64 [T, k], ids [T, k]): softmax in float64, the k largest by a stable descending sort (equal
-    values: lowest expert first), renormalized."""
-    p = torch.softmax(logits.double(), dim=-1)
-    order = torch.sort(p, dim=-1, descending=True, stable=True).indices[:, :k]
-    w = p.gather(1, order)
-    if renormalize:
-        w = w / w.sum(dim=-1, keepdim=True)
-    return w, order
 
 
 def transformers_topk(logits: torch.Tensor, k: int, renormalize: bool, out_dtype: torch.dtype) -> tuple:
@@ -51,7 +40,7 @@ def transformers_topk(logits: torch.Tensor, k: int, renormalize: bool, out_dtype
     return w.to(out_dtype), ids
 
 
-ULP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}  # an ulp relative to the value, at most
+ULP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}  # an ulp over the value, at most
 # Triton's interpreter truncates float32 to bf16/fp16 (whatever the rounding asked for); CUDA rounds to nearest
 ROUNDING_ULPS = 1.0 if DEVICE == "cpu" else 0.5
 
@@ -79,7 +68,7 @@ def test_kernel_matches_a_float64_reference(dtype, T, E, K, renormalize):
     for out_dtype in (dtype, torch.float32):
         w, ids = router_topk(logits.to(DEVICE), K, renormalize, out_dtype)
         assert w.dtype == out_dtype and ids.dtype == torch.int64 and w.shape == ids.shape == (T, K)
-        want_w, want_ids = reference_topk(logits, K, renormalize)
+        want_w, want_ids = router_topk_reference(logits, K, renormalize)
         assert torch.equal(ids.cpu(), want_ids)
         assert_weights_close(w.cpu(), want_w)
     # against transformers' ATen computation: the same ids at every rank up to the order of equal probabilities
@@ -99,13 +88,13 @@ def test_ties_take_the_lowest_expert_first():
                            [-1.0, 5.0, -1.0, 5.0, 5.0, -1.0, -1.0, 0.0]])
     w, ids = router_topk(logits.to(DEVICE), 3, True, torch.float32)
     assert ids.cpu().tolist() == [[0, 1, 2], [6, 1, 2], [1, 3, 4]]
-    assert torch.equal(ids.cpu(), reference_topk(logits, 3, True)[1])
+    assert torch.equal(ids.cpu(), router_topk_reference(logits, 3, True)[1])
     torch.testing.assert_close(w[0].cpu(), torch.full((3,), 1 / 3))
     torch.testing.assert_close(w[2].cpu(), torch.full((3,), 1 / 3))
     # bf16 logits tie often (8 bits of mantissa): the reference's order exactly, over many random rows
     logits = torch.randn(64, 128, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).round()
     w, ids = router_topk(logits.to(DEVICE), 8, True, torch.bfloat16)
-    assert torch.equal(ids.cpu(), reference_topk(logits, 8, True)[1])
+    assert torch.equal(ids.cpu(), router_topk_reference(logits, 8, True)[1])
 
 
 @needs_kernels
@@ -113,7 +102,7 @@ def test_strided_rows_empty_batches_and_the_dynamo_trace():
     wide = torch.randn(4, 200, generator=torch.Generator().manual_seed(2))
     logits = wide[:, 10:138]  # row stride 200
     w, ids = router_topk(logits.to(DEVICE), 8)
-    assert torch.equal(ids.cpu(), reference_topk(logits, 8, True)[1]) and w.dtype == torch.float32
+    assert torch.equal(ids.cpu(), router_topk_reference(logits, 8, True)[1]) and w.dtype == torch.float32
     w, ids = router_topk(torch.empty(0, 64, device=DEVICE), 4)
     assert w.shape == ids.shape == (0, 4)
 
@@ -410,8 +399,9 @@ def test_kernels_compile_for_hopper():
     from ktorch.ops.triton_router import _router_topk
 
     target = GPUTarget("cuda", 90, 32)
-    for dtype, out, K, block_e, warps, renorm in [("bf16", "bf16", 8, 128, 1, True), ("bf16", "fp32", 8, 128, 1, False),
-                                                  ("fp32", "fp32", 16, 512, 2, True), ("fp16", "fp16", 32, 1024, 4, True)]:
+    cases = [("bf16", "bf16", 8, 128, 1, True), ("bf16", "fp32", 8, 128, 1, False), ("fp32", "fp32", 16, 512, 2, True),
+             ("fp16", "fp16", 32, 1024, 4, True)]
+    for dtype, out, K, block_e, warps, renorm in cases:
         signature = {"logits_ptr": "*" + dtype, "w_ptr": "*" + out, "ids_ptr": "*i64", "E": "i32", "stride_t": "i32"}
         constexprs = {"K": K, "RENORM": renorm, "BLOCK_E": block_e, "BLOCK_K": triton.next_power_of_2(K)}
         source = ASTSource(_router_topk, signature={**signature, **{k: "constexpr" for k in constexprs}},
@@ -421,6 +411,7 @@ def test_kernels_compile_for_hopper():
     signature.update({"length_ptr": "*i64", **{n: "i32" for n in ("H", "S", "L", "skb", "skh", "sks", "svb", "svh",
                                                                   "svs", "DK", "DV")}})
     constexprs = {"ROWS": 4, "BLOCK_R": 4, "BLOCK_DK": 128, "BLOCK_DV": 128}
-    source = ASTSource(_kv_write, signature={**signature, **{k: "constexpr" for k in constexprs}}, constexprs=constexprs)
+    source = ASTSource(_kv_write, signature={**signature, **{k: "constexpr" for k in constexprs}},
+                       constexprs=constexprs)
     compiled = triton.compile(source, target=target, options={"num_warps": 4})
     assert "bar.sync" in compiled.asm["ptx"]  # the barrier before the counter moves
