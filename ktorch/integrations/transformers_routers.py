@@ -7,9 +7,9 @@ A router of Qwen2/3-MoE, OLMoE, Mixtral, FlexOlmo, MiniMax, Qwen3-Next, Qwen3-VL
 
 (dtype: the logits'; Granite-MoE and Aria take the top-k of the logits and a softmax over those K: the same
 values). In the decode step, compiled by Inductor, that was a fused softmax kernel, ATen's topk (gatherTopK and a
-bitonic sort) and the renormalization: 0.44 ms of a 5.15 ms step on the 48-layer Qwen3-30B-A3B shape (device, H200 host). ``swapped``
-gives each router that computes exactly this (the linear layer stays the module's own) a forward that calls the
-one kernel of ktorch/ops/triton_router.py after its linear layer, for the duration of ``Decoder.capture``.
+bitonic sort) and the renormalization: 0.44 ms of a 5.15 ms step on the 48-layer Qwen3-30B-A3B shape (device,
+H200 host). ``swapped`` gives each router that computes exactly this a forward that calls the one kernel of
+ktorch/ops/triton_router.py after its own linear layer, for the duration of ``Decoder.capture``.
 
 Which routers (``router_form``): the class name ends in ``Router``; the module holds one parameter, ``weight``
 [E, H], no buffers and no submodules (a score-correction bias, a per-expert scale or a norm is not this
