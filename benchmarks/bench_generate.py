@@ -129,7 +129,10 @@ def run_generate(gguf: str, prompt_tokens: int, gen: int, extra: list[str], time
     return result
 
 
-AB_VARIANTS = ("default", "eager layers", "host-function handoff", "two host functions", "sdpa attention", "aten route")
+AB_VARIANTS = ("default", "eager layers", "host-function handoff", "two host functions", "sdpa attention", "aten route",
+               "aten router", "aten kv write")
+# --profile-steps profiles the default's step and these where they are among --ab-variants
+PROFILED_VARIANTS = ("default", "host-function handoff", "aten router", "aten kv write")
 
 
 def ab_compile(args) -> None:
@@ -139,9 +142,12 @@ def ab_compile(args) -> None:
     work sits between: "host-function handoff") and against separate start and join host functions, those of
     --ab-variants alternating on one loaded model (a fresh decoder, so a fresh capture, each time), per deferral in
     --deferred ("sdpa attention": transformers' SDPA over the whole cache instead of ktorch/decode_attention.py's
-    flex attention; "aten route": the resident split's ATen ops instead of its Triton kernel); then a profile of --profile-steps replays of the default's graph and of the host-function handoff's
-    (where it is among the variants): GPU kernel time and kernel count per step (torch.profiler), the CPU experts'
-    time per step (the native host tasks' timeline) and the step's wall time."""
+    flex attention; "aten route": the resident split's ATen ops instead of its Triton kernel; "aten router": the
+    routers' softmax, ATen topk and renormalization instead of ktorch::router_topk; "aten kv write": transformers'
+    StaticLayer.update (index_copy_) instead of the one-launch KV write); then a profile of --profile-steps replays
+    of the default's graph and of those of PROFILED_VARIANTS among --ab-variants: GPU kernel time and kernel count
+    per step (torch.profiler), the CPU experts' time per step (the native host tasks' timeline) and the step's wall
+    time."""
     import contextlib
     import statistics
 
@@ -155,11 +161,13 @@ def ab_compile(args) -> None:
     ids = prompt_ids(args.prompts[0])
 
     from ktorch import decode_attention
+    from ktorch.integrations import transformers_cache, transformers_routers
     from ktorch.ops import triton_experts
 
     compiled = generation.compiled_layers
     submit = ExpertsRuntime._submit
     flex_applies, route_applies = decode_attention.applies, triton_experts.route_applies
+    routers_swapped, cache_swapped = transformers_routers.swapped, transformers_cache.swapped
     results: dict = {}
 
     def set_variant(variant: str) -> None:
@@ -172,6 +180,11 @@ def ab_compile(args) -> None:
         decode_attention.applies = (lambda *a: "A/B") if variant == "sdpa attention" else flex_applies
         # the resident split's ATen ops instead of its one Triton kernel
         triton_experts.route_applies = (lambda ids: False) if variant == "aten route" else route_applies
+        # the capture looks these up in their modules: transformers' router forwards / StaticLayer.update stay
+        transformers_routers.swapped = (lambda model: contextlib.nullcontext([])) if variant == "aten router" \
+            else routers_swapped
+        transformers_cache.swapped = (lambda cache: contextlib.nullcontext([])) if variant == "aten kv write" \
+            else cache_swapped
         RUNTIME.gpu_handoff = variant not in ("host-function handoff", "two host functions")  # read at capture
 
     for d in args.deferred:
@@ -182,8 +195,9 @@ def ab_compile(args) -> None:
                 model.kt_decoder = None
                 t = ktorch.generate(model, ids, args.gen).timings
                 results.setdefault((d, variant), []).append((t.decode_tok_s, t.warmup_s))
-                print(f"d={d} {variant}: {t.line()} capture {t.warmup_s:.2f} s", flush=True)
-        for variant in ("default", "host-function handoff") if args.profile_steps else ():
+                print(f"d={d} {variant}: {t.line()} capture {t.warmup_s:.2f} s, on ktorch's kernels "
+                      f"{model.kt_decoder.swapped}", flush=True)
+        for variant in PROFILED_VARIANTS if args.profile_steps else ():
             if variant != "default" and variant not in args.ab_variants:
                 continue
             set_variant(variant)

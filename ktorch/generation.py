@@ -190,6 +190,7 @@ class Decoder:
                      if sampling.repetition_penalty != 1.0 else None)
         self.generator = torch.Generator(device=device)
         self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self.swapped: dict = {}  # what the capture ran on ktorch's Triton kernels: routers, cache layers (counts)
         self.deferred = 0  # the deferral the capture was made with
         # the captured step's attention over the cache's filled blocks (ktorch/decode_attention.py), where it applies
         self.attention = None
@@ -232,9 +233,16 @@ class Decoder:
 
     def capture(self) -> None:
         """Captures the decode step with its decoder layers compiled regionally (``compiled_layers``) and, where it
-        applies, its attention over the cache's filled blocks only (ktorch/decode_attention.py)."""
+        applies, its attention over the cache's filled blocks only (ktorch/decode_attention.py), its softmax routers'
+        top-k in one Triton kernel each (integrations/transformers_routers.py) and the KV cache's writes in one
+        Triton launch a layer (integrations/transformers_cache.py)."""
+        from ktorch.integrations import transformers_cache, transformers_routers
+
         switch = decode_attention.switched(self.model) if self.attention is not None else contextlib.nullcontext()
-        with compiled_layers(self.model, self.cache), switch:
+        # looked up in their modules at each capture: the benchmark's A/B turns them off there
+        with compiled_layers(self.model, self.cache), switch, transformers_routers.swapped(self.model) as routers, \
+                transformers_cache.swapped(self.cache) as cache_layers:
+            self.swapped = {"routers": len(routers), "cache layers": len(cache_layers)}
             self._capture()
 
     def _capture(self) -> None:

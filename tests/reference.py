@@ -156,3 +156,15 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     if den == 0.0:
         return num
     return num / den
+
+
+def router_topk_reference(logits: torch.Tensor, k: int, renormalize: bool) -> tuple:
+    """A softmax router's top-k (ktorch/ops/triton_router.py): logits [T, E] -> (weights float64 [T, k], ids [T, k]):
+    softmax in float64, the k largest by a stable descending sort (equal values: lowest expert first), renormalized
+    to sum 1 when ``renormalize``."""
+    p = torch.softmax(logits.double(), dim=-1)
+    order = torch.sort(p, dim=-1, descending=True, stable=True).indices[:, :k]
+    w = p.gather(1, order)
+    if renormalize:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return w, order

@@ -81,6 +81,12 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def kernel_runs_on(t: torch.Tensor) -> bool:
+    """Whether a Triton kernel can run on ``t``'s device: Triton present and a CUDA tensor (or a CPU one under the
+    interpreter: tests)."""
+    return triton is not None and (t.is_cuda or (t.device.type == "cpu" and interpreting()))
+
+
 if triton is not None:
 
     @triton.jit
