@@ -355,11 +355,15 @@ def test_step_buckets_and_graph_plan():
     assert step_bucket(33, 10, 48, kv_cap)[:2] == (48, 256)  # capped at max_batch_tokens
     assert step_bucket(3, 4400, 512, 4500 + 3) == (4, 4503, True)  # capped at the pool's reads
     assert step_bucket(GRAPH_MAX_TOKENS + 1, 900, 512, kv_cap) == (GRAPH_MAX_TOKENS + 1, 900, False)  # eager as is
-    # the warm-up: every token bucket at the first reads bucket, then one stream's decode up to 4096 reads
-    assert warm_up_steps(512, kv_cap) == [(q, 256) for q in GRAPH_TOKEN_BUCKETS] + [(1, 512), (1, 1024), (1, 2048),
-                                                                                    (1, 4096)]
-    assert warm_up_steps(100, 1000) == [(q, 256) for q in (1, 2, 4, 8, 16, 32, 64, 100)] + [(1, 512), (1, 1000)]
+    # the warm-up: every token bucket at the first reads bucket, then those up to 16 tokens at each reads bucket up
+    # to 4096 (one stream's decode, a few streams', a short suffix after a cached prefix)
+    small = (1, 2, 4, 8, 16)
+    assert warm_up_steps(512, kv_cap) == [(q, 256) for q in GRAPH_TOKEN_BUCKETS] + [
+        (q, r) for r in (512, 1024, 2048, 4096) for q in small]
+    assert warm_up_steps(100, 1000) == [(q, 256) for q in (1, 2, 4, 8, 16, 32, 64, 100)] + [
+        (q, r) for r in (512, 1000) for q in small]
     assert warm_up_steps(8, 200) == [(1, 200), (2, 200), (4, 200), (8, 200)]  # a pool under the first bucket
+    assert (8, kv_bucket(2000, kv_cap)) in warm_up_steps(512, kv_cap)  # issue 33's second request's step
     assert step_bucket(40, 900, 32, kv_cap) == (40, 900, False)  # past max_batch_tokens: eager
     with pytest.raises(ValueError):
         step_bucket(0, 0, 512, kv_cap)
@@ -450,8 +454,9 @@ def test_bucketed_steps_pad_to_the_buckets_and_leave_padding_out_of_the_experts(
     # the warm-up: one forward per bucket up to max_batch_tokens (48) at the first reads bucket, then one-token steps
     # at the next reads buckets up to the pool's (1024 tokens); one fake request each, the pool freed after
     assert caps["reads"] == 1024
-    assert [(rows, keys - rows) for rows, _, keys in caps["warm"]] == \
-        [(1, 256), (2, 256), (4, 256), (8, 256), (16, 256), (32, 256), (48, 256), (1, 512), (1, 1024)]  # 33-48: 48
+    assert [(rows, keys - rows) for rows, _, keys in caps["warm"]] == [
+        (1, 256), (2, 256), (4, 256), (8, 256), (16, 256), (32, 256), (48, 256)] + [  # 33-48 tokens pad to 48
+        (q, r) for r in (512, 1024) for q in (1, 2, 4, 8, 16)]
     assert all(rows == real for rows, real, _ in caps["warm"]) and caps["free_after_warmup"] == 1.0
     seen = seen[len(caps["warm"]) * len(experts):]
     assert padded == plain and all(len(o) == 9 for o in plain)
@@ -546,10 +551,10 @@ def test_graph_plan_control_flow_with_a_stand_in_graph(builtin, monkeypatch):
     graphed, engine, (warm_captures, warm_forwards) = run()
     assert engine.graph_plan == "ktorch" and eager_engine.graph_plan == "off"
     assert graphed == eager
-    # 1, 2, 4, 8, 16, 32, 48 tokens at 256 reads, 1 token at 512 and 1024 (the pool's 64 pages of 16)
-    assert warm_captures == len(graphs) == 9 and warm_forwards == 0
-    assert engine.graph_captures == 9 and engine.graph_replays == engine.forwards == sum(g.replays for g in graphs)
-    assert len(compiled_contexts) == 9 and all(c is compiled_contexts[0] for c in compiled_contexts)
+    # 1, 2, 4, 8, 16, 32, 48 tokens at 256 reads, 1 to 16 tokens at 512 and 1024 (the pool's 64 pages of 16)
+    assert warm_captures == len(graphs) == 17 and warm_forwards == 0
+    assert engine.graph_captures == 17 and engine.graph_replays == engine.forwards == sum(g.replays for g in graphs)
+    assert len(compiled_contexts) == 17 and all(c is compiled_contexts[0] for c in compiled_contexts)
     assert engine.tokens_computed == eager_engine.tokens_computed and engine.forwards >= 9
     assert eager_engine.graph_replays == eager_engine.graph_captures == 0
 
@@ -558,8 +563,9 @@ def test_compiled_captures_equal_eager_and_compile_once_per_token_bucket(builtin
     """The captured steps' decoder layers compiled regionally (``compiled_step_layers``: Inductor, on the CPU here,
     under the stand-in graph): the tokens equal the eager engine's; while a capture runs, every decoder layer runs a
     compiled forward and the attention is its eager-wrapped implementation, all put back after; and a capture at a
-    new cache-reads bucket compiles nothing (only the eager attention sees the reads): the prefill chunks of a
-    300-token prompt, 8 tokens at up to 300 reads, are captured at (8, 512) after the warm-up's (8, 256)."""
+    new cache-reads bucket compiles nothing (only the eager attention sees the reads): with the warm-up of the
+    larger reads buckets cut to one-token steps, the prefill chunks of a 300-token prompt, 8 tokens at up to 300
+    reads, are captured at (8, 512) while serving, after the warm-up's (8, 256)."""
     from torch._dynamo.utils import counters
 
     from ktorch.generation import EAGER_ATTENTION_PREFIX, decoder_layers
@@ -579,6 +585,7 @@ def test_compiled_captures_equal_eager_and_compile_once_per_token_bucket(builtin
             yield
 
     monkeypatch.setattr(engine_module, "compiled_step_layers", watched)
+    monkeypatch.setattr(engine_module, "WARM_UP_READS_TOKENS", 1)
     prompts = [list(range(10 + i, 17 + 5 * i)) for i in range(3)] + [[(7 * i) % 4000 + 5 for i in range(300)]]
 
     def run(graphed: bool):
@@ -597,7 +604,7 @@ def test_compiled_captures_equal_eager_and_compile_once_per_token_bucket(builtin
     counters.clear()
     graphed, engine, (warm_captures, warm_graphs) = run(True)
     assert graphed == eager
-    assert warm_captures == 6  # 1, 2, 4, 8 tokens at 256 reads, 1 token at 512 and 1024
+    assert warm_captures == 6  # 1, 2, 4, 8 tokens at 256 reads, 1 token at 512 and 1024 (the pool's 64 pages)
     assert engine.graph_captures > warm_captures  # (8, 512): the long prompt's chunks
     assert 0 < warm_graphs == counters["stats"]["unique_graphs"], dict(counters["stats"])
     assert len(inside) == engine.graph_captures

@@ -136,19 +136,24 @@ def step_bucket(num_q_tokens: int, max_kv_read: int, max_batch_tokens: int,
     return q, kv_bucket(max_kv_read, max_tokens_read), True
 
 
+WARM_UP_READS_TOKENS = 16  # token buckets up to this are warmed up at every reads bucket up to GRAPH_KV_INTERVAL
+
+
 def warm_up_steps(max_batch_tokens: int, max_tokens_read: int) -> list[tuple[int, int]]:
     """The graphs captured before serving, as (tokens, cache reads) pairs of buckets: every token bucket
-    ``step_bucket`` can give at the first reads bucket, then the one-token step (one stream's decode) at each reads
-    bucket after it up to ``GRAPH_KV_INTERVAL`` (512, 1024, 2048, 4096 tokens of context), so that one stream's
-    decode up to 4096 tokens captures nothing while serving. Other pairs are captured when first met."""
+    ``step_bucket`` can give at the first reads bucket, then the token buckets up to ``WARM_UP_READS_TOKENS`` at
+    each reads bucket after it up to ``GRAPH_KV_INTERVAL`` (512, 1024, 2048, 4096): one stream's decode up to 4096
+    tokens of context, a few streams' at short contexts, and a short suffix after a cached prefix (issue 33's
+    second request: 8 new tokens after 2000 cached, bucket (8, 2048)) capture nothing while serving. Other pairs
+    are captured when first met (a capture of a token bucket already compiled compiles nothing)."""
     top = min(GRAPH_MAX_TOKENS, max_batch_tokens)
     sizes = sorted({step_bucket(q, 0, max_batch_tokens, max_tokens_read)[0] for q in range(1, top + 1)})
     first = kv_bucket(0, max_tokens_read)
-    reads, r = [], first
+    steps, r = [(q, first) for q in sizes], first
     while r < min(GRAPH_KV_INTERVAL, max_tokens_read):
         r = kv_bucket(r + 1, max_tokens_read)
-        reads.append(r)
-    return [(q, first) for q in sizes] + [(1, r) for r in reads]
+        steps += [(q, r) for q in sizes if q <= WARM_UP_READS_TOKENS]
+    return steps
 
 
 def compiled_step_layers(model, cache):
