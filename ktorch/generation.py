@@ -358,11 +358,11 @@ def compiled_layers(model: nn.Module, cache, eager_attention: bool = False) -> N
     attention = _eager_attention_name(implementation) if eager_attention else implementation
 
     def eager_update(key_states, value_states, layer_idx, *args, **kwargs):
-        keys, values = update(key_states, value_states, int(layer_idx), *args, **kwargs)
+        out = update(key_states, value_states, int(layer_idx), *args, **kwargs)
         if eager_attention:  # their length is the step's reads: the frame handing them on guards the tokens only
-            for t in (keys, values):
+            for t in out:
                 torch._dynamo.maybe_mark_dynamic(t, t.dim() - 2)
-        return keys, values
+        return out
 
     try:
         cache.update = torch.compiler.disable(eager_update)
@@ -372,11 +372,13 @@ def compiled_layers(model: nn.Module, cache, eager_attention: bool = False) -> N
             m.layer_idx = torch.tensor(m.layer_idx)
         for m in layers + norms:
             m.forward = types.MethodType(_compiled_forward(type(m)), m)
-        model.config._attn_implementation = attention
+        if attention != implementation:
+            model.config._attn_implementation = attention
         with torch._dynamo.config.patch(cache_size_limit=max(16, torch._dynamo.config.cache_size_limit)):
             yield
     finally:
-        model.config._attn_implementation = implementation
+        if model.config._attn_implementation != implementation:
+            model.config._attn_implementation = implementation
         for m in attentions:
             if isinstance(m.layer_idx, torch.Tensor):
                 m.layer_idx = int(m.layer_idx)

@@ -533,7 +533,8 @@ class ServeEngine:
 
                 with prefill_attention():
                     compute(model, batch_data)
-            elif mode == "capture":  # transformers' eager run then the capture, both with the layers compiled
+            elif mode == "capture" and self.graph_plan == "ktorch":  # transformers' eager run, then the capture,
+                # both with the layers compiled (flash attention's own plan, untried compiled, captures them eager)
                 _mark_reads_dynamic(batch_data)
                 with compiled_step_layers(model, processor.cache):
                     compute(model, batch_data)
