@@ -10,11 +10,12 @@
 # Two servers in turn, each `ktorch serve` with the defaults (CUDA-graph steps, 16-token pages, no --step-stats),
 # experts in host memory (--gpu-memory off), run by benchmarks/bench_serve_timeline.py (timestamps at hand-offs):
 #   new  the default: graphed steps captured with the decoder layers compiled regionally, cache reads padded to
-#        powers of two from 256 (ktorch/serve/engine.py kv_bucket), the one-token step warmed up at 512..4096 reads
+#        powers of two from 256 (ktorch/serve/engine.py kv_bucket), steps of up to 16 tokens warmed up at 512..4096
+#        reads (the first start compiles the layers, once per token bucket: Inductor's disk cache serves the next)
 #   old  session 31's step (benchmark variants, no user switches): --eager-layers --graph-kv-min 4096
 # Per server: the time to /health (load + the graphs' warm-up, whose seconds /v1/stats reports), then
 # benchmarks/bench_serve.py: 5 TTFT pairs (2000-token shared prefix + 8 new tokens, 8 tokens out; the medians) and
-# one-stream decode (32-token prompt, 48 tokens: tok/s, inter-token median), then the timeline client (3 pairs):
+# one-stream decode (32-token prompt, 48 tokens: tok/s, inter-token median), then the timeline client (2 pairs):
 # the one-stream decode step's median (compute + wait) and the second request's step. Then, when time is left,
 # `ktorch generate` on the same file (--gpu-memory off): its captured decode step for reference.
 # Prints one table at the end; logs under $OUT.
@@ -40,7 +41,7 @@ lscpu | grep -E "Model name|^CPU\(s\)" | tr -s ' '
 
 if [ ! -f "$FILE" ]; then
   say "writing $FILE (12 layers, Q8_0, seed 11)"
-  timeout $(( $(left) - 150 > 40 ? $(left) - 150 : 40 )) python3 benchmarks/bench_generate.py --gguf "$FILE" \
+  timeout $(( $(left) - 130 > 60 ? $(left) - 130 : 60 )) python3 benchmarks/bench_generate.py --gguf "$FILE" \
     --write-layers 12 --write-type Q8_0 --write-seed 11 --skip-ktorch > "$OUT/write.log" 2>&1 \
     || { say "writing the file failed or ran out of time"; tail -5 "$OUT/write.log"; exit 1; }
 fi
@@ -83,7 +84,7 @@ run_variant() {
   budget=$(( $(left) - 20 ))
   if [ "$budget" -gt 15 ]; then
     timeout $(( budget > 40 ? 40 : budget )) python3 benchmarks/bench_serve_timeline.py client \
-      --url http://127.0.0.1:$PORT --prefix 2000 --suffix 8 --repeat 3 --decode-tokens 48 2>&1 \
+      --url http://127.0.0.1:$PORT --prefix 2000 --suffix 8 --repeat 2 --decode-tokens 48 2>&1 \
       | tee "$OUT/timeline_$name.txt" | grep -E "ratio to|compute |step \(compute"
   fi
   curl -s -m 10 "http://127.0.0.1:$PORT/v1/stats" > "$OUT/stats_$name.json"
@@ -139,7 +140,7 @@ fi
 echo
 echo "================ device_serve32 ($(( $(date +%s) - T0 )) s): $(basename "$FILE"), experts in host memory ================"
 echo "TTFT: 2000-token shared prefix + 8 new tokens, medians of 5 pairs (bench_serve.py); second's step: compute + wait"
-echo "of the second request's step (timeline, median of 3); decode: one stream, 48 tokens (tok/s, inter-token median),"
+echo "of the second request's step (timeline, median of 2); decode: one stream, 48 tokens (tok/s, inter-token median),"
 echo "and its step (compute + wait, timeline median); up: seconds to /health; warm-up: the graphs' (/v1/stats)"
 echo "var  |  up s  | warm s  | captures | first ms | 2nd ms  | ratio   | 2nd step  | tok/s    | ITL ms  | step ms"
 for name in new old; do cat "$OUT/row_$name.txt" 2>/dev/null || echo "$name | not run"; done
