@@ -364,6 +364,8 @@ def compiled_layers(model: nn.Module, cache, eager_attention: bool = False) -> N
                 torch._dynamo.maybe_mark_dynamic(t, t.dim() - 2)
         return out
 
+    own_forwards = {id(m): m.__dict__["forward"] for m in layers + norms + experts if "forward" in m.__dict__}
+    own_update = getattr(cache, "__dict__", {}).get("update")
     try:
         cache.update = torch.compiler.disable(eager_update)
         for m in experts:
@@ -382,9 +384,13 @@ def compiled_layers(model: nn.Module, cache, eager_attention: bool = False) -> N
         for m in attentions:
             if isinstance(m.layer_idx, torch.Tensor):
                 m.layer_idx = int(m.layer_idx)
-        for m in layers + norms + experts:
+        for m in layers + norms + experts:  # an instance's own forward (a wrapper set before) comes back
             m.__dict__.pop("forward", None)
+            if id(m) in own_forwards:
+                m.forward = own_forwards[id(m)]
         cache.__dict__.pop("update", None)
+        if own_update is not None:
+            cache.update = own_update
 
 
 def _set_deferral(model: nn.Module, n: int) -> None:

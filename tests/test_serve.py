@@ -490,9 +490,11 @@ class _StandInGraph:
         pass
 
 
-def _stand_in_graphs(monkeypatch) -> list:
+def _stand_in_graphs(monkeypatch, replay_in=None) -> list:
     """ktorch's GPU plan on the CPU: the engine plans graphs, and transformers' capture makes a ``_StandInGraph``
-    (its warm-up run, then the "capture", which runs the step once more); returns the list of graphs made."""
+    (its warm-up run, then the "capture", which runs the step once more); returns the list of graphs made.
+    ``replay_in(model, cache)``: a context each replay runs in (a CUDA graph replays the captured kernels: the
+    compiled layers' ones, where the capture ran in ``compiled_step_layers``)."""
     from transformers.generation.continuous_batching import initialization, model_runner
 
     from ktorch.serve import engine as engine_module
@@ -502,7 +504,12 @@ def _stand_in_graphs(monkeypatch) -> list:
     def capture(runner, forward_fn, compute_stream, *args):  # ModelRunner._capture_graph without CUDA
         forward_fn(*args)
         forward_fn(*args)
-        graphs.append(_StandInGraph(lambda: forward_fn(*args)))
+
+        def step():
+            with replay_in(args[0], args[1]["cache"]) if replay_in else contextlib.nullcontext():
+                forward_fn(*args)
+
+        graphs.append(_StandInGraph(step))
         runner.inputs_and_outputs.set_graph(graphs[-1])
 
     monkeypatch.setattr(engine_module, "plan_cuda_graphs", lambda *args: "ktorch")
@@ -564,8 +571,10 @@ def test_compiled_captures_equal_eager_and_compile_once_per_token_bucket(builtin
     under the stand-in graph): the tokens equal the eager engine's; while a capture runs, every decoder layer runs a
     compiled forward and the attention is its eager-wrapped implementation, all put back after; and a capture at a
     new cache-reads bucket compiles nothing (only the eager attention sees the reads): with the warm-up of the
-    larger reads buckets cut to one-token steps, the prefill chunks of a 300-token prompt, 8 tokens at up to 300
-    reads, are captured at (8, 512) while serving, after the warm-up's (8, 256)."""
+    larger reads buckets cut to one-token steps, three 200-token prompts' prefill chunks, 8 tokens at up to ~600
+    reads, are captured at (8, 512) while serving, after the warm-up's (8, 256), and their decode steps at (2, 512)
+    (and more). The stand-in's replays rerun the compiled layers, as a CUDA graph replays their kernels; in them the
+    padding rows reach the CPU experts with id -1 only (the padding mask, traced by Dynamo here)."""
     from torch._dynamo.utils import counters
 
     from ktorch.generation import EAGER_ATTENTION_PREFIX, decoder_layers
@@ -576,17 +585,36 @@ def test_compiled_captures_equal_eager_and_compile_once_per_token_bucket(builtin
     attentions = [layer.self_attn for layer in layers]
     inside = []
     compiled = engine_module.compiled_step_layers
+    state = {"compiled": False, "real": None}
+    seen = []  # per experts call in a compiled capture: (rows, rows with an id >= 0, rows all -1, real tokens)
 
     @contextlib.contextmanager
     def watched(m, cache):
         with compiled(m, cache):
             inside.append((m.config._attn_implementation, all("forward" in layer.__dict__ for layer in layers),
                            all(isinstance(a.layer_idx, torch.Tensor) for a in attentions)))
-            yield
+            state["compiled"] = True
+            try:
+                yield
+            finally:
+                state["compiled"] = False
 
+    def recording(forward):  # the experts' own forward, called (eagerly) by the compiled layers
+        def record(hidden_states, top_k_index, *args, **kwargs):
+            if state["compiled"]:
+                seen.append((top_k_index.shape[0], int((top_k_index >= 0).any(-1).sum()),
+                             int((top_k_index == -1).all(-1).sum()), state["real"]))
+            return forward(hidden_states, top_k_index, *args, **kwargs)
+        return record
+
+    experts = [m for m in model.modules() if getattr(m, "kt_w13", None) is not None]
+    for m in experts:
+        m.forward = recording(m.forward)
+    hooks = [model.register_forward_pre_hook(
+        lambda mod, args, kw: state.update(real=int(kw["cu_seq_lens_q"][-1])), with_kwargs=True)]
     monkeypatch.setattr(engine_module, "compiled_step_layers", watched)
     monkeypatch.setattr(engine_module, "WARM_UP_READS_TOKENS", 1)
-    prompts = [list(range(10 + i, 17 + 5 * i)) for i in range(3)] + [[(7 * i) % 4000 + 5 for i in range(300)]]
+    prompts = [[(11 * i + j) % 4000 + 5 for i in range(200)] for j in range(3)]
 
     def run(graphed: bool):
         engine = ServeEngine(model, model.generation_config.eos_token_id, 0,
@@ -594,20 +622,30 @@ def test_compiled_captures_equal_eager_and_compile_once_per_token_bucket(builtin
         engine.start()
         warm = (engine.graph_captures, counters["stats"]["unique_graphs"])
         try:
-            return asyncio.run(collect(engine, prompts, 9, timeout=300)), engine, warm
+            return asyncio.run(collect(engine, prompts, 40, timeout=300)), engine, warm
         finally:
             engine.stop()
 
-    eager, _, _ = run(False)
-    _stand_in_graphs(monkeypatch)
-    torch._dynamo.reset()
-    counters.clear()
-    graphed, engine, (warm_captures, warm_graphs) = run(True)
+    try:
+        eager, _, _ = run(False)
+        graphs = _stand_in_graphs(monkeypatch, replay_in=lambda m, cache: engine_module.compiled_step_layers(m, cache))
+        torch._dynamo.reset()
+        counters.clear()
+        graphed, engine, (warm_captures, warm_graphs) = run(True)
+        for m in experts:
+            assert "forward" in m.__dict__  # compiled_layers put the instance's own forward back
+    finally:
+        for h in hooks:
+            h.remove()
+        for m in experts:
+            m.__dict__.pop("forward", None)
     assert graphed == eager
+    assert seen and all((used, pad) == (real, rows - real) for rows, used, pad, real in seen), seen
+    assert any(rows > real for rows, _, _, real in seen)  # some compiled steps had padding rows
     assert warm_captures == 6  # 1, 2, 4, 8 tokens at 256 reads, 1 token at 512 and 1024 (the pool's 64 pages)
-    assert engine.graph_captures > warm_captures  # (8, 512): the long prompt's chunks
+    assert engine.graph_captures > warm_captures  # (8, 512), (2, 512): the prompts' chunks, their decode
     assert 0 < warm_graphs == counters["stats"]["unique_graphs"], dict(counters["stats"])
-    assert len(inside) == engine.graph_captures
+    assert len(inside) == engine.graph_captures + sum(g.replays for g in graphs)
     assert all(impl == EAGER_ATTENTION_PREFIX + "sdpa" and fwd and idx for impl, fwd, idx in inside), inside
     assert model.config._attn_implementation == "sdpa"  # put back
     assert not any("forward" in m.__dict__ for m in model.modules())
