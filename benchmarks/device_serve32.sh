@@ -88,7 +88,7 @@ run_variant() {
       | tee "$OUT/timeline_$name.txt" | grep -E "ratio to|compute |step \(compute"
   fi
   curl -s -m 10 "http://127.0.0.1:$PORT/v1/stats" > "$OUT/stats_$name.json"
-  grep -E "Traceback|ERROR|rror:" "$OUT/server_$name.log" | head -5
+  grep -E "Traceback|ERROR|rror:|failed" "$OUT/server_$name.log" | head -5
   stop_server
   python3 - "$name" "$up" "$OUT" <<'EOF' > "$OUT/row_$name.txt"
 import json, re, sys
@@ -113,7 +113,8 @@ row = next((l.split("|") for l in load.splitlines() if re.match(r"^\s+1 \|", l))
 tok_s, itl = (float(row[1]), float(row[4])) if row else (nan, nan)
 step = num(r"step \(compute \+ wait\) +([\d.]+)", tl)
 second_step = num(r"\n  compute +([\d.]+)", tl) + num(r"\n  wait +([\d.]+)", tl)
-print(f"{name:4s} | {up:6.1f} | {st.get('graph_warmup_seconds', nan):7.1f} | {st.get('graph_captures', '-'):>8} | "
+print(f"{name:4s} | {up:6.1f} | {st.get('graph_warmup_seconds', nan):7.1f} | {st.get('graph_captures', '-'):>4} "
+      f"{st.get('graph_compile_failures', '-'):>3} | "
       f"{first:8.1f} | {second:7.1f} | {ratio:6.1f}% | {second_step:9.2f} | {tok_s:8.1f} | {itl:7.2f} | {step:8.2f}")
 EOF
 }
@@ -141,8 +142,9 @@ echo
 echo "================ device_serve32 ($(( $(date +%s) - T0 )) s): $(basename "$FILE"), experts in host memory ================"
 echo "TTFT: 2000-token shared prefix + 8 new tokens, medians of 5 pairs (bench_serve.py); second's step: compute + wait"
 echo "of the second request's step (timeline, median of 2); decode: one stream, 48 tokens (tok/s, inter-token median),"
-echo "and its step (compute + wait, timeline median); up: seconds to /health; warm-up: the graphs' (/v1/stats)"
-echo "var  |  up s  | warm s  | captures | first ms | 2nd ms  | ratio   | 2nd step  | tok/s    | ITL ms  | step ms"
+echo "and its step (compute + wait, timeline median); up: seconds to /health; warm-up: the graphs' (/v1/stats);"
+echo "capt fail: graphs captured, captures whose compiled layers failed (then captured eager; 0 expected)"
+echo "var  |  up s  | warm s  | capt fail | first ms | 2nd ms  | ratio   | 2nd step  | tok/s    | ITL ms  | step ms"
 for name in new old; do cat "$OUT/row_$name.txt" 2>/dev/null || echo "$name | not run"; done
 echo "ktorch generate, same file and placement: $GEN"
 say "done; logs in $OUT"

@@ -652,6 +652,39 @@ def test_compiled_captures_equal_eager_and_compile_once_per_token_bucket(builtin
     assert all(type(a.layer_idx) is int for a in attentions)
 
 
+def test_a_failed_compiled_capture_falls_back_to_eager_layers(builtin, monkeypatch, caplog):
+    """A capture whose compiled layers fail (a layer Dynamo or Inductor cannot take) is run again with the layers
+    eager, and so is every later capture: the engine serves the eager engine's tokens, counts the failure once in
+    /v1/stats and says so in its log."""
+    from ktorch.serve import engine as engine_module
+
+    attempts = []
+
+    @contextlib.contextmanager
+    def failing(model, cache):
+        attempts.append(1)
+        raise RuntimeError("this layer cannot be compiled")
+        yield
+
+    model, _ = builtin
+    prompts = [list(range(10 + i, 17 + 5 * i)) for i in range(3)]
+
+    def run():
+        engine = ServeEngine(model, model.generation_config.eos_token_id, 0,
+                             EngineConfig(page_size=PAGE, num_blocks=64, max_batch_tokens=8))
+        return run_engine(engine, prompts, 9), engine
+
+    eager, _ = run()
+    _stand_in_graphs(monkeypatch)
+    monkeypatch.setattr(engine_module, "compiled_step_layers", failing)
+    with caplog.at_level("WARNING", logger="ktorch.serve"):
+        graphed, engine = run()
+    assert graphed == eager
+    assert attempts == [1] and engine.graph_compile_failures == 1 == engine.stats()["graph_compile_failures"]
+    assert engine.graph_captures >= 4 and engine.graph_replays > 0  # every bucket captured, eagerly
+    assert "this and later steps are captured with the layers eager" in caplog.text
+
+
 def test_queued_tokens_limit(builtin):
     model, tok = builtin
     engine = ServeEngine(model, model.generation_config.eos_token_id, 0,

@@ -423,6 +423,7 @@ class ServeEngine:
         self.tokens_computed = 0  # the steps' real tokens (no padding)
         self.graph_replays = 0  # steps run by replaying a CUDA graph
         self.graph_captures = 0  # steps that captured a graph (warm-up captures included)
+        self.graph_compile_failures = 0  # captures whose compiled layers failed (then every capture is eager)
         self.warmup_seconds = 0.0
         self.steps: deque[StepRecord] = deque(maxlen=4096)
         self.requests_done = 0
@@ -533,11 +534,18 @@ class ServeEngine:
 
                 with prefill_attention():
                     compute(model, batch_data)
-            elif mode == "capture" and self.graph_plan == "ktorch":  # transformers' eager run, then the capture,
-                # both with the layers compiled (flash attention's own plan, untried compiled, captures them eager)
+            elif mode == "capture" and self.graph_plan == "ktorch" and not self.graph_compile_failures:
+                # transformers' eager run, then the capture, both with the layers compiled (flash attention's own
+                # plan, untried compiled, captures them eager)
                 _mark_reads_dynamic(batch_data)
-                with compiled_step_layers(model, processor.cache):
-                    compute(model, batch_data)
+                try:
+                    with compiled_step_layers(model, processor.cache):
+                        compute(model, batch_data)
+                except Exception as e:  # a layer Dynamo or Inductor cannot take: this and later captures eager
+                    self.graph_compile_failures += 1
+                    log.warning("ktorch serve: capturing a step with its decoder layers compiled failed (%s: %s); "
+                                "this and later steps are captured with the layers eager", type(e).__name__, e)
+                    compute(model, batch_data)  # the same step again (its KV writes and outputs are rewritten)
             else:
                 compute(model, batch_data)
             self.graph_replays += mode == "replay"
@@ -703,6 +711,7 @@ class ServeEngine:
         return {"requests_in_flight": active, "queued_prompt_tokens": queued, "forwards": self.forwards,
                 "tokens_computed": self.tokens_computed, "cuda_graphs": self.graph_plan,
                 "graph_replays": self.graph_replays, "graph_captures": self.graph_captures,
+                "graph_compile_failures": self.graph_compile_failures,
                 "graph_warmup_seconds": round(self.warmup_seconds, 3), "requests_done": self.requests_done,
                 "requests_cancelled": self.requests_cancelled, **memory, **self.cache_state(),
                 **(self.host_tier.stats() if self.host_tier is not None else {})}
