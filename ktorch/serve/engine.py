@@ -18,7 +18,8 @@ visible there) and of graph replays, optional per-step statistics (tokens, secon
 GPU its own choice of which steps run under CUDA graphs (``plan_cuda_graphs``, ``step_bucket``): transformers turns
 graphs on by itself only with flash attention, whose block-table decode path it graphs; with sdpa (what ktorch
 models run) every step takes the varlen path, which ktorch pads to a few token buckets and graphs up to
-``GRAPH_MAX_TOKENS`` tokens (decode steps, short prompt chunks), larger steps (prefill chunks, where the experts'
+``GRAPH_MAX_TOKENS`` tokens (decode steps, short prompt chunks), their decoder layers compiled regionally as
+``ktorch.generate``'s decode step (``compiled_step_layers``), larger steps (prefill chunks, where the experts'
 compute dominates) running eagerly.
 """
 
