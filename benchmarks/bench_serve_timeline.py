@@ -12,6 +12,12 @@ are ``time.perf_counter`` (CLOCK_MONOTONIC), so they compare across processes on
     python benchmarks/bench_serve_timeline.py serve --model builtin --port 8000 &
     python benchmarks/bench_serve_timeline.py client --url http://127.0.0.1:8000 --prefix 2000 --suffix 8 --repeat 5
 
+Benchmark variants of the server (options of ``serve`` taken out before the rest goes to `ktorch serve`; they select
+earlier behaviour for A/B runs, benchmarks/device_serve32.sh, and are no user switches): ``--graph-kv-min N``, the
+smallest cache-reads bucket of a graphed step (``ktorch.serve.engine.GRAPH_KV_MIN``; 4096: session 31's multiples
+of 4096, and its warm-up); ``--eager-layers``, graphed steps captured with the decoder layers eager (session 31's
+capture) instead of compiled regionally (``compiled_step_layers``).
+
 Phases of the second request (the model step is compute + wait: the forward's launch, then the device's finish):
 http (client send to the handler's start), parse (body, JSON, checks, tokens), submit (to the manager's queue,
 until the generation thread takes it), schedule (prefix match, the batch), inputs (its tensors), compute,
@@ -243,12 +249,36 @@ async def client(args) -> None:
             print(f"  {k:24s} {v:9.3f}")
 
 
+def serve_variant(argv: list) -> list:
+    """Applies the benchmark variants named in ``argv`` (``--graph-kv-min N``, ``--eager-layers``) to the serving
+    engine's module and returns the other arguments, for `ktorch serve`."""
+    import contextlib
+
+    from ktorch.serve import engine
+
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--graph-kv-min", type=int, default=None)
+    p.add_argument("--eager-layers", action="store_true")
+    known, rest = p.parse_known_args(argv)
+    if known.graph_kv_min is not None:
+        if known.graph_kv_min < 1 or known.graph_kv_min & (known.graph_kv_min - 1) or \
+                known.graph_kv_min > engine.GRAPH_KV_INTERVAL:
+            raise SystemExit(f"--graph-kv-min {known.graph_kv_min}: a power of two up to {engine.GRAPH_KV_INTERVAL}")
+        engine.GRAPH_KV_MIN = known.graph_kv_min
+    if known.eager_layers:
+        engine.compiled_step_layers = lambda model, cache: contextlib.nullcontext()
+    print(f"[bench_serve_timeline] variant: cache-reads buckets from {engine.GRAPH_KV_MIN}, graphed steps' layers "
+          f"{'eager' if known.eager_layers else 'compiled'}", file=sys.stderr, flush=True)
+    return rest
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "serve":
+        rest = serve_variant(sys.argv[2:])
         instrument()
         from ktorch.cli import main as cli_main
 
-        sys.exit(cli_main(sys.argv[1:]))
+        sys.exit(cli_main(["serve", *rest]))
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("role", choices=["client"], help="client (the server: 'serve' followed by ktorch serve's arguments)")
     p.add_argument("--url", default="http://127.0.0.1:8000")

@@ -668,7 +668,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except RuntimeError as e:
         raise CLIError(str(e)) from None
     # the engine warms up itself before it serves (/health answers): on a GPU with --cuda-graphs auto or on it
-    # captures each token bucket's step (1-256 tokens) through its own paged cache and batch runner, which pays the
+    # captures each token bucket's step (1-256 tokens; its layers compiled by Inductor, once per bucket, cached on
+    # disk for the next process) through its own paged cache and batch runner, which pays the
     # process's first kernel launches, stagings and page faults; ktorch.warm_up (a static cache) would pay them twice.
     # With --cuda-graphs off no engine warm-up runs, so the load's does (a no-op on the CPU).
     config = EngineConfig(

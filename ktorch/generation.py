@@ -305,8 +305,32 @@ def decoder_layers(model: nn.Module) -> list:
     return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
 
 
+EAGER_ATTENTION_PREFIX = "ktorch_eager|"  # compiled_layers(eager_attention=True): the model's attention under this
+# name plus its own, registered in transformers' attention and mask registries as the same function run eagerly
+
+
+def _eager_attention_name(implementation: str) -> str:
+    """Registers (once per implementation) the model's attention function wrapped in ``torch.compiler.disable`` under
+    ``EAGER_ATTENTION_PREFIX + implementation``, with the implementation's mask function; returns the name. One
+    wrapper object per implementation and process: Dynamo guards the attention function it calls by identity, so a
+    new wrapper at each capture would compile the layer again."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    name = EAGER_ATTENTION_PREFIX + implementation
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        if implementation not in ALL_ATTENTION_FUNCTIONS:
+            raise ValueError(f"compiled_layers: the model's attention {implementation!r} is not in transformers' "
+                             "attention registry; eager_attention needs it there")
+        AttentionInterface.register(name, torch.compiler.disable(ALL_ATTENTION_FUNCTIONS[implementation]))
+        if implementation in ALL_MASK_ATTENTION_FUNCTIONS:
+            AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[implementation])
+    return name
+
+
 @contextlib.contextmanager
-def compiled_layers(model: nn.Module, cache) -> None:
+def compiled_layers(model: nn.Module, cache, eager_attention: bool = False) -> None:
     """Regional compilation of the decode step: while the context is open, each decoder layer runs an
     Inductor-compiled forward that all layers of one class share (compiled once, on the first layer: the layers are
     the same code with other weights, which Dynamo passes as inputs), with two holes that stay eager: the KV cache's
@@ -319,7 +343,15 @@ def compiled_layers(model: nn.Module, cache) -> None:
     The attention modules' ``layer_idx`` becomes a 0-d tensor for the duration (the cache's update, eager, reads it
     back as an int): Dynamo would otherwise specialize each layer's graph on its index and compile 48 times. Norms
     outside the layers (the final one) get a compiled forward of their own. Prefill runs outside this context: its
-    prompt lengths would each compile."""
+    prompt lengths would each compile.
+
+    ``eager_attention``: the attention function (the model's implementation, e.g. SDPA) is a third hole, run
+    eagerly (``_eager_attention_name``), and the keys and values the cache's update returns have their length
+    marked dynamic. ``ktorch serve`` captures its steps this way: there the keys' length (the step's padded cache
+    reads) varies from graph to graph while the tokens take a few buckets, and only the attention computes with it,
+    so the layers compile once per token bucket, not once per (tokens, reads) pair (the caller marks the reads'
+    dimension of the layers' own inputs, the mask and the read indices, dynamic too: serve's
+    ``_mark_reads_dynamic``)."""
     from ktorch.placement import experts_modules
 
     layers = decoder_layers(model)
@@ -330,10 +362,18 @@ def compiled_layers(model: nn.Module, cache) -> None:
     attentions = [m for layer in layers for m in layer.modules()
                   if type(m).__name__.endswith("Attention") and isinstance(getattr(m, "layer_idx", None), int)]
     update = cache.update
+    implementation = model.config._attn_implementation
+    attention = _eager_attention_name(implementation) if eager_attention else implementation
 
     def eager_update(key_states, value_states, layer_idx, *args, **kwargs):
-        return update(key_states, value_states, int(layer_idx), *args, **kwargs)
+        out = update(key_states, value_states, int(layer_idx), *args, **kwargs)
+        if eager_attention:  # their length is the step's reads: the frame handing them on guards the tokens only
+            for t in out:
+                torch._dynamo.maybe_mark_dynamic(t, t.dim() - 2)
+        return out
 
+    own_forwards = {id(m): m.__dict__["forward"] for m in layers + norms + experts if "forward" in m.__dict__}
+    own_update = getattr(cache, "__dict__", {}).get("update")
     try:
         cache.update = torch.compiler.disable(eager_update)
         for m in experts:
@@ -342,15 +382,23 @@ def compiled_layers(model: nn.Module, cache) -> None:
             m.layer_idx = torch.tensor(m.layer_idx)
         for m in layers + norms:
             m.forward = types.MethodType(_compiled_forward(type(m)), m)
+        if attention != implementation:
+            model.config._attn_implementation = attention
         with torch._dynamo.config.patch(cache_size_limit=max(16, torch._dynamo.config.cache_size_limit)):
             yield
     finally:
+        if model.config._attn_implementation != implementation:
+            model.config._attn_implementation = implementation
         for m in attentions:
             if isinstance(m.layer_idx, torch.Tensor):
                 m.layer_idx = int(m.layer_idx)
-        for m in layers + norms + experts:
+        for m in layers + norms + experts:  # an instance's own forward (a wrapper set before) comes back
             m.__dict__.pop("forward", None)
+            if id(m) in own_forwards:
+                m.forward = own_forwards[id(m)]
         cache.__dict__.pop("update", None)
+        if own_update is not None:
+            cache.update = own_update
 
 
 def _set_deferral(model: nn.Module, n: int) -> None:

@@ -299,6 +299,34 @@ def test_compiled_layers_compile_one_layer_for_all_and_recompile_only_a_changed_
     assert counters["stats"]["unique_graphs"] > graphs
 
 
+def test_eager_attention_is_registered_once_per_implementation():
+    """compiled_layers(eager_attention=True) (what ``ktorch serve`` captures with) runs the model's attention under
+    ``ktorch_eager|<implementation>``: transformers' function wrapped in torch.compiler.disable, with the
+    implementation's mask function; the same wrapper object every time (Dynamo guards it by identity); an
+    implementation transformers does not register is an error naming it; the context puts the model's back."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from ktorch.generation import EAGER_ATTENTION_PREFIX, Decoder, _eager_attention_name, compiled_layers
+
+    name = _eager_attention_name("sdpa")
+    assert name == EAGER_ATTENTION_PREFIX + "sdpa"
+    wrapped = ALL_ATTENTION_FUNCTIONS[name]
+    assert wrapped is not ALL_ATTENTION_FUNCTIONS["sdpa"]
+    assert getattr(wrapped, "__wrapped__", None) is ALL_ATTENTION_FUNCTIONS["sdpa"]
+    assert ALL_MASK_ATTENTION_FUNCTIONS[name] is ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
+    assert _eager_attention_name("sdpa") == name and ALL_ATTENTION_FUNCTIONS[name] is wrapped
+    with pytest.raises(ValueError, match="'no_such_attention'"):
+        _eager_attention_name("no_such_attention")
+    model = _prepared("qwen3_moe")
+    model.config._attn_implementation = "sdpa"
+    decoder = Decoder(model, 32, torch.device("cpu"), Sampling(), cuda_graphs=False)
+    with compiled_layers(model, decoder.cache, eager_attention=True):
+        assert model.config._attn_implementation == name
+    assert model.config._attn_implementation == "sdpa"
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
 # ---------------------------------------------------------------- GPU: the captured step
 
 

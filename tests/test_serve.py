@@ -11,6 +11,7 @@ fp32: 32 of 32); the serving machinery itself is what these tests check."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import json
 import os
@@ -328,8 +329,8 @@ def test_padded_steps_leave_padding_rows_out_of_the_experts(builtin):
 
 def test_step_buckets_and_graph_plan():
     """Which steps a GPU serves under CUDA graphs and at which padded sizes (ktorch's plan)."""
-    from ktorch.serve.engine import (GRAPH_KV_INTERVAL, GRAPH_MAX_TOKENS, GRAPH_TOKEN_BUCKETS, plan_cuda_graphs,
-                                     step_bucket, warm_up_sizes)
+    from ktorch.serve.engine import (GRAPH_KV_INTERVAL, GRAPH_MAX_TOKENS, GRAPH_TOKEN_BUCKETS, kv_bucket,
+                                     plan_cuda_graphs, step_bucket, warm_up_steps)
 
     assert plan_cuda_graphs("cpu", "sdpa", None) == "off" and plan_cuda_graphs("cpu", "sdpa", True) == "off"
     assert plan_cuda_graphs("cuda", "sdpa", None) == "ktorch"
@@ -345,16 +346,24 @@ def test_step_buckets_and_graph_plan():
     assert plan_cuda_graphs("cuda", "sdpa", EngineConfig().cuda_graphs) == "ktorch"
     kv_cap = 50 * GRAPH_KV_INTERVAL
     for q in range(1, GRAPH_MAX_TOKENS + 1):
-        for kv in (0, 1, 37, GRAPH_KV_INTERVAL - 1, GRAPH_KV_INTERVAL, GRAPH_KV_INTERVAL + 1,
+        for kv in (0, 1, 37, 300, GRAPH_KV_INTERVAL - 1, GRAPH_KV_INTERVAL, GRAPH_KV_INTERVAL + 1,
                    3 * GRAPH_KV_INTERVAL + 5):
             pq, pkv, graphed = step_bucket(q, kv, 512, kv_cap)
             assert graphed and pq in GRAPH_TOKEN_BUCKETS and pq >= q and (pq == 1 or pq // 2 < q), (q, pq)
-            assert pkv % GRAPH_KV_INTERVAL == 0 and kv <= pkv < kv + GRAPH_KV_INTERVAL + 1, (kv, pkv)
-    assert step_bucket(1, 0, 512, kv_cap)[:2] == (1, GRAPH_KV_INTERVAL)  # no reads: still the first reads bucket
-    assert step_bucket(33, 10, 48, kv_cap)[:2] == (48, GRAPH_KV_INTERVAL)  # capped at max_batch_tokens
+            assert pkv == kv_bucket(kv, kv_cap), (kv, pkv)
+    assert step_bucket(1, 0, 512, kv_cap)[:2] == (1, 256)  # no reads: still the first reads bucket
+    assert step_bucket(33, 10, 48, kv_cap)[:2] == (48, 256)  # capped at max_batch_tokens
     assert step_bucket(3, 4400, 512, 4500 + 3) == (4, 4503, True)  # capped at the pool's reads
     assert step_bucket(GRAPH_MAX_TOKENS + 1, 900, 512, kv_cap) == (GRAPH_MAX_TOKENS + 1, 900, False)  # eager as is
-    assert warm_up_sizes(512, kv_cap) == list(GRAPH_TOKEN_BUCKETS) and warm_up_sizes(100, kv_cap)[-2:] == [64, 100]
+    # the warm-up: every token bucket at the first reads bucket, then those up to 16 tokens at each reads bucket up
+    # to 4096 (one stream's decode, a few streams', a short suffix after a cached prefix)
+    small = (1, 2, 4, 8, 16)
+    assert warm_up_steps(512, kv_cap) == [(q, 256) for q in GRAPH_TOKEN_BUCKETS] + [
+        (q, r) for r in (512, 1024, 2048, 4096) for q in small]
+    assert warm_up_steps(100, 1000) == [(q, 256) for q in (1, 2, 4, 8, 16, 32, 64, 100)] + [
+        (q, r) for r in (512, 1000) for q in small]
+    assert warm_up_steps(8, 200) == [(1, 200), (2, 200), (4, 200), (8, 200)]  # a pool under the first bucket
+    assert (8, kv_bucket(2000, kv_cap)) in warm_up_steps(512, kv_cap)  # issue 33's second request's step
     assert step_bucket(40, 900, 32, kv_cap) == (40, 900, False)  # past max_batch_tokens: eager
     with pytest.raises(ValueError):
         step_bucket(0, 0, 512, kv_cap)
@@ -366,6 +375,39 @@ def test_step_buckets_and_graph_plan():
         assert engine.manager.continuous_batching_config.use_cuda_graph in (None, False, (False, False))
     finally:
         engine.stop()
+
+
+def test_kv_bucket_powers_of_two_then_multiples_of_the_interval(monkeypatch):
+    """A graphed step's cache reads as run: the next power of two from 256 to 4096, then the next multiple of 4096,
+    never fewer than the reads, capped at the pool's; GRAPH_KV_MIN at the interval gives session 31's multiples of
+    4096 (the benchmarks' old variant); bad values are errors naming the argument."""
+    from ktorch.serve import engine as engine_module
+    from ktorch.serve.engine import GRAPH_KV_INTERVAL, GRAPH_KV_MIN, kv_bucket
+
+    assert (GRAPH_KV_MIN, GRAPH_KV_INTERVAL) == (256, 4096)
+    cap = 1 << 20
+    assert [kv_bucket(n, cap) for n in (0, 1, 255, 256, 257, 511, 512, 513, 2000, 2048, 4095, 4096)] == \
+        [256, 256, 256, 256, 512, 512, 512, 1024, 2048, 2048, 4096, 4096]
+    assert [kv_bucket(n, cap) for n in (4097, 8192, 8193, 12288, 30000)] == [8192, 8192, 12288, 12288, 32768]
+    rng = random.Random(7)
+    for n in [rng.randrange(0, 70000) for _ in range(2000)] + list(range(0, 9000, 7)):
+        b = kv_bucket(n, cap)
+        assert b >= n and kv_bucket(b, cap) == b, n  # covers the reads; a bucket is its own bucket
+        if n <= 256:
+            assert b == 256
+        elif n <= GRAPH_KV_INTERVAL:
+            assert b & (b - 1) == 0 and b < 2 * n, n  # a power of two, under twice the reads
+        else:
+            assert b % GRAPH_KV_INTERVAL == 0 and b - n < GRAPH_KV_INTERVAL, n
+        assert kv_bucket(n, 3000) == min(b, 3000)  # capped at the pool's reads
+    monkeypatch.setattr(engine_module, "GRAPH_KV_MIN", GRAPH_KV_INTERVAL)  # the old buckets
+    for n in list(range(0, 20000, 13)) + [4096, 4097, 8192]:
+        assert kv_bucket(n, cap) == -(-max(n, 1) // GRAPH_KV_INTERVAL) * GRAPH_KV_INTERVAL, n
+    assert engine_module.warm_up_steps(16, cap) == [(q, GRAPH_KV_INTERVAL) for q in (1, 2, 4, 8, 16)]
+    with pytest.raises(ValueError, match="reads"):
+        kv_bucket(-1, cap)
+    with pytest.raises(ValueError, match="max_tokens_read"):
+        kv_bucket(10, 0)
 
 
 def test_bucketed_steps_pad_to_the_buckets_and_leave_padding_out_of_the_experts(builtin):
@@ -409,8 +451,12 @@ def test_bucketed_steps_pad_to_the_buckets_and_leave_padding_out_of_the_experts(
 
     plain, _, plain_steps, _, plain_engine = run(False)
     padded, seen, steps, caps, engine = run(True)
-    # the warm-up: one forward per bucket up to max_batch_tokens (48), of one fake request each, pool freed after
-    assert [rows for rows, _, _ in caps["warm"]] == [1, 2, 4, 8, 16, 32, 48]  # 33-48 tokens pad to 48
+    # the warm-up: one forward per bucket up to max_batch_tokens (48) at the first reads bucket, then one-token steps
+    # at the next reads buckets up to the pool's (1024 tokens); one fake request each, the pool freed after
+    assert caps["reads"] == 1024
+    assert [(rows, keys - rows) for rows, _, keys in caps["warm"]] == [
+        (1, 256), (2, 256), (4, 256), (8, 256), (16, 256), (32, 256), (48, 256)] + [  # 33-48 tokens pad to 48
+        (q, r) for r in (512, 1024) for q in (1, 2, 4, 8, 16)]
     assert all(rows == real for rows, real, _ in caps["warm"]) and caps["free_after_warmup"] == 1.0
     seen = seen[len(caps["warm"]) * len(experts):]
     assert padded == plain and all(len(o) == 9 for o in plain)
@@ -424,10 +470,53 @@ def test_bucketed_steps_pad_to_the_buckets_and_leave_padding_out_of_the_experts(
         padded_steps += rows > real
         for layer_rows, used, pad in seen[i * len(experts):(i + 1) * len(experts)]:
             assert (layer_rows, used, pad) == (rows, real, rows - real)  # padding rows: all -1, real rows: routed
-        assert keys - rows in (caps["reads"], *range(0, caps["reads"] + 1, 4096))  # reads padded (or capped)
+        assert keys - rows in (caps["reads"], 256, 512)  # reads padded to a bucket (or capped)
     assert sum(real == 3 for _, real, _ in steps) >= 7  # the decode steps, padded to 4 rows
     assert padded_steps == sum(real not in GRAPH_TOKEN_BUCKETS for _, real, _ in steps) > 0
     assert len(seen) == len(experts) * len(steps)
+
+
+class _StandInGraph:
+    """A CUDA graph's stand-in on the CPU: its replay reruns the captured step on the step's static inputs."""
+
+    def __init__(self, step):
+        self.step, self.replays = step, 0
+
+    def replay(self):
+        self.replays += 1
+        self.step()
+
+    def reset(self):
+        pass
+
+
+def _stand_in_graphs(monkeypatch, replay_in=None) -> list:
+    """ktorch's GPU plan on the CPU: the engine plans graphs, and transformers' capture makes a ``_StandInGraph``
+    (its warm-up run, then the "capture", which runs the step once more); returns the list of graphs made.
+    ``replay_in(model, cache)``: a context each replay runs in (a CUDA graph replays the captured kernels: the
+    compiled layers' ones, where the capture ran in ``compiled_step_layers``)."""
+    from transformers.generation.continuous_batching import initialization, model_runner
+
+    from ktorch.serve import engine as engine_module
+
+    graphs = []
+
+    def capture(runner, forward_fn, compute_stream, *args):  # ModelRunner._capture_graph without CUDA
+        forward_fn(*args)
+        forward_fn(*args)
+
+        def step():
+            with replay_in(args[0], args[1]["cache"]) if replay_in else contextlib.nullcontext():
+                forward_fn(*args)
+
+        graphs.append(_StandInGraph(step))
+        runner.inputs_and_outputs.set_graph(graphs[-1])
+
+    monkeypatch.setattr(engine_module, "plan_cuda_graphs", lambda *args: "ktorch")
+    monkeypatch.setattr(initialization, "get_accelerator_graph_name", lambda: "CUDAGraph")
+    monkeypatch.setattr(model_runner, "get_memory_pools", lambda: (None, None))
+    monkeypatch.setattr(model_runner.ModelRunner, "_capture_graph", capture)
+    return graphs
 
 
 def test_graph_plan_control_flow_with_a_stand_in_graph(builtin, monkeypatch):
@@ -435,30 +524,21 @@ def test_graph_plan_control_flow_with_a_stand_in_graph(builtin, monkeypatch):
     forward and its replay reruns it on the step's inputs (rewritten in place in transformers' static tensors, as a
     CUDA graph replay reads them). The warm-up captures one graph per padded size, every later step replays one
     (none captured: all their sizes were warmed up), the counters count real tokens, and the tokens equal the eager
-    engine's. What only CUDA shows (recorded kernels, the experts' host functions) is tests/test_serve_cuda.py's."""
-    from transformers.generation.continuous_batching import initialization, model_runner
+    engine's. Each capture, and nothing else, runs inside ``compiled_step_layers`` (a recording no-op here: the
+    compiled capture is the next test's). What only CUDA shows (recorded kernels, the experts' host functions) is
+    tests/test_serve_cuda.py's."""
+    import contextlib
 
     from ktorch.serve import engine as engine_module
 
-    class StandInGraph:
-        def __init__(self, step):
-            self.step, self.replays = step, 0
+    compiled_contexts = []
 
-        def replay(self):
-            self.replays += 1
-            self.step()
+    @contextlib.contextmanager
+    def recording_context(model, cache):
+        compiled_contexts.append(cache)
+        yield
 
-        def reset(self):
-            pass
-
-    graphs = []
-
-    def capture(runner, forward_fn, compute_stream, *args):  # ModelRunner._capture_graph without CUDA
-        forward_fn(*args)  # transformers' warm-up run, then the "capture", which runs it once more
-        forward_fn(*args)
-        graphs.append(StandInGraph(lambda: forward_fn(*args)))
-        runner.inputs_and_outputs.set_graph(graphs[-1])
-
+    monkeypatch.setattr(engine_module, "compiled_step_layers", recording_context)
     model, _ = builtin
     prompts = [list(range(10 + i, 17 + 5 * i)) for i in range(3)]
 
@@ -474,17 +554,135 @@ def test_graph_plan_control_flow_with_a_stand_in_graph(builtin, monkeypatch):
             engine.stop()
 
     eager, eager_engine, _ = run()
-    monkeypatch.setattr(engine_module, "plan_cuda_graphs", lambda *args: "ktorch")
-    monkeypatch.setattr(initialization, "get_accelerator_graph_name", lambda: "CUDAGraph")
-    monkeypatch.setattr(model_runner, "get_memory_pools", lambda: (None, None))
-    monkeypatch.setattr(model_runner.ModelRunner, "_capture_graph", capture)
+    graphs = _stand_in_graphs(monkeypatch)
     graphed, engine, (warm_captures, warm_forwards) = run()
     assert engine.graph_plan == "ktorch" and eager_engine.graph_plan == "off"
     assert graphed == eager
-    assert warm_captures == len(graphs) == 7 and warm_forwards == 0  # 1, 2, 4, 8, 16, 32, 48 tokens
-    assert engine.graph_captures == 7 and engine.graph_replays == engine.forwards == sum(g.replays for g in graphs)
+    # 1, 2, 4, 8, 16, 32, 48 tokens at 256 reads, 1 to 16 tokens at 512 and 1024 (the pool's 64 pages of 16)
+    assert warm_captures == len(graphs) == 17 and warm_forwards == 0
+    assert engine.graph_captures == 17 and engine.graph_replays == engine.forwards == sum(g.replays for g in graphs)
+    assert len(compiled_contexts) == 17 and all(c is compiled_contexts[0] for c in compiled_contexts)
     assert engine.tokens_computed == eager_engine.tokens_computed and engine.forwards >= 9
     assert eager_engine.graph_replays == eager_engine.graph_captures == 0
+
+
+def test_compiled_captures_equal_eager_and_compile_once_per_token_bucket(builtin, monkeypatch):
+    """The captured steps' decoder layers compiled regionally (``compiled_step_layers``: Inductor, on the CPU here,
+    under the stand-in graph): the tokens equal the eager engine's; while a capture runs, every decoder layer runs a
+    compiled forward and the attention is its eager-wrapped implementation, all put back after; and a capture at a
+    new cache-reads bucket compiles nothing (only the eager attention sees the reads): with the warm-up of the
+    larger reads buckets cut to one-token steps, three 200-token prompts' prefill chunks, 8 tokens at up to ~600
+    reads, are captured at (8, 512) while serving, after the warm-up's (8, 256), and their decode steps at (2, 512)
+    (and more). The stand-in's replays rerun the compiled layers, as a CUDA graph replays their kernels; in them the
+    padding rows reach the CPU experts with id -1 only (the padding mask, traced by Dynamo here)."""
+    from torch._dynamo.utils import counters
+
+    from ktorch.generation import EAGER_ATTENTION_PREFIX, decoder_layers
+    from ktorch.serve import engine as engine_module
+
+    model, _ = builtin
+    layers = decoder_layers(model)
+    attentions = [layer.self_attn for layer in layers]
+    inside = []
+    compiled = engine_module.compiled_step_layers
+    state = {"compiled": False, "real": None}
+    seen = []  # per experts call in a compiled capture: (rows, rows with an id >= 0, rows all -1, real tokens)
+
+    @contextlib.contextmanager
+    def watched(m, cache):
+        with compiled(m, cache):
+            inside.append((m.config._attn_implementation, all("forward" in layer.__dict__ for layer in layers),
+                           all(isinstance(a.layer_idx, torch.Tensor) for a in attentions)))
+            state["compiled"] = True
+            try:
+                yield
+            finally:
+                state["compiled"] = False
+
+    def recording(forward):  # the experts' own forward, called (eagerly) by the compiled layers
+        def record(hidden_states, top_k_index, *args, **kwargs):
+            if state["compiled"]:
+                seen.append((top_k_index.shape[0], int((top_k_index >= 0).any(-1).sum()),
+                             int((top_k_index == -1).all(-1).sum()), state["real"]))
+            return forward(hidden_states, top_k_index, *args, **kwargs)
+        return record
+
+    experts = [m for m in model.modules() if getattr(m, "kt_w13", None) is not None]
+    for m in experts:
+        m.forward = recording(m.forward)
+    hooks = [model.register_forward_pre_hook(
+        lambda mod, args, kw: state.update(real=int(kw["cu_seq_lens_q"][-1])), with_kwargs=True)]
+    monkeypatch.setattr(engine_module, "compiled_step_layers", watched)
+    monkeypatch.setattr(engine_module, "WARM_UP_READS_TOKENS", 1)
+    prompts = [[(11 * i + j) % 4000 + 5 for i in range(200)] for j in range(3)]
+
+    def run(graphed: bool):
+        engine = ServeEngine(model, model.generation_config.eos_token_id, 0,
+                             EngineConfig(page_size=PAGE, num_blocks=64, max_batch_tokens=8))
+        engine.start()
+        warm = (engine.graph_captures, counters["stats"]["unique_graphs"])
+        try:
+            return asyncio.run(collect(engine, prompts, 40, timeout=300)), engine, warm
+        finally:
+            engine.stop()
+
+    try:
+        eager, _, _ = run(False)
+        graphs = _stand_in_graphs(monkeypatch, replay_in=lambda m, cache: engine_module.compiled_step_layers(m, cache))
+        torch._dynamo.reset()
+        counters.clear()
+        graphed, engine, (warm_captures, warm_graphs) = run(True)
+        for m in experts:
+            assert "forward" in m.__dict__  # compiled_layers put the instance's own forward back
+    finally:
+        for h in hooks:
+            h.remove()
+        for m in experts:
+            m.__dict__.pop("forward", None)
+    assert graphed == eager
+    assert seen and all((used, pad) == (real, rows - real) for rows, used, pad, real in seen), seen
+    assert any(rows > real for rows, _, _, real in seen)  # some compiled steps had padding rows
+    assert warm_captures == 6  # 1, 2, 4, 8 tokens at 256 reads, 1 token at 512 and 1024 (the pool's 64 pages)
+    assert engine.graph_captures > warm_captures  # (8, 512), (2, 512): the prompts' chunks, their decode
+    assert 0 < warm_graphs == counters["stats"]["unique_graphs"], dict(counters["stats"])
+    assert len(inside) == engine.graph_captures + sum(g.replays for g in graphs)
+    assert all(impl == EAGER_ATTENTION_PREFIX + "sdpa" and fwd and idx for impl, fwd, idx in inside), inside
+    assert model.config._attn_implementation == "sdpa"  # put back
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    assert all(type(a.layer_idx) is int for a in attentions)
+
+
+def test_a_failed_compiled_capture_falls_back_to_eager_layers(builtin, monkeypatch, caplog):
+    """A capture whose compiled layers fail (a layer Dynamo or Inductor cannot take) is run again with the layers
+    eager, and so is every later capture: the engine serves the eager engine's tokens, counts the failure once in
+    /v1/stats and says so in its log."""
+    from ktorch.serve import engine as engine_module
+
+    attempts = []
+
+    @contextlib.contextmanager
+    def failing(model, cache):
+        attempts.append(1)
+        raise RuntimeError("this layer cannot be compiled")
+        yield
+
+    model, _ = builtin
+    prompts = [list(range(10 + i, 17 + 5 * i)) for i in range(3)]
+
+    def run():
+        engine = ServeEngine(model, model.generation_config.eos_token_id, 0,
+                             EngineConfig(page_size=PAGE, num_blocks=64, max_batch_tokens=8))
+        return run_engine(engine, prompts, 9), engine
+
+    eager, _ = run()
+    _stand_in_graphs(monkeypatch)
+    monkeypatch.setattr(engine_module, "compiled_step_layers", failing)
+    with caplog.at_level("WARNING", logger="ktorch.serve"):
+        graphed, engine = run()
+    assert graphed == eager
+    assert attempts == [1] and engine.graph_compile_failures == 1 == engine.stats()["graph_compile_failures"]
+    assert engine.graph_captures >= 4 and engine.graph_replays > 0  # every bucket captured, eagerly
+    assert "this and later steps are captured with the layers eager" in caplog.text
 
 
 def test_queued_tokens_limit(builtin):

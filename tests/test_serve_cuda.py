@@ -96,6 +96,35 @@ def test_cuda_shared_prefix_computes_only_the_suffix_under_graphs():
 
 
 @needs_cuda
+def test_cuda_compiled_captures_compile_once_per_token_bucket():
+    """The graphed steps' layers are compiled (``compiled_step_layers``) during the warm-up, once per token bucket:
+    serving a prompt whose prefill chunks (graphed, 128 tokens) meet cache-reads buckets the warm-up left out
+    captures new graphs and compiles nothing more; the tokens equal the eager engine's, and while graphs are
+    captured the model runs the eager-wrapped attention, put back after."""
+    from torch._dynamo.utils import counters
+
+    from ktorch.generation import decoder_layers
+
+    model, _ = ktorch.load("builtin", device="cuda", dtype=torch.float32, progress=False, gpu_memory="off")
+    rng = random.Random(8)
+    prompts = [[rng.randrange(3, 4096) for _ in range(700)], [rng.randrange(3, 4096) for _ in range(9)]]
+    eager, _ = _cuda_run(model, prompts, 10, cuda_graphs=False)
+    engine = ServeEngine(model, model.generation_config.eos_token_id, 0,
+                         EngineConfig(page_size=PAGE, num_blocks=256, max_batch_tokens=128))
+    engine.start()
+    try:
+        warm_captures, warm_graphs = engine.graph_captures, counters["stats"]["unique_graphs"]
+        graphed = asyncio.run(asyncio.wait_for(asyncio.gather(*[generated(engine, p, 10, 300) for p in prompts]), 600))
+    finally:
+        engine.stop()
+    assert graphed == eager
+    assert engine.graph_captures > warm_captures  # (128, 512), (128, 1024): the 700-token prompt's chunks
+    assert counters["stats"]["unique_graphs"] == warm_graphs > 0
+    assert model.config._attn_implementation == "sdpa"
+    assert not any("forward" in layer.__dict__ for layer in decoder_layers(model))
+
+
+@needs_cuda
 def test_cuda_default_residents_serve_under_graphs():
     """ktorch.load's default on a GPU (--gpu-memory auto): the built-in model's experts all fit, so every layer's
     experts are resident; graphed steps give the eager engine's tokens, no CPU experts call is made, captured or

@@ -18,7 +18,8 @@ visible there) and of graph replays, optional per-step statistics (tokens, secon
 GPU its own choice of which steps run under CUDA graphs (``plan_cuda_graphs``, ``step_bucket``): transformers turns
 graphs on by itself only with flash attention, whose block-table decode path it graphs; with sdpa (what ktorch
 models run) every step takes the varlen path, which ktorch pads to a few token buckets and graphs up to
-``GRAPH_MAX_TOKENS`` tokens (decode steps, short prompt chunks), larger steps (prefill chunks, where the experts'
+``GRAPH_MAX_TOKENS`` tokens (decode steps, short prompt chunks), their decoder layers compiled regionally as
+``ktorch.generate``'s decode step (``compiled_step_layers``), larger steps (prefill chunks, where the experts'
 compute dominates) running eagerly.
 """
 
@@ -87,7 +88,11 @@ FIRST_OUTPUT_WAIT_S = 0.005  # the most a step giving first tokens waits for the
 
 GRAPH_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # a graphed step's tokens are padded up to one of these
 GRAPH_MAX_TOKENS = GRAPH_TOKEN_BUCKETS[-1]  # larger steps (prefill chunks) run eagerly, unpadded
-GRAPH_KV_INTERVAL = 4096  # a graphed step's cache reads (all its sequences' past tokens) are padded to a multiple
+GRAPH_KV_MIN = 256  # a graphed step's cache reads (all its sequences' past tokens) are padded to a power of two from
+# this up to GRAPH_KV_INTERVAL, and to a multiple of GRAPH_KV_INTERVAL above it: the attention (the one part of a
+# step that sees the reads) computes over the padded length, so one stream at 300 tokens of context attends 512
+# positions instead of 4096. Benchmarks set it to GRAPH_KV_INTERVAL for session 31's buckets (multiples only).
+GRAPH_KV_INTERVAL = 4096
 
 
 def plan_cuda_graphs(device_type: str, attn_implementation: Optional[str], cuda_graphs: Optional[bool]) -> str:
@@ -105,26 +110,62 @@ def _round_up(n: int, interval: int) -> int:
     return -(-n // interval) * interval
 
 
+def kv_bucket(reads: int, max_tokens_read: int) -> int:
+    """A graphed step's cache reads as run: the next power of two from ``GRAPH_KV_MIN`` up to ``GRAPH_KV_INTERVAL``,
+    above it the next multiple of ``GRAPH_KV_INTERVAL``, capped at the pool's ``max_tokens_read`` (0 reads take the
+    first bucket, as transformers pads them: one graph whether or not the step reads the cache)."""
+    if reads < 0 or max_tokens_read < 1:
+        raise ValueError(f"kv_bucket: reads must be >= 0 and max_tokens_read >= 1, got {reads} and {max_tokens_read}")
+    bucket = max(GRAPH_KV_MIN, 1 << max(reads - 1, 0).bit_length())
+    if bucket > GRAPH_KV_INTERVAL:
+        bucket = _round_up(reads, GRAPH_KV_INTERVAL)
+    return min(bucket, max_tokens_read)
+
+
 def step_bucket(num_q_tokens: int, max_kv_read: int, max_batch_tokens: int,
                 max_tokens_read: int) -> tuple[int, int, bool]:
     """A step's (tokens, cache reads) as run, and whether it runs under a CUDA graph (ktorch's plan).
 
     Steps of at most ``GRAPH_MAX_TOKENS`` tokens are padded to the next of ``GRAPH_TOKEN_BUCKETS`` (within
-    ``max_batch_tokens``) and their cache reads to the next multiple of ``GRAPH_KV_INTERVAL`` (within
-    ``max_tokens_read``; 0 reads are padded too, as transformers does: one graph whether or not the step reads the
-    cache); a graph is kept per (tokens, reads) pair. Larger steps run as they are, eagerly."""
+    ``max_batch_tokens``) and their cache reads to ``kv_bucket``'s; a graph is kept per (tokens, reads) pair.
+    Larger steps run as they are, eagerly."""
     if num_q_tokens < 1 or max_kv_read < 0:
         raise ValueError(f"step_bucket: {num_q_tokens} tokens, {max_kv_read} cache reads")
     if num_q_tokens > min(GRAPH_MAX_TOKENS, max_batch_tokens):
         return num_q_tokens, max_kv_read, False
     q = min(next(b for b in GRAPH_TOKEN_BUCKETS if b >= num_q_tokens), max_batch_tokens)
-    return q, min(_round_up(max(max_kv_read, 1), GRAPH_KV_INTERVAL), max_tokens_read), True
+    return q, kv_bucket(max_kv_read, max_tokens_read), True
 
 
-def warm_up_sizes(max_batch_tokens: int, max_tokens_read: int) -> list[int]:
-    """The padded token counts ``step_bucket`` can give a graphed step: one graph each is captured before serving."""
+WARM_UP_READS_TOKENS = 16  # token buckets up to this are warmed up at every reads bucket up to GRAPH_KV_INTERVAL
+
+
+def warm_up_steps(max_batch_tokens: int, max_tokens_read: int) -> list[tuple[int, int]]:
+    """The graphs captured before serving, as (tokens, cache reads) pairs of buckets: every token bucket
+    ``step_bucket`` can give at the first reads bucket, then the token buckets up to ``WARM_UP_READS_TOKENS`` at
+    each reads bucket after it up to ``GRAPH_KV_INTERVAL`` (512, 1024, 2048, 4096): one stream's decode up to 4096
+    tokens of context, a few streams' at short contexts, and a short suffix after a cached prefix (issue 33's
+    second request: 8 new tokens after 2000 cached, bucket (8, 2048)) capture nothing while serving. Other pairs
+    are captured when first met (a capture of a token bucket already compiled compiles nothing)."""
     top = min(GRAPH_MAX_TOKENS, max_batch_tokens)
-    return sorted({step_bucket(q, 0, max_batch_tokens, max_tokens_read)[0] for q in range(1, top + 1)})
+    sizes = sorted({step_bucket(q, 0, max_batch_tokens, max_tokens_read)[0] for q in range(1, top + 1)})
+    first = kv_bucket(0, max_tokens_read)
+    steps, r = [(q, first) for q in sizes], first
+    while r < min(GRAPH_KV_INTERVAL, max_tokens_read):
+        r = kv_bucket(r + 1, max_tokens_read)
+        steps += [(q, r) for q in sizes if q <= WARM_UP_READS_TOKENS]
+    return steps
+
+
+def compiled_step_layers(model, cache):
+    """The context a graphed step is captured in: its decoder layers compiled regionally as ``ktorch.generate``'s
+    decode step (ktorch/generation.py ``compiled_layers``: one Inductor compile shared by every layer, the KV cache's
+    update and the routed experts eager), with the attention eager too (it alone sees the step's padded cache reads:
+    the layers then compile once per token bucket, not per (tokens, reads) pair). Benchmarks swap it for a no-op
+    context for the eager layers (session 31's capture)."""
+    from ktorch.generation import compiled_layers
+
+    return compiled_layers(model, cache, eager_attention=True)
 
 
 def count_distinct_experts(refs: list) -> tuple[int, int]:
@@ -144,6 +185,20 @@ def count_distinct_experts(refs: list) -> tuple[int, int]:
         seen = torch.zeros(len(ids), experts + 1, dtype=torch.bool, device=flat.device).scatter_(1, flat, True)
         used = seen[:, :experts].sum(1).tolist()
     return sum(used), sum(u * r[1] for u, r in zip(used, refs))
+
+
+def _mark_reads_dynamic(batch_data: dict) -> None:
+    """Marks the dimension of a step's inputs that counts its cache reads (the attention mask's keys, the read
+    indices) dynamic for Dynamo. The compiled layers only pass them to the eager cache update and attention, but
+    their outer frames (the layer's call) guard every input's shape, and with static shapes each new (tokens, reads)
+    pair would trace them again, up to Dynamo's limit of entries per frame; marked, they guard the tokens only."""
+    masks = batch_data.get("attention_mask")
+    for mask in (masks.values() if isinstance(masks, dict) else [masks]):
+        if isinstance(mask, torch.Tensor):
+            torch._dynamo.maybe_mark_dynamic(mask, mask.dim() - 1)
+    for index in batch_data.get("read_index") or []:
+        if isinstance(index, torch.Tensor) and index.dim() == 1:
+            torch._dynamo.maybe_mark_dynamic(index, 0)
 
 
 # ---------------------------------------------------------------- the KV pool in the GPU memory budget
@@ -369,6 +424,7 @@ class ServeEngine:
         self.tokens_computed = 0  # the steps' real tokens (no padding)
         self.graph_replays = 0  # steps run by replaying a CUDA graph
         self.graph_captures = 0  # steps that captured a graph (warm-up captures included)
+        self.graph_compile_failures = 0  # captures whose compiled layers failed (then every capture is eager)
         self.warmup_seconds = 0.0
         self.steps: deque[StepRecord] = deque(maxlen=4096)
         self.requests_done = 0
@@ -479,6 +535,18 @@ class ServeEngine:
 
                 with prefill_attention():
                     compute(model, batch_data)
+            elif mode == "capture" and self.graph_plan == "ktorch" and not self.graph_compile_failures:
+                # transformers' eager run, then the capture, both with the layers compiled (flash attention's own
+                # plan, untried compiled, captures them eager)
+                _mark_reads_dynamic(batch_data)
+                try:
+                    with compiled_step_layers(model, processor.cache):
+                        compute(model, batch_data)
+                except Exception as e:  # a layer Dynamo or Inductor cannot take: this and later captures eager
+                    self.graph_compile_failures += 1
+                    log.warning("ktorch serve: capturing a step with its decoder layers compiled failed (%s: %s); "
+                                "this and later steps are captured with the layers eager", type(e).__name__, e)
+                    compute(model, batch_data)  # the same step again (its KV writes and outputs are rewritten)
             else:
                 compute(model, batch_data)
             self.graph_replays += mode == "replay"
@@ -530,23 +598,24 @@ class ServeEngine:
         io._get_graph_key = lambda: (io.num_q_tokens, io.max_kv_read)
 
     def _warm_up_buckets(self, processor) -> None:
-        """Captures each token bucket's graph at the first cache-read bucket before the first request (so that no
-        request's first token waits for a capture of the common sizes); larger cache reads are captured when met."""
+        """Captures the graphs of ``warm_up_steps`` before the first request (so that no request's first token
+        waits for a capture of the common sizes, nor a decode step for one at the common context lengths); other
+        (tokens, cache reads) pairs are captured when met. The first capture of each token bucket compiles its
+        layers (``compiled_step_layers``; Inductor's on-disk cache serves the next process)."""
         runner, cache = processor.model_runner, processor.cache
         t0 = time.perf_counter()
         self._warming_up = True
         captures = self.graph_captures
-        sizes = warm_up_sizes(cache.max_batch_tokens, cache.max_tokens_read)
+        steps = warm_up_steps(cache.max_batch_tokens, cache.max_tokens_read)
         try:
             with torch.no_grad():  # as transformers' own warm-up and steps (no autograd path in the experts)
-                for q in sizes:
-                    runner.run_one_warmup(self.model, num_q_tokens=q,
-                                          max_kv_read=min(GRAPH_KV_INTERVAL, cache.max_tokens_read))
+                for q, kv in steps:
+                    runner.run_one_warmup(self.model, num_q_tokens=q, max_kv_read=kv)
         finally:
             self._warming_up = False
-        if runner.use_cuda_graph_varlen and self.graph_captures - captures < len(sizes):
+        if runner.use_cuda_graph_varlen and self.graph_captures - captures < len(steps):
             log.warning("ktorch serve: the warm-up captured %d of %d graphs (transformers' warning above says why); "
-                        "the rest are captured when first needed", self.graph_captures - captures, len(sizes))
+                        "the rest are captured when first needed", self.graph_captures - captures, len(steps))
         cache.reset()  # the warm-up requests' pages back to the pool (as transformers' own warm-up)
         self.warmup_seconds = time.perf_counter() - t0
 
@@ -576,6 +645,8 @@ class ServeEngine:
                 ids = args[1]
             else:
                 return None
+            if ids.shape[0] == 1:  # a one-row step has no padding rows (a graphed step has a real token)
+                return None
             rows = torch.arange(ids.shape[0], device=ids.device)
             masked = torch.where((rows < real)[:, None], ids, -1)
             if "top_k_index" in kwargs:
@@ -599,6 +670,7 @@ class ServeEngine:
                 per_expert = sum(t.nbytes for t in (m.kt_w13, m.kt_w13_scales, m.kt_w2, m.kt_w2_scales)
                                  if t is not None) // m.kt_w13.shape[0]
 
+                @torch.compiler.disable  # under a compiled capture too: it asks whether the stream is capturing
                 def pre(module, args, kwargs, _b=per_expert, _e=m.kt_w13.shape[0]):
                     top_k_index = kwargs.get("top_k_index", args[1] if len(args) > 1 else None)
                     if top_k_index is None:
@@ -640,6 +712,7 @@ class ServeEngine:
         return {"requests_in_flight": active, "queued_prompt_tokens": queued, "forwards": self.forwards,
                 "tokens_computed": self.tokens_computed, "cuda_graphs": self.graph_plan,
                 "graph_replays": self.graph_replays, "graph_captures": self.graph_captures,
+                "graph_compile_failures": self.graph_compile_failures,
                 "graph_warmup_seconds": round(self.warmup_seconds, 3), "requests_done": self.requests_done,
                 "requests_cancelled": self.requests_cancelled, **memory, **self.cache_state(),
                 **(self.host_tier.stats() if self.host_tier is not None else {})}
