@@ -5,7 +5,15 @@ routing and top-k weights:
   ktorch     ktorch.pack_experts(..., dtype=fmt) + ktorch.fused_moe, at a kernel level/threshold "variant"
              (auto, avx512, amx, amx:N = KT_CPU_KERNEL=amx with the AMX gemms' small-M threshold at N rows for
              every format, through the private test hook kt::_amx_min_rows_for_tests: the sweep that chose the
-             per-format constants of amx/kernels.cpp)
+             per-format constants of amx/kernels.cpp; amx:pairs / amx:inline = KT_CPU_KERNEL=amx with the int4 tile
+             walk that session 32 replaced (walks of 64 rows, each re-unpacking the weights) / the new walk
+             unpacking right before the tile loads, through the private hook kt::_amx_int4_walk_for_tests: the A/B
+             of docs/amx.md's int4 walk; int4 formats only, skipped for the others).
+             Format q4k: GGUF Q4_K kept exact (int4 nibbles with a scale and a minimum per group of 32, at the
+             file's two-level size), the master weights written as Q4_K blocks (ktorch.integrations.gguf_writer)
+             and packed as the GGUF loader packs them (exact_codes + pack_quantized, exact_kscales +
+             pack_kscales); needs the gguf package and H, I multiples of 256. kt-kernel has no Q4_K: its row is
+             AMXInt4_MOE (per channel), taken from the int4 run when int4 is measured too.
   kt-kernel  kt_kernel_ext.moe.AMXBF16_MOE / AMXInt8_MOE / AMXInt4_MOE built from the same bf16 tensors through
              a MOEConfig and load_weights_task (its online quantization), run with forward_task on a CPUInfer
              pool. Note its int4 is per output channel; ktorch's int4 is per group of --group-size.
@@ -63,8 +71,9 @@ SHAPES = {  # name: (E, K, H, I)
     "tiny": (32, 4, 256, 128),
 }
 DEFAULT_TOKENS = {"qwen3": [1, 32, 512, 2048], "deepseek": [1, 512], "tiny": [1, 16, 128]}
-FORMATS = ("bf16", "int8", "int4")
-KT_CLASSES = {"bf16": "AMXBF16_MOE", "int8": "AMXInt8_MOE", "int4": "AMXInt4_MOE"}
+FORMATS = ("bf16", "int8", "int4", "q4k")
+KT_CLASSES = {"bf16": "AMXBF16_MOE", "int8": "AMXInt8_MOE", "int4": "AMXInt4_MOE", "q4k": "AMXInt4_MOE"}
+INT4_WALKS = {"pairs": 0, "inline": 1}  # amx:<walk> variants -> kt::_amx_int4_walk_for_tests (-1: the default walk)
 RESULT = "RESULT "
 
 
@@ -144,9 +153,42 @@ def expert_bytes(side: str, fmt: str, H: int, I: int, group_size: int) -> float:
     n = 3 * H * I
     if fmt == "bf16":
         return 2 * n
+    if fmt == "q4k" and side == "ktorch":  # nibbles; per 256 weights 8 sub-scales + 8 sub-minimums + 2 float32 supers
+        return n / 2 + n * 24 / 256
+    if fmt == "q4k":
+        fmt = "int4"
     if fmt == "int8" or side == "kt":
         return n * (1 if fmt == "int8" else 0.5) + 4 * (2 * I + H)
     return n / 2 + 4 * (2 * I * H + H * I) / group_size
+
+
+def q4k_experts(gate_up, down):
+    """ktorch.PackedExperts of bf16 master experts (gate_up [n, 2I, H], down [n, H, I]) written as GGUF Q4_K blocks
+    and packed as the GGUF loader packs them (ktorch/integrations/gguf_loading.py): the exact codes and minimums,
+    the scales at the file's two-level size."""
+    import ktorch
+    from ktorch.integrations.gguf_loading import exact_codes, exact_kscales
+    from ktorch.integrations.gguf_writer import encode
+    from ktorch.ops.moe import pack_kscales, pack_quantized
+
+    def part(w, gate_up_rows: bool):
+        data = encode(w.float().numpy(), "Q4_K")
+        codes, scales, mins = exact_codes(data, "Q4_K")
+        packed, _ = pack_quantized(codes, scales, mins, bits=4, gate_up=gate_up_rows)
+        return packed, pack_kscales(*exact_kscales(data, "Q4_K"), gate_up=gate_up_rows)
+
+    w13, s13 = part(gate_up, True)
+    w2, s2 = part(down, False)
+    return ktorch.PackedExperts(w13, s13, w2, s2, "gguf:Q4_K")
+
+
+def pack_for(fmt: str, gate_up, down, group_size):
+    """The ktorch side's packed experts of one format (q4k: q4k_experts; int4 with group_size)."""
+    import ktorch
+
+    if fmt == "q4k":
+        return q4k_experts(gate_up, down)
+    return ktorch.pack_experts(gate_up, down, dtype=fmt, group_size=group_size if fmt == "int4" else None)
 
 
 def master_experts(n: int, H: int, I: int, seed: int):
@@ -228,7 +270,7 @@ def emit(**kw) -> None:
 @contextlib.contextmanager
 def variant_env(env: dict):
     """Sets KT_CPU_KERNEL as a ktorch variant names it (cleared otherwise) and, for amx:N, the AMX gemms' small-M
-    threshold (env["amx_min_rows"]) for the duration."""
+    threshold (env["amx_min_rows"]), for amx:<walk>, the AMX int4 tile walk (env["int4_walk"]), for the duration."""
     import torch
 
     saved = os.environ.get("KT_CPU_KERNEL")
@@ -238,31 +280,40 @@ def variant_env(env: dict):
         os.environ.pop("KT_CPU_KERNEL", None)
     if "amx_min_rows" in env:
         torch.ops.kt._amx_min_rows_for_tests(env["amx_min_rows"])
+    if "int4_walk" in env:
+        torch.ops.kt._amx_int4_walk_for_tests(env["int4_walk"])
     try:
         yield
     finally:
         if "amx_min_rows" in env:
             torch.ops.kt._amx_min_rows_for_tests(-1)
+        if "int4_walk" in env:
+            torch.ops.kt._amx_int4_walk_for_tests(-1)
         if saved is None:
             os.environ.pop("KT_CPU_KERNEL", None)
         else:
             os.environ["KT_CPU_KERNEL"] = saved
 
 
-def ktorch_variants(names: list[str], available: list[str]):
-    """[(label, env)] for the variants this machine runs, and [(label, reason)] for the others."""
+def ktorch_variants(names: list[str], available: list[str], fmt: str):
+    """[(label, env)] for the variants this machine runs on format fmt, and [(label, reason)] for the others."""
     runs, skipped = [], []
     for name in names:
-        level, _, rows = name.partition(":")
+        level, _, rest = name.partition(":")
         if level == "auto":
             runs.append((name, {}))
+            continue
+        if rest in INT4_WALKS and fmt not in ("int4", "q4k"):
+            skipped.append((name, f"an int4 tile walk; {fmt} walks as amx does"))
             continue
         if level not in available:
             skipped.append((name, f"kernel level {level} is not available here ({','.join(available)})"))
             continue
         env = {"KT_CPU_KERNEL": level}
-        if rows:
-            env["amx_min_rows"] = int(rows)
+        if rest in INT4_WALKS:
+            env["int4_walk"] = INT4_WALKS[rest]
+        elif rest:
+            env["amx_min_rows"] = int(rest)
         runs.append((name, env))
     return runs, skipped
 
@@ -297,8 +348,7 @@ def child_ktorch(spec: dict) -> None:
 
     E, K, H, I = spec["shape_dims"]
     fmt, gs = spec["format"], spec["group_size"]
-    gs = gs if fmt == "int4" else None
-    runs, skipped = ktorch_variants(spec["variants"], ktorch.cpu_features()["available"])
+    runs, skipped = ktorch_variants(spec["variants"], ktorch.cpu_features()["available"], fmt)
     for label, reason in skipped:
         emit(kind="skip", side="ktorch", variant=label, reason=reason)
     if not runs:
@@ -307,7 +357,7 @@ def child_ktorch(spec: dict) -> None:
 
     if spec["error_tokens"] > 0:
         gate_up, down, x, ids, w, ref = error_instance(spec)
-        packed = ktorch.pack_experts(gate_up, down, dtype=fmt, group_size=gs)
+        packed = pack_for(fmt, gate_up, down, gs)
         for label, env in runs:
             with variant_env(env):
                 err = relative_error(ktorch.fused_moe(x, ids, w, packed), ref)
@@ -321,7 +371,7 @@ def child_ktorch(spec: dict) -> None:
     layers = []
     for i in range(n):
         gate_up, down = master_experts(spec["distinct_experts"], H, I, seed=i)
-        p = ktorch.pack_experts(gate_up, down, dtype=fmt, group_size=gs)
+        p = pack_for(fmt, gate_up, down, gs)
         layers.append(ktorch.PackedExperts(tiled(p.w13, E, True), None if p.w13_scales is None else tiled(p.w13_scales, E),
                                            tiled(p.w2, E, True), None if p.w2_scales is None else tiled(p.w2_scales, E),
                                            p.format, p.group_size))
@@ -484,14 +534,15 @@ def main() -> None:
     ap.add_argument("--ktorch-threads", nargs="+", type=int, default=None, help="default: the physical cores")
     ap.add_argument("--kt-threads", nargs="+", type=int, default=None, help="default: cores-1 and cores")
     ap.add_argument("--ktorch-variants", nargs="+", default=["auto"],
-                    help="auto | portable | avx512 | amx | amx:N (AVX-512 below N rows for every format)")
+                    help="auto | portable | avx512 | amx | amx:N (AVX-512 below N rows for every format) | amx:pairs, "
+                         "amx:inline (int4 formats: the replaced 64-row int4 tile walk / the new one unpacking inline)")
     ap.add_argument("--kt-path", default=os.environ.get("KT_KERNEL_PATH", os.path.join(ROOT, ".peers", "kt_kernel")),
                     help="folder holding kt_kernel/ (default: $KT_KERNEL_PATH or .peers/kt_kernel)")
     ap.add_argument("--no-kt", action="store_true", help="time ktorch only")
     ap.add_argument("--no-ktorch", action="store_true", help="time kt-kernel only")
     ap.add_argument("--kt-pin-caller", action=argparse.BooleanOptionalAction, default=True,
                     help="pin the thread calling kt-kernel to the CPUs its workers do not take (default on)")
-    ap.add_argument("--group-size", type=int, default=128, help="ktorch int4 group size")
+    ap.add_argument("--group-size", type=int, default=128, help="ktorch int4 group size (q4k: Q4_K's 32)")
     ap.add_argument("--cold-factor", type=float, default=3.0, help="layers cycled: weights >= this x L3")
     ap.add_argument("--distinct-experts", type=int, default=4, help="random experts per timing layer, tiled to E")
     ap.add_argument("--error-tokens", type=int, default=64, help="0: no error measurement")
@@ -508,9 +559,11 @@ def main() -> None:
         return
 
     for name in args.ktorch_variants:
-        level, _, rows = name.partition(":")
-        if level not in ("auto", "portable", "avx512", "amx") or (rows and (level != "amx" or not rows.isdigit())):
-            ap.error(f"--ktorch-variants: unknown variant {name!r} (auto, portable, avx512, amx, amx:N)")
+        level, _, rest = name.partition(":")
+        if level not in ("auto", "portable", "avx512", "amx") or (
+                rest and (level != "amx" or not (rest.isdigit() or rest in INT4_WALKS))):
+            ap.error(f"--ktorch-variants: unknown variant {name!r} (auto, portable, avx512, amx, amx:N, "
+                     f"{', '.join('amx:' + w for w in INT4_WALKS)})")
     for line in machine_lines():
         print(line)
     cores = physical_cores()
@@ -537,7 +590,13 @@ def main() -> None:
         E, K, H, I = SHAPES[shape]
         tokens = args.tokens or DEFAULT_TOKENS[shape]
         for fmt in args.formats:
+            if fmt == "q4k" and (H % 256 or I % 256):
+                print(f"skip q4k on {shape}: Q4_K's blocks of 256 need H={H} and I={I} multiples of 256")
+                continue
             for side in list(sides):
+                if side == "kt" and fmt == "q4k" and "int4" in args.formats:
+                    print(f"{shape} q4k, kt: kt-kernel has no Q4_K; its int4 (AMXInt4_MOE) row stands beside it")
+                    continue
                 per_layer = E * expert_bytes(side, fmt, H, I, args.group_size)
                 n = n_layers_for(per_layer, l3, args.cold_factor)
                 need = n * per_layer + E * 3 * H * I * 2 * (side == "kt")  # kt-kernel also holds a bf16 master
@@ -564,10 +623,14 @@ def main() -> None:
                             print(f"  skip {r['side']} {r['variant']}: {r['reason']}")
                         elif r["kind"] == "error":
                             errors[(side, shape, fmt, r["variant"])] = r["error"]
+                            if side == "kt" and fmt == "int4" and "q4k" in args.formats:
+                                errors[(side, shape, "q4k", r["variant"])] = r["error"]
                             print(f"    {side:<6} {r['variant']:<14} rel. error {r['error']:.2e}")
                         elif r["kind"] == "time":
                             rows.append(dict(shape=shape, fmt=fmt, T=r["T"], side=side, variant=r["variant"],
                                              threads=threads, sec=r["sec"], distinct=r["distinct"], bytes=r["bytes"]))
+                            if side == "kt" and fmt == "int4" and "q4k" in args.formats:  # (kt-kernel has no Q4_K)
+                                rows.append(dict(rows[-1], fmt="q4k"))
                     if side not in sides:
                         break
             gc.collect()

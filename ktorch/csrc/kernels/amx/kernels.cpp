@@ -20,15 +20,16 @@
 // block walks the whole K with its accumulators in the tiles (int4: one group at a time, then the group's
 // sums are scaled into fp32 accumulators in L1). Column pairs are the outer loop, row pairs the inner one:
 // a column pair's weights come from memory on its first row pair (prefetched a few tiles ahead) and from
-// L2 on the others; while the last row pair runs, the next column pair is prefetched into L2. bf16 and int8 walk
-// up to 256 rows at once and also prefetch the next call's weights; see "tile walk selection" and docs/amx.md.
+// L2 on the others, and the next column pair (or the caller's next call's first one) is prefetched into L2 spread
+// over the passes. Every format walks up to 256 rows at once; int4 unpacks a column pair's nibbles once a walk, on
+// its first row pair (a few steps ahead of the tile loads), into a buffer its later row pairs read; see "tile walk
+// selection" and docs/amx.md.
 // Activation rows: a 16-row group whose rows are evenly strided (e.g. the driver's down-projection input)
 // is tile-loaded in place; otherwise its rows are copied into a thread-local buffer first.
 //
 // Limits: K % 32 == 0. int8 with K % 64 == 32 runs its last 32-deep step on a zero-padded copy of the B
 // tiles. int4 group_size % 32 == 0; groups of 32 use 32-deep tiles (a second tile configuration: A 32
-// bytes a row, B 8 rows). Any M (cut into walks of at most 64 rows, 256 for the 'rows' walk)
-// and nblocks.
+// bytes a row, B 8 rows). Any M (cut into walks of at most 256 rows) and nblocks.
 // Small M: below a per-format row count the call goes to the AVX-512 kernel (decode is memory-bound and
 // AVX-512 wastes no tile rows); the counts are kMinRows.
 // Tile configuration: loaded (LDTILECFG) at the start of every call, since other code on the same thread
@@ -58,6 +59,7 @@
 #define KTAMX_TILE_DP_BF16(c, a, b) ::kt::kernels::amx_emulation::dp_bf16(c, a, b)
 #define KTAMX_TILE_DP_S8(c, a, b) ::kt::kernels::amx_emulation::dp_s8(c, a, b)
 #define KTAMX_RECORD_PREFETCH(p, to_l1) ::kt::kernels::amx_emulation::record_prefetch(p, to_l1)
+#define KTAMX_RECORD_UNPACK(p, bytes) ::kt::kernels::amx_emulation::record_unpack(p, bytes)
 #else
 // gcc's tile intrinsics paste the register number into the instruction text, so tile arguments must be
 // literals. Their TILELOADD asm does not declare that it reads memory: buffers filled with ordinary stores
@@ -69,6 +71,7 @@
 #define KTAMX_TILE_DP_BF16(c, a, b) _tile_dpbf16ps(c, a, b)
 #define KTAMX_TILE_DP_S8(c, a, b) _tile_dpbssd(c, a, b)
 #define KTAMX_RECORD_PREFETCH(p, to_l1) ((void)0)
+#define KTAMX_RECORD_UNPACK(p, bytes) ((void)0)
 #endif
 
 namespace kt::kernels {
@@ -76,6 +79,7 @@ namespace {
 
 constexpr int64_t kTileBytes = 1024;  // a full tile: 16 rows of 64 bytes
 constexpr int kPrefetchSteps = 4;     // B tiles fetched this many k steps ahead on a column pair's first pass
+constexpr int kUnpackAhead = 2;       // int4: a column pair's first pass unpacks the B tiles this many k steps ahead
 constexpr int kMaxRows = 64;          // rows per tile walk of the 'pairs' walk (4 row groups); larger calls are cut
 constexpr int kMaxWalkRows = 256;     // rows per tile walk of the 'rows' walk (16 row groups)
 
@@ -87,16 +91,23 @@ constexpr int kMinRows[kNumFormats] = {2, 8, 16};  // bf16, int8, int4: measured
 std::atomic<int> g_test_min_rows{-1};
 
 // ---------------------------------------------------------------- tile walk selection
-// The order of the tile walk, by format (docs/amx.md, "The tile walk": what the device measured fastest):
-//   pairs  (int4)         column pairs outer, row pairs inner, calls cut into walks of 64 rows
-//   rows   (bf16, int8)   the same over all rows of a call (walks of up to 256), and the weights of the next column
-//                         pair, or of the caller's next call (next_b), prefetched into L2 spread over every pass
+// The order of the tile walk (docs/amx.md, "The tile walk": what the device measured fastest for bf16 and int8):
+//   rows   (every format) column pairs outer, row pairs inner, over all rows of a call (walks of up to 256), and the
+//                         weights of the next column pair, or of the caller's next call (next_b), prefetched into L2
+//                         spread over every pass. int4 unpacks each column pair once a walk, kUnpackAhead k steps
+//                         ahead of the tile loads of its first row pair.
+//   pairs  (int4 until session 32; a test hook now: amx_int4_walk_for_tests) the same cut into walks of 64 rows, the
+//                         next column pair prefetched during the last row pair only, no next_b; int4 unpacks right
+//                         before each step's tile loads (so a 128-row call unpacks and reads its weights twice)
 // Variants measured and removed with their environment switches (benchmarks/RESULTS.md): k cut into chunks that
 // stay in L1 ('kblock': +3-4% at T=512, slower at T=2048, within the spread, session 9; slower again in sessions 12
 // and 20), A tiles prefetched into L1 ('+pfa', session 9: no row faster), thinner or no L2 prefetch of the next
 // weights and no B tiles into L1 ahead (session 17: within 10% at 128 rows an expert, thinning only loses), no
 // prefetch of the next A rows (session 20: the layer no faster, int8 T=2048 18.5 against 20.5 ms).
 enum class Walk : int { Pairs = 0, Rows = 1 };
+// amx_int4_walk_for_tests: -1 the default (Rows, unpacking ahead); 0 Pairs (unpacking inline); 1 Rows unpacking
+// inline (the tile loads of a step right after the stores that unpacked it).
+std::atomic<int> g_test_int4_walk{-1};
 
 // ---------------------------------------------------------------- tile configuration
 struct alignas(64) TileConfig {
@@ -254,7 +265,8 @@ struct Block {
   int g0 = 0;
   int b0 = 0;
   int64_t s0 = 0, s1 = 0;            // k steps of this pass (full B tiles; the int8 32-deep tail is extra)
-  bool unpack = false;               // int4: first pass of this column pair: unpack its weights
+  bool unpack = false;               // int4: first pass of this column pair: unpack its weights,
+  int unpack_ahead = 0;              //   this many k steps ahead of the tile loads (0: right before them)
   int64_t l1_from = 0, l1_to = 0;    // B tiles of steps in [l1_from, l1_to) prefetched into L1 kPrefetchSteps ahead
   const uint8_t* next = nullptr;     // weights of the next column pair (or call): bytes [next_begin, next_end)
   int next_blocks = 0;               //   of each of its next_blocks blocks prefetched into L2, next_step a k step
@@ -367,6 +379,7 @@ inline __m512i int4_table(const GemmArgs& a) {
 // 2o (its low nibbles, k = 8o..8o+3) and row 2o + 1 (its high nibbles, k = 8o+4..8o+7), each as table[u]
 // (int4_table: q - 8, or the code).
 inline void unpack_int4(const uint8_t* src, int lines, uint8_t* dst, __m512i table) {
+  KTAMX_RECORD_UNPACK(src, 64 * lines);
   const __m512i low = _mm512_set1_epi8(0x0f);
   for (int o = 0; o < lines; ++o) {
     const __m512i v = _mm512_loadu_si512(src + o * 64);
@@ -376,8 +389,9 @@ inline void unpack_int4(const uint8_t* src, int lines, uint8_t* dst, __m512i tab
 }
 
 // kDepth: k per step (64, or 32 for groups of 32). unpacked: RB buffers of K/4 tile rows x 64 bytes, filled
-// on the first pass of the column pair and read by its later row pairs. acc: [32][32] fp32. Every pass
-// covers all of K (the walks never cut int4 into k chunks).
+// on the first pass of the column pair (blk.unpack: step t during step t - blk.unpack_ahead, so that the tile
+// loads of a step do not wait for the stores that unpacked it) and read by its later row pairs. acc: [32][32]
+// fp32. Every pass covers all of K (the walks never cut int4 into k chunks).
 template <int RA, int RB, int kDepth>
 void int4_block(const GemmArgs& a, const ARows& ar, const Block& blk, uint8_t* unpacked, uint8_t* cbuf,
                 float* acc) {
@@ -396,14 +410,22 @@ void int4_block(const GemmArgs& a, const ARows& ar, const Block& blk, uint8_t* u
   for (int r = 0; r < rows; ++r)
     for (int j = 0; j < RB; ++j) _mm512_store_ps(acc + r * 32 + 16 * j, _mm512_setzero_ps());
   const __m512i table = int4_table(a);
+  const auto unpack_step = [&](int64_t t) {
+    unpack_int4(packed0 + t * kPackedStep, kDepth / 8, u0 + t * kUnpackedStep, table);
+    if constexpr (RB > 1) unpack_int4(packed1 + t * kPackedStep, kDepth / 8, u1 + t * kUnpackedStep, table);
+  };
+  const int64_t ahead = blk.unpack ? blk.unpack_ahead : 0;
+  if (blk.unpack) {
+    for (int64_t t = 0; t < std::min(ahead, steps); ++t) unpack_step(t);
+    KTAMX_COMPILER_BARRIER();
+  }
 
   for (int64_t g = 0; g < a.K / a.group_size; ++g) {
     zero_c<RA, RB>();
     for (int64_t s = g * group_steps; s < (g + 1) * group_steps; ++s) {
       prefetch_step<RB>(a, blk, s, packed0, packed1, kPackedStep);
-      if (blk.unpack) {
-        unpack_int4(packed0 + s * kPackedStep, kDepth / 8, u0 + s * kUnpackedStep, table);
-        if constexpr (RB > 1) unpack_int4(packed1 + s * kPackedStep, kDepth / 8, u1 + s * kUnpackedStep, table);
+      if (blk.unpack && s + ahead < steps) {
+        unpack_step(s + ahead);
         KTAMX_COMPILER_BARRIER();
       }
       tile_step<false, RA, RB>(a0 + s * kDepth, sa0, a1 + s * kDepth, sa1, u0 + s * kUnpackedStep,
@@ -458,14 +480,15 @@ void run_block(const GemmArgs& a, const ARows& ar, const Block& blk, const Buffe
 }
 
 // One call of at most kMaxRows ('pairs') or kMaxWalkRows rows. Column pairs outer, then row pairs, each pass over
-// all of K. What each pass prefetches:
+// all of K (int4: the first row pair unpacks the column pair's weights, unpack_ahead k steps ahead of its tile
+// loads; the others read them unpacked). What each pass prefetches:
 //   pairs   first row pair: its B tiles into L1; last row pair: the next column pair of this call into L2
 //   rows    first row pair: its B tiles into L1; every pass: 1/passes of the next column pair, or of the first
 //           column pair of the caller's next call (next_b), into L2
 // Both: the caller's next A rows (next_a) into L2, 1/passes of them during each pass of the walk.
 // side_until: how much of the caller's side work (a.side) is due by the end of this walk.
 template <WeightFormat F>
-void tile_walk(const GemmArgs& a, Walk walk, int64_t side_until) {
+void tile_walk(const GemmArgs& a, Walk walk, int unpack_ahead, int64_t side_until) {
   const int depth = F == WeightFormat::INT4 && a.group_size == 32 ? 32 : 64;
   load_tile_config(depth);
   const int64_t row_bytes = F == WeightFormat::BF16 ? 2 * a.K : a.K;
@@ -510,6 +533,7 @@ void tile_walk(const GemmArgs& a, Walk walk, int64_t side_until) {
       blk.s0 = 0;
       blk.s1 = steps;
       blk.unpack = r == 0;
+      blk.unpack_ahead = unpack_ahead;
       if (r == 0) {  // (int4 reads its packed B only while unpacking, on the first row pair)
         blk.l1_from = 0;
         blk.l1_to = steps;
@@ -556,7 +580,9 @@ void gemm_amx(const GemmArgs& a) {
   // need per-group C tiles as int4 has; they run on the AVX-512 kernel at every M.
   if (F == WeightFormat::INT8 && (a.b_min != nullptr || (a.group_size > 0 && a.group_size < a.K)))
     return avx512_kernels().gemm[static_cast<int>(F)](a);
-  const Walk walk = F == WeightFormat::INT4 ? Walk::Pairs : Walk::Rows;
+  const int test_walk = F == WeightFormat::INT4 ? g_test_int4_walk.load(std::memory_order_relaxed) : -1;
+  const Walk walk = test_walk == 0 ? Walk::Pairs : Walk::Rows;
+  const int unpack_ahead = test_walk < 0 ? kUnpackAhead : 0;
   const int max_rows = walk == Walk::Pairs ? kMaxRows : kMaxWalkRows;
   GemmArgs part = a;
   for (int m0 = 0; m0 < a.M; m0 += max_rows) {
@@ -567,7 +593,7 @@ void gemm_amx(const GemmArgs& a) {
     part.c = a.c + m0 * a.ldc;
     part.next_b = m0 + max_rows < a.M ? nullptr : a.next_b;  // a later walk of this call reuses this b from L2
     part.next_a = m0 + max_rows < a.M ? nullptr : a.next_a;
-    tile_walk<F>(part, walk, a.side != nullptr ? a.side->units * (m0 + part.M) / a.M : 0);
+    tile_walk<F>(part, walk, unpack_ahead, a.side != nullptr ? a.side->units * (m0 + part.M) / a.M : 0);
   }
 }
 
@@ -588,5 +614,11 @@ const KernelSet& amx_kernels() {
 }
 
 void amx_min_rows_for_tests(int rows) { g_test_min_rows.store(rows < 0 ? -1 : rows, std::memory_order_relaxed); }
+
+void amx_int4_walk_for_tests(int walk) {
+  if (walk < -1 || walk > 1)
+    throw std::invalid_argument("amx_int4_walk_for_tests: walk must be -1, 0 or 1, got " + std::to_string(walk));
+  g_test_int4_walk.store(walk, std::memory_order_relaxed);
+}
 
 }  // namespace kt::kernels
