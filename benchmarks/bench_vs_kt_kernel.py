@@ -5,15 +5,17 @@ routing and top-k weights:
   ktorch     ktorch.pack_experts(..., dtype=fmt) + ktorch.fused_moe, at a kernel level/threshold "variant"
              (auto, avx512, amx, amx:N = KT_CPU_KERNEL=amx with the AMX gemms' small-M threshold at N rows for
              every format, through the private test hook kt::_amx_min_rows_for_tests: the sweep that chose the
-             per-format constants of amx/kernels.cpp; amx:pairs / amx:inline = KT_CPU_KERNEL=amx with the int4 tile
-             walk that session 32 replaced (walks of 64 rows, each re-unpacking the weights) / the new walk
-             unpacking right before the tile loads, through the private hook kt::_amx_int4_walk_for_tests: the A/B
-             of docs/amx.md's int4 walk; int4 formats only, skipped for the others).
-             Format q4k: GGUF Q4_K kept exact (int4 nibbles with a scale and a minimum per group of 32, at the
-             file's two-level size), the master weights written as Q4_K blocks (ktorch.integrations.gguf_writer)
-             and packed as the GGUF loader packs them (exact_codes + pack_quantized, exact_kscales +
-             pack_kscales); needs the gguf package and H, I multiples of 256. kt-kernel has no Q4_K: its row is
-             AMXInt4_MOE (per channel), taken from the int4 run when int4 is measured too.
+             per-format constants of amx/kernels.cpp; amx:pairs / amx:inline / amx:ahead = KT_CPU_KERNEL=amx with
+             the int4 tile walk that session 32 replaced (walks of 64 rows, each re-unpacking the weights) / the new
+             'rows' walk unpacking right before the tile loads, each group's epilogue in place / unpacking ahead,
+             epilogues in place (the default also defers each epilogue into the next group's tile products),
+             through the private hook kt::_amx_int4_walk_for_tests: the A/B of docs/amx.md's int4 walk; int4
+             formats only, skipped for the others).
+             Format q4k: GGUF Q4_K kept exact (int4 nibbles 0..15 with a scale and a minimum per group of 32, the
+             scales at the file's two-level size), the master weights fit to Q4_K's values (q4k_codes) and placed
+             as the GGUF loader places a file's Q4_K blocks (pack_quantized + pack_kscales); H, I multiples of 256.
+             kt-kernel has no Q4_K: its row is AMXInt4_MOE (per channel), taken from the int4 run when int4 is
+             measured too.
   kt-kernel  kt_kernel_ext.moe.AMXBF16_MOE / AMXInt8_MOE / AMXInt4_MOE built from the same bf16 tensors through
              a MOEConfig and load_weights_task (its online quantization), run with forward_task on a CPUInfer
              pool. Note its int4 is per output channel; ktorch's int4 is per group of --group-size.
@@ -46,6 +48,8 @@ where it cannot load, the script prints "kt-kernel not found (...)" and times kt
     python benchmarks/bench_vs_kt_kernel.py                                   # Qwen3-30B-A3B and DeepSeek-V3 shapes
     python benchmarks/bench_vs_kt_kernel.py --shapes qwen3 --tokens 512 2048 --formats int8 \\
         --ktorch-variants avx512 amx:1 amx:4 amx:16 --kt-threads 15
+    python benchmarks/bench_vs_kt_kernel.py --shapes qwen3 --formats int8 int4 q4k --tokens 512 2048 \\
+        --ktorch-variants auto amx:pairs amx:inline amx:ahead --kt-threads 15 --cold-factor 16 --min-seconds 0.3
     python benchmarks/bench_vs_kt_kernel.py --shapes tiny --no-kt              # quick check on any machine
 """
 
@@ -73,7 +77,7 @@ SHAPES = {  # name: (E, K, H, I)
 DEFAULT_TOKENS = {"qwen3": [1, 32, 512, 2048], "deepseek": [1, 512], "tiny": [1, 16, 128]}
 FORMATS = ("bf16", "int8", "int4", "q4k")
 KT_CLASSES = {"bf16": "AMXBF16_MOE", "int8": "AMXInt8_MOE", "int4": "AMXInt4_MOE", "q4k": "AMXInt4_MOE"}
-INT4_WALKS = {"pairs": 0, "inline": 1}  # amx:<walk> variants -> kt::_amx_int4_walk_for_tests (-1: the default walk)
+INT4_WALKS = {"pairs": 0, "inline": 1, "ahead": 2}  # amx:<walk> -> kt::_amx_int4_walk_for_tests (-1: the default)
 RESULT = "RESULT "
 
 
@@ -162,20 +166,38 @@ def expert_bytes(side: str, fmt: str, H: int, I: int, group_size: int) -> float:
     return n / 2 + 4 * (2 * I * H + H * I) / group_size
 
 
+def q4k_codes(w):
+    """w [n, N, K] float (K a multiple of 256) as GGUF Q4_K's values: (codes uint8 0..15 [n, N, K], sub-scales and
+    sub-minimums uint8 0..63 [n, N, K/32], super-scales d and dmin float32 [n, N, K/256]), w ~ d*sc*u - dmin*m per
+    group of 32 (a plain min/max fit, not llama.cpp's search: the layout and the kernel's work are what is timed)."""
+    import torch
+
+    n, N, K = w.shape
+    g = w.float().reshape(n, N, K // 256, 8, 32)
+    lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+    scale, mn = (hi - lo) / 15, -lo
+    d, dmin = scale.amax(-1, keepdim=True) / 63, mn.amax(-1, keepdim=True) / 63
+    sc = torch.where(d > 0, scale / d.clamp(min=1e-30), 0).round().clamp(0, 63)
+    m = torch.where(dmin > 0, mn / dmin.clamp(min=1e-30), 0).round().clamp(0, 63)
+    s_eff, m_eff = (d * sc).unsqueeze(-1), (dmin * m).unsqueeze(-1)
+    u = torch.where(s_eff > 0, (g + m_eff) / s_eff.clamp(min=1e-30), 0).round().clamp(0, 15)
+    return (u.reshape(n, N, K).to(torch.uint8), sc.reshape(n, N, K // 32).to(torch.uint8),
+            m.reshape(n, N, K // 32).to(torch.uint8), d.reshape(n, N, K // 256), dmin.reshape(n, N, K // 256))
+
+
 def q4k_experts(gate_up, down):
-    """ktorch.PackedExperts of bf16 master experts (gate_up [n, 2I, H], down [n, H, I]) written as GGUF Q4_K blocks
-    and packed as the GGUF loader packs them (ktorch/integrations/gguf_loading.py): the exact codes and minimums,
-    the scales at the file's two-level size."""
+    """ktorch.PackedExperts in GGUF Q4_K kept exact (format "gguf:Q4_K") from bf16 master experts (gate_up
+    [n, 2I, H], down [n, H, I]): q4k_codes placed as the GGUF loader places a file's Q4_K blocks (pack_quantized for
+    the codes, pack_kscales for the scales at the file's two-level size)."""
     import ktorch
-    from ktorch.integrations.gguf_loading import exact_codes, exact_kscales
-    from ktorch.integrations.gguf_writer import encode
     from ktorch.ops.moe import pack_kscales, pack_quantized
 
     def part(w, gate_up_rows: bool):
-        data = encode(w.float().numpy(), "Q4_K")
-        codes, scales, mins = exact_codes(data, "Q4_K")
+        codes, sc, m, d, dmin = q4k_codes(w)
+        scales = (d.repeat_interleave(8, dim=-1) * sc.float()).contiguous()
+        mins = (dmin.repeat_interleave(8, dim=-1) * m.float()).contiguous()
         packed, _ = pack_quantized(codes, scales, mins, bits=4, gate_up=gate_up_rows)
-        return packed, pack_kscales(*exact_kscales(data, "Q4_K"), gate_up=gate_up_rows)
+        return packed, pack_kscales(sc, d.contiguous(), m, dmin.contiguous(), gate_up=gate_up_rows)
 
     w13, s13 = part(gate_up, True)
     w2, s2 = part(down, False)
@@ -535,7 +557,8 @@ def main() -> None:
     ap.add_argument("--kt-threads", nargs="+", type=int, default=None, help="default: cores-1 and cores")
     ap.add_argument("--ktorch-variants", nargs="+", default=["auto"],
                     help="auto | portable | avx512 | amx | amx:N (AVX-512 below N rows for every format) | amx:pairs, "
-                         "amx:inline (int4 formats: the replaced 64-row int4 tile walk / the new one unpacking inline)")
+                         "amx:inline, amx:ahead (int4 formats: the replaced 64-row int4 tile walk / the new one "
+                         "unpacking inline, epilogues in place / unpacking ahead, epilogues in place)")
     ap.add_argument("--kt-path", default=os.environ.get("KT_KERNEL_PATH", os.path.join(ROOT, ".peers", "kt_kernel")),
                     help="folder holding kt_kernel/ (default: $KT_KERNEL_PATH or .peers/kt_kernel)")
     ap.add_argument("--no-kt", action="store_true", help="time ktorch only")

@@ -53,10 +53,11 @@ std::optional<std::string> get_option(c10::string_view name) { return kt::runtim
 void amx_min_rows_for_tests(int64_t rows) { kt::kernels::amx_min_rows_for_tests(static_cast<int>(rows)); }
 
 // Tests and the device A/B only (kernels.h): the AMX int4 gemm's tile walk (-1: the default; 0: the 'pairs' walk it
-// replaced; 1: 'rows' unpacking inline). Not a setting; benchmarks/bench_vs_kt_kernel.py's int4walk: variants use it.
+// replaced; 1: 'rows' unpacking inline; 2: 'rows' with epilogues in place). Not a setting;
+// benchmarks/bench_vs_kt_kernel.py's amx:pairs/amx:inline/amx:ahead variants use it.
 void amx_int4_walk_for_tests(int64_t walk) {
-  TORCH_CHECK(walk >= -1 && walk <= 1, "_amx_int4_walk_for_tests: walk must be -1 (default), 0 (pairs) or 1 (rows, "
-              "unpacking inline), got ", walk);
+  TORCH_CHECK(walk >= -1 && walk <= 2, "_amx_int4_walk_for_tests: walk must be -1 (default), 0 (pairs), 1 (rows, "
+              "unpacking inline) or 2 (rows, epilogues in place), got ", walk);
   kt::kernels::amx_int4_walk_for_tests(static_cast<int>(walk));
 }
 

@@ -4,8 +4,9 @@
 // int4 groups of 32/64/128 (symmetric, affine with minimums as GGUF Q4_K, GemmArgs::b_min, and nibbles that are
 // MXFP4 codes, GemmArgs::b_codes), activation rows evenly strided (tile-loaded in place) or gathered (copied),
 // and the output rows/columns a call must leave alone, under the tile walk ('rows'; int4 also under the test hook's
-// 'pairs' walk of 64 rows and 'rows' unpacking inline), and (emulated) that the weight prefetches stay inside the
-// weights and cover what each walk fetches ahead, and that int4 unpacks each weight line once a walk.
+// 'pairs' walk of 64 rows, 'rows' unpacking inline and 'rows' with each group's epilogue in place), and (emulated)
+// that the weight prefetches stay inside the weights and cover what each walk fetches ahead, and that int4 unpacks
+// each weight line once a walk.
 // With --bench (real AMX only) it times one thread's AVX-512 gemm and AMX gemm per M on hot weights, for
 // choosing the small-M threshold; --bench-cold the same streaming the weights from memory (GB/s of weights a
 // core pulls under the walk's prefetching); --bench-peak one core's tile ceilings
@@ -451,6 +452,7 @@ void check_all() {
   int cases = check_walks(-1, "default");
   cases += check_walks(0, "int4 pairs (test hook)");
   cases += check_walks(1, "int4 rows, inline unpack");
+  cases += check_walks(2, "int4 rows, epilogue in place");
   // the measured threshold sends small M to AVX-512: results must still be right
   amx_min_rows_for_tests(-1);
   for (int M : {1, 3, 4, 9}) {
@@ -501,18 +503,19 @@ void bench() {
   const Shape shapes[] = {{"qwen3 gate/up", 2048, 4}, {"qwen3 down", 768, 2}, {"deepseek gate/up", 7168, 4},
                           {"deepseek down", 2048, 4}};
   // AVX-512, then AMX under the format's walk (int4 also under the test hook's 'pairs' and inline-unpacking walks)
-  constexpr int kWalks = 3;
-  std::printf("%-18s %-5s %4s %12s %11s %8s %11s %11s\n", "shape", "fmt", "M", "avx512 GOPS", "amx GOPS", "amx/avx",
-              "int4 pairs", "int4 inline");
+  constexpr int kWalks = 4;
+  std::printf("%-18s %-5s %4s %12s %11s %8s %11s %11s %11s\n", "shape", "fmt", "M", "avx512 GOPS", "amx GOPS",
+              "amx/avx", "int4 pairs", "int4 inline", "int4 ahead");
   for (const Shape& s : shapes)
     for (WeightFormat f : {WeightFormat::BF16, WeightFormat::INT8, WeightFormat::INT4})
+      for (int q4k = 0; q4k <= (f == WeightFormat::INT4 ? 1 : 0); ++q4k)  // int4 groups of 128; Q4_K's affine 32
       for (int M : bench_rows({1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256})) {
-        Problem p = make_problem(f, M, s.K, s.nblocks, 128, false);
+        Problem p = make_problem(f, M, s.K, s.nblocks, q4k ? 32 : 128, false, false, q4k == 1);
         const std::vector<uint8_t> store = driver_rows(p.rows, f == WeightFormat::BF16 ? 2 * s.K : s.K, p.rows);
         double gops[1 + kWalks] = {0};
         for (int which = 0; which <= (f == WeightFormat::INT4 ? kWalks : 1); ++which) {
           const GemmFn fn = which > 0 ? amx_kernels().gemm[static_cast<int>(f)] : avx512_kernels().gemm[static_cast<int>(f)];
-          amx_int4_walk_for_tests(which >= 2 ? which - 2 : -1);  // 2: pairs, 3: rows unpacking inline
+          amx_int4_walk_for_tests(which >= 2 ? which - 2 : -1);  // 2: pairs, 3: inline, 4: ahead, epilogues in place
           run(p, fn, 16 * s.nblocks, 0);
           int iters = 0;
           const auto t0 = std::chrono::steady_clock::now();
@@ -525,8 +528,9 @@ void bench() {
           gops[which] = 2.0 * M * s.K * 16 * s.nblocks * iters / sec / 1e9;
         }
         amx_int4_walk_for_tests(-1);
-        std::printf("%-18s %-5s %4d %12.1f %11.1f %8.2f", s.what, name(f), M, gops[0], gops[1], gops[1] / gops[0]);
-        if (f == WeightFormat::INT4) std::printf(" %11.1f %11.1f", gops[2], gops[3]);
+        std::printf("%-18s %-5s %4d %12.1f %11.1f %8.2f", s.what, q4k ? "q4k" : name(f), M, gops[0], gops[1],
+                    gops[1] / gops[0]);
+        if (f == WeightFormat::INT4) std::printf(" %11.1f %11.1f %11.1f", gops[2], gops[3], gops[4]);
         std::printf("\n");
       }
 }
@@ -540,7 +544,7 @@ void bench_cold() {
   amx_min_rows_for_tests(0);
   struct Shape { const char* what; int64_t K; int nblocks; };
   const Shape shapes[] = {{"qwen3 gate/up", 2048, 4}, {"qwen3 down", 768, 8}, {"deepseek gate/up", 7168, 4}};
-  constexpr int kWalks = 3;  // the AMX walk; int4 also the test hook's 'pairs' and inline-unpacking walks
+  constexpr int kWalks = 4;  // the AMX walk; int4 also the test hook's 'pairs', inline and ahead walks
   const size_t pool_bytes = size_t(1) << 30;
   auto* pool = static_cast<uint16_t*>(std::aligned_alloc(64, pool_bytes));
   uint64_t x = 88172645463325252ull;
@@ -550,7 +554,8 @@ void bench_cold() {
   }
   const auto* base = reinterpret_cast<const uint8_t*>(pool);
   std::printf("one thread, weights from memory: GB/s of weights\n");
-  std::printf("%-18s %-5s %4s %12s %11s %11s %11s\n", "shape", "fmt", "M", "avx512", "amx", "int4 pairs", "int4 inline");
+  std::printf("%-18s %-5s %4s %12s %11s %11s %11s %11s\n", "shape", "fmt", "M", "avx512", "amx", "int4 pairs",
+              "int4 inline", "int4 ahead");
   for (const Shape& s : shapes)
     for (WeightFormat f : {WeightFormat::BF16, WeightFormat::INT8, WeightFormat::INT4})
       for (int q4k = 0; q4k <= (f == WeightFormat::INT4 ? 1 : 0); ++q4k)  // int4 groups of 128; Q4_K's affine 32
@@ -585,7 +590,7 @@ void bench_cold() {
         size_t i = 0;
         for (int which = 0; which <= (f == WeightFormat::INT4 ? kWalks : 1); ++which) {
           const GemmFn fn = which > 0 ? amx_kernels().gemm[static_cast<int>(f)] : avx512_kernels().gemm[static_cast<int>(f)];
-          amx_int4_walk_for_tests(which >= 2 ? which - 2 : -1);  // 2: pairs, 3: rows unpacking inline
+          amx_int4_walk_for_tests(which >= 2 ? which - 2 : -1);  // 2: pairs, 3: inline, 4: ahead, epilogues in place
           size_t n = 0;
           const auto t0 = std::chrono::steady_clock::now();
           double sec = 0;
@@ -601,7 +606,7 @@ void bench_cold() {
         }
         amx_int4_walk_for_tests(-1);
         std::printf("%-18s %-5s %4d %12.2f %11.2f", s.what, q4k ? "q4k" : name(f), M, gbs[0], gbs[1]);
-        if (f == WeightFormat::INT4) std::printf(" %11.2f %11.2f", gbs[2], gbs[3]);
+        if (f == WeightFormat::INT4) std::printf(" %11.2f %11.2f %11.2f", gbs[2], gbs[3], gbs[4]);
         std::printf("\n");
       }
   amx_min_rows_for_tests(-1);
