@@ -5,12 +5,7 @@ routing and top-k weights:
   ktorch     ktorch.pack_experts(..., dtype=fmt) + ktorch.fused_moe, at a kernel level/threshold "variant"
              (auto, avx512, amx, amx:N = KT_CPU_KERNEL=amx with the AMX gemms' small-M threshold at N rows for
              every format, through the private test hook kt::_amx_min_rows_for_tests: the sweep that chose the
-             per-format constants of amx/kernels.cpp; amx:pairs / amx:inline / amx:ahead = KT_CPU_KERNEL=amx with
-             the int4 tile walk that session 32 replaced (walks of 64 rows, each re-unpacking the weights) / the new
-             'rows' walk unpacking right before the tile loads, each group's epilogue in place / unpacking ahead,
-             epilogues in place (the default also defers each epilogue into the next group's tile products),
-             through the private hook kt::_amx_int4_walk_for_tests: the A/B of docs/amx.md's int4 walk; int4
-             formats only, skipped for the others).
+             per-format constants of amx/kernels.cpp).
              Format q4k: GGUF Q4_K kept exact (int4 nibbles 0..15 with a scale and a minimum per group of 32, the
              scales at the file's two-level size), the master weights fit to Q4_K's values (q4k_codes) and placed
              as the GGUF loader places a file's Q4_K blocks (pack_quantized + pack_kscales); H, I multiples of 256.
@@ -49,7 +44,7 @@ where it cannot load, the script prints "kt-kernel not found (...)" and times kt
     python benchmarks/bench_vs_kt_kernel.py --shapes qwen3 --tokens 512 2048 --formats int8 \\
         --ktorch-variants avx512 amx:1 amx:4 amx:16 --kt-threads 15
     python benchmarks/bench_vs_kt_kernel.py --shapes qwen3 --formats int8 int4 q4k --tokens 512 2048 \\
-        --ktorch-variants auto amx:pairs amx:inline amx:ahead --kt-threads 15 --cold-factor 16 --min-seconds 0.3
+        --kt-threads 15 --cold-factor 16 --min-seconds 0.3
     python benchmarks/bench_vs_kt_kernel.py --shapes tiny --no-kt              # quick check on any machine
 """
 
@@ -77,7 +72,6 @@ SHAPES = {  # name: (E, K, H, I)
 DEFAULT_TOKENS = {"qwen3": [1, 32, 512, 2048], "deepseek": [1, 512], "tiny": [1, 16, 128]}
 FORMATS = ("bf16", "int8", "int4", "q4k")
 KT_CLASSES = {"bf16": "AMXBF16_MOE", "int8": "AMXInt8_MOE", "int4": "AMXInt4_MOE", "q4k": "AMXInt4_MOE"}
-INT4_WALKS = {"pairs": 0, "inline": 1, "ahead": 2}  # amx:<walk> -> kt::_amx_int4_walk_for_tests (-1: the default)
 RESULT = "RESULT "
 
 
@@ -292,7 +286,7 @@ def emit(**kw) -> None:
 @contextlib.contextmanager
 def variant_env(env: dict):
     """Sets KT_CPU_KERNEL as a ktorch variant names it (cleared otherwise) and, for amx:N, the AMX gemms' small-M
-    threshold (env["amx_min_rows"]), for amx:<walk>, the AMX int4 tile walk (env["int4_walk"]), for the duration."""
+    threshold (env["amx_min_rows"]), for the duration."""
     import torch
 
     saved = os.environ.get("KT_CPU_KERNEL")
@@ -302,39 +296,30 @@ def variant_env(env: dict):
         os.environ.pop("KT_CPU_KERNEL", None)
     if "amx_min_rows" in env:
         torch.ops.kt._amx_min_rows_for_tests(env["amx_min_rows"])
-    if "int4_walk" in env:
-        torch.ops.kt._amx_int4_walk_for_tests(env["int4_walk"])
     try:
         yield
     finally:
         if "amx_min_rows" in env:
             torch.ops.kt._amx_min_rows_for_tests(-1)
-        if "int4_walk" in env:
-            torch.ops.kt._amx_int4_walk_for_tests(-1)
         if saved is None:
             os.environ.pop("KT_CPU_KERNEL", None)
         else:
             os.environ["KT_CPU_KERNEL"] = saved
 
 
-def ktorch_variants(names: list[str], available: list[str], fmt: str):
-    """[(label, env)] for the variants this machine runs on format fmt, and [(label, reason)] for the others."""
+def ktorch_variants(names: list[str], available: list[str]):
+    """[(label, env)] for the variants this machine runs, and [(label, reason)] for the others."""
     runs, skipped = [], []
     for name in names:
         level, _, rest = name.partition(":")
         if level == "auto":
             runs.append((name, {}))
             continue
-        if rest in INT4_WALKS and fmt not in ("int4", "q4k"):
-            skipped.append((name, f"an int4 tile walk; {fmt} walks as amx does"))
-            continue
         if level not in available:
             skipped.append((name, f"kernel level {level} is not available here ({','.join(available)})"))
             continue
         env = {"KT_CPU_KERNEL": level}
-        if rest in INT4_WALKS:
-            env["int4_walk"] = INT4_WALKS[rest]
-        elif rest:
+        if rest:
             env["amx_min_rows"] = int(rest)
         runs.append((name, env))
     return runs, skipped
@@ -370,7 +355,7 @@ def child_ktorch(spec: dict) -> None:
 
     E, K, H, I = spec["shape_dims"]
     fmt, gs = spec["format"], spec["group_size"]
-    runs, skipped = ktorch_variants(spec["variants"], ktorch.cpu_features()["available"], fmt)
+    runs, skipped = ktorch_variants(spec["variants"], ktorch.cpu_features()["available"])
     for label, reason in skipped:
         emit(kind="skip", side="ktorch", variant=label, reason=reason)
     if not runs:
@@ -556,9 +541,7 @@ def main() -> None:
     ap.add_argument("--ktorch-threads", nargs="+", type=int, default=None, help="default: the physical cores")
     ap.add_argument("--kt-threads", nargs="+", type=int, default=None, help="default: cores-1 and cores")
     ap.add_argument("--ktorch-variants", nargs="+", default=["auto"],
-                    help="auto | portable | avx512 | amx | amx:N (AVX-512 below N rows for every format) | amx:pairs, "
-                         "amx:inline, amx:ahead (int4 formats: the replaced 64-row int4 tile walk / the new one "
-                         "unpacking inline, epilogues in place / unpacking ahead, epilogues in place)")
+                    help="auto | portable | avx512 | amx | amx:N (AVX-512 below N rows for every format)")
     ap.add_argument("--kt-path", default=os.environ.get("KT_KERNEL_PATH", os.path.join(ROOT, ".peers", "kt_kernel")),
                     help="folder holding kt_kernel/ (default: $KT_KERNEL_PATH or .peers/kt_kernel)")
     ap.add_argument("--no-kt", action="store_true", help="time ktorch only")
@@ -584,9 +567,8 @@ def main() -> None:
     for name in args.ktorch_variants:
         level, _, rest = name.partition(":")
         if level not in ("auto", "portable", "avx512", "amx") or (
-                rest and (level != "amx" or not (rest.isdigit() or rest in INT4_WALKS))):
-            ap.error(f"--ktorch-variants: unknown variant {name!r} (auto, portable, avx512, amx, amx:N, "
-                     f"{', '.join('amx:' + w for w in INT4_WALKS)})")
+                rest and (level != "amx" or not rest.isdigit())):
+            ap.error(f"--ktorch-variants: unknown variant {name!r} (auto, portable, avx512, amx, amx:N)")
     for line in machine_lines():
         print(line)
     cores = physical_cores()

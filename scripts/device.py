@@ -417,7 +417,7 @@ def step_bench(r: Runner, p: dict) -> int:
 
 
 @step("kernels", "ktorch against KTransformers' kt-kernel 0.7.2, side by side (benchmarks/bench_vs_kt_kernel.py), "
-      "cold caches; variants: ktorch's, joined by ',', '/' for ':' (e.g. auto,amx/pairs: the script's amx:pairs)",
+      "cold caches; variants: ktorch's, joined by ',', '/' for ':' (e.g. auto,amx/16: the script's amx:16)",
       limit_s=480, min_s=180,
       params={"shapes": "qwen3", "formats": "bf16,int8,int4", "tokens": "1,32,512,2048", "cold": "16",
               "variants": "auto,avx512"},

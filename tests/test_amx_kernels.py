@@ -1,9 +1,8 @@
 """The AMX gemm kernels at the kernel level (ktorch/csrc/kernels/amx/test, docs/amx.md "Checking it without AMX").
 
 The C++ test there runs the real kernel code against a double-precision reference and the AVX-512 kernels
-under the tile walk ('rows'; int4 also under the 'pairs', inline-unpacking and in-place-epilogue walks kept behind a
-test hook for the device A/B), over the calls the fused-MoE driver makes and their edges, every M through the tiles, and checks the
-walks' weight prefetches and how often int4 unpacks each weight line. Two builds:
+under the tile walk ('rows'), over the calls the fused-MoE driver makes and their edges, every M through the tiles,
+and checks the walks' weight prefetches and how often int4 unpacks each weight line. Two builds:
   - emulated: a software model of the tile registers under AddressSanitizer/UBSan; needs AVX-512 BF16/VNNI
     (not AMX), so it runs in CI, where the op tests cannot reach the AMX code;
   - native: the same checks on real tiles; needs AMX granted by the OS (the device).
@@ -53,7 +52,5 @@ def test_amx_kernels_against_reference(mode, tmp_path):
     m = re.search(r"^walk default\s+(\d+) cases, (\d+) failed$", out, re.MULTILINE)
     assert m is not None, f"no result line for the walks:\n{out[-4000:]}"
     assert int(m.group(1)) > 1000 and int(m.group(2)) == 0, m.group(0)
-    int4_walks = re.findall(r"^walk int4 .+?\s+(\d+) cases, (\d+) failed$", out, re.MULTILINE)
-    assert len(int4_walks) == 3 and all(int(n) > 1000 and f == "0" for n, f in int4_walks), int4_walks
     total = re.search(r"^(\d+) cases, 0 failed$", out, re.MULTILINE)
     assert total is not None and int(total.group(1)) > 1000, out[-2000:]

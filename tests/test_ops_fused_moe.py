@@ -323,11 +323,10 @@ def test_amx_tiles_for_every_row_count(fmt, group_size, monkeypatch, seed):
 
 
 @pytest.mark.parametrize("group_size", [32, 64, 128])
-def test_amx_int4_walks_agree(group_size, monkeypatch, seed):
-    """The AMX int4 gemm's tile walk ('rows': each column pair's weights unpacked once a call of up to 256 rows) and
-    the three kept for the device A/B behind a private hook ('pairs' of 64 rows, the walk it replaced; 'rows' unpacking
-    right before the tile loads; 'rows' with each group's epilogue in place) give the same output bit for bit, with every call on the tiles, from a few rows an
-    expert to more than 256 (T=700, 3 of 7 experts: ~300), and match the reference."""
+def test_amx_int4_rows_walk(group_size, monkeypatch, seed):
+    """The AMX int4 gemm's tile walk (each column pair's weights unpacked once a call of up to 256 rows) matches the
+    reference with every call on the tiles, from a few rows an expert to more than 256 (T=700, 3 of 7 experts: ~300,
+    two walks a call)."""
     reason = kernel_skip_reason("amx")
     if reason is not None:
         pytest.skip(reason)
@@ -339,25 +338,10 @@ def test_amx_int4_walks_agree(group_size, monkeypatch, seed):
         for T in (5, 40, 300, 700):
             hidden = torch.randn(T, H).to(torch.bfloat16)
             ids, weights = make_routing(T, E, K)
-            outs = []
-            for walk in (-1, 0, 1, 2):
-                torch.ops.kt._amx_int4_walk_for_tests(walk)
-                outs.append(ktorch.fused_moe(hidden, ids, weights, packed))
-            torch.ops.kt._amx_int4_walk_for_tests(-1)
-            check_against_reference(outs[0], hidden, ids, weights, packed, "silu", seed, f"T={T}, int4 rows walk")
-            assert torch.equal(outs[0], outs[1]), f"seed={seed} T={T}: the 'pairs' walk gives another output"
-            assert torch.equal(outs[0], outs[2]), f"seed={seed} T={T}: unpacking inline gives another output"
-            assert torch.equal(outs[0], outs[3]), f"seed={seed} T={T}: epilogues in place give another output"
+            out = ktorch.fused_moe(hidden, ids, weights, packed)
+            check_against_reference(out, hidden, ids, weights, packed, "silu", seed, f"T={T}, int4 rows walk")
     finally:
-        torch.ops.kt._amx_int4_walk_for_tests(-1)
         torch.ops.kt._amx_min_rows_for_tests(-1)
-
-
-@pytest.mark.parametrize("walk", [-2, 3])
-def test_amx_int4_walk_hook_rejects_other_walks(walk):
-    """The private walk hook takes -1 (default), 0, 1 and 2 only, on every machine, naming its argument."""
-    with pytest.raises(RuntimeError, match="walk must be -1"):
-        torch.ops.kt._amx_int4_walk_for_tests(walk)
 
 
 @pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)

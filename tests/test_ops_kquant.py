@@ -150,12 +150,11 @@ def test_fused_moe_every_call_on_tiles(kernel, types, seed):
         torch.ops.kt._amx_min_rows_for_tests(-1)
 
 
-def test_amx_int4_walks_agree_on_q4_k(kernel, seed):
-    """AMX: Q4_K (affine int4, groups of 32) under the int4 tile walk and the three kept behind the private hook for
-    the device A/B ('pairs' of 64 rows; unpacking inline; epilogues in place): the same output bit for bit, up to ~300
-    rows an expert."""
+def test_amx_int4_walk_on_q4_k(kernel, seed):
+    """AMX: Q4_K (affine int4, groups of 32) under the int4 tile walk, every call on the tiles, up to ~300 rows an
+    expert (two walks a call): within int8's tolerance of the reference."""
     if kernel != "amx":
-        pytest.skip("the int4 tile walks exist at the amx level only")
+        pytest.skip("the int4 tile walk exists at the amx level only")
     E, K, H, I = 7, 3, 512, 256
     packed, gate_up, down = exact_experts(E, H, I, ("Q4_K", "Q4_K", "Q4_K"))
     try:
@@ -163,16 +162,10 @@ def test_amx_int4_walks_agree_on_q4_k(kernel, seed):
         for T in (17, 300, 700):
             hidden = torch.randn(T, H).to(torch.bfloat16)
             ids, weights = make_routing(T, E, K)
-            outs = []
-            for walk in (-1, 0, 1, 2):
-                torch.ops.kt._amx_int4_walk_for_tests(walk)
-                outs.append(ktorch.fused_moe(hidden, ids, weights, packed))
-            torch.ops.kt._amx_int4_walk_for_tests(-1)
-            err = relative_error(outs[0], fused_moe_reference(hidden, ids, weights, gate_up, down, "silu"))
+            out = ktorch.fused_moe(hidden, ids, weights, packed)
+            err = relative_error(out, fused_moe_reference(hidden, ids, weights, gate_up, down, "silu"))
             assert err <= INT8_TOLERANCE, f"seed={seed} T={T}: relative error {err:.4g}"
-            assert all(torch.equal(outs[0], o) for o in outs[1:]), f"seed={seed} T={T}: walks differ"
     finally:
-        torch.ops.kt._amx_int4_walk_for_tests(-1)
         torch.ops.kt._amx_min_rows_for_tests(-1)
 
 

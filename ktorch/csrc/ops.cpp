@@ -52,15 +52,6 @@ std::optional<std::string> get_option(c10::string_view name) { return kt::runtim
 // the measured counts). Not a setting; tests/test_ops_fused_moe.py reaches the tiles with small calls through it.
 void amx_min_rows_for_tests(int64_t rows) { kt::kernels::amx_min_rows_for_tests(static_cast<int>(rows)); }
 
-// Tests and the device A/B only (kernels.h): the AMX int4 gemm's tile walk (-1: the default; 0: the 'pairs' walk it
-// replaced; 1: 'rows' unpacking inline; 2: 'rows' with epilogues in place). Not a setting;
-// benchmarks/bench_vs_kt_kernel.py's amx:pairs/amx:inline/amx:ahead variants use it.
-void amx_int4_walk_for_tests(int64_t walk) {
-  TORCH_CHECK(walk >= -1 && walk <= 2, "_amx_int4_walk_for_tests: walk must be -1 (default), 0 (pairs), 1 (rows, "
-              "unpacking inline) or 2 (rows, epilogues in place), got ", walk);
-  kt::kernels::amx_int4_walk_for_tests(static_cast<int>(walk));
-}
-
 // NUMA nodes that have CPUs this process may use ("auto" for KT_NUMA_SPLIT).
 int64_t numa_node_count() { return static_cast<int64_t>(kt::runtime::numa_nodes().size()); }
 
@@ -118,7 +109,6 @@ TORCH_LIBRARY(kt, m) {
   m.def("set_option(str name, str? value) -> ()", &set_option);
   m.def("get_option(str name) -> str?", &get_option);
   m.def("_amx_min_rows_for_tests(int rows) -> ()", &amx_min_rows_for_tests);
-  m.def("_amx_int4_walk_for_tests(int walk) -> ()", &amx_int4_walk_for_tests);
   m.def("advise_huge_pages(Tensor t) -> ()");
   // host tasks (runtime/host_tasks.h): experts calls that CUDA host functions start and join without Python
   m.def(

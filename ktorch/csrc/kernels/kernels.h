@@ -147,12 +147,5 @@ const KernelSet& amx_kernels();
 // with fewer rows than `rows` to the AVX-512 ones, for every format (0: every call through the tiles); -1 restores
 // the measured per-format counts. Not a setting: the counts are constants (amx/kernels.cpp, kMinRows).
 void amx_min_rows_for_tests(int rows);
-// Tests and the device A/B only (benchmarks/bench_vs_kt_kernel.py's int4walk: variants, through
-// kt::_amx_int4_walk_for_tests): the AMX int4 gemm's tile walk. -1: the default ('rows', each column pair unpacked
-// once a call, a few k steps ahead of its tile loads, each group's epilogue run during the next group's tile
-// products); 0: the 'pairs' walk it replaced (walks of 64 rows, unpacking right before each step's tile loads, each
-// epilogue in place); 1: 'rows' unpacking right before the tile loads, epilogues in place; 2: 'rows' unpacking ahead,
-// epilogues in place. Same results bit for bit; not a setting. Throws std::invalid_argument for other values.
-void amx_int4_walk_for_tests(int walk);
 
 }  // namespace kt::kernels

@@ -23,7 +23,7 @@
 // L2 on the others, and the next column pair (or the caller's next call's first one) is prefetched into L2 spread
 // over the passes. Every format walks up to 256 rows at once; int4 unpacks a column pair's nibbles once a walk, on
 // its first row pair (a few steps ahead of the tile loads), into a buffer its later row pairs read, and scales each
-// group's sums during the next group's tile products; see "tile walk selection" and docs/amx.md.
+// group's sums right after the group; see "tile walk selection" and docs/amx.md.
 // Activation rows: a 16-row group whose rows are evenly strided (e.g. the driver's down-projection input)
 // is tile-loaded in place; otherwise its rows are copied into a thread-local buffer first.
 //
@@ -80,8 +80,7 @@ namespace {
 constexpr int64_t kTileBytes = 1024;  // a full tile: 16 rows of 64 bytes
 constexpr int kPrefetchSteps = 4;     // B tiles fetched this many k steps ahead on a column pair's first pass
 constexpr int kUnpackAhead = 2;       // int4: a column pair's first pass unpacks the B tiles this many k steps ahead
-constexpr int kMaxRows = 64;          // rows per tile walk of the 'pairs' walk (4 row groups); larger calls are cut
-constexpr int kMaxWalkRows = 256;     // rows per tile walk of the 'rows' walk (16 row groups)
+constexpr int kMaxWalkRows = 256;     // rows per tile walk (16 row groups); larger calls are cut
 
 // ---------------------------------------------------------------- small-M threshold
 // Calls with fewer rows than this go to the AVX-512 kernel. Chosen from a device sweep of whole layers
@@ -96,21 +95,14 @@ std::atomic<int> g_test_min_rows{-1};
 //                         weights of the next column pair, or of the caller's next call (next_b), prefetched into L2
 //                         spread over every pass. int4 unpacks each column pair once a walk, kUnpackAhead k steps
 //                         ahead of the tile loads of its first row pair, and runs each group's epilogue (its sums
-//                         scaled into fp32) during the next group's tile products.
-//   pairs  (int4 until session 32; a test hook now: amx_int4_walk_for_tests) the same cut into walks of 64 rows, the
-//                         next column pair prefetched during the last row pair only, no next_b; int4 unpacks right
-//                         before each step's tile loads (so a 128-row call unpacks and reads its weights twice)
+//                         scaled into fp32) in place, right after the group's tile products.
 // Variants measured and removed with their environment switches (benchmarks/RESULTS.md): k cut into chunks that
 // stay in L1 ('kblock': +3-4% at T=512, slower at T=2048, within the spread, session 9; slower again in sessions 12
 // and 20), A tiles prefetched into L1 ('+pfa', session 9: no row faster), thinner or no L2 prefetch of the next
 // weights and no B tiles into L1 ahead (session 17: within 10% at 128 rows an expert, thinning only loses), no
-// prefetch of the next A rows (session 20: the layer no faster, int8 T=2048 18.5 against 20.5 ms).
-enum class Walk : int { Pairs = 0, Rows = 1 };
-// amx_int4_walk_for_tests: -1 the default (Rows, unpacking ahead, each group's epilogue deferred into the next group's
-// tile products); 0 Pairs (unpacking inline, epilogues in place: the walk before session 32); 1 Rows unpacking inline
-// (the tile loads of a step right after the stores that unpacked it), epilogues in place; 2 Rows unpacking ahead,
-// epilogues in place.
-std::atomic<int> g_test_int4_walk{-1};
+// prefetch of the next A rows (session 20: the layer no faster, int8 T=2048 18.5 against 20.5 ms). int4 (session
+// 32, docs/amx.md): 64-row walks unpacking right before each step's tile loads ('pairs', 1-12% slower), and each
+// group's epilogue deferred into the next group's tile products (two C buffers, 9-25% slower).
 
 // ---------------------------------------------------------------- tile configuration
 struct alignas(64) TileConfig {
@@ -268,9 +260,8 @@ struct Block {
   int g0 = 0;
   int b0 = 0;
   int64_t s0 = 0, s1 = 0;            // k steps of this pass (full B tiles; the int8 32-deep tail is extra)
-  bool unpack = false;               // int4: first pass of this column pair: unpack its weights,
-  int unpack_ahead = 0;              //   this many k steps ahead of the tile loads (0: right before them)
-  bool defer_epilogue = false;       // int4: a group's epilogue runs during the next group's tile products
+  bool unpack = false;               // int4: first pass of this column pair: unpack its weights, kUnpackAhead
+                                     //   k steps ahead of the tile loads
   int64_t l1_from = 0, l1_to = 0;    // B tiles of steps in [l1_from, l1_to) prefetched into L1 kPrefetchSteps ahead
   const uint8_t* next = nullptr;     // weights of the next column pair (or call): bytes [next_begin, next_end)
   int next_blocks = 0;               //   of each of its next_blocks blocks prefetched into L2, next_step a k step
@@ -393,13 +384,10 @@ inline void unpack_int4(const uint8_t* src, int lines, uint8_t* dst, __m512i tab
 }
 
 // kDepth: k per step (64, or 32 for groups of 32). unpacked: RB buffers of K/4 tile rows x 64 bytes, filled
-// on the first pass of the column pair (blk.unpack: step t during step t - blk.unpack_ahead, so that the tile
+// on the first pass of the column pair (blk.unpack: step t during step t - kUnpackAhead, so that the tile
 // loads of a step do not wait for the stores that unpacked it) and read by its later row pairs. acc: [32][32]
-// fp32. cbuf: a group's C sums [32][32] int32; with blk.defer_epilogue two of them (cbuf, cbuf + 4 KB): group g's
-// sums wait in one while group g + 1's tile products run, and its epilogue (the vector work that scales them into
-// acc) runs spread over group g + 1's steps, right after each step's tile products are issued. The same operations
-// on each accumulator in the same order either way. Every pass covers all of K (the walks never cut int4 into k
-// chunks).
+// fp32. cbuf: a group's C sums [32][32] int32, scaled into acc (the group's epilogue) right after the group's tile
+// products. Every pass covers all of K (the walks never cut int4 into k chunks).
 template <int RA, int RB, int kDepth>
 void int4_block(const GemmArgs& a, const ARows& ar, const Block& blk, uint8_t* unpacked, uint8_t* cbuf,
                 float* acc) {
@@ -422,19 +410,20 @@ void int4_block(const GemmArgs& a, const ARows& ar, const Block& blk, uint8_t* u
     unpack_int4(packed0 + t * kPackedStep, kDepth / 8, u0 + t * kUnpackedStep, table);
     if constexpr (RB > 1) unpack_int4(packed1 + t * kPackedStep, kDepth / 8, u1 + t * kUnpackedStep, table);
   };
-  const int64_t ahead = blk.unpack ? blk.unpack_ahead : 0;
+  const int64_t ahead = blk.unpack ? kUnpackAhead : 0;
   if (blk.unpack) {
     for (int64_t t = 0; t < std::min(ahead, steps); ++t) unpack_step(t);
     KTAMX_COMPILER_BARRIER();
   }
-  // Group g's sums in cb, rows [r0, r1), into acc: acc += s_w * sum (affine: + the minimums' term).
-  const auto epilogue = [&](int64_t g, const uint8_t* cb, int r0, int r1) {
+  // Group g's sums in cbuf into acc: acc += s_w * sum (affine: + the minimums' term).
+  const auto epilogue = [&](int64_t g) {
+    const uint8_t* cb = cbuf;
     for (int j = 0; j < RB; ++j) {
       const int64_t at = g * a.b_scale_group_stride + (blk.b0 + j) * a.b_scale_block_stride;
       const __m512 ws = _mm512_loadu_ps(a.b_scale + at);
       if (a.b_min != nullptr) {  // affine: sum(u * x) = sum((u - 8) * x) + 8 * sum_g(x), then - min * sum_g(x)
         const __m512 wm = _mm512_loadu_ps(a.b_min + at);
-        for (int r = r0; r < r1; ++r) {
+        for (int r = 0; r < rows; ++r) {
           float* p = acc + r * 32 + 16 * j;
           const int32_t gsum = a.a_gsum[(16 * blk.g0 + r) * a.a_gsum_stride + g];
           const __m512i u = _mm512_add_epi32(_mm512_load_si512(cb + r * 128 + 64 * j), _mm512_set1_epi32(8 * gsum));
@@ -443,7 +432,7 @@ void int4_block(const GemmArgs& a, const ARows& ar, const Block& blk, uint8_t* u
         }
         continue;
       }
-      for (int r = r0; r < r1; ++r) {
+      for (int r = 0; r < rows; ++r) {
         float* p = acc + r * 32 + 16 * j;
         const __m512 v = _mm512_cvtepi32_ps(_mm512_load_si512(cb + r * 128 + 64 * j));
         _mm512_store_ps(p, _mm512_fmadd_ps(v, ws, _mm512_load_ps(p)));
@@ -451,7 +440,6 @@ void int4_block(const GemmArgs& a, const ARows& ar, const Block& blk, uint8_t* u
     }
   };
 
-  int64_t pending = -1;  // defer_epilogue: the group whose sums wait in cbuf + (pending & 1) * 4 KB
   for (int64_t g = 0; g < a.K / a.group_size; ++g) {
     zero_c<RA, RB>();
     for (int64_t s = g * group_steps; s < (g + 1) * group_steps; ++s) {
@@ -462,20 +450,12 @@ void int4_block(const GemmArgs& a, const ARows& ar, const Block& blk, uint8_t* u
       }
       tile_step<false, RA, RB>(a0 + s * kDepth, sa0, a1 + s * kDepth, sa1, u0 + s * kUnpackedStep,
                                u1 + s * kUnpackedStep);
-      if (pending >= 0) {  // this step's share of the previous group's rows
-        const int64_t i = s - g * group_steps;
-        epilogue(pending, cbuf + (pending & 1) * 4096, static_cast<int>(rows * i / group_steps),
-                 static_cast<int>(rows * (i + 1) / group_steps));
-      }
       if (blk.side != nullptr) run_side(blk, s);
     }
-    uint8_t* cb = blk.defer_epilogue ? cbuf + (g & 1) * 4096 : cbuf;
-    store_c<RA, RB>(cb);
+    store_c<RA, RB>(cbuf);
     KTAMX_COMPILER_BARRIER();  // (TILESTORED's asm does not declare the memory it writes)
-    if (blk.defer_epilogue) pending = g;
-    else epilogue(g, cb, 0, rows);
+    epilogue(g);
   }
-  if (pending >= 0) epilogue(pending, cbuf + (pending & 1) * 4096, 0, rows);
   for (int r = 0; r < rows; ++r) {
     const int m = 16 * blk.g0 + r;
     const __m512 xs = _mm512_set1_ps(a.a_scale[m]);
@@ -501,24 +481,22 @@ void run_block(const GemmArgs& a, const ARows& ar, const Block& blk, const Buffe
   }
 }
 
-// One call of at most kMaxRows ('pairs') or kMaxWalkRows rows. Column pairs outer, then row pairs, each pass over
-// all of K (int4: the first row pair unpacks the column pair's weights, unpack_ahead k steps ahead of its tile
-// loads; the others read them unpacked). What each pass prefetches:
-//   pairs   first row pair: its B tiles into L1; last row pair: the next column pair of this call into L2
-//   rows    first row pair: its B tiles into L1; every pass: 1/passes of the next column pair, or of the first
-//           column pair of the caller's next call (next_b), into L2
-// Both: the caller's next A rows (next_a) into L2, 1/passes of them during each pass of the walk.
+// One call of at most kMaxWalkRows rows. Column pairs outer, then row pairs, each pass over all of K (int4: the
+// first row pair unpacks the column pair's weights, kUnpackAhead k steps ahead of its tile loads; the others read
+// them unpacked). What each pass prefetches: the first row pair its B tiles into L1; every pass 1/passes of the next
+// column pair, or of the first column pair of the caller's next call (next_b), into L2, and 1/passes of the
+// caller's next A rows (next_a) into L2.
 // side_until: how much of the caller's side work (a.side) is due by the end of this walk.
 template <WeightFormat F>
-void tile_walk(const GemmArgs& a, Walk walk, int unpack_ahead, bool defer_epilogue, int64_t side_until) {
+void tile_walk(const GemmArgs& a, int64_t side_until) {
   const int depth = F == WeightFormat::INT4 && a.group_size == 32 ? 32 : 64;
   load_tile_config(depth);
   const int64_t row_bytes = F == WeightFormat::BF16 ? 2 * a.K : a.K;
   const ARows ar = gather_rows(a, row_bytes, F != WeightFormat::INT8 || a.K % 64 == 0);
   Buffers buf;
-  // [C sums 4 KB][int4's second C sums 4 KB][int4's fp32 accumulators 4 KB]
-  buf.cbuf = t_ctile.get(2 * 32 * 128 + 32 * 32 * sizeof(float));
-  buf.acc = reinterpret_cast<float*>(buf.cbuf + 2 * 32 * 128);
+  // [C sums 4 KB][int4's fp32 accumulators 4 KB]
+  buf.cbuf = t_ctile.get(32 * 128 + 32 * 32 * sizeof(float));
+  buf.acc = reinterpret_cast<float*>(buf.cbuf + 32 * 128);
   buf.btile = nullptr;
   const bool int8_tail = F == WeightFormat::INT8 && a.K % 64 != 0;
   if (F == WeightFormat::INT4) buf.btile = t_btile.get(static_cast<size_t>(2 * 16 * a.K));  // 2 blocks x K/4 rows x 64 B
@@ -544,7 +522,7 @@ void tile_walk(const GemmArgs& a, Walk walk, int unpack_ahead, bool defer_epilog
     if (b0 + 2 < a.nblocks) {
       next = a.b + (b0 + 2) * a.b_block_stride;
       next_blocks = std::min(2, a.nblocks - b0 - 2);
-    } else if (walk != Walk::Pairs && a.next_b != nullptr) {
+    } else if (a.next_b != nullptr) {
       next = a.next_b;
       next_blocks = std::min(2, a.nblocks);
     }
@@ -556,24 +534,17 @@ void tile_walk(const GemmArgs& a, Walk walk, int unpack_ahead, bool defer_epilog
       blk.s0 = 0;
       blk.s1 = steps;
       blk.unpack = r == 0;
-      blk.unpack_ahead = unpack_ahead;
-      blk.defer_epilogue = defer_epilogue;
       if (r == 0) {  // (int4 reads its packed B only while unpacking, on the first row pair)
         blk.l1_from = 0;
         blk.l1_to = steps;
       }
-      if (next != nullptr && steps > 0) {
-        // pairs: all of the next pair during the last row pair; otherwise 1/passes of it during each pass
-        const int64_t passes = walk == Walk::Pairs ? 1 : row_pairs;
-        const int64_t pass = walk == Walk::Pairs ? 0 : r;
-        if (walk != Walk::Pairs || r == row_pairs - 1) {
-          blk.next = next;
-          blk.next_blocks = next_blocks;
-          const PassSlice ps = pass_slice(bb, pass, passes, steps);
-          blk.next_begin = ps.begin;
-          blk.next_end = ps.end;
-          blk.next_step = ps.step;
-        }
+      if (next != nullptr && steps > 0) {  // 1/passes of the next pair during each pass
+        blk.next = next;
+        blk.next_blocks = next_blocks;
+        const PassSlice ps = pass_slice(bb, r, row_pairs, steps);
+        blk.next_begin = ps.begin;
+        blk.next_end = ps.end;
+        blk.next_step = ps.step;
       }
       const int64_t walk_pass = static_cast<int64_t>(b0 / 2) * row_pairs + r;  // this pass among the walk's a_passes
       if (next_a && steps > 0) {
@@ -604,11 +575,7 @@ void gemm_amx(const GemmArgs& a) {
   // need per-group C tiles as int4 has; they run on the AVX-512 kernel at every M.
   if (F == WeightFormat::INT8 && (a.b_min != nullptr || (a.group_size > 0 && a.group_size < a.K)))
     return avx512_kernels().gemm[static_cast<int>(F)](a);
-  const int test_walk = F == WeightFormat::INT4 ? g_test_int4_walk.load(std::memory_order_relaxed) : -1;
-  const Walk walk = test_walk == 0 ? Walk::Pairs : Walk::Rows;
-  const int unpack_ahead = test_walk < 0 || test_walk == 2 ? kUnpackAhead : 0;
-  const bool defer_epilogue = test_walk < 0;
-  const int max_rows = walk == Walk::Pairs ? kMaxRows : kMaxWalkRows;
+  constexpr int max_rows = kMaxWalkRows;
   GemmArgs part = a;
   for (int m0 = 0; m0 < a.M; m0 += max_rows) {
     part.M = std::min(max_rows, a.M - m0);
@@ -618,7 +585,7 @@ void gemm_amx(const GemmArgs& a) {
     part.c = a.c + m0 * a.ldc;
     part.next_b = m0 + max_rows < a.M ? nullptr : a.next_b;  // a later walk of this call reuses this b from L2
     part.next_a = m0 + max_rows < a.M ? nullptr : a.next_a;
-    tile_walk<F>(part, walk, unpack_ahead, defer_epilogue, a.side != nullptr ? a.side->units * (m0 + part.M) / a.M : 0);
+    tile_walk<F>(part, a.side != nullptr ? a.side->units * (m0 + part.M) / a.M : 0);
   }
 }
 
@@ -639,11 +606,5 @@ const KernelSet& amx_kernels() {
 }
 
 void amx_min_rows_for_tests(int rows) { g_test_min_rows.store(rows < 0 ? -1 : rows, std::memory_order_relaxed); }
-
-void amx_int4_walk_for_tests(int walk) {
-  if (walk < -1 || walk > 2)
-    throw std::invalid_argument("amx_int4_walk_for_tests: walk must be -1, 0, 1 or 2, got " + std::to_string(walk));
-  g_test_int4_walk.store(walk, std::memory_order_relaxed);
-}
 
 }  // namespace kt::kernels

@@ -3,10 +3,9 @@
 // groups, partial groups, calls cut at 256 rows), nblocks 1-4, K with and without a 64-deep int8 tail,
 // int4 groups of 32/64/128 (symmetric, affine with minimums as GGUF Q4_K, GemmArgs::b_min, and nibbles that are
 // MXFP4 codes, GemmArgs::b_codes), activation rows evenly strided (tile-loaded in place) or gathered (copied),
-// and the output rows/columns a call must leave alone, under the tile walk ('rows'; int4 also under the test hook's
-// 'pairs' walk of 64 rows, 'rows' unpacking inline and 'rows' with each group's epilogue in place), and (emulated)
-// that the weight prefetches stay inside the weights and cover what each walk fetches ahead, and that int4 unpacks
-// each weight line once a walk.
+// and the output rows/columns a call must leave alone, under the tile walk ('rows', M up to 300: walks of up to 256),
+// and (emulated) that the weight prefetches stay inside the weights and cover what the walk fetches ahead, and that
+// int4 unpacks each weight line once a walk.
 // With --bench (real AMX only) it times one thread's AVX-512 gemm and AMX gemm per M on hot weights, for
 // choosing the small-M threshold; --bench-cold the same streaming the weights from memory (GB/s of weights a
 // core pulls under the walk's prefetching); --bench-peak one core's tile ceilings
@@ -261,11 +260,10 @@ std::vector<float> run(const Problem& p, GemmFn fn, int64_t ldc, int extra_rows,
 
 int failures = 0;
 
-// Set by check_walks: the 'rows' walk prefetches the next column pair and the next call's first pair into L2 in full
-// (int4's 'pairs' test walk does not: g_int4_walk 0); every walk keeps its weight prefetches inside the weights.
+// Set by check_walks: the walk prefetches the next column pair and the next call's first pair into L2 in full, and
+// keeps its weight prefetches inside the weights.
 bool g_check_prefetch = false;
 bool g_full_next = false;
-int g_int4_walk = -1;  // what amx_int4_walk_for_tests was given
 
 #if defined(KTAMX_EMULATE)
 // The lines the last call prefetched: inside the call's weights or the next call's, or (into L2) the next call's
@@ -291,7 +289,7 @@ std::string check_prefetches(const Problem& p, const std::vector<uint8_t>& next,
       if (!seen) return "the next call's A rows were not prefetched into L2 in full";
   lines.erase(std::remove_if(lines.begin(), lines.end(), [&](const auto& l) { return in(l.line, next_a.data(), next_a.size()); }),
               lines.end());
-  if (!g_full_next || (p.f == WeightFormat::INT4 && g_int4_walk == 0)) return "";
+  if (!g_full_next) return "";
   const size_t bb = block_bytes(p.f, p.K);
   const int64_t steps = p.f == WeightFormat::BF16 ? p.K / 32 : p.f == WeightFormat::INT8 ? p.K / 64 : p.K / (p.group == 32 ? 32 : 64);
   if (steps == 0) return "";
@@ -311,9 +309,8 @@ std::string check_prefetches(const Problem& p, const std::vector<uint8_t>& next,
   return "";
 }
 
-// int4: how often the last call unpacked each packed weight line. Every line of the call's blocks once a walk
-// ('rows': walks of up to 256 rows; the test hook's 'pairs': 64), none where the AVX-512 kernel ran (walked false),
-// and nothing outside the call's blocks.
+// int4: how often the last call unpacked each packed weight line. Every line of the call's blocks once a walk (walks
+// of up to 256 rows), none where the AVX-512 kernel ran (walked false), and nothing outside the call's blocks.
 std::string check_unpacks(const Problem& p, bool walked) {
   const auto& spans = amx_emulation::unpack_log().spans;
   if (p.f != WeightFormat::INT4) return spans.empty() ? "" : "unpacked int4 lines in a call of another format";
@@ -325,8 +322,7 @@ std::string check_unpacks(const Problem& p, bool walked) {
       return "unpacked bytes outside the call's weights";
     for (long o = 0; o < u.bytes; o += 64) ++count[(q - p.packed.data() + o) / 64];
   }
-  const int walk_rows = g_int4_walk == 0 ? 64 : 256;
-  const int expected = walked ? (p.M + walk_rows - 1) / walk_rows : 0;
+  const int expected = walked ? (p.M + 255) / 256 : 0;
   for (size_t o = first; o < p.packed.size(); o += 64)
     if (count[o / 64] != expected)
       return "unpacked a weight line " + std::to_string(count[o / 64]) + " times, not " + std::to_string(expected);
@@ -396,22 +392,17 @@ void check_case(WeightFormat f, int M, int64_t K, int nblocks, int64_t group, bo
   }
 }
 
-// Every case under the walk each format takes (with every M through the tiles: amx_min_rows_for_tests(0)); int4_walk
-// (amx_int4_walk_for_tests) other than the default: the int4 cases only, under that walk.
-int check_walks(int int4_walk, const char* label) {
+// Every case under the walk each format takes (with every M through the tiles: amx_min_rows_for_tests(0)).
+int check_walks(const char* label) {
   const int before = failures;
-  amx_int4_walk_for_tests(int4_walk);
-  g_int4_walk = int4_walk;
   g_check_prefetch = true;
   g_full_next = true;
-  const bool dense = int4_walk == -1;
   std::vector<int> Ms = {1, 2, 3, 5, 8, 15, 16, 17, 24, 31, 32, 33, 40, 47, 48, 49, 63, 64, 65, 100, 128, 129, 255, 256, 300};
   int cases = 0;
   for (bool strided : {true, false})
     for (int M : Ms)
       for (int nb = 1; nb <= 4; ++nb) {
         for (int64_t K : {64, 96, 256}) {
-          if (!dense) break;
           check_case(WeightFormat::BF16, M, K, nb, 0, strided);
           check_case(WeightFormat::INT8, M, K, nb, 0, strided);
           cases += 2;
@@ -429,11 +420,9 @@ int check_walks(int int4_walk, const char* label) {
   // driver-sized reductions for each format (int8 with its 32-deep tail; int4 as the Qwen3 gate/up call at T=2048,
   // and Q4_K's down projection)
   for (int M : {7, 37, 64, 130}) {
-    if (dense) {
-      check_case(WeightFormat::BF16, M, 768, 4, 0, M % 2 == 1);
-      check_case(WeightFormat::INT8, M, 800, 2, 0, M % 2 == 1);
-      cases += 2;
-    }
+    check_case(WeightFormat::BF16, M, 768, 4, 0, M % 2 == 1);
+    check_case(WeightFormat::INT8, M, 800, 2, 0, M % 2 == 1);
+    cases += 2;
     check_case(WeightFormat::INT4, M, 768, 3, 128, M % 2 == 1);
     ++cases;
   }
@@ -441,18 +430,13 @@ int check_walks(int int4_walk, const char* label) {
   check_case(WeightFormat::INT4, 256, 768, 4, 32, false, false, true);
   cases += 2;
   g_check_prefetch = g_full_next = false;
-  amx_int4_walk_for_tests(-1);
-  g_int4_walk = -1;
   std::printf("walk %-22s %d cases, %d failed\n", label, cases, failures - before);
   return cases;
 }
 
 void check_all() {
   amx_min_rows_for_tests(0);  // every M through the tiles
-  int cases = check_walks(-1, "default");
-  cases += check_walks(0, "int4 pairs (test hook)");
-  cases += check_walks(1, "int4 rows, inline unpack");
-  cases += check_walks(2, "int4 rows, epilogue in place");
+  int cases = check_walks("default");
   // the measured threshold sends small M to AVX-512: results must still be right
   amx_min_rows_for_tests(-1);
   for (int M : {1, 3, 4, 9}) {
@@ -502,20 +486,17 @@ void bench() {
   struct Shape { const char* what; int64_t K; int nblocks; };
   const Shape shapes[] = {{"qwen3 gate/up", 2048, 4}, {"qwen3 down", 768, 2}, {"deepseek gate/up", 7168, 4},
                           {"deepseek down", 2048, 4}};
-  // AVX-512, then AMX under the format's walk (int4 also under the test hook's 'pairs' and inline-unpacking walks)
-  constexpr int kWalks = 4;
-  std::printf("%-18s %-5s %4s %12s %11s %8s %11s %11s %11s\n", "shape", "fmt", "M", "avx512 GOPS", "amx GOPS",
-              "amx/avx", "int4 pairs", "int4 inline", "int4 ahead");
+  // AVX-512, then AMX under the format's walk
+  std::printf("%-18s %-5s %4s %12s %11s %8s\n", "shape", "fmt", "M", "avx512 GOPS", "amx GOPS", "amx/avx");
   for (const Shape& s : shapes)
     for (WeightFormat f : {WeightFormat::BF16, WeightFormat::INT8, WeightFormat::INT4})
       for (int q4k = 0; q4k <= (f == WeightFormat::INT4 ? 1 : 0); ++q4k)  // int4 groups of 128; Q4_K's affine 32
       for (int M : bench_rows({1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256})) {
         Problem p = make_problem(f, M, s.K, s.nblocks, q4k ? 32 : 128, false, false, q4k == 1);
         const std::vector<uint8_t> store = driver_rows(p.rows, f == WeightFormat::BF16 ? 2 * s.K : s.K, p.rows);
-        double gops[1 + kWalks] = {0};
-        for (int which = 0; which <= (f == WeightFormat::INT4 ? kWalks : 1); ++which) {
+        double gops[2] = {0};
+        for (int which = 0; which <= 1; ++which) {
           const GemmFn fn = which > 0 ? amx_kernels().gemm[static_cast<int>(f)] : avx512_kernels().gemm[static_cast<int>(f)];
-          amx_int4_walk_for_tests(which >= 2 ? which - 2 : -1);  // 2: pairs, 3: inline, 4: ahead, epilogues in place
           run(p, fn, 16 * s.nblocks, 0);
           int iters = 0;
           const auto t0 = std::chrono::steady_clock::now();
@@ -527,24 +508,19 @@ void bench() {
           }
           gops[which] = 2.0 * M * s.K * 16 * s.nblocks * iters / sec / 1e9;
         }
-        amx_int4_walk_for_tests(-1);
-        std::printf("%-18s %-5s %4d %12.1f %11.1f %8.2f", s.what, q4k ? "q4k" : name(f), M, gops[0], gops[1],
+        std::printf("%-18s %-5s %4d %12.1f %11.1f %8.2f\n", s.what, q4k ? "q4k" : name(f), M, gops[0], gops[1],
                     gops[1] / gops[0]);
-        if (f == WeightFormat::INT4) std::printf(" %11.1f %11.1f %11.1f", gops[2], gops[3], gops[4]);
-        std::printf("\n");
       }
 }
 
 // One thread streaming weights from memory: consecutive calls take consecutive weights of a 1 GiB pool (past
 // any L3), each naming the next as next_b like the driver's calls of one expert, so the walks' prefetching
-// is what is measured. Prints GB/s of weights read, AVX-512 and the AMX walk, per M; int4 (groups of 128) and
-// q4k (affine int4 in groups of 32, as GGUF Q4_K) also under the test hook's 'pairs' walk (the int4 walk before
-// session 32) and the 'rows' walk unpacking inline.
+// is what is measured. Prints GB/s of weights read, AVX-512 and the AMX walk, per M; int4 in groups of 128 and
+// q4k (affine int4 in groups of 32, as GGUF Q4_K).
 void bench_cold() {
   amx_min_rows_for_tests(0);
   struct Shape { const char* what; int64_t K; int nblocks; };
   const Shape shapes[] = {{"qwen3 gate/up", 2048, 4}, {"qwen3 down", 768, 8}, {"deepseek gate/up", 7168, 4}};
-  constexpr int kWalks = 4;  // the AMX walk; int4 also the test hook's 'pairs', inline and ahead walks
   const size_t pool_bytes = size_t(1) << 30;
   auto* pool = static_cast<uint16_t*>(std::aligned_alloc(64, pool_bytes));
   uint64_t x = 88172645463325252ull;
@@ -554,8 +530,7 @@ void bench_cold() {
   }
   const auto* base = reinterpret_cast<const uint8_t*>(pool);
   std::printf("one thread, weights from memory: GB/s of weights\n");
-  std::printf("%-18s %-5s %4s %12s %11s %11s %11s %11s\n", "shape", "fmt", "M", "avx512", "amx", "int4 pairs",
-              "int4 inline", "int4 ahead");
+  std::printf("%-18s %-5s %4s %12s %11s\n", "shape", "fmt", "M", "avx512", "amx");
   for (const Shape& s : shapes)
     for (WeightFormat f : {WeightFormat::BF16, WeightFormat::INT8, WeightFormat::INT4})
       for (int q4k = 0; q4k <= (f == WeightFormat::INT4 ? 1 : 0); ++q4k)  // int4 groups of 128; Q4_K's affine 32
@@ -586,11 +561,10 @@ void bench_cold() {
         a.nblocks = s.nblocks;
         a.c = c.data();
         a.ldc = N;
-        std::vector<double> gbs(1 + kWalks);
+        std::vector<double> gbs(2);
         size_t i = 0;
-        for (int which = 0; which <= (f == WeightFormat::INT4 ? kWalks : 1); ++which) {
+        for (int which = 0; which <= 1; ++which) {
           const GemmFn fn = which > 0 ? amx_kernels().gemm[static_cast<int>(f)] : avx512_kernels().gemm[static_cast<int>(f)];
-          amx_int4_walk_for_tests(which >= 2 ? which - 2 : -1);  // 2: pairs, 3: inline, 4: ahead, epilogues in place
           size_t n = 0;
           const auto t0 = std::chrono::steady_clock::now();
           double sec = 0;
@@ -604,10 +578,7 @@ void bench_cold() {
           }
           gbs[which] = static_cast<double>(n * call_bytes) / sec / 1e9;
         }
-        amx_int4_walk_for_tests(-1);
-        std::printf("%-18s %-5s %4d %12.2f %11.2f", s.what, q4k ? "q4k" : name(f), M, gbs[0], gbs[1]);
-        if (f == WeightFormat::INT4) std::printf(" %11.2f %11.2f %11.2f", gbs[2], gbs[3], gbs[4]);
-        std::printf("\n");
+        std::printf("%-18s %-5s %4d %12.2f %11.2f\n", s.what, q4k ? "q4k" : name(f), M, gbs[0], gbs[1]);
       }
   amx_min_rows_for_tests(-1);
   std::free(pool);
