@@ -5,7 +5,12 @@ routing and top-k weights:
   ktorch     ktorch.pack_experts(..., dtype=fmt) + ktorch.fused_moe, at a kernel level/threshold "variant"
              (auto, avx512, amx, amx:N = KT_CPU_KERNEL=amx with the AMX gemms' small-M threshold at N rows for
              every format, through the private test hook kt::_amx_min_rows_for_tests: the sweep that chose the
-             per-format constants of amx/kernels.cpp)
+             per-format constants of amx/kernels.cpp).
+             Format q4k: GGUF Q4_K kept exact (int4 nibbles 0..15 with a scale and a minimum per group of 32, the
+             scales at the file's two-level size), the master weights fit to Q4_K's values (q4k_codes) and placed
+             as the GGUF loader places a file's Q4_K blocks (pack_quantized + pack_kscales); H, I multiples of 256.
+             kt-kernel has no Q4_K: its row is AMXInt4_MOE (per channel), taken from the int4 run when int4 is
+             measured too.
   kt-kernel  kt_kernel_ext.moe.AMXBF16_MOE / AMXInt8_MOE / AMXInt4_MOE built from the same bf16 tensors through
              a MOEConfig and load_weights_task (its online quantization), run with forward_task on a CPUInfer
              pool. Note its int4 is per output channel; ktorch's int4 is per group of --group-size.
@@ -38,6 +43,8 @@ where it cannot load, the script prints "kt-kernel not found (...)" and times kt
     python benchmarks/bench_vs_kt_kernel.py                                   # Qwen3-30B-A3B and DeepSeek-V3 shapes
     python benchmarks/bench_vs_kt_kernel.py --shapes qwen3 --tokens 512 2048 --formats int8 \\
         --ktorch-variants avx512 amx:1 amx:4 amx:16 --kt-threads 15
+    python benchmarks/bench_vs_kt_kernel.py --shapes qwen3 --formats int8 int4 q4k --tokens 512 2048 \\
+        --kt-threads 15 --cold-factor 16 --min-seconds 0.3
     python benchmarks/bench_vs_kt_kernel.py --shapes tiny --no-kt              # quick check on any machine
 """
 
@@ -63,8 +70,8 @@ SHAPES = {  # name: (E, K, H, I)
     "tiny": (32, 4, 256, 128),
 }
 DEFAULT_TOKENS = {"qwen3": [1, 32, 512, 2048], "deepseek": [1, 512], "tiny": [1, 16, 128]}
-FORMATS = ("bf16", "int8", "int4")
-KT_CLASSES = {"bf16": "AMXBF16_MOE", "int8": "AMXInt8_MOE", "int4": "AMXInt4_MOE"}
+FORMATS = ("bf16", "int8", "int4", "q4k")
+KT_CLASSES = {"bf16": "AMXBF16_MOE", "int8": "AMXInt8_MOE", "int4": "AMXInt4_MOE", "q4k": "AMXInt4_MOE"}
 RESULT = "RESULT "
 
 
@@ -144,9 +151,60 @@ def expert_bytes(side: str, fmt: str, H: int, I: int, group_size: int) -> float:
     n = 3 * H * I
     if fmt == "bf16":
         return 2 * n
+    if fmt == "q4k" and side == "ktorch":  # nibbles; per 256 weights 8 sub-scales + 8 sub-minimums + 2 float32 supers
+        return n / 2 + n * 24 / 256
+    if fmt == "q4k":
+        fmt = "int4"
     if fmt == "int8" or side == "kt":
         return n * (1 if fmt == "int8" else 0.5) + 4 * (2 * I + H)
     return n / 2 + 4 * (2 * I * H + H * I) / group_size
+
+
+def q4k_codes(w):
+    """w [n, N, K] float (K a multiple of 256) as GGUF Q4_K's values: (codes uint8 0..15 [n, N, K], sub-scales and
+    sub-minimums uint8 0..63 [n, N, K/32], super-scales d and dmin float32 [n, N, K/256]), w ~ d*sc*u - dmin*m per
+    group of 32 (a plain min/max fit, not llama.cpp's search: the layout and the kernel's work are what is timed)."""
+    import torch
+
+    n, N, K = w.shape
+    g = w.float().reshape(n, N, K // 256, 8, 32)
+    lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+    scale, mn = (hi - lo) / 15, -lo
+    d, dmin = scale.amax(-1, keepdim=True) / 63, mn.amax(-1, keepdim=True) / 63
+    sc = torch.where(d > 0, scale / d.clamp(min=1e-30), 0).round().clamp(0, 63)
+    m = torch.where(dmin > 0, mn / dmin.clamp(min=1e-30), 0).round().clamp(0, 63)
+    s_eff, m_eff = (d * sc).unsqueeze(-1), (dmin * m).unsqueeze(-1)
+    u = torch.where(s_eff > 0, (g + m_eff) / s_eff.clamp(min=1e-30), 0).round().clamp(0, 15)
+    return (u.reshape(n, N, K).to(torch.uint8), sc.reshape(n, N, K // 32).to(torch.uint8),
+            m.reshape(n, N, K // 32).to(torch.uint8), d.reshape(n, N, K // 256), dmin.reshape(n, N, K // 256))
+
+
+def q4k_experts(gate_up, down):
+    """ktorch.PackedExperts in GGUF Q4_K kept exact (format "gguf:Q4_K") from bf16 master experts (gate_up
+    [n, 2I, H], down [n, H, I]): q4k_codes placed as the GGUF loader places a file's Q4_K blocks (pack_quantized for
+    the codes, pack_kscales for the scales at the file's two-level size)."""
+    import ktorch
+    from ktorch.ops.moe import pack_kscales, pack_quantized
+
+    def part(w, gate_up_rows: bool):
+        codes, sc, m, d, dmin = q4k_codes(w)
+        scales = (d.repeat_interleave(8, dim=-1) * sc.float()).contiguous()
+        mins = (dmin.repeat_interleave(8, dim=-1) * m.float()).contiguous()
+        packed, _ = pack_quantized(codes, scales, mins, bits=4, gate_up=gate_up_rows)
+        return packed, pack_kscales(sc, d.contiguous(), m, dmin.contiguous(), gate_up=gate_up_rows)
+
+    w13, s13 = part(gate_up, True)
+    w2, s2 = part(down, False)
+    return ktorch.PackedExperts(w13, s13, w2, s2, "gguf:Q4_K")
+
+
+def pack_for(fmt: str, gate_up, down, group_size):
+    """The ktorch side's packed experts of one format (q4k: q4k_experts; int4 with group_size)."""
+    import ktorch
+
+    if fmt == "q4k":
+        return q4k_experts(gate_up, down)
+    return ktorch.pack_experts(gate_up, down, dtype=fmt, group_size=group_size if fmt == "int4" else None)
 
 
 def master_experts(n: int, H: int, I: int, seed: int):
@@ -228,7 +286,7 @@ def emit(**kw) -> None:
 @contextlib.contextmanager
 def variant_env(env: dict):
     """Sets KT_CPU_KERNEL as a ktorch variant names it (cleared otherwise) and, for amx:N, the AMX gemms' small-M
-    threshold (env["amx_min_rows"]) for the duration."""
+    threshold (env["amx_min_rows"]), for the duration."""
     import torch
 
     saved = os.environ.get("KT_CPU_KERNEL")
@@ -253,7 +311,7 @@ def ktorch_variants(names: list[str], available: list[str]):
     """[(label, env)] for the variants this machine runs, and [(label, reason)] for the others."""
     runs, skipped = [], []
     for name in names:
-        level, _, rows = name.partition(":")
+        level, _, rest = name.partition(":")
         if level == "auto":
             runs.append((name, {}))
             continue
@@ -261,8 +319,8 @@ def ktorch_variants(names: list[str], available: list[str]):
             skipped.append((name, f"kernel level {level} is not available here ({','.join(available)})"))
             continue
         env = {"KT_CPU_KERNEL": level}
-        if rows:
-            env["amx_min_rows"] = int(rows)
+        if rest:
+            env["amx_min_rows"] = int(rest)
         runs.append((name, env))
     return runs, skipped
 
@@ -297,7 +355,6 @@ def child_ktorch(spec: dict) -> None:
 
     E, K, H, I = spec["shape_dims"]
     fmt, gs = spec["format"], spec["group_size"]
-    gs = gs if fmt == "int4" else None
     runs, skipped = ktorch_variants(spec["variants"], ktorch.cpu_features()["available"])
     for label, reason in skipped:
         emit(kind="skip", side="ktorch", variant=label, reason=reason)
@@ -307,7 +364,7 @@ def child_ktorch(spec: dict) -> None:
 
     if spec["error_tokens"] > 0:
         gate_up, down, x, ids, w, ref = error_instance(spec)
-        packed = ktorch.pack_experts(gate_up, down, dtype=fmt, group_size=gs)
+        packed = pack_for(fmt, gate_up, down, gs)
         for label, env in runs:
             with variant_env(env):
                 err = relative_error(ktorch.fused_moe(x, ids, w, packed), ref)
@@ -321,7 +378,7 @@ def child_ktorch(spec: dict) -> None:
     layers = []
     for i in range(n):
         gate_up, down = master_experts(spec["distinct_experts"], H, I, seed=i)
-        p = ktorch.pack_experts(gate_up, down, dtype=fmt, group_size=gs)
+        p = pack_for(fmt, gate_up, down, gs)
         layers.append(ktorch.PackedExperts(tiled(p.w13, E, True), None if p.w13_scales is None else tiled(p.w13_scales, E),
                                            tiled(p.w2, E, True), None if p.w2_scales is None else tiled(p.w2_scales, E),
                                            p.format, p.group_size))
@@ -491,7 +548,7 @@ def main() -> None:
     ap.add_argument("--no-ktorch", action="store_true", help="time kt-kernel only")
     ap.add_argument("--kt-pin-caller", action=argparse.BooleanOptionalAction, default=True,
                     help="pin the thread calling kt-kernel to the CPUs its workers do not take (default on)")
-    ap.add_argument("--group-size", type=int, default=128, help="ktorch int4 group size")
+    ap.add_argument("--group-size", type=int, default=128, help="ktorch int4 group size (q4k: Q4_K's 32)")
     ap.add_argument("--cold-factor", type=float, default=3.0, help="layers cycled: weights >= this x L3")
     ap.add_argument("--distinct-experts", type=int, default=4, help="random experts per timing layer, tiled to E")
     ap.add_argument("--error-tokens", type=int, default=64, help="0: no error measurement")
@@ -508,8 +565,9 @@ def main() -> None:
         return
 
     for name in args.ktorch_variants:
-        level, _, rows = name.partition(":")
-        if level not in ("auto", "portable", "avx512", "amx") or (rows and (level != "amx" or not rows.isdigit())):
+        level, _, rest = name.partition(":")
+        if level not in ("auto", "portable", "avx512", "amx") or (
+                rest and (level != "amx" or not rest.isdigit())):
             ap.error(f"--ktorch-variants: unknown variant {name!r} (auto, portable, avx512, amx, amx:N)")
     for line in machine_lines():
         print(line)
@@ -537,7 +595,13 @@ def main() -> None:
         E, K, H, I = SHAPES[shape]
         tokens = args.tokens or DEFAULT_TOKENS[shape]
         for fmt in args.formats:
+            if fmt == "q4k" and (H % 256 or I % 256):
+                print(f"skip q4k on {shape}: Q4_K's blocks of 256 need H={H} and I={I} multiples of 256")
+                continue
             for side in list(sides):
+                if side == "kt" and fmt == "q4k" and "int4" in args.formats:
+                    print(f"{shape} q4k, kt: kt-kernel has no Q4_K; its int4 (AMXInt4_MOE) row stands beside it")
+                    continue
                 per_layer = E * expert_bytes(side, fmt, H, I, args.group_size)
                 n = n_layers_for(per_layer, l3, args.cold_factor)
                 need = n * per_layer + E * 3 * H * I * 2 * (side == "kt")  # kt-kernel also holds a bf16 master
@@ -564,10 +628,14 @@ def main() -> None:
                             print(f"  skip {r['side']} {r['variant']}: {r['reason']}")
                         elif r["kind"] == "error":
                             errors[(side, shape, fmt, r["variant"])] = r["error"]
+                            if side == "kt" and fmt == "int4" and "q4k" in args.formats:
+                                errors[(side, shape, "q4k", r["variant"])] = r["error"]
                             print(f"    {side:<6} {r['variant']:<14} rel. error {r['error']:.2e}")
                         elif r["kind"] == "time":
                             rows.append(dict(shape=shape, fmt=fmt, T=r["T"], side=side, variant=r["variant"],
                                              threads=threads, sec=r["sec"], distinct=r["distinct"], bytes=r["bytes"]))
+                            if side == "kt" and fmt == "int4" and "q4k" in args.formats:  # (kt-kernel has no Q4_K)
+                                rows.append(dict(rows[-1], fmt="q4k"))
                     if side not in sides:
                         break
             gc.collect()

@@ -417,8 +417,10 @@ def step_bench(r: Runner, p: dict) -> int:
 
 
 @step("kernels", "ktorch against KTransformers' kt-kernel 0.7.2, side by side (benchmarks/bench_vs_kt_kernel.py), "
-      "cold caches", limit_s=480, min_s=180,
-      params={"shapes": "qwen3", "formats": "bf16,int8,int4", "tokens": "1,32,512,2048", "cold": "16"},
+      "cold caches; variants: ktorch's, joined by ',', '/' for ':' (e.g. auto,amx/16: the script's amx:16)",
+      limit_s=480, min_s=180,
+      params={"shapes": "qwen3", "formats": "bf16,int8,int4", "tokens": "1,32,512,2048", "cold": "16",
+              "variants": "auto,avx512"},
       carry=".peers/kt_kernel (bash /work/shared/tools/fetch_kt_kernel.sh .peers/kt_kernel)")
 def step_kernels(r: Runner, p: dict) -> int:
     if not (r.root / ".peers" / "kt_kernel").is_dir():
@@ -426,8 +428,8 @@ def step_kernels(r: Runner, p: dict) -> int:
     r.busy_warning()
     return r.sh([sys.executable, "benchmarks/bench_vs_kt_kernel.py", "--shapes", *p["shapes"].split(","),
                  "--formats", *p["formats"].split(","), "--tokens", *p["tokens"].split(","),
-                 "--ktorch-variants", "auto", "avx512", "--kt-threads", "15", "--cold-factor", p["cold"],
-                 "--min-seconds", "0.3"])
+                 "--ktorch-variants", *p["variants"].replace("/", ":").split(","), "--kt-threads", "15",
+                 "--cold-factor", p["cold"], "--min-seconds", "0.3"])
 
 
 @step("e2e", "end to end, Qwen3-30B-A3B shape: `ktorch generate` (fresh processes, defaults, on a random Q8_0 GGUF "

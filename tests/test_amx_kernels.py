@@ -1,8 +1,8 @@
 """The AMX gemm kernels at the kernel level (ktorch/csrc/kernels/amx/test, docs/amx.md "Checking it without AMX").
 
 The C++ test there runs the real kernel code against a double-precision reference and the AVX-512 kernels
-under the tile walk each format takes (bf16/int8 'rows', int4 'pairs'), over the calls the fused-MoE driver makes
-and their edges, every M through the tiles, and checks the walks' weight prefetches. Two builds:
+under the tile walk ('rows'), over the calls the fused-MoE driver makes and their edges, every M through the tiles,
+and checks the walks' weight prefetches and how often int4 unpacks each weight line. Two builds:
   - emulated: a software model of the tile registers under AddressSanitizer/UBSan; needs AVX-512 BF16/VNNI
     (not AMX), so it runs in CI, where the op tests cannot reach the AMX code;
   - native: the same checks on real tiles; needs AMX granted by the OS (the device).

@@ -322,6 +322,28 @@ def test_amx_tiles_for_every_row_count(fmt, group_size, monkeypatch, seed):
         torch.ops.kt._amx_min_rows_for_tests(-1)
 
 
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_amx_int4_rows_walk(group_size, monkeypatch, seed):
+    """The AMX int4 gemm's tile walk (each column pair's weights unpacked once a call of up to 256 rows) matches the
+    reference with every call on the tiles, from a few rows an expert to more than 256 (T=700, 3 of 7 experts: ~300,
+    two walks a call)."""
+    reason = kernel_skip_reason("amx")
+    if reason is not None:
+        pytest.skip(reason)
+    monkeypatch.setenv("KT_CPU_KERNEL", "amx")
+    E, K, H, I = 7, 3, 256, 384
+    packed = make_experts(E, H, I, "int4", group_size)
+    try:
+        torch.ops.kt._amx_min_rows_for_tests(0)
+        for T in (5, 40, 300, 700):
+            hidden = torch.randn(T, H).to(torch.bfloat16)
+            ids, weights = make_routing(T, E, K)
+            out = ktorch.fused_moe(hidden, ids, weights, packed)
+            check_against_reference(out, hidden, ids, weights, packed, "silu", seed, f"T={T}, int4 rows walk")
+    finally:
+        torch.ops.kt._amx_min_rows_for_tests(-1)
+
+
 @pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("E", [1, 2, 7])

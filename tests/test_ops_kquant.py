@@ -150,6 +150,25 @@ def test_fused_moe_every_call_on_tiles(kernel, types, seed):
         torch.ops.kt._amx_min_rows_for_tests(-1)
 
 
+def test_amx_int4_walk_on_q4_k(kernel, seed):
+    """AMX: Q4_K (affine int4, groups of 32) under the int4 tile walk, every call on the tiles, up to ~300 rows an
+    expert (two walks a call): within int8's tolerance of the reference."""
+    if kernel != "amx":
+        pytest.skip("the int4 tile walk exists at the amx level only")
+    E, K, H, I = 7, 3, 512, 256
+    packed, gate_up, down = exact_experts(E, H, I, ("Q4_K", "Q4_K", "Q4_K"))
+    try:
+        torch.ops.kt._amx_min_rows_for_tests(0)
+        for T in (17, 300, 700):
+            hidden = torch.randn(T, H).to(torch.bfloat16)
+            ids, weights = make_routing(T, E, K)
+            out = ktorch.fused_moe(hidden, ids, weights, packed)
+            err = relative_error(out, fused_moe_reference(hidden, ids, weights, gate_up, down, "silu"))
+            assert err <= INT8_TOLERANCE, f"seed={seed} T={T}: relative error {err:.4g}"
+    finally:
+        torch.ops.kt._amx_min_rows_for_tests(-1)
+
+
 def test_affine_minimums_are_applied(seed):
     """Q4_K's weights are s*q - m: the same packed codes read as symmetric int4 (the minimums dropped, -8 applied)
     move the output far past the tolerance, so the reference comparison sees the minimums."""

@@ -104,7 +104,7 @@ def test_every_call_on_amx_tiles(kernel, seed):
     nib, codes, _, _ = both_forms(E, H, I)
     try:
         torch.ops.kt._amx_min_rows_for_tests(0)
-        for T in (1, 17, 70):
+        for T in (1, 17, 70, 700):  # (700: ~400 rows an expert, walks of 256)
             hidden = torch.randn(T, H).to(torch.bfloat16)
             ids, weights = routing(T, E, K)
             out = ktorch.fused_moe(hidden, ids, weights, nib)

@@ -20,15 +20,16 @@
 // block walks the whole K with its accumulators in the tiles (int4: one group at a time, then the group's
 // sums are scaled into fp32 accumulators in L1). Column pairs are the outer loop, row pairs the inner one:
 // a column pair's weights come from memory on its first row pair (prefetched a few tiles ahead) and from
-// L2 on the others; while the last row pair runs, the next column pair is prefetched into L2. bf16 and int8 walk
-// up to 256 rows at once and also prefetch the next call's weights; see "tile walk selection" and docs/amx.md.
+// L2 on the others, and the next column pair (or the caller's next call's first one) is prefetched into L2 spread
+// over the passes. Every format walks up to 256 rows at once; int4 unpacks a column pair's nibbles once a walk, on
+// its first row pair (a few steps ahead of the tile loads), into a buffer its later row pairs read, and scales each
+// group's sums right after the group; see "tile walk selection" and docs/amx.md.
 // Activation rows: a 16-row group whose rows are evenly strided (e.g. the driver's down-projection input)
 // is tile-loaded in place; otherwise its rows are copied into a thread-local buffer first.
 //
 // Limits: K % 32 == 0. int8 with K % 64 == 32 runs its last 32-deep step on a zero-padded copy of the B
 // tiles. int4 group_size % 32 == 0; groups of 32 use 32-deep tiles (a second tile configuration: A 32
-// bytes a row, B 8 rows). Any M (cut into walks of at most 64 rows, 256 for the 'rows' walk)
-// and nblocks.
+// bytes a row, B 8 rows). Any M (cut into walks of at most 256 rows) and nblocks.
 // Small M: below a per-format row count the call goes to the AVX-512 kernel (decode is memory-bound and
 // AVX-512 wastes no tile rows); the counts are kMinRows.
 // Tile configuration: loaded (LDTILECFG) at the start of every call, since other code on the same thread
@@ -58,6 +59,7 @@
 #define KTAMX_TILE_DP_BF16(c, a, b) ::kt::kernels::amx_emulation::dp_bf16(c, a, b)
 #define KTAMX_TILE_DP_S8(c, a, b) ::kt::kernels::amx_emulation::dp_s8(c, a, b)
 #define KTAMX_RECORD_PREFETCH(p, to_l1) ::kt::kernels::amx_emulation::record_prefetch(p, to_l1)
+#define KTAMX_RECORD_UNPACK(p, bytes) ::kt::kernels::amx_emulation::record_unpack(p, bytes)
 #else
 // gcc's tile intrinsics paste the register number into the instruction text, so tile arguments must be
 // literals. Their TILELOADD asm does not declare that it reads memory: buffers filled with ordinary stores
@@ -69,6 +71,7 @@
 #define KTAMX_TILE_DP_BF16(c, a, b) _tile_dpbf16ps(c, a, b)
 #define KTAMX_TILE_DP_S8(c, a, b) _tile_dpbssd(c, a, b)
 #define KTAMX_RECORD_PREFETCH(p, to_l1) ((void)0)
+#define KTAMX_RECORD_UNPACK(p, bytes) ((void)0)
 #endif
 
 namespace kt::kernels {
@@ -76,8 +79,8 @@ namespace {
 
 constexpr int64_t kTileBytes = 1024;  // a full tile: 16 rows of 64 bytes
 constexpr int kPrefetchSteps = 4;     // B tiles fetched this many k steps ahead on a column pair's first pass
-constexpr int kMaxRows = 64;          // rows per tile walk of the 'pairs' walk (4 row groups); larger calls are cut
-constexpr int kMaxWalkRows = 256;     // rows per tile walk of the 'rows' walk (16 row groups)
+constexpr int kUnpackAhead = 2;       // int4: a column pair's first pass unpacks the B tiles this many k steps ahead
+constexpr int kMaxWalkRows = 256;     // rows per tile walk (16 row groups); larger calls are cut
 
 // ---------------------------------------------------------------- small-M threshold
 // Calls with fewer rows than this go to the AVX-512 kernel. Chosen from a device sweep of whole layers
@@ -87,16 +90,19 @@ constexpr int kMinRows[kNumFormats] = {2, 8, 16};  // bf16, int8, int4: measured
 std::atomic<int> g_test_min_rows{-1};
 
 // ---------------------------------------------------------------- tile walk selection
-// The order of the tile walk, by format (docs/amx.md, "The tile walk": what the device measured fastest):
-//   pairs  (int4)         column pairs outer, row pairs inner, calls cut into walks of 64 rows
-//   rows   (bf16, int8)   the same over all rows of a call (walks of up to 256), and the weights of the next column
-//                         pair, or of the caller's next call (next_b), prefetched into L2 spread over every pass
+// The order of the tile walk (docs/amx.md, "The tile walk": what the device measured fastest for bf16 and int8):
+//   rows   (every format) column pairs outer, row pairs inner, over all rows of a call (walks of up to 256), and the
+//                         weights of the next column pair, or of the caller's next call (next_b), prefetched into L2
+//                         spread over every pass. int4 unpacks each column pair once a walk, kUnpackAhead k steps
+//                         ahead of the tile loads of its first row pair, and runs each group's epilogue (its sums
+//                         scaled into fp32) in place, right after the group's tile products.
 // Variants measured and removed with their environment switches (benchmarks/RESULTS.md): k cut into chunks that
 // stay in L1 ('kblock': +3-4% at T=512, slower at T=2048, within the spread, session 9; slower again in sessions 12
 // and 20), A tiles prefetched into L1 ('+pfa', session 9: no row faster), thinner or no L2 prefetch of the next
 // weights and no B tiles into L1 ahead (session 17: within 10% at 128 rows an expert, thinning only loses), no
-// prefetch of the next A rows (session 20: the layer no faster, int8 T=2048 18.5 against 20.5 ms).
-enum class Walk : int { Pairs = 0, Rows = 1 };
+// prefetch of the next A rows (session 20: the layer no faster, int8 T=2048 18.5 against 20.5 ms). int4 (session
+// 32, docs/amx.md): 64-row walks unpacking right before each step's tile loads ('pairs', 1-12% slower), and each
+// group's epilogue deferred into the next group's tile products (two C buffers, 9-25% slower).
 
 // ---------------------------------------------------------------- tile configuration
 struct alignas(64) TileConfig {
@@ -155,7 +161,7 @@ class Scratch {
 
 thread_local Scratch t_rows;   // activation rows that cannot be tile-loaded in place
 thread_local Scratch t_btile;  // int4: a column pair's weights unpacked; int8: zero-padded last-step B tiles
-thread_local Scratch t_ctile;  // the C tiles of one block [32][32] x 4 B, then the int4 fp32 accumulators
+thread_local Scratch t_ctile;  // the C tiles of one block [32][32] x 4 B (int4: two), the int4 fp32 accumulators
 
 // ---------------------------------------------------------------- activation rows
 // Where the A tiles of row group g (rows 16g..16g+15) come from: row i at base[g] + i * stride[g].
@@ -254,7 +260,8 @@ struct Block {
   int g0 = 0;
   int b0 = 0;
   int64_t s0 = 0, s1 = 0;            // k steps of this pass (full B tiles; the int8 32-deep tail is extra)
-  bool unpack = false;               // int4: first pass of this column pair: unpack its weights
+  bool unpack = false;               // int4: first pass of this column pair: unpack its weights, kUnpackAhead
+                                     //   k steps ahead of the tile loads
   int64_t l1_from = 0, l1_to = 0;    // B tiles of steps in [l1_from, l1_to) prefetched into L1 kPrefetchSteps ahead
   const uint8_t* next = nullptr;     // weights of the next column pair (or call): bytes [next_begin, next_end)
   int next_blocks = 0;               //   of each of its next_blocks blocks prefetched into L2, next_step a k step
@@ -367,6 +374,7 @@ inline __m512i int4_table(const GemmArgs& a) {
 // 2o (its low nibbles, k = 8o..8o+3) and row 2o + 1 (its high nibbles, k = 8o+4..8o+7), each as table[u]
 // (int4_table: q - 8, or the code).
 inline void unpack_int4(const uint8_t* src, int lines, uint8_t* dst, __m512i table) {
+  KTAMX_RECORD_UNPACK(src, 64 * lines);
   const __m512i low = _mm512_set1_epi8(0x0f);
   for (int o = 0; o < lines; ++o) {
     const __m512i v = _mm512_loadu_si512(src + o * 64);
@@ -376,8 +384,10 @@ inline void unpack_int4(const uint8_t* src, int lines, uint8_t* dst, __m512i tab
 }
 
 // kDepth: k per step (64, or 32 for groups of 32). unpacked: RB buffers of K/4 tile rows x 64 bytes, filled
-// on the first pass of the column pair and read by its later row pairs. acc: [32][32] fp32. Every pass
-// covers all of K (the walks never cut int4 into k chunks).
+// on the first pass of the column pair (blk.unpack: step t during step t - kUnpackAhead, so that the tile
+// loads of a step do not wait for the stores that unpacked it) and read by its later row pairs. acc: [32][32]
+// fp32. cbuf: a group's C sums [32][32] int32, scaled into acc (the group's epilogue) right after the group's tile
+// products. Every pass covers all of K (the walks never cut int4 into k chunks).
 template <int RA, int RB, int kDepth>
 void int4_block(const GemmArgs& a, const ARows& ar, const Block& blk, uint8_t* unpacked, uint8_t* cbuf,
                 float* acc) {
@@ -396,21 +406,18 @@ void int4_block(const GemmArgs& a, const ARows& ar, const Block& blk, uint8_t* u
   for (int r = 0; r < rows; ++r)
     for (int j = 0; j < RB; ++j) _mm512_store_ps(acc + r * 32 + 16 * j, _mm512_setzero_ps());
   const __m512i table = int4_table(a);
-
-  for (int64_t g = 0; g < a.K / a.group_size; ++g) {
-    zero_c<RA, RB>();
-    for (int64_t s = g * group_steps; s < (g + 1) * group_steps; ++s) {
-      prefetch_step<RB>(a, blk, s, packed0, packed1, kPackedStep);
-      if (blk.unpack) {
-        unpack_int4(packed0 + s * kPackedStep, kDepth / 8, u0 + s * kUnpackedStep, table);
-        if constexpr (RB > 1) unpack_int4(packed1 + s * kPackedStep, kDepth / 8, u1 + s * kUnpackedStep, table);
-        KTAMX_COMPILER_BARRIER();
-      }
-      tile_step<false, RA, RB>(a0 + s * kDepth, sa0, a1 + s * kDepth, sa1, u0 + s * kUnpackedStep,
-                               u1 + s * kUnpackedStep);
-      if (blk.side != nullptr) run_side(blk, s);
-    }
-    store_c<RA, RB>(cbuf);
+  const auto unpack_step = [&](int64_t t) {
+    unpack_int4(packed0 + t * kPackedStep, kDepth / 8, u0 + t * kUnpackedStep, table);
+    if constexpr (RB > 1) unpack_int4(packed1 + t * kPackedStep, kDepth / 8, u1 + t * kUnpackedStep, table);
+  };
+  const int64_t ahead = blk.unpack ? kUnpackAhead : 0;
+  if (blk.unpack) {
+    for (int64_t t = 0; t < std::min(ahead, steps); ++t) unpack_step(t);
+    KTAMX_COMPILER_BARRIER();
+  }
+  // Group g's sums in cbuf into acc: acc += s_w * sum (affine: + the minimums' term).
+  const auto epilogue = [&](int64_t g) {
+    const uint8_t* cb = cbuf;
     for (int j = 0; j < RB; ++j) {
       const int64_t at = g * a.b_scale_group_stride + (blk.b0 + j) * a.b_scale_block_stride;
       const __m512 ws = _mm512_loadu_ps(a.b_scale + at);
@@ -419,7 +426,7 @@ void int4_block(const GemmArgs& a, const ARows& ar, const Block& blk, uint8_t* u
         for (int r = 0; r < rows; ++r) {
           float* p = acc + r * 32 + 16 * j;
           const int32_t gsum = a.a_gsum[(16 * blk.g0 + r) * a.a_gsum_stride + g];
-          const __m512i u = _mm512_add_epi32(_mm512_load_si512(cbuf + r * 128 + 64 * j), _mm512_set1_epi32(8 * gsum));
+          const __m512i u = _mm512_add_epi32(_mm512_load_si512(cb + r * 128 + 64 * j), _mm512_set1_epi32(8 * gsum));
           const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u), ws, _mm512_load_ps(p));
           _mm512_store_ps(p, _mm512_fnmadd_ps(_mm512_set1_ps(static_cast<float>(gsum)), wm, v));
         }
@@ -427,10 +434,27 @@ void int4_block(const GemmArgs& a, const ARows& ar, const Block& blk, uint8_t* u
       }
       for (int r = 0; r < rows; ++r) {
         float* p = acc + r * 32 + 16 * j;
-        const __m512 v = _mm512_cvtepi32_ps(_mm512_load_si512(cbuf + r * 128 + 64 * j));
+        const __m512 v = _mm512_cvtepi32_ps(_mm512_load_si512(cb + r * 128 + 64 * j));
         _mm512_store_ps(p, _mm512_fmadd_ps(v, ws, _mm512_load_ps(p)));
       }
     }
+  };
+
+  for (int64_t g = 0; g < a.K / a.group_size; ++g) {
+    zero_c<RA, RB>();
+    for (int64_t s = g * group_steps; s < (g + 1) * group_steps; ++s) {
+      prefetch_step<RB>(a, blk, s, packed0, packed1, kPackedStep);
+      if (blk.unpack && s + ahead < steps) {
+        unpack_step(s + ahead);
+        KTAMX_COMPILER_BARRIER();
+      }
+      tile_step<false, RA, RB>(a0 + s * kDepth, sa0, a1 + s * kDepth, sa1, u0 + s * kUnpackedStep,
+                               u1 + s * kUnpackedStep);
+      if (blk.side != nullptr) run_side(blk, s);
+    }
+    store_c<RA, RB>(cbuf);
+    KTAMX_COMPILER_BARRIER();  // (TILESTORED's asm does not declare the memory it writes)
+    epilogue(g);
   }
   for (int r = 0; r < rows; ++r) {
     const int m = 16 * blk.g0 + r;
@@ -457,20 +481,20 @@ void run_block(const GemmArgs& a, const ARows& ar, const Block& blk, const Buffe
   }
 }
 
-// One call of at most kMaxRows ('pairs') or kMaxWalkRows rows. Column pairs outer, then row pairs, each pass over
-// all of K. What each pass prefetches:
-//   pairs   first row pair: its B tiles into L1; last row pair: the next column pair of this call into L2
-//   rows    first row pair: its B tiles into L1; every pass: 1/passes of the next column pair, or of the first
-//           column pair of the caller's next call (next_b), into L2
-// Both: the caller's next A rows (next_a) into L2, 1/passes of them during each pass of the walk.
+// One call of at most kMaxWalkRows rows. Column pairs outer, then row pairs, each pass over all of K (int4: the
+// first row pair unpacks the column pair's weights, kUnpackAhead k steps ahead of its tile loads; the others read
+// them unpacked). What each pass prefetches: the first row pair its B tiles into L1; every pass 1/passes of the next
+// column pair, or of the first column pair of the caller's next call (next_b), into L2, and 1/passes of the
+// caller's next A rows (next_a) into L2.
 // side_until: how much of the caller's side work (a.side) is due by the end of this walk.
 template <WeightFormat F>
-void tile_walk(const GemmArgs& a, Walk walk, int64_t side_until) {
+void tile_walk(const GemmArgs& a, int64_t side_until) {
   const int depth = F == WeightFormat::INT4 && a.group_size == 32 ? 32 : 64;
   load_tile_config(depth);
   const int64_t row_bytes = F == WeightFormat::BF16 ? 2 * a.K : a.K;
   const ARows ar = gather_rows(a, row_bytes, F != WeightFormat::INT8 || a.K % 64 == 0);
   Buffers buf;
+  // [C sums 4 KB][int4's fp32 accumulators 4 KB]
   buf.cbuf = t_ctile.get(32 * 128 + 32 * 32 * sizeof(float));
   buf.acc = reinterpret_cast<float*>(buf.cbuf + 32 * 128);
   buf.btile = nullptr;
@@ -498,7 +522,7 @@ void tile_walk(const GemmArgs& a, Walk walk, int64_t side_until) {
     if (b0 + 2 < a.nblocks) {
       next = a.b + (b0 + 2) * a.b_block_stride;
       next_blocks = std::min(2, a.nblocks - b0 - 2);
-    } else if (walk != Walk::Pairs && a.next_b != nullptr) {
+    } else if (a.next_b != nullptr) {
       next = a.next_b;
       next_blocks = std::min(2, a.nblocks);
     }
@@ -514,18 +538,13 @@ void tile_walk(const GemmArgs& a, Walk walk, int64_t side_until) {
         blk.l1_from = 0;
         blk.l1_to = steps;
       }
-      if (next != nullptr && steps > 0) {
-        // pairs: all of the next pair during the last row pair; otherwise 1/passes of it during each pass
-        const int64_t passes = walk == Walk::Pairs ? 1 : row_pairs;
-        const int64_t pass = walk == Walk::Pairs ? 0 : r;
-        if (walk != Walk::Pairs || r == row_pairs - 1) {
-          blk.next = next;
-          blk.next_blocks = next_blocks;
-          const PassSlice ps = pass_slice(bb, pass, passes, steps);
-          blk.next_begin = ps.begin;
-          blk.next_end = ps.end;
-          blk.next_step = ps.step;
-        }
+      if (next != nullptr && steps > 0) {  // 1/passes of the next pair during each pass
+        blk.next = next;
+        blk.next_blocks = next_blocks;
+        const PassSlice ps = pass_slice(bb, r, row_pairs, steps);
+        blk.next_begin = ps.begin;
+        blk.next_end = ps.end;
+        blk.next_step = ps.step;
       }
       const int64_t walk_pass = static_cast<int64_t>(b0 / 2) * row_pairs + r;  // this pass among the walk's a_passes
       if (next_a && steps > 0) {
@@ -556,8 +575,7 @@ void gemm_amx(const GemmArgs& a) {
   // need per-group C tiles as int4 has; they run on the AVX-512 kernel at every M.
   if (F == WeightFormat::INT8 && (a.b_min != nullptr || (a.group_size > 0 && a.group_size < a.K)))
     return avx512_kernels().gemm[static_cast<int>(F)](a);
-  const Walk walk = F == WeightFormat::INT4 ? Walk::Pairs : Walk::Rows;
-  const int max_rows = walk == Walk::Pairs ? kMaxRows : kMaxWalkRows;
+  constexpr int max_rows = kMaxWalkRows;
   GemmArgs part = a;
   for (int m0 = 0; m0 < a.M; m0 += max_rows) {
     part.M = std::min(max_rows, a.M - m0);
@@ -567,7 +585,7 @@ void gemm_amx(const GemmArgs& a) {
     part.c = a.c + m0 * a.ldc;
     part.next_b = m0 + max_rows < a.M ? nullptr : a.next_b;  // a later walk of this call reuses this b from L2
     part.next_a = m0 + max_rows < a.M ? nullptr : a.next_a;
-    tile_walk<F>(part, walk, a.side != nullptr ? a.side->units * (m0 + part.M) / a.M : 0);
+    tile_walk<F>(part, a.side != nullptr ? a.side->units * (m0 + part.M) / a.M : 0);
   }
 }
 

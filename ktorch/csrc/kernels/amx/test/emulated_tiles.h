@@ -155,4 +155,25 @@ inline void record_prefetch(const void* p, bool to_l1) {
   if (log.on) log.lines.push_back({p, to_l1});
 }
 
+// The packed int4 bytes the kernels unpack into tile layout (a record, so that the test can count how often each
+// weight line is unpacked: once a walk of up to 256 rows under the default walk).
+struct Unpack {
+  const void* src;
+  long bytes;
+};
+struct UnpackLog {
+  bool on = false;
+  std::vector<Unpack> spans;
+};
+
+inline UnpackLog& unpack_log() {
+  thread_local UnpackLog log;
+  return log;
+}
+
+inline void record_unpack(const void* src, long bytes) {
+  UnpackLog& log = unpack_log();
+  if (log.on) log.spans.push_back({src, bytes});
+}
+
 }  // namespace kt::kernels::amx_emulation
