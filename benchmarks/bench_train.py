@@ -202,6 +202,7 @@ def run_variant(args) -> dict:
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times = [step() for _ in range(args.steps)]
+    profile = _profile_step(model, opt, vocab, gen, args) if args.profile else None
     result = dict(variant=args.variant, expert_lora=args.variant == "ktorch" or args.hf_expert_lora == "on",
                   shape=args.shape, layers=model.config.num_hidden_layers, seq=args.seq, rank=args.rank,
                   experts_dtype=args.experts_dtype if args.variant == "ktorch" else "bf16",
@@ -212,7 +213,87 @@ def run_variant(args) -> dict:
                   gpu_peak_gib=(torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None),
                   host_peak_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
                   machine=machine_info(device))
+    if profile is not None:
+        result["profile"] = profile
     return result
+
+
+def _profile_step(model, opt, vocab, gen, args) -> dict:
+    """One more step under torch.profiler (CPU + CUDA activities), its phases marked with record_function: where the
+    step's time goes. Returns the phases' wall ms (synced), the CPU experts' op time in each (kt.fused_moe_delta in
+    the forward; in the backward, kt.fused_moe_delta is the checkpoint's recompute and kt.fused_moe_backward the
+    experts' backward), the host<->device copies (bytes and GPU time, from the trace's memcpy events), the GPU
+    kernels' total time, and the top ops by self CPU time (key_averages). Not timed with the other steps: the
+    profiler adds its own overhead per op."""
+    import os
+    import tempfile
+
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    device = args.device
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    x = torch.randint(0, vocab, (1, args.seq), generator=gen).to(device)
+    wall = {}
+    _sync(device)
+    with profile(activities=acts) as prof:
+        t = time.perf_counter()
+        with record_function("phase:forward"):
+            loss = model(input_ids=x, labels=x).loss
+            _sync(device)
+        wall["forward"], t = (time.perf_counter() - t) * 1e3, time.perf_counter()
+        with record_function("phase:backward"):  # with checkpointing: the recompute happens in here
+            loss.backward()
+            _sync(device)
+        wall["backward"], t = (time.perf_counter() - t) * 1e3, time.perf_counter()
+        with record_function("phase:optimizer"):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            _sync(device)
+        wall["optimizer"] = (time.perf_counter() - t) * 1e3
+    events = prof.events()
+    phases = {e.name[len("phase:"):]: (e.time_range.start, e.time_range.end) for e in events
+              if e.name.startswith("phase:") and e.device_type == DeviceType.CPU}
+
+    def phase_of(e):
+        return next((k for k, (a, b) in phases.items() if a <= e.time_range.start <= b), None)
+
+    cpu_ops = {}  # (phase, op) -> [calls, ms]: the CPU experts' ops (their wall on the calling thread)
+    for e in events:
+        if e.name.startswith("kt::") and e.device_type == DeviceType.CPU:
+            k = f"{phase_of(e)}:{e.name}"
+            c = cpu_ops.setdefault(k, [0, 0.0])
+            c[0] += 1
+            c[1] += e.time_range.elapsed_us() / 1e3
+    copies, gpu_kernel_ms = {}, 0.0
+    if device == "cuda":  # memcpy events carry their bytes in the trace's args
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "trace.json")
+            prof.export_chrome_trace(path)
+            with open(path) as f:
+                trace = json.load(f)
+        for ev in trace.get("traceEvents", []):
+            cat = ev.get("cat", "")
+            if cat == "gpu_memcpy":
+                c = copies.setdefault(ev["name"], dict(calls=0, bytes=0, ms=0.0))
+                c["calls"] += 1
+                c["bytes"] += int(ev.get("args", {}).get("bytes", 0))
+                c["ms"] += ev.get("dur", 0) / 1e3
+            elif cat == "kernel":
+                gpu_kernel_ms += ev.get("dur", 0) / 1e3
+    # host-side copy ops (a pageable .to(cpu)/.to(cuda) blocks the thread for its whole transfer)
+    avg = prof.key_averages()
+    host_copy = {a.key: dict(calls=a.count, ms=a.cpu_time_total / 1e3) for a in avg
+                 if a.key in ("aten::_to_copy", "aten::copy_", "aten::to")}
+    top = sorted(avg, key=lambda a: a.self_cpu_time_total, reverse=True)[:15]
+    return dict(wall_ms={k: round(v, 1) for k, v in wall.items()},
+                cpu_experts_ms={k: [v[0], round(v[1], 1)] for k, v in sorted(cpu_ops.items())},
+                memcpy={k: dict(calls=v["calls"], mb=round(v["bytes"] / 1e6, 1), ms=round(v["ms"], 1))
+                        for k, v in copies.items()},
+                host_copy_ops={k: dict(calls=v["calls"], ms=round(v["ms"], 1)) for k, v in host_copy.items()},
+                gpu_kernel_ms=round(gpu_kernel_ms, 1),
+                top_self_cpu=[(a.key, a.count, round(a.self_cpu_time_total / 1e3, 1),
+                               round(getattr(a, "self_device_time_total", 0.0) / 1e3, 1)) for a in top])
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -241,7 +322,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "with the weights decoded transposed (as kt.fused_moe_backward decodes them) and row-major (as "
                    "it decoded them before): what decides the decode's layout on a CPU")
     p.add_argument("--profile", action="store_true",
-                   help="ops: one more call of each op with KT_PROFILE on; their phase lines print after the table")
+                   help="ops: one more call of each op with KT_PROFILE on; their phase lines print after the table. "
+                   "ktorch / hf_offload: one more step under torch.profiler after the timed ones; its breakdown "
+                   "(phases' wall, the CPU experts' ops per phase, host<->GPU copies in bytes and time, GPU kernel "
+                   "time, top ops by self time) prints under the variant's row")
     p.add_argument("--jsonl", help="append one JSON line per variant to this file")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--variants", default=",".join(VARIANTS))
@@ -251,6 +335,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--variant", help=argparse.SUPPRESS)  # one variant in this process (the parent's children)
     p.add_argument("--json", action="store_true", help="also print one JSON line per variant")
     return p.parse_args(argv)
+
+
+def _print_profile(variant: str, pr: dict) -> None:
+    w = pr["wall_ms"]
+    print(f"  {variant} profiled step (one, after the timed ones; profiler overhead included), ms: "
+          + " | ".join(f"{k} {v}" for k, v in w.items()) + f" | total {sum(w.values()):.1f}")
+    if pr["cpu_experts_ms"]:
+        print("    CPU experts (phase:op calls ms): "
+              + " | ".join(f"{k} {c} {ms}" for k, (c, ms) in pr["cpu_experts_ms"].items())
+              + f" | sum {sum(ms for _, ms in pr['cpu_experts_ms'].values()):.1f}")
+    if pr["memcpy"]:
+        print("    host<->GPU copies (GPU side): "
+              + " | ".join(f"{k} {v['calls']} calls {v['mb']} MB {v['ms']} ms" for k, v in pr["memcpy"].items()))
+    print("    host copy ops (CPU wall, incl. children): "
+          + " | ".join(f"{k} {v['calls']} calls {v['ms']} ms" for k, v in pr["host_copy_ops"].items())
+          + f"; GPU kernels {pr['gpu_kernel_ms']} ms")
+    print("    top ops by self CPU time (op, calls, self CPU ms, self GPU ms):")
+    for key, n, cpu_ms, gpu_ms in pr["top_self_cpu"]:
+        print(f"      {key[:60]:<60} {n:>7} {cpu_ms:>10} {gpu_ms:>10}")
 
 
 def main(argv=None) -> None:
@@ -299,6 +402,8 @@ def main(argv=None) -> None:
         print(f"{r['variant']:<12} {r['experts_dtype']:>8} {str(r['expert_lora']):>12} {r['step_s']:>9.3f} {gpu:>13} "
               f"{r['host_peak_gib']:>14.1f} "
               f"{r['trainable_params']:>12,}")
+        if r.get("profile"):
+            _print_profile(r["variant"], r["profile"])
     for line in profiles:
         print(line)
     ok = {r["variant"]: r for r in rows if "error" not in r}
