@@ -81,10 +81,14 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def on_kernel_device(t: torch.Tensor) -> bool:
+    """Whether ``t``'s device is one the Triton kernels run on: CUDA, or the CPU under Triton's interpreter (tests)."""
+    return t.is_cuda or (t.device.type == "cpu" and interpreting())
+
+
 def kernel_runs_on(t: torch.Tensor) -> bool:
-    """Whether a Triton kernel can run on ``t``'s device: Triton present and a CUDA tensor (or a CPU one under the
-    interpreter: tests)."""
-    return triton is not None and (t.is_cuda or (t.device.type == "cpu" and interpreting()))
+    """Whether a Triton kernel can run on ``t``'s device: Triton present and ``on_kernel_device``."""
+    return triton is not None and on_kernel_device(t)
 
 
 if triton is not None:
@@ -260,7 +264,7 @@ def route_applies(ids: torch.Tensor) -> bool:
     tests), not under Dynamo's trace (there the same ops in ATen are traced and fused by Inductor)."""
     if triton is None or torch.compiler.is_compiling():
         return False
-    return ids.is_cuda or (ids.device.type == "cpu" and interpreting())
+    return on_kernel_device(ids)
 
 
 def triton_route(ids: torch.Tensor, slot_of: torch.Tensor, hits: Optional[torch.Tensor] = None) -> tuple:
@@ -313,7 +317,7 @@ def triton_rows_forward(hidden: torch.Tensor, slots: torch.Tensor, topk_weights:
     dtype. Shape-static and free of host syncs (CUDA-graph capturable). ``block_n``/``block_k``/``num_warps``: the
     tile of both kernels (powers of two; block_k in bytes of codes), each kernel's format's ``TILES`` entry unless a
     benchmark compares others (benchmarks/bench_resident_decode.py --tiles)."""
-    if not hidden.is_cuda and not (hidden.device.type == "cpu" and interpreting()):
+    if not on_kernel_device(hidden):
         raise ValueError(f"triton_rows_forward: the Triton kernels run on CUDA tensors, hidden is on {hidden.device}")
     if not triton_available():
         raise RuntimeError("triton_rows_forward: Triton is not installed (residents without it stay in the packed "

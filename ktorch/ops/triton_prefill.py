@@ -32,7 +32,7 @@ from typing import Optional
 
 import torch  # no "from __future__ import annotations": Triton reads the tl.constexpr annotations
 
-from ktorch.ops.triton_experts import _ACT_CODES, interpreting, row_format, triton, triton_available
+from ktorch.ops.triton_experts import _ACT_CODES, on_kernel_device, row_format, triton, triton_available
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by the average (token, slot) rows an expert gets; not measured
 # yet (benchmarks/bench_resident_prefill.py --tiles compares others).
@@ -226,7 +226,7 @@ def grouped_applies(hidden: torch.Tensor, rows, tile: Optional[tuple] = None) ->
     fp16 activations, int8 codes for w13 and w2 in a group the tile takes."""
     if not triton_available() or hidden.dtype not in (torch.bfloat16, torch.float16):
         return False
-    if not (hidden.is_cuda or (hidden.device.type == "cpu" and interpreting())):
+    if not on_kernel_device(hidden):
         return False
     if rows.w13.dtype != torch.int8 or rows.w2.dtype != torch.int8:
         return False
@@ -242,7 +242,7 @@ def triton_grouped_forward(hidden: torch.Tensor, slots: torch.Tensor, topk_weigh
     num_warps, num_stages), ``tile_for`` the average rows an expert unless a benchmark compares others."""
     if not triton_available():
         raise RuntimeError("triton_grouped_forward: Triton is not installed")
-    if not hidden.is_cuda and not (hidden.device.type == "cpu" and interpreting()):
+    if not on_kernel_device(hidden):
         raise ValueError(f"triton_grouped_forward: the Triton kernels run on CUDA tensors, hidden is on "
                          f"{hidden.device}")
     if activation not in _ACT_CODES:
