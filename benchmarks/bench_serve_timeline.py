@@ -13,7 +13,7 @@ are ``time.perf_counter`` (CLOCK_MONOTONIC), so they compare across processes on
     python benchmarks/bench_serve_timeline.py client --url http://127.0.0.1:8000 --prefix 2000 --suffix 8 --repeat 5
 
 Benchmark variants of the server (options of ``serve`` taken out before the rest goes to `ktorch serve`; they select
-earlier behaviour for A/B runs, benchmarks/device_serve32.sh, and are no user switches): ``--graph-kv-min N``, the
+earlier behaviour for A/B runs (RESULTS.md section 2, session 32) and are no user switches): ``--graph-kv-min N``, the
 smallest cache-reads bucket of a graphed step (``ktorch.serve.engine.GRAPH_KV_MIN``; 4096: session 31's multiples
 of 4096, and its warm-up); ``--eager-layers``, graphed steps captured with the decoder layers eager (session 31's
 capture) instead of compiled regionally (``compiled_step_layers``).
