@@ -114,7 +114,10 @@ def test_cuda_compiled_captures_compile_once_per_token_bucket():
     engine.start()
     try:
         warm_captures, warm_graphs = engine.graph_captures, counters["stats"]["unique_graphs"]
-        graphed = asyncio.run(asyncio.wait_for(asyncio.gather(*[generated(engine, p, 10, 300) for p in prompts]), 600))
+        async def both():  # gather() needs the running loop: build it inside the coroutine
+            return await asyncio.wait_for(asyncio.gather(*[generated(engine, p, 10, 300) for p in prompts]), 600)
+
+        graphed = asyncio.run(both())
     finally:
         engine.stop()
     assert graphed == eager
