@@ -527,12 +527,34 @@ def _warm_up_prefill(model: nn.Module, tokens: int) -> float:
         _set_deferral(model, 0)
     try:
         int(decoder.prefill(ids.to(device)).item())  # the host read waits for the device, as a prompt's does
+        _warm_resident_tiles(model)
     finally:
         if deferred:
             _set_deferral(model, deferred)
         RUNTIME.observers = observers
         _restore_prefill_state(state)
     return time.perf_counter() - t0
+
+
+def _warm_resident_tiles(model: nn.Module) -> int:
+    """The grouped prefill kernels' other tiles on the residents' formats (``triton_prefill.warm_tiles``: the
+    warm-up prefill compiles the tile of its own length only), once per distinct format; returns the launches."""
+    from ktorch.ops.resident_rows import RowExperts
+
+    seen, launched = set(), 0
+    dtype = model.get_input_embeddings().weight.dtype  # the activations' dtype
+    for m in model.modules():
+        rows = getattr(m, "kt_gpu_packed", None)
+        if not isinstance(rows, RowExperts) or not rows.w13.is_cuda:
+            continue
+        key = (tuple((t.dtype, tuple(t.shape[1:])) for t in rows), getattr(m, "kt_activation", "silu"), dtype)
+        if key in seen:
+            continue
+        seen.add(key)
+        from ktorch.ops.triton_prefill import warm_tiles
+
+        launched += warm_tiles(rows, key[1], dtype)
+    return launched
 
 
 @torch.inference_mode()

@@ -194,6 +194,47 @@ def test_cuda_grouped_kernels_at_the_qwen3_shape(group_size):
     assert torch.equal(out, triton_grouped_forward(hidden, slots, weights, rows))
 
 
+def _compiled_kernels() -> int:
+    """Kernels Triton has compiled for the grouped prefill (every device's cache)."""
+    kernels = (triton_prefill._gate_up_grouped, triton_prefill._down_grouped, triton_prefill._sum_slots)
+    return sum(len(caches[0]) for k in kernels for caches in k.device_caches.values())
+
+
+@needs_cuda_triton
+@pytest.mark.parametrize("group_size", [32, None])
+def test_cuda_warm_tiles_leave_nothing_to_compile_for_any_prompt_length(group_size):
+    """After ``warm_tiles`` (the load-time warm-up's), prompts of any length, odd or even, taking any tile, compile
+    nothing more (a user's first prompt of another size compiled two kernels, 0.86 s, before), and give what an
+    unwarmed call gives."""
+    torch.manual_seed(1)
+    n, K, H, I = 16, 8, 256, 128
+    packed, _ = _experts("int8", group_size, n=n, H=H, I=I)
+    rows = rows_from_packed(*(t.cuda() for t in packed))
+    assert triton_prefill.warm_tiles(rows, "silu", torch.bfloat16) == len(triton_prefill.TILES)
+    compiled = _compiled_kernels()
+    for T in (33, 31, 64, 63, 65, 200, 511, 1):  # rows an expert 16.5 .. 255.5: every tile, odd and even row counts
+        hidden = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+        slots = torch.stack([torch.randperm(n)[:K] for _ in range(T)]).cuda()
+        weights = torch.rand(T, K, device="cuda")
+        got = triton_grouped_forward(hidden, slots, weights, rows)
+        ref = _reference(hidden, slots, weights, rows)
+        assert relative_error(got.cpu(), ref) <= 4e-3, T
+    assert _compiled_kernels() == compiled
+
+
+@needs_kernels
+def test_warm_tiles_launch_each_tile_and_refuse_what_the_kernels_do_not_take():
+    """``warm_tiles`` launches one call per tile on formats the grouped kernels take (Triton's interpreter on the
+    CPU here, CUDA on a GPU) and none for float32 activations or 4-bit codes (they never reach these kernels)."""
+    packed, _ = _experts("int8", 32, n=4, H=128, I=64)
+    rows = rows_from_packed(*(t.to(KERNEL_DEVICE) for t in packed))
+    assert triton_prefill.warm_tiles(rows, "silu", torch.bfloat16) == len(triton_prefill.TILES)
+    assert triton_prefill.warm_tiles(rows, "silu", torch.float32) == 0
+    packed4, _ = _experts("int4", 128, n=4, H=128, I=128)
+    assert triton_prefill.warm_tiles(rows_from_packed(*(t.to(KERNEL_DEVICE) for t in packed4)), "silu",
+                                     torch.bfloat16) == 0
+
+
 @needs_cuda_triton
 @pytest.mark.parametrize("fmt,group_size", [("int4", 128), ("q4_k_m", 32), ("int8", 32)])
 def test_cuda_prefill_dequantizing_the_used_residents_is_bit_for_bit(fmt, group_size):

@@ -226,7 +226,7 @@ if triton is not None:
         tl.store(y_ptr + row * H + offs_n, acc * coef, mask=mask_n)
 
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n"])  # n = T * K: one compile for every prompt length
     def _route(ids_ptr, slot_of_ptr, slots_ptr, cpu_ids_ptr, hits_ptr, n, COUNT: tl.constexpr, BLOCK: tl.constexpr):
         # one program over the n (token, slot) pairs: slots = slot_of[id] (-1 for id < 0 or an expert not held),
         # cpu_ids = id where the slot is not held, else -1; hits += routed pairs << 32 | held pairs
