@@ -315,6 +315,28 @@ def test_cuda_more_experts_than_page_locked_is_refused():
 
 
 @needs_cuda
+def test_cuda_page_locked_memory_is_unregistered_when_the_experts_go():
+    """Memory ``pin_prefix`` registered in place is unregistered when the StreamedExperts object is collected (its
+    tensors are freed after): a range left registered after its memory is freed broke the next model's copies to
+    the GPU in the same process (bench_generate --breakdown's third load: "CUDA error: invalid argument"). The
+    tensor, kept alive here, registers again once the object is gone (it would be refused as already registered)."""
+    import gc
+
+    H, I, E = 2048, 1024, 16  # w13 of 16 int8 experts: 64 MiB, registered in place
+    packed = ktorch.pack_experts(torch.randn(E, H, 2 * I) / 8, torch.randn(E, I, H) / 6, "int8")
+    w13 = packed.tensors()[0]
+    s = StreamedExperts(*packed.tensors(), "silu")
+    s.pin_prefix(E)
+    assert s._registered and s._registered[0] == w13.data_ptr()
+    del s
+    gc.collect()
+    cudart = torch.cuda.cudart()
+    nbytes = w13.numel() * w13.element_size()
+    assert int(cudart.cudaHostRegister(w13.data_ptr(), nbytes, 0)) == 0
+    assert int(cudart.cudaHostUnregister(w13.data_ptr())) == 0
+
+
+@needs_cuda
 def test_cuda_prepare_stream_experts_copy_ahead_is_exact():
     """A prefill with copies queued a layer ahead (the default) equals the one with each layer's own copies."""
     base = tiny_model("qwen3_moe", dtype=torch.bfloat16)

@@ -22,6 +22,7 @@ Inductor's CUDA graphs take it; the copies from page-locked memory are captured 
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -95,6 +96,15 @@ def parse_stream_plan(text: str):
 # ---------------------------------------------------------------- the streamed experts of one layer
 
 
+def _unregister(pointers: list) -> None:
+    """Unregisters (``cudaHostUnregister``) and forgets the pointers ``pin_prefix`` page-locked in place."""
+    if pointers:
+        cudart = torch.cuda.cudart()
+        for ptr in pointers:
+            cudart.cudaHostUnregister(ptr)
+        pointers.clear()
+
+
 class StreamedExperts:
     """One layer's packed CPU experts, of which a prefix is copied to the device and computed there per call."""
 
@@ -111,6 +121,10 @@ class StreamedExperts:
         self.activation = activation
         self.kernel = kernel
         self._registered: list = []  # pointers page-locked in place by pin_prefix
+        # unregistered when this object goes (its tensors are freed after): memory freed while still registered
+        # leaves the range registered in the driver, and a later allocation at those addresses (the next model
+        # loaded in the process) then fails its copies to the GPU ("CUDA error: invalid argument")
+        weakref.finalize(self, _unregister, self._registered)
         # copies queued a layer ahead (link_streamed_layers): the plan, the next layer, the device's CopyAhead
         self.plan: Optional[StreamPlan] = None
         self.next_layer: Optional["StreamedExperts"] = None
@@ -151,11 +165,7 @@ class StreamedExperts:
 
     def unpin(self) -> None:
         self.next_layer = self.copy_ahead = None  # (their device buffers go with the last layer that holds them)
-        if self._registered:
-            cudart = torch.cuda.cudart()
-            for ptr in self._registered:
-                cudart.cudaHostUnregister(ptr)
-        self._registered = []
+        _unregister(self._registered)
         self.sources = self.tensors
         self.pinned_experts = 0
 
