@@ -125,8 +125,9 @@ CUDA = torch.cuda.is_available()
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (counts syncs with torch.cuda.set_sync_debug_mode)")
 @pytest.mark.parametrize("experts_dtype", ["bf16", "int8"])  # int8: residents in the row layout, Triton's GEMM
 def test_cuda_prefill_syncs_once(experts_dtype):
-    """On the GPU (every expert resident, the default placement): the prefill synchronizes once, in transformers'
-    mask creation, whatever the number of layers; sync debug mode also sees device-to-host copies."""
+    """On the GPU (every expert resident, the default placement): the prefill synchronizes at most once, in
+    transformers' mask creation (its version decides), whatever the number of layers; sync debug mode also sees
+    device-to-host copies, and names the Python line that made each."""
     model, _ = ktorch.load("builtin", device="cuda", experts_dtype=experts_dtype, tokenizer=False, progress=False,
                            warm_up=False)
     decoder = Decoder(model, 264, torch.device("cuda"), Sampling(), cuda_graphs=False)
@@ -141,5 +142,6 @@ def test_cuda_prefill_syncs_once(experts_dtype):
                 decoder.prefill(ids)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
-    assert len(syncs) == 1, syncs
+    syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
+    where = [f"{w.filename}:{w.lineno}: {w.message}" for w in syncs]
+    assert len(syncs) <= 1 and all("masking_utils" in w.filename for w in syncs), where  # transformers' mask check
