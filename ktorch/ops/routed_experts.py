@@ -251,7 +251,7 @@ class RoutedExperts:
         self._frequency += counts.double()
         s = self._stats
         s["passes"] += 1
-        s["experts_hit"] += self.last_hit
+        s["experts_hit"] += self._last_hit
         s["experts_copied"] += chosen.numel()
         s["bytes_copied"] += chosen.numel() * self.layer.bytes_per_expert()
         s["copied_unused"] += int((counts[chosen] == 0).sum())
