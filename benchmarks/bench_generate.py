@@ -360,6 +360,112 @@ def breakdown(args) -> None:
             torch.cuda.empty_cache()
 
 
+PREFILL_VARIANTS = ("default", "sync-per-layer", "compiled", "compiled-dynamic")
+_SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def _busy_ms(intervals: list) -> float:
+    """The union of [start, end) intervals (us), in ms."""
+    total, end = 0.0, None
+    for a, b in sorted(intervals):
+        if end is None or a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total / 1e3
+
+
+def prefill_profile(args) -> None:
+    """Experiment (benchmark flag): is a warm prefill bound by the host (launches, Python, syncs) or by the GPU? Per
+    --ktorch-args set, one process loads the model as ``ktorch generate`` does, then alternates --prefill-variants
+    for --prefill-profile rounds over the --prompts lengths, timing ``Decoder.prefill`` + reading the first token (no
+    hooks, no syncs but the prefill's own). Variants: ``default`` (what generate runs); ``sync-per-layer`` (the split's
+    counts copied to the host at every MoE layer, as before commit 66e74df, whatever the placement);
+    ``compiled`` (the prefill through ``compiled_layers``, compiled per prompt length); ``compiled-dynamic`` (the
+    same with the token dimension dynamic: one compile for all lengths). Run 0 of a compiled variant includes its
+    compile. Then one profiled prefill per variant and length: wall, GPU busy time (the union of kernels and copies),
+    kernels launched, synchronizing CUDA calls the host made."""
+    import statistics
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from ktorch.cli import build_parser, load_model
+    from ktorch.generation import Sampling, _decoder_for, compiled_layers
+    from ktorch.ops.routed_experts import RoutedExperts
+
+    def context(variant, decoder):
+        import contextlib
+
+        if variant.startswith("compiled"):
+            return compiled_layers(decoder.model, decoder.cache, dynamic_tokens=variant == "compiled-dynamic")
+        if variant == "sync-per-layer":
+            stack = contextlib.ExitStack()
+            original = RoutedExperts.copies_possible
+            RoutedExperts.copies_possible = lambda self, ids: True
+            stack.callback(setattr, RoutedExperts, "copies_possible", original)
+            return stack
+        return contextlib.nullcontext()
+
+    for extra in args.ktorch_args:
+        cli = build_parser().parse_args(["generate", "--model", args.gguf, "--prompt", "x", *shlex.split(extra)])
+        model, _, device = load_model(cli)
+        label = extra or "defaults"
+        sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+        decoder = _decoder_for(model, max(args.prompts) + 1, Sampling(), cuda_graphs=False)
+        prompts = {P: prompt_ids(P, args.prompt_kind).to(device) for P in args.prompts}
+        times: dict = {}
+        tokens: dict = {}  # (variant, P) -> the first tokens of its runs
+
+        def prefill(P: int, variant: str = None) -> float:
+            sync()
+            t0 = time.perf_counter()
+            token = int(decoder.prefill(prompts[P]).item())
+            seconds = time.perf_counter() - t0
+            if variant is not None:
+                tokens.setdefault((variant, P), set()).add(token)
+            return seconds
+
+        with torch.inference_mode():
+            for _ in range(args.prefill_profile):
+                for variant in args.prefill_variants:
+                    with context(variant, decoder):
+                        for P in args.prompts:
+                            times.setdefault((variant, P), []).append(prefill(P, variant))
+            for variant in args.prefill_variants:
+                for P in args.prompts:
+                    t = times[(variant, P)]
+                    warm = statistics.median(t[1:]) if len(t) > 1 else t[0]
+                    print(f"[prefill {label}] {variant:16s} P={P}: first token {1e3 * warm:.1f} ms warm (median of "
+                          f"{max(len(t) - 1, 1)}; {P / warm:.0f} tok/s), run 0 {1e3 * t[0]:.1f} ms; first tokens "
+                          f"{sorted(tokens[(variant, P)])}", flush=True)
+            for variant in args.prefill_variants:
+                with context(variant, decoder):
+                    for P in args.prompts:
+                        prefill(P)
+                        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+                        with profile(activities=activities) as prof:
+                            wall = prefill(P)
+                        gpu = [(e.time_range.start, e.time_range.end) for e in prof.events()
+                               if e.device_type == torch.autograd.DeviceType.CUDA]
+                        syncs = sum(k.count for k in prof.key_averages() if k.key in _SYNC_CALLS)
+                        launches = sum(k.count for k in prof.key_averages()
+                                       if k.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
+                                                    "cudaLaunchKernelExC"))
+                        print(f"[prefill {label}] {variant:16s} P={P} profiled: wall {1e3 * wall:.1f} ms, GPU busy "
+                              f"{_busy_ms(gpu):.1f} ms, {len(gpu)} GPU kernels/copies, {launches} launches, "
+                              f"{syncs} synchronizing calls", flush=True)
+                        top = sorted(prof.key_averages(), key=lambda k: -k.device_time_total)[:8]
+                        for k in top:
+                            if k.device_time_total > 0:
+                                print(f"        {k.device_time_total / 1e3:8.2f} ms  x{k.count:5d}  {k.key[:80]}")
+        del model, decoder
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gguf", required=True)
@@ -407,7 +513,15 @@ def main(argv=None) -> None:
     p.add_argument("--breakdown-cold", action="store_true",
                    help="--breakdown without the load-time warm-up (ktorch.warm_up): run 0 is the process's cold first "
                    "prefill, what the warm-up takes out of the first prompt")
+    p.add_argument("--prefill-profile", type=int, default=0, metavar="ROUNDS",
+                   help="experiment: per --ktorch-args set, one process alternates --prefill-variants ROUNDS times over "
+                   "the --prompts lengths (warm prefill times), then profiles one prefill of each: GPU busy time against "
+                   "wall, kernels, launches and synchronizing calls (host-bound or GPU-bound)")
+    p.add_argument("--prefill-variants", nargs="+", default=["default", "sync-per-layer"], choices=PREFILL_VARIANTS,
+                   help="--prefill-profile: the variants alternated (compiled ones compile in their first round)")
     args = p.parse_args(argv)
+    if args.prefill_profile:
+        return prefill_profile(args)
     if args.ab_compile:
         return ab_compile(args)
 

@@ -54,3 +54,17 @@ def test_breakdown_times_the_first_prefills_by_part(gguf, capsys):
                                                                     "CPU op (kt.fused_moe on the worker)")]
     assert sum(timed) == pytest.approx(1e3 * float(first[1]), rel=0.05, abs=0.5)  # the parts add up to the prefill
     assert len(rows["minor page faults"].split(",")) == 2  # per run
+
+
+def test_prefill_profile_times_each_variant_and_profiles_one_prefill(gguf, capsys):
+    """--prefill-profile (host- or GPU-bound prefill): a warm time and the first tokens per variant and length, then
+    one profiled prefill each (on the CPU: no GPU time, no launches); the variants give the same first token."""
+    bench.main(["--gguf", gguf, "--prefill-profile", "2", "--prompts", "70", "--ktorch-args", "--device cpu",
+                "--prefill-variants", "default", "sync-per-layer"])
+    out = capsys.readouterr().out
+    firsts = re.findall(r"\] (\S+)\s+P=70: first token [\d.]+ ms warm .* first tokens (\[\d+\])", out)
+    assert [v for v, _ in firsts] == ["default", "sync-per-layer"], out
+    assert firsts[0][1] == firsts[1][1]
+    profiled = re.findall(r"\] (\S+)\s+P=70 profiled: wall [\d.]+ ms, GPU busy 0\.0 ms, 0 GPU kernels/copies, 0 "
+                          r"launches, 0 synchronizing calls", out)
+    assert profiled == ["default", "sync-per-layer"], out

@@ -372,7 +372,13 @@ def ktorch_experts_forward(
             and not (hidden_states.is_cuda and torch.cuda.is_current_stream_capturing())):
         from ktorch.ops.routed_experts import expert_counts
 
-        counts = expert_counts(top_k_index, self.kt_w13.shape[0]).cpu()  # the prefill's one host sync per layer
+        counts = expert_counts(top_k_index, self.kt_w13.shape[0])
+        resident_ids = getattr(self, "kt_gpu_expert_ids", None)
+        if routed.copies_possible(resident_ids):
+            counts = counts.cpu()  # the split decides what to copy from them: one host sync per layer
+        else:  # nothing to copy (every expert resident, or no staging): counted on the device, read later
+            routed.record(counts, resident_ids)
+            counts = None
     gpu_work = None
     if getattr(self, "kt_gpu_slot_of", None) is not None:
         top_k_index, gpu_work = _split_gpu_experts(self, hidden_states, top_k_index, top_k_weights)

@@ -23,9 +23,12 @@ contiguous runs of consecutive expert ids (one ``copy_`` per run and packed tens
 device (``DeviceStaging``: packed bytes and dequantized weights of ``capacity`` experts, sized by the GPU memory
 budget), shared by the layers, which run one after another.
 
-Prefill only (T >= ``RoutedExperts.min_tokens``), eager only: the per-layer token counts cost one small device to
-host copy and a host sync per layer, which a prefill affords and a captured decode step must not. Decode uses the
-resident experts directly (ktorch/ops/gpu_experts.py) and the CPU op for the rest.
+Prefill only (T >= ``RoutedExperts.min_tokens``), eager only: where experts may be copied, the per-layer token
+counts cost one small device to host copy and a host sync per layer, which a captured decode step must not. Where
+nothing can be copied (every expert resident, or no staging) a call only records its counts on the device
+(``RoutedExperts.record``: no host sync, so the launching thread runs ahead of the GPU); they are read with the
+counters (after the prefill: the residents' swaps). Decode uses the resident experts directly
+(ktorch/ops/gpu_experts.py) and the CPU op for the rest.
 
 Counters per layer (``RoutedExperts.stats``, summed by ``ktorch.prefill_split_stats``): passes, experts hit,
 experts copied, bytes copied, experts copied the batch did not use (0 by construction, counted anyway), rows on
@@ -45,6 +48,9 @@ from ktorch.ops.gpu_experts import gpu_experts_forward
 from ktorch.ops.streamed_experts import StreamedExperts, as_bytes, dequantize_packed, queue_timed_copies
 
 MIN_TOKENS = 64  # below this a call never splits (the CPU op alone; the host sync of the counts is not worth it)
+# calls whose counts wait on the device before they are read anyway: bounds the device memory they hold (a block of
+# the caching allocator each, ~1.5 KB for 128 experts: 64 x 48 layers ~ 5 MB) at one host sync per 64 prefills
+PENDING_LIMIT = 64
 
 
 @dataclass
@@ -68,9 +74,11 @@ class SplitCosts:
 
 
 def expert_counts(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Rows per expert [E] int64 on topk_ids' device (slots < 0 are not counted)."""
+    """Rows per expert [E] int64 on topk_ids' device (slots < 0 are not counted). A fixed-size scatter, not
+    ``torch.bincount``, whose CUDA kernel reads the ids' maximum on the host (a sync) to size its output."""
     ids = topk_ids.reshape(-1).long() + 1  # -1 -> bin 0, dropped
-    return torch.bincount(ids, minlength=num_experts + 1)[1:num_experts + 1]
+    bins = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
+    return bins.scatter_add_(0, ids, torch.ones_like(ids))[1:]
 
 
 def choose_device_experts(counts: torch.Tensor, costs: SplitCosts, bytes_per_expert: int, capacity: int,
@@ -156,9 +164,44 @@ class RoutedExperts:
         if staging is not None and not staging.fits(layer):
             raise ValueError("RoutedExperts: the staging was made for another expert shape")
         self.layer, self.costs, self.staging, self.min_tokens, self.kernel = layer, costs, staging, min_tokens, kernel
-        self.stats: collections.Counter = collections.Counter()
-        self.last_hit = 0  # distinct experts the latest split call used
-        self.frequency = torch.zeros(layer.num_experts, dtype=torch.float64)  # rows per expert, prefills summed
+        self._stats: collections.Counter = collections.Counter()
+        self._last_hit = 0
+        self._frequency = torch.zeros(layer.num_experts, dtype=torch.float64)
+        # calls counted on the device and not yet read (``record``): (counts [E] on the device, resident ids or None)
+        self._pending: list = []
+
+    # The counters below are read rarely (after a prefill, by the residents' swaps and the statistics); a call that
+    # copies nothing records its counts on the device (``record``) and they are added here on the first read after,
+    # in call order: the same values as counting each call on the host, with one host sync per read, not per layer.
+
+    @property
+    def stats(self) -> collections.Counter:
+        """passes, experts_hit, experts_copied, bytes_copied, copied_unused, rows, rows_copied, resident_hit,
+        rows_resident, summed over calls."""
+        self._count_pending()
+        return self._stats
+
+    @property
+    def last_hit(self) -> int:
+        """Distinct experts the latest split call used."""
+        self._count_pending()
+        return self._last_hit
+
+    @last_hit.setter
+    def last_hit(self, value: int) -> None:
+        self._count_pending()
+        self._last_hit = value
+
+    @property
+    def frequency(self) -> torch.Tensor:
+        """Rows per expert [E] float64 (CPU), prefills summed (the residents' swaps scale it in place)."""
+        self._count_pending()
+        return self._frequency
+
+    @frequency.setter
+    def frequency(self, value: torch.Tensor) -> None:  # ``routed.frequency *= x`` sets it back after the product
+        self._count_pending()
+        self._frequency = value
 
     @property
     def num_experts(self) -> int:
@@ -168,16 +211,47 @@ class RoutedExperts:
     def capacity(self) -> int:
         return 0 if self.staging is None else self.staging.capacity
 
+    def copies_possible(self, resident_ids: Optional[Sequence[int]]) -> bool:
+        """Whether a call may copy experts: a staging to copy into, and experts not resident. Where not, the split
+        has nothing to decide, and a call only ``record``s its counts (no host sync)."""
+        return self.capacity > 0 and len(resident_ids or ()) < self.num_experts
+
+    def record(self, counts: torch.Tensor, resident_ids: Optional[Sequence[int]] = None) -> None:
+        """Counts a call that copies nothing, from its rows per expert ``counts`` [E] int64 on any device, without
+        reading them now; ``resident_ids``: the experts resident during the call (a list the caller does not change
+        afterwards). Read by the counters' next access (at the latest every ``PENDING_LIMIT`` calls)."""
+        self._pending.append((counts, resident_ids))
+        if len(self._pending) >= PENDING_LIMIT:
+            self._count_pending()
+
+    def _count_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        empty = torch.zeros(0, dtype=torch.int64)
+        rows = torch.stack([c.to(torch.int64) for c, _ in pending]).cpu()  # the one host sync
+        for counts, (_, ids) in zip(rows, pending):
+            resident = None
+            if ids:
+                resident = torch.zeros(self.num_experts, dtype=torch.bool)
+                resident[torch.tensor(ids, dtype=torch.int64)] = True
+            self._count(counts, empty, resident)
+
     def choose(self, counts: torch.Tensor, resident: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The experts to copy for a call with these per-expert rows (CPU), counted in ``stats``."""
+        self._count_pending()
         counts = counts.to("cpu", torch.int64)
         chosen = choose_device_experts(counts, self.costs, self.layer.bytes_per_expert(), self.capacity, resident)
+        self._count(counts, chosen, resident)
+        return chosen
+
+    def _count(self, counts: torch.Tensor, chosen: torch.Tensor, resident: Optional[torch.Tensor]) -> None:
         hit = counts > 0
-        self.last_hit = int(hit.sum())
-        self.frequency += counts.double()
-        s = self.stats
+        self._last_hit = int(hit.sum())
+        self._frequency += counts.double()
+        s = self._stats
         s["passes"] += 1
-        s["experts_hit"] += self.last_hit
+        s["experts_hit"] += self._last_hit
         s["experts_copied"] += chosen.numel()
         s["bytes_copied"] += chosen.numel() * self.layer.bytes_per_expert()
         s["copied_unused"] += int((counts[chosen] == 0).sum())
@@ -187,7 +261,6 @@ class RoutedExperts:
             r = resident.to("cpu", torch.bool)
             s["resident_hit"] += int((hit & r).sum())
             s["rows_resident"] += int(counts[r].sum())
-        return chosen
 
     def device_part(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                     chosen: torch.Tensor) -> torch.Tensor:
