@@ -34,9 +34,12 @@ import torch  # no "from __future__ import annotations": Triton reads the tl.con
 
 from ktorch.ops.triton_experts import _ACT_CODES, on_kernel_device, row_format, triton, triton_available
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by the average (token, slot) rows an expert gets; not measured
-# yet (benchmarks/bench_resident_prefill.py --tiles compares others).
-TILES = ((16, (16, 64, 64, 4, 3)), (32, (32, 64, 64, 4, 3)), (None, (64, 64, 64, 4, 3)))
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by the average (token, slot) rows an expert gets. Measured
+# (benchmarks/bench_resident_prefill.py --tiles, one Qwen3-30B-A3B layer, 128 int8 residents with a scale per 32,
+# H200 host, session 33): T=512 (32 rows an expert) 32/128/32/4/3 651.6 us against 784.4 for 32/64/64/4/3 and 636.4
+# for bf16 weights through grouped_mm; T=2048 (128 rows) 64/64/64/4/3 1162.1 us, 128/64/64/8/3 1157.0 (kept: the
+# same), the others 1425-2198. The band up to 16 rows is not measured at its own sizes.
+TILES = ((16, (16, 64, 64, 4, 3)), (32, (32, 128, 32, 4, 3)), (None, (64, 64, 64, 4, 3)))
 BLOCK_SUM = 256  # output channels a program of sum_slots
 
 
