@@ -323,7 +323,7 @@ def test_cuda_page_locked_memory_is_unregistered_when_the_experts_go():
     import gc
 
     H, I, E = 2048, 1024, 16  # w13 of 16 int8 experts: 64 MiB, registered in place
-    packed = ktorch.pack_experts(torch.randn(E, H, 2 * I) / 8, torch.randn(E, I, H) / 6, "int8")
+    packed = ktorch.pack_experts(torch.randn(E, 2 * I, H) / 8, torch.randn(E, H, I) / 6, "int8")
     w13 = packed.tensors()[0]
     s = StreamedExperts(*packed.tensors(), "silu")
     s.pin_prefix(E)
