@@ -286,17 +286,28 @@ __attribute__((always_inline)) inline void decode_expert_t_impl(const Packed& m,
   const uint8_t* base = m.data + e * m.expert_bytes();
   const float* sc = expert_scales(m, e);
   const int64_t gsize = K / m.G;
+  // a block's bytes per K index (16 rows of 2, 1 or 1/2 bytes): a slice reads (k1 - k0) * per_k of each block
+  const int64_t per_k = m.fmt == Fmt::BF16 ? 32 : m.fmt == Fmt::INT8 ? 16 : 8;
   for (int64_t nb = nb0; nb < nb1; ++nb) {
+    // the slice's piece of the block after next, fetched ahead: a slice reads short runs (1 KiB for 64 rows of
+    // int8), too short for the hardware prefetcher to find before they end
+    if (nb + 2 < nb1)
+      for (int64_t b = (nb + 2) * K * per_k + k0 * per_k; b < (nb + 2) * K * per_k + k1 * per_k; b += 64)
+        __builtin_prefetch(base + b);
     const int64_t p0 = nb * 16;  // 16 packed rows are 16 consecutive dense rows: 16 consecutive columns of W^T
     T* dst = out + dense_row(p0, N, gate_up) - k0 * N;  // (row k of W^T at dst + k * N, k in [k0, k1))
+    // One step's values as 16 32-bit words, word c holding row c's `per` values: value j is word c's byte (or half)
+    // j, taken out by shifts (what the vectorizer turns into a few whole-register ops, where indexing the bytes with
+    // a stride of 4 does not vectorize well).
+    uint32_t w[16];
     switch (m.fmt) {
       case Fmt::BF16: {  // [K/2][16][2]
         const uint16_t* blk = reinterpret_cast<const uint16_t*>(base) + nb * K * 16;
         for (int64_t q = k0 / 2; q < k1 / 2; ++q) {
-          const uint16_t* src = blk + q * 32;
+          std::memcpy(w, blk + q * 32, sizeof(w));
           T v[2][16];
-          for (int c = 0; c < 16; ++c)
-            for (int j = 0; j < 2; ++j) v[j][c] = cvt(bf16_bits_to_float(src[2 * c + j]));
+          for (int j = 0; j < 2; ++j)
+            for (int c = 0; c < 16; ++c) v[j][c] = cvt(bf16_bits_to_float(static_cast<uint16_t>(w[c] >> (16 * j))));
           for (int j = 0; j < 2; ++j) std::memcpy(dst + (2 * q + j) * N, v[j], sizeof(v[j]));
         }
         break;
@@ -306,10 +317,11 @@ __attribute__((always_inline)) inline void decode_expert_t_impl(const Packed& m,
         float s[16];
         for (int c = 0; c < 16; ++c) s[c] = sc[p0 + c];
         for (int64_t q = k0 / 4; q < k1 / 4; ++q) {
-          const int8_t* src = blk + q * 64;
+          std::memcpy(w, blk + q * 64, sizeof(w));
           T v[4][16];
-          for (int c = 0; c < 16; ++c)
-            for (int j = 0; j < 4; ++j) v[j][c] = cvt(static_cast<float>(src[4 * c + j]) * s[c]);
+          for (int j = 0; j < 4; ++j)  // byte j sign-extended: shifted to the top, then arithmetically down
+            for (int c = 0; c < 16; ++c)
+              v[j][c] = cvt(static_cast<float>(static_cast<int32_t>(w[c] << (24 - 8 * j)) >> 24) * s[c]);
           for (int j = 0; j < 4; ++j) std::memcpy(dst + (4 * q + j) * N, v[j], sizeof(v[j]));
         }
         break;
