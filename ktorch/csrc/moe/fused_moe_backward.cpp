@@ -36,18 +36,25 @@
 //
 // How the backward (and the reference forward) run: the pairs are grouped by expert. With at least as many experts
 // as ATen threads, each expert is one task, pulled by the ATen (OpenMP) workers from a shared counter, most tokens
-// first; a task decodes its expert's packed blocks (bf16, int8 per channel, int4 grouped, MXFP4 nibbles: kernels.h)
-// into its worker's scratch as dense matrices in the compute dtype (no unpacked copy of the layer: one expert per
-// worker at a time), then runs the products with ATen's matmuls (oneDNN/MKL), single threaded inside the task. The
-// backward decodes W2 and W13 transposed (W2^T [I, H], W13^T [H, N13]; decode_expert_t_impl) and reads them as the
-// views (W^T)^T, so that both operands of dY W2 and [dg | du] W13 have the reduction dimension contiguous (x W13^T's
-// layout); W13 as stored [N13, H] only where x W13^T is recomputed (and in the float forward below). ATen's bf16
-// fallback matmul (no AVX-512 BF16) is 5-9x faster so (docs/training.md); its fp32 sgemm does not care. With fewer
-// experts than threads (Mixtral's 8 on 16 cores, or few tokens) the experts run one at a time, the decode split over
-// the workers by blocks and the ATen ops multi-threaded, where the busiest expert's products are big enough for
-// threads to pay (kMinThreadedMacs); smaller ones run one expert a worker as above. Each pair's row of d hidden is its own
+// first, and runs its products with ATen's matmuls (oneDNN/MKL), single threaded inside the task. The backward decodes
+// its packed blocks (bf16, int8 per channel, int4 grouped, MXFP4 nibbles: kernels.h) a slice at a time into the
+// worker's buffer in the compute dtype and multiplies each slice at once (product_t, product_up): dY W2 and
+// [dg | du] W13 decode W^T's rows (W2^T [I, H], W13^T [H, N13]; decode_expert_t_impl) kSliceBytes (256 KiB) at a
+// time, read as the view (W^T)^T so that both operands have the reduction dimension contiguous (x W13^T's layout),
+// each slice giving its columns of the product; the recompute x W13^T decodes W13's rows as stored, a slice of gate
+// rows with the same up rows. The decoded weights stay in the core's L2 (2 MiB on the device's Xeon): decoding the
+// whole expert first (9.4 MiB of W2^T and W13^T for Qwen3-30B-A3B in bf16) wrote each weight out to memory and read
+// it back, with 16 workers sharing the bandwidth (docs/training.md has the device figures). The slicing runs along
+// the products' output columns, so each output element is one whole reduction as before (no partial sums); oneDNN's
+// AMX kernels round some elements differently on slice-shaped products than on whole ones (device: relative
+// differences ~1e-4 of d hidden), its AVX-512 BF16 ones do not (identical here). ATen's bf16 fallback matmul (no
+// AVX-512 BF16) is 5-9x faster with W^T read transposed (docs/training.md); its fp32 sgemm does not care. With fewer
+// experts than threads (Mixtral's 8 on 16 cores, or few tokens) the experts run one at a time, each whole matrix
+// decoded over the workers by blocks and the ATen ops multi-threaded, where the busiest expert's products are big
+// enough for threads to pay (kMinThreadedMacs); smaller ones run one expert a worker as above. The float reference
+// forward decodes W13 and W2 whole, as stored. Each pair's row of d hidden is its own
 // row of a [pairs, H] buffer in the compute dtype, grouped by expert (the product of an expert writes its rows in
-// place, mm_out: no scatter, no cast), and the routed slots are summed by token in slot order afterwards in the
+// place: no scatter), and the routed slots are summed by token in slot order afterwards in the
 // element dtype (sum_slots; the skipped slots have no row): no atomics, the same result whatever the thread count.
 // d delta is written in its own dtype, one rounding a row. KT_PROFILE=1 prints a line a call: setup, experts (per
 // worker: decode, products, element-wise work, copies), sum (ExpertTimes below).
