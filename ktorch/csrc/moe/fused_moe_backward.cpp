@@ -799,8 +799,9 @@ void product_t(const Packed& m, int64_t e, bool gate_up, const at::Tensor& a, co
   for (int64_t k0 = 0; k0 < K; k0 += rows) {
     const int64_t k1 = std::min(K, k0 + rows);
     const at::Tensor wt = d.slice.narrow(0, 0, (k1 - k0) * N).view({k1 - k0, N});
-    if (d.whole) at::parallel_for(0, N / 16, 4, [&](int64_t b0, int64_t b1) { decode_t(m, e, gate_up, wt, b0, b1, k0, k1); });
-    else decode_t(m, e, gate_up, wt, 0, N / 16, k0, k1);
+    auto dec = [&](int64_t b0, int64_t b1) { decode_t(m, e, gate_up, wt, b0, b1, k0, k1); };
+    if (d.whole) at::parallel_for(0, N / 16, 4, dec);
+    else dec(0, N / 16);
     times.lap(worker, ExpertTimes::kDecode, mark);
     at::Tensor o = out.narrow(1, k0, k1 - k0);
     if (k1 - k0 == K && out.scalar_type() == a.scalar_type()) at::mm_out(o, a, wt.t());
