@@ -390,6 +390,39 @@ def test_family_errors_name_the_problem():
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_backward_in_slices_equals_float64_reference_gradient(fmt, gated, dtype):
+    """At H = 2048 every product decodes its weights in several slices (256 KiB of rows each; gated, float64: dY W2
+    in 4 slices of 32 of I's 128 rows, [dg | du] W13 in 16 of 128 of H's 2048 rows, the recompute's x W13^T in 4 of
+    32 gate rows with their up rows; int4 groups of 64, which the 32-row slices cut): float64 equals the float64
+    reference to rounding, bf16 is within the bf16 tolerances, with and without the saved pre-activations."""
+    E, H, I, T, K = 4, 2048, 128, 13, 2
+    packed = _family_packed(E, H, I, fmt, gated, biases=False, group_size=64)
+    activation = "silu" if gated else "relu2"
+    ids, weights = _routing(T, K, E, "skips")
+    n13 = packed.w13.shape[1] * 16
+    hidden, grad_out = torch.randn(T, H).to(dtype), torch.randn(T, H).to(dtype)
+    delta = torch.randn(T, K, n13, dtype=torch.float64) * 0.3
+    w = weights.to(torch.float64 if dtype == torch.float64 else torch.float32)
+    _, _, gu = torch.ops.kt.fused_moe_delta(hidden, ids, w, *packed.tensors(), delta.to(w.dtype), activation)
+    args = (grad_out, hidden, ids, w, *packed.tensors(), activation, delta.to(w.dtype), None)
+    gate_up, down = packed.dequantize()
+    rx, rw, rd = (t.double().clone().requires_grad_() for t in (hidden, w, delta))
+    ref = fused_moe_reference(rx, ids, rw, gate_up, down, activation, gate_up_delta=rd)
+    ref.backward(grad_out.double())
+    for how, got in (("recomputed", torch.ops.kt.fused_moe_backward(*args)),
+                     ("saved", torch.ops.kt.fused_moe_backward(*args, None, None, gu))):
+        for name, a, b in zip(("hidden", "weights", "delta"), got, (rx.grad, rw.grad, rd.grad)):
+            what = f"{fmt} gated={gated} {dtype} {how} d {name}"
+            if dtype == torch.float64:
+                torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11, msg=lambda m: f"{what}: {m}")
+            else:
+                tol = {"bf16": 2e-2, "int8": 4e-2, "int4": 8e-2}[fmt]
+                assert relative_error(a, b) < tol, f"{what}: {relative_error(a, b):.4g} from the reference"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_bf16_decode_is_the_weights_rounded_to_bf16(fmt, one_thread):
     """bf16 hidden states run the backward on experts decoded to bf16 by its own block walk: d gate_up_delta equals
     torch's bf16 products on kt.unpack's weights rounded to nearest even, bit for bit (one thread: the same matmul

@@ -36,18 +36,25 @@
 //
 // How the backward (and the reference forward) run: the pairs are grouped by expert. With at least as many experts
 // as ATen threads, each expert is one task, pulled by the ATen (OpenMP) workers from a shared counter, most tokens
-// first; a task decodes its expert's packed blocks (bf16, int8 per channel, int4 grouped, MXFP4 nibbles: kernels.h)
-// into its worker's scratch as dense matrices in the compute dtype (no unpacked copy of the layer: one expert per
-// worker at a time), then runs the products with ATen's matmuls (oneDNN/MKL), single threaded inside the task. The
-// backward decodes W2 and W13 transposed (W2^T [I, H], W13^T [H, N13]; decode_expert_t_impl) and reads them as the
-// views (W^T)^T, so that both operands of dY W2 and [dg | du] W13 have the reduction dimension contiguous (x W13^T's
-// layout); W13 as stored [N13, H] only where x W13^T is recomputed (and in the float forward below). ATen's bf16
-// fallback matmul (no AVX-512 BF16) is 5-9x faster so (docs/training.md); its fp32 sgemm does not care. With fewer
-// experts than threads (Mixtral's 8 on 16 cores, or few tokens) the experts run one at a time, the decode split over
-// the workers by blocks and the ATen ops multi-threaded, where the busiest expert's products are big enough for
-// threads to pay (kMinThreadedMacs); smaller ones run one expert a worker as above. Each pair's row of d hidden is its own
+// first, and runs its products with ATen's matmuls (oneDNN/MKL), single threaded inside the task. The backward decodes
+// its packed blocks (bf16, int8 per channel, int4 grouped, MXFP4 nibbles: kernels.h) a slice at a time into the
+// worker's buffer in the compute dtype and multiplies each slice at once (product_t, product_up): dY W2 and
+// [dg | du] W13 decode W^T's rows (W2^T [I, H], W13^T [H, N13]; decode_expert_t_impl) kSliceBytes (256 KiB) at a
+// time, read as the view (W^T)^T so that both operands have the reduction dimension contiguous (x W13^T's layout),
+// each slice giving its columns of the product; the recompute x W13^T decodes W13's rows as stored, a slice of gate
+// rows with the same up rows. The decoded weights stay in the core's L2 (2 MiB on the device's Xeon): decoding the
+// whole expert first (9.4 MiB of W2^T and W13^T for Qwen3-30B-A3B in bf16) wrote each weight out to memory and read
+// it back, with 16 workers sharing the bandwidth (docs/training.md has the device figures). The slicing runs along
+// the products' output columns, so each output element is one whole reduction as before (no partial sums); oneDNN's
+// AMX kernels round some elements differently on slice-shaped products than on whole ones (device: relative
+// differences ~1e-4 of d hidden), its AVX-512 BF16 ones do not (identical here). ATen's bf16 fallback matmul (no
+// AVX-512 BF16) is 5-9x faster with W^T read transposed (docs/training.md); its fp32 sgemm does not care. With fewer
+// experts than threads (Mixtral's 8 on 16 cores, or few tokens) the experts run one at a time, each whole matrix
+// decoded over the workers by blocks and the ATen ops multi-threaded, where the busiest expert's products are big
+// enough for threads to pay (kMinThreadedMacs); smaller ones run one expert a worker as above. The float reference
+// forward decodes W13 and W2 whole, as stored. Each pair's row of d hidden is its own
 // row of a [pairs, H] buffer in the compute dtype, grouped by expert (the product of an expert writes its rows in
-// place, mm_out: no scatter, no cast), and the routed slots are summed by token in slot order afterwards in the
+// place: no scatter), and the routed slots are summed by token in slot order afterwards in the
 // element dtype (sum_slots; the skipped slots have no row): no atomics, the same result whatever the thread count.
 // d delta is written in its own dtype, one rounding a row. KT_PROFILE=1 prints a line a call: setup, experts (per
 // worker: decode, products, element-wise work, copies), sum (ExpertTimes below).
@@ -150,9 +157,13 @@ inline const float* expert_scales(const Packed& m, int64_t e) {
   return m.scales != nullptr ? m.scales + e * m.G * m.N : nullptr;
 }
 
-// Expert e of m as a dense row-major [N, K] matrix in out (of type T), rows in dense_row's order.
+// Packed blocks [nb0, nb1) of expert e of m into out (of type T), a dense row-major [rows, K] matrix: packed row p
+// lands on row dense_row(p - p_off, rows, gate_up). The whole expert: p_off = 0, rows = N (dense_row's order). A
+// slice of gate/up rows [r0, r1) (multiples of 32): blocks [2 r0 / 16, 2 r1 / 16), p_off = 2 r0, rows = 2 (r1 - r0):
+// the gate rows first, then the up rows (the packed 64-row groups keep their order relative to p_off).
 template <typename T>
-void decode_expert(const Packed& m, int64_t e, bool gate_up, T* out, int64_t nb0, int64_t nb1) {
+void decode_expert(const Packed& m, int64_t e, bool gate_up, T* out, int64_t nb0, int64_t nb1, int64_t p_off,
+                   int64_t rows) {
   const int64_t N = m.N, K = m.K;
   const uint8_t* base = m.data + e * m.expert_bytes();
   const float* sc = expert_scales(m, e);
@@ -160,7 +171,7 @@ void decode_expert(const Packed& m, int64_t e, bool gate_up, T* out, int64_t nb0
   for (int64_t nb = nb0; nb < nb1; ++nb) {
     for (int64_t c = 0; c < 16; ++c) {
       const int64_t p = nb * 16 + c;
-      const int64_t row = dense_row(p, N, gate_up);
+      const int64_t row = dense_row(p - p_off, rows, gate_up);
       T* dst = out + row * K;
       switch (m.fmt) {
         case Fmt::BF16: {  // [K/2][16][2]
@@ -209,14 +220,15 @@ inline uint16_t bf16_bits_rne(float f) {
 // Compiled for AVX-512 (skylake-avx512), AVX2 (haswell) and the baseline, picked at load time (GCC's function
 // multiversioning: the loops are plain C++, no intrinsics; the extension's baseline is SSE2).
 __attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
-void decode_expert_bf16(const Packed& m, int64_t e, bool gate_up, uint16_t* out, int64_t nb0, int64_t nb1) {
+void decode_expert_bf16(const Packed& m, int64_t e, bool gate_up, uint16_t* out, int64_t nb0, int64_t nb1,
+                        int64_t p_off, int64_t rows) {
   const int64_t N = m.N, K = m.K;
   const uint8_t* base = m.data + e * m.expert_bytes();
   const float* sc = expert_scales(m, e);
   const int64_t gsize = K / m.G;
   for (int64_t nb = nb0; nb < nb1; ++nb) {
     const int64_t p0 = nb * 16;  // 16 packed rows land on 16 consecutive rows (gate/up blocks are 32 rows)
-    const int64_t row0 = dense_row(p0, N, gate_up);
+    const int64_t row0 = dense_row(p0 - p_off, rows, gate_up);
     uint16_t* dst = out + row0 * K;
     switch (m.fmt) {
       case Fmt::BF16: {  // [K/2][16][2]: a pure reshuffle of 4-byte pairs
@@ -271,24 +283,38 @@ void decode_expert_bf16(const Packed& m, int64_t e, bool gate_up, uint16_t* out,
 // consecutive columns (64 bytes in fp32, 32 in bf16) of `per` consecutive rows of W^T. The `per` x 16 values of a
 // step are computed in block order (loops the compiler vectorizes) and stored as those pieces. Cvt converts a float
 // to T (a plain cast; bf16 bits rounded to nearest even for bf16).
+// Only W^T's rows [k0, k1) (multiples of the packed step: 2, 4 or 8) are decoded, into out [k1 - k0, N]: the
+// backward decodes a slice at a time (slice_rows).
 template <typename T, typename Cvt>
 __attribute__((always_inline)) inline void decode_expert_t_impl(const Packed& m, int64_t e, bool gate_up, T* out,
-                                                                int64_t nb0, int64_t nb1, Cvt cvt) {
+                                                                int64_t nb0, int64_t nb1, int64_t k0, int64_t k1,
+                                                                Cvt cvt) {
   const int64_t N = m.N, K = m.K;
   const uint8_t* base = m.data + e * m.expert_bytes();
   const float* sc = expert_scales(m, e);
   const int64_t gsize = K / m.G;
+  // a block's bytes per K index (16 rows of 2, 1 or 1/2 bytes): a slice reads (k1 - k0) * per_k of each block
+  const int64_t per_k = m.fmt == Fmt::BF16 ? 32 : m.fmt == Fmt::INT8 ? 16 : 8;
   for (int64_t nb = nb0; nb < nb1; ++nb) {
+    // the slice's piece of the block after next, fetched ahead: a slice reads short runs (1 KiB for 64 rows of
+    // int8), too short for the hardware prefetcher to find before they end
+    if (nb + 2 < nb1)
+      for (int64_t b = (nb + 2) * K * per_k + k0 * per_k; b < (nb + 2) * K * per_k + k1 * per_k; b += 64)
+        __builtin_prefetch(base + b);
     const int64_t p0 = nb * 16;  // 16 packed rows are 16 consecutive dense rows: 16 consecutive columns of W^T
-    T* dst = out + dense_row(p0, N, gate_up);
+    T* dst = out + dense_row(p0, N, gate_up) - k0 * N;  // (row k of W^T at dst + k * N, k in [k0, k1))
+    // One step's values as 16 32-bit words, word c holding row c's `per` values: value j is word c's byte (or half)
+    // j, taken out by shifts (what the vectorizer turns into a few whole-register ops, where indexing the bytes with
+    // a stride of 4 does not vectorize well).
+    uint32_t w[16];
     switch (m.fmt) {
       case Fmt::BF16: {  // [K/2][16][2]
         const uint16_t* blk = reinterpret_cast<const uint16_t*>(base) + nb * K * 16;
-        for (int64_t q = 0; q < K / 2; ++q) {
-          const uint16_t* src = blk + q * 32;
+        for (int64_t q = k0 / 2; q < k1 / 2; ++q) {
+          std::memcpy(w, blk + q * 32, sizeof(w));
           T v[2][16];
-          for (int c = 0; c < 16; ++c)
-            for (int j = 0; j < 2; ++j) v[j][c] = cvt(bf16_bits_to_float(src[2 * c + j]));
+          for (int j = 0; j < 2; ++j)
+            for (int c = 0; c < 16; ++c) v[j][c] = cvt(bf16_bits_to_float(static_cast<uint16_t>(w[c] >> (16 * j))));
           for (int j = 0; j < 2; ++j) std::memcpy(dst + (2 * q + j) * N, v[j], sizeof(v[j]));
         }
         break;
@@ -297,11 +323,12 @@ __attribute__((always_inline)) inline void decode_expert_t_impl(const Packed& m,
         const int8_t* blk = reinterpret_cast<const int8_t*>(base) + nb * K * 16;
         float s[16];
         for (int c = 0; c < 16; ++c) s[c] = sc[p0 + c];
-        for (int64_t q = 0; q < K / 4; ++q) {
-          const int8_t* src = blk + q * 64;
+        for (int64_t q = k0 / 4; q < k1 / 4; ++q) {
+          std::memcpy(w, blk + q * 64, sizeof(w));
           T v[4][16];
-          for (int c = 0; c < 16; ++c)
-            for (int j = 0; j < 4; ++j) v[j][c] = cvt(static_cast<float>(src[4 * c + j]) * s[c]);
+          for (int j = 0; j < 4; ++j)  // byte j sign-extended: shifted to the top, then arithmetically down
+            for (int c = 0; c < 16; ++c)
+              v[j][c] = cvt(static_cast<float>(static_cast<int32_t>(w[c] << (24 - 8 * j)) >> 24) * s[c]);
           for (int j = 0; j < 4; ++j) std::memcpy(dst + (4 * q + j) * N, v[j], sizeof(v[j]));
         }
         break;
@@ -310,7 +337,7 @@ __attribute__((always_inline)) inline void decode_expert_t_impl(const Packed& m,
         const uint8_t* blk = base + nb * (K / 2) * 16;
         float s[16];
         int64_t group = -1;
-        for (int64_t o = 0; o < K / 8; ++o) {
+        for (int64_t o = k0 / 8; o < k1 / 8; ++o) {
           if (8 * o / gsize != group) {
             group = 8 * o / gsize;
             for (int c = 0; c < 16; ++c) s[c] = sc[group * N + p0 + c];
@@ -333,42 +360,53 @@ __attribute__((always_inline)) inline void decode_expert_t_impl(const Packed& m,
 // decode_expert_t_impl for each compute dtype, compiled for AVX-512 (skylake-avx512), AVX2 (haswell) and the
 // baseline, picked at load time (as decode_expert_bf16).
 __attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
-void decode_expert_t_bf16(const Packed& m, int64_t e, bool gate_up, uint16_t* out, int64_t nb0, int64_t nb1) {
-  decode_expert_t_impl(m, e, gate_up, out, nb0, nb1, [](float f) { return bf16_bits_rne(f); });
+void decode_expert_t_bf16(const Packed& m, int64_t e, bool gate_up, uint16_t* out, int64_t nb0, int64_t nb1,
+                          int64_t k0, int64_t k1) {
+  decode_expert_t_impl(m, e, gate_up, out, nb0, nb1, k0, k1, [](float f) { return bf16_bits_rne(f); });
 }
 __attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
-void decode_expert_t_float(const Packed& m, int64_t e, bool gate_up, float* out, int64_t nb0, int64_t nb1) {
-  decode_expert_t_impl(m, e, gate_up, out, nb0, nb1, [](float f) { return f; });
+void decode_expert_t_float(const Packed& m, int64_t e, bool gate_up, float* out, int64_t nb0, int64_t nb1, int64_t k0,
+                           int64_t k1) {
+  decode_expert_t_impl(m, e, gate_up, out, nb0, nb1, k0, k1, [](float f) { return f; });
 }
 __attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
-void decode_expert_t_double(const Packed& m, int64_t e, bool gate_up, double* out, int64_t nb0, int64_t nb1) {
-  decode_expert_t_impl(m, e, gate_up, out, nb0, nb1, [](float f) { return static_cast<double>(f); });
+void decode_expert_t_double(const Packed& m, int64_t e, bool gate_up, double* out, int64_t nb0, int64_t nb1,
+                            int64_t k0, int64_t k1) {
+  decode_expert_t_impl(m, e, gate_up, out, nb0, nb1, k0, k1, [](float f) { return static_cast<double>(f); });
 }
 
-// Decodes packed blocks [nb0, nb1) of expert e into out (all of them when nb1 < 0): [N, K], or transposed [K, N]
-// (W^T, decode_expert_t_impl).
-void decode_into(const Packed& m, int64_t e, bool gate_up, at::Tensor& out, bool transposed, int64_t nb0 = 0,
-                 int64_t nb1 = -1) {
-  if (nb1 < 0) nb1 = m.N / 16;
-  if (transposed) {
-    switch (out.scalar_type()) {
-      case at::kDouble: decode_expert_t_double(m, e, gate_up, out.data_ptr<double>(), nb0, nb1); break;
-      case at::kFloat: decode_expert_t_float(m, e, gate_up, out.data_ptr<float>(), nb0, nb1); break;
-      case at::kBFloat16:
-        decode_expert_t_bf16(m, e, gate_up, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), nb0, nb1);
-        break;
-      default: TORCH_CHECK(false, "fused_moe backward: unexpected compute dtype ", out.scalar_type());
-    }
-    return;
-  }
+// W^T's rows [k0, k1) of packed blocks [nb0, nb1) of expert e into out [k1 - k0, N] (decode_expert_t_impl).
+void decode_t(const Packed& m, int64_t e, bool gate_up, const at::Tensor& out, int64_t nb0, int64_t nb1, int64_t k0,
+              int64_t k1) {
   switch (out.scalar_type()) {
-    case at::kDouble: decode_expert(m, e, gate_up, out.data_ptr<double>(), nb0, nb1); break;
-    case at::kFloat: decode_expert(m, e, gate_up, out.data_ptr<float>(), nb0, nb1); break;
+    case at::kDouble: decode_expert_t_double(m, e, gate_up, out.data_ptr<double>(), nb0, nb1, k0, k1); break;
+    case at::kFloat: decode_expert_t_float(m, e, gate_up, out.data_ptr<float>(), nb0, nb1, k0, k1); break;
     case at::kBFloat16:
-      decode_expert_bf16(m, e, gate_up, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), nb0, nb1);
+      decode_expert_t_bf16(m, e, gate_up, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), nb0, nb1, k0,
+                           k1);
       break;
     default: TORCH_CHECK(false, "fused_moe backward: unexpected compute dtype ", out.scalar_type());
   }
+}
+
+// Packed blocks [nb0, nb1) of expert e into out [rows, K] as stored, packed row p on row dense_row(p - p_off, rows)
+// (decode_expert).
+void decode_w(const Packed& m, int64_t e, bool gate_up, const at::Tensor& out, int64_t nb0, int64_t nb1, int64_t p_off,
+              int64_t rows) {
+  switch (out.scalar_type()) {
+    case at::kDouble: decode_expert(m, e, gate_up, out.data_ptr<double>(), nb0, nb1, p_off, rows); break;
+    case at::kFloat: decode_expert(m, e, gate_up, out.data_ptr<float>(), nb0, nb1, p_off, rows); break;
+    case at::kBFloat16:
+      decode_expert_bf16(m, e, gate_up, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), nb0, nb1, p_off,
+                         rows);
+      break;
+    default: TORCH_CHECK(false, "fused_moe backward: unexpected compute dtype ", out.scalar_type());
+  }
+}
+
+// Decodes packed blocks [nb0, nb1) of expert e into out, the whole [N, K] (all blocks when nb1 < 0).
+void decode_into(const Packed& m, int64_t e, bool gate_up, at::Tensor& out, int64_t nb0 = 0, int64_t nb1 = -1) {
+  decode_w(m, e, gate_up, out, nb0, nb1 < 0 ? m.N / 16 : nb1, 0, m.N);
 }
 
 using Act = ActivationKind;
@@ -579,21 +617,36 @@ int expert_workers(const Call& c) {
   return static_cast<int>(n);
 }
 
-// The dense matrices of one expert a worker holds, each decoded only where asked for (Layouts): w13 [N13, H] and
-// w2 [H, I] as stored (what x W13^T and h W2^T read, through .t()), w13t [H, N13] and w2t [I, H] transposed (what
-// the backward's dY W2 and [dg | du] W13 read, through .t(): the reduction dimension contiguous on both sides).
+// The bytes of one decoded slice (the backward's products, slice_rows): with the products' activations (a
+// [rows, N] matrix of an expert's tokens, 0.5 MiB for 128 tokens at H = 2048 in bf16) and oneDNN's blocked copy of the
+// slice, well inside a core's L2 (2 MiB on the device's Xeon), so that decoded weights are written and read there and
+// never go through memory: the whole expert decoded first (W2^T and W13^T: 9.4 MiB for Qwen3-30B-A3B in bf16) made
+// each decoded weight go out to memory and back, ~3 GB a layer on 16 cores (docs/training.md).
+constexpr int64_t kSliceBytes = int64_t(256) << 10;
+
+// Rows of a slice of a matrix of `count` rows of `width` elements of `bytes` each: kSliceBytes' worth, a multiple of
+// 32 (the packed steps, int4 groups of 32 and 64-row gate/up groups divide it; at least 32), at most `count`.
+int64_t slice_rows(int64_t count, int64_t width, int64_t bytes) {
+  return std::min(count, std::max<int64_t>(32, kSliceBytes / (width * bytes) / 32 * 32));
+}
+
+// The dense matrices of one expert a worker holds (Layouts: w13 [N13, H] and w2 [H, I] as stored, what the float
+// reference's x W13^T and h W2^T read through .t()), and the backward's decode buffer `slice`: a slice of one matrix
+// at a time (kSliceBytes, each worker its own), or where one expert at a time runs over several threads (`whole`)
+// room for a whole matrix, decoded over the threads at once and multiplied by one multi-threaded product.
 struct Dense {
-  at::Tensor w13, w2, w13t, w2t;
+  at::Tensor w13, w2, slice;
+  bool whole = false;
 };
 struct Layouts {
-  bool w13, w2, w13t, w2t;
+  bool w13, w2, slices;
 };
 
 // Runs fn(e, dense, worker) for every expert with pairs, each expert decoded into its worker's scratch (the layouts
-// `need` asks for). As many experts as threads or more: the experts are tasks pulled by the ATen workers (most pairs
-// first), each single threaded inside. Fewer (e.g. Mixtral's 8 on 16 cores, or a few tokens): one expert at a time
-// on the calling thread, its decode split over the workers by blocks and its ATen ops multi-threaded, so that no
-// core idles for want of an expert (worker 0 in the profile).
+// `need` asks for; the slices are the backward's to decode). As many experts as threads or more: the experts are
+// tasks pulled by the ATen workers (most pairs first), each single threaded inside. Fewer (e.g. Mixtral's 8 on 16
+// cores, or a few tokens): one expert at a time on the calling thread, its decode split over the workers by blocks
+// and its ATen ops multi-threaded, so that no core idles for want of an expert (worker 0 in the profile).
 template <typename Fn>
 void for_each_expert(const Call& c, ExpertTimes& times, Layouts need, const Fn& fn) {
   const int64_t n = static_cast<int64_t>(c.experts.size());
@@ -604,27 +657,32 @@ void for_each_expert(const Call& c, ExpertTimes& times, Layouts need, const Fn& 
     Dense d;
     if (need.w13) d.w13 = at::empty({c.N13, c.H}, opts);
     if (need.w2) d.w2 = at::empty({c.H, c.I}, opts);
-    if (need.w13t) d.w13t = at::empty({c.H, c.N13}, opts);
-    if (need.w2t) d.w2t = at::empty({c.I, c.H}, opts);
+    if (need.slices) {
+      d.whole = threads == 1 && at::get_num_threads() > 1;  // (on one thread, slices as each worker's)
+      const int64_t es = static_cast<int64_t>(c10::elementSize(c.ct));
+      const int64_t halves = c.gated ? 2 : 1;  // x W13^T's slices: gate rows and their up rows
+      d.slice = at::empty({d.whole ? std::max(c.N13, c.I) * c.H
+                                   : std::max({slice_rows(c.I, c.H, es) * c.H, slice_rows(c.H, c.N13, es) * c.N13,
+                                               halves * slice_rows(c.N13 / halves, halves * c.H, es) * c.H})},
+                          opts);
+    }
     return d;
   };
   // decodes blocks [b0, b1) (of w13's, of w2's) of expert e into d (b1 < 0: all)
   auto decode = [&](int64_t e, Dense& d, bool of_w13, int64_t b0, int64_t b1) {
     if (of_w13) {
-      if (need.w13) decode_into(c.up, e, c.gated, d.w13, false, b0, b1);
-      if (need.w13t) decode_into(c.up, e, c.gated, d.w13t, true, b0, b1);
+      if (need.w13) decode_into(c.up, e, c.gated, d.w13, b0, b1);
     } else {
-      if (need.w2) decode_into(c.down, e, false, d.w2, false, b0, b1);
-      if (need.w2t) decode_into(c.down, e, false, d.w2t, true, b0, b1);
+      if (need.w2) decode_into(c.down, e, false, d.w2, b0, b1);
     }
   };
   if (threads == 1) {  // one at a time, the decode split by blocks and the ATen ops over the threads
     Dense d = scratch();
     for (int64_t e : c.experts) {
       auto mark = times.start();
-      if (need.w13 || need.w13t)
+      if (need.w13)
         at::parallel_for(0, c.up.N / 16, 4, [&](int64_t b0, int64_t b1) { decode(e, d, true, b0, b1); });
-      if (need.w2 || need.w2t)
+      if (need.w2)
         at::parallel_for(0, c.down.N / 16, 4, [&](int64_t b0, int64_t b1) { decode(e, d, false, b0, b1); });
       times.lap(0, ExpertTimes::kDecode, mark);
       fn(e, static_cast<const Dense&>(d), 0);
@@ -727,6 +785,52 @@ at::Tensor pre_activations(const Call& c, int64_t e, const at::Tensor& x, const 
   return gu;
 }
 
+using Mark = std::chrono::steady_clock::time_point;
+
+// out [n, K] = a [n, N] W (W = expert e of m as the dense [N, K] matrix, rows in dense_row's order): the backward's
+// transposed products dY W2 and [dg | du] W13. W^T's rows are decoded slice_rows at a time into d.slice and each
+// slice multiplied at once, read as the view (W^T)^T (the reduction dimension contiguous in both operands), its
+// columns of out written; with d.whole, W^T at once, decoded over the threads, and one multi-threaded product. out:
+// rows contiguous, any float dtype (the product's rows rounded to a's dtype first, as a whole product's are).
+void product_t(const Packed& m, int64_t e, bool gate_up, const at::Tensor& a, const at::Tensor& out, const Dense& d,
+               ExpertTimes& times, int worker, Mark& mark) {
+  const int64_t N = m.N, K = m.K;
+  const int64_t rows = d.whole ? K : slice_rows(K, N, static_cast<int64_t>(d.slice.element_size()));
+  for (int64_t k0 = 0; k0 < K; k0 += rows) {
+    const int64_t k1 = std::min(K, k0 + rows);
+    const at::Tensor wt = d.slice.narrow(0, 0, (k1 - k0) * N).view({k1 - k0, N});
+    auto dec = [&](int64_t b0, int64_t b1) { decode_t(m, e, gate_up, wt, b0, b1, k0, k1); };
+    if (d.whole) at::parallel_for(0, N / 16, 4, dec);
+    else dec(0, N / 16);
+    times.lap(worker, ExpertTimes::kDecode, mark);
+    at::Tensor o = out.narrow(1, k0, k1 - k0);
+    if (k1 - k0 == K && out.scalar_type() == a.scalar_type()) at::mm_out(o, a, wt.t());
+    else o.copy_(at::mm(a, wt.t()));
+    times.lap(worker, ExpertTimes::kProducts, mark);
+  }
+}
+
+// out [n, N13] (the element dtype) = x [n, H] W13_e^T, the recompute of the pre-activations (before biases and
+// deltas): W13's rows decoded as stored a slice at a time, gated experts' as gate rows [r0, r1) with the same up rows
+// (the packed blocks [2 r0 / 16, 2 r1 / 16)), each slice's product written to both halves of out; d.whole: at once.
+void product_up(const Call& c, int64_t e, const at::Tensor& x, const at::Tensor& out, const Dense& d,
+                ExpertTimes& times, int worker, Mark& mark) {
+  const int64_t halves = c.gated ? 2 : 1, half = c.N13 / halves;
+  const int64_t rows = d.whole ? half : slice_rows(half, halves * c.H, static_cast<int64_t>(d.slice.element_size()));
+  for (int64_t r0 = 0; r0 < half; r0 += rows) {
+    const int64_t r1 = std::min(half, r0 + rows), n = r1 - r0;
+    const at::Tensor w = d.slice.narrow(0, 0, halves * n * c.H).view({halves * n, c.H});
+    const int64_t nb0 = halves * r0 / 16, nb1 = halves * r1 / 16;
+    auto dec = [&](int64_t b0, int64_t b1) { decode_w(c.up, e, c.gated, w, b0, b1, halves * r0, halves * n); };
+    if (d.whole) at::parallel_for(nb0, nb1, 4, dec);
+    else dec(nb0, nb1);
+    times.lap(worker, ExpertTimes::kDecode, mark);
+    const at::Tensor y = at::mm(x, w.t());
+    for (int64_t h = 0; h < halves; ++h) out.narrow(1, h * half + r0, n).copy_(y.narrow(1, h * n, n));
+    times.lap(worker, ExpertTimes::kProducts, mark);
+  }
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_moe_delta(
@@ -756,7 +860,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_moe_delta(
   const at::Tensor gu_pairs = at::zeros({c.T * c.K, c.N13}, at::TensorOptions().dtype(c.et));
   const at::Tensor wflat = c.weights.reshape({c.T * c.K});
   ExpertTimes times(false, 0);  // (no profile line: the reference)
-  for_each_expert(c, times, {true, true, false, false}, [&](int64_t e, const Dense& d, int) {
+  for_each_expert(c, times, {true, true, false}, [&](int64_t e, const Dense& d, int) {
     const at::Tensor rows = pair_rows(c, e);
     const at::Tensor x = c.hidden.index_select(0, at::floor_divide(rows, c.K)).to(c.ct);
     const at::Tensor gu = pre_activations(c, e, x, d.w13, delta, rows);
@@ -816,10 +920,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_moe_backward(
   const at::Tensor dy_all = grad_out.contiguous();
   timer.mark("setup");
   ExpertTimes times(timer.on(), expert_workers(c));
-  // W13 as stored only to recompute x W13^T; the transposed products read W^T (Dense)
-  for_each_expert(c, times, {!saved.defined(), false, true, true}, [&](int64_t e, const Dense& d, int worker) {
+  // the products decode their weights a slice at a time into each worker's d.slice (product_t, product_up)
+  for_each_expert(c, times, {false, false, true}, [&](int64_t e, const Dense& d, int worker) {
     auto mark = times.start();
     const at::Tensor rows = pair_rows(c, e);
+    const int64_t n = rows.size(0);
     const at::Tensor tokens = at::floor_divide(rows, c.K);
     const at::Tensor x = saved.defined() ? at::Tensor() : c.hidden.index_select(0, tokens).to(c.ct);
     const at::Tensor dy = dy_all.index_select(0, tokens);
@@ -827,13 +932,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_moe_backward(
     const at::Tensor we = wflat.index_select(0, rows).unsqueeze(1);
     const at::Tensor dhe = dh_ext.defined() ? dh_ext.index_select(0, rows).to(c.et) : at::Tensor();
     const at::Tensor de = delta.defined() && !saved.defined() ? delta.index_select(0, rows).to(c.et) : at::Tensor();
-    at::Tensor gu = saved.defined() ? saved.index_select(0, rows).to(c.et) : at::Tensor();
+    at::Tensor gu = saved.defined() ? saved.index_select(0, rows).to(c.et) : at::empty({n, c.N13}, eopts);
+    const at::Tensor G = at::empty({n, c.I}, eopts);
     times.lap(worker, ExpertTimes::kCopies, mark);
-    if (!saved.defined()) gu = at::mm(x, d.w13.t());
-    const at::Tensor G = at::mm(dyc, d.w2t.t()).to(c.et);  // [n, I]
-    times.lap(worker, ExpertTimes::kProducts, mark);
+    if (!saved.defined()) product_up(c, e, x, gu, d, times, worker, mark);
+    product_t(c.down, e, false, dyc, G, d, times, worker, mark);  // [n, I]
     if (!saved.defined()) {
-      gu = gu.to(c.et);
       if (c.b13.defined()) gu.add_(c.b13.select(0, e));
       if (de.defined()) gu.add_(de);
     }
@@ -845,9 +949,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_moe_backward(
     const at::Tensor dgu = glu_backward(c, gu, dh);  // [n, N13]
     const at::Tensor dguc = dgu.to(c.ct);
     times.lap(worker, ExpertTimes::kElementwise, mark);
-    at::Tensor dxe = dx_grouped.narrow(0, c.start[e], rows.size(0));
-    at::mm_out(dxe, dguc, d.w13t.t());
-    times.lap(worker, ExpertTimes::kProducts, mark);
+    product_t(c.up, e, c.gated, dguc, dx_grouped.narrow(0, c.start[e], n), d, times, worker, mark);
     dw.index_copy_(0, rows, dwe);
     if (ddelta.defined()) ddelta.index_copy_(0, rows, dgu.to(ddelta.scalar_type()));
     times.lap(worker, ExpertTimes::kCopies, mark);
