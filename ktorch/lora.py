@@ -196,6 +196,7 @@ class _ToHost(torch.autograd.Function):
     @staticmethod
     def forward(ctx, *tensors):
         ctx.devices = [t.device for t in tensors]
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None: nothing to copy
         outs = host_copies(tensors)
         ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
         return tuple(outs)
@@ -211,6 +212,7 @@ class _ToDevice(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, device, *tensors):
+        ctx.set_materialize_grads(False)
         return tuple(device_copy(t, device) for t in tensors)
 
     @staticmethod
