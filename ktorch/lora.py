@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from ktorch.integrations.transformers_experts import packed_experts_of
+from ktorch.ops.host_transfer import to_device, to_host
 from ktorch.placement import experts_modules
 
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")  # the order transformers' experts classes define them in
@@ -120,7 +121,7 @@ def expert_lora_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: to
     (``kt.fused_moe_delta``), the adapters on hidden's device; differentiable in hidden, the routing weights and
     the adapters.
 
-    What crosses between hidden's device and the CPU (``_ToHost`` / ``_ToDevice``: pinned memory, one wait a
+    What crosses between hidden's device and the CPU (ktorch/ops/host_transfer.py: pinned memory, one wait a
     direction): hidden, the routing, the gate/up deltas [T, K, 2I] and, with a down adapter, h [T, K, I] (and their
     gradients back). The deltas cross in hidden's dtype when that is bf16/fp16 (half the bytes of fp32; the kernels
     add them to fp32 pre-activations that the GLU reads and ``gate_up`` returns in that dtype, so the rounding is
@@ -141,85 +142,20 @@ def expert_lora_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: to
         if not getattr(module, "is_concatenated", True):  # B's rows follow the parameter's interleaved g0, u0, g1, ...
             delta = torch.cat([delta[..., 0::2], delta[..., 1::2]], dim=-1)
         crossing.append(delta.to(delta_dtype))
-    hidden_c, ids_c, weights_c, *delta_c = _ToHost.apply(*crossing)
+    hidden_c, ids_c, weights_c, *delta_c = to_host(*crossing)
     # no gate/up adapter: zero deltas made where the op runs, nothing to cross
     delta_c = delta_c[0] if delta_c else torch.zeros(T, K, n13, dtype=delta_dtype)
     out, h, _ = torch.ops.kt.fused_moe_delta(hidden_c, ids_c, weights_c, module.kt_w13, module.kt_w13_scales,
                                              module.kt_w2, module.kt_w2_scales, delta_c, module.kt_activation,
                                              getattr(module, "kt_w13_bias", None), getattr(module, "kt_w2_bias", None))
     if lora.down_proj is None:
-        (out,) = _ToDevice.apply(device, out)
+        (out,) = to_device(device, out)
         return out
-    out, h = _ToDevice.apply(device, out, h)
+    out, h = to_device(device, out, h)
     f = lora.down_proj
     coef = (top_k_weights * valid) * lora.scaling
     y = f.project_out_sum(f.project_in(h, ids), ids, coef)  # [T, H]
     return out + y.to(out.dtype)
-
-
-def host_copies(tensors) -> list[torch.Tensor]:
-    """CPU copies of ``tensors`` for a CPU op to read. A CUDA tensor is copied into pinned memory (torch's caching
-    host allocator: blocks are reused across calls, not allocated per call) without blocking, and the host waits
-    once for each source stream before returning, so the copies are complete when the caller reads them (a pageable
-    copy instead stages through the driver's buffer one tensor at a time, at a fraction of the bus' speed). CPU
-    tensors are returned as they are; other devices get a plain copy."""
-    out, streams = [], {}
-    for t in tensors:
-        if t.is_cuda:
-            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            buf.copy_(t, non_blocking=True)
-            streams[t.device] = torch.cuda.current_stream(t.device)
-            out.append(buf)
-        else:
-            out.append(t.cpu())
-    for stream in streams.values():
-        stream.synchronize()
-    return out
-
-
-def device_copy(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` (CPU) on ``device``. To a CUDA device through a pinned staging block and a non-blocking copy: the
-    current stream orders the copy before the kernels that read the result, and the caching host allocator keeps
-    the block (its use recorded by the copy) until the copy has ended, so freeing it here is safe."""
-    device = torch.device(device)
-    if device.type != "cuda" or t.device == device:
-        return t.to(device)
-    if not t.is_pinned():
-        t = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
-    return t.to(device, non_blocking=True)
-
-
-class _ToHost(torch.autograd.Function):
-    """Tensors to the CPU (``host_copies``); their gradients back to each one's device (``device_copy``). Integer
-    tensors cross too, without gradient."""
-
-    @staticmethod
-    def forward(ctx, *tensors):
-        ctx.devices = [t.device for t in tensors]
-        ctx.set_materialize_grads(False)  # an unused output's gradient stays None: nothing to copy
-        outs = host_copies(tensors)
-        ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
-        return tuple(outs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return tuple(device_copy(g, d) if g is not None and g.is_floating_point() else None
-                     for g, d in zip(grads, ctx.devices))
-
-
-class _ToDevice(torch.autograd.Function):
-    """CPU tensors to ``device`` (``device_copy``); their gradients back to the CPU (``host_copies``: one wait)."""
-
-    @staticmethod
-    def forward(ctx, device, *tensors):
-        ctx.set_materialize_grads(False)
-        return tuple(device_copy(t, device) for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        present = [g for g in grads if g is not None]
-        copies = iter(host_copies(present))
-        return (None,) + tuple(None if g is None else next(copies) for g in grads)
 
 
 # ---------------------------------------------------------------- adding, saving and loading adapters

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import ktorch
+import ktorch.ops.host_transfer
 from ktorch.builtin import BUILTIN_PATH, token_stream
 
 peft = pytest.importorskip("peft")
@@ -259,19 +260,6 @@ def test_project_out_sum_equals_the_pairs_products():
     torch.autograd.gradcheck(lambda u_, c_: f.project_out_sum(u_, ids, c_), (u, coef))
 
 
-def test_crossings_on_the_cpu_pass_values_and_gradients_unchanged():
-    """_ToHost / _ToDevice with CPU tensors (what the CPU tests run through expert_lora_forward): the same values
-    and the same gradients as no crossing, integer tensors carried without gradient."""
-    x = torch.randn(4, 3, dtype=torch.bfloat16, requires_grad=True)
-    ids = torch.arange(4)
-    xc, idc = ktorch.lora._ToHost.apply(x, ids)
-    assert torch.equal(xc, x) and torch.equal(idc, ids) and not idc.requires_grad
-    (yc,) = ktorch.lora._ToDevice.apply(torch.device("cpu"), xc * 3)
-    g = torch.randn(4, 3, dtype=torch.bfloat16)
-    yc.backward(g)
-    assert torch.equal(x.grad, g * 3)
-
-
 def test_expert_lora_forward_bf16_deltas_match_fp32(monkeypatch, one_thread):
     """bf16 hidden states: the deltas cross (and their gradient returns) in bf16; output and gradients (hidden,
     routing weights, adapters) within bf16 tolerance of the same module on fp32 hidden states (fp32 deltas, the
@@ -279,8 +267,9 @@ def test_expert_lora_forward_bf16_deltas_match_fp32(monkeypatch, one_thread):
     experts = _builtin_experts("cpu", torch.float32)
     E, H = experts.kt_lora.gate_up_proj.num_experts, experts.kt_w2.shape[1] * 16
     seen = []
-    real = ktorch.lora.host_copies
-    monkeypatch.setattr(ktorch.lora, "host_copies", lambda ts: seen.append([t.dtype for t in ts]) or real(ts))
+    real = ktorch.ops.host_transfer.host_copies
+    monkeypatch.setattr(ktorch.ops.host_transfer, "host_copies",
+                        lambda ts: seen.append([t.dtype for t in ts]) or real(ts))
     ids, w = _routing(12, E, 4, "cpu", seed=5)
     x = torch.randn(12, H, generator=torch.Generator().manual_seed(6))
     params = list(experts.kt_lora.parameters())
@@ -306,19 +295,6 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the pinned host
 
 
 @cuda
-def test_host_copies_and_device_copy_round_trip_exactly():
-    dev = torch.device("cuda")
-    for t in (torch.randn(33, 17, device=dev).to(torch.bfloat16), torch.randn(5, 7, 3, device=dev),
-              torch.randint(-1, 9, (6, 4), device=dev), torch.randn(40, 9, device=dev).t()):
-        (c,) = ktorch.lora.host_copies([t])
-        assert c.device.type == "cpu" and c.is_pinned() and c.dtype == t.dtype
-        assert torch.equal(c, t.cpu())
-        back = ktorch.lora.device_copy(c.clone(), dev)  # pageable source: pinned staging
-        assert back.device == t.device and torch.equal(back, t)
-        assert torch.equal(ktorch.lora.device_copy(c, dev), t)  # pinned source: sent as is
-
-
-@cuda
 def test_expert_lora_forward_on_cuda_equals_plain_copies(monkeypatch):
     """The pinned, non-blocking crossings change nothing but the copies: output and every gradient bit for bit
     equal to the same function with plain (pageable, blocking) .to() copies, bf16 and fp32 hidden states."""
@@ -337,8 +313,8 @@ def test_expert_lora_forward_on_cuda_equals_plain_copies(monkeypatch):
     for dtype in (torch.bfloat16, torch.float32):
         ours = run(dtype)
         with monkeypatch.context() as m:
-            m.setattr(ktorch.lora, "host_copies", lambda ts: [t.to("cpu") for t in ts])
-            m.setattr(ktorch.lora, "device_copy", lambda t, device: t.to(device))
+            m.setattr(ktorch.ops.host_transfer, "host_copies", lambda ts: [t.to("cpu") for t in ts])
+            m.setattr(ktorch.ops.host_transfer, "device_copy", lambda t, device: t.to(device))
             plain = run(dtype)
         for a, b in zip(ours, plain):
             assert a.device.type == "cuda" and torch.equal(a, b)
