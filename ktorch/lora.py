@@ -18,8 +18,12 @@ module with adapters (x_t the token, h the GLU output, w the routing weight):
 The frozen part runs on the CPU through ``kt.fused_moe_delta`` (ktorch/ops/moe_autograd.py: the gate/up deltas go
 in, h comes back); the adapters' products run with torch ops where the hidden states are (the GPU when the model is
 prepared for one), as two dense products per factor: x @ A^T for all experts at once ([T, r E]) then each pair's
-expert slice, and the pairs' rank-r vectors scattered into their expert's block of a [T K, r E] zero matrix times
-B^T. That reads every adapter once per call and needs no grouping; on a GPU it costs little beside the CPU experts.
+expert slice, and the rank-r vectors scattered into their expert's block of a zero matrix times B^T: [T K, r E] for
+gate/up (a delta per pair), [T, r E] for down (its output is summed over a token's slots, so the slots share a row:
+K times fewer products). That reads every adapter once per call and needs no grouping; on a GPU it costs little
+beside the CPU experts. The tensors crossing to the CPU op and back (hidden, routing, deltas, out, h and their
+gradients) go through ktorch/ops/host_transfer.py (pinned memory, one wait a direction), the deltas in hidden's
+dtype when that is bf16/fp16.
 
 Saving and loading (``save_adapter`` / ``load_adapter``) write peft's files (adapter_config.json with
 ``target_parameters``, adapter_model.safetensors with peft's key names), so an adapter trained with ktorch loads
