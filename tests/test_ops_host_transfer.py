@@ -73,6 +73,12 @@ def test_gradients_through_the_crossings_equal_plain_copies():
 
     for a, b in zip(run(True), run(False)):
         assert a.device.type == "cuda" and torch.equal(a, b)
+    side = torch.cuda.Stream()  # a step on a side stream: the gradients' copies queue on it, ordered before their use
+    with torch.cuda.stream(side):
+        got = run(True)
+    torch.cuda.synchronize()
+    for a, b in zip(got, run(False)):
+        assert torch.equal(a, b)
 
 
 @cuda

@@ -60,6 +60,9 @@ class _ToHost(torch.autograd.Function):
     @staticmethod
     def forward(ctx, *tensors):
         ctx.devices = [t.device for t in tensors]
+        # the streams the tensors came from: the gradients' copies are queued there, where autograd runs the nodes
+        # that made the tensors (this node is a CPU one to the engine, which orders no stream after it)
+        ctx.streams = {t.device: torch.cuda.current_stream(t.device) for t in tensors if t.is_cuda}
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None: nothing to copy
         outs = host_copies(tensors)
         ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
@@ -67,8 +70,16 @@ class _ToHost(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        return tuple(device_copy(g, d) if g is not None and g.is_floating_point() else None
-                     for g, d in zip(grads, ctx.devices))
+        out = []
+        for g, d in zip(grads, ctx.devices):
+            if g is None or not g.is_floating_point():
+                out.append(None)
+            elif d in ctx.streams:
+                with torch.cuda.stream(ctx.streams[d]):
+                    out.append(device_copy(g, d))
+            else:
+                out.append(device_copy(g, d))
+        return tuple(out)
 
 
 class _ToDevice(torch.autograd.Function):
