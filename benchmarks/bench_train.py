@@ -6,6 +6,11 @@ Variants (each runs in its own process, one after the other, so that the host me
                and kt.fused_moe_backward on the CPU; attention, routers, embeddings on the GPU; LoRA on attention
                (peft) and on the experts (ktorch.lora, peft's per-expert layout) ; ``ktorch.prepare(...,
                trainable=True)``: decoder layers checkpointed (``--checkpointing off``: not)
+  ktorch_pageable  ktorch with the host<->GPU crossings as they were before session 33 (plain ``.to()`` copies:
+               pageable and blocking; the gate/up deltas and their gradient in fp32): the A/B of
+               ktorch/ops/host_transfer.py (pinned, non-blocking, deltas in hidden's dtype) in one run; the session's
+               other changes (the down adapter's per-token product, no zero gradient for the op's unused outputs)
+               are in both
   hf_offload   transformers + accelerate as a user offloads today: device_map puts every ``...mlp.experts`` on "cpu"
                (bf16) and accelerate's hooks copy them to the GPU for each forward; LoRA with peft on attention;
                gradient checkpointing of the decoder layers. Not on the experts by default: peft 0.21's
@@ -161,7 +166,9 @@ def run_variant(args) -> dict:
 
     device = args.device
     t0 = time.perf_counter()
-    if args.variant == "ktorch":
+    if args.variant in ("ktorch", "ktorch_pageable"):
+        if args.variant == "ktorch_pageable":
+            _pageable_crossings()
         model, _ = build_model(args.shape, "eager", args.device, args.experts_dtype, layers=args.layers)
         ktorch.prepare(model, device=args.device, trainable=True, gradient_checkpointing=args.checkpointing == "on")
         model = get_peft_model(model, LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=ATTENTION))
@@ -203,9 +210,10 @@ def run_variant(args) -> dict:
         torch.cuda.reset_peak_memory_stats()
     times = [step() for _ in range(args.steps)]
     profile = _profile_step(model, opt, vocab, gen, args) if args.profile else None
-    result = dict(variant=args.variant, expert_lora=args.variant == "ktorch" or args.hf_expert_lora == "on",
+    kt = args.variant.startswith("ktorch")
+    result = dict(variant=args.variant, expert_lora=kt or args.hf_expert_lora == "on",
                   shape=args.shape, layers=model.config.num_hidden_layers, seq=args.seq, rank=args.rank,
-                  experts_dtype=args.experts_dtype if args.variant == "ktorch" else "bf16",
+                  experts_dtype=args.experts_dtype if kt else "bf16",
                   checkpointing=args.checkpointing,
                   step_s=statistics.median(times), steps=[round(t, 3) for t in times], warmup=args.warmup,
                   build_s=round(build_s, 1),
@@ -216,6 +224,22 @@ def run_variant(args) -> dict:
     if profile is not None:
         result["profile"] = profile
     return result
+
+
+def _pageable_crossings() -> None:
+    """ktorch_pageable: this process's crossings as before ktorch/ops/host_transfer.py: plain ``.to()`` copies both
+    ways (pageable, blocking) and the gate/up deltas sent in fp32 (their gradient then comes back in fp32)."""
+    import ktorch.lora
+    import ktorch.ops.host_transfer as ht
+
+    ht.host_copies = lambda tensors: [t.to("cpu") for t in tensors]
+    ht.device_copy = lambda t, device: t.to(device)
+    to_host = ktorch.lora.to_host
+
+    def fp32_deltas(*tensors):  # expert_lora_forward's crossing: hidden, ids, weights[, deltas]
+        return to_host(*tensors[:3], *(t.float() for t in tensors[3:]))
+
+    ktorch.lora.to_host = fp32_deltas
 
 
 def _profile_step(model, opt, vocab, gen, args) -> dict:
@@ -377,11 +401,11 @@ def main(argv=None) -> None:
     machine = next((r["machine"] for r in rows if "machine" in r), {})
     print(f"machine: {machine}")
     print(f"shape {args.shape} (layers {args.layers or 'all'}), seq {args.seq}, LoRA rank {args.rank}, batch 1")
-    print(f"{'variant':<12} {'experts':>8} {'expert LoRA':>12} {'step s':>9} {'GPU peak GiB':>13} {'host peak GiB':>14} "
+    print(f"{'variant':<15} {'experts':>8} {'expert LoRA':>12} {'step s':>9} {'GPU peak GiB':>13} {'host peak GiB':>14} "
           f"{'trainable':>12}")
     for r in rows:
         if "error" in r:
-            print(f"{r['variant']:<12} failed: {r['error']}")
+            print(f"{r['variant']:<15} failed: {r['error']}")
             continue
         if r["variant"] == "ops":  # the calls side by side, each also as a multiple of the inference op's time
             ms = r["ms"]
@@ -399,7 +423,7 @@ def main(argv=None) -> None:
                       f"(before)")
             continue
         gpu = f"{r['gpu_peak_gib']:.2f}" if r["gpu_peak_gib"] is not None else "-"
-        print(f"{r['variant']:<12} {r['experts_dtype']:>8} {str(r['expert_lora']):>12} {r['step_s']:>9.3f} {gpu:>13} "
+        print(f"{r['variant']:<15} {r['experts_dtype']:>8} {str(r['expert_lora']):>12} {r['step_s']:>9.3f} {gpu:>13} "
               f"{r['host_peak_gib']:>14.1f} "
               f"{r['trainable_params']:>12,}")
         if r.get("profile"):

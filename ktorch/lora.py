@@ -18,8 +18,12 @@ module with adapters (x_t the token, h the GLU output, w the routing weight):
 The frozen part runs on the CPU through ``kt.fused_moe_delta`` (ktorch/ops/moe_autograd.py: the gate/up deltas go
 in, h comes back); the adapters' products run with torch ops where the hidden states are (the GPU when the model is
 prepared for one), as two dense products per factor: x @ A^T for all experts at once ([T, r E]) then each pair's
-expert slice, and the pairs' rank-r vectors scattered into their expert's block of a [T K, r E] zero matrix times
-B^T. That reads every adapter once per call and needs no grouping; on a GPU it costs little beside the CPU experts.
+expert slice, and the rank-r vectors scattered into their expert's block of a zero matrix times B^T: [T K, r E] for
+gate/up (a delta per pair), [T, r E] for down (its output is summed over a token's slots, so the slots share a row:
+K times fewer products). That reads every adapter once per call and needs no grouping; on a GPU it costs little
+beside the CPU experts. The tensors crossing to the CPU op and back (hidden, routing, deltas, out, h and their
+gradients) go through ktorch/ops/host_transfer.py (pinned memory, one wait a direction), the deltas in hidden's
+dtype when that is bf16/fp16.
 
 Saving and loading (``save_adapter`` / ``load_adapter``) write peft's files (adapter_config.json with
 ``target_parameters``, adapter_model.safetensors with peft's key names), so an adapter trained with ktorch loads
@@ -37,6 +41,7 @@ import torch
 from torch import nn
 
 from ktorch.integrations.transformers_experts import packed_experts_of
+from ktorch.ops.host_transfer import to_device, to_host
 from ktorch.placement import experts_modules
 
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")  # the order transformers' experts classes define them in
@@ -72,6 +77,18 @@ class ExpertLoRAFactors(nn.Module):
         z.scatter_(3, ids.view(T, K, 1, 1).expand(T, K, r, 1), u.unsqueeze(3))
         return z.view(T, K, r * E) @ self.lora_B.weight.t()
 
+    def project_out_sum(self, u: torch.Tensor, ids: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+        """sum_k coef[t, k] * B_{ids[t, k]} u[t, k]: [T, out]; u [T, K, r], coef [T, K], ids [T, K] in [0, E).
+
+        One [T, r E] x [r E, out] product, K times smaller than ``project_out``'s [T K, r E] one: B is linear, so a
+        token's slots can share its row, each slot's coef * u added into its expert's block (scatter_add: repeated
+        experts add up; skipped slots, clamped to expert 0 with coef 0, add zeros)."""
+        E, r = self.num_experts, self.r
+        T, K = ids.shape
+        v = (u * coef.unsqueeze(-1).to(u.dtype)).transpose(1, 2)  # [T, r, K]
+        z = v.new_zeros(T, r, E).scatter_add_(2, ids.view(T, 1, K).expand(T, r, K), v)  # column j * E + e of lora_B
+        return z.view(T, r * E) @ self.lora_B.weight.t()
+
 
 class ExpertsLoRA(nn.Module):
     """The adapters of one packed experts module: ``gate_up_proj`` and/or ``down_proj`` factors and the scaling."""
@@ -106,32 +123,43 @@ def expert_lora_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: to
     """The routed experts of a packed ``module`` with its adapters (``module.kt_lora``): hidden [T, H],
     top_k_index/top_k_weights [T, K] on one device -> [T, H] there. The frozen experts run on the CPU
     (``kt.fused_moe_delta``), the adapters on hidden's device; differentiable in hidden, the routing weights and
-    the adapters."""
+    the adapters.
+
+    What crosses between hidden's device and the CPU (ktorch/ops/host_transfer.py: pinned memory, one wait a
+    direction): hidden, the routing, the gate/up deltas [T, K, 2I] and, with a down adapter, h [T, K, I] (and their
+    gradients back). The deltas cross in hidden's dtype when that is bf16/fp16 (half the bytes of fp32; the kernels
+    add them to fp32 pre-activations that the GLU reads and ``gate_up`` returns in that dtype, so the rounding is
+    one more of the same size: relative 2^-9 of the delta, not of the pre-activation), and so does their gradient;
+    fp32/fp64 hidden states keep fp32 deltas (the exact paths of the tests)."""
     lora: ExpertsLoRA = module.kt_lora
     device = hidden.device
     T, K = top_k_index.shape
     n13 = module.kt_w13.shape[1] * 16  # 2I (gated experts); gateless experts have no gate_up adapter
     valid = top_k_index >= 0
     ids = top_k_index.clamp(min=0).long()
+    low = hidden.dtype in (torch.bfloat16, torch.float16)
+    delta_dtype = hidden.dtype if low else torch.float32
+    crossing = [hidden, top_k_index, top_k_weights]
     if lora.gate_up_proj is not None:
         f = lora.gate_up_proj
         delta = f.project_out(f.project_in(hidden, ids), ids) * (lora.scaling * valid.unsqueeze(-1))
         if not getattr(module, "is_concatenated", True):  # B's rows follow the parameter's interleaved g0, u0, g1, ...
             delta = torch.cat([delta[..., 0::2], delta[..., 1::2]], dim=-1)
-    else:
-        delta = torch.zeros(T, K, n13, dtype=torch.float32, device=device)
-    cpu = torch.device("cpu")
-    out, h, _ = torch.ops.kt.fused_moe_delta(hidden.to(cpu), top_k_index.to(cpu), top_k_weights.to(cpu),
-                                             module.kt_w13, module.kt_w13_scales, module.kt_w2, module.kt_w2_scales,
-                                             delta.to(cpu), module.kt_activation, getattr(module, "kt_w13_bias", None),
-                                             getattr(module, "kt_w2_bias", None))
-    out = out.to(device)
-    if lora.down_proj is not None:
-        f = lora.down_proj
-        coef = (top_k_weights * valid).unsqueeze(-1) * lora.scaling
-        y = f.project_out(f.project_in(h.to(device), ids), ids)  # [T, K, H]
-        out = out + (y * coef.to(y.dtype)).sum(1).to(out.dtype)
-    return out
+        crossing.append(delta.to(delta_dtype))
+    hidden_c, ids_c, weights_c, *delta_c = to_host(*crossing)
+    # no gate/up adapter: zero deltas made where the op runs, nothing to cross
+    delta_c = delta_c[0] if delta_c else torch.zeros(T, K, n13, dtype=delta_dtype)
+    out, h, _ = torch.ops.kt.fused_moe_delta(hidden_c, ids_c, weights_c, module.kt_w13, module.kt_w13_scales,
+                                             module.kt_w2, module.kt_w2_scales, delta_c, module.kt_activation,
+                                             getattr(module, "kt_w13_bias", None), getattr(module, "kt_w2_bias", None))
+    if lora.down_proj is None:
+        (out,) = to_device(device, out)
+        return out
+    out, h = to_device(device, out, h)
+    f = lora.down_proj
+    coef = (top_k_weights * valid) * lora.scaling
+    y = f.project_out_sum(f.project_in(h, ids), ids, coef)  # [T, H]
+    return out + y.to(out.dtype)
 
 
 # ---------------------------------------------------------------- adding, saving and loading adapters

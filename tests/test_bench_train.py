@@ -50,3 +50,22 @@ def test_ops_variant_with_its_own_layer_shape_and_the_recompute_row():
     assert layout.pop("n") == 16 * 3 // 6 and set(layout) == {"dY_W2_rows", "dY_W2_transposed", "dgu_W13_rows",
                                                               "dgu_W13_transposed"}
     assert all(v > 0 for v in layout.values())
+
+
+def test_pageable_variant_steps_with_fp32_deltas_and_plain_copies(monkeypatch):
+    """ktorch_pageable (the crossings before ktorch/ops/host_transfer.py) steps like ktorch; in its process the
+    copies are plain .to() and bf16 deltas cross in fp32 (restored after the test: the variant patches modules)."""
+    import ktorch.lora
+    import ktorch.ops.host_transfer as ht
+
+    for mod, name in ((ht, "host_copies"), (ht, "device_copy"), (ktorch.lora, "to_host")):
+        monkeypatch.setattr(mod, name, getattr(mod, name))  # restored at teardown
+    row = _run("ktorch_pageable")
+    assert row["variant"] == "ktorch_pageable" and row["expert_lora"] and row["step_s"] > 0
+    seen = []
+    copies = ht.host_copies
+    monkeypatch.setattr(ht, "host_copies", lambda ts: seen.append([t.dtype for t in ts]) or copies(ts))
+    x = torch.randn(3, 4, dtype=torch.bfloat16)
+    ids = torch.zeros(3, 2, dtype=torch.long)
+    out = ktorch.lora.to_host(x, ids, x[:, :2], torch.ones(3, 2, 5, dtype=torch.bfloat16))
+    assert seen == [[torch.bfloat16, torch.long, torch.bfloat16, torch.float32]] and out[3].dtype == torch.float32

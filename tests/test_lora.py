@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import ktorch
+import ktorch.ops.host_transfer
 from ktorch.builtin import BUILTIN_PATH, token_stream
 
 peft = pytest.importorskip("peft")
@@ -208,3 +209,112 @@ def test_fine_tuning_lowers_held_out_loss_like_peft_on_eager_experts(tmp_path, o
     assert eager_after < 0.7 * eager_before, (eager_before, eager_after)  # the fine-tuning learns the text
     assert kt_after < 0.7 * kt_before, (kt_before, kt_after)
     assert abs(kt_after - eager_after) <= 0.02 * eager_after, (kt_after, eager_after)
+
+
+# ---------------------------------------------------------------- the crossings and the adapters' products
+
+
+def _builtin_experts(device: str, dtype: torch.dtype):
+    """Layer 0's packed experts of the built-in model (bf16 experts) with random adapters on gate_up and down."""
+    model, _ = ktorch.load("builtin", device=device, dtype=dtype, experts_dtype="bf16", progress=False)
+    ktorch.prepare(model, device=device, trainable=True, gradient_checkpointing=False)
+    ktorch.lora.add_expert_lora(model, r=4, lora_alpha=8, device=device)
+    experts = model.model.layers[0].mlp.experts
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for f in (experts.kt_lora.gate_up_proj, experts.kt_lora.down_proj):
+            f.lora_B.weight.copy_(torch.randn(f.lora_B.weight.shape, generator=g) * 0.05)
+    return experts
+
+
+def _routing(T: int, E: int, K: int, device: str, seed: int):
+    """Top-k ids (distinct per token, a few slots skipped: -1) and weights [T, K]."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    ids[1, 2] = -1
+    ids[4, 0] = -1
+    weights = torch.rand(T, K, generator=g)
+    return ids.to(device), weights.to(device)
+
+
+def test_project_out_sum_equals_the_pairs_products():
+    """The down adapter's per-token product against each pair's B_e u summed with its coefficient (the
+    formulation it replaced), float64, with repeated experts in a token and skipped slots (clamped, coef 0)."""
+    f = ktorch.lora.ExpertLoRAFactors(6, 10, 12, 3, dtype=torch.float64)
+    with torch.no_grad():
+        f.lora_B.weight.normal_()
+    T, K = 5, 3
+    ids = torch.tensor([[0, 1, 2], [3, 3, 5], [4, 0, 0], [5, 2, 1], [1, 4, 3]])
+    u = torch.randn(T, K, 3, dtype=torch.float64, requires_grad=True)
+    coef = torch.rand(T, K, dtype=torch.float64)
+    coef[2, 1:] = 0  # skipped slots: id clamped to 0, no weight
+    coef.requires_grad_(True)
+    ours = f.project_out_sum(u, ids, coef)
+    pairs = (f.project_out(u, ids) * coef.unsqueeze(-1)).sum(1)
+    torch.testing.assert_close(ours, pairs, rtol=1e-12, atol=1e-12)
+    g = torch.randn_like(ours)
+    a = torch.autograd.grad(ours, (u, coef, f.lora_B.weight), g)
+    b = torch.autograd.grad(pairs, (u, coef, f.lora_B.weight), g)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
+    torch.autograd.gradcheck(lambda u_, c_: f.project_out_sum(u_, ids, c_), (u, coef))
+
+
+def test_expert_lora_forward_bf16_deltas_match_fp32(monkeypatch, one_thread):
+    """bf16 hidden states: the deltas cross (and their gradient returns) in bf16; output and gradients (hidden,
+    routing weights, adapters) within bf16 tolerance of the same module on fp32 hidden states (fp32 deltas, the
+    decoded exact path)."""
+    experts = _builtin_experts("cpu", torch.float32)
+    E, H = experts.kt_lora.gate_up_proj.num_experts, experts.kt_w2.shape[1] * 16
+    seen = []
+    real = ktorch.ops.host_transfer.host_copies
+    monkeypatch.setattr(ktorch.ops.host_transfer, "host_copies",
+                        lambda ts: seen.append([t.dtype for t in ts]) or real(ts))
+    ids, w = _routing(12, E, 4, "cpu", seed=5)
+    x = torch.randn(12, H, generator=torch.Generator().manual_seed(6))
+    params = list(experts.kt_lora.parameters())
+    results = []
+    for dtype in (torch.float32, torch.bfloat16):
+        seen.clear()
+        xd = x.to(dtype).requires_grad_(True)
+        wd = w.to(dtype).requires_grad_(True)
+        out = ktorch.lora.expert_lora_forward(experts, xd, ids, wd)
+        assert out.dtype == dtype
+        assert seen[0][-1] == dtype  # the deltas cross in hidden's dtype
+        go = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(dtype)
+        grads = torch.autograd.grad(out, [xd, wd] + params, go)
+        assert seen[-1] == [dtype, dtype]  # d out and d h return to the CPU in hidden's dtype
+        results.append([out.float()] + [gr.float() for gr in grads])
+    names = ["out", "d hidden", "d weights", "gate_up A", "gate_up B", "down A", "down B"]
+    for name, a, b in zip(names, *results):
+        err = (b - a).norm() / a.norm()
+        assert err < 2e-2, (name, err.item())
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the pinned host<->GPU crossings need a CUDA device")
+
+
+@cuda
+def test_expert_lora_forward_on_cuda_equals_plain_copies(monkeypatch):
+    """The pinned, non-blocking crossings change nothing but the copies: output and every gradient bit for bit
+    equal to the same function with plain (pageable, blocking) .to() copies, bf16 and fp32 hidden states."""
+    experts = _builtin_experts("cuda", torch.bfloat16)
+    E, H = experts.kt_lora.gate_up_proj.num_experts, experts.kt_w2.shape[1] * 16
+    params = list(experts.kt_lora.parameters())
+    ids, w = _routing(64, E, 4, "cuda", seed=8)
+
+    def run(dtype):
+        x = torch.randn(64, H, generator=torch.Generator().manual_seed(9)).to("cuda", dtype).requires_grad_(True)
+        wd = w.to(dtype).requires_grad_(True)
+        out = ktorch.lora.expert_lora_forward(experts, x, ids, wd)
+        go = torch.randn(out.shape, generator=torch.Generator().manual_seed(10)).to("cuda", dtype)
+        return [out] + list(torch.autograd.grad(out, [x, wd] + params, go))
+
+    for dtype in (torch.bfloat16, torch.float32):
+        ours = run(dtype)
+        with monkeypatch.context() as m:
+            m.setattr(ktorch.ops.host_transfer, "host_copies", lambda ts: [t.to("cpu") for t in ts])
+            m.setattr(ktorch.ops.host_transfer, "device_copy", lambda t, device: t.to(device))
+            plain = run(dtype)
+        for a, b in zip(ours, plain):
+            assert a.device.type == "cuda" and torch.equal(a, b)

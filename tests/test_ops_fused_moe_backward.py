@@ -588,6 +588,75 @@ def test_autograd_through_the_packed_delta_forward(fmt):
         assert err < tol, f"{fmt} d {name}: relative error {err:.4g}"
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_delta_autograd_with_unused_outputs(fmt):
+    """kt.fused_moe_delta's autograd makes no zero gradients for outputs nothing differentiated (gate_up always, h
+    or out when unused): the gradients are those of the same loss with a zero term on them, bit for bit."""
+    E, K, H, I, T = 6, 3, 96, 64, 21
+    packed, ids, weights, hidden, delta = _delta_case(E, H, I, T, K, fmt, delta_scale=0.3)
+    grad_out, grad_h = torch.randn(T, H).to(hidden.dtype), torch.randn(T, K, I).to(hidden.dtype)
+
+    def grads(use_out: bool, use_h: bool, zero_terms: bool):
+        x, w, d = (t.clone().requires_grad_() for t in (hidden, weights, delta))
+        out, h, _ = torch.ops.kt.fused_moe_delta(x, ids, w, *packed.tensors(), d, "silu")
+        loss = (out.float() * grad_out.float()).sum() if use_out else (out.float() * 0).sum() if zero_terms else 0
+        loss = loss + ((h.float() * grad_h.float()).sum() if use_h else (h.float() * 0).sum() if zero_terms else 0)
+        return torch.autograd.grad(loss, (x, w, d))
+
+    for use_out, use_h in ((True, False), (False, True)):
+        for a, b in zip(grads(use_out, use_h, False), grads(use_out, use_h, True)):
+            assert torch.equal(a, b), (fmt, use_out, use_h)
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Shapes(TorchDispatchMode):  # every tensor the backward makes
+        def __init__(self):
+            super().__init__()
+            self.made = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.made += [(str(func), tuple(o.shape)) for o in (out if isinstance(out, (tuple, list)) else (out,))
+                          if isinstance(o, torch.Tensor)]
+            return out
+
+    x = hidden.clone().requires_grad_()
+    out, h, _ = torch.ops.kt.fused_moe_delta(x, ids, weights, *packed.tensors(), delta, "silu")
+    loss = (out.float() * grad_out.float()).sum()
+    with Shapes() as mode:
+        loss.backward()
+    # only the op itself makes pair-sized tensors (its d delta); no zeros for gate_up or h
+    assert not [m for m in mode.made if m[1] in ((T, K, 2 * I), (T, K, I)) and "fused_moe_backward" not in m[0]], mode.made
+
+
+@pytest.mark.parametrize("hidden_dtype", [torch.bfloat16, torch.float32])
+def test_delta_autograd_keeps_no_hidden_or_deltas(hidden_dtype):
+    """kt.fused_moe_delta's autograd saves the pre-activations, and for hidden and the deltas (whose values its
+    backward does not read) stride-0 stand-ins: no memory kept; the gradients are unchanged (the backward with the
+    real tensors, called directly)."""
+    E, K, H, I, T = 6, 3, 96, 64, 21
+    packed, ids, weights, hidden, delta = _delta_case(E, H, I, T, K, "int8", delta_scale=0.3)
+    hidden, delta = hidden.to(hidden_dtype), delta.to(hidden_dtype)
+    x, w, d = (t.clone().requires_grad_() for t in (hidden, weights, delta))
+    packs = []
+
+    def pack(t):
+        packs.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out, h, gu = torch.ops.kt.fused_moe_delta(x, ids, w, *packed.tensors(), d, "silu")
+    for shape in (tuple(hidden.shape), tuple(delta.shape)):
+        kept = [t for t in packs if tuple(t.shape) == shape and t.dtype == hidden_dtype]
+        assert kept and all(t.stride() == (0,) * len(shape) for t in kept if t.data_ptr() != gu.data_ptr()), shape
+    grad_out, grad_h = torch.randn(T, H).to(hidden_dtype), torch.randn(T, K, I).to(hidden_dtype)
+    got = torch.autograd.grad((out, h), (x, w, d), (grad_out, grad_h))
+    want = torch.ops.kt.fused_moe_backward(grad_out, hidden, ids, weights, *packed.tensors(), "silu", delta, grad_h,
+                                           None, None, gu.detach())
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
 def test_packed_delta_forward_errors_and_opcheck():
     packed = _packed(4, 32, 32, "int8")
     ids, weights = _routing(6, 2, 4, "skips")

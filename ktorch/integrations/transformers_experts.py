@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from ktorch.ops.moe import PackedExperts, pack_experts
+from ktorch.ops.host_transfer import to_device, to_host
 
 IMPLEMENTATION_NAME = "ktorch"
 _BUFFERS = ("kt_w13", "kt_w13_scales", "kt_w2", "kt_w2_scales")
@@ -410,8 +411,8 @@ def _needs_grad(self: nn.Module, hidden_states: torch.Tensor, top_k_weights: tor
 
 
 def _run_differentiable(self: nn.Module, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
-    """A differentiable call (ktorch/ops/moe_autograd.py): plain copies to the CPU and back, which autograd
-    follows, instead of the runtime's pinned submit/wait; a module with adapters (``kt_lora``) always comes here,
+    """A differentiable call (ktorch/ops/moe_autograd.py): differentiable copies to the CPU and back
+    (ktorch/ops/host_transfer.py: pinned, one wait a direction) instead of the runtime's submit/wait; a module with adapters (``kt_lora``) always comes here,
     with or without grad, and runs ``ktorch.lora.expert_lora_forward``. Expert deferral and prefill streaming have
     no backward and are refused."""
     if getattr(self, "kt_deferral", None) is not None:
@@ -429,11 +430,11 @@ def _run_differentiable(self: nn.Module, hidden_states, top_k_index, top_k_weigh
     gpu_work = None
     if getattr(self, "kt_gpu_slot_of", None) is not None:
         top_k_index, gpu_work = _split_gpu_experts(self, hidden_states, top_k_index, top_k_weights)
-    device = hidden_states.device
-    cpu = torch.device("cpu")
-    out = torch.ops.kt.fused_moe(hidden_states.to(cpu), top_k_index.to(cpu), top_k_weights.to(cpu), self.kt_w13,
-                                 self.kt_w13_scales, self.kt_w2, self.kt_w2_scales, self.kt_activation,
-                                 getattr(self, "kt_w13_bias", None), getattr(self, "kt_w2_bias", None)).to(device)
+    hidden_c, ids_c, weights_c = to_host(hidden_states, top_k_index, top_k_weights)
+    out = torch.ops.kt.fused_moe(hidden_c, ids_c, weights_c, self.kt_w13, self.kt_w13_scales, self.kt_w2,
+                                 self.kt_w2_scales, self.kt_activation, getattr(self, "kt_w13_bias", None),
+                                 getattr(self, "kt_w2_bias", None))
+    (out,) = to_device(hidden_states.device, out)
     return out if gpu_work is None else out + gpu_work()
 
 

@@ -14,7 +14,8 @@ products run through ATen's matmuls. Memory: for ``kt.fused_moe`` autograd keeps
 pre-activations from hidden (one more x W13^T product per pair: 3 per pair, the forward 2). ``kt.fused_moe_delta``
 (expert LoRA) also returns those pre-activations, [T, K, 2I] in hidden's dtype (48 MiB a layer for Qwen3-30B-A3B at
 T = 2048 in bf16; with the decoder layers checkpointed one layer's at a time, 2.4 GiB for 48 layers without), and
-its autograd saves them for the backward, which then skips that product (2 products per pair). With int8/int4
+its autograd saves them for the backward (and, in place of hidden and the deltas, whose values that backward
+does not read, stride-0 stand-ins), which then skips that product (2 products per pair). With int8/int4
 weights the forward also rounds the activations to int8; the backward is the gradient of the dequantized-weights
 function with float activations (straight through that rounding), at the forward's own pre-activations when saved.
 
@@ -116,14 +117,25 @@ def _fused_moe_backward(ctx, grad_out):
 torch.library.register_autograd("kt::fused_moe", _fused_moe_backward, setup_context=_setup_fused_moe)
 
 
+def _shape_of(t: torch.Tensor) -> torch.Tensor:
+    """A stand-in for ``t`` with its shape and dtype and no memory: one zero expanded (strides 0)."""
+    return t.new_zeros(()).expand(t.shape)
+
+
 def _setup_fused_moe_delta(ctx, inputs, output):
     hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales, gate_up_delta, activation, w13_bias, w2_bias = inputs
     _frozen_check(ctx, (w13, w13_scales, w2, w2_scales, w13_bias, w2_bias))
     ctx.activation = activation
     gate_up = output[2]  # the pre-activations: read by the backward, not differentiated
     ctx.mark_non_differentiable(gate_up)
-    ctx.save_for_backward(hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales, gate_up_delta, w13_bias,
-                          w2_bias, gate_up)
+    # no zero gradients made for the outputs nothing differentiated: gate_up's would be [T, K, 2I] zeros a call (50 MB
+    # at Qwen3-30B-A3B's T = 2048 in bf16), written and never read; a missing d h is no d h for the op
+    ctx.set_materialize_grads(False)
+    # the backward reads the saved pre-activations, not hidden's or the deltas' values (only their shapes and dtypes:
+    # d hidden's and d delta's): stride-0 stand-ins keep no memory alive (under expert LoRA they are the pinned copies
+    # from the GPU, 58 MB a layer at Qwen3-30B-A3B's T = 2048 in bf16, every layer's without checkpointing)
+    ctx.save_for_backward(_shape_of(hidden), topk_ids, topk_weights, w13, w13_scales, w2, w2_scales,
+                          _shape_of(gate_up_delta), w13_bias, w2_bias, gate_up)
 
 
 def _fused_moe_delta_backward(ctx, grad_out, grad_h, _grad_gate_up):
