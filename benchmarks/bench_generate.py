@@ -360,7 +360,7 @@ def breakdown(args) -> None:
             torch.cuda.empty_cache()
 
 
-PREFILL_VARIANTS = ("default", "sync-per-layer", "compiled", "compiled-dynamic")
+PREFILL_VARIANTS = ("default", "sync-per-layer")
 _SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
@@ -382,25 +382,23 @@ def prefill_profile(args) -> None:
     --ktorch-args set, one process loads the model as ``ktorch generate`` does, then alternates --prefill-variants
     for --prefill-profile rounds over the --prompts lengths, timing ``Decoder.prefill`` + reading the first token (no
     hooks, no syncs but the prefill's own). Variants: ``default`` (what generate runs); ``sync-per-layer`` (the split's
-    counts copied to the host at every MoE layer, as before commit 66e74df, whatever the placement);
-    ``compiled`` (the prefill through ``compiled_layers``, compiled per prompt length); ``compiled-dynamic`` (the
-    same with the token dimension dynamic: one compile for all lengths). Run 0 of a compiled variant includes its
-    compile. Then one profiled prefill per variant and length: wall, GPU busy time (the union of kernels and copies),
-    kernels launched, synchronizing CUDA calls the host made."""
+    counts copied to the host at every MoE layer, as before commit 66e74df, whatever the placement).
+    (A prefill through the compiled layers with dynamic shapes lost to ``default``, session 33 on an H200 host:
+    104.9 / 107.3 ms warm at P=512 / 2048 against 86.6 / 94.4, after an 11.5 s compile; deleted.) Then one
+    profiled prefill per variant and length: wall, GPU busy time (the union of kernels and copies), kernels
+    launched, synchronizing CUDA calls the host made."""
     import statistics
 
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from ktorch.cli import build_parser, load_model
-    from ktorch.generation import Sampling, _decoder_for, compiled_layers
+    from ktorch.generation import Sampling, _decoder_for
     from ktorch.ops.routed_experts import RoutedExperts
 
     def context(variant, decoder):
         import contextlib
 
-        if variant.startswith("compiled"):
-            return compiled_layers(decoder.model, decoder.cache, dynamic_tokens=variant == "compiled-dynamic")
         if variant == "sync-per-layer":
             stack = contextlib.ExitStack()
             original = RoutedExperts.copies_possible
@@ -518,7 +516,7 @@ def main(argv=None) -> None:
                    "the --prompts lengths (warm prefill times), then profiles one prefill of each: GPU busy time against "
                    "wall, kernels, launches and synchronizing calls (host-bound or GPU-bound)")
     p.add_argument("--prefill-variants", nargs="+", default=["default", "sync-per-layer"], choices=PREFILL_VARIANTS,
-                   help="--prefill-profile: the variants alternated (compiled ones compile in their first round)")
+                   help="--prefill-profile: the variants alternated")
     args = p.parse_args(argv)
     if args.prefill_profile:
         return prefill_profile(args)

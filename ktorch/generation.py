@@ -270,17 +270,13 @@ class Decoder:
             self._step()
 
 
-_COMPILED_FORWARDS: dict = {}  # (module class, dynamic tokens) -> its forward compiled by Inductor (shapes guarded inside)
+_COMPILED_FORWARDS: dict = {}  # module class -> its forward compiled by Inductor (one per class, shapes guarded inside)
 
 
-def _compiled_forward(cls: type, dynamic_tokens: bool = False):
-    key = (cls, dynamic_tokens)
-    if key not in _COMPILED_FORWARDS:
-        # dynamic_tokens: every dimension symbolic (dynamic=True), not only the layer's inputs' token dimension marked:
-        # the graphs Dynamo resumes after a hole (the cache's update, the experts) take the query and hidden states
-        # as new frames' inputs, which marks on the layer's inputs do not reach (they compiled again at a 2nd length)
-        _COMPILED_FORWARDS[key] = torch.compile(cls.forward, dynamic=True if dynamic_tokens else False)
-    return _COMPILED_FORWARDS[key]
+def _compiled_forward(cls: type):
+    if cls not in _COMPILED_FORWARDS:
+        _COMPILED_FORWARDS[cls] = torch.compile(cls.forward, dynamic=False)
+    return _COMPILED_FORWARDS[cls]
 
 
 _PRELOAD: Optional[threading.Thread] = None
@@ -334,7 +330,7 @@ def _eager_attention_name(implementation: str) -> str:
 
 
 @contextlib.contextmanager
-def compiled_layers(model: nn.Module, cache, eager_attention: bool = False, dynamic_tokens: bool = False) -> None:
+def compiled_layers(model: nn.Module, cache, eager_attention: bool = False) -> None:
     """Regional compilation of the decode step: while the context is open, each decoder layer runs an
     Inductor-compiled forward that all layers of one class share (compiled once, on the first layer: the layers are
     the same code with other weights, which Dynamo passes as inputs), with two holes that stay eager: the KV cache's
@@ -355,11 +351,7 @@ def compiled_layers(model: nn.Module, cache, eager_attention: bool = False, dyna
     reads) varies from graph to graph while the tokens take a few buckets, and only the attention computes with it,
     so the layers compile once per token bucket, not once per (tokens, reads) pair (the caller marks the reads'
     dimension of the layers' own inputs, the mask and the read indices, dynamic too: serve's
-    ``_mark_reads_dynamic``).
-
-    ``dynamic_tokens`` (an experiment, ``bench_generate.py --prefill-profile``'s ``compiled-dynamic`` variant: a
-    prefill through the compiled layers): the layers compile with dynamic shapes, so one compile
-    serves every prompt length longer than 1; its compiled forwards are kept apart from the decode step's."""
+    ``_mark_reads_dynamic``)."""
     from ktorch.placement import experts_modules
 
     layers = decoder_layers(model)
@@ -389,7 +381,7 @@ def compiled_layers(model: nn.Module, cache, eager_attention: bool = False, dyna
         for m in attentions:
             m.layer_idx = torch.tensor(m.layer_idx)
         for m in layers + norms:
-            m.forward = types.MethodType(_compiled_forward(type(m), dynamic_tokens), m)
+            m.forward = types.MethodType(_compiled_forward(type(m)), m)
         if attention != implementation:
             model.config._attn_implementation = attention
         with torch._dynamo.config.patch(cache_size_limit=max(16, torch._dynamo.config.cache_size_limit)):
@@ -548,6 +540,7 @@ def _warm_resident_tiles(model: nn.Module) -> int:
     """The grouped prefill kernels' other tiles on the residents' formats (``triton_prefill.warm_tiles``: the
     warm-up prefill compiles the tile of its own length only), once per distinct format; returns the launches."""
     from ktorch.ops.resident_rows import RowExperts
+    from ktorch.ops.triton_prefill import warm_tiles
 
     seen, launched = set(), 0
     dtype = model.get_input_embeddings().weight.dtype  # the activations' dtype
@@ -555,13 +548,11 @@ def _warm_resident_tiles(model: nn.Module) -> int:
         rows = getattr(m, "kt_gpu_packed", None)
         if not isinstance(rows, RowExperts) or not rows.w13.is_cuda:
             continue
-        key = (tuple((t.dtype, tuple(t.shape[1:])) for t in rows), getattr(m, "kt_activation", "silu"), dtype)
-        if key in seen:
-            continue
-        seen.add(key)
-        from ktorch.ops.triton_prefill import warm_tiles
-
-        launched += warm_tiles(rows, key[1], dtype)
+        activation = getattr(m, "kt_activation", "silu")
+        key = (tuple((t.dtype, tuple(t.shape[1:])) for t in rows), activation)
+        if key not in seen:
+            seen.add(key)
+            launched += warm_tiles(rows, activation, dtype)
     return launched
 
 

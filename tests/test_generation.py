@@ -382,33 +382,3 @@ def test_prefill_attention_skips_cudnn_and_restores():
             raise RuntimeError("inside")
     assert cb.cudnn_sdp_enabled() == before[0]
 
-
-def test_compiled_layers_with_dynamic_tokens_prefill_any_length_from_one_compile():
-    """compiled_layers(dynamic_tokens=True) (bench_generate's compiled-dynamic prefill experiment): prefills of two
-    prompt lengths through the compiled layers give the eager prefill's logits (to float32 rounding) and the second
-    length compiles no new graph."""
-    from torch._dynamo.utils import counters
-
-    from ktorch.generation import Decoder, compiled_layers
-
-    model = _prepared("qwen3_moe", num_hidden_layers=2)
-    decoder = Decoder(model, 64, torch.device("cpu"), Sampling(), cuda_graphs=False)
-    prompts = [torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
-               for n in (17, 40)]
-
-    def logits(ids):
-        decoder.cache.reset()
-        positions = torch.arange(ids.shape[1])
-        return decoder._forward(ids, positions)
-
-    with torch.inference_mode():
-        eager = [logits(ids) for ids in prompts]
-        torch._dynamo.reset()
-        counters.clear()
-        with compiled_layers(model, decoder.cache, dynamic_tokens=True):
-            first = logits(prompts[0])
-            graphs = counters["stats"]["unique_graphs"]
-            second = logits(prompts[1])
-    assert graphs > 0 and counters["stats"]["unique_graphs"] == graphs, dict(counters["stats"])
-    for got, want in zip((first, second), eager):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -34,8 +34,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ktorch.ops.moe import PackedExperts, pack_experts
 from ktorch.ops.host_transfer import to_device, to_host
+from ktorch.ops.moe import PackedExperts, pack_experts
 
 IMPLEMENTATION_NAME = "ktorch"
 _BUFFERS = ("kt_w13", "kt_w13_scales", "kt_w2", "kt_w2_scales")
@@ -412,9 +412,9 @@ def _needs_grad(self: nn.Module, hidden_states: torch.Tensor, top_k_weights: tor
 
 def _run_differentiable(self: nn.Module, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
     """A differentiable call (ktorch/ops/moe_autograd.py): differentiable copies to the CPU and back
-    (ktorch/ops/host_transfer.py: pinned, one wait a direction) instead of the runtime's submit/wait; a module with adapters (``kt_lora``) always comes here,
-    with or without grad, and runs ``ktorch.lora.expert_lora_forward``. Expert deferral and prefill streaming have
-    no backward and are refused."""
+    (ktorch/ops/host_transfer.py: pinned, one wait a direction) instead of the runtime's submit/wait; a module with
+    adapters (``kt_lora``) always comes here, with or without grad, and runs ``ktorch.lora.expert_lora_forward``.
+    Expert deferral and prefill streaming have no backward and are refused."""
     if getattr(self, "kt_deferral", None) is not None:
         raise RuntimeError(f"ktorch experts: {type(self).__name__} defers experts, which has no backward; "
                            "set_deferred_experts(model, 0) before training")
