@@ -130,9 +130,9 @@ def run_generate(gguf: str, prompt_tokens: int, gen: int, extra: list[str], time
 
 
 AB_VARIANTS = ("default", "eager layers", "host-function handoff", "two host functions", "sdpa attention", "aten route",
-               "aten router", "aten kv write")
+               "aten router", "aten kv write", "separate qkv")
 # --profile-steps profiles the default's step and these where they are among --ab-variants
-PROFILED_VARIANTS = ("default", "host-function handoff", "aten router", "aten kv write")
+PROFILED_VARIANTS = ("default", "host-function handoff", "aten router", "aten kv write", "separate qkv")
 
 
 def ab_compile(args) -> None:
@@ -144,7 +144,8 @@ def ab_compile(args) -> None:
     --deferred ("sdpa attention": transformers' SDPA over the whole cache instead of ktorch/decode_attention.py's
     flex attention; "aten route": the resident split's ATen ops instead of its Triton kernel; "aten router": the
     routers' softmax, ATen topk and renormalization instead of ktorch::router_topk; "aten kv write": transformers'
-    StaticLayer.update (index_copy_) instead of the one-launch KV write); then a profile of --profile-steps replays
+    StaticLayer.update (index_copy_) instead of the one-launch KV write; "separate qkv": the attention's three
+    projections as three products instead of one over their fused weight); then a profile of --profile-steps replays
     of the default's graph and of those of PROFILED_VARIANTS among --ab-variants: GPU kernel time and kernel count
     per step (torch.profiler), the CPU experts' time per step (the native host tasks' timeline) and the step's wall
     time."""
@@ -161,13 +162,14 @@ def ab_compile(args) -> None:
     ids = prompt_ids(args.prompts[0])
 
     from ktorch import decode_attention
-    from ktorch.integrations import transformers_cache, transformers_routers
+    from ktorch.integrations import fused_qkv, transformers_cache, transformers_routers
     from ktorch.ops import triton_experts
 
     compiled = generation.compiled_layers
     submit = ExpertsRuntime._submit
     flex_applies, route_applies = decode_attention.applies, triton_experts.route_applies
     routers_swapped, cache_swapped = transformers_routers.swapped, transformers_cache.swapped
+    qkv_swapped = fused_qkv.swapped
     results: dict = {}
 
     def set_variant(variant: str) -> None:
@@ -185,6 +187,8 @@ def ab_compile(args) -> None:
             else routers_swapped
         transformers_cache.swapped = (lambda cache: contextlib.nullcontext([])) if variant == "aten kv write" \
             else cache_swapped
+        # compiled_layers looks it up in its module: the q/k/v projections keep their own forwards
+        fused_qkv.swapped = (lambda model: contextlib.nullcontext([])) if variant == "separate qkv" else qkv_swapped
         RUNTIME.gpu_handoff = variant not in ("host-function handoff", "two host functions")  # read at capture
 
     for d in args.deferred:

@@ -275,7 +275,11 @@ _COMPILED_FORWARDS: dict = {}  # module class -> its forward compiled by Inducto
 
 def _compiled_forward(cls: type):
     if cls not in _COMPILED_FORWARDS:
-        _COMPILED_FORWARDS[cls] = torch.compile(cls.forward, dynamic=False)
+        from ktorch.passes import cse
+
+        # the q/k/v projections' three products of one weight (fused_qkv, below) become one: ktorch/passes/cse.py
+        _COMPILED_FORWARDS[cls] = torch.compile(cls.forward, dynamic=False,
+                                                options={"post_grad_custom_pre_pass": cse.PASS})
     return _COMPILED_FORWARDS[cls]
 
 
@@ -352,6 +356,7 @@ def compiled_layers(model: nn.Module, cache, eager_attention: bool = False) -> N
     so the layers compile once per token bucket, not once per (tokens, reads) pair (the caller marks the reads'
     dimension of the layers' own inputs, the mask and the read indices, dynamic too: serve's
     ``_mark_reads_dynamic``)."""
+    from ktorch.integrations import fused_qkv
     from ktorch.placement import experts_modules
 
     layers = decoder_layers(model)
@@ -384,7 +389,8 @@ def compiled_layers(model: nn.Module, cache, eager_attention: bool = False) -> N
             m.forward = types.MethodType(_compiled_forward(type(m)), m)
         if attention != implementation:
             model.config._attn_implementation = attention
-        with torch._dynamo.config.patch(cache_size_limit=max(16, torch._dynamo.config.cache_size_limit)):
+        with torch._dynamo.config.patch(cache_size_limit=max(16, torch._dynamo.config.cache_size_limit)), \
+                fused_qkv.swapped(model):
             yield
     finally:
         if model.config._attn_implementation != implementation:

@@ -1,0 +1,123 @@
+"""One projection for an attention's queries, keys and values in the compiled decode step.
+
+transformers' attention modules (Qwen2/3-MoE, Mixtral, OLMoE, Llama, ...) project the same hidden states three
+times, ``q_proj(x)``, ``k_proj(x)``, ``v_proj(x)``: three matrix-vector products a layer in a decode step, of
+which the two small ones (512 columns on the Qwen3-30B-A3B shape) cost as much as the large one (device, H200 host,
+48 layers, every expert resident: 5.5 + 5.4 + 6.6 us a layer of a 4.27 ms step, cuBLAS's tiles for one row).
+
+``fuse_weights(model)`` lays each such module's three weights (and biases) end to end in one tensor and makes the
+three ``nn.Linear`` weights views of it: the same memory, the same values, the same modules (prefill, state dicts
+and everything else see nothing new). ``swapped(model)``, opened by ``compiled_layers`` around the decode step's
+capture, gives each of the three a forward ``linear(x, W_qkv)[..., a:b]``; the three products of one weight then
+are one node in Inductor's graph (ktorch/passes/cse.py) and one launch in the step.
+
+Which modules: an attention module (class name ending in ``Attention``) whose ``q_proj``, ``k_proj`` and ``v_proj``
+are exactly ``nn.Linear`` (a peft or quantized wrapper is left alone) of the same input size, dtype and device,
+all with biases or none, no weight requiring grad (a trainable model keeps its own). The swapped forward is the
+layer's own product on whatever tensor it is given, sliced to its own rows, so it is right for any attention
+forward (one that projects other tensors, e.g. cross attention, simply keeps three products); only the rounding of
+a product may differ (cuBLAS picks its tile by the width). A ``model.to(...)`` that copies the views apart is seen
+(the views no longer sit in the fused tensor) and the weights are fused again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+NAMES = ("q_proj", "k_proj", "v_proj")
+_FUSED = "_kt_qkv"  # module attribute: (weight [Nq + Nk + Nv, H], bias or None, the three row ranges)
+
+
+def _projections(m: nn.Module) -> Optional[list]:
+    """The module's q/k/v ``nn.Linear`` layers where they can share one weight, else None."""
+    if not type(m).__name__.endswith("Attention"):
+        return None
+    projs = [getattr(m, n, None) for n in NAMES]
+    if any(type(p) is not nn.Linear for p in projs):
+        return None
+    w = [p.weight for p in projs]
+    if any(t.requires_grad for t in w) or len({(t.shape[1], t.dtype, t.device) for t in w}) != 1:
+        return None
+    biases = [p.bias for p in projs]
+    if any(b is not None for b in biases) and (any(b is None or b.requires_grad for b in biases)
+                                                or len({b.dtype for b in biases}) != 1):
+        return None
+    return projs
+
+
+def _fused(m: nn.Module, projs: list) -> bool:
+    """Whether the module's three weights (and biases) are still the views ``fuse_weights`` made."""
+    state = m.__dict__.get(_FUSED)
+    if state is None:
+        return False
+    weight, bias, ranges = state
+    for p, (a, b) in zip(projs, ranges):
+        if p.weight.data_ptr() != weight[a:b].data_ptr() or p.weight.shape != weight[a:b].shape:
+            return False
+        if bias is not None and (p.bias is None or p.bias.data_ptr() != bias[a:b].data_ptr()):
+            return False
+    return True
+
+
+def fuse_weights(model: nn.Module) -> list:
+    """Fuses the q/k/v weights of every attention module that takes it (see the module's docstring); returns those
+    modules. Idempotent; memory-neutral after each module (its three weights are freed as the fused one takes
+    their place)."""
+    modules = []
+    for m in model.modules():
+        projs = _projections(m)
+        if projs is None:
+            continue
+        if not _fused(m, projs):
+            with torch.no_grad():
+                weight = torch.cat([p.weight for p in projs])
+                has_bias = projs[0].bias is not None
+                bias = torch.cat([p.bias for p in projs]) if has_bias else None
+                ranges, start = [], 0
+                for p in projs:
+                    a, start = start, start + p.weight.shape[0]
+                    ranges.append((a, start))
+                    p.weight = nn.Parameter(weight[a:start], requires_grad=False)
+                    if has_bias:
+                        p.bias = nn.Parameter(bias[a:start], requires_grad=False)
+            m.__dict__[_FUSED] = (weight, bias, tuple(ranges))
+        modules.append(m)
+    return modules
+
+
+def _fused_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    # the three projections' products of one weight: Inductor's graph keeps one (ktorch/passes/cse.py)
+    return F.linear(x, self.kt_qkv_weight, self.kt_qkv_bias)[..., self.kt_qkv_start:self.kt_qkv_end]
+
+
+@contextlib.contextmanager
+def swapped(model: nn.Module):
+    """Fuses the model's q/k/v weights (``fuse_weights``) and, while open, runs each fused module's q/k/v layers
+    on ``_fused_forward`` (the fused weight and bias as buffers, so that Dynamo takes them as the compiled layer's
+    inputs: one compile for every layer); gives the fused attention modules."""
+    touched = []
+    modules = fuse_weights(model)
+    try:
+        for m in modules:
+            weight, bias, ranges = m.__dict__[_FUSED]
+            for name, (a, b) in zip(NAMES, ranges):
+                p = getattr(m, name)
+                touched.append(p)
+                p.register_buffer("kt_qkv_weight", weight, persistent=False)
+                p.register_buffer("kt_qkv_bias", bias, persistent=False)
+                p.kt_qkv_start, p.kt_qkv_end = a, b
+                p.forward = types.MethodType(_fused_forward, p)
+        yield modules
+    finally:
+        for p in touched:
+            p.__dict__.pop("forward", None)
+            p._buffers.pop("kt_qkv_weight", None)
+            p._buffers.pop("kt_qkv_bias", None)
+            for attr in ("kt_qkv_start", "kt_qkv_end"):
+                p.__dict__.pop(attr, None)
