@@ -327,7 +327,7 @@ def load_model(args: argparse.Namespace, warm_up: bool = True, reserve_for=None)
                                            group_size=args.group_size, dtype=None if dtype == "auto" else dtype,
                                            progress=sys.stderr.isatty(), gpu_memory="off",
                                            warm_up=False)  # placement and warm-up: below
-        except (CheckpointError, ValueError, OSError) as e:
+        except (CheckpointError, ValueError, OSError, ImportError) as e:  # ImportError: e.g. gguf not installed
             raise CLIError(f"--model {args.model}: {e}") from None
         top_k = getattr(model.config, "num_experts_per_tok", None)
         if top_k is not None and args.deferred_experts > top_k:

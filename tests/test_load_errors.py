@@ -64,6 +64,21 @@ def test_corrupt_gguf_header(good_gguf, tmp_path):
     assert "cannot parse it as GGUF" in message and "corrupt or truncated" in message
 
 
+def test_a_missing_gguf_package_is_named_not_called_a_corrupt_file(good_gguf, monkeypatch, capsys):
+    """Without the gguf package (a setup that skipped the dependency), a good file is not reported corrupt: the
+    error names the package to install, from Python and from the CLI."""
+    import sys
+
+    from ktorch import cli
+
+    monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf raises ImportError
+    with pytest.raises(ImportError, match="pip install gguf"):
+        ktorch.load(good_gguf, device="cpu", progress=False)
+    assert cli.main(["generate", "--model", str(good_gguf), "--device", "cpu", "--prompt", "hi"]) == 1
+    err = capsys.readouterr().err
+    assert "pip install gguf" in err and "corrupt" not in err, err
+
+
 def test_not_a_gguf_file(tmp_path):
     path = tmp_path / "model.gguf"
     path.write_bytes(b"PK\x03\x04" + bytes(100))

@@ -175,8 +175,9 @@ class GGUFSource(CheckpointSource):
     def __init__(self, path: Path):
         self.path = Path(path)
         size = self.path.stat().st_size
+        reader = _reader_class()  # outside the try: a missing gguf package is not a corrupt file
         try:
-            self.reader = _reader_class()(str(self.path))
+            self.reader = reader(str(self.path))
         except _TruncatedTensor as e:
             raise CheckpointError(self.path, f"the file ends before the tensor's data does (bytes {e.start}..{e.end} of a "
                                              f"{e.size}-byte file); truncated download?", tensor=e.name) from None
