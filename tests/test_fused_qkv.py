@@ -34,7 +34,7 @@ def test_fused_weights_are_views_of_one_tensor_with_the_same_values(bias):
     x = torch.randn(3, 32, dtype=torch.float64).float()
     ref = m[0](x)
     assert fused_qkv.fuse_weights(m) == [m[0]]
-    weight, b, ranges = m[0].__dict__[fused_qkv._FUSED]
+    weight, b, ranges = fused_qkv.fused(m[0])
     assert ranges == ((0, 48), (48, 64), (64, 80)) and weight.shape == (80, 32)
     for name, (lo, hi) in zip(fused_qkv.NAMES, ranges):
         p = getattr(m[0], name)
@@ -43,12 +43,17 @@ def test_fused_weights_are_views_of_one_tensor_with_the_same_values(bias):
     assert m.state_dict().keys() == before.keys()
     assert all(torch.equal(m.state_dict()[k], v) for k, v in before.items())
     assert torch.equal(m[0](x), ref)
-    assert fused_qkv.fuse_weights(m) == [m[0]] and m[0].__dict__[fused_qkv._FUSED][0] is weight  # idempotent
+    assert fused_qkv.fuse_weights(m) == [m[0]] and m[0].q_proj.weight.data_ptr() == weight.data_ptr()  # idempotent
     m[0].k_proj.weight = nn.Parameter(m[0].k_proj.weight.clone(), requires_grad=False)  # copied apart: fused again
+    assert fused_qkv.fused(m[0]) is None
     fused_qkv.fuse_weights(m)
-    assert m[0].__dict__[fused_qkv._FUSED][0] is not weight
-    assert m[0].k_proj.weight.data_ptr() == m[0].__dict__[fused_qkv._FUSED][0][48:].data_ptr()
+    again = fused_qkv.fused(m[0])[0]
+    assert again.untyped_storage().data_ptr() != weight.untyped_storage().data_ptr()
+    assert m[0].k_proj.weight.data_ptr() == again[48:].data_ptr()
     assert torch.equal(m[0](x), ref)
+    m.double()  # converts each weight on its own: no longer fused, nothing of the fused tensor kept
+    assert fused_qkv.fused(m[0]) is None and not [k for k in vars(m[0]) if k.startswith("_kt")]
+    torch.testing.assert_close(m[0](x.double()), ref.double(), rtol=1e-6, atol=1e-6)
 
 
 def test_swapped_forwards_give_each_projection_its_own_product_and_are_restored():
@@ -138,6 +143,5 @@ def test_compiled_decode_step_runs_one_projection_for_q_k_and_v(monkeypatch):
         assert steps(True) == eager
     assert max(removed) >= 3, removed  # the layer's graph: the input's view, the weight's transpose, the product
     attention = model.model.layers[0].self_attn
-    weight = attention.__dict__[fused_qkv._FUSED][0]
-    assert attention.q_proj.weight.data_ptr() == weight.data_ptr()
+    assert fused_qkv.fused(attention) is not None
     assert steps(False) == eager

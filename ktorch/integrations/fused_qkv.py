@@ -17,7 +17,8 @@ all with biases or none, no weight requiring grad (a trainable model keeps its o
 layer's own product on whatever tensor it is given, sliced to its own rows, so it is right for any attention
 forward (one that projects other tensors, e.g. cross attention, simply keeps three products); only the rounding of
 a product may differ (cuBLAS picks its tile by the width). A ``model.to(...)`` that copies the views apart is seen
-(the views no longer sit in the fused tensor) and the weights are fused again.
+(the three no longer lie end to end in one storage) and the weights are fused again; no reference to the fused
+tensor is kept outside the three views.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ import torch.nn.functional as F
 from torch import nn
 
 NAMES = ("q_proj", "k_proj", "v_proj")
-_FUSED = "_kt_qkv"  # module attribute: (weight [Nq + Nk + Nv, H], bias or None, the three row ranges)
 
 
 def _projections(m: nn.Module) -> Optional[list]:
@@ -51,18 +51,38 @@ def _projections(m: nn.Module) -> Optional[list]:
     return projs
 
 
-def _fused(m: nn.Module, projs: list) -> bool:
-    """Whether the module's three weights (and biases) are still the views ``fuse_weights`` made."""
-    state = m.__dict__.get(_FUSED)
-    if state is None:
-        return False
-    weight, bias, ranges = state
-    for p, (a, b) in zip(projs, ranges):
-        if p.weight.data_ptr() != weight[a:b].data_ptr() or p.weight.shape != weight[a:b].shape:
-            return False
-        if bias is not None and (p.bias is None or p.bias.data_ptr() != bias[a:b].data_ptr()):
-            return False
-    return True
+def _end_to_end(tensors: list) -> Optional[torch.Tensor]:
+    """The one tensor [sum of rows, ...] that ``tensors`` (contiguous, in order) are consecutive row blocks of,
+    as a view of their storage, else None. Nothing is kept on the module: a ``model.to(...)`` that copies the
+    blocks apart leaves no fused tensor alive, and the next ``fuse_weights`` lays them out again."""
+    first = tensors[0]
+    if any(not t.is_contiguous() or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+           for t in tensors):
+        return None
+    offset = first.storage_offset()
+    for t in tensors:
+        if t.storage_offset() != offset:
+            return None
+        offset += t.numel()
+    rows = sum(t.shape[0] for t in tensors)
+    return first.detach().as_strided((rows, *first.shape[1:]), first.stride())
+
+
+def fused(m: nn.Module) -> Optional[tuple]:
+    """(weight [Nq + Nk + Nv, H], bias or None, the three row ranges) of a module whose q/k/v layers share one
+    weight (``fuse_weights``), else None."""
+    projs = _projections(m)
+    if projs is None:
+        return None
+    weight = _end_to_end([p.weight for p in projs])
+    bias = _end_to_end([p.bias for p in projs]) if projs[0].bias is not None else None
+    if weight is None or (projs[0].bias is not None and bias is None):
+        return None
+    ranges, start = [], 0
+    for p in projs:
+        ranges.append((start, start + p.weight.shape[0]))
+        start = ranges[-1][1]
+    return weight, bias, tuple(ranges)
 
 
 def fuse_weights(model: nn.Module) -> list:
@@ -74,19 +94,16 @@ def fuse_weights(model: nn.Module) -> list:
         projs = _projections(m)
         if projs is None:
             continue
-        if not _fused(m, projs):
+        if fused(m) is None:
             with torch.no_grad():
                 weight = torch.cat([p.weight for p in projs])
-                has_bias = projs[0].bias is not None
-                bias = torch.cat([p.bias for p in projs]) if has_bias else None
-                ranges, start = [], 0
+                bias = torch.cat([p.bias for p in projs]) if projs[0].bias is not None else None
+                start = 0
                 for p in projs:
                     a, start = start, start + p.weight.shape[0]
-                    ranges.append((a, start))
                     p.weight = nn.Parameter(weight[a:start], requires_grad=False)
-                    if has_bias:
+                    if bias is not None:
                         p.bias = nn.Parameter(bias[a:start], requires_grad=False)
-            m.__dict__[_FUSED] = (weight, bias, tuple(ranges))
         modules.append(m)
     return modules
 
@@ -105,7 +122,7 @@ def swapped(model: nn.Module):
     modules = fuse_weights(model)
     try:
         for m in modules:
-            weight, bias, ranges = m.__dict__[_FUSED]
+            weight, bias, ranges = fused(m)
             for name, (a, b) in zip(NAMES, ranges):
                 p = getattr(m, name)
                 touched.append(p)
