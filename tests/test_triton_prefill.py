@@ -18,7 +18,8 @@ import ktorch
 from ktorch.ops import resident_rows, triton_experts, triton_prefill
 from ktorch.ops.gpu_experts import GATHER_MAX_TOKENS, gpu_experts_forward, packed_experts_forward
 from ktorch.ops.resident_rows import RowExperts, dequantize_rows, rows_experts_forward, rows_from_packed
-from ktorch.ops.triton_prefill import align_by_expert, grouped_applies, tile_for, triton_grouped_forward
+from ktorch.ops.triton_prefill import (align_by_expert, align_by_expert_kernel, grouped_applies, tile_for,
+                                      triton_grouped_forward)
 from models import assert_logits_match, moe_experts_modules, tiny_model
 from reference import relative_error
 from test_resident_rows import KERNEL_DEVICE, _experts, _reference
@@ -61,6 +62,29 @@ def test_align_by_expert_sorts_rows_into_padded_blocks():
         assert block_expert[b:b + nb].tolist() == [e] * nb
         b += nb
     assert (blocks[b:] == R).all() and (block_expert[b:] == n).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("n, T, K, bm, skew", [(10, 7, 3, 4, 0.0), (128, 64, 8, 32, 0.0), (128, 300, 8, 64, 1.5),
+                                               (128, 1, 8, 16, 0.0), (16, 130, 4, 32, 3.0), (256, 65, 8, 64, 0.0)])
+def test_align_kernel_gives_the_aten_alignment_bit_for_bit(n, T, K, bm, skew):
+    """The three-launch alignment (an experiment beside the ATen one) returns the same sorted rows and block
+    experts for near-uniform and skewed routing, absent slots included, any row count (partial row blocks)."""
+    g = torch.Generator().manual_seed(n * 1000 + T)
+    p = torch.arange(1, n + 1, dtype=torch.float64) ** -skew
+    slots = torch.multinomial(p.expand(T, n), K, generator=g)  # K distinct experts a token
+    slots[torch.rand(T, K, generator=g) < 0.1] = -1  # slots routed elsewhere (not resident)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    slots = slots.to(torch.int32).to(dev)
+    want = align_by_expert(slots, n, bm)
+    got = align_by_expert_kernel(slots, n, bm)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and torch.equal(a.cpu(), b.cpu())
+
+
+def test_align_kernel_refuses_bad_slots():
+    with pytest.raises(ValueError, match="int32"):
+        align_by_expert_kernel(torch.zeros(2, 3, dtype=torch.int64), 4, 16)
 
 
 GROUPED_CASES = [  # format, group, activation, T, K, H, I, tile (None: tile_for); small: the interpreter is slow

@@ -13,7 +13,9 @@ all at prefill lengths where an expert gets at most ``BLOCK_M`` rows) and no bf1
 kernels: ``gate_up`` (h in the activations' dtype, [T*K, I] by row), ``down`` (y float32 [T*K, H] by row, the
 routing weight applied), ``sum_slots`` (out). The alignment is plain torch of fixed shapes (the padded length is
 bounded by T*K + min(n, T*K) * (BLOCK_M - 1); blocks past the last expert's exit at once): no host sync, so a call
-is CUDA-graph capturable.
+is CUDA-graph capturable. ``align_by_expert_kernel`` gives the same two tensors from three Triton launches instead
+of about thirty ATen ones (the eager prefill is launch-bound: 5304 launches at 512 tokens on 48 layers); it is an
+experiment, ``bench_generate.py --prefill-profile 3 --prefill-variants default "align kernel"``, until measured.
 
 Formats: int8 codes, symmetric (w = s q) or affine (w = s q - m: Q5_K's codes 0..31 with a minimum per group),
 float32 scales [n, N, G] or [n, N, 2, G] as resident_rows holds them, for w13 and w2 each. 4-bit rows take
@@ -200,6 +202,91 @@ def align_by_expert(slots: torch.Tensor, n: int, block_m: int) -> tuple:
     blocks = torch.arange(0, capacity, block_m, device=dev)
     block_expert = torch.searchsorted(padded_end, blocks, right=True).to(torch.int32)
     return sorted_ids[:capacity], block_expert
+
+
+ALIGN_ROWS = 64  # (token, slot) rows a program of the alignment kernels' count and scatter
+ALIGN_SCAN = 16  # row blocks a step of the scan's loops
+
+
+if triton is not None:
+    @triton.jit(do_not_specialize=["R"])
+    def _align_count(slots_ptr, hist_ptr, R, N_PAD: tl.constexpr, BLOCK: tl.constexpr):
+        # hist[b, e]: the rows of block b routed to expert e (an absent slot, -1, counts nowhere)
+        b = tl.program_id(0)
+        offs = b * BLOCK + tl.arange(0, BLOCK)
+        key = tl.load(slots_ptr + offs, mask=offs < R, other=-1)
+        e = tl.arange(0, N_PAD)
+        hits = (key[:, None] == e[None, :]).to(tl.int32)
+        tl.store(hist_ptr + b * N_PAD + e, tl.sum(hits, axis=0))
+
+    @triton.jit(do_not_specialize=["R", "n_blocks", "n_out", "capacity"])
+    def _align_scan(hist_ptr, base_ptr, sorted_ptr, block_expert_ptr, R, n, n_blocks, n_out, capacity,
+                    BLOCK_M: tl.constexpr, N_PAD: tl.constexpr, SCAN: tl.constexpr, FILL: tl.constexpr):
+        # one program: each expert's padded run start, each row block's first position per expert (base[b, e]),
+        # each output block's expert, and every position first set to R (the padding rows)
+        e = tl.arange(0, N_PAD)
+        total = tl.zeros([N_PAD], dtype=tl.int32)
+        for b0 in range(0, n_blocks, SCAN):
+            rows = b0 + tl.arange(0, SCAN)
+            total += tl.sum(tl.load(hist_ptr + rows[:, None] * N_PAD + e[None, :], mask=(rows < n_blocks)[:, None],
+                                    other=0), axis=0)
+        padded = tl.where(e < n, (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+        end = tl.cumsum(padded, 0)
+        carry = end - padded
+        for b0 in range(0, n_blocks, SCAN):
+            rows = b0 + tl.arange(0, SCAN)
+            m = (rows < n_blocks)[:, None]
+            tile = tl.load(hist_ptr + rows[:, None] * N_PAD + e[None, :], mask=m, other=0)
+            tl.store(base_ptr + rows[:, None] * N_PAD + e[None, :], carry[None, :] + tl.cumsum(tile, 0) - tile, mask=m)
+            carry += tl.sum(tile, axis=0)
+        for c0 in range(0, n_out, SCAN):
+            blk = c0 + tl.arange(0, SCAN)
+            before = ((end[None, :] <= (blk * BLOCK_M)[:, None]) & (e < n)[None, :]).to(tl.int32)
+            tl.store(block_expert_ptr + blk, tl.sum(before, axis=1), mask=blk < n_out)
+        for c0 in range(0, capacity, FILL):
+            idx = c0 + tl.arange(0, FILL)
+            tl.store(sorted_ptr + idx, tl.zeros([FILL], dtype=tl.int32) + R, mask=idx < capacity)
+
+    @triton.jit(do_not_specialize=["R"])
+    def _align_scatter(slots_ptr, base_ptr, sorted_ptr, R, N_PAD: tl.constexpr, BLOCK: tl.constexpr):
+        # each routed row to its expert's run: the block's base for the expert plus the row's rank among the
+        # block's earlier rows of that expert (row order kept: a stable sort)
+        b = tl.program_id(0)
+        i = tl.arange(0, BLOCK)
+        offs = b * BLOCK + i
+        key = tl.load(slots_ptr + offs, mask=offs < R, other=-1)
+        here = key >= 0
+        earlier = (key[:, None] == key[None, :]) & (i[None, :] < i[:, None])
+        rank = tl.sum(earlier.to(tl.int32), axis=1)
+        base = tl.load(base_ptr + b * N_PAD + tl.maximum(key, 0), mask=here, other=0)
+        tl.store(sorted_ptr + base + rank, offs.to(tl.int32), mask=here)
+
+
+def align_by_expert_kernel(slots: torch.Tensor, n: int, block_m: int) -> tuple:
+    """``align_by_expert``'s result (the same two tensors, bit for bit) from three Triton launches (count per row
+    block, one program's scan, scatter) instead of about thirty ATen ones. slots int32 [T, K] on the kernels'
+    device. An experiment (``bench_generate.py --prefill-variants "align kernel"``) until measured on the device."""
+    if slots.dtype != torch.int32 or slots.dim() != 2:
+        raise ValueError(f"align_by_expert_kernel: slots must be int32 [T, K], got {slots.dtype} "
+                         f"{tuple(slots.shape)}")
+    if not triton_available():
+        raise RuntimeError("align_by_expert_kernel: Triton is not installed")
+    if not on_kernel_device(slots):
+        raise ValueError(f"align_by_expert_kernel: the kernels run on CUDA tensors, slots are on {slots.device}")
+    T, K = slots.shape
+    R = T * K
+    capacity = -(-(R + min(n, R) * (block_m - 1)) // block_m) * block_m
+    n_pad = triton.next_power_of_2(n + 1)
+    n_blocks = max(1, -(-R // ALIGN_ROWS))
+    flat = slots.contiguous().view(-1)
+    scratch = torch.empty(2, n_blocks, n_pad, dtype=torch.int32, device=slots.device)
+    sorted_ids = torch.empty(capacity, dtype=torch.int32, device=slots.device)
+    block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=slots.device)
+    _align_count[(n_blocks,)](flat, scratch[0], R, N_PAD=n_pad, BLOCK=ALIGN_ROWS)
+    _align_scan[(1,)](scratch[0], scratch[1], sorted_ids, block_expert, R, n, n_blocks, capacity // block_m,
+                      capacity, BLOCK_M=block_m, N_PAD=n_pad, SCAN=ALIGN_SCAN, FILL=1024)
+    _align_scatter[(n_blocks,)](flat, scratch[1], sorted_ids, R, N_PAD=n_pad, BLOCK=ALIGN_ROWS)
+    return sorted_ids, block_expert
 
 
 def _grouped_format(codes: torch.Tensor, scales: torch.Tensor, K: int, block_k: int) -> Optional[tuple]:
