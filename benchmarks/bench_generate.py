@@ -364,7 +364,7 @@ def breakdown(args) -> None:
             torch.cuda.empty_cache()
 
 
-PREFILL_VARIANTS = ("default", "sync-per-layer", "align kernel")
+PREFILL_VARIANTS = ("default", "sync-per-layer", "align kernel", "fused norms")
 _SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
@@ -388,7 +388,10 @@ def prefill_profile(args) -> None:
     hooks, no syncs but the prefill's own). Variants: ``default`` (what generate runs); ``sync-per-layer`` (the split's
     counts copied to the host at every MoE layer, as before commit 66e74df, whatever the placement); ``align kernel``
     (the grouped prefill's rows sorted by expert in three Triton launches, ``triton_prefill.align_by_expert_kernel``,
-    instead of ``align_by_expert``'s ~30 ATen ones: an experiment awaiting its device run).
+    instead of ``align_by_expert``'s ~30 ATen ones: an experiment awaiting its device run); ``fused norms`` (each
+    transformers RMSNorm of the standard form, ``weight`` and ``variance_epsilon``, through
+    ``torch.nn.functional.rms_norm``: one kernel where the eager form launches ~8; its values differ by rounding,
+    so its first tokens are printed beside the default's).
     (A prefill through the compiled layers with dynamic shapes lost to ``default``, session 33 on an H200 host:
     104.9 / 107.3 ms warm at P=512 / 2048 against 86.6 / 94.4, after an 11.5 s compile; deleted.) Then one
     profiled prefill per variant and length: wall, GPU busy time (the union of kernels and copies), kernels
@@ -410,6 +413,18 @@ def prefill_profile(args) -> None:
             original = RoutedExperts.copies_possible
             RoutedExperts.copies_possible = lambda self, ids: True
             stack.callback(setattr, RoutedExperts, "copies_possible", original)
+            return stack
+        if variant == "fused norms":
+            import types
+
+            stack = contextlib.ExitStack()
+            for m in decoder.model.modules():
+                if type(m).__name__.endswith("RMSNorm") and hasattr(m, "variance_epsilon") and \
+                        [n for n, _ in m.named_parameters()] == ["weight"] and "forward" not in m.__dict__:
+                    m.forward = types.MethodType(
+                        lambda self, x: torch.nn.functional.rms_norm(x, self.weight.shape, self.weight,
+                                                                     self.variance_epsilon), m)
+                    stack.callback(m.__dict__.pop, "forward", None)
             return stack
         if variant == "align kernel":  # triton_grouped_forward looks align_by_expert up in its module at each call
             from ktorch.ops import triton_prefill
@@ -472,6 +487,9 @@ def prefill_profile(args) -> None:
                         for k in top:
                             if k.device_time_total > 0:
                                 print(f"        {k.device_time_total / 1e3:8.2f} ms  x{k.count:5d}  {k.key[:80]}")
+                        calls = sorted((k for k in prof.key_averages() if k.key.startswith("aten::")),
+                                       key=lambda k: -k.count)[:12]  # where the launches come from
+                        print("        most called ATen ops: " + ", ".join(f"{k.key[6:]} {k.count}" for k in calls))
         del model, decoder
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
