@@ -56,6 +56,17 @@ def test_fused_weights_are_views_of_one_tensor_with_the_same_values(bias):
     torch.testing.assert_close(m[0](x.double()), ref.double(), rtol=1e-6, atol=1e-6)
 
 
+def test_weights_fused_under_inference_mode_stay_usable_with_autograd():
+    torch.manual_seed(2)
+    m = nn.Sequential(ToyAttention(True)).requires_grad_(False)
+    with torch.inference_mode():
+        fused_qkv.fuse_weights(m)
+    assert not any(p.is_inference() for p in m.parameters())
+    x = torch.randn(2, 32, requires_grad=True)
+    m[0](x).sum().backward()  # an inference tensor saved for backward would raise here
+    assert x.grad is not None and x.grad.shape == x.shape
+
+
 def test_swapped_forwards_give_each_projection_its_own_product_and_are_restored():
     """The swap slices the fused product of whatever tensor a projection is given: cross attention (keys and values
     of another tensor) keeps its values; the buffers and forwards are gone after."""

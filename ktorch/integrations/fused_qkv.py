@@ -95,7 +95,9 @@ def fuse_weights(model: nn.Module) -> list:
         if projs is None:
             continue
         if fused(m) is None:
-            with torch.no_grad():
+            # normal tensors even when called under inference mode (generate's): an inference tensor as a weight
+            # would break a later forward with autograd on (fine-tuning the same model)
+            with torch.inference_mode(False), torch.no_grad():
                 weight = torch.cat([p.weight for p in projs])
                 bias = torch.cat([p.bias for p in projs]) if projs[0].bias is not None else None
                 start = 0
