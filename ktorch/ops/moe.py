@@ -456,11 +456,19 @@ def pack_quantized(codes: torch.Tensor, scales: torch.Tensor, mins: Optional[tor
             return t
         return t.reshape(E, 2, N // 64, 32, t.shape[-1]).transpose(1, 2).reshape(E, N, t.shape[-1])
 
-    rows = packed_rows(codes)
     if bits == 8:
+        # one copy of 4-byte words (a word: 4 consecutive input channels, the layout's innermost run), the gate/up
+        # row interleave folded in: a copy of int8 elements through this 5-d permutation ran ~4x slower
         packed = empty_weights((E, N // 16, K // 4, 16, 4), torch.int8)
-        packed.copy_(rows.reshape(E, N // 16, 16, K // 4, 4).permute(0, 1, 3, 2, 4))
+        words = codes.to(torch.int8).contiguous().view(torch.int32)  # [E, N, K/4]
+        target = packed.view(torch.int32).view(E, N // 16, K // 4, 16)
+        if gate_up:  # source row half*N/2 + 32j + 16r + q -> packed row 64j + 32half + 16r + q
+            src = words.reshape(E, 2, N // 64, 2, 16, K // 4).permute(0, 2, 1, 3, 5, 4)
+            target.view(E, N // 64, 2, 2, K // 4, 16).copy_(src)
+        else:
+            target.copy_(words.reshape(E, N // 16, 16, K // 4).permute(0, 1, 3, 2))
     else:
+        rows = packed_rows(codes)
         u = rows if mxfp4 else rows.to(torch.int16).add(8 if mins is None else 0).to(torch.uint8)  # (mxfp4: nibbles)
         t = u.reshape(E, N // 16, 16, K // 8, 2, 4).permute(0, 1, 3, 2, 4, 5)
         packed = empty_weights((E, N // 16, K // 8, 16, 4), torch.uint8)
