@@ -332,6 +332,23 @@ def test_pack_quantized_rejects_codes_out_of_range():
         pack_quantized(codes.to(torch.int8), torch.ones(1, 16, 4), bits=8)  # groups of 8
 
 
+@pytest.mark.parametrize("gate_up", [False, True])
+def test_pack_quantized_int8_takes_unaligned_and_strided_codes(gate_up):
+    """The int8 layout is copied as 4-byte words: codes at an odd offset of their storage, transposed codes or a
+    wider integer dtype pack to the same bytes as their contiguous int8 copy."""
+    g = torch.Generator().manual_seed(3)
+    E, N, K = 2, 128, 64
+    flat = torch.randint(-128, 128, (E * N * K + 1,), dtype=torch.int8, generator=g)
+    odd = flat[1:].view(E, N, K)  # storage offset 1
+    scales = torch.rand(E, N, 2, generator=g)
+    want = pack_quantized(odd.clone(), scales, bits=8, gate_up=gate_up)
+    rows = odd.reshape(E, 2, N // 64, 32, K).transpose(1, 2).reshape(E, N, K) if gate_up else odd
+    assert torch.equal(want[0], rows.reshape(E, N // 16, 16, K // 4, 4).permute(0, 1, 3, 2, 4))  # [E, N/16, K/4, 16, 4]
+    for codes in (odd, odd.transpose(1, 2).contiguous().transpose(1, 2), odd.to(torch.int16)):
+        got = pack_quantized(codes, scales, bits=8, gate_up=gate_up)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 # ---------------------------------------------------------------- other paths that read the packed experts
 
 

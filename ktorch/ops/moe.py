@@ -460,7 +460,10 @@ def pack_quantized(codes: torch.Tensor, scales: torch.Tensor, mins: Optional[tor
         # one copy of 4-byte words (a word: 4 consecutive input channels, the layout's innermost run), the gate/up
         # row interleave folded in: a copy of int8 elements through this 5-d permutation ran ~4x slower
         packed = empty_weights((E, N // 16, K // 4, 16, 4), torch.int8)
-        words = codes.to(torch.int8).contiguous().view(torch.int32)  # [E, N, K/4]
+        c8 = codes.to(torch.int8)
+        if not c8.is_contiguous() or c8.storage_offset() % 4:  # a word view needs 4-byte aligned rows
+            c8 = c8.clone(memory_format=torch.contiguous_format)
+        words = c8.view(torch.int32)  # [E, N, K/4]
         target = packed.view(torch.int32).view(E, N // 16, K // 4, 16)
         if gate_up:  # source row half*N/2 + 32j + 16r + q -> packed row 64j + 32half + 16r + q
             src = words.reshape(E, 2, N // 64, 2, 16, K // 4).permute(0, 2, 1, 3, 5, 4)
