@@ -277,7 +277,8 @@ def _compiled_forward(cls: type):
     if cls not in _COMPILED_FORWARDS:
         from ktorch.passes import cse
 
-        # the q/k/v projections' three products of one weight (fused_qkv, below) become one: ktorch/passes/cse.py
+        # the q/k/v projections' three products of one weight (fused_qkv.swapped, which compiled_layers opens)
+        # become one: ktorch/passes/cse.py
         _COMPILED_FORWARDS[cls] = torch.compile(cls.forward, dynamic=False,
                                                 options={"post_grad_custom_pre_pass": cse.PASS})
     return _COMPILED_FORWARDS[cls]

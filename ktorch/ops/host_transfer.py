@@ -18,6 +18,8 @@ without gradient.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -74,10 +76,8 @@ class _ToHost(torch.autograd.Function):
         for g, d in zip(grads, ctx.devices):
             if g is None or not g.is_floating_point():
                 out.append(None)
-            elif d in ctx.streams:
-                with torch.cuda.stream(ctx.streams[d]):
-                    out.append(device_copy(g, d))
-            else:
+                continue
+            with torch.cuda.stream(ctx.streams[d]) if d in ctx.streams else contextlib.nullcontext():
                 out.append(device_copy(g, d))
         return tuple(out)
 
