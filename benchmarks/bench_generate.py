@@ -498,6 +498,15 @@ def prefill_profile(args) -> None:
                         launches = sum(k.count for k in prof.key_averages()
                                        if k.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
                                                     "cudaLaunchKernelExC"))
+                        if args.profile_trace and variant == args.prefill_variants[0] and P == min(args.prompts):
+                            import gzip
+
+                            path = f"{args.profile_trace}.{re.sub(r'[^A-Za-z0-9]+', '_', label)}.P{P}.json"
+                            prof.export_chrome_trace(path)
+                            with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as g:
+                                g.write(f.read())
+                            os.remove(path)
+                            print(f"[prefill {label}] trace: {path}.gz", flush=True)
                         print(f"[prefill {label}] {variant:16s} P={P} profiled: wall {1e3 * wall:.1f} ms, GPU busy "
                               f"{_busy_ms(gpu):.1f} ms, {len(gpu)} GPU kernels/copies, {launches} launches, "
                               f"{syncs} synchronizing calls", flush=True)
@@ -545,7 +554,9 @@ def main(argv=None) -> None:
                    "the captured step's decoder layers compiled (the default) and eager, per deferral in --deferred; "
                    "prints decode tok/s and capture s of each, then --profile-steps replays profiled")
     p.add_argument("--profile-steps", type=int, default=0)
-    p.add_argument("--profile-trace", default=None, help="--ab-compile: the profiled replays as a Chrome trace")
+    p.add_argument("--profile-trace", default=None, help="--ab-compile: the profiled replays as a Chrome trace; "
+                   "--prefill-profile: the first variant's profiled prefill of the shortest prompt, per --ktorch-args set, "
+                   "as PATH.<set>.P<n>.json.gz")
     p.add_argument("--ab-gpu-memory", default="auto", help="--ab-compile: the model's GPU memory option (off: every "
                    "expert on the CPU, the handoffs timed; auto, the default: every expert resident where it fits)")
     p.add_argument("--deferred", type=int, nargs="+", default=[0, 3])
