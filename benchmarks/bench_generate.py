@@ -382,7 +382,7 @@ def breakdown(args) -> None:
             torch.cuda.empty_cache()
 
 
-PREFILL_VARIANTS = ("default", "sync-per-layer", "align kernel", "fused norms")
+PREFILL_VARIANTS = ("default", "sync-per-layer")
 _SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
@@ -404,12 +404,8 @@ def prefill_profile(args) -> None:
     --ktorch-args set, one process loads the model as ``ktorch generate`` does, then alternates --prefill-variants
     for --prefill-profile rounds over the --prompts lengths, timing ``Decoder.prefill`` + reading the first token (no
     hooks, no syncs but the prefill's own). Variants: ``default`` (what generate runs); ``sync-per-layer`` (the split's
-    counts copied to the host at every MoE layer, as before commit 66e74df, whatever the placement); ``align kernel``
-    (the grouped prefill's rows sorted by expert in three Triton launches, ``triton_prefill.align_by_expert_kernel``,
-    instead of ``align_by_expert``'s ~30 ATen ones: an experiment awaiting its device run); ``fused norms`` (each
-    transformers RMSNorm of the standard form, ``weight`` and ``variance_epsilon``, through
-    ``torch.nn.functional.rms_norm``: one kernel where the eager form launches ~8; its values differ by rounding,
-    so its first tokens are printed beside the default's).
+    counts copied to the host at every MoE layer, as before commit 66e74df, whatever the placement). (Merged after
+    their runs here, session 35: the rows sorted by expert in three Triton launches, each RMSNorm one ``F.rms_norm``.)
     (A prefill through the compiled layers with dynamic shapes lost to ``default``, session 33 on an H200 host:
     104.9 / 107.3 ms warm at P=512 / 2048 against 86.6 / 94.4, after an 11.5 s compile; deleted.) Then one
     profiled prefill per variant and length: wall, GPU busy time (the union of kernels and copies), kernels
@@ -431,25 +427,6 @@ def prefill_profile(args) -> None:
             original = RoutedExperts.copies_possible
             RoutedExperts.copies_possible = lambda self, ids: True
             stack.callback(setattr, RoutedExperts, "copies_possible", original)
-            return stack
-        if variant == "fused norms":
-            import types
-
-            stack = contextlib.ExitStack()
-            for m in decoder.model.modules():
-                if type(m).__name__.endswith("RMSNorm") and hasattr(m, "variance_epsilon") and \
-                        [n for n, _ in m.named_parameters()] == ["weight"] and "forward" not in m.__dict__:
-                    m.forward = types.MethodType(
-                        lambda self, x: torch.nn.functional.rms_norm(x, self.weight.shape, self.weight,
-                                                                     self.variance_epsilon), m)
-                    stack.callback(m.__dict__.pop, "forward", None)
-            return stack
-        if variant == "align kernel":  # triton_grouped_forward looks align_by_expert up in its module at each call
-            from ktorch.ops import triton_prefill
-
-            stack = contextlib.ExitStack()
-            stack.callback(setattr, triton_prefill, "align_by_expert", triton_prefill.align_by_expert)
-            triton_prefill.align_by_expert = triton_prefill.align_by_expert_kernel
             return stack
         return contextlib.nullcontext()
 

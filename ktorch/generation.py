@@ -49,6 +49,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ktorch import decode_attention
+from ktorch.integrations import fused_norms
 
 CACHE_BUCKET = 256  # static cache lengths are rounded up to this, so that calls of similar lengths share a capture
 
@@ -210,7 +211,8 @@ class Decoder:
         if self.seen is not None:
             self.seen.zero_()
             self.seen[ids[0]] = True
-        with prefill_attention():
+        norms = fused_norms.swapped(self.model) if self.device.type == "cuda" else contextlib.nullcontext()
+        with prefill_attention(), norms:  # an eager prefill on a GPU is launch-bound: one kernel a norm
             logits = self._forward(ids, positions)
         nxt = sample_next(logits, self.sampling, self.seen, self.generator)
         self.token.copy_(nxt[None])

@@ -18,8 +18,7 @@ import ktorch
 from ktorch.ops import resident_rows, triton_experts, triton_prefill
 from ktorch.ops.gpu_experts import GATHER_MAX_TOKENS, gpu_experts_forward, packed_experts_forward
 from ktorch.ops.resident_rows import RowExperts, dequantize_rows, rows_experts_forward, rows_from_packed
-from ktorch.ops.triton_prefill import (align_by_expert, align_by_expert_kernel, grouped_applies, tile_for,
-                                      triton_grouped_forward)
+from ktorch.ops.triton_prefill import align_by_expert, grouped_applies, tile_for, triton_grouped_forward
 from models import assert_logits_match, moe_experts_modules, tiny_model
 from reference import relative_error
 from test_resident_rows import KERNEL_DEVICE, _experts, _reference
@@ -42,12 +41,36 @@ def _routing(T, K, n, device, seed=0):
     return slots.to(device), torch.rand(T, K, generator=g).to(device)
 
 
+def aten_alignment(slots: torch.Tensor, n: int, block_m: int) -> tuple:
+    """The reference for ``triton_prefill.align_by_expert``: the same two tensors in plain torch (the form the
+    kernels replaced, ~30 launches), any device."""
+    T, K = slots.shape
+    R = T * K
+    dev = slots.device
+    key = torch.where(slots >= 0, slots, n).reshape(-1).long()
+    counts = torch.zeros(n + 1, dtype=torch.long, device=dev).scatter_add_(0, key, torch.ones_like(key))
+    padded = (counts[:n] + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    padded_start = padded_end - padded
+    start = counts.cumsum(0) - counts
+    order = torch.argsort(key, stable=True)
+    sorted_key = key[order]
+    capacity = -(-(R + min(n, R) * (block_m - 1)) // block_m) * block_m
+    pos = torch.arange(R, device=dev) - start[sorted_key] + padded_start[sorted_key.clamp(max=n - 1)]
+    pos = torch.where(sorted_key < n, pos, capacity)  # absent slots: a dropped last entry
+    sorted_ids = torch.full((capacity + 1,), R, dtype=torch.int32, device=dev)
+    sorted_ids[pos] = order.to(torch.int32)
+    blocks = torch.arange(0, capacity, block_m, device=dev)
+    block_expert = torch.searchsorted(padded_end, blocks, right=True).to(torch.int32)
+    return sorted_ids[:capacity], block_expert
+
+
 def test_align_by_expert_sorts_rows_into_padded_blocks():
     """Each used expert's rows, in row order, start a block and fill its blocks, padded with T*K; the blocks say
     their expert; absent slots appear nowhere; blocks past the last expert's say n; fixed shapes."""
     n, T, K, bm = 10, 7, 3, 4
     slots, _ = _routing(T, K, n, "cpu")
-    sorted_ids, block_expert = align_by_expert(slots.to(torch.int32), n, bm)
+    sorted_ids, block_expert = aten_alignment(slots.to(torch.int32), n, bm)
     R = T * K
     capacity = -(-(R + min(n, R) * (bm - 1)) // bm) * bm
     assert sorted_ids.shape == (capacity,) and block_expert.shape == (capacity // bm,)
@@ -68,23 +91,24 @@ def test_align_by_expert_sorts_rows_into_padded_blocks():
 @pytest.mark.parametrize("n, T, K, bm, skew", [(10, 7, 3, 4, 0.0), (128, 64, 8, 32, 0.0), (128, 300, 8, 64, 1.5),
                                                (128, 1, 8, 16, 0.0), (16, 130, 4, 32, 3.0), (256, 65, 8, 64, 0.0)])
 def test_align_kernel_gives_the_aten_alignment_bit_for_bit(n, T, K, bm, skew):
-    """The three-launch alignment (an experiment beside the ATen one) returns the same sorted rows and block
-    experts for near-uniform and skewed routing, absent slots included, any row count (partial row blocks)."""
+    """The three-launch alignment returns the reference's sorted rows and block experts (checked above against
+    their definition) for near-uniform and skewed routing, absent slots included, any row count (partial row
+    blocks)."""
     g = torch.Generator().manual_seed(n * 1000 + T)
     p = torch.arange(1, n + 1, dtype=torch.float64) ** -skew
     slots = torch.multinomial(p.expand(T, n), K, generator=g)  # K distinct experts a token
     slots[torch.rand(T, K, generator=g) < 0.1] = -1  # slots routed elsewhere (not resident)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     slots = slots.to(torch.int32).to(dev)
-    want = align_by_expert(slots, n, bm)
-    got = align_by_expert_kernel(slots, n, bm)
+    want = aten_alignment(slots, n, bm)
+    got = align_by_expert(slots, n, bm)
     for a, b in zip(got, want):
         assert a.dtype == b.dtype and torch.equal(a.cpu(), b.cpu())
 
 
 def test_align_kernel_refuses_bad_slots():
     with pytest.raises(ValueError, match="int32"):
-        align_by_expert_kernel(torch.zeros(2, 3, dtype=torch.int64), 4, 16)
+        align_by_expert(torch.zeros(2, 3, dtype=torch.int64), 4, 16)
 
 
 GROUPED_CASES = [  # format, group, activation, T, K, H, I, tile (None: tile_for); small: the interpreter is slow

@@ -11,11 +11,12 @@ the classic MoE layout: vLLM's and SGLang's ``moe_align_block_size``): then one 
 one expert by ``BLOCK_N`` output channels, so each used expert's codes are read once per block of its rows (once in
 all at prefill lengths where an expert gets at most ``BLOCK_M`` rows) and no bf16 weights are written. Three
 kernels: ``gate_up`` (h in the activations' dtype, [T*K, I] by row), ``down`` (y float32 [T*K, H] by row, the
-routing weight applied), ``sum_slots`` (out). The alignment is plain torch of fixed shapes (the padded length is
-bounded by T*K + min(n, T*K) * (BLOCK_M - 1); blocks past the last expert's exit at once): no host sync, so a call
-is CUDA-graph capturable. ``align_by_expert_kernel`` gives the same two tensors from three Triton launches instead
-of about thirty ATen ones (the eager prefill is launch-bound: 5304 launches at 512 tokens on 48 layers); it is an
-experiment, ``bench_generate.py --prefill-profile 3 --prefill-variants default "align kernel"``, until measured.
+routing weight applied), ``sum_slots`` (out). The alignment is three Triton launches of fixed shapes (the padded
+length is bounded by T*K + min(n, T*K) * (BLOCK_M - 1); blocks past the last expert's exit at once): no host sync,
+so a call is CUDA-graph capturable. It replaced about thirty ATen launches (device, session 35, H200 host, 48-layer
+Q8_0 file, every expert resident, `bench_generate.py --prefill-profile 3 --prefill-variants default "align kernel"`:
+P=512 132.7 -> 106.3 ms warm, P=2048 137.7 -> 100.0, 5304 -> 3768 launches a profiled prefill: the eager prefill is
+launch-bound).
 
 Formats: int8 codes, symmetric (w = s q) or affine (w = s q - m: Q5_K's codes 0..31 with a minimum per group),
 float32 scales [n, N, G] or [n, N, 2, G] as resident_rows holds them, for w13 and w2 each. 4-bit rows take
@@ -178,32 +179,6 @@ if triton is not None:
         tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def align_by_expert(slots: torch.Tensor, n: int, block_m: int) -> tuple:
-    """slots [T, K] (index into n experts, -1: none) -> (sorted_ids [P] int32: the rows t*K + k sorted by expert
-    (stable), each expert's run padded with T*K to a multiple of ``block_m``, then T*K to the end; block_expert
-    [P / block_m] int32: each block's expert, n past the last one). P = the bound for any routing of this shape,
-    T*K + min(n, T*K) * (block_m - 1) rounded up to block_m: fixed shapes, no host sync."""
-    T, K = slots.shape
-    R = T * K
-    dev = slots.device
-    key = torch.where(slots >= 0, slots, n).reshape(-1).long()
-    counts = torch.zeros(n + 1, dtype=torch.long, device=dev).scatter_add_(0, key, torch.ones_like(key))
-    padded = (counts[:n] + block_m - 1) // block_m * block_m
-    padded_end = padded.cumsum(0)
-    padded_start = padded_end - padded
-    start = counts.cumsum(0) - counts
-    order = torch.argsort(key, stable=True)
-    sorted_key = key[order]
-    capacity = -(-(R + min(n, R) * (block_m - 1)) // block_m) * block_m
-    pos = torch.arange(R, device=dev) - start[sorted_key] + padded_start[sorted_key.clamp(max=n - 1)]
-    pos = torch.where(sorted_key < n, pos, capacity)  # absent slots: a dropped last entry
-    sorted_ids = torch.full((capacity + 1,), R, dtype=torch.int32, device=dev)
-    sorted_ids[pos] = order.to(torch.int32)
-    blocks = torch.arange(0, capacity, block_m, device=dev)
-    block_expert = torch.searchsorted(padded_end, blocks, right=True).to(torch.int32)
-    return sorted_ids[:capacity], block_expert
-
-
 ALIGN_ROWS = 64  # (token, slot) rows a program of the alignment kernels' count and scatter
 ALIGN_SCAN = 16  # row blocks a step of the scan's loops
 
@@ -262,17 +237,20 @@ if triton is not None:
         tl.store(sorted_ptr + base + rank, offs.to(tl.int32), mask=here)
 
 
-def align_by_expert_kernel(slots: torch.Tensor, n: int, block_m: int) -> tuple:
-    """``align_by_expert``'s result (the same two tensors, bit for bit) from three Triton launches (count per row
-    block, one program's scan, scatter) instead of about thirty ATen ones. slots int32 [T, K] on the kernels'
-    device. An experiment (``bench_generate.py --prefill-variants "align kernel"``) until measured on the device."""
+def align_by_expert(slots: torch.Tensor, n: int, block_m: int) -> tuple:
+    """slots int32 [T, K] on the kernels' device (index into n experts, -1: none) -> (sorted_ids [P] int32: the rows
+    t*K + k sorted by expert (stable), each expert's run padded with T*K to a multiple of ``block_m``, then T*K to
+    the end; block_expert [P / block_m] int32: each block's expert, n past the last one). P = the bound for any
+    routing of this shape, T*K + min(n, T*K) * (block_m - 1) rounded up to block_m: fixed shapes, no host sync.
+    Three Triton launches: count per row block, one program's scan, scatter (tests/test_triton_prefill.py holds the
+    ATen form it replaced, ~30 launches, as its reference)."""
     if slots.dtype != torch.int32 or slots.dim() != 2:
-        raise ValueError(f"align_by_expert_kernel: slots must be int32 [T, K], got {slots.dtype} "
+        raise ValueError(f"align_by_expert: slots must be int32 [T, K], got {slots.dtype} "
                          f"{tuple(slots.shape)}")
     if not triton_available():
-        raise RuntimeError("align_by_expert_kernel: Triton is not installed")
+        raise RuntimeError("align_by_expert: Triton is not installed")
     if not on_kernel_device(slots):
-        raise ValueError(f"align_by_expert_kernel: the kernels run on CUDA tensors, slots are on {slots.device}")
+        raise ValueError(f"align_by_expert: the kernels run on CUDA tensors, slots are on {slots.device}")
     T, K = slots.shape
     R = T * K
     capacity = -(-(R + min(n, R) * (block_m - 1)) // block_m) * block_m
