@@ -500,23 +500,19 @@ def _split_routed_experts(self: nn.Module, hidden_states, top_k_index, top_k_wei
     """The routing-aware prefill split (ktorch/ops/routed_experts.py): from the call's rows per expert ``counts``
     (CPU), the experts to copy to hidden's device; (ids for the CPU op with theirs masked too, a callable computing
     their part there plus ``gpu_work()``). ``top_k_index`` already has the resident experts masked."""
-    from ktorch.ops.routed_experts import cpu_ids_for
+    from ktorch.ops.routed_experts import route_for
 
     routed = self.kt_routed
-    resident = None
-    ids = getattr(self, "kt_gpu_expert_ids", None)
-    if ids:
-        resident = torch.zeros(routed.num_experts, dtype=torch.bool)
-        resident[torch.tensor(ids, dtype=torch.int64)] = True
-    chosen = routed.choose(counts, resident)
+    chosen = routed.choose(counts, routed.resident_mask(getattr(self, "kt_gpu_expert_ids", None)))
     if chosen.numel() == 0:
         return top_k_index, gpu_work
+    slots, cpu_ids = route_for(top_k_index, chosen, routed.num_experts)
 
     def routed_work() -> torch.Tensor:
-        out = routed.device_part(hidden_states, top_k_index, top_k_weights, chosen)
+        out = routed.device_part(hidden_states, top_k_index, top_k_weights, chosen, slots)
         return out if gpu_work is None else out + gpu_work()
 
-    return cpu_ids_for(top_k_index, chosen, routed.num_experts), routed_work
+    return cpu_ids, routed_work
 
 
 def attach_streamed_experts(module: nn.Module, plan, kernel: str = "auto", pin: Optional[bool] = None) -> None:

@@ -42,8 +42,10 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
+from ktorch.ops import triton_experts
 from ktorch.ops.gpu_experts import gpu_experts_forward
 from ktorch.ops.streamed_experts import StreamedExperts, as_bytes, dequantize_packed, queue_timed_copies
 
@@ -81,36 +83,43 @@ def expert_counts(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     return bins.scatter_add_(0, ids, torch.ones_like(ids))[1:]
 
 
-def choose_device_experts(counts: torch.Tensor, costs: SplitCosts, bytes_per_expert: int, capacity: int,
-                          resident: Optional[torch.Tensor] = None) -> torch.Tensor:
+def choose_device_experts(counts, costs: SplitCosts, bytes_per_expert: int, capacity: int,
+                          resident=None) -> torch.Tensor:
     """The experts to copy to the device for one call: ids ascending, int64, on the CPU.
 
-    counts [E] rows per expert (CPU); ``resident`` [E] bool: experts the device holds (always computed there, never
-    copied). Candidates are the used, non-resident experts, most-hit first (ties: lower id); the first k of them
-    are copied, k <= ``capacity`` chosen to minimise max(CPU time, device time), the smallest such k on a tie
-    (fewest bytes moved)."""
-    counts = counts.to("cpu", torch.int64)
-    E = counts.numel()
-    on_device = torch.zeros(E, dtype=torch.bool) if resident is None else resident.to("cpu", torch.bool)
+    counts [E] rows per expert (CPU tensor or numpy array); ``resident`` [E] bool: experts the device holds (always
+    computed there, never copied). Candidates are the used, non-resident experts, most-hit first (ties: lower id);
+    the first k of them are copied, k <= ``capacity`` chosen to minimise max(CPU time, device time), the smallest
+    such k on a tie (fewest bytes moved). In numpy: a call runs once per MoE layer of a prefill, whose launching
+    thread bounds it (E-sized arrays: numpy's ops take about a microsecond, torch's CPU ops several)."""
+    counts = _numpy_int64(counts)
+    E = counts.size
+    on_device = np.zeros(E, dtype=bool) if resident is None else _numpy_bool(resident)
     resident_rows = int(counts[on_device].sum())
-    candidates = torch.nonzero((counts > 0) & ~on_device).flatten()
-    n = candidates.numel()
+    candidates = np.flatnonzero((counts > 0) & ~on_device)
+    n = candidates.size
     if n == 0 or capacity <= 0:
-        return candidates[:0]
-    order = torch.argsort(-counts[candidates], stable=True)  # most rows first, ascending ids among equals
-    candidates = candidates[order]
-    rows = counts[candidates].double()
-    taken = torch.cat([torch.zeros(1, dtype=torch.float64), rows.cumsum(0)])  # rows of the first k, k = 0..n
-    k = torch.arange(n + 1, dtype=torch.float64)
+        return torch.zeros(0, dtype=torch.int64)
+    candidates = candidates[np.argsort(-counts[candidates], kind="stable")]  # most rows first, ascending among equals
+    rows = counts[candidates].astype(np.float64)
+    taken = np.concatenate([np.zeros(1), np.cumsum(rows)])  # rows of the first k, k = 0..n (exact: integers)
+    k = np.arange(n + 1, dtype=np.float64)
     cpu_experts = n - k
-    cpu = torch.where(cpu_experts > 0,
-                      costs.cpu_fixed_s + costs.cpu_row_s * (rows.sum() - taken) + costs.cpu_expert_s * cpu_experts,
-                      torch.zeros(()))
+    cpu = np.where(cpu_experts > 0,
+                   costs.cpu_fixed_s + costs.cpu_row_s * (rows.sum() - taken) + costs.cpu_expert_s * cpu_experts, 0.0)
     per_copy = bytes_per_expert / costs.h2d_bytes_per_s + costs.device_expert_s
     device = k * per_copy + costs.device_row_s * (resident_rows + taken)
-    total = torch.maximum(cpu, device)[:min(capacity, n) + 1]
-    best = int(torch.argmin(total))  # first minimum: the smallest k
-    return torch.sort(candidates[:best]).values
+    total = np.maximum(cpu, device)[:min(capacity, n) + 1]
+    best = int(np.argmin(total))  # first minimum: the smallest k
+    return torch.from_numpy(np.sort(candidates[:best]).astype(np.int64))
+
+
+def _numpy_int64(t) -> np.ndarray:
+    return t.to("cpu", torch.int64).numpy() if isinstance(t, torch.Tensor) else np.asarray(t, dtype=np.int64)
+
+
+def _numpy_bool(t) -> np.ndarray:
+    return t.to("cpu", torch.bool).numpy() if isinstance(t, torch.Tensor) else np.asarray(t, dtype=bool)
 
 
 def contiguous_runs(ids: Sequence[int]) -> list[tuple[int, int]]:
@@ -169,6 +178,8 @@ class RoutedExperts:
         self._frequency = torch.zeros(layer.num_experts, dtype=torch.float64)
         # calls counted on the device and not yet read (``record``): (counts [E] on the device, resident ids or None)
         self._pending: list = []
+        self._resident_cache: Optional[tuple] = None  # (the residents' id list, its length, its [E] bool mask)
+        self.bytes_per_expert = layer.bytes_per_expert()  # packed bytes an expert copied moves
 
     # The counters below are read rarely (after a prefill, by the residents' swaps and the statistics); a call that
     # copies nothing records its counts on the device (``record``) and they are added here on the first read after,
@@ -228,45 +239,55 @@ class RoutedExperts:
         pending, self._pending = self._pending, []
         if not pending:
             return
-        empty = torch.zeros(0, dtype=torch.int64)
-        rows = torch.stack([c.to(torch.int64) for c, _ in pending]).cpu()  # the one host sync
+        empty = np.zeros(0, dtype=np.int64)
+        rows = torch.stack([c.to(torch.int64) for c, _ in pending]).cpu().numpy()  # the one host sync
         for counts, (_, ids) in zip(rows, pending):
-            resident = None
-            if ids:
-                resident = torch.zeros(self.num_experts, dtype=torch.bool)
-                resident[torch.tensor(ids, dtype=torch.int64)] = True
-            self._count(counts, empty, resident)
+            self._count(counts, empty, self.resident_mask(ids))
 
-    def choose(self, counts: torch.Tensor, resident: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The experts to copy for a call with these per-expert rows (CPU), counted in ``stats``."""
+    def resident_mask(self, resident_ids: Optional[Sequence[int]]) -> Optional[np.ndarray]:
+        """[E] bool of the experts ``resident_ids`` (None for none), cached for the list last asked about (the
+        module's list of residents changes only by replacement, at a swap)."""
+        if not resident_ids:
+            return None
+        cached = self._resident_cache
+        if cached is None or cached[0] is not resident_ids or cached[1] != len(resident_ids):
+            mask = np.zeros(self.num_experts, dtype=bool)
+            mask[np.asarray(resident_ids, dtype=np.int64)] = True
+            cached = self._resident_cache = (resident_ids, len(resident_ids), mask)
+        return cached[2]
+
+    def choose(self, counts, resident=None) -> torch.Tensor:
+        """The experts to copy for a call with these per-expert rows (CPU tensor or numpy array; ``resident`` [E]
+        bool, tensor or array), counted in ``stats``."""
         self._count_pending()
-        counts = counts.to("cpu", torch.int64)
-        chosen = choose_device_experts(counts, self.costs, self.layer.bytes_per_expert(), self.capacity, resident)
-        self._count(counts, chosen, resident)
+        counts = _numpy_int64(counts)
+        resident = None if resident is None else _numpy_bool(resident)
+        chosen = choose_device_experts(counts, self.costs, self.bytes_per_expert, self.capacity, resident)
+        self._count(counts, chosen.numpy(), resident)
         return chosen
 
-    def _count(self, counts: torch.Tensor, chosen: torch.Tensor, resident: Optional[torch.Tensor]) -> None:
+    def _count(self, counts: np.ndarray, chosen: np.ndarray, resident: Optional[np.ndarray]) -> None:
         hit = counts > 0
         self._last_hit = int(hit.sum())
-        self._frequency += counts.double()
+        self._frequency += torch.from_numpy(counts.astype(np.float64))
         s = self._stats
         s["passes"] += 1
         s["experts_hit"] += self._last_hit
-        s["experts_copied"] += chosen.numel()
-        s["bytes_copied"] += chosen.numel() * self.layer.bytes_per_expert()
+        s["experts_copied"] += int(chosen.size)
+        s["bytes_copied"] += int(chosen.size) * self.bytes_per_expert
         s["copied_unused"] += int((counts[chosen] == 0).sum())
         s["rows"] += int(counts.sum())
         s["rows_copied"] += int(counts[chosen].sum())
         if resident is not None:
-            r = resident.to("cpu", torch.bool)
-            s["resident_hit"] += int((hit & r).sum())
-            s["rows_resident"] += int(counts[r].sum())
+            s["resident_hit"] += int((hit & resident).sum())
+            s["rows_resident"] += int(counts[resident].sum())
 
     def device_part(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                    chosen: torch.Tensor) -> torch.Tensor:
+                    chosen: torch.Tensor, slots: Optional[torch.Tensor] = None) -> torch.Tensor:
         """hidden [T, H], topk_ids/topk_weights [T, K] on the device; the routed output [T, H] of the experts
         ``chosen`` (sorted ids, CPU): their packed bytes copied into the staging in contiguous runs, dequantized
-        there, computed with ``gpu_experts_forward`` (slots of other experts skipped)."""
+        there, computed with ``gpu_experts_forward`` (slots of other experts skipped). ``slots``: ``route_for``'s,
+        when the caller has them already."""
         k = chosen.numel()
         if k > self.capacity:
             raise ValueError(f"routed experts: {k} experts chosen, the staging holds {self.capacity}")
@@ -283,19 +304,28 @@ class RoutedExperts:
             j += b - a
         w13 = dequantize_packed(views[0], views[1], True, hidden.dtype, out=staging.w13[:k])
         w2 = dequantize_packed(views[2], views[3], False, hidden.dtype, out=staging.w2[:k])
-        slot_of = torch.full((self.num_experts,), -1, dtype=torch.int64)
-        slot_of[chosen] = torch.arange(k)
-        slot_of = _to_device(slot_of, device)
-        slots = torch.where(topk_ids >= 0, slot_of[topk_ids.clamp(min=0).long()], -1)
+        if slots is None:
+            slots = route_for(topk_ids, chosen, self.num_experts)[0]
         return gpu_experts_forward(hidden, slots, topk_weights, w13, w2, self.layer.activation, self.kernel)
+
+
+def route_for(topk_ids: torch.Tensor, chosen: torch.Tensor, num_experts: int) -> tuple:
+    """(slots [T, K] int64: each pair's index among the experts ``chosen`` (sorted CPU ids), -1 for the others;
+    cpu_ids [T, K]: topk_ids with those pairs set to -1, what the CPU op gets beside them). One Triton launch on
+    CUDA (``triton_experts.triton_route``, as the residents' split), a few ATen ops elsewhere."""
+    chosen = _numpy_int64(chosen)
+    slot_of = np.full(num_experts, -1, dtype=np.int64)
+    slot_of[chosen] = np.arange(chosen.size)
+    slot_of = _to_device(torch.from_numpy(slot_of), topk_ids.device)
+    if triton_experts.route_applies(topk_ids):
+        return triton_experts.triton_route(topk_ids, slot_of)
+    slots = torch.where(topk_ids >= 0, slot_of[topk_ids.clamp(min=0).long()], -1)
+    return slots, torch.where(slots >= 0, -1, topk_ids)
 
 
 def cpu_ids_for(topk_ids: torch.Tensor, chosen: torch.Tensor, num_experts: int) -> torch.Tensor:
     """topk_ids with the slots of the experts ``chosen`` (CPU ids) set to -1: what the CPU op gets beside them."""
-    mask = torch.zeros(num_experts, dtype=torch.bool)
-    mask[chosen] = True
-    mask = _to_device(mask, topk_ids.device)
-    return torch.where((topk_ids >= 0) & mask[topk_ids.clamp(min=0).long()], -1, topk_ids)
+    return route_for(topk_ids, chosen, num_experts)[1]
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
