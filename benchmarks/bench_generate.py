@@ -415,6 +415,7 @@ def prefill_profile(args) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    import ktorch
     from ktorch.cli import build_parser, load_model
     from ktorch.generation import Sampling, _decoder_for
     from ktorch.ops.routed_experts import RoutedExperts
@@ -449,6 +450,12 @@ def prefill_profile(args) -> None:
                 tokens.setdefault((variant, P), set()).add(token)
             return seconds
 
+        costs = getattr(model, "kt_split_costs", None)
+        if costs is not None:  # what the routing-aware split decides from (measured at load: calibrate_split_costs)
+            print(f"[prefill {label}] split costs: h2d {costs.h2d_bytes_per_s / 1e9:.1f} GB/s, CPU op "
+                  f"{1e3 * costs.cpu_fixed_s:.2f} ms + {1e9 * costs.cpu_row_s:.0f} ns a row + "
+                  f"{1e6 * costs.cpu_expert_s:.0f} us an expert, device {1e9 * costs.device_row_s:.1f} ns a row + "
+                  f"{1e6 * costs.device_expert_s:.0f} us an expert", flush=True)
         with torch.inference_mode():
             for _ in range(args.prefill_profile):
                 for variant in args.prefill_variants:
@@ -467,8 +474,16 @@ def prefill_profile(args) -> None:
                     for P in args.prompts:
                         prefill(P)
                         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+                        if costs is not None:
+                            ktorch.prefill_split_stats(model, reset=True)
                         with profile(activities=activities) as prof:
                             wall = prefill(P)
+                        if costs is not None:
+                            split = ktorch.prefill_split_stats(model, reset=True)
+                            print(f"[prefill {label}] {variant:16s} P={P} split: {split['experts_copied']} experts "
+                                  f"copied ({split['bytes_copied'] / 1e9:.2f} GB), {split['experts_hit']} hit, "
+                                  f"{split['resident_hit']} of them resident, {split['copied_unused']} copied unused",
+                                  flush=True)
                         gpu = [(e.time_range.start, e.time_range.end) for e in prof.events()
                                if e.device_type == torch.autograd.DeviceType.CUDA]
                         syncs = sum(k.count for k in prof.key_averages() if k.key in _SYNC_CALLS)

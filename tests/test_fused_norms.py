@@ -119,8 +119,9 @@ def test_cpu_prefill_keeps_the_standard_form():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the swap applies to prefills on CUDA")
 def test_cuda_prefill_runs_fused_norms_close_to_the_standard_form():
-    """On CUDA, Decoder.prefill runs every norm through F.rms_norm (layers x (2 + q/k norms) + the final norm),
-    and its logits stay within bf16 rounding of the model's own forward."""
+    """On CUDA, Decoder.prefill runs every norm through F.rms_norm once (layers x (2 + q/k norms) + the final
+    norm), the model's forward with the norms swapped stays within bf16 rounding of its own, and the prefill's
+    first token is that forward's (up to a near tie)."""
     torch.manual_seed(0)
     model = tiny_model("qwen3_moe", dtype=torch.bfloat16).cuda()
     ids = torch.randint(0, 256, (1, 40), device="cuda")
@@ -133,15 +134,15 @@ def test_cuda_prefill_runs_fused_norms_close_to_the_standard_form():
 
     with torch.inference_mode():
         want = model(input_ids=ids).logits[0, -1].float()
-        d = Decoder(model, 64, torch.device("cuda"), Sampling(), cuda_graphs=False)
-        torch.nn.functional.rms_norm = counted
-        try:
-            d.prefill(ids)
-            logits = d._forward(ids, torch.arange(40, device="cuda"))  # outside the context: the standard form
-        finally:
-            torch.nn.functional.rms_norm = original
         with fused_norms.swapped(model):
             got = model(input_ids=ids).logits[0, -1].float()
-    assert calls[0] == len(fused_norms.norms_of(model))
+        torch.nn.functional.rms_norm = counted
+        try:
+            first = int(Decoder(model, 64, torch.device("cuda"), Sampling(), cuda_graphs=False).prefill(ids).item())
+        finally:
+            torch.nn.functional.rms_norm = original
+    assert calls[0] == len(fused_norms.norms_of(model)) > 0
+    assert "forward" not in model.model.norm.__dict__
     torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)
-    torch.testing.assert_close(logits[-1].float(), want, rtol=3e-2, atol=3e-2)
+    top2 = torch.topk(got, 2).values
+    assert first == int(got.argmax()) or float(top2[0] - top2[1]) < 0.05
