@@ -36,6 +36,7 @@ from ktorch.ops.routed_experts import (
     expert_counts,
 )
 from ktorch.ops.streamed_experts import StreamedExperts, dequantize_packed
+from ktorch.ops.triton_prefill import PackedBlocks, tile_for, triton_grouped_forward
 from models import assert_logits_match, moe_experts_modules, tiny_model
 from reference import fused_moe_reference, relative_error
 
@@ -106,7 +107,9 @@ def _layer(fmt, group_size, E=8, H=128, I=64, seed=0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_any_split_gives_the_cpu_result(fmt, group_size, dtype):
     """For the empty split, every used expert, and random subsets: the device part is bit for bit
-    gpu_experts_forward on the chosen experts' dequantized weights (the copies in runs land in the right slots),
+    gpu_experts_forward on the chosen experts' dequantized weights, or where they take them (int8 codes, bf16, the
+    Triton kernels running) the grouped kernels on the chosen experts' packed blocks (the copies in runs land in
+    the right slots),
     device + CPU parts agree with the CPU op alone and with the float64 reference within the format's tolerance,
     and the empty split is the CPU op bit for bit."""
     E, H, I, T, K = 8, 128, 64, 41, 3
@@ -136,11 +139,15 @@ def test_any_split_gives_the_cpu_result(fmt, group_size, dtype):
         slot_of = torch.full((E,), -1, dtype=torch.long)
         slot_of[chosen] = torch.arange(chosen.numel())
         slots = torch.where(ids >= 0, slot_of[ids.clamp(min=0)], -1)
-        w13 = dequantize_packed(packed.w13[chosen], None if packed.w13_scales is None else packed.w13_scales[chosen],
-                                True, dtype)
-        w2 = dequantize_packed(packed.w2[chosen], None if packed.w2_scales is None else packed.w2_scales[chosen],
-                               False, dtype)
-        assert torch.equal(device, gpu_experts_forward(hidden, slots, weights, w13, w2, "silu")), chosen
+        blocks = PackedBlocks(*(None if t is None else t[chosen] for t in packed.tensors()[:4]))
+        if routed.blocks_kernels_apply(hidden, blocks):  # int8, bf16 activations, the kernels running here
+            # (Triton's interpreter): the grouped kernels on the copied blocks as they are
+            expect = triton_grouped_forward(hidden, slots, weights, blocks, "silu", tile_for(ids.numel() / E))
+        else:
+            w13 = dequantize_packed(blocks.w13, blocks.w13_scales, True, dtype)
+            w2 = dequantize_packed(blocks.w2, blocks.w2_scales, False, dtype)
+            expect = gpu_experts_forward(hidden, slots, weights, w13, w2, "silu")
+        assert torch.equal(device, expect), chosen
         total = device.double() + cpu.double()
         assert relative_error(total, want) < TOLERANCE[fmt], chosen
         assert relative_error(total, cpu_only.double()) < 2 * TOLERANCE[fmt], chosen

@@ -18,7 +18,7 @@ import ktorch
 from ktorch.ops import resident_rows, triton_experts, triton_prefill
 from ktorch.ops.gpu_experts import GATHER_MAX_TOKENS, gpu_experts_forward, packed_experts_forward
 from ktorch.ops.resident_rows import RowExperts, dequantize_rows, rows_experts_forward, rows_from_packed
-from ktorch.ops.triton_prefill import align_by_expert, grouped_applies, tile_for, triton_grouped_forward
+from ktorch.ops.triton_prefill import PackedBlocks, align_by_expert, grouped_applies, tile_for, triton_grouped_forward
 from models import assert_logits_match, moe_experts_modules, tiny_model
 from reference import relative_error
 from test_resident_rows import KERNEL_DEVICE, _experts, _reference
@@ -146,6 +146,33 @@ def test_grouped_kernels_match_a_float64_reference(fmt, group_size, activation, 
 
 
 @needs_kernels
+@pytest.mark.parametrize("fmt,group_size,activation,T,K,H,I,tile", GROUPED_CASES,
+                         ids=[f"{c[0]}_{c[1]}_{c[2]}_T{c[3]}_K{c[4]}_H{c[5]}_I{c[6]}_{c[7] and c[7][:3]}"
+                              for c in GROUPED_CASES])
+def test_packed_blocks_give_the_rows_result_bit_for_bit(fmt, group_size, activation, T, K, H, I, tile):
+    """The kernels reading kt.pack_int8's blocks as they are (the split's copied experts: PackedBlocks) compute
+    what they compute on the same experts in the row layout, bit for bit: the same codes, scales and tiles, only
+    their addresses differ (the gate/up interleave undone in the kernel). Float16 scales (Q8_0's at the file's
+    size) are read as they are: the same bits as their float32 form."""
+    n = 12
+    packed, _ = _experts(fmt, group_size, n=n, H=H, I=I)
+    packed = tuple(t.to(KERNEL_DEVICE) for t in packed)
+    rows = rows_from_packed(*packed)
+    torch.manual_seed(1)
+    hidden = torch.randn(T, H, device=KERNEL_DEVICE).to(torch.bfloat16)
+    slots, weights = _routing(T, K, n, KERNEL_DEVICE)
+    want = triton_grouped_forward(hidden, slots, weights, rows, activation, tile)
+    blocks = PackedBlocks(*packed)
+    assert grouped_applies(hidden, blocks, tile)
+    assert torch.equal(triton_grouped_forward(hidden, slots, weights, blocks, activation, tile), want)
+    if packed[1].dim() == 3 and packed[1].dtype == torch.float32:  # scales as float16 where they are exactly that
+        half = blocks._replace(w13_scales=packed[1].half(), w2_scales=packed[3].half())
+        exact = RowExperts(rows.w13, rows.w13_scales.half().float(), rows.w2, rows.w2_scales.half().float())
+        assert torch.equal(triton_grouped_forward(hidden, slots, weights, half, activation, tile),
+                           triton_grouped_forward(hidden, slots, weights, exact, activation, tile))
+
+
+@needs_kernels
 def test_grouped_kernels_take_fp16_and_int32_slots():
     n, T, K, H, I = 8, 20, 4, 128, 64
     packed, _ = _experts("int8", 32, n=n, H=H, I=I)
@@ -200,8 +227,14 @@ def test_grouped_refuses_what_it_cannot_take():
     slots, weights = slots.to(KERNEL_DEVICE), weights.to(KERNEL_DEVICE)
     with pytest.raises(ValueError, match="bf16 or fp16"):
         triton_grouped_forward(hidden.float(), slots, weights, rows)
-    with pytest.raises(ValueError, match="int8 rows"):
+    with pytest.raises(ValueError, match="int8 codes"):
         triton_grouped_forward(hidden, slots, weights, rows_from_packed(*(t.to(KERNEL_DEVICE) for t in four)))
+    with pytest.raises(ValueError, match="int8 codes"):
+        triton_grouped_forward(hidden, slots, weights, PackedBlocks(*(t.to(KERNEL_DEVICE) for t in four)))
+    assert not grouped_applies(hidden, PackedBlocks(*(t.to(KERNEL_DEVICE) for t in four)))
+    with pytest.raises(ValueError, match="packed blocks"):
+        blocks = PackedBlocks(*(t.to(KERNEL_DEVICE) for t in packed))
+        triton_grouped_forward(hidden, slots, weights, blocks._replace(w2=blocks.w2[:, :4]))
     with pytest.raises(ValueError, match="activation"):
         triton_grouped_forward(hidden, slots, weights, rows, "tanh")
     with pytest.raises(ValueError, match="block_k"):  # groups of 32 with a 48-column tile: neither divides

@@ -45,7 +45,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from ktorch.ops import triton_experts
+from ktorch.ops import triton_experts, triton_prefill
 from ktorch.ops.gpu_experts import gpu_experts_forward
 from ktorch.ops.streamed_experts import StreamedExperts, as_bytes, dequantize_packed, queue_timed_copies
 
@@ -133,26 +133,44 @@ def contiguous_runs(ids: Sequence[int]) -> list[tuple[int, int]]:
     return runs
 
 
+def reads_blocks(layer: StreamedExperts, dtype: torch.dtype, device, kernel: str = "auto") -> bool:
+    """Whether ``layer``'s copied experts run through the grouped Triton kernels on their packed blocks as copied
+    (``RoutedExperts.blocks_kernels_apply``) for activations of ``dtype`` on ``device``, whatever the tile: int8
+    codes whose scale groups every tile takes, an activation the kernels compute, ``kernel`` auto, CUDA and
+    Triton. Then the staging needs no dequantized weights."""
+    if torch.device(device).type != "cuda" or not triton_experts.triton_available():
+        return False
+    if kernel != "auto" or layer.activation not in triton_prefill._ACT_CODES or dtype not in (torch.bfloat16,
+                                                                                            torch.float16):
+        return False
+    one = triton_prefill.PackedBlocks(*(None if t is None else t[:1] for t in layer.tensors))
+    return all(None not in triton_prefill._formats(one, tile[2]) for _, tile in triton_prefill.TILES)
+
+
 class DeviceStaging:
     """Where copied experts land on the device: packed bytes of ``capacity`` experts (each packed tensor's rows one
-    after another, 256-byte aligned) and their dequantized weights (w13 as [capacity, 2I, H], w2 as [capacity, H,
-    I], in ``dtype``). One per model and device; layers use it in turn (they run in stream order)."""
+    after another, 256-byte aligned) and, where the grouped kernels do not read those blocks as they are
+    (``reads_blocks``: 4-bit, bf16 and MXFP4 experts), their dequantized weights (w13 as [capacity, 2I, H], w2 as
+    [capacity, H, I], in ``dtype``). One per model and device; layers use it in turn (they run in stream order)."""
 
-    def __init__(self, layer: StreamedExperts, capacity: int, device: torch.device, dtype: torch.dtype):
+    def __init__(self, layer: StreamedExperts, capacity: int, device: torch.device, dtype: torch.dtype,
+                 kernel: str = "auto"):
         w13, _, w2, _ = layer.tensors
         self.capacity, self.device, self.dtype = capacity, torch.device(device), dtype
         self.packed = torch.empty(layer.prefix_bytes(capacity) if capacity else 0, dtype=torch.uint8, device=device)
         two_i, h = w13.shape[1] * 16, w2.shape[1] * 16
-        self.w13 = torch.empty(capacity, two_i, h, dtype=dtype, device=device)
-        self.w2 = torch.empty(capacity, h, two_i // 2, dtype=dtype, device=device)
+        dequantized = 0 if reads_blocks(layer, dtype, device, kernel) else capacity
+        self.w13 = torch.empty(dequantized, two_i, h, dtype=dtype, device=device)
+        self.w2 = torch.empty(dequantized, h, two_i // 2, dtype=dtype, device=device)
 
     @staticmethod
-    def bytes_for(layer: StreamedExperts, capacity: int, dtype: torch.dtype) -> int:
-        """Device bytes a staging of ``capacity`` experts of ``layer``'s shape takes."""
+    def bytes_for(layer: StreamedExperts, capacity: int, dtype: torch.dtype, device="cuda", kernel: str = "auto") -> int:
+        """Device bytes a staging of ``capacity`` experts of ``layer``'s shape takes on ``device``."""
         w13, w2 = layer.tensors[0], layer.tensors[2]
         two_i, h = w13.shape[1] * 16, w2.shape[1] * 16
         size = torch.empty((), dtype=dtype).element_size()
-        return (layer.prefix_bytes(capacity) if capacity else 0) + capacity * (two_i * h + h * (two_i // 2)) * size
+        dequantized = 0 if reads_blocks(layer, dtype, device, kernel) else capacity
+        return (layer.prefix_bytes(capacity) if capacity else 0) + dequantized * (two_i * h + h * (two_i // 2)) * size
 
     @property
     def nbytes(self) -> int:
@@ -282,6 +300,15 @@ class RoutedExperts:
             s["resident_hit"] += int((hit & resident).sum())
             s["rows_resident"] += int(counts[resident].sum())
 
+    def blocks_kernels_apply(self, hidden: torch.Tensor, blocks, tile: Optional[tuple] = None) -> bool:
+        """Whether the copied experts run through the grouped Triton kernels reading their packed blocks as copied
+        (ktorch/ops/triton_prefill.py, ``PackedBlocks``: int8 codes, bf16/fp16 activations, CUDA, ``kernel`` auto)
+        rather than dequantized to the staging's weights and ``gpu_experts_forward``. Session 35: the dequantized
+        path was ~50 launches a layer of an eager prefill bound by its launching thread, and its dequantization the
+        largest kernel time after the copies."""
+        return (self.kernel == "auto" and self.layer.activation in triton_prefill._ACT_CODES
+                and triton_prefill.grouped_applies(hidden, blocks, tile))
+
     def device_part(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                     chosen: torch.Tensor, slots: Optional[torch.Tensor] = None) -> torch.Tensor:
         """hidden [T, H], topk_ids/topk_weights [T, K] on the device; the routed output [T, H] of the experts
@@ -302,10 +329,22 @@ class RoutedExperts:
                 if dst is not None:
                     as_bytes(dst)[j:j + b - a].copy_(as_bytes(src[a:b]), non_blocking=True)
             j += b - a
-        w13 = dequantize_packed(views[0], views[1], True, hidden.dtype, out=staging.w13[:k])
-        w2 = dequantize_packed(views[2], views[3], False, hidden.dtype, out=staging.w2[:k])
         if slots is None:
             slots = route_for(topk_ids, chosen, self.num_experts)[0]
+        blocks = triton_prefill.PackedBlocks(*views)
+        tile = triton_prefill.tile_for(topk_ids.numel() / self.num_experts)
+        if self.blocks_kernels_apply(hidden, blocks, tile):  # int8 codes: read as copied, no dequantized copy
+            return triton_prefill.triton_grouped_forward(hidden, slots, topk_weights, blocks, self.layer.activation,
+                                                         tile)
+        if staging.w13.shape[0] < k or staging.w13.dtype != hidden.dtype:  # sized for the blocks' kernels (or
+            # another dtype): this call's dequantized weights outside the staging
+            two_i, h = staging.w13.shape[1:]
+            w13_out = torch.empty(k, two_i, h, dtype=hidden.dtype, device=device)
+            w2_out = torch.empty(k, h, two_i // 2, dtype=hidden.dtype, device=device)
+        else:
+            w13_out, w2_out = staging.w13[:k], staging.w2[:k]
+        w13 = dequantize_packed(views[0], views[1], True, hidden.dtype, out=w13_out)
+        w2 = dequantize_packed(views[2], views[3], False, hidden.dtype, out=w2_out)
         return gpu_experts_forward(hidden, slots, topk_weights, w13, w2, self.layer.activation, self.kernel)
 
 
@@ -429,8 +468,14 @@ def calibrate_split_costs(layers: Sequence[StreamedExperts], hidden_size: int, t
         return time.perf_counter() - start
 
     views = first.views_in(staging.packed, probe)
-    dequant_s = device_seconds(lambda: (dequantize_packed(views[0], views[1], True, torch.bfloat16, out=staging.w13),
-                                        dequantize_packed(views[2], views[3], False, torch.bfloat16, out=staging.w2)))
+    dequant_s = 0.0  # the copied blocks read as they are: nothing dequantized
+    if not routed.blocks_kernels_apply(hidden, triton_prefill.PackedBlocks(*views)):
+        two_i, h = first.tensors[0].shape[1] * 16, first.tensors[2].shape[1] * 16
+        w13_out = torch.empty(probe, two_i, h, dtype=torch.bfloat16, device=device)
+        w2_out = torch.empty(probe, h, two_i // 2, dtype=torch.bfloat16, device=device)
+        dequant_s = device_seconds(lambda: (
+            dequantize_packed(views[0], views[1], True, torch.bfloat16, out=w13_out),
+            dequantize_packed(views[2], views[3], False, torch.bfloat16, out=w2_out)))
     total_s = device_seconds(lambda: routed.device_part(hidden, ids, weights, chosen))
     copy_s_device = probe * first.bytes_per_expert() / (copied_bytes / copied_s)
     row_device_s = max(total_s - dequant_s - copy_s_device, 0.0) / (T * top_k)

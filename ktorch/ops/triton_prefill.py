@@ -31,7 +31,7 @@ Limits: CUDA tensors (or CPU tensors under Triton's interpreter, TRITON_INTERPRE
 activations; a group that neither divides nor is divided by a BLOCK_K of 16..128 (a power of two), is refused.
 """
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch  # no "from __future__ import annotations": Triton reads the tl.constexpr annotations
 
@@ -52,33 +52,35 @@ if triton is not None:
     from ktorch.ops.triton_experts import _act
 
     @triton.jit
-    def _tile_product(x, q_rows, s_rows, offs_k, mask_k, mask_n, k0, G, GROUP: tl.constexpr, MODE: tl.constexpr,
+    def _tile_product(x, q_rows, s_rows, koffs, mask_k, mask_n, k0, G, GS, GROUP: tl.constexpr, MODE: tl.constexpr,
                       AFFINE: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # [BLOCK_M, BLOCK_N] float32: x [BLOCK_M, BLOCK_K] (the activations' dtype) times the rows' weights over
-        # columns offs_k; q_rows/s_rows [BLOCK_N] pointers to the rows' codes and scales (minimums G further).
-        # DOT_F32 (Triton's interpreter only, whose bf16 dot products are wrong and casts to bf16 truncate): the same
-        # values multiplied in float32, MODE 1's weights unrounded (and h kept in float32 by the caller)
-        q = tl.load(q_rows[None, :] + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0)
+        # [BLOCK_M, BLOCK_N] float32: x [BLOCK_M, BLOCK_K] (the activations' dtype) times the rows' weights over the
+        # tile's columns (k0 on), whose codes lie koffs from each row's start; q_rows/s_rows [BLOCK_N] pointers to
+        # the rows' codes and scales, a scale group GS further, the minimums G * GS further (the row layout: GS 1;
+        # the packed one: GS N, see _code_offsets). DOT_F32 (Triton's interpreter only, whose bf16 dot products are
+        # wrong and casts to bf16 truncate): the same values multiplied in float32, MODE 1's weights unrounded (and h
+        # kept in float32 by the caller)
+        q = tl.load(q_rows[None, :] + koffs[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0)
         if MODE == 0:  # the tile in one group: codes as they are, then the group's scale (and minimum)
             if DOT_F32:
                 p = tl.dot(x.to(tl.float32), q.to(tl.float32), input_precision="ieee")
             else:
                 p = tl.dot(x, q.to(x.dtype))
             if GROUP > 0:  # GROUP 0: per channel symmetric, the scale applied by the caller at the end
-                s = tl.load(s_rows + k0 // GROUP, mask=mask_n, other=0.0)
+                s = tl.load(s_rows + (k0 // GROUP) * GS, mask=mask_n, other=0.0).to(tl.float32)
                 p = p * s[None, :]
                 if AFFINE == 1:
-                    mn = tl.load(s_rows + G + k0 // GROUP, mask=mask_n, other=0.0)
+                    mn = tl.load(s_rows + (G + k0 // GROUP) * GS, mask=mask_n, other=0.0).to(tl.float32)
                     p = p - tl.sum(x.to(tl.float32), axis=1)[:, None] * mn[None, :]
         else:  # groups within the tile: each code's scale (and minimum), the weight rounded to x's dtype. The
             # tile's BLOCK_K / GROUP scales a row loaded once and broadcast over their groups' codes
             gi = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
             gm = (gi < G)[:, None] & mask_n[None, :]
-            s = tl.load(s_rows[None, :] + gi[:, None], mask=gm, other=0.0)  # [BLOCK_K / GROUP, BLOCK_N]
+            s = tl.load(s_rows[None, :] + gi[:, None] * GS, mask=gm, other=0.0).to(tl.float32)  # [BLOCK_K / GROUP, BLOCK_N]
             s = tl.reshape(tl.broadcast_to(s[:, None, :], (BLOCK_K // GROUP, GROUP, BLOCK_N)), (BLOCK_K, BLOCK_N))
             w = q.to(tl.float32) * s
             if AFFINE == 1:
-                mn = tl.load(s_rows[None, :] + G + gi[:, None], mask=gm, other=0.0)
+                mn = tl.load(s_rows[None, :] + (G + gi[:, None]) * GS, mask=gm, other=0.0).to(tl.float32)
                 w = w - tl.reshape(tl.broadcast_to(mn[:, None, :], (BLOCK_K // GROUP, GROUP, BLOCK_N)),
                                    (BLOCK_K, BLOCK_N))
             if DOT_F32:
@@ -90,10 +92,26 @@ if triton is not None:
     # The row counts (T * K) and the residents' count are plain arguments, not specialized: Triton would otherwise
     # compile a kernel again for a count that is or is not a multiple of 16 (a prompt of odd length after an even
     # one) or equal to 1, on a user's first prompt of that kind (warm_tiles warms each tile once).
+    @triton.jit
+    def _code_offsets(offs_k, PACKED: tl.constexpr):
+        # where the codes of columns offs_k lie from their row's start: the row layout's k, or the packed layout's
+        # (kt.pack_int8: [N/16, K/4, 16, 4] blocks, so column k of row p is at (p // 16) * 16 K + (p % 16) * 4 +
+        # (k // 4) * 64 + k % 4: a row part and a column part)
+        if PACKED:
+            return (offs_k // 4) * 64 + offs_k % 4
+        else:
+            return offs_k
+
+    @triton.jit
+    def _packed_row(p, K):
+        # the row part of the packed layout's offsets (_code_offsets) for packed rows p of K columns
+        return (p // 16).to(tl.int64) * 16 * K + (p % 16) * 4
+
     @triton.jit(do_not_specialize=["n_rows", "n_slots", "n_experts"])
     def _gate_up_grouped(x_ptr, sorted_ptr, block_expert_ptr, q_ptr, s_ptr, h_ptr, n_rows, n_slots, n_experts, H, I,
                          G, GROUP: tl.constexpr, MODE: tl.constexpr, AFFINE: tl.constexpr, ACT: tl.constexpr,
-                         DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         DOT_F32: tl.constexpr, PACKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
         pid = tl.program_id(0)
         num_n = tl.cdiv(I, BLOCK_N)
         pid_m = pid // num_n
@@ -111,21 +129,34 @@ if triton is not None:
         else:
             SG = G
         e64 = e.to(tl.int64)
-        gate_q = q_ptr + e64 * 2 * I * H + offs_n.to(tl.int64) * H
-        gate_s = s_ptr + e64 * 2 * I * SG + offs_n.to(tl.int64) * SG
+        if PACKED:  # gate row j is packed row (j // 32) * 64 + j % 32, up row j 32 rows after it (pack's interleave);
+            # scales [n, (2,) G, 2I] by packed row
+            pg = (offs_n // 32) * 64 + offs_n % 32
+            gate_q = q_ptr + e64 * 2 * I * H + _packed_row(pg, H)
+            up_q = q_ptr + e64 * 2 * I * H + _packed_row(pg + 32, H)
+            gate_s = s_ptr + e64 * 2 * I * SG + pg
+            up_s = gate_s + 32
+            GS = 2 * I
+        else:  # rows [n, 2I, H], gate rows then up rows; scales [n, 2I, (2,) G]
+            gate_q = q_ptr + e64 * 2 * I * H + offs_n.to(tl.int64) * H
+            up_q = gate_q + I * H
+            gate_s = s_ptr + e64 * 2 * I * SG + offs_n.to(tl.int64) * SG
+            up_s = gate_s + I * SG
+            GS = 1
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < H
+            koffs = _code_offsets(offs_k, PACKED)
             x = tl.load(x_ptr + tok[:, None] * H + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            acc_g += _tile_product(x, gate_q, gate_s, offs_k, mask_k, mask_n, k0, G, GROUP, MODE, AFFINE,
+            acc_g += _tile_product(x, gate_q, gate_s, koffs, mask_k, mask_n, k0, G, GS, GROUP, MODE, AFFINE,
                                    DOT_F32, BLOCK_N, BLOCK_K)
-            acc_u += _tile_product(x, gate_q + I * H, gate_s + I * SG, offs_k, mask_k, mask_n, k0, G, GROUP, MODE,
+            acc_u += _tile_product(x, up_q, up_s, koffs, mask_k, mask_n, k0, G, GS, GROUP, MODE,
                                    AFFINE, DOT_F32, BLOCK_N, BLOCK_K)
         if MODE == 0 and GROUP == 0:
-            acc_g = acc_g * tl.load(gate_s, mask=mask_n, other=0.0)[None, :]
-            acc_u = acc_u * tl.load(gate_s + I * SG, mask=mask_n, other=0.0)[None, :]
+            acc_g = acc_g * tl.load(gate_s, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            acc_u = acc_u * tl.load(up_s, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         h = _act(acc_g, ACT) * acc_u
         tl.store(h_ptr + r.to(tl.int64)[:, None] * I + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
                  mask=mask_m[:, None] & mask_n[None, :])
@@ -133,8 +164,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=["n_rows", "n_experts"])
     def _down_grouped(h_ptr, sorted_ptr, block_expert_ptr, w_ptr, q_ptr, s_ptr, y_ptr, n_rows, n_experts, H, I, G,
                       GROUP: tl.constexpr, MODE: tl.constexpr, AFFINE: tl.constexpr, DOT_F32: tl.constexpr,
-                      BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      PACKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid = tl.program_id(0)
         num_n = tl.cdiv(H, BLOCK_N)
         pid_m = pid // num_n
@@ -152,17 +182,24 @@ if triton is not None:
         else:
             SG = G
         e64 = e.to(tl.int64)
-        q_rows = q_ptr + e64 * H * I + offs_n.to(tl.int64) * I
-        s_rows = s_ptr + e64 * H * SG + offs_n.to(tl.int64) * SG
+        if PACKED:  # [n, H/16, I/4, 16, 4] blocks, scales [n, (2,) G, H]
+            q_rows = q_ptr + e64 * H * I + _packed_row(offs_n, I)
+            s_rows = s_ptr + e64 * H * SG + offs_n
+            GS = H
+        else:
+            q_rows = q_ptr + e64 * H * I + offs_n.to(tl.int64) * I
+            s_rows = s_ptr + e64 * H * SG + offs_n.to(tl.int64) * SG
+            GS = 1
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, I, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < I
+            koffs = _code_offsets(offs_k, PACKED)
             x = tl.load(h_ptr + r64[:, None] * I + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            acc += _tile_product(x, q_rows, s_rows, offs_k, mask_k, mask_n, k0, G, GROUP, MODE, AFFINE, DOT_F32,
+            acc += _tile_product(x, q_rows, s_rows, koffs, mask_k, mask_n, k0, G, GS, GROUP, MODE, AFFINE, DOT_F32,
                                  BLOCK_N, BLOCK_K)
         if MODE == 0 and GROUP == 0:
-            acc = acc * tl.load(s_rows, mask=mask_n, other=0.0)[None, :]
+            acc = acc * tl.load(s_rows, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         coef = tl.load(w_ptr + r64, mask=mask_m, other=0.0)
         tl.store(y_ptr + r64[:, None] * H + offs_n[None, :], acc * coef[:, None],
                  mask=mask_m[:, None] & mask_n[None, :])
@@ -267,12 +304,22 @@ def align_by_expert(slots: torch.Tensor, n: int, block_m: int) -> tuple:
     return sorted_ids, block_expert
 
 
-def _grouped_format(codes: torch.Tensor, scales: torch.Tensor, K: int, block_k: int) -> Optional[tuple]:
-    """(affine, G, GROUP constexpr, MODE) of int8 rows with K columns for tiles of ``block_k`` columns, or None where
-    the kernels do not take them (4-bit codes, a group that neither divides nor is divided by block_k)."""
-    bits, affine = row_format(codes, scales)
-    G = scales.shape[-1]
-    if bits != 8 or scales.dtype != torch.float32 or K % G:
+class PackedBlocks(NamedTuple):
+    """Int8 experts in ``kt.pack_int8``'s blocks, which the grouped kernels read as they are (no row layout made):
+    w13 [n, 2I/16, H/4, 16, 4], w13_scales [n, (2,) G, 2I], w2 [n, H/16, I/4, 16, 4], w2_scales [n, (2,) G, H],
+    scales float32 or float16 by packed row (two-level K-quant scales are made float32 first). The routing-aware
+    split's copied experts (ktorch/ops/routed_experts.py) come to the device in this form."""
+
+    w13: torch.Tensor
+    w13_scales: torch.Tensor
+    w2: torch.Tensor
+    w2_scales: torch.Tensor
+
+
+def _tile_mode(affine: bool, G: int, K: int, block_k: int) -> Optional[tuple]:
+    """(affine, G, GROUP constexpr, MODE) of int8 codes with K columns in G scale groups for tiles of ``block_k``
+    columns, or None where a group neither divides nor is divided by block_k."""
+    if K % G:
         return None
     group = K // G
     if G == 1 and not affine:
@@ -282,6 +329,56 @@ def _grouped_format(codes: torch.Tensor, scales: torch.Tensor, K: int, block_k: 
     if block_k % group == 0:
         return affine, G, group, 1
     return None
+
+
+def _grouped_format(codes: torch.Tensor, scales: torch.Tensor, K: int, block_k: int) -> Optional[tuple]:
+    """``_tile_mode`` of int8 rows with K columns, or None where the kernels do not take them (4-bit codes)."""
+    bits, affine = row_format(codes, scales)
+    if bits != 8 or scales.dtype != torch.float32:
+        return None
+    return _tile_mode(affine, scales.shape[-1], K, block_k)
+
+
+def _blocks_format(codes: torch.Tensor, scales: Optional[torch.Tensor], K: int, block_k: int) -> Optional[tuple]:
+    """``_tile_mode`` of int8 packed blocks with K columns, or None (other codes, scales the kernels do not read)."""
+    if codes.dtype != torch.int8 or codes.dim() != 5 or codes.shape[3:] != (16, 4) or scales is None:
+        return None
+    if scales.dtype not in (torch.float32, torch.float16) or scales.dim() not in (3, 4):
+        return None
+    affine = scales.dim() == 4
+    if affine and scales.shape[1] != 2:
+        return None
+    return _tile_mode(affine, scales.shape[-2], K, block_k)
+
+
+def _float_scales(blocks: PackedBlocks) -> PackedBlocks:
+    """Two-level K-quant scales as their float32 form; float32 and float16 ones as they are (the kernels read both)."""
+    from ktorch.ops.packed_weights import kscales_as_float
+
+    def one(scales, K):
+        return scales if scales is None or scales.dtype in (torch.float32, torch.float16) else kscales_as_float(scales, K)
+
+    return blocks._replace(w13_scales=one(blocks.w13_scales, blocks.w13.shape[2] * 4),
+                           w2_scales=one(blocks.w2_scales, blocks.w2.shape[2] * 4))
+
+
+def _shapes(rows) -> tuple:
+    """(n, 2I, H) of residents in the row layout or packed blocks."""
+    if isinstance(rows, PackedBlocks):
+        return rows.w13.shape[0], rows.w13.shape[1] * 16, rows.w13.shape[2] * 4
+    return tuple(rows.w13.shape)
+
+
+def _formats(rows, block_k: int) -> tuple:
+    """(w13's, w2's) ``_tile_mode`` (None where the kernels do not take it) for either layout."""
+    if isinstance(rows, PackedBlocks):
+        rows = _float_scales(rows)
+        return (_blocks_format(rows.w13, rows.w13_scales, rows.w13.shape[2] * 4, block_k),
+                _blocks_format(rows.w2, rows.w2_scales, rows.w2.shape[2] * 4, block_k))
+    if rows.w13.dtype != torch.int8 or rows.w2.dtype != torch.int8:
+        return None, None
+    return (_grouped_format(rows.w13, rows.w13_scales, rows.w13.shape[2], block_k),
+            _grouped_format(rows.w2, rows.w2_scales, rows.w2.shape[2], block_k))
 
 
 def tile_for(rows_per_expert: float) -> tuple:
@@ -300,7 +397,7 @@ def warm_tiles(rows, activation: str, dtype: torch.dtype) -> int:
     these residents, or without Triton or a GPU)."""
     if not triton_available() or dtype not in (torch.bfloat16, torch.float16):
         return 0
-    n, two_i, H = rows.w13.shape
+    n, two_i, H = _shapes(rows)
     hidden = torch.zeros(1, H, dtype=dtype, device=rows.w13.device)
     slots = torch.zeros(1, 1, dtype=torch.int32, device=hidden.device)
     weights = torch.zeros(1, 1, dtype=torch.float32, device=hidden.device)
@@ -319,18 +416,16 @@ def grouped_applies(hidden: torch.Tensor, rows, tile: Optional[tuple] = None) ->
         return False
     if not on_kernel_device(hidden):
         return False
-    if rows.w13.dtype != torch.int8 or rows.w2.dtype != torch.int8:
-        return False
-    bk = (tile or tile_for(1.0))[2]
-    return (_grouped_format(rows.w13, rows.w13_scales, rows.w13.shape[2], bk) is not None
-            and _grouped_format(rows.w2, rows.w2_scales, rows.w2.shape[2], bk) is not None)
+    f13, f2 = _formats(rows, (tile or tile_for(1.0))[2])
+    return f13 is not None and f2 is not None
 
 
 def triton_grouped_forward(hidden: torch.Tensor, slots: torch.Tensor, topk_weights: torch.Tensor, rows,
                            activation: str = "silu", tile: Optional[tuple] = None) -> torch.Tensor:
-    """hidden [T, H] bf16/fp16 (CUDA), slots [T, K] (index into the n residents, -1: not here), topk_weights [T, K],
-    rows: ``RowExperts`` with int8 codes -> [T, H] in hidden's dtype. ``tile``: (block_m, block_n, block_k,
-    num_warps, num_stages), ``tile_for`` the average rows an expert unless a benchmark compares others."""
+    """hidden [T, H] bf16/fp16 (CUDA), slots [T, K] (index into the n experts, -1: not here), topk_weights [T, K],
+    rows: ``RowExperts`` with int8 codes, or ``PackedBlocks`` (int8 in kt.pack_int8's blocks, read as they are)
+    -> [T, H] in hidden's dtype. ``tile``: (block_m, block_n, block_k, num_warps, num_stages), ``tile_for`` the
+    average rows an expert unless a benchmark compares others."""
     if not triton_available():
         raise RuntimeError("triton_grouped_forward: Triton is not installed")
     if not on_kernel_device(hidden):
@@ -340,26 +435,40 @@ def triton_grouped_forward(hidden: torch.Tensor, slots: torch.Tensor, topk_weigh
         raise ValueError(f"triton_grouped_forward: activation must be one of {tuple(_ACT_CODES)}, got {activation!r}")
     if hidden.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"triton_grouped_forward: hidden must be bf16 or fp16, got {hidden.dtype}")
-    if rows.w13.dtype != torch.int8 or rows.w2.dtype != torch.int8 or rows.w13.dim() != 3 or rows.w2.dim() != 3:
-        raise ValueError(f"triton_grouped_forward: int8 rows w13 [n, 2I, H] and w2 [n, H, I], got "
-                         f"{rows.w13.dtype} {tuple(rows.w13.shape)} and {rows.w2.dtype} {tuple(rows.w2.shape)} "
-                         "(4-bit rows: resident_rows' dequantizing path)")
-    n, two_i, H = rows.w13.shape
-    I = two_i // 2
+    packed = isinstance(rows, PackedBlocks)
+    if rows.w13.dtype != torch.int8 or rows.w2.dtype != torch.int8:
+        raise ValueError(f"triton_grouped_forward: int8 codes, got {rows.w13.dtype} and {rows.w2.dtype} (4-bit rows: "
+                         "resident_rows' dequantizing path)")
+    if packed:
+        rows = _float_scales(rows)
+        n, two_i, H = _shapes(rows)
+        I = two_i // 2
+        if (rows.w13.dim() != 5 or rows.w2.shape != (n, H // 16, I // 4, 16, 4) or rows.w13_scales is None
+                or rows.w2_scales is None or rows.w13_scales.shape[0] != n or rows.w13_scales.shape[-1] != two_i
+                or rows.w2_scales.shape[0] != n or rows.w2_scales.shape[-1] != H or two_i % 64):
+            raise ValueError(f"triton_grouped_forward: packed blocks w13 [n, 2I/16, H/4, 16, 4] (2I a multiple of 64) "
+                             f"and w2 [n, H/16, I/4, 16, 4] with scales [n, (2,) G, N], got {tuple(rows.w13.shape)}, "
+                             f"{tuple(rows.w2.shape)}, scales {None if rows.w13_scales is None else tuple(rows.w13_scales.shape)}"
+                             f" and {None if rows.w2_scales is None else tuple(rows.w2_scales.shape)}")
+    else:
+        if rows.w13.dim() != 3 or rows.w2.dim() != 3:
+            raise ValueError(f"triton_grouped_forward: int8 rows w13 [n, 2I, H] and w2 [n, H, I], got "
+                             f"{rows.w13.dtype} {tuple(rows.w13.shape)} and {rows.w2.dtype} {tuple(rows.w2.shape)}")
+        n, two_i, H = rows.w13.shape
+        I = two_i // 2
+        if rows.w2.shape != (n, H, I) or rows.w13_scales.shape[:2] != (n, two_i) or rows.w2_scales.shape[:2] != (n, H):
+            raise ValueError(f"triton_grouped_forward: w2 [n={n}, H={H}, I={I}] and scales [n, N, ...] for w13 "
+                             f"[{n}, {two_i}] and w2 [{n}, {H}], got {tuple(rows.w2.shape)}, "
+                             f"{tuple(rows.w13_scales.shape)} and {tuple(rows.w2_scales.shape)}")
     T, K = slots.shape
-    if hidden.shape != (T, H) or rows.w2.shape != (n, H, I) or topk_weights.shape != (T, K):
-        raise ValueError(f"triton_grouped_forward: hidden [T, H={H}], slots/topk_weights [T, K], w2 [n={n}, H, I={I}];"
-                         f" got {tuple(hidden.shape)}, {tuple(slots.shape)}, {tuple(topk_weights.shape)}, "
-                         f"{tuple(rows.w2.shape)}")
-    if rows.w13_scales.shape[:2] != (n, two_i) or rows.w2_scales.shape[:2] != (n, H):
-        raise ValueError(f"triton_grouped_forward: scales [n, N, ...] for w13 [{n}, {two_i}] and w2 [{n}, {H}], got "
-                         f"{tuple(rows.w13_scales.shape)} and {tuple(rows.w2_scales.shape)}")
+    if hidden.shape != (T, H) or topk_weights.shape != (T, K):
+        raise ValueError(f"triton_grouped_forward: hidden [T, H={H}], slots/topk_weights [T, K]; got "
+                         f"{tuple(hidden.shape)}, {tuple(slots.shape)}, {tuple(topk_weights.shape)}")
     bm, bn, bk, nw, ns = tile or tile_for(T * K / n)
-    f13 = _grouped_format(rows.w13, rows.w13_scales, H, bk)
-    f2 = _grouped_format(rows.w2, rows.w2_scales, I, bk)
+    f13, f2 = _formats(rows, bk)
     if f13 is None or f2 is None:
-        raise ValueError(f"triton_grouped_forward: scale groups of {H // rows.w13_scales.shape[-1]} (w13) and "
-                         f"{I // rows.w2_scales.shape[-1]} (w2) columns must divide or be divided by block_k={bk}")
+        raise ValueError(f"triton_grouped_forward: the scale groups of w13 and w2 must divide or be divided by "
+                         f"block_k={bk} (int8 codes, float32{' or float16' if packed else ''} scales)")
     x = hidden.contiguous()
     s = slots.to(torch.int32).contiguous()
     w = topk_weights.to(torch.float32).contiguous()
@@ -373,11 +482,11 @@ def triton_grouped_forward(hidden: torch.Tensor, slots: torch.Tensor, topk_weigh
     a13, G13, g13, m13 = f13
     _gate_up_grouped[(blocks * -(-I // bn),)](x, sorted_ids, block_expert, rows.w13, rows.w13_scales, h, R, K, n, H,
                                               I, G13, GROUP=g13, MODE=m13, AFFINE=int(a13),
-                                              ACT=_ACT_CODES[activation], DOT_F32=dot_f32, BLOCK_M=bm, BLOCK_N=bn,
-                                              BLOCK_K=bk, num_warps=nw, num_stages=ns)
+                                              ACT=_ACT_CODES[activation], DOT_F32=dot_f32, PACKED=int(packed),
+                                              BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
     a2, G2, g2, m2 = f2
     _down_grouped[(blocks * -(-H // bn),)](h, sorted_ids, block_expert, w, rows.w2, rows.w2_scales, y, R, n, H, I, G2,
-                                           GROUP=g2, MODE=m2, AFFINE=int(a2), DOT_F32=dot_f32, BLOCK_M=bm,
-                                           BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
+                                           GROUP=g2, MODE=m2, AFFINE=int(a2), DOT_F32=dot_f32, PACKED=int(packed),
+                                           BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
     _sum_slots[(T, -(-H // BLOCK_SUM))](y, s, out, H, K, BLOCK=BLOCK_SUM)
     return out
