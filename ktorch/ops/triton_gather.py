@@ -75,6 +75,9 @@ def host_alias(t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> Opt
     the registration alive for as long as the alias (see the module's docstring)."""
     if not t.is_contiguous() or t.device.type != "cpu":
         return None
+    device = torch.device(device)
+    if device.index is None:  # "cuda" -> "cuda:N", what the alias reports
+        device = torch.device(device.type, torch.cuda.current_device())
     words = as_words(t, dtype)
     if words.numel() == 0:
         return None
@@ -82,7 +85,7 @@ def host_alias(t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> Opt
         alias = torch.as_tensor(_CudaArray(t.data_ptr(), words.shape, dtype, t), device=device)
     except (RuntimeError, TypeError, ValueError):  # e.g. "resides on host memory and is not registered"
         return None
-    if alias.data_ptr() != t.data_ptr() or alias.device != torch.device(device):  # moved: a copy, not an alias
+    if alias.data_ptr() != t.data_ptr() or alias.device != device:  # moved: a copy, not an alias
         return None
     return alias
 
