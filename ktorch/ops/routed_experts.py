@@ -18,10 +18,12 @@ Experts the batch does not use move nowhere. The choice balances the two process
 Copied experts are taken most-hit first (the most rows per byte copied); ``choose_device_experts`` picks the
 count that minimises max(CPU time, device time). A near-uniform 512-token batch on a 128-expert layer hits every
 expert about as often, so roughly a share of them is copied, as before; a skewed one (routing that concentrates)
-hits few experts, most rows land on the most-hit ones, and those few are what moves. The copies are coalesced into
-contiguous runs of consecutive expert ids (one ``copy_`` per run and packed tensor) into one staging buffer per
-device (``DeviceStaging``: packed bytes and dequantized weights of ``capacity`` experts, sized by the GPU memory
-budget), shared by the layers, which run one after another.
+hits few experts, most rows land on the most-hit ones, and those few are what moves. They are gathered
+(``gather_experts``: on CUDA one zero-copy Triton launch a layer, the SMs reading the page-locked host bytes through
+CUDA aliases, ktorch/ops/triton_gather.py; one DMA ``copy_`` per run of consecutive ids and packed tensor before,
+which cost the launching thread ~260 ATen calls a layer) into one staging buffer per device (``DeviceStaging``:
+packed bytes and dequantized weights of ``capacity`` experts, sized by the GPU memory budget), shared by the
+layers, which run one after another.
 
 Prefill only (T >= ``RoutedExperts.min_tokens``), eager only: where experts may be copied, the per-layer token
 counts cost one small device to host copy and a host sync per layer, which a captured decode step must not. Where
@@ -359,8 +361,8 @@ def _copy_expert_runs(layer: StreamedExperts, staging: DeviceStaging, chosen: to
     """``gather_experts`` as DMA: one non-blocking ``copy_`` per contiguous run of ``chosen`` ids and packed tensor
     (~20 runs x 4 tensors a Qwen3-30B-A3B layer at 512 tokens, ~80 copies and ~180 slices on the launching thread).
     The fallback where the sources cannot be aliased, and the A/B's loser-in-waiting: benchmarks/bench_generate.py
-    --prefill-variants "dma runs" selects it; delete it (the fallback then copying per tensor) if the device keeps
-    the gather ahead."""
+    --prefill-variants "dma runs" selects it (the variant goes, the fallback stays, once the device has ranked
+    them)."""
     views = layer.views_in(staging.packed, chosen.numel())
     j = 0
     for a, b in contiguous_runs(chosen.tolist()):
