@@ -168,6 +168,8 @@ class StreamedExperts:
 
     def unpin(self) -> None:
         self.next_layer = self.copy_ahead = None  # (their device buffers go with the last layer that holds them)
+        if any(d.type == "cuda" and w is not None for d, w in self._gather_sources.items()):
+            torch.cuda.synchronize()  # no gather still reading through an alias when its memory is unregistered
         self._gather_sources.clear()  # the aliases before the registration they read through
         _unregister(self._registered)
         self.sources = self.tensors
