@@ -73,7 +73,8 @@ def host_alias(t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> Opt
     of ``dtype`` in place: no copy. None where torch places the pointer on another device (memory registered with
     another device current), or where it is not mapped (not page-locked: torch refuses the pointer). The caller keeps
     the registration alive for as long as the alias (see the module's docstring)."""
-    if not t.is_contiguous() or t.device.type != "cpu":
+    # is_pinned: page-locked (cudaHostAlloc'd or registered), asked of the driver (cudaPointerGetAttributes)
+    if not t.is_contiguous() or t.device.type != "cpu" or not t.is_pinned():
         return None
     device = torch.device(device)
     if device.index is None:  # "cuda" -> "cuda:N", what the alias reports
@@ -82,7 +83,10 @@ def host_alias(t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> Opt
     if words.numel() == 0:
         return None
     try:
-        alias = torch.as_tensor(_CudaArray(t.data_ptr(), words.shape, dtype, t), device=device)
+        # "cuda" without an index: torch asks the driver which device the pointer is on (recent torch takes an
+        # explicit index as given, unchecked)
+        with torch.cuda.device(device):
+            alias = torch.as_tensor(_CudaArray(t.data_ptr(), words.shape, dtype, t), device="cuda")
     except (RuntimeError, TypeError, ValueError):  # e.g. "resides on host memory and is not registered"
         return None
     if alias.data_ptr() != t.data_ptr() or alias.device != device:  # moved: a copy, not an alias
