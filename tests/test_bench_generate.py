@@ -65,18 +65,18 @@ def test_prefill_profile_times_each_variant_and_profiles_one_prefill(gguf, capsy
     import gzip
     import json
 
-    variants = ["default", "sync-per-layer"]
+    variants = ["default", "sync-per-layer", "dma runs"]  # "dma runs": only the split's copies, the same bytes
     bench.main(["--gguf", gguf, "--prefill-profile", "2", "--prompts", "70", "--ktorch-args", "--device cpu",
                 "--prefill-variants", *variants, "--profile-trace", str(tmp_path / "t")])
     out = capsys.readouterr().out
     firsts = re.findall(r"\] (.+?)\s+P=70: first token [\d.]+ ms warm .* first tokens (\[\d+\])", out)
     assert [v for v, _ in firsts] == variants, out
-    assert firsts[0][1] == firsts[1][1]
+    assert firsts[0][1] == firsts[1][1] == firsts[2][1]
     profiled = re.findall(r"\] (.+?)\s+P=70 profiled: wall [\d.]+ ms, GPU busy 0\.0 ms, 0 GPU kernels/copies, 0 "
                           r"launches, 0 synchronizing calls", out)
     assert profiled == variants, out
     counts = re.findall(r"most called ATen ops: (.+)", out)
-    assert len(counts) == 2 and all(re.match(r"\w+ \d+", c) for c in counts), out
+    assert len(counts) == len(variants) and all(re.match(r"\w+ \d+", c) for c in counts), out
     traces = list(tmp_path.glob("t.*.P70.json.gz"))
     assert len(traces) == 1 and f"trace: {traces[0]}" in out, out
     events = json.load(gzip.open(traces[0]))["traceEvents"]

@@ -31,8 +31,20 @@ def test_cpu_smoke_run(capsys, tmp_path):
     assert len(rows) == 1 and rows[0]["threads"] == 1 and rows[0]["cpu_alone"] > 0
     assert "copy_alone" not in rows[0]
     table = [line for line in out.splitlines() if line.startswith("| 1 |")]
-    assert len(table) == 1 and table[0].count(" - ") == 4
+    assert len(table) == 1 and table[0].count(" - ") == 8  # copy and gather: alone, both while, their sum
     floor = bench.floor_tokens_per_s(rows[0]["cpu_alone"], "tiny", 7)
     assert f"pp7 <= {floor:.0f} tok/s" in out
     lines = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
     assert lines == [dict(rows[0], bench="host_bandwidth", shape="tiny")]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_copy_and_gather_rows(capsys):
+    """On a GPU: the DMA copy and the zero-copy gather of the same registered bytes each get a rate alone and while
+    the CPU reads, printed side by side."""
+    rows = bench.main(["--threads", "1", "--cpu-gib", "0.05", "--repeats", "1", "--copy-mib", "16", "--copies", "2",
+                       "--shape", "tiny", "--tokens", "7"])
+    for name in ("copy", "gather"):
+        assert rows[0][f"{name}_alone"] > 0 and rows[0][f"{name}_while_reading"] > 0
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 1 |")]
+    assert len(table) == 1 and " - " not in table[0]

@@ -170,6 +170,91 @@ def test_choose_counts_what_moved():
                            torch.arange(4))
 
 
+def _device_parts(routed: RoutedExperts, hidden, ids, weights, splits: list, runs: bool) -> list:
+    """device_part for each chosen set, with the split's gather or (``runs``) the per-run DMA copies swapped in as
+    benchmarks/bench_generate.py's "dma runs" variant does; the counters must not move."""
+    from ktorch.ops import routed_experts
+
+    before = dict(routed.stats)
+    out = []
+    original = routed_experts.gather_experts
+    if runs:
+        routed_experts.gather_experts = routed_experts._copy_expert_runs
+    try:
+        for chosen in splits:
+            part = routed.device_part(hidden, ids, weights, torch.tensor(chosen, dtype=torch.int64))
+            k = len(chosen)
+            packed = [None if v is None else v.view(torch.uint8).clone()
+                      for v in routed.layer.views_in(routed.staging.packed, k)]
+            out.append((part, packed))
+    finally:
+        routed_experts.gather_experts = original
+    assert dict(routed.stats) == before
+    return out
+
+
+CUDA_LAYERS = [("int8", None, 8, 128, 64), ("int4", 32, 8, 128, 64),
+               ("int8", None, 16, 2048, 512)]  # the last: w13 32 MiB, registered in place (the others: pinned copies)
+
+
+@needs_cuda
+@pytest.mark.parametrize("fmt,group_size,E,H,I", CUDA_LAYERS, ids=["int8", "int4", "int8-registered"])
+def test_cuda_gather_equals_the_dma_runs(fmt, group_size, E, H, I):
+    """On the GPU, the split's zero-copy gather through the aliases (page-locked copies, and memory registered in
+    place) and the per-run DMA copies it replaced put the same bytes in the staging and give the same device part,
+    bit for bit, for chosen sets of runs of one, many runs, one run and all; the counters do not move; the bytes
+    are the chosen experts' host bytes."""
+    packed, layer = _layer(fmt, group_size, E, H, I)
+    layer.pin_prefix(E)
+    assert bool(layer._registered) == (H == 2048)
+    assert layer.gather_sources(torch.device("cuda")) is not None  # the gather runs, not the fallback
+    T, K = 96, 4
+    gen = torch.Generator().manual_seed(5)
+    hidden = torch.randn(T, H, generator=gen).to("cuda", torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).to("cuda")
+    weights = torch.rand(T, K, generator=gen).to("cuda")
+    splits = [[1], list(range(0, E, 2)), [0, 1, 2, 5, 6, E - 1], list(range(E)),
+              sorted(torch.randperm(E, generator=gen)[:E // 2].tolist())]
+    results = []
+    for runs in (False, True):
+        routed = RoutedExperts(layer, COSTS, DeviceStaging(layer, E, torch.device("cuda"), torch.bfloat16))
+        routed.choose(torch.bincount(ids.flatten().cpu(), minlength=E))
+        results.append((_device_parts(routed, hidden, ids, weights, splits, runs), dict(routed.stats)))
+    (gathered, stats_g), (copied, stats_c) = results
+    assert stats_g == stats_c
+    for chosen, (part_g, bytes_g), (part_c, bytes_c) in zip(splits, gathered, copied):
+        assert torch.equal(part_g, part_c), chosen
+        for g, c, t in zip(bytes_g, bytes_c, layer.tensors):
+            if t is not None:
+                assert torch.equal(g, c) and torch.equal(g.cpu().view(len(chosen), -1),
+                                                         t[chosen].reshape(len(chosen), -1).view(torch.uint8))
+
+
+@needs_cuda
+@pytest.mark.parametrize("fmt", ["int8", "bf16"])
+def test_cuda_gather_reads_nothing_of_experts_not_chosen(fmt):
+    """Every byte of the experts not chosen set to 0xFF (NaN scales for int8, NaN weights for bf16) before they are
+    page-locked: the device part of the chosen ones is finite and equals the clean layer's bit for bit."""
+    E, H, I, T, K = 8, 128, 64, 64, 3
+    _, clean = _layer(fmt, None, E, H, I)
+    _, poisoned = _layer(fmt, None, E, H, I)
+    chosen = [0, 2, 3, 6]
+    others = torch.tensor([e for e in range(E) if e not in chosen])
+    for t in poisoned.tensors:
+        if t is not None:
+            t.view(torch.uint8)[others] = 0xFF
+    gen = torch.Generator().manual_seed(6)
+    hidden = torch.randn(T, H, generator=gen).to("cuda", torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).to("cuda")
+    weights = torch.rand(T, K, generator=gen).to("cuda")
+    parts = []
+    for layer in (clean, poisoned):
+        layer.pin_prefix(E)
+        routed = RoutedExperts(layer, COSTS, DeviceStaging(layer, E, torch.device("cuda"), torch.bfloat16))
+        parts.append(routed.device_part(hidden, ids, weights, torch.tensor(chosen)))
+    assert torch.isfinite(parts[1]).all() and torch.equal(parts[0], parts[1])
+
+
 # ---------------------------------------------------------------- in a model
 
 

@@ -18,10 +18,12 @@ Experts the batch does not use move nowhere. The choice balances the two process
 Copied experts are taken most-hit first (the most rows per byte copied); ``choose_device_experts`` picks the
 count that minimises max(CPU time, device time). A near-uniform 512-token batch on a 128-expert layer hits every
 expert about as often, so roughly a share of them is copied, as before; a skewed one (routing that concentrates)
-hits few experts, most rows land on the most-hit ones, and those few are what moves. The copies are coalesced into
-contiguous runs of consecutive expert ids (one ``copy_`` per run and packed tensor) into one staging buffer per
-device (``DeviceStaging``: packed bytes and dequantized weights of ``capacity`` experts, sized by the GPU memory
-budget), shared by the layers, which run one after another.
+hits few experts, most rows land on the most-hit ones, and those few are what moves. They are gathered
+(``gather_experts``: on CUDA one zero-copy Triton launch a layer, the SMs reading the page-locked host bytes through
+CUDA aliases, ktorch/ops/triton_gather.py; one DMA ``copy_`` per run of consecutive ids and packed tensor before,
+which cost the launching thread ~260 ATen calls a layer) into one staging buffer per device (``DeviceStaging``:
+packed bytes and dequantized weights of ``capacity`` experts, sized by the GPU memory budget), shared by the
+layers, which run one after another.
 
 Prefill only (T >= ``RoutedExperts.min_tokens``), eager only: where experts may be copied, the per-layer token
 counts cost one small device to host copy and a host sync per layer, which a captured decode step must not. Where
@@ -47,7 +49,8 @@ import torch
 
 from ktorch.ops import triton_experts, triton_prefill
 from ktorch.ops.gpu_experts import gpu_experts_forward
-from ktorch.ops.streamed_experts import StreamedExperts, as_bytes, dequantize_packed, queue_timed_copies
+from ktorch.ops.streamed_experts import StreamedExperts, as_bytes, dequantize_packed, queue_timed
+from ktorch.ops.triton_gather import as_words, gather_rows, kernel_runs_on, triton
 
 MIN_TOKENS = 64  # below this a call never splits (the CPU op alone; the host sync of the counts is not worth it)
 # calls whose counts wait on the device before they are read anyway: bounds the device memory they hold (a block of
@@ -59,7 +62,8 @@ PENDING_LIMIT = 64
 class SplitCosts:
     """Seconds per unit, measured by ``calibrate_split_costs`` (or given by hand in tests and experiments)."""
 
-    h2d_bytes_per_s: float  # host-to-device copies from page-locked memory, measured while the CPU op runs
+    h2d_bytes_per_s: float  # the split's host-to-device gather (``gather_experts``), measured while the CPU op runs
+    # (the resident swaps' DMA copies, ktorch/gpu_memory.py, take it as their rate too)
     cpu_fixed_s: float  # the CPU op per call
     cpu_row_s: float  # per (token, expert) row on the CPU
     cpu_expert_s: float  # per expert the CPU computes (its weights read once, cold)
@@ -162,6 +166,20 @@ class DeviceStaging:
         dequantized = 0 if reads_blocks(layer, dtype, device, kernel) else capacity
         self.w13 = torch.empty(dequantized, two_i, h, dtype=dtype, device=device)
         self.w2 = torch.empty(dequantized, h, two_i // 2, dtype=dtype, device=device)
+        self._views: dict = {}  # (k, a layer's layout) -> (views_in's views, their [k, W] word views): views_for
+
+    def views_for(self, layer: StreamedExperts, k: int, words: Sequence[Optional[torch.Tensor]]) -> tuple:
+        """(``layer.views_in(self.packed, k)``, the same views as [k, W] words of ``words``' dtypes (the layer's
+        ``gather_sources``)): made once per k and layout (the layers of a model share them), since a call's few
+        microseconds of view ops add up over the layers of a launch-bound prefill."""
+        key = (k, tuple(None if t is None else (t.dtype, tuple(t.shape[1:]), w.dtype)
+                        for t, w in zip(layer.tensors, words)))
+        made = self._views.get(key)
+        if made is None:
+            views = layer.views_in(self.packed, k)
+            made = self._views[key] = (views, tuple(None if v is None else as_words(v, w.dtype)
+                                                    for v, w in zip(views, words)))
+        return made
 
     @staticmethod
     def bytes_for(layer: StreamedExperts, capacity: int, dtype: torch.dtype, device="cuda", kernel: str = "auto") -> int:
@@ -312,8 +330,9 @@ class RoutedExperts:
     def device_part(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                     chosen: torch.Tensor, slots: Optional[torch.Tensor] = None) -> torch.Tensor:
         """hidden [T, H], topk_ids/topk_weights [T, K] on the device; the routed output [T, H] of the experts
-        ``chosen`` (sorted ids, CPU): their packed bytes copied into the staging in contiguous runs, dequantized
-        there, computed with ``gpu_experts_forward`` (slots of other experts skipped). ``slots``: ``route_for``'s,
+        ``chosen`` (sorted ids, CPU): their packed bytes gathered into the staging (``gather_experts``), then int8
+        blocks read as they are by the grouped kernels (``blocks_kernels_apply``), other formats dequantized there
+        and computed with ``gpu_experts_forward`` (slots of other experts skipped). ``slots``: ``route_for``'s,
         when the caller has them already."""
         k = chosen.numel()
         if k > self.capacity:
@@ -322,13 +341,7 @@ class RoutedExperts:
         device = hidden.device
         if device.type == "cuda" and self.layer.pinned_experts < self.num_experts:
             raise RuntimeError("routed experts: the layer's packed experts are not page-locked; pin_prefix(E) first")
-        views = self.layer.views_in(staging.packed, k)
-        j = 0
-        for a, b in contiguous_runs(chosen.tolist()):
-            for dst, src in zip(views, self.layer.sources):
-                if dst is not None:
-                    as_bytes(dst)[j:j + b - a].copy_(as_bytes(src[a:b]), non_blocking=True)
-            j += b - a
+        views = gather_experts(self.layer, staging, chosen, _to_device(chosen, device))
         if slots is None:
             slots = route_for(topk_ids, chosen, self.num_experts)[0]
         blocks = triton_prefill.PackedBlocks(*views)
@@ -362,6 +375,44 @@ def route_for(topk_ids: torch.Tensor, chosen: torch.Tensor, num_experts: int) ->
     return slots, torch.where(slots >= 0, -1, topk_ids)
 
 
+def gather_experts(layer: StreamedExperts, staging: DeviceStaging, chosen: torch.Tensor, ids: torch.Tensor) -> tuple:
+    """Queues the copy of ``layer``'s experts ``chosen`` (sorted ids [k], CPU; ``ids`` the same on the staging's
+    device) into ``staging.packed``, expert j of the call in row j; returns their views there (``views_in``). On
+    CUDA one zero-copy gather launch (ktorch/ops/triton_gather.py: the SMs read the page-locked host bytes through
+    their aliases, ``StreamedExperts.gather_sources``) whatever the runs of ids; on the CPU ``index_select`` (or
+    the same kernel under Triton's interpreter). Where the sources cannot be aliased (``gather_sources`` None) or
+    Triton is missing on CUDA, the per-run copies (``_copy_expert_runs``). benchmarks/bench_generate.py's "dma
+    runs" prefill variant swaps this function for ``_copy_expert_runs``."""
+    words = layer.gather_sources(ids.device)
+    if words is None or (ids.is_cuda and triton is None):
+        return _copy_expert_runs(layer, staging, chosen, ids)
+    views, dsts = staging.views_for(layer, chosen.numel(), words)
+    if kernel_runs_on(ids):
+        gather_rows(dsts, words, ids)
+    else:
+        for dst, src in zip(dsts, words):
+            if src is not None:
+                torch.index_select(src, 0, ids, out=dst)
+    return views
+
+
+def _copy_expert_runs(layer: StreamedExperts, staging: DeviceStaging, chosen: torch.Tensor,
+                      ids: torch.Tensor) -> tuple:
+    """``gather_experts`` as DMA: one non-blocking ``copy_`` per contiguous run of ``chosen`` ids and packed tensor
+    (~20 runs x 4 tensors a Qwen3-30B-A3B layer at 512 tokens, ~80 copies and ~180 slices on the launching thread).
+    The fallback where the sources cannot be aliased, and the A/B's loser-in-waiting: benchmarks/bench_generate.py
+    --prefill-variants "dma runs" selects it (the variant goes, the fallback stays, once the device has ranked
+    them)."""
+    views = layer.views_in(staging.packed, chosen.numel())
+    j = 0
+    for a, b in contiguous_runs(chosen.tolist()):
+        for dst, src in zip(views, layer.sources):
+            if dst is not None:
+                as_bytes(dst)[j:j + b - a].copy_(as_bytes(src[a:b]), non_blocking=True)
+        j += b - a
+    return views
+
+
 def cpu_ids_for(topk_ids: torch.Tensor, chosen: torch.Tensor, num_experts: int) -> torch.Tensor:
     """topk_ids with the slots of the experts ``chosen`` (CPU ids) set to -1: what the CPU op gets beside them."""
     return route_for(topk_ids, chosen, num_experts)[1]
@@ -392,20 +443,24 @@ def calibrate_split_costs(layers: Sequence[StreamedExperts], hidden_size: int, t
 
     CPU: the op at each of ``tokens`` with every expert used and with a quarter of them, fitted to fixed + row_s *
     rows + expert_s * experts; each run reads another layer's weights than the run before it (cold weights, as in a
-    prefill, where each layer's experts were last read a whole forward ago). The copies run on a side stream
-    meanwhile (they share the DRAM), and give the H2D bandwidth. Device: the dequantization of a few experts and a
+    prefill, where each layer's experts were last read a whole forward ago). The split's copies (``gather_experts``
+    of a few experts spread over the layer: on CUDA the zero-copy gather from page-locked memory) run on a side
+    stream meanwhile (they share the DRAM) and give the H2D rate. Device: the dequantization of a few experts and a
     grouped GEMM over many rows. About ``2 * repeats * sum(tokens) * 2`` tokens of CPU work."""
     device = torch.device(device)
     first = layers[0]
     E = first.num_experts
     probe = min(E, 8)
-    src = as_bytes(first.sources[0][:probe])  # (MXFP4 nibbles measured as the bytes they are)
-    dst = torch.empty(src.shape, dtype=src.dtype, device=device)
-    copy_bytes = src.numel() * src.element_size()
     cuda = device.type == "cuda"
     side = torch.cuda.Stream(device) if cuda else None
     gen = torch.Generator().manual_seed(0)
     turn = [0]
+    # the copies timed are what the split runs (``gather_experts``): ``probe`` experts spread over the layer, all
+    # four packed tensors, into a staging of that many
+    staging = DeviceStaging(first, probe, device, torch.bfloat16)
+    spread = torch.sort(torch.randperm(E, generator=gen)[:probe]).values
+    spread_ids = _to_device(spread, device)
+    copy_bytes = probe * first.bytes_per_expert()
 
     def run_cpu(x, ids, weights) -> float:
         start = time.perf_counter()
@@ -419,11 +474,13 @@ def calibrate_split_costs(layers: Sequence[StreamedExperts], hidden_size: int, t
         if not cuda:
             start = time.perf_counter()
             for _ in range(n):
-                dst.copy_(src)
+                gather_experts(first, staging, spread, spread_ids)
             return time.perf_counter() - start
-        return queue_timed_copies(src, dst, n, side)
+        # (the module's gather_experts at each call: a benchmark's variant that swaps it is timed as it runs)
+        return queue_timed(lambda: gather_experts(first, staging, spread, spread_ids), n, side)
 
     if cuda:
+        side.wait_stream(torch.cuda.current_stream(device))  # the ids' copy
         copies(2)
         side.synchronize()
     points, copied_s, copied_bytes = [], 0.0, 0
@@ -449,7 +506,6 @@ def calibrate_split_costs(layers: Sequence[StreamedExperts], hidden_size: int, t
         copied_s, copied_bytes = copies(4), 4 * copy_bytes
     fixed, row_s, expert_s = _fit(points, 3)
     # device: dequantize ``probe`` experts, then a grouped GEMM of T*K rows over them
-    staging = DeviceStaging(first, probe, device, torch.bfloat16)
     T = max(tokens)
     hidden = torch.randn(T, hidden_size, dtype=torch.bfloat16, device=device)
     ids = torch.randint(0, probe, (T, top_k), device=device)

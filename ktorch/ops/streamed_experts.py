@@ -121,6 +121,9 @@ class StreamedExperts:
         self.activation = activation
         self.kernel = kernel
         self._registered: list = []  # pointers page-locked in place by pin_prefix
+        # device -> the packed tensors as [E, W] words a gather there reads (CUDA: aliases of the page-locked
+        # sources), or None; emptied whenever the pinning changes, so no alias outlives its registration
+        self._gather_sources: dict = {}
         # unregistered when this object goes (its tensors are freed after): memory freed while still registered
         # leaves the range registered in the driver, and a later allocation at those addresses (the next model
         # loaded in the process) then fails its copies to the GPU ("CUDA error: invalid argument")
@@ -165,6 +168,9 @@ class StreamedExperts:
 
     def unpin(self) -> None:
         self.next_layer = self.copy_ahead = None  # (their device buffers go with the last layer that holds them)
+        if any(d.type == "cuda" and w is not None for d, w in self._gather_sources.items()):
+            torch.cuda.synchronize()  # no gather still reading through an alias when its memory is unregistered
+        self._gather_sources.clear()  # the aliases before the registration they read through
         _unregister(self._registered)
         self.sources = self.tensors
         self.pinned_experts = 0
@@ -187,6 +193,40 @@ class StreamedExperts:
             w13, s13, w2, s2 = (None if t is None else as_bytes(t[:n]).to(device, non_blocking=True).view(t.dtype)
                                 for t in self.sources)
         return dequantize_packed(w13, s13, True, dtype), dequantize_packed(w2, s2, False, dtype)
+
+    def gather_sources(self, device: torch.device) -> Optional[tuple]:
+        """(w13, w13_scales, w2, w2_scales) as [E, W] words (``triton_gather.word_dtype``: the widest the row bytes
+        and addresses allow; None entries kept) that a gather of experts onto ``device`` reads: on CUDA, aliases of
+        the page-locked sources (``triton_gather.host_alias``: the device reads the host bytes in place; every
+        expert must be page-locked), on the CPU word views of the tensors. None where that is not possible (a
+        tensor not contiguous, not every expert page-locked, or the pointer not mapped on ``device``): the caller
+        copies then. Made once per device and cached until the pinning changes (``pin_prefix``, ``unpin``); the
+        aliases live on this object only, so they go before the registration (``_unregister``) they read through."""
+        from ktorch.ops.triton_gather import as_words, host_alias, word_dtype
+
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device in self._gather_sources:
+            return self._gather_sources[device]
+        words = None
+        if device.type == "cpu" or (device.type == "cuda" and self.pinned_experts == self.num_experts):
+            words = []
+            for t, src in zip(self.tensors, self.sources):
+                if t is None:
+                    words.append(None)
+                    continue
+                if not (t.is_contiguous() and src.is_contiguous()):
+                    words = None
+                    break
+                dtype = word_dtype(t.element_size() * t[0].numel(), t.data_ptr(), src.data_ptr())
+                w = as_words(src, dtype) if device.type == "cpu" else host_alias(src, dtype, device)
+                if w is None:
+                    words = None
+                    break
+                words.append(w)
+        self._gather_sources[device] = None if words is None else tuple(words)
+        return self._gather_sources[device]
 
     def prefix_bytes(self, n: int) -> int:
         """Bytes of experts [0, n) of every packed tensor, each range starting 256-byte aligned in one buffer."""
@@ -343,13 +383,19 @@ def cpu_ids_without(topk_ids: torch.Tensor, n: int) -> torch.Tensor:
 # ---------------------------------------------------------------- timing copies
 
 
-def queue_timed_copies(src: torch.Tensor, dst: torch.Tensor, n: int, stream: torch.cuda.Stream) -> tuple:
-    """``n`` copies ``dst.copy_(src)`` queued on ``stream`` now (non-blocking); (begin, end) timing events around
-    them. Also what benchmarks/bench_host_bandwidth.py times."""
+def queue_timed(fn, n: int, stream: torch.cuda.Stream) -> tuple:
+    """``n`` calls of ``fn()`` (work queued on the current stream) queued on ``stream`` now; (begin, end) timing
+    events around them. What the split's calibration and benchmarks/bench_host_bandwidth.py time."""
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with torch.cuda.stream(stream):
         begin.record()
         for _ in range(n):
-            dst.copy_(src, non_blocking=True)
+            fn()
         end.record()
     return begin, end
+
+
+def queue_timed_copies(src: torch.Tensor, dst: torch.Tensor, n: int, stream: torch.cuda.Stream) -> tuple:
+    """``n`` copies ``dst.copy_(src)`` queued on ``stream`` now (non-blocking); (begin, end) timing events around
+    them (``queue_timed``)."""
+    return queue_timed(lambda: dst.copy_(src, non_blocking=True), n, stream)
