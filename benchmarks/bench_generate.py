@@ -382,7 +382,7 @@ def breakdown(args) -> None:
             torch.cuda.empty_cache()
 
 
-PREFILL_VARIANTS = ("default", "sync-per-layer", "dma runs")
+PREFILL_VARIANTS = ("default", "sync-per-layer")
 _SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
@@ -404,10 +404,10 @@ def prefill_profile(args) -> None:
     --ktorch-args set, one process loads the model as ``ktorch generate`` does, then alternates --prefill-variants
     for --prefill-profile rounds over the --prompts lengths, timing ``Decoder.prefill`` + reading the first token (no
     hooks, no syncs but the prefill's own). Variants: ``default`` (what generate runs); ``sync-per-layer`` (the split's
-    counts copied to the host at every MoE layer, as before commit 66e74df, whatever the placement); ``dma runs``
-    (the split's chosen experts copied to the staging with one DMA ``copy_`` per contiguous run of ids and packed
-    tensor, ``routed_experts._copy_expert_runs``, as before the zero-copy gather, ``gather_experts``; the costs stay
-    those calibrated on the gather). (Merged after their runs here, session 35: the rows sorted by expert in three Triton launches, each RMSNorm one ``F.rms_norm``.)
+    counts copied to the host at every MoE layer, as before commit 66e74df, whatever the placement). (Merged after their runs here, session 35: the rows sorted by expert in three Triton
+    launches, each RMSNorm one ``F.rms_norm``; the split's copies as one zero-copy gather a layer, which tied the
+    per-run DMA copies on the clock (call 3, H200 host: off P=512/2048 355.5/481.5 ms against 340.0/510.8, 24GiB
+    213.0/316.2 against 219.5/306.0) with ~8000 fewer ATen ops a prefill; the runs stay as its fallback.)
     (A prefill through the compiled layers with dynamic shapes lost to ``default``, session 33 on an H200 host:
     104.9 / 107.3 ms warm at P=512 / 2048 against 86.6 / 94.4, after an 11.5 s compile; deleted.) Then one
     profiled prefill per variant and length: wall, GPU busy time (the union of kernels and copies), kernels
@@ -430,13 +430,6 @@ def prefill_profile(args) -> None:
             original = RoutedExperts.copies_possible
             RoutedExperts.copies_possible = lambda self, ids: True
             stack.callback(setattr, RoutedExperts, "copies_possible", original)
-            return stack
-        if variant == "dma runs":  # device_part (and the calibration) look gather_experts up at each call
-            from ktorch.ops import routed_experts
-
-            stack = contextlib.ExitStack()
-            stack.callback(setattr, routed_experts, "gather_experts", routed_experts.gather_experts)
-            routed_experts.gather_experts = routed_experts._copy_expert_runs
             return stack
         return contextlib.nullcontext()
 

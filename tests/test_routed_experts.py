@@ -171,8 +171,8 @@ def test_choose_counts_what_moved():
 
 
 def _device_parts(routed: RoutedExperts, hidden, ids, weights, splits: list, runs: bool) -> list:
-    """device_part for each chosen set, with the split's gather or (``runs``) the per-run DMA copies swapped in as
-    benchmarks/bench_generate.py's "dma runs" variant does; the counters must not move."""
+    """device_part for each chosen set, with the split's gather or (``runs``) its fallback, the per-run DMA copies,
+    swapped in; the counters must not move."""
     from ktorch.ops import routed_experts
 
     before = dict(routed.stats)
