@@ -546,22 +546,32 @@ def _warm_up_prefill(model: nn.Module, tokens: int) -> float:
 
 
 def _warm_resident_tiles(model: nn.Module) -> int:
-    """The grouped prefill kernels' other tiles on the residents' formats (``triton_prefill.warm_tiles``: the
-    warm-up prefill compiles the tile of its own length only), once per distinct format; returns the launches."""
+    """The grouped prefill kernels' other tiles on the residents' formats and on the split's copied experts (packed
+    blocks in the staging: ``routed_experts.reads_blocks``) (``triton_prefill.warm_tiles``: the warm-up prefill
+    compiles the tile of its own length only), once per distinct format; returns the launches."""
     from ktorch.ops.resident_rows import RowExperts
     from ktorch.ops.triton_prefill import warm_tiles
+
+    from ktorch.ops.routed_experts import reads_blocks
+    from ktorch.ops.triton_prefill import PackedBlocks
 
     seen, launched = set(), 0
     dtype = model.get_input_embeddings().weight.dtype  # the activations' dtype
     for m in model.modules():
-        rows = getattr(m, "kt_gpu_packed", None)
-        if not isinstance(rows, RowExperts) or not rows.w13.is_cuda:
-            continue
         activation = getattr(m, "kt_activation", "silu")
-        key = (tuple((t.dtype, tuple(t.shape[1:])) for t in rows), activation)
-        if key not in seen:
-            seen.add(key)
-            launched += warm_tiles(rows, activation, dtype)
+        candidates = [getattr(m, "kt_gpu_packed", None)]
+        routed = getattr(m, "kt_routed", None)  # the split's copied experts, read as packed blocks in the staging
+        staging = None if routed is None else routed.staging
+        if staging is not None and staging.capacity and staging.packed.is_cuda and \
+                reads_blocks(routed.layer, dtype, staging.packed.device, routed.kernel):
+            candidates.append(PackedBlocks(*routed.layer.views_in(staging.packed, 1)))  # one expert's bytes
+        for rows in candidates:
+            if not isinstance(rows, (RowExperts, PackedBlocks)) or not rows.w13.is_cuda:
+                continue
+            key = (type(rows), tuple(None if t is None else (t.dtype, tuple(t.shape[1:])) for t in rows), activation)
+            if key not in seen:
+                seen.add(key)
+                launched += warm_tiles(rows, activation, dtype)
     return launched
 
 

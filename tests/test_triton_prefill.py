@@ -277,7 +277,8 @@ def test_cuda_grouped_kernels_at_the_qwen3_shape(group_size):
 
 def _compiled_kernels() -> int:
     """Kernels Triton has compiled for the grouped prefill (every device's cache)."""
-    kernels = (triton_prefill._gate_up_grouped, triton_prefill._down_grouped, triton_prefill._sum_slots)
+    kernels = (triton_prefill._gate_up_grouped, triton_prefill._down_grouped, triton_prefill._sum_slots,
+               triton_prefill._align_count, triton_prefill._align_scan, triton_prefill._align_scatter)
     return sum(len(caches[0]) for k in kernels for caches in k.device_caches.values())
 
 
@@ -301,6 +302,30 @@ def test_cuda_warm_tiles_leave_nothing_to_compile_for_any_prompt_length(group_si
         ref = _reference(hidden, slots, weights, rows)
         assert relative_error(got.cpu(), ref) <= 4e-3, T
     assert _compiled_kernels() == compiled
+
+
+@needs_cuda_triton
+def test_cuda_warm_tiles_on_one_packed_expert_cover_any_count_of_copied_experts():
+    """The split's copied experts (packed blocks, 1..E a layer and call): ``warm_tiles`` on one expert's blocks (the
+    load-time warm-up's, generation._warm_resident_tiles) leaves nothing to compile for any expert count and prompt
+    length (the alignment's expert axis is padded to ALIGN_MIN_PAD: a first prompt compiled it per power of two)."""
+    torch.manual_seed(2)
+    E, K, H, I = 100, 8, 256, 128
+    packed, _ = _experts("int8", 32, n=E, H=H, I=I)
+    packed = tuple(t.cuda() for t in packed)
+    one = PackedBlocks(*(t[:1] for t in packed))
+    assert triton_prefill.warm_tiles(one, "silu", torch.bfloat16) == len(triton_prefill.TILES)
+    compiled = _compiled_kernels()
+    calls = []
+    for n, T in ((5, 33), (17, 200), (33, 64), (100, 511), (2, 1)):
+        blocks = PackedBlocks(*(t[:n] for t in packed))
+        hidden = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+        slots = torch.randint(0, n, (T, K), device="cuda")
+        weights = torch.rand(T, K, device="cuda")
+        calls.append((blocks, hidden, slots, weights, triton_grouped_forward(hidden, slots, weights, blocks)))
+    assert _compiled_kernels() == compiled
+    for blocks, hidden, slots, weights, got in calls:  # (the row layout's kernels compile here: not warmed)
+        assert torch.equal(got, triton_grouped_forward(hidden, slots, weights, rows_from_packed(*blocks)))
 
 
 @needs_kernels

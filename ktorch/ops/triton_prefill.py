@@ -218,6 +218,11 @@ if triton is not None:
 
 ALIGN_ROWS = 64  # (token, slot) rows a program of the alignment kernels' count and scatter
 ALIGN_SCAN = 16  # row blocks a step of the scan's loops
+# the experts' axis of the alignment kernels is padded to at least this (a constexpr): the split's copied experts
+# (n = the call's count, 20-40 a layer) would otherwise compile the three kernels again for each power of two, in a
+# user's first prompt (device, session 35: a first 512-token prompt with every expert in host memory 2.15 s against
+# 0.36 s warm, with the copied experts' tiles below)
+ALIGN_MIN_PAD = 256
 
 
 if triton is not None:
@@ -291,7 +296,7 @@ def align_by_expert(slots: torch.Tensor, n: int, block_m: int) -> tuple:
     T, K = slots.shape
     R = T * K
     capacity = -(-(R + min(n, R) * (block_m - 1)) // block_m) * block_m
-    n_pad = triton.next_power_of_2(n + 1)
+    n_pad = max(triton.next_power_of_2(n + 1), ALIGN_MIN_PAD)  # one compiled variant for any n below it
     n_blocks = max(1, -(-R // ALIGN_ROWS))
     flat = slots.contiguous().view(-1)
     scratch = torch.empty(2, n_blocks, n_pad, dtype=torch.int32, device=slots.device)
