@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 
@@ -810,3 +811,47 @@ def test_cuda_prepare_and_load_default_to_resident_experts():
     ktorch.prepare(loaded, device="cuda", trainable=True, gradient_checkpointing=False)
     assert loaded.kt_gpu_memory is None
     assert all(getattr(m, "kt_gpu_expert_ids", None) is None for m in moe_experts_modules(loaded))
+
+
+def test_split_call_prices_a_call_as_the_choice_does():
+    """SplitCall.of: the CPU side (rows and experts neither copied nor resident) and the device side (copied experts,
+    rows of copied and resident experts) priced by hand, and the same prices choose_device_experts minimised."""
+    from ktorch.ops.routed_experts import SplitCall
+
+    counts = np.array([0, 100, 5, 50, 0, 20, 1, 0])
+    resident = np.zeros(8, dtype=bool)
+    resident[5] = True
+    call = SplitCall.of(counts, np.array([1, 3]), resident, COSTS, 10**6)
+    assert (call.cpu_rows, call.cpu_experts, call.copied, call.device_rows) == (6, 2, 2, 170)
+    assert call.cpu_s == pytest.approx(1e-3 + 6e-5 + 1e-3)  # 1 ms + 6 rows x 10 us + 2 experts x 0.5 ms
+    assert call.device_s == pytest.approx(2e-3)  # 2 x 1 MB at 1 GB/s, no device row cost
+    costs = SplitCosts(h2d_bytes_per_s=1e9, cpu_fixed_s=0, cpu_row_s=1e-5, cpu_expert_s=0, device_row_s=1e-6,
+                       device_expert_s=1e-4)
+    call = SplitCall.of(counts, np.array([1, 2, 3, 6]), None, costs, 10**6)
+    assert (call.cpu_rows, call.cpu_experts) == (20, 1) and call.cpu_s == pytest.approx(2e-4)
+    assert call.device_s == pytest.approx(4 * (1e-3 + 1e-4) + 156e-6)
+    everything = SplitCall.of(counts, np.array([1, 2, 3, 5, 6]), None, COSTS, 10**6)
+    assert everything.cpu_experts == 0 and everything.cpu_s == 0.0  # no CPU expert: no CPU time, fixed included
+    assert call.device_measured_s is None
+
+
+def test_recorded_calls_price_each_layer_call_and_time_its_device_part():
+    """RoutedExperts.calls (off by default): a split model's layer calls each append their SplitCall, priced from the
+    call's counts as the choice priced them, and their device part timed when it ran (on the CPU: wall time)."""
+    _, model = _split_model(COSTS)
+    modules = moe_experts_modules(model)
+    assert all(m.kt_routed.calls is None for m in modules)
+    calls: list = []
+    for m in modules:
+        m.kt_routed.calls = calls
+    with torch.no_grad():
+        model(torch.randint(0, 256, (1, 24)))
+    stats = ktorch.prefill_split_stats(model)
+    assert len(calls) == len(modules) == stats["passes"]
+    assert sum(c.copied for c in calls) == stats["experts_copied"]
+    assert sum(c.device_rows for c in calls) == stats["rows_copied"]
+    assert sum(c.cpu_rows for c in calls) == stats["rows"] - stats["rows_copied"]
+    for c in calls:
+        assert c.cpu_s == pytest.approx(float(COSTS.cpu_seconds(c.cpu_rows, c.cpu_experts)))
+        assert c.device_s == pytest.approx(c.copied * 1e-3 * modules[0].kt_routed.bytes_per_expert / 10**6)
+        assert (c.device_measured_s is not None and c.device_measured_s > 0) == (c.copied > 0)

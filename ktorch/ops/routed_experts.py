@@ -78,6 +78,71 @@ class SplitCosts:
             if not getattr(self, name) >= 0:
                 raise ValueError(f"SplitCosts: {name} must be >= 0, got {getattr(self, name)}")
 
+    def cpu_seconds(self, rows, experts):
+        """The CPU op's predicted time for ``rows`` rows over ``experts`` experts (numbers or numpy arrays); 0 where
+        it computes no expert."""
+        return np.where(np.asarray(experts) > 0, self.cpu_fixed_s + self.cpu_row_s * rows + self.cpu_expert_s * experts,
+                        0.0)
+
+    def device_seconds(self, copied, rows, bytes_per_expert: int):
+        """The device part's predicted time: ``copied`` experts of ``bytes_per_expert`` packed bytes copied (and
+        dequantized), ``rows`` rows computed there (copied and resident experts'); numbers or numpy arrays."""
+        return copied * (bytes_per_expert / self.h2d_bytes_per_s + self.device_expert_s) + self.device_row_s * rows
+
+
+@dataclass
+class SplitCall:
+    """One split call as its costs priced it (``RoutedExperts.calls``, for benchmarks): the CPU op's rows and
+    experts, the copied experts and the rows on the device (copied and resident experts'), the seconds
+    ``SplitCosts`` predict for each side, and the device part's measured time once it ran (``device_measured_s``)."""
+
+    cpu_rows: int
+    cpu_experts: int
+    copied: int
+    device_rows: int
+    cpu_s: float
+    device_s: float
+    device_timing: Optional[tuple] = None  # (start, end) CUDA events, or (seconds,) measured on the CPU
+
+    @classmethod
+    def of(cls, counts: np.ndarray, chosen: np.ndarray, resident: Optional[np.ndarray], costs: SplitCosts,
+           bytes_per_expert: int) -> "SplitCall":
+        """counts [E] rows per expert, chosen: the copied ids, resident [E] bool or None."""
+        on_device = np.zeros(counts.size, dtype=bool) if resident is None else resident.copy()
+        on_device[chosen] = True
+        cpu_rows, device_rows = int(counts[~on_device].sum()), int(counts[on_device].sum())
+        cpu_experts = int(((counts > 0) & ~on_device).sum())
+        return cls(cpu_rows, cpu_experts, int(chosen.size), device_rows,
+                   float(costs.cpu_seconds(cpu_rows, cpu_experts)),
+                   float(costs.device_seconds(chosen.size, device_rows, bytes_per_expert)))
+
+    def timed(self, work, device: torch.device):
+        """``work`` (the call's device part, a callable) timed when it runs: CUDA events on the current stream around
+        it (read after a sync), or the wall time on the CPU."""
+        def run():
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                out = work()
+                end.record()
+                self.device_timing = (start, end)
+                return out
+            t0 = time.perf_counter()
+            out = work()
+            self.device_timing = (time.perf_counter() - t0,)
+            return out
+        return run
+
+    @property
+    def device_measured_s(self) -> Optional[float]:
+        """The device part's seconds (its events' interval on CUDA: synchronize first), None where none ran."""
+        if self.device_timing is None:
+            return None
+        if len(self.device_timing) == 1:
+            return self.device_timing[0]
+        start, end = self.device_timing
+        return start.elapsed_time(end) / 1e3
+
 
 def expert_counts(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Rows per expert [E] int64 on topk_ids' device (slots < 0 are not counted). A fixed-size scatter, not
@@ -108,11 +173,8 @@ def choose_device_experts(counts, costs: SplitCosts, bytes_per_expert: int, capa
     rows = counts[candidates].astype(np.float64)
     taken = np.concatenate([np.zeros(1), np.cumsum(rows)])  # rows of the first k, k = 0..n (exact: integers)
     k = np.arange(n + 1, dtype=np.float64)
-    cpu_experts = n - k
-    cpu = np.where(cpu_experts > 0,
-                   costs.cpu_fixed_s + costs.cpu_row_s * (rows.sum() - taken) + costs.cpu_expert_s * cpu_experts, 0.0)
-    per_copy = bytes_per_expert / costs.h2d_bytes_per_s + costs.device_expert_s
-    device = k * per_copy + costs.device_row_s * (resident_rows + taken)
+    cpu = costs.cpu_seconds(rows.sum() - taken, n - k)
+    device = costs.device_seconds(k, resident_rows + taken, bytes_per_expert)
     total = np.maximum(cpu, device)[:min(capacity, n) + 1]
     best = int(np.argmin(total))  # first minimum: the smallest k
     return torch.from_numpy(np.sort(candidates[:best]).astype(np.int64))
@@ -216,6 +278,9 @@ class RoutedExperts:
         self._pending: list = []
         self._resident_cache: Optional[tuple] = None  # (the residents' id list, its length, its [E] bool mask)
         self.bytes_per_expert = layer.bytes_per_expert()  # packed bytes an expert copied moves
+        # None, or a list (benchmarks set it, layers may share one) to which each ``choose`` appends its SplitCall:
+        # what the costs predicted, and the device part's time measured (``SplitCall.timed``)
+        self.calls: Optional[list] = None
 
     # The counters below are read rarely (after a prefill, by the residents' swaps and the statistics); a call that
     # copies nothing records its counts on the device (``record``) and they are added here on the first read after,
@@ -300,6 +365,8 @@ class RoutedExperts:
         resident = None if resident is None else _numpy_bool(resident)
         chosen = choose_device_experts(counts, self.costs, self.bytes_per_expert, self.capacity, resident)
         self._count(counts, chosen.numpy(), resident)
+        if self.calls is not None:
+            self.calls.append(SplitCall.of(counts, chosen.numpy(), resident, self.costs, self.bytes_per_expert))
         return chosen
 
     def _count(self, counts: np.ndarray, chosen: np.ndarray, resident: Optional[np.ndarray]) -> None:
