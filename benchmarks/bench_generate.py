@@ -431,6 +431,18 @@ def split_model_line(calls: list, timeline: list, costs) -> str:
             f"{sum(c.cpu_experts for c in calls) / n:.1f} CPU experts, {sum(c.copied for c in calls) / n:.1f} copied")
 
 
+def _read_floor(model, costs) -> str:
+    """The calibration's floor on cpu_expert_s, printed beside the costs: an expert's packed bytes over the CPU's
+    measured read rate."""
+    from ktorch.integrations.transformers_experts import experts_modules
+
+    routed = [m.kt_routed for _, m in experts_modules(model) if getattr(m, "kt_routed", None) is not None]
+    if not routed or not costs.cpu_read_bytes_per_s:
+        return ""
+    return (f"; CPU read {costs.cpu_read_bytes_per_s / 1e9:.1f} GB/s (floor of an expert "
+            f"{1e6 * routed[0].bytes_per_expert / costs.cpu_read_bytes_per_s:.0f} us)")
+
+
 def split_model_prefill(model, P: int, prefill, sync, costs):
     """One prefill of ``P`` tokens (``prefill(P)``) with the split's calls recorded (``RoutedExperts.calls``) and the
     CPU op's calls timed (the experts runtime's timeline): ``split_model_line`` of it, or None where no layer split
@@ -516,7 +528,8 @@ def prefill_profile(args) -> None:
             print(f"[prefill {label}] split costs: h2d {costs.h2d_bytes_per_s / 1e9:.1f} GB/s, CPU op "
                   f"{1e3 * costs.cpu_fixed_s:.2f} ms + {1e9 * costs.cpu_row_s:.0f} ns a row + "
                   f"{1e6 * costs.cpu_expert_s:.0f} us an expert, device {1e9 * costs.device_row_s:.1f} ns a row + "
-                  f"{1e6 * costs.device_expert_s:.0f} us an expert", flush=True)
+                  f"{1e6 * costs.device_expert_s:.0f} us an expert"
+                  + _read_floor(model, costs), flush=True)
         with torch.inference_mode():
             for _ in range(args.prefill_profile):
                 for variant in args.prefill_variants:
