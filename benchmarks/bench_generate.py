@@ -399,6 +399,75 @@ def _busy_ms(intervals: list) -> float:
     return total / 1e3
 
 
+def split_model_line(calls: list, timeline: list, costs) -> str:
+    """The split's cost model against one prefill: ``calls`` the SplitCalls its layer calls appended
+    (``RoutedExperts.calls``, in call order), ``timeline`` the CPU op's (start_ns, end_ns, tokens) per call (the
+    experts runtime's ``timeline``: one per layer call, in the same order; empty where the CPU op ran inline, on the
+    CPU), ``costs`` the SplitCosts. Sums over the calls of predicted and measured time per side, the per-call ratio
+    measured / predicted (median, min, max), the predicted CPU time's three terms and the calls' mean CPU rows,
+    CPU experts and copied experts. Call it after the device has synchronized (the device parts' events)."""
+    import statistics
+
+    def ratios(pairs: list) -> str:
+        r = [m / p for p, m in pairs if p > 0]
+        return f"per call {statistics.median(r):.2f}/{min(r):.2f}/{max(r):.2f}" if r else "no ratio"
+
+    n = len(calls)
+    cpu_predicted = sum(c.cpu_s for c in calls)
+    if len(timeline) == n:
+        cpu_pairs = [(c.cpu_s, (e - s) / 1e9) for c, (s, e, _) in zip(calls, timeline)]
+        cpu = f"measured {1e3 * sum(m for _, m in cpu_pairs):.1f} ms ({ratios(cpu_pairs)})"
+    else:
+        cpu = f"measured n/a ({len(timeline)} CPU op calls timed for {n} split calls)"
+    device_pairs = [(c.device_s, c.device_measured_s) for c in calls if c.device_measured_s is not None]
+    fixed = sum(costs.cpu_fixed_s for c in calls if c.cpu_experts > 0)
+    rows = sum(costs.cpu_row_s * c.cpu_rows for c in calls)
+    experts = sum(costs.cpu_expert_s * c.cpu_experts for c in calls)
+    return (f"split model: CPU predicted {1e3 * cpu_predicted:.1f} ms / {cpu}; device predicted "
+            f"{1e3 * sum(p for p, _ in device_pairs):.1f} ms / measured {1e3 * sum(m for _, m in device_pairs):.1f} ms "
+            f"({ratios(device_pairs)}, {len(device_pairs)} calls with device work); sums over {n} layer calls, ratios "
+            f"measured/predicted median/min/max. CPU predicted = fixed {1e3 * fixed:.1f} + rows {1e3 * rows:.1f} + "
+            f"experts {1e3 * experts:.1f} ms; per call {sum(c.cpu_rows for c in calls) / n:.0f} CPU rows, "
+            f"{sum(c.cpu_experts for c in calls) / n:.1f} CPU experts, {sum(c.copied for c in calls) / n:.1f} copied")
+
+
+def _read_floor(model, costs) -> str:
+    """The calibration's floor on cpu_expert_s, printed beside the costs: an expert's packed bytes over the CPU's
+    measured read rate."""
+    from ktorch.integrations.transformers_experts import experts_modules
+
+    routed = [m.kt_routed for _, m in experts_modules(model) if getattr(m, "kt_routed", None) is not None]
+    if not routed or not costs.cpu_read_bytes_per_s:
+        return ""
+    return (f"; CPU read {costs.cpu_read_bytes_per_s / 1e9:.1f} GB/s (floor of an expert "
+            f"{1e6 * routed[0].bytes_per_expert / costs.cpu_read_bytes_per_s:.0f} us)")
+
+
+def split_model_prefill(model, P: int, prefill, sync, costs):
+    """One prefill of ``P`` tokens (``prefill(P)``) with the split's calls recorded (``RoutedExperts.calls``) and the
+    CPU op's calls timed (the experts runtime's timeline): ``split_model_line`` of it, or None where no layer split
+    (no routing-aware split, or every expert on the device). Unprofiled: the profiler's overhead on the launching
+    thread would stretch the device parts' events."""
+    from ktorch.compile.experts_runtime import RUNTIME
+    from ktorch.integrations.transformers_experts import experts_modules
+
+    routed = [m.kt_routed for _, m in experts_modules(model) if getattr(m, "kt_routed", None) is not None]
+    calls: list = []
+    for r in routed:
+        r.calls = calls
+    RUNTIME.timeline = []
+    try:
+        prefill(P)
+        sync()
+    finally:
+        timeline, RUNTIME.timeline = RUNTIME.timeline, None
+        for r in routed:
+            r.calls = None
+    shortest = min((r.min_tokens for r in routed), default=0)  # CPU op calls too short to split are not paired
+    timeline = [t for t in timeline if t[2] >= shortest]
+    return split_model_line(calls, timeline, costs) if calls and costs is not None else None
+
+
 def prefill_profile(args) -> None:
     """Experiment (benchmark flag): is a warm prefill bound by the host (launches, Python, syncs) or by the GPU? Per
     --ktorch-args set, one process loads the model as ``ktorch generate`` does, then alternates --prefill-variants
@@ -414,7 +483,9 @@ def prefill_profile(args) -> None:
     (A prefill through the compiled layers with dynamic shapes lost to ``default``, session 33 on an H200 host:
     104.9 / 107.3 ms warm at P=512 / 2048 against 86.6 / 94.4, after an 11.5 s compile; deleted.) Then one
     profiled prefill per variant and length: wall, GPU busy time (the union of kernels and copies), kernels
-    launched, synchronizing CUDA calls the host made."""
+    launched, synchronizing CUDA calls the host made; before each, where the routing-aware split runs, an unprofiled
+    prefill checks its cost model (``split_model_prefill``: the CPU op's and the device part's time per layer call,
+    predicted by the calibrated SplitCosts against measured)."""
     import statistics
 
     import torch
@@ -464,7 +535,8 @@ def prefill_profile(args) -> None:
             print(f"[prefill {label}] split costs: h2d {costs.h2d_bytes_per_s / 1e9:.1f} GB/s, CPU op "
                   f"{1e3 * costs.cpu_fixed_s:.2f} ms + {1e9 * costs.cpu_row_s:.0f} ns a row + "
                   f"{1e6 * costs.cpu_expert_s:.0f} us an expert, device {1e9 * costs.device_row_s:.1f} ns a row + "
-                  f"{1e6 * costs.device_expert_s:.0f} us an expert", flush=True)
+                  f"{1e6 * costs.device_expert_s:.0f} us an expert"
+                  + _read_floor(model, costs), flush=True)
         with torch.inference_mode():
             for _ in range(args.prefill_profile):
                 for variant in args.prefill_variants:
@@ -481,7 +553,9 @@ def prefill_profile(args) -> None:
             for variant in args.prefill_variants:
                 with context(variant, decoder):
                     for P in args.prompts:
-                        prefill(P)
+                        line = split_model_prefill(model, P, prefill, sync, costs)
+                        if line is not None:
+                            print(f"[prefill {label}] {variant:16s} P={P} {line}", flush=True)
                         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
                         if costs is not None:
                             ktorch.prefill_split_stats(model, reset=True)

@@ -81,3 +81,77 @@ def test_prefill_profile_times_each_variant_and_profiles_one_prefill(gguf, capsy
     assert len(traces) == 1 and f"trace: {traces[0]}" in out, out
     events = json.load(gzip.open(traces[0]))["traceEvents"]
     assert any(e.get("name", "").startswith("aten::") for e in events)
+
+
+def test_split_model_line_sums_predicted_against_measured():
+    """The split's cost model against a prefill: sums of the predicted and measured seconds per side, per-call ratios
+    (median/min/max) and the predicted CPU time's terms, by hand from three calls."""
+    from ktorch.ops.routed_experts import SplitCall, SplitCosts
+
+    costs = SplitCosts(h2d_bytes_per_s=1e9, cpu_fixed_s=1e-3, cpu_row_s=1e-6, cpu_expert_s=1e-4)
+    calls = [SplitCall(cpu_rows=1000, cpu_experts=10, copied=2, device_rows=300, cpu_s=3e-3, device_s=2e-3,
+                       device_timing=(4e-3,)),
+             SplitCall(cpu_rows=500, cpu_experts=5, copied=0, device_rows=0, cpu_s=2e-3, device_s=0.0),
+             SplitCall(cpu_rows=0, cpu_experts=0, copied=4, device_rows=800, cpu_s=0.0, device_s=5e-3,
+                       device_timing=(5e-3,))]
+    timeline = [(0, 6_000_000, 64), (10_000_000, 11_000_000, 64), (20_000_000, 20_500_000, 64)]  # 6, 1, 0.5 ms
+    line = bench.split_model_line(calls, timeline, costs)
+    # CPU: predicted 5 ms, measured 7.5; ratios 2 and 0.5 (the third call predicted 0: no ratio)
+    assert "CPU predicted 5.0 ms / measured 7.5 ms (per call 1.25/0.50/2.00)" in line, line
+    # device: the two calls with device work, predicted 7 ms, measured 9; ratios 2 and 1
+    assert "device predicted 7.0 ms / measured 9.0 ms (per call 1.50/1.00/2.00, 2 calls with device work)" in line
+    # fixed 2 calls x 1 ms, rows 1500 x 1 us, experts 15 x 0.1 ms
+    assert "sums over 3 layer calls" in line and "fixed 2.0 + rows 1.5 + experts 1.5 ms" in line, line
+    assert "per call 500 CPU rows, 5.0 CPU experts, 2.0 copied" in line, line
+    assert "measured n/a (2 CPU op calls timed for 3 split calls)" in bench.split_model_line(calls, timeline[:2], costs)
+
+
+def test_split_model_prefill_records_a_cpu_split_model():
+    """split_model_prefill on a model whose split runs on the CPU (the 'device' is the CPU there, the CPU op inline,
+    so untimed): one SplitCall per layer call, the device parts timed, and the model's calls switched off after."""
+    import copy
+
+    import ktorch
+    from ktorch.ops.routed_experts import SplitCosts
+    from models import moe_experts_modules, tiny_model
+
+    torch.manual_seed(0)
+    model = ktorch.prepare(copy.deepcopy(tiny_model("qwen3_moe", dtype=torch.float32)), device="cpu",
+                           experts_dtype="bf16")
+    costs = SplitCosts(h2d_bytes_per_s=1e9, cpu_fixed_s=1e-3, cpu_row_s=1e-5, cpu_expert_s=5e-4)
+    ktorch.set_stream_experts(model, costs)
+    modules = moe_experts_modules(model)
+    for m in modules:
+        m.kt_routed.min_tokens = 8
+    ids = torch.randint(0, 256, (1, 24))
+    with torch.no_grad():
+        line = bench.split_model_prefill(model, 24, lambda P: model(ids), lambda: None, costs)
+    assert f"measured n/a (0 CPU op calls timed for {len(modules)} split calls)" in line, line
+    assert f"sums over {len(modules)} layer calls" in line and "calls with device work" in line, line
+    assert all(m.kt_routed.calls is None for m in modules)
+    assert ktorch.prefill_split_stats(model)["passes"] == len(modules)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_split_model_prefill_times_the_cpu_op_per_layer_call():
+    """On CUDA the CPU op runs on the experts runtime's worker: its timeline has one call per split call, so the CPU
+    side has a measured time and per-call ratios; the device parts are timed with CUDA events."""
+    import copy
+
+    import ktorch
+    from ktorch.ops.routed_experts import SplitCosts
+    from models import moe_experts_modules, tiny_model
+
+    torch.manual_seed(0)
+    costs = SplitCosts(h2d_bytes_per_s=1e9, cpu_fixed_s=1e-3, cpu_row_s=1e-5, cpu_expert_s=5e-4)
+    model = ktorch.prepare(copy.deepcopy(tiny_model("qwen3_moe", dtype=torch.bfloat16)), device="cuda",
+                           experts_dtype="int8", stream_experts=costs, gpu_memory="off")
+    modules = moe_experts_modules(model)
+    for m in modules:
+        m.kt_routed.min_tokens = 8
+    ids = torch.randint(0, 256, (1, 24), device="cuda")
+    with torch.no_grad():
+        model(ids)  # compiles the kernels
+        line = bench.split_model_prefill(model, 24, lambda P: model(ids), torch.cuda.synchronize, costs)
+    assert re.search(r"CPU predicted [\d.]+ ms / measured [\d.]+ ms \(per call [\d.]+/[\d.]+/[\d.]+\)", line), line
+    assert f"sums over {len(modules)} layer calls" in line, line

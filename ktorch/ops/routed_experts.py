@@ -40,6 +40,7 @@ each side, resident experts hit.
 from __future__ import annotations
 
 import collections
+import itertools
 import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -69,14 +70,83 @@ class SplitCosts:
     cpu_expert_s: float  # per expert the CPU computes (its weights read once, cold)
     device_row_s: float = 0.0  # per row on the device (its GEMMs)
     device_expert_s: float = 0.0  # per copied expert on the device beyond its copy (its dequantization)
+    # the CPU's read rate of packed expert bytes, cold (0: not measured): cpu_expert_s is at least an expert's bytes
+    # over it (calibrate_split_costs)
+    cpu_read_bytes_per_s: float = 0.0
 
     def __post_init__(self):
         for name in ("h2d_bytes_per_s",):
             if not getattr(self, name) > 0:
                 raise ValueError(f"SplitCosts: {name} must be > 0, got {getattr(self, name)}")
-        for name in ("cpu_fixed_s", "cpu_row_s", "cpu_expert_s", "device_row_s", "device_expert_s"):
+        for name in ("cpu_fixed_s", "cpu_row_s", "cpu_expert_s", "device_row_s", "device_expert_s",
+                     "cpu_read_bytes_per_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"SplitCosts: {name} must be >= 0, got {getattr(self, name)}")
+
+    def cpu_seconds(self, rows, experts):
+        """The CPU op's predicted time for ``rows`` rows over ``experts`` experts (numbers or numpy arrays); 0 where
+        it computes no expert."""
+        return np.where(np.asarray(experts) > 0, self.cpu_fixed_s + self.cpu_row_s * rows + self.cpu_expert_s * experts,
+                        0.0)
+
+    def device_seconds(self, copied, rows, bytes_per_expert: int):
+        """The device part's predicted time: ``copied`` experts of ``bytes_per_expert`` packed bytes copied (and
+        dequantized), ``rows`` rows computed there (copied and resident experts'); numbers or numpy arrays."""
+        return copied * (bytes_per_expert / self.h2d_bytes_per_s + self.device_expert_s) + self.device_row_s * rows
+
+
+@dataclass
+class SplitCall:
+    """One split call as its costs priced it (``RoutedExperts.calls``, for benchmarks): the CPU op's rows and
+    experts, the copied experts and the rows on the device (copied and resident experts'), the seconds
+    ``SplitCosts`` predict for each side, and the device part's measured time once it ran (``device_measured_s``)."""
+
+    cpu_rows: int
+    cpu_experts: int
+    copied: int
+    device_rows: int
+    cpu_s: float
+    device_s: float
+    device_timing: Optional[tuple] = None  # (start, end) CUDA events, or (seconds,) measured on the CPU
+
+    @classmethod
+    def of(cls, counts: np.ndarray, chosen: np.ndarray, resident: Optional[np.ndarray], costs: SplitCosts,
+           bytes_per_expert: int) -> "SplitCall":
+        """counts [E] rows per expert, chosen: the copied ids, resident [E] bool or None."""
+        on_device = np.zeros(counts.size, dtype=bool) if resident is None else resident.copy()
+        on_device[chosen] = True
+        cpu_rows, device_rows = int(counts[~on_device].sum()), int(counts[on_device].sum())
+        cpu_experts = int(((counts > 0) & ~on_device).sum())
+        return cls(cpu_rows, cpu_experts, int(chosen.size), device_rows,
+                   float(costs.cpu_seconds(cpu_rows, cpu_experts)),
+                   float(costs.device_seconds(chosen.size, device_rows, bytes_per_expert)))
+
+    def timed(self, work, device: torch.device):
+        """``work`` (the call's device part, a callable) timed when it runs: CUDA events on the current stream around
+        it (read after a sync), or the wall time on the CPU."""
+        def run():
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                out = work()
+                end.record()
+                self.device_timing = (start, end)
+                return out
+            t0 = time.perf_counter()
+            out = work()
+            self.device_timing = (time.perf_counter() - t0,)
+            return out
+        return run
+
+    @property
+    def device_measured_s(self) -> Optional[float]:
+        """The device part's seconds (its events' interval on CUDA: synchronize first), None where none ran."""
+        if self.device_timing is None:
+            return None
+        if len(self.device_timing) == 1:
+            return self.device_timing[0]
+        start, end = self.device_timing
+        return start.elapsed_time(end) / 1e3
 
 
 def expert_counts(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -108,11 +178,8 @@ def choose_device_experts(counts, costs: SplitCosts, bytes_per_expert: int, capa
     rows = counts[candidates].astype(np.float64)
     taken = np.concatenate([np.zeros(1), np.cumsum(rows)])  # rows of the first k, k = 0..n (exact: integers)
     k = np.arange(n + 1, dtype=np.float64)
-    cpu_experts = n - k
-    cpu = np.where(cpu_experts > 0,
-                   costs.cpu_fixed_s + costs.cpu_row_s * (rows.sum() - taken) + costs.cpu_expert_s * cpu_experts, 0.0)
-    per_copy = bytes_per_expert / costs.h2d_bytes_per_s + costs.device_expert_s
-    device = k * per_copy + costs.device_row_s * (resident_rows + taken)
+    cpu = costs.cpu_seconds(rows.sum() - taken, n - k)
+    device = costs.device_seconds(k, resident_rows + taken, bytes_per_expert)
     total = np.maximum(cpu, device)[:min(capacity, n) + 1]
     best = int(np.argmin(total))  # first minimum: the smallest k
     return torch.from_numpy(np.sort(candidates[:best]).astype(np.int64))
@@ -216,6 +283,9 @@ class RoutedExperts:
         self._pending: list = []
         self._resident_cache: Optional[tuple] = None  # (the residents' id list, its length, its [E] bool mask)
         self.bytes_per_expert = layer.bytes_per_expert()  # packed bytes an expert copied moves
+        # None, or a list (benchmarks set it, layers may share one) to which each ``choose`` appends its SplitCall:
+        # what the costs predicted, and the device part's time measured (``SplitCall.timed``)
+        self.calls: Optional[list] = None
 
     # The counters below are read rarely (after a prefill, by the residents' swaps and the statistics); a call that
     # copies nothing records its counts on the device (``record``) and they are added here on the first read after,
@@ -300,6 +370,8 @@ class RoutedExperts:
         resident = None if resident is None else _numpy_bool(resident)
         chosen = choose_device_experts(counts, self.costs, self.bytes_per_expert, self.capacity, resident)
         self._count(counts, chosen.numpy(), resident)
+        if self.calls is not None:
+            self.calls.append(SplitCall.of(counts, chosen.numpy(), resident, self.costs, self.bytes_per_expert))
         return chosen
 
     def _count(self, counts: np.ndarray, chosen: np.ndarray, resident: Optional[np.ndarray]) -> None:
@@ -428,12 +500,95 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 # ---------------------------------------------------------------- measuring the costs
 
 
-def _fit(points: list, columns: int) -> list:
-    """Least squares, non-negative by clamping: points [(features..., seconds)] -> coefficients."""
-    a = torch.tensor([p[:columns] for p in points], dtype=torch.float64)
-    y = torch.tensor([p[columns] for p in points], dtype=torch.float64)
-    coef = torch.linalg.lstsq(a, y[:, None]).solution.flatten()
-    return [max(float(c), 0.0) for c in coef]
+FEW_ROWS = 2  # rows an expert in the calibration's low-row runs: what the tail of rarely-hit experts costs the CPU op
+
+
+def nonnegative_least_squares(a, y) -> np.ndarray:
+    """argmin over x >= 0 of ||a x - y||: a [n, m], y [n] (float64 numpy or lists) -> x [m] float64.
+
+    Exact for the few unknowns of a cost law (m <= 8): the optimum is the unconstrained least squares on the columns
+    of its support (the Karush-Kuhn-Tucker conditions), so it is the best-fitting of the supports' least-squares
+    solutions that are non-negative; all 2^m supports are tried, the full one first (where ``lstsq``'s own
+    solution is non-negative it is returned as is; a smaller support replaces it only by fitting strictly
+    better)."""
+    a = np.asarray(a, dtype=np.float64)
+    y = np.asarray(y, dtype=np.float64)
+    if a.ndim != 2 or y.shape != (a.shape[0],):
+        raise ValueError(f"nonnegative_least_squares: a must be [n, m] and y [n], got {a.shape} and {y.shape}")
+    m = a.shape[1]
+    if m > 8:
+        raise ValueError(f"nonnegative_least_squares: tries every support, for at most 8 unknowns; got {m}")
+    best, best_residual = np.zeros(m), float(y @ y)  # the empty support
+    for size in range(m, 0, -1):
+        for support in itertools.combinations(range(m), size):
+            columns = list(support)
+            solution = np.linalg.lstsq(a[:, columns], y, rcond=None)[0]
+            if (solution < 0).any():
+                continue
+            x = np.zeros(m)
+            x[columns] = solution
+            r = a @ x - y
+            residual = float(r @ r)
+            if residual < best_residual * (1 - 1e-12) or (size == m and residual <= best_residual):
+                best, best_residual = x, residual
+    return best
+
+
+def _fit(points: list, columns: int, lower: Optional[Sequence[float]] = None) -> list:
+    """points [(features..., seconds)] -> coefficients >= ``lower`` (default 0), least squares of the relative
+    errors (a 5 ms run's misfit counts as much as a 50 ms one's): ``nonnegative_least_squares`` of the excess over
+    ``lower``."""
+    a = np.array([p[:columns] for p in points], dtype=np.float64)
+    y = np.array([p[columns] for p in points], dtype=np.float64)
+    lower = np.zeros(columns) if lower is None else np.asarray(lower, dtype=np.float64)
+    scale = 1.0 / np.maximum(y, 1e-12)
+    excess = nonnegative_least_squares(a * scale[:, None], (y - a @ lower) * scale)
+    return [float(c) for c in lower + excess]
+
+
+def cover_ids(tokens: int, top_k: int, experts: torch.Tensor) -> torch.Tensor:
+    """[tokens, top_k] int32 ids over ``experts`` (distinct ids, at least top_k of them) each taken
+    tokens * top_k / len(experts) times, give or take one, never twice in a token: slot j of token t takes
+    ``experts[(t * top_k + j) % len(experts)]``."""
+    if experts.numel() < top_k:
+        raise ValueError(f"cover_ids: {experts.numel()} experts for {top_k} slots a token")
+    return experts[torch.arange(tokens * top_k) % experts.numel()].reshape(tokens, top_k).to(torch.int32)
+
+
+def _cpu_op(layer: StreamedExperts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
+    """The CPU op as the calibration times it (tests replace it with a known law)."""
+    torch.ops.kt.fused_moe(x, ids, weights, *layer.tensors, layer.activation)
+
+
+def _cpu_read_rate(layers: Sequence[StreamedExperts]) -> float:
+    """Bytes/s the CPU reads packed expert bytes at, cold: a sum over each of the last two ``layers``' packed
+    tensors (viewed as int64 words: ATen's int64 sum keeps up with DRAM; its uint8 and int32 sums do not), best of
+    the two, torch's threads set to ktorch's pool size meanwhile. The calibration's CPU runs start at layers[0]: the
+    last layers were read longest ago."""
+    from ktorch._library import get_num_threads
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(get_num_threads())
+    try:
+        best = 0.0
+        for layer in layers[-2:]:
+            words = [_int64_words(t) for t in layer.tensors if t is not None]
+            start = time.perf_counter()
+            for w in words:
+                w.sum()
+            seconds = time.perf_counter() - start
+            best = max(best, sum(w.numel() * 8 for w in words) / max(seconds, 1e-9))
+        return best
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _int64_words(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as int64 words (its first and last few bytes left out where unaligned)."""
+    flat = t.reshape(-1).view(torch.uint8)
+    skip = (-flat.storage_offset()) % 8
+    n = (flat.numel() - skip) // 8 * 8
+    return flat[skip:skip + n].view(torch.int64)
 
 
 def calibrate_split_costs(layers: Sequence[StreamedExperts], hidden_size: int, top_k: int, device: torch.device,
@@ -441,12 +596,16 @@ def calibrate_split_costs(layers: Sequence[StreamedExperts], hidden_size: int, t
     """Measures the split's costs on ``layers`` (packed experts of one shape; a CUDA ``device`` needs them
     page-locked) and returns them.
 
-    CPU: the op at each of ``tokens`` with every expert used and with a quarter of them, fitted to fixed + row_s *
-    rows + expert_s * experts; each run reads another layer's weights than the run before it (cold weights, as in a
-    prefill, where each layer's experts were last read a whole forward ago). The split's copies (``gather_experts``
-    of a few experts spread over the layer: on CUDA the zero-copy gather from page-locked memory) run on a side
-    stream meanwhile (they share the DRAM) and give the H2D rate. Device: the dequantization of a few experts and a
-    grouped GEMM over many rows. About ``2 * repeats * sum(tokens) * 2`` tokens of CPU work."""
+    CPU: the op with every expert used and with a quarter of them, each at ``FEW_ROWS`` rows an expert (the tail of
+    rarely-hit experts a prefill leaves the CPU, which pins expert_s: reading an expert's weights) and at each of
+    ``tokens``, fitted to fixed + row_s * rows + expert_s * experts by non-negative least squares of the relative
+    errors with expert_s at least an expert's bytes over the CPU's read rate (``_cpu_read_rate``, measured first:
+    an expert's weights cannot be read faster). Each run reads another layer's weights than the run before it (cold
+    weights, as in a prefill, where each layer's experts were last read a whole forward ago). The split's copies
+    (``gather_experts`` of a few experts spread over the layer: on CUDA the zero-copy gather from page-locked
+    memory) run on a side stream meanwhile (they share the DRAM) and give the H2D rate. Device: the dequantization
+    of a few experts and a grouped GEMM over many rows. About ``2 * repeats * (sum(tokens) + 2 E / top_k) * 2``
+    tokens of CPU work; on the device (Qwen3-30B-A3B shape, 48 layers) well under a second."""
     device = torch.device(device)
     first = layers[0]
     E = first.num_experts
@@ -462,13 +621,15 @@ def calibrate_split_costs(layers: Sequence[StreamedExperts], hidden_size: int, t
     spread_ids = _to_device(spread, device)
     copy_bytes = probe * first.bytes_per_expert()
 
-    def run_cpu(x, ids, weights) -> float:
-        start = time.perf_counter()
+    def run_cpu(x, ids, weights) -> float:  # the fastest of ``repeats`` runs: interruptions only add time
+        best = float("inf")
         for _ in range(repeats):
             layer = layers[turn[0] % len(layers)]
             turn[0] += 1
-            torch.ops.kt.fused_moe(x, ids, weights, *layer.tensors, layer.activation)
-        return (time.perf_counter() - start) / repeats
+            start = time.perf_counter()
+            _cpu_op(layer, x, ids, weights)
+            best = min(best, time.perf_counter() - start)
+        return best
 
     def copies(n: int):
         if not cuda:
@@ -483,12 +644,12 @@ def calibrate_split_costs(layers: Sequence[StreamedExperts], hidden_size: int, t
         side.wait_stream(torch.cuda.current_stream(device))  # the ids' copy
         copies(2)
         side.synchronize()
+    read_rate = _cpu_read_rate(layers)
     points, copied_s, copied_bytes = [], 0.0, 0
-    for T in tokens:
-        for used in (E, max(top_k, E // 4)):
+    for used in (E, max(top_k, E // 4)):
+        for T in (-(-FEW_ROWS * used // top_k), *tokens):
             x = torch.randn(T, hidden_size, dtype=torch.bfloat16, generator=gen)
-            pick = torch.randperm(E, generator=gen)[:used]
-            ids = torch.stack([pick[torch.randperm(used, generator=gen)[:top_k]] for _ in range(T)]).to(torch.int32)
+            ids = cover_ids(T, top_k, torch.randperm(E, generator=gen)[:used])
             weights = torch.full((T, top_k), 1.0 / top_k)
             alone = run_cpu(x, ids, weights)  # also the warm-up
             if cuda:
@@ -504,7 +665,7 @@ def calibrate_split_costs(layers: Sequence[StreamedExperts], hidden_size: int, t
             points.append((1.0, rows, ids.unique().numel(), seconds))
     if not cuda:
         copied_s, copied_bytes = copies(4), 4 * copy_bytes
-    fixed, row_s, expert_s = _fit(points, 3)
+    fixed, row_s, expert_s = _fit(points, 3, lower=(0.0, 0.0, first.bytes_per_expert() / read_rate))
     # device: dequantize ``probe`` experts, then a grouped GEMM of T*K rows over them
     T = max(tokens)
     hidden = torch.randn(T, hidden_size, dtype=torch.bfloat16, device=device)
@@ -535,4 +696,4 @@ def calibrate_split_costs(layers: Sequence[StreamedExperts], hidden_size: int, t
     total_s = device_seconds(lambda: routed.device_part(hidden, ids, weights, chosen))
     copy_s_device = probe * first.bytes_per_expert() / (copied_bytes / copied_s)
     row_device_s = max(total_s - dequant_s - copy_s_device, 0.0) / (T * top_k)
-    return SplitCosts(copied_bytes / copied_s, fixed, row_s, expert_s, row_device_s, dequant_s / probe)
+    return SplitCosts(copied_bytes / copied_s, fixed, row_s, expert_s, row_device_s, dequant_s / probe, read_rate)
