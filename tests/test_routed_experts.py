@@ -943,12 +943,26 @@ def test_calibration_recovers_a_known_cpu_law(law, monkeypatch):
     monkeypatch.setattr(routed_experts, "_cpu_op", _timed_law(*law, calls=calls))
     monkeypatch.setattr(routed_experts, "_cpu_read_rate", lambda layers: 1e15)  # no floor
     layers = [_layer("int8", None, E=16, H=256, I=128, seed=s)[1] for s in range(2)]
-    costs = calibrate_split_costs(layers, 256, 4, torch.device("cpu"), tokens=(64, 256), repeats=5)
+    costs = calibrate_split_costs(layers, 256, 4, torch.device("cpu"), tokens=(64, 256), repeats=5, pinned=True)
     assert (routed_experts.FEW_ROWS * 16, 16) in calls  # 8 tokens x 4 slots over all 16 experts
     assert costs.cpu_fixed_s == pytest.approx(law[0], rel=0.1)
     assert costs.cpu_row_s == pytest.approx(law[1], rel=0.1)
     assert costs.cpu_expert_s == pytest.approx(law[2], rel=0.1)
     assert costs.cpu_read_bytes_per_s == 1e15
+
+
+def test_default_calibration_has_no_low_row_runs_and_no_floor(monkeypatch):
+    """pinned=False (what prepare runs until the device measures pinned=True): the runs at ``tokens`` only, no read
+    rate measured, the clamped least squares."""
+    from ktorch.ops import routed_experts
+
+    calls: list = []
+    monkeypatch.setattr(routed_experts, "_cpu_op", _timed_law(5e-4, 1e-6, 3e-4, calls=calls))
+    monkeypatch.setattr(routed_experts, "_cpu_read_rate", lambda layers: pytest.fail("measured a read rate"))
+    layers = [_layer("int8", None, E=16, H=256, I=128, seed=s)[1] for s in range(2)]
+    costs = calibrate_split_costs(layers, 256, 4, torch.device("cpu"), tokens=(64, 256), repeats=2)
+    assert {rows for rows, _ in calls} == {64 * 4, 256 * 4}
+    assert costs.cpu_read_bytes_per_s == 0.0 and min(costs.cpu_fixed_s, costs.cpu_row_s, costs.cpu_expert_s) >= 0
 
 
 def test_calibration_keeps_expert_s_above_reading_an_experts_bytes(monkeypatch):
@@ -960,7 +974,7 @@ def test_calibration_keeps_expert_s_above_reading_an_experts_bytes(monkeypatch):
     layers = [_layer("int8", None, E=16, H=256, I=128, seed=s)[1] for s in range(2)]
     rate = layers[0].bytes_per_expert() / 1e-4  # the floor: 100 us an expert
     monkeypatch.setattr(routed_experts, "_cpu_read_rate", lambda layers: rate)
-    costs = calibrate_split_costs(layers, 256, 4, torch.device("cpu"), tokens=(64, 256), repeats=3)
+    costs = calibrate_split_costs(layers, 256, 4, torch.device("cpu"), tokens=(64, 256), repeats=3, pinned=True)
     assert costs.cpu_expert_s == pytest.approx(1e-4)
     assert costs.cpu_fixed_s >= 0 and costs.cpu_row_s == pytest.approx(4e-6, rel=0.25)
 

@@ -591,12 +591,21 @@ def _int64_words(t: torch.Tensor) -> torch.Tensor:
     return flat[skip:skip + n].view(torch.int64)
 
 
+def _fit_clamped(points: list, columns: int) -> list:
+    """Least squares, non-negative by clamping: points [(features..., seconds)] -> coefficients (the default
+    calibration's fit, until the device measures ``pinned``'s)."""
+    a = torch.tensor([p[:columns] for p in points], dtype=torch.float64)
+    y = torch.tensor([p[columns] for p in points], dtype=torch.float64)
+    coef = torch.linalg.lstsq(a, y[:, None]).solution.flatten()
+    return [max(float(c), 0.0) for c in coef]
+
+
 def calibrate_split_costs(layers: Sequence[StreamedExperts], hidden_size: int, top_k: int, device: torch.device,
-                          tokens: Sequence[int] = (256, 1024), repeats: int = 2) -> SplitCosts:
+                          tokens: Sequence[int] = (256, 1024), repeats: int = 2, pinned: bool = False) -> SplitCosts:
     """Measures the split's costs on ``layers`` (packed experts of one shape; a CUDA ``device`` needs them
     page-locked) and returns them.
 
-    CPU: the op with every expert used and with a quarter of them, each at ``FEW_ROWS`` rows an expert (the tail of
+    CPU (``pinned``, below): the op with every expert used and with a quarter of them, each at ``FEW_ROWS`` rows an expert (the tail of
     rarely-hit experts a prefill leaves the CPU, which pins expert_s: reading an expert's weights) and at each of
     ``tokens``, fitted to fixed + row_s * rows + expert_s * experts by non-negative least squares of the relative
     errors with expert_s at least an expert's bytes over the CPU's read rate (``_cpu_read_rate``, measured first:
@@ -605,7 +614,14 @@ def calibrate_split_costs(layers: Sequence[StreamedExperts], hidden_size: int, t
     (``gather_experts`` of a few experts spread over the layer: on CUDA the zero-copy gather from page-locked
     memory) run on a side stream meanwhile (they share the DRAM) and give the H2D rate. Device: the dequantization
     of a few experts and a grouped GEMM over many rows. About ``2 * repeats * (sum(tokens) + 2 E / top_k) * 2``
-    tokens of CPU work; on the device (Qwen3-30B-A3B shape, 48 layers) well under a second."""
+    tokens of CPU work; on the device (Qwen3-30B-A3B shape, 48 layers) well under a second.
+
+    ``pinned=False`` (the default, what ``prepare`` runs): the runs at ``tokens`` only, each point the mean of its
+    repeats with random ids, fitted by least squares clamped at 0 (``_fit_clamped``); on the device (session 35, H200
+    host) that gave expert_s 9-21 us where a cold read of an expert's 5.3 MB takes ~50 us. ``pinned=True``, an
+    experiment awaiting its device A/B (``bench_generate.py --prefill-profile N --prefill-variants default "pinned
+    calibration"``, which recalibrates so and swaps the costs in): the low-row runs, ``cover_ids``, the fastest of
+    the repeats, ``_fit`` with the read-rate floor, as described above."""
     device = torch.device(device)
     first = layers[0]
     E = first.num_experts
@@ -621,15 +637,15 @@ def calibrate_split_costs(layers: Sequence[StreamedExperts], hidden_size: int, t
     spread_ids = _to_device(spread, device)
     copy_bytes = probe * first.bytes_per_expert()
 
-    def run_cpu(x, ids, weights) -> float:  # the fastest of ``repeats`` runs: interruptions only add time
-        best = float("inf")
+    def run_cpu(x, ids, weights) -> float:  # pinned: the fastest of ``repeats`` runs (interruptions only add time)
+        times = []
         for _ in range(repeats):
             layer = layers[turn[0] % len(layers)]
             turn[0] += 1
             start = time.perf_counter()
             _cpu_op(layer, x, ids, weights)
-            best = min(best, time.perf_counter() - start)
-        return best
+            times.append(time.perf_counter() - start)
+        return min(times) if pinned else sum(times) / len(times)
 
     def copies(n: int):
         if not cuda:
@@ -644,12 +660,17 @@ def calibrate_split_costs(layers: Sequence[StreamedExperts], hidden_size: int, t
         side.wait_stream(torch.cuda.current_stream(device))  # the ids' copy
         copies(2)
         side.synchronize()
-    read_rate = _cpu_read_rate(layers)
+    read_rate = _cpu_read_rate(layers) if pinned else 0.0
     points, copied_s, copied_bytes = [], 0.0, 0
     for used in (E, max(top_k, E // 4)):
-        for T in (-(-FEW_ROWS * used // top_k), *tokens):
+        for T in ((-(-FEW_ROWS * used // top_k),) if pinned else ()) + tuple(tokens):
             x = torch.randn(T, hidden_size, dtype=torch.bfloat16, generator=gen)
-            ids = cover_ids(T, top_k, torch.randperm(E, generator=gen)[:used])
+            if pinned:
+                ids = cover_ids(T, top_k, torch.randperm(E, generator=gen)[:used])
+            else:
+                pick = torch.randperm(E, generator=gen)[:used]
+                ids = torch.stack([pick[torch.randperm(used, generator=gen)[:top_k]]
+                                   for _ in range(T)]).to(torch.int32)
             weights = torch.full((T, top_k), 1.0 / top_k)
             alone = run_cpu(x, ids, weights)  # also the warm-up
             if cuda:
@@ -665,7 +686,10 @@ def calibrate_split_costs(layers: Sequence[StreamedExperts], hidden_size: int, t
             points.append((1.0, rows, ids.unique().numel(), seconds))
     if not cuda:
         copied_s, copied_bytes = copies(4), 4 * copy_bytes
-    fixed, row_s, expert_s = _fit(points, 3, lower=(0.0, 0.0, first.bytes_per_expert() / read_rate))
+    if pinned:
+        fixed, row_s, expert_s = _fit(points, 3, lower=(0.0, 0.0, first.bytes_per_expert() / read_rate))
+    else:
+        fixed, row_s, expert_s = _fit_clamped(points, 3)
     # device: dequantize ``probe`` experts, then a grouped GEMM of T*K rows over them
     T = max(tokens)
     hidden = torch.randn(T, hidden_size, dtype=torch.bfloat16, device=device)
