@@ -550,10 +550,8 @@ def _warm_resident_tiles(model: nn.Module) -> int:
     blocks in the staging: ``routed_experts.reads_blocks``) (``triton_prefill.warm_tiles``: the warm-up prefill
     compiles the tile of its own length only), once per distinct format; returns the launches."""
     from ktorch.ops.resident_rows import RowExperts
-    from ktorch.ops.triton_prefill import warm_tiles
-
     from ktorch.ops.routed_experts import reads_blocks
-    from ktorch.ops.triton_prefill import PackedBlocks
+    from ktorch.ops.triton_prefill import PackedBlocks, warm_tiles
 
     seen, launched = set(), 0
     dtype = model.get_input_embeddings().weight.dtype  # the activations' dtype

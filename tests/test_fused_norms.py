@@ -1,6 +1,8 @@
 """The eager prefill's one-kernel RMSNorm (ktorch/integrations/fused_norms.py): which modules it takes, its values
 against the standard form, and that the model is as before once the context closes."""
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -22,6 +24,24 @@ class OffsetNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         return ((1.0 + self.weight.float()) * x32).to(x.dtype)
+
+
+@contextlib.contextmanager
+def counting_rms_norm():
+    """Within: calls of torch.nn.functional.rms_norm (what the swapped forward calls) are counted in the yielded
+    list's one element."""
+    calls = [0]
+    original = torch.nn.functional.rms_norm
+
+    def counted(*a, **k):
+        calls[0] += 1
+        return original(*a, **k)
+
+    torch.nn.functional.rms_norm = counted
+    try:
+        yield calls
+    finally:
+        torch.nn.functional.rms_norm = original
 
 
 def _reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -62,20 +82,9 @@ def test_swapped_norm_matches_the_standard_form_and_is_undone(dtype):
     x = (torch.randn(5, 7, norm.weight.shape[0], dtype=torch.float64) * 3).to(dtype)
     want = norm(x)
     ref = _reference(x, norm.weight, norm.variance_epsilon)
-    calls = [0]
-    original = torch.nn.functional.rms_norm
-
-    def counted(*a, **k):
-        calls[0] += 1
-        return original(*a, **k)
-
-    torch.nn.functional.rms_norm = counted
-    try:
-        with fused_norms.swapped(model) as modules:
-            assert norm in modules
-            got = norm(x)
-    finally:
-        torch.nn.functional.rms_norm = original
+    with counting_rms_norm() as calls, fused_norms.swapped(model) as modules:
+        assert norm in modules
+        got = norm(x)
     assert calls[0] == 1 and got.dtype == want.dtype
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=1e-3)
     torch.testing.assert_close(got, want, **tol)
@@ -101,19 +110,8 @@ def test_cpu_prefill_keeps_the_standard_form():
     """Decoder.prefill swaps only on CUDA (the launch-bound path): on the CPU no F.rms_norm call."""
     torch.manual_seed(0)
     model = tiny_model("qwen3_moe")
-    calls = [0]
-    original = torch.nn.functional.rms_norm
-
-    def counted(*a, **k):
-        calls[0] += 1
-        return original(*a, **k)
-
-    torch.nn.functional.rms_norm = counted
-    try:
-        with torch.inference_mode():
-            Decoder(model, 16, torch.device("cpu"), Sampling(), cuda_graphs=False).prefill(torch.tensor([[1, 2, 3]]))
-    finally:
-        torch.nn.functional.rms_norm = original
+    with counting_rms_norm() as calls, torch.inference_mode():
+        Decoder(model, 16, torch.device("cpu"), Sampling(), cuda_graphs=False).prefill(torch.tensor([[1, 2, 3]]))
     assert calls[0] == 0
 
 
@@ -125,22 +123,12 @@ def test_cuda_prefill_runs_fused_norms_close_to_the_standard_form():
     torch.manual_seed(0)
     model = tiny_model("qwen3_moe", dtype=torch.bfloat16).cuda()
     ids = torch.randint(0, 256, (1, 40), device="cuda")
-    calls = [0]
-    original = torch.nn.functional.rms_norm
-
-    def counted(*a, **k):
-        calls[0] += 1
-        return original(*a, **k)
-
     with torch.inference_mode():
         want = model(input_ids=ids).logits[0, -1].float()
         with fused_norms.swapped(model):
             got = model(input_ids=ids).logits[0, -1].float()
-        torch.nn.functional.rms_norm = counted
-        try:
+        with counting_rms_norm() as calls:
             first = int(Decoder(model, 64, torch.device("cuda"), Sampling(), cuda_graphs=False).prefill(ids).item())
-        finally:
-            torch.nn.functional.rms_norm = original
     assert calls[0] == len(fused_norms.norms_of(model)) > 0
     assert "forward" not in model.model.norm.__dict__
     torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)

@@ -122,6 +122,17 @@ GROUPED_CASES = [  # format, group, activation, T, K, H, I, tile (None: tile_for
 ]
 
 
+def _grouped_case(fmt, group_size, T, K, H, I, n=12):
+    """(packed experts on the kernels' device, their row layout, bf16 hidden [T, H], slots and weights [T, K]) of
+    one GROUPED_CASES entry: n experts, _routing's slots (absent ones, unused experts, one used once)."""
+    packed, _ = _experts(fmt, group_size, n=n, H=H, I=I)
+    packed = tuple(t.to(KERNEL_DEVICE) for t in packed)
+    torch.manual_seed(1)
+    hidden = torch.randn(T, H, device=KERNEL_DEVICE).to(torch.bfloat16)
+    slots, weights = _routing(T, K, n, KERNEL_DEVICE)
+    return packed, rows_from_packed(*packed), hidden, slots, weights
+
+
 @needs_kernels
 @pytest.mark.parametrize("fmt,group_size,activation,T,K,H,I,tile", GROUPED_CASES,
                          ids=[f"{c[0]}_{c[1]}_{c[2]}_T{c[3]}_K{c[4]}_H{c[5]}_I{c[6]}_{c[7] and c[7][:3]}"
@@ -130,13 +141,7 @@ def test_grouped_kernels_match_a_float64_reference(fmt, group_size, activation, 
     """The grouped GEMM within bf16 rounding of the float64 reference of the same codes, no worse than the packed
     path (plus a little: on CUDA both round h, the down GEMM's input, to bf16; the interpreter keeps it in float32),
     with absent slots, experts never used and one used once; the same bits twice."""
-    n = 12
-    packed, _ = _experts(fmt, group_size, n=n, H=H, I=I)
-    packed = tuple(t.to(KERNEL_DEVICE) for t in packed)
-    rows = rows_from_packed(*packed)
-    torch.manual_seed(1)
-    hidden = torch.randn(T, H, device=KERNEL_DEVICE).to(torch.bfloat16)
-    slots, weights = _routing(T, K, n, KERNEL_DEVICE)
+    packed, rows, hidden, slots, weights = _grouped_case(fmt, group_size, T, K, H, I)
     got = triton_grouped_forward(hidden, slots, weights, rows, activation, tile)
     ref = _reference(hidden, slots, weights, rows, activation)
     packed_error = relative_error(packed_experts_forward(hidden, slots, weights, packed, activation).cpu(), ref)
@@ -154,13 +159,7 @@ def test_packed_blocks_give_the_rows_result_bit_for_bit(fmt, group_size, activat
     what they compute on the same experts in the row layout, bit for bit: the same codes, scales and tiles, only
     their addresses differ (the gate/up interleave undone in the kernel). Float16 scales (Q8_0's at the file's
     size) are read as they are: the same bits as their float32 form."""
-    n = 12
-    packed, _ = _experts(fmt, group_size, n=n, H=H, I=I)
-    packed = tuple(t.to(KERNEL_DEVICE) for t in packed)
-    rows = rows_from_packed(*packed)
-    torch.manual_seed(1)
-    hidden = torch.randn(T, H, device=KERNEL_DEVICE).to(torch.bfloat16)
-    slots, weights = _routing(T, K, n, KERNEL_DEVICE)
+    packed, rows, hidden, slots, weights = _grouped_case(fmt, group_size, T, K, H, I)
     want = triton_grouped_forward(hidden, slots, weights, rows, activation, tile)
     blocks = PackedBlocks(*packed)
     assert grouped_applies(hidden, blocks, tile)

@@ -248,6 +248,16 @@ class DeviceStaging:
                                                     for v, w in zip(views, words)))
         return made
 
+    def dequantized_out(self, k: int, dtype: torch.dtype) -> tuple:
+        """(w13 [k, 2I, H], w2 [k, H, I]) buffers of ``dtype`` that ``dequantize_packed`` writes k copied experts'
+        weights into: the staging's own, or, where it holds fewer or of another dtype (sized for the blocks'
+        kernels, ``reads_blocks``, which need none), fresh ones for this call."""
+        if self.w13.shape[0] >= k and self.w13.dtype == dtype:
+            return self.w13[:k], self.w2[:k]
+        two_i, h = self.w13.shape[1:]
+        return (torch.empty(k, two_i, h, dtype=dtype, device=self.device),
+                torch.empty(k, h, two_i // 2, dtype=dtype, device=self.device))
+
     @staticmethod
     def bytes_for(layer: StreamedExperts, capacity: int, dtype: torch.dtype, device="cuda", kernel: str = "auto") -> int:
         """Device bytes a staging of ``capacity`` experts of ``layer``'s shape takes on ``device``."""
@@ -421,13 +431,7 @@ class RoutedExperts:
         if self.blocks_kernels_apply(hidden, blocks, tile):  # int8 codes: read as copied, no dequantized copy
             return triton_prefill.triton_grouped_forward(hidden, slots, topk_weights, blocks, self.layer.activation,
                                                          tile)
-        if staging.w13.shape[0] < k or staging.w13.dtype != hidden.dtype:  # sized for the blocks' kernels (or
-            # another dtype): this call's dequantized weights outside the staging
-            two_i, h = staging.w13.shape[1:]
-            w13_out = torch.empty(k, two_i, h, dtype=hidden.dtype, device=device)
-            w2_out = torch.empty(k, h, two_i // 2, dtype=hidden.dtype, device=device)
-        else:
-            w13_out, w2_out = staging.w13[:k], staging.w2[:k]
+        w13_out, w2_out = staging.dequantized_out(k, hidden.dtype)
         w13 = dequantize_packed(views[0], views[1], True, hidden.dtype, out=w13_out)
         w2 = dequantize_packed(views[2], views[3], False, hidden.dtype, out=w2_out)
         return gpu_experts_forward(hidden, slots, topk_weights, w13, w2, self.layer.activation, self.kernel)
@@ -711,9 +715,7 @@ def calibrate_split_costs(layers: Sequence[StreamedExperts], hidden_size: int, t
     views = first.views_in(staging.packed, probe)
     dequant_s = 0.0  # the copied blocks read as they are: nothing dequantized
     if not routed.blocks_kernels_apply(hidden, triton_prefill.PackedBlocks(*views)):
-        two_i, h = first.tensors[0].shape[1] * 16, first.tensors[2].shape[1] * 16
-        w13_out = torch.empty(probe, two_i, h, dtype=torch.bfloat16, device=device)
-        w2_out = torch.empty(probe, h, two_i // 2, dtype=torch.bfloat16, device=device)
+        w13_out, w2_out = staging.dequantized_out(probe, torch.bfloat16)
         dequant_s = device_seconds(lambda: (
             dequantize_packed(views[0], views[1], True, torch.bfloat16, out=w13_out),
             dequantize_packed(views[2], views[3], False, torch.bfloat16, out=w2_out)))

@@ -393,9 +393,3 @@ def queue_timed(fn, n: int, stream: torch.cuda.Stream) -> tuple:
             fn()
         end.record()
     return begin, end
-
-
-def queue_timed_copies(src: torch.Tensor, dst: torch.Tensor, n: int, stream: torch.cuda.Stream) -> tuple:
-    """``n`` copies ``dst.copy_(src)`` queued on ``stream`` now (non-blocking); (begin, end) timing events around
-    them (``queue_timed``)."""
-    return queue_timed(lambda: dst.copy_(src, non_blocking=True), n, stream)
