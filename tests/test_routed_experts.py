@@ -888,6 +888,8 @@ def test_nonnegative_least_squares_is_lstsq_where_that_is_non_negative_and_never
     assert nonnegative_least_squares(a, a @ np.array([2.0, 0.0, 0.5])) == pytest.approx([2.0, 0.0, 0.5], abs=1e-12)
     with pytest.raises(ValueError, match="a must be"):
         nonnegative_least_squares(a, np.zeros(3))
+    with pytest.raises(ValueError, match="for at most 8 unknowns; got 9"):
+        nonnegative_least_squares(np.ones((10, 9)), np.zeros(10))
 
 
 def test_nonnegative_least_squares_matches_scipy():
