@@ -918,20 +918,30 @@ def test_cover_ids_use_each_expert_evenly():
         cover_ids(2, 4, experts[:3])
 
 
-def _timed_law(fixed, row, expert, calls=None):
-    """A stand-in CPU op taking fixed + row * rows + expert * experts seconds (a spin on the clock)."""
-    import time
+def _install_law(monkeypatch, fixed, row, expert, calls=None):
+    """The calibration's CPU op replaced by a stand-in taking fixed + row * rows + expert * experts seconds on a
+    virtual clock, which routed_experts' timings read: every reading advances it by a microsecond (so each measured
+    interval is positive) and the stand-in by its law's time. The fit then sees the law itself, whatever the load
+    on the machine running the tests (a stand-in spinning on the real clock failed CI under load)."""
+    import types
+
+    from ktorch.ops import routed_experts
+
+    clock = [0.0]
+
+    def perf_counter():
+        clock[0] += 1e-6
+        return clock[0]
 
     def op(layer, x, ids, weights):
-        start = time.perf_counter()  # the law's time from the call on: counting below is not extra
         rows = int((ids >= 0).sum())
         experts = int(ids[ids >= 0].unique().numel())
         if calls is not None:
             calls.append((rows, experts))
-        end = start + fixed + row * rows + expert * experts
-        while time.perf_counter() < end:
-            pass
-    return op
+        clock[0] += fixed + row * rows + expert * experts
+
+    monkeypatch.setattr(routed_experts, "time", types.SimpleNamespace(perf_counter=perf_counter))
+    monkeypatch.setattr(routed_experts, "_cpu_op", op)
 
 
 @pytest.mark.parametrize("law", [(1e-3, 4e-6, 5e-5), (5e-4, 1e-6, 3e-4)], ids=["rows_dominate", "experts_dominate"])
@@ -942,7 +952,7 @@ def test_calibration_recovers_a_known_cpu_law(law, monkeypatch):
     from ktorch.ops import routed_experts
 
     calls: list = []
-    monkeypatch.setattr(routed_experts, "_cpu_op", _timed_law(*law, calls=calls))
+    _install_law(monkeypatch, *law, calls=calls)
     monkeypatch.setattr(routed_experts, "_cpu_read_rate", lambda layers: 1e15)  # no floor
     layers = [_layer("int8", None, E=16, H=256, I=128, seed=s)[1] for s in range(2)]
     costs = calibrate_split_costs(layers, 256, 4, torch.device("cpu"), tokens=(64, 256), repeats=5, pinned=True)
@@ -959,7 +969,7 @@ def test_default_calibration_has_no_low_row_runs_and_no_floor(monkeypatch):
     from ktorch.ops import routed_experts
 
     calls: list = []
-    monkeypatch.setattr(routed_experts, "_cpu_op", _timed_law(5e-4, 1e-6, 3e-4, calls=calls))
+    _install_law(monkeypatch, 5e-4, 1e-6, 3e-4, calls=calls)
     monkeypatch.setattr(routed_experts, "_cpu_read_rate", lambda layers: pytest.fail("measured a read rate"))
     layers = [_layer("int8", None, E=16, H=256, I=128, seed=s)[1] for s in range(2)]
     costs = calibrate_split_costs(layers, 256, 4, torch.device("cpu"), tokens=(64, 256), repeats=2)
@@ -972,7 +982,7 @@ def test_calibration_keeps_expert_s_above_reading_an_experts_bytes(monkeypatch):
     cost is below that floor, the fit sits on it, and fixed and row_s still explain the rest, non-negative."""
     from ktorch.ops import routed_experts
 
-    monkeypatch.setattr(routed_experts, "_cpu_op", _timed_law(1e-3, 4e-6, 1e-5))
+    _install_law(monkeypatch, 1e-3, 4e-6, 1e-5)
     layers = [_layer("int8", None, E=16, H=256, I=128, seed=s)[1] for s in range(2)]
     rate = layers[0].bytes_per_expert() / 1e-4  # the floor: 100 us an expert
     monkeypatch.setattr(routed_experts, "_cpu_read_rate", lambda layers: rate)
