@@ -55,7 +55,11 @@ FAMILIES = {
                                 swa_num_key_value_heads=2, swa_head_dim=16, sliding_window_size=16, d_rel=4,
                                 rel_extent=32, layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding"],
                                 n_layers_per_attn_res_block=1, unpadded_vocab_size=256, loop_layer_index_start=1,
-                                loop_layer_index_end=2, loop_num_passes=2, loop_gate_rank=8),
+                                loop_layer_index_end=2, loop_num_passes=2, loop_gate_rank=8,
+                                # its v heads pass an unweighted RMSNorm: at the default eps (1e-6) a near-zero head
+                                # is scaled up to unit size, rounding and all (router inputs off from eager by up to
+                                # 0.17 in 300 inputs, 3.9x eager's own bf16-vs-fp32 rounding); 1e-2 bounds that gain
+                                rms_norm_eps=1e-2),
                            "softcap_swiglu(gate=4.0,up=25.0)", True),
     "nemotron_h": (dict(layers_block_type=["moe", "full_attention", "moe"], head_dim=16, intermediate_size=96,
                         moe_intermediate_size=64, moe_shared_expert_intermediate_size=64, n_routed_experts=8,
@@ -65,9 +69,14 @@ FAMILIES = {
 }
 TOLERANCE = 2e-2
 # inkling2_loop runs its looped layer's experts twice a forward, so its logits carry two layers' worth more rounding
-# (transformers' bf16 experts against ktorch's fp32 accumulation): over 40 inputs without a routing flip, median
-# relative error 0.011, largest 0.024; the other families' medians are 0.007-0.010.
+# (transformers' bf16 experts against ktorch's fp32 accumulation): over 600 inputs, up to the first routing flip,
+# median relative error 0.010, largest 0.019; the other families' medians are 0.007-0.010.
 FAMILY_TOLERANCE = {"inkling2_loop_text": 3e-2}
+# A routing flip is a near-tie if its router input is within ROUTER_RTOL of eager's, or within this many times eager's
+# own rounding of that input (bf16 against the same model in fp32): where the model itself amplifies rounding, ROUTER_RTOL
+# alone is too tight (inkling2_loop, 600 inputs, 146 flips: the largest difference 0.032 where eager's own was 0.032;
+# the ratio at most 1.6).
+OWN_ROUNDING_FACTOR = 2.0
 
 
 def tiny_family_model(family: str) -> nn.Module:
@@ -106,10 +115,21 @@ def assert_logits_close(ref_model, test_model, ids, test_forward=None, what="", 
             n = min(n, int(rows[0]))
             first = first or (int(rows[0]), i, int(rows[0]))
     if first is not None:
-        assert_flip_is_near_tie(ref_routing, test_routing, first, ROUTER_RTOL[torch.bfloat16])
+        rtol = max(ROUTER_RTOL[torch.bfloat16], OWN_ROUNDING_FACTOR * own_rounding(ref_model, ids, *first[1:]))
+        assert_flip_is_near_tie(ref_routing, test_routing, first, rtol)
     if n:
         err = relative_error(got[:, :n], want[:, :n])
         assert err <= tol, f"{what}: logits off by {err:.3g} over the first {n} positions"
+
+
+def own_rounding(model, ids, call: int, token: int) -> float:
+    """How far ``model``'s (bf16) router input of MoE call ``call`` at ``token`` is from the same model's in fp32."""
+    fp32 = copy.deepcopy(model).float()
+    fp32.config.dtype = torch.float32
+    with torch.no_grad(), RoutingRecorder(model) as low, RoutingRecorder(fp32) as high:
+        model(ids), fp32(ids)
+    x, ref = low.calls[call][1][token], high.calls[call][1][token]
+    return ((x - ref).norm() / ref.norm()).item()
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
