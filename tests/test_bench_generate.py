@@ -119,7 +119,10 @@ def test_split_model_prefill_records_a_cpu_split_model():
     torch.manual_seed(0)
     model = ktorch.prepare(copy.deepcopy(tiny_model("qwen3_moe", dtype=torch.float32)), device="cpu",
                            experts_dtype="bf16")
-    costs = SplitCosts(h2d_bytes_per_s=1e9, cpu_fixed_s=1e-3, cpu_row_s=1e-5, cpu_expert_s=5e-4)
+    # ~1 ms to copy a tiny int8 expert (12.5 KB), 0.1 ms a CPU row: of 24 tokens' 48 rows over 8 experts the best
+    # split copies the ~3 most-hit experts and leaves the rest to the CPU, so both sides have a measured time (the
+    # costs 1e9 B/s and 1 ms fixed sent every expert to the device on the H200: no CPU call to time)
+    costs = SplitCosts(h2d_bytes_per_s=1.25e7, cpu_fixed_s=1e-4, cpu_row_s=1e-4, cpu_expert_s=0.0)
     ktorch.set_stream_experts(model, costs)
     modules = moe_experts_modules(model)
     for m in modules:
@@ -144,7 +147,10 @@ def test_cuda_split_model_prefill_times_the_cpu_op_per_layer_call():
     from models import moe_experts_modules, tiny_model
 
     torch.manual_seed(0)
-    costs = SplitCosts(h2d_bytes_per_s=1e9, cpu_fixed_s=1e-3, cpu_row_s=1e-5, cpu_expert_s=5e-4)
+    # ~1 ms to copy a tiny int8 expert (12.5 KB), 0.1 ms a CPU row: of 24 tokens' 48 rows over 8 experts the best
+    # split copies the ~3 most-hit experts and leaves the rest to the CPU, so both sides have a measured time (the
+    # costs 1e9 B/s and 1 ms fixed sent every expert to the device on the H200: no CPU call to time)
+    costs = SplitCosts(h2d_bytes_per_s=1.25e7, cpu_fixed_s=1e-4, cpu_row_s=1e-4, cpu_expert_s=0.0)
     model = ktorch.prepare(copy.deepcopy(tiny_model("qwen3_moe", dtype=torch.bfloat16)), device="cuda",
                            experts_dtype="int8", stream_experts=costs, gpu_memory="off")
     modules = moe_experts_modules(model)
