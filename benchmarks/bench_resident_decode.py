@@ -19,13 +19,16 @@ T tokens (1 at decode), each routed to K distinct experts. Variants, per format:
   bf16-gather   (int8 only) residents held in bf16 (twice int8's bytes): gather + bmm, no dequantization (a reference)
   bf16-grouped  (int8 only) the same with torch._grouped_mm (each used expert read once, nothing gathered)
 
-Each is captured REPEAT times in one CUDA graph (new routing every launch is not needed: the bytes read do not depend
-on which experts) and replayed; prints microseconds per layer, the bytes a layer must read at least (the used
+Each is captured REPEAT times in one CUDA graph, each call routed to other experts (at T=1 disjoint sets while
+REPEAT * K <= n: a decode step's layers each read their own experts, so L2 serves no call from an earlier one), and
+replayed; prints microseconds per layer, the bytes a layer must read at least (the used
 experts' codes, scales and minimums), the bandwidth that implies, and each variant's relative error against a float64
 reference of the same codes. ``--profile`` adds the kernels of one eager call of packed and triton (torch.profiler).
 
     python benchmarks/bench_resident_decode.py [--formats int8 int4 q4_k] [--experts 128] [--tokens 1 4]
-        [--tiles 8/256/4 8/128/4] [--profile]
+        [--tiles 8/256/4 8/1024/8/3 8/1024/8+4/256/4] [--profile]
+
+A tile is block_n/block_k/num_warps[/num_stages] for both kernels, or GATE_UP+DOWN to give each its own.
 """
 
 from __future__ import annotations
@@ -91,6 +94,31 @@ def random_call(T: int, H: int, K: int, n: int) -> tuple:
     slots = torch.stack([torch.randperm(n, generator=g)[:K] for _ in range(T)]).cuda()
     weights = torch.rand(T, K, generator=g).cuda()
     return hidden, slots, weights, slots.unique().numel()
+
+
+def call_routings(T: int, K: int, n: int, repeat: int, device) -> list:
+    """``repeat`` slot tensors [T, K] (K distinct experts of n a token) for the calls of one captured graph: at T=1
+    disjoint sets while repeat * K <= n (each call reads its own experts' bytes, as a step's layers do), else each
+    call its own random draw."""
+    g = torch.Generator().manual_seed(1000 + T)
+    if T == 1 and repeat * K <= n:
+        order = torch.randperm(n, generator=g)
+        return [order[i * K:(i + 1) * K][None].to(device) for i in range(repeat)]
+    return [torch.stack([torch.randperm(n, generator=g)[:K] for _ in range(T)]).to(device) for _ in range(repeat)]
+
+
+def parse_tile(text: str) -> tuple:
+    """"bn/bk/nw[/ns]" (both kernels) or "GATE_UP+DOWN" -> ((bn, bk, nw, ns), (bn, bk, nw, ns)), ns None if absent."""
+    parts = text.split("+")
+    if len(parts) > 2:
+        raise ValueError(f"--tiles: at most one '+' (gate_up+down), got {text!r}")
+    tiles = []
+    for part in parts:
+        v = [int(x) for x in part.split("/")]
+        if len(v) not in (3, 4):
+            raise ValueError(f"--tiles: block_n/block_k/num_warps[/num_stages], got {part!r}")
+        tiles.append((v[0], v[1], v[2], v[3] if len(v) == 4 else None))
+    return tiles[0], tiles[-1]
 
 
 def _time_graph(fn, repeat: int, replays: int) -> float:
@@ -178,11 +206,15 @@ def main(argv=None) -> None:
             hidden, slots, weights, used = random_call(T, H, K, n)
             least = used * per_expert
             variants = {"packed": lambda: packed_experts_forward(hidden, slots, weights, packed, "silu", "gather")}
+            checks = {}  # label -> the call on ``slots`` (the reference's routing) where the timed calls use others
             if triton_available():
+                routings = call_routings(T, K, n, args.repeat, hidden.device)
                 for tile in tiles:
-                    bn, bk, nw = (int(v) for v in tile.split("/"))
-                    variants[f"triton {tile}"] = (lambda bn=bn, bk=bk, nw=nw: triton_rows_forward(
-                        hidden, slots, weights, rows, "silu", bn, bk, nw))
+                    pair = parse_tile(tile)
+                    variants[f"triton {tile}"] = (lambda pair=pair, it=iter(range(1 << 60)): triton_rows_forward(
+                        hidden, routings[next(it) % len(routings)], weights, rows, "silu", pair))
+                    checks[f"triton {tile}"] = (lambda pair=pair: triton_rows_forward(hidden, slots, weights, rows,
+                                                                                      "silu", pair))
             if refs:
                 variants["bf16-gather"] = lambda: gpu_experts_forward(hidden, slots, weights, refs["w13"], refs["w2"],
                                                                       "silu", "gather")
@@ -194,7 +226,7 @@ def main(argv=None) -> None:
             base = None
             for label, fn in variants.items():
                 try:
-                    err = (fn().double().cpu() - ref).norm().item() / ref.norm().item()
+                    err = (checks.get(label, fn)().double().cpu() - ref).norm().item() / ref.norm().item()
                     s = _time_graph(fn, args.repeat, args.replays)
                 except Exception as e:  # a variant that fails is reported, the others still run
                     print(f"  {label:<20} failed: {type(e).__name__}: {str(e)[:200]}")

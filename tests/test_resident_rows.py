@@ -567,6 +567,10 @@ def test_kernels_match_a_float64_reference(fmt, group_size, activation, T, K, H,
     assert relative_error(got.cpu(), ref) <= max(1.2 * packed_error, 4e-3)
     if KERNEL_DEVICE == "cuda":  # the same bits twice (no atomics); the interpreter runs programs in order anyway
         assert torch.equal(triton_experts.triton_rows_forward(hidden, slots, weights, rows, activation), got)
+    # another tile for each kernel (what bench_resident_decode --tiles compares): the same sums in another order
+    other = triton_experts.triton_rows_forward(hidden, slots, weights, rows, activation, ((4, 64, 2, 1), (16, 32, 4, 2)))
+    assert relative_error(other.cpu(), ref) <= max(1.2 * packed_error, 4e-3)
+    assert relative_error(other.float().cpu(), got.float().cpu()) <= 1e-2
     # the router's bf16 weights and int32 slots are read as they are: the values of their float32 / int64 forms
     low = weights.to(torch.bfloat16)
     assert torch.equal(triton_experts.triton_rows_forward(hidden, slots.int(), low, rows, activation),

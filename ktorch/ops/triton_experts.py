@@ -310,13 +310,13 @@ def _kernel_format(codes: torch.Tensor, scales: torch.Tensor, K: int, name: str)
 
 
 def triton_rows_forward(hidden: torch.Tensor, slots: torch.Tensor, topk_weights: torch.Tensor, rows,
-                        activation: str = "silu", block_n: Optional[int] = None, block_k: Optional[int] = None,
-                        num_warps: Optional[int] = None) -> torch.Tensor:
+                        activation: str = "silu", tiles: Optional[tuple] = None) -> torch.Tensor:
     """hidden [T, H] (CUDA), slots [T, K] (-1: not resident), topk_weights [T, K], rows: ``RowExperts`` (int8 or
     4-bit codes with float32 scales, symmetric or affine, w13 and w2 each its own format) -> [T, H] in hidden's
-    dtype. Shape-static and free of host syncs (CUDA-graph capturable). ``block_n``/``block_k``/``num_warps``: the
-    tile of both kernels (powers of two; block_k in bytes of codes), each kernel's format's ``TILES`` entry unless a
-    benchmark compares others (benchmarks/bench_resident_decode.py --tiles)."""
+    dtype. Shape-static and free of host syncs (CUDA-graph capturable). ``tiles``: ((block_n, block_k, num_warps,
+    num_stages) of _gate_up, the same of _down) (powers of two; block_k in bytes of codes; num_stages None: Triton's
+    default), each kernel's format's ``TILES`` entry unless a benchmark compares others
+    (benchmarks/bench_resident_decode.py --tiles)."""
     if not on_kernel_device(hidden):
         raise ValueError(f"triton_rows_forward: the Triton kernels run on CUDA tensors, hidden is on {hidden.device}")
     if not triton_available():
@@ -348,13 +348,14 @@ def triton_rows_forward(hidden: torch.Tensor, slots: torch.Tensor, topk_weights:
     w = topk_weights.contiguous() if topk_weights.is_floating_point() else topk_weights.float().contiguous()
     h = torch.empty(T * K, I, dtype=torch.float32, device=hidden.device)
     y = torch.empty(T, K, H, dtype=torch.float32, device=hidden.device)
-    bn, bk, nw = (block_n, block_k, num_warps) if block_n else TILES[b13]
+    (bn, bk, nw, ns), (bn2, bk2, nw2, ns2) = tiles or ((*TILES[b13], None), (*TILES[b2], None))
+    stages = {} if ns is None else {"num_stages": ns}
     _gate_up[(T * K, -(-I // bn))](x, s, rows.w13, rows.w13_scales, h, K, H, I, G13, GROUP=g13,
                                    MODE=scales_mode(g13, bk), BITS=b13, AFFINE=int(a13),
-                                   ACT=_ACT_CODES[activation], BLOCK_N=bn, BLOCK_K=bk, num_warps=nw)
-    bn, bk, nw = (block_n, block_k, num_warps) if block_n else TILES[b2]
-    _down[(T * K, -(-H // bn))](h, s, w, rows.w2, rows.w2_scales, y, H, I, G2, GROUP=g2, MODE=scales_mode(g2, bk),
-                                BITS=b2, AFFINE=int(a2), BLOCK_N=bn, BLOCK_K=bk, num_warps=nw)
+                                   ACT=_ACT_CODES[activation], BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, **stages)
+    stages = {} if ns2 is None else {"num_stages": ns2}
+    _down[(T * K, -(-H // bn2))](h, s, w, rows.w2, rows.w2_scales, y, H, I, G2, GROUP=g2, MODE=scales_mode(g2, bk2),
+                                 BITS=b2, AFFINE=int(a2), BLOCK_N=bn2, BLOCK_K=bk2, num_warps=nw2, **stages)
     out = torch.empty(T, H, dtype=hidden.dtype, device=hidden.device)
     _sum_slots[(T, -(-H // 1024))](y, out, K, H, BLOCK=1024)
     return out
