@@ -382,7 +382,7 @@ def breakdown(args) -> None:
             torch.cuda.empty_cache()
 
 
-PREFILL_VARIANTS = ("default", "sync-per-layer", "rope kernel", "pinned calibration")
+PREFILL_VARIANTS = ("default", "sync-per-layer", "pinned calibration")
 _SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
@@ -473,10 +473,7 @@ def prefill_profile(args) -> None:
     --ktorch-args set, one process loads the model as ``ktorch generate`` does, then alternates --prefill-variants
     for --prefill-profile rounds over the --prompts lengths, timing ``Decoder.prefill`` + reading the first token (no
     hooks, no syncs but the prefill's own). Variants: ``default`` (what generate runs); ``sync-per-layer`` (the split's
-    counts copied to the host at every MoE layer, as before commit 66e74df, whatever the placement); ``rope kernel``
-    (an experiment awaiting its device run: the attention's rotary embedding one Triton launch for q and one for k,
-    ktorch/integrations/fused_rope.py, where transformers' form launches ~14 a layer; its values differ in the last
-    bit, so its first tokens are printed beside the default's); ``pinned calibration`` (an experiment awaiting its
+    counts copied to the host at every MoE layer, as before commit 66e74df, whatever the placement); ``pinned calibration`` (an experiment awaiting its
     device run: the split's costs measured by ``calibrate_split_costs(..., pinned=True)``, low-row runs and a
     read-rate floor on the per-expert cost, swapped in for the variant). (Merged after their runs here, session 35: the rows sorted by expert in three Triton
     launches, each RMSNorm one ``F.rms_norm``; the split's copies as one zero-copy gather a layer, which tied the
@@ -507,10 +504,6 @@ def prefill_profile(args) -> None:
             RoutedExperts.copies_possible = lambda self, ids: True
             stack.callback(setattr, RoutedExperts, "copies_possible", original)
             return stack
-        if variant == "rope kernel":
-            from ktorch.integrations import fused_rope
-
-            return fused_rope.swapped(decoder.model)
         if variant == "pinned calibration":
             return pinned_costs(decoder.model)
         return contextlib.nullcontext()
