@@ -382,7 +382,7 @@ def breakdown(args) -> None:
             torch.cuda.empty_cache()
 
 
-PREFILL_VARIANTS = ("default", "sync-per-layer", "rope kernel", "pinned calibration")
+PREFILL_VARIANTS = ("default", "sync-per-layer")
 _SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
@@ -431,18 +431,6 @@ def split_model_line(calls: list, timeline: list, costs) -> str:
             f"{sum(c.cpu_experts for c in calls) / n:.1f} CPU experts, {sum(c.copied for c in calls) / n:.1f} copied")
 
 
-def _read_floor(model, costs) -> str:
-    """The calibration's floor on cpu_expert_s, printed beside the costs: an expert's packed bytes over the CPU's
-    measured read rate."""
-    from ktorch.integrations.transformers_experts import experts_modules
-
-    routed = [m.kt_routed for _, m in experts_modules(model) if getattr(m, "kt_routed", None) is not None]
-    if not routed or not costs.cpu_read_bytes_per_s:
-        return ""
-    return (f"; CPU read {costs.cpu_read_bytes_per_s / 1e9:.1f} GB/s (floor of an expert "
-            f"{1e6 * routed[0].bytes_per_expert / costs.cpu_read_bytes_per_s:.0f} us)")
-
-
 def split_model_prefill(model, P: int, prefill, sync, costs):
     """One prefill of ``P`` tokens (``prefill(P)``) with the split's calls recorded (``RoutedExperts.calls``) and the
     CPU op's calls timed (the experts runtime's timeline): ``split_model_line`` of it, or None where no layer split
@@ -473,12 +461,7 @@ def prefill_profile(args) -> None:
     --ktorch-args set, one process loads the model as ``ktorch generate`` does, then alternates --prefill-variants
     for --prefill-profile rounds over the --prompts lengths, timing ``Decoder.prefill`` + reading the first token (no
     hooks, no syncs but the prefill's own). Variants: ``default`` (what generate runs); ``sync-per-layer`` (the split's
-    counts copied to the host at every MoE layer, as before commit 66e74df, whatever the placement); ``rope kernel``
-    (an experiment awaiting its device run: the attention's rotary embedding one Triton launch for q and one for k,
-    ktorch/integrations/fused_rope.py, where transformers' form launches ~14 a layer; its values differ in the last
-    bit, so its first tokens are printed beside the default's); ``pinned calibration`` (an experiment awaiting its
-    device run: the split's costs measured by ``calibrate_split_costs(..., pinned=True)``, low-row runs and a
-    read-rate floor on the per-expert cost, swapped in for the variant). (Merged after their runs here, session 35: the rows sorted by expert in three Triton
+    counts copied to the host at every MoE layer, as before commit 66e74df, whatever the placement). (Merged after their runs here, session 35: the rows sorted by expert in three Triton
     launches, each RMSNorm one ``F.rms_norm``; the split's copies as one zero-copy gather a layer, which tied the
     per-run DMA copies on the clock (call 3, H200 host: off P=512/2048 355.5/481.5 ms against 340.0/510.8, 24GiB
     213.0/316.2 against 219.5/306.0) with ~8000 fewer ATen ops a prefill; the runs stay as its fallback.)
@@ -507,50 +490,7 @@ def prefill_profile(args) -> None:
             RoutedExperts.copies_possible = lambda self, ids: True
             stack.callback(setattr, RoutedExperts, "copies_possible", original)
             return stack
-        if variant == "rope kernel":
-            from ktorch.integrations import fused_rope
-
-            return fused_rope.swapped(decoder.model)
-        if variant == "pinned calibration":
-            return pinned_costs(decoder.model)
         return contextlib.nullcontext()
-
-    pinned: dict = {}  # id(model) -> the costs calibrate_split_costs(pinned=True) measured on it, once
-
-    def pinned_costs(model):
-        """The split's costs from calibrate_split_costs(..., pinned=True), measured once per model on its own
-        layers, swapped into every layer's RoutedExperts (and model.kt_split_costs) for the variant's duration."""
-        import contextlib
-
-        from ktorch.ops.routed_experts import calibrate_split_costs
-        from ktorch.placement import experts_modules
-
-        routed = [m.kt_routed for _, m in experts_modules(model) if getattr(m, "kt_routed", None) is not None]
-        stack = contextlib.ExitStack()
-        if not routed or getattr(model, "kt_split_costs", None) is None:
-            return stack
-        if id(model) not in pinned:
-            top_k = getattr(model.config, "num_experts_per_tok", None) or 8
-            hidden = routed[0].layer.tensors[2].shape[1] * 16
-            pinned[id(model)] = calibrate_split_costs([r.layer for r in routed], hidden, top_k,
-                                                      model.get_input_embeddings().weight.device, pinned=True)
-            c = pinned[id(model)]
-            print(f"[prefill] pinned calibration: CPU op {1e3 * c.cpu_fixed_s:.2f} ms + {1e9 * c.cpu_row_s:.0f} ns a "
-                  f"row + {1e6 * c.cpu_expert_s:.0f} us an expert (read {c.cpu_read_bytes_per_s / 1e9:.1f} GB/s), "
-                  f"h2d {c.h2d_bytes_per_s / 1e9:.1f} GB/s", flush=True)
-        old = [(r, r.costs) for r in routed]
-        old_model = model.kt_split_costs
-        for r in routed:
-            r.costs = pinned[id(model)]
-        model.kt_split_costs = pinned[id(model)]
-
-        def restore():
-            for r, c in old:
-                r.costs = c
-            model.kt_split_costs = old_model
-
-        stack.callback(restore)
-        return stack
 
     for extra in args.ktorch_args:
         cli = build_parser().parse_args(["generate", "--model", args.gguf, "--prompt", "x", *shlex.split(extra)])
@@ -576,8 +516,7 @@ def prefill_profile(args) -> None:
             print(f"[prefill {label}] split costs: h2d {costs.h2d_bytes_per_s / 1e9:.1f} GB/s, CPU op "
                   f"{1e3 * costs.cpu_fixed_s:.2f} ms + {1e9 * costs.cpu_row_s:.0f} ns a row + "
                   f"{1e6 * costs.cpu_expert_s:.0f} us an expert, device {1e9 * costs.device_row_s:.1f} ns a row + "
-                  f"{1e6 * costs.device_expert_s:.0f} us an expert"
-                  + _read_floor(model, costs), flush=True)
+                  f"{1e6 * costs.device_expert_s:.0f} us an expert", flush=True)
         with torch.inference_mode():
             for _ in range(args.prefill_profile):
                 for variant in args.prefill_variants:

@@ -40,7 +40,6 @@ each side, resident experts hit.
 from __future__ import annotations
 
 import collections
-import itertools
 import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -70,16 +69,12 @@ class SplitCosts:
     cpu_expert_s: float  # per expert the CPU computes (its weights read once, cold)
     device_row_s: float = 0.0  # per row on the device (its GEMMs)
     device_expert_s: float = 0.0  # per copied expert on the device beyond its copy (its dequantization)
-    # the CPU's read rate of packed expert bytes, cold (0: not measured): cpu_expert_s is at least an expert's bytes
-    # over it (calibrate_split_costs)
-    cpu_read_bytes_per_s: float = 0.0
 
     def __post_init__(self):
         for name in ("h2d_bytes_per_s",):
             if not getattr(self, name) > 0:
                 raise ValueError(f"SplitCosts: {name} must be > 0, got {getattr(self, name)}")
-        for name in ("cpu_fixed_s", "cpu_row_s", "cpu_expert_s", "device_row_s", "device_expert_s",
-                     "cpu_read_bytes_per_s"):
+        for name in ("cpu_fixed_s", "cpu_row_s", "cpu_expert_s", "device_row_s", "device_expert_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"SplitCosts: {name} must be >= 0, got {getattr(self, name)}")
 
@@ -504,100 +499,13 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 # ---------------------------------------------------------------- measuring the costs
 
 
-FEW_ROWS = 2  # rows an expert in the calibration's low-row runs: what the tail of rarely-hit experts costs the CPU op
-
-
-def nonnegative_least_squares(a, y) -> np.ndarray:
-    """argmin over x >= 0 of ||a x - y||: a [n, m], y [n] (float64 numpy or lists) -> x [m] float64.
-
-    Exact for the few unknowns of a cost law (m <= 8): the optimum is the unconstrained least squares on the columns
-    of its support (the Karush-Kuhn-Tucker conditions), so it is the best-fitting of the supports' least-squares
-    solutions that are non-negative; all 2^m supports are tried, the full one first (where ``lstsq``'s own
-    solution is non-negative it is returned as is; a smaller support replaces it only by fitting strictly
-    better)."""
-    a = np.asarray(a, dtype=np.float64)
-    y = np.asarray(y, dtype=np.float64)
-    if a.ndim != 2 or y.shape != (a.shape[0],):
-        raise ValueError(f"nonnegative_least_squares: a must be [n, m] and y [n], got {a.shape} and {y.shape}")
-    m = a.shape[1]
-    if m > 8:
-        raise ValueError(f"nonnegative_least_squares: tries every support, for at most 8 unknowns; got {m}")
-    best, best_residual = np.zeros(m), float(y @ y)  # the empty support
-    for size in range(m, 0, -1):
-        for support in itertools.combinations(range(m), size):
-            columns = list(support)
-            solution = np.linalg.lstsq(a[:, columns], y, rcond=None)[0]
-            if (solution < 0).any():
-                continue
-            x = np.zeros(m)
-            x[columns] = solution
-            r = a @ x - y
-            residual = float(r @ r)
-            if residual < best_residual * (1 - 1e-12) or (size == m and residual <= best_residual):
-                best, best_residual = x, residual
-    return best
-
-
-def _fit(points: list, columns: int, lower: Optional[Sequence[float]] = None) -> list:
-    """points [(features..., seconds)] -> coefficients >= ``lower`` (default 0), least squares of the relative
-    errors (a 5 ms run's misfit counts as much as a 50 ms one's): ``nonnegative_least_squares`` of the excess over
-    ``lower``."""
-    a = np.array([p[:columns] for p in points], dtype=np.float64)
-    y = np.array([p[columns] for p in points], dtype=np.float64)
-    lower = np.zeros(columns) if lower is None else np.asarray(lower, dtype=np.float64)
-    scale = 1.0 / np.maximum(y, 1e-12)
-    excess = nonnegative_least_squares(a * scale[:, None], (y - a @ lower) * scale)
-    return [float(c) for c in lower + excess]
-
-
-def cover_ids(tokens: int, top_k: int, experts: torch.Tensor) -> torch.Tensor:
-    """[tokens, top_k] int32 ids over ``experts`` (distinct ids, at least top_k of them) each taken
-    tokens * top_k / len(experts) times, give or take one, never twice in a token: slot j of token t takes
-    ``experts[(t * top_k + j) % len(experts)]``."""
-    if experts.numel() < top_k:
-        raise ValueError(f"cover_ids: {experts.numel()} experts for {top_k} slots a token")
-    return experts[torch.arange(tokens * top_k) % experts.numel()].reshape(tokens, top_k).to(torch.int32)
-
-
 def _cpu_op(layer: StreamedExperts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
     """The CPU op as the calibration times it (tests replace it with a known law)."""
     torch.ops.kt.fused_moe(x, ids, weights, *layer.tensors, layer.activation)
 
 
-def _cpu_read_rate(layers: Sequence[StreamedExperts]) -> float:
-    """Bytes/s the CPU reads packed expert bytes at, cold: a sum over each of the last two ``layers``' packed
-    tensors (viewed as int64 words: ATen's int64 sum keeps up with DRAM; its uint8 and int32 sums do not), best of
-    the two, torch's threads set to ktorch's pool size meanwhile. The calibration's CPU runs start at layers[0]: the
-    last layers were read longest ago."""
-    from ktorch._library import get_num_threads
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(get_num_threads())
-    try:
-        best = 0.0
-        for layer in layers[-2:]:
-            words = [_int64_words(t) for t in layer.tensors if t is not None]
-            start = time.perf_counter()
-            for w in words:
-                w.sum()
-            seconds = time.perf_counter() - start
-            best = max(best, sum(w.numel() * 8 for w in words) / max(seconds, 1e-9))
-        return best
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _int64_words(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's bytes as int64 words (its first and last few bytes left out where unaligned)."""
-    flat = t.reshape(-1).view(torch.uint8)
-    skip = (-flat.storage_offset()) % 8
-    n = (flat.numel() - skip) // 8 * 8
-    return flat[skip:skip + n].view(torch.int64)
-
-
-def _fit_clamped(points: list, columns: int) -> list:
-    """Least squares, non-negative by clamping: points [(features..., seconds)] -> coefficients (the default
-    calibration's fit, until the device measures ``pinned``'s)."""
+def _fit(points: list, columns: int) -> list:
+    """Least squares, non-negative by clamping: points [(features..., seconds)] -> coefficients."""
     a = torch.tensor([p[:columns] for p in points], dtype=torch.float64)
     y = torch.tensor([p[columns] for p in points], dtype=torch.float64)
     coef = torch.linalg.lstsq(a, y[:, None]).solution.flatten()
@@ -605,27 +513,17 @@ def _fit_clamped(points: list, columns: int) -> list:
 
 
 def calibrate_split_costs(layers: Sequence[StreamedExperts], hidden_size: int, top_k: int, device: torch.device,
-                          tokens: Sequence[int] = (256, 1024), repeats: int = 2, pinned: bool = False) -> SplitCosts:
+                          tokens: Sequence[int] = (256, 1024), repeats: int = 2) -> SplitCosts:
     """Measures the split's costs on ``layers`` (packed experts of one shape; a CUDA ``device`` needs them
     page-locked) and returns them.
 
-    CPU (``pinned``, below): the op with every expert used and with a quarter of them, each at ``FEW_ROWS`` rows an expert (the tail of
-    rarely-hit experts a prefill leaves the CPU, which pins expert_s: reading an expert's weights) and at each of
-    ``tokens``, fitted to fixed + row_s * rows + expert_s * experts by non-negative least squares of the relative
-    errors with expert_s at least an expert's bytes over the CPU's read rate (``_cpu_read_rate``, measured first:
-    an expert's weights cannot be read faster). Each run reads another layer's weights than the run before it (cold
-    weights, as in a prefill, where each layer's experts were last read a whole forward ago). The split's copies
-    (``gather_experts`` of a few experts spread over the layer: on CUDA the zero-copy gather from page-locked
-    memory) run on a side stream meanwhile (they share the DRAM) and give the H2D rate. Device: the dequantization
-    of a few experts and a grouped GEMM over many rows. About ``2 * repeats * (sum(tokens) + 2 E / top_k) * 2``
-    tokens of CPU work; on the device (Qwen3-30B-A3B shape, 48 layers) well under a second.
-
-    ``pinned=False`` (the default, what ``prepare`` runs): the runs at ``tokens`` only, each point the mean of its
-    repeats with random ids, fitted by least squares clamped at 0 (``_fit_clamped``); on the device (session 35, H200
-    host) that gave expert_s 9-21 us where a cold read of an expert's 5.3 MB takes ~50 us. ``pinned=True``, an
-    experiment awaiting its device A/B (``bench_generate.py --prefill-profile N --prefill-variants default "pinned
-    calibration"``, which recalibrates so and swaps the costs in): the low-row runs, ``cover_ids``, the fastest of
-    the repeats, ``_fit`` with the read-rate floor, as described above."""
+    CPU: the op at each of ``tokens`` with every expert used and with a quarter of them (random ids), fitted to
+    fixed + row_s * rows + expert_s * experts by least squares clamped at 0, each point the mean of ``repeats`` runs;
+    each run reads another layer's weights than the run before it (cold weights, as in a prefill, where each
+    layer's experts were last read a whole forward ago). The split's copies (``gather_experts`` of a few experts
+    spread over the layer: on CUDA the zero-copy gather from page-locked memory) run on a side stream meanwhile
+    (they share the DRAM) and give the H2D rate. Device: the dequantization of a few experts and a grouped GEMM over
+    many rows. About ``2 * repeats * sum(tokens) * 2`` tokens of CPU work."""
     device = torch.device(device)
     first = layers[0]
     E = first.num_experts
@@ -641,7 +539,7 @@ def calibrate_split_costs(layers: Sequence[StreamedExperts], hidden_size: int, t
     spread_ids = _to_device(spread, device)
     copy_bytes = probe * first.bytes_per_expert()
 
-    def run_cpu(x, ids, weights) -> float:  # pinned: the fastest of ``repeats`` runs (interruptions only add time)
+    def run_cpu(x, ids, weights) -> float:  # the mean of ``repeats`` runs
         times = []
         for _ in range(repeats):
             layer = layers[turn[0] % len(layers)]
@@ -649,7 +547,7 @@ def calibrate_split_costs(layers: Sequence[StreamedExperts], hidden_size: int, t
             start = time.perf_counter()
             _cpu_op(layer, x, ids, weights)
             times.append(time.perf_counter() - start)
-        return min(times) if pinned else sum(times) / len(times)
+        return sum(times) / len(times)
 
     def copies(n: int):
         if not cuda:
@@ -664,17 +562,12 @@ def calibrate_split_costs(layers: Sequence[StreamedExperts], hidden_size: int, t
         side.wait_stream(torch.cuda.current_stream(device))  # the ids' copy
         copies(2)
         side.synchronize()
-    read_rate = _cpu_read_rate(layers) if pinned else 0.0
     points, copied_s, copied_bytes = [], 0.0, 0
     for used in (E, max(top_k, E // 4)):
-        for T in ((-(-FEW_ROWS * used // top_k),) if pinned else ()) + tuple(tokens):
+        for T in tokens:
             x = torch.randn(T, hidden_size, dtype=torch.bfloat16, generator=gen)
-            if pinned:
-                ids = cover_ids(T, top_k, torch.randperm(E, generator=gen)[:used])
-            else:
-                pick = torch.randperm(E, generator=gen)[:used]
-                ids = torch.stack([pick[torch.randperm(used, generator=gen)[:top_k]]
-                                   for _ in range(T)]).to(torch.int32)
+            pick = torch.randperm(E, generator=gen)[:used]
+            ids = torch.stack([pick[torch.randperm(used, generator=gen)[:top_k]] for _ in range(T)]).to(torch.int32)
             weights = torch.full((T, top_k), 1.0 / top_k)
             alone = run_cpu(x, ids, weights)  # also the warm-up
             if cuda:
@@ -690,10 +583,7 @@ def calibrate_split_costs(layers: Sequence[StreamedExperts], hidden_size: int, t
             points.append((1.0, rows, ids.unique().numel(), seconds))
     if not cuda:
         copied_s, copied_bytes = copies(4), 4 * copy_bytes
-    if pinned:
-        fixed, row_s, expert_s = _fit(points, 3, lower=(0.0, 0.0, first.bytes_per_expert() / read_rate))
-    else:
-        fixed, row_s, expert_s = _fit_clamped(points, 3)
+    fixed, row_s, expert_s = _fit(points, 3)
     # device: dequantize ``probe`` experts, then a grouped GEMM of T*K rows over them
     T = max(tokens)
     hidden = torch.randn(T, hidden_size, dtype=torch.bfloat16, device=device)
@@ -722,4 +612,4 @@ def calibrate_split_costs(layers: Sequence[StreamedExperts], hidden_size: int, t
     total_s = device_seconds(lambda: routed.device_part(hidden, ids, weights, chosen))
     copy_s_device = probe * first.bytes_per_expert() / (copied_bytes / copied_s)
     row_device_s = max(total_s - dequant_s - copy_s_device, 0.0) / (T * top_k)
-    return SplitCosts(copied_bytes / copied_s, fixed, row_s, expert_s, row_device_s, dequant_s / probe, read_rate)
+    return SplitCosts(copied_bytes / copied_s, fixed, row_s, expert_s, row_device_s, dequant_s / probe)
