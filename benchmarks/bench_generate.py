@@ -466,7 +466,10 @@ def prefill_profile(args) -> None:
     per-run DMA copies on the clock (call 3, H200 host: off P=512/2048 355.5/481.5 ms against 340.0/510.8, 24GiB
     213.0/316.2 against 219.5/306.0) with ~8000 fewer ATen ops a prefill; the runs stay as its fallback.)
     (A prefill through the compiled layers with dynamic shapes lost to ``default``, session 33 on an H200 host:
-    104.9 / 107.3 ms warm at P=512 / 2048 against 86.6 / 94.4, after an 11.5 s compile; deleted.) Then one
+    104.9 / 107.3 ms warm at P=512 / 2048 against 86.6 / 94.4, after an 11.5 s compile; deleted. Again in session 36,
+    H200 host, one compile for every length (no duck shaping): every expert resident 87.8 / 87.0 ms against eager's
+    63.2 / 78.5, 24GiB 267.9 / 359.3 against 211.8 / 327.5, with 1649 launches against 2417: the compiled graphs'
+    own host time per call outweighs the launches saved; not merged.) Then one
     profiled prefill per variant and length: wall, GPU busy time (the union of kernels and copies), kernels
     launched, synchronizing CUDA calls the host made; before each, where the routing-aware split runs, an unprofiled
     prefill checks its cost model (``split_model_prefill``: the CPU op's and the device part's time per layer call,
