@@ -65,8 +65,7 @@ def test_prefill_profile_times_each_variant_and_profiles_one_prefill(gguf, capsy
     import gzip
     import json
 
-    # (on the CPU the rope kernel does not run: the same values)
-    variants = ["default", "sync-per-layer", "rope kernel"]
+    variants = ["default", "sync-per-layer"]
     bench.main(["--gguf", gguf, "--prefill-profile", "2", "--prompts", "70", "--ktorch-args", "--device cpu",
                 "--prefill-variants", *variants, "--profile-trace", str(tmp_path / "t")])
     out = capsys.readouterr().out
