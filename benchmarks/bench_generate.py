@@ -20,7 +20,6 @@ Optionally writes the file first (--write-layers N: a random Qwen3-30B-A3B-shape
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import re
@@ -131,10 +130,10 @@ def run_generate(gguf: str, prompt_tokens: int, gen: int, extra: list[str], time
 
 
 AB_VARIANTS = ("default", "eager layers", "host-function handoff", "two host functions", "sdpa attention", "aten route",
-               "aten router", "aten kv write", "separate qkv", "reduction router", "fused down")
+               "aten router", "aten kv write", "separate qkv", "reduction router")
 # --profile-steps profiles the default's step and these where they are among --ab-variants
 PROFILED_VARIANTS = ("default", "host-function handoff", "aten router", "aten kv write", "separate qkv",
-                     "reduction router", "fused down")
+                     "reduction router")
 
 
 def ab_compile(args) -> None:
@@ -150,8 +149,7 @@ def ab_compile(args) -> None:
     projections as three products instead of one over their fused weight; "reduction router", an experiment: the
     swapped routers' logits as a float32 multiply-and-sum that Inductor turns into one reduction kernel over the
     experts, instead of cuBLAS's one-row product (5.1 us a layer on 2 thread blocks, session 34's profile; the
-    logits then differ from the linear layer's by summation order); "fused down", an experiment: the residents'
-    down products and the sum over the slots in one kernel, ``triton_rows_forward(fused_down=True)``); then a profile of --profile-steps replays
+    logits then differ from the linear layer's by summation order)); then a profile of --profile-steps replays
     of the default's graph and of those of PROFILED_VARIANTS among --ab-variants: GPU kernel time and kernel count
     per step (torch.profiler), the CPU experts' time per step (the native host tasks' timeline) and the step's wall
     time."""
@@ -177,7 +175,6 @@ def ab_compile(args) -> None:
     routers_swapped, cache_swapped = transformers_routers.swapped, transformers_cache.swapped
     qkv_swapped = fused_qkv.swapped
     router_kernel_forward = transformers_routers._kernel_forward
-    rows_forward = triton_experts.triton_rows_forward
 
     def reduction_router_forward(m, hidden, renormalize, cast, flatten):
         from ktorch.ops import triton_router
@@ -211,9 +208,6 @@ def ab_compile(args) -> None:
         transformers_routers._kernel_forward = reduction_router_forward if variant == "reduction router" \
             else router_kernel_forward
         RUNTIME.gpu_handoff = variant not in ("host-function handoff", "two host functions")  # read at capture
-        # resident_rows looks it up in its module at each call: the residents' down products and sum in one kernel
-        triton_experts.triton_rows_forward = functools.partial(rows_forward, fused_down=True) \
-            if variant == "fused down" else rows_forward
 
     for d in args.deferred:
         ktorch.set_deferred_experts(model, d)

@@ -46,8 +46,6 @@ import torch  # no "from __future__ import annotations": Triton reads the tl.con
 # 8/128/4, which loads the same 256 columns a tile as int8's tile, int4 23.1 / 66.2 us against 8/256/4's 24.6 / 76.6,
 # Q4_K 26.4 against 29.3 at T=1 (the packed path: 422-434 us at T=1).
 TILES = {8: (8, 256, 4), 4: (8, 128, 4)}
-# _down_sum (fused_down): a program per token and BLOCK_N rows loops over the K slots, so T=1 has H / BLOCK_N programs
-FUSED_DOWN_TILES = {8: (4, 256, 4), 4: (4, 128, 4)}
 BLOCK_N, BLOCK_K, NUM_WARPS = TILES[8]  # 8*768/8 = 768 gate/up programs and 8*2048/8 = 2048 down programs at T=1
 _ACT_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
 
@@ -228,39 +226,6 @@ if triton is not None:
         tl.store(y_ptr + row * H + offs_n, acc * coef, mask=mask_n)
 
 
-    @triton.jit
-    def _down_sum(h_ptr, slots_ptr, w_ptr, q_ptr, s_ptr, out_ptr, K, H, I, G, GROUP: tl.constexpr,
-                  MODE: tl.constexpr, BITS: tl.constexpr, AFFINE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
-        # _down and _sum_slots in one: a program's output rows of token t summed over its K slots in slot order
-        # (float32, rounded once to out's dtype), no [T, K, H] buffer and no third launch
-        t = tl.program_id(0)
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < H
-        if BITS == 8:
-            KB = I
-        else:
-            KB = I // 2
-        if AFFINE == 1:
-            SG = 2 * G
-        else:
-            SG = G
-        out = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k in range(0, K):
-            row = t * K + k
-            slot = tl.load(slots_ptr + row)
-            e = tl.maximum(slot, 0).to(tl.int64)
-            row_mask = mask_n & (tl.zeros([BLOCK_N], dtype=tl.int32) + slot >= 0)
-            q_rows = q_ptr + e * H * KB + offs_n.to(tl.int64) * KB
-            s_rows = s_ptr + e * H * SG + offs_n.to(tl.int64) * SG
-            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for kb0 in range(0, KB, BLOCK_K):
-                v_lo, v_hi = _load_x(h_ptr + row * I, kb0, I, BITS, BLOCK_K)
-                acc += _tile_dot(q_rows, s_rows, row_mask, v_lo, v_hi, kb0, KB, G, GROUP, MODE, BITS, AFFINE,
-                                 BLOCK_N, BLOCK_K)
-            out += acc * tl.where(slot >= 0, tl.load(w_ptr + row).to(tl.float32), 0.0)
-        tl.store(out_ptr + t * H + offs_n, out.to(out_ptr.dtype.element_ty), mask=mask_n)
-
     @triton.jit(do_not_specialize=["n"])  # n = T * K: one compile for every prompt length
     def _route(ids_ptr, slot_of_ptr, slots_ptr, cpu_ids_ptr, hits_ptr, n, COUNT: tl.constexpr, BLOCK: tl.constexpr):
         # one program over the n (token, slot) pairs: slots = slot_of[id] (-1 for id < 0 or an expert not held),
@@ -345,16 +310,13 @@ def _kernel_format(codes: torch.Tensor, scales: torch.Tensor, K: int, name: str)
 
 
 def triton_rows_forward(hidden: torch.Tensor, slots: torch.Tensor, topk_weights: torch.Tensor, rows,
-                        activation: str = "silu", tiles: Optional[tuple] = None,
-                        fused_down: bool = False) -> torch.Tensor:
+                        activation: str = "silu", tiles: Optional[tuple] = None) -> torch.Tensor:
     """hidden [T, H] (CUDA), slots [T, K] (-1: not resident), topk_weights [T, K], rows: ``RowExperts`` (int8 or
     4-bit codes with float32 scales, symmetric or affine, w13 and w2 each its own format) -> [T, H] in hidden's
     dtype. Shape-static and free of host syncs (CUDA-graph capturable). ``tiles``: ((block_n, block_k, num_warps,
     num_stages) of _gate_up, the same of _down) (powers of two; block_k in bytes of codes; num_stages None: Triton's
     default), each kernel's format's ``TILES`` entry unless a benchmark compares others
-    (benchmarks/bench_resident_decode.py --tiles). ``fused_down``, an experiment (bench_resident_decode's "fused
-    down" variants): the down products and the sum over the slots in one kernel (``_down_sum``: a program loops over
-    its token's K slots), no third launch and no [T, K, H] buffer; the same sums in the same order."""
+    (benchmarks/bench_resident_decode.py --tiles)."""
     if not on_kernel_device(hidden):
         raise ValueError(f"triton_rows_forward: the Triton kernels run on CUDA tensors, hidden is on {hidden.device}")
     if not triton_available():
@@ -385,21 +347,15 @@ def triton_rows_forward(hidden: torch.Tensor, slots: torch.Tensor, topk_weights:
     s = slots.contiguous() if slots.dtype in (torch.int32, torch.int64) else slots.to(torch.int32).contiguous()
     w = topk_weights.contiguous() if topk_weights.is_floating_point() else topk_weights.float().contiguous()
     h = torch.empty(T * K, I, dtype=torch.float32, device=hidden.device)
-    (bn, bk, nw, ns), (bn2, bk2, nw2, ns2) = tiles or (
-        (*TILES[b13], None), (*(FUSED_DOWN_TILES if fused_down else TILES)[b2], None))
+    y = torch.empty(T, K, H, dtype=torch.float32, device=hidden.device)
+    (bn, bk, nw, ns), (bn2, bk2, nw2, ns2) = tiles or ((*TILES[b13], None), (*TILES[b2], None))
     stages = {} if ns is None else {"num_stages": ns}
     _gate_up[(T * K, -(-I // bn))](x, s, rows.w13, rows.w13_scales, h, K, H, I, G13, GROUP=g13,
                                    MODE=scales_mode(g13, bk), BITS=b13, AFFINE=int(a13),
                                    ACT=_ACT_CODES[activation], BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, **stages)
     stages = {} if ns2 is None else {"num_stages": ns2}
-    out = torch.empty(T, H, dtype=hidden.dtype, device=hidden.device)
-    if fused_down:
-        _down_sum[(T, -(-H // bn2))](h, s, w, rows.w2, rows.w2_scales, out, K, H, I, G2, GROUP=g2,
-                                     MODE=scales_mode(g2, bk2), BITS=b2, AFFINE=int(a2), BLOCK_N=bn2, BLOCK_K=bk2,
-                                     num_warps=nw2, **stages)
-        return out
-    y = torch.empty(T, K, H, dtype=torch.float32, device=hidden.device)
     _down[(T * K, -(-H // bn2))](h, s, w, rows.w2, rows.w2_scales, y, H, I, G2, GROUP=g2, MODE=scales_mode(g2, bk2),
                                  BITS=b2, AFFINE=int(a2), BLOCK_N=bn2, BLOCK_K=bk2, num_warps=nw2, **stages)
+    out = torch.empty(T, H, dtype=hidden.dtype, device=hidden.device)
     _sum_slots[(T, -(-H // 1024))](y, out, K, H, BLOCK=1024)
     return out
