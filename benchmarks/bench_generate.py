@@ -130,10 +130,10 @@ def run_generate(gguf: str, prompt_tokens: int, gen: int, extra: list[str], time
 
 
 AB_VARIANTS = ("default", "eager layers", "host-function handoff", "two host functions", "sdpa attention", "aten route",
-               "aten router", "aten kv write", "separate qkv", "reduction router")
+               "aten router", "aten kv write", "separate qkv", "linear router")
 # --profile-steps profiles the default's step and these where they are among --ab-variants
 PROFILED_VARIANTS = ("default", "host-function handoff", "aten router", "aten kv write", "separate qkv",
-                     "reduction router")
+                     "linear router")
 
 
 def ab_compile(args) -> None:
@@ -146,10 +146,9 @@ def ab_compile(args) -> None:
     flex attention; "aten route": the resident split's ATen ops instead of its Triton kernel; "aten router": the
     routers' softmax, ATen topk and renormalization instead of ktorch::router_topk; "aten kv write": transformers'
     StaticLayer.update (index_copy_) instead of the one-launch KV write; "separate qkv": the attention's three
-    projections as three products instead of one over their fused weight; "reduction router", an experiment: the
-    swapped routers' logits as a float32 multiply-and-sum that Inductor turns into one reduction kernel over the
-    experts, instead of cuBLAS's one-row product (5.1 us a layer on 2 thread blocks, session 34's profile; the
-    logits then differ from the linear layer's by summation order)); then a profile of --profile-steps replays
+    projections as three products instead of one over their fused weight; "linear router": the swapped routers'
+    logits as the linear layer's product (cuBLAS, one row on two thread blocks) instead of the float32 reduction
+    Inductor compiles into one kernel (integrations/transformers_routers.py)); then a profile of --profile-steps replays
     of the default's graph and of those of PROFILED_VARIANTS among --ab-variants: GPU kernel time and kernel count
     per step (torch.profiler), the CPU experts' time per step (the native host tasks' timeline) and the step's wall
     time."""
@@ -176,15 +175,8 @@ def ab_compile(args) -> None:
     qkv_swapped = fused_qkv.swapped
     router_kernel_forward = transformers_routers._kernel_forward
 
-    def reduction_router_forward(m, hidden, renormalize, cast, flatten):
-        from ktorch.ops import triton_router
-
-        x = hidden.reshape(-1, hidden.shape[-1]) if flatten else hidden
-        logits = (x.unsqueeze(-2).float() * m.weight.float()).sum(-1).to(x.dtype)
-        flat = logits.reshape(-1, logits.shape[-1])
-        w, ids = triton_router.router_topk(flat, m.top_k, renormalize, logits.dtype if cast else torch.float32)
-        lead = logits.shape[:-1]
-        return logits, w.reshape(*lead, m.top_k), ids.reshape(*lead, m.top_k)
+    def linear_router_forward(m, hidden, renormalize, cast, flatten, reduction=False):
+        return router_kernel_forward(m, hidden, renormalize, cast, flatten)
     results: dict = {}
 
     def set_variant(variant: str) -> None:
@@ -205,7 +197,7 @@ def ab_compile(args) -> None:
         # compiled_layers looks it up in its module: the q/k/v projections keep their own forwards
         fused_qkv.swapped = (lambda model: contextlib.nullcontext([])) if variant == "separate qkv" else qkv_swapped
         # _decode_forward looks it up in its module: the logits as a reduction Inductor compiles
-        transformers_routers._kernel_forward = reduction_router_forward if variant == "reduction router" \
+        transformers_routers._kernel_forward = linear_router_forward if variant == "linear router" \
             else router_kernel_forward
         RUNTIME.gpu_handoff = variant not in ("host-function handoff", "two host functions")  # read at capture
 
