@@ -272,7 +272,8 @@ class Decoder:
             self._step()
 
 
-_COMPILED_FORWARDS: dict = {}  # module class -> its forward compiled by Inductor (one per class, shapes guarded inside)
+_COMPILED_FORWARDS: dict = {}
+RECOMPILE_LIMIT = 256  # Dynamo's cache entries per code object while compiled_layers is open (see there)  # module class -> its forward compiled by Inductor (one per class, shapes guarded inside)
 
 
 def _compiled_forward(cls: type):
@@ -392,7 +393,12 @@ def compiled_layers(model: nn.Module, cache, eager_attention: bool = False) -> N
             m.forward = types.MethodType(_compiled_forward(type(m)), m)
         if attention != implementation:
             model.config._attn_implementation = attention
-        with torch._dynamo.config.patch(cache_size_limit=max(16, torch._dynamo.config.cache_size_limit)), \
+        # transformers (5.2x) wraps layer and attention forwards in one decorator (deprecate_kwarg's wrapped_func):
+        # every decorated forward of every model in the process shares its code object, and so Dynamo's cache
+        # entries. At 16 a test worker's 17th (class, shapes) ran its layers eagerly, and a decode step captured that
+        # way fails (flex attention's eager form; device, session 36). The entries cost a guard check at capture
+        # only: replays check none.
+        with torch._dynamo.config.patch(recompile_limit=max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)), \
                 fused_qkv.swapped(model):
             yield
     finally:

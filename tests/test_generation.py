@@ -275,6 +275,38 @@ def _greedy_steps(model, ids, n, compiled: bool) -> list:
     return out
 
 
+def test_compiled_layers_keep_compiling_past_dynamos_default_entries():
+    """Many (class, shapes) compiled in one process: with transformers' layer and attention forwards wrapped in one
+    decorator they share a code object and its cache entries, and past Dynamo's limit a frame runs eagerly (on the
+    device a captured step then fails in flex attention's eager form: session 36). Here 3 configurations, with the
+    process's limit lowered to 1 before: each still compiles its graphs; the limit comes back."""
+    from torch._dynamo.utils import counters
+
+    from ktorch.generation import Decoder, compiled_layers, decoder_layers
+
+    before = torch._dynamo.config.recompile_limit
+    seen = []
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for heads in range(1, 4):
+            model = _prepared("qwen3_moe", num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=1,
+                              head_dim=8)
+            layer = decoder_layers(model)[0]
+            original = type(layer.mlp.gate).forward
+            decoder = Decoder(model, 8, torch.device("cpu"), Sampling(), cuda_graphs=False)
+            ids = torch.tensor([[3, 5]])
+            counters.clear()
+            with torch.inference_mode():
+                decoder.prefill(ids)
+                with compiled_layers(model, decoder.cache):
+                    assert torch._dynamo.config.recompile_limit >= 256
+                    decoder._step()
+            seen.append(counters["stats"]["unique_graphs"])
+            assert type(layer.mlp.gate).forward is original
+        assert torch._dynamo.config.recompile_limit == 1
+    assert torch._dynamo.config.recompile_limit == before
+    assert all(n > 0 for n in seen), seen  # each configuration compiled its graphs: none fell back to eager
+
+
 def test_compiled_layers_compile_one_layer_for_all_and_recompile_only_a_changed_model():
     """The decode step's regional compilation (what the GPU capture runs): the same tokens as the eager layers; the
     graphs compiled do not grow with the layer count (10 layers, more than Dynamo's 8 entries per function); a
