@@ -156,3 +156,44 @@ def test_compiled_decode_step_runs_one_projection_for_q_k_and_v(monkeypatch):
     attention = model.model.layers[0].self_attn
     assert fused_qkv.fused(attention) is not None
     assert steps(False) == eager
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_eager_swap_makes_one_product_for_q_k_v_of_one_input(bias, monkeypatch):
+    """The eager prefill experiment (``eager_swapped``): q, k, v of one input come from one product, equal to the
+    three of their own (float64 reference: the same values up to the product's summation order); keys and values of
+    another input (cross attention) or called out of order make their own product; nothing is held after the v
+    layer; the forwards are restored."""
+    torch.manual_seed(0)
+    m = ToyAttention(bias).double().requires_grad_(False)
+    x, y = torch.randn(2, 5, 32, dtype=torch.float64), torch.randn(2, 5, 32, dtype=torch.float64)
+    want_self, want_cross = m(x), m(x, y)
+    products = []
+    linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda *a: products.append(a[1].shape[0]) or linear(*a))
+    with fused_qkv.eager_swapped(m) as modules:
+        assert modules == [m]
+        torch.testing.assert_close(m(x), want_self, rtol=1e-12, atol=1e-12)
+        assert products == [80]  # one product over the fused weight's 48 + 16 + 16 rows
+        products.clear()
+        torch.testing.assert_close(m(x, y), want_cross, rtol=1e-12, atol=1e-12)
+        assert products == [80, 16, 16]  # keys and values of y: their own products
+        products.clear()
+        k_first = m.k_proj(x)  # out of order: nothing kept for it
+        torch.testing.assert_close(k_first, want_self[..., 48:64], rtol=1e-12, atol=1e-12)
+        assert products == [16]
+    assert all("forward" not in vars(p) for p in (m.q_proj, m.k_proj, m.v_proj))
+
+
+def test_eager_swap_prefill_gives_the_models_logits():
+    """A tiny Qwen3-MoE prefill with the swap gives the logits of the one without it (float32)."""
+    torch.manual_seed(0)
+    model = tiny_model("qwen3_moe", dtype=torch.float32)
+    ktorch.prepare(model, device="cpu", experts_dtype="bf16", gpu_memory="off")
+    ids = torch.randint(0, model.config.vocab_size, (1, 9))
+    with torch.no_grad():
+        want = model(ids).logits
+        with fused_qkv.eager_swapped(model) as modules:
+            assert len(modules) == model.config.num_hidden_layers
+            got = model(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

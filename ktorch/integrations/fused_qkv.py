@@ -140,3 +140,42 @@ def swapped(model: nn.Module):
             p._buffers.pop("kt_qkv_bias", None)
             for attr in ("kt_qkv_start", "kt_qkv_end"):
                 p.__dict__.pop(attr, None)
+
+
+@contextlib.contextmanager
+def eager_swapped(model: nn.Module):
+    """An experiment for the eager prefill (``bench_generate --prefill-variants "one qkv product"``): while open, a
+    fused module's q layer computes the one product ``linear(x, W_qkv)`` and keeps it, and its k and v layers, given
+    the same tensor ``x`` next, slice it instead of making their own (transformers' attention forwards call q, k, v
+    in that order on one tensor); any other call (another tensor, another order) makes its own product and drops what
+    was kept. Two products
+    and their launches fewer a layer, where an eager prefill is bound by its launching thread. Gives the modules."""
+    touched = []
+    modules = fuse_weights(model)
+    try:
+        for m in modules:
+            weight, bias, ranges = fused(m)
+            kept: dict = {}  # the q layer's input and the whole product, until the v layer takes its slice
+            for i, (name, (a, b)) in enumerate(zip(NAMES, ranges)):
+                p = getattr(m, name)
+                touched.append(p)
+                p.forward = types.MethodType(_eager_forward(i, a, b, weight, bias, kept), p)
+        yield modules
+    finally:
+        for p in touched:
+            p.__dict__.pop("forward", None)
+
+
+def _eager_forward(i: int, a: int, b: int, weight: torch.Tensor, bias: Optional[torch.Tensor], kept: dict):
+    def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        if i == 0:
+            kept["x"], kept["out"] = x, F.linear(x, weight, bias)
+            return kept["out"][..., a:b]
+        if kept.get("x") is x:
+            out = kept["out"]
+            if i == len(NAMES) - 1:
+                kept.clear()  # nothing held past the layer
+            return out[..., a:b]
+        kept.clear()  # another input: the q layer's product is not this call's, nor a later one's
+        return F.linear(x, self.weight, self.bias)
+    return forward
