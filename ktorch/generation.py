@@ -397,9 +397,12 @@ def compiled_layers(model: nn.Module, cache, eager_attention: bool = False) -> N
         # every decorated forward of every model in the process shares its code object, and so Dynamo's cache
         # entries. At 16 a test worker's 17th (class, shapes) ran its layers eagerly, and a decode step captured that
         # way fails (flex attention's eager form; device, session 36). The entries cost a guard check at capture
-        # only: replays check none.
-        with torch._dynamo.config.patch(recompile_limit=max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)), \
-                fused_qkv.swapped(model):
+        # only: replays check none. Past the limit Dynamo raises instead of running the layers eagerly: an error that
+        # names the limit, not a captured step that fails somewhere inside.
+        limits = {"recompile_limit": max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)}
+        if hasattr(torch._dynamo.config, "fail_on_recompile_limit_hit"):
+            limits["fail_on_recompile_limit_hit"] = True
+        with torch._dynamo.config.patch(**limits), fused_qkv.swapped(model):
             yield
     finally:
         if model.config._attn_implementation != implementation:

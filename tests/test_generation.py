@@ -299,6 +299,7 @@ def test_compiled_layers_keep_compiling_past_dynamos_default_entries():
                 decoder.prefill(ids)
                 with compiled_layers(model, decoder.cache):
                     assert torch._dynamo.config.recompile_limit >= 256
+                    assert torch._dynamo.config.fail_on_recompile_limit_hit  # past it: an error, not eager layers
                     decoder._step()
             seen.append(counters["stats"]["unique_graphs"])
             assert type(layer.mlp.gate).forward is original
