@@ -176,6 +176,9 @@ def main(argv=None) -> None:
     p.add_argument("--repeat", type=int, default=12, help="layer calls per captured graph (a 12-layer step)")
     p.add_argument("--replays", type=int, default=50)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--late-sum", action="store_true",
+                   help="also each triton tile with its terms summed once after the loop "
+                        "(triton_rows_forward(late_sum=True), an experiment)")
     p.add_argument("--tiles", nargs="+", default=None,
                    help="more triton block_n/block_k/num_warps settings to compare with each format's TILES entry")
     args = p.parse_args(argv)
@@ -215,6 +218,12 @@ def main(argv=None) -> None:
                         hidden, routings[next(it) % len(routings)], weights, rows, "silu", pair))
                     checks[f"triton {tile}"] = (lambda pair=pair: triton_rows_forward(hidden, slots, weights, rows,
                                                                                       "silu", pair))
+                    if args.late_sum:  # the experiment: each program's terms summed once after its loop
+                        variants[f"triton {tile} late"] = (lambda pair=pair, it=iter(range(1 << 60)):
+                                                           triton_rows_forward(hidden, routings[next(it) % len(
+                                                               routings)], weights, rows, "silu", pair, True))
+                        checks[f"triton {tile} late"] = (lambda pair=pair: triton_rows_forward(
+                            hidden, slots, weights, rows, "silu", pair, True))
             if refs:
                 variants["bf16-gather"] = lambda: gpu_experts_forward(hidden, slots, weights, refs["w13"], refs["w2"],
                                                                       "silu", "gather")
