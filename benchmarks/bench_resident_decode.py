@@ -212,18 +212,13 @@ def main(argv=None) -> None:
             checks = {}  # label -> the call on ``slots`` (the reference's routing) where the timed calls use others
             if triton_available():
                 routings = call_routings(T, K, n, args.repeat, hidden.device)
-                for tile in tiles:
-                    pair = parse_tile(tile)
-                    variants[f"triton {tile}"] = (lambda pair=pair, it=iter(range(1 << 60)): triton_rows_forward(
-                        hidden, routings[next(it) % len(routings)], weights, rows, "silu", pair))
-                    checks[f"triton {tile}"] = (lambda pair=pair: triton_rows_forward(hidden, slots, weights, rows,
-                                                                                      "silu", pair))
-                    if args.late_sum:  # the experiment: each program's terms summed once after its loop
-                        variants[f"triton {tile} late"] = (lambda pair=pair, it=iter(range(1 << 60)):
-                                                           triton_rows_forward(hidden, routings[next(it) % len(
-                                                               routings)], weights, rows, "silu", pair, True))
-                        checks[f"triton {tile} late"] = (lambda pair=pair: triton_rows_forward(
-                            hidden, slots, weights, rows, "silu", pair, True))
+                # the experiment --late-sum: each program's terms summed once after its loop
+                for tile, late in [(t, late) for t in tiles for late in (False, True)[:1 + args.late_sum]]:
+                    pair, label = parse_tile(tile), f"triton {tile}" + (" late" if late else "")
+                    variants[label] = (lambda pair=pair, late=late, it=iter(range(1 << 60)): triton_rows_forward(
+                        hidden, routings[next(it) % len(routings)], weights, rows, "silu", pair, late))
+                    checks[label] = (lambda pair=pair, late=late: triton_rows_forward(hidden, slots, weights, rows,
+                                                                                      "silu", pair, late))
             if refs:
                 variants["bf16-gather"] = lambda: gpu_experts_forward(hidden, slots, weights, refs["w13"], refs["w2"],
                                                                       "silu", "gather")

@@ -272,8 +272,8 @@ class Decoder:
             self._step()
 
 
-_COMPILED_FORWARDS: dict = {}
-RECOMPILE_LIMIT = 256  # Dynamo's cache entries per code object while compiled_layers is open (see there)  # module class -> its forward compiled by Inductor (one per class, shapes guarded inside)
+_COMPILED_FORWARDS: dict = {}  # module class -> its forward compiled by Inductor (one per class, shapes guarded inside)
+RECOMPILE_LIMIT = 256  # Dynamo's cache entries per code object while compiled_layers is open (see there)
 
 
 def _compiled_forward(cls: type):

@@ -148,8 +148,8 @@ def eager_swapped(model: nn.Module):
     fused module's q layer computes the one product ``linear(x, W_qkv)`` and keeps it, and its k and v layers, given
     the same tensor ``x`` next, slice it instead of making their own (transformers' attention forwards call q, k, v
     in that order on one tensor); any other call (another tensor, another order) makes its own product and drops what
-    was kept. Two products
-    and their launches fewer a layer, where an eager prefill is bound by its launching thread. Gives the modules."""
+    was kept. Two products and their launches fewer a layer, where an eager prefill is bound by its launching
+    thread. Gives the modules."""
     touched = []
     modules = fuse_weights(model)
     try:

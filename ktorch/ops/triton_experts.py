@@ -121,12 +121,9 @@ if triton is not None:
         return v_lo, v_hi
 
     @triton.jit
-    def _tile_dot(q_rows, s_rows, row_mask, v_lo, v_hi, kb0, KB, G, GROUP: tl.constexpr, MODE: tl.constexpr,
-                  BITS: tl.constexpr, AFFINE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # [BLOCK_N] float32: the rows' weights over bytes [kb0, kb0 + BLOCK_K) times the activations (v_lo, v_hi
-        # from _load_x); q_rows/s_rows [BLOCK_N] pointers to the rows' codes and scales (minimums G further),
-        # row_mask [BLOCK_N], KB bytes a row, GROUP bytes a scale covers
-        offs = kb0 + tl.arange(0, BLOCK_K)
+    def _tile_products(q_rows, row_mask, v_lo, v_hi, offs, KB, BITS: tl.constexpr, AFFINE: tl.constexpr):
+        # (p [BLOCK_N, BLOCK_K] the codes times the activations, xv [BLOCK_K] the activations each byte multiplies
+        # (summed over its two nibbles), m the tile's mask) over bytes ``offs``, before the scales
         m = row_mask[:, None] & (offs < KB)[None, :]
         if BITS == 8:
             p = tl.load(q_rows[:, None] + offs[None, :], mask=m, other=0).to(tl.float32) * v_lo[None, :]
@@ -140,6 +137,26 @@ if triton is not None:
                 hi = hi - 8.0
             p = lo * v_lo[None, :] + hi * v_hi[None, :]
             xv = v_lo + v_hi
+        return p, xv, m
+
+    @triton.jit
+    def _scaled_terms(p, xv, m, s_rows, offs, G, GROUP: tl.constexpr, AFFINE: tl.constexpr):
+        # [BLOCK_N, BLOCK_K] the products scaled element by element (any group size; cached loads), minus the
+        # minimums' terms (affine)
+        gk = (offs // GROUP)[None, :]
+        w = p * tl.load(s_rows[:, None] + gk, mask=m, other=0.0)
+        if AFFINE == 1:
+            w = w - tl.load(s_rows[:, None] + G + gk, mask=m, other=0.0) * xv[None, :]
+        return w
+
+    @triton.jit
+    def _tile_dot(q_rows, s_rows, row_mask, v_lo, v_hi, kb0, KB, G, GROUP: tl.constexpr, MODE: tl.constexpr,
+                  BITS: tl.constexpr, AFFINE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # [BLOCK_N] float32: the rows' weights over bytes [kb0, kb0 + BLOCK_K) times the activations (v_lo, v_hi
+        # from _load_x); q_rows/s_rows [BLOCK_N] pointers to the rows' codes and scales (minimums G further),
+        # row_mask [BLOCK_N], KB bytes a row, GROUP bytes a scale covers
+        offs = kb0 + tl.arange(0, BLOCK_K)
+        p, xv, m = _tile_products(q_rows, row_mask, v_lo, v_hi, offs, KB, BITS, AFFINE)
         if MODE == 0:  # a scale group spans whole tiles: one scale (and minimum) per row
             s = tl.load(s_rows + kb0 // GROUP, mask=row_mask, other=0.0)
             out = tl.sum(p, axis=1) * s
@@ -155,40 +172,18 @@ if triton is not None:
                 mn = tl.load(s_rows[:, None] + G + gi[None, :], mask=gm, other=0.0)
                 xg = tl.sum(tl.reshape(xv, (BLOCK_K // GROUP, GROUP)), axis=1)
                 out = out - tl.sum(mn * xg[None, :], axis=1)
-        else:  # any group size: a scale per element (cached loads)
-            gk = (offs // GROUP)[None, :]
-            s = tl.load(s_rows[:, None] + gk, mask=m, other=0.0)
-            w = p * s
-            if AFFINE == 1:
-                mn = tl.load(s_rows[:, None] + G + gk, mask=m, other=0.0)
-                w = w - mn * xv[None, :]
-            out = tl.sum(w, axis=1)
+        else:  # any group size: a scale per element
+            out = tl.sum(_scaled_terms(p, xv, m, s_rows, offs, G, GROUP, AFFINE), axis=1)
         return out
 
     @triton.jit
     def _tile_terms(q_rows, s_rows, row_mask, v_lo, v_hi, kb0, KB, G, GROUP: tl.constexpr, BITS: tl.constexpr,
                     AFFINE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # [BLOCK_N, BLOCK_K] float32: _tile_dot's terms before its sum (a scale per element, cached loads), for a
-        # caller that sums them once after the loop (LATE: no cross-lane reduction in each tile)
+        # [BLOCK_N, BLOCK_K] float32: _tile_dot's terms before its sum, a scale per element, for a caller that sums
+        # them once after the loop (LATE: no cross-lane reduction in each tile)
         offs = kb0 + tl.arange(0, BLOCK_K)
-        m = row_mask[:, None] & (offs < KB)[None, :]
-        if BITS == 8:
-            p = tl.load(q_rows[:, None] + offs[None, :], mask=m, other=0).to(tl.float32) * v_lo[None, :]
-            xv = v_lo
-        else:
-            b = tl.load(q_rows[:, None] + offs[None, :], mask=m, other=0)
-            lo = (b & 15).to(tl.float32)
-            hi = (b >> 4).to(tl.float32)
-            if AFFINE == 0:
-                lo = lo - 8.0
-                hi = hi - 8.0
-            p = lo * v_lo[None, :] + hi * v_hi[None, :]
-            xv = v_lo + v_hi
-        gk = (offs // GROUP)[None, :]
-        w = p * tl.load(s_rows[:, None] + gk, mask=m, other=0.0)
-        if AFFINE == 1:
-            w = w - tl.load(s_rows[:, None] + G + gk, mask=m, other=0.0) * xv[None, :]
-        return w
+        p, xv, m = _tile_products(q_rows, row_mask, v_lo, v_hi, offs, KB, BITS, AFFINE)
+        return _scaled_terms(p, xv, m, s_rows, offs, G, GROUP, AFFINE)
 
     @triton.jit
     def _gate_up(x_ptr, slots_ptr, q_ptr, s_ptr, h_ptr, n_slots, H, I, G, GROUP: tl.constexpr, MODE: tl.constexpr,
