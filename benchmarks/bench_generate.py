@@ -369,8 +369,8 @@ def breakdown(args) -> None:
                     parts["new CUDA segments"] = torch.cuda.memory_stats(device)["segment.all.allocated"] - segments
                 runs.append((first, parts))
             RUNTIME.timeline = None
-            print(f"[breakdown {extra or 'defaults'}] P={prompt}: first token s by run: "
-                  + ", ".join(f"{r[0]:.3f}" for r in runs), flush=True)
+            print(f"[breakdown {extra or 'defaults'}] P={prompt}: first token ms by run: "
+                  + ", ".join(f"{1e3 * r[0]:.2f}" for r in runs), flush=True)
             for name in runs[0][1]:
                 counts = name.startswith(("minor", "new"))
                 cells = ", ".join(f"{r[1][name]:.0f}" if counts else f"{1e3 * r[1][name]:.1f}" for r in runs)
