@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import ktorch
+import ktorch.lora
 from ktorch.integrations import packed_experts_of
 from ktorch.integrations.gguf_writer import encode, write_gguf_from_model
 from models import LOGIT_ATOL, assert_logits_match, moe_experts_modules, tiny_model
@@ -243,3 +244,42 @@ def test_exact_experts_logits_match_hf_eager(experts_types, tmp_path):
         want, got = reference(input_ids=ids).logits.double(), loaded(input_ids=ids).logits.double()
     err = float((got - want).norm() / want.norm())
     assert 0 < err <= 3e-2, f"{experts_types}: logits off by {err:.3g}"
+
+
+@pytest.mark.parametrize("experts_types", [{"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"},
+                                           {"gate": "Q5_K", "up": "Q5_K", "down": "Q8_0"}], ids=["Q4_K_M", "Q5_K-Q8_0"])
+def test_exact_experts_fine_tune_like_hf_eager(experts_types, tmp_path):
+    """Fine-tuning a GGUF model as users have them (K-quant experts loaded exact, scales at the file's size): with
+    ``prepare(trainable=True)`` and expert LoRA (zero B: the float32 forward is the exact function of the file's
+    values), the loss and the gradients of every trainable parameter outside the experts equal an fp32 HF eager model
+    holding the file's values (the backward decodes the K-quant layouts: affine int4 and int8, grouped int8, two
+    formats in one call); then a few AdamW steps on one batch lower its loss."""
+    torch.manual_seed(0)
+    model = tiny_model("qwen3_moe", hidden_size=256, moe_intermediate_size=256, initializer_range=0.04,
+                       num_hidden_layers=1)
+    path = write_gguf_from_model(model, tmp_path / "k.gguf", experts_type=experts_types["gate"],
+                                 experts_types=experts_types, other_type="F16")
+    reference = _as_stored(model, experts_types["gate"], experts_types=experts_types).train()
+    loaded, _ = ktorch.load(path, device="cpu", dtype=torch.float32, progress=False)
+    ktorch.prepare(loaded, device="cpu", trainable=True, gradient_checkpointing=False)
+    adapters = ktorch.lora.add_expert_lora(loaded, r=4, lora_alpha=8)
+    ids = torch.randint(0, 256, (2, 32))
+    loss_r, loss_k = reference(input_ids=ids, labels=ids).loss, loaded(input_ids=ids, labels=ids).loss
+    assert abs(loss_k.item() - loss_r.item()) < 1e-4 * abs(loss_r.item()), (loss_k.item(), loss_r.item())
+    loss_r.backward()
+    loss_k.backward()
+    grads_r = {n: p.grad for n, p in reference.named_parameters() if "experts" not in n}
+    grads_k = {n: p.grad for n, p in loaded.named_parameters() if p.requires_grad and "kt_lora" not in n}
+    assert grads_k.keys() == grads_r.keys()
+    for n in grads_r:
+        err = float((grads_k[n] - grads_r[n]).norm() / grads_r[n].norm())
+        assert err < 1e-4, (n, err)
+    assert all(a.grad is not None for a in adapters) and any(a.grad.abs().sum() > 0 for a in adapters)
+    opt = torch.optim.AdamW([p for p in loaded.parameters() if p.requires_grad], lr=1e-3)
+    first = loss_k.item()
+    for _ in range(8):
+        opt.step()
+        opt.zero_grad()
+        loss = loaded(input_ids=ids, labels=ids).loss
+        loss.backward()
+    assert loss.item() < 0.9 * first, (first, loss.item())

@@ -708,37 +708,146 @@ def test_backward_with_fewer_experts_than_threads():
         torch.set_num_threads(threads)
 
 
-def test_delta_forward_on_exact_gguf_layouts(kernel, seed):
-    """The layouts the exact GGUF formats load into (ktorch.ops.moe.pack_quantized): affine int4 gate/up (Q4_K's
-    codes, scale and minimum per group of 32) beside grouped int8 down (Q6_K's, groups of 16). kt.fused_moe's path
-    runs them with the deltas too, within its int4 tolerance of the float64 reference; the backward's decode takes only
-    bf16, per-channel int8 and grouped int4, and says so."""
-    from ktorch.ops.moe import pack_quantized
+def _exact_layout(kind: str, E: int, H: int, I: int):
+    """Packed experts in the layouts the exact GGUF types load into (ktorch.ops.moe.pack_quantized, pack_kscales;
+    docs/loading.md), codes and scales of the types' ranges: (w13, w13_scales, w2, w2_scales).
 
-    E, H, I, T, K = 4, 128, 64, 19, 2
+    Q4_K_M   affine int4 gate/up (Q4_K: codes 0..15, a float32 scale and minimum per 32) beside grouped int8 down
+             (Q6_K: codes -32..31, a scale per 16): two formats in one call
+    Q5_K_Q8_0  affine int8 gate/up (Q5_K: codes 0..31, scale and minimum per 32) beside grouped int8 down with
+             float16 scales per 32 (Q8_0's d)
+    Q4_K_Q6_K_two_level  Q4_K_M's codes with the scales at the file's size (pack_kscales: uint8 sub-scales and
+             minimums times float32 super-scales per 256; int8 sub-scales for Q6_K), K a multiple of 256
+    Q4_0     symmetric int4 per 32 (codes -8..7) beside per-channel int8"""
+    from ktorch.ops.moe import pack_kscales, pack_quantized
+
     codes13 = torch.randint(0, 16, (E, 2 * I, H))
-    s13 = torch.rand(E, 2 * I, H // 32) * 0.02 + 0.01
-    m13 = s13 * 7.5 + torch.randn(E, 2 * I, H // 32) * 0.005
-    w13, sc13 = pack_quantized(codes13, s13, m13, bits=4, gate_up=True)
-    codes2 = torch.randint(-32, 32, (E, H, I))
-    w2, sc2 = pack_quantized(codes2, torch.rand(E, H, I // 16) * 0.004 + 0.002, None, bits=8)
-    tensors = (w13, sc13, w2, sc2)
+    if kind in ("Q4_K_M", "Q4_K_Q6_K_two_level"):
+        if kind == "Q4_K_M":
+            s13 = torch.rand(E, 2 * I, H // 32) * 0.02 + 0.01
+            m13 = s13 * 7.5 + torch.randn(E, 2 * I, H // 32) * 0.005
+        else:  # a float32 d (and dmin) per 256, 6-bit sub-scales and sub-minimums per 32
+            d, dmin = torch.rand(E, 2 * I, H // 256) * 4e-4 + 2e-4, torch.rand(E, 2 * I, H // 256) * 4e-4 + 2e-4
+            sub, sub_m = torch.randint(1, 64, (E, 2 * I, H // 32), dtype=torch.uint8), \
+                torch.randint(0, 64, (E, 2 * I, H // 32), dtype=torch.uint8)
+            s13 = d.repeat_interleave(8, dim=2) * sub.float()
+            m13 = dmin.repeat_interleave(8, dim=2) * sub_m.float()
+        w13, sc13 = pack_quantized(codes13, s13, m13, bits=4, gate_up=True)
+        codes2 = torch.randint(-32, 32, (E, H, I))
+        if kind == "Q4_K_M":
+            w2, sc2 = pack_quantized(codes2, torch.rand(E, H, I // 16) * 0.004 + 0.002, None, bits=8)
+        else:
+            d2 = torch.rand(E, H, I // 256) * 1e-4 + 5e-5
+            sub2 = torch.randint(-128, 128, (E, H, I // 16), dtype=torch.int8)
+            w2, _ = pack_quantized(codes2, d2.repeat_interleave(16, dim=2) * sub2.float(), None, bits=8)
+            sc13 = pack_kscales(sub, d, sub_m, dmin, gate_up=True)
+            sc2 = pack_kscales(sub2, d2)
+    elif kind == "Q5_K_Q8_0":
+        s13 = torch.rand(E, 2 * I, H // 32) * 0.005 + 0.002
+        w13, sc13 = pack_quantized(torch.randint(0, 32, (E, 2 * I, H)), s13, s13 * 15.5, bits=8, gate_up=True)
+        w2, sc2 = pack_quantized(torch.randint(-127, 128, (E, H, I)), torch.rand(E, H, I // 32) * 4e-4 + 2e-4, None,
+                                 bits=8)
+        sc2 = sc2.half()  # Q8_0's d at the file's size
+    elif kind == "Q4_0":
+        w13, sc13 = pack_quantized(torch.randint(-8, 8, (E, 2 * I, H)), torch.rand(E, 2 * I, H // 32) * 0.03 + 0.01,
+                                   None, bits=4, gate_up=True)
+        w2, sc2 = pack_quantized(torch.randint(-127, 128, (E, H, I)), torch.rand(E, H, 1) * 4e-4 + 2e-4, None, bits=8)
+    else:
+        raise ValueError(kind)
+    return w13, sc13, w2, sc2
+
+
+EXACT_LAYOUTS = ("Q4_K_M", "Q5_K_Q8_0", "Q4_K_Q6_K_two_level", "Q4_0")
+
+
+def _exact_shapes(kind):  # E, H, I, T, K (the two-level scales need H and I multiples of 256)
+    return (3, 256, 256, 9, 2) if kind == "Q4_K_Q6_K_two_level" else (4, 128, 64, 19, 2)
+
+
+@pytest.mark.parametrize("kind", EXACT_LAYOUTS)
+def test_backward_on_exact_gguf_layouts_equals_float64_reference_gradient(kind):
+    """The backward decodes every layout the exact GGUF types load into (grouped and affine int8, affine int4, float16
+    and two-level scales, two formats in one call): float64 d hidden, d weights and d delta equal torch.autograd on
+    the float64 reference over kt.unpack's weights (the file's values) to rounding; with the forward's saved
+    pre-activations too; bf16 within bf16 rounding of the float64 op."""
+    E, H, I, T, K = _exact_shapes(kind)
+    tensors = _exact_layout(kind, E, H, I)
+    gate_up = torch.ops.kt.unpack(tensors[0], tensors[1], gate_up=True)
+    down = torch.ops.kt.unpack(tensors[2], tensors[3], gate_up=False)
+    ids, weights = _routing(T, K, E, "skips")
+    ids[1, 1] = ids[1, 0] = 1  # a repeated expert
+    hidden = (torch.randn(T, H, dtype=torch.float64) * 2).requires_grad_()
+    w = weights.double().requires_grad_()
+    delta = (torch.randn(T, K, 2 * I, dtype=torch.float64) * 0.3).requires_grad_()
+    ref = fused_moe_reference(hidden, ids, w, gate_up, down, "silu", gate_up_delta=delta)
+    scale = ref.abs().mean()
+    grad_out = torch.randn(T, H, dtype=torch.float64) / scale
+    rx, rw, rd = torch.autograd.grad(ref, (hidden, w, delta), grad_out)
+    args = (grad_out, hidden.detach(), ids, w.detach(), *tensors, "silu", delta.detach(), None)
+    dx, dw, dd = torch.ops.kt.fused_moe_backward(*args)
+    for got, want in ((dx, rx), (dw, rw), (dd, rd)):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10 * want.abs().max().item())
+    out, _, gu = torch.ops.kt.fused_moe_delta(hidden.detach(), ids, w.detach(), *tensors, delta.detach(), "silu")
+    torch.testing.assert_close(out, ref.detach(), rtol=1e-10, atol=1e-10 * ref.abs().max().item())
+    saved = torch.ops.kt.fused_moe_backward(*args, None, None, gu)
+    for got, want in zip(saved, (dx, dw, dd)):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10 * want.abs().max().item())
+    bf = torch.ops.kt.fused_moe_backward(grad_out.bfloat16(), hidden.detach().bfloat16(), ids, weights, *tensors,
+                                         "silu", delta.detach().bfloat16(), None)
+    full = torch.ops.kt.fused_moe_backward(grad_out.bfloat16().double(), hidden.detach().bfloat16().double(), ids,
+                                           weights.double(), *tensors, "silu", delta.detach().bfloat16().double(),
+                                           None)
+    for got, want in zip(bf, full):
+        assert relative_error(got, want) < 2e-2, kind
+
+
+@pytest.mark.parametrize("kind", ["Q4_K_M", "Q5_K_Q8_0"])
+def test_exact_gguf_layouts_gradcheck_and_opcheck(kind):
+    """gradcheck (float64, finite differences of the op's own forward) of kt.fused_moe_delta and the autograd of
+    kt.fused_moe on the exact layouts; opcheck of the three ops with them."""
+    E, H, I, T, K = 3, 64, 32, 4, 2
+    tensors = _exact_layout(kind, E, H, I)
+    ids, weights = _routing(T, K, E, "skips")
+    hidden = torch.randn(T, H, dtype=torch.float64, requires_grad=True)
+    w = weights.double().requires_grad_()
+    delta = (torch.randn(T, K, 2 * I, dtype=torch.float64) * 0.3).requires_grad_()
+    assert torch.autograd.gradcheck(lambda x, w, d: torch.ops.kt.fused_moe_delta(x, ids, w, *tensors, d, "silu"),
+                                    (hidden, w, delta), fast_mode=True)
+    x32, w32 = hidden.detach().float().requires_grad_(), weights.clone().requires_grad_()
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(torch.ops.kt.fused_moe.default, (x32, ids, w32, *tensors, "silu"), test_utils=utils)
+    d32 = delta.detach().float().requires_grad_()
+    torch.library.opcheck(torch.ops.kt.fused_moe_delta.default, (x32, ids, w32, *tensors, d32, "silu"),
+                          test_utils=utils)
+    torch.library.opcheck(torch.ops.kt.fused_moe_backward.default,
+                          (torch.randn(T, H), x32.detach(), ids, weights, *tensors, "silu", d32.detach(),
+                           torch.randn(T, K, I)),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_delta_forward_on_exact_gguf_layouts(kernel, seed):
+    """The layouts the exact GGUF formats load into: kt.fused_moe's path (the packed kernels) runs Q4_K_M's (affine
+    int4 gate/up beside grouped int8 down) with the deltas too, within its int4 tolerance of the float64 reference;
+    its autograd's bf16 gradients are within bf16 rounding of the float64 op's."""
+    E, H, I, T, K = 4, 128, 64, 19, 2
+    tensors = _exact_layout("Q4_K_M", E, H, I)
     ids, weights = _routing(T, K, E, "skips")
     hidden = torch.randn(T, H).to(torch.bfloat16)
     delta = (torch.randn(T, K, 2 * I) * 0.5).to(torch.bfloat16)
     out, h, _ = torch.ops.kt.fused_moe_delta(hidden, ids, weights, *tensors, delta, "silu")
-    gate_up = torch.ops.kt.unpack(w13, sc13, gate_up=True)
-    down = torch.ops.kt.unpack(w2, sc2, gate_up=False)
+    gate_up = torch.ops.kt.unpack(tensors[0], tensors[1], gate_up=True)
+    down = torch.ops.kt.unpack(tensors[2], tensors[3], gate_up=False)
     ref, ref_h = fused_moe_reference(hidden, ids, weights, gate_up, down, "silu", gate_up_delta=delta, return_h=True)
     assert relative_error(out, ref) <= DELTA_TOLERANCE["int4"], f"seed={seed} {kernel}"
     assert relative_error(h, ref_h) <= DELTA_TOLERANCE["int4"], f"seed={seed} {kernel}"
     assert relative_error(out, torch.ops.kt.fused_moe(hidden, ids, weights, *tensors, "silu")) > 0.05
+    x, w, d = hidden.clone().requires_grad_(), weights.clone().requires_grad_(), delta.clone().requires_grad_()
     dy = torch.randn(T, H).bfloat16()
-    with pytest.raises(RuntimeError, match=r"w13_scales holds scales and minimums \[E, 2, G, N\] \(an exact GGUF"):
-        torch.ops.kt.fused_moe_backward(dy, hidden, ids, weights, *tensors, "silu", delta, None)
-    with pytest.raises(RuntimeError, match=r"int8 w2_scales must be per output channel"):  # grouped int8 down
-        torch.ops.kt.fused_moe_backward(dy, hidden, ids, weights, *_packed(E, H, I, "int8").tensors()[:2], w2, sc2,
-                                        "silu", delta, None)
+    torch.autograd.backward(torch.ops.kt.fused_moe_delta(x, ids, w, *tensors, d, "silu")[0], dy)
+    want = torch.ops.kt.fused_moe_backward(dy.double(), hidden.double(), ids, weights.double(), *tensors, "silu",
+                                           delta.double(), None)
+    for got, ref_grad in zip((x.grad, w.grad, d.grad), want):
+        assert relative_error(got, ref_grad) < 2e-2, f"seed={seed} {kernel}"
 
 
 # ---------------------------------------------------------------- the saved pre-activations (kt.fused_moe_delta's

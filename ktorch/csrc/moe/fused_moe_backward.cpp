@@ -28,17 +28,17 @@
 //   inside the side work the AMX walks run), and each routed pair's h is written out from the GLU's output (bf16 for
 //   bf16 weights; fp32 before the int8 quantization for int formats), rounded once to hidden's dtype. Its numerics
 //   are kt.fused_moe's (activations rounded to bf16, or to int8 per row with int formats); with zero deltas it is
-//   kt.fused_moe bit for bit. It runs every format kt.fused_moe runs; the exact GGUF formats (affine or grouped int8
-//   scales, int4 gate/up beside int8 down) have no backward here: describe_packed refuses their scales or the mixed
-//   formats with an error naming them.
+//   kt.fused_moe bit for bit. It runs every format kt.fused_moe runs, and so does the backward: the exact GGUF
+//   layouts too (grouped and affine int8, affine int4, float16 and two-level scales, int4 gate/up beside int8 down:
+//   describe_packed, expert_scales).
 // - float32/float64: the reference below, on decoded experts: the exact function of the dequantized weights, which
 //   gradcheck (float64) and the float32 comparisons with peft (tests/test_lora.py) check.
 //
 // How the backward (and the reference forward) run: the pairs are grouped by expert. With at least as many experts
 // as ATen threads, each expert is one task, pulled by the ATen (OpenMP) workers from a shared counter, most tokens
 // first, and runs its products with ATen's matmuls (oneDNN/MKL), single threaded inside the task. The backward decodes
-// its packed blocks (bf16, int8 per channel, int4 grouped, MXFP4 nibbles: kernels.h) a slice at a time into the
-// worker's buffer in the compute dtype and multiplies each slice at once (product_t, product_up): dY W2 and
+// its packed blocks (bf16, int8 per channel or group, int4 grouped, MXFP4 nibbles, the affine K-quants: kernels.h)
+// a slice at a time into the worker's buffer in the compute dtype and multiplies each slice at once (product_t, product_up): dY W2 and
 // [dg | du] W13 decode W^T's rows (W2^T [I, H], W13^T [H, N13]; decode_expert_t_impl) kSliceBytes (256 KiB) at a
 // time, read as the view (W^T)^T so that both operands have the reduction dimension contiguous (x W13^T's layout),
 // each slice giving its columns of the product; the recompute x W13^T decodes W13's rows as stored, a slice of gate
@@ -88,19 +88,41 @@ namespace {
 
 enum class Fmt { BF16, INT8, INT4 };
 
+// The decodes compute q * s - m as kt.unpack does, two roundings: no fused multiply-add (GCC contracts by default in
+// GNU mode where the target has FMA), so that the float64 backward differentiates exactly the weights kt.unpack and
+// the float reference forward (decode_expert) give. Without minimums (m = 0), q * s - 0 is q * s either way.
+#define NO_FP_CONTRACT __attribute__((optimize("fp-contract=off")))
+
 struct Packed {
   Fmt fmt;
   const uint8_t* data;
-  const float* scales;  // [E, G, N] or nullptr
+  const float* scales;  // float32 [E, parts, G, N] (parts 2: scales, then minimums), or nullptr (bf16, or sub_kind)
   int64_t E, N, K, G;
-  // INT4: the value of each nibble, u - 8, or MXFP4's code table (float4_e2m1fn_x2 weights: kernels::kMxfp4Codes)
+  // INT4: the value of each nibble, u - 8, or MXFP4's code table (float4_e2m1fn_x2 weights: kernels::kMxfp4Codes),
+  // or u itself (affine: w = u * s - m, GGUF Q4_K's codes as in the file)
   int8_t nibble[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
+  bool affine = false;  // scales [E, 2, G, N]: w = q * s - m (the exact GGUF Q4_K and Q5_K)
+  // Scales at the file's size, expanded to float32 an expert at a time (expert_scales): 0 none (float32 in
+  // `scales`); 1 two-level uint8 sub-scales (Q4_K, Q5_K), 2 int8 (Q6_K), times float32 super-scales (one per 256
+  // input channels, `supers` of them); 3 float16 per group (Q8_0's d). kt.fused_moe's forms (fused_moe.cpp describe).
+  int sub_kind = 0;
+  int64_t supers = 0;
+  const void* raw_scales = nullptr;  // sub_kind != 0: the scales tensor's bytes
+  uint64_t id = 0;                   // unique per describe_packed call: the key of expert_scales' per-thread cache
+  int parts() const { return affine ? 2 : 1; }
+  int64_t rows() const { return G + 4 * supers; }  // two-level: byte rows of one part
   size_t expert_bytes() const {
     const size_t per = fmt == Fmt::BF16 ? 2 * 16 : fmt == Fmt::INT8 ? 16 : 8;  // bytes per 16-column block per K
     return static_cast<size_t>(N / 16) * K * per;
   }
 };
 
+std::atomic<uint64_t> next_packed_id{1};
+
+// The scales forms kt.fused_moe takes (fused_moe.cpp describe): float32 [E, G, N] (w = q * s; int8: G = 1 per output
+// channel or groups of a multiple of 16 input channels; int4 groups of a multiple of 32) or [E, 2, G, N] (affine:
+// w = q * s - m; int4 codes then the unsigned nibbles); float16 like them; two-level uint8/int8 [E, (2,) G + K/64, N]
+// (ktorch.ops.moe.pack_kscales). w13 and w2 may differ in format (GGUF Q4_K_M: int4 gate/up beside int8 down).
 Packed describe_packed(const char* op, const at::Tensor& w, const std::optional<at::Tensor>& s, const char* name,
                        const char* scales_name) {
   TORCH_CHECK(w.device().is_cpu(), op, ": ", name, " must be a CPU tensor, got device ", w.device());
@@ -119,23 +141,51 @@ Packed describe_packed(const char* op, const at::Tensor& w, const std::optional<
               name, " must be a contiguous packed tensor [E, N/16, K/", per, ", 16, ", f == Fmt::BF16 ? 2 : 4,
               "], got shape ", w.sizes());
   Packed p{f, static_cast<const uint8_t*>(w.data_ptr()), nullptr, w.size(0), w.size(1) * 16, w.size(2) * per, 1};
-  if (w.scalar_type() == at::ScalarType::Float4_e2m1fn_x2) std::memcpy(p.nibble, kernels::kMxfp4Codes, 16);
+  p.id = next_packed_id++;
+  const bool mxfp4 = w.scalar_type() == at::ScalarType::Float4_e2m1fn_x2;
+  if (mxfp4) std::memcpy(p.nibble, kernels::kMxfp4Codes, 16);
   if (f == Fmt::BF16) {
     TORCH_CHECK(!s.has_value(), op, ": bf16 weights take no scales, but ", scales_name, " was given");
     return p;
   }
   TORCH_CHECK(s.has_value(), op, ": ", f == Fmt::INT8 ? "int8" : "int4", " weights need ", scales_name);
   const at::Tensor& sc = *s;
-  TORCH_CHECK(sc.dim() != 4, op, ": ", scales_name, " holds scales and minimums [E, 2, G, N] (an exact GGUF affine ",
-              "format such as Q4_K); the backward decodes bf16, per-channel int8 and grouped int4 only");
-  TORCH_CHECK(sc.device().is_cpu() && sc.scalar_type() == at::kFloat && sc.dim() == 3 && sc.is_contiguous() &&
-                  sc.size(0) == p.E && sc.size(2) == p.N && sc.size(1) > 0 && p.K % sc.size(1) == 0,
-              op, ": ", scales_name, " must be a contiguous float32 CPU tensor [E=", p.E, ", G, N=", p.N,
-              "] with G dividing K=", p.K, ", got ", sc.scalar_type(), " ", sc.sizes(), " on ", sc.device());
-  p.G = sc.size(1);
-  TORCH_CHECK(f == Fmt::INT4 || p.G == 1, op, ": int8 ", scales_name, " must be per output channel [E, 1, N], got ",
-              sc.sizes());
-  p.scales = sc.data_ptr<float>();
+  const auto st = sc.scalar_type();
+  const bool two_level = st == at::kByte || st == at::kChar;
+  TORCH_CHECK(sc.device().is_cpu() && (st == at::kFloat || st == at::kHalf || two_level) &&
+                  (sc.dim() == 3 || (sc.dim() == 4 && sc.size(1) == 2)) && sc.is_contiguous() && sc.size(0) == p.E &&
+                  sc.size(-1) == p.N,
+              op, ": ", scales_name, " must be a contiguous CPU tensor [E=", p.E, ", G, N=", p.N, "] (or [E, 2, G, N]: ",
+              "scales and minimums) in float32 or float16, or two-level uint8/int8 [E, (2,) G + K/64, N] ",
+              "(ktorch.ops.moe.pack_kscales), got ", st, " ", sc.sizes(), " on ", sc.device());
+  p.affine = sc.dim() == 4;
+  TORCH_CHECK(!(p.affine && mxfp4), op, ": ", name, " holds MXFP4 nibbles (float4_e2m1fn_x2), which take scales ",
+              "[E, G, N], but ", scales_name, " has minimums too: ", sc.sizes());
+  if (p.affine && f == Fmt::INT4)
+    for (int u = 0; u < 16; ++u) p.nibble[u] = static_cast<int8_t>(u);
+  p.G = sc.size(-2);
+  if (two_level) {  // rows [0, G): the sub-scales; then the float32 super-scales [K/256][N] as 4 K/256 byte rows
+    TORCH_CHECK(p.K % 256 == 0 && p.G > 4 * (p.K / 256), op, ": two-level ", scales_name, " ", sc.sizes(),
+                " needs K a multiple of 256 and more than K/64 rows, K=", p.K);
+    p.supers = p.K / 256;
+    p.G -= 4 * p.supers;
+    TORCH_CHECK(p.G % p.supers == 0, op, ": two-level ", scales_name, " has ", p.G,
+                " sub-scale rows, not a whole number per 256 input channels of K=", p.K);
+  }
+  TORCH_CHECK(p.G > 0 && p.K % p.G == 0, op, ": ", scales_name, " has ", p.G, " groups, which do not divide K=", p.K);
+  if (f == Fmt::INT8) {
+    TORCH_CHECK((p.G == 1 && !p.affine) || (p.K / p.G) % 16 == 0, op, ": int8 ", scales_name, " has ", p.G,
+                " groups of ", p.K / p.G, " input channels; grouped or affine int8 needs groups of a multiple of 16");
+  } else {
+    TORCH_CHECK((p.K / p.G) % 32 == 0, op, ": int4 ", scales_name, " has ", p.G, " groups of ", p.K / p.G,
+                " input channels; int4 needs groups of a multiple of 32");
+  }
+  if (st == at::kFloat) {
+    p.scales = sc.data_ptr<float>();
+  } else {
+    p.sub_kind = st == at::kHalf ? 3 : st == at::kByte ? 1 : 2;
+    p.raw_scales = sc.data_ptr();
+  }
   return p;
 }
 
@@ -152,9 +202,45 @@ inline int64_t dense_row(int64_t p, int64_t N, bool gate_up) {
   return gate_up ? (p % 64) / 32 * (N / 2) + p / 64 * 32 + p % 32 : p;
 }
 
-// Expert e's scales [G, N] in m (nullptr for bf16).
-inline const float* expert_scales(const Packed& m, int64_t e) {
-  return m.scales != nullptr ? m.scales + e * m.G * m.N : nullptr;
+// Expert e's float32 scales [parts][G][N] (the minimums [G][N] after the scales where affine), nullptr for bf16.
+// Scales at the file's size (sub_kind) are expanded into a per-thread cache of the last two (matrix, expert) pairs
+// (a worker decodes an expert's two matrices a slice at a time, alternately): super[g / (G / S)] * sub[g] in float32
+// (exact: an fp16 d times a small integer), fp16 converted, as kt.fused_moe's expand_kscales forms them.
+const float* expert_scales(const Packed& m, int64_t e) {
+  if (m.fmt == Fmt::BF16) return nullptr;
+  const int64_t GN = m.G * m.N;
+  if (m.sub_kind == 0) return m.scales + e * m.parts() * GN;
+  struct Entry {
+    uint64_t id = 0;
+    int64_t e = -1;
+    std::vector<float> v;
+  };
+  thread_local Entry cache[2];
+  thread_local int last = 0;
+  for (int i = 0; i < 2; ++i)
+    if (cache[i].id == m.id && cache[i].e == e) return cache[last = i].v.data();
+  Entry& slot = cache[last ^= 1];
+  slot.id = m.id;
+  slot.e = e;
+  slot.v.resize(m.parts() * GN);
+  for (int part = 0; part < m.parts(); ++part) {
+    float* o = slot.v.data() + part * GN;
+    if (m.sub_kind == 3) {
+      const c10::Half* h = static_cast<const c10::Half*>(m.raw_scales) + (e * m.parts() + part) * GN;
+      for (int64_t i = 0; i < GN; ++i) o[i] = static_cast<float>(h[i]);
+      continue;
+    }
+    const uint8_t* b = static_cast<const uint8_t*>(m.raw_scales) + (e * m.parts() + part) * m.rows() * m.N;
+    const float* sup = reinterpret_cast<const float*>(b + GN);  // [S][N] float32 after the G byte rows (unaligned ok:
+    const int64_t per = m.G / m.supers;                          // pack_kscales' rows are 4-byte multiples of N)
+    for (int64_t g = 0; g < m.G; ++g) {
+      const float* d = sup + (g / per) * m.N;
+      for (int64_t n = 0; n < m.N; ++n)
+        o[g * m.N + n] = d[n] * (m.sub_kind == 1 ? static_cast<float>(b[g * m.N + n])
+                                                 : static_cast<float>(static_cast<int8_t>(b[g * m.N + n])));
+    }
+  }
+  return slot.v.data();
 }
 
 // Packed blocks [nb0, nb1) of expert e of m into out (of type T), a dense row-major [rows, K] matrix: packed row p
@@ -162,11 +248,12 @@ inline const float* expert_scales(const Packed& m, int64_t e) {
 // slice of gate/up rows [r0, r1) (multiples of 32): blocks [2 r0 / 16, 2 r1 / 16), p_off = 2 r0, rows = 2 (r1 - r0):
 // the gate rows first, then the up rows (the packed 64-row groups keep their order relative to p_off).
 template <typename T>
-void decode_expert(const Packed& m, int64_t e, bool gate_up, T* out, int64_t nb0, int64_t nb1, int64_t p_off,
-                   int64_t rows) {
+NO_FP_CONTRACT void decode_expert(const Packed& m, int64_t e, bool gate_up, T* out, int64_t nb0, int64_t nb1,
+                                  int64_t p_off, int64_t rows) {
   const int64_t N = m.N, K = m.K;
   const uint8_t* base = m.data + e * m.expert_bytes();
   const float* sc = expert_scales(m, e);
+  const float* mn = m.affine ? sc + m.G * N : nullptr;  // minimums (affine), like the scales
   const int64_t gsize = K / m.G;
   for (int64_t nb = nb0; nb < nb1; ++nb) {
     for (int64_t c = 0; c < 16; ++c) {
@@ -182,21 +269,25 @@ void decode_expert(const Packed& m, int64_t e, bool gate_up, T* out, int64_t nb0
           }
           break;
         }
-        case Fmt::INT8: {  // [K/4][16][4]
+        case Fmt::INT8: {  // [K/4][16][4], one scale a row per group (per channel: G = 1)
           const int8_t* blk = reinterpret_cast<const int8_t*>(base) + nb * K * 16;
-          const float s = sc[p];
-          for (int64_t q = 0; q < K / 4; ++q)
-            for (int64_t j = 0; j < 4; ++j) dst[4 * q + j] = static_cast<T>(static_cast<float>(blk[(q * 16 + c) * 4 + j]) * s);
+          for (int64_t q = 0; q < K / 4; ++q) {
+            const int64_t g = 4 * q / gsize;
+            const float s = sc[g * N + p], z = mn ? mn[g * N + p] : 0.f;
+            for (int64_t j = 0; j < 4; ++j)
+              dst[4 * q + j] = static_cast<T>(static_cast<float>(blk[(q * 16 + c) * 4 + j]) * s - z);
+          }
           break;
         }
         case Fmt::INT4: {  // [K/8][16][4] bytes: low nibble value 8o + j, high nibble 8o + 4 + j, values m.nibble[u]
           const uint8_t* blk = base + nb * (K / 2) * 16;
           for (int64_t o = 0; o < K / 8; ++o) {
-            const float s = sc[(8 * o / gsize) * N + p];
+            const int64_t g = 8 * o / gsize;
+            const float s = sc[g * N + p], z = mn ? mn[g * N + p] : 0.f;
             for (int64_t j = 0; j < 4; ++j) {
               const uint8_t b = blk[(o * 16 + c) * 4 + j];
-              dst[8 * o + j] = static_cast<T>(static_cast<float>(m.nibble[b & 0xf]) * s);
-              dst[8 * o + 4 + j] = static_cast<T>(static_cast<float>(m.nibble[b >> 4]) * s);
+              dst[8 * o + j] = static_cast<T>(static_cast<float>(m.nibble[b & 0xf]) * s - z);
+              dst[8 * o + 4 + j] = static_cast<T>(static_cast<float>(m.nibble[b >> 4]) * s - z);
             }
           }
           break;
@@ -219,12 +310,13 @@ inline uint16_t bf16_bits_rne(float f) {
 // time through c10::BFloat16 (the backward's decode was most of its time on the device estimate, docs/training.md).
 // Compiled for AVX-512 (skylake-avx512), AVX2 (haswell) and the baseline, picked at load time (GCC's function
 // multiversioning: the loops are plain C++, no intrinsics; the extension's baseline is SSE2).
-__attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
+__attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default"))) NO_FP_CONTRACT
 void decode_expert_bf16(const Packed& m, int64_t e, bool gate_up, uint16_t* out, int64_t nb0, int64_t nb1,
                         int64_t p_off, int64_t rows) {
   const int64_t N = m.N, K = m.K;
   const uint8_t* base = m.data + e * m.expert_bytes();
   const float* sc = expert_scales(m, e);
+  const float* mn = m.affine ? sc + m.G * N : nullptr;
   const int64_t gsize = K / m.G;
   for (int64_t nb = nb0; nb < nb1; ++nb) {
     const int64_t p0 = nb * 16;  // 16 packed rows land on 16 consecutive rows (gate/up blocks are 32 rows)
@@ -237,32 +329,38 @@ void decode_expert_bf16(const Packed& m, int64_t e, bool gate_up, uint16_t* out,
           for (int c = 0; c < 16; ++c) std::memcpy(dst + c * K + 2 * q, blk + q * 16 + c, 4);
         break;
       }
-      case Fmt::INT8: {  // [K/4][16][4], one scale a row
+      case Fmt::INT8: {  // [K/4][16][4], one scale a row per group (and a minimum: affine)
         const int8_t* blk = reinterpret_cast<const int8_t*>(base) + nb * K * 16;
-        float s64[64];
-        for (int i = 0; i < 64; ++i) s64[i] = sc[p0 + i / 4];
+        float s64[64] = {}, z64[64] = {};
+        int64_t group = -1;
         for (int64_t q = 0; q < K / 4; ++q) {
+          if (4 * q / gsize != group) {
+            group = 4 * q / gsize;
+            for (int i = 0; i < 64; ++i) s64[i] = sc[group * N + p0 + i / 4];
+            if (mn) for (int i = 0; i < 64; ++i) z64[i] = mn[group * N + p0 + i / 4];
+          }
           const int8_t* src = blk + q * 64;
           uint16_t v[64];
-          for (int i = 0; i < 64; ++i) v[i] = bf16_bits_rne(static_cast<float>(src[i]) * s64[i]);
+          for (int i = 0; i < 64; ++i) v[i] = bf16_bits_rne(static_cast<float>(src[i]) * s64[i] - z64[i]);
           for (int c = 0; c < 16; ++c) std::memcpy(dst + c * K + 4 * q, v + 4 * c, 8);
         }
         break;
       }
       case Fmt::INT4: {  // [K/8][16][4] bytes: low nibble value 8o + j, high nibble 8o + 4 + j, values m.nibble[u]
         const uint8_t* blk = base + nb * (K / 2) * 16;
-        float s64[64];
+        float s64[64] = {}, z64[64] = {};
         int64_t group = -1;
         for (int64_t o = 0; o < K / 8; ++o) {
           if (8 * o / gsize != group) {
             group = 8 * o / gsize;
             for (int i = 0; i < 64; ++i) s64[i] = sc[group * N + p0 + i / 4];
+            if (mn) for (int i = 0; i < 64; ++i) z64[i] = mn[group * N + p0 + i / 4];
           }
           const uint8_t* src = blk + o * 64;
           uint16_t lo[64], hi[64];
           for (int i = 0; i < 64; ++i) {
-            lo[i] = bf16_bits_rne(static_cast<float>(m.nibble[src[i] & 0xf]) * s64[i]);
-            hi[i] = bf16_bits_rne(static_cast<float>(m.nibble[src[i] >> 4]) * s64[i]);
+            lo[i] = bf16_bits_rne(static_cast<float>(m.nibble[src[i] & 0xf]) * s64[i] - z64[i]);
+            hi[i] = bf16_bits_rne(static_cast<float>(m.nibble[src[i] >> 4]) * s64[i] - z64[i]);
           }
           for (int c = 0; c < 16; ++c) {
             std::memcpy(dst + c * K + 8 * o, lo + 4 * c, 8);
@@ -286,12 +384,14 @@ void decode_expert_bf16(const Packed& m, int64_t e, bool gate_up, uint16_t* out,
 // Only W^T's rows [k0, k1) (multiples of the packed step: 2, 4 or 8) are decoded, into out [k1 - k0, N]: the
 // backward decodes a slice at a time (slice_rows).
 template <typename T, typename Cvt>
-__attribute__((always_inline)) inline void decode_expert_t_impl(const Packed& m, int64_t e, bool gate_up, T* out,
-                                                                int64_t nb0, int64_t nb1, int64_t k0, int64_t k1,
-                                                                Cvt cvt) {
+__attribute__((always_inline)) NO_FP_CONTRACT inline void decode_expert_t_impl(const Packed& m, int64_t e,
+                                                                               bool gate_up, T* out, int64_t nb0,
+                                                                               int64_t nb1, int64_t k0, int64_t k1,
+                                                                               Cvt cvt) {
   const int64_t N = m.N, K = m.K;
   const uint8_t* base = m.data + e * m.expert_bytes();
   const float* sc = expert_scales(m, e);
+  const float* mn = m.affine ? sc + m.G * N : nullptr;
   const int64_t gsize = K / m.G;
   // a block's bytes per K index (16 rows of 2, 1 or 1/2 bytes): a slice reads (k1 - k0) * per_k of each block
   const int64_t per_k = m.fmt == Fmt::BF16 ? 32 : m.fmt == Fmt::INT8 ? 16 : 8;
@@ -319,35 +419,41 @@ __attribute__((always_inline)) inline void decode_expert_t_impl(const Packed& m,
         }
         break;
       }
-      case Fmt::INT8: {  // [K/4][16][4], one scale a row
+      case Fmt::INT8: {  // [K/4][16][4], one scale a row per group (and a minimum: affine)
         const int8_t* blk = reinterpret_cast<const int8_t*>(base) + nb * K * 16;
-        float s[16];
-        for (int c = 0; c < 16; ++c) s[c] = sc[p0 + c];
+        float s[16] = {}, z[16] = {};
+        int64_t group = -1;
         for (int64_t q = k0 / 4; q < k1 / 4; ++q) {
+          if (4 * q / gsize != group) {
+            group = 4 * q / gsize;
+            for (int c = 0; c < 16; ++c) s[c] = sc[group * N + p0 + c];
+            if (mn) for (int c = 0; c < 16; ++c) z[c] = mn[group * N + p0 + c];
+          }
           std::memcpy(w, blk + q * 64, sizeof(w));
           T v[4][16];
           for (int j = 0; j < 4; ++j)  // byte j sign-extended: shifted to the top, then arithmetically down
             for (int c = 0; c < 16; ++c)
-              v[j][c] = cvt(static_cast<float>(static_cast<int32_t>(w[c] << (24 - 8 * j)) >> 24) * s[c]);
+              v[j][c] = cvt(static_cast<float>(static_cast<int32_t>(w[c] << (24 - 8 * j)) >> 24) * s[c] - z[c]);
           for (int j = 0; j < 4; ++j) std::memcpy(dst + (4 * q + j) * N, v[j], sizeof(v[j]));
         }
         break;
       }
       case Fmt::INT4: {  // [K/8][16][4] bytes: low nibble value 8o + j, high nibble 8o + 4 + j, values m.nibble[u]
         const uint8_t* blk = base + nb * (K / 2) * 16;
-        float s[16];
+        float s[16] = {}, z[16] = {};
         int64_t group = -1;
         for (int64_t o = k0 / 8; o < k1 / 8; ++o) {
           if (8 * o / gsize != group) {
             group = 8 * o / gsize;
             for (int c = 0; c < 16; ++c) s[c] = sc[group * N + p0 + c];
+            if (mn) for (int c = 0; c < 16; ++c) z[c] = mn[group * N + p0 + c];
           }
           const uint8_t* src = blk + o * 64;
           T v[8][16];
           for (int c = 0; c < 16; ++c)
             for (int j = 0; j < 4; ++j) {
-              v[j][c] = cvt(static_cast<float>(m.nibble[src[4 * c + j] & 0xf]) * s[c]);
-              v[4 + j][c] = cvt(static_cast<float>(m.nibble[src[4 * c + j] >> 4]) * s[c]);
+              v[j][c] = cvt(static_cast<float>(m.nibble[src[4 * c + j] & 0xf]) * s[c] - z[c]);
+              v[4 + j][c] = cvt(static_cast<float>(m.nibble[src[4 * c + j] >> 4]) * s[c] - z[c]);
             }
           for (int j = 0; j < 8; ++j) std::memcpy(dst + (8 * o + j) * N, v[j], sizeof(v[j]));
         }
@@ -359,17 +465,17 @@ __attribute__((always_inline)) inline void decode_expert_t_impl(const Packed& m,
 
 // decode_expert_t_impl for each compute dtype, compiled for AVX-512 (skylake-avx512), AVX2 (haswell) and the
 // baseline, picked at load time (as decode_expert_bf16).
-__attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
+__attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default"))) NO_FP_CONTRACT
 void decode_expert_t_bf16(const Packed& m, int64_t e, bool gate_up, uint16_t* out, int64_t nb0, int64_t nb1,
                           int64_t k0, int64_t k1) {
   decode_expert_t_impl(m, e, gate_up, out, nb0, nb1, k0, k1, [](float f) { return bf16_bits_rne(f); });
 }
-__attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
+__attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default"))) NO_FP_CONTRACT
 void decode_expert_t_float(const Packed& m, int64_t e, bool gate_up, float* out, int64_t nb0, int64_t nb1, int64_t k0,
                            int64_t k1) {
   decode_expert_t_impl(m, e, gate_up, out, nb0, nb1, k0, k1, [](float f) { return f; });
 }
-__attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
+__attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default"))) NO_FP_CONTRACT
 void decode_expert_t_double(const Packed& m, int64_t e, bool gate_up, double* out, int64_t nb0, int64_t nb1,
                             int64_t k0, int64_t k1) {
   decode_expert_t_impl(m, e, gate_up, out, nb0, nb1, k0, k1, [](float f) { return static_cast<double>(f); });
@@ -473,8 +579,6 @@ Call make_call(const char* op, const at::Tensor& hidden, const at::Tensor& topk_
   Call c{op};
   c.up = describe_packed(op, w13, w13_scales, "w13", "w13_scales");
   c.down = describe_packed(op, w2, w2_scales, "w2", "w2_scales");
-  TORCH_CHECK(c.up.fmt == c.down.fmt, op, ": w13 and w2 must be packed in one format, got ", w13.scalar_type(), " and ",
-              w2.scalar_type());
   c.T = hidden.size(0);
   c.H = hidden.size(1);
   c.K = topk_ids.size(1);
