@@ -36,30 +36,33 @@
 //
 // How the backward (and the reference forward) run: the pairs are grouped by expert. With at least as many experts
 // as ATen threads, each expert is one task, pulled by the ATen (OpenMP) workers from a shared counter, most tokens
-// first, and runs its products with ATen's matmuls (oneDNN/MKL), single threaded inside the task. The backward decodes
-// its packed blocks (bf16, int8 per channel or group, int4 grouped, MXFP4 nibbles, the affine K-quants: kernels.h)
-// a slice at a time into the worker's buffer in the compute dtype and multiplies each slice at once (product_t, product_up): dY W2 and
-// [dg | du] W13 decode W^T's rows (W2^T [I, H], W13^T [H, N13]; decode_expert_t_impl) kSliceBytes (256 KiB) at a
-// time, read as the view (W^T)^T so that both operands have the reduction dimension contiguous (x W13^T's layout),
-// each slice giving its columns of the product; the recompute x W13^T decodes W13's rows as stored, a slice of gate
-// rows with the same up rows. The decoded weights stay in the core's L2 (2 MiB on the device's Xeon): decoding the
-// whole expert first (9.4 MiB of W2^T and W13^T for Qwen3-30B-A3B in bf16) wrote each weight out to memory and read
-// it back, with 16 workers sharing the bandwidth (docs/training.md has the device figures). The slicing runs along
-// the products' output columns, so each output element is one whole reduction as before (no partial sums); oneDNN's
-// AMX kernels round some elements differently on slice-shaped products than on whole ones (device: relative
-// differences ~1e-4 of d hidden), its AVX-512 BF16 ones do not (identical here). ATen's bf16 fallback matmul (no
-// AVX-512 BF16) is 5-9x faster with W^T read transposed (docs/training.md); its fp32 sgemm does not care. With fewer
-// experts than threads (Mixtral's 8 on 16 cores, or few tokens) the experts run one at a time, each whole matrix
-// decoded over the workers by blocks and the ATen ops multi-threaded, where the busiest expert's products are big
-// enough for threads to pay (kMinThreadedMacs); smaller ones run one expert a worker as above. The float reference
-// forward decodes W13 and W2 whole, as stored. Each pair's row of d hidden is its own
-// row of a [pairs, H] buffer in the compute dtype, grouped by expert (the product of an expert writes its rows in
-// place: no scatter), and the routed slots are summed by token in slot order afterwards in the
-// element dtype (sum_slots; the skipped slots have no row): no atomics, the same result whatever the thread count.
-// d delta is written in its own dtype, one rounding a row. KT_PROFILE=1 prints a line a call: setup, experts (per
-// worker: decode, products, element-wise work, copies), sum (ExpertTimes below).
+// first, single threaded inside the task. The backward decodes its packed blocks (bf16, int8 per channel or group,
+// int4 grouped, MXFP4 nibbles, the affine K-quants: kernels.h) a slice at a time into the worker's buffer and
+// multiplies each slice at once (product_t, product_up). The transposed products dY W2 and [dg | du] W13 with bf16
+// operands (bf16/fp16 hidden) at the avx512 and amx levels: kSliceBytes (256 KiB) of W^T's 16-column blocks
+// decoded into the bf16 kernels' own packed layout (decode_expert_tb_bf16; int8 and int4 through decode_tb_avx512: a
+// 16 x 16 tile a step, converted, scaled, rounded and transposed in registers) and multiplied by ktorch's packed bf16
+// kernels (AVX-512 BF16, AMX tiles), fp32 out: no oneDNN call or reorder per slice (~44 a Qwen3 expert before, each
+// with its fixed cost). Otherwise (fp32/fp64 hidden, the portable level, one expert over all threads) ATen's
+// matmuls (oneDNN/MKL): W^T's rows decoded row-major (decode_expert_t_impl) and read as the view (W^T)^T, the
+// reduction dimension contiguous in both operands. The recompute x W13^T decodes W13's rows as stored, a slice of
+// gate rows with the same up rows, for ATen's matmul. The decoded weights stay in the core's L2 (2 MiB on the
+// device's Xeon): decoding the whole expert first (9.4 MiB of W2^T and W13^T for Qwen3-30B-A3B in bf16) wrote each
+// weight out to memory and read it back, with 16 workers sharing the bandwidth (docs/training.md has the device
+// figures). The slicing runs along the products' output columns, so each output element is one whole reduction (no
+// partial sums). ATen's bf16 fallback matmul (no AVX-512 BF16) is 5-9x faster with W^T read transposed
+// (docs/training.md); its fp32 sgemm does not care. With fewer experts than threads (Mixtral's 8 on 16 cores, or few
+// tokens) the experts run one at a time, each whole matrix decoded over the workers by blocks and the ATen ops
+// multi-threaded, where the busiest expert's products are big enough for threads to pay (kMinThreadedMacs); smaller
+// ones run one expert a worker as above. The float reference forward decodes W13 and W2 whole, as stored. Each
+// pair's row of d hidden is its own row of a [pairs, H] buffer in the compute dtype, grouped by expert (the product
+// of an expert writes its rows in place: no scatter), and the routed slots are summed by token in slot order
+// afterwards in the element dtype (sum_slots; the skipped slots have no row): no atomics, the same result whatever
+// the thread count. d delta is written in its own dtype, one rounding a row. KT_PROFILE=1 prints a line a call:
+// setup, experts (per worker: decode, products, element-wise work, copies), sum (ExpertTimes below).
 // Dtypes: the products run in float64 for float64 hidden (gradcheck), float32 for float32, bf16 otherwise (fp32
-// accumulation inside the matmul); the element-wise work in float32 (float64 for float64). Decoded int8/int4 weights
+// accumulation; the packed kernels' transposed products give fp32 results: dY W2 kept in fp32, each pair's row of
+// d hidden rounded once to bf16); the element-wise work in float32 (float64 for float64). Decoded int8/int4 weights
 // are q * scale in fp32 (as kt.unpack), then cast. The int formats' forward (kt.fused_moe) also quantizes the
 // activations to int8; this backward differentiates the function of the dequantized weights with float
 // activations (a straight-through estimate for the activation rounding); given the forward's pre-activations it
@@ -69,6 +72,7 @@
 
 #include "fused_moe.h"
 #include "profile.h"
+#include "../runtime/dispatch.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -76,6 +80,9 @@
 #include <c10/core/GradMode.h>
 
 #include <algorithm>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -495,6 +502,155 @@ void decode_t(const Packed& m, int64_t e, bool gate_up, const at::Tensor& out, i
   }
 }
 
+// W^T's 16-column blocks [kb0, kb1) of expert e of m in the bf16 kernels' packed layout (kernels.h: [blocks][N/2]
+// [16][2], element (kb, p, c, j) = W^T[16 kb + c][2 p + j] = W[2 p + j][16 kb + c], W's rows n in dense_row's
+// order), into out: the backward's transposed products run through the packed bf16 kernels (AVX-512 BF16 or AMX
+// tiles) on it, as kt.fused_moe's bf16 experts do. One stored block of 16 rows nb and 16 consecutive k (one scale
+// group: int8 groups are multiples of 16, int4 of 32) is a 16 x 16 tile t[c][k]; transposed, it is 8 row pairs of
+// block kb, 512 contiguous bytes.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define TB_AVX512 1
+// decode_expert_tb_bf16 for int8 and int4 weights with AVX-512 (F + BW). A 16 x 16 tile is 4 steps of 64 signed
+// bytes [16 rows][4 k] (int8: as stored; int4: each stored step's low and then high nibbles, through the nibbles'
+// value table: u - 8, u, or MXFP4's codes). Per half of the rows (8 rows: 4 row pairs) and step, 32 values become
+// float, are scaled (minimums subtracted), rounded to bf16 (nearest even, as bf16_bits_rne: the weights are finite)
+// and permuted into the 4 row pairs' pieces [4 k][2 rows]; a 4 x 4 transpose of 128-bit lanes over the 4 steps gives
+// each pair's whole 64-byte row [16 k][2 rows] of block kb.
+__attribute__((target("avx512f,avx512bw"))) NO_FP_CONTRACT
+void decode_tb_avx512(const Packed& m, int64_t e, bool gate_up, uint16_t* out, int64_t kb0, int64_t kb1) {
+  const int64_t N = m.N, K = m.K;
+  const uint8_t* base = m.data + e * m.expert_bytes();
+  const float* sc = expert_scales(m, e);
+  const float* mn = m.affine ? sc + m.G * N : nullptr;
+  const int64_t gsize = K / m.G;
+  const bool int4 = m.fmt == Fmt::INT4;
+  const int64_t step_bytes = int4 ? 128 : 256;  // a block's bytes for 16 k
+  // lane L = pp * 8 + j * 2 + r of a step's half (pair pp, k = 4 q + j, row 2 pp + r) reads lane (2 pp + r) * 4 + j
+  alignas(64) int16_t perm[32];
+  for (int L = 0; L < 32; ++L) perm[L] = static_cast<int16_t>((2 * (L / 8) + L % 2) * 4 + (L % 8) / 2);
+  const __m512i pidx = _mm512_load_si512(perm);
+  alignas(64) int32_t sel[4][16];  // scale lanes: lane i of quarter h4 reads row 4 h4 + i / 4
+  for (int h4 = 0; h4 < 4; ++h4)
+    for (int i = 0; i < 16; ++i) sel[h4][i] = 4 * h4 + i / 4;
+  const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff);
+  const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m.nibble)));
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  auto to_bf16 = [&](__m512 f) {  // 16 floats -> 16 bf16 bits, nearest even
+    const __m512i x = _mm512_castps_si512(f);
+    const __m512i r = _mm512_add_epi32(_mm512_add_epi32(x, bias), _mm512_and_si512(_mm512_srli_epi32(x, 16), one));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+  };
+  for (int64_t nb = 0; nb < N / 16; ++nb) {
+    const int64_t n0 = dense_row(nb * 16, N, gate_up);
+    __m512 S[4], Z[4];
+    int64_t group = -1;
+    for (int64_t kb = kb0; kb < kb1; ++kb) {
+      if (16 * kb / gsize != group) {
+        group = 16 * kb / gsize;
+        const __m512 s16 = _mm512_loadu_ps(sc + group * N + nb * 16);
+        const __m512 z16 = mn ? _mm512_loadu_ps(mn + group * N + nb * 16) : _mm512_setzero_ps();
+        for (int h4 = 0; h4 < 4; ++h4) {
+          const __m512i idx = _mm512_load_si512(sel[h4]);
+          S[h4] = _mm512_permutexvar_ps(idx, s16);
+          Z[h4] = _mm512_permutexvar_ps(idx, z16);
+        }
+      }
+      const uint8_t* blk = base + nb * (int4 ? K * 8 : K * 16) + kb * step_bytes;
+      __m512i q[4];  // step q: [16 rows][4 k = 4 q + j] signed values
+      if (int4) {
+        for (int o = 0; o < 2; ++o) {
+          const __m512i v = _mm512_loadu_si512(blk + 64 * o);
+          q[2 * o] = _mm512_shuffle_epi8(table, _mm512_and_si512(v, low4));
+          q[2 * o + 1] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+        }
+      } else {
+        for (int i = 0; i < 4; ++i) q[i] = _mm512_loadu_si512(blk + 64 * i);
+      }
+      uint16_t* dst = out + (kb - kb0) * N * 16 + n0 * 16;
+      for (int h = 0; h < 2; ++h) {  // rows 8 h .. 8 h + 7: pairs 4 h .. 4 h + 3
+        __m512i step[4];
+        for (int i = 0; i < 4; ++i) {
+          const __m512i lo = _mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(q[i], 2 * h));
+          const __m512i hi = _mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(q[i], 2 * h + 1));
+          const __m512 flo = _mm512_sub_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(lo), S[2 * h]), Z[2 * h]);
+          const __m512 fhi = _mm512_sub_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(hi), S[2 * h + 1]), Z[2 * h + 1]);
+          const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(to_bf16(flo)), to_bf16(fhi), 1);
+          step[i] = _mm512_permutexvar_epi16(pidx, both);  // 128-bit lane pp: pair pp's piece [4 k][2 rows]
+        }
+        // 4 x 4 transpose of 128-bit lanes: row pp = (step 0 lane pp, step 1 lane pp, step 2 lane pp, step 3 lane pp)
+        const __m512i t0 = _mm512_shuffle_i64x2(step[0], step[1], 0x44), t1 = _mm512_shuffle_i64x2(step[0], step[1], 0xee);
+        const __m512i t2 = _mm512_shuffle_i64x2(step[2], step[3], 0x44), t3 = _mm512_shuffle_i64x2(step[2], step[3], 0xee);
+        uint16_t* d = dst + 4 * h * 32;
+        _mm512_storeu_si512(d, _mm512_shuffle_i64x2(t0, t2, 0x88));
+        _mm512_storeu_si512(d + 32, _mm512_shuffle_i64x2(t0, t2, 0xdd));
+        _mm512_storeu_si512(d + 64, _mm512_shuffle_i64x2(t1, t3, 0x88));
+        _mm512_storeu_si512(d + 96, _mm512_shuffle_i64x2(t1, t3, 0xdd));
+      }
+    }
+  }
+}
+#endif
+
+__attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default"))) NO_FP_CONTRACT
+void decode_expert_tb_bf16(const Packed& m, int64_t e, bool gate_up, uint16_t* out, int64_t kb0, int64_t kb1) {
+  const int64_t N = m.N, K = m.K;
+  const uint8_t* base = m.data + e * m.expert_bytes();
+  const float* sc = expert_scales(m, e);
+  const float* mn = m.affine ? sc + m.G * N : nullptr;
+  const int64_t gsize = K / m.G;
+  for (int64_t nb = 0; nb < N / 16; ++nb) {
+    const int64_t n0 = dense_row(nb * 16, N, gate_up);  // the block's 16 rows: dense rows n0 .. n0 + 15
+    float s[16] = {}, z[16] = {};
+    int64_t group = -1;
+    for (int64_t kb = kb0; kb < kb1; ++kb) {
+      float t[16][16];  // t[c][k]: W[n0 + c][16 kb + k], before the scale
+      switch (m.fmt) {
+        case Fmt::BF16: {  // [K/2][16][2]: step q2 holds k = 2 q2 + j of the 16 rows
+          const uint16_t* blk = reinterpret_cast<const uint16_t*>(base) + nb * K * 16 + kb * 16 * 16;
+          for (int q = 0; q < 8; ++q)
+            for (int c = 0; c < 16; ++c)
+              for (int j = 0; j < 2; ++j) t[c][2 * q + j] = bf16_bits_to_float(blk[q * 32 + c * 2 + j]);
+          break;
+        }
+        case Fmt::INT8: {  // [K/4][16][4]: step q holds k = 4 q + j
+          const int8_t* blk = reinterpret_cast<const int8_t*>(base) + nb * K * 16 + kb * 16 * 16;
+          for (int q = 0; q < 4; ++q)
+            for (int c = 0; c < 16; ++c)
+              for (int j = 0; j < 4; ++j) t[c][4 * q + j] = static_cast<float>(blk[q * 64 + c * 4 + j]);
+          break;
+        }
+        case Fmt::INT4: {  // [K/8][16][4] bytes: step o's low nibbles k = 8 o + j, high ones 8 o + 4 + j
+          const uint8_t* blk = base + nb * (K / 2) * 16 + kb * 16 * 8;
+          for (int o = 0; o < 2; ++o)
+            for (int c = 0; c < 16; ++c)
+              for (int j = 0; j < 4; ++j) {
+                const uint8_t b = blk[o * 64 + c * 4 + j];
+                t[c][8 * o + j] = static_cast<float>(m.nibble[b & 0xf]);
+                t[c][8 * o + 4 + j] = static_cast<float>(m.nibble[b >> 4]);
+              }
+          break;
+        }
+      }
+      uint16_t* dst = out + (kb - kb0) * N * 16 + n0 * 16;  // block kb's pairs n0 / 2 .. n0 / 2 + 7
+      if (m.fmt == Fmt::BF16) {
+        for (int p = 0; p < 8; ++p)
+          for (int c = 0; c < 16; ++c)
+            for (int j = 0; j < 2; ++j) dst[p * 32 + c * 2 + j] = bf16_bits_rne(t[2 * p + j][c]);
+        continue;
+      }
+      if (16 * kb / gsize != group) {
+        group = 16 * kb / gsize;
+        for (int c = 0; c < 16; ++c) s[c] = sc[group * N + nb * 16 + c];
+        if (mn) for (int c = 0; c < 16; ++c) z[c] = mn[group * N + nb * 16 + c];
+      }
+      for (int p = 0; p < 8; ++p)
+        for (int c = 0; c < 16; ++c)
+          for (int j = 0; j < 2; ++j)
+            dst[p * 32 + c * 2 + j] = bf16_bits_rne(t[2 * p + j][c] * s[2 * p + j] - z[2 * p + j]);
+    }
+  }
+}
+
 // Packed blocks [nb0, nb1) of expert e into out [rows, K] as stored, packed row p on row dense_row(p - p_off, rows)
 // (decode_expert).
 void decode_w(const Packed& m, int64_t e, bool gate_up, const at::Tensor& out, int64_t nb0, int64_t nb1, int64_t p_off,
@@ -741,6 +897,8 @@ int64_t slice_rows(int64_t count, int64_t width, int64_t bytes) {
 struct Dense {
   at::Tensor w13, w2, slice;
   bool whole = false;
+  // bf16 products through ktorch's packed bf16 kernels (product_t), at the avx512 and amx levels; nullptr: ATen's
+  const kernels::KernelSet* kernels = nullptr;
 };
 struct Layouts {
   bool w13, w2, slices;
@@ -763,6 +921,8 @@ void for_each_expert(const Call& c, ExpertTimes& times, Layouts need, const Fn& 
     if (need.w2) d.w2 = at::empty({c.H, c.I}, opts);
     if (need.slices) {
       d.whole = threads == 1 && at::get_num_threads() > 1;  // (on one thread, slices as each worker's)
+      const kernels::KernelSet& ks = runtime::select_kernels();
+      if (c.ct == at::kBFloat16 && std::strcmp(ks.name, "portable") != 0) d.kernels = &ks;
       const int64_t es = static_cast<int64_t>(c10::elementSize(c.ct));
       const int64_t halves = c.gated ? 2 : 1;  // x W13^T's slices: gate rows and their up rows
       d.slice = at::empty({d.whole ? std::max(c.N13, c.I) * c.H
@@ -899,6 +1059,48 @@ using Mark = std::chrono::steady_clock::time_point;
 void product_t(const Packed& m, int64_t e, bool gate_up, const at::Tensor& a, const at::Tensor& out, const Dense& d,
                ExpertTimes& times, int worker, Mark& mark) {
   const int64_t N = m.N, K = m.K;
+  if (d.kernels != nullptr && a.scalar_type() == at::kBFloat16 && N % 32 == 0 && !d.whole) {
+    // bf16 operands: the packed bf16 kernels on W^T's blocks decoded into their layout, fp32 results written into
+    // out (fp32: in place; otherwise through this thread's buffer, rounded once)
+    const int64_t rows = slice_rows(K, N, 2);  // a multiple of 32: whole 16-column blocks
+    const int M = static_cast<int>(a.size(0));
+    thread_local std::vector<const void*> a_rows;
+    thread_local std::vector<float> cbuf;
+    a_rows.resize(M);
+    const auto* ab = reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>());
+    for (int i = 0; i < M; ++i) a_rows[i] = ab + i * a.stride(0);
+    const bool in_place = out.scalar_type() == at::kFloat && out.stride(1) == 1;
+    uint16_t* slice = reinterpret_cast<uint16_t*>(d.slice.data_ptr<at::BFloat16>());
+    for (int64_t k0 = 0; k0 < K; k0 += rows) {
+      const int64_t k1 = std::min(K, k0 + rows), w = k1 - k0;
+#ifdef TB_AVX512
+      static const bool avx512bw = __builtin_cpu_supports("avx512bw");
+      if (m.fmt != Fmt::BF16 && avx512bw) decode_tb_avx512(m, e, gate_up, slice, k0 / 16, k1 / 16);
+      else
+#endif
+        decode_expert_tb_bf16(m, e, gate_up, slice, k0 / 16, k1 / 16);
+      times.lap(worker, ExpertTimes::kDecode, mark);
+      kernels::GemmArgs g;
+      g.M = M;
+      g.K = N;
+      g.a_rows = a_rows.data();
+      g.b = reinterpret_cast<const uint8_t*>(slice);
+      g.b_block_stride = kernels::block_bytes(kernels::WeightFormat::BF16, N);
+      g.nblocks = static_cast<int>(w / 16);
+      if (in_place) {
+        g.c = out.data_ptr<float>() + k0;
+        g.ldc = out.stride(0);
+      } else {
+        if (cbuf.size() < static_cast<size_t>(M * w)) cbuf.resize(M * w);
+        g.c = cbuf.data();
+        g.ldc = w;
+      }
+      d.kernels->gemm[static_cast<int>(kernels::WeightFormat::BF16)](g);
+      if (!in_place) out.narrow(1, k0, w).copy_(at::from_blob(cbuf.data(), {M, w}, at::kFloat));
+      times.lap(worker, ExpertTimes::kProducts, mark);
+    }
+    return;
+  }
   const int64_t rows = d.whole ? K : slice_rows(K, N, static_cast<int64_t>(d.slice.element_size()));
   for (int64_t k0 = 0; k0 < K; k0 += rows) {
     const int64_t k1 = std::min(K, k0 + rows);
