@@ -502,15 +502,9 @@ void decode_t(const Packed& m, int64_t e, bool gate_up, const at::Tensor& out, i
   }
 }
 
-// W^T's 16-column blocks [kb0, kb1) of expert e of m in the bf16 kernels' packed layout (kernels.h: [blocks][N/2]
-// [16][2], element (kb, p, c, j) = W^T[16 kb + c][2 p + j] = W[2 p + j][16 kb + c], W's rows n in dense_row's
-// order), into out: the backward's transposed products run through the packed bf16 kernels (AVX-512 BF16 or AMX
-// tiles) on it, as kt.fused_moe's bf16 experts do. One stored block of 16 rows nb and 16 consecutive k (one scale
-// group: int8 groups are multiples of 16, int4 of 32) is a 16 x 16 tile t[c][k]; transposed, it is 8 row pairs of
-// block kb, 512 contiguous bytes.
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define TB_AVX512 1
-// decode_expert_tb_bf16 for int8 and int4 weights with AVX-512 (F + BW). A 16 x 16 tile is 4 steps of 64 signed
+// decode_expert_tb_bf16 (below) for int8 and int4 weights with AVX-512 (F + BW). A 16 x 16 tile is 4 steps of 64 signed
 // bytes [16 rows][4 k] (int8: as stored; int4: each stored step's low and then high nibbles, through the nibbles'
 // value table: u - 8, u, or MXFP4's codes). Per half of the rows (8 rows: 4 row pairs) and step, 32 values become
 // float, are scaled (minimums subtracted), rounded to bf16 (nearest even, as bf16_bits_rne: the weights are finite)
@@ -591,6 +585,12 @@ void decode_tb_avx512(const Packed& m, int64_t e, bool gate_up, uint16_t* out, i
 }
 #endif
 
+// W^T's 16-column blocks [kb0, kb1) of expert e of m in the bf16 kernels' packed layout (kernels.h: [blocks][N/2]
+// [16][2], element (kb, p, c, j) = W^T[16 kb + c][2 p + j] = W[2 p + j][16 kb + c], W's rows n in dense_row's
+// order), into out: the backward's transposed products run through the packed bf16 kernels (AVX-512 BF16 or AMX
+// tiles) on it, as kt.fused_moe's bf16 experts do. One stored block of 16 rows nb and 16 consecutive k (one scale
+// group: int8 groups are multiples of 16, int4 of 32) is a 16 x 16 tile t[c][k]; transposed, it is 8 row pairs of
+// block kb, 512 contiguous bytes.
 __attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default"))) NO_FP_CONTRACT
 void decode_expert_tb_bf16(const Packed& m, int64_t e, bool gate_up, uint16_t* out, int64_t kb0, int64_t kb1) {
   const int64_t N = m.N, K = m.K;
