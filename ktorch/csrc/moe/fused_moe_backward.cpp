@@ -45,8 +45,10 @@
 // kernels (AVX-512 BF16, AMX tiles), fp32 out: no oneDNN call or reorder per slice (~44 a Qwen3 expert before, each
 // with its fixed cost). Otherwise (fp32/fp64 hidden, the portable level, one expert over all threads) ATen's
 // matmuls (oneDNN/MKL): W^T's rows decoded row-major (decode_expert_t_impl) and read as the view (W^T)^T, the
-// reduction dimension contiguous in both operands. The recompute x W13^T decodes W13's rows as stored, a slice of
-// gate rows with the same up rows, for ATen's matmul. The decoded weights stay in the core's L2 (2 MiB on the
+// reduction dimension contiguous in both operands. The recompute x W13^T (no saved pre-activations) multiplies W13's
+// packed rows as stored, a slice of gate rows with the same up rows: with bf16 operands at the avx512 and amx levels
+// through the packed bf16 kernels (bf16 weights read in place, int8/int4 decoded into that layout by
+// decode_b_avx512), otherwise decoded row-major for ATen's matmul. The decoded weights stay in the core's L2 (2 MiB on the
 // device's Xeon): decoding the whole expert first (9.4 MiB of W2^T and W13^T for Qwen3-30B-A3B in bf16) wrote each
 // weight out to memory and read it back, with 16 workers sharing the bandwidth (docs/training.md has the device
 // figures). The slicing runs along the products' output columns, so each output element is one whole reduction (no
@@ -651,6 +653,77 @@ void decode_expert_tb_bf16(const Packed& m, int64_t e, bool gate_up, uint16_t* o
   }
 }
 
+#ifdef TB_AVX512
+// Packed blocks [nb0, nb1) of expert e of int8/int4 m as the bf16 kernels' packed blocks of the same rows (kernels.h:
+// [blocks][K/2][16][2], the stored row order) into out: the recompute x W13^T through the packed bf16 kernels. A
+// stored step of 16 rows x 4 k (int8; int4: a step's low or high nibbles, through the value table) becomes two bf16
+// steps of 16 rows x 2 k: converted, scaled (minimums subtracted), rounded to bf16 and interleaved in registers.
+__attribute__((target("avx512f,avx512bw"))) NO_FP_CONTRACT
+void decode_b_avx512(const Packed& m, int64_t e, uint16_t* out, int64_t nb0, int64_t nb1) {
+  const int64_t N = m.N, K = m.K;
+  const uint8_t* base = m.data + e * m.expert_bytes();
+  const float* sc = expert_scales(m, e);
+  const float* mn = m.affine ? sc + m.G * N : nullptr;
+  const int64_t gsize = K / m.G;
+  const bool int4 = m.fmt == Fmt::INT4;
+  alignas(64) int16_t lo_idx[32], hi_idx[32];  // bf16 step 2q (k 4q, 4q+1) and 2q+1 (4q+2, 4q+3): lane 2c + j
+  for (int L = 0; L < 32; ++L) {               // reads row c's value j (or 2 + j) of [rows 0-7 | rows 8-15]
+    const int c = L / 2, j = L % 2;
+    lo_idx[L] = static_cast<int16_t>((c < 8 ? 0 : 32) + (c % 8) * 4 + j);
+    hi_idx[L] = static_cast<int16_t>(lo_idx[L] + 2);
+  }
+  const __m512i ilo = _mm512_load_si512(lo_idx), ihi = _mm512_load_si512(hi_idx);
+  alignas(64) int32_t sel[4][16];
+  for (int h4 = 0; h4 < 4; ++h4)
+    for (int i = 0; i < 16; ++i) sel[h4][i] = 4 * h4 + i / 4;
+  const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff);
+  const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m.nibble)));
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  auto to_bf16 = [&](__m512 f) {
+    const __m512i x = _mm512_castps_si512(f);
+    const __m512i r = _mm512_add_epi32(_mm512_add_epi32(x, bias), _mm512_and_si512(_mm512_srli_epi32(x, 16), one));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+  };
+  for (int64_t nb = nb0; nb < nb1; ++nb) {
+    const uint8_t* blk = base + nb * (int4 ? K * 8 : K * 16);
+    uint16_t* dst = out + (nb - nb0) * K * 16;
+    __m512 S[4], Z[4];
+    int64_t group = -1;
+    // one 4-k step of 16 rows (64 signed values [row][4 k]) to bf16 steps 2 q4 and 2 q4 + 1
+    auto emit = [&](__m512i v, int64_t q4) {
+      if (4 * q4 / gsize != group) {
+        group = 4 * q4 / gsize;
+        const __m512 s16 = _mm512_loadu_ps(sc + group * N + nb * 16);
+        const __m512 z16 = mn ? _mm512_loadu_ps(mn + group * N + nb * 16) : _mm512_setzero_ps();
+        for (int h4 = 0; h4 < 4; ++h4) {
+          const __m512i idx = _mm512_load_si512(sel[h4]);
+          S[h4] = _mm512_permutexvar_ps(idx, s16);
+          Z[h4] = _mm512_permutexvar_ps(idx, z16);
+        }
+      }
+      __m256i b[4];
+      for (int i = 0; i < 4; ++i) {
+        const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(v, i)));
+        b[i] = to_bf16(_mm512_sub_ps(_mm512_mul_ps(f, S[i]), Z[i]));
+      }
+      const __m512i r07 = _mm512_inserti64x4(_mm512_castsi256_si512(b[0]), b[1], 1);
+      const __m512i r815 = _mm512_inserti64x4(_mm512_castsi256_si512(b[2]), b[3], 1);
+      _mm512_storeu_si512(dst + (2 * q4) * 32, _mm512_permutex2var_epi16(r07, ilo, r815));
+      _mm512_storeu_si512(dst + (2 * q4 + 1) * 32, _mm512_permutex2var_epi16(r07, ihi, r815));
+    };
+    if (int4) {
+      for (int64_t o = 0; o < K / 8; ++o) {
+        const __m512i v = _mm512_loadu_si512(blk + 64 * o);
+        emit(_mm512_shuffle_epi8(table, _mm512_and_si512(v, low4)), 2 * o);
+        emit(_mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4)), 2 * o + 1);
+      }
+    } else {
+      for (int64_t q = 0; q < K / 4; ++q) emit(_mm512_loadu_si512(blk + 64 * q), q);
+    }
+  }
+}
+#endif
+
 // Packed blocks [nb0, nb1) of expert e into out [rows, K] as stored, packed row p on row dense_row(p - p_off, rows)
 // (decode_expert).
 void decode_w(const Packed& m, int64_t e, bool gate_up, const at::Tensor& out, int64_t nb0, int64_t nb1, int64_t p_off,
@@ -1122,6 +1195,58 @@ void product_t(const Packed& m, int64_t e, bool gate_up, const at::Tensor& a, co
 void product_up(const Call& c, int64_t e, const at::Tensor& x, const at::Tensor& out, const Dense& d,
                 ExpertTimes& times, int worker, Mark& mark) {
   const int64_t halves = c.gated ? 2 : 1, half = c.N13 / halves;
+#ifdef TB_AVX512
+  static const bool avx512bw = __builtin_cpu_supports("avx512bw");
+  if (d.kernels != nullptr && x.scalar_type() == at::kBFloat16 && c.H % 32 == 0 && !d.whole &&
+      (c.up.fmt == Fmt::BF16 || avx512bw)) {
+    // the packed bf16 kernels on W13's blocks (bf16 weights: as stored; int8/int4: decoded into that layout a slice
+    // of packed rows at a time), fp32 out in the packed rows' order: 32 gate rows, then their 32 up rows
+    const int64_t rows = slice_rows(half, halves * c.H, 2);
+    const int M = static_cast<int>(x.size(0));
+    thread_local std::vector<const void*> a_rows;
+    thread_local std::vector<float> cbuf;
+    a_rows.resize(M);
+    const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+    for (int i = 0; i < M; ++i) a_rows[i] = xb + i * x.stride(0);
+    uint16_t* slice = reinterpret_cast<uint16_t*>(d.slice.data_ptr<at::BFloat16>());
+    const size_t block = kernels::block_bytes(kernels::WeightFormat::BF16, c.H);
+    float* o = out.data_ptr<float>();  // [n, N13] contiguous fp32 (the element dtype)
+    const int64_t ldo = out.stride(0);
+    for (int64_t r0 = 0; r0 < half; r0 += rows) {
+      const int64_t r1 = std::min(half, r0 + rows), w = halves * (r1 - r0);
+      const int64_t nb0 = halves * r0 / 16, nb1 = halves * r1 / 16;
+      kernels::GemmArgs g;
+      if (c.up.fmt == Fmt::BF16) {
+        g.b = c.up.data + e * c.up.expert_bytes() + nb0 * block;
+      } else {
+        decode_b_avx512(c.up, e, slice, nb0, nb1);
+        g.b = reinterpret_cast<const uint8_t*>(slice);
+      }
+      times.lap(worker, ExpertTimes::kDecode, mark);
+      g.M = M;
+      g.K = c.H;
+      g.a_rows = a_rows.data();
+      g.b_block_stride = block;
+      g.nblocks = static_cast<int>(nb1 - nb0);
+      if (cbuf.size() < static_cast<size_t>(M * w)) cbuf.resize(M * w);
+      g.c = cbuf.data();
+      g.ldc = w;
+      d.kernels->gemm[static_cast<int>(kernels::WeightFormat::BF16)](g);
+      for (int i = 0; i < M; ++i) {  // packed column p -> dense column dense_row(halves * r0 + p)
+        const float* src = cbuf.data() + i * w;
+        float* dst = o + i * ldo;
+        if (!c.gated) {
+          std::memcpy(dst + r0, src, w * sizeof(float));
+          continue;
+        }
+        for (int64_t p = 0; p < w; p += 32)
+          std::memcpy(dst + dense_row(2 * r0 + p, c.N13, true), src + p, 32 * sizeof(float));
+      }
+      times.lap(worker, ExpertTimes::kProducts, mark);
+    }
+    return;
+  }
+#endif
   const int64_t rows = d.whole ? half : slice_rows(half, halves * c.H, static_cast<int64_t>(d.slice.element_size()));
   for (int64_t r0 = 0; r0 < half; r0 += rows) {
     const int64_t r1 = std::min(half, r0 + rows), n = r1 - r0;
