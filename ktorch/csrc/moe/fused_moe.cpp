@@ -78,15 +78,15 @@ using kernels::WeightFormat;
 // values, compiled for AVX-512, AVX2 and the baseline and picked at load time (GCC's function multiversioning; the
 // driver's baseline is SSE2, where these conversions ran one value at a time: 111 of a T = 2048 int8 Qwen3 call's
 // 428 ms on a 2-core AMD EPYC). The bf16 rounding is f32_to_bf16's (nearest even, NaN kept quiet).
-#define KT_ROW_CLONES __attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
-KT_ROW_CLONES void add_bf16_row(float* c, const uint16_t* d, int n) {
+#define ROW_CLONES __attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
+ROW_CLONES void add_bf16_row(float* c, const uint16_t* d, int n) {
   for (int i = 0; i < n; ++i) c[i] += bf16_to_f32(d[i]);
 }
-KT_ROW_CLONES void add_f32_row(float* c, const float* d, int n) {
+ROW_CLONES void add_f32_row(float* c, const float* d, int n) {
   for (int i = 0; i < n; ++i) c[i] += d[i];
 }
 // dst = bf16(c + b) (b nullptr: c), n values
-KT_ROW_CLONES void store_bf16_row(uint16_t* dst, const float* c, const float* b, int64_t n) {
+ROW_CLONES void store_bf16_row(uint16_t* dst, const float* c, const float* b, int64_t n) {
   if (b == nullptr) {
     for (int64_t i = 0; i < n; ++i) dst[i] = f32_to_bf16(c[i]);
   } else {
