@@ -800,11 +800,11 @@ def test_backward_on_exact_gguf_layouts_equals_float64_reference_gradient(kind):
         assert relative_error(got, want) < 2e-2, kind
 
 
-@pytest.mark.parametrize("kind", ["Q4_K_M", "Q5_K_Q8_0"])
+@pytest.mark.parametrize("kind", EXACT_LAYOUTS)
 def test_exact_gguf_layouts_gradcheck_and_opcheck(kind):
     """gradcheck (float64, finite differences of the op's own forward) of kt.fused_moe_delta and the autograd of
     kt.fused_moe on the exact layouts; opcheck of the three ops with them."""
-    E, H, I, T, K = 3, 64, 32, 4, 2
+    E, H, I, T, K = (3, 256, 256, 3, 2) if kind == "Q4_K_Q6_K_two_level" else (3, 64, 32, 4, 2)
     tensors = _exact_layout(kind, E, H, I)
     ids, weights = _routing(T, K, E, "skips")
     hidden = torch.randn(T, H, dtype=torch.float64, requires_grad=True)
