@@ -75,6 +75,7 @@
 #include "fused_moe.h"
 #include "profile.h"
 #include "../runtime/dispatch.h"
+#include "../runtime/memory.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -1277,8 +1278,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_moe_delta(
     const bool nibbles = w2.scalar_type() == at::kByte || w2.scalar_type() == at::ScalarType::Float4_e2m1fn_x2;
     const int64_t I = w2.size(2) * (nibbles ? 8 : w2.size(4));
     const auto opts = hidden.options().memory_format(at::MemoryFormat::Contiguous);
-    at::Tensor h = at::empty({topk_ids.size(0), topk_ids.size(1), I}, opts);
-    at::Tensor gu = at::empty({topk_ids.size(0), topk_ids.size(1), w13.size(1) * 16}, opts);
+    // h and the pre-activations (75 MB a Qwen3 layer at T = 2048 in bf16) are new every call, above glibc's mmap
+    // threshold: with transparent huge pages advised, their first writes fault 2 MiB pages in, not 4 KiB ones (12.3 K
+    // minor faults a call -> 537 here); likewise the backward's large buffers
+    at::Tensor h = runtime::empty_weights({topk_ids.size(0), topk_ids.size(1), I}, opts);
+    at::Tensor gu = runtime::empty_weights({topk_ids.size(0), topk_ids.size(1), w13.size(1) * 16}, opts);
     at::Tensor out = fused_moe_with_delta(hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales, activation,
                                           gate_up_delta, h, gu, w13_bias, w2_bias);
     return {out, h, gu};
@@ -1340,11 +1344,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_moe_backward(
   // c.order's order, in the compute dtype (each expert's product writes its rows in place, as the matmul rounds
   // them; sum_slots adds them up by token). The skipped slots' rows of d delta are zeroed. d delta is kept in its
   // output dtype: each row rounded once, no second pass.
-  const at::Tensor dx_grouped = at::empty({static_cast<int64_t>(c.order.size()), c.H}, at::TensorOptions().dtype(c.ct));
+  const at::Tensor dx_grouped =
+      runtime::empty_weights({static_cast<int64_t>(c.order.size()), c.H}, at::TensorOptions().dtype(c.ct));
   const at::Tensor dw = at::zeros({c.T * c.K}, eopts);
   at::Tensor ddelta;
   if (delta.defined()) {
-    ddelta = at::empty({c.T * c.K, c.N13}, at::TensorOptions().dtype(gate_up_delta->scalar_type()));
+    ddelta = runtime::empty_weights({c.T * c.K, c.N13}, at::TensorOptions().dtype(gate_up_delta->scalar_type()));
     zero_skipped_rows(c, ddelta);
   }
   const at::Tensor wflat = c.weights.reshape({c.T * c.K});
