@@ -79,10 +79,10 @@ using kernels::WeightFormat;
 // driver's baseline is SSE2, where these conversions ran one value at a time: 111 of a T = 2048 int8 Qwen3 call's
 // 428 ms on a 2-core AMD EPYC). The bf16 rounding is f32_to_bf16's (nearest even, NaN kept quiet).
 #define ROW_CLONES __attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
-ROW_CLONES void add_bf16_row(float* c, const uint16_t* d, int n) {
+ROW_CLONES void add_row(float* c, const uint16_t* d, int n) {  // c += d, bf16 bits
   for (int i = 0; i < n; ++i) c[i] += bf16_to_f32(d[i]);
 }
-ROW_CLONES void add_f32_row(float* c, const float* d, int n) {
+ROW_CLONES void add_row(float* c, const float* d, int n) {
   for (int i = 0; i < n; ++i) c[i] += d[i];
 }
 // dst = bf16(c + b) (b nullptr: c), n values
@@ -1183,13 +1183,8 @@ class Part {
       for (int64_t r = r0; r < r1; ++r) {
         float* cr = c + r * 64;
         const D* d = delta + slots[r] * train->n13;
-        if constexpr (std::is_same_v<D, float>) {
-          if (d_gate >= 0) add_f32_row(cr, d + d_gate, 32);
-          add_f32_row(cr + up_at, d + d_up, nd);
-        } else {
-          if (d_gate >= 0) add_bf16_row(cr, d + d_gate, 32);
-          add_bf16_row(cr + up_at, d + d_up, nd);
-        }
+        if (d_gate >= 0) add_row(cr, d + d_gate, 32);
+        add_row(cr + up_at, d + d_up, nd);
       }
     }
     // The training forward's pre-activations: c's gate and up columns of rows [r0, r1) with their biases (what the

@@ -253,6 +253,19 @@ const float* expert_scales(const Packed& m, int64_t e) {
   return slot.v.data();
 }
 
+// What the decodes read of expert e of m: its packed blocks, its float32 scales [G][N] (expert_scales; nullptr for
+// bf16), its minimums [G][N] (affine; else nullptr) and the scale groups' size along K.
+struct ExpertBlocks {
+  const uint8_t* base;
+  const float* sc;
+  const float* mn;
+  int64_t gsize;
+};
+inline ExpertBlocks expert_of(const Packed& m, int64_t e) {
+  const float* sc = expert_scales(m, e);
+  return {m.data + e * m.expert_bytes(), sc, m.affine ? sc + m.G * m.N : nullptr, m.K / m.G};
+}
+
 // Packed blocks [nb0, nb1) of expert e of m into out (of type T), a dense row-major [rows, K] matrix: packed row p
 // lands on row dense_row(p - p_off, rows, gate_up). The whole expert: p_off = 0, rows = N (dense_row's order). A
 // slice of gate/up rows [r0, r1) (multiples of 32): blocks [2 r0 / 16, 2 r1 / 16), p_off = 2 r0, rows = 2 (r1 - r0):
@@ -261,10 +274,7 @@ template <typename T>
 NO_FP_CONTRACT void decode_expert(const Packed& m, int64_t e, bool gate_up, T* out, int64_t nb0, int64_t nb1,
                                   int64_t p_off, int64_t rows) {
   const int64_t N = m.N, K = m.K;
-  const uint8_t* base = m.data + e * m.expert_bytes();
-  const float* sc = expert_scales(m, e);
-  const float* mn = m.affine ? sc + m.G * N : nullptr;  // minimums (affine), like the scales
-  const int64_t gsize = K / m.G;
+  const auto [base, sc, mn, gsize] = expert_of(m, e);
   for (int64_t nb = nb0; nb < nb1; ++nb) {
     for (int64_t c = 0; c < 16; ++c) {
       const int64_t p = nb * 16 + c;
@@ -324,10 +334,7 @@ __attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
 void decode_expert_bf16(const Packed& m, int64_t e, bool gate_up, uint16_t* out, int64_t nb0, int64_t nb1,
                         int64_t p_off, int64_t rows) {
   const int64_t N = m.N, K = m.K;
-  const uint8_t* base = m.data + e * m.expert_bytes();
-  const float* sc = expert_scales(m, e);
-  const float* mn = m.affine ? sc + m.G * N : nullptr;
-  const int64_t gsize = K / m.G;
+  const auto [base, sc, mn, gsize] = expert_of(m, e);
   for (int64_t nb = nb0; nb < nb1; ++nb) {
     const int64_t p0 = nb * 16;  // 16 packed rows land on 16 consecutive rows (gate/up blocks are 32 rows)
     const int64_t row0 = dense_row(p0 - p_off, rows, gate_up);
@@ -399,10 +406,7 @@ __attribute__((always_inline)) NO_FP_CONTRACT inline void decode_expert_t_impl(c
                                                                                int64_t nb1, int64_t k0, int64_t k1,
                                                                                Cvt cvt) {
   const int64_t N = m.N, K = m.K;
-  const uint8_t* base = m.data + e * m.expert_bytes();
-  const float* sc = expert_scales(m, e);
-  const float* mn = m.affine ? sc + m.G * N : nullptr;
-  const int64_t gsize = K / m.G;
+  const auto [base, sc, mn, gsize] = expert_of(m, e);
   // a block's bytes per K index (16 rows of 2, 1 or 1/2 bytes): a slice reads (k1 - k0) * per_k of each block
   const int64_t per_k = m.fmt == Fmt::BF16 ? 32 : m.fmt == Fmt::INT8 ? 16 : 8;
   for (int64_t nb = nb0; nb < nb1; ++nb) {
@@ -507,59 +511,78 @@ void decode_t(const Packed& m, int64_t e, bool gate_up, const at::Tensor& out, i
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define TB_AVX512 1
+#define TB_TARGET __attribute__((target("avx512f,avx512bw")))
+#define TB_INLINE __attribute__((target("avx512f,avx512bw"), always_inline)) inline
+
+// The two re-packing decodes below (decode_tb_avx512, decode_b_avx512) need AVX-512 F + BW.
+bool has_avx512bw() {
+  static const bool yes = __builtin_cpu_supports("avx512bw");
+  return yes;
+}
+
+// 16 floats -> 16 bf16 bits, nearest even (bf16_bits_rne: the decoded weights are finite)
+TB_INLINE __m256i bf16_rne_x16(__m512 f) {
+  const __m512i x = _mm512_castps_si512(f);
+  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(x, _mm512_set1_epi32(0x7fff)),
+                                     _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+
+// A 16-row block's scales (and minimums: 0 without) for group g, each spread over the 16 lanes of a quarter of a
+// step's 64 values [16 rows][4 k]: lane i of quarter h reads row 4 h + i / 4.
+TB_INLINE void step_scales(const Packed& m, const float* sc, const float* mn, int64_t g, int64_t nb, __m512 S[4],
+                           __m512 Z[4]) {
+  alignas(64) static constexpr int32_t kRowOfLane[4][16] = {
+      {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3},     {4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7},
+      {8, 8, 8, 8, 9, 9, 9, 9, 10, 10, 10, 10, 11, 11, 11, 11}, {12, 12, 12, 12, 13, 13, 13, 13, 14, 14, 14, 14, 15, 15, 15, 15}};
+  const __m512 s16 = _mm512_loadu_ps(sc + g * m.N + nb * 16);
+  const __m512 z16 = mn ? _mm512_loadu_ps(mn + g * m.N + nb * 16) : _mm512_setzero_ps();
+  for (int h = 0; h < 4; ++h) {
+    const __m512i idx = _mm512_load_si512(kRowOfLane[h]);
+    S[h] = _mm512_permutexvar_ps(idx, s16);
+    Z[h] = _mm512_permutexvar_ps(idx, z16);
+  }
+}
+
+// A stored int4 step's 64 bytes [16 rows][4 j] as two steps of signed values [16 rows][4 k]: the low nibbles (k =
+// 8 o + j) and the high ones (8 o + 4 + j), through the nibbles' value table (m.nibble broadcast to every lane)
+TB_INLINE void nibble_steps(__m512i v, __m512i table, __m512i& lo, __m512i& hi) {
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  lo = _mm512_shuffle_epi8(table, _mm512_and_si512(v, low4));
+  hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+}
+
+TB_INLINE __m512i nibble_table(const Packed& m) {
+  return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m.nibble)));
+}
+
 // decode_expert_tb_bf16 (below) for int8 and int4 weights with AVX-512 (F + BW). A 16 x 16 tile is 4 steps of 64 signed
 // bytes [16 rows][4 k] (int8: as stored; int4: each stored step's low and then high nibbles, through the nibbles'
 // value table: u - 8, u, or MXFP4's codes). Per half of the rows (8 rows: 4 row pairs) and step, 32 values become
 // float, are scaled (minimums subtracted), rounded to bf16 (nearest even, as bf16_bits_rne: the weights are finite)
 // and permuted into the 4 row pairs' pieces [4 k][2 rows]; a 4 x 4 transpose of 128-bit lanes over the 4 steps gives
 // each pair's whole 64-byte row [16 k][2 rows] of block kb.
-__attribute__((target("avx512f,avx512bw"))) NO_FP_CONTRACT
+TB_TARGET NO_FP_CONTRACT
 void decode_tb_avx512(const Packed& m, int64_t e, bool gate_up, uint16_t* out, int64_t kb0, int64_t kb1) {
   const int64_t N = m.N, K = m.K;
-  const uint8_t* base = m.data + e * m.expert_bytes();
-  const float* sc = expert_scales(m, e);
-  const float* mn = m.affine ? sc + m.G * N : nullptr;
-  const int64_t gsize = K / m.G;
+  const auto [base, sc, mn, gsize] = expert_of(m, e);
   const bool int4 = m.fmt == Fmt::INT4;
   const int64_t step_bytes = int4 ? 128 : 256;  // a block's bytes for 16 k
   // lane L = pp * 8 + j * 2 + r of a step's half (pair pp, k = 4 q + j, row 2 pp + r) reads lane (2 pp + r) * 4 + j
   alignas(64) int16_t perm[32];
   for (int L = 0; L < 32; ++L) perm[L] = static_cast<int16_t>((2 * (L / 8) + L % 2) * 4 + (L % 8) / 2);
   const __m512i pidx = _mm512_load_si512(perm);
-  alignas(64) int32_t sel[4][16];  // scale lanes: lane i of quarter h4 reads row 4 h4 + i / 4
-  for (int h4 = 0; h4 < 4; ++h4)
-    for (int i = 0; i < 16; ++i) sel[h4][i] = 4 * h4 + i / 4;
-  const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff);
-  const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m.nibble)));
-  const __m512i low4 = _mm512_set1_epi8(0x0f);
-  auto to_bf16 = [&](__m512 f) {  // 16 floats -> 16 bf16 bits, nearest even
-    const __m512i x = _mm512_castps_si512(f);
-    const __m512i r = _mm512_add_epi32(_mm512_add_epi32(x, bias), _mm512_and_si512(_mm512_srli_epi32(x, 16), one));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
-  };
+  const __m512i table = nibble_table(m);
   for (int64_t nb = 0; nb < N / 16; ++nb) {
     const int64_t n0 = dense_row(nb * 16, N, gate_up);
     __m512 S[4], Z[4];
     int64_t group = -1;
     for (int64_t kb = kb0; kb < kb1; ++kb) {
-      if (16 * kb / gsize != group) {
-        group = 16 * kb / gsize;
-        const __m512 s16 = _mm512_loadu_ps(sc + group * N + nb * 16);
-        const __m512 z16 = mn ? _mm512_loadu_ps(mn + group * N + nb * 16) : _mm512_setzero_ps();
-        for (int h4 = 0; h4 < 4; ++h4) {
-          const __m512i idx = _mm512_load_si512(sel[h4]);
-          S[h4] = _mm512_permutexvar_ps(idx, s16);
-          Z[h4] = _mm512_permutexvar_ps(idx, z16);
-        }
-      }
+      if (16 * kb / gsize != group) step_scales(m, sc, mn, group = 16 * kb / gsize, nb, S, Z);
       const uint8_t* blk = base + nb * (int4 ? K * 8 : K * 16) + kb * step_bytes;
       __m512i q[4];  // step q: [16 rows][4 k = 4 q + j] signed values
       if (int4) {
-        for (int o = 0; o < 2; ++o) {
-          const __m512i v = _mm512_loadu_si512(blk + 64 * o);
-          q[2 * o] = _mm512_shuffle_epi8(table, _mm512_and_si512(v, low4));
-          q[2 * o + 1] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
-        }
+        for (int o = 0; o < 2; ++o) nibble_steps(_mm512_loadu_si512(blk + 64 * o), table, q[2 * o], q[2 * o + 1]);
       } else {
         for (int i = 0; i < 4; ++i) q[i] = _mm512_loadu_si512(blk + 64 * i);
       }
@@ -571,7 +594,7 @@ void decode_tb_avx512(const Packed& m, int64_t e, bool gate_up, uint16_t* out, i
           const __m512i hi = _mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(q[i], 2 * h + 1));
           const __m512 flo = _mm512_sub_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(lo), S[2 * h]), Z[2 * h]);
           const __m512 fhi = _mm512_sub_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(hi), S[2 * h + 1]), Z[2 * h + 1]);
-          const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(to_bf16(flo)), to_bf16(fhi), 1);
+          const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(bf16_rne_x16(flo)), bf16_rne_x16(fhi), 1);
           step[i] = _mm512_permutexvar_epi16(pidx, both);  // 128-bit lane pp: pair pp's piece [4 k][2 rows]
         }
         // 4 x 4 transpose of 128-bit lanes: row pp = (step 0 lane pp, step 1 lane pp, step 2 lane pp, step 3 lane pp)
@@ -597,10 +620,7 @@ void decode_tb_avx512(const Packed& m, int64_t e, bool gate_up, uint16_t* out, i
 __attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default"))) NO_FP_CONTRACT
 void decode_expert_tb_bf16(const Packed& m, int64_t e, bool gate_up, uint16_t* out, int64_t kb0, int64_t kb1) {
   const int64_t N = m.N, K = m.K;
-  const uint8_t* base = m.data + e * m.expert_bytes();
-  const float* sc = expert_scales(m, e);
-  const float* mn = m.affine ? sc + m.G * N : nullptr;
-  const int64_t gsize = K / m.G;
+  const auto [base, sc, mn, gsize] = expert_of(m, e);
   for (int64_t nb = 0; nb < N / 16; ++nb) {
     const int64_t n0 = dense_row(nb * 16, N, gate_up);  // the block's 16 rows: dense rows n0 .. n0 + 15
     float s[16] = {}, z[16] = {};
@@ -659,13 +679,10 @@ void decode_expert_tb_bf16(const Packed& m, int64_t e, bool gate_up, uint16_t* o
 // [blocks][K/2][16][2], the stored row order) into out: the recompute x W13^T through the packed bf16 kernels. A
 // stored step of 16 rows x 4 k (int8; int4: a step's low or high nibbles, through the value table) becomes two bf16
 // steps of 16 rows x 2 k: converted, scaled (minimums subtracted), rounded to bf16 and interleaved in registers.
-__attribute__((target("avx512f,avx512bw"))) NO_FP_CONTRACT
+TB_TARGET NO_FP_CONTRACT
 void decode_b_avx512(const Packed& m, int64_t e, uint16_t* out, int64_t nb0, int64_t nb1) {
-  const int64_t N = m.N, K = m.K;
-  const uint8_t* base = m.data + e * m.expert_bytes();
-  const float* sc = expert_scales(m, e);
-  const float* mn = m.affine ? sc + m.G * N : nullptr;
-  const int64_t gsize = K / m.G;
+  const int64_t K = m.K;
+  const ExpertBlocks ex = expert_of(m, e);  // (a struct, not a structured binding: the lambda below captures it)
   const bool int4 = m.fmt == Fmt::INT4;
   alignas(64) int16_t lo_idx[32], hi_idx[32];  // bf16 step 2q (k 4q, 4q+1) and 2q+1 (4q+2, 4q+3): lane 2c + j
   for (int L = 0; L < 32; ++L) {               // reads row c's value j (or 2 + j) of [rows 0-7 | rows 8-15]
@@ -674,38 +691,19 @@ void decode_b_avx512(const Packed& m, int64_t e, uint16_t* out, int64_t nb0, int
     hi_idx[L] = static_cast<int16_t>(lo_idx[L] + 2);
   }
   const __m512i ilo = _mm512_load_si512(lo_idx), ihi = _mm512_load_si512(hi_idx);
-  alignas(64) int32_t sel[4][16];
-  for (int h4 = 0; h4 < 4; ++h4)
-    for (int i = 0; i < 16; ++i) sel[h4][i] = 4 * h4 + i / 4;
-  const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff);
-  const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m.nibble)));
-  const __m512i low4 = _mm512_set1_epi8(0x0f);
-  auto to_bf16 = [&](__m512 f) {
-    const __m512i x = _mm512_castps_si512(f);
-    const __m512i r = _mm512_add_epi32(_mm512_add_epi32(x, bias), _mm512_and_si512(_mm512_srli_epi32(x, 16), one));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
-  };
+  const __m512i table = nibble_table(m);
   for (int64_t nb = nb0; nb < nb1; ++nb) {
-    const uint8_t* blk = base + nb * (int4 ? K * 8 : K * 16);
+    const uint8_t* blk = ex.base + nb * (int4 ? K * 8 : K * 16);
     uint16_t* dst = out + (nb - nb0) * K * 16;
     __m512 S[4], Z[4];
     int64_t group = -1;
     // one 4-k step of 16 rows (64 signed values [row][4 k]) to bf16 steps 2 q4 and 2 q4 + 1
     auto emit = [&](__m512i v, int64_t q4) {
-      if (4 * q4 / gsize != group) {
-        group = 4 * q4 / gsize;
-        const __m512 s16 = _mm512_loadu_ps(sc + group * N + nb * 16);
-        const __m512 z16 = mn ? _mm512_loadu_ps(mn + group * N + nb * 16) : _mm512_setzero_ps();
-        for (int h4 = 0; h4 < 4; ++h4) {
-          const __m512i idx = _mm512_load_si512(sel[h4]);
-          S[h4] = _mm512_permutexvar_ps(idx, s16);
-          Z[h4] = _mm512_permutexvar_ps(idx, z16);
-        }
-      }
+      if (4 * q4 / ex.gsize != group) step_scales(m, ex.sc, ex.mn, group = 4 * q4 / ex.gsize, nb, S, Z);
       __m256i b[4];
       for (int i = 0; i < 4; ++i) {
         const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(v, i)));
-        b[i] = to_bf16(_mm512_sub_ps(_mm512_mul_ps(f, S[i]), Z[i]));
+        b[i] = bf16_rne_x16(_mm512_sub_ps(_mm512_mul_ps(f, S[i]), Z[i]));
       }
       const __m512i r07 = _mm512_inserti64x4(_mm512_castsi256_si512(b[0]), b[1], 1);
       const __m512i r815 = _mm512_inserti64x4(_mm512_castsi256_si512(b[2]), b[3], 1);
@@ -714,9 +712,10 @@ void decode_b_avx512(const Packed& m, int64_t e, uint16_t* out, int64_t nb0, int
     };
     if (int4) {
       for (int64_t o = 0; o < K / 8; ++o) {
-        const __m512i v = _mm512_loadu_si512(blk + 64 * o);
-        emit(_mm512_shuffle_epi8(table, _mm512_and_si512(v, low4)), 2 * o);
-        emit(_mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4)), 2 * o + 1);
+        __m512i lo, hi;
+        nibble_steps(_mm512_loadu_si512(blk + 64 * o), table, lo, hi);
+        emit(lo, 2 * o);
+        emit(hi, 2 * o + 1);
       }
     } else {
       for (int64_t q = 0; q < K / 4; ++q) emit(_mm512_loadu_si512(blk + 64 * q), q);
@@ -1130,6 +1129,33 @@ using Mark = std::chrono::steady_clock::time_point;
 // slice multiplied at once, read as the view (W^T)^T (the reduction dimension contiguous in both operands), its
 // columns of out written; with d.whole, W^T at once, decoded over the threads, and one multi-threaded product. out:
 // rows contiguous, any float dtype (the product's rows rounded to a's dtype first, as a whole product's are).
+// c [M, 16 nblocks] (fp32, ldc floats a row) = a W^T through d.kernels' packed bf16 gemm: a's M bf16 rows of K (rows
+// contiguous), W the nblocks packed bf16 blocks of K at b (kernels.h's bf16 layout). product_t and product_up.
+void packed_bf16_product(const Dense& d, const at::Tensor& a, const uint8_t* b, int nblocks, float* c, int64_t ldc) {
+  thread_local std::vector<const void*> rows;
+  const int M = static_cast<int>(a.size(0));
+  rows.resize(M);
+  const auto* a0 = reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>());
+  for (int i = 0; i < M; ++i) rows[i] = a0 + i * a.stride(0);
+  kernels::GemmArgs g;
+  g.M = M;
+  g.K = a.size(1);
+  g.a_rows = rows.data();
+  g.b = b;
+  g.b_block_stride = kernels::block_bytes(kernels::WeightFormat::BF16, g.K);
+  g.nblocks = nblocks;
+  g.c = c;
+  g.ldc = ldc;
+  d.kernels->gemm[static_cast<int>(kernels::WeightFormat::BF16)](g);
+}
+
+// This thread's fp32 buffer of at least n floats (the packed products' results before they are placed)
+float* thread_floats(int64_t n) {
+  thread_local std::vector<float> buf;
+  if (buf.size() < static_cast<size_t>(n)) buf.resize(n);
+  return buf.data();
+}
+
 void product_t(const Packed& m, int64_t e, bool gate_up, const at::Tensor& a, const at::Tensor& out, const Dense& d,
                ExpertTimes& times, int worker, Mark& mark) {
   const int64_t N = m.N, K = m.K;
@@ -1137,40 +1163,25 @@ void product_t(const Packed& m, int64_t e, bool gate_up, const at::Tensor& a, co
     // bf16 operands: the packed bf16 kernels on W^T's blocks decoded into their layout, fp32 results written into
     // out (fp32: in place; otherwise through this thread's buffer, rounded once)
     const int64_t rows = slice_rows(K, N, 2);  // a multiple of 32: whole 16-column blocks
-    const int M = static_cast<int>(a.size(0));
-    thread_local std::vector<const void*> a_rows;
-    thread_local std::vector<float> cbuf;
-    a_rows.resize(M);
-    const auto* ab = reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>());
-    for (int i = 0; i < M; ++i) a_rows[i] = ab + i * a.stride(0);
+    const int64_t M = a.size(0);
     const bool in_place = out.scalar_type() == at::kFloat && out.stride(1) == 1;
     uint16_t* slice = reinterpret_cast<uint16_t*>(d.slice.data_ptr<at::BFloat16>());
     for (int64_t k0 = 0; k0 < K; k0 += rows) {
       const int64_t k1 = std::min(K, k0 + rows), w = k1 - k0;
 #ifdef TB_AVX512
-      static const bool avx512bw = __builtin_cpu_supports("avx512bw");
-      if (m.fmt != Fmt::BF16 && avx512bw) decode_tb_avx512(m, e, gate_up, slice, k0 / 16, k1 / 16);
+      if (m.fmt != Fmt::BF16 && has_avx512bw()) decode_tb_avx512(m, e, gate_up, slice, k0 / 16, k1 / 16);
       else
 #endif
         decode_expert_tb_bf16(m, e, gate_up, slice, k0 / 16, k1 / 16);
       times.lap(worker, ExpertTimes::kDecode, mark);
-      kernels::GemmArgs g;
-      g.M = M;
-      g.K = N;
-      g.a_rows = a_rows.data();
-      g.b = reinterpret_cast<const uint8_t*>(slice);
-      g.b_block_stride = kernels::block_bytes(kernels::WeightFormat::BF16, N);
-      g.nblocks = static_cast<int>(w / 16);
+      const uint8_t* b = reinterpret_cast<const uint8_t*>(slice);
       if (in_place) {
-        g.c = out.data_ptr<float>() + k0;
-        g.ldc = out.stride(0);
+        packed_bf16_product(d, a, b, static_cast<int>(w / 16), out.data_ptr<float>() + k0, out.stride(0));
       } else {
-        if (cbuf.size() < static_cast<size_t>(M * w)) cbuf.resize(M * w);
-        g.c = cbuf.data();
-        g.ldc = w;
+        float* cbuf = thread_floats(M * w);
+        packed_bf16_product(d, a, b, static_cast<int>(w / 16), cbuf, w);
+        out.narrow(1, k0, w).copy_(at::from_blob(cbuf, {M, w}, at::kFloat));
       }
-      d.kernels->gemm[static_cast<int>(kernels::WeightFormat::BF16)](g);
-      if (!in_place) out.narrow(1, k0, w).copy_(at::from_blob(cbuf.data(), {M, w}, at::kFloat));
       times.lap(worker, ExpertTimes::kProducts, mark);
     }
     return;
@@ -1197,18 +1208,12 @@ void product_up(const Call& c, int64_t e, const at::Tensor& x, const at::Tensor&
                 ExpertTimes& times, int worker, Mark& mark) {
   const int64_t halves = c.gated ? 2 : 1, half = c.N13 / halves;
 #ifdef TB_AVX512
-  static const bool avx512bw = __builtin_cpu_supports("avx512bw");
   if (d.kernels != nullptr && x.scalar_type() == at::kBFloat16 && c.H % 32 == 0 && !d.whole &&
-      (c.up.fmt == Fmt::BF16 || avx512bw)) {
+      (c.up.fmt == Fmt::BF16 || has_avx512bw())) {
     // the packed bf16 kernels on W13's blocks (bf16 weights: as stored; int8/int4: decoded into that layout a slice
     // of packed rows at a time), fp32 out in the packed rows' order: 32 gate rows, then their 32 up rows
     const int64_t rows = slice_rows(half, halves * c.H, 2);
-    const int M = static_cast<int>(x.size(0));
-    thread_local std::vector<const void*> a_rows;
-    thread_local std::vector<float> cbuf;
-    a_rows.resize(M);
-    const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-    for (int i = 0; i < M; ++i) a_rows[i] = xb + i * x.stride(0);
+    const int64_t M = x.size(0);
     uint16_t* slice = reinterpret_cast<uint16_t*>(d.slice.data_ptr<at::BFloat16>());
     const size_t block = kernels::block_bytes(kernels::WeightFormat::BF16, c.H);
     float* o = out.data_ptr<float>();  // [n, N13] contiguous fp32 (the element dtype)
@@ -1216,25 +1221,16 @@ void product_up(const Call& c, int64_t e, const at::Tensor& x, const at::Tensor&
     for (int64_t r0 = 0; r0 < half; r0 += rows) {
       const int64_t r1 = std::min(half, r0 + rows), w = halves * (r1 - r0);
       const int64_t nb0 = halves * r0 / 16, nb1 = halves * r1 / 16;
-      kernels::GemmArgs g;
-      if (c.up.fmt == Fmt::BF16) {
-        g.b = c.up.data + e * c.up.expert_bytes() + nb0 * block;
-      } else {
+      const uint8_t* b = c.up.data + e * c.up.expert_bytes() + nb0 * block;  // bf16 weights: as stored
+      if (c.up.fmt != Fmt::BF16) {
         decode_b_avx512(c.up, e, slice, nb0, nb1);
-        g.b = reinterpret_cast<const uint8_t*>(slice);
+        b = reinterpret_cast<const uint8_t*>(slice);
       }
       times.lap(worker, ExpertTimes::kDecode, mark);
-      g.M = M;
-      g.K = c.H;
-      g.a_rows = a_rows.data();
-      g.b_block_stride = block;
-      g.nblocks = static_cast<int>(nb1 - nb0);
-      if (cbuf.size() < static_cast<size_t>(M * w)) cbuf.resize(M * w);
-      g.c = cbuf.data();
-      g.ldc = w;
-      d.kernels->gemm[static_cast<int>(kernels::WeightFormat::BF16)](g);
-      for (int i = 0; i < M; ++i) {  // packed column p -> dense column dense_row(halves * r0 + p)
-        const float* src = cbuf.data() + i * w;
+      float* cbuf = thread_floats(M * w);
+      packed_bf16_product(d, x, b, static_cast<int>(nb1 - nb0), cbuf, w);
+      for (int64_t i = 0; i < M; ++i) {  // packed column p -> dense column dense_row(halves * r0 + p)
+        const float* src = cbuf + i * w;
         float* dst = o + i * ldo;
         if (!c.gated) {
           std::memcpy(dst + r0, src, w * sizeof(float));
