@@ -824,6 +824,73 @@ def test_exact_gguf_layouts_gradcheck_and_opcheck(kind):
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
+def test_packed_weights_and_scales_errors_name_the_problem():
+    """describe_packed's checks of a packed weight and its scales (fused_moe_backward.cpp), in kt.fused_moe_backward
+    and kt.fused_moe_delta: each bad input passes every check before the one it is for, and the message names that
+    check (its dtype, the minimums MXFP4 takes none of, two-level scales' K and rows, the group sizes)."""
+    from ktorch.ops.moe import pack_quantized
+
+    E, T, K = 4, 3, 2
+    ids, weights = _routing(T, K, E, "random")
+
+    def backward(H, w13, s13, w2, s2):
+        torch.ops.kt.fused_moe_backward(torch.randn(T, H), torch.randn(T, H), ids, weights, w13, s13, w2, s2)
+
+    def delta(H, w13, s13, w2, s2):  # gated: the delta [T, K, 2I], 2I = w13's rows
+        torch.ops.kt.fused_moe_delta(torch.randn(T, H), ids, weights, w13, s13, w2, s2,
+                                     torch.zeros(T, K, w13.shape[1] * 16))
+
+    H, I = 64, 32
+    w13, s13, w2, s2 = _packed(E, H, I, "int8").tensors()  # per-channel int8: scales [E, 1, N]
+    for op in (backward, delta):  # scales neither float32, float16 nor two-level uint8/int8
+        with pytest.raises(RuntimeError, match=r"w13_scales must be .* in float32 or float16, or two-level "
+                                               r"uint8/int8 .* got Double \[4, 1, 64\]"):
+            op(H, w13, s13.double(), w2, s2)
+        with pytest.raises(RuntimeError, match=r"w2_scales must be .* in float32 or float16, or two-level "
+                                               r"uint8/int8 .* got Int \[4, 1, 64\]"):
+            op(H, w13, s13, w2, s2.int())
+    # MXFP4 nibbles take scales [E, G, N]: the same scales twice as [E, 2, G, N] (scales and minimums) are refused
+    m13, ms13 = pack_quantized(torch.zeros(E, 2 * I, H, dtype=torch.int8), torch.full((E, 2 * I, H // 32), 0.01),
+                               bits=4, gate_up=True, mxfp4=True)
+    assert m13.dtype == torch.float4_e2m1fn_x2
+    backward(H, m13, ms13, w2, s2)  # without the minimums the call runs
+    with pytest.raises(RuntimeError, match=r"w13 holds MXFP4 nibbles \(float4_e2m1fn_x2\), which take scales "
+                                           r"\[E, G, N\], but w13_scales has minimums too"):
+        backward(H, m13, torch.stack((ms13, ms13), 1), w2, s2)
+    # grouped and affine int8: groups of 8 input channels (K=64, G=8)
+    for bad in (torch.ones(E, 8, 2 * I), torch.ones(E, 2, 8, 2 * I)):
+        with pytest.raises(RuntimeError, match="int8 w13_scales has 8 groups of 8 input channels; grouped or affine "
+                                               "int8 needs groups of a multiple of 16"):
+            backward(H, w13, bad, w2, s2)
+    # int4: groups of 16 (K=64, G=4)
+    q13, _, q2, qs2 = _packed(E, H, I, "int4").tensors()
+    with pytest.raises(RuntimeError, match="int4 w13_scales has 4 groups of 16 input channels; int4 needs groups of "
+                                           "a multiple of 32"):
+        delta(H, q13, torch.ones(E, 4, 2 * I), q2, qs2)
+    # groups that do not divide K (3 of K=64), or none
+    for G in (3, 0):
+        with pytest.raises(RuntimeError, match=f"w13_scales has {G} groups, which do not divide K=64"):
+            backward(H, w13, torch.ones(E, G, 2 * I), w2, s2)
+    # two-level (uint8/int8 sub-scales, then the float32 super-scales per 256 input channels as K/64 byte rows)
+    with pytest.raises(RuntimeError, match=r"two-level w13_scales \[4, 2, 3, 64\] needs K a multiple of 256 and "
+                                           r"more than K/64 rows, K=64"):
+        backward(H, q13, torch.ones(E, 2, 3, 2 * I, dtype=torch.uint8), q2, qs2)
+    H, I = 256, 256
+    t13, ts13, t2, ts2 = _exact_layout("Q4_K_Q6_K_two_level", 2, H, I)  # ts13 [2, 2, 8 + 4, 512]: G = 8, 1 super
+    ids, weights = _routing(T, K, 2, "random")
+    backward(H, t13, ts13, t2, ts2)  # as built, the call runs
+    with pytest.raises(RuntimeError, match=r"two-level w13_scales \[2, 2, 4, 512\] needs K a multiple of 256 and "
+                                           r"more than K/64 rows, K=256"):  # the super-scale rows only
+        backward(H, t13, ts13[:, :, 8:].contiguous(), t2, ts2)
+    with pytest.raises(RuntimeError, match="w13_scales has 3 groups, which do not divide K=256"):  # 3 sub-scale rows
+        backward(H, t13, torch.cat((ts13[:, :, :3], ts13[:, :, 8:]), 2), t2, ts2)
+    H = 512  # 2 super-scales: 15 sub-scale rows are not a whole number per 256 input channels
+    t13, ts13, t2, ts2 = _exact_layout("Q4_K_Q6_K_two_level", 2, H, I)  # ts13 [2, 2, 16 + 8, 512]
+    with pytest.raises(RuntimeError, match="two-level w13_scales has 15 sub-scale rows, not a whole number per 256 "
+                                           "input channels of K=512"):
+        backward(H, t13, torch.cat((ts13[:, :, :15], ts13[:, :, 16:]), 2), t2, ts2)
+
+
 def test_delta_forward_on_exact_gguf_layouts(kernel, seed):
     """The layouts the exact GGUF formats load into: kt.fused_moe's path (the packed kernels) runs Q4_K_M's (affine
     int4 gate/up beside grouped int8 down) with the deltas too, within its int4 tolerance of the float64 reference;
