@@ -16,6 +16,18 @@ import torch
 
 import ktorch
 
+def _threads_per_xdist_worker() -> None:
+    """Under pytest-xdist every worker process would size torch's pool (and ktorch's, which follows it) to every
+    core: `-n 14` on the device's 16 cores ran 14 x 16 threads, and float64 tests crawled (a third of 11 files in
+    330 s). Each worker gets its share of the cores, at least 2 so that the multi-threaded paths still run (on CI's 2
+    cores with -n 2: 2, as before)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ and "KT_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(2, len(os.sched_getaffinity(0)) // workers))
+
+
+_threads_per_xdist_worker()
+
 KERNEL_LEVELS = ("portable", "avx512", "amx")
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 

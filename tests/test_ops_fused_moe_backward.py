@@ -7,6 +7,9 @@ transformers' eager experts on random layers.
 
 from __future__ import annotations
 
+import math
+import re
+
 import pytest
 import torch
 
@@ -135,11 +138,34 @@ class _ReferenceForwardKtBackward(torch.autograd.Function):
         return dx, dw, None, None, None, None
 
 
+def _kink_distance(hidden, ids, packed, activation, delta=None):
+    """How far the pre-activations (x W13^T + bias + delta) of the routed pairs lie from the activation's clamps
+    (swiglu_oai's and silu_clamped's: gate at +limit, up at +-limit; inf without clamps). gradcheck's central
+    differences (eps 1e-6) straddling a clamp measure no derivative: the inputs are drawn again when one is close."""
+    m = re.search(r"limit=([0-9.]+)", activation)
+    if m is None:
+        return math.inf
+    limit = float(m.group(1))
+    w13 = packed.dequantize()[0].double()
+    half = w13.shape[1] // 2
+    pairs = (ids >= 0).nonzero().tolist()
+    pre = torch.stack([hidden[t].detach() @ w13[ids[t, k]].T for t, k in pairs])
+    if packed.w13_bias is not None:
+        pre = pre + torch.stack([packed.w13_bias[ids[t, k]].double() for t, k in pairs])
+    if delta is not None:
+        pre = pre + torch.stack([delta[t, k].detach() for t, k in pairs])
+    gate, up = pre[:, :half], pre[:, half:]
+    return min((gate - limit).abs().min().item(), (up.abs() - limit).abs().min().item())
+
+
 def _gradcheck_through_reference(packed, T, H, K, E, activation):
     """gradcheck of the op's backward against finite differences of the float64 reference forward
     (_ReferenceForwardKtBackward), on random float64 inputs; returns (ids, weights, hidden, w) for further checks."""
     ids, weights = _routing(T, K, E, "skips")
-    hidden = torch.randn(T, H, dtype=torch.float64, requires_grad=True)
+    hidden = torch.randn(T, H, dtype=torch.float64)
+    while _kink_distance(hidden, ids, packed, activation) < 1e-4:
+        hidden = torch.randn(T, H, dtype=torch.float64)
+    hidden.requires_grad_()
     w = weights.double().requires_grad_()
     dequantized = packed.dequantize()
     assert torch.autograd.gradcheck(
@@ -323,7 +349,10 @@ def test_family_gradcheck_float64(fmt, gated, activation):
     E, H, I, T, K = 4, 32, 32, 5, 2
     packed = _family_packed(E, H, I, fmt, gated, biases=True)
     ids, weights, hidden, w = _gradcheck_through_reference(packed, T, H, K, E, activation)
-    delta = (torch.randn(T, K, packed.w13.shape[1] * 16, dtype=torch.float64) * 0.3).requires_grad_()
+    delta = torch.randn(T, K, packed.w13.shape[1] * 16, dtype=torch.float64) * 0.3
+    while _kink_distance(hidden, ids, packed, activation, delta) < 1e-4:
+        delta = torch.randn(T, K, packed.w13.shape[1] * 16, dtype=torch.float64) * 0.3
+    delta.requires_grad_()
 
     def op(x, w, d):
         return torch.ops.kt.fused_moe_delta(x, ids, w, *packed.tensors(), d, activation, *packed.biases())
