@@ -710,10 +710,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "bench": cmd_bench}
 
 
+def check_generation_arguments(args: argparse.Namespace) -> None:
+    """--max-new-tokens and the sampling options of generate and chat, checked before the model loads (seconds to
+    minutes) with the library's own rules (ktorch.generation.Sampling), each error naming its option."""
+    if not hasattr(args, "max_new_tokens"):
+        return
+    if args.max_new_tokens < 1:
+        raise CLIError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    from ktorch.generation import Sampling
+
+    try:
+        Sampling(args.temperature, args.top_p, args.repetition_penalty)
+    except ValueError as e:
+        name, _, rest = str(e).partition(" ")
+        raise CLIError(f"--{name.replace('_', '-')} {rest}") from None
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        check_generation_arguments(args)
         return COMMANDS[args.command](args)
     except CLIError as e:
         print(f"ktorch {args.command}: error: {e}", file=sys.stderr)

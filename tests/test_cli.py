@@ -113,6 +113,33 @@ def test_folder_without_config_is_a_clear_error(tmp_path, capsys):
     assert "no config.json" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["generate", "chat"])
+@pytest.mark.parametrize("option,value,message", [
+    ("--max-new-tokens", "0", "--max-new-tokens must be >= 1, got 0"),
+    ("--max-new-tokens", "-3", "--max-new-tokens must be >= 1, got -3"),
+    ("--temperature", "-1", "--temperature must be >= 0, got -1.0"),
+    ("--temperature", "nan", "--temperature must be >= 0, got nan"),
+    ("--top-p", "2", "--top-p must be in (0, 1], got 2.0"),
+    ("--top-p", "0", "--top-p must be in (0, 1], got 0.0"),
+    ("--repetition-penalty", "0", "--repetition-penalty must be > 0, got 0.0"),
+])
+def test_bad_generation_options_are_clear_errors_before_loading(command, option, value, message, capsys,
+                                                                 monkeypatch):
+    """Checked before the model loads (a traceback after seconds of loading, before), even where greedy decoding
+    would not read the option (--top-p at temperature 0)."""
+    import ktorch.cli
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(ktorch.cli, "load_model", no_loading)
+    prompt = ["--prompt", "hi"] if command == "generate" else []
+    assert main([command, "--model", "builtin", *prompt, option, value]) == 1
+    err = capsys.readouterr().err
+    assert f"ktorch {command}: error: {message}" in err
+    assert "Traceback" not in err
+
+
 def test_gguf_header_only_is_reported_corrupt(tmp_path, capsys):
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF")
