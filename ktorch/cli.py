@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -726,12 +727,29 @@ def check_generation_arguments(args: argparse.Namespace) -> None:
         raise CLIError(f"--{name.replace('_', '-')} {rest}") from None
 
 
+def _one_line_warnings(command: str, show):
+    """warnings.showwarning for a command: ktorch's own warnings (issued from a line of this package, e.g. a prompt
+    past the model's context) as one line of the command's; the others (transformers', torch's) as Python shows
+    them, their source named."""
+    package = str(Path(__file__).resolve().parent)
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if str(filename).startswith(package):
+            print(f"ktorch {command}: warning: {message}", file=sys.stderr, flush=True)
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    return showwarning
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         check_generation_arguments(args)
-        return COMMANDS[args.command](args)
+        with warnings.catch_warnings():
+            warnings.showwarning = _one_line_warnings(args.command, warnings.showwarning)
+            return COMMANDS[args.command](args)
     except CLIError as e:
         print(f"ktorch {args.command}: error: {e}", file=sys.stderr)
         return 1

@@ -41,6 +41,7 @@ import inspect
 import threading
 import time
 import types
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -607,6 +608,11 @@ def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int = 64
         eos_token_id = getattr(gc, "eos_token_id", None)
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
     prompt_len = ids.shape[1]
+    limit = _max_positions(model)
+    if limit and prompt_len + max_new_tokens > limit:  # runs (rotary positions have no hard end), but untrained
+        warnings.warn(f"the prompt ({prompt_len} tokens) and max_new_tokens ({max_new_tokens}) pass this model's "
+                      f"context of {limit} positions (config.max_position_embeddings): the model was not trained "
+                      "on positions beyond it, and its output there may be meaningless", stacklevel=3)  # the caller's line (inference_mode wraps)
     device = _model_device(model)
     ids = ids.to(device)
     decoder = _decoder_for(model, prompt_len + max_new_tokens, sampling, cuda_graphs)

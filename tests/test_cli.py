@@ -140,6 +140,17 @@ def test_bad_generation_options_are_clear_errors_before_loading(command, option,
     assert "Traceback" not in err
 
 
+def test_a_prompt_past_the_context_is_one_warning_line():
+    """The built-in model has 2048 positions: a longer prompt still runs, with ktorch's warning as one line of the
+    command's (no source location)."""
+    result = run_cli("generate", "--model", "builtin", "--prompt", "word " * 2100, "--max-new-tokens", "2")
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stderr.splitlines() if "warning" in line]
+    assert len(lines) == 1 and re.fullmatch(r"ktorch generate: warning: the prompt \(\d+ tokens\) and max_new_tokens "
+                                            r"\(2\) pass this model's context of 2048 positions .*", lines[0]), lines
+    assert "UserWarning" not in result.stderr and TIMING.search(result.stderr)
+
+
 def test_gguf_header_only_is_reported_corrupt(tmp_path, capsys):
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF")

@@ -179,7 +179,8 @@ def test_the_kept_decoder_is_reused_only_when_it_fits():
     generate(model, ids, 4, temperature=0.5)
     assert model.kt_decoder is not second  # so is deferral
     third = model.kt_decoder
-    generate(model, ids, third.max_len, temperature=0.5)
+    with pytest.warns(UserWarning, match="pass this model's context"):  # a cache past the tiny model's 256 positions
+        generate(model, ids, third.max_len, temperature=0.5)
     assert model.kt_decoder is not third and model.kt_decoder.max_len > third.max_len  # a longer cache
 
 
@@ -259,6 +260,21 @@ def test_bad_arguments_are_clear_errors():
         generate(model, torch.tensor([[1, 2], [3, 4]]), 2)
     with pytest.raises(ValueError, match="batch 1"):
         generate(model, torch.zeros(1, 0, dtype=torch.long), 2)
+
+
+def test_passing_the_context_warns():
+    """Past config.max_position_embeddings generation runs (as transformers' does) but says so; within it, no
+    warning."""
+    import warnings
+
+    model = _prepared("qwen3_moe", max_position_embeddings=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        generate(model, torch.arange(1, 11)[None], 6)  # 10 + 6 = 16: within
+    with pytest.warns(UserWarning, match=r"the prompt \(10 tokens\) and max_new_tokens \(7\) pass this model's "
+                                         r"context of 16 positions"):
+        result = generate(model, torch.arange(1, 11)[None], 7)
+    assert len(result.ids) == 7
 
 
 def _greedy_steps(model, ids, n, compiled: bool) -> list:
