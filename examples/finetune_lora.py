@@ -12,6 +12,7 @@ unpacked model. See docs/training.md.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -34,6 +35,16 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--out", default="lora-adapter", help="folder for the adapter (peft format)")
     args = p.parse_args()
+    for name, value, ok, rule in (("--steps", args.steps, args.steps >= 1, ">= 1"),
+                                  ("--batch", args.batch, args.batch >= 1, ">= 1"),
+                                  ("--seq", args.seq, args.seq >= 2, ">= 2 (the loss predicts each next token)"),
+                                  ("--rank", args.rank, args.rank >= 1, ">= 1"),
+                                  ("--lr", args.lr, args.lr > 0, "> 0"),
+                                  ("--held-out", args.held_out, 0 < args.held_out < 1, "in (0, 1)")):
+        if not ok:
+            p.error(f"{name} must be {rule}, got {value}")
+    if not os.path.isfile(args.text):
+        p.error(f"--text {args.text}: no such file")
 
     model, tokenizer = ktorch.load(args.model, experts_dtype=args.experts_dtype,
                                    gpu_memory="off")  # training: every expert on the CPU op (no resident experts)
@@ -45,6 +56,9 @@ def main() -> None:
     ids = torch.tensor(tokenizer(open(args.text, encoding="utf-8").read()).input_ids)
     cut = int(ids.numel() * (1 - args.held_out))
     train, held_out = ids[:cut], ids[cut:]
+    if train.numel() <= args.seq or held_out.numel() < args.seq:
+        p.error(f"--text {args.text}: {ids.numel()} tokens leave {train.numel()} to train on and {held_out.numel()} "
+                f"held out (--held-out {args.held_out}); both need more than --seq {args.seq}")
     device = next(p.device for p in model.parameters())
 
     def held_out_loss() -> float:
