@@ -603,6 +603,14 @@ def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int = 64
         ids = ids[None]
     if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] == 0:
         raise ValueError(f"input_ids must be [1, P] or [P] with P >= 1 (batch 1), got {tuple(ids.shape)}")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must be integer token ids, got {ids.dtype}")
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    vocab = getattr(embeddings, "num_embeddings", None) or _vocab_size(model)
+    low, high = int(ids.min()), int(ids.max())  # (one sync a call; on a GPU a bad id would be a device-side assert)
+    if low < 0 or high >= vocab:
+        raise ValueError(f"input_ids must be token ids in [0, {vocab}) (the model's vocabulary), got values from {low} "
+                         f"to {high}")
     if eos_token_id is None:
         gc = getattr(model, "generation_config", None)
         eos_token_id = getattr(gc, "eos_token_id", None)

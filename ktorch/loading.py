@@ -85,9 +85,11 @@ def load(
     (missing or misshapen tensors, unsupported types or architectures, truncation) raise ``CheckpointError``
     before any long work, naming the file and the tensor.
     """
+    from ktorch.placement import usable_device
+
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
+    device = usable_device(device, "load")
     source = open_checkpoint(path)
     if dtype is None and getattr(source, "default_dtype", None) is not None:
         dtype = source.default_dtype(device)

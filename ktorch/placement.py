@@ -96,7 +96,7 @@ def prepare(
     """
     if torch.device(experts_device).type != "cpu":
         raise ValueError(f"prepare: kt.fused_moe runs on the CPU; experts_device must be 'cpu', got {experts_device!r}")
-    device = torch.device("cpu" if device is None else device)
+    device = usable_device("cpu" if device is None else device, "prepare")
     modules = experts_modules(model)
     if not modules:
         raise ValueError(
@@ -171,6 +171,20 @@ def prepare(
         for _, m in modules:
             m.config._experts_implementation = IMPLEMENTATION_NAME
     return model
+
+
+def usable_device(device: Union[str, torch.device], who: str) -> torch.device:
+    """``device`` as a torch.device, or a ValueError naming ``who`` when this process cannot use it (a CUDA device
+    without a CUDA build or GPU, or past the GPUs there are): before any loading or placement, not as torch's
+    "Torch not compiled with CUDA enabled" halfway through."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{who}: device {str(device)!r}: this torch sees no CUDA GPU (torch {torch.__version__}); "
+                             "use device='cpu'")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"{who}: device {str(device)!r}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    return device
 
 
 def default_gpu_memory(modules: list, device: torch.device, stream_experts=None, trainable: bool = False,

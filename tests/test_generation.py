@@ -260,6 +260,14 @@ def test_bad_arguments_are_clear_errors():
         generate(model, torch.tensor([[1, 2], [3, 4]]), 2)
     with pytest.raises(ValueError, match="batch 1"):
         generate(model, torch.zeros(1, 0, dtype=torch.long), 2)
+    with pytest.raises(ValueError, match="input_ids must be integer token ids, got torch.float32"):
+        generate(model, torch.tensor([[1.0, 2.0]]), 2)
+    vocab = model.get_input_embeddings().num_embeddings
+    for bad, low, high in (([[1, vocab]], 1, vocab), ([[-1, 3]], -1, 3)):
+        with pytest.raises(ValueError, match=rf"input_ids must be token ids in \[0, {vocab}\) \(the model's "
+                                             rf"vocabulary\), got values from {low} to {high}"):
+            generate(model, torch.tensor(bad), 2)
+    assert len(generate(model, torch.tensor([[0, vocab - 1]]), 2).ids) == 2  # both ends of the range are ids
 
 
 def test_passing_the_context_warns():

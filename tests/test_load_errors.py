@@ -193,3 +193,21 @@ def test_safetensors_missing_expert(good_folder, tmp_path):
 
     message = _load_error(_rewrite(good_folder, tmp_path, change))
     assert "expert 3 gate_proj of model.layers.1.mlp.experts" in message
+
+
+def test_a_device_this_process_cannot_use_is_named_before_loading(good_gguf, model, monkeypatch):
+    """load and prepare on a CUDA device this torch cannot use (CPU builds, a GPU index past the GPUs there are):
+    a ValueError naming the device before any loading or placement, not torch's assertion halfway through."""
+    def no_opening(*args, **kwargs):
+        raise AssertionError("the checkpoint was opened before the device was checked")
+
+    monkeypatch.setattr(ktorch.loading, "open_checkpoint", no_opening)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"load: device 'cuda': this torch sees no CUDA GPU .*use device='cpu'"):
+            ktorch.load(good_gguf, device="cuda")
+        with pytest.raises(ValueError, match=r"prepare: device 'cuda:0': this torch sees no CUDA GPU"):
+            ktorch.prepare(tiny_model("qwen3_moe"), device="cuda:0")
+    else:
+        past = torch.cuda.device_count()
+        with pytest.raises(ValueError, match=rf"load: device 'cuda:{past}': this machine has {past} CUDA GPU"):
+            ktorch.load(good_gguf, device=f"cuda:{past}")
