@@ -19,6 +19,7 @@ token ids: the prompt's UTF-8 bytes are the input ids and the new ids are printe
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import subprocess
 import sys
@@ -641,6 +642,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return subprocess.call([sys.executable, str(script), *rest], env=os.environ.copy())
 
 
+def check_listen_address(host: str, port: int) -> None:
+    """Binds (host, port) once and lets go, before the model loads: an address in use (another server) or one this
+    machine does not have is a CLIError now, not a traceback from aiohttp after the load. SO_REUSEADDR as aiohttp's
+    own socket sets it, so a port left in TIME_WAIT by the last server passes, as it would there."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise CLIError(f"--host {host}: {e.strerror}") from None
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(address)
+            except OSError as e:
+                raise CLIError(f"--host {host} --port {port}: cannot listen there: {e.strerror}"
+                               + (" (another server?)" if e.errno == errno.EADDRINUSE else "")) from None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.plain:
         raise CLIError("serve runs ktorch-prepared models; --plain is for generate and chat")
@@ -661,6 +682,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import aiohttp  # noqa: F401
     except ImportError:
         raise CLIError("serve needs aiohttp: pip install 'ktorch[serve]'") from None
+    check_listen_address(args.host, args.port or 8000)
     from ktorch.serve import EngineConfig, run_server
     from ktorch.serve.engine import check_transformers
 

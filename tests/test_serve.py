@@ -1281,3 +1281,24 @@ def test_residents_follow_the_routing_and_stats_report_their_hit_rate():
     assert (stats["resident_hits"], stats["resident_rows"]) == (hits, rows) and 0 < hits < rows
     assert stats["resident_hit_rate"] == pytest.approx(hits / rows, abs=1e-6)
     assert with_residents == plain
+
+
+def test_an_address_it_cannot_listen_on_is_named_before_loading(monkeypatch, capsys):
+    """`ktorch serve` on a port another server holds, or a host name that does not resolve: an error naming the
+    address before the model loads (before: aiohttp's OSError traceback after the load)."""
+    import ktorch.cli
+    from ktorch.cli import main
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the address was checked")
+
+    monkeypatch.setattr(ktorch.cli, "_load_and_describe", no_loading)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        assert main(["serve", "--model", "builtin", "--port", str(port)]) == 1
+    assert (f"ktorch serve: error: --host 127.0.0.1 --port {port}: cannot listen there: Address already in use "
+            "(another server?)") in capsys.readouterr().err
+    assert main(["serve", "--model", "builtin", "--host", "no-such-host.invalid"]) == 1
+    assert "ktorch serve: error: --host no-such-host.invalid: " in capsys.readouterr().err
