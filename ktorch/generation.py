@@ -618,9 +618,10 @@ def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int = 64
     prompt_len = ids.shape[1]
     limit = _max_positions(model)
     if limit and prompt_len + max_new_tokens > limit:  # runs (rotary positions have no hard end), but untrained
+        # stacklevel 3: the caller's line (inference_mode's wrapper is the second frame)
         warnings.warn(f"the prompt ({prompt_len} tokens) and max_new_tokens ({max_new_tokens}) pass this model's "
                       f"context of {limit} positions (config.max_position_embeddings): the model was not trained "
-                      "on positions beyond it, and its output there may be meaningless", stacklevel=3)  # the caller's line (inference_mode wraps)
+                      "on positions beyond it, and its output there may be meaningless", stacklevel=3)
     device = _model_device(model)
     ids = ids.to(device)
     decoder = _decoder_for(model, prompt_len + max_new_tokens, sampling, cuda_graphs)
