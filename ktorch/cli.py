@@ -682,7 +682,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import aiohttp  # noqa: F401
     except ImportError:
         raise CLIError("serve needs aiohttp: pip install 'ktorch[serve]'") from None
-    check_listen_address(args.host, args.port or 8000)
+    check_listen_address(args.host, args.port)
     from ktorch.serve import EngineConfig, run_server
     from ktorch.serve.engine import check_transformers
 
