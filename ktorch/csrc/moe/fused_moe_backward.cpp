@@ -1124,11 +1124,6 @@ at::Tensor pre_activations(const Call& c, int64_t e, const at::Tensor& x, const 
 
 using Mark = std::chrono::steady_clock::time_point;
 
-// out [n, K] = a [n, N] W (W = expert e of m as the dense [N, K] matrix, rows in dense_row's order): the backward's
-// transposed products dY W2 and [dg | du] W13. W^T's rows are decoded slice_rows at a time into d.slice and each
-// slice multiplied at once, read as the view (W^T)^T (the reduction dimension contiguous in both operands), its
-// columns of out written; with d.whole, W^T at once, decoded over the threads, and one multi-threaded product. out:
-// rows contiguous, any float dtype (the product's rows rounded to a's dtype first, as a whole product's are).
 // c [M, 16 nblocks] (fp32, ldc floats a row) = a W^T through d.kernels' packed bf16 gemm: a's M bf16 rows of K (rows
 // contiguous), W the nblocks packed bf16 blocks of K at b (kernels.h's bf16 layout). product_t and product_up.
 void packed_bf16_product(const Dense& d, const at::Tensor& a, const uint8_t* b, int nblocks, float* c, int64_t ldc) {
@@ -1156,6 +1151,11 @@ float* thread_floats(int64_t n) {
   return buf.data();
 }
 
+// out [n, K] = a [n, N] W (W = expert e of m as the dense [N, K] matrix, rows in dense_row's order): the backward's
+// transposed products dY W2 and [dg | du] W13. W^T's rows are decoded slice_rows at a time into d.slice and each
+// slice multiplied at once, read as the view (W^T)^T (the reduction dimension contiguous in both operands), its
+// columns of out written; with d.whole, W^T at once, decoded over the threads, and one multi-threaded product. out:
+// rows contiguous, any float dtype (the product's rows rounded to a's dtype first, as a whole product's are).
 void product_t(const Packed& m, int64_t e, bool gate_up, const at::Tensor& a, const at::Tensor& out, const Dense& d,
                ExpertTimes& times, int worker, Mark& mark) {
   const int64_t N = m.N, K = m.K;
