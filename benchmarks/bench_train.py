@@ -21,14 +21,17 @@ Variants (each runs in its own process, one after the other, so that the host me
 
   ops          no model: one MoE layer of the shape (random packed experts, ``--experts-dtype``; ``--op-shape
                E,H,I,K`` for another size) and the three CPU calls a trained layer makes per step with expert LoRA
-               and checkpointing (kt.fused_moe_delta in the forward and again in the recompute,
+               and checkpointing (kt.fused_moe_delta in the forward, its outputs kept through the recompute,
                kt.fused_moe_backward reading the forward's saved pre-activations), beside kt.fused_moe (the fused
                inference kernels) and the backward of a layer without expert LoRA (``_plain``: no deltas, x W13^T
                recomputed); ms per call at ``--seq`` tokens side by side with each one's ratio to kt.fused_moe, and
                the CPU experts' share of a step these make for the shape's layers (``cpu_step_s``);
                ``--recompute-row``: also the expert-LoRA backward recomputing the pre-activations (the path before
                they were saved); ``--layout-row``: also the backward's two transposed products on one thread with
-               the weights decoded transposed (now) and row-major (before); ``--profile``: one more call of each with KT_PROFILE on, whose phase lines
+               the weights decoded transposed (now) and row-major (before); ``--routing-skew S``: Zipf-like routing
+               (expert r of a random order drawn with weight (r + 1)^-S, top-k without repeats; 0: uniform), as
+               trained models and random ones route (S = 1.5: the busiest experts take 1200-2040 of 2048 tokens,
+               as a random 4-layer model of the shape did past its first layer); ``--profile``: one more call of each with KT_PROFILE on, whose phase lines
                (kt.fused_moe_backward's: decode, products, element-wise work, copies per worker) print after the
                table
 
@@ -110,7 +113,13 @@ def run_ops(args) -> dict:
     T = args.seq
     dtype = getattr(torch, args.op_dtype)
     x = torch.randn(T, H, generator=gen).to(dtype)
-    ids = torch.rand(T, E, generator=gen).argsort(dim=1)[:, :K].to(torch.int32)
+    if args.routing_skew > 0:  # Gumbel top-k over Zipf-like logits: K distinct experts a token, skewed over experts
+        logits = -args.routing_skew * torch.log(torch.arange(1, E + 1, dtype=torch.float32))[torch.randperm(E, generator=gen)]
+        gumbel = -torch.log(-torch.log(torch.rand(T, E, generator=gen).clamp(min=1e-12)))
+        ids = (logits + gumbel).topk(K, dim=1).indices.to(torch.int32)
+    else:
+        ids = torch.rand(T, E, generator=gen).argsort(dim=1)[:, :K].to(torch.int32)
+    counts = torch.bincount(ids.flatten().long(), minlength=E).sort(descending=True).values
     w = torch.softmax(torch.randn(T, K, generator=gen), -1)
     delta = torch.randn(T, K, 2 * I, generator=gen) * 0.01
     dy = torch.randn(T, H, generator=gen).to(dtype)
@@ -147,12 +156,14 @@ def run_ops(args) -> dict:
         finally:
             config.set_profile(False)
     return dict(variant="ops", shape=args.shape, layers=layers, seq=T, experts_dtype=args.experts_dtype,
-                dims=dict(E=E, H=H, I=I, K=K), op_dtype=args.op_dtype,
+                dims=dict(E=E, H=H, I=I, K=K), op_dtype=args.op_dtype, routing_skew=args.routing_skew,
+                distinct_experts=int((counts > 0).sum()), busiest_rows=counts[:4].tolist(),
                 ms={k: round(v, 2) for k, v in ms.items()}, layout_ms=layout_ms,
-                # per step with expert LoRA: forward, the checkpoint's recompute, backward, for every layer
-                cpu_step_s=layers * (2 * ms["fused_moe_delta"] + ms["fused_moe_backward"]) / 1e3,
-                # the same without expert LoRA (the fused kernels forward twice, the plain backward)
-                cpu_step_s_no_expert_lora=layers * (2 * ms["fused_moe"] + ms["fused_moe_backward_plain"]) / 1e3,
+                # per step with expert LoRA: forward and backward for every layer (the checkpoint's recompute keeps
+                # the forward's outputs: ktorch.prepare's selective checkpointing)
+                cpu_step_s=layers * (ms["fused_moe_delta"] + ms["fused_moe_backward"]) / 1e3,
+                # the same without expert LoRA (the fused kernels forward, the plain backward)
+                cpu_step_s_no_expert_lora=layers * (ms["fused_moe"] + ms["fused_moe_backward_plain"]) / 1e3,
                 machine=machine_info("cpu"))
 
 
@@ -338,6 +349,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--op-dtype", default="bfloat16", choices=("bfloat16", "float32"),
                    help="ops: hidden's dtype (float32: the decoded-expert forward and fp32 products, e.g. where the "
                    "CPU has no bf16 matmul)")
+    p.add_argument("--routing-skew", type=float, default=0.0, metavar="S",
+                   help="ops: Zipf-like routing, expert weights (rank + 1)^-S (0: uniform); 1.5 is as skewed as a "
+                   "random model of the shape routes")
     p.add_argument("--recompute-row", action="store_true",
                    help="ops: also time the expert-LoRA backward recomputing the pre-activations instead of reading "
                    "the forward's (fused_moe_backward_recompute)")
@@ -410,10 +424,11 @@ def main(argv=None) -> None:
         if r["variant"] == "ops":  # the calls side by side, each also as a multiple of the inference op's time
             ms = r["ms"]
             print(f"{'ops':<12} one layer ({', '.join(f'{k}={v}' for k, v in r['dims'].items())}), "
-                  f"{r['experts_dtype']}, {r['op_dtype']} hidden, {r['seq']} tokens, ms a call: "
+                  f"{r['experts_dtype']}, {r['op_dtype']} hidden, {r['seq']} tokens, routing skew {r['routing_skew']} "
+                  f"({r['distinct_experts']} experts hit, busiest {r['busiest_rows']} pairs), ms a call: "
                   + " | ".join(f"{k} {v}" + (f" ({v / ms['fused_moe']:.2f}x fused_moe)" if k != "fused_moe" else "")
                                for k, v in ms.items()))
-            print(f"{'':<12} CPU experts a step ({r['layers']} layers, forward + recompute + backward): "
+            print(f"{'':<12} CPU experts a step ({r['layers']} layers, forward + backward): "
                   f"{r['cpu_step_s']:.2f} s with expert LoRA, {r['cpu_step_s_no_expert_lora']:.2f} s without")
             if r.get("layout_ms"):
                 lm = r["layout_ms"]

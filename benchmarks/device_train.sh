@@ -95,8 +95,8 @@ for r in rows:
 ops = next((r for r in ok if r["variant"] == "ops"), None)
 if ops:
     print(f"one layer, int8, T={ops['seq']}, ms a call: {ops['ms']}")
-    print(f"CPU experts a step, {ops['layers']} layers (2 x fused_moe_delta + fused_moe_backward a layer): "
-          f"{ops['cpu_step_s']:.2f} s with expert LoRA; without it (2 x fused_moe + plain backward): "
+    print(f"CPU experts a step, {ops['layers']} layers (fused_moe_delta + fused_moe_backward a layer): "
+          f"{ops['cpu_step_s']:.2f} s with expert LoRA; without it (fused_moe + plain backward): "
           f"{ops['cpu_step_s_no_expert_lora']:.2f} s")
 full = ops["layers"] if ops else 48  # the shape's own layer count (48 for Qwen3-30B-A3B)
 def pick(variant, layers, ckpt="on"):

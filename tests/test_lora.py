@@ -135,6 +135,56 @@ def test_lora_without_experts_adapters_trains_attention_through_the_fused_op(one
     assert a.abs().sum() == 0 and b.abs().sum() > 0  # B = 0 at start: only B moves at step one
 
 
+class _CountCpuExpertCalls(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the CPU experts' op executions (kt.fused_moe, kt.fused_moe_delta). Outside selective checkpointing's
+    own mode: a call answered from its cache never reaches this one."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.kt.fused_moe.default, torch.ops.kt.fused_moe_delta.default):
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("expert_lora", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_checkpointing_keeps_the_cpu_experts_outputs(expert_lora, dtype, one_thread):
+    """prepare(trainable=True) checkpoints the decoder layers and keeps the CPU experts' outputs (selective
+    activation checkpointing): the backward recomputes the layers but not the CPU op (one call a MoE layer a step
+    with checkpointing, as without), and the loss and every gradient equal those of the model without checkpointing
+    (the same ops on the same values)."""
+    x = torch.randint(0, 4096, (2, 24), generator=torch.Generator().manual_seed(3))
+    results = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model, _ = ktorch.load("builtin", device="cpu", dtype=dtype, experts_dtype="int8", progress=False)
+        ktorch.prepare(model, device="cpu", trainable=True, gradient_checkpointing=checkpointing)
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=ATTENTION))
+        if expert_lora:
+            ktorch.lora.add_expert_lora(model, r=4, lora_alpha=8)
+        with torch.no_grad():  # B = 0 at the start; random B so that the adapters act on the output
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.05)
+        model.train()
+        with _CountCpuExpertCalls() as count:
+            loss = model(input_ids=x, labels=x).loss
+            forward_calls = count.calls
+            loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        results.append((loss.item(), forward_calls, count.calls, grads))
+    (loss0, f0, c0, g0), (loss1, f1, c1, g1) = results
+    layers = model.config.num_hidden_layers
+    assert f0 == f1 == layers and c0 == c1 == layers, (f0, c0, f1, c1)
+    assert loss0 == loss1
+    assert g0.keys() == g1.keys() and len(g0) > 0
+    for name in g0:
+        assert torch.equal(g0[name], g1[name]), name
+
+
 STEPS, BATCH, SEQ, LR = 200, 4, 32, 1e-3
 
 

@@ -452,6 +452,50 @@ def test_backward_in_slices_equals_float64_reference_gradient(fmt, gated, dtype)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("threads", [2, 4])
+def test_busy_expert_cut_into_pieces_equals_float64_reference_gradient(fmt, dtype, threads, capfd):
+    """Skewed routing, as a random model's busiest experts take nearly every token: every token's first slot goes to
+    expert 0 (600 of 1200 pairs), so the backward cuts its pairs into pieces for several workers (the profile line
+    counts more tasks than experts), each piece's rows of d hidden, d weights and d delta written where they belong:
+    float64 equals the float64 reference to rounding, bf16 is within the bf16 tolerances."""
+    E, H, I, T, K = 8, 64, 32, 600, 2
+    packed = _packed(E, H, I, fmt)
+    ids, weights = _routing(T, K, E, "random")
+    ids[:, 0] = 0
+    ids[::7, 1] = -1  # some skipped slots too
+    n13 = 2 * I
+    hidden, grad_out = torch.randn(T, H).to(dtype), torch.randn(T, H).to(dtype)
+    delta = torch.randn(T, K, n13, dtype=torch.float64) * 0.3
+    w = weights.to(torch.float64 if dtype == torch.float64 else torch.float32)
+    _, _, gu = torch.ops.kt.fused_moe_delta(hidden, ids, w, *packed.tensors(), delta.to(w.dtype), "silu")
+    dh = torch.randn(T, K, I, dtype=torch.float64)
+    gate_up, down = packed.dequantize()
+    rx, rw, rd = (t.double().clone().requires_grad_() for t in (hidden, w, delta))
+    ref, ref_h = fused_moe_reference(rx, ids, rw, gate_up, down, "silu", gate_up_delta=rd, return_h=True)
+    torch.autograd.backward((ref, ref_h), (grad_out.double(), dh.to(dtype).double()))
+    n = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ktorch.config.set_profile(True)
+        got = torch.ops.kt.fused_moe_backward(grad_out, hidden, ids, w, *packed.tensors(), "silu", delta.to(w.dtype),
+                                              dh.to(dtype), None, None, gu)
+    finally:
+        ktorch.config.set_profile(False)
+        torch.set_num_threads(n)
+    line = [l for l in capfd.readouterr().err.splitlines() if "fused_moe_backward" in l][-1]
+    experts, tasks = (int(re.search(rf"{k}=(\d+)", line).group(1)) for k in ("experts", "tasks"))
+    assert experts == E and tasks > experts, line
+    for name, a, b in zip(("hidden", "weights", "delta"), got, (rx.grad, rw.grad, rd.grad)):
+        what = f"{fmt} {dtype} {threads} threads d {name}"
+        if dtype == torch.float64:
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11, msg=lambda m: f"{what}: {m}")
+        else:
+            tol = {"bf16": 2e-2, "int8": 4e-2, "int4": 8e-2}[fmt]
+            assert relative_error(a, b) < tol, f"{what}: {relative_error(a, b):.4g} from the reference"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_bf16_decode_is_the_weights_rounded_to_bf16(kernel, fmt, one_thread):
     """bf16 hidden states run the backward on experts decoded to bf16 (rounded to nearest even) by its own block walks:
     W13 as stored for the recompute x W13^T, W2 and W13 transposed for dY W2 and [dg | du] W13 (into the packed bf16

@@ -8,12 +8,13 @@ The expert weights stay frozen and packed (bf16, int8, int4); what flows is
     dg = (w dY[t] W2_e) * u * act'(g),  du = (w dY[t] W2_e) * act(g)
 
 computed by ``torch.ops.kt.fused_moe_backward`` (ktorch/csrc/moe/fused_moe_backward.cpp) on the CPU from the packed
-weights: each expert with routed pairs is decoded into one worker's scratch (no unpacked copy of the layer) and the
-products run through ATen's matmuls. Memory: for ``kt.fused_moe`` autograd keeps the op's inputs only (hidden
+weights: each expert with routed pairs (or each piece of a busy expert's pairs) is decoded a slice at a time into
+one worker's scratch (no unpacked copy of the layer) and multiplied by the packed bf16 kernels (ATen's matmuls at
+the portable level and for float32/float64). Memory: for ``kt.fused_moe`` autograd keeps the op's inputs only (hidden
 [T, H], ids and weights [T, K], references to the packed tensors) and the backward recomputes the gate/up
 pre-activations from hidden (one more x W13^T product per pair: 3 per pair, the forward 2). ``kt.fused_moe_delta``
 (expert LoRA) also returns those pre-activations, [T, K, 2I] in hidden's dtype (48 MiB a layer for Qwen3-30B-A3B at
-T = 2048 in bf16; with the decoder layers checkpointed one layer's at a time, 2.4 GiB for 48 layers without), and
+T = 2048 in bf16, 2.4 GiB for 48 layers in host memory: ``ktorch.prepare``'s checkpointing keeps the op's outputs), and
 its autograd saves them for the backward (and, in place of hidden and the deltas, whose values that backward
 does not read, stride-0 stand-ins), which then skips that product (2 products per pair). With int8/int4
 weights the forward also rounds the activations to int8; the backward is the gradient of the dequantized-weights

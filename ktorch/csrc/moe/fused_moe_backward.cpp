@@ -89,6 +89,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -937,17 +938,48 @@ struct ExpertTimes : WorkerTimes<4> {
 // under 12 test processes. 2^20: about 0.1-0.5 ms on one core, where the fork pays.
 constexpr int64_t kMinThreadedMacs = int64_t(1) << 20;
 
-// How many workers for_each_expert runs c's experts on: none without experts; one (the calling thread, its ATen ops
-// multi-threaded) when they are fewer than the ATen threads and the busiest one's products are big enough
-// (kMinThreadedMacs) or there is one; else one a thread, at most one an expert.
-int expert_workers(const Call& c) {
+// One task of for_each_expert: the pairs [r0, r1) of expert e's run in c.order (offsets into pair_rows(c, e)).
+struct Task {
+  int64_t e, r0, r1;
+};
+
+// The fewest rows the multi-worker backward cuts an expert's pairs into (a piece re-decodes the expert's weights:
+// at T = 2048 on the device the decode of an expert cost about as much as the products of ~90 of its rows).
+constexpr int64_t kMinTaskRows = 128;
+
+// c's experts as tasks, most rows first. With `split` (the backward's products, which decode a slice at a time), an
+// expert with more pairs than half a worker's fair share (all pairs / threads, at least kMinTaskRows) is cut into
+// near-equal pieces under that size, so that one busy expert does not keep the other workers waiting. Routing is
+// rarely uniform: past its first layer a random 4-layer Qwen3-30B-A3B at T = 2048 sent 1300-1965 of the 2048 tokens
+// to each of its five busiest experts, up to twice a worker's share of the 16,384 pairs on 16 cores (1024).
+std::vector<Task> expert_tasks(const Call& c, bool split) {
+  std::vector<Task> tasks;
+  const int64_t threads = std::max(1, at::get_num_threads());
+  const int64_t total = static_cast<int64_t>(c.order.size());
+  const int64_t most = split ? std::max(kMinTaskRows, (total + 2 * threads - 1) / (2 * threads))
+                             : std::numeric_limits<int64_t>::max();
+  for (int64_t e : c.experts) {
+    const int64_t rows = c.start[e + 1] - c.start[e];
+    const int64_t pieces = (rows - 1) / most + 1;  // (rows >= 1; no overflow at most = max)
+    const int64_t piece = ((rows + pieces - 1) / pieces + 15) / 16 * 16;
+    for (int64_t r0 = 0; r0 < rows; r0 += piece) tasks.push_back({e, r0, std::min(rows, r0 + piece)});
+  }
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [](const Task& a, const Task& b) { return a.r1 - a.r0 > b.r1 - b.r0; });
+  return tasks;
+}
+
+// How many workers for_each_expert runs c's tasks on: none without experts; one (the calling thread, its ATen ops
+// multi-threaded) when the tasks are fewer than the ATen threads and the busiest expert's products are big enough
+// (kMinThreadedMacs) or there is one expert; else one a thread, at most one a task.
+int expert_workers(const Call& c, int64_t tasks) {
   const int64_t n = static_cast<int64_t>(c.experts.size());
   const int threads = at::get_num_threads();
   if (n == 0) return 0;
-  if (n >= threads) return threads;
+  if (tasks >= threads) return threads;
   const int64_t rows = c.start[c.experts[0] + 1] - c.start[c.experts[0]];  // most pairs first
   if (n == 1 || rows * c.H * c.N13 >= kMinThreadedMacs) return 1;
-  return static_cast<int>(n);
+  return static_cast<int>(tasks);
 }
 
 // The bytes of one decoded slice (the backward's products, slice_rows): with the products' activations (a
@@ -977,15 +1009,16 @@ struct Layouts {
   bool w13, w2, slices;
 };
 
-// Runs fn(e, dense, worker) for every expert with pairs, each expert decoded into its worker's scratch (the layouts
-// `need` asks for; the slices are the backward's to decode). As many experts as threads or more: the experts are
-// tasks pulled by the ATen workers (most pairs first), each single threaded inside. Fewer (e.g. Mixtral's 8 on 16
-// cores, or a few tokens): one expert at a time on the calling thread, its decode split over the workers by blocks
-// and its ATen ops multi-threaded, so that no core idles for want of an expert (worker 0 in the profile).
+// Runs fn(task, dense, worker) for every task (expert_tasks: each expert with pairs, or pieces of its pairs), each
+// task's expert decoded into its worker's scratch (the layouts `need` asks for; the slices are the backward's to
+// decode). As many tasks as threads or more: the tasks are pulled by the ATen workers (most rows first), each single
+// threaded inside. Fewer (e.g. Mixtral's 8 experts on 16 cores, or a few tokens): one whole expert at a time on the
+// calling thread, its decode split over the workers by blocks and its ATen ops multi-threaded, so that no core idles
+// for want of an expert (worker 0 in the profile).
 template <typename Fn>
-void for_each_expert(const Call& c, ExpertTimes& times, Layouts need, const Fn& fn) {
-  const int64_t n = static_cast<int64_t>(c.experts.size());
-  const int threads = expert_workers(c);
+void for_each_expert(const Call& c, const std::vector<Task>& tasks, ExpertTimes& times, Layouts need, const Fn& fn) {
+  const int64_t n = static_cast<int64_t>(tasks.size());
+  const int threads = expert_workers(c, n);
   if (threads == 0) return;
   const auto opts = at::TensorOptions().dtype(c.ct);
   auto scratch = [&]() {
@@ -1022,7 +1055,7 @@ void for_each_expert(const Call& c, ExpertTimes& times, Layouts need, const Fn& 
       if (need.w2)
         at::parallel_for(0, c.down.N / 16, 4, [&](int64_t b0, int64_t b1) { decode(e, d, false, b0, b1); });
       times.lap(0, ExpertTimes::kDecode, mark);
-      fn(e, static_cast<const Dense&>(d), 0);
+      fn(Task{e, 0, c.start[e + 1] - c.start[e]}, static_cast<const Dense&>(d), 0);
     }
     return;
   }
@@ -1034,12 +1067,12 @@ void for_each_expert(const Call& c, ExpertTimes& times, Layouts need, const Fn& 
       try {
         Dense d = scratch();
         for (int64_t i = next++; i < n; i = next++) {
-          const int64_t e = c.experts[i];
+          const Task& t = tasks[i];
           auto mark = times.start();
-          decode(e, d, true, 0, -1);
-          decode(e, d, false, 0, -1);
+          decode(t.e, d, true, 0, -1);
+          decode(t.e, d, false, 0, -1);
           times.lap(static_cast<int>(slot), ExpertTimes::kDecode, mark);
-          fn(e, static_cast<const Dense&>(d), static_cast<int>(slot));
+          fn(t, static_cast<const Dense&>(d), static_cast<int>(slot));
         }
       } catch (const std::exception& ex) {
         errors[slot] = ex.what();
@@ -1291,7 +1324,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_moe_delta(
   const at::Tensor gu_pairs = at::zeros({c.T * c.K, c.N13}, at::TensorOptions().dtype(c.et));
   const at::Tensor wflat = c.weights.reshape({c.T * c.K});
   ExpertTimes times(false, 0);  // (no profile line: the reference)
-  for_each_expert(c, times, {true, true, false}, [&](int64_t e, const Dense& d, int) {
+  for_each_expert(c, expert_tasks(c, false), times, {true, true, false}, [&](const Task& t, const Dense& d, int) {
+    const int64_t e = t.e;
     const at::Tensor rows = pair_rows(c, e);
     const at::Tensor x = c.hidden.index_select(0, at::floor_divide(rows, c.K)).to(c.ct);
     const at::Tensor gu = pre_activations(c, e, x, d.w13, delta, rows);
@@ -1351,12 +1385,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_moe_backward(
   const at::Tensor wflat = c.weights.reshape({c.T * c.K});
   const at::Tensor dy_all = grad_out.contiguous();
   timer.mark("setup");
-  ExpertTimes times(timer.on(), expert_workers(c));
-  // the products decode their weights a slice at a time into each worker's d.slice (product_t, product_up)
-  for_each_expert(c, times, {false, false, true}, [&](int64_t e, const Dense& d, int worker) {
+  // the products decode their weights a slice at a time into each worker's d.slice (product_t, product_up): a busy
+  // expert's pairs are cut into pieces, each decoding the expert again (expert_tasks)
+  const std::vector<Task> tasks = expert_tasks(c, true);
+  ExpertTimes times(timer.on(), expert_workers(c, static_cast<int64_t>(tasks.size())));
+  for_each_expert(c, tasks, times, {false, false, true}, [&](const Task& t, const Dense& d, int worker) {
     auto mark = times.start();
-    const at::Tensor rows = pair_rows(c, e);
-    const int64_t n = rows.size(0);
+    const int64_t e = t.e, n = t.r1 - t.r0;
+    const at::Tensor rows = pair_rows(c, e).narrow(0, t.r0, n);
     const at::Tensor tokens = at::floor_divide(rows, c.K);
     const at::Tensor x = saved.defined() ? at::Tensor() : c.hidden.index_select(0, tokens).to(c.ct);
     const at::Tensor dy = dy_all.index_select(0, tokens);
@@ -1381,7 +1417,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_moe_backward(
     const at::Tensor dgu = glu_backward(c, gu, dh);  // [n, N13]
     const at::Tensor dguc = dgu.to(c.ct);
     times.lap(worker, ExpertTimes::kElementwise, mark);
-    product_t(c.up, e, c.gated, dguc, dx_grouped.narrow(0, c.start[e], n), d, times, worker, mark);
+    product_t(c.up, e, c.gated, dguc, dx_grouped.narrow(0, c.start[e] + t.r0, n), d, times, worker, mark);
     dw.index_copy_(0, rows, dwe);
     if (ddelta.defined()) ddelta.index_copy_(0, rows, dgu.to(ddelta.scalar_type()));
     times.lap(worker, ExpertTimes::kCopies, mark);
@@ -1393,7 +1429,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_moe_backward(
   at::Tensor dd = ddelta.defined() ? ddelta.view({c.T, c.K, c.N13}) : at::empty({0}, hidden.options());
   timer.mark("sum");
   timer.print("T=" + std::to_string(c.T) + " pairs=" + std::to_string(c.order.size()) +
-             " experts=" + std::to_string(c.experts.size()) + (delta.defined() ? " delta" : "") +
+             " experts=" + std::to_string(c.experts.size()) + " tasks=" + std::to_string(tasks.size()) +
+             (delta.defined() ? " delta" : "") +
              (dh_ext.defined() ? " grad_h" : "") + (saved.defined() ? " saved" : "") + " " +
              std::string(c10::toString(c.ct)));
   return {dx, dweights, dd};
