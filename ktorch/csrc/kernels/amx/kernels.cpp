@@ -4,10 +4,9 @@
 //   int8: acc += TDPBSSD(A: 16 rows x 64 k int8, B: 16 k-quads x 16 columns int8);  C = acc * s_w[n] * s_x[m]
 //   int4: per group g: acc_g = TDPBSSD(A, B_g), B_g = the nibbles unpacked to q - 8 (signed, [-8, 7]) in a
 //         thread-local buffer;  C = s_x[m] * sum_g acc_g * s_w[g][n]
-//   affine int4 (b_min, GGUF Q4_K): acc_g as above, then C += s_x[m] * ((acc_g + 8 sum_g(x)) * s_w[g][n] - sum_g(x) * min[g][n])
 //   coded int4 (b_codes, MXFP4): B_g = codes[nibble] (a byte shuffle of the table), otherwise as symmetric int4
-// Signed int8 x signed int8 needs no unsigned offset, so a_gsum is read only by affine int4.
-// Grouped/affine int8 (GGUF Q8_0, Q6_K, Q5_K) go to the AVX-512 kernel (gemm_amx).
+// Signed int8 x signed int8 needs no unsigned offset, so a_gsum is not read here.
+// Grouped/affine int8 (GGUF Q8_0, Q6_K, Q5_K) and affine int4 (GGUF Q4_K) go to the AVX-512 kernel (gemm_amx).
 // The int8/int4 results equal the AVX-512 kernels' bit for bit (same integer sums, same fp32 operations in
 // the same order); bf16 differs in fp32 rounding order only.
 //
@@ -363,7 +362,7 @@ void dense_block(const GemmArgs& a, const ARows& ar, const Block& blk, const uin
 
 // ---------------------------------------------------------------- int4
 // The signed tile byte each nibble becomes, in each 128-bit lane (for _mm512_shuffle_epi8): the code table
-// (b_codes: MXFP4), or u - 8 (symmetric, and affine, whose epilogue adds the 8 back).
+// (b_codes: MXFP4), or u - 8 (symmetric).
 inline __m512i int4_table(const GemmArgs& a) {
   alignas(16) int8_t t[16];
   for (int u = 0; u < 16; ++u) t[u] = a.b_codes != nullptr ? a.b_codes[u] : static_cast<int8_t>(u - 8);
@@ -415,23 +414,12 @@ void int4_block(const GemmArgs& a, const ARows& ar, const Block& blk, uint8_t* u
     for (int64_t t = 0; t < std::min(ahead, steps); ++t) unpack_step(t);
     KTAMX_COMPILER_BARRIER();
   }
-  // Group g's sums in cbuf into acc: acc += s_w * sum (affine: + the minimums' term).
+  // Group g's sums in cbuf into acc: acc += s_w * sum.
   const auto epilogue = [&](int64_t g) {
     const uint8_t* cb = cbuf;
     for (int j = 0; j < RB; ++j) {
       const int64_t at = g * a.b_scale_group_stride + (blk.b0 + j) * a.b_scale_block_stride;
       const __m512 ws = _mm512_loadu_ps(a.b_scale + at);
-      if (a.b_min != nullptr) {  // affine: sum(u * x) = sum((u - 8) * x) + 8 * sum_g(x), then - min * sum_g(x)
-        const __m512 wm = _mm512_loadu_ps(a.b_min + at);
-        for (int r = 0; r < rows; ++r) {
-          float* p = acc + r * 32 + 16 * j;
-          const int32_t gsum = a.a_gsum[(16 * blk.g0 + r) * a.a_gsum_stride + g];
-          const __m512i u = _mm512_add_epi32(_mm512_load_si512(cb + r * 128 + 64 * j), _mm512_set1_epi32(8 * gsum));
-          const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u), ws, _mm512_load_ps(p));
-          _mm512_store_ps(p, _mm512_fnmadd_ps(_mm512_set1_ps(static_cast<float>(gsum)), wm, v));
-        }
-        continue;
-      }
       for (int r = 0; r < rows; ++r) {
         float* p = acc + r * 32 + 16 * j;
         const __m512 v = _mm512_cvtepi32_ps(_mm512_load_si512(cb + r * 128 + 64 * j));
@@ -571,9 +559,15 @@ template <WeightFormat F>
 void gemm_amx(const GemmArgs& a) {
   const int test_rows = g_test_min_rows.load(std::memory_order_relaxed);
   if (a.M < (test_rows >= 0 ? test_rows : kMinRows[static_cast<int>(F)])) return avx512_kernels().gemm[static_cast<int>(F)](a);
-  // Grouped and affine int8 (GGUF Q8_0/Q6_K/Q5_K kept exact) have no tile walk yet: their 16/32-deep groups would
-  // need per-group C tiles as int4 has; they run on the AVX-512 kernel at every M.
-  if (F == WeightFormat::INT8 && (a.b_min != nullptr || (a.group_size > 0 && a.group_size < a.K)))
+  // Grouped and affine int8 (GGUF Q8_0/Q6_K/Q5_K kept exact) have no tile walk: their 16/32-deep groups would
+  // need per-group C tiles as int4 has; they run on the AVX-512 kernel at every M. So does affine int4 (GGUF Q4_K,
+  // groups of 32 with minimums): its walk stored, converted and scaled 4 C tiles after every 32-deep group, and the
+  // AVX-512 kernel beat it at every size measured (device, one Qwen3-30B-A3B layer, ms at T = 512 / 2048: Q4_K
+  // 15.9 / 66.9 against the walk's 30.9 / 72.6, Q4_K_M 18.9 / 74.7 against 29.2 / 80.7; session 39,
+  // bench_fused_moe.py --env-variants - KT_CPU_KERNEL=avx512). Symmetric int4 keeps the walk (7.9 / 22.3 against
+  // 11.6 / 44.5), and so does MXFP4 (50.2 / 128.5 against 43.6 / 171.4: the walk wins the larger call).
+  if ((F == WeightFormat::INT8 || F == WeightFormat::INT4) &&
+      (a.b_min != nullptr || (F == WeightFormat::INT8 && a.group_size > 0 && a.group_size < a.K)))
     return avx512_kernels().gemm[static_cast<int>(F)](a);
   constexpr int max_rows = kMaxWalkRows;
   GemmArgs part = a;
@@ -581,7 +575,6 @@ void gemm_amx(const GemmArgs& a) {
     part.M = std::min(max_rows, a.M - m0);
     part.a_rows = a.a_rows + m0;
     if (a.a_scale != nullptr) part.a_scale = a.a_scale + m0;
-    if (a.a_gsum != nullptr) part.a_gsum = a.a_gsum + m0 * a.a_gsum_stride;
     part.c = a.c + m0 * a.ldc;
     part.next_b = m0 + max_rows < a.M ? nullptr : a.next_b;  // a later walk of this call reuses this b from L2
     part.next_a = m0 + max_rows < a.M ? nullptr : a.next_a;

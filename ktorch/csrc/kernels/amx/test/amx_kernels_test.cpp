@@ -1,8 +1,8 @@
 // Checks the AMX gemm kernels (amx/kernels.cpp) against a scalar double reference and against the AVX-512
 // kernels, over the calls the fused-MoE driver makes and their edges: M 1..300 (tile walks of 1-16 row
 // groups, partial groups, calls cut at 256 rows), nblocks 1-4, K with and without a 64-deep int8 tail,
-// int4 groups of 32/64/128 (symmetric, affine with minimums as GGUF Q4_K, GemmArgs::b_min, and nibbles that are
-// MXFP4 codes, GemmArgs::b_codes), activation rows evenly strided (tile-loaded in place) or gathered (copied),
+// int4 groups of 32/64/128 (symmetric, nibbles that are MXFP4 codes, GemmArgs::b_codes, and affine with minimums as
+// GGUF Q4_K, GemmArgs::b_min, which gemm_amx sends to the AVX-512 kernel), activation rows evenly strided (tile-loaded in place) or gathered (copied),
 // and the output rows/columns a call must leave alone, under the tile walk ('rows', M up to 300: walks of up to 256),
 // and (emulated) that the weight prefetches stay inside the weights and cover what the walk fetches ahead, and that
 // int4 unpacks each weight line once a walk.
@@ -267,8 +267,8 @@ bool g_full_next = false;
 
 #if defined(KTAMX_EMULATE)
 // The lines the last call prefetched: inside the call's weights or the next call's, or (into L2) the next call's
-// A rows; with g_full_next every line of the call's blocks 2.. and of the next call's first two blocks fetched into
-// L2; with walked (the AMX walk ran, not the AVX-512 kernel) every line of the next A rows. Returns what is wrong, or an empty string.
+// A rows; with g_full_next and walked every line of the call's blocks 2.. and of the next call's first two blocks
+// fetched into L2; with walked (the AMX walk ran, not the AVX-512 kernel) every line of the next A rows. Returns what is wrong, or an empty string.
 std::string check_prefetches(const Problem& p, const std::vector<uint8_t>& next, const std::vector<uint8_t>& next_a,
                              bool walked) {
   auto lines = amx_emulation::prefetch_log().lines;
@@ -289,7 +289,7 @@ std::string check_prefetches(const Problem& p, const std::vector<uint8_t>& next,
       if (!seen) return "the next call's A rows were not prefetched into L2 in full";
   lines.erase(std::remove_if(lines.begin(), lines.end(), [&](const auto& l) { return in(l.line, next_a.data(), next_a.size()); }),
               lines.end());
-  if (!g_full_next) return "";
+  if (!g_full_next || !walked) return "";  // (the walk's L2 prefetches; the AVX-512 kernel makes its own)
   const size_t bb = block_bytes(p.f, p.K);
   const int64_t steps = p.f == WeightFormat::BF16 ? p.K / 32 : p.f == WeightFormat::INT8 ? p.K / 64 : p.K / (p.group == 32 ? 32 : 64);
   if (steps == 0) return "";
@@ -490,9 +490,8 @@ void bench() {
   std::printf("%-18s %-5s %4s %12s %11s %8s\n", "shape", "fmt", "M", "avx512 GOPS", "amx GOPS", "amx/avx");
   for (const Shape& s : shapes)
     for (WeightFormat f : {WeightFormat::BF16, WeightFormat::INT8, WeightFormat::INT4})
-      for (int q4k = 0; q4k <= (f == WeightFormat::INT4 ? 1 : 0); ++q4k)  // int4 groups of 128; Q4_K's affine 32
-      for (int M : bench_rows({1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256})) {
-        Problem p = make_problem(f, M, s.K, s.nblocks, q4k ? 32 : 128, false, false, q4k == 1);
+      for (int M : bench_rows({1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256})) {  // int4: groups of 128
+        Problem p = make_problem(f, M, s.K, s.nblocks, 128, false);
         const std::vector<uint8_t> store = driver_rows(p.rows, f == WeightFormat::BF16 ? 2 * s.K : s.K, p.rows);
         double gops[2] = {0};
         for (int which = 0; which <= 1; ++which) {
@@ -508,15 +507,14 @@ void bench() {
           }
           gops[which] = 2.0 * M * s.K * 16 * s.nblocks * iters / sec / 1e9;
         }
-        std::printf("%-18s %-5s %4d %12.1f %11.1f %8.2f\n", s.what, q4k ? "q4k" : name(f), M, gops[0], gops[1],
+        std::printf("%-18s %-5s %4d %12.1f %11.1f %8.2f\n", s.what, name(f), M, gops[0], gops[1],
                     gops[1] / gops[0]);
       }
 }
 
 // One thread streaming weights from memory: consecutive calls take consecutive weights of a 1 GiB pool (past
 // any L3), each naming the next as next_b like the driver's calls of one expert, so the walks' prefetching
-// is what is measured. Prints GB/s of weights read, AVX-512 and the AMX walk, per M; int4 in groups of 128 and
-// q4k (affine int4 in groups of 32, as GGUF Q4_K).
+// is what is measured. Prints GB/s of weights read, AVX-512 and the AMX walk, per M; int4 in groups of 128.
 void bench_cold() {
   amx_min_rows_for_tests(0);
   struct Shape { const char* what; int64_t K; int nblocks; };
@@ -533,9 +531,8 @@ void bench_cold() {
   std::printf("%-18s %-5s %4s %12s %11s\n", "shape", "fmt", "M", "avx512", "amx");
   for (const Shape& s : shapes)
     for (WeightFormat f : {WeightFormat::BF16, WeightFormat::INT8, WeightFormat::INT4})
-      for (int q4k = 0; q4k <= (f == WeightFormat::INT4 ? 1 : 0); ++q4k)  // int4 groups of 128; Q4_K's affine 32
       for (int M : bench_rows({16, 32, 128})) {
-        const int64_t group = f != WeightFormat::INT4 ? s.K : q4k ? 32 : 128;
+        const int64_t group = f != WeightFormat::INT4 ? s.K : 128;
         const int64_t N = 16 * s.nblocks, G = s.K / group;
         const size_t bb = block_bytes(f, s.K), call_bytes = bb * s.nblocks, calls = pool_bytes / call_bytes;
         const int64_t row_bytes = f == WeightFormat::BF16 ? 2 * s.K : s.K;
@@ -554,7 +551,6 @@ void bench_cold() {
         a.a_gsum = gsum.data();
         a.a_gsum_stride = G;
         a.group_size = group;
-        if (q4k) a.b_min = wscale.data();  // (any minimums: the walk's operations are what is timed)
         a.b_block_stride = bb;
         a.b_scale = wscale.data();
         a.b_scale_group_stride = N;
@@ -578,7 +574,7 @@ void bench_cold() {
           }
           gbs[which] = static_cast<double>(n * call_bytes) / sec / 1e9;
         }
-        std::printf("%-18s %-5s %4d %12.2f %11.2f\n", s.what, q4k ? "q4k" : name(f), M, gbs[0], gbs[1]);
+        std::printf("%-18s %-5s %4d %12.2f %11.2f\n", s.what, name(f), M, gbs[0], gbs[1]);
       }
   amx_min_rows_for_tests(-1);
   std::free(pool);
