@@ -140,12 +140,21 @@ def expert_lora_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: to
     low = hidden.dtype in (torch.bfloat16, torch.float16)
     delta_dtype = hidden.dtype if low else torch.float32
     crossing = [hidden, top_k_index, top_k_weights]
+    delta = None
     if lora.gate_up_proj is not None:
         f = lora.gate_up_proj
         delta = f.project_out(f.project_in(hidden, ids), ids) * (lora.scaling * valid.unsqueeze(-1))
         if not getattr(module, "is_concatenated", True):  # B's rows follow the parameter's interleaved g0, u0, g1, ...
             delta = torch.cat([delta[..., 0::2], delta[..., 1::2]], dim=-1)
-        crossing.append(delta.to(delta_dtype))
+        delta = delta.to(delta_dtype)
+        crossing.append(delta)
+    handle = getattr(module, "kt_train_handle", None)
+    if handle is not None:  # the frozen experts on hidden's device (ktorch/ops/train_experts.py)
+        out, h = torch.ops.ktorch.train_experts(hidden, top_k_index, top_k_weights, delta, handle,
+                                                module.kt_activation, lora.down_proj is not None)
+        if lora.down_proj is None:
+            return out
+        return out + _down_adapter(lora, h, ids, top_k_weights, valid).to(out.dtype)
     hidden_c, ids_c, weights_c, *delta_c = to_host(*crossing)
     # no gate/up adapter: zero deltas made where the op runs, nothing to cross
     delta_c = delta_c[0] if delta_c else torch.zeros(T, K, n13, dtype=delta_dtype)
@@ -156,10 +165,15 @@ def expert_lora_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: to
         (out,) = to_device(device, out)
         return out
     out, h = to_device(device, out, h)
+    return out + _down_adapter(lora, h, ids, top_k_weights, valid).to(out.dtype)
+
+
+def _down_adapter(lora: ExpertsLoRA, h: torch.Tensor, ids: torch.Tensor, top_k_weights: torch.Tensor,
+                  valid: torch.Tensor) -> torch.Tensor:
+    """The down adapter's part of the output, sum_k w * s B_e A_e h: [T, H]."""
     f = lora.down_proj
     coef = (top_k_weights * valid) * lora.scaling
-    y = f.project_out_sum(f.project_in(h, ids), ids, coef)  # [T, H]
-    return out + y.to(out.dtype)
+    return f.project_out_sum(f.project_in(h, ids), ids, coef)
 
 
 # ---------------------------------------------------------------- adding, saving and loading adapters

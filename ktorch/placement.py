@@ -160,6 +160,8 @@ def prepare(
                for _, m in modules):  # placed before (ktorch.load's default on a GPU): no backward
             set_stream_experts(model, "off")
         _prepare_for_training(model, gradient_checkpointing)
+        if device.type == "cuda":
+            _train_experts_on_device(modules)
     if stream_experts is not None or gpu_memory is not None:
         set_stream_experts(model, stream_experts, gpu_experts_kernel, gpu_memory=gpu_memory,
                            expert_profile=expert_profile if gpu_memory is not None else None)
@@ -221,6 +223,27 @@ def _prepare_for_training(model: nn.Module, gradient_checkpointing: bool) -> Non
         enable(gradient_checkpointing_kwargs=kwargs)
 
 
+def _train_experts_on_device(modules, pin: bool = True) -> None:
+    """Training on a GPU: each MoE layer's routed experts computed there, their packed weights page-locked in host
+    memory and copied per call (ktorch/ops/train_experts.py), where the layer's form allows (gated, no biases, an
+    activation of ``ACTIVATIONS``); the others keep the CPU op. Session 39, device, the 48-layer Qwen3-30B-A3B step
+    with LoRA at T = 2048: see docs/training.md."""
+    from ktorch.ops.gpu_experts import ACTIVATIONS
+    from ktorch.ops.streamed_experts import StreamedExperts
+    from ktorch.ops.train_experts import register_train_experts, supports
+
+    for _, m in modules:
+        if getattr(m, "kt_train_handle", None) is not None:
+            continue
+        packed = packed_experts_of(m)
+        if supports(packed) is not None or m.kt_activation not in ACTIVATIONS:
+            continue
+        streamed = StreamedExperts(*packed.tensors()[:4], m.kt_activation)
+        if pin:  # (tests on the CPU attach unpinned ones)
+            streamed.pin_prefix(packed.num_experts)
+        m.kt_train_handle = register_train_experts(streamed)
+
+
 def _keep_cpu_experts_outputs():
     """The checkpointed layers' context (selective activation checkpointing): the CPU experts' outputs are kept from
     the forward, not recomputed in the backward; everything else is recomputed. Their outputs live in host memory
@@ -228,7 +251,8 @@ def _keep_cpu_experts_outputs():
     layers; kt.fused_moe's out, 8 MB), and their recompute was one of the three CPU calls a layer makes per step."""
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    return create_selective_checkpoint_contexts([torch.ops.kt.fused_moe.default, torch.ops.kt.fused_moe_delta.default])
+    return create_selective_checkpoint_contexts([torch.ops.kt.fused_moe.default, torch.ops.kt.fused_moe_delta.default,
+                                                 torch.ops.ktorch.train_experts.default])
 
 
 def _set_cuda_sync() -> None:

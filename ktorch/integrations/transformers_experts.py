@@ -427,6 +427,10 @@ def _run_differentiable(self: nn.Module, hidden_states, top_k_index, top_k_weigh
                                "adapters need every expert on the CPU op")
         # the adapters carry their forward (ktorch/lora.py imports this module, so no import back)
         return self.kt_lora.experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    handle = getattr(self, "kt_train_handle", None)
+    if handle is not None:  # trained on hidden's device, the GPU (ktorch/ops/train_experts.py)
+        return torch.ops.ktorch.train_experts(hidden_states, top_k_index, top_k_weights, None, handle,
+                                              self.kt_activation, False)[0]
     gpu_work = None
     if getattr(self, "kt_gpu_slot_of", None) is not None:
         top_k_index, gpu_work = _split_gpu_experts(self, hidden_states, top_k_index, top_k_weights)

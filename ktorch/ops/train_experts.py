@@ -1,0 +1,203 @@
+"""Training with the routed experts computed where the hidden states are (the GPU), their packed weights copied there
+per call: ``torch.ops.ktorch.train_experts``.
+
+A training step multiplies every routed expert's weights by thousands of rows (Qwen3-30B-A3B at T = 2048: 154.6
+GFLOP a layer forward and as much backward); the CPU op does that at a few TFLOPS (7.3 s a 48-layer step on the
+device's 16-core Xeon with AMX, session 39) while a GPU does it in milliseconds, and what limits the GPU is bringing
+the weights: 604 MB of int8 a layer over PCIe. So, for a model prepared with ``trainable=True`` on a GPU, each MoE
+layer's packed experts (page-locked in place, as ``StreamedExperts`` pins them) are copied to the device, dequantized
+there (``dequantize_packed``: bf16 [E, H, 2I] and [E, I, H]) and run through two ``torch._grouped_mm`` (per-expert
+loops where it does not apply: float32/float64, or devices it does not take), twice a step: in the forward, and in
+the backward, which copies them again and recomputes the pairs' pre-activations under autograd instead of keeping
+a layer's dequantized weights (1.2 GB) or pre-activations alive. Under ``prepare``'s checkpointing the op's outputs
+are kept (selective checkpointing, as for the CPU op), so the layer's recompute does not copy them a third time.
+
+``train_experts(hidden [T, H], ids [T, K], weights [T, K], delta [T, K, 2I] or None, handle, activation, want_h)
+-> (out [T, H], h [T, K, I] or [0])``: the routed experts of the layer registered under ``handle``
+(``register_train_experts``) with ``delta`` added to each pair's gate/up pre-activations (expert LoRA's gate/up
+adapter, gate columns then up columns), and ``h = act(gate) * up`` per pair when ``want_h`` (the down adapter's
+input; zeros for skipped slots, ids < 0). Differentiable in hidden, weights and delta. Gated experts with the
+activations of ``ACTIVATIONS`` and no biases; other forms stay on the CPU op (``supports``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ktorch.ops.gpu_experts import ACTIVATIONS, grouped_mm_supported
+from ktorch.ops.packed_weights import INT4_DTYPES, dequantize_packed
+
+_REGISTRY: list = []  # handle -> the layer's StreamedExperts (its page-locked packed tensors)
+
+
+def supports(packed) -> Optional[str]:
+    """Why a packed experts layer cannot train on the GPU path (None: it can)."""
+    if not packed.has_gate:
+        return "gateless experts"
+    if packed.w13_bias is not None or packed.w2_bias is not None:
+        return "expert biases"
+    return None
+
+
+def register_train_experts(streamed) -> int:
+    """Keeps ``streamed`` (a ``StreamedExperts`` over the layer's packed tensors) for the life of the process;
+    returns the handle the op takes."""
+    _REGISTRY.append(streamed)
+    return len(_REGISTRY) - 1
+
+
+def _streamed(handle: int):
+    if not 0 <= handle < len(_REGISTRY):
+        raise ValueError(f"train_experts: no experts registered under handle {handle} (have {len(_REGISTRY)})")
+    return _REGISTRY[handle]
+
+
+def _device_weights(handle: int, device: torch.device, dtype: torch.dtype) -> tuple:
+    """The layer's experts on ``device`` in ``dtype``: w13 [E, H, 2I] (gate columns, then up), w2 [E, I, H]."""
+    w13, s13, w2, s2 = (None if t is None else t.to(device, non_blocking=True) for t in _streamed(handle).sources)
+    return dequantize_packed(w13, s13, True, dtype), dequantize_packed(w2, s2, False, dtype)
+
+
+def _grouped(rows: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, counts: list) -> torch.Tensor:
+    """rows [P, in] sorted by expert (counts[e] rows of expert e, offs their cumulative ends) times each expert's
+    w [E, in, out]: [P, out]. ``torch._grouped_mm`` where it takes the dtype and device, else one product a used
+    expert (float32/float64: the exact paths the tests compare)."""
+    if counts is None:
+        return torch._grouped_mm(rows, w, offs=offs)
+    parts, start = [], 0
+    for e, n in enumerate(counts):
+        if n:
+            parts.append(rows[start:start + n] @ w[e])
+        start += n
+    return torch.cat(parts) if parts else rows.new_zeros(0, w.shape[-1])
+
+
+def experts_compute(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, delta: Optional[torch.Tensor],
+                    w13: torch.Tensor, w2: torch.Tensor, activation: str) -> tuple:
+    """The routed experts in torch ops (differentiable in hidden, weights and delta): (out [T, H], h [T, K, I]).
+    Skipped slots (ids < 0) are computed as expert 0 and masked: no row of a product is left unwritten, so no
+    gradient reads uninitialized memory."""
+    act = ACTIVATIONS[activation]
+    T, K = ids.shape
+    E, I = w13.shape[0], w2.shape[1]
+    valid = ids >= 0
+    key = ids.clamp(min=0).reshape(-1).long()
+    order = torch.argsort(key, stable=True)
+    counts_t = torch.bincount(key, minlength=E)
+    offs = counts_t.cumsum(0).to(torch.int32)
+    counts = None if grouped_mm_supported(hidden) else counts_t.tolist()
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    gate_up = _grouped(hidden[order // K], w13, offs, counts)[inverse].view(T, K, 2 * I)
+    if delta is not None:
+        gate_up = gate_up + delta.to(gate_up.dtype)
+    h = act(gate_up[..., :I]) * gate_up[..., I:]
+    h = torch.where(valid.unsqueeze(-1), h, 0)
+    y = _grouped(h.reshape(T * K, I)[order], w2, offs, counts)[inverse].view(T, K, -1)
+    coef = torch.where(valid, weights, 0).to(y.dtype)
+    out = (y * coef.unsqueeze(-1)).sum(1, dtype=torch.float32 if y.dtype != torch.float64 else torch.float64)
+    return out.to(hidden.dtype), h
+
+
+@torch.library.custom_op("ktorch::train_experts", mutates_args=())
+def train_experts(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, delta: Optional[torch.Tensor],
+                  handle: int, activation: str, want_h: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.no_grad():
+        w13, w2 = _device_weights(handle, hidden.device, hidden.dtype)
+        out, h = experts_compute(hidden, ids, weights, delta, w13, w2, activation)
+    return out, (h.to(hidden.dtype) if want_h else hidden.new_empty(0))
+
+
+@train_experts.register_fake
+def _(hidden, ids, weights, delta, handle, activation, want_h):
+    T, K = ids.shape
+    w2 = _streamed(handle).tensors[2]  # packed [E, H/16, I/per, 16, per] (int4: 8 values a 4-byte group)
+    I = w2.shape[2] * (8 if w2.dtype in INT4_DTYPES else w2.shape[4])
+    return torch.empty_like(hidden), (hidden.new_empty(T, K, I) if want_h else hidden.new_empty(0))
+
+
+def _setup(ctx, inputs, output):
+    hidden, ids, weights, delta, handle, activation, want_h = inputs
+    ctx.handle, ctx.activation, ctx.want_h = handle, activation, want_h
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(hidden, ids, weights, delta)
+
+
+def _act_backward(activation: str, grad: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """grad * act'(g) for the activations of ``ACTIVATIONS``."""
+    if activation == "silu":
+        return torch.ops.aten.silu_backward(grad, g)
+    if activation in ("gelu", "gelu_tanh"):
+        return torch.ops.aten.gelu_backward(grad, g, approximate="tanh" if activation == "gelu_tanh" else "none")
+    if activation == "relu":
+        return torch.where(g > 0, grad, 0)
+    raise ValueError(f"train_experts: no backward for activation {activation!r}")
+
+
+@torch.library.custom_op("ktorch::train_experts_backward", mutates_args=())
+def train_experts_backward(d_out: Optional[torch.Tensor], d_h: Optional[torch.Tensor], hidden: torch.Tensor,
+                           ids: torch.Tensor, weights: torch.Tensor, delta: Optional[torch.Tensor], handle: int,
+                           activation: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d hidden, d weights, d delta or [0]) of ``train_experts`` for the gradients d_out [T, H] and d_h [T, K, I]
+    (either may be None: no gradient there). The layer's weights are copied and dequantized again and the pairs'
+    pre-activations recomputed (x W13 + delta); then, per pair (rows sorted by expert as in the forward),
+
+        G = d_out[t] W2^T,  d weights = <G, h>,  dh = w G + d_h,  [dg | du] = [dh u act'(g) | dh act(g)],
+        d delta = [dg | du],  d hidden[t] = sum_k [dg | du] W13^T
+
+    (<d_out[t], h W2> = <d_out[t] W2^T, h>: the down product is not recomputed)."""
+    act = ACTIVATIONS[activation]
+    T, K = ids.shape
+    w13, w2 = _device_weights(handle, hidden.device, hidden.dtype)
+    E, I = w13.shape[0], w2.shape[1]
+    valid = (ids >= 0).unsqueeze(-1)
+    key = ids.clamp(min=0).reshape(-1).long()
+    order = torch.argsort(key, stable=True)
+    counts_t = torch.bincount(key, minlength=E)
+    offs = counts_t.cumsum(0).to(torch.int32)
+    counts = None if grouped_mm_supported(hidden) else counts_t.tolist()
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    tokens = order // K
+    gate_up = _grouped(hidden[tokens], w13, offs, counts)[inverse].view(T, K, 2 * I)
+    if delta is not None:
+        gate_up = gate_up + delta.to(gate_up.dtype)
+    g, u = gate_up[..., :I], gate_up[..., I:]
+    a = act(g)
+    h = torch.where(valid, a * u, 0)
+    if d_out is not None:
+        G = _grouped(d_out.to(hidden.dtype)[tokens], w2.transpose(1, 2), offs, counts)[inverse].view(T, K, I)
+        acc = torch.promote_types(G.dtype, torch.float32)  # (float64 stays float64)
+        d_weights = torch.where(valid.squeeze(-1), (G.to(acc) * h.to(acc)).sum(-1), 0).to(weights.dtype)
+        dh = G * torch.where(valid.squeeze(-1), weights, 0).unsqueeze(-1).to(G.dtype)
+    else:
+        d_weights = torch.zeros_like(weights)
+        dh = torch.zeros_like(h)
+    if d_h is not None:
+        dh = dh + d_h.to(dh.dtype)
+    dh = torch.where(valid, dh, 0)
+    d_gate_up = torch.cat([_act_backward(activation, dh * u, g), dh * a], dim=-1)  # [T, K, 2I]
+    d_rows = _grouped(d_gate_up.reshape(T * K, 2 * I)[order], w13.transpose(1, 2), offs, counts)[inverse]
+    sum_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    d_hidden = d_rows.view(T, K, -1).sum(1, dtype=sum_dtype).to(hidden.dtype)
+    return d_hidden, d_weights, (d_gate_up.to(delta.dtype) if delta is not None else hidden.new_empty(0))
+
+
+@train_experts_backward.register_fake
+def _(d_out, d_h, hidden, ids, weights, delta, handle, activation):
+    return (torch.empty_like(hidden), torch.empty_like(weights),
+            torch.empty_like(delta) if delta is not None else hidden.new_empty(0))
+
+
+def _backward(ctx, d_out, d_h):
+    hidden, ids, weights, delta = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    if d_out is None and (d_h is None or not ctx.want_h):
+        return (None,) * 7
+    dx, dw, dd = torch.ops.ktorch.train_experts_backward(d_out, d_h if ctx.want_h else None, hidden, ids, weights,
+                                                         delta, ctx.handle, ctx.activation)
+    return (dx if need[0] else None, None, dw if need[2] else None, dd if delta is not None and need[3] else None,
+            None, None, None)
+
+
+train_experts.register_autograd(_backward, setup_context=_setup)
