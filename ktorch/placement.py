@@ -230,8 +230,9 @@ def _train_experts_on_device(modules, pin: bool = True) -> None:
     with LoRA at T = 2048: see docs/training.md."""
     from ktorch.ops.gpu_experts import ACTIVATIONS
     from ktorch.ops.streamed_experts import StreamedExperts
-    from ktorch.ops.train_experts import register_train_experts, supports
+    from ktorch.ops.train_experts import link_train_layers, register_train_experts, supports
 
+    handles = []
     for _, m in modules:
         if getattr(m, "kt_train_handle", None) is not None:
             continue
@@ -242,6 +243,8 @@ def _train_experts_on_device(modules, pin: bool = True) -> None:
         if pin:  # (tests on the CPU attach unpinned ones)
             streamed.pin_prefix(packed.num_experts)
         m.kt_train_handle = register_train_experts(streamed)
+        handles.append(m.kt_train_handle)
+    link_train_layers(handles)  # each call copies the next layer's weights while it computes
 
 
 def _keep_cpu_experts_outputs():

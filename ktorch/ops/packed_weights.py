@@ -108,6 +108,30 @@ def _dequantize_functional(q, scales, mins, offset, gate_up, n, N, K, dtype, out
     return w.transpose(1, 2)
 
 
+def _dequantize_words(packed, scales, gate_up, n, N, K, out):
+    """``dequantize_packed`` for int8 and bf16 blocks (a k step of a row is one 4-byte word): the words moved into
+    dense row order by one 4-byte copy ([n, N/16, K/per, 16] -> [n, N, K/per], the gate/up interleave undone on the
+    way), then one contiguous pass applying the scales (or converting) into ``out``. The same operations per element
+    as the 7-D pass over bytes it replaces (q * s in float32, rounded once to out's dtype), so the same values; on
+    the device's H200 that pass ran at about 0.4 TB/s over a Qwen3-30B-A3B layer."""
+    per = packed.shape[4]
+    words = packed.view(torch.int32).squeeze(-1).transpose(2, 3)  # [n, N/16, 16, K/per]: rows in packed order
+    codes = torch.empty(n, N, K // per, dtype=torch.int32, device=packed.device)
+    if gate_up:  # packed row 64b + 32h + 16c + r is row h*N/2 + 32b + 16c + r
+        codes.view(n, 2, N // 64, 2, 16, K // per).transpose(1, 2).copy_(words.unflatten(1, (N // 64, 2, 2)))
+    else:
+        codes.view(n, N // 16, 16, K // per).copy_(words)
+    q = codes.view(packed.dtype).view(n, N, K)
+    if scales is None:
+        out.copy_(q)
+    else:
+        G = scales.shape[1]
+        if gate_up:  # the scales' columns are in packed row order too
+            scales = scales.view(n, G, N // 64, 2, 32).transpose(2, 3).reshape(n, G, N)
+        torch.mul(q.view(n, N, G, K // G), scales.transpose(1, 2).unsqueeze(-1), out=out.view(n, N, G, K // G))
+    return out.transpose(1, 2)
+
+
 def dequantize_packed(packed: torch.Tensor, scales: Optional[torch.Tensor], gate_up: bool,
                       dtype: torch.dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Packed experts (``kt.pack_*`` layout, any device) -> their weights transposed, [n, K, N] in ``dtype``.
@@ -173,12 +197,13 @@ def dequantize_packed(packed: torch.Tensor, scales: Optional[torch.Tensor], gate
     if scales is None:
         if packed.dtype != torch.bfloat16:
             raise ValueError(f"dequantize_packed: {packed.dtype} packed weights need their scales")
-        rows.copy_(q)
-        return out.transpose(1, 2)
+        return _dequantize_words(packed, None, gate_up, n, N, K, out)
     G = scales.shape[1]
     if scales.shape != (n, G, N) or K % G or (K // G) % (8 if packed.dtype == torch.uint8 else per):
         raise ValueError(f"dequantize_packed: scales must be [n={n}, G, N={N}] with G dividing K={K} into "
                          f"whole blocks, got {tuple(scales.shape)}")
+    if packed.dtype == torch.int8 and mins is None:
+        return _dequantize_words(packed, scales, gate_up, n, N, K, out)
     lead = rows.shape[:-len(inner)]
     s = scales.transpose(1, 2).reshape(*lead, G, *(1,) * len(inner))  # rows in packed order
     q_groups = q.unflatten(len(lead), (G, -1))  # K/per (K/8 for int4) split into G groups: a view

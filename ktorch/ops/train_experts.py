@@ -54,9 +54,53 @@ def _streamed(handle: int):
     return _REGISTRY[handle]
 
 
-def _device_weights(handle: int, device: torch.device, dtype: torch.dtype) -> tuple:
-    """The layer's experts on ``device`` in ``dtype``: w13 [E, H, 2I] (gate columns, then up), w2 [E, I, H]."""
-    w13, s13, w2, s2 = (None if t is None else t.to(device, non_blocking=True) for t in _streamed(handle).sources)
+def link_train_layers(handles: list) -> None:
+    """The order a model's layers run in (handles of consecutive MoE layers), so that each call copies the layer
+    it will need next while it computes: the next one in the forward, the previous one in the backward."""
+    for i, h in enumerate(handles):
+        layer = _streamed(h)
+        layer.train_next = handles[i + 1] if i + 1 < len(handles) else h  # the last: itself, for the backward
+        layer.train_prev = handles[i - 1] if i > 0 else None
+
+
+_AHEAD: dict = {}  # device -> (handle, its packed tensors there, the event their copy recorded)
+_SIDE: dict = {}  # device -> the stream copies ahead run on
+
+
+def _packed_on(handle: int, device: torch.device, then: Optional[int]) -> tuple:
+    """The layer's packed tensors on ``device``: the copy made ahead if it is this layer's (waited for on the current
+    stream), else copied now; on a GPU the copy of layer ``then`` is then started on a side stream, so that it runs
+    on the copy engine while this layer computes. The side stream waits for nothing: its copies read frozen
+    page-locked weights into new memory, which the current stream holds (``record_stream``) once it uses it."""
+    sources = _streamed(handle).sources
+    if device.type != "cuda":
+        return tuple(None if t is None else t.to(device) for t in sources)
+    current = torch.cuda.current_stream(device)
+    ahead = _AHEAD.pop(device, None)
+    if ahead is not None and ahead[0] == handle:
+        got = ahead[1]
+        current.wait_event(ahead[2])
+        for t in got:
+            if t is not None:
+                t.record_stream(current)
+    else:  # (a copy ahead of another layer is dropped: its memory goes back to the side stream's pool)
+        got = tuple(None if t is None else t.to(device, non_blocking=True) for t in sources)
+    if then is not None:
+        side = _SIDE.get(device)
+        if side is None:
+            side = _SIDE[device] = torch.cuda.Stream(device)
+        with torch.cuda.stream(side):
+            copies = tuple(None if t is None else t.to(device, non_blocking=True) for t in _streamed(then).sources)
+            done = torch.cuda.Event()
+            done.record(side)
+        _AHEAD[device] = (then, copies, done)
+    return got
+
+
+def _device_weights(handle: int, device: torch.device, dtype: torch.dtype, then: Optional[int] = None) -> tuple:
+    """The layer's experts on ``device`` in ``dtype``: w13 [E, H, 2I] (gate columns, then up), w2 [E, I, H]
+    (``then``: the layer to copy ahead, see ``_packed_on``)."""
+    w13, s13, w2, s2 = _packed_on(handle, device, then)
     return dequantize_packed(w13, s13, True, dtype), dequantize_packed(w2, s2, False, dtype)
 
 
@@ -104,7 +148,7 @@ def experts_compute(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tens
 def train_experts(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, delta: Optional[torch.Tensor],
                   handle: int, activation: str, want_h: bool) -> tuple[torch.Tensor, torch.Tensor]:
     with torch.no_grad():
-        w13, w2 = _device_weights(handle, hidden.device, hidden.dtype)
+        w13, w2 = _device_weights(handle, hidden.device, hidden.dtype, getattr(_streamed(handle), "train_next", None))
         out, h = experts_compute(hidden, ids, weights, delta, w13, w2, activation)
     return out, (h.to(hidden.dtype) if want_h else hidden.new_empty(0))
 
@@ -149,7 +193,7 @@ def train_experts_backward(d_out: Optional[torch.Tensor], d_h: Optional[torch.Te
     (<d_out[t], h W2> = <d_out[t] W2^T, h>: the down product is not recomputed)."""
     act = ACTIVATIONS[activation]
     T, K = ids.shape
-    w13, w2 = _device_weights(handle, hidden.device, hidden.dtype)
+    w13, w2 = _device_weights(handle, hidden.device, hidden.dtype, getattr(_streamed(handle), "train_prev", None))
     E, I = w13.shape[0], w2.shape[1]
     valid = (ids >= 0).unsqueeze(-1)
     key = ids.clamp(min=0).reshape(-1).long()
