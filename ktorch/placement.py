@@ -241,7 +241,13 @@ def _train_experts_on_device(modules, pin: bool = True) -> None:
             continue
         streamed = StreamedExperts(*packed.tensors()[:4], m.kt_activation)
         if pin:  # (tests on the CPU attach unpinned ones)
-            streamed.pin_prefix(packed.num_experts)
+            try:
+                streamed.pin_prefix(packed.num_experts)
+            except RuntimeError as e:  # e.g. `ulimit -l` too low: this layer and the rest keep the CPU op
+                import warnings
+
+                warnings.warn(f"ktorch.prepare: the experts stay on the CPU op for training ({e})", stacklevel=3)
+                break
         m.kt_train_handle = register_train_experts(streamed)
         handles.append(m.kt_train_handle)
     link_train_layers(handles)  # each call copies the next layer's weights while it computes

@@ -92,6 +92,20 @@ def test_bf16_through_grouped_mm_within_bf16_tolerance(fmt):
         assert relative_error(a, b) < 3e-2, f"{fmt} d {name}: {relative_error(a, b):.3g}"
 
 
+def _adapted(model):
+    """peft LoRA on q/v and ktorch's expert LoRA (r=4), B random (so the adapters act), in train mode."""
+    pytest.importorskip("peft")
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    ktorch.lora.add_expert_lora(model, r=4, lora_alpha=8)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    return model.train()
+
+
 class _CountCalls(torch.utils._python_dispatch.TorchDispatchMode):
     """Executions of the ktorch train_experts ops (outside selective checkpointing's mode, which answers cached calls
     without reaching this one)."""
@@ -111,8 +125,6 @@ def test_model_step_equals_the_cpu_op_path():
     """The built-in model prepared for training (float32, int8 experts, LoRA on attention and experts, checkpointed):
     its experts on train_experts (what a GPU gets) give the loss and gradients of the CPU op's path to float32
     rounding, and with checkpointing the op runs once a MoE layer in the forward and once in the backward."""
-    from peft import LoraConfig, get_peft_model
-
     from ktorch.placement import _train_experts_on_device, experts_modules
 
     x = torch.randint(0, 4096, (2, 24), generator=torch.Generator().manual_seed(5))
@@ -123,13 +135,7 @@ def test_model_step_equals_the_cpu_op_path():
         ktorch.prepare(model, device="cpu", trainable=True)
         if on_op:
             _train_experts_on_device(experts_modules(model), pin=False)
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-        ktorch.lora.add_expert_lora(model, r=4, lora_alpha=8)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "lora_B" in name:
-                    p.normal_(0, 0.05)
-        model.train()
+        model = _adapted(model)
         with _CountCalls() as count:
             loss = model(input_ids=x, labels=x).loss
             loss.backward()
@@ -150,8 +156,6 @@ def test_cuda_step_equals_the_cpu_op_path(experts_dtype):
     ahead on a side stream): two LoRA steps (bf16, checkpointed) give the losses and gradients of the CPU op's path
     (the handles removed) within bf16 tolerance, the second step reusing what the first left (no copy ahead is
     lost or read early)."""
-    from peft import LoraConfig, get_peft_model
-
     from ktorch.placement import experts_modules
 
     x = torch.randint(0, 4096, (2, 64), generator=torch.Generator().manual_seed(7)).cuda()
@@ -166,13 +170,7 @@ def test_cuda_step_equals_the_cpu_op_path(experts_dtype):
         if not on_gpu:
             for _, m in modules:
                 del m.kt_train_handle
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-        ktorch.lora.add_expert_lora(model, r=4, lora_alpha=8)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "lora_B" in name:
-                    p.normal_(0, 0.05)
-        model.train()
+        model = _adapted(model)
         losses, grads = [], None
         for _ in range(2):
             model.zero_grad()

@@ -22,7 +22,7 @@ activations of ``ACTIVATIONS`` and no biases; other forms stay on the CPU op (``
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -118,27 +118,45 @@ def _grouped(rows: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, counts: li
     return torch.cat(parts) if parts else rows.new_zeros(0, w.shape[-1])
 
 
-def experts_compute(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, delta: Optional[torch.Tensor],
-                    w13: torch.Tensor, w2: torch.Tensor, activation: str) -> tuple:
-    """The routed experts in torch ops (differentiable in hidden, weights and delta): (out [T, H], h [T, K, I]).
-    Skipped slots (ids < 0) are computed as expert 0 and masked: no row of a product is left unwritten, so no
-    gradient reads uninitialized memory."""
-    act = ACTIVATIONS[activation]
-    T, K = ids.shape
-    E, I = w13.shape[0], w2.shape[1]
-    valid = ids >= 0
+class _Pairs(NamedTuple):
+    """The (token, slot) pairs grouped by expert: ``order`` sorts them (stable), ``inverse`` puts them back, ``offs``
+    the groups' cumulative ends (int32, for ``torch._grouped_mm``), ``counts`` their sizes as a list where
+    grouped_mm does not apply (None where it does), ``tokens`` each sorted pair's token."""
+
+    order: torch.Tensor
+    inverse: torch.Tensor
+    offs: torch.Tensor
+    counts: Optional[list]
+    tokens: torch.Tensor
+
+
+def _pairs(hidden: torch.Tensor, ids: torch.Tensor, E: int) -> _Pairs:
+    """Skipped slots (ids < 0) are grouped as expert 0 (computed and masked by the callers: no row of a product is
+    left unwritten, so no gradient reads uninitialized memory)."""
     key = ids.clamp(min=0).reshape(-1).long()
     order = torch.argsort(key, stable=True)
-    counts_t = torch.bincount(key, minlength=E)
-    offs = counts_t.cumsum(0).to(torch.int32)
-    counts = None if grouped_mm_supported(hidden) else counts_t.tolist()
+    counts = torch.bincount(key, minlength=E)
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    gate_up = _grouped(hidden[order // K], w13, offs, counts)[inverse].view(T, K, 2 * I)
-    if delta is not None:
-        gate_up = gate_up + delta.to(gate_up.dtype)
-    h = act(gate_up[..., :I]) * gate_up[..., I:]
-    h = torch.where(valid.unsqueeze(-1), h, 0)
-    y = _grouped(h.reshape(T * K, I)[order], w2, offs, counts)[inverse].view(T, K, -1)
+    return _Pairs(order, inverse, counts.cumsum(0).to(torch.int32),
+                  None if grouped_mm_supported(hidden) else counts.tolist(), order // ids.shape[1])
+
+
+def _gate_up(hidden: torch.Tensor, delta: Optional[torch.Tensor], w13: torch.Tensor, p: _Pairs, T: int, K: int):
+    """Each pair's pre-activations x W13_e (+ its delta): [T, K, 2I]."""
+    gate_up = _grouped(hidden[p.tokens], w13, p.offs, p.counts)[p.inverse].view(T, K, w13.shape[-1])
+    return gate_up if delta is None else gate_up + delta.to(gate_up.dtype)
+
+
+def experts_compute(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, delta: Optional[torch.Tensor],
+                    w13: torch.Tensor, w2: torch.Tensor, activation: str) -> tuple:
+    """The routed experts in torch ops (differentiable in hidden, weights and delta): (out [T, H], h [T, K, I])."""
+    T, K = ids.shape
+    I = w2.shape[1]
+    valid = ids >= 0
+    p = _pairs(hidden, ids, w13.shape[0])
+    gate_up = _gate_up(hidden, delta, w13, p, T, K)
+    h = torch.where(valid.unsqueeze(-1), ACTIVATIONS[activation](gate_up[..., :I]) * gate_up[..., I:], 0)
+    y = _grouped(h.reshape(T * K, I)[p.order], w2, p.offs, p.counts)[p.inverse].view(T, K, -1)
     coef = torch.where(valid, weights, 0).to(y.dtype)
     out = (y * coef.unsqueeze(-1)).sum(1, dtype=torch.float32 if y.dtype != torch.float64 else torch.float64)
     return out.to(hidden.dtype), h
@@ -191,26 +209,17 @@ def train_experts_backward(d_out: Optional[torch.Tensor], d_h: Optional[torch.Te
         d delta = [dg | du],  d hidden[t] = sum_k [dg | du] W13^T
 
     (<d_out[t], h W2> = <d_out[t] W2^T, h>: the down product is not recomputed)."""
-    act = ACTIVATIONS[activation]
     T, K = ids.shape
     w13, w2 = _device_weights(handle, hidden.device, hidden.dtype, getattr(_streamed(handle), "train_prev", None))
-    E, I = w13.shape[0], w2.shape[1]
+    I = w2.shape[1]
     valid = (ids >= 0).unsqueeze(-1)
-    key = ids.clamp(min=0).reshape(-1).long()
-    order = torch.argsort(key, stable=True)
-    counts_t = torch.bincount(key, minlength=E)
-    offs = counts_t.cumsum(0).to(torch.int32)
-    counts = None if grouped_mm_supported(hidden) else counts_t.tolist()
-    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    tokens = order // K
-    gate_up = _grouped(hidden[tokens], w13, offs, counts)[inverse].view(T, K, 2 * I)
-    if delta is not None:
-        gate_up = gate_up + delta.to(gate_up.dtype)
+    p = _pairs(hidden, ids, w13.shape[0])
+    gate_up = _gate_up(hidden, delta, w13, p, T, K)
     g, u = gate_up[..., :I], gate_up[..., I:]
-    a = act(g)
+    a = ACTIVATIONS[activation](g)
     h = torch.where(valid, a * u, 0)
     if d_out is not None:
-        G = _grouped(d_out.to(hidden.dtype)[tokens], w2.transpose(1, 2), offs, counts)[inverse].view(T, K, I)
+        G = _grouped(d_out.to(hidden.dtype)[p.tokens], w2.transpose(1, 2), p.offs, p.counts)[p.inverse].view(T, K, I)
         acc = torch.promote_types(G.dtype, torch.float32)  # (float64 stays float64)
         d_weights = torch.where(valid.squeeze(-1), (G.to(acc) * h.to(acc)).sum(-1), 0).to(weights.dtype)
         dh = G * torch.where(valid.squeeze(-1), weights, 0).unsqueeze(-1).to(G.dtype)
@@ -221,7 +230,7 @@ def train_experts_backward(d_out: Optional[torch.Tensor], d_h: Optional[torch.Te
         dh = dh + d_h.to(dh.dtype)
     dh = torch.where(valid, dh, 0)
     d_gate_up = torch.cat([_act_backward(activation, dh * u, g), dh * a], dim=-1)  # [T, K, 2I]
-    d_rows = _grouped(d_gate_up.reshape(T * K, 2 * I)[order], w13.transpose(1, 2), offs, counts)[inverse]
+    d_rows = _grouped(d_gate_up.reshape(T * K, 2 * I)[p.order], w13.transpose(1, 2), p.offs, p.counts)[p.inverse]
     sum_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     d_hidden = d_rows.view(T, K, -1).sum(1, dtype=sum_dtype).to(hidden.dtype)
     return d_hidden, d_weights, (d_gate_up.to(delta.dtype) if delta is not None else hidden.new_empty(0))
