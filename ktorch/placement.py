@@ -248,6 +248,7 @@ def _train_experts_on_device(modules, pin: bool = True) -> None:
 
                 warnings.warn(f"ktorch.prepare: the experts stay on the CPU op for training ({e})", stacklevel=3)
                 break
+        m.kt_train_streamed = streamed  # (the registry holds it weakly)
         m.kt_train_handle = register_train_experts(streamed)
         handles.append(m.kt_train_handle)
     link_train_layers(handles)  # each call copies the next layer's weights while it computes

@@ -20,11 +20,16 @@ FORMATS = ("bf16", "int8", "int4")
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "relu")
 
 
+_OWNED: list = []
+
+
 def _layer(E, H, I, fmt, activation="silu"):
     gate_up = torch.randn(E, 2 * I, H) * H**-0.5
     down = torch.randn(E, H, I) * I**-0.5
     packed = ktorch.pack_experts(gate_up, down, dtype=fmt, group_size=32 if fmt == "int4" else None)
-    return packed, register_train_experts(StreamedExperts(*packed.tensors()[:4], activation))
+    streamed = StreamedExperts(*packed.tensors()[:4], activation)
+    _OWNED.append(streamed)  # the registry holds it weakly: what owns it here (a module's kt_train_streamed there)
+    return packed, register_train_experts(streamed)
 
 
 def _inputs(T, K, E, H, I, dtype=torch.float64):
@@ -90,6 +95,22 @@ def test_bf16_through_grouped_mm_within_bf16_tolerance(fmt):
     torch.autograd.backward((out, h), (dy.to(torch.bfloat16), dh.to(torch.bfloat16)))
     for name, a, b in (("hidden", bx.grad, rx.grad), ("weights", bw.grad, rw.grad), ("delta", bd.grad, rd.grad)):
         assert relative_error(a, b) < 3e-2, f"{fmt} d {name}: {relative_error(a, b):.3g}"
+
+
+def test_a_handle_lives_as_long_as_its_owner():
+    """The registry holds each layer weakly: once its owner lets go (a freed model), the handle names nothing (a
+    clear error), and the page-locked memory is released with it."""
+    import gc
+
+    packed = _layer(4, 32, 32, "int8")[0]
+    streamed = StreamedExperts(*packed.tensors()[:4], "silu")
+    handle = register_train_experts(streamed)
+    x, ids, w, d = _inputs(3, 2, 4, 32, 32)
+    torch.ops.ktorch.train_experts(x, ids, w, d, handle, "silu", False)
+    del streamed
+    gc.collect()
+    with pytest.raises(ValueError, match="no live experts registered under handle"):
+        torch.ops.ktorch.train_experts(x, ids, w, d, handle, "silu", False)
 
 
 def _adapted(model):

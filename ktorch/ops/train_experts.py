@@ -22,6 +22,7 @@ activations of ``ACTIVATIONS`` and no biases; other forms stay on the CPU op (``
 
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple, Optional
 
 import torch
@@ -29,7 +30,7 @@ import torch
 from ktorch.ops.gpu_experts import ACTIVATIONS, grouped_mm_supported
 from ktorch.ops.packed_weights import INT4_DTYPES, dequantize_packed
 
-_REGISTRY: list = []  # handle -> the layer's StreamedExperts (its page-locked packed tensors)
+_REGISTRY: list = []  # handle -> a weak reference to the layer's StreamedExperts (its page-locked packed tensors)
 
 
 def supports(packed) -> Optional[str]:
@@ -42,16 +43,19 @@ def supports(packed) -> Optional[str]:
 
 
 def register_train_experts(streamed) -> int:
-    """Keeps ``streamed`` (a ``StreamedExperts`` over the layer's packed tensors) for the life of the process;
-    returns the handle the op takes."""
-    _REGISTRY.append(streamed)
+    """The handle the op takes for ``streamed`` (a ``StreamedExperts`` over the layer's packed tensors). The registry
+    holds it weakly: its owner (the experts module, ``kt_train_streamed``) keeps it alive, and when the model goes
+    its page-locked memory is unregistered and freed with it."""
+    _REGISTRY.append(weakref.ref(streamed))
     return len(_REGISTRY) - 1
 
 
 def _streamed(handle: int):
-    if not 0 <= handle < len(_REGISTRY):
-        raise ValueError(f"train_experts: no experts registered under handle {handle} (have {len(_REGISTRY)})")
-    return _REGISTRY[handle]
+    layer = _REGISTRY[handle]() if 0 <= handle < len(_REGISTRY) else None
+    if layer is None:
+        raise ValueError(f"train_experts: no live experts registered under handle {handle} (the model they belonged "
+                         "to was freed?)")
+    return layer
 
 
 def link_train_layers(handles: list) -> None:
