@@ -8,9 +8,11 @@ the weights: 604 MB of int8 a layer over PCIe. So, for a model prepared with ``t
 layer's packed experts (page-locked in place, as ``StreamedExperts`` pins them) are copied to the device, dequantized
 there (``dequantize_packed``: bf16 [E, H, 2I] and [E, I, H]) and run through two ``torch._grouped_mm`` (per-expert
 loops where it does not apply: float32/float64, or devices it does not take), twice a step: in the forward, and in
-the backward, which copies them again and recomputes the pairs' pre-activations under autograd instead of keeping
-a layer's dequantized weights (1.2 GB) or pre-activations alive. Under ``prepare``'s checkpointing the op's outputs
-are kept (selective checkpointing, as for the CPU op), so the layer's recompute does not copy them a third time.
+the backward (``train_experts_backward``), which copies them again, recomputes the pairs' pre-activations and writes
+the gradients by hand instead of keeping a layer's dequantized weights (1.2 GB) or pre-activations alive. Each call
+starts the copy of the layer that runs next (the next one forward, the previous one backward: ``link_train_layers``)
+on a side stream while it computes. Under ``prepare``'s checkpointing the op's outputs are kept (selective
+checkpointing, as for the CPU op), so the layer's recompute does not copy them a third time.
 
 ``train_experts(hidden [T, H], ids [T, K], weights [T, K], delta [T, K, 2I] or None, handle, activation, want_h)
 -> (out [T, H], h [T, K, I] or [0])``: the routed experts of the layer registered under ``handle``
