@@ -226,19 +226,18 @@ def _prepare_for_training(model: nn.Module, gradient_checkpointing: bool) -> Non
 def _train_experts_on_device(modules, pin: bool = True) -> None:
     """Training on a GPU: each MoE layer's routed experts computed there, their packed weights page-locked in host
     memory and copied per call (ktorch/ops/train_experts.py), where the layer's form allows (gated, no biases, an
-    activation of ``ACTIVATIONS``); the others keep the CPU op. Session 39, device, the 48-layer Qwen3-30B-A3B step
+    activation of ``ACTIVATIONS``: ``device_experts_problem``); the others keep the CPU op. Session 39, device, the 48-layer Qwen3-30B-A3B step
     with LoRA at T = 2048: see docs/training.md."""
-    from ktorch.ops.gpu_experts import ACTIVATIONS
     from ktorch.ops.streamed_experts import StreamedExperts
-    from ktorch.ops.train_experts import link_train_layers, register_train_experts, supports
+    from ktorch.ops.train_experts import link_train_layers, register_train_experts
 
     handles = []
     for _, m in modules:
         if getattr(m, "kt_train_handle", None) is not None:
             continue
-        packed = packed_experts_of(m)
-        if supports(packed) is not None or m.kt_activation not in ACTIVATIONS:
+        if device_experts_problem(m) is not None:
             continue
+        packed = packed_experts_of(m)
         streamed = StreamedExperts(*packed.tensors()[:4], m.kt_activation)
         if pin:  # (tests on the CPU attach unpinned ones)
             try:

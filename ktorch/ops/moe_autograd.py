@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import torch
 
-from ktorch.ops.packed_weights import INT4_DTYPES
+from ktorch.ops.packed_weights import packed_in_features
 
 from ktorch.ops.moe import _check_same_device
 
@@ -48,11 +48,6 @@ _PACKED = ("w13", "w13_scales", "w2", "w2_scales", "w13_bias", "w2_bias")
 
 
 # ---------------------------------------------------------------- fake impls
-
-
-def _intermediate(w2: torch.Tensor) -> int:
-    """I from the packed down projection [E, H/16, I/per, 16, per] (int4: 8 values a 4-byte group)."""
-    return w2.shape[2] * (8 if w2.dtype in INT4_DTYPES else w2.shape[4])
 
 
 @torch.library.register_fake("kt::fused_moe_backward")
@@ -85,7 +80,7 @@ def _fused_moe_delta_fake(hidden, topk_ids, topk_weights, w13, w13_scales, w2, w
     torch._check(hidden.shape[1] == w2.shape[1] * 16, lambda: "fused_moe_delta: hidden size does not match w2")
     T, K = topk_ids.shape
     return (torch.empty_like(hidden, memory_format=torch.contiguous_format),
-            hidden.new_empty((T, K, _intermediate(w2))), hidden.new_empty((T, K, w13.shape[1] * 16)))
+            hidden.new_empty((T, K, packed_in_features(w2))), hidden.new_empty((T, K, w13.shape[1] * 16)))
 
 
 # ---------------------------------------------------------------- autograd

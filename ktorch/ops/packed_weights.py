@@ -189,11 +189,6 @@ def dequantize_packed(packed: torch.Tensor, scales: Optional[torch.Tensor], gate
         return _dequantize_functional(q, scales, mins, offset, gate_up, n, N, K, dtype, out)
     if out is None:
         out = torch.empty(n, N, K, dtype=dtype, device=packed.device)
-    # out's rows seen in q's shape with the rows in packed order, so that one elementwise pass writes them where
-    # they belong: [n, N/16, 16, K/per, per]; gate/up rows 64b + 32h + 16c + r go to row h*N/2 + 32b + 16c + r
-    inner = q.shape[3:]  # (K/per, per), or (K/8, 2, 4) for int4
-    rows = out.view(n, 2, N // 64, 2, 16, *inner).transpose(1, 2) if gate_up else out.view(n, N // 16, 16, *inner)
-    q = q.view(rows.shape)  # [n, N/64, 2, 2, 16, ...] or [n, N/16, 16, ...]
     if scales is None:
         if packed.dtype != torch.bfloat16:
             raise ValueError(f"dequantize_packed: {packed.dtype} packed weights need their scales")
@@ -204,6 +199,12 @@ def dequantize_packed(packed: torch.Tensor, scales: Optional[torch.Tensor], gate
                          f"whole blocks, got {tuple(scales.shape)}")
     if packed.dtype == torch.int8 and mins is None:
         return _dequantize_words(packed, scales, gate_up, n, N, K, out)
+    # int4 and affine int8: out's rows seen in q's shape with the rows in packed order, so that one elementwise pass
+    # writes them where they belong: [n, N/16, 16, K/8, 2, 4] (int4) or [n, N/16, 16, K/per, per]; gate/up rows
+    # 64b + 32h + 16c + r go to row h*N/2 + 32b + 16c + r
+    inner = q.shape[3:]
+    rows = out.view(n, 2, N // 64, 2, 16, *inner).transpose(1, 2) if gate_up else out.view(n, N // 16, 16, *inner)
+    q = q.view(rows.shape)  # [n, N/64, 2, 2, 16, ...] or [n, N/16, 16, ...]
     lead = rows.shape[:-len(inner)]
     s = scales.transpose(1, 2).reshape(*lead, G, *(1,) * len(inner))  # rows in packed order
     q_groups = q.unflatten(len(lead), (G, -1))  # K/per (K/8 for int4) split into G groups: a view

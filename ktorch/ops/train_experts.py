@@ -18,8 +18,9 @@ checkpointing, as for the CPU op), so the layer's recompute does not copy them a
 -> (out [T, H], h [T, K, I] or [0])``: the routed experts of the layer registered under ``handle``
 (``register_train_experts``) with ``delta`` added to each pair's gate/up pre-activations (expert LoRA's gate/up
 adapter, gate columns then up columns), and ``h = act(gate) * up`` per pair when ``want_h`` (the down adapter's
-input; zeros for skipped slots, ids < 0). Differentiable in hidden, weights and delta. Gated experts with the
-activations of ``ACTIVATIONS`` and no biases; other forms stay on the CPU op (``supports``).
+input; zeros for skipped slots, ids < 0). Differentiable in hidden, weights and delta. The forms every device-side
+expert path takes (unbiased, gated, an activation of ``ACTIVATIONS``: ``device_experts_problem``); other forms stay
+on the CPU op.
 """
 
 from __future__ import annotations
@@ -30,18 +31,9 @@ from typing import NamedTuple, Optional
 import torch
 
 from ktorch.ops.gpu_experts import ACTIVATIONS, grouped_mm_supported
-from ktorch.ops.packed_weights import INT4_DTYPES, dequantize_packed
+from ktorch.ops.packed_weights import dequantize_packed, packed_in_features
 
 _REGISTRY: list = []  # handle -> a weak reference to the layer's StreamedExperts (its page-locked packed tensors)
-
-
-def supports(packed) -> Optional[str]:
-    """Why a packed experts layer cannot train on the GPU path (None: it can)."""
-    if not packed.has_gate:
-        return "gateless experts"
-    if packed.w13_bias is not None or packed.w2_bias is not None:
-        return "expert biases"
-    return None
 
 
 def register_train_experts(streamed) -> int:
@@ -180,8 +172,7 @@ def train_experts(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
 @train_experts.register_fake
 def _(hidden, ids, weights, delta, handle, activation, want_h):
     T, K = ids.shape
-    w2 = _streamed(handle).tensors[2]  # packed [E, H/16, I/per, 16, per] (int4: 8 values a 4-byte group)
-    I = w2.shape[2] * (8 if w2.dtype in INT4_DTYPES else w2.shape[4])
+    I = packed_in_features(_streamed(handle).tensors[2])  # w2's in features
     return torch.empty_like(hidden), (hidden.new_empty(T, K, I) if want_h else hidden.new_empty(0))
 
 
