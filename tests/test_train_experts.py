@@ -204,3 +204,21 @@ def test_cuda_step_equals_the_cpu_op_path(experts_dtype):
     assert all(abs(a - b) < 2e-2 * abs(b) for a, b in zip(l0, l1)), (l0, l1)
     for name in g1:
         assert relative_error(g0[name], g1[name]) < 5e-2, f"{name}: {relative_error(g0[name], g1[name]):.3g}"
+
+
+def test_prepare_keeps_the_cpu_op_when_page_locking_fails(monkeypatch):
+    """Page-locking the experts can fail (a low `ulimit -l`, no memory to lock): prepare warns, naming the error, and
+    the layers it could not pin keep the CPU op (no handle), rather than failing the whole preparation."""
+    from ktorch.placement import _train_experts_on_device, experts_modules
+
+    def refuse(self, n):
+        raise RuntimeError("stream_experts: cudaHostRegister of 1 bytes failed (cudaError 2)")
+
+    monkeypatch.setattr(StreamedExperts, "pin_prefix", refuse)
+    model, _ = ktorch.load("builtin", device="cpu", dtype=torch.float32, experts_dtype="int8", progress=False)
+    ktorch.prepare(model, device="cpu", trainable=True)
+    modules = experts_modules(model)
+    with pytest.warns(UserWarning, match=r"the experts stay on the CPU op for training \(stream_experts: "
+                                         r"cudaHostRegister of 1 bytes failed"):
+        _train_experts_on_device(modules)
+    assert all(getattr(m, "kt_train_handle", None) is None for _, m in modules)
