@@ -253,6 +253,21 @@ def _pageable_crossings() -> None:
     ktorch.lora.to_host = fp32_deltas
 
 
+def _union(spans: list) -> list:
+    """Sorted, merged (start, end) intervals covering ``spans``."""
+    out = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _length(spans: list) -> float:
+    return sum(b - a for a, b in spans)
+
+
 def _profile_step(model, opt, vocab, gen, args) -> dict:
     """One more step under torch.profiler (CPU + CUDA activities), its phases marked with record_function: where the
     step's time goes. Returns the phases' wall ms (synced), the CPU experts' op time in each (kt.fused_moe_delta in
@@ -300,7 +315,7 @@ def _profile_step(model, opt, vocab, gen, args) -> dict:
             c = cpu_ops.setdefault(k, [0, 0.0])
             c[0] += 1
             c[1] += e.time_range.elapsed_us() / 1e3
-    copies, gpu_kernel_ms = {}, 0.0
+    copies, gpu_kernel_ms, kernels, spans = {}, 0.0, {}, {"kernel": [], "copy": []}
     if device == "cuda":  # memcpy events carry their bytes in the trace's args
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "trace.json")
@@ -314,14 +329,27 @@ def _profile_step(model, opt, vocab, gen, args) -> dict:
                 c["calls"] += 1
                 c["bytes"] += int(ev.get("args", {}).get("bytes", 0))
                 c["ms"] += ev.get("dur", 0) / 1e3
+                if "HtoD" in ev["name"]:
+                    spans["copy"].append((ev["ts"], ev["ts"] + ev.get("dur", 0)))
             elif cat == "kernel":
                 gpu_kernel_ms += ev.get("dur", 0) / 1e3
+                k = kernels.setdefault(ev["name"][:70], [0, 0.0])
+                k[0] += 1
+                k[1] += ev.get("dur", 0) / 1e3
+                spans["kernel"].append((ev["ts"], ev["ts"] + ev.get("dur", 0)))
     # host-side copy ops (a pageable .to(cpu)/.to(cuda) blocks the thread for its whole transfer)
     avg = prof.key_averages()
     host_copy = {a.key: dict(calls=a.count, ms=a.cpu_time_total / 1e3) for a in avg
                  if a.key in ("aten::_to_copy", "aten::copy_", "aten::to")}
     top = sorted(avg, key=lambda a: a.self_cpu_time_total, reverse=True)[:15]
+    busy = {k: _union(v) for k, v in spans.items()}  # us of the timeline with a kernel / a host-to-device copy
+    both = _union([(max(a, c), min(b, d)) for a, b in busy["kernel"] for c, d in busy["copy"] if min(b, d) > max(a, c)])
     return dict(wall_ms={k: round(v, 1) for k, v in wall.items()},
+                gpu_busy_ms={"kernels": round(_length(busy["kernel"]) / 1e3, 1),
+                             "h2d copies": round(_length(busy["copy"]) / 1e3, 1),
+                             "both at once": round(_length(both) / 1e3, 1)},
+                top_kernels=[(k, n, round(ms, 1)) for k, (n, ms) in
+                             sorted(kernels.items(), key=lambda kv: -kv[1][1])[:12]],
                 cpu_experts_ms={k: [v[0], round(v[1], 1)] for k, v in sorted(cpu_ops.items())},
                 memcpy={k: dict(calls=v["calls"], mb=round(v["bytes"] / 1e6, 1), ms=round(v["ms"], 1))
                         for k, v in copies.items()},
@@ -389,6 +417,9 @@ def _print_profile(variant: str, pr: dict) -> None:
     print("    host copy ops (CPU wall, incl. children): "
           + " | ".join(f"{k} {v['calls']} calls {v['ms']} ms" for k, v in pr["host_copy_ops"].items())
           + f"; GPU kernels {pr['gpu_kernel_ms']} ms")
+    if pr.get("gpu_busy_ms"):
+        print("    GPU timeline busy, ms: " + " | ".join(f"{k} {v}" for k, v in pr["gpu_busy_ms"].items()))
+        print("    top GPU kernels (name, calls, ms): " + " | ".join(f"{k} {n} {ms}" for k, n, ms in pr["top_kernels"]))
     print("    top ops by self CPU time (op, calls, self CPU ms, self GPU ms):")
     for key, n, cpu_ms, gpu_ms in pr["top_self_cpu"]:
         print(f"      {key[:60]:<60} {n:>7} {cpu_ms:>10} {gpu_ms:>10}")

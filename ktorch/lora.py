@@ -42,6 +42,7 @@ from torch import nn
 
 from ktorch.integrations.transformers_experts import packed_experts_of
 from ktorch.ops.host_transfer import to_device, to_host
+from ktorch.ops.triton_train import contract_pairs, expand_pairs, kernel_runs_on
 from ktorch.placement import experts_modules
 
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")  # the order transformers' experts classes define them in
@@ -61,11 +62,24 @@ class ExpertLoRAFactors(nn.Module):
         nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
         nn.init.zeros_(self.lora_B.weight)
 
+    def _per_pair(self, x: torch.Tensor) -> bool:
+        """Whether the products run per pair (ktorch/ops/triton_train.py: each pair reads only its expert's block)
+        instead of dense over all experts' blocks: where the Triton kernels run (a CUDA GPU), float32/bf16/fp16
+        factors, not under torch.compile. Both compute A_e x and B_e u with float32 sums."""
+        return (self.lora_A.weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                and not torch.compiler.is_compiling() and kernel_runs_on(x))
+
     def project_in(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, in] (the same for every slot) or [T, K, in] -> each pair's A_e x: [T, K, r]; ids [T, K] in [0, E)."""
         E, r = self.num_experts, self.r
-        y = x.to(self.lora_A.weight.dtype) @ self.lora_A.weight.t()  # [..., E r], row e * r + j of lora_A
         T, K = ids.shape
+        A = self.lora_A.weight  # row e * r + j: element (e, j, c) at e r in + j in + c
+        if self._per_pair(x):
+            n_in = A.shape[1]
+            y = contract_pairs(x.to(A.dtype).reshape(-1, n_in), ids.reshape(-1), A, (r * n_in, n_in, 1), E, r,
+                               rows=K if x.dim() == 2 else 1)
+            return y.view(T, K, r)
+        y = x.to(A.dtype) @ A.t()  # [..., E r], row e * r + j of lora_A
         y = y.view(T, 1, E, r).expand(T, K, E, r) if x.dim() == 2 else y.view(T, K, E, r)
         return y.gather(2, ids.view(T, K, 1, 1).expand(T, K, 1, r)).squeeze(2)
 
@@ -73,6 +87,10 @@ class ExpertLoRAFactors(nn.Module):
         """u [T, K, r] -> each pair's B_e u: [T, K, out]; ids [T, K] in [0, E)."""
         E, r = self.num_experts, self.r
         T, K = ids.shape
+        B = self.lora_B.weight  # column j * E + e: element (e, j, c) at e + j E + c r E
+        if self._per_pair(u):
+            return expand_pairs(u.to(B.dtype).reshape(-1, r), ids.reshape(-1), B, (1, E, r * E), E,
+                                B.shape[0]).view(T, K, -1)
         z = u.new_zeros(T, K, r, E)  # column j * E + e of lora_B
         z.scatter_(3, ids.view(T, K, 1, 1).expand(T, K, r, 1), u.unsqueeze(3))
         return z.view(T, K, r * E) @ self.lora_B.weight.t()

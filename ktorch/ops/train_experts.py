@@ -32,6 +32,7 @@ import torch
 
 from ktorch.ops.gpu_experts import ACTIVATIONS, grouped_mm_supported
 from ktorch.ops.packed_weights import dequantize_packed, packed_in_features
+from ktorch.ops.routed_experts import expert_counts
 
 _REGISTRY: list = []  # handle -> a weak reference to the layer's StreamedExperts (its page-locked packed tensors)
 
@@ -83,12 +84,13 @@ def _packed_on(handle: int, device: torch.device, then: Optional[int]) -> tuple:
                 t.record_stream(current)
     else:  # (a copy ahead of another layer is dropped: its memory goes back to the side stream's pool)
         got = tuple(None if t is None else t.to(device, non_blocking=True) for t in sources)
-    if then is not None:
+    ahead_layer = _REGISTRY[then]() if then is not None and 0 <= then < len(_REGISTRY) else None
+    if ahead_layer is not None:  # (a layer freed since, e.g. a module kept without its model: nothing to copy)
         side = _SIDE.get(device)
         if side is None:
             side = _SIDE[device] = torch.cuda.Stream(device)
         with torch.cuda.stream(side):
-            copies = tuple(None if t is None else t.to(device, non_blocking=True) for t in _streamed(then).sources)
+            copies = tuple(None if t is None else t.to(device, non_blocking=True) for t in ahead_layer.sources)
             done = torch.cuda.Event()
             done.record(side)
         _AHEAD[device] = (then, copies, done)
@@ -133,7 +135,7 @@ def _pairs(hidden: torch.Tensor, ids: torch.Tensor, E: int) -> _Pairs:
     left unwritten, so no gradient reads uninitialized memory)."""
     key = ids.clamp(min=0).reshape(-1).long()
     order = torch.argsort(key, stable=True)
-    counts = torch.bincount(key, minlength=E)
+    counts = expert_counts(key, E)  # (not bincount: on a GPU it syncs with the host, a stall every layer)
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     return _Pairs(order, inverse, counts.cumsum(0).to(torch.int32),
                   None if grouped_mm_supported(hidden) else counts.tolist(), order // ids.shape[1])
