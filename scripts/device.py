@@ -62,7 +62,7 @@ GPU_TESTS = ["tests/test_compile_backend.py", "tests/test_compile_deferral.py", 
              "tests/test_host_tasks.py", "tests/test_integrations_transformers.py", "tests/test_streamed_experts.py",
              "tests/test_cli.py", "tests/test_generation.py", "tests/test_routed_experts.py",
              "tests/test_serve_cuda.py", "tests/test_resident_rows.py", "tests/test_resident_swaps.py",
-             "tests/test_triton_prefill.py"]
+             "tests/test_triton_prefill.py", "tests/test_triton_train.py", "tests/test_train_experts.py"]
 AMX_OP_TESTS = ["tests/test_ops_fused_moe.py", "tests/test_ops_pack.py"]
 NOISE = re.compile(r"^W\d{4} |Warning|warn\(")
 
