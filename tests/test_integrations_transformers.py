@@ -139,6 +139,13 @@ def _experts_config():
 )
 def test_unsupported_experts_raise(flags, act, match):
     """(Biases, gateless experts and the known custom gatings run: tests/test_integrations_families.py.)"""
+    import inspect
+
+    from transformers.integrations.moe import use_experts_implementation
+
+    accepted = inspect.signature(use_experts_implementation).parameters
+    if any(f not in accepted for f in flags):  # (the device's transformers 5.17 predates has_post_expert_norm)
+        pytest.skip(f"this transformers' use_experts_implementation takes no {sorted(set(flags) - set(accepted))}")
     module = _experts_class(**flags)(_experts_config(), act=act)
     with pytest.raises(UnsupportedExpertsError, match=match):
         ktorch.integrations.check_supported(module)
