@@ -90,7 +90,7 @@ class ExpertLoRAFactors(nn.Module):
         B = self.lora_B.weight  # column j * E + e: element (e, j, c) at e + j E + c r E
         if self._per_pair(u):
             return expand_pairs(u.to(B.dtype).reshape(-1, r), ids.reshape(-1), B, (1, E, r * E), E,
-                                B.shape[0]).view(T, K, -1)
+                                B.shape[0]).view(T, K, B.shape[0])
         z = u.new_zeros(T, K, r, E)  # column j * E + e of lora_B
         z.scatter_(3, ids.view(T, K, 1, 1).expand(T, K, r, 1), u.unsqueeze(3))
         return z.view(T, K, r * E) @ self.lora_B.weight.t()

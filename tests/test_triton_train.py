@@ -149,3 +149,17 @@ def test_adapter_products_and_gradients_match_the_dense_ones(shared_x, monkeypat
     want = run()
     for name, a, b in zip(("y", "dx", "du", "dA", "dB"), got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@needs_kernels
+def test_no_pairs():
+    """A call with no tokens: empty products, and zero gradients for the factors (every block written)."""
+    f = ExpertLoRAFactors(4, 16, 24, 2, device=DEVICE)
+    ids = torch.zeros(0, 3, dtype=torch.long, device=DEVICE)
+    x = torch.zeros(0, 16, device=DEVICE, requires_grad=True)
+    y = f.project_out(f.project_in(x, ids), ids)
+    assert y.shape == (0, 3, 24)
+    y.sum().backward()
+    assert x.grad.shape == (0, 16)
+    assert torch.equal(f.lora_A.weight.grad, torch.zeros_like(f.lora_A.weight))
+    assert torch.equal(f.lora_B.weight.grad, torch.zeros_like(f.lora_B.weight))

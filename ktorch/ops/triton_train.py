@@ -274,7 +274,7 @@ class _Contract(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = pair_expand(g, ids, w, ctx.strides, x.shape[1])  # each pair's part of its row's gradient
             if ctx.rows > 1:
-                dx = dx.view(x.shape[0], ctx.rows, -1).sum(1, dtype=torch.float32).to(x.dtype)
+                dx = dx.view(x.shape[0], ctx.rows, x.shape[1]).sum(1, dtype=torch.float32).to(x.dtype)
         dw = None
         if ctx.needs_input_grad[2]:
             order, offs = _sorted_pairs(ids, ctx.E)
