@@ -231,9 +231,9 @@ def segment_outer(a: torch.Tensor, b: torch.Tensor, order: torch.Tensor, offs: t
 
 def _sorted_pairs(ids: torch.Tensor, E: int) -> tuple:
     """(order, offs): the pairs sorted by expert (stable) and the groups' cumulative ends [E]."""
-    from ktorch.ops.routed_experts import expert_counts  # (no bincount: its CUDA kernel syncs with the host)
-
-    return torch.argsort(ids, stable=True), expert_counts(ids, E).cumsum(0)
+    counts = torch.zeros(E, dtype=torch.int64, device=ids.device)  # a scatter, not bincount (a host sync on CUDA)
+    counts.scatter_add_(0, ids.long(), torch.ones_like(ids, dtype=torch.int64))
+    return torch.argsort(ids, stable=True), counts.cumsum(0)
 
 
 class _Expand(torch.autograd.Function):
