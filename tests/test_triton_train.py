@@ -21,7 +21,8 @@ from ktorch.ops.triton_experts import interpreting
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KERNELS_RUN = tt.triton is not None and (torch.cuda.is_available() or interpreting())
 needs_kernels = pytest.mark.skipif(
-    not KERNELS_RUN, reason="the Triton kernels need Triton and a CUDA GPU, or Triton's interpreter (TRITON_INTERPRET=1)")
+    not KERNELS_RUN,
+    reason="the Triton kernels need Triton and a CUDA GPU, or Triton's interpreter (TRITON_INTERPRET=1)")
 
 
 def _packed(fmt: str, n: int, N: int, K: int, G: int, gen: torch.Generator) -> tuple:
