@@ -93,7 +93,7 @@ class ExpertLoRAFactors(nn.Module):
                                 B.shape[0]).view(T, K, B.shape[0])
         z = u.new_zeros(T, K, r, E)  # column j * E + e of lora_B
         z.scatter_(3, ids.view(T, K, 1, 1).expand(T, K, r, 1), u.unsqueeze(3))
-        return z.view(T, K, r * E) @ self.lora_B.weight.t()
+        return z.view(T, K, r * E) @ B.t()
 
     def project_out_sum(self, u: torch.Tensor, ids: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
         """sum_k coef[t, k] * B_{ids[t, k]} u[t, k]: [T, out]; u [T, K, r], coef [T, K], ids [T, K] in [0, E).

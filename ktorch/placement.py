@@ -226,8 +226,8 @@ def _prepare_for_training(model: nn.Module, gradient_checkpointing: bool) -> Non
 def _train_experts_on_device(modules, pin: bool = True) -> None:
     """Training on a GPU: each MoE layer's routed experts computed there, their packed weights page-locked in host
     memory and copied per call (ktorch/ops/train_experts.py), where the layer's form allows (gated, no biases, an
-    activation of ``ACTIVATIONS``: ``device_experts_problem``); the others keep the CPU op. Session 39, device, the 48-layer Qwen3-30B-A3B step
-    with LoRA at T = 2048: see docs/training.md."""
+    activation of ``ACTIVATIONS``: ``device_experts_problem``); the others keep the CPU op. The 48-layer
+    Qwen3-30B-A3B step with LoRA at T = 2048 on the device: docs/training.md."""
     from ktorch.ops.streamed_experts import StreamedExperts
     from ktorch.ops.train_experts import link_train_layers, register_train_experts
 

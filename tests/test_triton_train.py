@@ -107,7 +107,7 @@ def test_pair_products_equal_float64_loops(E, r, T, K, n_in, n_out):
     z_ref = torch.stack([Be[:, :, ids[p]] @ u[p] for p in range(T * K)])
     torch.testing.assert_close(z, z_ref, rtol=1e-5, atol=1e-4)
 
-    order, offs = tt._sorted_pairs(dev(ids).long(), E)
+    order, offs = tt.sort_pairs(dev(ids).long(), E)
     dB = tt.segment_outer(dev(u), dev(g), order, offs, b_strides, dev(B)).cpu().double()
     dB_ref = torch.zeros(n_out, r, E, dtype=torch.float64)
     dA_ref = torch.zeros(E, r, n_in, dtype=torch.float64)

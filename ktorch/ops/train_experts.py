@@ -32,7 +32,7 @@ import torch
 
 from ktorch.ops.gpu_experts import ACTIVATIONS, grouped_mm_supported
 from ktorch.ops.packed_weights import dequantize_packed, packed_in_features
-from ktorch.ops.routed_experts import expert_counts
+from ktorch.ops.triton_train import sort_pairs
 
 _REGISTRY: list = []  # handle -> a weak reference to the layer's StreamedExperts (its page-locked packed tensors)
 
@@ -134,11 +134,10 @@ def _pairs(hidden: torch.Tensor, ids: torch.Tensor, E: int) -> _Pairs:
     """Skipped slots (ids < 0) are grouped as expert 0 (computed and masked by the callers: no row of a product is
     left unwritten, so no gradient reads uninitialized memory)."""
     key = ids.clamp(min=0).reshape(-1).long()
-    order = torch.argsort(key, stable=True)
-    counts = expert_counts(key, E)  # (not bincount: on a GPU it syncs with the host, a stall every layer)
+    order, ends = sort_pairs(key, E)
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    return _Pairs(order, inverse, counts.cumsum(0).to(torch.int32),
-                  None if grouped_mm_supported(hidden) else counts.tolist(), order // ids.shape[1])
+    counts = None if grouped_mm_supported(hidden) else torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
+    return _Pairs(order, inverse, ends.to(torch.int32), counts, order // ids.shape[1])
 
 
 def _gate_up(hidden: torch.Tensor, delta: Optional[torch.Tensor], w13: torch.Tensor, p: _Pairs, T: int, K: int):

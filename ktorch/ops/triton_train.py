@@ -229,9 +229,10 @@ def segment_outer(a: torch.Tensor, b: torch.Tensor, order: torch.Tensor, offs: t
     return out
 
 
-def _sorted_pairs(ids: torch.Tensor, E: int) -> tuple:
-    """(order, offs): the pairs sorted by expert (stable) and the groups' cumulative ends [E]."""
-    counts = torch.zeros(E, dtype=torch.int64, device=ids.device)  # a scatter, not bincount (a host sync on CUDA)
+def sort_pairs(ids: torch.Tensor, E: int) -> tuple:
+    """(order, ends): the pairs (ids [P] in [0, E)) sorted by expert, stable, and the groups' cumulative ends [E]
+    int64. No host sync (``bincount``'s CUDA kernel reads the ids' maximum on the host)."""
+    counts = torch.zeros(E, dtype=torch.int64, device=ids.device)
     counts.scatter_add_(0, ids.long(), torch.ones_like(ids, dtype=torch.int64))
     return torch.argsort(ids, stable=True), counts.cumsum(0)
 
@@ -252,7 +253,7 @@ class _Expand(torch.autograd.Function):
         du = pair_contract(g, ids, w, ctx.strides, u.shape[1]) if ctx.needs_input_grad[0] else None
         dw = None
         if ctx.needs_input_grad[2]:
-            order, offs = _sorted_pairs(ids, ctx.E)
+            order, offs = sort_pairs(ids, ctx.E)
             dw = segment_outer(u, g, order, offs, ctx.strides, w)
         return du, None, dw, None, None, None
 
@@ -277,7 +278,7 @@ class _Contract(torch.autograd.Function):
                 dx = dx.view(x.shape[0], ctx.rows, x.shape[1]).sum(1, dtype=torch.float32).to(x.dtype)
         dw = None
         if ctx.needs_input_grad[2]:
-            order, offs = _sorted_pairs(ids, ctx.E)
+            order, offs = sort_pairs(ids, ctx.E)
             dw = segment_outer(g, x, order, offs, ctx.strides, w, ctx.rows)
         return dx, None, dw, None, None, None, None
 
