@@ -173,13 +173,6 @@ def dequantize_rows(packed: torch.Tensor, scales: Optional[torch.Tensor], gate_u
     return out
 
 
-def _factor_check(name: str, ids: torch.Tensor, w: torch.Tensor, E: int, r: int) -> None:
-    if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{name}: ids must be [P] int32/int64, got {tuple(ids.shape)} {ids.dtype}")
-    if w.dim() != 2 or w.numel() % (E * r):
-        raise ValueError(f"{name}: the factor must be a 2-D parameter of r E = {r * E} blocks, got {tuple(w.shape)}")
-
-
 def pair_expand(u: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, strides: tuple, m: int) -> torch.Tensor:
     """out [P, m] (u's dtype): out[p, c] = sum_j u[p, j] W(ids[p], j, c), W's element (e, j, c) at ``w``'s flat
     offset e se + j sj + c sc (``strides`` = (se, sj, sc)), float32 sums. u [P, r] contiguous, ids [P] in [0, E)."""
