@@ -137,9 +137,9 @@ def test_mixed_types_load_exactly(wide_qwen3, types):
     packed = packed_experts_of(moe_experts_modules(loaded)[0])
     if types["down"] == "Q6_K":
         assert packed.w13.dtype == torch.uint8 and packed.w2.dtype == torch.int8
-    # Q5_K/Q6_K scales at the file's size (two-level: uint8 Q5_K, int8 Q6_K) per projection; Q4_K, Q8_0 and gate/up
-    # of different types: float32 per group (gguf_loading.KSCALES_ON_LOAD: the forms that decode fastest)
-    kscale = {"Q5_K": torch.uint8, "Q6_K": torch.int8}
+    # Q4_K/Q5_K/Q6_K scales at the file's size (two-level: uint8 Q4_K and Q5_K, int8 Q6_K) per projection; Q8_0 and
+    # gate/up of different types: float32 per group (gguf_loading.KSCALES_ON_LOAD)
+    kscale = {"Q4_K": torch.uint8, "Q5_K": torch.uint8, "Q6_K": torch.int8}
     assert packed.w13_scales.dtype == (kscale.get(types["gate"], torch.float32) if types["gate"] == types["up"]
                                        else torch.float32)
     assert packed.w2_scales.dtype == kscale.get(types["down"], torch.float32)

@@ -235,7 +235,13 @@ def test_kscales_same_output_as_float_scales(kernel, types, seed):
         ids, weights = make_routing(T, E, K)
         out = ktorch.fused_moe(hidden, ids, weights, packed)
         want = ktorch.fused_moe(hidden, ids, weights, ref_packed)
-        assert torch.equal(out, want), f"seed={seed} {kernel} {types} T={T}: two-level differs from float32 scales"
+        if kernel == "amx" and "Q4_K" in types and T >= 16:
+            # Q4_K's AMX walk takes the integer sub-scales and sums 256-wide super-blocks in its tiles (the float32
+            # form goes to AVX-512, one group at a time): the same values within fp32 rounding, then bf16's
+            assert torch.allclose(out.float(), want.float(), rtol=2 ** -7, atol=1e-6 * want.abs().max().item()), \
+                f"seed={seed} {kernel} {types} T={T}: two-level differs from float32 scales by more than rounding"
+        else:
+            assert torch.equal(out, want), f"seed={seed} {kernel} {types} T={T}: two-level differs from float32 scales"
         ref = fused_moe_reference(hidden, ids, weights, gate_up, down, "silu")
         assert relative_error(out, ref) <= INT8_TOLERANCE * (4 / 3 if T < 4 else 1)
 

@@ -709,13 +709,14 @@ def exact_codes(data: np.ndarray, type_name: str) -> tuple[torch.Tensor, torch.T
 # The K-quant types whose scales load at the file's size (two-level: ``pack_kscales``): a sub-scale per group
 # (Q4_K/Q5_K: 6-bit sc and m as uint8; Q6_K: sc as int8) and a float32 d (and dmin) per 256 weights.
 KSCALE_TYPES = ("Q4_K", "Q5_K", "Q6_K")
-# The types the loader keeps in that form: those whose decode measured no slower than the float32-per-group form.
-# One Qwen3-30B-A3B layer at T = 1, cold caches, H200 host (session 29, aa017df, `bench_fused_moe.py --tokens 1`):
-# Q6_K two-level 0.371 ms against 0.514 (fewer bytes, and faster), Q5_K two-level 0.362 ms (116% of the read
-# bandwidth); Q4_K two-level 0.336 against 0.298 and Q8_0 with its float16 d 0.349 against 0.329: the per-call
-# expansion of their scales costs more than the bytes it saves, so they load float32 per group (0.75 and 1.125 bytes
-# a weight instead of 0.594 and 1.0625). The op takes every form (docs/loading.md).
-KSCALES_ON_LOAD = ("Q5_K", "Q6_K")
+# The types the loader keeps in that form: all three. Q5_K and Q6_K decode no slower in it (one Qwen3-30B-A3B layer at
+# T = 1, cold caches, H200 host, session 29, aa017df, `bench_fused_moe.py --tokens 1`: Q6_K two-level 0.371 ms against
+# 0.514, Q5_K 0.362 ms, 116% of the read bandwidth). Q4_K's AMX prefill needs it: its integer sub-scales let the tile
+# walk sum whole super-blocks (amx/kernels.cpp, kq4_block), where the float32 form goes to the AVX-512 kernel: session
+# 41, same layer, 16 threads, one call: T = 1 / 512 / 2048 0.338 / 14.57 / 40.62 ms two-level against 0.330 / 14.92 /
+# 59.08 float32 per group, in 0.594 bytes a weight instead of 0.75. (Q8_0 with its float16 d decoded slower, 0.349
+# against 0.329 ms, session 29, and has no tile walk of its own: float32 per group.) The op takes every form.
+KSCALES_ON_LOAD = ("Q4_K", "Q5_K", "Q6_K")
 
 
 def exact_kscales(data: np.ndarray, type_name: str) -> tuple:

@@ -87,6 +87,16 @@ struct GemmArgs {
   // int4 only: the 16 signed values the nibbles stand for (kMxfp4Codes), or nullptr (u - 8, or u with b_min). Never
   // set together with b_min.
   const int8_t* b_codes = nullptr;
+  // Affine int4 with two-level scales (GGUF Q4_K at the file's size), given beside b_scale and b_min: the scale of
+  // group g of column n is b_super[(g * group_size / super_size) * b_super_group_stride + n] *
+  // b_sub[g * b_sub_group_stride + n] (the columns of a call indexed as b_scale's, b_scale_block_stride a block), the
+  // value b_scale holds. The AMX walk multiplies the nibbles by the byte sub-scales and sums whole super-blocks in its
+  // tiles (amx/kernels.cpp); the other kernels read b_scale. nullptr: none.
+  const uint8_t* b_sub = nullptr;
+  int64_t b_sub_group_stride = 0;
+  const float* b_super = nullptr;
+  int64_t b_super_group_stride = 0;
+  int64_t super_size = 0;            // input channels per super-scale (GGUF: 256)
   int nblocks = 0;                   // 16-column blocks to compute, 1..kMaxBlocks
   float* c = nullptr;
   int64_t ldc = 0;

@@ -321,10 +321,20 @@ const float* expand_kscales(const PackedMatrix& m, const void* scales, int64_t e
 // scales, or (scales at the file's size) the expanded form in this thread's buffer.
 void set_b_scales(kernels::GemmArgs& a, const PackedMatrix& m, const float* scales, int64_t e, int64_t c0,
                   int64_t n) {
+  a.b_sub = nullptr;
+  a.b_super = nullptr;
   if (m.sub_kind != 0) {
     a.b_scale = expand_kscales(m, scales, e, c0, n);
     a.b_scale_group_stride = n;
     if (m.affine) a.b_min = a.b_scale + m.groups * n;
+    if (m.sub_kind == 1 && m.affine && m.fmt == WeightFormat::INT4) {  // Q4_K: the AMX walk takes the integer form
+      const uint8_t* p = reinterpret_cast<const uint8_t*>(scales) + e * 2 * m.rows() * m.N;  // the scales' part
+      a.b_sub = p + c0;
+      a.b_sub_group_stride = m.N;
+      a.b_super = reinterpret_cast<const float*>(p + m.groups * m.N) + c0;
+      a.b_super_group_stride = m.N;
+      a.super_size = m.K / m.supers;
+    }
   } else {
     a.b_scale = scales + e * m.scale_expert_stride() + c0;
     a.b_scale_group_stride = m.N;

@@ -5,10 +5,14 @@
 //   int4: per group g: acc_g = TDPBSSD(A, B_g), B_g = the nibbles unpacked to q - 8 (signed, [-8, 7]) in a
 //         thread-local buffer;  C = s_x[m] * sum_g acc_g * s_w[g][n]
 //   coded int4 (b_codes, MXFP4): B_g = codes[nibble] (a byte shuffle of the table), otherwise as symmetric int4
-// Signed int8 x signed int8 needs no unsigned offset, so a_gsum is not read here.
-// Grouped/affine int8 (GGUF Q8_0, Q6_K, Q5_K) and affine int4 (GGUF Q4_K) go to the AVX-512 kernel (gemm_amx).
+//   affine int4 with two-level scales (b_sub: GGUF Q4_K at the file's size): per super-block of 256, B = sub * u as
+//         two unsigned byte planes h, l (sub * u = 256 h + l), acc_h += TDPBSUD(A, H), acc_l += TDPBSUD(A, L);
+//         C = s_x[m] * sum_sb ((256 acc_h + acc_l) * super[sb][n] - sum_{g in sb} sum_g(x) * min[g][n])
+// Signed int8 x signed int8 needs no unsigned offset, so a_gsum is not read here (only for the affine minimums).
+// Grouped/affine int8 (GGUF Q8_0, Q6_K, Q5_K) and affine int4 with float32 scales go to the AVX-512 kernel (gemm_amx).
 // The int8/int4 results equal the AVX-512 kernels' bit for bit (same integer sums, same fp32 operations in
-// the same order); bf16 differs in fp32 rounding order only.
+// the same order), except the two-level walk (its integer sums span super-blocks: within fp32 rounding); bf16
+// differs in fp32 rounding order only.
 //
 // Layout: the packed weights already are AMX B tiles. bf16 [K/2][16][2] and int8 [K/4][16][4]: one 32-deep
 // (bf16) or 64-deep (int8) chunk of a 16-column block is one contiguous 1 KB tile, 16 rows of 64 B. int4
@@ -57,6 +61,7 @@
 #define KTAMX_TILE_ZERO(t) ::kt::kernels::amx_emulation::zero(t)
 #define KTAMX_TILE_DP_BF16(c, a, b) ::kt::kernels::amx_emulation::dp_bf16(c, a, b)
 #define KTAMX_TILE_DP_S8(c, a, b) ::kt::kernels::amx_emulation::dp_s8(c, a, b)
+#define KTAMX_TILE_DP_SU8(c, a, b) ::kt::kernels::amx_emulation::dp_su8(c, a, b)
 #define KTAMX_RECORD_PREFETCH(p, to_l1) ::kt::kernels::amx_emulation::record_prefetch(p, to_l1)
 #define KTAMX_RECORD_UNPACK(p, bytes) ::kt::kernels::amx_emulation::record_unpack(p, bytes)
 #else
@@ -69,6 +74,7 @@
 #define KTAMX_TILE_ZERO(t) _tile_zero(t)
 #define KTAMX_TILE_DP_BF16(c, a, b) _tile_dpbf16ps(c, a, b)
 #define KTAMX_TILE_DP_S8(c, a, b) _tile_dpbssd(c, a, b)
+#define KTAMX_TILE_DP_SU8(c, a, b) _tile_dpbsud(c, a, b)
 #define KTAMX_RECORD_PREFETCH(p, to_l1) ((void)0)
 #define KTAMX_RECORD_UNPACK(p, bytes) ((void)0)
 #endif
@@ -160,7 +166,8 @@ class Scratch {
 
 thread_local Scratch t_rows;   // activation rows that cannot be tile-loaded in place
 thread_local Scratch t_btile;  // int4: a column pair's weights unpacked; int8: zero-padded last-step B tiles
-thread_local Scratch t_ctile;  // the C tiles of one block [32][32] x 4 B (int4: two), the int4 fp32 accumulators
+thread_local Scratch t_ctile;
+thread_local Scratch t_gsumf;  // two-level int4: the activation group sums as floats  // the C tiles of one block [32][32] x 4 B (int4: two), the int4 fp32 accumulators
 
 // ---------------------------------------------------------------- activation rows
 // Where the A tiles of row group g (rows 16g..16g+15) come from: row i at base[g] + i * stride[g].
@@ -230,28 +237,30 @@ inline void store_c(uint8_t* cbuf) {
 
 // One k step of an RA x RB block: A tiles from a0/a1 (row strides sa0/sa1), B tiles from b0/b1 (64-byte rows).
 // Each A tile serves RB products and each B tile RA products.
-template <bool kBf16, int RA, int RB>
+// kUnsignedB: int8 A x uint8 B (TDPBSUD: the two-level int4 walk's byte planes).
+#define KTAMX_DP(c, a, b)                                       \
+  do {                                                          \
+    if constexpr (kBf16) KTAMX_TILE_DP_BF16(c, a, b);           \
+    else if constexpr (kUnsignedB) KTAMX_TILE_DP_SU8(c, a, b);  \
+    else KTAMX_TILE_DP_S8(c, a, b);                             \
+  } while (0)
+template <bool kBf16, int RA, int RB, bool kUnsignedB = false>
 inline void tile_step(const uint8_t* a0, int64_t sa0, const uint8_t* a1, int64_t sa1, const uint8_t* b0,
                       const uint8_t* b1) {
   KTAMX_TILE_LOAD(4, a0, sa0);
   KTAMX_TILE_LOAD(6, b0, 64);
-  if constexpr (kBf16) KTAMX_TILE_DP_BF16(0, 4, 6);
-  else KTAMX_TILE_DP_S8(0, 4, 6);
+  KTAMX_DP(0, 4, 6);
   if constexpr (RB > 1) {
     KTAMX_TILE_LOAD(7, b1, 64);
-    if constexpr (kBf16) KTAMX_TILE_DP_BF16(1, 4, 7);
-    else KTAMX_TILE_DP_S8(1, 4, 7);
+    KTAMX_DP(1, 4, 7);
   }
   if constexpr (RA > 1) {
     KTAMX_TILE_LOAD(5, a1, sa1);
-    if constexpr (kBf16) KTAMX_TILE_DP_BF16(2, 5, 6);
-    else KTAMX_TILE_DP_S8(2, 5, 6);
-    if constexpr (RB > 1) {
-      if constexpr (kBf16) KTAMX_TILE_DP_BF16(3, 5, 7);
-      else KTAMX_TILE_DP_S8(3, 5, 7);
-    }
+    KTAMX_DP(2, 5, 6);
+    if constexpr (RB > 1) KTAMX_DP(3, 5, 7);
   }
 }
+#undef KTAMX_DP
 
 // One pass of a block of C tiles over k steps [s0, s1): row groups g0 (.. g0 + RA - 1), column blocks b0
 // (.. b0 + RB - 1). The walk (tile_walk) decides what each pass prefetches.
@@ -452,17 +461,147 @@ void int4_block(const GemmArgs& a, const ARows& ar, const Block& blk, uint8_t* u
   }
 }
 
+// ---------------------------------------------------------------- affine int4 with two-level scales (GGUF Q4_K)
+// W = u * super[s][n] * sub[g][n] - min[g][n]: the byte sub-scales are integers, so a super-block's products need no
+// float per group. The unpack writes p = sub * u (0..3825) of each weight as two unsigned byte planes, p = 256 h + l,
+// the tiles sum x.h and x.l (TDPBSUD) over a whole super-block, and the super-block's epilogue adds
+// (256 x.h + x.l) * super - sum_g sum_g(x) * min[g] to fp32 accumulators: one epilogue per super_size input
+// channels (256) instead of one per group of 32, for twice the tile products, which have room to spare
+// (the layer is bound by the unpack and the epilogues; docs/amx.md).
+
+// The sub-scales of 16 columns (16 bytes), each repeated over its column's 4 bytes of a tile row.
+inline __m512i sub_scale_bytes(const uint8_t* sub16) {
+  const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub16)));
+  const __m512i rep = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12));
+  return _mm512_shuffle_epi8(d, rep);
+}
+
+// One int4 line (64 bytes: 8 k of 16 columns, codes u) times the sub-scale bytes sc into the planes h and l: row
+// 2o of each (the low nibbles, k = 8o..8o+3) and row 2o + 1 (the high nibbles). p = sc * u per byte, formed as 16-bit
+// products of the even and odd bytes (vpmaddubsw with the other byte masked off); l = p & 255, h = p >> 8.
+inline void unpack_kq4_line(const uint8_t* src, __m512i sc, uint8_t* h, uint8_t* l) {
+  const __m512i v = _mm512_loadu_si512(src);
+  const __m512i even = _mm512_set1_epi16(0x000f), odd = _mm512_set1_epi16(0x0f00);
+  constexpr __mmask64 kOdd = 0xAAAAAAAAAAAAAAAAull;
+  const __m512i nib[2] = {v, _mm512_srli_epi16(v, 4)};
+  for (int half = 0; half < 2; ++half) {
+    const __m512i pe = _mm512_maddubs_epi16(sc, _mm512_and_si512(nib[half], even));
+    const __m512i po = _mm512_maddubs_epi16(sc, _mm512_and_si512(nib[half], odd));
+    _mm512_store_si512(l + 64 * half, _mm512_mask_blend_epi8(kOdd, pe, _mm512_slli_epi16(po, 8)));
+    _mm512_store_si512(h + 64 * half, _mm512_mask_blend_epi8(kOdd, _mm512_srli_epi16(pe, 8), po));
+  }
+}
+
+// The row pair g0 (RA row groups) against the RB column blocks of a pair, one block after the other (each takes
+// four C tiles: h and l sums of two row groups). unpacked: per block, per 64-deep step, the h tile then the l tile
+// (2 KB), filled on the column pair's first pass (blk.unpack, kUnpackAhead steps ahead) and read by its later row
+// pairs. gsumf: the walk's activation group sums as floats, [M][G]. acc: [32][16] fp32. The walk's prefetches of
+// the next weights and A rows and its side work are spread over the block's steps (the RB blocks' steps in turn).
+template <int RA, int RB>
+void kq4_block(const GemmArgs& a, const ARows& ar, const Block& blk, uint8_t* unpacked, uint8_t* cbuf, float* acc,
+               const float* gsumf) {
+  constexpr int64_t kPackedStep = 512;     // packed bytes of one block per 64-deep step
+  constexpr int64_t kUnpackedStep = 2048;  // its h and l tiles
+  const int64_t steps = a.K / 64, super_steps = a.super_size / 64, groups = a.K / a.group_size;
+  const int64_t per_super = a.super_size / a.group_size;
+  const uint8_t* a0 = ar.base[blk.g0];
+  const int64_t sa0 = ar.stride[blk.g0];
+  const uint8_t* a1 = RA > 1 ? ar.base[blk.g0 + 1] : a0;
+  const int64_t sa1 = RA > 1 ? ar.stride[blk.g0 + 1] : sa0;
+  const int rows = std::min(16 * RA, a.M - 16 * blk.g0);
+  const int64_t vsteps = RB * steps;  // the pass's steps, block after block
+  for (int j = 0; j < RB; ++j) {
+    const int64_t col = (blk.b0 + j) * a.b_scale_block_stride;
+    const uint8_t* packed = a.b + (blk.b0 + j) * a.b_block_stride;
+    uint8_t* u = unpacked + j * steps * kUnpackedStep;
+    const auto unpack_step = [&](int64_t t) {
+      KTAMX_RECORD_UNPACK(packed + t * kPackedStep, kPackedStep);
+      for (int half = 0; half < 2; ++half) {  // 32 k (4 lines) at a time: groups are multiples of 32
+        const int64_t g = (64 * t + 32 * half) / a.group_size;
+        const __m512i sc = sub_scale_bytes(a.b_sub + g * a.b_sub_group_stride + col);
+        for (int o = 4 * half; o < 4 * half + 4; ++o)
+          unpack_kq4_line(packed + t * kPackedStep + 64 * o, sc, u + t * kUnpackedStep + 128 * o,
+                          u + t * kUnpackedStep + 1024 + 128 * o);
+      }
+    };
+    const int64_t ahead = blk.unpack ? kUnpackAhead : 0;
+    if (blk.unpack) {
+      for (int64_t t = 0; t < std::min(ahead, steps); ++t) unpack_step(t);
+      KTAMX_COMPILER_BARRIER();
+    }
+    for (int r = 0; r < rows; ++r) _mm512_store_ps(acc + r * 16, _mm512_setzero_ps());
+    for (int64_t sb = 0; sb < steps / super_steps; ++sb) {
+      zero_c<RA, 2>();
+      for (int64_t s = sb * super_steps; s < (sb + 1) * super_steps; ++s) {
+        const int64_t v = j * steps + s;  // this step among the pass's
+        if (blk.unpack) {
+          const int64_t t = s + kPrefetchSteps;
+          if (t < steps) prefetch(packed + t * kPackedStep, kPackedStep, true);
+          for (int half = 0; half < 2; ++half) {  // the sub-scales a few steps ahead (a line per group)
+            const int64_t gt = std::min(groups - 1, (64 * t + 32 * half) / a.group_size);
+            _mm_prefetch(reinterpret_cast<const char*>(a.b_sub + gt * a.b_sub_group_stride + col), _MM_HINT_T0);
+          }
+        }
+        if (j == 0 && blk.next != nullptr) prefetch_next(a, blk, s);
+        if (j == 0 && blk.next_a != nullptr) prefetch_next_a(blk, s);
+        if (blk.unpack && s + ahead < steps) {
+          unpack_step(s + ahead);
+          KTAMX_COMPILER_BARRIER();
+        }
+        tile_step<false, RA, 2, true>(a0 + s * 64, sa0, a1 + s * 64, sa1, u + s * kUnpackedStep,
+                                      u + s * kUnpackedStep + 1024);
+        if (blk.side != nullptr) {  // (run_side over the pass's vsteps)
+          const int64_t due = blk.side_from + (blk.side_to - blk.side_from) * (v + 1) / vsteps;
+          if (due > blk.side->done) {
+            blk.side->run(blk.side->ctx, blk.side->done, due);
+            blk.side->done = due;
+          }
+        }
+      }
+      store_c<RA, 2>(cbuf);
+      KTAMX_COMPILER_BARRIER();
+      // acc += (256 x.h + x.l) * super - sum over the super-block's groups of sum_g(x) * min[g]
+      const __m512 sup = _mm512_loadu_ps(a.b_super + sb * a.b_super_group_stride + col);
+      __m512 mins[8];  // per_super <= 8 (group_size >= 32, super_size <= 256)
+      for (int64_t i = 0; i < per_super; ++i)
+        mins[i] = _mm512_loadu_ps(a.b_min + (sb * per_super + i) * a.b_scale_group_stride + col);
+      for (int r = 0; r < rows; ++r) {
+        const __m512i h = _mm512_load_si512(cbuf + r * 128), l = _mm512_load_si512(cbuf + r * 128 + 64);
+        __m512 x = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(h, 8), l)), sup,
+                                   _mm512_load_ps(acc + r * 16));
+        const float* gs = gsumf + (16 * blk.g0 + r) * groups + sb * per_super;
+        for (int64_t i = 0; i < per_super; ++i) x = _mm512_fnmadd_ps(_mm512_set1_ps(gs[i]), mins[i], x);
+        _mm512_store_ps(acc + r * 16, x);
+      }
+    }
+    for (int r = 0; r < rows; ++r) {
+      const int m = 16 * blk.g0 + r;
+      _mm512_storeu_ps(a.c + m * a.ldc + 16 * (blk.b0 + j),
+                       _mm512_mul_ps(_mm512_load_ps(acc + r * 16), _mm512_set1_ps(a.a_scale[m])));
+    }
+  }
+}
+
 // ---------------------------------------------------------------- tile walk
 struct Buffers {
   uint8_t* cbuf;
   float* acc;
   uint8_t* btile;
+  const float* gsumf;  // two-level int4: the activation group sums as floats, [M][G]
 };
+
+// Affine int4 whose two-level scales the AMX walk takes (kq4_block); other affine int4 goes to AVX-512 (gemm_amx).
+inline bool two_level_walk(const GemmArgs& a) {
+  return a.b_min != nullptr && a.b_sub != nullptr && a.b_super != nullptr && a.b_codes == nullptr &&
+         a.group_size % 32 == 0 && a.super_size % 64 == 0 && a.super_size % a.group_size == 0 &&
+         a.super_size / a.group_size <= 8 && a.K % a.super_size == 0;
+}
 
 template <WeightFormat F, int RA, int RB>
 void run_block(const GemmArgs& a, const ARows& ar, const Block& blk, const Buffers& buf) {
   if constexpr (F == WeightFormat::INT4) {
-    if (a.group_size == 32) int4_block<RA, RB, 32>(a, ar, blk, buf.btile, buf.cbuf, buf.acc);
+    if (buf.gsumf != nullptr) kq4_block<RA, RB>(a, ar, blk, buf.btile, buf.cbuf, buf.acc, buf.gsumf);
+    else if (a.group_size == 32) int4_block<RA, RB, 32>(a, ar, blk, buf.btile, buf.cbuf, buf.acc);
     else int4_block<RA, RB, 64>(a, ar, blk, buf.btile, buf.cbuf, buf.acc);
   } else {
     dense_block<F, RA, RB>(a, ar, blk, buf.btile, buf.cbuf);
@@ -477,7 +616,8 @@ void run_block(const GemmArgs& a, const ARows& ar, const Block& blk, const Buffe
 // side_until: how much of the caller's side work (a.side) is due by the end of this walk.
 template <WeightFormat F>
 void tile_walk(const GemmArgs& a, int64_t side_until) {
-  const int depth = F == WeightFormat::INT4 && a.group_size == 32 ? 32 : 64;
+  const bool two_level = F == WeightFormat::INT4 && two_level_walk(a);
+  const int depth = F == WeightFormat::INT4 && a.group_size == 32 && !two_level ? 32 : 64;
   load_tile_config(depth);
   const int64_t row_bytes = F == WeightFormat::BF16 ? 2 * a.K : a.K;
   const ARows ar = gather_rows(a, row_bytes, F != WeightFormat::INT8 || a.K % 64 == 0);
@@ -486,8 +626,18 @@ void tile_walk(const GemmArgs& a, int64_t side_until) {
   buf.cbuf = t_ctile.get(32 * 128 + 32 * 32 * sizeof(float));
   buf.acc = reinterpret_cast<float*>(buf.cbuf + 32 * 128);
   buf.btile = nullptr;
+  buf.gsumf = nullptr;
   const bool int8_tail = F == WeightFormat::INT8 && a.K % 64 != 0;
-  if (F == WeightFormat::INT4) buf.btile = t_btile.get(static_cast<size_t>(2 * 16 * a.K));  // 2 blocks x K/4 rows x 64 B
+  if (F == WeightFormat::INT4 && two_level) {
+    buf.btile = t_btile.get(static_cast<size_t>(2 * 32 * a.K));  // 2 blocks x 2 planes x K/4 rows x 64 B
+    const int64_t G = a.K / a.group_size;
+    auto* gf = reinterpret_cast<float*>(t_gsumf.get(static_cast<size_t>(a.M * G) * sizeof(float)));
+    for (int m = 0; m < a.M; ++m)
+      for (int64_t g = 0; g < G; ++g) gf[m * G + g] = static_cast<float>(a.a_gsum[m * a.a_gsum_stride + g]);
+    buf.gsumf = gf;
+  } else if (F == WeightFormat::INT4) {
+    buf.btile = t_btile.get(static_cast<size_t>(2 * 16 * a.K));  // 2 blocks x K/4 rows x 64 B
+  }
   if (int8_tail) buf.btile = t_btile.get(2 * kTileBytes);
   const int groups = (a.M + 15) / 16, row_pairs = (groups + 1) / 2;
   // k steps of full B tiles
@@ -560,14 +710,15 @@ void gemm_amx(const GemmArgs& a) {
   const int test_rows = g_test_min_rows.load(std::memory_order_relaxed);
   if (a.M < (test_rows >= 0 ? test_rows : kMinRows[static_cast<int>(F)])) return avx512_kernels().gemm[static_cast<int>(F)](a);
   // Grouped and affine int8 (GGUF Q8_0/Q6_K/Q5_K kept exact) have no tile walk: their 16/32-deep groups would
-  // need per-group C tiles as int4 has; they run on the AVX-512 kernel at every M. So does affine int4 (GGUF Q4_K,
-  // groups of 32 with minimums): its walk stored, converted and scaled 4 C tiles after every 32-deep group, and the
-  // AVX-512 kernel beat it at every size measured (device, one Qwen3-30B-A3B layer, ms at T = 512 / 2048: Q4_K
-  // 15.9 / 66.9 against the walk's 30.9 / 72.6, Q4_K_M 18.9 / 74.7 against 29.2 / 80.7; session 39,
-  // bench_fused_moe.py --env-variants - KT_CPU_KERNEL=avx512). Symmetric int4 keeps the walk (7.9 / 22.3 against
-  // 11.6 / 44.5), and so does MXFP4 (50.2 / 128.5 against 43.6 / 171.4: the walk wins the larger call).
-  if ((F == WeightFormat::INT8 || F == WeightFormat::INT4) &&
-      (a.b_min != nullptr || (F == WeightFormat::INT8 && a.group_size > 0 && a.group_size < a.K)))
+  // need per-group C tiles as int4 has; they run on the AVX-512 kernel at every M. So does affine int4 with float32
+  // scales per group: its walk stored, converted and scaled 4 C tiles after every 32-deep group, and the AVX-512
+  // kernel beat it at every size measured (device, one Qwen3-30B-A3B layer, ms at T = 512 / 2048: Q4_K 15.9 / 66.9
+  // against the walk's 30.9 / 72.6; session 39). With two-level scales (b_sub) Q4_K walks kq4_block: 14.57 / 40.62
+  // against the AVX-512 kernel's 14.92 / 59.08 on the float32 form (session 41, bench_fused_moe.py ktorch-q4_k_2l /
+  // ktorch-q4_k). Symmetric int4 keeps the walk (7.9 / 22.3 against 11.6 / 44.5), and so does MXFP4 (50.2 / 128.5
+  // against 43.6 / 171.4: the walk wins the larger call).
+  if ((F == WeightFormat::INT8 && (a.b_min != nullptr || (a.group_size > 0 && a.group_size < a.K))) ||
+      (F == WeightFormat::INT4 && a.b_min != nullptr && !two_level_walk(a)))
     return avx512_kernels().gemm[static_cast<int>(F)](a);
   constexpr int max_rows = kMaxWalkRows;
   GemmArgs part = a;
@@ -575,6 +726,7 @@ void gemm_amx(const GemmArgs& a) {
     part.M = std::min(max_rows, a.M - m0);
     part.a_rows = a.a_rows + m0;
     if (a.a_scale != nullptr) part.a_scale = a.a_scale + m0;
+    if (a.a_gsum != nullptr) part.a_gsum = a.a_gsum + m0 * a.a_gsum_stride;
     part.c = a.c + m0 * a.ldc;
     part.next_b = m0 + max_rows < a.M ? nullptr : a.next_b;  // a later walk of this call reuses this b from L2
     part.next_a = m0 + max_rows < a.M ? nullptr : a.next_a;

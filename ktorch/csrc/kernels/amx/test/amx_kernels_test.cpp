@@ -2,7 +2,8 @@
 // kernels, over the calls the fused-MoE driver makes and their edges: M 1..300 (tile walks of 1-16 row
 // groups, partial groups, calls cut at 256 rows), nblocks 1-4, K with and without a 64-deep int8 tail,
 // int4 groups of 32/64/128 (symmetric, nibbles that are MXFP4 codes, GemmArgs::b_codes, and affine with minimums as
-// GGUF Q4_K, GemmArgs::b_min, which gemm_amx sends to the AVX-512 kernel), activation rows evenly strided (tile-loaded in place) or gathered (copied),
+// GGUF Q4_K, GemmArgs::b_min: with float32 scales, which gemm_amx sends to the AVX-512 kernel, and with two-level
+// scales, GemmArgs::b_sub, which walk the tiles), activation rows evenly strided (tile-loaded in place) or gathered (copied),
 // and the output rows/columns a call must leave alone, under the tile walk ('rows', M up to 300: walks of up to 256),
 // and (emulated) that the weight prefetches stay inside the weights and cover what the walk fetches ahead, and that
 // int4 unpacks each weight line once a walk.
@@ -83,6 +84,9 @@ struct Problem {
   std::vector<uint8_t> packed;    // exactly the packed bytes
   std::vector<float> wscale;      // [G][N]
   std::vector<float> wmin;        // [G][N], affine only
+  int sub_max = 0;                // affine with two-level scales (GemmArgs::b_sub, GGUF Q4_K at the file's size):
+  std::vector<uint8_t> sub;       //   byte sub-scales [G][N] in 0..sub_max and float super-scales [K/256][N],
+  std::vector<float> super;       //   wscale = super * sub
   std::vector<uint8_t> arows;     // activation storage, exactly sized
   std::vector<const void*> rows;  // per call row
   std::vector<float> ascale;
@@ -92,7 +96,7 @@ struct Problem {
 };
 
 Problem make_problem(WeightFormat f, int M, int64_t K, int nblocks, int64_t group, bool strided, bool coded = false,
-                     bool affine = false) {
+                     bool affine = false, int sub_max = 0) {
   Problem p;
   p.f = f;
   p.coded = coded;
@@ -134,6 +138,17 @@ Problem make_problem(WeightFormat f, int M, int64_t K, int nblocks, int64_t grou
     }
   p.wscale.resize(G * N);
   for (auto& s : p.wscale) s = rand_float(0.5f, 2.0f) / 64;
+  p.sub_max = sub_max;
+  if (sub_max > 0) {  // (K a multiple of 256)
+    p.sub.resize(G * N);
+    p.super.resize(K / 256 * N);
+    for (auto& s : p.super) s = rand_float(0.5f, 2.0f) / 64 / sub_max;
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t n = 0; n < N; ++n) {
+        p.sub[g * N + n] = static_cast<uint8_t>(rand_int(0, sub_max));
+        p.wscale[g * N + n] = p.super[(g * group / 256) * N + n] * static_cast<float>(p.sub[g * N + n]);
+      }
+  }
   if (affine) {
     p.wmin.resize(G * N);
     for (auto& m : p.wmin) m = rand_float(0.0f, 8.0f) / 64;  // about 8 s: Q4_K's minimums sit near the middle
@@ -243,6 +258,13 @@ std::vector<float> run(const Problem& p, GemmFn fn, int64_t ldc, int extra_rows,
   }
   if (p.coded) a.b_codes = kMxfp4Codes;
   if (p.affine) a.b_min = p.wmin.data() + 16 * first;
+  if (p.sub_max > 0) {
+    a.b_sub = p.sub.data() + 16 * first;
+    a.b_sub_group_stride = p.N();
+    a.b_super = p.super.data() + 16 * first;
+    a.b_super_group_stride = p.N();
+    a.super_size = 256;
+  }
   a.b = p.packed.data() + first * block_bytes(p.f, p.K);
   a.b_block_stride = block_bytes(p.f, p.K);
   a.nblocks = p.nblocks;
@@ -331,8 +353,8 @@ std::string check_unpacks(const Problem& p, bool walked) {
 #endif
 
 void check_case(WeightFormat f, int M, int64_t K, int nblocks, int64_t group, bool strided, bool coded = false,
-                bool affine = false) {
-  const Problem p = make_problem(f, M, K, nblocks, group, strided, coded, affine);
+                bool affine = false, int sub_max = 0) {
+  const Problem p = make_problem(f, M, K, nblocks, group, strided, coded, affine, sub_max);
   const int64_t cols = 16 * nblocks, ldc = cols + 16;
   std::vector<uint8_t> next(block_bytes(f, K) * nblocks, 0);  // the caller's next call's weights
   std::vector<uint8_t> next_a(static_cast<size_t>(M) * 40 + 17, 0);  // its A rows (a length that ends mid-line)
@@ -380,12 +402,13 @@ void check_case(WeightFormat f, int M, int64_t K, int nblocks, int64_t group, bo
       const float w = avx[m * ldc + j];
       worst_vs_avx = std::max(worst_vs_avx, static_cast<double>(std::fabs(v - w)));
     }
-  // int formats: same integer sums and fp32 operations in the same order as AVX-512, so bit-identical
-  const bool exact = f == WeightFormat::BF16 || worst_vs_avx == 0.0;
+  // int formats: same integer sums and fp32 operations in the same order as AVX-512, so bit-identical (not the
+  // two-level walk: its integer sums span super-blocks, the AVX-512 kernel's one group; the bound holds for both)
+  const bool exact = f == WeightFormat::BF16 || sub_max > 0 || worst_vs_avx == 0.0;
   if (worst > 1.0 || !untouched || !exact || !prefetch_error.empty()) {
     ++failures;
     std::printf("FAIL %s%s M=%d K=%lld nblocks=%d group=%lld %s: error/bound %.3g, |amx-avx512| max %.3g%s%s%s\n", name(f),
-                coded ? " (MXFP4 codes)" : affine ? " (affine)" : "",
+                coded ? " (MXFP4 codes)" : sub_max > 0 ? " (affine, two-level)" : affine ? " (affine)" : "",
                 M, static_cast<long long>(K), nblocks, static_cast<long long>(group), strided ? "strided" : "gathered",
                 worst, worst_vs_avx, untouched ? "" : ", wrote outside its rows/columns",
                 prefetch_error.empty() ? "" : ", ", prefetch_error.c_str());
@@ -415,7 +438,9 @@ int check_walks(const char* label) {
         check_case(WeightFormat::INT4, M, 96, nb, 32, strided, true);  // MXFP4's codes through the table
         check_case(WeightFormat::INT4, M, 128, nb, 32, strided, false, true);  // affine (Q4_K's groups of 32)
         check_case(WeightFormat::INT4, M, 128, nb, 64, strided, false, true);
-        cases += 4;
+        check_case(WeightFormat::INT4, M, 256, nb, 32, strided, false, true, 63);  // Q4_K at the file's size
+        check_case(WeightFormat::INT4, M, 512, nb, 64, strided, false, true, 255);  // every byte sub-scale
+        cases += 6;
       }
   // driver-sized reductions for each format (int8 with its 32-deep tail; int4 as the Qwen3 gate/up call at T=2048,
   // and Q4_K's down projection)
@@ -428,7 +453,9 @@ int check_walks(const char* label) {
   }
   check_case(WeightFormat::INT4, 128, 2048, 4, 128, true);
   check_case(WeightFormat::INT4, 256, 768, 4, 32, false, false, true);
-  cases += 2;
+  check_case(WeightFormat::INT4, 300, 768, 3, 32, false, false, true, 63);
+  check_case(WeightFormat::INT4, 100, 2048, 2, 32, true, false, true, 63);
+  cases += 4;
   g_check_prefetch = g_full_next = false;
   std::printf("walk %-22s %d cases, %d failed\n", label, cases, failures - before);
   return cases;
@@ -444,7 +471,8 @@ void check_all() {
     check_case(WeightFormat::INT4, M, 128, 2, 64, true);
     check_case(WeightFormat::INT4, M, 128, 2, 32, false, true);
     check_case(WeightFormat::INT4, M, 128, 2, 32, true, false, true);
-    cases += 4;
+    check_case(WeightFormat::INT4, M, 256, 2, 32, false, false, true, 63);
+    cases += 5;
   }
   std::printf("%d cases, %d failed\n", cases, failures);
 }
