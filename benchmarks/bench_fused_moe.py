@@ -56,6 +56,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 import ktorch
+from ktorch.ops.moe import int4_two_level
 
 SHAPES = {  # name: (E, K, H, I)
     "qwen3": (128, 8, 2048, 768),
@@ -190,6 +191,11 @@ def random_packed(E: int, H: int, I: int, fmt: str, group_size: int = 128, pages
         if fmt == "bf16":
             w = weights_buffer((E, N // 16, K // 2, 16, 2), torch.bfloat16, pages)
             return fill_parallel(w, lambda p, g: p.normal_(generator=g).mul_(K**-0.5)), None
+        if fmt == "int4" and int4_two_level(K, group_size):  # as pack_experts packs int4 there: byte sub-scales
+            # 1..15 per group, one fp32 super-scale a column (stored per 256 input channels)
+            sub = torch.randint(1, 16, (E, K // group_size, N), dtype=torch.uint8)
+            sup = torch.rand(E, 1, N).add_(0.5).mul_(K**-0.5 / 60).expand(E, K // 256, N).contiguous()
+            return codes(N, K, 4), torch.cat([sub, sup.view(torch.uint8).reshape(E, -1, N)], dim=1).contiguous()
         scale_groups = 1 if fmt == "int8" else K // group_size
         scales = torch.rand(E, scale_groups, N).add_(0.5).mul_(K**-0.5 / (64 if fmt == "int8" else 4))
         return (codes(N, K, 8, -127, 128) if fmt == "int8" else codes(N, K, 4)), scales
@@ -237,8 +243,9 @@ def expert_bytes(impl: str, H: int, I: int, group_size: int = 128) -> float:
     n = 3 * H * I
     if impl == "ktorch-int8":
         return n + 4 * (2 * I + H)
-    if impl == "ktorch-int4":
-        return n / 2 + 4 * (2 * I * H + H * I) / group_size
+    if impl == "ktorch-int4":  # a byte per group and an fp32 per 256 (two-level), or an fp32 per group
+        return sum(k * nk / 2 + (k * nk / group_size + 4 * k * nk / 256 if int4_two_level(k, group_size)
+                                 else 4 * k * nk / group_size) for k, nk in ((H, 2 * I), (I, H)))
     fmt = impl.split("-", 1)[1] if impl.startswith("ktorch-") else None
     if fmt in EXACT:  # codes (a byte, or a nibble) and fp32 scales (and minimums) per group
         def part(elements, form):

@@ -15,6 +15,7 @@ import torch
 from torch.library import opcheck
 
 import ktorch
+from ktorch.ops.moe import int4_two_level
 from conftest import kernel_skip_reason
 from reference import ACTIVATION_ALIASES, ACTIVATIONS, fused_moe_reference, relative_error
 
@@ -88,12 +89,16 @@ def test_expert_shapes(kernel, fmt, group_size, E, K, H, I, seed):
     check_against_reference(out, hidden, ids, weights, packed, "silu", seed, f"{kernel} {fmt} E={E} K={K} H={H} I={I}")
 
 
-@pytest.mark.parametrize("group_size,H,I", [(32, 96, 160), (64, 192, 320), (128, 256, 128)])
+@pytest.mark.parametrize("group_size,H,I", [(32, 96, 160), (64, 192, 320), (128, 256, 128), (32, 512, 256), (256, 256, 512)])
 def test_int4_group_sizes(kernel, group_size, H, I, seed):
     E, K, T = 6, 2, 40
     packed = make_experts(E, H, I, "int4", group_size)
-    assert packed.w13_scales.shape == (E, H // group_size, 2 * I)
-    assert packed.w2_scales.shape == (E, I // group_size, H)
+    for s, K, N in ((packed.w13_scales, H, 2 * I), (packed.w2_scales, I, H)):
+        if int4_two_level(K, group_size):  # a byte sub-scale per group, then the float32 super-scales' bytes
+            assert s.dtype == torch.uint8 and s.shape == (E, K // group_size + K // 64, N)
+            assert int(s[:, :K // group_size].max()) <= 15 and int(s[:, :K // group_size].min()) >= 1
+        else:
+            assert s.dtype == torch.float32 and s.shape == (E, K // group_size, N)
     hidden = torch.randn(T, H).to(torch.bfloat16)
     ids, weights = make_routing(T, E, K)
     out = ktorch.fused_moe(hidden, ids, weights, packed)

@@ -12,6 +12,7 @@ import torch
 from torch.library import opcheck
 
 import ktorch
+from ktorch.ops.packed_weights import kscales_as_float
 from reference import (
     dequantize_reference,
     int4_codes_reference,
@@ -187,6 +188,45 @@ def test_int4_layout(group_size, gate_up, seed):
         assert scales[e, g, 16 * nb + c] == scale[e, n, g], where
 
 
+@pytest.mark.parametrize("gate_up", [False, True])
+@pytest.mark.parametrize("group_size", [32, 128, 256])
+def test_int4_two_level_layout(group_size, gate_up, seed):
+    """kt.pack_int4(two_level=True): per row a float32 super-scale s = max |group absmax| / 105 (stored once per 256
+    input channels), per group a byte c = round(absmax / 7s) in 1..15 and codes q = round(w / (s c)) in [-8, 7],
+    so c * q fits a signed byte (the AMX walk's single tile plane); kt.unpack and the float32 form (kscales_as_float)
+    give s * c * q; the weight error stays that of the float32 form (absmax / 7 per group) within 3%."""
+    E, N, K = 2, 128, 512
+    w = torch.randn(E, N, K)
+    w[0, 5] *= 0  # an all-zero row: scale 0, codes 0
+    w[1, 7, :group_size] *= 1e-3  # a group far below its row's largest: its sub-scale 1
+    packed, scales = kt.pack_int4(w, group_size=group_size, gate_up=gate_up, two_level=True)
+    G, S = K // group_size, K // 256
+    assert packed.shape == (E, N // 16, K // 8, 16, 4) and scales.dtype == torch.uint8
+    assert scales.shape == (E, G + K // 64, N)
+    sub = scales[:, :G].long()
+    sup = scales[:, G:].contiguous().view(torch.float32).reshape(E, S, N)
+    assert torch.equal(sup, sup[:, :1].expand(E, S, N)), "one super-scale a row along K"
+    w_rows = w if not gate_up else w[:, [original_row(n, N, True) for n in range(N)]]  # packed row order
+    amax = w_rows.abs().reshape(E, N, G, group_size).amax(-1)
+    want_sup = amax.amax(-1) / 105
+    assert torch.equal(sup[:, 0], want_sup)
+    ratio = torch.where(want_sup[..., None] > 0, amax / (7 * want_sup[..., None]), torch.ones_like(amax))
+    assert torch.equal(sub.transpose(1, 2), ratio.round().clamp(1, 15).long())
+    assert int(sub.min()) >= 1 and int(sub.max()) <= 15
+    deq = kt.unpack(packed, scales, gate_up=gate_up)
+    assert torch.equal(deq, kt.unpack(packed, kscales_as_float(scales, K), gate_up=gate_up))
+    per_group = torch.empty(E, G, N)
+    per_group[:, :, [original_row(n, N, gate_up) for n in range(N)]] = kscales_as_float(scales, K)  # original rows
+    q = (deq.double() / per_group.repeat_interleave(group_size, 1).transpose(1, 2)).nan_to_num(0)
+    assert (q - q.round()).abs().max() < 1e-4 and q.abs().max() <= 8.0001
+    assert torch.all(deq[0, 5] == 0)
+    err = (deq - w).norm() / w.norm()
+    f32 = kt.unpack(*kt.pack_int4(w, group_size=group_size, gate_up=gate_up), gate_up=gate_up)
+    assert err <= 1.03 * (f32 - w).norm() / w.norm(), f"seed={seed}: two-level error {err:.4f}"
+    with pytest.raises(RuntimeError, match="two-level"):
+        kt.pack_int4(torch.randn(1, 16, 96), group_size=32, two_level=True)  # K not a multiple of 256
+
+
 # ---------------------------------------------------------------- input layouts and the Python API
 
 
@@ -271,6 +311,9 @@ def test_opcheck_pack_and_unpack(gate_up):
     for op, args in cases:
         opcheck(op, args)
     opcheck(kt.pack_int4.default, (torch.randn(2, 64, 128),), {"group_size": 64, "gate_up": gate_up})
+    opcheck(kt.pack_int4.default, (torch.randn(2, 64, 256),), {"group_size": 64, "gate_up": gate_up, "two_level": True})
+    opcheck(kt.unpack.default, (*kt.pack_int4(torch.randn(2, 64, 256), group_size=32, gate_up=gate_up,
+                                              two_level=True), gate_up))
     opcheck(kt.unpack.default, (kt.pack_bf16(w, gate_up=gate_up), None, gate_up))
     opcheck(kt.unpack.default, (*kt.pack_int8(w, gate_up=gate_up), gate_up))
     opcheck(kt.unpack.default, (*kt.pack_int4(w, group_size=32, gate_up=gate_up), gate_up))

@@ -77,7 +77,7 @@ double dot_peak(c10::string_view kind, int64_t iters) {
 TORCH_LIBRARY(kt, m) {
   m.def("pack_bf16(Tensor weight, bool gate_up=False) -> Tensor");
   m.def("pack_int8(Tensor weight, bool gate_up=False) -> (Tensor, Tensor)");
-  m.def("pack_int4(Tensor weight, int group_size=128, bool gate_up=False) -> (Tensor, Tensor)");
+  m.def("pack_int4(Tensor weight, int group_size=128, bool gate_up=False, bool two_level=False) -> (Tensor, Tensor)");
   m.def("unpack(Tensor packed, Tensor? scales, bool gate_up=False) -> Tensor");
   m.def("gguf_dequantize(Tensor blocks, str qtype) -> Tensor");
   m.def("gguf_dequantize_into(Tensor blocks, str qtype, Tensor(a!) out) -> ()");

@@ -10,7 +10,8 @@
 //         or per group of group_size input channels (group_size a multiple of 16): W = q * scale[k / group_size][n]
 //   int4: [N/16][K/8][16][4] bytes; byte (nb, o, c, j) holds W[16*nb+c][8*o+j] + 8 in its low nibble and
 //         W[16*nb+c][8*o+4+j] + 8 in its high nibble; values in [-8, 7], group-wise symmetric scales:
-//         W ≈ q * scale[k / group_size][n]
+//         W ≈ q * scale[k / group_size][n] (ktorch.pack_experts' int4: scale = super[n] * sub[g][n] with byte
+//         sub-scales 1..15, GemmArgs::b_sub, where K is a multiple of 256)
 // Scales are fp32 [G][N] per expert (G = 1 for per-channel int8, K / group_size for grouped int8 and int4).
 // Affine (GGUF K-quants kept exact: docs/loading.md): a minimum per scale, fp32 [G][N] (GemmArgs::b_min), and
 //   int8: W = q * scale[g][n] - min[g][n]  (q the stored signed byte, e.g. Q5_K's 0..31)

@@ -327,8 +327,8 @@ void set_b_scales(kernels::GemmArgs& a, const PackedMatrix& m, const float* scal
     a.b_scale = expand_kscales(m, scales, e, c0, n);
     a.b_scale_group_stride = n;
     if (m.affine) a.b_min = a.b_scale + m.groups * n;
-    if (m.sub_kind == 1 && m.affine && m.fmt == WeightFormat::INT4) {  // Q4_K: the AMX walk takes the integer form
-      const uint8_t* p = reinterpret_cast<const uint8_t*>(scales) + e * 2 * m.rows() * m.N;  // the scales' part
+    if (m.sub_kind == 1 && m.fmt == WeightFormat::INT4) {  // Q4_K, ktorch's int4: the AMX walks take the integers
+      const uint8_t* p = reinterpret_cast<const uint8_t*>(scales) + e * (m.affine ? 2 : 1) * m.rows() * m.N;
       a.b_sub = p + c0;
       a.b_sub_group_stride = m.N;
       a.b_super = reinterpret_cast<const float*>(p + m.groups * m.N) + c0;

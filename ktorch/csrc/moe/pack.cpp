@@ -188,33 +188,60 @@ std::tuple<at::Tensor, at::Tensor> pack_int8(const at::Tensor& weight, bool gate
   return {out, scales};
 }
 
-std::tuple<at::Tensor, at::Tensor> pack_int4(const at::Tensor& weight, int64_t group_size, bool gate_up) {
+std::tuple<at::Tensor, at::Tensor> pack_int4(const at::Tensor& weight, int64_t group_size, bool gate_up,
+                                              bool two_level) {
   check_weight(weight, "pack_int4", gate_up, 32);
   const int64_t E = weight.size(0), N = weight.size(1), K = weight.size(2);
   TORCH_CHECK(group_size > 0 && group_size % 32 == 0 && K % group_size == 0,
               "pack_int4: group_size must be a positive multiple of 32 that divides K=", K, ", got ", group_size);
-  const int64_t G = K / group_size;
+  TORCH_CHECK(!two_level || (K % 256 == 0 && 256 % group_size == 0),
+              "pack_int4: two-level scales need K a multiple of 256 and groups that divide 256, got K=", K,
+              " and group_size ", group_size);
+  const int64_t G = K / group_size, S = K / 256;
   at::Tensor out = kt::runtime::empty_weights({E, N / 16, K / 8, 16, 4}, weight.options().dtype(at::kByte));
-  at::Tensor scales = at::empty({E, G, N}, weight.options().dtype(at::kFloat));
+  // float32 [E, G, N]; two-level: uint8 [E, G + K/64, N], the sub-scale rows, then the super-scales' float32 [S][N]
+  at::Tensor scales = two_level ? at::empty({E, G + 4 * S, N}, weight.options().dtype(at::kByte))
+                                : at::empty({E, G, N}, weight.options().dtype(at::kFloat));
   uint8_t* o = out.data_ptr<uint8_t>();
-  float* sc = scales.data_ptr<float>();
+  float* sc = two_level ? nullptr : scales.data_ptr<float>();
+  uint8_t* sub = two_level ? scales.data_ptr<uint8_t>() : nullptr;
   PackedRows rows(weight, gate_up);
   for_expert_chunks(E, [&](int64_t e0, int64_t e1) {
     rows.load(e0, e1);
     at::parallel_for(0, (e1 - e0) * (N / 16), 1, [&](int64_t b0, int64_t b1) {
       std::vector<uint8_t> u(K);
+      std::vector<float> amax(G);
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t e = e0 + b / (N / 16), nb = b % (N / 16);
         uint8_t* blk = o + (e * (N / 16) + nb) * (K / 2) * 16;
         for (int64_t r = 0; r < 16; ++r) {
           const int64_t n = nb * 16 + r;
           const float* row = rows.row(e, n);
+          float row_max = 0.0f;
+          for (int64_t g = 0; g < G; ++g) {
+            amax[g] = abs_max(row + g * group_size, group_size);
+            if (!std::isfinite(amax[g])) non_finite("pack_int4", e, n, g * group_size);
+            row_max = std::max(row_max, amax[g]);
+          }
+          // two-level: the row's super-scale s = max / (7 * 15), each group's sub-scale c = round(amax / 7s) in
+          // 1..15, its scale s * c (so c * q fits a signed byte: the AMX walk's single tile plane)
+          const float super = row_max / 105.0f;
+          if (two_level) {
+            uint8_t* sp = sub + (e * (G + 4 * S)) * N + G * N;  // [S][N] float32 as bytes
+            for (int64_t s = 0; s < S; ++s) std::memcpy(sp + (s * N + n) * 4, &super, 4);
+          }
           for (int64_t g = 0; g < G; ++g) {
             const float* x = row + g * group_size;
-            const float amax = abs_max(x, group_size);
-            if (!std::isfinite(amax)) non_finite("pack_int4", e, n, g * group_size);
-            const float scale = amax / 7.0f, d = std::max(scale, 1e-30f);
-            sc[(e * G + g) * N + n] = scale;
+            float scale = amax[g] / 7.0f;
+            if (two_level) {
+              const float c = super > 0.0f ? std::min(15.0f, std::max(1.0f, std::nearbyint(amax[g] / (7.0f * super))))
+                                           : 1.0f;
+              sub[(e * (G + 4 * S) + g) * N + n] = static_cast<uint8_t>(c);
+              scale = super * c;
+            } else {
+              sc[(e * G + g) * N + n] = scale;
+            }
+            const float d = std::max(scale, 1e-30f);
             for (int64_t k = 0; k < group_size; ++k) u[g * group_size + k] = static_cast<uint8_t>(quantize(x[k], d, -8.0f, 7.0f) + 8);
           }
           // 8 values per 4 bytes: byte j holds value j (low nibble) and value 4 + j (high nibble)

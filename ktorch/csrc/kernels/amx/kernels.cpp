@@ -582,25 +582,142 @@ void kq4_block(const GemmArgs& a, const ARows& ar, const Block& blk, uint8_t* un
   }
 }
 
+// ---------------------------------------------------------------- symmetric int4 with two-level scales
+// ktorch's own int4 (W = (u - 8) * super[s][n] * sub[g][n], byte sub-scales 0..15 per group, the float super-scale
+// one per column, repeated along K): b = sub * (u - 8) fits a signed byte (|b| <= 120), so the unpack writes b and
+// the tiles sum the whole of K (a super-block at a time where the supers differ along K), with int8's single
+// epilogue instead of one per group.
+
+// One int4 line (8 k of 16 columns) into tile rows 2o (low nibbles) and 2o + 1 (high nibbles) of b = sub * (u - 8):
+// one 16-bit multiply forms sub * u for both bytes of a word (both are the same column's, and sub * u <= 225 leaves
+// no carry), then sub8 = 8 * sub is taken off each byte (wrapping to the signed value).
+inline void unpack_int4s_line(const uint8_t* src, __m512i sub16, __m512i sub8, uint8_t* dst) {
+  const __m512i v = _mm512_loadu_si512(src);
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+  _mm512_store_si512(dst, _mm512_sub_epi8(_mm512_mullo_epi16(lo, sub16), sub8));
+  _mm512_store_si512(dst + 64, _mm512_sub_epi8(_mm512_mullo_epi16(hi, sub16), sub8));
+}
+
+// kq4_block's counterpart for the symmetric form: a RA x RB block of C tiles (int4_block's shape and unpack
+// schedule), epi_steps 64-deep steps between epilogues (all of K, or a super-block).
+template <int RA, int RB>
+void int4s_block(const GemmArgs& a, const ARows& ar, const Block& blk, uint8_t* unpacked, uint8_t* cbuf, float* acc,
+                 int64_t epi_steps) {
+  constexpr int64_t kPackedStep = 512, kUnpackedStep = 1024;
+  const int64_t steps = a.K / 64, groups = a.K / a.group_size;
+  const uint8_t* packed0 = a.b + blk.b0 * a.b_block_stride;
+  const uint8_t* packed1 = packed0 + a.b_block_stride;  // read only when RB > 1
+  uint8_t* u0 = unpacked;
+  uint8_t* u1 = unpacked + steps * kUnpackedStep;
+  const uint8_t* a0 = ar.base[blk.g0];
+  const int64_t sa0 = ar.stride[blk.g0];
+  const uint8_t* a1 = RA > 1 ? ar.base[blk.g0 + 1] : a0;
+  const int64_t sa1 = RA > 1 ? ar.stride[blk.g0 + 1] : sa0;
+  const int rows = std::min(16 * RA, a.M - 16 * blk.g0);
+  for (int r = 0; r < rows; ++r)
+    for (int j = 0; j < RB; ++j) _mm512_store_ps(acc + r * 32 + 16 * j, _mm512_setzero_ps());
+  const auto unpack_step = [&](int64_t t) {
+    for (int j = 0; j < RB; ++j) {
+      const uint8_t* packed = (j == 0 ? packed0 : packed1) + t * kPackedStep;
+      uint8_t* dst = (j == 0 ? u0 : u1) + t * kUnpackedStep;
+      KTAMX_RECORD_UNPACK(packed, kPackedStep);
+      for (int half = 0; half < 2; ++half) {  // 32 k (4 lines) at a time: groups are multiples of 32
+        const int64_t g = (64 * t + 32 * half) / a.group_size;
+        const __m512i sc = sub_scale_bytes(a.b_sub + g * a.b_sub_group_stride + (blk.b0 + j) * a.b_scale_block_stride);
+        const __m512i sub16 = _mm512_and_si512(sc, _mm512_set1_epi16(0x00ff));  // each word: its column's sub
+        const __m512i sub8 = _mm512_slli_epi16(sc, 3);  // 8 sub a byte (sub <= 15: no bit crosses a byte)
+        for (int o = 4 * half; o < 4 * half + 4; ++o) unpack_int4s_line(packed + 64 * o, sub16, sub8, dst + 128 * o);
+      }
+    }
+  };
+  const int64_t ahead = blk.unpack ? kUnpackAhead : 0;
+  if (blk.unpack) {
+    for (int64_t t = 0; t < std::min(ahead, steps); ++t) unpack_step(t);
+    KTAMX_COMPILER_BARRIER();
+  }
+  for (int64_t e = 0; e < steps / epi_steps; ++e) {
+    zero_c<RA, RB>();
+    for (int64_t s = e * epi_steps; s < (e + 1) * epi_steps; ++s) {
+      prefetch_step<RB>(a, blk, s, packed0, packed1, kPackedStep);
+      if (blk.unpack) {  // the sub-scales a few steps ahead (a line per group and block)
+        const int64_t gt = std::min(groups - 1, (s + kPrefetchSteps) * 64 / a.group_size);
+        for (int j = 0; j < RB; ++j)
+          _mm_prefetch(reinterpret_cast<const char*>(a.b_sub + gt * a.b_sub_group_stride +
+                                                     (blk.b0 + j) * a.b_scale_block_stride), _MM_HINT_T0);
+      }
+      if (blk.unpack && s + ahead < steps) {
+        unpack_step(s + ahead);
+        KTAMX_COMPILER_BARRIER();
+      }
+      tile_step<false, RA, RB>(a0 + s * 64, sa0, a1 + s * 64, sa1, u0 + s * kUnpackedStep, u1 + s * kUnpackedStep);
+      if (blk.side != nullptr) run_side(blk, s);
+    }
+    store_c<RA, RB>(cbuf);
+    KTAMX_COMPILER_BARRIER();
+    const int64_t sb = e * epi_steps * 64 / a.super_size;
+    for (int j = 0; j < RB; ++j) {
+      const __m512 sup = _mm512_loadu_ps(a.b_super + sb * a.b_super_group_stride + (blk.b0 + j) * a.b_scale_block_stride);
+      for (int r = 0; r < rows; ++r) {
+        float* p = acc + r * 32 + 16 * j;
+        const __m512 v = _mm512_cvtepi32_ps(_mm512_load_si512(cbuf + r * 128 + 64 * j));
+        _mm512_store_ps(p, _mm512_fmadd_ps(v, sup, _mm512_load_ps(p)));
+      }
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    const int m = 16 * blk.g0 + r;
+    const __m512 xs = _mm512_set1_ps(a.a_scale[m]);
+    for (int j = 0; j < RB; ++j)
+      _mm512_storeu_ps(a.c + m * a.ldc + 16 * (blk.b0 + j), _mm512_mul_ps(_mm512_load_ps(acc + r * 32 + 16 * j), xs));
+  }
+}
+
 // ---------------------------------------------------------------- tile walk
 struct Buffers {
   uint8_t* cbuf;
   float* acc;
   uint8_t* btile;
-  const float* gsumf;  // two-level int4: the activation group sums as floats, [M][G]
+  const float* gsumf;  // two-level affine int4: the activation group sums as floats, [M][G]
+  int64_t epi_steps;   // two-level symmetric int4: 64-deep steps between epilogues (0: not that walk)
 };
 
-// Affine int4 whose two-level scales the AMX walk takes (kq4_block); other affine int4 goes to AVX-512 (gemm_amx).
+// int4 whose two-level scales the AMX walk takes: affine (kq4_block; other affine int4 goes to AVX-512, gemm_amx),
+// or symmetric with every sub-scale of the call <= 15 (int4s_block; otherwise the group-wise walk on b_scale).
+inline bool two_level_shape(const GemmArgs& a) {
+  return a.b_sub != nullptr && a.b_super != nullptr && a.b_codes == nullptr && a.group_size % 32 == 0 &&
+         a.super_size % 64 == 0 && a.super_size % a.group_size == 0 && a.K % a.super_size == 0;
+}
 inline bool two_level_walk(const GemmArgs& a) {
-  return a.b_min != nullptr && a.b_sub != nullptr && a.b_super != nullptr && a.b_codes == nullptr &&
-         a.group_size % 32 == 0 && a.super_size % 64 == 0 && a.super_size % a.group_size == 0 &&
-         a.super_size / a.group_size <= 8 && a.K % a.super_size == 0;
+  return a.b_min != nullptr && two_level_shape(a) && a.super_size / a.group_size <= 8;
+}
+// Symmetric two-level: 64-deep steps between epilogues, all of K where each column's super-scale is the same along
+// K (and K small enough for int32 sums: 120 * 127 * K < 2^31) or a super-block; 0 where a sub-scale exceeds 15.
+int64_t int4s_epilogue_steps(const GemmArgs& a) {
+  if (a.b_min != nullptr || !two_level_shape(a)) return 0;
+  const int cols = 16 * a.nblocks;
+  const int64_t groups = a.K / a.group_size, supers = a.K / a.super_size;
+  for (int b = 0; b < a.nblocks; ++b) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* p = a.b_sub + g * a.b_sub_group_stride + b * a.b_scale_block_stride;
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+      if (_mm_movemask_epi8(_mm_cmpgt_epi8(_mm_min_epu8(v, _mm_set1_epi8(16)), _mm_set1_epi8(15))) != 0) return 0;
+    }
+  }
+  bool same = a.K <= 131072;
+  for (int64_t s = 1; s < supers && same; ++s)
+    for (int c = 0; c < cols && same; ++c) {
+      const int64_t col = (c / 16) * a.b_scale_block_stride + c % 16;
+      same = a.b_super[s * a.b_super_group_stride + col] == a.b_super[col];
+    }
+  return same ? a.K / 64 : a.super_size / 64;
 }
 
 template <WeightFormat F, int RA, int RB>
 void run_block(const GemmArgs& a, const ARows& ar, const Block& blk, const Buffers& buf) {
   if constexpr (F == WeightFormat::INT4) {
     if (buf.gsumf != nullptr) kq4_block<RA, RB>(a, ar, blk, buf.btile, buf.cbuf, buf.acc, buf.gsumf);
+    else if (buf.epi_steps > 0) int4s_block<RA, RB>(a, ar, blk, buf.btile, buf.cbuf, buf.acc, buf.epi_steps);
     else if (a.group_size == 32) int4_block<RA, RB, 32>(a, ar, blk, buf.btile, buf.cbuf, buf.acc);
     else int4_block<RA, RB, 64>(a, ar, blk, buf.btile, buf.cbuf, buf.acc);
   } else {
@@ -617,7 +734,8 @@ void run_block(const GemmArgs& a, const ARows& ar, const Block& blk, const Buffe
 template <WeightFormat F>
 void tile_walk(const GemmArgs& a, int64_t side_until) {
   const bool two_level = F == WeightFormat::INT4 && two_level_walk(a);
-  const int depth = F == WeightFormat::INT4 && a.group_size == 32 && !two_level ? 32 : 64;
+  const int64_t epi_steps = F == WeightFormat::INT4 ? int4s_epilogue_steps(a) : 0;
+  const int depth = F == WeightFormat::INT4 && a.group_size == 32 && !two_level && epi_steps == 0 ? 32 : 64;
   load_tile_config(depth);
   const int64_t row_bytes = F == WeightFormat::BF16 ? 2 * a.K : a.K;
   const ARows ar = gather_rows(a, row_bytes, F != WeightFormat::INT8 || a.K % 64 == 0);
@@ -627,6 +745,7 @@ void tile_walk(const GemmArgs& a, int64_t side_until) {
   buf.acc = reinterpret_cast<float*>(buf.cbuf + 32 * 128);
   buf.btile = nullptr;
   buf.gsumf = nullptr;
+  buf.epi_steps = epi_steps;
   const bool int8_tail = F == WeightFormat::INT8 && a.K % 64 != 0;
   if (F == WeightFormat::INT4 && two_level) {
     buf.btile = t_btile.get(static_cast<size_t>(2 * 32 * a.K));  // 2 blocks x 2 planes x K/4 rows x 64 B

@@ -96,7 +96,7 @@ struct Problem {
 };
 
 Problem make_problem(WeightFormat f, int M, int64_t K, int nblocks, int64_t group, bool strided, bool coded = false,
-                     bool affine = false, int sub_max = 0) {
+                     bool affine = false, int sub_max = 0, bool same_super = false) {
   Problem p;
   p.f = f;
   p.coded = coded;
@@ -143,6 +143,8 @@ Problem make_problem(WeightFormat f, int M, int64_t K, int nblocks, int64_t grou
     p.sub.resize(G * N);
     p.super.resize(K / 256 * N);
     for (auto& s : p.super) s = rand_float(0.5f, 2.0f) / 64 / sub_max;
+    if (same_super)  // one super-scale a column along K (ktorch's symmetric int4)
+      for (size_t i = N; i < p.super.size(); ++i) p.super[i] = p.super[i % N];
     for (int64_t g = 0; g < G; ++g)
       for (int64_t n = 0; n < N; ++n) {
         p.sub[g * N + n] = static_cast<uint8_t>(rand_int(0, sub_max));
@@ -353,8 +355,8 @@ std::string check_unpacks(const Problem& p, bool walked) {
 #endif
 
 void check_case(WeightFormat f, int M, int64_t K, int nblocks, int64_t group, bool strided, bool coded = false,
-                bool affine = false, int sub_max = 0) {
-  const Problem p = make_problem(f, M, K, nblocks, group, strided, coded, affine, sub_max);
+                bool affine = false, int sub_max = 0, bool same_super = false) {
+  const Problem p = make_problem(f, M, K, nblocks, group, strided, coded, affine, sub_max, same_super);
   const int64_t cols = 16 * nblocks, ldc = cols + 16;
   std::vector<uint8_t> next(block_bytes(f, K) * nblocks, 0);  // the caller's next call's weights
   std::vector<uint8_t> next_a(static_cast<size_t>(M) * 40 + 17, 0);  // its A rows (a length that ends mid-line)
@@ -408,7 +410,8 @@ void check_case(WeightFormat f, int M, int64_t K, int nblocks, int64_t group, bo
   if (worst > 1.0 || !untouched || !exact || !prefetch_error.empty()) {
     ++failures;
     std::printf("FAIL %s%s M=%d K=%lld nblocks=%d group=%lld %s: error/bound %.3g, |amx-avx512| max %.3g%s%s%s\n", name(f),
-                coded ? " (MXFP4 codes)" : sub_max > 0 ? " (affine, two-level)" : affine ? " (affine)" : "",
+                coded ? " (MXFP4 codes)" : sub_max > 0 ? (affine ? " (affine, two-level)" : " (two-level)")
+                : affine ? " (affine)" : "",
                 M, static_cast<long long>(K), nblocks, static_cast<long long>(group), strided ? "strided" : "gathered",
                 worst, worst_vs_avx, untouched ? "" : ", wrote outside its rows/columns",
                 prefetch_error.empty() ? "" : ", ", prefetch_error.c_str());
@@ -440,7 +443,10 @@ int check_walks(const char* label) {
         check_case(WeightFormat::INT4, M, 128, nb, 64, strided, false, true);
         check_case(WeightFormat::INT4, M, 256, nb, 32, strided, false, true, 63);  // Q4_K at the file's size
         check_case(WeightFormat::INT4, M, 512, nb, 64, strided, false, true, 255);  // every byte sub-scale
-        cases += 6;
+        check_case(WeightFormat::INT4, M, 512, nb, 128, strided, false, false, 15, true);  // ktorch's int4: all of K
+        check_case(WeightFormat::INT4, M, 512, nb, 32, strided, false, false, 15);  // supers vary: per super-block
+        check_case(WeightFormat::INT4, M, 256, nb, 64, strided, false, false, 63, true);  // subs > 15: group walk
+        cases += 9;
       }
   // driver-sized reductions for each format (int8 with its 32-deep tail; int4 as the Qwen3 gate/up call at T=2048,
   // and Q4_K's down projection)
@@ -455,7 +461,9 @@ int check_walks(const char* label) {
   check_case(WeightFormat::INT4, 256, 768, 4, 32, false, false, true);
   check_case(WeightFormat::INT4, 300, 768, 3, 32, false, false, true, 63);
   check_case(WeightFormat::INT4, 100, 2048, 2, 32, true, false, true, 63);
-  cases += 4;
+  check_case(WeightFormat::INT4, 300, 2048, 4, 128, false, false, false, 15, true);
+  check_case(WeightFormat::INT4, 130, 768, 3, 32, true, false, false, 15, true);
+  cases += 6;
   g_check_prefetch = g_full_next = false;
   std::printf("walk %-22s %d cases, %d failed\n", label, cases, failures - before);
   return cases;
@@ -472,7 +480,8 @@ void check_all() {
     check_case(WeightFormat::INT4, M, 128, 2, 32, false, true);
     check_case(WeightFormat::INT4, M, 128, 2, 32, true, false, true);
     check_case(WeightFormat::INT4, M, 256, 2, 32, false, false, true, 63);
-    cases += 5;
+    check_case(WeightFormat::INT4, M, 256, 2, 128, true, false, false, 15, true);
+    cases += 6;
   }
   std::printf("%d cases, %d failed\n", cases, failures);
 }
