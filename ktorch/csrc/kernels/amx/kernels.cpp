@@ -8,6 +8,8 @@
 //   affine int4 with two-level scales (b_sub: GGUF Q4_K at the file's size): per super-block of 256, B = sub * u as
 //         two unsigned byte planes h, l (sub * u = 256 h + l), acc_h += TDPBSUD(A, H), acc_l += TDPBSUD(A, L);
 //         C = s_x[m] * sum_sb ((256 acc_h + acc_l) * super[sb][n] - sum_{g in sb} sum_g(x) * min[g][n])
+//   symmetric int4 with two-level scales (ktorch's int4: sub-scales <= 15): B = sub * (u - 8), one signed plane;
+//         acc = TDPBSSD over all of K (or a super-block);  C = s_x[m] * sum acc * super[n]
 // Signed int8 x signed int8 needs no unsigned offset, so a_gsum is not read here (only for the affine minimums).
 // Grouped/affine int8 (GGUF Q8_0, Q6_K, Q5_K) and affine int4 with float32 scales go to the AVX-512 kernel (gemm_amx).
 // The int8/int4 results equal the AVX-512 kernels' bit for bit (same integer sums, same fp32 operations in

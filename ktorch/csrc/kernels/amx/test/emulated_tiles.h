@@ -91,9 +91,10 @@ inline void check_dp(const char* name, int c, int a, int b, int per) {
     fault(name, c);
 }
 
-// C[m][n] += sum_k sum_j A[m][4k + j] * B[k][4n + j], int8 x int8 -> int32.
-inline void dp_s8(int c, int a, int b) {
-  check_dp("TDPBSSD: tile shapes do not match", c, a, b, 4);
+// C[m][n] += sum_k sum_j A[m][4k + j] * B[k][4n + j], int8 x int8 (TDPBSSD) or int8 x uint8 (TDPBSUD) -> int32.
+template <typename BByte>
+inline void dp_int8(const char* name, int c, int a, int b) {
+  check_dp(name, c, a, b, 4);
   Tile& C = state().tile[c];
   const Tile& A = state().tile[a];
   const Tile& B = state().tile[b];
@@ -104,28 +105,12 @@ inline void dp_s8(int c, int a, int b) {
       for (int k = 0; k < A.colsb / 4; ++k)
         for (int j = 0; j < 4; ++j)
           acc += static_cast<int32_t>(static_cast<int8_t>(A.data[m][4 * k + j])) *
-                 static_cast<int32_t>(static_cast<int8_t>(B.data[k][4 * n + j]));
+                 static_cast<int32_t>(static_cast<BByte>(B.data[k][4 * n + j]));
       std::memcpy(&C.data[m][4 * n], &acc, 4);
     }
 }
-
-// C[m][n] += sum_k sum_j A[m][4k + j] * B[k][4n + j], signed int8 x unsigned int8 -> int32 (TDPBSUD).
-inline void dp_su8(int c, int a, int b) {
-  check_dp("TDPBSUD: tile shapes do not match", c, a, b, 4);
-  Tile& C = state().tile[c];
-  const Tile& A = state().tile[a];
-  const Tile& B = state().tile[b];
-  for (int m = 0; m < C.rows; ++m)
-    for (int n = 0; n < C.colsb / 4; ++n) {
-      int32_t acc;
-      std::memcpy(&acc, &C.data[m][4 * n], 4);
-      for (int k = 0; k < A.colsb / 4; ++k)
-        for (int j = 0; j < 4; ++j)
-          acc += static_cast<int32_t>(static_cast<int8_t>(A.data[m][4 * k + j])) *
-                 static_cast<int32_t>(static_cast<uint8_t>(B.data[k][4 * n + j]));
-      std::memcpy(&C.data[m][4 * n], &acc, 4);
-    }
-}
+inline void dp_s8(int c, int a, int b) { dp_int8<int8_t>("TDPBSSD: tile shapes do not match", c, a, b); }
+inline void dp_su8(int c, int a, int b) { dp_int8<uint8_t>("TDPBSUD: tile shapes do not match", c, a, b); }
 
 inline float bf16_to_float(const uint8_t* p) {
   uint16_t h;
