@@ -192,9 +192,10 @@ def test_int4_layout(group_size, gate_up, seed):
 @pytest.mark.parametrize("group_size", [32, 128, 256])
 def test_int4_two_level_layout(group_size, gate_up, seed):
     """kt.pack_int4(two_level=True): per row a float32 super-scale s = max |group absmax| / 105 (stored once per 256
-    input channels), per group a byte c = round(absmax / 7s) in 1..15 and codes q = round(w / (s c)) in [-8, 7],
-    so c * q fits a signed byte (the AMX walk's single tile plane); kt.unpack and the float32 form (kscales_as_float)
-    give s * c * q; the weight error stays that of the float32 form (absmax / 7 per group) within 3%."""
+    input channels), per group a byte c in 1..15, of r = round(absmax / 7s) and the three below it the one with the
+    least squared error, and codes q = round(w / (s c)) in [-8, 7], so c * q fits a signed byte (the AMX walk's
+    single tile plane); kt.unpack and the float32 form (kscales_as_float) give s * c * q; the weight error is below
+    the float32 form's (absmax / 7 per group) by 5% or more on Gaussian weights."""
     E, N, K = 2, 128, 512
     w = torch.randn(E, N, K)
     w[0, 5] *= 0  # an all-zero row: scale 0, codes 0
@@ -211,8 +212,19 @@ def test_int4_two_level_layout(group_size, gate_up, seed):
     want_sup = amax.amax(-1) / 105
     assert torch.equal(sup[:, 0], want_sup)
     ratio = torch.where(want_sup[..., None] > 0, amax / (7 * want_sup[..., None]), torch.ones_like(amax))
-    assert torch.equal(sub.transpose(1, 2), ratio.round().clamp(1, 15).long())
+    r = ratio.round().clamp(1, 15).long()
+    c = sub.transpose(1, 2)
+    assert torch.all((c <= r) & (c >= (r - 3).clamp(min=1))), "the sub-scale is r or one of the three below it"
     assert int(sub.min()) >= 1 and int(sub.max()) <= 15
+    groups = w_rows.reshape(E, N, G, group_size).double()
+
+    def group_error(cs):  # each group's squared error with sub-scales cs, codes rounded and clamped to [-8, 7]
+        d = (want_sup[..., None] * cs.float()).double()[..., None]
+        return ((torch.round(groups / d.clamp(min=1e-30)).clamp(-8, 7) * d - groups) ** 2).sum(-1)
+
+    chosen = group_error(c)
+    for i in range(4):
+        assert torch.all(chosen <= group_error((r - i).clamp(min=1)) * (1 + 1e-5) + 1e-12), f"candidate r - {i}"
     deq = kt.unpack(packed, scales, gate_up=gate_up)
     assert torch.equal(deq, kt.unpack(packed, kscales_as_float(scales, K), gate_up=gate_up))
     per_group = torch.empty(E, G, N)
@@ -222,7 +234,7 @@ def test_int4_two_level_layout(group_size, gate_up, seed):
     assert torch.all(deq[0, 5] == 0)
     err = (deq - w).norm() / w.norm()
     f32 = kt.unpack(*kt.pack_int4(w, group_size=group_size, gate_up=gate_up), gate_up=gate_up)
-    assert err <= 1.03 * (f32 - w).norm() / w.norm(), f"seed={seed}: two-level error {err:.4f}"
+    assert err <= 0.95 * (f32 - w).norm() / w.norm(), f"seed={seed}: two-level error {err:.4f}"
     with pytest.raises(RuntimeError, match="two-level"):
         kt.pack_int4(torch.randn(1, 16, 96), group_size=32, two_level=True)  # K not a multiple of 256
 

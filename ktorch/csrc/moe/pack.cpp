@@ -223,8 +223,11 @@ std::tuple<at::Tensor, at::Tensor> pack_int4(const at::Tensor& weight, int64_t g
             if (!std::isfinite(amax[g])) non_finite("pack_int4", e, n, g * group_size);
             row_max = std::max(row_max, amax[g]);
           }
-          // two-level: the row's super-scale s = max / (7 * 15), each group's sub-scale c = round(amax / 7s) in
-          // 1..15, its scale s * c (so c * q fits a signed byte: the AMX walk's single tile plane)
+          // two-level: the row's super-scale s = max / (7 * 15), each group's sub-scale c in 1..15 (so c * q fits a
+          // signed byte: the AMX walk's single tile plane), of round(amax / 7s) and the three below it the one whose
+          // codes give the group the least squared error (a smaller scale clips the group's largest weights but
+          // rounds the rest finer: Gaussian rows, groups of 128, error 0.1024 against 0.1176 for round(amax / 7s)
+          // alone and 0.1174 for the float32 form's amax / 7; groups of 32 0.0890 against 0.0979)
           const float super = row_max / 105.0f;
           if (two_level) {
             uint8_t* sp = sub + (e * (G + 4 * S)) * N + G * N;  // [S][N] float32 as bytes
@@ -234,8 +237,23 @@ std::tuple<at::Tensor, at::Tensor> pack_int4(const at::Tensor& weight, int64_t g
             const float* x = row + g * group_size;
             float scale = amax[g] / 7.0f;
             if (two_level) {
-              const float c = super > 0.0f ? std::min(15.0f, std::max(1.0f, std::nearbyint(amax[g] / (7.0f * super))))
+              const float r = super > 0.0f ? std::min(15.0f, std::max(1.0f, std::nearbyint(amax[g] / (7.0f * super))))
                                            : 1.0f;
+              float cand[4], inv[4], err[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+              for (int i = 0; i < 4; ++i) {
+                cand[i] = std::max(1.0f, r - static_cast<float>(i));
+                inv[i] = 1.0f / std::max(super * cand[i], 1e-30f);
+              }
+              for (int64_t k = 0; k < group_size; ++k)  // (one pass for the four: the compiler vectorizes over k)
+                for (int i = 0; i < 4; ++i) {
+                  const float d = super * cand[i];
+                  const float q = std::nearbyint(std::min(std::max(x[k] * inv[i], -8.0f), 7.0f));
+                  const float diff = q * d - x[k];
+                  err[i] += diff * diff;
+                }
+              float c = cand[0], best = err[0];
+              for (int i = 1; i < 4; ++i)
+                if (err[i] < best) c = cand[i], best = err[i];
               sub[(e * (G + 4 * S) + g) * N + n] = static_cast<uint8_t>(c);
               scale = super * c;
             } else {
