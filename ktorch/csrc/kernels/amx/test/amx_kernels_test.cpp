@@ -524,11 +524,20 @@ void bench() {
   const Shape shapes[] = {{"qwen3 gate/up", 2048, 4}, {"qwen3 down", 768, 2}, {"deepseek gate/up", 7168, 4},
                           {"deepseek down", 2048, 4}};
   // AVX-512, then AMX under the format's walk
-  std::printf("%-18s %-5s %4s %12s %11s %8s\n", "shape", "fmt", "M", "avx512 GOPS", "amx GOPS", "amx/avx");
+  // int4: groups of 128 with float32 scales; "int4-2l" ktorch's two-level int4 (sub-scales <= 15, one super a column);
+  // "q4k-2l" GGUF Q4_K with two-level scales (groups of 32, minimums)
+  struct Variant { WeightFormat f; const char* label; int64_t group; bool affine; int sub_max; bool same_super; };
+  const Variant variants[] = {{WeightFormat::BF16, "bf16", 128, false, 0, false},
+                              {WeightFormat::INT8, "int8", 128, false, 0, false},
+                              {WeightFormat::INT4, "int4", 128, false, 0, false},
+                              {WeightFormat::INT4, "int4-2l", 128, false, 15, true},
+                              {WeightFormat::INT4, "q4k-2l", 32, true, 63, false}};
+  std::printf("%-18s %-7s %4s %12s %11s %8s\n", "shape", "fmt", "M", "avx512 GOPS", "amx GOPS", "amx/avx");
   for (const Shape& s : shapes)
-    for (WeightFormat f : {WeightFormat::BF16, WeightFormat::INT8, WeightFormat::INT4})
-      for (int M : bench_rows({1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256})) {  // int4: groups of 128
-        Problem p = make_problem(f, M, s.K, s.nblocks, 128, false);
+    for (const Variant& v : variants)
+      for (int M : bench_rows({1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256})) {
+        const WeightFormat f = v.f;
+        Problem p = make_problem(f, M, s.K, s.nblocks, v.group, false, false, v.affine, v.sub_max, v.same_super);
         const std::vector<uint8_t> store = driver_rows(p.rows, f == WeightFormat::BF16 ? 2 * s.K : s.K, p.rows);
         double gops[2] = {0};
         for (int which = 0; which <= 1; ++which) {
@@ -544,7 +553,7 @@ void bench() {
           }
           gops[which] = 2.0 * M * s.K * 16 * s.nblocks * iters / sec / 1e9;
         }
-        std::printf("%-18s %-5s %4d %12.1f %11.1f %8.2f\n", s.what, name(f), M, gops[0], gops[1],
+        std::printf("%-18s %-7s %4d %12.1f %11.1f %8.2f\n", s.what, v.label, M, gops[0], gops[1],
                     gops[1] / gops[0]);
       }
 }
