@@ -247,7 +247,8 @@ std::tuple<at::Tensor, at::Tensor> pack_int4(const at::Tensor& weight, int64_t g
               for (int64_t k = 0; k < group_size; ++k)  // (one pass for the four: the compiler vectorizes over k)
                 for (int i = 0; i < 4; ++i) {
                   const float d = super * cand[i];
-                  const float q = std::nearbyint(std::min(std::max(x[k] * inv[i], -8.0f), 7.0f));
+                  constexpr float kMagic = 12582912.0f;  // quantize's rounding, which vectorizes without SSE4.1
+                  const float q = (std::min(std::max(x[k] * inv[i], -8.0f), 7.0f) + kMagic) - kMagic;
                   const float diff = q * d - x[k];
                   err[i] += diff * diff;
                 }
