@@ -239,17 +239,14 @@ std::tuple<at::Tensor, at::Tensor> pack_int4(const at::Tensor& weight, int64_t g
             if (two_level) {
               const float r = super > 0.0f ? std::min(15.0f, std::max(1.0f, std::nearbyint(amax[g] / (7.0f * super))))
                                            : 1.0f;
-              float cand[4], inv[4], err[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+              float cand[4], d[4], err[4] = {0.0f, 0.0f, 0.0f, 0.0f};
               for (int i = 0; i < 4; ++i) {
                 cand[i] = std::max(1.0f, r - static_cast<float>(i));
-                inv[i] = 1.0f / std::max(super * cand[i], 1e-30f);
+                d[i] = std::max(super * cand[i], 1e-30f);  // as the codes below are quantized
               }
               for (int64_t k = 0; k < group_size; ++k)  // (one pass for the four: the compiler vectorizes over k)
                 for (int i = 0; i < 4; ++i) {
-                  const float d = super * cand[i];
-                  constexpr float kMagic = 12582912.0f;  // quantize's rounding, which vectorizes without SSE4.1
-                  const float q = (std::min(std::max(x[k] * inv[i], -8.0f), 7.0f) + kMagic) - kMagic;
-                  const float diff = q * d - x[k];
+                  const float diff = static_cast<float>(quantize(x[k], d[i], -8.0f, 7.0f)) * d[i] - x[k];
                   err[i] += diff * diff;
                 }
               float c = cand[0], best = err[0];

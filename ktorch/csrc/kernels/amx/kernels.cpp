@@ -168,8 +168,8 @@ class Scratch {
 
 thread_local Scratch t_rows;   // activation rows that cannot be tile-loaded in place
 thread_local Scratch t_btile;  // int4: a column pair's weights unpacked; int8: zero-padded last-step B tiles
-thread_local Scratch t_ctile;
-thread_local Scratch t_gsumf;  // two-level int4: the activation group sums as floats  // the C tiles of one block [32][32] x 4 B (int4: two), the int4 fp32 accumulators
+thread_local Scratch t_ctile;  // the C tiles of one block [32][32] x 4 B (int4: two), the int4 fp32 accumulators
+thread_local Scratch t_gsumf;  // two-level affine int4: the activation group sums as floats
 
 // ---------------------------------------------------------------- activation rows
 // Where the A tiles of row group g (rows 16g..16g+15) come from: row i at base[g] + i * stride[g].
@@ -264,6 +264,18 @@ inline void tile_step(const uint8_t* a0, int64_t sa0, const uint8_t* a1, int64_t
 }
 #undef KTAMX_DP
 
+// The A tiles of a pass's row groups g0 (and g0 + 1 when RA > 1; else g0 again) and how many of their rows are
+// the call's.
+template <int RA>
+struct RowPair {
+  const uint8_t *a0, *a1;
+  int64_t sa0, sa1;
+  int rows;
+  RowPair(const GemmArgs& a, const ARows& ar, int g0)
+      : a0(ar.base[g0]), a1(RA > 1 ? ar.base[g0 + 1] : ar.base[g0]), sa0(ar.stride[g0]),
+        sa1(RA > 1 ? ar.stride[g0 + 1] : ar.stride[g0]), rows(std::min(16 * RA, a.M - 16 * g0)) {}
+};
+
 // One pass of a block of C tiles over k steps [s0, s1): row groups g0 (.. g0 + RA - 1), column blocks b0
 // (.. b0 + RB - 1). The walk (tile_walk) decides what each pass prefetches.
 struct Block {
@@ -295,15 +307,16 @@ inline PassSlice pass_slice(int64_t bytes, int64_t pass, int64_t passes, int64_t
   return p;
 }
 
-// The caller's side work due by the end of step s of this pass (after the step's tile products are issued, so the
-// vector work runs beside them).
-inline void run_side(const Block& blk, int64_t s) {
-  const int64_t due = blk.side_from + (blk.side_to - blk.side_from) * (s - blk.s0 + 1) / (blk.s1 - blk.s0);
+// The caller's side work due by the end of step `step` of the pass's `steps` (after the step's tile products are
+// issued, so the vector work runs beside them).
+inline void run_side_through(const Block& blk, int64_t step, int64_t steps) {
+  const int64_t due = blk.side_from + (blk.side_to - blk.side_from) * (step + 1) / steps;
   if (due > blk.side->done) {
     blk.side->run(blk.side->ctx, blk.side->done, due);
     blk.side->done = due;
   }
 }
+inline void run_side(const Block& blk, int64_t s) { run_side_through(blk, s - blk.s0, blk.s1 - blk.s0); }
 
 // The part of the next column pair's weights that step s of this pass prefetches into L2.
 inline void prefetch_next(const GemmArgs& a, const Block& blk, int64_t s) {
@@ -340,10 +353,9 @@ void dense_block(const GemmArgs& a, const ARows& ar, const Block& blk, const uin
   const int64_t steps = kBf16 ? a.K / 32 : a.K / 64;  // full 1 KB B tiles; A advances 64 bytes a step
   const uint8_t* b0 = a.b + blk.b0 * a.b_block_stride;
   const uint8_t* b1 = b0 + a.b_block_stride;  // read only when RB > 1
-  const uint8_t* a0 = ar.base[blk.g0];
-  const int64_t sa0 = ar.stride[blk.g0];
-  const uint8_t* a1 = RA > 1 ? ar.base[blk.g0 + 1] : a0;
-  const int64_t sa1 = RA > 1 ? ar.stride[blk.g0 + 1] : sa0;
+  const RowPair<RA> rp(a, ar, blk.g0);
+  const uint8_t *a0 = rp.a0, *a1 = rp.a1;
+  const int64_t sa0 = rp.sa0, sa1 = rp.sa1;
   zero_c<RA, RB>();
   for (int64_t s = blk.s0; s < blk.s1; ++s) {
     prefetch_step<RB>(a, blk, s, b0, b1, kTileBytes);
@@ -372,6 +384,17 @@ void dense_block(const GemmArgs& a, const ARows& ar, const Block& blk, const uin
 }
 
 // ---------------------------------------------------------------- int4
+// The int4 walks' last step: C rows = the fp32 accumulators acc ([32][32], RB blocks of 16) times a_scale[m].
+template <int RB>
+inline void store_scaled(const GemmArgs& a, const Block& blk, int rows, const float* acc) {
+  for (int r = 0; r < rows; ++r) {
+    const int m = 16 * blk.g0 + r;
+    const __m512 xs = _mm512_set1_ps(a.a_scale[m]);
+    for (int j = 0; j < RB; ++j)
+      _mm512_storeu_ps(a.c + m * a.ldc + 16 * (blk.b0 + j), _mm512_mul_ps(_mm512_load_ps(acc + r * 32 + 16 * j), xs));
+  }
+}
+
 // The signed tile byte each nibble becomes, in each 128-bit lane (for _mm512_shuffle_epi8): the code table
 // (b_codes: MXFP4), or u - 8 (symmetric).
 inline __m512i int4_table(const GemmArgs& a) {
@@ -408,11 +431,10 @@ void int4_block(const GemmArgs& a, const ARows& ar, const Block& blk, uint8_t* u
   const uint8_t* packed1 = packed0 + a.b_block_stride;  // read only when RB > 1
   uint8_t* u0 = unpacked;
   uint8_t* u1 = unpacked + steps * kUnpackedStep;
-  const uint8_t* a0 = ar.base[blk.g0];
-  const int64_t sa0 = ar.stride[blk.g0];
-  const uint8_t* a1 = RA > 1 ? ar.base[blk.g0 + 1] : a0;
-  const int64_t sa1 = RA > 1 ? ar.stride[blk.g0 + 1] : sa0;
-  const int rows = std::min(16 * RA, a.M - 16 * blk.g0);
+  const RowPair<RA> rp(a, ar, blk.g0);
+  const uint8_t *a0 = rp.a0, *a1 = rp.a1;
+  const int64_t sa0 = rp.sa0, sa1 = rp.sa1;
+  const int rows = rp.rows;
   for (int r = 0; r < rows; ++r)
     for (int j = 0; j < RB; ++j) _mm512_store_ps(acc + r * 32 + 16 * j, _mm512_setzero_ps());
   const __m512i table = int4_table(a);
@@ -455,12 +477,7 @@ void int4_block(const GemmArgs& a, const ARows& ar, const Block& blk, uint8_t* u
     KTAMX_COMPILER_BARRIER();  // (TILESTORED's asm does not declare the memory it writes)
     epilogue(g);
   }
-  for (int r = 0; r < rows; ++r) {
-    const int m = 16 * blk.g0 + r;
-    const __m512 xs = _mm512_set1_ps(a.a_scale[m]);
-    for (int j = 0; j < RB; ++j)
-      _mm512_storeu_ps(a.c + m * a.ldc + 16 * (blk.b0 + j), _mm512_mul_ps(_mm512_load_ps(acc + r * 32 + 16 * j), xs));
-  }
+  store_scaled<RB>(a, blk, rows, acc);
 }
 
 // ---------------------------------------------------------------- affine int4 with two-level scales (GGUF Q4_K)
@@ -506,11 +523,10 @@ void kq4_block(const GemmArgs& a, const ARows& ar, const Block& blk, uint8_t* un
   constexpr int64_t kUnpackedStep = 2048;  // its h and l tiles
   const int64_t steps = a.K / 64, super_steps = a.super_size / 64, groups = a.K / a.group_size;
   const int64_t per_super = a.super_size / a.group_size;
-  const uint8_t* a0 = ar.base[blk.g0];
-  const int64_t sa0 = ar.stride[blk.g0];
-  const uint8_t* a1 = RA > 1 ? ar.base[blk.g0 + 1] : a0;
-  const int64_t sa1 = RA > 1 ? ar.stride[blk.g0 + 1] : sa0;
-  const int rows = std::min(16 * RA, a.M - 16 * blk.g0);
+  const RowPair<RA> rp(a, ar, blk.g0);
+  const uint8_t *a0 = rp.a0, *a1 = rp.a1;
+  const int64_t sa0 = rp.sa0, sa1 = rp.sa1;
+  const int rows = rp.rows;
   const int64_t vsteps = RB * steps;  // the pass's steps, block after block
   for (int j = 0; j < RB; ++j) {
     const int64_t col = (blk.b0 + j) * a.b_scale_block_stride;
@@ -552,13 +568,7 @@ void kq4_block(const GemmArgs& a, const ARows& ar, const Block& blk, uint8_t* un
         }
         tile_step<false, RA, 2, true>(a0 + s * 64, sa0, a1 + s * 64, sa1, u + s * kUnpackedStep,
                                       u + s * kUnpackedStep + 1024);
-        if (blk.side != nullptr) {  // (run_side over the pass's vsteps)
-          const int64_t due = blk.side_from + (blk.side_to - blk.side_from) * (v + 1) / vsteps;
-          if (due > blk.side->done) {
-            blk.side->run(blk.side->ctx, blk.side->done, due);
-            blk.side->done = due;
-          }
-        }
+        if (blk.side != nullptr) run_side_through(blk, v, vsteps);
       }
       store_c<RA, 2>(cbuf);
       KTAMX_COMPILER_BARRIER();
@@ -612,11 +622,10 @@ void int4s_block(const GemmArgs& a, const ARows& ar, const Block& blk, uint8_t* 
   const uint8_t* packed1 = packed0 + a.b_block_stride;  // read only when RB > 1
   uint8_t* u0 = unpacked;
   uint8_t* u1 = unpacked + steps * kUnpackedStep;
-  const uint8_t* a0 = ar.base[blk.g0];
-  const int64_t sa0 = ar.stride[blk.g0];
-  const uint8_t* a1 = RA > 1 ? ar.base[blk.g0 + 1] : a0;
-  const int64_t sa1 = RA > 1 ? ar.stride[blk.g0 + 1] : sa0;
-  const int rows = std::min(16 * RA, a.M - 16 * blk.g0);
+  const RowPair<RA> rp(a, ar, blk.g0);
+  const uint8_t *a0 = rp.a0, *a1 = rp.a1;
+  const int64_t sa0 = rp.sa0, sa1 = rp.sa1;
+  const int rows = rp.rows;
   for (int r = 0; r < rows; ++r)
     for (int j = 0; j < RB; ++j) _mm512_store_ps(acc + r * 32 + 16 * j, _mm512_setzero_ps());
   const auto unpack_step = [&](int64_t t) {
@@ -667,12 +676,7 @@ void int4s_block(const GemmArgs& a, const ARows& ar, const Block& blk, uint8_t* 
       }
     }
   }
-  for (int r = 0; r < rows; ++r) {
-    const int m = 16 * blk.g0 + r;
-    const __m512 xs = _mm512_set1_ps(a.a_scale[m]);
-    for (int j = 0; j < RB; ++j)
-      _mm512_storeu_ps(a.c + m * a.ldc + 16 * (blk.b0 + j), _mm512_mul_ps(_mm512_load_ps(acc + r * 32 + 16 * j), xs));
-  }
+  store_scaled<RB>(a, blk, rows, acc);
 }
 
 // ---------------------------------------------------------------- tile walk
