@@ -26,7 +26,7 @@ ISA_FLAGS = {
 
 def isa_library(isa):
     sources = sorted(glob.glob(os.path.join(CSRC, "kernels", isa, "*.cpp")))
-    deps = {src: glob.glob(os.path.join(CSRC, "kernels", "*.h")) for src in sources}
+    deps = {src: glob.glob(os.path.join(CSRC, "kernels", "**", "*.h"), recursive=True) for src in sources}
     return (f"kt_kernels_{isa}", {"sources": sources, "cflags": OPT + ISA_FLAGS[isa], "obj_deps": deps})
 
 

@@ -79,24 +79,30 @@ struct GemmArgs {
   int64_t group_size = 0;  // int8 (K for per-channel scales) and int4
   const uint8_t* b = nullptr;        // first 16-column block
   size_t b_block_stride = 0;         // bytes from one 16-column block to the next one used
-  const float* b_scale = nullptr;    // scale of the first column in group 0 (int8/int4)
+  const float* b_scale = nullptr;    // scale of the first column in group 0 (int8/int4; nullptr: two-level, b_sub)
   int64_t b_scale_group_stride = 0;  // floats from group g to g + 1 (= N)
   int64_t b_scale_block_stride = 16; // floats from one 16-column block to the next one used
-  // Affine formats: the minimum of the first column in group 0, indexed like b_scale; nullptr: symmetric. The kernels
+  // Affine formats: the minimum of the first column in group 0, indexed like b_scale; nullptr: symmetric (or two-level
+  // minimums, b_min_sub; affine() below). The kernels
   // subtract min[g][n] * a_scale[m] * a_gsum[m][g] per group (the group sums of the quantized activations).
   const float* b_min = nullptr;
   // int4 only: the 16 signed values the nibbles stand for (kMxfp4Codes), or nullptr (u - 8, or u with b_min). Never
   // set together with b_min.
   const int8_t* b_codes = nullptr;
-  // Affine int4 with two-level scales (GGUF Q4_K at the file's size), given beside b_scale and b_min: the scale of
-  // group g of column n is b_super[(g * group_size / super_size) * b_super_group_stride + n] *
-  // b_sub[g * b_sub_group_stride + n] (the columns of a call indexed as b_scale's, b_scale_block_stride a block), the
-  // value b_scale holds. The AMX walk multiplies the nibbles by the byte sub-scales and sums whole super-blocks in its
-  // tiles (amx/kernels.cpp); the other kernels read b_scale. nullptr: none.
+  // Two-level scales (GGUF K-quants at the file's size, ktorch's int4): the scale of group g of column n is
+  // b_super[(g * group_size / super_size) * b_super_group_stride + n] * b_sub[g * b_sub_group_stride + n] (a byte,
+  // signed where b_sub_signed; the columns of a call indexed as b_scale's, b_scale_block_stride a block), the fp32
+  // product, and an affine format's minimum likewise from b_min_sub and b_min_super (same strides). Given alone
+  // (b_scale and b_min nullptr: the driver's calls, which read no float32 form) every kernel takes them; the AMX walks
+  // multiply the nibbles by the byte sub-scales and sum whole super-blocks in their tiles (amx/kernels.cpp), the others
+  // form each group's fp32 scale as they go. nullptr: none.
   const uint8_t* b_sub = nullptr;
   int64_t b_sub_group_stride = 0;
   const float* b_super = nullptr;
   int64_t b_super_group_stride = 0;
+  const uint8_t* b_min_sub = nullptr;
+  const float* b_min_super = nullptr;
+  bool b_sub_signed = false;
   int64_t super_size = 0;            // input channels per super-scale (GGUF: 256)
   int nblocks = 0;                   // 16-column blocks to compute, 1..kMaxBlocks
   float* c = nullptr;
@@ -115,6 +121,19 @@ struct GemmArgs {
   // (0: left to the hardware prefetchers). A hint; kernels other than AVX-512 ignore it.
   int prefetch_ahead = 0;
 };
+// An affine format (a minimum per group), in either scale form.
+inline bool affine(const GemmArgs& a) { return a.b_min != nullptr || a.b_min_sub != nullptr; }
+
+// The weight scale (minimum: the affine minimum) of group g, column col (b_scale's column index): b_scale's float, or
+// the two-level product.
+inline float group_scale(const GemmArgs& a, bool minimum, int64_t g, int64_t col) {
+  if (a.b_scale != nullptr) return (minimum ? a.b_min : a.b_scale)[g * a.b_scale_group_stride + col];
+  const uint8_t byte = (minimum ? a.b_min_sub : a.b_sub)[g * a.b_sub_group_stride + col];
+  const float sub = a.b_sub_signed ? static_cast<float>(static_cast<int8_t>(byte)) : static_cast<float>(byte);
+  const float* super = minimum ? a.b_min_super : a.b_super;
+  return super[(g * a.group_size / a.super_size) * a.b_super_group_stride + col] * sub;
+}
+
 constexpr int kMaxBlocks = 8;  // the driver sizes its kernel-output buffers by it; the kernels take any count
 
 using GemmFn = void (*)(const GemmArgs&);

@@ -219,8 +219,8 @@ PackedMatrix describe(const at::Tensor& w, const std::optional<at::Tensor>& s, W
 // Scales at the file's size (m.sub_kind != 0) as the kernels take them: fp16 ones converted; two-level ones
 // out[g * n + c] = super[g / (G / S)][c0 + c] * sub[g][c0 + c] for columns [c0, c0 + n) of expert e, in fp32 (the
 // product of an fp32 holding a GGUF fp16 d and a small integer is exact: the same value as the fp32 per-group form);
-// affine: the minimums follow at out + G * n. The driver runs it before each kernel call (reading the file's bytes,
-// not 4 a group), into a thread's buffer. One row of n columns at a time, 16 (AVX-512) or 8 (AVX2 + F16C) columns a
+// affine: the minimums follow at out + G * n. The driver runs it before each kernel call of more than
+// kDirectScaleRows rows (reading the file's bytes, not 4 a group), into a thread's buffer. One row of n columns at a time, 16 (AVX-512) or 8 (AVX2 + F16C) columns a
 // vector where the host has them: the scalar form (c10::Half's software conversion, a byte at a time) cost a T = 1
 // Qwen3 layer 0.1 ms of its 0.27 (Q4_K two-level 0.378 ms against 0.269 for the fp32 form, H200 host, session 29).
 namespace {
@@ -317,29 +317,53 @@ const float* expand_kscales(const PackedMatrix& m, const void* scales, int64_t e
   return buf.data();
 }
 
-// A kernel call's weight scales (and minimums) for columns [c0, c0 + n) of expert e: pointers into the float32
-// scales, or (scales at the file's size) the expanded form in this thread's buffer.
+// Calls of at most this many rows read two-level scales as the file's bytes (the kernels form each group's fp32
+// scale as they go, once: one AVX-512 row tile); larger calls get them expanded (expand_kscales), which the
+// AVX-512 kernel's row tiles then share instead of forming them again each. Device, one Qwen3-30B-A3B layer at
+// T = 1, ms, the bytes against the expansion, three A/Bs of the two builds (session 42, H200 hosts; docs/loading.md):
+// Q4_K two-level 0.271 / 0.304 / 0.281 against 0.351 / 0.434 / 0.378, Q4_K_M 0.335 / 0.408 / 0.405 against 0.368 /
+// 0.458 / 0.485, Q6_K within noise. (Every call reading the bytes made prefill slower in the one A/B run: Q6_K
+// 22.99 / 80.49 ms at T = 512 / 2048 against 17.76 / 69.63, Q4_K 13.95 / 42.87 against 12.86 / 38.11.)
+constexpr int kDirectScaleRows = 6;
+
+// A kernel call's weight scales (and minimums) for columns [c0, c0 + n) of expert e (a.M set): pointers into the
+// float32 scales; two-level ones as the file's bytes and super-scales (kernels.h) for a call of at most
+// kDirectScaleRows rows, else expanded to float32 (and for the AMX int4 walks the integers beside them); fp16 ones
+// expanded.
 void set_b_scales(kernels::GemmArgs& a, const PackedMatrix& m, const float* scales, int64_t e, int64_t c0,
                   int64_t n) {
-  a.b_sub = nullptr;
-  a.b_super = nullptr;
-  if (m.sub_kind != 0) {
-    a.b_scale = expand_kscales(m, scales, e, c0, n);
-    a.b_scale_group_stride = n;
-    if (m.affine) a.b_min = a.b_scale + m.groups * n;
-    if (m.sub_kind == 1 && m.fmt == WeightFormat::INT4) {  // Q4_K, ktorch's int4: the AMX walks take the integers
-      const uint8_t* p = reinterpret_cast<const uint8_t*>(scales) + e * (m.affine ? 2 : 1) * m.rows() * m.N;
-      a.b_sub = p + c0;
-      a.b_sub_group_stride = m.N;
-      a.b_super = reinterpret_cast<const float*>(p + m.groups * m.N) + c0;
-      a.b_super_group_stride = m.N;
-      a.super_size = m.K / m.supers;
-    }
-  } else {
+  a.b_sub = a.b_min_sub = nullptr;
+  a.b_super = a.b_min_super = nullptr;
+  a.b_sub_signed = false;
+  a.b_min = nullptr;
+  if (m.sub_kind == 0) {
     a.b_scale = scales + e * m.scale_expert_stride() + c0;
     a.b_scale_group_stride = m.N;
     if (m.affine) a.b_min = a.b_scale + m.min_offset();
+    return;
   }
+  const bool direct = m.sub_kind != 3 && a.M <= kDirectScaleRows;
+  if (m.sub_kind != 3 && (direct || m.fmt == WeightFormat::INT4)) {
+    // part p's sub-scale rows [G][N], then its super-scales [S][N] as 4 S byte rows
+    const uint8_t* p = reinterpret_cast<const uint8_t*>(scales) + e * (m.affine ? 2 : 1) * m.rows() * m.N;
+    a.b_sub = p + c0;
+    a.b_super = reinterpret_cast<const float*>(p + m.groups * m.N) + c0;
+    if (m.affine) {
+      a.b_min_sub = a.b_sub + m.rows() * m.N;
+      a.b_min_super = a.b_super + m.rows() * m.N / 4;
+    }
+    a.b_sub_group_stride = m.N;
+    a.b_super_group_stride = m.N;
+    a.b_sub_signed = m.sub_kind == 2;
+    a.super_size = m.K / m.supers;
+  }
+  if (direct) {
+    a.b_scale = nullptr;
+    return;
+  }
+  a.b_scale = expand_kscales(m, scales, e, c0, n);
+  a.b_scale_group_stride = n;
+  if (m.affine) a.b_min = a.b_scale + m.groups * n;
 }
 
 // What the driver does between the gate/up kernel calls and h (and to the down calls' output). The kernels' GLU

@@ -51,6 +51,7 @@
 #include <string>
 
 #include "../kernels.h"
+#include "../avx512/scales.h"
 
 #define KTAMX_COMPILER_BARRIER() asm volatile("" ::: "memory")
 
@@ -451,8 +452,7 @@ void int4_block(const GemmArgs& a, const ARows& ar, const Block& blk, uint8_t* u
   const auto epilogue = [&](int64_t g) {
     const uint8_t* cb = cbuf;
     for (int j = 0; j < RB; ++j) {
-      const int64_t at = g * a.b_scale_group_stride + (blk.b0 + j) * a.b_scale_block_stride;
-      const __m512 ws = _mm512_loadu_ps(a.b_scale + at);
+      const __m512 ws = group_scales16(a, false, g, super_of(a, g), (blk.b0 + j) * a.b_scale_block_stride);
       for (int r = 0; r < rows; ++r) {
         float* p = acc + r * 32 + 16 * j;
         const __m512 v = _mm512_cvtepi32_ps(_mm512_load_si512(cb + r * 128 + 64 * j));
@@ -576,7 +576,7 @@ void kq4_block(const GemmArgs& a, const ARows& ar, const Block& blk, uint8_t* un
       const __m512 sup = _mm512_loadu_ps(a.b_super + sb * a.b_super_group_stride + col);
       __m512 mins[8];  // per_super <= 8 (group_size >= 32, super_size <= 256)
       for (int64_t i = 0; i < per_super; ++i)
-        mins[i] = _mm512_loadu_ps(a.b_min + (sb * per_super + i) * a.b_scale_group_stride + col);
+        mins[i] = group_scales16(a, true, sb * per_super + i, sb, col);
       for (int r = 0; r < rows; ++r) {
         const __m512i h = _mm512_load_si512(cbuf + r * 128), l = _mm512_load_si512(cbuf + r * 128 + 64);
         __m512 x = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(h, 8), l)), sup,
@@ -691,16 +691,16 @@ struct Buffers {
 // int4 whose two-level scales the AMX walk takes: affine (kq4_block; other affine int4 goes to AVX-512, gemm_amx),
 // or symmetric with every sub-scale of the call <= 15 (int4s_block; otherwise the group-wise walk on b_scale).
 inline bool two_level_shape(const GemmArgs& a) {
-  return a.b_sub != nullptr && a.b_super != nullptr && a.b_codes == nullptr && a.group_size % 32 == 0 &&
+  return a.b_sub != nullptr && a.b_super != nullptr && !a.b_sub_signed && a.b_codes == nullptr && a.group_size % 32 == 0 &&
          a.super_size % 64 == 0 && a.super_size % a.group_size == 0 && a.K % a.super_size == 0;
 }
 inline bool two_level_walk(const GemmArgs& a) {
-  return a.b_min != nullptr && two_level_shape(a) && a.super_size / a.group_size <= 8;
+  return affine(a) && two_level_shape(a) && a.super_size / a.group_size <= 8;
 }
 // Symmetric two-level: 64-deep steps between epilogues, all of K where each column's super-scale is the same along
 // K (and K small enough for int32 sums: 120 * 127 * K < 2^31) or a super-block; 0 where a sub-scale exceeds 15.
 int64_t int4s_epilogue_steps(const GemmArgs& a) {
-  if (a.b_min != nullptr || !two_level_shape(a)) return 0;
+  if (affine(a) || !two_level_shape(a)) return 0;
   const int cols = 16 * a.nblocks;
   const int64_t groups = a.K / a.group_size, supers = a.K / a.super_size;
   for (int b = 0; b < a.nblocks; ++b) {
@@ -842,8 +842,8 @@ void gemm_amx(const GemmArgs& a) {
   // against the AVX-512 kernel's 14.92 / 59.08 on the float32 form (session 41, bench_fused_moe.py ktorch-q4_k_2l /
   // ktorch-q4_k). Symmetric int4 keeps the walk (7.9 / 22.3 against 11.6 / 44.5), and so does MXFP4 (50.2 / 128.5
   // against 43.6 / 171.4: the walk wins the larger call).
-  if ((F == WeightFormat::INT8 && (a.b_min != nullptr || (a.group_size > 0 && a.group_size < a.K))) ||
-      (F == WeightFormat::INT4 && a.b_min != nullptr && !two_level_walk(a)))
+  if ((F == WeightFormat::INT8 && (affine(a) || (a.group_size > 0 && a.group_size < a.K))) ||
+      (F == WeightFormat::INT4 && affine(a) && !two_level_walk(a)))
     return avx512_kernels().gemm[static_cast<int>(F)](a);
   constexpr int max_rows = kMaxWalkRows;
   GemmArgs part = a;

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "../kernels.h"
+#include "scales.h"
 
 namespace kt::kernels {
 namespace {
@@ -166,31 +167,33 @@ void int8_dequantize(const GemmArgs& a, const int32_t* partial) {
 constexpr int64_t kScaleAhead = 4;  // groups ahead whose scales (and minimums) a tile prefetches
 
 // The scales of a group are one line per block, a group's lines a row of scales apart (another page for most
-// shapes), which the hardware prefetchers do not follow: fetch them (and the affine minimums) a few groups ahead.
+// shapes), which the hardware prefetchers do not follow: fetch them (and the affine minimums) a few groups ahead
+// (two-level: the sub-scale lines; a super-scale line serves a whole super-block).
 template <int NR, bool kAffine>
 inline void prefetch_scales(const GemmArgs& a, int b0, int64_t g, int64_t groups) {
   if (g + kScaleAhead >= groups) return;
-  for (int b = 0; b < NR; ++b) {
-    const int64_t at = (g + kScaleAhead) * a.b_scale_group_stride + (b0 + b) * a.b_scale_block_stride;
-    _mm_prefetch(reinterpret_cast<const char*>(a.b_scale + at), _MM_HINT_T0);
-    if constexpr (kAffine) _mm_prefetch(reinterpret_cast<const char*>(a.b_min + at), _MM_HINT_T0);
-  }
+  for (int b = 0; b < NR; ++b) prefetch_group_scales(a, kAffine, g + kScaleAhead, (b0 + b) * a.b_scale_block_stride);
 }
 
 // One group's int32 sums into the fp32 accumulators: acc += (gacc - offset * sum_g(x)) * s_w[g], and for the affine
-// formats acc -= sum_g(x) * min[g] (the operations and their order of the portable kernels, fused).
+// formats acc -= sum_g(x) * min[g] (the operations and their order of the portable kernels, fused; the scales in
+// either form, group_scales16).
 template <int MR, int NR, bool kAffine>
 inline void group_epilogue(const GemmArgs& a, int m0, int b0, int64_t g, int32_t offset, __m512i (&gacc)[MR][NR],
                            __m512 (&acc)[MR][NR]) {
+  __m512 ws[NR], wm[NR];
+  const int64_t sb = super_of(a, g);
+  for (int b = 0; b < NR; ++b) {
+    ws[b] = group_scales16(a, false, g, sb, (b0 + b) * a.b_scale_block_stride);
+    if constexpr (kAffine) wm[b] = group_scales16(a, true, g, sb, (b0 + b) * a.b_scale_block_stride);
+  }
   for (int r = 0; r < MR; ++r) {
     const int32_t gsum = a.a_gsum[(m0 + r) * a.a_gsum_stride + g];
     const __m512i off = _mm512_set1_epi32(offset * gsum);
     const __m512 gs = _mm512_set1_ps(static_cast<float>(gsum));
     for (int b = 0; b < NR; ++b) {
-      const int64_t at = g * a.b_scale_group_stride + (b0 + b) * a.b_scale_block_stride;
-      acc[r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(gacc[r][b], off)), _mm512_loadu_ps(a.b_scale + at),
-                                  acc[r][b]);
-      if constexpr (kAffine) acc[r][b] = _mm512_fnmadd_ps(gs, _mm512_loadu_ps(a.b_min + at), acc[r][b]);
+      acc[r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(gacc[r][b], off)), ws[b], acc[r][b]);
+      if constexpr (kAffine) acc[r][b] = _mm512_fnmadd_ps(gs, wm[b], acc[r][b]);
     }
   }
 }
@@ -381,7 +384,7 @@ template <int R, int B> struct Int8Tile {
 template <int R, int B> struct Int4Tile {
   static void run(const GemmArgs& a, int m0, int b0, int64_t k0, int64_t k1, const Prefetch& pf) {
     const bool pre = pf.l1 > pf.l0;
-    if (a.b_min != nullptr) {
+    if (affine(a)) {
       if (pre) int4_tile<R, B, true, true, false>(a, m0, b0, k0, k1, pf);
       else int4_tile<R, B, false, true, false>(a, m0, b0, k0, k1, pf);
     } else if (a.b_codes != nullptr) {
@@ -396,7 +399,7 @@ template <int R, int B> struct Int4Tile {
 template <int R, int B> struct Int8GroupedTile {
   static void run(const GemmArgs& a, int m0, int b0, int64_t k0, int64_t k1, const Prefetch& pf) {
     const bool pre = pf.l1 > pf.l0;
-    if (a.b_min != nullptr) {
+    if (affine(a)) {
       if (pre) int8g_tile<R, B, true, true>(a, m0, b0, k0, k1, pf);
       else int8g_tile<R, B, false, true>(a, m0, b0, k0, k1, pf);
     } else {
@@ -409,7 +412,7 @@ template <int R, int B> struct Int8GroupedTile {
 // Reduction chunks: 16 KiB of weights per chunk for NR blocks (a multiple of the int4 group size).
 void gemm_bf16(const GemmArgs& a) { TileWalker<6, 4, Bf16Tile>::run(a, 128, 32); }
 void gemm_int8(const GemmArgs& a) {
-  if (a.b_min != nullptr || (a.group_size > 0 && a.group_size < a.K)) {  // grouped / affine (GGUF-exact formats)
+  if (affine(a) || (a.group_size > 0 && a.group_size < a.K)) {  // grouped / affine (GGUF-exact formats)
     const int64_t kc = std::max<int64_t>(a.group_size, 256 / a.group_size * a.group_size);
     if (a.M <= 2) TileWalker<2, 4, Int8GroupedTile>::run(a, kc, 16);
     else TileWalker<6, 2, Int8GroupedTile>::run(a, kc, 16);

@@ -69,14 +69,14 @@ void gemm_int8_channel(const GemmArgs& a) {
 
 // The grouped formats' walk: per block of 16 columns, row and group g, an int32 group sum gacc from
 // group_dot(w, x, g, gacc); the code offset removed with the group's activation sum, scaled by the group's weight
-// scale into an fp32 sum; affine formats (b_min) then subtract min[g] * sum_g(x); the activation scale last.
+// scale (group_scale: float32, or two-level) into an fp32 sum; affine formats then subtract min[g] * sum_g(x); the activation scale last.
 template <typename GroupDot>
 void gemm_grouped(const GemmArgs& a, int32_t code_offset, GroupDot group_dot) {
   const int64_t groups = a.K / a.group_size;
   for (int b = 0; b < a.nblocks; ++b) {
     const uint8_t* w = a.b + b * a.b_block_stride;
-    const float* ws = a.b_scale + b * a.b_scale_block_stride;
-    const float* wm = a.b_min != nullptr ? a.b_min + b * a.b_scale_block_stride : nullptr;
+    const int64_t col = b * a.b_scale_block_stride;
+    const bool has_min = affine(a);
     for (int m = 0; m < a.M; ++m) {
       const int8_t* x = static_cast<const int8_t*>(a.a_rows[m]);
       float acc[16] = {0};
@@ -85,8 +85,8 @@ void gemm_grouped(const GemmArgs& a, int32_t code_offset, GroupDot group_dot) {
         group_dot(w, x, g, gacc);
         const int32_t gsum = a.a_gsum[m * a.a_gsum_stride + g];
         for (int c = 0; c < 16; ++c) {
-          acc[c] += static_cast<float>(gacc[c] - code_offset * gsum) * ws[g * a.b_scale_group_stride + c];
-          if (wm != nullptr) acc[c] -= static_cast<float>(gsum) * wm[g * a.b_scale_group_stride + c];
+          acc[c] += static_cast<float>(gacc[c] - code_offset * gsum) * group_scale(a, false, g, col + c);
+          if (has_min) acc[c] -= static_cast<float>(gsum) * group_scale(a, true, g, col + c);
         }
       }
       for (int c = 0; c < 16; ++c) a.c[m * a.ldc + 16 * b + c] = acc[c] * a.a_scale[m];
@@ -107,7 +107,7 @@ void gemm_int8_grouped(const GemmArgs& a) {
 }
 
 void gemm_int8(const GemmArgs& a) {
-  if (a.b_min == nullptr && (a.group_size == 0 || a.group_size == a.K)) gemm_int8_channel(a);
+  if (!affine(a) && (a.group_size == 0 || a.group_size == a.K)) gemm_int8_channel(a);
   else gemm_int8_grouped(a);
 }
 
@@ -133,7 +133,7 @@ void gemm_int4(const GemmArgs& a) {
     });
     return;
   }
-  gemm_grouped(a, a.b_min != nullptr ? 0 : 8, [&](const uint8_t* w, const int8_t* x, int64_t g, int32_t* gacc) {
+  gemm_grouped(a, affine(a) ? 0 : 8, [&](const uint8_t* w, const int8_t* x, int64_t g, int32_t* gacc) {
     for (int64_t o = g * octs_per_group; o < (g + 1) * octs_per_group; ++o) {
       const uint8_t* wo = w + o * 64;
       for (int c = 0; c < 16; ++c)

@@ -86,7 +86,9 @@ struct Problem {
   std::vector<float> wmin;        // [G][N], affine only
   int sub_max = 0;                // affine with two-level scales (GemmArgs::b_sub, GGUF Q4_K at the file's size):
   std::vector<uint8_t> sub;       //   byte sub-scales [G][N] in 0..sub_max and float super-scales [K/256][N],
-  std::vector<float> super;       //   wscale = super * sub
+  std::vector<float> super;       //   wscale = super * sub; affine: min_sub and min_super likewise (wmin =
+  std::vector<uint8_t> min_sub;   //   min_super * min_sub); the kernels get the two-level form alone (b_scale and
+  std::vector<float> min_super;   //   b_min nullptr), as the driver passes it
   std::vector<uint8_t> arows;     // activation storage, exactly sized
   std::vector<const void*> rows;  // per call row
   std::vector<float> ascale;
@@ -154,6 +156,16 @@ Problem make_problem(WeightFormat f, int M, int64_t K, int nblocks, int64_t grou
   if (affine) {
     p.wmin.resize(G * N);
     for (auto& m : p.wmin) m = rand_float(0.0f, 8.0f) / 64;  // about 8 s: Q4_K's minimums sit near the middle
+  }
+  if (affine && sub_max > 0) {  // Q4_K's minimums: 6-bit sub-minimums times a super-minimum (dmin)
+    p.min_sub.resize(G * N);
+    p.min_super.resize(K / 256 * N);
+    for (auto& s : p.min_super) s = rand_float(0.0f, 8.0f) / 64 / 63;
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t n = 0; n < N; ++n) {
+        p.min_sub[g * N + n] = static_cast<uint8_t>(rand_int(0, 63));
+        p.wmin[g * N + n] = p.min_super[(g * group / 256) * N + n] * static_cast<float>(p.min_sub[g * N + n]);
+      }
   }
   // activations: strided = M rows back to back; gathered = rows scattered in a larger buffer
   const int64_t row_bytes = f == WeightFormat::BF16 ? 2 * K : K;
@@ -261,10 +273,15 @@ std::vector<float> run(const Problem& p, GemmFn fn, int64_t ldc, int extra_rows,
   if (p.coded) a.b_codes = kMxfp4Codes;
   if (p.affine) a.b_min = p.wmin.data() + 16 * first;
   if (p.sub_max > 0) {
+    a.b_scale = a.b_min = nullptr;
     a.b_sub = p.sub.data() + 16 * first;
     a.b_sub_group_stride = p.N();
     a.b_super = p.super.data() + 16 * first;
     a.b_super_group_stride = p.N();
+    if (p.affine) {
+      a.b_min_sub = p.min_sub.data() + 16 * first;
+      a.b_min_super = p.min_super.data() + 16 * first;
+    }
     a.super_size = 256;
   }
   a.b = p.packed.data() + first * block_bytes(p.f, p.K);
