@@ -328,7 +328,7 @@ constexpr int kDirectScaleRows = 6;
 
 // A kernel call's weight scales (and minimums) for columns [c0, c0 + n) of expert e (a.M set): pointers into the
 // float32 scales; two-level ones as the file's bytes and super-scales (kernels.h) for a call of at most
-// kDirectScaleRows rows, else expanded to float32 (and for the AMX int4 walks the integers beside them); fp16 ones
+// kDirectScaleRows rows, else expanded to float32 (and for the AMX walks the integers beside them); fp16 ones
 // expanded.
 void set_b_scales(kernels::GemmArgs& a, const PackedMatrix& m, const float* scales, int64_t e, int64_t c0,
                   int64_t n) {
@@ -343,7 +343,8 @@ void set_b_scales(kernels::GemmArgs& a, const PackedMatrix& m, const float* scal
     return;
   }
   const bool direct = m.sub_kind != 3 && a.M <= kDirectScaleRows;
-  if (m.sub_kind != 3 && (direct || m.fmt == WeightFormat::INT4)) {
+  // (the AMX walks of Q4_K, ktorch's int4 and Q6_K take the integers beside the expanded form)
+  if (m.sub_kind != 3 && (direct || m.fmt == WeightFormat::INT4 || m.sub_kind == 2)) {
     // part p's sub-scale rows [G][N], then its super-scales [S][N] as 4 S byte rows
     const uint8_t* p = reinterpret_cast<const uint8_t*>(scales) + e * (m.affine ? 2 : 1) * m.rows() * m.N;
     a.b_sub = p + c0;

@@ -8,12 +8,15 @@
 //   affine int4 with two-level scales (b_sub: GGUF Q4_K at the file's size): per super-block of 256, B = sub * u as
 //         two unsigned byte planes h, l (sub * u = 256 h + l), acc_h += TDPBSUD(A, H), acc_l += TDPBSUD(A, L);
 //         C = s_x[m] * sum_sb ((256 acc_h + acc_l) * super[sb][n] - sum_{g in sb} sum_g(x) * min[g][n])
+//   int8 with two-level signed scales (GGUF Q6_K: codes q in [-32, 31], sub-scales per 16): the same two-plane walk,
+//         B = sub * q = 256 h + l with h signed (TDPBSSD) and l unsigned (TDPBSUD), no minimums
 //   symmetric int4 with two-level scales (ktorch's int4: sub-scales <= 15): B = sub * (u - 8), one signed plane;
 //         acc = TDPBSSD over all of K (or a super-block);  C = s_x[m] * sum acc * super[n]
 // Signed int8 x signed int8 needs no unsigned offset, so a_gsum is not read here (only for the affine minimums).
-// Grouped/affine int8 (GGUF Q8_0, Q6_K, Q5_K) and affine int4 with float32 scales go to the AVX-512 kernel (gemm_amx).
+// Other grouped/affine int8 (GGUF Q8_0, Q5_K, Q6_K with float32 scales) and affine int4 with float32 scales go to the
+// AVX-512 kernel (gemm_amx).
 // The int8/int4 results equal the AVX-512 kernels' bit for bit (same integer sums, same fp32 operations in
-// the same order), except the two-level walk (its integer sums span super-blocks: within fp32 rounding); bf16
+// the same order), except the two-level walks (their integer sums span super-blocks: within fp32 rounding); bf16
 // differs in fp32 rounding order only.
 //
 // Layout: the packed weights already are AMX B tiles. bf16 [K/2][16][2] and int8 [K/4][16][4]: one 32-deep
@@ -240,27 +243,27 @@ inline void store_c(uint8_t* cbuf) {
 
 // One k step of an RA x RB block: A tiles from a0/a1 (row strides sa0/sa1), B tiles from b0/b1 (64-byte rows).
 // Each A tile serves RB products and each B tile RA products.
-// kUnsignedB: int8 A x uint8 B (TDPBSUD: the two-level int4 walk's byte planes).
-#define KTAMX_DP(c, a, b)                                       \
-  do {                                                          \
-    if constexpr (kBf16) KTAMX_TILE_DP_BF16(c, a, b);           \
-    else if constexpr (kUnsignedB) KTAMX_TILE_DP_SU8(c, a, b);  \
-    else KTAMX_TILE_DP_S8(c, a, b);                             \
+// kUnsigned0 / kUnsigned1: int8 A x uint8 B0 / B1 (TDPBSUD: the two-level walks' low byte planes, and Q4_K's high).
+#define KTAMX_DP(c, a, b, u)                             \
+  do {                                                   \
+    if constexpr (kBf16) KTAMX_TILE_DP_BF16(c, a, b);    \
+    else if constexpr (u) KTAMX_TILE_DP_SU8(c, a, b);    \
+    else KTAMX_TILE_DP_S8(c, a, b);                      \
   } while (0)
-template <bool kBf16, int RA, int RB, bool kUnsignedB = false>
+template <bool kBf16, int RA, int RB, bool kUnsigned0 = false, bool kUnsigned1 = kUnsigned0>
 inline void tile_step(const uint8_t* a0, int64_t sa0, const uint8_t* a1, int64_t sa1, const uint8_t* b0,
                       const uint8_t* b1) {
   KTAMX_TILE_LOAD(4, a0, sa0);
   KTAMX_TILE_LOAD(6, b0, 64);
-  KTAMX_DP(0, 4, 6);
+  KTAMX_DP(0, 4, 6, kUnsigned0);
   if constexpr (RB > 1) {
     KTAMX_TILE_LOAD(7, b1, 64);
-    KTAMX_DP(1, 4, 7);
+    KTAMX_DP(1, 4, 7, kUnsigned1);
   }
   if constexpr (RA > 1) {
     KTAMX_TILE_LOAD(5, a1, sa1);
-    KTAMX_DP(2, 5, 6);
-    if constexpr (RB > 1) KTAMX_DP(3, 5, 7);
+    KTAMX_DP(2, 5, 6, kUnsigned0);
+    if constexpr (RB > 1) KTAMX_DP(3, 5, 7, kUnsigned1);
   }
 }
 #undef KTAMX_DP
@@ -511,16 +514,32 @@ inline void unpack_kq4_line(const uint8_t* src, __m512i sc, uint8_t* h, uint8_t*
   }
 }
 
-// The row pair g0 (RA row groups) against the RB column blocks of a pair, one block after the other (each takes
-// four C tiles: h and l sums of two row groups). unpacked: per block, per 64-deep step, the h tile then the l tile
-// (2 KB), filled on the column pair's first pass (blk.unpack, kUnpackAhead steps ahead) and read by its later row
-// pairs. gsumf: the walk's activation group sums as floats, [M][G]. acc: [32][16] fp32. The walk's prefetches of
-// the next weights and A rows and its side work are spread over the block's steps (the RB blocks' steps in turn).
-template <int RA, int RB>
-void kq4_block(const GemmArgs& a, const ARows& ar, const Block& blk, uint8_t* unpacked, uint8_t* cbuf, float* acc,
-               const float* gsumf) {
-  constexpr int64_t kPackedStep = 512;     // packed bytes of one block per 64-deep step
-  constexpr int64_t kUnpackedStep = 2048;  // its h and l tiles
+// One int8 tile row (4 k of 16 columns, GGUF Q6_K's signed codes q) times the signed sub-scale bytes sc (sub_scale_bytes
+// of a Q6_K group of 16, which a tile row never crosses) into the planes h (signed) and l (unsigned): p = sc * q
+// (|p| <= 4096) as 16-bit products of the sign-extended even and odd bytes, l = p & 255, h = p >> 8 (arithmetic).
+inline void unpack_k6_row(const uint8_t* src, __m512i sc, uint8_t* h, uint8_t* l) {
+  const __m512i v = _mm512_loadu_si512(src);
+  constexpr __mmask64 kOdd = 0xAAAAAAAAAAAAAAAAull;
+  const __m512i pe = _mm512_mullo_epi16(_mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8),
+                                        _mm512_srai_epi16(_mm512_slli_epi16(sc, 8), 8));
+  const __m512i po = _mm512_mullo_epi16(_mm512_srai_epi16(v, 8), _mm512_srai_epi16(sc, 8));
+  _mm512_store_si512(l, _mm512_mask_blend_epi8(kOdd, pe, _mm512_slli_epi16(po, 8)));
+  _mm512_store_si512(h, _mm512_mask_blend_epi8(kOdd, _mm512_srai_epi16(pe, 8), po));
+}
+
+// The two-plane walks: the row pair g0 (RA row groups) against the RB column blocks of a pair, one block after the other
+// (each takes four C tiles: h and l sums of two row groups), the products p = sub * code of a super-block summed as
+// 256 x.h + x.l in the tiles. kInt8 false: GGUF Q4_K (int4 codes u, unsigned sub-scales, planes both unsigned, a
+// minimum per group); true: GGUF Q6_K (int8 codes, signed sub-scales per 16, h signed, no minimums). unpacked: per
+// block, per 64-deep step, the h tile then the l tile (2 KB), filled on the column pair's first pass (blk.unpack,
+// kUnpackAhead steps ahead) and read by its later row pairs. gsumf (Q4_K): the walk's activation group sums as
+// floats, [M][G]. acc: [32][16] fp32. The walk's prefetches of the next weights and A rows and its side work are
+// spread over the block's steps (the RB blocks' steps in turn).
+template <bool kInt8, int RA, int RB>
+void two_plane_block(const GemmArgs& a, const ARows& ar, const Block& blk, uint8_t* unpacked, uint8_t* cbuf,
+                     float* acc, const float* gsumf) {
+  constexpr int64_t kPackedStep = kInt8 ? 1024 : 512;  // packed bytes of one block per 64-deep step
+  constexpr int64_t kUnpackedStep = 2048;              // its h and l tiles
   const int64_t steps = a.K / 64, super_steps = a.super_size / 64, groups = a.K / a.group_size;
   const int64_t per_super = a.super_size / a.group_size;
   const RowPair<RA> rp(a, ar, blk.g0);
@@ -528,18 +547,26 @@ void kq4_block(const GemmArgs& a, const ARows& ar, const Block& blk, uint8_t* un
   const int64_t sa0 = rp.sa0, sa1 = rp.sa1;
   const int rows = rp.rows;
   const int64_t vsteps = RB * steps;  // the pass's steps, block after block
+  // sub-scale lines a step reads: one a tile row's group (Q6_K: 4), or one per 32 k (Q4_K: 2)
+  constexpr int kSubsPerStep = kInt8 ? 4 : 2;
   for (int j = 0; j < RB; ++j) {
     const int64_t col = (blk.b0 + j) * a.b_scale_block_stride;
     const uint8_t* packed = a.b + (blk.b0 + j) * a.b_block_stride;
     uint8_t* u = unpacked + j * steps * kUnpackedStep;
     const auto unpack_step = [&](int64_t t) {
       KTAMX_RECORD_UNPACK(packed + t * kPackedStep, kPackedStep);
-      for (int half = 0; half < 2; ++half) {  // 32 k (4 lines) at a time: groups are multiples of 32
-        const int64_t g = (64 * t + 32 * half) / a.group_size;
+      for (int part = 0; part < kSubsPerStep; ++part) {  // 64 / kSubsPerStep k at a time: groups are multiples of that
+        const int64_t g = (64 * t + 64 / kSubsPerStep * part) / a.group_size;
         const __m512i sc = sub_scale_bytes(a.b_sub + g * a.b_sub_group_stride + col);
-        for (int o = 4 * half; o < 4 * half + 4; ++o)
-          unpack_kq4_line(packed + t * kPackedStep + 64 * o, sc, u + t * kUnpackedStep + 128 * o,
-                          u + t * kUnpackedStep + 1024 + 128 * o);
+        if constexpr (kInt8) {  // 4 tile rows of 4 k
+          for (int r = 4 * part; r < 4 * part + 4; ++r)
+            unpack_k6_row(packed + t * kPackedStep + 64 * r, sc, u + t * kUnpackedStep + 64 * r,
+                          u + t * kUnpackedStep + 1024 + 64 * r);
+        } else {  // 4 int4 lines of 8 k
+          for (int o = 4 * part; o < 4 * part + 4; ++o)
+            unpack_kq4_line(packed + t * kPackedStep + 64 * o, sc, u + t * kUnpackedStep + 128 * o,
+                            u + t * kUnpackedStep + 1024 + 128 * o);
+        }
       }
     };
     const int64_t ahead = blk.unpack ? kUnpackAhead : 0;
@@ -555,8 +582,8 @@ void kq4_block(const GemmArgs& a, const ARows& ar, const Block& blk, uint8_t* un
         if (blk.unpack) {
           const int64_t t = s + kPrefetchSteps;
           if (t < steps) prefetch(packed + t * kPackedStep, kPackedStep, true);
-          for (int half = 0; half < 2; ++half) {  // the sub-scales a few steps ahead (a line per group)
-            const int64_t gt = std::min(groups - 1, (64 * t + 32 * half) / a.group_size);
+          for (int part = 0; part < kSubsPerStep; ++part) {  // the sub-scales a few steps ahead (a line per group)
+            const int64_t gt = std::min(groups - 1, (64 * t + 64 / kSubsPerStep * part) / a.group_size);
             _mm_prefetch(reinterpret_cast<const char*>(a.b_sub + gt * a.b_sub_group_stride + col), _MM_HINT_T0);
           }
         }
@@ -566,23 +593,25 @@ void kq4_block(const GemmArgs& a, const ARows& ar, const Block& blk, uint8_t* un
           unpack_step(s + ahead);
           KTAMX_COMPILER_BARRIER();
         }
-        tile_step<false, RA, 2, true>(a0 + s * 64, sa0, a1 + s * 64, sa1, u + s * kUnpackedStep,
-                                      u + s * kUnpackedStep + 1024);
+        tile_step<false, RA, 2, !kInt8, true>(a0 + s * 64, sa0, a1 + s * 64, sa1, u + s * kUnpackedStep,
+                                              u + s * kUnpackedStep + 1024);
         if (blk.side != nullptr) run_side_through(blk, v, vsteps);
       }
       store_c<RA, 2>(cbuf);
       KTAMX_COMPILER_BARRIER();
-      // acc += (256 x.h + x.l) * super - sum over the super-block's groups of sum_g(x) * min[g]
+      // acc += (256 x.h + x.l) * super (Q4_K: - sum over the super-block's groups of sum_g(x) * min[g])
       const __m512 sup = _mm512_loadu_ps(a.b_super + sb * a.b_super_group_stride + col);
-      __m512 mins[8];  // per_super <= 8 (group_size >= 32, super_size <= 256)
-      for (int64_t i = 0; i < per_super; ++i)
-        mins[i] = group_scales16(a, true, sb * per_super + i, sb, col);
+      __m512 mins[8];  // Q4_K: per_super <= 8 (group_size >= 32, super_size <= 256)
+      if constexpr (!kInt8)
+        for (int64_t i = 0; i < per_super; ++i) mins[i] = group_scales16(a, true, sb * per_super + i, sb, col);
       for (int r = 0; r < rows; ++r) {
         const __m512i h = _mm512_load_si512(cbuf + r * 128), l = _mm512_load_si512(cbuf + r * 128 + 64);
         __m512 x = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(h, 8), l)), sup,
                                    _mm512_load_ps(acc + r * 16));
-        const float* gs = gsumf + (16 * blk.g0 + r) * groups + sb * per_super;
-        for (int64_t i = 0; i < per_super; ++i) x = _mm512_fnmadd_ps(_mm512_set1_ps(gs[i]), mins[i], x);
+        if constexpr (!kInt8) {
+          const float* gs = gsumf + (16 * blk.g0 + r) * groups + sb * per_super;
+          for (int64_t i = 0; i < per_super; ++i) x = _mm512_fnmadd_ps(_mm512_set1_ps(gs[i]), mins[i], x);
+        }
         _mm512_store_ps(acc + r * 16, x);
       }
     }
@@ -611,7 +640,7 @@ inline void unpack_int4s_line(const uint8_t* src, __m512i sub16, __m512i sub8, u
   _mm512_store_si512(dst + 64, _mm512_sub_epi8(_mm512_mullo_epi16(hi, sub16), sub8));
 }
 
-// kq4_block's counterpart for the symmetric form: a RA x RB block of C tiles (int4_block's shape and unpack
+// two_plane_block's counterpart for symmetric int4: a RA x RB block of C tiles (int4_block's shape and unpack
 // schedule), epi_steps 64-deep steps between epilogues (all of K, or a super-block).
 template <int RA, int RB>
 void int4s_block(const GemmArgs& a, const ARows& ar, const Block& blk, uint8_t* unpacked, uint8_t* cbuf, float* acc,
@@ -686,9 +715,10 @@ struct Buffers {
   uint8_t* btile;
   const float* gsumf;  // two-level affine int4: the activation group sums as floats, [M][G]
   int64_t epi_steps;   // two-level symmetric int4: 64-deep steps between epilogues (0: not that walk)
+  bool k6;             // two-level int8 (GGUF Q6_K): two_plane_block
 };
 
-// int4 whose two-level scales the AMX walk takes: affine (kq4_block; other affine int4 goes to AVX-512, gemm_amx),
+// int4 whose two-level scales the AMX walk takes: affine (two_plane_block; other affine int4 goes to AVX-512, gemm_amx),
 // or symmetric with every sub-scale of the call <= 15 (int4s_block; otherwise the group-wise walk on b_scale).
 inline bool two_level_shape(const GemmArgs& a) {
   return a.b_sub != nullptr && a.b_super != nullptr && !a.b_sub_signed && a.b_codes == nullptr && a.group_size % 32 == 0 &&
@@ -696,6 +726,12 @@ inline bool two_level_shape(const GemmArgs& a) {
 }
 inline bool two_level_walk(const GemmArgs& a) {
   return affine(a) && two_level_shape(a) && a.super_size / a.group_size <= 8;
+}
+// int8 whose two-level scales the AMX walk takes (two_plane_block): GGUF Q6_K's signed sub-scales, no minimums,
+// groups a multiple of 16 (a tile row's 4 k never cross one); other grouped int8 goes to AVX-512 (gemm_amx).
+inline bool two_level_int8_walk(const GemmArgs& a) {
+  return a.b_sub != nullptr && a.b_super != nullptr && a.b_sub_signed && !affine(a) && a.group_size % 16 == 0 &&
+         a.super_size % 64 == 0 && a.super_size % a.group_size == 0 && a.K % a.super_size == 0;
 }
 // Symmetric two-level: 64-deep steps between epilogues, all of K where each column's super-scale is the same along
 // K (and K small enough for int32 sums: 120 * 127 * K < 2^31) or a super-block; 0 where a sub-scale exceeds 15.
@@ -722,10 +758,12 @@ int64_t int4s_epilogue_steps(const GemmArgs& a) {
 template <WeightFormat F, int RA, int RB>
 void run_block(const GemmArgs& a, const ARows& ar, const Block& blk, const Buffers& buf) {
   if constexpr (F == WeightFormat::INT4) {
-    if (buf.gsumf != nullptr) kq4_block<RA, RB>(a, ar, blk, buf.btile, buf.cbuf, buf.acc, buf.gsumf);
+    if (buf.gsumf != nullptr) two_plane_block<false, RA, RB>(a, ar, blk, buf.btile, buf.cbuf, buf.acc, buf.gsumf);
     else if (buf.epi_steps > 0) int4s_block<RA, RB>(a, ar, blk, buf.btile, buf.cbuf, buf.acc, buf.epi_steps);
     else if (a.group_size == 32) int4_block<RA, RB, 32>(a, ar, blk, buf.btile, buf.cbuf, buf.acc);
     else int4_block<RA, RB, 64>(a, ar, blk, buf.btile, buf.cbuf, buf.acc);
+  } else if (F == WeightFormat::INT8 && buf.k6) {
+    two_plane_block<true, RA, RB>(a, ar, blk, buf.btile, buf.cbuf, buf.acc, nullptr);
   } else {
     dense_block<F, RA, RB>(a, ar, blk, buf.btile, buf.cbuf);
   }
@@ -752,6 +790,7 @@ void tile_walk(const GemmArgs& a, int64_t side_until) {
   buf.btile = nullptr;
   buf.gsumf = nullptr;
   buf.epi_steps = epi_steps;
+  buf.k6 = F == WeightFormat::INT8 && two_level_int8_walk(a);
   const bool int8_tail = F == WeightFormat::INT8 && a.K % 64 != 0;
   if (F == WeightFormat::INT4 && two_level) {
     buf.btile = t_btile.get(static_cast<size_t>(2 * 32 * a.K));  // 2 blocks x 2 planes x K/4 rows x 64 B
@@ -762,6 +801,8 @@ void tile_walk(const GemmArgs& a, int64_t side_until) {
     buf.gsumf = gf;
   } else if (F == WeightFormat::INT4) {
     buf.btile = t_btile.get(static_cast<size_t>(2 * 16 * a.K));  // 2 blocks x K/4 rows x 64 B
+  } else if (buf.k6) {
+    buf.btile = t_btile.get(static_cast<size_t>(2 * 32 * a.K));  // 2 blocks x 2 planes x K/4 rows x 64 B
   }
   if (int8_tail) buf.btile = t_btile.get(2 * kTileBytes);
   const int groups = (a.M + 15) / 16, row_pairs = (groups + 1) / 2;
@@ -833,16 +874,20 @@ void tile_walk(const GemmArgs& a, int64_t side_until) {
 template <WeightFormat F>
 void gemm_amx(const GemmArgs& a) {
   const int test_rows = g_test_min_rows.load(std::memory_order_relaxed);
-  if (a.M < (test_rows >= 0 ? test_rows : kMinRows[static_cast<int>(F)])) return avx512_kernels().gemm[static_cast<int>(F)](a);
-  // Grouped and affine int8 (GGUF Q8_0/Q6_K/Q5_K kept exact) have no tile walk: their 16/32-deep groups would
-  // need per-group C tiles as int4 has; they run on the AVX-512 kernel at every M. So does affine int4 with float32
+  // Q6_K's walk unpacks as int4's do: int4's row count (not measured on its own)
+  const bool k6 = F == WeightFormat::INT8 && two_level_int8_walk(a);
+  const int min_rows = kMinRows[static_cast<int>(k6 ? WeightFormat::INT4 : F)];
+  if (a.M < (test_rows >= 0 ? test_rows : min_rows)) return avx512_kernels().gemm[static_cast<int>(F)](a);
+  // Grouped and affine int8 (GGUF Q8_0/Q5_K kept exact, Q6_K with float32 scales) have no tile walk: their 16/32-deep
+  // groups would need per-group C tiles as int4 has; they run on the AVX-512 kernel at every M. Q6_K with its
+  // two-level scales walks two_plane_block (sub * q as two byte planes, as Q4_K). So does affine int4 with float32
   // scales per group: its walk stored, converted and scaled 4 C tiles after every 32-deep group, and the AVX-512
   // kernel beat it at every size measured (device, one Qwen3-30B-A3B layer, ms at T = 512 / 2048: Q4_K 15.9 / 66.9
-  // against the walk's 30.9 / 72.6; session 39). With two-level scales (b_sub) Q4_K walks kq4_block: 14.57 / 40.62
+  // against the walk's 30.9 / 72.6; session 39). With two-level scales (b_sub) Q4_K walks two_plane_block: 14.57 / 40.62
   // against the AVX-512 kernel's 14.92 / 59.08 on the float32 form (session 41, bench_fused_moe.py ktorch-q4_k_2l /
   // ktorch-q4_k). Symmetric int4 keeps the walk (7.9 / 22.3 against 11.6 / 44.5), and so does MXFP4 (50.2 / 128.5
   // against 43.6 / 171.4: the walk wins the larger call).
-  if ((F == WeightFormat::INT8 && (affine(a) || (a.group_size > 0 && a.group_size < a.K))) ||
+  if ((F == WeightFormat::INT8 && !k6 && (affine(a) || (a.group_size > 0 && a.group_size < a.K))) ||
       (F == WeightFormat::INT4 && affine(a) && !two_level_walk(a)))
     return avx512_kernels().gemm[static_cast<int>(F)](a);
   constexpr int max_rows = kMaxWalkRows;

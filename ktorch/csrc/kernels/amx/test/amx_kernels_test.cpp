@@ -84,8 +84,9 @@ struct Problem {
   std::vector<uint8_t> packed;    // exactly the packed bytes
   std::vector<float> wscale;      // [G][N]
   std::vector<float> wmin;        // [G][N], affine only
-  int sub_max = 0;                // affine with two-level scales (GemmArgs::b_sub, GGUF Q4_K at the file's size):
-  std::vector<uint8_t> sub;       //   byte sub-scales [G][N] in 0..sub_max and float super-scales [K/256][N],
+  int sub_max = 0;                // two-level scales (GemmArgs::b_sub, GGUF Q4_K at the file's size): byte
+  std::vector<uint8_t> sub;       //   sub-scales [G][N] in 0..sub_max (int8, GGUF Q6_K: signed, -sub_max-1..sub_max,
+                                  //   codes in [-32, 31]) and float super-scales [K/256][N],
   std::vector<float> super;       //   wscale = super * sub; affine: min_sub and min_super likewise (wmin =
   std::vector<uint8_t> min_sub;   //   min_super * min_sub); the kernels get the two-level form alone (b_scale and
   std::vector<float> min_super;   //   b_min nullptr), as the driver passes it
@@ -93,7 +94,7 @@ struct Problem {
   std::vector<const void*> rows;  // per call row
   std::vector<float> ascale;
   std::vector<int32_t> gsum;      // [M][G]
-  int64_t G() const { return f == WeightFormat::INT4 ? K / group : 1; }
+  int64_t G() const { return f == WeightFormat::INT4 || sub_max > 0 ? K / group : 1; }
   int64_t N() const { return 16 * total_blocks; }
 };
 
@@ -107,7 +108,8 @@ Problem make_problem(WeightFormat f, int M, int64_t K, int nblocks, int64_t grou
   p.K = K;
   p.nblocks = nblocks;
   p.total_blocks = nblocks + 1;
-  p.group = f == WeightFormat::INT4 ? group : K;
+  p.sub_max = sub_max;
+  p.group = f == WeightFormat::INT4 || sub_max > 0 ? group : K;
   p.strided = strided;
   const int64_t N = p.N(), G = p.G();
   p.w.resize(N * K);
@@ -115,7 +117,7 @@ Problem make_problem(WeightFormat f, int M, int64_t K, int nblocks, int64_t grou
   for (size_t i = 0; i < p.w.size(); ++i) {
     int& v = p.w[i];
     if (f == WeightFormat::BF16) v = to_bf16(rand_float(-1, 1));
-    else if (f == WeightFormat::INT8) v = rand_int(-127, 127);
+    else if (f == WeightFormat::INT8) v = sub_max > 0 ? (i % K == 0 && sub_max == 127 ? -32 : rand_int(-32, 31)) : rand_int(-127, 127);
     else if (coded) v = kMxfp4Codes[nibbles[i] = static_cast<uint8_t>(rand_int(0, 15))];
     else if (affine) v = rand_int(0, 15);
     else v = rand_int(-8, 7);
@@ -140,7 +142,6 @@ Problem make_problem(WeightFormat f, int M, int64_t K, int nblocks, int64_t grou
     }
   p.wscale.resize(G * N);
   for (auto& s : p.wscale) s = rand_float(0.5f, 2.0f) / 64;
-  p.sub_max = sub_max;
   if (sub_max > 0) {  // (K a multiple of 256)
     p.sub.resize(G * N);
     p.super.resize(K / 256 * N);
@@ -149,8 +150,12 @@ Problem make_problem(WeightFormat f, int M, int64_t K, int nblocks, int64_t grou
       for (size_t i = N; i < p.super.size(); ++i) p.super[i] = p.super[i % N];
     for (int64_t g = 0; g < G; ++g)
       for (int64_t n = 0; n < N; ++n) {
-        p.sub[g * N + n] = static_cast<uint8_t>(rand_int(0, sub_max));
-        p.wscale[g * N + n] = p.super[(g * group / 256) * N + n] * static_cast<float>(p.sub[g * N + n]);
+        // (int8: the first group's sub-scale -128 wherever sub_max is 127, with codes -32 at k = 0: p = 4096, the
+        // largest product, h = 16)
+        int sub = rand_int(f == WeightFormat::INT8 ? -sub_max - 1 : 0, sub_max);
+        if (f == WeightFormat::INT8 && sub_max == 127 && g == 0) sub = -128;
+        p.sub[g * N + n] = static_cast<uint8_t>(static_cast<int8_t>(sub));
+        p.wscale[g * N + n] = p.super[(g * group / 256) * N + n] * static_cast<float>(sub);
       }
   }
   if (affine) {
@@ -278,6 +283,7 @@ std::vector<float> run(const Problem& p, GemmFn fn, int64_t ldc, int extra_rows,
     a.b_sub_group_stride = p.N();
     a.b_super = p.super.data() + 16 * first;
     a.b_super_group_stride = p.N();
+    a.b_sub_signed = p.f == WeightFormat::INT8;
     if (p.affine) {
       a.b_min_sub = p.min_sub.data() + 16 * first;
       a.b_min_super = p.min_super.data() + 16 * first;
@@ -354,7 +360,8 @@ std::string check_prefetches(const Problem& p, const std::vector<uint8_t>& next,
 // of up to 256 rows), none where the AVX-512 kernel ran (walked false), and nothing outside the call's blocks.
 std::string check_unpacks(const Problem& p, bool walked) {
   const auto& spans = amx_emulation::unpack_log().spans;
-  if (p.f != WeightFormat::INT4) return spans.empty() ? "" : "unpacked int4 lines in a call of another format";
+  if (p.f != WeightFormat::INT4 && p.sub_max == 0)
+    return spans.empty() ? "" : "unpacked weight lines in a call of a format that reads its tiles in place";
   const size_t bb = block_bytes(p.f, p.K), first = (p.total_blocks - p.nblocks) * bb;
   std::vector<int> count(p.packed.size() / 64, 0);
   for (const auto& u : spans) {
@@ -463,7 +470,8 @@ int check_walks(const char* label) {
         check_case(WeightFormat::INT4, M, 512, nb, 128, strided, false, false, 15, true);  // ktorch's int4: all of K
         check_case(WeightFormat::INT4, M, 512, nb, 32, strided, false, false, 15);  // supers vary: per super-block
         check_case(WeightFormat::INT4, M, 256, nb, 64, strided, false, false, 63, true);  // subs > 15: group walk
-        cases += 9;
+        check_case(WeightFormat::INT8, M, 256, nb, 16, strided, false, false, 127);  // Q6_K at the file's size
+        cases += 10;
       }
   // driver-sized reductions for each format (int8 with its 32-deep tail; int4 as the Qwen3 gate/up call at T=2048,
   // and Q4_K's down projection)
@@ -480,7 +488,9 @@ int check_walks(const char* label) {
   check_case(WeightFormat::INT4, 100, 2048, 2, 32, true, false, true, 63);
   check_case(WeightFormat::INT4, 300, 2048, 4, 128, false, false, false, 15, true);
   check_case(WeightFormat::INT4, 130, 768, 3, 32, true, false, false, 15, true);
-  cases += 6;
+  check_case(WeightFormat::INT8, 130, 768, 4, 16, true, false, false, 127);  // Q6_K: Qwen3's down projection
+  check_case(WeightFormat::INT8, 300, 512, 3, 32, false, false, false, 100);
+  cases += 8;
   g_check_prefetch = g_full_next = false;
   std::printf("walk %-22s %d cases, %d failed\n", label, cases, failures - before);
   return cases;
