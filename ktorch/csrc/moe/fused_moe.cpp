@@ -220,9 +220,10 @@ PackedMatrix describe(const at::Tensor& w, const std::optional<at::Tensor>& s, W
 // out[g * n + c] = super[g / (G / S)][c0 + c] * sub[g][c0 + c] for columns [c0, c0 + n) of expert e, in fp32 (the
 // product of an fp32 holding a GGUF fp16 d and a small integer is exact: the same value as the fp32 per-group form);
 // affine: the minimums follow at out + G * n. The driver runs it before each kernel call of more than
-// kDirectScaleRows rows (reading the file's bytes, not 4 a group), into a thread's buffer. One row of n columns at a time, 16 (AVX-512) or 8 (AVX2 + F16C) columns a
-// vector where the host has them: the scalar form (c10::Half's software conversion, a byte at a time) cost a T = 1
-// Qwen3 layer 0.1 ms of its 0.27 (Q4_K two-level 0.378 ms against 0.269 for the fp32 form, H200 host, session 29).
+// kDirectScaleRows rows (reading the file's bytes, not 4 a group), into a thread's buffer. One row of n columns at a
+// time, 16 (AVX-512) or 8 (AVX2 + F16C) columns a vector where the host has them: the scalar form (c10::Half's
+// software conversion, a byte at a time) cost a T = 1 Qwen3 layer 0.1 ms of its 0.27 (Q4_K two-level 0.378 ms
+// against 0.269 for the fp32 form, H200 host, session 29).
 namespace {
 
 // kind: 1 uint8 sub-scales, 2 int8, 3 fp16 (d == nullptr)
@@ -327,9 +328,8 @@ const float* expand_kscales(const PackedMatrix& m, const void* scales, int64_t e
 constexpr int kDirectScaleRows = 6;
 
 // A kernel call's weight scales (and minimums) for columns [c0, c0 + n) of expert e (a.M set): pointers into the
-// float32 scales; two-level ones as the file's bytes and super-scales (kernels.h) for a call of at most
-// kDirectScaleRows rows, else expanded to float32 (and for the AMX walks the integers beside them); fp16 ones
-// expanded.
+// float32 scales; fp16 ones expanded; two-level ones as the file's bytes and super-scales (kernels.h), alone for a
+// call of at most kDirectScaleRows rows, else beside their float32 expansion (which only the AMX walks pass over).
 void set_b_scales(kernels::GemmArgs& a, const PackedMatrix& m, const float* scales, int64_t e, int64_t c0,
                   int64_t n) {
   a.b_sub = a.b_min_sub = nullptr;
@@ -342,10 +342,7 @@ void set_b_scales(kernels::GemmArgs& a, const PackedMatrix& m, const float* scal
     if (m.affine) a.b_min = a.b_scale + m.min_offset();
     return;
   }
-  const bool direct = m.sub_kind != 3 && a.M <= kDirectScaleRows;
-  // (the AMX walks of Q4_K, ktorch's int4 and Q6_K take the integers beside the expanded form)
-  if (m.sub_kind != 3 && (direct || m.fmt == WeightFormat::INT4 || m.sub_kind == 2)) {
-    // part p's sub-scale rows [G][N], then its super-scales [S][N] as 4 S byte rows
+  if (m.sub_kind != 3) {  // part p's sub-scale rows [G][N], then its super-scales [S][N] as 4 S byte rows
     const uint8_t* p = reinterpret_cast<const uint8_t*>(scales) + e * (m.affine ? 2 : 1) * m.rows() * m.N;
     a.b_sub = p + c0;
     a.b_super = reinterpret_cast<const float*>(p + m.groups * m.N) + c0;
@@ -357,10 +354,10 @@ void set_b_scales(kernels::GemmArgs& a, const PackedMatrix& m, const float* scal
     a.b_super_group_stride = m.N;
     a.b_sub_signed = m.sub_kind == 2;
     a.super_size = m.K / m.supers;
-  }
-  if (direct) {
-    a.b_scale = nullptr;
-    return;
+    if (a.M <= kDirectScaleRows) {
+      a.b_scale = nullptr;
+      return;
+    }
   }
   a.b_scale = expand_kscales(m, scales, e, c0, n);
   a.b_scale_group_stride = n;

@@ -514,9 +514,10 @@ inline void unpack_kq4_line(const uint8_t* src, __m512i sc, uint8_t* h, uint8_t*
   }
 }
 
-// One int8 tile row (4 k of 16 columns, GGUF Q6_K's signed codes q) times the signed sub-scale bytes sc (sub_scale_bytes
-// of a Q6_K group of 16, which a tile row never crosses) into the planes h (signed) and l (unsigned): p = sc * q
-// (|p| <= 4096) as 16-bit products of the sign-extended even and odd bytes, l = p & 255, h = p >> 8 (arithmetic).
+// One int8 tile row (4 k of 16 columns, signed codes q: GGUF Q6_K's [-32, 31]) times the signed sub-scale bytes sc
+// (sub_scale_bytes of the row's group of 16, which a tile row never crosses) into the planes h (signed) and l
+// (unsigned): p = sc * q (|p| <= 4096 for Q6_K, 16384 for any codes: int32 super-block sums stay below 2^31) as
+// 16-bit products of the sign-extended even and odd bytes, l = p & 255, h = p >> 8 (arithmetic).
 inline void unpack_k6_row(const uint8_t* src, __m512i sc, uint8_t* h, uint8_t* l) {
   const __m512i v = _mm512_loadu_si512(src);
   constexpr __mmask64 kOdd = 0xAAAAAAAAAAAAAAAAull;
@@ -527,14 +528,14 @@ inline void unpack_k6_row(const uint8_t* src, __m512i sc, uint8_t* h, uint8_t* l
   _mm512_store_si512(h, _mm512_mask_blend_epi8(kOdd, _mm512_srai_epi16(pe, 8), po));
 }
 
-// The two-plane walks: the row pair g0 (RA row groups) against the RB column blocks of a pair, one block after the other
-// (each takes four C tiles: h and l sums of two row groups), the products p = sub * code of a super-block summed as
-// 256 x.h + x.l in the tiles. kInt8 false: GGUF Q4_K (int4 codes u, unsigned sub-scales, planes both unsigned, a
-// minimum per group); true: GGUF Q6_K (int8 codes, signed sub-scales per 16, h signed, no minimums). unpacked: per
-// block, per 64-deep step, the h tile then the l tile (2 KB), filled on the column pair's first pass (blk.unpack,
-// kUnpackAhead steps ahead) and read by its later row pairs. gsumf (Q4_K): the walk's activation group sums as
-// floats, [M][G]. acc: [32][16] fp32. The walk's prefetches of the next weights and A rows and its side work are
-// spread over the block's steps (the RB blocks' steps in turn).
+// The two-plane walks: the row pair g0 (RA row groups) against the RB column blocks of a pair, one block after the
+// other (each takes four C tiles: h and l sums of two row groups), the products p = sub * code of a super-block
+// summed as 256 x.h + x.l in the tiles. kInt8 false: GGUF Q4_K (int4 codes u, unsigned sub-scales, planes both
+// unsigned, a minimum per group); true: GGUF Q6_K (int8 codes, signed sub-scales per 16, h signed, no minimums).
+// unpacked: per block, per 64-deep step, the h tile then the l tile (2 KB), filled on the column pair's first pass
+// (blk.unpack, kUnpackAhead steps ahead) and read by its later row pairs. gsumf (Q4_K): the walk's activation group
+// sums as floats, [M][G]. acc: [32][16] fp32. The walk's prefetches of the next weights and A rows and its side work
+// are spread over the block's steps (the RB blocks' steps in turn).
 template <bool kInt8, int RA, int RB>
 void two_plane_block(const GemmArgs& a, const ARows& ar, const Block& blk, uint8_t* unpacked, uint8_t* cbuf,
                      float* acc, const float* gsumf) {
@@ -555,7 +556,7 @@ void two_plane_block(const GemmArgs& a, const ARows& ar, const Block& blk, uint8
     uint8_t* u = unpacked + j * steps * kUnpackedStep;
     const auto unpack_step = [&](int64_t t) {
       KTAMX_RECORD_UNPACK(packed + t * kPackedStep, kPackedStep);
-      for (int part = 0; part < kSubsPerStep; ++part) {  // 64 / kSubsPerStep k at a time: groups are multiples of that
+      for (int part = 0; part < kSubsPerStep; ++part) {  // 64 / kSubsPerStep k at a time (groups: multiples of it)
         const int64_t g = (64 * t + 64 / kSubsPerStep * part) / a.group_size;
         const __m512i sc = sub_scale_bytes(a.b_sub + g * a.b_sub_group_stride + col);
         if constexpr (kInt8) {  // 4 tile rows of 4 k
@@ -718,11 +719,13 @@ struct Buffers {
   bool k6;             // two-level int8 (GGUF Q6_K): two_plane_block
 };
 
-// int4 whose two-level scales the AMX walk takes: affine (two_plane_block; other affine int4 goes to AVX-512, gemm_amx),
-// or symmetric with every sub-scale of the call <= 15 (int4s_block; otherwise the group-wise walk on b_scale).
+// int4 whose two-level scales the AMX walk takes: affine (two_plane_block; other affine int4 goes to AVX-512,
+// gemm_amx), or symmetric with every sub-scale of the call <= 15 (int4s_block; otherwise the group-wise walk, whose
+// epilogue reads the scales in either form).
 inline bool two_level_shape(const GemmArgs& a) {
-  return a.b_sub != nullptr && a.b_super != nullptr && !a.b_sub_signed && a.b_codes == nullptr && a.group_size % 32 == 0 &&
-         a.super_size % 64 == 0 && a.super_size % a.group_size == 0 && a.K % a.super_size == 0;
+  return a.b_sub != nullptr && a.b_super != nullptr && !a.b_sub_signed && a.b_codes == nullptr &&
+         a.group_size % 32 == 0 && a.super_size % 64 == 0 && a.super_size % a.group_size == 0 &&
+         a.K % a.super_size == 0;
 }
 inline bool two_level_walk(const GemmArgs& a) {
   return affine(a) && two_level_shape(a) && a.super_size / a.group_size <= 8;
@@ -879,13 +882,13 @@ void gemm_amx(const GemmArgs& a) {
   const int min_rows = kMinRows[static_cast<int>(k6 ? WeightFormat::INT4 : F)];
   if (a.M < (test_rows >= 0 ? test_rows : min_rows)) return avx512_kernels().gemm[static_cast<int>(F)](a);
   // Grouped and affine int8 (GGUF Q8_0/Q5_K kept exact, Q6_K with float32 scales) have no tile walk: their 16/32-deep
-  // groups would need per-group C tiles as int4 has; they run on the AVX-512 kernel at every M. Q6_K with its
-  // two-level scales walks two_plane_block (sub * q as two byte planes, as Q4_K). So does affine int4 with float32
-  // scales per group: its walk stored, converted and scaled 4 C tiles after every 32-deep group, and the AVX-512
-  // kernel beat it at every size measured (device, one Qwen3-30B-A3B layer, ms at T = 512 / 2048: Q4_K 15.9 / 66.9
-  // against the walk's 30.9 / 72.6; session 39). With two-level scales (b_sub) Q4_K walks two_plane_block: 14.57 / 40.62
-  // against the AVX-512 kernel's 14.92 / 59.08 on the float32 form (session 41, bench_fused_moe.py ktorch-q4_k_2l /
-  // ktorch-q4_k). Symmetric int4 keeps the walk (7.9 / 22.3 against 11.6 / 44.5), and so does MXFP4 (50.2 / 128.5
+  // groups would need per-group C tiles as int4 has; they run on the AVX-512 kernel at every M. So does affine int4
+  // with float32 scales per group: its walk stored, converted and scaled 4 C tiles after every 32-deep group, and the
+  // AVX-512 kernel beat it at every size measured (device, one Qwen3-30B-A3B layer, ms at T = 512 / 2048: Q4_K 15.9 /
+  // 66.9 against the walk's 30.9 / 72.6; session 39). With two-level scales (b_sub) Q4_K walks two_plane_block: 14.57
+  // / 40.62 against the AVX-512 kernel's 14.92 / 59.08 on the float32 form (session 41, bench_fused_moe.py
+  // ktorch-q4_k_2l / ktorch-q4_k), and so does Q6_K (sub * q as two byte planes: 16.49 / 39.90 against 23.62 / 86.92,
+  // session 42). Symmetric int4 keeps the walk (7.9 / 22.3 against 11.6 / 44.5), and so does MXFP4 (50.2 / 128.5
   // against 43.6 / 171.4: the walk wins the larger call).
   if ((F == WeightFormat::INT8 && !k6 && (affine(a) || (a.group_size > 0 && a.group_size < a.K))) ||
       (F == WeightFormat::INT4 && affine(a) && !two_level_walk(a)))

@@ -12,7 +12,9 @@
 namespace kt::kernels {
 
 // The super-block of group g (two-level; any value for the float32 form).
-inline int64_t super_of(const GemmArgs& a, int64_t g) { return a.b_scale != nullptr ? 0 : g * a.group_size / a.super_size; }
+inline int64_t super_of(const GemmArgs& a, int64_t g) {
+  return a.b_scale != nullptr ? 0 : g * a.group_size / a.super_size;
+}
 
 // group g (in super-block sb = super_of(a, g)), columns col..col+15 (b_scale's column index); minimum: the affine
 // minimums
@@ -23,7 +25,8 @@ __attribute__((always_inline)) inline __m512 group_scales16(const GemmArgs& a, b
       reinterpret_cast<const __m128i*>((minimum ? a.b_min_sub : a.b_sub) + g * a.b_sub_group_stride + col));
   // (the zero-masked forms with every lane on: the same instructions, without the unmasked intrinsics' undefined
   // source operand, which gcc 12 reports as maybe uninitialized at every inlined use)
-  const __m512i sub = a.b_sub_signed ? _mm512_maskz_cvtepi8_epi32(0xffff, bytes) : _mm512_maskz_cvtepu8_epi32(0xffff, bytes);
+  const __m512i sub =
+      a.b_sub_signed ? _mm512_maskz_cvtepi8_epi32(0xffff, bytes) : _mm512_maskz_cvtepu8_epi32(0xffff, bytes);
   const float* super = (minimum ? a.b_min_super : a.b_super) + sb * a.b_super_group_stride;
   return _mm512_mul_ps(_mm512_loadu_ps(super + col), _mm512_maskz_cvtepi32_ps(0xffff, sub));
 }

@@ -69,7 +69,8 @@ void gemm_int8_channel(const GemmArgs& a) {
 
 // The grouped formats' walk: per block of 16 columns, row and group g, an int32 group sum gacc from
 // group_dot(w, x, g, gacc); the code offset removed with the group's activation sum, scaled by the group's weight
-// scale (group_scale: float32, or two-level) into an fp32 sum; affine formats then subtract min[g] * sum_g(x); the activation scale last.
+// scale (group_scale: float32, or two-level) into an fp32 sum; affine formats then subtract min[g] * sum_g(x); the
+// activation scale last.
 template <typename GroupDot>
 void gemm_grouped(const GemmArgs& a, int32_t code_offset, GroupDot group_dot) {
   const int64_t groups = a.K / a.group_size;

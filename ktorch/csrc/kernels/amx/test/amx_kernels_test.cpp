@@ -117,7 +117,8 @@ Problem make_problem(WeightFormat f, int M, int64_t K, int nblocks, int64_t grou
   for (size_t i = 0; i < p.w.size(); ++i) {
     int& v = p.w[i];
     if (f == WeightFormat::BF16) v = to_bf16(rand_float(-1, 1));
-    else if (f == WeightFormat::INT8) v = sub_max > 0 ? (i % K == 0 && sub_max == 127 ? -32 : rand_int(-32, 31)) : rand_int(-127, 127);
+    else if (f == WeightFormat::INT8 && sub_max == 0) v = rand_int(-127, 127);
+    else if (f == WeightFormat::INT8) v = i % K == 0 && sub_max == 127 ? -32 : rand_int(-32, 31);  // GGUF Q6_K's codes
     else if (coded) v = kMxfp4Codes[nibbles[i] = static_cast<uint8_t>(rand_int(0, 15))];
     else if (affine) v = rand_int(0, 15);
     else v = rand_int(-8, 7);
