@@ -31,3 +31,17 @@ def test_dash_and_none_are_no_change():
         assert dict(os.environ) == before
     with bench.variant_env(None):
         assert dict(os.environ) == before
+
+
+@pytest.mark.parametrize("copies", [1, 2, 7, 8, 9, 12, 15, 16, 30, 64])
+def test_timed_calls_meet_every_copy_with_every_routing(copies):
+    """Cold caches: the timed calls pair each layer copy with each routing before any pair repeats (8 routings beside
+    8 copies met the same pair every 8th call and read its experts from the L3)."""
+    routings = [(r, None, None) for r in range(bench.coprime_count(8, copies))]
+    assert len(routings) >= 8
+    seen = []
+    calls = copies * len(routings)
+    bench.time_calls(lambda layer, ids, w, x: seen.append((layer, ids)), list(range(copies)), routings,
+                     min_calls=calls, min_seconds=0.0)
+    pairs = seen[1:calls + 1]  # (the first call warms up)
+    assert len(set(pairs)) == calls
