@@ -131,11 +131,11 @@ def test_fused_moe_matches_reference(kernel, types, T, seed):
 
 @pytest.mark.parametrize("two_level", [False, True], ids=["float32", "two_level"])
 @pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q4_K"), ("Q4_K", "Q4_K", "Q6_K"), ("Q6_K", "Q6_K", "Q6_K"),
-                                   ("Q8_0", "Q8_0", "Q8_0")], ids=lambda ts: "-".join(dict.fromkeys(ts)))
+                                   ("Q5_K", "Q5_K", "Q5_K"), ("Q8_0", "Q8_0", "Q8_0")], ids=lambda ts: "-".join(dict.fromkeys(ts)))
 def test_fused_moe_every_call_on_tiles(kernel, types, two_level, seed):
     """AMX: every call through the tiles, small T too: affine int4 on the tiles with float32 scales (sent to AVX-512)
-    or two-level ones (the two-plane walk), grouped int8 sent to AVX-512 except Q6_K with its two-level scales (the
-    two-plane walk)."""
+    or two-level ones (the two-plane walk), grouped int8 sent to AVX-512 except Q6_K and Q5_K with their two-level
+    scales (the two-plane walk)."""
     if kernel != "amx":
         pytest.skip("the tile walk's small-call threshold exists at the amx level only")
     E, K, H, I = 7, 3, 768, 256  # (K-quant rows: multiples of 256)
@@ -238,8 +238,8 @@ def test_kscales_same_output_as_float_scales(kernel, types, seed):
         ids, weights = make_routing(T, E, K)
         out = ktorch.fused_moe(hidden, ids, weights, packed)
         want = ktorch.fused_moe(hidden, ids, weights, ref_packed)
-        if kernel == "amx" and ("Q4_K" in types or "Q6_K" in types) and T >= 16:
-            # Q4_K's and Q6_K's AMX walk takes the integer sub-scales and sums 256-wide super-blocks in its tiles (the
+        if kernel == "amx" and set(types) & {"Q4_K", "Q5_K", "Q6_K"} and T >= 16:
+            # the AMX walk of Q4_K, Q5_K and Q6_K takes the integer sub-scales and sums 256-wide super-blocks in its tiles (the
             # float32 form goes to AVX-512, one group at a time): the same values within fp32 rounding, then bf16's. An output
             # near zero (cancelling terms) carries the fp32 rounding of its terms' size, not its own: the absolute
             # slack is 2^-9 of the largest output (half a bf16 step there; the device failed 1e-6 of it with either

@@ -8,12 +8,13 @@
 //   affine int4 with two-level scales (b_sub: GGUF Q4_K at the file's size): per super-block of 256, B = sub * u as
 //         two unsigned byte planes h, l (sub * u = 256 h + l), acc_h += TDPBSUD(A, H), acc_l += TDPBSUD(A, L);
 //         C = s_x[m] * sum_sb ((256 acc_h + acc_l) * super[sb][n] - sum_{g in sb} sum_g(x) * min[g][n])
-//   int8 with two-level signed scales (GGUF Q6_K: codes q in [-32, 31], sub-scales per 16): the same two-plane walk,
-//         B = sub * q = 256 h + l with h signed (TDPBSSD) and l unsigned (TDPBSUD), no minimums
+//   int8 with two-level scales (GGUF Q6_K: codes in [-32, 31], signed sub-scales per 16; Q5_K: codes [0, 31],
+//         unsigned per 32, minimums): the same two-plane walk, B = sub * q = 256 h + l with h signed (TDPBSSD) and l
+//         unsigned (TDPBSUD)
 //   symmetric int4 with two-level scales (ktorch's int4: sub-scales <= 15): B = sub * (u - 8), one signed plane;
 //         acc = TDPBSSD over all of K (or a super-block);  C = s_x[m] * sum acc * super[n]
 // Signed int8 x signed int8 needs no unsigned offset, so a_gsum is not read here (only for the affine minimums).
-// Other grouped/affine int8 (GGUF Q8_0, Q5_K, Q6_K with float32 scales) and affine int4 with float32 scales go to the
+// Other grouped/affine int8 (GGUF Q8_0, Q6_K/Q5_K with float32 scales) and affine int4 with float32 scales go to the
 // AVX-512 kernel (gemm_amx).
 // The int8/int4 results equal the AVX-512 kernels' bit for bit (same integer sums, same fp32 operations in
 // the same order), except the two-level walks (their integer sums span super-blocks: within fp32 rounding); bf16
@@ -514,16 +515,19 @@ inline void unpack_kq4_line(const uint8_t* src, __m512i sc, uint8_t* h, uint8_t*
   }
 }
 
-// One int8 tile row (4 k of 16 columns, signed codes q: GGUF Q6_K's [-32, 31]) times the signed sub-scale bytes sc
-// (sub_scale_bytes of the row's group of 16, which a tile row never crosses) into the planes h (signed) and l
-// (unsigned): p = sc * q (|p| <= 4096 for Q6_K, 16384 for any codes: int32 super-block sums stay below 2^31) as
-// 16-bit products of the sign-extended even and odd bytes, l = p & 255, h = p >> 8 (arithmetic).
-inline void unpack_k6_row(const uint8_t* src, __m512i sc, uint8_t* h, uint8_t* l) {
+// One int8 tile row (4 k of 16 columns, signed codes q: GGUF Q6_K's [-32, 31], Q5_K's [0, 31]) times the sub-scale
+// bytes sc (sub_scale_bytes of the row's group, which a tile row never crosses; signed for Q6_K, unsigned for Q5_K)
+// into the planes h (signed) and l (unsigned): p = sc * q (|p| <= 255 * 128, any codes and sub-scales) as 16-bit
+// products of the even and odd bytes, extended as their kinds are, l = p & 255, h = p >> 8 (arithmetic).
+template <bool kSignedSub>
+inline void unpack_k8_row(const uint8_t* src, __m512i sc, uint8_t* h, uint8_t* l) {
   const __m512i v = _mm512_loadu_si512(src);
   constexpr __mmask64 kOdd = 0xAAAAAAAAAAAAAAAAull;
-  const __m512i pe = _mm512_mullo_epi16(_mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8),
-                                        _mm512_srai_epi16(_mm512_slli_epi16(sc, 8), 8));
-  const __m512i po = _mm512_mullo_epi16(_mm512_srai_epi16(v, 8), _mm512_srai_epi16(sc, 8));
+  const __m512i sc_even = kSignedSub ? _mm512_srai_epi16(_mm512_slli_epi16(sc, 8), 8)
+                                     : _mm512_and_si512(sc, _mm512_set1_epi16(0x00ff));
+  const __m512i sc_odd = kSignedSub ? _mm512_srai_epi16(sc, 8) : _mm512_srli_epi16(sc, 8);
+  const __m512i pe = _mm512_mullo_epi16(_mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8), sc_even);
+  const __m512i po = _mm512_mullo_epi16(_mm512_srai_epi16(v, 8), sc_odd);
   _mm512_store_si512(l, _mm512_mask_blend_epi8(kOdd, pe, _mm512_slli_epi16(po, 8)));
   _mm512_store_si512(h, _mm512_mask_blend_epi8(kOdd, _mm512_srai_epi16(pe, 8), po));
 }
@@ -531,11 +535,12 @@ inline void unpack_k6_row(const uint8_t* src, __m512i sc, uint8_t* h, uint8_t* l
 // The two-plane walks: the row pair g0 (RA row groups) against the RB column blocks of a pair, one block after the
 // other (each takes four C tiles: h and l sums of two row groups), the products p = sub * code of a super-block
 // summed as 256 x.h + x.l in the tiles. kInt8 false: GGUF Q4_K (int4 codes u, unsigned sub-scales, planes both
-// unsigned, a minimum per group); true: GGUF Q6_K (int8 codes, signed sub-scales per 16, h signed, no minimums).
-// unpacked: per block, per 64-deep step, the h tile then the l tile (2 KB), filled on the column pair's first pass
-// (blk.unpack, kUnpackAhead steps ahead) and read by its later row pairs. gsumf (Q4_K): the walk's activation group
-// sums as floats, [M][G]. acc: [32][16] fp32. The walk's prefetches of the next weights and A rows and its side work
-// are spread over the block's steps (the RB blocks' steps in turn).
+// unsigned, a minimum per group); true: int8 codes, h signed (GGUF Q6_K: signed sub-scales per 16, no minimums;
+// Q5_K: unsigned sub-scales per 32, minimums). unpacked: per block, per 64-deep step, the h tile then the l tile
+// (2 KB), filled on the column pair's first pass (blk.unpack, kUnpackAhead steps ahead) and read by its later row
+// pairs. gsumf (the affine formats, else nullptr): the walk's activation group sums as floats, [M][G]. acc: [32][16]
+// fp32. The walk's prefetches of the next weights and A rows and its side work are spread over the block's steps
+// (the RB blocks' steps in turn).
 template <bool kInt8, int RA, int RB>
 void two_plane_block(const GemmArgs& a, const ARows& ar, const Block& blk, uint8_t* unpacked, uint8_t* cbuf,
                      float* acc, const float* gsumf) {
@@ -560,9 +565,11 @@ void two_plane_block(const GemmArgs& a, const ARows& ar, const Block& blk, uint8
         const int64_t g = (64 * t + 64 / kSubsPerStep * part) / a.group_size;
         const __m512i sc = sub_scale_bytes(a.b_sub + g * a.b_sub_group_stride + col);
         if constexpr (kInt8) {  // 4 tile rows of 4 k
-          for (int r = 4 * part; r < 4 * part + 4; ++r)
-            unpack_k6_row(packed + t * kPackedStep + 64 * r, sc, u + t * kUnpackedStep + 64 * r,
-                          u + t * kUnpackedStep + 1024 + 64 * r);
+          for (int r = 4 * part; r < 4 * part + 4; ++r) {
+            uint8_t* hr = u + t * kUnpackedStep + 64 * r;
+            if (a.b_sub_signed) unpack_k8_row<true>(packed + t * kPackedStep + 64 * r, sc, hr, hr + 1024);
+            else unpack_k8_row<false>(packed + t * kPackedStep + 64 * r, sc, hr, hr + 1024);
+          }
         } else {  // 4 int4 lines of 8 k
           for (int o = 4 * part; o < 4 * part + 4; ++o)
             unpack_kq4_line(packed + t * kPackedStep + 64 * o, sc, u + t * kUnpackedStep + 128 * o,
@@ -603,13 +610,13 @@ void two_plane_block(const GemmArgs& a, const ARows& ar, const Block& blk, uint8
       // acc += (256 x.h + x.l) * super (Q4_K: - sum over the super-block's groups of sum_g(x) * min[g])
       const __m512 sup = _mm512_loadu_ps(a.b_super + sb * a.b_super_group_stride + col);
       __m512 mins[8];  // Q4_K: per_super <= 8 (group_size >= 32, super_size <= 256)
-      if constexpr (!kInt8)
+      if (gsumf != nullptr)
         for (int64_t i = 0; i < per_super; ++i) mins[i] = group_scales16(a, true, sb * per_super + i, sb, col);
       for (int r = 0; r < rows; ++r) {
         const __m512i h = _mm512_load_si512(cbuf + r * 128), l = _mm512_load_si512(cbuf + r * 128 + 64);
         __m512 x = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(h, 8), l)), sup,
                                    _mm512_load_ps(acc + r * 16));
-        if constexpr (!kInt8) {
+        if (gsumf != nullptr) {
           const float* gs = gsumf + (16 * blk.g0 + r) * groups + sb * per_super;
           for (int64_t i = 0; i < per_super; ++i) x = _mm512_fnmadd_ps(_mm512_set1_ps(gs[i]), mins[i], x);
         }
@@ -716,7 +723,7 @@ struct Buffers {
   uint8_t* btile;
   const float* gsumf;  // two-level affine int4: the activation group sums as floats, [M][G]
   int64_t epi_steps;   // two-level symmetric int4: 64-deep steps between epilogues (0: not that walk)
-  bool k6;             // two-level int8 (GGUF Q6_K): two_plane_block
+  bool k8;             // two-level int8 (GGUF Q6_K, Q5_K): two_plane_block
 };
 
 // int4 whose two-level scales the AMX walk takes: affine (two_plane_block; other affine int4 goes to AVX-512,
@@ -730,11 +737,13 @@ inline bool two_level_shape(const GemmArgs& a) {
 inline bool two_level_walk(const GemmArgs& a) {
   return affine(a) && two_level_shape(a) && a.super_size / a.group_size <= 8;
 }
-// int8 whose two-level scales the AMX walk takes (two_plane_block): GGUF Q6_K's signed sub-scales, no minimums,
-// groups a multiple of 16 (a tile row's 4 k never cross one); other grouped int8 goes to AVX-512 (gemm_amx).
+// int8 whose two-level scales the AMX walk takes (two_plane_block): GGUF Q6_K (signed sub-scales, no minimums) and
+// Q5_K (unsigned, minimums: at most 8 groups a super-block), groups a multiple of 16 (a tile row's 4 k never cross
+// one), super-blocks of at most 256 (int32 sums: 256 * 127 * 128 * 256 < 2^31); other grouped int8 goes to AVX-512.
 inline bool two_level_int8_walk(const GemmArgs& a) {
-  return a.b_sub != nullptr && a.b_super != nullptr && a.b_sub_signed && !affine(a) && a.group_size % 16 == 0 &&
-         a.super_size % 64 == 0 && a.super_size % a.group_size == 0 && a.K % a.super_size == 0;
+  return a.b_sub != nullptr && a.b_super != nullptr && a.b_codes == nullptr && a.group_size % 16 == 0 &&
+         a.super_size % 64 == 0 && a.super_size <= 256 && a.super_size % a.group_size == 0 &&
+         a.K % a.super_size == 0 && (!affine(a) || a.super_size / a.group_size <= 8);
 }
 // Symmetric two-level: 64-deep steps between epilogues, all of K where each column's super-scale is the same along
 // K (and K small enough for int32 sums: 120 * 127 * K < 2^31) or a super-block; 0 where a sub-scale exceeds 15.
@@ -765,8 +774,8 @@ void run_block(const GemmArgs& a, const ARows& ar, const Block& blk, const Buffe
     else if (buf.epi_steps > 0) int4s_block<RA, RB>(a, ar, blk, buf.btile, buf.cbuf, buf.acc, buf.epi_steps);
     else if (a.group_size == 32) int4_block<RA, RB, 32>(a, ar, blk, buf.btile, buf.cbuf, buf.acc);
     else int4_block<RA, RB, 64>(a, ar, blk, buf.btile, buf.cbuf, buf.acc);
-  } else if (F == WeightFormat::INT8 && buf.k6) {
-    two_plane_block<true, RA, RB>(a, ar, blk, buf.btile, buf.cbuf, buf.acc, nullptr);
+  } else if (F == WeightFormat::INT8 && buf.k8) {
+    two_plane_block<true, RA, RB>(a, ar, blk, buf.btile, buf.cbuf, buf.acc, buf.gsumf);
   } else {
     dense_block<F, RA, RB>(a, ar, blk, buf.btile, buf.cbuf);
   }
@@ -793,19 +802,19 @@ void tile_walk(const GemmArgs& a, int64_t side_until) {
   buf.btile = nullptr;
   buf.gsumf = nullptr;
   buf.epi_steps = epi_steps;
-  buf.k6 = F == WeightFormat::INT8 && two_level_int8_walk(a);
+  buf.k8 = F == WeightFormat::INT8 && two_level_int8_walk(a);
   const bool int8_tail = F == WeightFormat::INT8 && a.K % 64 != 0;
-  if (F == WeightFormat::INT4 && two_level) {
+  if ((F == WeightFormat::INT4 && two_level) || buf.k8) {
     buf.btile = t_btile.get(static_cast<size_t>(2 * 32 * a.K));  // 2 blocks x 2 planes x K/4 rows x 64 B
-    const int64_t G = a.K / a.group_size;
-    auto* gf = reinterpret_cast<float*>(t_gsumf.get(static_cast<size_t>(a.M * G) * sizeof(float)));
-    for (int m = 0; m < a.M; ++m)
-      for (int64_t g = 0; g < G; ++g) gf[m * G + g] = static_cast<float>(a.a_gsum[m * a.a_gsum_stride + g]);
-    buf.gsumf = gf;
+    if (affine(a)) {
+      const int64_t G = a.K / a.group_size;
+      auto* gf = reinterpret_cast<float*>(t_gsumf.get(static_cast<size_t>(a.M * G) * sizeof(float)));
+      for (int m = 0; m < a.M; ++m)
+        for (int64_t g = 0; g < G; ++g) gf[m * G + g] = static_cast<float>(a.a_gsum[m * a.a_gsum_stride + g]);
+      buf.gsumf = gf;
+    }
   } else if (F == WeightFormat::INT4) {
     buf.btile = t_btile.get(static_cast<size_t>(2 * 16 * a.K));  // 2 blocks x K/4 rows x 64 B
-  } else if (buf.k6) {
-    buf.btile = t_btile.get(static_cast<size_t>(2 * 32 * a.K));  // 2 blocks x 2 planes x K/4 rows x 64 B
   }
   if (int8_tail) buf.btile = t_btile.get(2 * kTileBytes);
   const int groups = (a.M + 15) / 16, row_pairs = (groups + 1) / 2;
@@ -877,20 +886,20 @@ void tile_walk(const GemmArgs& a, int64_t side_until) {
 template <WeightFormat F>
 void gemm_amx(const GemmArgs& a) {
   const int test_rows = g_test_min_rows.load(std::memory_order_relaxed);
-  // Q6_K's walk unpacks as int4's do: int4's row count (not measured on its own)
-  const bool k6 = F == WeightFormat::INT8 && two_level_int8_walk(a);
-  const int min_rows = kMinRows[static_cast<int>(k6 ? WeightFormat::INT4 : F)];
+  // the two-level int8 walk unpacks as int4's do: int4's row count (not measured on its own)
+  const bool k8 = F == WeightFormat::INT8 && two_level_int8_walk(a);
+  const int min_rows = kMinRows[static_cast<int>(k8 ? WeightFormat::INT4 : F)];
   if (a.M < (test_rows >= 0 ? test_rows : min_rows)) return avx512_kernels().gemm[static_cast<int>(F)](a);
-  // Grouped and affine int8 (GGUF Q8_0/Q5_K kept exact, Q6_K with float32 scales) have no tile walk: their 16/32-deep
-  // groups would need per-group C tiles as int4 has; they run on the AVX-512 kernel at every M. So does affine int4
-  // with float32 scales per group: its walk stored, converted and scaled 4 C tiles after every 32-deep group, and the
+  // Grouped and affine int8 (GGUF Q8_0, Q6_K/Q5_K with float32 scales) have no tile walk: their 16/32-deep groups
+  // would need per-group C tiles as int4 has; they run on the AVX-512 kernel at every M. So does affine int4 with
+  // float32 scales per group: its walk stored, converted and scaled 4 C tiles after every 32-deep group, and the
   // AVX-512 kernel beat it at every size measured (device, one Qwen3-30B-A3B layer, ms at T = 512 / 2048: Q4_K 15.9 /
   // 66.9 against the walk's 30.9 / 72.6; session 39). With two-level scales (b_sub) Q4_K walks two_plane_block: 14.57
   // / 40.62 against the AVX-512 kernel's 14.92 / 59.08 on the float32 form (session 41, bench_fused_moe.py
-  // ktorch-q4_k_2l / ktorch-q4_k), and so does Q6_K (sub * q as two byte planes: 16.49 / 39.90 against 23.62 / 86.92,
-  // session 42). Symmetric int4 keeps the walk (7.9 / 22.3 against 11.6 / 44.5), and so does MXFP4 (50.2 / 128.5
-  // against 43.6 / 171.4: the walk wins the larger call).
-  if ((F == WeightFormat::INT8 && !k6 && (affine(a) || (a.group_size > 0 && a.group_size < a.K))) ||
+  // ktorch-q4_k_2l / ktorch-q4_k), and so do Q6_K (sub * q as two byte planes: 16.49 / 39.90 against 23.62 / 86.92,
+  // session 42) and Q5_K (17.98 / 43.28 against 19.36 / 69.88, session 43). Symmetric int4 keeps the walk (7.9 / 22.3
+  // against 11.6 / 44.5), and so does MXFP4 (50.2 / 128.5 against 43.6 / 171.4: the walk wins the larger call).
+  if ((F == WeightFormat::INT8 && !k8 && (affine(a) || (a.group_size > 0 && a.group_size < a.K))) ||
       (F == WeightFormat::INT4 && affine(a) && !two_level_walk(a)))
     return avx512_kernels().gemm[static_cast<int>(F)](a);
   constexpr int max_rows = kMaxWalkRows;

@@ -117,8 +117,8 @@ Problem make_problem(WeightFormat f, int M, int64_t K, int nblocks, int64_t grou
   for (size_t i = 0; i < p.w.size(); ++i) {
     int& v = p.w[i];
     if (f == WeightFormat::BF16) v = to_bf16(rand_float(-1, 1));
-    else if (f == WeightFormat::INT8 && sub_max == 0) v = rand_int(-127, 127);
-    else if (f == WeightFormat::INT8) v = i % K == 0 && sub_max == 127 ? -32 : rand_int(-32, 31);  // GGUF Q6_K's codes
+    else if (f == WeightFormat::INT8 && affine) v = rand_int(0, 31);  // GGUF Q5_K
+    else if (f == WeightFormat::INT8) v = sub_max > 0 ? (i % K == 0 && sub_max == 127 ? -32 : rand_int(-32, 31)) : rand_int(-127, 127);
     else if (coded) v = kMxfp4Codes[nibbles[i] = static_cast<uint8_t>(rand_int(0, 15))];
     else if (affine) v = rand_int(0, 15);
     else v = rand_int(-8, 7);
@@ -153,8 +153,9 @@ Problem make_problem(WeightFormat f, int M, int64_t K, int nblocks, int64_t grou
       for (int64_t n = 0; n < N; ++n) {
         // (int8: the first group's sub-scale -128 wherever sub_max is 127, with codes -32 at k = 0: p = 4096, the
         // largest product, h = 16)
-        int sub = rand_int(f == WeightFormat::INT8 ? -sub_max - 1 : 0, sub_max);
-        if (f == WeightFormat::INT8 && sub_max == 127 && g == 0) sub = -128;
+        const bool signed_sub = f == WeightFormat::INT8 && !affine;
+        int sub = rand_int(signed_sub ? -sub_max - 1 : 0, sub_max);
+        if (signed_sub && sub_max == 127 && g == 0) sub = -128;
         p.sub[g * N + n] = static_cast<uint8_t>(static_cast<int8_t>(sub));
         p.wscale[g * N + n] = p.super[(g * group / 256) * N + n] * static_cast<float>(sub);
       }
@@ -284,7 +285,7 @@ std::vector<float> run(const Problem& p, GemmFn fn, int64_t ldc, int extra_rows,
     a.b_sub_group_stride = p.N();
     a.b_super = p.super.data() + 16 * first;
     a.b_super_group_stride = p.N();
-    a.b_sub_signed = p.f == WeightFormat::INT8;
+    a.b_sub_signed = p.f == WeightFormat::INT8 && !p.affine;
     if (p.affine) {
       a.b_min_sub = p.min_sub.data() + 16 * first;
       a.b_min_super = p.min_super.data() + 16 * first;
@@ -472,7 +473,8 @@ int check_walks(const char* label) {
         check_case(WeightFormat::INT4, M, 512, nb, 32, strided, false, false, 15);  // supers vary: per super-block
         check_case(WeightFormat::INT4, M, 256, nb, 64, strided, false, false, 63, true);  // subs > 15: group walk
         check_case(WeightFormat::INT8, M, 256, nb, 16, strided, false, false, 127);  // Q6_K at the file's size
-        cases += 10;
+        check_case(WeightFormat::INT8, M, 256, nb, 32, strided, false, true, 63);  // Q5_K at the file's size
+        cases += 11;
       }
   // driver-sized reductions for each format (int8 with its 32-deep tail; int4 as the Qwen3 gate/up call at T=2048,
   // and Q4_K's down projection)
@@ -491,7 +493,9 @@ int check_walks(const char* label) {
   check_case(WeightFormat::INT4, 130, 768, 3, 32, true, false, false, 15, true);
   check_case(WeightFormat::INT8, 130, 768, 4, 16, true, false, false, 127);  // Q6_K: Qwen3's down projection
   check_case(WeightFormat::INT8, 300, 512, 3, 32, false, false, false, 100);
-  cases += 8;
+  check_case(WeightFormat::INT8, 130, 768, 4, 32, true, false, true, 63);  // Q5_K: Qwen3's down projection
+  check_case(WeightFormat::INT8, 70, 512, 2, 64, false, false, true, 255);  // every unsigned byte sub-scale
+  cases += 10;
   g_check_prefetch = g_full_next = false;
   std::printf("walk %-22s %d cases, %d failed\n", label, cases, failures - before);
   return cases;
