@@ -747,22 +747,32 @@ inline bool two_level_int8_walk(const GemmArgs& a) {
 }
 // Symmetric two-level: 64-deep steps between epilogues, all of K where each column's super-scale is the same along
 // K (and K small enough for int32 sums: 120 * 127 * K < 2^31) or a super-block; 0 where a sub-scale exceeds 15.
+// The check runs on every call: it ORs the call's sub-scale bytes 64 at a time and compares the super-scale rows 16
+// columns at a time (as first written, a byte compare a block and group and a scalar compare a column and super-block:
+// ~0.25 ms of a 5.5 ms Qwen3 layer at T = 512 over 16 threads, estimated from the counts, not measured).
 int64_t int4s_epilogue_steps(const GemmArgs& a) {
   if (affine(a) || !two_level_shape(a)) return 0;
-  const int cols = 16 * a.nblocks;
-  const int64_t groups = a.K / a.group_size, supers = a.K / a.super_size;
-  for (int b = 0; b < a.nblocks; ++b) {
-    for (int64_t g = 0; g < groups; ++g) {
-      const uint8_t* p = a.b_sub + g * a.b_sub_group_stride + b * a.b_scale_block_stride;
-      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-      if (_mm_movemask_epi8(_mm_cmpgt_epi8(_mm_min_epu8(v, _mm_set1_epi8(16)), _mm_set1_epi8(15))) != 0) return 0;
+  const int64_t groups = a.K / a.group_size, supers = a.K / a.super_size, cols = 16 * a.nblocks;
+  const bool dense = a.b_scale_block_stride == 16;  // the call's columns of a group are one run of bytes
+  __m512i any = _mm512_setzero_si512();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* row = a.b_sub + g * a.b_sub_group_stride;
+    if (dense) {
+      int64_t c = 0;
+      for (; c + 64 <= cols; c += 64) any = _mm512_or_si512(any, _mm512_loadu_si512(row + c));
+      if (c < cols) any = _mm512_or_si512(any, _mm512_maskz_loadu_epi8(~0ull >> (64 - (cols - c)), row + c));
+    } else {
+      for (int b = 0; b < a.nblocks; ++b)
+        any = _mm512_or_si512(any, _mm512_maskz_loadu_epi8(0xffff, row + b * a.b_scale_block_stride));
     }
   }
+  if (_mm512_test_epi8_mask(any, _mm512_set1_epi8(static_cast<char>(0xf0))) != 0) return 0;  // a sub-scale > 15
   bool same = a.K <= 131072;
   for (int64_t s = 1; s < supers && same; ++s)
-    for (int c = 0; c < cols && same; ++c) {
-      const int64_t col = (c / 16) * a.b_scale_block_stride + c % 16;
-      same = a.b_super[s * a.b_super_group_stride + col] == a.b_super[col];
+    for (int b = 0; b < a.nblocks && same; ++b) {
+      const float* col = a.b_super + b * a.b_scale_block_stride;
+      same = _mm512_cmp_ps_mask(_mm512_loadu_ps(col + s * a.b_super_group_stride), _mm512_loadu_ps(col),
+                                _CMP_NEQ_UQ) == 0;
     }
   return same ? a.K / 64 : a.super_size / 64;
 }
