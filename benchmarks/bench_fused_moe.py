@@ -8,8 +8,9 @@ Cold caches: the layer is replicated until the weights of all copies exceed 16x 
 allows), and calls cycle through the copies and through a set of random routings whose count shares no factor with
 the copies' (so a copy meets another routing each time round: with 8 routings and 8 copies a T = 1 call met the same
 experts of the same copy every 8th call, 8 x 8 experts of ~5 MB, and read them from a 300 MiB L3 at up to 176% of the
-DRAM bandwidth); a call does not find the experts of the previous ones in cache. Random weights are generated directly in each implementation's layout
-(any bytes are valid packed weights); numerical accuracy is the test suite's job, not this script's.
+DRAM bandwidth); a call does not find the experts of the previous ones in cache. Random weights are generated
+directly in each implementation's layout (any bytes are valid packed weights); numerical accuracy is the test suite's
+job, not this script's.
 
 Columns: ms per call (median), tokens/s, effective TFLOPS = 6*H*I*K*T / time, GB/s = bytes of the
 distinct experts the routing touched / time (the decode roofline), and each as a % of what this machine

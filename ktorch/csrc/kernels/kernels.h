@@ -124,6 +124,11 @@ struct GemmArgs {
 // An affine format (a minimum per group), in either scale form.
 inline bool affine(const GemmArgs& a) { return a.b_min != nullptr || a.b_min_sub != nullptr; }
 
+// The super-block of group g (two-level; any value for the float32 form).
+inline int64_t super_of(const GemmArgs& a, int64_t g) {
+  return a.b_scale != nullptr ? 0 : g * a.group_size / a.super_size;
+}
+
 // The weight scale (minimum: the affine minimum) of group g, column col (b_scale's column index): b_scale's float, or
 // the two-level product.
 inline float group_scale(const GemmArgs& a, bool minimum, int64_t g, int64_t col) {
@@ -131,7 +136,7 @@ inline float group_scale(const GemmArgs& a, bool minimum, int64_t g, int64_t col
   const uint8_t byte = (minimum ? a.b_min_sub : a.b_sub)[g * a.b_sub_group_stride + col];
   const float sub = a.b_sub_signed ? static_cast<float>(static_cast<int8_t>(byte)) : static_cast<float>(byte);
   const float* super = minimum ? a.b_min_super : a.b_super;
-  return super[(g * a.group_size / a.super_size) * a.b_super_group_stride + col] * sub;
+  return super[super_of(a, g) * a.b_super_group_stride + col] * sub;
 }
 
 constexpr int kMaxBlocks = 8;  // the driver sizes its kernel-output buffers by it; the kernels take any count

@@ -11,13 +11,8 @@
 
 namespace kt::kernels {
 
-// The super-block of group g (two-level; any value for the float32 form).
-inline int64_t super_of(const GemmArgs& a, int64_t g) {
-  return a.b_scale != nullptr ? 0 : g * a.group_size / a.super_size;
-}
-
-// group g (in super-block sb = super_of(a, g)), columns col..col+15 (b_scale's column index); minimum: the affine
-// minimums
+// group g (in super-block sb = super_of(a, g), kernels.h), columns col..col+15 (b_scale's column index); minimum:
+// the affine minimums
 __attribute__((always_inline)) inline __m512 group_scales16(const GemmArgs& a, bool minimum, int64_t g, int64_t sb,
                                                             int64_t col) {
   if (a.b_scale != nullptr) return _mm512_loadu_ps((minimum ? a.b_min : a.b_scale) + g * a.b_scale_group_stride + col);
