@@ -20,6 +20,7 @@ Optionally writes the file first (--write-layers N: a random Qwen3-30B-A3B-shape
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -155,7 +156,6 @@ def ab_compile(args) -> None:
     of the default's graph and of those of PROFILED_VARIANTS among --ab-variants: GPU kernel time and kernel count
     per step (torch.profiler), the CPU experts' time per step (the native host tasks' timeline) and the step's wall
     time."""
-    import contextlib
     import statistics
 
     import torch
@@ -328,6 +328,54 @@ class PartTimer:
             h.remove()
 
 
+@contextlib.contextmanager
+def _log_triton_compiles():
+    """Yields a list that gets one line per Triton kernel specialization compiled (or loaded from Triton's disk
+    cache) inside the context: the kernel's name, the seconds it took and its specialization key."""
+    lines: list = []
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        yield lines
+        return
+    original = JITFunction._do_compile
+
+    def logged(self, key, *rest, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return original(self, key, *rest, **kwargs)
+        finally:
+            lines.append(f"{self.__name__} in {time.perf_counter() - t0:.3f} s, key {str(key)[:400]}")
+
+    JITFunction._do_compile = logged
+    try:
+        yield lines
+    finally:
+        JITFunction._do_compile = original
+
+
+def _breakdown_run(args, model, ids, first_run: bool, extra: str, prompt: int) -> float:
+    """One ``generate`` of one new token; the first run of a length under cProfile with --breakdown-cprofile N (its
+    N largest functions by own and by cumulative time printed). Returns the time to the first token."""
+    from ktorch.generation import generate
+
+    if not (args.breakdown_cprofile and first_run):
+        return generate(model, ids, 1).timings.first_token_s
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    first = prof.runcall(generate, model, ids, 1).timings.first_token_s
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("tottime").print_stats(args.breakdown_cprofile)
+    stats.sort_stats("cumulative").print_stats(args.breakdown_cprofile)
+    print(f"[breakdown {extra or 'defaults'}] P={prompt} run 0 under cProfile:\n" + "\n".join(
+        line for line in text.getvalue().splitlines() if line.strip()), flush=True)
+    return first
+
+
 def breakdown(args) -> None:
     """Experiment (benchmark flag): where a process's first prefills spend their time. Per --ktorch-args set, one
     process loads the model as ``ktorch generate`` does (ktorch.cli.load_model: the same defaults and options, the
@@ -335,14 +383,14 @@ def breakdown(args) -> None:
     (``ktorch.generate``, 1 new token): per part (PartTimer), the CPU op's own time (the experts runtime's timeline:
     kt.fused_moe on its worker, GPU models), the minor page faults and new CUDA memory segments, run by run. Run 0 is
     the first prompt of that length (after the warm-up: what a user's first prompt pays; with --breakdown-cold the
-    process's cold first prefill, a shorter length earlier warming part of it); the later runs are warm."""
+    process's cold first prefill, a shorter length earlier warming part of it); the later runs are warm. Each Triton
+    kernel specialization a run compiles (or loads from Triton's disk cache) is printed with its key."""
     import resource
 
     import torch
 
     from ktorch.cli import build_parser, load_model
     from ktorch.compile.experts_runtime import RUNTIME
-    from ktorch.generation import generate
 
     for extra in args.ktorch_args:
         cli = build_parser().parse_args(["generate", "--model", args.gguf, "--prompt", "x", *shlex.split(extra)])
@@ -359,7 +407,10 @@ def breakdown(args) -> None:
                 RUNTIME.timeline = []
                 faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 segments = torch.cuda.memory_stats(device)["segment.all.allocated"] if device.type == "cuda" else 0
-                first = generate(model, ids, 1).timings.first_token_s
+                with _log_triton_compiles() as compiled:
+                    first = _breakdown_run(args, model, ids, not runs, extra, prompt)
+                for line in compiled:
+                    print(f"[breakdown {extra or 'defaults'}] P={prompt} run {len(runs)} compiled {line}", flush=True)
                 parts = dict(timer.totals)
                 parts["CPU op (kt.fused_moe on the worker)"] = sum(e - s for s, e, _ in RUNTIME.timeline) / 1e9
                 parts["rest (embedding, norms, lm_head, sampling)"] = first - sum(
@@ -381,7 +432,7 @@ def breakdown(args) -> None:
             torch.cuda.empty_cache()
 
 
-PREFILL_VARIANTS = ("default", "sync-per-layer", "one qkv product")
+PREFILL_VARIANTS = ("default", "sync-per-layer", "one qkv product", "deferred prefill")
 _SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
@@ -486,14 +537,16 @@ def prefill_profile(args) -> None:
     from ktorch.ops.routed_experts import RoutedExperts
 
     def context(variant, decoder):
-        import contextlib
-
         if variant == "sync-per-layer":
             stack = contextlib.ExitStack()
             original = RoutedExperts.copies_possible
             RoutedExperts.copies_possible = lambda self, ids: True
             stack.callback(setattr, RoutedExperts, "copies_possible", original)
             return stack
+        if variant == "deferred prefill":  # the eager deferral at every call, prefill too (before session 44)
+            from unittest import mock
+
+            return mock.patch("ktorch.integrations.deferral.defers", lambda tokens: True)
         if variant == "one qkv product":
             from ktorch.integrations import fused_qkv
 
@@ -631,6 +684,9 @@ def main(argv=None) -> None:
                    "included) times RUNS prefills of each --prompts length by part (attention, router/shared, routed "
                    "experts, the CPU op, the rest), with page faults and new CUDA segments: the first run is the "
                    "first prompt of that length")
+    p.add_argument("--breakdown-cprofile", type=int, default=0, metavar="N",
+                   help="--breakdown: run 0 of each length under cProfile, its N largest functions by own and by "
+                   "cumulative time printed (the first prompt's extra time, by Python function)")
     p.add_argument("--breakdown-cold", action="store_true",
                    help="--breakdown without the load-time warm-up (ktorch.warm_up): run 0 is the process's cold first "
                    "prefill, what the warm-up takes out of the first prompt")

@@ -97,6 +97,50 @@ def test_compiled_and_eager_deferral_match_the_reference(family):
     assert report.deferrals == [] and torch.equal(zero, without)
 
 
+def _prefill_then_step(model, ids, step_context=None) -> tuple:
+    """Logits of an eager prefill of ``ids`` into a static cache, then of one decode step (its greedy token) run
+    inside ``step_context`` (e.g. a DeferralReference); both [1, V]."""
+    import contextlib
+
+    from transformers import StaticCache
+
+    n = ids.shape[1]
+    cache = StaticCache(config=model.config, max_cache_len=n + 4)
+    first = model(ids, past_key_values=cache, cache_position=torch.arange(n), use_cache=True).logits[:, -1]
+    pos = torch.tensor([n])
+    with step_context or contextlib.nullcontext():
+        step = model(first.argmax(-1, keepdim=True), past_key_values=cache, cache_position=pos, position_ids=pos[None],
+                     use_cache=True).logits[:, -1]
+    return first, step
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_eager_deferral_leaves_prefill_sized_calls_exact(family):
+    """Eager deferral applies to decode-sized calls only: a prompt of PREFILL_TOKENS tokens or more runs every
+    layer's experts in full (its logits equal the plain forward's bit for bit), one token fewer defers (equal to the
+    reference, not to the plain forward), and the decode step after the long prompt defers again."""
+    from ktorch.integrations.deferral import PREFILL_TOKENS
+
+    model = ktorch.prepare(tiny_model(family, dtype=torch.bfloat16), device="cpu")
+    long_ids = torch.randint(0, 256, (1, PREFILL_TOKENS))
+    short_ids = long_ids[:, : PREFILL_TOKENS - 1]
+    with torch.no_grad():
+        plain_first, plain_step = _prefill_then_step(model, long_ids)
+        plain_short = model(short_ids).logits
+        with DeferralReference(model, 1):
+            want_short = model(short_ids).logits
+        want_first, want_step = _prefill_then_step(model, long_ids, DeferralReference(model, 1))
+        ktorch.set_deferred_experts(model, 1)
+        try:
+            got_first, got_step = _prefill_then_step(model, long_ids)
+            got_short = model(short_ids).logits
+        finally:
+            ktorch.set_deferred_experts(model, 0)
+    assert torch.equal(got_first, plain_first) and torch.equal(want_first, plain_first)
+    assert torch.equal(got_short, want_short) and not torch.equal(got_short, plain_short)
+    assert torch.equal(got_step, want_step) and not torch.equal(got_step, plain_step)
+
+
 def test_all_but_one_slot_deferred_chains_through_every_layer():
     """d = K - 1 on a 4-layer model: three layers deferred in a chain, still equal to the reference."""
     model = ktorch.prepare(tiny_model("qwen3_moe", dtype=torch.bfloat16, num_hidden_layers=4,

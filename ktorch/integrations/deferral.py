@@ -14,6 +14,11 @@ pending deferred call from one layer to the next:
   the next layer, so that layer's attention and router run on the GPU while the CPU finishes it (the overlap the
   compiled graph gets).
 
+Calls of ``PREFILL_TOKENS`` tokens or more (prefill) defer nothing (``defers``): their CPU experts read the weights
+of nearly every expert the batch routes to, and a deferred part routes to the same experts, so the weights would
+be read twice; the whole prompt's result is exact, and only the decode steps after it defer. (Measured: session 44
+on the device, benchmarks/RESULTS.md.)
+
 Under ``torch.compile`` the chain is not used: the backend option ``n_deferred_experts`` decides (``prepare``
 sets it for ``generate``'s compiled decoding).
 """
@@ -26,6 +31,16 @@ import torch
 from torch import nn
 
 from ktorch.ops.deferred_slots import split_topk_slots
+from ktorch.ops.routed_experts import MIN_TOKENS
+
+
+# the prefill boundary, the routing-aware split's too (calls this long may copy experts to the GPU)
+PREFILL_TOKENS = MIN_TOKENS
+
+
+def defers(tokens: int) -> bool:
+    """Whether an eager call of ``tokens`` tokens defers (decode-sized calls do; prefill-sized ones do not)."""
+    return tokens < PREFILL_TOKENS
 
 
 class DeferralChain:

@@ -34,6 +34,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ktorch.integrations import deferral
 from ktorch.ops.host_transfer import to_device, to_host
 from ktorch.ops.moe import PackedExperts, pack_experts
 
@@ -390,12 +391,12 @@ def ktorch_experts_forward(
     if counts is not None:
         top_k_index, gpu_work = _split_routed_experts(self, hidden_states, top_k_index, top_k_weights, counts,
                                                       gpu_work)
-    if gpu_work is not None and getattr(self, "kt_deferral", None) is None and _every_expert_on_device(self):
+    defers = (getattr(self, "kt_deferral", None) is not None and not torch.compiler.is_compiling()
+              and deferral.defers(hidden_states.shape[0]))
+    if gpu_work is not None and not defers and _every_expert_on_device(self):
         return gpu_work()  # the CPU op would get no slot: no call (no copies, no host functions in a captured step)
-    if getattr(self, "kt_deferral", None) is not None and not torch.compiler.is_compiling():
-        from ktorch.integrations.deferral import deferred_experts_forward
-
-        return deferred_experts_forward(self, hidden_states, top_k_index, top_k_weights, _run_experts, gpu_work)
+    if defers:
+        return deferral.deferred_experts_forward(self, hidden_states, top_k_index, top_k_weights, _run_experts, gpu_work)
     return _run_experts(self, hidden_states, top_k_index, top_k_weights, gpu_work)
 
 

@@ -236,7 +236,7 @@ if triton is not None:
         hits = (key[:, None] == e[None, :]).to(tl.int32)
         tl.store(hist_ptr + b * N_PAD + e, tl.sum(hits, axis=0))
 
-    @triton.jit(do_not_specialize=["R", "n_blocks", "n_out", "capacity"])
+    @triton.jit(do_not_specialize=["R", "n", "n_blocks", "n_out", "capacity"])  # n: the experts of a call
     def _align_scan(hist_ptr, base_ptr, sorted_ptr, block_expert_ptr, R, n, n_blocks, n_out, capacity,
                     BLOCK_M: tl.constexpr, N_PAD: tl.constexpr, SCAN: tl.constexpr, FILL: tl.constexpr):
         # one program: each expert's padded run start, each row block's first position per expert (base[b, e]),
