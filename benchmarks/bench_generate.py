@@ -432,7 +432,7 @@ def breakdown(args) -> None:
             torch.cuda.empty_cache()
 
 
-PREFILL_VARIANTS = ("default", "sync-per-layer", "one qkv product", "deferred prefill")
+PREFILL_VARIANTS = ("default", "sync-per-layer", "one qkv product")
 _SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
@@ -543,10 +543,6 @@ def prefill_profile(args) -> None:
             RoutedExperts.copies_possible = lambda self, ids: True
             stack.callback(setattr, RoutedExperts, "copies_possible", original)
             return stack
-        if variant == "deferred prefill":  # the eager deferral at every call, prefill too (before session 44)
-            from unittest import mock
-
-            return mock.patch("ktorch.integrations.deferral.defers", lambda tokens: True)
         if variant == "one qkv product":
             from ktorch.integrations import fused_qkv
 
