@@ -432,7 +432,7 @@ def breakdown(args) -> None:
             torch.cuda.empty_cache()
 
 
-PREFILL_VARIANTS = ("default", "sync-per-layer", "one qkv product", "calibration without tail")
+PREFILL_VARIANTS = ("default", "sync-per-layer", "one qkv product")
 _SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
@@ -543,43 +543,13 @@ def prefill_profile(args) -> None:
             RoutedExperts.copies_possible = lambda self, ids: True
             stack.callback(setattr, RoutedExperts, "copies_possible", original)
             return stack
-        if variant == "calibration without tail":  # the split's costs fitted as before session 44 (4 long runs)
-            return swapped_costs(decoder.model, tail=False)
         if variant == "one qkv product":
             from ktorch.integrations import fused_qkv
 
             return fused_qkv.eager_swapped(decoder.model)
         return contextlib.nullcontext()
 
-    recalibrated: dict = {}  # tail -> SplitCosts, per model (the experiment's recalibration, once)
-
-    @contextlib.contextmanager
-    def swapped_costs(model, tail: bool):
-        """The routed experts' split costs recalibrated (calibrate_split_costs(tail=...)), for the duration."""
-        from ktorch.integrations.transformers_experts import experts_modules
-        from ktorch.ops.routed_experts import calibrate_split_costs
-
-        routed = [m.kt_routed for _, m in experts_modules(model) if getattr(m, "kt_routed", None) is not None]
-        if tail not in recalibrated:
-            modules = [m for _, m in experts_modules(model)]
-            top_k = getattr(model.config, "num_experts_per_tok", None) or 8
-            recalibrated[tail] = calibrate_split_costs([r.layer for r in routed], modules[0].kt_w2.shape[1] * 16,
-                                                       top_k, model.get_input_embeddings().weight.device, tail=tail)
-            c = recalibrated[tail]
-            print(f"[prefill] recalibrated (tail={tail}): CPU op {1e3 * c.cpu_fixed_s:.2f} ms + {1e9 * c.cpu_row_s:.0f} "
-                  f"ns a row + {1e6 * c.cpu_expert_s:.0f} us an expert, h2d {c.h2d_bytes_per_s / 1e9:.1f} GB/s",
-                  flush=True)
-        before = [r.costs for r in routed]
-        for r in routed:
-            r.costs = recalibrated[tail]
-        try:
-            yield
-        finally:
-            for r, c in zip(routed, before):
-                r.costs = c
-
     for extra in args.ktorch_args:
-        recalibrated.clear()
         cli = build_parser().parse_args(["generate", "--model", args.gguf, "--prompt", "x", *shlex.split(extra)])
         model, _, device = load_model(cli)
         label = extra or "defaults"

@@ -504,29 +504,21 @@ def _cpu_op(layer: StreamedExperts, x: torch.Tensor, ids: torch.Tensor, weights:
     torch.ops.kt.fused_moe(x, ids, weights, *layer.tensors, layer.activation)
 
 
-def _fit(points: list, columns: int, relative: bool = True) -> list:
-    """Least squares, non-negative by clamping: points [(features..., seconds)] -> coefficients. ``relative``: each
-    point's equation divided by its seconds (relative errors: a short run weighs as much as a long one)."""
+def _fit(points: list, columns: int) -> list:
+    """Least squares, non-negative by clamping: points [(features..., seconds)] -> coefficients."""
     a = torch.tensor([p[:columns] for p in points], dtype=torch.float64)
     y = torch.tensor([p[columns] for p in points], dtype=torch.float64)
-    if relative:
-        w = 1.0 / y.clamp_min(1e-9)
-        a, y = a * w[:, None], y * w
     coef = torch.linalg.lstsq(a, y[:, None]).solution.flatten()
     return [max(float(c), 0.0) for c in coef]
 
 
 def calibrate_split_costs(layers: Sequence[StreamedExperts], hidden_size: int, top_k: int, device: torch.device,
-                          tokens: Sequence[int] = (256, 1024), repeats: int = 2, tail: bool = True) -> SplitCosts:
+                          tokens: Sequence[int] = (256, 1024), repeats: int = 2) -> SplitCosts:
     """Measures the split's costs on ``layers`` (packed experts of one shape; a CUDA ``device`` needs them
     page-locked) and returns them.
 
-    CPU: the op at each of ``tokens`` with every expert used and with a quarter of them (random ids), and (``tail``)
-    two short runs, ``top_k`` tokens on ``top_k`` experts and ``2 E / top_k`` tokens on all E (about two rows an
-    expert: a skewed batch's rarely hit experts), fitted to fixed + row_s * rows + expert_s * experts by least
-    squares on relative errors (without ``tail``: absolute), clamped at 0, each point the mean of ``repeats`` runs;
-    the long runs alone confound the fixed and the per-expert cost (session 44, device: a skewed 512-token batch's
-    CPU share predicted 13.6 ms, measured 6.3);
+    CPU: the op at each of ``tokens`` with every expert used and with a quarter of them (random ids), fitted to
+    fixed + row_s * rows + expert_s * experts by least squares clamped at 0, each point the mean of ``repeats`` runs;
     each run reads another layer's weights than the run before it (cold weights, as in a prefill, where each
     layer's experts were last read a whole forward ago). The split's copies (``gather_experts`` of a few experts
     spread over the layer: on CUDA the zero-copy gather from page-locked memory) run on a side stream meanwhile
@@ -571,29 +563,27 @@ def calibrate_split_costs(layers: Sequence[StreamedExperts], hidden_size: int, t
         copies(2)
         side.synchronize()
     points, copied_s, copied_bytes = [], 0.0, 0
-    cases = [(used, T) for used in (E, max(top_k, E // 4)) for T in tokens]
-    if tail:
-        cases += [(top_k, top_k), (E, max(1, 2 * E // top_k))]
-    for used, T in cases:
-        x = torch.randn(T, hidden_size, dtype=torch.bfloat16, generator=gen)
-        pick = torch.randperm(E, generator=gen)[:used]
-        ids = torch.stack([pick[torch.randperm(used, generator=gen)[:top_k]] for _ in range(T)]).to(torch.int32)
-        weights = torch.full((T, top_k), 1.0 / top_k)
-        alone = run_cpu(x, ids, weights)  # also the warm-up
-        if cuda:
-            n = max(1, round(alone * repeats * 2.5e10 / max(copy_bytes, 1)))  # about as long as the CPU calls
-            begin, end = copies(n)
-            seconds = run_cpu(x, ids, weights)
-            side.synchronize()
-            copied_s += begin.elapsed_time(end) / 1e3
-            copied_bytes += n * copy_bytes
-        else:
-            seconds = run_cpu(x, ids, weights)
-        rows = int((ids >= 0).sum())
-        points.append((1.0, rows, ids.unique().numel(), seconds))
+    for used in (E, max(top_k, E // 4)):
+        for T in tokens:
+            x = torch.randn(T, hidden_size, dtype=torch.bfloat16, generator=gen)
+            pick = torch.randperm(E, generator=gen)[:used]
+            ids = torch.stack([pick[torch.randperm(used, generator=gen)[:top_k]] for _ in range(T)]).to(torch.int32)
+            weights = torch.full((T, top_k), 1.0 / top_k)
+            alone = run_cpu(x, ids, weights)  # also the warm-up
+            if cuda:
+                n = max(1, round(alone * repeats * 2.5e10 / max(copy_bytes, 1)))  # about as long as the CPU calls
+                begin, end = copies(n)
+                seconds = run_cpu(x, ids, weights)
+                side.synchronize()
+                copied_s += begin.elapsed_time(end) / 1e3
+                copied_bytes += n * copy_bytes
+            else:
+                seconds = run_cpu(x, ids, weights)
+            rows = int((ids >= 0).sum())
+            points.append((1.0, rows, ids.unique().numel(), seconds))
     if not cuda:
         copied_s, copied_bytes = copies(4), 4 * copy_bytes
-    fixed, row_s, expert_s = _fit(points, 3, relative=tail)
+    fixed, row_s, expert_s = _fit(points, 3)
     # device: dequantize ``probe`` experts, then a grouped GEMM of T*K rows over them
     T = max(tokens)
     hidden = torch.randn(T, hidden_size, dtype=torch.bfloat16, device=device)
