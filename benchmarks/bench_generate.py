@@ -432,7 +432,7 @@ def breakdown(args) -> None:
             torch.cuda.empty_cache()
 
 
-PREFILL_VARIANTS = ("default", "sync-per-layer", "one qkv product")
+PREFILL_VARIANTS = ("default", "sync-per-layer")
 _SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
@@ -511,9 +511,9 @@ def prefill_profile(args) -> None:
     --ktorch-args set, one process loads the model as ``ktorch generate`` does, then alternates --prefill-variants
     for --prefill-profile rounds over the --prompts lengths, timing ``Decoder.prefill`` + reading the first token (no
     hooks, no syncs but the prefill's own). Variants: ``default`` (what generate runs); ``sync-per-layer`` (the split's
-    counts copied to the host at every MoE layer, as before commit 66e74df, whatever the placement); ``one qkv
-    product``, an experiment awaiting its device A/B: each attention's queries, keys and values from one product
-    over the fused weight (``fused_qkv.eager_swapped``: two products and launches fewer a layer). (Merged after their runs here, session 35: the rows sorted by expert in three Triton
+    counts copied to the host at every MoE layer, as before commit 66e74df, whatever the placement). (Merged after
+    their runs here: session 44, each attention's q, k and v from one product over the fused weight
+    (``fused_qkv.eager_swapped``); session 35: the rows sorted by expert in three Triton
     launches, each RMSNorm one ``F.rms_norm``; the split's copies as one zero-copy gather a layer, which tied the
     per-run DMA copies on the clock (call 3, H200 host: off P=512/2048 355.5/481.5 ms against 340.0/510.8, 24GiB
     213.0/316.2 against 219.5/306.0) with ~8000 fewer ATen ops a prefill; the runs stay as its fallback.)
@@ -543,10 +543,6 @@ def prefill_profile(args) -> None:
             RoutedExperts.copies_possible = lambda self, ids: True
             stack.callback(setattr, RoutedExperts, "copies_possible", original)
             return stack
-        if variant == "one qkv product":
-            from ktorch.integrations import fused_qkv
-
-            return fused_qkv.eager_swapped(decoder.model)
         return contextlib.nullcontext()
 
     for extra in args.ktorch_args:

@@ -160,7 +160,7 @@ def test_compiled_decode_step_runs_one_projection_for_q_k_and_v(monkeypatch):
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_eager_swap_makes_one_product_for_q_k_v_of_one_input(bias, monkeypatch):
-    """The eager prefill experiment (``eager_swapped``): q, k, v of one input come from one product, equal to the
+    """The eager prefill's one product (``eager_swapped``): q, k, v of one input come from one product, equal to the
     three of their own (float64 reference: the same values up to the product's summation order); keys and values of
     another input (cross attention) or called out of order make their own product; nothing is held after the v
     layer; the forwards are restored."""

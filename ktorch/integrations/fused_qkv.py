@@ -144,7 +144,8 @@ def swapped(model: nn.Module):
 
 @contextlib.contextmanager
 def eager_swapped(model: nn.Module):
-    """An experiment for the eager prefill (``bench_generate --prefill-variants "one qkv product"``): while open, a
+    """The eager prefill's q/k/v (``Decoder.prefill`` on a GPU opens it; it won its device A/B there, session 44,
+    generation.py): while open, a
     fused module's q layer computes the one product ``linear(x, W_qkv)`` and keeps it, and its k and v layers, given
     the same tensor ``x`` next, slice it instead of making their own (transformers' attention forwards call q, k, v
     in that order on one tensor); any other call (another tensor, another order) makes its own product and drops what
