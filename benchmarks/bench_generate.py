@@ -630,7 +630,7 @@ def prefill_profile(args) -> None:
             torch.cuda.empty_cache()
 
 
-def main(argv=None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gguf", required=True)
     p.add_argument("--write-layers", type=int, default=0, help="write a random qwen3moe file of N layers first")
@@ -688,7 +688,11 @@ def main(argv=None) -> None:
                    "wall, kernels, launches and synchronizing calls (host-bound or GPU-bound)")
     p.add_argument("--prefill-variants", nargs="+", default=["default", "sync-per-layer"], choices=PREFILL_VARIANTS,
                    help="--prefill-profile: the variants alternated")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
     if args.prefill_profile:
         return prefill_profile(args)
     if args.ab_compile:

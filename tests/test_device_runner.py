@@ -218,7 +218,8 @@ def test_log_names_are_plain(device):
 @pytest.mark.parametrize("text, script", [
     ("e2e", "bench_e2e"), ("e2e:layers=12:variants=ktorch", "bench_e2e"), ("deferral", "bench_deferral"),
     ("deferral:deferred=0,3:gpu=0", "bench_deferral"), ("vs-llamacpp", "bench_vs_llamacpp"),
-    ("vs-llamacpp:Q4_0:deferred=3:stream=off:only=ktorch", "bench_vs_llamacpp")])
+    ("vs-llamacpp:Q4_0:deferred=3:stream=off:only=ktorch", "bench_vs_llamacpp"), ("prefill", "bench_generate"),
+    ("prefill:0:variants=default/sync-per-layer:placements=--gpu-memory+off", "bench_generate")])
 def test_end_to_end_steps_run_their_benchmark_with_options_it_takes(device, tmp_path, monkeypatch, text, script):
     """The end-to-end steps' commands (captured, not run) parse with their benchmark's own parser: the steps name
     only options the scripts have (their ktorch side is `ktorch generate`, no harness variants)."""
@@ -240,6 +241,12 @@ def test_end_to_end_steps_run_their_benchmark_with_options_it_takes(device, tmp_
         assert args.skip_llamacpp == (params["only"] == "ktorch")
     if st.name == "deferral":
         assert args.what == "speed" and args.deferred == params["deferred"]
+    if st.name == "prefill":  # the file written, then the breakdown and the profile of each placement
+        assert args.write_layers == 12 and args.skip_ktorch and len(commands) == 3
+        breakdown, profile = (load_benchmark(script).build_parser().parse_args(c[2:]) for c in commands[1:])
+        assert breakdown.breakdown == 2 and profile.prefill_profile == 3 and breakdown.gguf == args.gguf
+        assert profile.prefill_variants == params["variants"].split("/")
+        assert profile.ktorch_args == breakdown.ktorch_args == [s.replace("+", " ") for s in params["placements"].split("/")]
 
 
 def test_vs_llamacpp_settings(device):
