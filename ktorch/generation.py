@@ -213,10 +213,7 @@ class Decoder:
             self.seen.zero_()
             self.seen[ids[0]] = True
         # an eager prefill on a GPU is launch-bound: one kernel a norm, one product for each attention's q, k and v
-        # (session 44, H200 host, 12-layer Q8_0 files, warm ms at P=512 / 2048 against three products: 49.1 / 90.8
-        # against 52.6 / 87.1 every expert in host memory (skewed routing), 57.3 / 91.5 against 63.3 / 92.9 with a
-        # 6 GiB budget, 81.3 / 115.0 against 86.5 / 124.6 uniform routing; an earlier call, 6 GiB: 58.8 / 68.5 against
-        # 56.7 / 82.9)
+        # (its device A/B: benchmarks/RESULTS.md section 2, session 44)
         cuda = self.device.type == "cuda"
         norms = fused_norms.swapped(self.model) if cuda else contextlib.nullcontext()
         qkv = fused_qkv.eager_swapped(self.model) if cuda else contextlib.nullcontext()

@@ -391,10 +391,13 @@ def ktorch_experts_forward(
     if counts is not None:
         top_k_index, gpu_work = _split_routed_experts(self, hidden_states, top_k_index, top_k_weights, counts,
                                                       gpu_work)
-    defers = (getattr(self, "kt_deferral", None) is not None and not torch.compiler.is_compiling()
-              and deferral.defers(hidden_states.shape[0]))
-    if gpu_work is not None and not defers and _every_expert_on_device(self):
-        return gpu_work()  # the CPU op would get no slot: no call (no copies, no host functions in a captured step)
+    chain = getattr(self, "kt_deferral", None) is not None
+    compiling = torch.compiler.is_compiling()
+    defers = chain and not compiling and deferral.defers(hidden_states.shape[0])  # prefill-sized calls do not
+    # the CPU op would get no slot: no call (no copies, no host functions in a captured step); under torch.compile a
+    # model given deferral keeps its call (the deferral pass's)
+    if gpu_work is not None and not defers and not (chain and compiling) and _every_expert_on_device(self):
+        return gpu_work()
     if defers:
         return deferral.deferred_experts_forward(self, hidden_states, top_k_index, top_k_weights, _run_experts, gpu_work)
     return _run_experts(self, hidden_states, top_k_index, top_k_weights, gpu_work)
