@@ -50,6 +50,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ktorch import decode_attention
+from ktorch.compile.experts_runtime import RUNTIME
 from ktorch.integrations import fused_norms, fused_qkv
 
 CACHE_BUCKET = 256  # static cache lengths are rounded up to this, so that calls of similar lengths share a capture
@@ -217,7 +218,9 @@ class Decoder:
         cuda = self.device.type == "cuda"
         norms = fused_norms.swapped(self.model) if cuda else contextlib.nullcontext()
         qkv = fused_qkv.eager_swapped(self.model) if cuda else contextlib.nullcontext()
-        with prefill_attention(), norms, qkv:
+        # the launching thread does not wait for each layer's CPU experts: a GPU wait kernel holds the stream
+        waits = RUNTIME.async_waits(self.device) if cuda else contextlib.nullcontext()
+        with prefill_attention(), norms, qkv, waits:
             logits = self._forward(ids, positions)
         nxt = sample_next(logits, self.sampling, self.seen, self.generator)
         self.token.copy_(nxt[None])

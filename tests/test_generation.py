@@ -439,3 +439,44 @@ def test_prefill_attention_skips_cudnn_and_restores():
             raise RuntimeError("inside")
     assert cb.cudnn_sdp_enabled() == before[0]
 
+
+
+@needs_cuda
+@pytest.mark.parametrize("stream", ["off", "auto"])
+def test_cuda_prefill_waits_for_the_cpu_experts_on_the_stream(stream, monkeypatch):
+    """Decoder.prefill on a GPU (RUNTIME.async_waits): the launching thread makes no host wait for the CPU experts
+    (each layer's wait is a GPU kernel), and the first token and every layer's KV cache equal those of blocking
+    waits bit for bit; a failing CPU experts call raises at the end of the prefill, and the next prefill works."""
+    from ktorch.compile.experts_runtime import RUNTIME, ExpertsLayer
+    from ktorch.generation import _decoder_for
+
+    torch.manual_seed(0)
+    model = ktorch.prepare(tiny_model("qwen3_moe", dtype=torch.bfloat16), device="cuda", experts_dtype="int8",
+                           stream_experts=stream, gpu_memory="off")
+    ids = torch.randint(0, 256, (1, 96), device="cuda")
+    decoder = _decoder_for(model, 128, Sampling(), cuda_graphs=False)
+
+    def prefill():
+        with torch.inference_mode():
+            token = int(decoder.prefill(ids).item())
+        return token, [layer.keys[:, :, :96].clone() for layer in decoder.cache.layers]
+
+    before = dict(RUNTIME.stats)
+    token, keys = prefill()
+    assert RUNTIME.stats["host_waits"] == before.get("host_waits", 0)
+    assert RUNTIME.stats["async_waits"] > before.get("async_waits", 0)
+    with monkeypatch.context() as m:
+        m.setattr(RUNTIME, "async_waits", lambda device: contextlib.nullcontext())  # blocking waits
+        blocking_token, blocking_keys = prefill()
+    assert RUNTIME.stats["host_waits"] > before.get("host_waits", 0)
+    assert token == blocking_token and all(torch.equal(a, b) for a, b in zip(keys, blocking_keys))
+
+    def fail(self, *args):
+        raise ValueError("a failing CPU experts call")
+
+    with monkeypatch.context() as m:
+        m.setattr(ExpertsLayer, "run", fail)
+        with pytest.raises(RuntimeError, match="CPU experts task failed"):
+            prefill()
+    again, again_keys = prefill()
+    assert again == token and all(torch.equal(a, b) for a, b in zip(keys, again_keys))

@@ -43,6 +43,7 @@ The worker is one Python thread; ``kt.fused_moe`` releases the GIL and is parall
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import queue
 import threading
@@ -55,6 +56,19 @@ import torch
 from ktorch.ops.deferred_slots import is_deferred_count, split_topk_slots
 
 # ---------------------------------------------------------------- the worker
+
+ASYNC_SLOTS = 4096  # call numbers of asynchronous eager waits in flight (a ring of pinned int64)
+ASYNC_LIMIT_NS = 300_000_000_000  # an eager wait kernel's bound: 300 s (a very long prefill layer on the CPU)
+
+
+def _next_async_call(state: "_Site") -> int:
+    if state.words is None:
+        from ktorch.compile import gpu_handoff
+
+        state.words = gpu_handoff.new_words()
+    state.async_calls += 1
+    return state.async_calls
+
 
 
 class _Task:
@@ -255,6 +269,12 @@ class _Site:
         self.pools: dict = {}  # (dtypes, row shapes, split) -> _StagingPool of eager calls
         self.held_pools: collections.deque = collections.deque()  # the shared pool (or None) per pending eager call
         self.static_deferred: dict = {}  # d -> the int64 holding it, for split submits with a fixed d
+        # asynchronous eager waits (ExpertsRuntime.async_waits): this site's calls are numbered 1, 2, ...; the
+        # worker writes a call's number into words[1] (pinned) once its result is in its buffer, and the wait's GPU
+        # kernel holds the stream until then. (call number, result buffer) per pending eager call.
+        self.async_calls = 0
+        self.words: Optional[torch.Tensor] = None
+        self.async_pending: collections.deque = collections.deque()
         # (staging, capture number, which join host function: 1 = the call's, 2 = a split call's deferred part,
         # the buffer the result is copied from), one per captured submit this site's waits have not taken yet
         self.captured_pending: collections.deque = collections.deque()
@@ -322,6 +342,13 @@ class ExpertsRuntime:
         # capture when the kernels are warmed up (None: the kernels' self-test failed there, host functions)
         self._handoff_seqs: dict = {}
         self._handoff_error: Optional[torch.Tensor] = None  # int64 [1], pinned: a wait kernel that gave up
+        # Asynchronous eager waits (``async_waits``, opened by Decoder.prefill on a GPU): the launching thread does
+        # not wait for each layer's CPU experts; a GPU wait kernel holds the stream instead.
+        self._async_depth = 0
+        self._async_tasks: list = []  # the worker tasks of the open scope, joined when it closes
+        self._async_seq: Optional[torch.Tensor] = None  # int64 [ASYNC_SLOTS], pinned: the waits' call numbers
+        self._async_next = 0
+        self._async_error: Optional[torch.Tensor] = None  # int64 [1], pinned: an eager wait kernel that gave up
 
     # -- compile time
     def register_layer(self, w13, w13_scales, w2, w2_scales, activation: str, w13_bias=None, w2_bias=None) -> int:
@@ -421,6 +448,55 @@ class ExpertsRuntime:
             return
         self._handoff_seqs[device] = seqs
 
+    @contextlib.contextmanager
+    def async_waits(self, device: torch.device):
+        """While open, eager waits of CUDA calls do not block the launching thread: ``wait`` enqueues a GPU wait
+        kernel (gpu_handoff.wait) on the call's done word and the result's copy behind it, so the host launches the
+        next layer's attention while the CPU experts run. On closing, the stream is synchronized and the scope's
+        worker tasks joined: a failed CPU call or a wait kernel that gave up raises there, before any result of the
+        scope is read. A no-op where the GPU handoff's kernels are unavailable."""
+        device = torch.device(device)
+        if device.type != "cuda":
+            yield
+            return
+        self._prepare_handoff(device)
+        if self._handoff_seqs.get(device) is None:  # the kernels' self-test failed here, or no Triton
+            yield
+            return
+        if self._async_seq is None:
+            with torch.inference_mode(False):
+                self._async_seq = torch.zeros(ASYNC_SLOTS, dtype=torch.int64, pin_memory=True)
+                self._async_error = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+        self._async_depth += 1
+        try:
+            yield
+        finally:
+            self._async_depth -= 1
+            if self._async_depth == 0:
+                self._close_async(device)
+
+    def _close_async(self, device: torch.device) -> None:
+        tasks, self._async_tasks = self._async_tasks, []
+        for state in self._sites.values():
+            state.async_pending.clear()  # calls submitted and never waited for (a forward stopped halfway)
+        torch.cuda.current_stream(device).synchronize()
+        failed = None
+        for task in tasks:
+            try:
+                task.join()
+            except RuntimeError as e:
+                failed = failed or e
+        if failed is not None:
+            raise failed
+        error = int(self._async_error[0])
+        if error != 0:
+            self._async_error.zero_()
+            raise RuntimeError(f"ktorch: an eager CPU experts call (number {error} at its site) did not finish within "
+                               f"the GPU wait's limit ({ASYNC_LIMIT_NS / 1e9:.0f} s); its layer's result was not used")
+
+    def _async_active(self, device: torch.device) -> bool:
+        return self._async_depth > 0 and device.type == "cuda" and not self.observers
+
     # -- run time
     def submit(self, hidden, topk_ids, topk_weights, layer: int, site: int, join_now: bool = False) -> torch.Tensor:
         """``join_now``: the caller waits at ``site`` next, with no device work in between (eager callers): under
@@ -498,18 +574,40 @@ class ExpertsRuntime:
         self.stats["submits"] += 1
         copied = torch.cuda.Event()
         copied.record()
+        signal = self._async_active(hidden.device)
+        if signal:  # the call's number at each site it is waited at: the worker signals it once the result is in
+            number = _next_async_call(state)
+            state.async_pending.append((number, staging.out))
+            if later_state is not None:
+                later_number = _next_async_call(later_state)
+                later_state.async_pending.append((later_number, staging.out_later))
 
         def run():
             copied.synchronize()
-            if later_state is None:
-                staging.run_into_out(weights)
-            else:
-                staging.split.now(weights)
+            try:
+                if later_state is None:
+                    staging.run_into_out(weights)
+                else:
+                    staging.split.now(weights)
+            finally:  # a failed call signals too (the stream goes on; the scope's close raises its error)
+                if signal:
+                    state.words[1] = number
             return staging.out  # what the wait copies back
 
+        def run_later():
+            try:
+                return staging.split.later(weights)
+            finally:
+                if signal:
+                    later_state.words[1] = later_number
+
         state.pending.append(self.worker.enqueue(run))
+        if signal:
+            self._async_tasks.append(state.pending[-1])
         if later_state is not None:
-            later_state.pending.append(self.worker.enqueue(lambda: staging.split.later(weights)))
+            later_state.pending.append(self.worker.enqueue(run_later))
+            if signal:
+                self._async_tasks.append(later_state.pending[-1])
         return ticket
 
     def wait(self, ticket, hidden, layer: int, site: int) -> torch.Tensor:
@@ -532,6 +630,23 @@ class ExpertsRuntime:
                     staging.host_functions[join].launch()
                 kind = type(staging.host_functions)
                 self._joined_through[kind] = max(self._joined_through.get(kind, 0), number)
+        elif state.async_pending and self._async_active(hidden.device):
+            # the stream waits for the call, not this thread: the worker's later calls start after their own input
+            # copies, which the stream makes after this wait and the result's copy below, so a shared staging can be
+            # handed on at once
+            self.stats["async_waits"] += 1
+            number, result = state.async_pending.popleft()
+            state.pending.popleft()
+            shared = state.held_pools.popleft()
+            if shared is not None:
+                shared.busy = False
+            slot = self._async_next
+            self._async_next = (slot + 1) % ASYNC_SLOTS
+            self._async_seq[slot] = number  # read by the kernel below (ASYNC_SLOTS waits later at the earliest
+            # is the slot written again: the scope's per-layer host syncs keep the host far closer to the stream)
+            from ktorch.compile import gpu_handoff
+
+            gpu_handoff.wait(self._async_seq[slot:slot + 1], state.words, 1, self._async_error, ASYNC_LIMIT_NS)
         else:
             self.stats["host_waits"] += 1
             try:
