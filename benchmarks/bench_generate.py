@@ -565,17 +565,23 @@ def prefill_profile(args) -> None:
             return seconds
 
         costs = getattr(model, "kt_split_costs", None)
-        if costs is not None:  # what the routing-aware split decides from (measured at load: calibrate_split_costs)
-            print(f"[prefill {label}] split costs: h2d {costs.h2d_bytes_per_s / 1e9:.1f} GB/s, CPU op "
-                  f"{1e3 * costs.cpu_fixed_s:.2f} ms + {1e9 * costs.cpu_row_s:.0f} ns a row + "
-                  f"{1e6 * costs.cpu_expert_s:.0f} us an expert, device {1e9 * costs.device_row_s:.1f} ns a row + "
-                  f"{1e6 * costs.device_expert_s:.0f} us an expert", flush=True)
+
+        def print_costs(when: str) -> None:  # what the routing-aware split decides from (calibrate_split_costs at
+            if costs is not None:  # load, then refitted to the split's CPU calls: SplitCosts.refit_cpu)
+                print(f"[prefill {label}] split costs {when}: h2d {costs.h2d_bytes_per_s / 1e9:.1f} GB/s, CPU op "
+                      f"{1e3 * costs.cpu_fixed_s:.2f} ms + {1e9 * costs.cpu_row_s:.0f} ns a row + "
+                      f"{1e6 * costs.cpu_expert_s:.0f} us an expert ({costs.refits} refits), device "
+                      f"{1e9 * costs.device_row_s:.1f} ns a row + {1e6 * costs.device_expert_s:.0f} us an expert",
+                      flush=True)
+
+        print_costs("before")
         with torch.inference_mode():
             for _ in range(args.prefill_profile):
                 for variant in args.prefill_variants:
                     with context(variant, decoder):
                         for P in args.prompts:
                             times.setdefault((variant, P), []).append(prefill(P, variant))
+            print_costs("after")
             for variant in args.prefill_variants:
                 for P in args.prompts:
                     t = times[(variant, P)]

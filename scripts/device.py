@@ -458,10 +458,11 @@ def step_deferral(r: Runner, p: dict) -> int:
 @step("prefill", "the eager prefill as generate runs it, on a random 12-layer (layers=) Qwen3-30B-A3B-shaped Q8_0 "
       "file (skew=: the routers' Zipf bias, 0 near-uniform): bench_generate.py --breakdown N (the first prompts by "
       "part, the Triton kernels each compiles) and --prefill-profile R over variants= ('/' between names), one process "
-      "per placement ('/' between generate option strings, '+' for their spaces)", limit_s=540,
+      "per placement ('/' between generate option strings, '+' for their spaces); cprofile=N: the breakdown's first "
+      "prompts under cProfile, N functions", limit_s=540,
       min_s=200, params={"skew": "1.5", "layers": "12", "placements": "--deferred-experts+2+--gpu-memory+off/"
                          "--gpu-memory+6GiB", "prompts": "512,2048", "variants": "default", "rounds": "3",
-                         "breakdown": "2"}, carry=".whl (gguf)")
+                         "breakdown": "2", "cprofile": "0"}, carry=".whl (gguf)")
 def step_prefill(r: Runner, p: dict) -> int:
     r.busy_warning()
     gguf = f"/tmp/q8-{p['layers']}l-skew{p['skew']}.gguf"
@@ -473,7 +474,8 @@ def step_prefill(r: Runner, p: dict) -> int:
         rc = r.sh(common + ["--write-layers", p["layers"], "--write-router-skew", p["skew"], "--skip-ktorch"],
                   timeout=240)
     if rc == 0 and int(p["breakdown"]) > 0:
-        rc = r.sh(common + ["--breakdown", p["breakdown"], *prompts, "--ktorch-args", *placements])
+        rc = r.sh(common + ["--breakdown", p["breakdown"], "--breakdown-cprofile", p["cprofile"], *prompts,
+                            "--ktorch-args", *placements])
     if rc == 0 and int(p["rounds"]) > 0:
         rc = r.sh(common + ["--prefill-profile", p["rounds"], *prompts, "--prefill-variants",
                             *p["variants"].split("/"), "--profile-trace", str(OUT / "ptrace"),

@@ -900,3 +900,108 @@ def test_calibration_recovers_a_known_cpu_law(law, monkeypatch):
     assert costs.cpu_fixed_s == pytest.approx(law[0], rel=0.1)
     assert costs.cpu_row_s == pytest.approx(law[1], rel=0.1)
     assert costs.cpu_expert_s == pytest.approx(law[2], rel=0.1)
+
+
+def _calibrated(fixed, row, expert, **kwargs):
+    """SplitCosts as the set-up measures them: a law's four calibration points (1024 and 4096 rows, 16 and 4
+    experts) and the law fitted to them."""
+    points = tuple((r, e, fixed + row * r + expert * e) for r in (1024, 4096) for e in (16, 4))
+    return SplitCosts(h2d_bytes_per_s=kwargs.pop("h2d_bytes_per_s", 1e9), cpu_fixed_s=fixed, cpu_row_s=row,
+                      cpu_expert_s=expert, calibration=points, **kwargs)
+
+
+def test_costs_learn_the_cpu_law_from_the_calls_observed():
+    """The set-up's fit said 3 ms a call; the split's CPU calls as they ran (5-400 rows, 1-15 experts, 2% noise)
+    follow 0.4 ms + 3 us a row + 15 us an expert. Nothing changes before ``REFIT_EVERY`` calls are observed; from
+    48 calls the refitted law predicts them within 5% each, where the set-up's was more than 1.5x off."""
+    from ktorch.ops.routed_experts import REFIT_EVERY
+
+    def law(r, e):
+        return 4e-4 + 3e-6 * r + 1.5e-5 * e
+
+    costs = _calibrated(3e-3, 2.5e-6, 1.3e-5)
+    rng = np.random.default_rng(0)
+    calls = [(int(rng.integers(5, 400)), int(rng.integers(1, 16))) for _ in range(48)]
+    seconds = [law(r, e) * (1 + 0.02 * rng.standard_normal()) for r, e in calls]
+    assert all(costs.cpu_seconds(r, e) > 1.5 * law(r, e) for r, e in calls)
+    for (r, e), s in zip(calls[:REFIT_EVERY - 1], seconds):
+        costs.observe_cpu(r, e, s)
+    assert not costs.refit_cpu() and costs.cpu_fixed_s == 3e-3 and costs.refits == 0
+    for (r, e), s in zip(calls[REFIT_EVERY - 1:], seconds[REFIT_EVERY - 1:]):
+        costs.observe_cpu(r, e, s)
+        costs.refit_cpu()
+    assert costs.refits == (len(calls) - REFIT_EVERY) // REFIT_EVERY + 1
+    for r, e in calls:
+        assert float(costs.cpu_seconds(r, e)) == pytest.approx(law(r, e), rel=0.05)
+    assert costs.cpu_fixed_s == pytest.approx(4e-4, rel=0.25)
+    copied = copy.deepcopy(costs)  # a deep-copied model's costs: their own lock, the same observations
+    copied.observe_cpu(10, 2, law(10, 2))
+    assert copied._observed[-1] == (10.0, 2.0, law(10, 2)) and len(costs._observed) == len(calls)
+
+
+def test_costs_given_by_hand_do_not_learn_and_no_coefficient_goes_negative():
+    """Costs without calibration points (given by hand) ignore observed calls; a refit whose least squares give a
+    negative coefficient drops it (0) and fits the others: here calls whose time falls with their experts."""
+    from ktorch.ops.routed_experts import REFIT_EVERY
+
+    given = SplitCosts(h2d_bytes_per_s=1e9, cpu_fixed_s=1e-3, cpu_row_s=1e-5, cpu_expert_s=5e-4)
+    for _ in range(3 * REFIT_EVERY):
+        given.observe_cpu(100, 4, 1.0)
+    assert not given.refit_cpu() and given == COSTS
+    costs = _calibrated(1e-3, 1e-6, 1e-5)
+    for r in range(2 * REFIT_EVERY):
+        e = 1 + r % 8
+        costs.observe_cpu(50 + 10 * r, e, 1e-3 + 2e-6 * (50 + 10 * r) - 5e-5 * e)
+    assert costs.refit_cpu()
+    assert costs.cpu_expert_s == 0 and costs.cpu_fixed_s > 0 and costs.cpu_row_s > 0
+
+
+def test_split_model_reports_each_cpu_call_to_its_costs():
+    """A prefill of the split model (CPU stand-in): each layer call that leaves the CPU op experts reports that
+    call's rows and experts, as the choice counted them, and a positive time; shorter calls (no split) report
+    nothing; after ``REFIT_EVERY`` calls the costs are refitted."""
+    from ktorch.ops.routed_experts import REFIT_EVERY
+
+    costs = _calibrated(1e-3, 1e-5, 5e-4, h2d_bytes_per_s=3e7)  # about half the experts hit copied
+    base, model = _split_model(costs)
+    routed = [m.kt_routed for m in moe_experts_modules(model)]
+    assert all(r.costs is costs for r in routed)
+    calls = 0
+    for _ in range(3 * REFIT_EVERY):
+        if costs.refits:
+            break
+        before = ktorch.prefill_split_stats(model)
+        with torch.no_grad():
+            model(torch.randint(0, 256, (1, 24)))
+        stats = ktorch.prefill_split_stats(model)
+        cpu_rows = (stats["rows"] - stats["rows_copied"]) - (before["rows"] - before["rows_copied"])
+        new = list(costs._observed)[calls:] if len(costs._observed) > calls else []
+        if costs.refits == 0:
+            assert sum(r for r, _, _ in new) == cpu_rows and all(s > 0 and e >= 1 for _, e, s in new)
+        calls += len(new)
+    assert costs.refits >= 1 and calls >= REFIT_EVERY
+    observed = len(costs._observed)
+    with torch.no_grad():
+        model(torch.randint(0, 256, (1, 5)))  # below min_tokens: no split, nothing observed
+    assert len(costs._observed) == observed
+
+
+def test_runtime_reports_an_eager_calls_seconds():
+    """RUNTIME.submit(..., observe=f): the worker calls f once with the op's seconds, before the wait returns."""
+    from ktorch.compile.experts_runtime import RUNTIME
+    from ktorch.ops.moe import pack_experts
+
+    torch.manual_seed(0)
+    E, H, I, T, K = 4, 64, 32, 8, 2
+    packed = pack_experts(torch.randn(E, 2 * I, H, dtype=torch.bfloat16) / 8, torch.randn(E, H, I, dtype=torch.bfloat16) / 8)
+    layer = RUNTIME.register_layer(packed.w13, None, packed.w2, None, "silu")
+    site = RUNTIME.new_site()
+    hidden = torch.randn(T, H, dtype=torch.bfloat16)
+    ids = torch.randint(0, E, (T, K), dtype=torch.int32)
+    weights = torch.full((T, K), 0.5)
+    seen: list = []
+    ticket = RUNTIME.submit(hidden, ids, weights, layer, site, observe=seen.append)
+    out = RUNTIME.wait(ticket, hidden, layer, site)
+    assert len(seen) == 1 and seen[0] > 0
+    want = torch.ops.kt.fused_moe(hidden, ids, weights, packed.w13, None, packed.w2, None, "silu")
+    assert torch.equal(out, want)

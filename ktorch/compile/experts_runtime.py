@@ -71,6 +71,16 @@ def _next_async_call(state: "_Site") -> int:
 
 
 
+def _timed(fn: Callable[[], object], observe: Optional[Callable[[float], None]]):
+    """fn(), and its seconds passed to ``observe`` when given and fn returned."""
+    if observe is None:
+        return fn()
+    start = time.perf_counter()
+    out = fn()
+    observe(time.perf_counter() - start)
+    return out
+
+
 class _Task:
     __slots__ = ("fn", "done", "result", "error")
 
@@ -498,10 +508,13 @@ class ExpertsRuntime:
         return self._async_depth > 0 and device.type == "cuda" and not self.observers
 
     # -- run time
-    def submit(self, hidden, topk_ids, topk_weights, layer: int, site: int, join_now: bool = False) -> torch.Tensor:
+    def submit(self, hidden, topk_ids, topk_weights, layer: int, site: int, join_now: bool = False,
+               observe: Optional[Callable[[float], None]] = None) -> torch.Tensor:
         """``join_now``: the caller waits at ``site`` next, with no device work in between (eager callers): under
-        capture the start and the join are then one host function, and that wait launches none."""
-        return self._submit(hidden, topk_ids, topk_weights, layer, site, join_now=join_now)
+        capture the start and the join are then one host function, and that wait launches none. ``observe``
+        (eager calls): called on the worker with the op's seconds once it has run (the prefill split's costs learn
+        from them, RoutedExperts.cpu_observer)."""
+        return self._submit(hidden, topk_ids, topk_weights, layer, site, join_now=join_now, observe=observe)
 
     def submit_split(self, hidden, topk_ids, topk_weights, layer: int, site: int, later_site: int,
                      n_deferred: int, join_now: bool = False) -> torch.Tensor:
@@ -520,14 +533,16 @@ class ExpertsRuntime:
         return self._submit(hidden, topk_ids, topk_weights, layer, site, later_site, deferred, join_now=join_now)
 
     def _submit(self, hidden, topk_ids, topk_weights, layer: int, site: int, later_site: Optional[int] = None,
-                deferred: Optional[torch.Tensor] = None, join_now: bool = False) -> torch.Tensor:
+                deferred: Optional[torch.Tensor] = None, join_now: bool = False,
+                observe: Optional[Callable[[float], None]] = None) -> torch.Tensor:
         weights, state = self.layers[layer], self._sites[site]
         later_state = self._sites[later_site] if later_site is not None else None
         ticket = torch.empty(0, dtype=torch.uint8, device=hidden.device)
         if hidden.device.type == "cpu":
             self.stats["submits"] += 1
             if later_state is None:
-                state.pending.append(self.worker.enqueue(lambda: weights.run(hidden, topk_ids, topk_weights)))
+                state.pending.append(self.worker.enqueue(
+                    lambda: _timed(lambda: weights.run(hidden, topk_ids, topk_weights), observe)))
                 return ticket
             split = _SplitCall(hidden, topk_ids, topk_weights, deferred)
             state.pending.append(self.worker.enqueue(lambda: split.now(weights)))
@@ -586,7 +601,7 @@ class ExpertsRuntime:
             copied.synchronize()
             try:
                 if later_state is None:
-                    staging.run_into_out(weights)
+                    _timed(lambda: staging.run_into_out(weights), observe)
                 else:
                     staging.split.now(weights)
             finally:  # a failed call signals too (the stream goes on; the scope's close raises its error)

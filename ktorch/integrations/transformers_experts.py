@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import importlib.abc
 import sys
+import time
 from typing import Optional
 
 import torch
@@ -569,6 +570,8 @@ def _run_experts(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torc
         hidden_states = hidden_states.to("cpu")
         top_k_index = top_k_index.to("cpu")
         top_k_weights = top_k_weights.to("cpu")
+    observe = _cpu_observer(self)  # None under Dynamo: nothing timed in a traced call
+    start = time.perf_counter() if observe is not None else 0.0
     out = torch.ops.kt.fused_moe(
         hidden_states,
         top_k_index,
@@ -581,11 +584,22 @@ def _run_experts(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torc
         getattr(self, "kt_w13_bias", None),
         getattr(self, "kt_w2_bias", None),
     )
+    if observe is not None:
+        observe(time.perf_counter() - start)
     if device.type != "cpu":
         out = out.to(device)
     if gpu_work is not None:  # traced after the CPU call: the async-boundary pass moves it before the wait
         out = out + gpu_work()
     return out
+
+
+def _cpu_observer(module: nn.Module):
+    """What the CPU op call about to run reports its seconds to: the prefill split's costs (``RoutedExperts
+    .cpu_observer``) after a split choice, else None. Not under Dynamo (a compiled call is no split's)."""
+    routed = getattr(module, "kt_routed", None)
+    if routed is None or torch.compiler.is_compiling():
+        return None
+    return routed.cpu_observer()
 
 
 def _run_on_cpu_from_cuda(module: nn.Module, hidden_states, top_k_index, top_k_weights, gpu_work=None) -> torch.Tensor:
@@ -600,7 +614,8 @@ def _run_on_cpu_from_cuda(module: nn.Module, hidden_states, top_k_index, top_k_w
                                        getattr(module, "kt_w2_bias", None))
         ids = module._kt_runtime_ids = (module.kt_w13, layer, RUNTIME.new_site())
     _, layer, site = ids
-    ticket = RUNTIME.submit(hidden_states, top_k_index, top_k_weights, layer, site, join_now=gpu_work is None)
+    ticket = RUNTIME.submit(hidden_states, top_k_index, top_k_weights, layer, site, join_now=gpu_work is None,
+                            observe=_cpu_observer(module))
     gpu_out = gpu_work() if gpu_work is not None else None  # on the GPU while the CPU runs its experts
     out = RUNTIME.wait(ticket, hidden_states, layer, site)
     return out if gpu_out is None else out + gpu_out

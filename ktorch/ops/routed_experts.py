@@ -15,6 +15,7 @@ Experts the batch does not use move nowhere. The choice balances the two process
                                                                                          expert's weights, cold)
     device time  = copied experts * (bytes / H2D bandwidth + dequantization) + device_row_s * rows on the device
 
+The CPU law is then refitted to the split's own calls as they run (``SplitCosts.refit_cpu``, docs/prefill_streaming.md).
 Copied experts are taken most-hit first (the most rows per byte copied); ``choose_device_experts`` picks the
 count that minimises max(CPU time, device time). A near-uniform 512-token batch on a 128-expert layer hits every
 expert about as often, so roughly a share of them is copied, as before; a skewed one (routing that concentrates)
@@ -40,8 +41,9 @@ each side, resident experts hit.
 from __future__ import annotations
 
 import collections
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import numpy as np
@@ -56,11 +58,23 @@ MIN_TOKENS = 64  # below this a call never splits (the CPU op alone; the host sy
 # calls whose counts wait on the device before they are read anyway: bounds the device memory they hold (a block of
 # the caching allocator each, ~1.5 KB for 128 experts: 64 x 48 layers ~ 5 MB) at one host sync per 64 prefills
 PENDING_LIMIT = 64
+# the split's CPU law learns from its own calls (SplitCosts.refit_cpu): the latest this many calls are fitted, every
+# this many new ones, the set-up's calibration points weighted this much beside them
+OBSERVED_CALLS = 256
+REFIT_EVERY = 12
+CALIBRATION_WEIGHT = 0.05
 
 
 @dataclass
 class SplitCosts:
-    """Seconds per unit, measured by ``calibrate_split_costs`` (or given by hand in tests and experiments)."""
+    """Seconds per unit, measured by ``calibrate_split_costs`` (or given by hand in tests and experiments).
+
+    Measured costs keep learning: the split's own CPU op calls are timed (``observe_cpu``, from the worker) and the
+    CPU law is refitted to them (``refit_cpu``, at most every ``REFIT_EVERY`` new calls), the set-up's calibration
+    points (``calibration``) kept in the fit with a small weight. The set-up's points are few and far from the calls
+    a prefill makes (thousands of rows against a few hundred), so their fitted fixed cost varied between processes
+    by 5x (0.7-3.9 ms a call, H200 host, session 45) and with it the split: a skewed prefill 41.5 ms in one process
+    and 55.0 ms in another. Costs given by hand (no ``calibration``) are kept as given."""
 
     h2d_bytes_per_s: float  # the split's host-to-device gather (``gather_experts``), measured while the CPU op runs
     # (the resident swaps' DMA copies, ktorch/gpu_memory.py, take it as their rate too)
@@ -69,6 +83,9 @@ class SplitCosts:
     cpu_expert_s: float  # per expert the CPU computes (its weights read once, cold)
     device_row_s: float = 0.0  # per row on the device (its GEMMs)
     device_expert_s: float = 0.0  # per copied expert on the device beyond its copy (its dequantization)
+    # the set-up's CPU points (rows, experts, seconds); empty: costs given by hand, never refitted
+    calibration: tuple = field(default=(), repr=False, compare=False)
+    refits: int = field(default=0, compare=False)  # CPU refits made from observed calls
 
     def __post_init__(self):
         for name in ("h2d_bytes_per_s",):
@@ -77,6 +94,53 @@ class SplitCosts:
         for name in ("cpu_fixed_s", "cpu_row_s", "cpu_expert_s", "device_row_s", "device_expert_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"SplitCosts: {name} must be >= 0, got {getattr(self, name)}")
+        self._observed: collections.deque = collections.deque(maxlen=OBSERVED_CALLS)  # (rows, experts, seconds)
+        self._new = 0
+        self._lock = threading.Lock()  # the worker thread observes, the launching thread refits
+
+    def __getstate__(self):  # copies and pickles (a deep-copied model) hold their own lock
+        state = dict(self.__dict__)
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def observe_cpu(self, rows: int, experts: int, seconds: float) -> None:
+        """One CPU op call of the split as it ran (any thread): ``rows`` rows over ``experts`` experts."""
+        if not self.calibration or experts <= 0 or not seconds > 0:
+            return
+        with self._lock:
+            self._observed.append((float(rows), float(experts), float(seconds)))
+            self._new += 1
+
+    def refit_cpu(self) -> bool:
+        """Refits the CPU law (fixed, row, expert) where ``REFIT_EVERY`` calls were observed since the last fit:
+        least squares over the observed calls (the latest ``OBSERVED_CALLS``) and the calibration points, these
+        weighted ``CALIBRATION_WEIGHT``; a coefficient that comes out negative is dropped (0) and the rest refitted.
+        Returns whether it refitted."""
+        with self._lock:
+            if self._new < REFIT_EVERY:
+                return False
+            self._new = 0
+            observed = list(self._observed)
+        points = np.array(observed + [tuple(p) for p in self.calibration], dtype=np.float64)
+        weight = np.ones(len(points))
+        weight[len(observed):] = CALIBRATION_WEIGHT
+        features = np.column_stack([np.ones(len(points)), points[:, 0], points[:, 1]]) * weight[:, None]
+        seconds = points[:, 2] * weight
+        kept = [0, 1, 2]
+        coef = np.zeros(3)
+        while kept:
+            solution = np.linalg.lstsq(features[:, kept], seconds, rcond=None)[0]
+            if (solution >= 0).all():
+                coef[kept] = solution
+                break
+            kept = [c for c, v in zip(kept, solution) if v >= 0] if (solution >= 0).any() else []
+        self.cpu_fixed_s, self.cpu_row_s, self.cpu_expert_s = (float(c) for c in coef)
+        self.refits += 1
+        return True
 
     def cpu_seconds(self, rows, experts):
         """The CPU op's predicted time for ``rows`` rows over ``experts`` experts (numbers or numpy arrays); 0 where
@@ -291,6 +355,7 @@ class RoutedExperts:
         # None, or a list (benchmarks set it, layers may share one) to which each ``choose`` appends its SplitCall:
         # what the costs predicted, and the device part's time measured (``SplitCall.timed``)
         self.calls: Optional[list] = None
+        self._cpu_call: Optional[tuple] = None  # (rows, experts) the latest choice left the CPU op (cpu_observer)
 
     # The counters below are read rarely (after a prefill, by the residents' swaps and the statistics); a call that
     # copies nothing records its counts on the device (``record``) and they are added here on the first read after,
@@ -371,13 +436,29 @@ class RoutedExperts:
         """The experts to copy for a call with these per-expert rows (CPU tensor or numpy array; ``resident`` [E]
         bool, tensor or array), counted in ``stats``."""
         self._count_pending()
+        self.costs.refit_cpu()  # from the CPU calls observed so far (a no-op until enough are new)
         counts = _numpy_int64(counts)
         resident = None if resident is None else _numpy_bool(resident)
         chosen = choose_device_experts(counts, self.costs, self.bytes_per_expert, self.capacity, resident)
         self._count(counts, chosen.numpy(), resident)
+        cpu = counts.copy()
+        cpu[chosen.numpy()] = 0
+        if resident is not None:
+            cpu[resident] = 0
+        self._cpu_call = (int(cpu.sum()), int(np.count_nonzero(cpu)))
         if self.calls is not None:
             self.calls.append(SplitCall.of(counts, chosen.numpy(), resident, self.costs, self.bytes_per_expert))
         return chosen
+
+    def cpu_observer(self):
+        """For the CPU op call that follows a ``choose``: a callable taking that call's seconds, which the costs
+        learn from (``SplitCosts.observe_cpu``); None where no choice is pending or it left the CPU no expert. Each
+        choice is taken once."""
+        shape, self._cpu_call = self._cpu_call, None
+        if shape is None or shape[1] == 0:
+            return None
+        costs = self.costs
+        return lambda seconds: costs.observe_cpu(shape[0], shape[1], seconds)
 
     def _count(self, counts: np.ndarray, chosen: np.ndarray, resident: Optional[np.ndarray]) -> None:
         hit = counts > 0
@@ -612,4 +693,5 @@ def calibrate_split_costs(layers: Sequence[StreamedExperts], hidden_size: int, t
     total_s = device_seconds(lambda: routed.device_part(hidden, ids, weights, chosen))
     copy_s_device = probe * first.bytes_per_expert() / (copied_bytes / copied_s)
     row_device_s = max(total_s - dequant_s - copy_s_device, 0.0) / (T * top_k)
-    return SplitCosts(copied_bytes / copied_s, fixed, row_s, expert_s, row_device_s, dequant_s / probe)
+    return SplitCosts(copied_bytes / copied_s, fixed, row_s, expert_s, row_device_s, dequant_s / probe,
+                      calibration=tuple((rows, experts, seconds) for _, rows, experts, seconds in points))
