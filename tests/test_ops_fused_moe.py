@@ -476,3 +476,26 @@ def test_opcheck_fused_moe(fmt, group_size):
     ]
     for hidden, i, w, act in cases:
         opcheck(torch.ops.kt.fused_moe.default, (hidden, i, w, *packed.tensors(), act))
+
+
+@pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)
+def test_fused_moe_out_writes_the_ops_result(fmt, group_size):
+    """kt.fused_moe_out writes what kt.fused_moe returns, bit for bit, into a given buffer (every row: tokens with no
+    routed slot too, over whatever the buffer held), for each format and dtype; opcheck; bad outputs are refused."""
+    E, K, H, I, T = 6, 2, 192, 64, 9
+    packed = make_experts(E, H, I, fmt, group_size)
+    ids, weights = make_routing(T, E, K)
+    ids[3] = -1
+    for dtype in (torch.bfloat16, torch.float32):
+        hidden = torch.randn(T, H, dtype=dtype)
+        want = torch.ops.kt.fused_moe(hidden, ids, weights, *packed.tensors(), "silu")
+        out = torch.full((T, H), float("nan"), dtype=dtype)
+        assert torch.ops.kt.fused_moe_out(hidden, ids, weights, *packed.tensors(), "silu", None, None, out) is None
+        assert torch.equal(out, want) and not out[3].any()
+        opcheck(torch.ops.kt.fused_moe_out.default, (hidden, ids, weights, *packed.tensors(), "silu", None, None,
+                                                     torch.empty(T, H, dtype=dtype)))
+    hidden = torch.randn(T, H, dtype=torch.bfloat16)
+    for bad in (torch.empty(T, H), torch.empty(T + 1, H, dtype=torch.bfloat16),
+                torch.empty(H, T, dtype=torch.bfloat16).t(), hidden):
+        with pytest.raises(RuntimeError, match="fused_moe_out: out"):
+            torch.ops.kt.fused_moe_out(hidden, ids, weights, *packed.tensors(), "silu", None, None, bad)

@@ -139,15 +139,20 @@ class ExpertsLayer:
 
     runtime: Optional["ExpertsRuntime"] = None  # set by ExpertsRuntime.register_layer
 
-    def run(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    def run(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+            out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The op's result for this call: a new tensor, or written into ``out`` (kt.fused_moe_out: the eager
+        calls' pinned staging, with no copy on the worker) and ``out`` returned."""
         runtime = self.runtime
         for observe in runtime.observers if runtime is not None else ():
             observe(self, hidden, topk_ids, topk_weights)
         start = time.perf_counter_ns()
-        out = torch.ops.kt.fused_moe(
-            hidden, topk_ids, topk_weights, self.w13, self.w13_scales, self.w2, self.w2_scales, self.activation,
-            self.w13_bias, self.w2_bias,
-        )
+        args = (hidden, topk_ids, topk_weights, self.w13, self.w13_scales, self.w2, self.w2_scales, self.activation,
+                self.w13_bias, self.w2_bias)
+        if out is None:
+            out = torch.ops.kt.fused_moe(*args)
+        else:
+            torch.ops.kt.fused_moe_out(*args, out)
         if runtime is not None:
             end = time.perf_counter_ns()
             runtime.stats["experts_ns"] += end - start  # written by the worker thread only
@@ -187,7 +192,7 @@ class _Staging:
         self.topk_weights.copy_(topk_weights, non_blocking=True)
 
     def run_into_out(self, layer: ExpertsLayer) -> None:
-        self.out.copy_(layer.run(self.hidden, self.topk_ids, self.topk_weights))
+        layer.run(self.hidden, self.topk_ids, self.topk_weights, out=self.out)
 
 
 class _SplitCall:

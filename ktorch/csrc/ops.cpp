@@ -84,6 +84,10 @@ TORCH_LIBRARY(kt, m) {
   m.def(
       "fused_moe(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor w13, Tensor? w13_scales, Tensor w2, "
       "Tensor? w2_scales, str activation=\"silu\", Tensor? w13_bias=None, Tensor? w2_bias=None) -> Tensor");
+  // fused_moe into a given output (the experts runtime's eager calls: their pinned staging)
+  m.def(
+      "fused_moe_out(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor w13, Tensor? w13_scales, Tensor w2, "
+      "Tensor? w2_scales, str activation, Tensor? w13_bias, Tensor? w2_bias, Tensor(a!) out) -> ()");
   // training (moe/fused_moe_backward.cpp): fused_moe's backward, and the forward with gate/up deltas (expert LoRA)
   m.def(
       "fused_moe_backward(Tensor grad_out, Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor w13, "
@@ -133,6 +137,7 @@ TORCH_LIBRARY_IMPL(kt, CPU, m) {
   m.impl("gguf_dequantize", &kt::formats::gguf_dequantize);
   m.impl("gguf_dequantize_into", &kt::formats::gguf_dequantize_into);
   m.impl("fused_moe", &kt::moe::fused_moe);
+  m.impl("fused_moe_out", &kt::moe::fused_moe_out);
   m.impl("fused_moe_backward", &kt::moe::fused_moe_backward);
   m.impl("fused_moe_delta", &kt::moe::fused_moe_delta);
   m.impl("numa_split_experts", &kt::moe::numa_split_experts);

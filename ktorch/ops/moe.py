@@ -412,6 +412,16 @@ def _fused_moe_fake(hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scal
     return torch.empty_like(hidden, memory_format=torch.contiguous_format)
 
 
+@torch.library.register_fake("kt::fused_moe_out")
+def _fused_moe_out_fake(hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales, activation, w13_bias, w2_bias,
+                        out):
+    like = _fused_moe_fake(hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales, activation, w13_bias,
+                           w2_bias)
+    torch._check(out.shape == like.shape and out.dtype == like.dtype and out.device == like.device,
+                 lambda: "fused_moe_out: out must be shaped and typed like hidden")
+    return None
+
+
 def pack_quantized(codes: torch.Tensor, scales: torch.Tensor, mins: Optional[torch.Tensor] = None, *, bits: int,
                    gate_up: bool = False, mxfp4: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Places already-quantized weights (integer codes with a scale, and optionally a minimum, per group of input

@@ -44,6 +44,7 @@
 #include "profile.h"
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 
 #include <algorithm>
 #if defined(__x86_64__)
@@ -1555,6 +1556,23 @@ at::Tensor fused_moe_with_h_quantizer(const at::Tensor& hidden_in, const at::Ten
   run_call(fmt, hidden_in, topk_ids_in, nullptr, topk_weights_in, w13, w13_scales, w2, w2_scales, activation, quantize_h,
            out, nullptr, {}, w13_bias, w2_bias);
   return out;
+}
+
+void fused_moe_out(const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                   const at::Tensor& w13, const std::optional<at::Tensor>& w13_scales, const at::Tensor& w2,
+                   const std::optional<at::Tensor>& w2_scales, c10::string_view activation,
+                   const std::optional<at::Tensor>& w13_bias, const std::optional<at::Tensor>& w2_bias,
+                   const at::Tensor& out) {
+  const WeightFormat fmt = check_call(hidden, topk_ids, topk_weights, w13, w2);
+  TORCH_CHECK(out.device().is_cpu() && out.sizes() == hidden.sizes() && out.scalar_type() == hidden.scalar_type() &&
+                  out.is_contiguous(),
+              "fused_moe_out: out must be a contiguous CPU tensor like hidden ", hidden.sizes(), " ",
+              hidden.scalar_type(), ", got ", out.sizes(), " ", out.scalar_type(), " on ", out.device());
+  const auto overlap = at::get_overlap_status(out, hidden);
+  TORCH_CHECK(overlap == at::MemOverlapStatus::No || hidden.numel() == 0,
+              "fused_moe_out: out must not share memory with hidden");
+  run_call(fmt, hidden, topk_ids, nullptr, topk_weights, w13, w13_scales, w2, w2_scales, activation, QuantizeH(), out,
+           nullptr, {}, w13_bias, w2_bias);
 }
 
 void fused_moe_split(const at::Tensor& hidden, const at::Tensor& ids_now, const at::Tensor& ids_later,

@@ -30,6 +30,15 @@ at::Tensor fused_moe(const at::Tensor& hidden, const at::Tensor& topk_ids, const
                      const std::optional<at::Tensor>& w13_bias = std::nullopt,
                      const std::optional<at::Tensor>& w2_bias = std::nullopt);
 
+// fused_moe written into out (contiguous, hidden's shape and dtype, CPU, not hidden's memory): the same numbers bit
+// for bit, without a new tensor. The experts runtime's eager calls (ktorch/compile/experts_runtime.py) write their
+// pinned staging this way instead of copying a new result into it on the worker thread.
+void fused_moe_out(const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                   const at::Tensor& w13, const std::optional<at::Tensor>& w13_scales, const at::Tensor& w2,
+                   const std::optional<at::Tensor>& w2_scales, c10::string_view activation,
+                   const std::optional<at::Tensor>& w13_bias, const std::optional<at::Tensor>& w2_bias,
+                   const at::Tensor& out);
+
 // How a caller can quantize h = act(gate) * up, the down projection's input, in the driver's place (int8/int4
 // weights): the NUMA split (numa_split.cpp) has each slice quantize its channels of a row with the scale of the
 // whole row, as the unsplit op does. Called once per call, on the calling thread, after gate/up: h is fp32
