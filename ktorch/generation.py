@@ -527,7 +527,8 @@ def warm_up(model: nn.Module, tokens: int = WARM_UP_TOKENS) -> float:
     ``generate``'s prefill does (the model's expert deferral off) and leaves nothing behind: no decoder is kept on
     the model (``model.kt_decoder`` is as before: a static cache longer than needed would slow every later decode
     step), the split's counters and routing frequency, the residents' hit counters and the experts runtime's
-    counters and timeline are put back, and the experts runtime's observers do not see its calls."""
+    counters and timeline are put back, and the experts runtime's observers do not see its calls. What it keeps:
+    the split's costs learn from its CPU calls (``SplitCosts.observe_cpu``), so a first prompt splits with them."""
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
         raise ValueError(f"warm_up: tokens must be an int >= 1, got {tokens!r}")
     if _model_device(model).type != "cuda":

@@ -1005,3 +1005,17 @@ def test_runtime_reports_an_eager_calls_seconds():
     assert len(seen) == 1 and seen[0] > 0
     want = torch.ops.kt.fused_moe(hidden, ids, weights, packed.w13, None, packed.w2, None, "silu")
     assert torch.equal(out, want)
+
+
+def test_warm_up_prefill_teaches_the_split_costs():
+    """What the load-time warm-up keeps: its CPU calls are observed by the split's (calibrated) costs, one per layer
+    that left the CPU experts, so a first prompt's choice already uses them (the counters are put back, above)."""
+    import ktorch.generation as generation
+
+    costs = _calibrated(1e-3, 1e-5, 5e-4, h2d_bytes_per_s=3e7)
+    _, model = _split_model(costs)
+    assert generation._warm_up_prefill(model, 64) > 0
+    observed = list(costs._observed)
+    assert 1 <= len(observed) <= len(moe_experts_modules(model))
+    assert all(rows >= experts >= 1 and seconds > 0 for rows, experts, seconds in observed)
+    assert ktorch.prefill_split_stats(model)["passes"] == 0  # the counters: put back
