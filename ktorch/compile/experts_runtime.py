@@ -70,7 +70,6 @@ def _next_async_call(state: "_Site") -> int:
     return state.async_calls
 
 
-
 def _timed(fn: Callable[[], object], observe: Optional[Callable[[float], None]]):
     """fn(), and its seconds passed to ``observe`` when given and fn returned."""
     if observe is None:

@@ -137,7 +137,7 @@ class SplitCosts:
             if (solution >= 0).all():
                 coef[kept] = solution
                 break
-            kept = [c for c, v in zip(kept, solution) if v >= 0] if (solution >= 0).any() else []
+            kept = [c for c, v in zip(kept, solution) if v >= 0]
         self.cpu_fixed_s, self.cpu_row_s, self.cpu_expert_s = (float(c) for c in coef)
         self.refits += 1
         return True
@@ -152,6 +152,14 @@ class SplitCosts:
         """The device part's predicted time: ``copied`` experts of ``bytes_per_expert`` packed bytes copied (and
         dequantized), ``rows`` rows computed there (copied and resident experts'); numbers or numpy arrays."""
         return copied * (bytes_per_expert / self.h2d_bytes_per_s + self.device_expert_s) + self.device_row_s * rows
+
+
+def cpu_side(counts: np.ndarray, chosen: np.ndarray, resident: Optional[np.ndarray]) -> tuple:
+    """(rows, experts) a split call leaves the CPU op: counts [E] rows per expert, chosen the copied ids, resident
+    [E] bool or None."""
+    on_device = np.zeros(counts.size, dtype=bool) if resident is None else resident.copy()
+    on_device[chosen] = True
+    return int(counts[~on_device].sum()), int(((counts > 0) & ~on_device).sum())
 
 
 @dataclass
@@ -172,10 +180,8 @@ class SplitCall:
     def of(cls, counts: np.ndarray, chosen: np.ndarray, resident: Optional[np.ndarray], costs: SplitCosts,
            bytes_per_expert: int) -> "SplitCall":
         """counts [E] rows per expert, chosen: the copied ids, resident [E] bool or None."""
-        on_device = np.zeros(counts.size, dtype=bool) if resident is None else resident.copy()
-        on_device[chosen] = True
-        cpu_rows, device_rows = int(counts[~on_device].sum()), int(counts[on_device].sum())
-        cpu_experts = int(((counts > 0) & ~on_device).sum())
+        cpu_rows, cpu_experts = cpu_side(counts, chosen, resident)
+        device_rows = int(counts.sum()) - cpu_rows
         return cls(cpu_rows, cpu_experts, int(chosen.size), device_rows,
                    float(costs.cpu_seconds(cpu_rows, cpu_experts)),
                    float(costs.device_seconds(chosen.size, device_rows, bytes_per_expert)))
@@ -440,14 +446,11 @@ class RoutedExperts:
         counts = _numpy_int64(counts)
         resident = None if resident is None else _numpy_bool(resident)
         chosen = choose_device_experts(counts, self.costs, self.bytes_per_expert, self.capacity, resident)
-        self._count(counts, chosen.numpy(), resident)
-        cpu = counts.copy()
-        cpu[chosen.numpy()] = 0
-        if resident is not None:
-            cpu[resident] = 0
-        self._cpu_call = (int(cpu.sum()), int(np.count_nonzero(cpu)))
+        ids = chosen.numpy()
+        self._count(counts, ids, resident)
+        self._cpu_call = cpu_side(counts, ids, resident)
         if self.calls is not None:
-            self.calls.append(SplitCall.of(counts, chosen.numpy(), resident, self.costs, self.bytes_per_expert))
+            self.calls.append(SplitCall.of(counts, ids, resident, self.costs, self.bytes_per_expert))
         return chosen
 
     def cpu_observer(self):
