@@ -37,6 +37,7 @@ RATES = re.compile(r"prefill: (\d+) tokens in ([\d.]+) s \(([\d.]+) tok/s\) \| d
                    r"\(([\d.]+) tok/s\))?")
 LOADED = re.compile(r"loaded in ([\d.]+) s")
 CAPTURE = re.compile(r"decode-step capture ([\d.]+) s")
+PREFILL_CAPTURE = re.compile(r"prefill capture ([\d.]+) s")
 WARMUP_PREFILL = re.compile(r"loaded in [\d.]+ s \(prefill warm-up ([\d.]+) s\)")
 SPLIT = re.compile(r"prefill split: (\d+) layer calls, experts hit (\d+) \(per layer ([\d,]*)\), copied (\d+) "
                    r"\(([\d.]+) GB\), copied but unused (\d+), resident hit (\d+); rows on the GPU ([\d.]+)%")
@@ -62,6 +63,9 @@ def parse_generate_output(stderr: str) -> dict:
     m = CAPTURE.search(stderr)
     if m:
         out["capture_s"] = float(m[1])
+    m = PREFILL_CAPTURE.search(stderr)  # the prompt's bucket's prefill captured before it (GPU, not in first_token_s)
+    if m:
+        out["prefill_capture_s"] = float(m[1])
     m = WARMUP_PREFILL.search(stderr)  # the load-time warm-up (GPU only; counted in load_s)
     if m:
         out["warmup_prefill_s"] = float(m[1])
@@ -510,10 +514,12 @@ def prefill_profile(args) -> None:
     """Experiment (benchmark flag): is a warm prefill bound by the host (launches, Python, syncs) or by the GPU? Per
     --ktorch-args set, one process loads the model as ``ktorch generate`` does, then alternates --prefill-variants
     for --prefill-profile rounds over the --prompts lengths, timing ``Decoder.prefill`` + reading the first token (no
-    hooks, no syncs but the prefill's own). Variants: ``default`` (what generate runs); ``sync-per-layer`` (the split's
+    hooks, no syncs but the prefill's own; the prompt's captured prefill made first, as generate makes it). Variants:
+    ``default`` (what generate runs); ``sync-per-layer`` (the split's
     counts copied to the host at every MoE layer, as before commit 66e74df, whatever the placement). (Merged after
     their runs here: session 44, each attention's q, k and v from one product over the fused weight
-    (``fused_qkv.eager_swapped``); session 35: the rows sorted by expert in three Triton
+    (``fused_qkv.eager_swapped``); session 46: the captured prefill (``Decoder.capture_prefill``, 10 of 12 cells
+    faster, the other two tied: benchmarks/RESULTS.md section 2); session 35: the rows sorted by expert in three Triton
     launches, each RMSNorm one ``F.rms_norm``; the split's copies as one zero-copy gather a layer, which tied the
     per-run DMA copies on the clock (call 3, H200 host: off P=512/2048 355.5/481.5 ms against 340.0/510.8, 24GiB
     213.0/316.2 against 219.5/306.0) with ~8000 fewer ATen ops a prefill; the runs stay as its fallback.)
@@ -533,7 +539,7 @@ def prefill_profile(args) -> None:
 
     import ktorch
     from ktorch.cli import build_parser, load_model
-    from ktorch.generation import Sampling, _decoder_for
+    from ktorch.generation import Sampling, _decoder_for, captured_prefill_problem
     from ktorch.ops.routed_experts import RoutedExperts
 
     def context(variant, decoder):
@@ -550,8 +556,13 @@ def prefill_profile(args) -> None:
         model, _, device = load_model(cli)
         label = extra or "defaults"
         sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-        decoder = _decoder_for(model, max(args.prompts) + 1, Sampling(), cuda_graphs=False)
+        decoder = _decoder_for(model, max(args.prompts) + 1, Sampling(), cuda_graphs=True)
         prompts = {P: prompt_ids(P, args.prompt_kind).to(device) for P in args.prompts}
+        for P in args.prompts:  # as generate does before its prefill (where the placement's prefill is capturable)
+            with torch.inference_mode():
+                seconds = decoder.capture_prefill(P)
+            print(f"[prefill {label}] P={P}: " + (f"prefill captured in {seconds:.2f} s" if seconds else
+                  f"no captured prefill ({captured_prefill_problem(model, decoder.cache, device)})"), flush=True)
         times: dict = {}
         tokens: dict = {}  # (variant, P) -> the first tokens of its runs
 
@@ -750,7 +761,8 @@ def main(argv=None) -> None:
             continue
         warm = f" (prefill warm-up {r['warmup_prefill_s']:.2f} s)" if "warmup_prefill_s" in r else ""
         print(f"  [{r['args'] or 'defaults'}] P={r['prompt']} run {r['run']}: load {r.get('load_s', 0):.1f} s{warm}, "
-              f"first token {r['first_token_s']:.2f} s ({r['prefill_tok_s']:.0f} tok/s prefill), capture "
+              f"prefill capture {r.get('prefill_capture_s', 0):.2f} s, first token {r['first_token_s']:.2f} s "
+              f"({r['prefill_tok_s']:.0f} tok/s prefill), capture "
               f"{r.get('capture_s', 0):.1f} s, decode {r['decode_tok_s']:.1f} tok/s, wall {r['wall_s']:.0f} s")
         if "experts_hit" in r:
             print(f"      split: experts hit per layer {r['hit_per_layer']}, copied {r['experts_copied']} experts "

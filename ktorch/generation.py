@@ -54,6 +54,8 @@ from ktorch.compile.experts_runtime import RUNTIME
 from ktorch.integrations import fused_norms, fused_qkv
 
 CACHE_BUCKET = 256  # static cache lengths are rounded up to this, so that calls of similar lengths share a capture
+# (and captured prefills' prompts, padded)
+PREFILL_GRAPHS = 4  # captured prefills kept per decoder (buckets), in one memory pool: about one prefill's activations
 
 
 @dataclass
@@ -71,6 +73,7 @@ class Timings:
     cuda_graphs: bool = False
     resident_swaps: int = 0  # resident experts swapped after the prefill (ktorch.gpu_memory.begin_resident_swaps)
     resident_swap_s: float = 0.0  # the host's time starting them (on a GPU the copies run behind decode)
+    prefill_capture_s: float = 0.0  # the prefill's CUDA graph captured for the prompt's bucket (before the prefill)
 
     @property
     def prefill_tok_s(self) -> float:
@@ -175,11 +178,99 @@ def prefill_attention():
     return sdpa_kernel(_PREFILL_SDPA, set_priority=True)
 
 
+@dataclass
+class PrefillGraph:
+    """A prefill of ``tokens`` positions captured as a CUDA graph (``Decoder.capture_prefill``): the prompt's ids go
+    into ``ids`` [1, tokens] (the rest padding), ``real`` [1] holds the prompt's length (rows at or past it get no
+    experts: ``padding_mask_hooks``), ``keep`` [1] its last position (the logits the graph writes to ``logits``
+    [1, V]); ``counts`` [L, E] the routing-aware split's layers' rows per expert (None where no layer counts),
+    read after each replay into their counters."""
+
+    tokens: int
+    ids: torch.Tensor
+    real: torch.Tensor
+    keep: torch.Tensor
+    graph: Optional[torch.cuda.CUDAGraph] = None
+    logits: Optional[torch.Tensor] = None
+    counts: Optional[torch.Tensor] = None  # [L, 2, E]: per counting layer its rows per expert and copied ids (-1 pad)
+    counted: list = field(default_factory=list)  # the experts module of each counts row
+
+
+def captured_prefill_problem(model: nn.Module, cache, device: torch.device) -> Optional[str]:
+    """Why a prefill of ``model`` into ``cache`` cannot be captured as a CUDA graph (None where it can): a prefill
+    that decides on the host per layer (streamed experts, adapters, or a routing-aware split whose copies the
+    captured split cannot run: ``RoutedExperts.captured_split_problem``), or a cache layer whose length is not a
+    device tensor (transformers' ``StaticLayer`` keeps it as one; a sliding window keeps a host-side count too)."""
+    from ktorch.placement import experts_modules
+
+    if device.type != "cuda":
+        return "not on a GPU"
+    for layer in cache.layers:
+        if not isinstance(getattr(layer, "cumulative_length", None), torch.Tensor) or getattr(layer, "is_sliding",
+                                                                                             False):
+            return f"the cache's {type(layer).__name__} keeps its length on the host"
+    dtype = model.get_input_embeddings().weight.dtype
+    for name, m in experts_modules(model):
+        routed = getattr(m, "kt_routed", None)
+        if routed is not None and routed.copies_possible(getattr(m, "kt_gpu_expert_ids", None)):
+            problem = routed.captured_split_problem(dtype, device)
+            if problem:
+                return f"{name}'s prefill split: {problem}"
+        if getattr(m, "kt_stream_plan", None) is not None:
+            return f"{name} streams experts"
+        if getattr(m, "kt_lora", None) is not None:
+            return f"{name} has expert adapters"
+    return None
+
+
+CAUSAL_PREFILL = "ktorch_causal_prefill"  # the captured prefill's attention in transformers' registries
+_CAUSAL_REGISTERED = False
+
+
+def _causal_prefill_attention(module, query, key, value, attention_mask, **kwargs):
+    """transformers' SDPA attention with no mask (so causal, upper-left aligned, on the keys of the prompt's length:
+    flash attention): what transformers itself picks for a prefill into an empty static cache, which it decides by
+    reading the cache's offset on the host; a capture cannot (it then built a mask: memory-efficient attention, 7.4
+    ms against flash's 1.9 for 12 layers at 2048 tokens, device, H200 host). Correct for a prefill from position 0
+    only, which is what the captured prefill is."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, None, **kwargs)
+
+
+@contextlib.contextmanager
+def causal_prefill_attention(model: nn.Module):
+    """While open, a model whose attention is transformers' "sdpa" takes ``_causal_prefill_attention`` (and builds
+    no mask); others keep theirs."""
+    global _CAUSAL_REGISTERED
+    before = model.config._attn_implementation
+    if before != "sdpa":
+        yield
+        return
+    if not _CAUSAL_REGISTERED:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+
+        AttentionInterface.register(CAUSAL_PREFILL, _causal_prefill_attention)
+        AttentionMaskInterface.register(CAUSAL_PREFILL, lambda *args, **kwargs: None)
+        _CAUSAL_REGISTERED = True
+    model.config._attn_implementation = CAUSAL_PREFILL
+    try:
+        yield
+    finally:
+        model.config._attn_implementation = before
+
+
 class Decoder:
     """A static KV cache of ``max_len`` tokens for ``model`` and its decode step (captured as a CUDA graph on a GPU).
 
     The step reads ``self.token`` [1, 1] and ``self.position`` [1] (device tensors, fixed addresses), writes the
-    sampled token back into ``self.token`` and adds 1 to ``self.position``: a replay advances by itself."""
+    sampled token back into ``self.token`` and adds 1 to ``self.position``: a replay advances by itself.
+
+    The prefill too is replayed from a CUDA graph where one was captured for the prompt's bucket (``capture_prefill``:
+    the prompt padded to a multiple of ``CACHE_BUCKET`` tokens, its padding rows given no experts, the logits taken
+    at its last position), else run eagerly. Graphs are kept per bucket, ``PREFILL_GRAPHS`` at most, in one memory
+    pool: they never run at once, and each replay's logits are read before the next replay."""
 
     def __init__(self, model: nn.Module, max_len: int, device: torch.device, sampling: Sampling, cuda_graphs: bool):
         from transformers import StaticCache
@@ -199,6 +290,8 @@ class Decoder:
         self.attention = None
         if self.cuda_graphs and decode_attention.applies(model, device) is None:
             self.attention = decode_attention.DecodeAttention(max_len, self.position)
+        self.prefill_graphs: collections.OrderedDict = collections.OrderedDict()  # captured prefills by bucket
+        self._prefill_pool = None
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, **extra) -> torch.Tensor:
         cache = {_cache_argument(self.model): self.cache}
@@ -206,22 +299,124 @@ class Decoder:
                          logits_to_keep=1, **cache, **extra)
         return out.logits[0]  # [1, V]
 
+    def prefill_bucket(self, prompt_len: int) -> Optional[int]:
+        """The tokens a captured prefill of ``prompt_len`` tokens runs (None where it would not fit the cache)."""
+        tokens = -(-prompt_len // CACHE_BUCKET) * CACHE_BUCKET
+        return tokens if tokens <= self.max_len else None
+
+    def _prefill_context(self, waits: bool = True):
+        """What an eager or captured prefill runs in on a GPU: an eager prefill is launch-bound, so one kernel a norm
+        and one product for each attention's q, k and v (its device A/B: benchmarks/RESULTS.md section 2, session
+        44), SDPA without cuDNN's plans; ``waits``: the launching thread does not wait for each layer's CPU experts
+        (a GPU wait kernel holds the stream; a capture has its own)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(prefill_attention())
+        if self.device.type == "cuda":
+            stack.enter_context(fused_norms.swapped(self.model))
+            stack.enter_context(fused_qkv.eager_swapped(self.model))
+            if waits:
+                stack.enter_context(RUNTIME.async_waits(self.device))
+        return stack
+
+    def capture_prefill(self, prompt_len: int) -> float:
+        """Captures the prefill of prompts of ``prompt_len``'s bucket as a CUDA graph (``PrefillGraph``), unless one is
+        kept or a prefill of this model cannot be captured (``captured_prefill_problem``); returns its seconds (0.0
+        where nothing was captured). One padded prefill runs first, eagerly on a side stream (every lazy allocation,
+        pinned buffer and kernel compile made outside the capture), with the model's prefill state put back after
+        (``_prefill_state``): the split's counters and routing frequency see prompts only."""
+        tokens = self.prefill_bucket(prompt_len) if self.cuda_graphs else None
+        if tokens is None or tokens in self.prefill_graphs or captured_prefill_problem(self.model, self.cache,
+                                                                                       self.device):
+            return 0.0
+        t0 = time.perf_counter()
+        while len(self.prefill_graphs) >= PREFILL_GRAPHS:
+            self.prefill_graphs.popitem(last=False)
+        g = self.padded_prefill(tokens)
+        state = _prefill_state(self.model)
+        observers, RUNTIME.observers = RUNTIME.observers, []
+        try:
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self.cache.reset()
+                self._prefill_forward(g, waits=False)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            torch.cuda.synchronize(self.device)
+        finally:
+            RUNTIME.observers = observers
+            _restore_prefill_state(state)
+        if self._prefill_pool is None:
+            self._prefill_pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._prefill_pool):
+            g.logits = self._prefill_forward(g, waits=False)
+            g.counts = torch.stack(g.counts) if g.counts else None
+        g.graph = graph
+        self.prefill_graphs[tokens] = g
+        return time.perf_counter() - t0
+
+    def padded_prefill(self, tokens: int) -> PrefillGraph:
+        """A ``PrefillGraph`` of ``tokens`` positions, not captured: kept in ``prefill_graphs`` as it is, prompts of its
+        bucket run its padded prefill eagerly (how the CPU tests check the padding)."""
+        return PrefillGraph(tokens, torch.zeros(1, tokens, dtype=torch.long, device=self.device),
+                            torch.full((1,), tokens, dtype=torch.long, device=self.device),
+                            torch.full((1,), tokens - 1, dtype=torch.long, device=self.device))
+
+    def _prefill_forward(self, g: PrefillGraph, waits: bool) -> torch.Tensor:
+        """The padded prefill of ``g`` (eager, or recorded where the stream captures): logits [1, V] at ``g.keep``. A
+        capture also collects each counting layer's rows per expert (``ktorch_experts_forward``) into ``g.counts``
+        (a list until the capture stacks it) and ``g.counted``."""
+        from ktorch.integrations.transformers_experts import padding_mask_hooks, recording_counts
+
+        positions = torch.arange(g.tokens, device=self.device)
+        cache = {_cache_argument(self.model): self.cache}
+        hooks = padding_mask_hooks(self.model, lambda: g.real)
+        counts: list = []
+        try:
+            with self._prefill_context(waits), causal_prefill_attention(self.model), recording_counts(counts):
+                out = self.model(input_ids=g.ids, cache_position=positions, position_ids=positions[None],
+                                 use_cache=True, logits_to_keep=g.keep, **cache)
+        finally:
+            for h in hooks:
+                h.remove()
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            g.counts = [torch.stack([c, torch.full_like(c, -1) if chosen is None else chosen.to(c.dtype)])
+                        for _, c, chosen in counts]
+            g.counted = [m for m, _, _ in counts]
+        return out.logits[0]
+
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
-        """Runs the prompt ids [1, P] from an empty cache; returns the first new token [1, 1] (and sets up the step)."""
+        """Runs the prompt ids [1, P] from an empty cache; returns the first new token [1, 1] (and sets up the step).
+        Replays the prompt's bucket's captured prefill where ``capture_prefill`` made one, else runs it eagerly."""
+        P = ids.shape[1]
         self.cache.reset()
-        positions = torch.arange(ids.shape[1], device=self.device)
         if self.seen is not None:
             self.seen.zero_()
             self.seen[ids[0]] = True
-        # an eager prefill on a GPU is launch-bound: one kernel a norm, one product for each attention's q, k and v
-        # (its device A/B: benchmarks/RESULTS.md section 2, session 44)
-        cuda = self.device.type == "cuda"
-        norms = fused_norms.swapped(self.model) if cuda else contextlib.nullcontext()
-        qkv = fused_qkv.eager_swapped(self.model) if cuda else contextlib.nullcontext()
-        # the launching thread does not wait for each layer's CPU experts: a GPU wait kernel holds the stream
-        waits = RUNTIME.async_waits(self.device) if cuda else contextlib.nullcontext()
-        with prefill_attention(), norms, qkv, waits:
-            logits = self._forward(ids, positions)
+        g = self.prefill_graphs.get(self.prefill_bucket(P))
+        if g is not None:
+            g.ids[:, :P].copy_(ids)
+            g.ids[:, P:].zero_()
+            g.real.fill_(P)
+            g.keep.fill_(P - 1)
+            if g.graph is not None:
+                g.graph.replay()
+                logits = g.logits
+            else:
+                logits = self._prefill_forward(g, waits=True)
+            for layer in self.cache.layers:  # the padding's positions were written too: the next write goes at P
+                layer.cumulative_length.fill_(P)
+            # the counting layers' rows per expert, read with their counters where an eager prefill's call of the
+            # prompt's length would be counted (``min_tokens`` and more)
+            counting = [(i, m) for i, m in enumerate(g.counted) if P >= m.kt_routed.min_tokens]
+            if counting:
+                rows = g.counts.clone()
+                for i, m in counting:
+                    m.kt_routed.record(rows[i, 0], getattr(m, "kt_gpu_expert_ids", None), rows[i, 1])
+        else:
+            positions = torch.arange(P, device=self.device)
+            with self._prefill_context():
+                logits = self._forward(ids, positions)
         nxt = sample_next(logits, self.sampling, self.seen, self.generator)
         self.token.copy_(nxt[None])
         self.position.fill_(ids.shape[1])
@@ -643,10 +838,16 @@ def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int = 64
     # prefill: no deferral (nothing to overlap it with, and two CPU calls a layer instead of one)
     if deferred:
         _set_deferral(model, 0)
-    t0 = time.perf_counter()
     try:
+        if decoder.cuda_graphs and decoder.prefill_bucket(prompt_len) not in decoder.prefill_graphs:
+            timings.prefill_capture_s = decoder.capture_prefill(prompt_len)
+            if on_status and timings.prefill_capture_s:
+                on_status(f"prefill of {decoder.prefill_bucket(prompt_len)} tokens captured as a CUDA graph in "
+                          f"{timings.prefill_capture_s:.2f} s (kept for prompts of this length)")
+        t0 = time.perf_counter()
         first = decoder.prefill(ids)
         first_id = int(first.item())
+        RUNTIME.check_handoff()  # a captured prefill's CPU experts call that timed out is an error, not a token
     finally:
         if deferred:
             _set_deferral(model, deferred)
@@ -695,8 +896,6 @@ def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int = 64
         if on_tokens:
             on_tokens([tok])
         return tok in eos
-
-    from ktorch.compile.experts_runtime import RUNTIME
 
     t2 = time.perf_counter()
     for i in range(n_steps):

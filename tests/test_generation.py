@@ -401,7 +401,8 @@ def test_captured_step_matches_eager_and_replays_one_graph_per_step(family, defe
     result = generate(model, ids, 64)  # the capture compiles the decoder layers (compiled_layers)
     assert result.timings.cuda_graphs and result.timings.warmup_s > 0
     assert result.ids == eager
-    assert len(replays) == 62  # one replay per decode step after the capture's eager one, nothing else
+    # the prefill's graph once, then one replay per decode step after the capture's eager one, nothing else
+    assert result.timings.prefill_capture_s > 0 and len(replays) == 1 + 62
     again = generate(model, ids, 64)  # the kept capture: no new warm-up
     assert again.ids == eager and again.timings.warmup_s == 0
     from torch._dynamo.utils import counters
@@ -480,3 +481,139 @@ def test_cuda_prefill_waits_for_the_cpu_experts_on_the_stream(stream, monkeypatc
             prefill()
     again, again_keys = prefill()
     assert again == token and all(torch.equal(a, b) for a, b in zip(keys, again_keys))
+
+
+def _prefill_rows_seen(model) -> tuple:
+    """Forward hooks recording the expert ids each experts module computed with (after the padding mask), and their
+    handles."""
+    seen: list = []
+    hooks = [m.register_forward_hook(lambda m, args, kwargs, out: seen.append(
+        (kwargs.get("top_k_index", args[1] if len(args) > 1 else None)).clone()), with_kwargs=True)
+        for m in model.modules() if getattr(m, "kt_w13", None) is not None]
+    return seen, hooks
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_padded_prefill_gives_the_eager_tokens_and_gives_padding_no_experts(family):
+    """A prompt prefilled padded to its bucket (what a captured prefill records; here run eagerly on the CPU) gives
+    the unpadded prefill's tokens, decode after it included (the logits at the prompt's last position, the cache's
+    length put back to the prompt's); the experts get expert id -1 on every padding row and the prompt's ids on the
+    rest."""
+    model = _prepared(family)
+    P = 37
+    ids = torch.randint(0, model.config.vocab_size, (1, P), generator=torch.Generator().manual_seed(3))
+    eager = generate(model, ids, 12).ids
+    decoder = model.kt_decoder
+    tokens = decoder.prefill_bucket(P)
+    assert tokens == 256 and decoder.prefill_bucket(decoder.max_len + 1) is None
+    seen, hooks = _prefill_rows_seen(model)
+    with torch.inference_mode():
+        decoder.prefill(ids)
+    plain = [t for t in seen if t.shape[0] == P]
+    decoder.prefill_graphs[tokens] = decoder.padded_prefill(tokens)
+    seen.clear()
+    try:
+        padded = generate(model, ids, 12)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert padded.ids == eager
+    assert [layer.cumulative_length.item() for layer in decoder.cache.layers] == [P + 11] * len(decoder.cache.layers)
+    rows = [t for t in seen if t.shape[0] == tokens]
+    assert len(rows) == len(plain) > 0
+    for full, want in zip(rows, plain):
+        assert (full[P:] == -1).all() and torch.equal(full[:P], want)
+
+
+def _placed(placement: str):
+    """A tiny qwen3_moe model on the GPU (fp32 outside the experts, bf16 experts): every expert resident (the
+    default budget), none (the CPU op alone), or 3 of 8 a layer (the rest on the CPU op, no split staging)."""
+    torch.manual_seed(0)
+    model = tiny_model("qwen3_moe", dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    if placement == "resident":
+        return ktorch.prepare(model, device="cuda", experts_dtype="bf16")
+    model = ktorch.prepare(model, device="cuda", experts_dtype="bf16", gpu_memory="off")
+    if placement == "part":
+        from ktorch.gpu_memory import device_bytes_held, reserve_bytes
+
+        m0 = next(m for m in model.modules() if getattr(m, "kt_w13", None) is not None)
+        per_resident = (m0.kt_w13.shape[1] * 16 * m0.kt_w2.shape[1] * 16 * 3 // 2) * 4 * 2
+        floor = device_bytes_held(model, torch.device("cuda")) + reserve_bytes(model, torch.float32)
+        ktorch.set_stream_experts(model, "off", gpu_memory=floor + 3 * per_resident)
+        assert all(len(m.kt_gpu_expert_ids) == 3 for m in model.modules() if getattr(m, "kt_w13", None) is not None)
+    return model
+
+
+@needs_cuda
+@pytest.mark.parametrize("placement", ["resident", "cpu", "part"])
+def test_captured_prefill_gives_the_eager_tokens_and_counts(placement, monkeypatch):
+    """generate captures the prompt's bucket's prefill before it (reported apart from the time to the first token)
+    and replays it: the eager prefill's tokens and, where the split counts routing, its counters (padding rows not
+    counted); a second prompt of the same bucket replays the kept graph, capturing nothing."""
+    model = _placed(placement)
+    vocab = model.config.vocab_size
+    first = torch.randint(0, vocab, (1, 37), generator=torch.Generator().manual_seed(5))
+    second = torch.randint(0, vocab, (1, 200), generator=torch.Generator().manual_seed(6))
+    counting = placement == "part"
+
+    def split_stats() -> dict:  # the counters of the call (last_hit, the latest counted call's, outlives a reset)
+        return {k: v for k, v in ktorch.prefill_split_stats(model, reset=True).items() if k != "last_hit"}
+
+    # with part of the experts resident, generate swaps residents after each prefill by the routing counted so far,
+    # which differs between the eager and the captured runs here (the eager ones counted first): one token, no swap
+    n = 1 if counting else 8
+    eager = []
+    for ids in (first, second):
+        eager.append(generate(model, ids, n, cuda_graphs=False).ids)
+        if counting:
+            eager.append(split_stats())
+    model.kt_decoder = None
+    replays = []
+    original = torch.cuda.CUDAGraph.replay
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda self: replays.append(1) or original(self))
+    got = []
+    captures = []
+    for ids in (first, second):
+        result = generate(model, ids, n)
+        got.append(result.ids)
+        captures.append(result.timings.prefill_capture_s)
+        if counting:
+            got.append(split_stats())
+    assert got == eager
+    assert captures[0] > 0 and captures[1] == 0 and list(model.kt_decoder.prefill_graphs) == [256]
+    # the prefill's graph each call; decode: 6 replays after the capture's eager step, then 7 (the kept capture)
+    assert len(replays) == (2 if counting else (1 + 6) + (1 + 7))
+
+
+@needs_cuda
+@pytest.mark.parametrize("cheap", ["copies", "cpu"])
+def test_captured_prefill_runs_the_split_on_the_device(cheap):
+    """With the routing-aware split (int8 experts, bf16: the grouped kernels read the copied blocks), generate's
+    captured prefill makes the split's choice, copies and grouped products on the device: the eager split's first
+    token, and its counters (experts hit and copied, rows copied: the same choice from the same counts)."""
+    from ktorch.ops.routed_experts import SplitCosts
+
+    costs = (SplitCosts(h2d_bytes_per_s=1e15, cpu_fixed_s=1.0, cpu_row_s=1.0, cpu_expert_s=1.0) if cheap == "copies"
+             else SplitCosts(h2d_bytes_per_s=2e8, cpu_fixed_s=1e-4, cpu_row_s=1e-6, cpu_expert_s=1e-5))
+    torch.manual_seed(0)
+    model = ktorch.prepare(tiny_model("qwen3_moe", dtype=torch.bfloat16), device="cuda", experts_dtype="int8",
+                           stream_experts=costs, gpu_memory="off")
+    model.generation_config.eos_token_id = None
+    for m in model.modules():
+        if getattr(m, "kt_routed", None) is not None:
+            m.kt_routed.min_tokens = 8
+    prompts = [torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
+               for n in (48, 100)]
+    eager, captured = [], []
+    for ids in prompts:
+        eager.append((generate(model, ids, 1, cuda_graphs=False).ids, ktorch.prefill_split_stats(model, reset=True)))
+    model.kt_decoder = None
+    for ids in prompts:
+        result = generate(model, ids, 1)
+        captured.append((result.ids, ktorch.prefill_split_stats(model, reset=True)))
+    assert result.timings.prefill_capture_s == 0 and list(model.kt_decoder.prefill_graphs) == [256]
+    assert captured == eager
+    copied = sum(stats["experts_copied"] for _, stats in eager)
+    hit = sum(stats["experts_hit"] for _, stats in eager)
+    assert (copied == hit > 0) if cheap == "copies" else copied < hit

@@ -25,6 +25,7 @@ from ktorch.gpu_memory import (
     swap_resident_experts,
     update_resident_experts,
 )
+from ktorch.ops import triton_experts
 from ktorch.ops.gpu_experts import gpu_experts_forward
 from ktorch.ops.routed_experts import (
     DeviceStaging,
@@ -152,6 +153,45 @@ def test_any_split_gives_the_cpu_result(fmt, group_size, dtype):
         total = device.double() + cpu.double()
         assert relative_error(total, want) < TOLERANCE[fmt], chosen
         assert relative_error(total, cpu_only.double()) < 2 * TOLERANCE[fmt], chosen
+
+
+@pytest.mark.skipif(not (triton_experts.triton_available()
+                         and (torch.cuda.is_available() or triton_experts.interpreting())),
+                    reason="the captured split's kernels need Triton and a CUDA GPU, or Triton's interpreter "
+                    "(TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("residents", [0, 3])
+def test_captured_split_equals_the_host_split(residents):
+    """RoutedExperts.captured_split (the choice, the gather into the staging's capacity rows and the grouped kernels
+    over them, all device work) gives the host split's CPU ids, copied ids and device part bit for bit, for skewed
+    and uniform routing, with resident experts' slots masked as the residents' split leaves them."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    E, H, I, T, K = 8, 128, 64, 41, 3
+    packed, layer = _layer("int8", None, E, H, I)
+    if device.type == "cuda":
+        layer.pin_prefix(E)
+    routed = RoutedExperts(layer, COSTS, DeviceStaging(layer, 3, device, torch.bfloat16))
+    resident = torch.arange(E) < residents
+    gen = torch.Generator().manual_seed(2)
+    hidden = torch.randn(T, H, generator=gen).to(device, torch.bfloat16)
+    weights = torch.rand(T, K, generator=gen).to(device)
+    copied = candidates = 0
+    for skew in (0.0, 1.5, 3.0):
+        p = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** skew
+        ids = torch.stack([torch.multinomial(p, K, generator=gen) for _ in range(T)])
+        ids[0, 1] = -1
+        counts = expert_counts(ids, E)
+        masked = torch.where((ids >= 0) & resident[ids.clamp(min=0)], -1, ids).to(device)
+        chosen = routed.choose(counts, resident if residents else None)
+        k = chosen.numel()
+        copied += k
+        candidates += int(((counts > 0) & ~resident).sum())
+        cpu_ids, work, got = routed.captured_split(hidden, masked, weights, counts.to(device),
+                                                   resident.to(device) if residents else None)
+        assert got[:k].cpu().tolist() == chosen.tolist() and (got[k:] == -1).all()
+        assert torch.equal(cpu_ids.cpu(), cpu_ids_for(masked, chosen, E).cpu())
+        if k:
+            assert torch.equal(work(), routed.device_part(hidden, masked, weights, chosen))
+    assert 0 < copied < candidates  # some copies, not every used expert (the staging holds 3)
 
 
 def test_choose_counts_what_moved():

@@ -138,6 +138,14 @@ def test_kernel_equals_index_select(widths):
         if s is not None:
             assert torch.equal(d, torch.index_select(s, 0, ids))
     gather_rows([None if d is None else d[:0] for d in dsts], srcs, ids[:0].to(torch.int32))  # nothing: returns
+    # negative ids (a device-made choice padded to the staging's rows): those rows are left as they were
+    padded = torch.tensor([4, -1, 9, -1], dtype=torch.int64, device=KERNEL_DEVICE)
+    marks = [None if s is None else torch.full((4, s.shape[1]), 7, dtype=s.dtype, device=KERNEL_DEVICE)
+             for s in srcs]
+    gather_rows(marks, srcs, padded)
+    for d, s in zip(marks, srcs):
+        if s is not None:
+            assert torch.equal(d[0], s[4]) and torch.equal(d[2], s[9]) and (d[1] == 7).all() and (d[3] == 7).all()
 
 
 def test_gather_rows_checks_its_arguments():

@@ -59,6 +59,7 @@ from ktorch.ops.deferred_slots import is_deferred_count, split_topk_slots
 
 ASYNC_SLOTS = 4096  # call numbers of asynchronous eager waits in flight (a ring of pinned int64)
 ASYNC_LIMIT_NS = 300_000_000_000  # an eager wait kernel's bound: 300 s (a very long prefill layer on the CPU)
+CAPTURED_STEP_ROWS = 256  # a captured call of more rows (a captured prefill's) waits as long as an eager one
 
 
 def _next_async_call(state: "_Site") -> int:
@@ -417,7 +418,7 @@ class ExpertsRuntime:
         error = self._handoff_error
         if error is not None and int(error[0]) != 0:
             raise RuntimeError(
-                "ktorch: a CPU experts call of a captured decode step did not finish within the GPU's wait limit "
+                "ktorch: a CPU experts call of a captured step did not finish within the GPU's wait limit "
                 f"(call number {int(error[0])}); the step's result was not used. The host-task worker is stuck or "
                 "far slower than expected (see its messages above); restart the process")
 
@@ -643,8 +644,9 @@ class ExpertsRuntime:
             elif self.join_implied(staging, number):
                 self.stats["implied_joins"] += 1
             else:
-                if handoff:
-                    staging.host_functions.wait(2 if join == 2 else 1)
+                if handoff:  # a captured prefill's call (ktorch.generation) may take as long as an eager one
+                    staging.host_functions.wait(2 if join == 2 else 1,
+                                                ASYNC_LIMIT_NS if hidden.shape[0] > CAPTURED_STEP_ROWS else None)
                 else:
                     staging.host_functions[join].launch()
                 kind = type(staging.host_functions)
@@ -893,10 +895,10 @@ class _GpuHandoffTask(_NativeTask):
 
         gpu_handoff.ring(self.counter, self.seq, self.words)
 
-    def wait(self, part: int) -> None:
+    def wait(self, part: int, limit_ns: Optional[int] = None) -> None:
         from ktorch.compile import gpu_handoff
 
-        gpu_handoff.wait(self.seq, self.words, part, self.error_flag)
+        gpu_handoff.wait(self.seq, self.words, part, self.error_flag, limit_ns or gpu_handoff.LIMIT_NS)
 
 
 RUNTIME = ExpertsRuntime()

@@ -27,10 +27,11 @@ What the decorator records on the module and what this implementation does with 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import sys
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -370,9 +371,14 @@ def ktorch_experts_forward(
     if getattr(self, "kt_lora", None) is not None or _needs_grad(self, hidden_states, top_k_weights):
         return _run_differentiable(self, hidden_states, top_k_index, top_k_weights)
     routed = getattr(self, "kt_routed", None)
-    counts = None
-    if (routed is not None and hidden_states.shape[0] >= routed.min_tokens and not torch.compiler.is_compiling()
-            and not (hidden_states.is_cuda and torch.cuda.is_current_stream_capturing())):
+    counts = captured_counts = None
+    if routed is not None and hidden_states.shape[0] >= routed.min_tokens and not torch.compiler.is_compiling() \
+            and hidden_states.is_cuda and torch.cuda.is_current_stream_capturing():
+        from ktorch.ops.routed_experts import expert_counts
+
+        # a captured prefill (ktorch.generation): the split on the device, counted after each replay
+        captured_counts = expert_counts(top_k_index, self.kt_w13.shape[0])
+    elif routed is not None and hidden_states.shape[0] >= routed.min_tokens and not torch.compiler.is_compiling():
         from ktorch.ops.routed_experts import expert_counts
 
         counts = expert_counts(top_k_index, self.kt_w13.shape[0])
@@ -392,6 +398,13 @@ def ktorch_experts_forward(
     if counts is not None:
         top_k_index, gpu_work = _split_routed_experts(self, hidden_states, top_k_index, top_k_weights, counts,
                                                       gpu_work)
+    if captured_counts is not None:
+        chosen = None
+        if routed.copies_possible(getattr(self, "kt_gpu_expert_ids", None)):
+            top_k_index, gpu_work, chosen = _captured_split(self, hidden_states, top_k_index, top_k_weights,
+                                                            captured_counts, gpu_work)
+        if _COUNTS_RECORDER is not None:
+            _COUNTS_RECORDER.append((self, captured_counts, chosen))
     chain = getattr(self, "kt_deferral", None) is not None
     compiling = torch.compiler.is_compiling()
     defers = chain and not compiling and deferral.defers(hidden_states.shape[0])  # prefill-sized calls do not
@@ -402,6 +415,52 @@ def ktorch_experts_forward(
     if defers:
         return deferral.deferred_experts_forward(self, hidden_states, top_k_index, top_k_weights, _run_experts, gpu_work)
     return _run_experts(self, hidden_states, top_k_index, top_k_weights, gpu_work)
+
+
+_COUNTS_RECORDER: Optional[list] = None  # recording_counts' list while a prefill is captured
+
+
+@contextlib.contextmanager
+def recording_counts(into: list):
+    """While open, each experts call captured in a CUDA graph that a routing-aware split would count (``kt_routed``,
+    a prefill-sized call) appends (its module, its rows per expert [E] on the device, the ids it copied [E] padded
+    with -1 or None) to ``into``: a captured prefill reads them after each replay into the split's counters
+    (``RoutedExperts.record``)."""
+    global _COUNTS_RECORDER
+    outer, _COUNTS_RECORDER = _COUNTS_RECORDER, into
+    try:
+        yield into
+    finally:
+        _COUNTS_RECORDER = outer
+
+
+def padding_mask_hooks(model: nn.Module, real_rows: Callable[[], Optional[torch.Tensor]]) -> list:
+    """Forward pre-hooks on ``model``'s packed experts modules (their handles returned) that give the rows at or past
+    ``real_rows()`` (a device tensor, or None: no padding this call) expert id -1, which the experts skip (the CPU
+    op reads no expert for them, the device kernels sort them out; their output rows are 0 and unused). For steps
+    padded to a captured graph's size (serve's token buckets, generate's captured prefill): tensor ops on the step's
+    own buffers, so a graph replays the mask with the step. A one-row call is never masked."""
+
+    def experts_pre(module, args, kwargs):
+        real = real_rows()
+        if real is None:
+            return None
+        if "top_k_index" in kwargs:
+            ids = kwargs["top_k_index"]
+        elif len(args) > 1:
+            ids = args[1]
+        else:
+            return None
+        if ids.shape[0] == 1:  # a one-row step has no padding rows (a graphed step has a real token)
+            return None
+        rows = torch.arange(ids.shape[0], device=ids.device)
+        masked = torch.where((rows < real)[:, None], ids, -1)
+        if "top_k_index" in kwargs:
+            return args, {**kwargs, "top_k_index": masked}
+        return (args[0], masked, *args[2:]), kwargs
+
+    return [m.register_forward_pre_hook(experts_pre, with_kwargs=True) for m in model.modules()
+            if getattr(m, "kt_w13", None) is not None]
 
 
 def _every_expert_on_device(self: nn.Module) -> bool:
@@ -525,6 +584,23 @@ def _split_routed_experts(self: nn.Module, hidden_states, top_k_index, top_k_wei
     if routed.calls is not None and routed_work is not None:  # a benchmark times the device part (SplitCall)
         routed_work = routed.calls[-1].timed(routed_work, hidden_states.device)
     return cpu_ids, routed_work
+
+
+def _captured_split(self: nn.Module, hidden_states, top_k_index, top_k_weights, counts: torch.Tensor, gpu_work=None):
+    """The routing-aware split inside a captured prefill (``RoutedExperts.captured_split``: the choice, the gather
+    and the grouped kernels on the device, no host sync): (ids for the CPU op, a callable computing the copied
+    experts' part plus ``gpu_work()``, the chosen ids [E] padded with -1). ``top_k_index`` has the resident experts
+    masked already; ``counts`` [E] are the call's rows per expert over all its experts."""
+    slot_of = getattr(self, "kt_gpu_slot_of", None)
+    resident = None if slot_of is None else slot_of >= 0  # on the device: swaps change it in place
+    cpu_ids, copied_work, chosen = self.kt_routed.captured_split(hidden_states, top_k_index, top_k_weights, counts,
+                                                                 resident)
+
+    def work() -> torch.Tensor:
+        out = copied_work()
+        return out if gpu_work is None else out + gpu_work()
+
+    return cpu_ids, work, chosen
 
 
 def attach_streamed_experts(module: nn.Module, plan, kernel: str = "auto", pin: Optional[bool] = None) -> None:

@@ -409,11 +409,13 @@ class RoutedExperts:
         has nothing to decide, and a call only ``record``s its counts (no host sync)."""
         return self.capacity > 0 and len(resident_ids or ()) < self.num_experts
 
-    def record(self, counts: torch.Tensor, resident_ids: Optional[Sequence[int]] = None) -> None:
-        """Counts a call that copies nothing, from its rows per expert ``counts`` [E] int64 on any device, without
-        reading them now; ``resident_ids``: the experts resident during the call (a list the caller does not change
-        afterwards). Read by the counters' next access (at the latest every ``PENDING_LIMIT`` calls)."""
-        self._pending.append((counts, resident_ids))
+    def record(self, counts: torch.Tensor, resident_ids: Optional[Sequence[int]] = None,
+               chosen: Optional[torch.Tensor] = None) -> None:
+        """Counts a call from its rows per expert ``counts`` [E] int64 on any device, without reading them now;
+        ``resident_ids``: the experts resident during the call (a list the caller does not change afterwards);
+        ``chosen``: the experts it copied, [E] ids padded with -1 on the counts' device (a captured split's), or None
+        (none). Read by the counters' next access (at the latest every ``PENDING_LIMIT`` calls)."""
+        self._pending.append((counts, chosen, resident_ids))
         if len(self._pending) >= PENDING_LIMIT:
             self._count_pending()
 
@@ -422,9 +424,13 @@ class RoutedExperts:
         if not pending:
             return
         empty = np.zeros(0, dtype=np.int64)
-        rows = torch.stack([c.to(torch.int64) for c, _ in pending]).cpu().numpy()  # the one host sync
-        for counts, (_, ids) in zip(rows, pending):
-            self._count(counts, empty, self.resident_mask(ids))
+        # the one host sync: every call's counts, and the copied ids of those that were given them
+        rows = torch.stack([c.to(torch.int64) for c, _, _ in pending] + [c.to(torch.int64) for _, c, _ in pending
+                                                                          if c is not None]).cpu().numpy()
+        given = iter(rows[len(pending):])
+        for counts, (_, chosen, ids) in zip(rows, pending):
+            copied = empty if chosen is None else next(given)
+            self._count(counts, copied[copied >= 0], self.resident_mask(ids))
 
     def resident_mask(self, resident_ids: Optional[Sequence[int]]) -> Optional[np.ndarray]:
         """[E] bool of the experts ``resident_ids`` (None for none), cached for the list last asked about (the
@@ -487,6 +493,48 @@ class RoutedExperts:
         largest kernel time after the copies."""
         return (self.kernel == "auto" and self.layer.activation in triton_prefill._ACT_CODES
                 and triton_prefill.grouped_applies(hidden, blocks, tile))
+
+    def captured_split(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                       counts: torch.Tensor, resident: Optional[torch.Tensor]) -> tuple:
+        """The split as a captured prefill runs it, every step device work of fixed shapes (no host sync):
+        ``choose_on_device`` makes ``choose``'s choice from ``counts`` [E] (rows per expert, on the device) and
+        ``resident`` [E] bool (or None); the chosen experts' packed blocks are gathered into the staging's first k
+        of its ``capacity`` rows (the rest of the chosen ids are -1, skipped), and the grouped kernels run over the
+        ``capacity`` experts (rows routed only to the first k). topk_ids [T, K] has the resident experts masked
+        already. Returns (ids for the CPU op [T, K], a callable computing the copied experts' part [T, H], the chosen
+        ids [E] padded with -1, for the counters). Where ``captured_split_problem`` is None only."""
+        from ktorch.ops.device_split import choose_on_device
+
+        capacity = min(self.capacity, self.num_experts)
+        slot_of, chosen, _ = choose_on_device(counts, self.costs, self.bytes_per_expert, capacity, resident)
+        if triton_experts.route_applies(topk_ids):
+            slots, cpu_ids = triton_experts.triton_route(topk_ids, slot_of)
+        else:
+            slots = torch.where(topk_ids >= 0, slot_of[topk_ids.clamp(min=0).long()], -1)
+            cpu_ids = torch.where(slots >= 0, -1, topk_ids)
+        layer, staging = self.layer, self.staging
+
+        def work() -> torch.Tensor:
+            words = layer.gather_sources(hidden.device)
+            views, dsts = staging.views_for(layer, capacity, words)
+            gather_rows(dsts, words, chosen[:capacity])
+            blocks = triton_prefill.PackedBlocks(*views)
+            tile = triton_prefill.tile_for(topk_ids.numel() / self.num_experts)
+            return triton_prefill.triton_grouped_forward(hidden, slots, topk_weights, blocks, layer.activation, tile)
+
+        return cpu_ids, work, chosen
+
+    def captured_split_problem(self, hidden_dtype: torch.dtype, device: torch.device) -> Optional[str]:
+        """Why ``captured_split`` cannot run this layer's copies (None where it can): the copied experts must be read
+        as packed blocks by the grouped kernels (``reads_blocks``: int8 codes, bf16/fp16 activations, CUDA, Triton),
+        their sources aliased for the zero-copy gather, and the layer page-locked."""
+        if not reads_blocks(self.layer, hidden_dtype, device, self.kernel):
+            return "its copied experts are not int8 blocks the grouped kernels read as copied"
+        if self.layer.gather_sources(torch.device(device)) is None:
+            return "its packed experts cannot be read in place by the gather (no page-locked aliases)"
+        if self.layer.pinned_experts < self.num_experts:
+            return "its packed experts are not page-locked"
+        return None
 
     def device_part(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                     chosen: torch.Tensor, slots: Optional[torch.Tensor] = None) -> torch.Tensor:

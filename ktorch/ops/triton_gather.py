@@ -15,7 +15,8 @@ contiguous; ``ids`` [k] int64 (or int32) expert ids on the destinations' device.
 ``BLOCK`` words of one tensor's row (the four tensors' chunks numbered one after another along axis 0); a copy, so
 the destination holds the source's exact bits. Nothing is read from rows not in ``ids``.
 
-Limits: ids in [0, E) (not checked on the device: an id out of range reads past the source); k <= 65535 (grid axis
+Limits: ids in [0, E) (not checked on the device: an id out of range reads past the source), or negative: that
+destination row is skipped (``ktorch/ops/device_split.py``'s choice, padded with -1 to the staging's rows); k <= 65535 (grid axis
 1); CUDA tensors (sources: aliases of page-locked host memory or device memory), or CPU tensors under Triton's
 interpreter (TRITON_INTERPRET=1, for tests). Triton is imported if present, so this module imports anywhere and
 ``gather_rows`` fails on use with a clear error.
@@ -111,14 +112,15 @@ if triton is not None:
         pid = tl.program_id(0)
         j = tl.program_id(1).to(tl.int64)
         e = tl.load(ids + j).to(tl.int64)
-        if pid < end0:
-            _copy_chunk(s0, d0, e, j, pid, w0, BLOCK)
-        elif pid < end1:
-            _copy_chunk(s1, d1, e, j, pid - end0, w1, BLOCK)
-        elif pid < end2:
-            _copy_chunk(s2, d2, e, j, pid - end1, w2, BLOCK)
-        else:
-            _copy_chunk(s3, d3, e, j, pid - end2, w3, BLOCK)
+        if e >= 0:  # a negative id: the row is left as it is (a device-made choice padded to the staging's rows)
+            if pid < end0:
+                _copy_chunk(s0, d0, e, j, pid, w0, BLOCK)
+            elif pid < end1:
+                _copy_chunk(s1, d1, e, j, pid - end0, w1, BLOCK)
+            elif pid < end2:
+                _copy_chunk(s2, d2, e, j, pid - end1, w2, BLOCK)
+            else:
+                _copy_chunk(s3, d3, e, j, pid - end2, w3, BLOCK)
 
 
 def gather_rows(dsts: Sequence[Optional[torch.Tensor]], srcs: Sequence[Optional[torch.Tensor]],

@@ -628,6 +628,8 @@ class ServeEngine:
         streams. The real tokens are the first ``cu_seq_lens_q[-1]`` rows (padding sequences have length 0); the
         rest get expert id -1, which kt.fused_moe skips (their output rows are 0 and unused). Tensor ops on the
         step's own buffers, so a captured graph replays the mask with the step."""
+        from ktorch.integrations.transformers_experts import padding_mask_hooks
+
         state: dict = {"real": None}
 
         def model_pre(module, args, kwargs):
@@ -635,28 +637,8 @@ class ServeEngine:
             cu = kwargs.get("cu_seq_lens_q")
             state["real"] = cu[-1] if runner is not None and runner.pad_inputs and cu is not None else None
 
-        def experts_pre(module, args, kwargs):
-            real = state["real"]
-            if real is None:
-                return None
-            if "top_k_index" in kwargs:
-                ids = kwargs["top_k_index"]
-            elif len(args) > 1:
-                ids = args[1]
-            else:
-                return None
-            if ids.shape[0] == 1:  # a one-row step has no padding rows (a graphed step has a real token)
-                return None
-            rows = torch.arange(ids.shape[0], device=ids.device)
-            masked = torch.where((rows < real)[:, None], ids, -1)
-            if "top_k_index" in kwargs:
-                return args, {**kwargs, "top_k_index": masked}
-            return (args[0], masked, *args[2:]), kwargs
-
         self._hooks.append(self.model.register_forward_pre_hook(model_pre, with_kwargs=True))
-        for m in self.model.modules():
-            if getattr(m, "kt_w13", None) is not None:
-                self._hooks.append(m.register_forward_pre_hook(experts_pre, with_kwargs=True))
+        self._hooks.extend(padding_mask_hooks(self.model, lambda: state["real"]))
 
     def _install_step_stats(self) -> None:
         """Records each MoE layer's expert ids (after the padding mask) for ``_wrap_compute_batch``'s step record: an
