@@ -261,6 +261,47 @@ def causal_prefill_attention(model: nn.Module):
         model.config._attn_implementation = before
 
 
+# The experts runtime gives each layer's captured CPU call pinned buffers of its own per prompt length (the graph
+# records their addresses), kept for the process: ~16 MB a layer at 2048 tokens of H = 2048, 0.8 GB for 48 layers.
+# Past this many bytes taken by captured prefills, new prompt lengths prefill eagerly (a warning says so once).
+CAPTURED_PINNED_LIMIT = 8 << 30
+_captured_pinned = {"bytes": 0, "warned": False, "made": set()}  # bytes taken, warned, (model id, tokens) made
+
+
+def captured_prefill_pinned_bytes(model: nn.Module, tokens: int) -> int:
+    """Pinned host bytes the experts runtime takes for a captured prefill of ``tokens`` positions: per layer that
+    calls the CPU op (not every expert on the device), its hidden states in and its result out (in the activations'
+    dtype) and its ids and weights."""
+    from ktorch.placement import experts_modules
+
+    dtype = model.get_input_embeddings().weight.dtype
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    hidden = config.hidden_size * torch.empty((), dtype=dtype).element_size()
+    top_k = getattr(config, "num_experts_per_tok", 1)
+    per_layer = tokens * (2 * hidden + top_k * (8 + 4))
+    return per_layer * sum(1 for _, m in experts_modules(model)
+                           if len(getattr(m, "kt_gpu_expert_ids", None) or ()) < m.kt_w13.shape[0])
+
+
+def _take_captured_pinned(model: nn.Module, tokens: int) -> bool:
+    """Whether a captured prefill of ``tokens`` positions of ``model`` may be made within ``CAPTURED_PINNED_LIMIT``
+    (a length captured before for the model, by any decoder, reuses its layers' buffers); counts its bytes if so."""
+    key = (id(model), tokens)
+    if key in _captured_pinned["made"]:
+        return True
+    nbytes = captured_prefill_pinned_bytes(model, tokens)
+    if _captured_pinned["bytes"] + nbytes > CAPTURED_PINNED_LIMIT:
+        if not _captured_pinned["warned"]:
+            _captured_pinned["warned"] = True
+            warnings.warn(f"ktorch: captured prefills have taken {_captured_pinned['bytes'] / 2**30:.1f} GiB of pinned "
+                          f"host buffers for the CPU experts (limit {CAPTURED_PINNED_LIMIT / 2**30:.0f} GiB); prompts "
+                          "of lengths not captured yet prefill eagerly from now on", stacklevel=3)
+        return False
+    _captured_pinned["bytes"] += nbytes
+    _captured_pinned["made"].add(key)
+    return True
+
+
 class Decoder:
     """A static KV cache of ``max_len`` tokens for ``model`` and its decode step (captured as a CUDA graph on a GPU).
 
@@ -327,6 +368,8 @@ class Decoder:
         tokens = self.prefill_bucket(prompt_len) if self.cuda_graphs else None
         if tokens is None or tokens in self.prefill_graphs or captured_prefill_problem(self.model, self.cache,
                                                                                        self.device):
+            return 0.0
+        if not _take_captured_pinned(self.model, tokens):
             return 0.0
         t0 = time.perf_counter()
         while len(self.prefill_graphs) >= PREFILL_GRAPHS:

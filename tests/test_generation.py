@@ -617,3 +617,24 @@ def test_captured_prefill_runs_the_split_on_the_device(cheap):
     copied = sum(stats["experts_copied"] for _, stats in eager)
     hit = sum(stats["experts_hit"] for _, stats in eager)
     assert (copied == hit > 0) if cheap == "copies" else copied < hit
+
+
+def test_captured_prefills_pinned_buffers_are_bounded(monkeypatch):
+    """The pinned bytes a captured prefill's CPU calls take (a set a layer that calls the CPU op, per prompt length)
+    are counted per (model, length); past ``CAPTURED_PINNED_LIMIT`` new lengths are refused (they prefill eagerly)
+    with one warning, while a length made before stays allowed."""
+    from ktorch import generation
+
+    model = _prepared("qwen3_moe")
+    config = model.config
+    layers = sum(1 for m in model.modules() if getattr(m, "kt_w13", None) is not None)
+    per_token = 2 * config.hidden_size * 4 + config.num_experts_per_tok * 12  # fp32 activations here
+    assert generation.captured_prefill_pinned_bytes(model, 256) == 256 * per_token * layers
+    monkeypatch.setattr(generation, "_captured_pinned", {"bytes": 0, "warned": False, "made": set()})
+    monkeypatch.setattr(generation, "CAPTURED_PINNED_LIMIT", 768 * per_token * layers)
+    assert generation._take_captured_pinned(model, 256) and generation._take_captured_pinned(model, 512)
+    assert generation._take_captured_pinned(model, 256)  # made before: its buffers are reused
+    with pytest.warns(UserWarning, match="prefill eagerly"):
+        assert not generation._take_captured_pinned(model, 768)
+    assert not generation._take_captured_pinned(model, 1024)  # refused again, without a second warning
+    assert generation._captured_pinned["bytes"] == 768 * per_token * layers
