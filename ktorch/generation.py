@@ -205,6 +205,9 @@ def captured_prefill_problem(model: nn.Module, cache, device: torch.device) -> O
 
     if device.type != "cuda":
         return "not on a GPU"
+    failed = getattr(model, "kt_prefill_capture_failed", None)
+    if failed:
+        return f"its capture failed before ({failed})"
     for layer in cache.layers:
         if not isinstance(getattr(layer, "cumulative_length", None), torch.Tensor) or getattr(layer, "is_sliding",
                                                                                              False):
@@ -391,9 +394,16 @@ class Decoder:
         if self._prefill_pool is None:
             self._prefill_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._prefill_pool):
-            g.logits = self._prefill_forward(g, waits=False)
-            g.counts = torch.stack(g.counts) if g.counts else None
+        try:
+            with torch.cuda.graph(graph, pool=self._prefill_pool):
+                g.logits = self._prefill_forward(g, waits=False)
+                g.counts = torch.stack(g.counts) if g.counts else None
+        except Exception as e:  # what a capture may not do (a host read, ...) in a model not tried: eager prefills
+            RUNTIME.abandon_capture()
+            self.model.kt_prefill_capture_failed = f"{type(e).__name__}: {str(e)[:300]}"
+            warnings.warn(f"ktorch: this model's prefill could not be captured as a CUDA graph "
+                          f"({self.model.kt_prefill_capture_failed}); its prompts prefill eagerly", stacklevel=2)
+            return 0.0
         g.graph = graph
         self.prefill_graphs[tokens] = g
         return time.perf_counter() - t0

@@ -84,3 +84,13 @@ def test_eager_cuda_calls_in_flight_together_do_not_share_buffers():
         assert torch.equal(out.cpu(), ktorch.fused_moe(h, i, w, p))
     assert len(rt._sites[sites[1]].pools) == 1 and not rt._sites[sites[0]].pools
     assert not any(p.busy for p in rt._shared_pools.values())
+
+
+def test_abandoned_capture_leaves_no_submit_for_the_next_captures_waits():
+    """A capture that fails between a submit and its wait (generate's captured prefill falls back to eager then)
+    leaves the site's captured submit behind; ``abandon_capture`` forgets it, at every site."""
+    rt = ExpertsRuntime()
+    for site in (3, 5):
+        rt._sites[site].captured_pending.append(("staging", 1, 1, None))
+    rt.abandon_capture()
+    assert all(not state.captured_pending for state in rt._sites.values()) and len(rt._sites) == 2

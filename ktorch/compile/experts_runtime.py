@@ -411,6 +411,12 @@ class ExpertsRuntime:
         self._native_tasks.clear()
         self._joined_through.clear()
 
+    def abandon_capture(self) -> None:
+        """Forgets the captured submits no captured wait took (a capture that failed between the two): the next
+        capture's waits must not take them."""
+        for state in self._sites.values():
+            state.captured_pending.clear()
+
     def check_handoff(self) -> None:
         """Raises if a GPU wait kernel of a captured step gave up on its CPU experts call (after
         gpu_handoff.LIMIT_NS, 2 s): the steps replayed since read a result that was not complete. Reads
