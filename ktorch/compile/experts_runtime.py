@@ -71,7 +71,7 @@ def _next_async_call(state: "_Site") -> int:
     return state.async_calls
 
 
-def _timed(fn: Callable[[], object], observe: Optional[Callable[[float], None]]):
+def timed(fn: Callable[[], object], observe: Optional[Callable[[float], None]]):
     """fn(), and its seconds passed to ``observe`` when given and fn returned."""
     if observe is None:
         return fn()
@@ -553,7 +553,7 @@ class ExpertsRuntime:
             self.stats["submits"] += 1
             if later_state is None:
                 state.pending.append(self.worker.enqueue(
-                    lambda: _timed(lambda: weights.run(hidden, topk_ids, topk_weights), observe)))
+                    lambda: timed(lambda: weights.run(hidden, topk_ids, topk_weights), observe)))
                 return ticket
             split = _SplitCall(hidden, topk_ids, topk_weights, deferred)
             state.pending.append(self.worker.enqueue(lambda: split.now(weights)))
@@ -612,7 +612,7 @@ class ExpertsRuntime:
             copied.synchronize()
             try:
                 if later_state is None:
-                    _timed(lambda: staging.run_into_out(weights), observe)
+                    timed(lambda: staging.run_into_out(weights), observe)
                 else:
                     staging.split.now(weights)
             finally:  # a failed call signals too (the stream goes on; the scope's close raises its error)
