@@ -1,4 +1,4 @@
-"""The prefill split's choice on the device (ktorch/ops/device_split.py, branch captured-prefill): the same experts
+"""The prefill split's choice on the device (``routed_experts.choose_on_device``): the same experts
 as the host's numpy choice for any counts, and no host sync on a GPU."""
 
 from __future__ import annotations
@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from ktorch.ops.device_split import choose_on_device
-from ktorch.ops.routed_experts import SplitCosts, choose_device_experts
+from ktorch.ops.routed_experts import SplitCosts, choose_device_experts, choose_on_device
 
 COSTS = [
     SplitCosts(h2d_bytes_per_s=1e9, cpu_fixed_s=1e-3, cpu_row_s=1e-5, cpu_expert_s=5e-4),

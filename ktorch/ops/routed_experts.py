@@ -250,6 +250,55 @@ def choose_device_experts(counts, costs: SplitCosts, bytes_per_expert: int, capa
     return torch.from_numpy(np.sort(candidates[:best]).astype(np.int64))
 
 
+def choose_on_device(counts: torch.Tensor, costs: SplitCosts, bytes_per_expert: int, capacity: int,
+                     resident: Optional[torch.Tensor] = None) -> tuple:
+    """``choose_device_experts``' choice made on the device, for a prefill captured in a CUDA graph (which can
+    neither read the counts on the host nor choose in numpy): counts [E] int (rows per expert), ``resident`` [E] bool
+    or None, on one device -> (slot_of [E] int64: each chosen expert's slot among the chosen, ascending ids, else -1;
+    chosen [E] int64: the chosen ids ascending, then -1; k [1] int64: how many), on it, without a host sync. Tensor
+    ops of [E]-sized shapes: the same candidates (used, not resident), the same order (most rows first, lower id
+    among equals), the same costs in the same float64 operations, the same first minimum, so the same experts for
+    any counts (tests/test_device_split.py)."""
+    if counts.dim() != 1:
+        raise ValueError(f"choose_on_device: counts must be [E], got {tuple(counts.shape)}")
+    E = counts.numel()
+    device = counts.device
+    counts = counts.to(torch.int64)
+    candidate = counts > 0
+    if resident is not None:
+        if resident.shape != counts.shape:
+            raise ValueError(f"choose_on_device: resident must be [E={E}] bool, got {tuple(resident.shape)}")
+        resident = resident.to(device=device, dtype=torch.bool)
+        candidate = candidate & ~resident
+    # most rows first, lower ids first among equals (a stable sort of -rows); the others (-rows = 1) last
+    order = torch.sort(torch.where(candidate, -counts, 1), stable=True).indices
+    n = candidate.sum()
+    rows = torch.where(candidate, counts, 0)[order].to(torch.float64)
+    taken = torch.cat([rows.new_zeros(1), torch.cumsum(rows, 0)])  # rows of the first k, k = 0..E (exact: integers)
+    k = torch.arange(E + 1, device=device, dtype=torch.float64)
+    cpu_experts = n.to(torch.float64) - k
+    cpu_rows = rows.sum() - taken
+    # SplitCosts.cpu_seconds and device_seconds, operation for operation (the same float64 roundings)
+    cpu = torch.where(cpu_experts > 0,
+                      costs.cpu_fixed_s + costs.cpu_row_s * cpu_rows + costs.cpu_expert_s * cpu_experts,
+                      torch.zeros((), dtype=torch.float64, device=device))
+    resident_rows = (torch.where(resident, counts, 0).sum() if resident is not None
+                     else counts.new_zeros(())).to(torch.float64)
+    per_copy = bytes_per_expert / costs.h2d_bytes_per_s + costs.device_expert_s
+    device_s = k * per_copy + costs.device_row_s * (resident_rows + taken)
+    total = torch.maximum(cpu, device_s)
+    allowed = k <= torch.clamp(n, max=max(int(capacity), 0)).to(torch.float64)
+    total = torch.where(allowed, total, torch.full((), float("inf"), dtype=torch.float64, device=device))
+    best = torch.argmin(total)  # the first minimum: the smallest k
+    take = torch.arange(E, device=device) < best
+    chosen_mask = torch.zeros(E, dtype=torch.bool, device=device).scatter(0, order, take)
+    slot_of = torch.where(chosen_mask, torch.cumsum(chosen_mask.to(torch.int64), 0) - 1, -1)
+    ids = torch.arange(E, device=device)
+    chosen = torch.sort(torch.where(chosen_mask, ids, E)).values
+    chosen = torch.where(chosen < E, chosen, -1)
+    return slot_of, chosen, best.reshape(1).to(torch.int64)
+
+
 def _numpy_int64(t) -> np.ndarray:
     return t.to("cpu", torch.int64).numpy() if isinstance(t, torch.Tensor) else np.asarray(t, dtype=np.int64)
 
@@ -503,8 +552,6 @@ class RoutedExperts:
         ``capacity`` experts (rows routed only to the first k). topk_ids [T, K] has the resident experts masked
         already. Returns (ids for the CPU op [T, K], a callable computing the copied experts' part [T, H], the chosen
         ids [E] padded with -1, for the counters). Where ``captured_split_problem`` is None only."""
-        from ktorch.ops.device_split import choose_on_device
-
         capacity = min(self.capacity, self.num_experts)
         slot_of, chosen, _ = choose_on_device(counts, self.costs, self.bytes_per_expert, capacity, resident)
         if triton_experts.route_applies(topk_ids):

@@ -16,7 +16,7 @@ contiguous; ``ids`` [k] int64 (or int32) expert ids on the destinations' device.
 the destination holds the source's exact bits. Nothing is read from rows not in ``ids``.
 
 Limits: ids in [0, E) (not checked on the device: an id out of range reads past the source), or negative: that
-destination row is skipped (``ktorch/ops/device_split.py``'s choice, padded with -1 to the staging's rows); k <= 65535 (grid axis
+destination row is skipped (``routed_experts.choose_on_device``'s choice, padded with -1 to the staging's rows); k <= 65535 (grid axis
 1); CUDA tensors (sources: aliases of page-locked host memory or device memory), or CPU tensors under Triton's
 interpreter (TRITON_INTERPRET=1, for tests). Triton is imported if present, so this module imports anywhere and
 ``gather_rows`` fails on use with a clear error.
