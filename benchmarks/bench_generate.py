@@ -63,7 +63,7 @@ def parse_generate_output(stderr: str) -> dict:
     m = CAPTURE.search(stderr)
     if m:
         out["capture_s"] = float(m[1])
-    m = PREFILL_CAPTURE.search(stderr)  # the prompt's bucket's prefill captured before it (GPU, not in first_token_s)
+    m = PREFILL_CAPTURE.search(stderr)  # the prompt's bucket's prefill captured after the output (GPU)
     if m:
         out["prefill_capture_s"] = float(m[1])
     m = WARMUP_PREFILL.search(stderr)  # the load-time warm-up (GPU only; counted in load_s)
@@ -514,7 +514,8 @@ def prefill_profile(args) -> None:
     """Experiment (benchmark flag): is a warm prefill bound by the host (launches, Python, syncs) or by the GPU? Per
     --ktorch-args set, one process loads the model as ``ktorch generate`` does, then alternates --prefill-variants
     for --prefill-profile rounds over the --prompts lengths, timing ``Decoder.prefill`` + reading the first token (no
-    hooks, no syncs but the prefill's own; the prompt's captured prefill made first, as generate makes it). Variants:
+    hooks, no syncs but the prefill's own; each length's prefill captured first, as generate captures it for a
+    length's third prompt on). Variants:
     ``default`` (what generate runs); ``sync-per-layer`` (the split's
     counts copied to the host at every MoE layer, as before commit 66e74df, whatever the placement). (Merged after
     their runs here: session 44, each attention's q, k and v from one product over the fused weight
@@ -558,7 +559,7 @@ def prefill_profile(args) -> None:
         sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
         decoder = _decoder_for(model, max(args.prompts) + 1, Sampling(), cuda_graphs=True)
         prompts = {P: prompt_ids(P, args.prompt_kind).to(device) for P in args.prompts}
-        for P in args.prompts:  # as generate does before its prefill (where the placement's prefill is capturable)
+        for P in args.prompts:  # as generate does after a length's second prompt (where the prefill is capturable)
             with torch.inference_mode():
                 seconds = decoder.capture_prefill(P)
             print(f"[prefill {label}] P={P}: " + (f"prefill captured in {seconds:.2f} s" if seconds else

@@ -517,10 +517,9 @@ def timing_lines(timings, load_s: Optional[float] = None) -> str:
     parts = []
     if load_s is not None:
         parts.append(f"load {load_s:.1f} s")
+    parts.append(f"first token {timings.first_token_s:.2f} s after loading")
     if timings.prefill_capture_s:
-        parts.append(f"prefill capture {timings.prefill_capture_s:.2f} s")
-    parts.append(f"first token {timings.first_token_s:.2f} s after "
-                 + ("the prefill's capture" if timings.prefill_capture_s else "loading"))
+        parts.append(f"prefill capture {timings.prefill_capture_s:.2f} s (after the output)")
     if timings.cuda_graphs:
         parts.append(f"decode-step capture {timings.warmup_s:.1f} s" if timings.warmup_s else "decode step reused")
     return timings.line() + "\n[ktorch] " + ", ".join(parts)

@@ -56,6 +56,7 @@ from ktorch.integrations import fused_norms, fused_qkv
 CACHE_BUCKET = 256  # static cache lengths are rounded up to this, so that calls of similar lengths share a capture
 # (and captured prefills' prompts, padded)
 PREFILL_GRAPHS = 4  # captured prefills kept per decoder (buckets), in one memory pool: about one prefill's activations
+CAPTURE_AFTER = 2  # generate captures a bucket's prefill after this many of its prompts (generation.py's end)
 
 
 @dataclass
@@ -73,7 +74,7 @@ class Timings:
     cuda_graphs: bool = False
     resident_swaps: int = 0  # resident experts swapped after the prefill (ktorch.gpu_memory.begin_resident_swaps)
     resident_swap_s: float = 0.0  # the host's time starting them (on a GPU the copies run behind decode)
-    prefill_capture_s: float = 0.0  # the prefill's CUDA graph captured for the prompt's bucket (before the prefill)
+    prefill_capture_s: float = 0.0  # the prompt's bucket's prefill captured as a CUDA graph after the generation
 
     @property
     def prefill_tok_s(self) -> float:
@@ -313,8 +314,9 @@ class Decoder:
 
     The prefill too is replayed from a CUDA graph where one was captured for the prompt's bucket (``capture_prefill``:
     the prompt padded to a multiple of ``CACHE_BUCKET`` tokens, its padding rows given no experts, the logits taken
-    at its last position), else run eagerly. Graphs are kept per bucket, ``PREFILL_GRAPHS`` at most, in one memory
-    pool: they never run at once, and each replay's logits are read before the next replay."""
+    at its last position), else run eagerly; ``generate`` captures a bucket after its ``CAPTURE_AFTER``-th prompt.
+    Graphs are kept per bucket, ``PREFILL_GRAPHS`` at most, in one memory pool: they never run at once, and each
+    replay's logits are read before the next replay."""
 
     def __init__(self, model: nn.Module, max_len: int, device: torch.device, sampling: Sampling, cuda_graphs: bool):
         from transformers import StaticCache
@@ -336,6 +338,7 @@ class Decoder:
             self.attention = decode_attention.DecodeAttention(max_len, self.position)
         self.prefill_graphs: collections.OrderedDict = collections.OrderedDict()  # captured prefills by bucket
         self._prefill_pool = None
+        self.bucket_uses: collections.Counter = collections.Counter()  # generate's prompts per bucket not captured
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, **extra) -> torch.Tensor:
         cache = {_cache_argument(self.model): self.cache}
@@ -892,11 +895,6 @@ def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int = 64
     if deferred:
         _set_deferral(model, 0)
     try:
-        if decoder.cuda_graphs and decoder.prefill_bucket(prompt_len) not in decoder.prefill_graphs:
-            timings.prefill_capture_s = decoder.capture_prefill(prompt_len)
-            if on_status and timings.prefill_capture_s:
-                on_status(f"prefill of {decoder.prefill_bucket(prompt_len)} tokens captured as a CUDA graph in "
-                          f"{timings.prefill_capture_s:.2f} s (kept for prompts of this length)")
         t0 = time.perf_counter()
         first = decoder.prefill(ids)
         first_id = int(first.item())
@@ -910,7 +908,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int = 64
         on_tokens([first_id])
     if max_new_tokens == 1 or first_id in eos:
         timings.new_tokens = len(result.ids)
-        return result
+        return _capture_repeated_prefill(model, decoder, prompt_len, result, on_status)
 
     swaps = None
     if getattr(model, "kt_gpu_memory", None) is not None:  # residents follow the prefill's routing, behind decode
@@ -973,4 +971,32 @@ def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int = 64
         torch.cuda.synchronize(device)  # steps launched after an end-of-sequence token
     timings.decode_s = time.perf_counter() - t2
     timings.new_tokens = len(result.ids)
+    return _capture_repeated_prefill(model, decoder, prompt_len, result, on_status)
+
+
+def _capture_repeated_prefill(model: nn.Module, decoder: Decoder, prompt_len: int, result: GenerationResult,
+                              on_status: Optional[Callable[[str], None]]) -> GenerationResult:
+    """After a generation (its tokens all given out): where this was the ``CAPTURE_AFTER``-th prompt of its bucket
+    on ``decoder`` and none is captured yet, captures the bucket's prefill (``Decoder.capture_prefill``, deferral
+    off as at prefill), which the later prompts of that bucket replay; its seconds in ``prefill_capture_s``. Not
+    before a prefill: a capture costs more than one eager prefill (a padded eager run, then the recording: 0.04-0.7 s
+    for 12 layers, device, session 46, against 16-170 ms for the eager prefill), so a prompt that comes once (a
+    ``ktorch generate`` command, most chat turns, whose lengths grow) would wait longer for its first token."""
+    bucket = decoder.prefill_bucket(prompt_len)
+    if not decoder.cuda_graphs or bucket is None or bucket in decoder.prefill_graphs:
+        return result
+    decoder.bucket_uses[bucket] += 1
+    if decoder.bucket_uses[bucket] < CAPTURE_AFTER:
+        return result
+    deferred = decoder.deferred
+    if deferred:
+        _set_deferral(model, 0)
+    try:
+        result.timings.prefill_capture_s = decoder.capture_prefill(prompt_len)
+    finally:
+        if deferred:
+            _set_deferral(model, deferred)
+    if on_status and result.timings.prefill_capture_s:
+        on_status(f"prefill of {bucket} tokens captured as a CUDA graph in {result.timings.prefill_capture_s:.2f} s "
+                  "(prompts of this length replay it from now on)")
     return result

@@ -401,10 +401,12 @@ def test_captured_step_matches_eager_and_replays_one_graph_per_step(family, defe
     result = generate(model, ids, 64)  # the capture compiles the decoder layers (compiled_layers)
     assert result.timings.cuda_graphs and result.timings.warmup_s > 0
     assert result.ids == eager
-    # the prefill's graph once, then one replay per decode step after the capture's eager one, nothing else
-    assert result.timings.prefill_capture_s > 0 and len(replays) == 1 + 62
-    again = generate(model, ids, 64)  # the kept capture: no new warm-up
-    assert again.ids == eager and again.timings.warmup_s == 0
+    # one replay per decode step after the capture's eager one, nothing else (a first prompt prefills eagerly)
+    assert result.timings.prefill_capture_s == 0 and len(replays) == 62
+    again = generate(model, ids, 64)  # the kept capture: no new warm-up; the length's second prompt: its prefill
+    assert again.ids == eager and again.timings.warmup_s == 0 and again.timings.prefill_capture_s > 0  # captured after
+    third = generate(model, ids, 64)  # the prefill replayed, then 63 decode steps
+    assert third.ids == eager and third.timings.prefill_capture_s == 0 and len(replays) == 62 + 63 + 1 + 63
     from torch._dynamo.utils import counters
 
     graphs = counters["stats"]["unique_graphs"]
@@ -548,13 +550,12 @@ def _placed(placement: str):
 @needs_cuda
 @pytest.mark.parametrize("placement", ["resident", "cpu", "part"])
 def test_captured_prefill_gives_the_eager_tokens_and_counts(placement, monkeypatch):
-    """generate captures the prompt's bucket's prefill before it (reported apart from the time to the first token)
-    and replays it: the eager prefill's tokens and, where the split counts routing, its counters (padding rows not
-    counted); a second prompt of the same bucket replays the kept graph, capturing nothing."""
+    """generate captures a bucket's prefill after the bucket's second prompt (reported apart) and the third replays
+    it: the eager prefill's tokens and, where the split counts routing, its counters (padding rows not counted; a
+    37-token prompt, under min_tokens, not counted either way)."""
     model = _placed(placement)
     vocab = model.config.vocab_size
-    first = torch.randint(0, vocab, (1, 37), generator=torch.Generator().manual_seed(5))
-    second = torch.randint(0, vocab, (1, 200), generator=torch.Generator().manual_seed(6))
+    prompts = [torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(n)) for n in (37, 200, 150)]
     counting = placement == "part"
 
     def split_stats() -> dict:  # the counters of the call (last_hit, the latest counted call's, outlives a reset)
@@ -564,7 +565,7 @@ def test_captured_prefill_gives_the_eager_tokens_and_counts(placement, monkeypat
     # which differs between the eager and the captured runs here (the eager ones counted first): one token, no swap
     n = 1 if counting else 8
     eager = []
-    for ids in (first, second):
+    for ids in prompts:
         eager.append(generate(model, ids, n, cuda_graphs=False).ids)
         if counting:
             eager.append(split_stats())
@@ -574,16 +575,17 @@ def test_captured_prefill_gives_the_eager_tokens_and_counts(placement, monkeypat
     monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda self: replays.append(1) or original(self))
     got = []
     captures = []
-    for ids in (first, second):
+    for ids in prompts:
         result = generate(model, ids, n)
         got.append(result.ids)
         captures.append(result.timings.prefill_capture_s)
         if counting:
             got.append(split_stats())
     assert got == eager
-    assert captures[0] > 0 and captures[1] == 0 and list(model.kt_decoder.prefill_graphs) == [256]
-    # the prefill's graph each call; decode: 6 replays after the capture's eager step, then 7 (the kept capture)
-    assert len(replays) == (2 if counting else (1 + 6) + (1 + 7))
+    # the bucket (256) captured after its second prompt, replayed by the third
+    assert captures[0] == 0 and captures[1] > 0 and captures[2] == 0 and list(model.kt_decoder.prefill_graphs) == [256]
+    # decode: 6 replays after the capture's eager step, then 7 and 7 (the kept capture); the third's prefill
+    assert len(replays) == (1 if counting else 6 + 7 + (1 + 7))
 
 
 @needs_cuda
@@ -604,7 +606,7 @@ def test_captured_prefill_runs_the_split_on_the_device(cheap):
         if getattr(m, "kt_routed", None) is not None:
             m.kt_routed.min_tokens = 8
     prompts = [torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
-               for n in (48, 100)]
+               for n in (48, 100, 130)]
     eager, captured = [], []
     for ids in prompts:
         eager.append((generate(model, ids, 1, cuda_graphs=False).ids, ktorch.prefill_split_stats(model, reset=True)))
@@ -612,7 +614,7 @@ def test_captured_prefill_runs_the_split_on_the_device(cheap):
     for ids in prompts:
         result = generate(model, ids, 1)
         captured.append((result.ids, ktorch.prefill_split_stats(model, reset=True)))
-    assert result.timings.prefill_capture_s == 0 and list(model.kt_decoder.prefill_graphs) == [256]
+    assert result.timings.prefill_capture_s == 0 and list(model.kt_decoder.prefill_graphs) == [256]  # replayed
     assert captured == eager
     copied = sum(stats["experts_copied"] for _, stats in eager)
     hit = sum(stats["experts_hit"] for _, stats in eager)
