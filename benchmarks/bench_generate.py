@@ -562,8 +562,11 @@ def prefill_profile(args) -> None:
         for P in args.prompts:  # as generate does after a length's second prompt (where the prefill is capturable)
             with torch.inference_mode():
                 seconds = decoder.capture_prefill(P)
+            why = captured_prefill_problem(model, decoder.cache, device) or (
+                "its bucket's graph is kept" if decoder.prefill_bucket(P) in decoder.prefill_graphs else
+                "refused: the captured prefills' pinned buffers are at their limit")
             print(f"[prefill {label}] P={P}: " + (f"prefill captured in {seconds:.2f} s" if seconds else
-                  f"no captured prefill ({captured_prefill_problem(model, decoder.cache, device)})"), flush=True)
+                  f"no new captured prefill ({why})"), flush=True)
         times: dict = {}
         tokens: dict = {}  # (variant, P) -> the first tokens of its runs
 
