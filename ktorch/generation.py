@@ -381,9 +381,7 @@ class Decoder:
         while len(self.prefill_graphs) >= PREFILL_GRAPHS:
             self.prefill_graphs.popitem(last=False)
         g = self.padded_prefill(tokens)
-        state = _prefill_state(self.model)
-        observers, RUNTIME.observers = RUNTIME.observers, []
-        try:
+        with _unseen_prefill(self.model):
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
@@ -391,16 +389,16 @@ class Decoder:
                 self._prefill_forward(g, waits=False)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             torch.cuda.synchronize(self.device)
-        finally:
-            RUNTIME.observers = observers
-            _restore_prefill_state(state)
         if self._prefill_pool is None:
             self._prefill_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self._prefill_pool):
-                g.logits = self._prefill_forward(g, waits=False)
-                g.counts = torch.stack(g.counts) if g.counts else None
+                g.logits, counted = self._prefill_forward(g, waits=False)
+                if counted:  # per counting layer its rows per expert and copied ids, written by each replay
+                    g.counts = torch.stack([torch.stack([c, torch.full_like(c, -1) if chosen is None
+                                                         else chosen.to(c.dtype)]) for _, c, chosen in counted])
+                    g.counted = [m for m, _, _ in counted]
         except Exception as e:  # what a capture may not do (a host read, ...) in a model not tried: eager prefills
             RUNTIME.abandon_capture()
             self.model.kt_prefill_capture_failed = f"{type(e).__name__}: {str(e)[:300]}"
@@ -418,10 +416,10 @@ class Decoder:
                             torch.full((1,), tokens, dtype=torch.long, device=self.device),
                             torch.full((1,), tokens - 1, dtype=torch.long, device=self.device))
 
-    def _prefill_forward(self, g: PrefillGraph, waits: bool) -> torch.Tensor:
-        """The padded prefill of ``g`` (eager, or recorded where the stream captures): logits [1, V] at ``g.keep``. A
-        capture also collects each counting layer's rows per expert (``ktorch_experts_forward``) into ``g.counts``
-        (a list until the capture stacks it) and ``g.counted``."""
+    def _prefill_forward(self, g: PrefillGraph, waits: bool) -> tuple:
+        """The padded prefill of ``g`` (eager, or recorded where the stream captures): (logits [1, V] at ``g.keep``,
+        what a capture recorded of each counting layer: (module, rows per expert, copied ids or None), from
+        ``ktorch_experts_forward``; empty where not capturing)."""
         from ktorch.integrations.transformers_experts import padding_mask_hooks, recording_counts
 
         positions = torch.arange(g.tokens, device=self.device)
@@ -435,11 +433,7 @@ class Decoder:
         finally:
             for h in hooks:
                 h.remove()
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            g.counts = [torch.stack([c, torch.full_like(c, -1) if chosen is None else chosen.to(c.dtype)])
-                        for _, c, chosen in counts]
-            g.counted = [m for m, _, _ in counts]
-        return out.logits[0]
+        return out.logits[0], counts
 
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
         """Runs the prompt ids [1, P] from an empty cache; returns the first new token [1, 1] (and sets up the step).
@@ -459,7 +453,7 @@ class Decoder:
                 g.graph.replay()
                 logits = g.logits
             else:
-                logits = self._prefill_forward(g, waits=True)
+                logits = self._prefill_forward(g, waits=True)[0]
             for layer in self.cache.layers:  # the padding's positions were written too: the next write goes at P
                 layer.cumulative_length.fill_(P)
             # the counting layers' rows per expert, read with their counters where an eager prefill's call of the
@@ -767,6 +761,32 @@ def _restore_prefill_state(state: list) -> None:
         del RUNTIME.timeline[timeline:]
 
 
+@contextlib.contextmanager
+def _unseen_prefill(model: nn.Module):
+    """A prefill that is no prompt's (the load-time warm-up, a capture's padded run): the model's prefill state
+    (``_prefill_state``) put back after it, the experts runtime's observers (routing recorders) not shown its calls."""
+    state = _prefill_state(model)
+    observers, RUNTIME.observers = RUNTIME.observers, []
+    try:
+        yield
+    finally:
+        RUNTIME.observers = observers
+        _restore_prefill_state(state)
+
+
+@contextlib.contextmanager
+def _no_deferral(model: nn.Module, deferred: int):
+    """The model's eager expert deferral off while open (``deferred``: its setting, put back after), as every prefill
+    runs: nothing to overlap it with, and two CPU calls a layer instead of one."""
+    if deferred:
+        _set_deferral(model, 0)
+    try:
+        yield
+    finally:
+        if deferred:
+            _set_deferral(model, deferred)
+
+
 def warm_up(model: nn.Module, tokens: int = WARM_UP_TOKENS) -> float:
     """One prefill of ``tokens`` random ids (capped by the model's maximum positions) through a throwaway cache, so
     that the first prompt after loading runs at warm speed; returns its seconds (the device synchronized), 0.0 on
@@ -790,27 +810,15 @@ def warm_up(model: nn.Module, tokens: int = WARM_UP_TOKENS) -> float:
 @torch.inference_mode()
 def _warm_up_prefill(model: nn.Module, tokens: int) -> float:
     """``warm_up``'s prefill on any device (the CPU tests run it there)."""
-    from ktorch.compile.experts_runtime import RUNTIME
-
     t0 = time.perf_counter()
     limit = _max_positions(model)
     tokens = min(tokens, limit) if limit else tokens
     device = _model_device(model)
     decoder = Decoder(model, tokens, device, Sampling(), cuda_graphs=False)  # not model.kt_decoder: thrown away
     ids = torch.randint(0, _vocab_size(model), (1, tokens), generator=torch.Generator().manual_seed(WARM_UP_SEED))
-    deferred = getattr(model, "kt_deferred_experts", 0)
-    state = _prefill_state(model)
-    observers, RUNTIME.observers = RUNTIME.observers, []  # routing recorders see the prompts' calls, not these
-    if deferred:
-        _set_deferral(model, 0)
-    try:
+    with _unseen_prefill(model), _no_deferral(model, getattr(model, "kt_deferred_experts", 0)):
         int(decoder.prefill(ids.to(device)).item())  # the host read waits for the device, as a prompt's does
         _warm_resident_tiles(model)
-    finally:
-        if deferred:
-            _set_deferral(model, deferred)
-        RUNTIME.observers = observers
-        _restore_prefill_state(state)
     return time.perf_counter() - t0
 
 
@@ -891,17 +899,11 @@ def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int = 64
 
     if decoder.cuda_graphs and decoder.graph is None:
         preload_compiler()  # while prefill runs
-    # prefill: no deferral (nothing to overlap it with, and two CPU calls a layer instead of one)
-    if deferred:
-        _set_deferral(model, 0)
-    try:
+    with _no_deferral(model, deferred):
         t0 = time.perf_counter()
         first = decoder.prefill(ids)
         first_id = int(first.item())
         RUNTIME.check_handoff()  # a captured prefill's CPU experts call that timed out is an error, not a token
-    finally:
-        if deferred:
-            _set_deferral(model, deferred)
     timings.first_token_s = time.perf_counter() - t0
     result.ids.append(first_id)
     if on_tokens:
@@ -988,14 +990,8 @@ def _capture_repeated_prefill(model: nn.Module, decoder: Decoder, prompt_len: in
     decoder.bucket_uses[bucket] += 1
     if decoder.bucket_uses[bucket] < CAPTURE_AFTER:
         return result
-    deferred = decoder.deferred
-    if deferred:
-        _set_deferral(model, 0)
-    try:
+    with _no_deferral(model, decoder.deferred):
         result.timings.prefill_capture_s = decoder.capture_prefill(prompt_len)
-    finally:
-        if deferred:
-            _set_deferral(model, deferred)
     if on_status and result.timings.prefill_capture_s:
         on_status(f"prefill of {bucket} tokens captured as a CUDA graph in {result.timings.prefill_capture_s:.2f} s "
                   "(prompts of this length replay it from now on)")

@@ -371,18 +371,15 @@ def ktorch_experts_forward(
         return _run_differentiable(self, hidden_states, top_k_index, top_k_weights)
     routed = getattr(self, "kt_routed", None)
     counts = captured_counts = None
-    if routed is not None and hidden_states.shape[0] >= routed.min_tokens and not torch.compiler.is_compiling() \
-            and hidden_states.is_cuda and torch.cuda.is_current_stream_capturing():
-        from ktorch.ops.routed_experts import expert_counts
-
-        # a captured prefill (ktorch.generation): the split on the device, counted after each replay
-        captured_counts = expert_counts(top_k_index, self.kt_w13.shape[0])
-    elif routed is not None and hidden_states.shape[0] >= routed.min_tokens and not torch.compiler.is_compiling():
+    if routed is not None and hidden_states.shape[0] >= routed.min_tokens and not torch.compiler.is_compiling():
         from ktorch.ops.routed_experts import expert_counts
 
         counts = expert_counts(top_k_index, self.kt_w13.shape[0])
         resident_ids = getattr(self, "kt_gpu_expert_ids", None)
-        if routed.copies_possible(resident_ids):
+        if hidden_states.is_cuda and torch.cuda.is_current_stream_capturing():
+            # a captured prefill (ktorch.generation): the split on the device, counted after each replay
+            captured_counts, counts = counts, None
+        elif routed.copies_possible(resident_ids):
             counts = counts.cpu()  # the split decides what to copy from them: one host sync per layer
         else:  # nothing to copy (every expert resident, or no staging): counted on the device, read later
             routed.record(counts, resident_ids)

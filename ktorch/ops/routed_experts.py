@@ -554,11 +554,7 @@ class RoutedExperts:
         ids [E] padded with -1, for the counters). Where ``captured_split_problem`` is None only."""
         capacity = min(self.capacity, self.num_experts)
         slot_of, chosen, _ = choose_on_device(counts, self.costs, self.bytes_per_expert, capacity, resident)
-        if triton_experts.route_applies(topk_ids):
-            slots, cpu_ids = triton_experts.triton_route(topk_ids, slot_of)
-        else:
-            slots = torch.where(topk_ids >= 0, slot_of[topk_ids.clamp(min=0).long()], -1)
-            cpu_ids = torch.where(slots >= 0, -1, topk_ids)
+        slots, cpu_ids = route_by_slots(topk_ids, slot_of)
         layer, staging = self.layer, self.staging
 
         def work() -> torch.Tensor:
@@ -618,7 +614,11 @@ def route_for(topk_ids: torch.Tensor, chosen: torch.Tensor, num_experts: int) ->
     chosen = _numpy_int64(chosen)
     slot_of = np.full(num_experts, -1, dtype=np.int64)
     slot_of[chosen] = np.arange(chosen.size)
-    slot_of = _to_device(torch.from_numpy(slot_of), topk_ids.device)
+    return route_by_slots(topk_ids, _to_device(torch.from_numpy(slot_of), topk_ids.device))
+
+
+def route_by_slots(topk_ids: torch.Tensor, slot_of: torch.Tensor) -> tuple:
+    """``route_for`` from ``slot_of`` [E] int64 on topk_ids' device (each expert's slot, or -1): (slots, cpu_ids)."""
     if triton_experts.route_applies(topk_ids):
         return triton_experts.triton_route(topk_ids, slot_of)
     slots = torch.where(topk_ids >= 0, slot_of[topk_ids.clamp(min=0).long()], -1)
