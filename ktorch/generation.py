@@ -684,6 +684,17 @@ def _model_device(model: nn.Module) -> torch.device:
     return model.get_input_embeddings().weight.device
 
 
+def cache_length(max_len: int, context: Optional[int]) -> int:
+    """The static cache's length for ``max_len`` positions: rounded up to ``CACHE_BUCKET``, but not past the
+    model's ``context`` (max_position_embeddings) where ``max_len`` fits in it, and always a multiple of the decode
+    attention's block (a prompt past the context once made a cache of 2104 positions, which the GPU's decode
+    attention refused)."""
+    length = -(-max_len // CACHE_BUCKET) * CACHE_BUCKET
+    if context:
+        length = min(length, max(context, max_len))
+    return -(-length // decode_attention.BLOCK) * decode_attention.BLOCK
+
+
 def _decoder_for(model: nn.Module, max_len: int, sampling: Sampling, cuda_graphs: bool) -> Decoder:
     """The model's kept decoder if it fits (length, sampling, graphs, deferral), else a new one."""
     device = _model_device(model)
@@ -697,10 +708,7 @@ def _decoder_for(model: nn.Module, max_len: int, sampling: Sampling, cuda_graphs
         del old
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    length = -(-max_len // CACHE_BUCKET) * CACHE_BUCKET
-    limit = getattr(model.config, "max_position_embeddings", None)
-    if limit:
-        length = min(length, max(limit, max_len))
+    length = cache_length(max_len, getattr(model.config, "max_position_embeddings", None))
     decoder = Decoder(model, length, device, sampling, cuda_graphs)
     decoder.deferred = deferred
     model.kt_decoder = decoder

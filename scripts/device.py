@@ -635,6 +635,42 @@ def step_vs_llamacpp(r: Runner, p: dict) -> int:
     return rc
 
 
+@step("table", "RESULTS section 2's end-to-end table: a random 48-layer (layers=) Qwen3-30B-A3B-shaped Q8_0 file "
+      "(seed 11, skew= the routers' Zipf bias, 0 near-uniform; other such files in /tmp are deleted first: the disk "
+      "holds one), fresh `ktorch generate` processes per placement (placements=, '/' between option strings, '+' "
+      "for their spaces) and prompt length, then llama-bench at its best settings per matching placement (llama=, "
+      "'/'-joined: 'exps' = -ot exps=CPU, N = --n-cpu-moe N); part=write|ktorch|llama|all",
+      limit_s=560, min_s=100,
+      params={"skew": "0", "layers": "48", "placements": "--deferred-experts+2+--gpu-memory+off/--gpu-memory+24GiB",
+              "llama": "exps/14", "prompts": "512,2048", "part": "all"}, carry=".whl (gguf); .device-out/lcpp")
+def step_table(r: Runner, p: dict) -> int:
+    gguf = Path(f"/tmp/q8-{p['layers']}l-skew{p['skew']}.gguf")
+    common = [sys.executable, "benchmarks/bench_generate.py", "--gguf", str(gguf), "--json", str(OUT / "table.jsonl")]
+    prompts = ["--prompts", *p["prompts"].split(",")]
+    rc = 0
+    if not gguf.exists() and p["part"] in ("write", "all"):
+        for other in glob.glob(f"/tmp/q8-{p['layers']}l-skew*.gguf"):
+            os.unlink(other)
+        rc = r.sh(common + ["--write-layers", p["layers"], "--write-seed", "11", "--write-router-skew", p["skew"],
+                            "--skip-ktorch"], timeout=300)
+    if not gguf.exists():
+        raise StepError(f"no {gguf}: run the step with part=write (or all) first")
+    r.busy_warning()
+    if rc == 0 and p["part"] in ("ktorch", "all"):
+        rc = r.sh(common + [*prompts, "--gen", "64", "--runs", "1", "--prompt-kind", "random", "--ktorch-args",
+                            *[s.replace("+", " ") for s in p["placements"].split("/")]])
+    if rc == 0 and p["part"] in ("llama", "all"):
+        lcpp_restore(r.root)
+        bench = LCPP_BUILD / "bin" / "llama-bench"
+        if not bench.exists():
+            raise StepError("no llama-bench: run the llamacpp step first (or carry .device-out/lcpp)")
+        for setting in p["llama"].split("/"):
+            cpu_moe = [] if setting == "exps" else ["--llama-n-cpu-moe", setting]
+            rc = rc or r.sh(common + [*prompts, "--gen", "64", "--skip-ktorch", "--llama-bench", str(bench),
+                                      "--threads", "16", "--flash-attn", "1", "--llama-reps", "2", *cpu_moe])
+    return rc
+
+
 def vs_llamacpp_settings(deferred: str, stream: str) -> list[str]:
     """The vs-llamacpp step's ``ktorch generate`` option strings: the defaults (""), and ``--deferred-experts D``
     when D is not 0; ``--stream-experts PLAN`` in each unless PLAN is auto (the default)."""

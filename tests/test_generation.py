@@ -285,6 +285,26 @@ def test_passing_the_context_warns():
     assert len(result.ids) == 7
 
 
+@pytest.mark.parametrize("context", [None, 16, 1000, 2048, 40960])
+def test_cache_lengths_hold_the_positions_in_whole_attention_blocks(context):
+    """Every cache length the decoder gets holds the positions asked for and is a whole number of the decode
+    attention's blocks (its GPU kernel refuses any other: a 2102-token prompt with 2 new tokens past a 2048-position
+    context once asked for a cache of 2104 and crashed on the GPU); within the context it is not made longer than
+    the bucket or the context."""
+    from ktorch.decode_attention import BLOCK
+    from ktorch.generation import CACHE_BUCKET, cache_length
+
+    for max_len in [1, 2, 15, 16, 17, 127, 128, 129, 255, 256, 257, 999, 1000, 1001, 2047, 2048, 2049, 2104, 5000,
+                    40960, 40961]:
+        length = cache_length(max_len, context)
+        assert length >= max_len and length % BLOCK == 0, (max_len, context, length)
+        bucket = -(-max_len // CACHE_BUCKET) * CACHE_BUCKET
+        assert length <= bucket, (max_len, context, length)
+        if context and max_len <= context:
+            assert length <= -(-context // BLOCK) * BLOCK, (max_len, context, length)
+    assert cache_length(2104, 2048) == 2176 and cache_length(2000, 2048) == 2048 and cache_length(100, None) == 256
+
+
 def _greedy_steps(model, ids, n, compiled: bool) -> list:
     from ktorch.generation import Decoder, compiled_layers
 
