@@ -436,7 +436,7 @@ def breakdown(args) -> None:
             torch.cuda.empty_cache()
 
 
-PREFILL_VARIANTS = ("default", "sync-per-layer")
+PREFILL_VARIANTS = ("default", "sync-per-layer", "eager", "eager-host-choice")
 _SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
@@ -517,7 +517,10 @@ def prefill_profile(args) -> None:
     hooks, no syncs but the prefill's own; each length's prefill captured first, as generate captures it for a
     length's third prompt on). Variants:
     ``default`` (what generate runs); ``sync-per-layer`` (the split's
-    counts copied to the host at every MoE layer, as before commit 66e74df, whatever the placement). (Merged after
+    counts copied to the host at every MoE layer, as before commit 66e74df, whatever the placement); ``eager`` (the
+    captured prefills set aside: what a length's first two prompts run, a one-shot generate's); ``eager-host-choice``
+    (the same with the split chosen on the host from each layer's counts, one host sync a layer, as before the eager
+    split was made on the device). (Merged after
     their runs here: session 44, each attention's q, k and v from one product over the fused weight
     (``fused_qkv.eager_swapped``); session 46: the captured prefill (``Decoder.capture_prefill``, 10 of 12 cells
     faster, the other two tied: benchmarks/RESULTS.md section 2); session 35: the rows sorted by expert in three Triton
@@ -544,13 +547,19 @@ def prefill_profile(args) -> None:
     from ktorch.ops.routed_experts import RoutedExperts
 
     def context(variant, decoder):
+        stack = contextlib.ExitStack()
         if variant == "sync-per-layer":
-            stack = contextlib.ExitStack()
             original = RoutedExperts.copies_possible
             RoutedExperts.copies_possible = lambda self, ids: True
             stack.callback(setattr, RoutedExperts, "copies_possible", original)
-            return stack
-        return contextlib.nullcontext()
+        if variant in ("eager", "eager-host-choice"):  # a prompt length's first prompts, as a one-shot generate
+            graphs, decoder.prefill_graphs = decoder.prefill_graphs, {}
+            stack.callback(setattr, decoder, "prefill_graphs", graphs)
+        if variant == "eager-host-choice":  # the split chosen on the host from each layer's counts (one sync)
+            original_split = RoutedExperts.splits_on_device
+            RoutedExperts.splits_on_device = lambda self, hidden: False
+            stack.callback(setattr, RoutedExperts, "splits_on_device", original_split)
+        return stack
 
     for extra in args.ktorch_args:
         cli = build_parser().parse_args(["generate", "--model", args.gguf, "--prompt", "x", *shlex.split(extra)])

@@ -44,7 +44,7 @@ import collections
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -410,7 +410,9 @@ class RoutedExperts:
         # None, or a list (benchmarks set it, layers may share one) to which each ``choose`` appends its SplitCall:
         # what the costs predicted, and the device part's time measured (``SplitCall.timed``)
         self.calls: Optional[list] = None
-        self._cpu_call: Optional[tuple] = None  # (rows, experts) the latest choice left the CPU op (cpu_observer)
+        # what the CPU op call after the latest split choice reports its seconds to (cpu_observer), or None
+        self._cpu_observe: Optional[Callable[[float], None]] = None
+        self._device_split_ok: dict = {}  # (dtype, device, pinned experts) -> captured_split_problem(...) is None
 
     # The counters below are read rarely (after a prefill, by the residents' swaps and the statistics); a call that
     # copies nothing records its counts on the device (``record``) and they are added here on the first read after,
@@ -459,12 +461,14 @@ class RoutedExperts:
         return self.capacity > 0 and len(resident_ids or ()) < self.num_experts
 
     def record(self, counts: torch.Tensor, resident_ids: Optional[Sequence[int]] = None,
-               chosen: Optional[torch.Tensor] = None) -> None:
+               chosen: Optional[torch.Tensor] = None, cpu_seconds: Optional[list] = None) -> None:
         """Counts a call from its rows per expert ``counts`` [E] int64 on any device, without reading them now;
         ``resident_ids``: the experts resident during the call (a list the caller does not change afterwards);
-        ``chosen``: the experts it copied, [E] ids padded with -1 on the counts' device (a captured split's), or None
-        (none). Read by the counters' next access (at the latest every ``PENDING_LIMIT`` calls)."""
-        self._pending.append((counts, chosen, resident_ids))
+        ``chosen``: the experts it copied, [E] ids padded with -1 on the counts' device (a split made on the device),
+        or None (none); ``cpu_seconds``: a list into which the call's CPU op puts its seconds (an eager split made on
+        the device), which the costs learn from when the counts are read. Read by the counters' next access (at the
+        latest every ``PENDING_LIMIT`` calls)."""
+        self._pending.append((counts, chosen, resident_ids, cpu_seconds))
         if len(self._pending) >= PENDING_LIMIT:
             self._count_pending()
 
@@ -474,12 +478,17 @@ class RoutedExperts:
             return
         empty = np.zeros(0, dtype=np.int64)
         # the one host sync: every call's counts, and the copied ids of those that were given them
-        rows = torch.stack([c.to(torch.int64) for c, _, _ in pending] + [c.to(torch.int64) for _, c, _ in pending
-                                                                          if c is not None]).cpu().numpy()
+        rows = torch.stack([c.to(torch.int64) for c, *_ in pending] + [c.to(torch.int64) for _, c, *_ in pending
+                                                                        if c is not None]).cpu().numpy()
         given = iter(rows[len(pending):])
-        for counts, (_, chosen, ids) in zip(rows, pending):
+        for counts, (_, chosen, ids, seconds) in zip(rows, pending):
             copied = empty if chosen is None else next(given)
-            self._count(counts, copied[copied >= 0], self.resident_mask(ids))
+            copied = copied[copied >= 0]
+            resident = self.resident_mask(ids)
+            self._count(counts, copied, resident)
+            if seconds:  # the CPU op of a split made on the device has run (else: not yet, not learned from)
+                cpu_rows, cpu_experts = cpu_side(counts, copied, resident)
+                self.costs.observe_cpu(cpu_rows, cpu_experts, seconds[0])
 
     def resident_mask(self, resident_ids: Optional[Sequence[int]]) -> Optional[np.ndarray]:
         """[E] bool of the experts ``resident_ids`` (None for none), cached for the list last asked about (the
@@ -503,20 +512,19 @@ class RoutedExperts:
         chosen = choose_device_experts(counts, self.costs, self.bytes_per_expert, self.capacity, resident)
         ids = chosen.numpy()
         self._count(counts, ids, resident)
-        self._cpu_call = cpu_side(counts, ids, resident)
+        rows, experts = cpu_side(counts, ids, resident)
+        costs = self.costs
+        self._cpu_observe = (lambda seconds: costs.observe_cpu(rows, experts, seconds)) if experts else None
         if self.calls is not None:
             self.calls.append(SplitCall.of(counts, ids, resident, self.costs, self.bytes_per_expert))
         return chosen
 
-    def cpu_observer(self):
-        """For the CPU op call that follows a ``choose``: a callable taking that call's seconds, which the costs
-        learn from (``SplitCosts.observe_cpu``); None where no choice is pending or it left the CPU no expert. Each
-        choice is taken once."""
-        shape, self._cpu_call = self._cpu_call, None
-        if shape is None or shape[1] == 0:
-            return None
-        costs = self.costs
-        return lambda seconds: costs.observe_cpu(shape[0], shape[1], seconds)
+    def cpu_observer(self) -> Optional[Callable[[float], None]]:
+        """For the CPU op call that follows a split choice (``choose``, or ``split_on_device``): a callable taking
+        that call's seconds, which the costs learn from (``SplitCosts.observe_cpu``; a device choice's when its
+        counts are read); None where no choice is pending or it left the CPU no expert. Each choice is taken once."""
+        observe, self._cpu_observe = self._cpu_observe, None
+        return observe
 
     def _count(self, counts: np.ndarray, chosen: np.ndarray, resident: Optional[np.ndarray]) -> None:
         hit = counts > 0
@@ -578,6 +586,31 @@ class RoutedExperts:
         if self.layer.pinned_experts < self.num_experts:
             return "its packed experts are not page-locked"
         return None
+
+    def splits_on_device(self, hidden: torch.Tensor) -> bool:
+        """Whether an eager call with these hidden states makes its split on the device (``split_on_device``): where
+        a captured prefill could (``captured_split_problem`` None), so that the launching thread reads nothing back
+        per layer and runs ahead of the GPU. Cached per dtype, device and page-locked experts."""
+        key = (hidden.dtype, hidden.device, self.layer.pinned_experts)
+        ok = self._device_split_ok.get(key)
+        if ok is None:
+            ok = self._device_split_ok[key] = (hidden.is_cuda and self.capacity > 0
+                                               and self.captured_split_problem(hidden.dtype, hidden.device) is None)
+        return ok
+
+    def split_on_device(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                        counts: torch.Tensor, resident: Optional[torch.Tensor],
+                        resident_ids: Optional[Sequence[int]]) -> tuple:
+        """An eager call's split made as a captured prefill makes it (``captured_split``: the choice, the gather and
+        the grouped kernels on the device, no host sync), from costs refitted to the CPU calls counted so far; the
+        call is counted (``record``) and its CPU op's seconds learned from when its counts are read. Returns
+        ``captured_split``'s (ids for the CPU op, the copied experts' work, the chosen ids)."""
+        self.costs.refit_cpu()
+        cpu_ids, work, chosen = self.captured_split(hidden, topk_ids, topk_weights, counts, resident)
+        seconds: list = []
+        self.record(counts, resident_ids, chosen, cpu_seconds=seconds)
+        self._cpu_observe = seconds.append
+        return cpu_ids, work, chosen
 
     def device_part(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                     chosen: torch.Tensor, slots: Optional[torch.Tensor] = None) -> torch.Tensor:
