@@ -436,7 +436,7 @@ def breakdown(args) -> None:
             torch.cuda.empty_cache()
 
 
-PREFILL_VARIANTS = ("default", "sync-per-layer", "eager", "eager-host-choice")
+PREFILL_VARIANTS = ("default", "sync-per-layer", "eager", "eager-device-split")
 _SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
@@ -518,9 +518,9 @@ def prefill_profile(args) -> None:
     length's third prompt on). Variants:
     ``default`` (what generate runs); ``sync-per-layer`` (the split's
     counts copied to the host at every MoE layer, as before commit 66e74df, whatever the placement); ``eager`` (the
-    captured prefills set aside: what a length's first two prompts run, a one-shot generate's); ``eager-host-choice``
-    (the same with the split chosen on the host from each layer's counts, one host sync a layer, as before the eager
-    split was made on the device). (Merged after
+    captured prefills set aside: what a length's first two prompts run, a one-shot generate's);
+    ``eager-device-split`` (the experiment ``RoutedExperts.eager_device_split``: the same with the split made on the
+    device where a captured prefill could make it, no host sync a layer). (Merged after
     their runs here: session 44, each attention's q, k and v from one product over the fused weight
     (``fused_qkv.eager_swapped``); session 46: the captured prefill (``Decoder.capture_prefill``, 10 of 12 cells
     faster, the other two tied: benchmarks/RESULTS.md section 2); session 35: the rows sorted by expert in three Triton
@@ -552,13 +552,12 @@ def prefill_profile(args) -> None:
             original = RoutedExperts.copies_possible
             RoutedExperts.copies_possible = lambda self, ids: True
             stack.callback(setattr, RoutedExperts, "copies_possible", original)
-        if variant in ("eager", "eager-host-choice"):  # a prompt length's first prompts, as a one-shot generate
+        if variant in ("eager", "eager-device-split"):  # a prompt length's first prompts, as a one-shot generate
             graphs, decoder.prefill_graphs = decoder.prefill_graphs, {}
             stack.callback(setattr, decoder, "prefill_graphs", graphs)
-        if variant == "eager-host-choice":  # the split chosen on the host from each layer's counts (one sync)
-            original_split = RoutedExperts.splits_on_device
-            RoutedExperts.splits_on_device = lambda self, hidden: False
-            stack.callback(setattr, RoutedExperts, "splits_on_device", original_split)
+        if variant == "eager-device-split":  # the experiment: the eager split made on the device, no sync a layer
+            RoutedExperts.eager_device_split = True
+            stack.callback(setattr, RoutedExperts, "eager_device_split", False)
         return stack
 
     for extra in args.ktorch_args:

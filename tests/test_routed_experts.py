@@ -200,9 +200,9 @@ def test_captured_split_equals_the_host_split(residents):
                     "(TRITON_INTERPRET=1)")
 def test_eager_split_on_the_device_equals_the_host_split_and_learns_the_same(monkeypatch):
     """An eager call whose split is made on the device (``RoutedExperts.split_on_device``, what a CUDA prefill runs
-    where a captured one could: no host sync a layer) gives the host split's logits bit for bit, the same counters
+    where a captured one could with the ``eager_device_split`` experiment on: no host sync a layer) gives the host split's logits bit for bit, the same counters
     once read, and teaches the costs the same CPU calls (rows, experts), learned when the counts are read. On the CPU
-    (Triton's interpreter) the device choice is forced; on CUDA it is the default."""
+    (Triton's interpreter) the device choice is forced; on CUDA ``eager_device_split`` turns it on."""
     from ktorch.ops.routed_experts import RoutedExperts
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -216,10 +216,9 @@ def test_eager_split_on_the_device_equals_the_host_split_and_learns_the_same(mon
         ktorch.set_stream_experts(model, costs)
         for m in moe_experts_modules(model):
             m.kt_routed.min_tokens = 8
-        on_device = (lambda self, hidden: True) if mode == "device" else (lambda self, hidden: False)
-        if device.type == "cuda" and mode == "device":
-            on_device = RoutedExperts.splits_on_device
-        monkeypatch.setattr(RoutedExperts, "splits_on_device", on_device)
+        monkeypatch.setattr(RoutedExperts, "eager_device_split", mode == "device")
+        if device.type == "cpu" and mode == "device":  # the CPU has no device choice of its own: forced
+            monkeypatch.setattr(RoutedExperts, "splits_on_device", lambda self, hidden: True)
         # no refit within the run: the host split learns at each call, the device split when its counts are read
         monkeypatch.setattr("ktorch.ops.routed_experts.REFIT_EVERY", 10 ** 9)
         syncs = []

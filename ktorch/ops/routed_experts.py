@@ -587,10 +587,18 @@ class RoutedExperts:
             return "its packed experts are not page-locked"
         return None
 
+    # An experiment awaiting its device A/B (session 47 wrote it with no device time left to measure it): eager calls
+    # make their split on the device where ``splits_on_device``; off, they choose on the host as before. Turned on by
+    # benchmarks/bench_generate.py's "eager-device-split" prefill variant; the A/B's winner becomes the code.
+    eager_device_split = False
+
     def splits_on_device(self, hidden: torch.Tensor) -> bool:
         """Whether an eager call with these hidden states makes its split on the device (``split_on_device``): where
         a captured prefill could (``captured_split_problem`` None), so that the launching thread reads nothing back
-        per layer and runs ahead of the GPU. Cached per dtype, device and page-locked experts."""
+        per layer and runs ahead of the GPU (with ``eager_device_split`` on). Cached per dtype, device and
+        page-locked experts."""
+        if not self.eager_device_split:
+            return False
         key = (hidden.dtype, hidden.device, self.layer.pinned_experts)
         ok = self._device_split_ok.get(key)
         if ok is None:
