@@ -659,6 +659,43 @@ def prefill_profile(args) -> None:
             torch.cuda.empty_cache()
 
 
+def same_process(args) -> None:
+    """--same-process N: per --ktorch-args set, one process loads the file as ``ktorch generate`` does (the command
+    line's own loader and options) and generates from N different random prompts of each --prompts length through
+    the command line's own generation call (``ktorch.cli.run_generation``, as `ktorch chat` or a Python user's
+    repeated ``generate``), printing each prompt's prefill and decode rates: a length's first prompts are eager, and
+    from its third on its prefill replays the graph captured after its second (``CAPTURE_AFTER``). Prompt i of a
+    length is random printable bytes seeded by (length, i)."""
+    import random
+
+    import torch
+
+    from ktorch.cli import TokenIdsTokenizer, build_parser as cli_parser, load_model, run_generation
+
+    for extra in args.ktorch_args:
+        cli = cli_parser().parse_args(["generate", "--model", args.gguf, "--prompt", "x", "--max-new-tokens",
+                                       str(args.gen), *shlex.split(extra)])
+        t0 = time.perf_counter()
+        model, tokenizer, _ = load_model(cli)
+        label = extra or "defaults"
+        print(f"[same process {label}] loaded in {time.perf_counter() - t0:.1f} s", flush=True)
+        if not isinstance(tokenizer, TokenIdsTokenizer):
+            raise SystemExit("--same-process: a file without a tokenizer (the prompt's bytes are its ids)")
+        for P in args.prompts:
+            for i in range(args.same_process):
+                rng = random.Random(P * 1000 + i)
+                ids = torch.tensor([[rng.randrange(32, 127) for _ in range(P)]])
+                with open(os.devnull, "w") as sink:
+                    _, t = run_generation(model, tokenizer, ids, cli, out=sink)
+                rate = f"{t.decode_tok_s:.1f}" if t.decode_tokens else "n/a"
+                print(f"[same process {label}] P={P} prompt {i + 1}: prefill {1e3 * t.first_token_s:.1f} ms "
+                      f"({t.prefill_tok_s:.0f} tok/s), decode {rate} tok/s, prefill capture after it "
+                      f"{t.prefill_capture_s:.2f} s", flush=True)
+        del model
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gguf", required=True)
@@ -711,6 +748,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--breakdown-cold", action="store_true",
                    help="--breakdown without the load-time warm-up (ktorch.warm_up): run 0 is the process's cold first "
                    "prefill, what the warm-up takes out of the first prompt")
+    p.add_argument("--same-process", type=int, default=0, metavar="N",
+                   help="N prompts of each length in one process through the command line's generation call "
+                   "(the first eager, the third on replaying the captured prefill): prefill and decode per prompt")
     p.add_argument("--prefill-profile", type=int, default=0, metavar="ROUNDS",
                    help="experiment: per --ktorch-args set, one process alternates --prefill-variants ROUNDS times over "
                    "the --prompts lengths (warm prefill times), then profiles one prefill of each: GPU busy time against "
@@ -724,6 +764,8 @@ def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     if args.prefill_profile:
         return prefill_profile(args)
+    if args.same_process:
+        return same_process(args)
     if args.ab_compile:
         return ab_compile(args)
 

@@ -55,6 +55,7 @@ ROOT = Path(__file__).resolve().parent.parent
 OUT = Path(os.environ.get("OUT", "/tmp/out"))
 LCPP_BUILD = Path("/tmp/lcpp")
 SITE = Path("/tmp/site")  # carried wheels (.whl/: gguf, accelerate, pytest-xdist, ...) are installed here
+TABLE_DIR = Path("/tmp")  # the table step's 48-layer files (~34 GB each: the device's disk holds one)
 RESERVE_S = 10  # kept back from every step's limit: the summary, and the tool's copy of $OUT
 
 # the GPU/compile test files (the device's reason to be), and the op tests run again with AMX forced
@@ -639,17 +640,20 @@ def step_vs_llamacpp(r: Runner, p: dict) -> int:
       "(seed 11, skew= the routers' Zipf bias, 0 near-uniform; other such files in /tmp are deleted first: the disk "
       "holds one), fresh `ktorch generate` processes per placement (placements=, '/' between option strings, '+' "
       "for their spaces) and prompt length, then llama-bench at its best settings per matching placement (llama=, "
-      "'/'-joined: 'exps' = -ot exps=CPU, N = --n-cpu-moe N); part=write|ktorch|llama|all",
+      "'/'-joined: 'exps' = -ot exps=CPU, N = --n-cpu-moe N); same=N > 0: then N prompts of each length in one "
+      "process per placement (bench_generate --same-process: the third on replays the captured prefill); "
+      "part=write|ktorch|llama|all",
       limit_s=560, min_s=100,
       params={"skew": "0", "layers": "48", "placements": "--deferred-experts+2+--gpu-memory+off/--gpu-memory+24GiB",
-              "llama": "exps/14", "prompts": "512,2048", "part": "all"}, carry=".whl (gguf); .device-out/lcpp")
+              "llama": "exps/14", "prompts": "512,2048", "same": "0", "part": "all"},
+      carry=".whl (gguf); .device-out/lcpp")
 def step_table(r: Runner, p: dict) -> int:
-    gguf = Path(f"/tmp/q8-{p['layers']}l-skew{p['skew']}.gguf")
+    gguf = TABLE_DIR / f"q8-{p['layers']}l-skew{p['skew']}.gguf"
     common = [sys.executable, "benchmarks/bench_generate.py", "--gguf", str(gguf), "--json", str(OUT / "table.jsonl")]
     prompts = ["--prompts", *p["prompts"].split(",")]
     rc = 0
     if not gguf.exists() and p["part"] in ("write", "all"):
-        for other in glob.glob(f"/tmp/q8-{p['layers']}l-skew*.gguf"):
+        for other in glob.glob(str(TABLE_DIR / f"q8-{p['layers']}l-skew*.gguf")):
             os.unlink(other)
         rc = r.sh(common + ["--write-layers", p["layers"], "--write-seed", "11", "--write-router-skew", p["skew"],
                             "--skip-ktorch"], timeout=300)
@@ -668,6 +672,9 @@ def step_table(r: Runner, p: dict) -> int:
             cpu_moe = [] if setting == "exps" else ["--llama-n-cpu-moe", setting]
             rc = rc or r.sh(common + [*prompts, "--gen", "64", "--skip-ktorch", "--llama-bench", str(bench),
                                       "--threads", "16", "--flash-attn", "1", "--llama-reps", "2", *cpu_moe])
+    if rc == 0 and int(p["same"]) > 0 and p["part"] in ("ktorch", "all"):
+        rc = r.sh(common + [*prompts, "--gen", "64", "--same-process", p["same"], "--ktorch-args",
+                            *[s.replace("+", " ") for s in p["placements"].split("/")]])
     return rc
 
 

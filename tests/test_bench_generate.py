@@ -162,3 +162,27 @@ def test_cuda_split_model_prefill_times_the_cpu_op_per_layer_call():
         line = bench.split_model_prefill(model, 24, lambda P: model(ids), torch.cuda.synchronize, costs)
     assert re.search(r"CPU predicted [\d.]+ ms / measured [\d.]+ ms \(per call [\d.]+/[\d.]+/[\d.]+\)", line), line
     assert f"sums over {len(modules)} layer calls" in line, line
+
+
+def test_same_process_generates_each_prompt_through_the_command_lines_call(gguf, capsys, monkeypatch):
+    """--same-process N: one load, then N prompts of each length through ``ktorch.cli.run_generation`` (the call
+    `ktorch generate` makes), a line each with its prefill and decode rates; the prompts of a length differ."""
+    import ktorch.cli
+
+    seen = []
+    original = ktorch.cli.run_generation
+
+    def spy(model, tokenizer, ids, args, out=None):
+        seen.append(ids.clone())
+        return original(model, tokenizer, ids, args, out)
+
+    monkeypatch.setattr(ktorch.cli, "run_generation", spy)
+    bench.main(["--gguf", gguf, "--same-process", "3", "--prompts", "20", "33", "--gen", "4", "--ktorch-args",
+                "--device cpu"])
+    out = capsys.readouterr().out
+    lines = re.findall(r"\[same process --device cpu\] P=(\d+) prompt (\d): prefill [\d.]+ ms \((\d+) tok/s\), "
+                       r"decode ([\d.]+|n/a) tok/s", out)
+    assert [(int(p), int(i)) for p, i, _, _ in lines] == [(20, 1), (20, 2), (20, 3), (33, 1), (33, 2), (33, 3)], out
+    assert all(int(rate) > 0 for _, _, rate, _ in lines)
+    assert [s.shape[1] for s in seen] == [20, 20, 20, 33, 33, 33]
+    assert len({tuple(s[0].tolist()) for s in seen}) == 6

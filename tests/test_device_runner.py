@@ -249,6 +249,55 @@ def test_end_to_end_steps_run_their_benchmark_with_options_it_takes(device, tmp_
         assert profile.ktorch_args == breakdown.ktorch_args == [s.replace("+", " ") for s in params["placements"].split("/")]
 
 
+@pytest.mark.parametrize("text", ["table", "table:1.5:same=3", "table:0:part=llama:llama=exps/14/0"])
+def test_table_step_writes_once_then_runs_generate_llama_bench_and_the_same_process_prompts(device, tmp_path,
+                                                                                            monkeypatch, text):
+    """The table step (RESULTS section 2): the file written (with its skew) unless there, other skews' files deleted
+    first; `ktorch generate` per placement; llama-bench per llama setting (-ot exps=CPU, or --n-cpu-moe N); with
+    same=N the same-process prompts; every command parses with bench_generate's own parser."""
+    from conftest import load_benchmark
+
+    parser = load_benchmark("bench_generate").build_parser()
+    monkeypatch.setattr(device, "OUT", tmp_path)
+    monkeypatch.setattr(device, "TABLE_DIR", tmp_path)
+    monkeypatch.setattr(device, "LCPP_BUILD", tmp_path / "lcpp")
+    monkeypatch.setattr(device, "lcpp_restore", lambda root: None)
+    (tmp_path / "lcpp" / "bin").mkdir(parents=True)
+    (tmp_path / "lcpp" / "bin" / "llama-bench").touch()
+    st, params = device.parse_step(text)
+    other = tmp_path / f"q8-48l-skew{'7' if params['skew'] != '7' else '8'}.gguf"
+    other.touch()
+    if params["part"] != "all":
+        (tmp_path / f"q8-48l-skew{params['skew']}.gguf").touch()
+    commands = []
+
+    def sh(cmd, **kw):
+        commands.append(parser.parse_args(cmd[2:]))
+        if commands[-1].write_layers:
+            open(commands[-1].gguf, "w").close()
+        return 0
+
+    runner = device.Runner(ROOT, device.Budget(570))
+    monkeypatch.setattr(runner, "sh", sh)
+    monkeypatch.setattr(runner, "busy_warning", lambda: None)
+    assert st.run(runner, params) == 0
+    placements = [s.replace("+", " ") for s in params["placements"].split("/")]
+    llama = params["llama"].split("/")
+    if params["part"] == "all":
+        write, generate, *rest = commands
+        assert write.write_layers == 48 and write.write_seed == 11 and write.skip_ktorch
+        assert write.write_router_skew == float(params["skew"]) and not other.exists()
+        assert generate.ktorch_args == placements and generate.runs == 1 and generate.prompt_kind == "random"
+    else:
+        rest = commands
+        assert other.exists()  # nothing written: nothing deleted
+    benches, same = rest[:len(llama)], rest[len(llama):]
+    assert [b.llama_n_cpu_moe for b in benches] == [None if s == "exps" else int(s) for s in llama]
+    assert all(b.skip_ktorch and b.llama_bench.endswith("llama-bench") and b.threads == "16" for b in benches)
+    assert [c.same_process for c in same] == ([int(params["same"])] if int(params["same"]) else [])
+    assert all(c.gguf == str(tmp_path / f"q8-48l-skew{params['skew']}.gguf") for c in commands)
+
+
 def test_vs_llamacpp_settings(device):
     assert device.vs_llamacpp_settings("0", "auto") == [""]
     assert device.vs_llamacpp_settings("3", "auto") == ["", "--deferred-experts 3"]
