@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -87,26 +88,26 @@ def parse_generate_output(stderr: str) -> dict:
     return out
 
 
-def prompt_of(tokens: int, kind: str = "text") -> str:
+def prompt_of(tokens: int, kind: str = "text", seed: Optional[int] = None) -> str:
     """A prompt of exactly ``tokens`` bytes (= token ids for a file without a tokenizer), not all the same.
 
-    ``kind="text"``: a repeated English sentence (about 30 distinct ids); ``"random"``: seeded random printable
-    ASCII (95 distinct ids), nearer llama-bench's random tokens."""
+    ``kind="text"``: a repeated English sentence (about 30 distinct ids); ``"random"``: seeded (``seed``, default
+    ``tokens``) random printable ASCII (95 distinct ids), nearer llama-bench's random tokens."""
     if kind == "random":
         import random
 
-        rng = random.Random(tokens)
+        rng = random.Random(tokens if seed is None else seed)
         return "".join(chr(rng.randrange(32, 127)) for _ in range(tokens))
     text = "the quick brown fox jumps over the lazy dog while the cat sleeps in the sun "
     return (text * (tokens // len(text) + 1))[:tokens]
 
 
-def prompt_ids(tokens: int, kind: str = "text"):
+def prompt_ids(tokens: int, kind: str = "text", seed: Optional[int] = None):
     """``prompt_of``'s bytes as token ids [1, tokens] (a file without a tokenizer), what ``ktorch generate`` makes of
     the same prompt."""
     import torch
 
-    return torch.tensor([list(prompt_of(tokens, kind).encode())])
+    return torch.tensor([list(prompt_of(tokens, kind, seed).encode())])
 
 
 def run_generate(gguf: str, prompt_tokens: int, gen: int, extra: list[str], timeout_s: float,
@@ -556,8 +557,8 @@ def prefill_profile(args) -> None:
             graphs, decoder.prefill_graphs = decoder.prefill_graphs, {}
             stack.callback(setattr, decoder, "prefill_graphs", graphs)
         if variant == "eager-device-split":  # the experiment: the eager split made on the device, no sync a layer
+            stack.callback(setattr, RoutedExperts, "eager_device_split", RoutedExperts.eager_device_split)
             RoutedExperts.eager_device_split = True
-            stack.callback(setattr, RoutedExperts, "eager_device_split", False)
         return stack
 
     for extra in args.ktorch_args:
@@ -665,9 +666,7 @@ def same_process(args) -> None:
     the command line's own generation call (``ktorch.cli.run_generation``, as `ktorch chat` or a Python user's
     repeated ``generate``), printing each prompt's prefill and decode rates: a length's first prompts are eager, and
     from its third on its prefill replays the graph captured after its second (``CAPTURE_AFTER``). Prompt i of a
-    length is random printable bytes seeded by (length, i)."""
-    import random
-
+    length is ``prompt_ids``' random bytes seeded by (length, i)."""
     import torch
 
     from ktorch.cli import TokenIdsTokenizer, build_parser as cli_parser, load_model, run_generation
@@ -683,8 +682,7 @@ def same_process(args) -> None:
             raise SystemExit("--same-process: a file without a tokenizer (the prompt's bytes are its ids)")
         for P in args.prompts:
             for i in range(args.same_process):
-                rng = random.Random(P * 1000 + i)
-                ids = torch.tensor([[rng.randrange(32, 127) for _ in range(P)]])
+                ids = prompt_ids(P, "random", seed=P * 1000 + i)
                 with open(os.devnull, "w") as sink:
                     _, t = run_generation(model, tokenizer, ids, cli, out=sink)
                 rate = f"{t.decode_tok_s:.1f}" if t.decode_tokens else "n/a"

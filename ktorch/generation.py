@@ -348,7 +348,7 @@ class Decoder:
 
     def prefill_bucket(self, prompt_len: int) -> Optional[int]:
         """The tokens a captured prefill of ``prompt_len`` tokens runs (None where it would not fit the cache)."""
-        tokens = -(-prompt_len // CACHE_BUCKET) * CACHE_BUCKET
+        tokens = _round_up(prompt_len, CACHE_BUCKET)
         return tokens if tokens <= self.max_len else None
 
     def _prefill_context(self, waits: bool = True):
@@ -689,10 +689,14 @@ def cache_length(max_len: int, context: Optional[int]) -> int:
     model's ``context`` (max_position_embeddings) where ``max_len`` fits in it, and always a multiple of the decode
     attention's block (a prompt past the context once made a cache of 2104 positions, which the GPU's decode
     attention refused)."""
-    length = -(-max_len // CACHE_BUCKET) * CACHE_BUCKET
+    length = _round_up(max_len, CACHE_BUCKET)
     if context:
         length = min(length, max(context, max_len))
-    return -(-length // decode_attention.BLOCK) * decode_attention.BLOCK
+    return _round_up(length, decode_attention.BLOCK)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def _decoder_for(model: nn.Module, max_len: int, sampling: Sampling, cuda_graphs: bool) -> Decoder:

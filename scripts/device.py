@@ -456,6 +456,12 @@ def step_deferral(r: Runner, p: dict) -> int:
                  "--decode-tokens", "256", "--profile-steps", "20", "--json", str(OUT / "deferral.jsonl")])
 
 
+def placement_args(text: str) -> list[str]:
+    """A ``placements=`` parameter -> one `ktorch generate` option string per placement ('/' between them, '+' for
+    their spaces; an empty string is the defaults)."""
+    return [s.replace("+", " ") for s in text.split("/")]
+
+
 @step("prefill", "the eager prefill as generate runs it, on a random 12-layer (layers=) Qwen3-30B-A3B-shaped Q8_0 "
       "file (skew=: the routers' Zipf bias, 0 near-uniform): bench_generate.py --breakdown N (the first prompts by "
       "part, the Triton kernels each compiles) and --prefill-profile R over variants= ('/' between names), one process "
@@ -468,7 +474,7 @@ def step_prefill(r: Runner, p: dict) -> int:
     r.busy_warning()
     gguf = f"/tmp/q8-{p['layers']}l-skew{p['skew']}.gguf"
     common = [sys.executable, "benchmarks/bench_generate.py", "--gguf", gguf]
-    placements = [s.replace("+", " ") for s in p["placements"].split("/")]
+    placements = placement_args(p["placements"])
     prompts = ["--prompts", *p["prompts"].split(","), "--prompt-kind", "random"]
     rc = 0
     if not Path(gguf).exists():
@@ -662,7 +668,7 @@ def step_table(r: Runner, p: dict) -> int:
     r.busy_warning()
     if rc == 0 and p["part"] in ("ktorch", "all"):
         rc = r.sh(common + [*prompts, "--gen", "64", "--runs", "1", "--prompt-kind", "random", "--ktorch-args",
-                            *[s.replace("+", " ") for s in p["placements"].split("/")]])
+                            *placement_args(p["placements"])])
     if rc == 0 and p["part"] in ("llama", "all"):
         lcpp_restore(r.root)
         bench = LCPP_BUILD / "bin" / "llama-bench"
@@ -674,7 +680,7 @@ def step_table(r: Runner, p: dict) -> int:
                                       "--threads", "16", "--flash-attn", "1", "--llama-reps", "2", *cpu_moe])
     if rc == 0 and int(p["same"]) > 0 and p["part"] in ("ktorch", "all"):
         rc = r.sh(common + [*prompts, "--gen", "64", "--same-process", p["same"], "--ktorch-args",
-                            *[s.replace("+", " ") for s in p["placements"].split("/")]])
+                            *placement_args(p["placements"])])
     return rc
 
 
