@@ -437,7 +437,7 @@ def breakdown(args) -> None:
             torch.cuda.empty_cache()
 
 
-PREFILL_VARIANTS = ("default", "sync-per-layer", "eager", "eager-device-split")
+PREFILL_VARIANTS = ("default", "sync-per-layer", "eager", "eager-late-gather")
 _SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
@@ -520,9 +520,15 @@ def prefill_profile(args) -> None:
     ``default`` (what generate runs); ``sync-per-layer`` (the split's
     counts copied to the host at every MoE layer, as before commit 66e74df, whatever the placement); ``eager`` (the
     captured prefills set aside: what a length's first two prompts run, a one-shot generate's);
-    ``eager-device-split`` (the experiment ``RoutedExperts.eager_device_split``: the same with the split made on the
-    device where a captured prefill could make it, no host sync a layer). (Merged after
-    their runs here: session 44, each attention's q, k and v from one product over the fused weight
+    ``eager-late-gather`` (the same with the eager split's copy launched where it was before session 48: by the
+    device part, after the route and the CPU op's submit, not ``RoutedExperts.gather_ahead`` right after the
+    choice). (Deleted after its
+    run here, session 48 call 1, H200 host, 12 layers, warm ms eager / device split: the eager split made on the
+    device as a captured one, no host sync a layer, with twice the launches (1361 against 653): skew 1.5 host memory
+    P=512/2048 55.1/64.1 against 58.2/57.5, 6GiB 68.9/64.7 against 79.3/83.8; skew 0 host 73.0/97.7 against
+    57.3/86.6, 6GiB 64.3/82.0 against 66.9/73.1; profiled walls 77.5/100.1/64.6/87.4 against 85.6/93.8/86.7/95.2
+    (skew 0): no consistent gain. Merged after their runs here: session 44, each attention's q, k and v from one
+    product over the fused weight
     (``fused_qkv.eager_swapped``); session 46: the captured prefill (``Decoder.capture_prefill``, 10 of 12 cells
     faster, the other two tied: benchmarks/RESULTS.md section 2); session 35: the rows sorted by expert in three Triton
     launches, each RMSNorm one ``F.rms_norm``; the split's copies as one zero-copy gather a layer, which tied the
@@ -553,12 +559,23 @@ def prefill_profile(args) -> None:
             original = RoutedExperts.copies_possible
             RoutedExperts.copies_possible = lambda self, ids: True
             stack.callback(setattr, RoutedExperts, "copies_possible", original)
-        if variant in ("eager", "eager-device-split"):  # a prompt length's first prompts, as a one-shot generate
+        if variant in ("eager", "eager-late-gather"):  # a prompt length's first prompts, as a one-shot generate
             graphs, decoder.prefill_graphs = decoder.prefill_graphs, {}
             stack.callback(setattr, decoder, "prefill_graphs", graphs)
-        if variant == "eager-device-split":  # the experiment: the eager split made on the device, no sync a layer
-            stack.callback(setattr, RoutedExperts, "eager_device_split", RoutedExperts.eager_device_split)
-            RoutedExperts.eager_device_split = True
+        if variant == "eager-late-gather":  # the copy started when the device part runs, as before session 48
+            ahead = RoutedExperts.gather_ahead
+
+            class Late:
+                start = None
+
+                def __init__(self, routed, chosen, device):
+                    self.args = routed, chosen, device
+
+                def wait(self, device):
+                    return ahead(*self.args).wait(device)
+
+            RoutedExperts.gather_ahead = lambda self, chosen, device, timing=False: Late(self, chosen, device)
+            stack.callback(setattr, RoutedExperts, "gather_ahead", ahead)
         return stack
 
     for extra in args.ktorch_args:

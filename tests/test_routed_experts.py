@@ -194,54 +194,6 @@ def test_captured_split_equals_the_host_split(residents):
     assert 0 < copied < candidates  # some copies, not every used expert (the staging holds 3)
 
 
-@pytest.mark.skipif(not (triton_experts.triton_available()
-                         and (torch.cuda.is_available() or triton_experts.interpreting())),
-                    reason="the split made on the device needs Triton and a CUDA GPU, or Triton's interpreter "
-                    "(TRITON_INTERPRET=1)")
-def test_eager_split_on_the_device_equals_the_host_split_and_learns_the_same(monkeypatch):
-    """An eager call whose split is made on the device (``RoutedExperts.split_on_device``, what a CUDA prefill runs
-    where a captured one could with the ``eager_device_split`` experiment on: no host sync a layer) gives the host split's logits bit for bit, the same counters
-    once read, and teaches the costs the same CPU calls (rows, experts), learned when the counts are read. On the CPU
-    (Triton's interpreter) the device choice is forced; on CUDA ``eager_device_split`` turns it on."""
-    from ktorch.ops.routed_experts import RoutedExperts
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    runs = {}
-    for mode in ("host", "device"):
-        costs = SplitCosts(h2d_bytes_per_s=3e7, cpu_fixed_s=1e-3, cpu_row_s=1e-5, cpu_expert_s=5e-4,
-                           calibration=[(1.0, 1.0, 1e-3)])  # learns: some copied, some on the CPU
-        torch.manual_seed(0)
-        base = tiny_model("qwen3_moe", dtype=torch.bfloat16)
-        model = ktorch.prepare(copy.deepcopy(base), device=device.type, experts_dtype="int8")
-        ktorch.set_stream_experts(model, costs)
-        for m in moe_experts_modules(model):
-            m.kt_routed.min_tokens = 8
-        monkeypatch.setattr(RoutedExperts, "eager_device_split", mode == "device")
-        if device.type == "cpu" and mode == "device":  # the CPU has no device choice of its own: forced
-            monkeypatch.setattr(RoutedExperts, "splits_on_device", lambda self, hidden: True)
-        # no refit within the run: the host split learns at each call, the device split when its counts are read
-        monkeypatch.setattr("ktorch.ops.routed_experts.REFIT_EVERY", 10 ** 9)
-        syncs = []
-        if mode == "device":  # the choice reads nothing back: no call of the host choice
-            original = RoutedExperts.choose
-            monkeypatch.setattr(RoutedExperts, "choose", lambda self, *a, **k: syncs.append(1) or original(self, *a, **k))
-        gen = torch.Generator().manual_seed(3)
-        logits = []
-        with torch.no_grad():
-            for T in (24, 40, 9):
-                ids = torch.randint(0, 256, (1, T), generator=gen).to(device)
-                logits.append(model(ids).logits.float().cpu())
-        stats = ktorch.prefill_split_stats(model)  # reads the device choices' counts: their CPU calls observed
-        observed = sorted((r, e) for r, e, _ in costs._observed)
-        runs[mode] = (logits, {k: v for k, v in stats.items()}, observed, syncs)
-        monkeypatch.undo()
-    (host_logits, host_stats, host_observed, _), (dev_logits, dev_stats, dev_observed, syncs) = runs["host"], runs["device"]
-    assert not syncs
-    assert all(torch.equal(a, b) for a, b in zip(host_logits, dev_logits))
-    assert host_stats == dev_stats and 0 < host_stats["experts_copied"] < host_stats["experts_hit"]
-    assert host_observed == dev_observed and len(host_observed) > 0
-
-
 def test_choose_counts_what_moved():
     packed, layer = _layer("int8", None)
     routed = RoutedExperts(layer, ALL_TO_DEVICE, DeviceStaging(layer, 3, torch.device("cpu"), torch.float32))

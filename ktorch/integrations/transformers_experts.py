@@ -370,9 +370,7 @@ def ktorch_experts_forward(
     if getattr(self, "kt_lora", None) is not None or _needs_grad(self, hidden_states, top_k_weights):
         return _run_differentiable(self, hidden_states, top_k_index, top_k_weights)
     routed = getattr(self, "kt_routed", None)
-    plan = getattr(self, "kt_stream_plan", None)
-    streamed = plan.experts_for(hidden_states.shape[0]) if plan is not None else 0
-    counts = captured_counts = device_counts = None
+    counts = captured_counts = None
     if routed is not None and hidden_states.shape[0] >= routed.min_tokens and not torch.compiler.is_compiling():
         from ktorch.ops.routed_experts import expert_counts
 
@@ -381,26 +379,21 @@ def ktorch_experts_forward(
         if hidden_states.is_cuda and torch.cuda.is_current_stream_capturing():
             # a captured prefill (ktorch.generation): the split on the device, counted after each replay
             captured_counts, counts = counts, None
-        elif not routed.copies_possible(resident_ids):
-            # nothing to copy (every expert resident, or no staging): counted on the device, read later
+        elif routed.copies_possible(resident_ids):
+            counts = counts.cpu()  # the split decides what to copy from them: one host sync per layer
+        else:  # nothing to copy (every expert resident, or no staging): counted on the device, read later
             routed.record(counts, resident_ids)
             counts = None
-        elif not streamed and routed.splits_on_device(hidden_states):
-            device_counts, counts = counts, None  # the split on the device as a captured one: no host sync
-        else:
-            counts = counts.cpu()  # the split decides what to copy from them: one host sync per layer
     gpu_work = None
     if getattr(self, "kt_gpu_slot_of", None) is not None:
         top_k_index, gpu_work = _split_gpu_experts(self, hidden_states, top_k_index, top_k_weights)
-    if streamed:
-        top_k_index, gpu_work = _split_streamed_experts(self, hidden_states, top_k_index, top_k_weights, streamed,
-                                                        gpu_work)
+    plan = getattr(self, "kt_stream_plan", None)
+    if plan is not None and plan.experts_for(hidden_states.shape[0]):
+        top_k_index, gpu_work = _split_streamed_experts(self, hidden_states, top_k_index, top_k_weights,
+                                                        plan.experts_for(hidden_states.shape[0]), gpu_work)
     if counts is not None:
         top_k_index, gpu_work = _split_routed_experts(self, hidden_states, top_k_index, top_k_weights, counts,
                                                       gpu_work)
-    if device_counts is not None:
-        top_k_index, gpu_work, _ = _captured_split(self, hidden_states, top_k_index, top_k_weights, device_counts,
-                                                   gpu_work, eager=True)
     if captured_counts is not None:
         chosen = None
         if routed.copies_possible(getattr(self, "kt_gpu_expert_ids", None)):
@@ -575,37 +568,34 @@ def _split_routed_experts(self: nn.Module, hidden_states, top_k_index, top_k_wei
 
     routed = self.kt_routed
     chosen = routed.choose(counts, routed.resident_mask(getattr(self, "kt_gpu_expert_ids", None)))
+    timing = routed.calls is not None  # a benchmark times the device part (SplitCall)
+    start = None
     if chosen.numel() == 0:
         cpu_ids, routed_work = top_k_index, gpu_work
     else:
+        # the copy first (on a side stream): the largest device work, which needs nothing but the choice
+        gathered = routed.gather_ahead(chosen, hidden_states.device, timing=timing)
+        start = gathered.start
         slots, cpu_ids = route_for(top_k_index, chosen, routed.num_experts)
 
         def routed_work() -> torch.Tensor:
-            out = routed.device_part(hidden_states, top_k_index, top_k_weights, chosen, slots)
+            out = routed.device_part(hidden_states, top_k_index, top_k_weights, chosen, slots, gathered)
             return out if gpu_work is None else out + gpu_work()
 
-    if routed.calls is not None and routed_work is not None:  # a benchmark times the device part (SplitCall)
-        routed_work = routed.calls[-1].timed(routed_work, hidden_states.device)
+    if timing and routed_work is not None:
+        routed_work = routed.calls[-1].timed(routed_work, hidden_states.device, start)
     return cpu_ids, routed_work
 
 
-def _captured_split(self: nn.Module, hidden_states, top_k_index, top_k_weights, counts: torch.Tensor, gpu_work=None,
-                    eager: bool = False):
-    """The routing-aware split made on the device (``RoutedExperts.captured_split``: the choice, the gather and the
-    grouped kernels on the device, no host sync), inside a captured prefill or, ``eager``, in an eager call
-    (``RoutedExperts.split_on_device``, which counts it): (ids for the CPU op,
-    a callable computing the copied experts' part plus ``gpu_work()``, the chosen ids [E] padded with -1).
-    ``top_k_index`` has the resident experts masked already; ``counts`` [E] are the call's rows per expert over all
-    its experts."""
+def _captured_split(self: nn.Module, hidden_states, top_k_index, top_k_weights, counts: torch.Tensor, gpu_work=None):
+    """The routing-aware split inside a captured prefill (``RoutedExperts.captured_split``: the choice, the gather
+    and the grouped kernels on the device, no host sync): (ids for the CPU op, a callable computing the copied
+    experts' part plus ``gpu_work()``, the chosen ids [E] padded with -1). ``top_k_index`` has the resident experts
+    masked already; ``counts`` [E] are the call's rows per expert over all its experts."""
     slot_of = getattr(self, "kt_gpu_slot_of", None)
     resident = None if slot_of is None else slot_of >= 0  # on the device: swaps change it in place
-    routed = self.kt_routed
-    if eager:
-        cpu_ids, copied_work, chosen = routed.split_on_device(hidden_states, top_k_index, top_k_weights, counts,
-                                                              resident, getattr(self, "kt_gpu_expert_ids", None))
-    else:
-        cpu_ids, copied_work, chosen = routed.captured_split(hidden_states, top_k_index, top_k_weights, counts,
-                                                             resident)
+    cpu_ids, copied_work, chosen = self.kt_routed.captured_split(hidden_states, top_k_index, top_k_weights, counts,
+                                                                 resident)
 
     def work() -> torch.Tensor:
         out = copied_work()

@@ -44,7 +44,7 @@ import collections
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -186,16 +186,21 @@ class SplitCall:
                    float(costs.cpu_seconds(cpu_rows, cpu_experts)),
                    float(costs.device_seconds(chosen.size, device_rows, bytes_per_expert)))
 
-    def timed(self, work, device: torch.device):
+    def timed(self, work, device: torch.device, start: Optional["torch.cuda.Event"] = None):
         """``work`` (the call's device part, a callable) timed when it runs: CUDA events on the current stream around
-        it (read after a sync), or the wall time on the CPU."""
+        it (read after a sync; from ``start`` where given: the early gather's, recorded before it), or the wall
+        time on the CPU."""
         def run():
             if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
+                end = torch.cuda.Event(enable_timing=True)
+                if start is None:
+                    first = torch.cuda.Event(enable_timing=True)
+                    first.record()
+                else:
+                    first = start
                 out = work()
                 end.record()
-                self.device_timing = (start, end)
+                self.device_timing = (first, end)
                 return out
             t0 = time.perf_counter()
             out = work()
@@ -410,9 +415,7 @@ class RoutedExperts:
         # None, or a list (benchmarks set it, layers may share one) to which each ``choose`` appends its SplitCall:
         # what the costs predicted, and the device part's time measured (``SplitCall.timed``)
         self.calls: Optional[list] = None
-        # what the CPU op call after the latest split choice reports its seconds to (cpu_observer), or None
-        self._cpu_observe: Optional[Callable[[float], None]] = None
-        self._device_split_ok: dict = {}  # (dtype, device, pinned experts) -> captured_split_problem(...) is None
+        self._cpu_call: Optional[tuple] = None  # (rows, experts) the latest choice left the CPU op (cpu_observer)
 
     # The counters below are read rarely (after a prefill, by the residents' swaps and the statistics); a call that
     # copies nothing records its counts on the device (``record``) and they are added here on the first read after,
@@ -461,14 +464,12 @@ class RoutedExperts:
         return self.capacity > 0 and len(resident_ids or ()) < self.num_experts
 
     def record(self, counts: torch.Tensor, resident_ids: Optional[Sequence[int]] = None,
-               chosen: Optional[torch.Tensor] = None, cpu_seconds: Optional[list] = None) -> None:
+               chosen: Optional[torch.Tensor] = None) -> None:
         """Counts a call from its rows per expert ``counts`` [E] int64 on any device, without reading them now;
         ``resident_ids``: the experts resident during the call (a list the caller does not change afterwards);
-        ``chosen``: the experts it copied, [E] ids padded with -1 on the counts' device (a split made on the device),
-        or None (none); ``cpu_seconds``: a list into which the call's CPU op puts its seconds (an eager split made on
-        the device), which the costs learn from when the counts are read. Read by the counters' next access (at the
-        latest every ``PENDING_LIMIT`` calls)."""
-        self._pending.append((counts, chosen, resident_ids, cpu_seconds))
+        ``chosen``: the experts it copied, [E] ids padded with -1 on the counts' device (a captured split's), or None
+        (none). Read by the counters' next access (at the latest every ``PENDING_LIMIT`` calls)."""
+        self._pending.append((counts, chosen, resident_ids))
         if len(self._pending) >= PENDING_LIMIT:
             self._count_pending()
 
@@ -478,17 +479,12 @@ class RoutedExperts:
             return
         empty = np.zeros(0, dtype=np.int64)
         # the one host sync: every call's counts, and the copied ids of those that were given them
-        rows = torch.stack([c.to(torch.int64) for c, *_ in pending] + [c.to(torch.int64) for _, c, *_ in pending
-                                                                        if c is not None]).cpu().numpy()
+        rows = torch.stack([c.to(torch.int64) for c, _, _ in pending] + [c.to(torch.int64) for _, c, _ in pending
+                                                                          if c is not None]).cpu().numpy()
         given = iter(rows[len(pending):])
-        for counts, (_, chosen, ids, seconds) in zip(rows, pending):
+        for counts, (_, chosen, ids) in zip(rows, pending):
             copied = empty if chosen is None else next(given)
-            copied = copied[copied >= 0]
-            resident = self.resident_mask(ids)
-            self._count(counts, copied, resident)
-            if seconds:  # the CPU op of a split made on the device has run (else: not yet, not learned from)
-                cpu_rows, cpu_experts = cpu_side(counts, copied, resident)
-                self.costs.observe_cpu(cpu_rows, cpu_experts, seconds[0])
+            self._count(counts, copied[copied >= 0], self.resident_mask(ids))
 
     def resident_mask(self, resident_ids: Optional[Sequence[int]]) -> Optional[np.ndarray]:
         """[E] bool of the experts ``resident_ids`` (None for none), cached for the list last asked about (the
@@ -512,19 +508,20 @@ class RoutedExperts:
         chosen = choose_device_experts(counts, self.costs, self.bytes_per_expert, self.capacity, resident)
         ids = chosen.numpy()
         self._count(counts, ids, resident)
-        rows, experts = cpu_side(counts, ids, resident)
-        costs = self.costs
-        self._cpu_observe = (lambda seconds: costs.observe_cpu(rows, experts, seconds)) if experts else None
+        self._cpu_call = cpu_side(counts, ids, resident)
         if self.calls is not None:
             self.calls.append(SplitCall.of(counts, ids, resident, self.costs, self.bytes_per_expert))
         return chosen
 
-    def cpu_observer(self) -> Optional[Callable[[float], None]]:
-        """For the CPU op call that follows a split choice (``choose``, or ``split_on_device``): a callable taking
-        that call's seconds, which the costs learn from (``SplitCosts.observe_cpu``; a device choice's when its
-        counts are read); None where no choice is pending or it left the CPU no expert. Each choice is taken once."""
-        observe, self._cpu_observe = self._cpu_observe, None
-        return observe
+    def cpu_observer(self):
+        """For the CPU op call that follows a ``choose``: a callable taking that call's seconds, which the costs
+        learn from (``SplitCosts.observe_cpu``); None where no choice is pending or it left the CPU no expert. Each
+        choice is taken once."""
+        shape, self._cpu_call = self._cpu_call, None
+        if shape is None or shape[1] == 0:
+            return None
+        costs = self.costs
+        return lambda seconds: costs.observe_cpu(shape[0], shape[1], seconds)
 
     def _count(self, counts: np.ndarray, chosen: np.ndarray, resident: Optional[np.ndarray]) -> None:
         hit = counts > 0
@@ -587,54 +584,45 @@ class RoutedExperts:
             return "its packed experts are not page-locked"
         return None
 
-    # An experiment awaiting its device A/B (session 47 wrote it with no device time left to measure it): eager calls
-    # make their split on the device where ``splits_on_device``; off, they choose on the host as before. Turned on by
-    # benchmarks/bench_generate.py's "eager-device-split" prefill variant; the A/B's winner becomes the code.
-    eager_device_split = False
-
-    def splits_on_device(self, hidden: torch.Tensor) -> bool:
-        """Whether an eager call with these hidden states makes its split on the device (``split_on_device``): where
-        a captured prefill could (``captured_split_problem`` None), so that the launching thread reads nothing back
-        per layer and runs ahead of the GPU (with ``eager_device_split`` on). Cached per dtype, device and
-        page-locked experts."""
-        if not self.eager_device_split:
-            return False
-        key = (hidden.dtype, hidden.device, self.layer.pinned_experts)
-        ok = self._device_split_ok.get(key)
-        if ok is None:
-            ok = self._device_split_ok[key] = (hidden.is_cuda and self.capacity > 0
-                                               and self.captured_split_problem(hidden.dtype, hidden.device) is None)
-        return ok
-
-    def split_on_device(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                        counts: torch.Tensor, resident: Optional[torch.Tensor],
-                        resident_ids: Optional[Sequence[int]]) -> tuple:
-        """An eager call's split made as a captured prefill makes it (``captured_split``: the choice, the gather and
-        the grouped kernels on the device, no host sync), from costs refitted to the CPU calls counted so far; the
-        call is counted (``record``) and its CPU op's seconds learned from when its counts are read. Returns
-        ``captured_split``'s (ids for the CPU op, the copied experts' work, the chosen ids)."""
-        self.costs.refit_cpu()
-        cpu_ids, work, chosen = self.captured_split(hidden, topk_ids, topk_weights, counts, resident)
-        seconds: list = []
-        self.record(counts, resident_ids, chosen, cpu_seconds=seconds)
-        self._cpu_observe = seconds.append
-        return cpu_ids, work, chosen
-
-    def device_part(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                    chosen: torch.Tensor, slots: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """hidden [T, H], topk_ids/topk_weights [T, K] on the device; the routed output [T, H] of the experts
-        ``chosen`` (sorted ids, CPU): their packed bytes gathered into the staging (``gather_experts``), then int8
-        blocks read as they are by the grouped kernels (``blocks_kernels_apply``), other formats dequantized there
-        and computed with ``gpu_experts_forward`` (slots of other experts skipped). ``slots``: ``route_for``'s,
-        when the caller has them already."""
+    def gather_ahead(self, chosen: torch.Tensor, device: torch.device, timing: bool = False) -> "GatherAhead":
+        """Starts the copy of the experts ``chosen`` (sorted ids, CPU) into the staging (``gather_experts``) now, on
+        CUDA on a side stream (after the current stream's work: the staging's last reader), so that it runs while
+        the current stream carries on with the CPU op's inputs and the rest of the call; ``device_part`` waits for
+        it. An eager prefill's GPU is otherwise idle from its counts' sync until the gather, while the launching
+        thread routes and submits the CPU op (~0.7 ms a layer, device trace, session 48). ``timing``: a CUDA event
+        recorded before the copy, where the device part is timed (``SplitCall.timed``)."""
         k = chosen.numel()
         if k > self.capacity:
             raise ValueError(f"routed experts: {k} experts chosen, the staging holds {self.capacity}")
-        staging = self.staging
-        device = hidden.device
         if device.type == "cuda" and self.layer.pinned_experts < self.num_experts:
             raise RuntimeError("routed experts: the layer's packed experts are not page-locked; pin_prefix(E) first")
-        views = gather_experts(self.layer, staging, chosen, _to_device(chosen, device))
+        if device.type != "cuda":
+            return GatherAhead(gather_experts(self.layer, self.staging, chosen, _to_device(chosen, device)))
+        side = _side_stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            start = torch.cuda.Event(enable_timing=True) if timing else None
+            if start is not None:
+                start.record(side)
+            views = gather_experts(self.layer, self.staging, chosen, _to_device(chosen, device))
+            done = torch.cuda.Event()
+            done.record(side)
+        return GatherAhead(views, done, start)
+
+    def device_part(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                    chosen: torch.Tensor, slots: Optional[torch.Tensor] = None,
+                    gathered: Optional["GatherAhead"] = None) -> torch.Tensor:
+        """hidden [T, H], topk_ids/topk_weights [T, K] on the device; the routed output [T, H] of the experts
+        ``chosen`` (sorted ids, CPU): their packed bytes gathered into the staging (``gather_experts``; or by
+        ``gather_ahead`` already, ``gathered``), then int8 blocks read as they are by the grouped kernels
+        (``blocks_kernels_apply``), other formats dequantized there and computed with ``gpu_experts_forward``
+        (slots of other experts skipped). ``slots``: ``route_for``'s, when the caller has them already."""
+        k = chosen.numel()
+        staging = self.staging
+        device = hidden.device
+        if gathered is None:
+            gathered = self.gather_ahead(chosen, device)
+        views = gathered.wait(device)
         if slots is None:
             slots = route_for(topk_ids, chosen, self.num_experts)[0]
         blocks = triton_prefill.PackedBlocks(*views)
@@ -646,6 +634,35 @@ class RoutedExperts:
         w13 = dequantize_packed(views[0], views[1], True, hidden.dtype, out=w13_out)
         w2 = dequantize_packed(views[2], views[3], False, hidden.dtype, out=w2_out)
         return gpu_experts_forward(hidden, slots, topk_weights, w13, w2, self.layer.activation, self.kernel)
+
+
+@dataclass
+class GatherAhead:
+    """A gather ``RoutedExperts.gather_ahead`` started: the copied experts' views in the staging, the CUDA event
+    that marks the copy done on its side stream (None on the CPU: done already), and the timing start (or None)."""
+
+    views: tuple
+    done: Optional["torch.cuda.Event"] = None
+    start: Optional["torch.cuda.Event"] = None
+
+    def wait(self, device: torch.device) -> tuple:
+        """The views, once the current stream waits for the copy."""
+        if self.done is not None:
+            torch.cuda.current_stream(device).wait_event(self.done)
+        return self.views
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+    """One side stream a CUDA device for the early gathers (``RoutedExperts.gather_ahead``)."""
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    stream = _SIDE_STREAMS.get(index)
+    if stream is None:
+        stream = _SIDE_STREAMS[index] = torch.cuda.Stream(index)
+    return stream
 
 
 def route_for(topk_ids: torch.Tensor, chosen: torch.Tensor, num_experts: int) -> tuple:
