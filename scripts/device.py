@@ -485,7 +485,7 @@ def step_prefill(r: Runner, p: dict) -> int:
                             "--ktorch-args", *placements])
     if rc == 0 and int(p["rounds"]) > 0:
         rc = r.sh(common + ["--prefill-profile", p["rounds"], *prompts, "--prefill-variants",
-                            *p["variants"].split("/"), "--profile-trace", str(OUT / "ptrace"),
+                            *p["variants"].split("/"), "--profile-trace", str(OUT / f"ptrace-skew{p['skew']}"),
                             "--ktorch-args", *placements])
     return rc
 
