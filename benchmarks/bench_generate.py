@@ -572,9 +572,10 @@ def prefill_profile(args) -> None:
                     self.args = routed, chosen, device
 
                 def wait(self, device):
-                    return ahead(*self.args).wait(device)
+                    return ahead(*self.args, early=False).wait(device)
 
-            RoutedExperts.gather_ahead = lambda self, chosen, device, timing=False: Late(self, chosen, device)
+            RoutedExperts.gather_ahead = lambda self, chosen, device, timing=False, early=True: Late(self, chosen,
+                                                                                                     device)
             stack.callback(setattr, RoutedExperts, "gather_ahead", ahead)
         return stack
 

@@ -584,27 +584,30 @@ class RoutedExperts:
             return "its packed experts are not page-locked"
         return None
 
-    def gather_ahead(self, chosen: torch.Tensor, device: torch.device, timing: bool = False) -> "GatherAhead":
-        """Starts the copy of the experts ``chosen`` (sorted ids, CPU) into the staging (``gather_experts``) now, on
-        CUDA on a side stream (after the current stream's work: the staging's last reader), so that it runs while
-        the current stream carries on with the CPU op's inputs and the rest of the call; ``device_part`` waits for
-        it. An eager prefill's GPU is otherwise idle from its counts' sync until the gather, while the launching
-        thread routes and submits the CPU op (~0.7 ms a layer, device trace, session 48). ``timing``: a CUDA event
-        recorded before the copy, where the device part is timed (``SplitCall.timed``)."""
+    def gather_ahead(self, chosen: torch.Tensor, device: torch.device, timing: bool = False,
+                     early: bool = True) -> "GatherAhead":
+        """Starts the copy of the experts ``chosen`` (sorted ids, CPU) into the staging (``gather_experts``) now;
+        ``device_part`` waits for it. ``early``, on CUDA: on a side stream (after the current stream's work: the
+        staging's last reader) and with programs on half the SMs (``gather_rows``' programs), so that it runs while
+        the current stream carries on with the route and the CPU op's inputs (a copy on every SM held them back
+        until it ended: the CPU op started after the copy, session 48 call 2). An eager prefill's GPU is otherwise
+        idle from its counts' sync until the copy, while the launching thread routes and submits the CPU op (~0.7
+        ms a layer, device trace, session 48 call 1). Not ``early``: on the current stream, one program a chunk.
+        ``timing``: a CUDA event recorded before the copy, where the device part is timed (``SplitCall.timed``)."""
         k = chosen.numel()
         if k > self.capacity:
             raise ValueError(f"routed experts: {k} experts chosen, the staging holds {self.capacity}")
         if device.type == "cuda" and self.layer.pinned_experts < self.num_experts:
             raise RuntimeError("routed experts: the layer's packed experts are not page-locked; pin_prefix(E) first")
-        if device.type != "cuda":
+        if device.type != "cuda" or not early:
             return GatherAhead(gather_experts(self.layer, self.staging, chosen, _to_device(chosen, device)))
-        side = _side_stream(device)
+        side, programs = _side_stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             start = torch.cuda.Event(enable_timing=True) if timing else None
             if start is not None:
                 start.record(side)
-            views = gather_experts(self.layer, self.staging, chosen, _to_device(chosen, device))
+            views = gather_experts(self.layer, self.staging, chosen, _to_device(chosen, device), programs)
             done = torch.cuda.Event()
             done.record(side)
         return GatherAhead(views, done, start)
@@ -621,7 +624,7 @@ class RoutedExperts:
         staging = self.staging
         device = hidden.device
         if gathered is None:
-            gathered = self.gather_ahead(chosen, device)
+            gathered = self.gather_ahead(chosen, device, early=False)
         views = gathered.wait(device)
         if slots is None:
             slots = route_for(topk_ids, chosen, self.num_experts)[0]
@@ -655,14 +658,16 @@ class GatherAhead:
 _SIDE_STREAMS: dict = {}
 
 
-def _side_stream(device: torch.device) -> "torch.cuda.Stream":
-    """One side stream a CUDA device for the early gathers (``RoutedExperts.gather_ahead``)."""
+def _side_stream(device: torch.device) -> tuple:
+    """(one side stream a CUDA device for the early gathers, their programs: half its SMs) for
+    ``RoutedExperts.gather_ahead``."""
     index = torch.device(device).index
     index = torch.cuda.current_device() if index is None else index
-    stream = _SIDE_STREAMS.get(index)
-    if stream is None:
-        stream = _SIDE_STREAMS[index] = torch.cuda.Stream(index)
-    return stream
+    side = _SIDE_STREAMS.get(index)
+    if side is None:
+        sms = torch.cuda.get_device_properties(index).multi_processor_count
+        side = _SIDE_STREAMS[index] = (torch.cuda.Stream(index), max(1, sms // 2))
+    return side
 
 
 def route_for(topk_ids: torch.Tensor, chosen: torch.Tensor, num_experts: int) -> tuple:
@@ -683,7 +688,8 @@ def route_by_slots(topk_ids: torch.Tensor, slot_of: torch.Tensor) -> tuple:
     return slots, torch.where(slots >= 0, -1, topk_ids)
 
 
-def gather_experts(layer: StreamedExperts, staging: DeviceStaging, chosen: torch.Tensor, ids: torch.Tensor) -> tuple:
+def gather_experts(layer: StreamedExperts, staging: DeviceStaging, chosen: torch.Tensor, ids: torch.Tensor,
+                   programs: Optional[int] = None) -> tuple:
     """Queues the copy of ``layer``'s experts ``chosen`` (sorted ids [k], CPU; ``ids`` the same on the staging's
     device) into ``staging.packed``, expert j of the call in row j; returns their views there (``views_in``). On
     CUDA one zero-copy gather launch (ktorch/ops/triton_gather.py: the SMs read the page-locked host bytes through
@@ -696,7 +702,7 @@ def gather_experts(layer: StreamedExperts, staging: DeviceStaging, chosen: torch
         return _copy_expert_runs(layer, staging, chosen, ids)
     views, dsts = staging.views_for(layer, chosen.numel(), words)
     if kernel_runs_on(ids):
-        gather_rows(dsts, words, ids)
+        gather_rows(dsts, words, ids, programs)
     else:
         for dst, src in zip(dsts, words):
             if src is not None:
