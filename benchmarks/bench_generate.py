@@ -437,7 +437,7 @@ def breakdown(args) -> None:
             torch.cuda.empty_cache()
 
 
-PREFILL_VARIANTS = ("default", "sync-per-layer", "eager", "eager-late-gather")
+PREFILL_VARIANTS = ("default", "sync-per-layer", "eager")
 _SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
@@ -519,10 +519,13 @@ def prefill_profile(args) -> None:
     length's third prompt on). Variants:
     ``default`` (what generate runs); ``sync-per-layer`` (the split's
     counts copied to the host at every MoE layer, as before commit 66e74df, whatever the placement); ``eager`` (the
-    captured prefills set aside: what a length's first two prompts run, a one-shot generate's);
-    ``eager-late-gather`` (the same with the eager split's copy launched where it was before session 48: by the
-    device part, after the route and the CPU op's submit, not ``RoutedExperts.gather_ahead`` right after the
-    choice). (Deleted after its
+    captured prefills set aside: what a length's first two prompts run, a one-shot generate's). (Lost to the launch
+    order kept, session 48, H200 host, 12 layers, warm ms at P=512/2048: the eager split's copy launched right
+    after the choice on a side stream (before the route and the CPU op's submit): on every SM it held the CPU op's
+    input copies back until it ended (call 2, skew 0 host memory 97.0/151.2 against 66.4/99.7); on half the SMs
+    (call 3) it started 0.35 ms earlier but its launch delayed the CPU op's inputs, slower in all 8 cells (skew 1.5
+    host 40.9/64.5 against 40.4/59.5, 6GiB 43.4/57.5 against 41.3/53.6; skew 0 72.8/104.9 against 69.2/99.1,
+    63.4/92.5 against 57.3/87.6). Deleted after its
     run here, session 48 call 1, H200 host, 12 layers, warm ms eager / device split: the eager split made on the
     device as a captured one, no host sync a layer, with twice the launches (1361 against 653): skew 1.5 host memory
     P=512/2048 55.1/64.1 against 58.2/57.5, 6GiB 68.9/64.7 against 79.3/83.8; skew 0 host 73.0/97.7 against
@@ -559,24 +562,9 @@ def prefill_profile(args) -> None:
             original = RoutedExperts.copies_possible
             RoutedExperts.copies_possible = lambda self, ids: True
             stack.callback(setattr, RoutedExperts, "copies_possible", original)
-        if variant in ("eager", "eager-late-gather"):  # a prompt length's first prompts, as a one-shot generate
+        if variant == "eager":  # a prompt length's first prompts, as a one-shot generate
             graphs, decoder.prefill_graphs = decoder.prefill_graphs, {}
             stack.callback(setattr, decoder, "prefill_graphs", graphs)
-        if variant == "eager-late-gather":  # the copy started when the device part runs, as before session 48
-            ahead = RoutedExperts.gather_ahead
-
-            class Late:
-                start = None
-
-                def __init__(self, routed, chosen, device):
-                    self.args = routed, chosen, device
-
-                def wait(self, device):
-                    return ahead(*self.args, early=False).wait(device)
-
-            RoutedExperts.gather_ahead = lambda self, chosen, device, timing=False, early=True: Late(self, chosen,
-                                                                                                     device)
-            stack.callback(setattr, RoutedExperts, "gather_ahead", ahead)
         return stack
 
     for extra in args.ktorch_args:

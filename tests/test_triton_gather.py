@@ -137,10 +137,6 @@ def test_kernel_equals_index_select(widths):
     for d, s in zip(dsts, srcs):
         if s is not None:
             assert torch.equal(d, torch.index_select(s, 0, ids))
-    for programs in (1, 3):  # fewer programs than chunks: each copies every programs-th chunk
-        again = [None if d is None else torch.zeros_like(d) for d in dsts]
-        gather_rows(again, srcs, ids, programs=programs)
-        assert all(a is None or torch.equal(a, d) for a, d in zip(again, dsts))
     gather_rows([None if d is None else d[:0] for d in dsts], srcs, ids[:0].to(torch.int32))  # nothing: returns
     # negative ids (a device-made choice padded to the staging's rows): those rows are left as they were
     padded = torch.tensor([4, -1, 9, -1], dtype=torch.int64, device=KERNEL_DEVICE)
@@ -158,8 +154,6 @@ def test_gather_rows_checks_its_arguments():
     out = torch.zeros(2, 8, dtype=torch.int32)
     with pytest.raises(ValueError, match="dsts and srcs must be sequences of one length"):
         gather_rows([out], [a, a], ids)
-    with pytest.raises(ValueError, match="programs must be at least 1, got 0"):
-        gather_rows([out], [a], ids, programs=0)
     with pytest.raises(ValueError, match="ids must be a 1-d int64 or int32"):
         gather_rows([out], [a], ids.float())
     with pytest.raises(ValueError, match=r"dsts\[0\] and srcs\[0\] must both be 2-d"):

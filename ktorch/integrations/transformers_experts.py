@@ -568,22 +568,17 @@ def _split_routed_experts(self: nn.Module, hidden_states, top_k_index, top_k_wei
 
     routed = self.kt_routed
     chosen = routed.choose(counts, routed.resident_mask(getattr(self, "kt_gpu_expert_ids", None)))
-    timing = routed.calls is not None  # a benchmark times the device part (SplitCall)
-    start = None
     if chosen.numel() == 0:
         cpu_ids, routed_work = top_k_index, gpu_work
     else:
-        # the copy first (on a side stream): the largest device work, which needs nothing but the choice
-        gathered = routed.gather_ahead(chosen, hidden_states.device, timing=timing)
-        start = gathered.start
         slots, cpu_ids = route_for(top_k_index, chosen, routed.num_experts)
 
         def routed_work() -> torch.Tensor:
-            out = routed.device_part(hidden_states, top_k_index, top_k_weights, chosen, slots, gathered)
+            out = routed.device_part(hidden_states, top_k_index, top_k_weights, chosen, slots)
             return out if gpu_work is None else out + gpu_work()
 
-    if timing and routed_work is not None:
-        routed_work = routed.calls[-1].timed(routed_work, hidden_states.device, start)
+    if routed.calls is not None and routed_work is not None:  # a benchmark times the device part (SplitCall)
+        routed_work = routed.calls[-1].timed(routed_work, hidden_states.device)
     return cpu_ids, routed_work
 
 

@@ -186,21 +186,16 @@ class SplitCall:
                    float(costs.cpu_seconds(cpu_rows, cpu_experts)),
                    float(costs.device_seconds(chosen.size, device_rows, bytes_per_expert)))
 
-    def timed(self, work, device: torch.device, start: Optional["torch.cuda.Event"] = None):
+    def timed(self, work, device: torch.device):
         """``work`` (the call's device part, a callable) timed when it runs: CUDA events on the current stream around
-        it (read after a sync; from ``start`` where given: the early gather's, recorded before it), or the wall
-        time on the CPU."""
+        it (read after a sync), or the wall time on the CPU."""
         def run():
             if device.type == "cuda":
-                end = torch.cuda.Event(enable_timing=True)
-                if start is None:
-                    first = torch.cuda.Event(enable_timing=True)
-                    first.record()
-                else:
-                    first = start
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
                 out = work()
                 end.record()
-                self.device_timing = (first, end)
+                self.device_timing = (start, end)
                 return out
             t0 = time.perf_counter()
             out = work()
@@ -584,48 +579,21 @@ class RoutedExperts:
             return "its packed experts are not page-locked"
         return None
 
-    def gather_ahead(self, chosen: torch.Tensor, device: torch.device, timing: bool = False,
-                     early: bool = True) -> "GatherAhead":
-        """Starts the copy of the experts ``chosen`` (sorted ids, CPU) into the staging (``gather_experts``) now;
-        ``device_part`` waits for it. ``early``, on CUDA: on a side stream (after the current stream's work: the
-        staging's last reader) and with programs on half the SMs (``gather_rows``' programs), so that it runs while
-        the current stream carries on with the route and the CPU op's inputs (a copy on every SM held them back
-        until it ended: the CPU op started after the copy, session 48 call 2). An eager prefill's GPU is otherwise
-        idle from its counts' sync until the copy, while the launching thread routes and submits the CPU op (~0.7
-        ms a layer, device trace, session 48 call 1). Not ``early``: on the current stream, one program a chunk.
-        ``timing``: a CUDA event recorded before the copy, where the device part is timed (``SplitCall.timed``)."""
+    def device_part(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                    chosen: torch.Tensor, slots: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """hidden [T, H], topk_ids/topk_weights [T, K] on the device; the routed output [T, H] of the experts
+        ``chosen`` (sorted ids, CPU): their packed bytes gathered into the staging (``gather_experts``), then int8
+        blocks read as they are by the grouped kernels (``blocks_kernels_apply``), other formats dequantized there
+        and computed with ``gpu_experts_forward`` (slots of other experts skipped). ``slots``: ``route_for``'s,
+        when the caller has them already."""
         k = chosen.numel()
         if k > self.capacity:
             raise ValueError(f"routed experts: {k} experts chosen, the staging holds {self.capacity}")
-        if device.type == "cuda" and self.layer.pinned_experts < self.num_experts:
-            raise RuntimeError("routed experts: the layer's packed experts are not page-locked; pin_prefix(E) first")
-        if device.type != "cuda" or not early:
-            return GatherAhead(gather_experts(self.layer, self.staging, chosen, _to_device(chosen, device)))
-        side, programs = _side_stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            start = torch.cuda.Event(enable_timing=True) if timing else None
-            if start is not None:
-                start.record(side)
-            views = gather_experts(self.layer, self.staging, chosen, _to_device(chosen, device), programs)
-            done = torch.cuda.Event()
-            done.record(side)
-        return GatherAhead(views, done, start)
-
-    def device_part(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                    chosen: torch.Tensor, slots: Optional[torch.Tensor] = None,
-                    gathered: Optional["GatherAhead"] = None) -> torch.Tensor:
-        """hidden [T, H], topk_ids/topk_weights [T, K] on the device; the routed output [T, H] of the experts
-        ``chosen`` (sorted ids, CPU): their packed bytes gathered into the staging (``gather_experts``; or by
-        ``gather_ahead`` already, ``gathered``), then int8 blocks read as they are by the grouped kernels
-        (``blocks_kernels_apply``), other formats dequantized there and computed with ``gpu_experts_forward``
-        (slots of other experts skipped). ``slots``: ``route_for``'s, when the caller has them already."""
-        k = chosen.numel()
         staging = self.staging
         device = hidden.device
-        if gathered is None:
-            gathered = self.gather_ahead(chosen, device, early=False)
-        views = gathered.wait(device)
+        if device.type == "cuda" and self.layer.pinned_experts < self.num_experts:
+            raise RuntimeError("routed experts: the layer's packed experts are not page-locked; pin_prefix(E) first")
+        views = gather_experts(self.layer, staging, chosen, _to_device(chosen, device))
         if slots is None:
             slots = route_for(topk_ids, chosen, self.num_experts)[0]
         blocks = triton_prefill.PackedBlocks(*views)
@@ -637,37 +605,6 @@ class RoutedExperts:
         w13 = dequantize_packed(views[0], views[1], True, hidden.dtype, out=w13_out)
         w2 = dequantize_packed(views[2], views[3], False, hidden.dtype, out=w2_out)
         return gpu_experts_forward(hidden, slots, topk_weights, w13, w2, self.layer.activation, self.kernel)
-
-
-@dataclass
-class GatherAhead:
-    """A gather ``RoutedExperts.gather_ahead`` started: the copied experts' views in the staging, the CUDA event
-    that marks the copy done on its side stream (None on the CPU: done already), and the timing start (or None)."""
-
-    views: tuple
-    done: Optional["torch.cuda.Event"] = None
-    start: Optional["torch.cuda.Event"] = None
-
-    def wait(self, device: torch.device) -> tuple:
-        """The views, once the current stream waits for the copy."""
-        if self.done is not None:
-            torch.cuda.current_stream(device).wait_event(self.done)
-        return self.views
-
-
-_SIDE_STREAMS: dict = {}
-
-
-def _side_stream(device: torch.device) -> tuple:
-    """(one side stream a CUDA device for the early gathers, their programs: half its SMs) for
-    ``RoutedExperts.gather_ahead``."""
-    index = torch.device(device).index
-    index = torch.cuda.current_device() if index is None else index
-    side = _SIDE_STREAMS.get(index)
-    if side is None:
-        sms = torch.cuda.get_device_properties(index).multi_processor_count
-        side = _SIDE_STREAMS[index] = (torch.cuda.Stream(index), max(1, sms // 2))
-    return side
 
 
 def route_for(topk_ids: torch.Tensor, chosen: torch.Tensor, num_experts: int) -> tuple:
@@ -688,8 +625,7 @@ def route_by_slots(topk_ids: torch.Tensor, slot_of: torch.Tensor) -> tuple:
     return slots, torch.where(slots >= 0, -1, topk_ids)
 
 
-def gather_experts(layer: StreamedExperts, staging: DeviceStaging, chosen: torch.Tensor, ids: torch.Tensor,
-                   programs: Optional[int] = None) -> tuple:
+def gather_experts(layer: StreamedExperts, staging: DeviceStaging, chosen: torch.Tensor, ids: torch.Tensor) -> tuple:
     """Queues the copy of ``layer``'s experts ``chosen`` (sorted ids [k], CPU; ``ids`` the same on the staging's
     device) into ``staging.packed``, expert j of the call in row j; returns their views there (``views_in``). On
     CUDA one zero-copy gather launch (ktorch/ops/triton_gather.py: the SMs read the page-locked host bytes through
@@ -702,7 +638,7 @@ def gather_experts(layer: StreamedExperts, staging: DeviceStaging, chosen: torch
         return _copy_expert_runs(layer, staging, chosen, ids)
     views, dsts = staging.views_for(layer, chosen.numel(), words)
     if kernel_runs_on(ids):
-        gather_rows(dsts, words, ids, programs)
+        gather_rows(dsts, words, ids)
     else:
         for dst, src in zip(dsts, words):
             if src is not None:

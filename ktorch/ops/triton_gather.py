@@ -11,15 +11,14 @@ GPU's SMs read the host bytes themselves, over the bus, through a CUDA alias of 
 
 Layout: each source ``[E, W_i]`` and destination ``[k, W_i]`` hold one expert's packed bytes a row as W_i words of
 1, 2, 4 or 8 bytes (``word_dtype``: the widest whose size divides the row's bytes and the addresses), rows
-contiguous; ``ids`` [k] int64 (or int32) expert ids on the destinations' device. Items: (j, chunk), a chunk
-``BLOCK`` words of one tensor's row (the four tensors' chunks numbered one after another), one program an item or,
-given ``programs``, each program every programs-th item; a copy, so the destination holds the source's exact bits.
-Nothing is read from rows not in ``ids``.
+contiguous; ``ids`` [k] int64 (or int32) expert ids on the destinations' device. Programs: (chunk, j), a chunk
+``BLOCK`` words of one tensor's row (the four tensors' chunks numbered one after another along axis 0); a copy, so
+the destination holds the source's exact bits. Nothing is read from rows not in ``ids``.
 
 Limits: ids in [0, E) (not checked on the device: an id out of range reads past the source), or negative: that
-destination row is skipped (``routed_experts.choose_on_device``'s choice, padded with -1 to the staging's rows);
-fewer than 2**31 chunks; CUDA tensors (sources: aliases of page-locked host memory or device memory), or CPU
-tensors under Triton's interpreter (TRITON_INTERPRET=1, for tests). Triton is imported if present, so this module imports anywhere and
+destination row is skipped (``routed_experts.choose_on_device``'s choice, padded with -1 to the staging's rows); k <= 65535 (grid axis
+1); CUDA tensors (sources: aliases of page-locked host memory or device memory), or CPU tensors under Triton's
+interpreter (TRITON_INTERPRET=1, for tests). Triton is imported if present, so this module imports anywhere and
 ``gather_rows`` fails on use with a clear error.
 
 Aliases (``host_alias``): on a system with unified virtual addressing, memory page-locked with ``cudaHostAlloc``
@@ -107,32 +106,28 @@ if triton is not None:
         tl.store(dst + j * W + offs, words, mask=live)
 
     @triton.jit
-    def _gather_rows(ids, s0, d0, w0, s1, d1, w1, s2, d2, w2, s3, d3, w3, end0, end1, end2, total, items,
+    def _gather_rows(ids, s0, d0, w0, s1, d1, w1, s2, d2, w2, s3, d3, w3, end0, end1, end2,
                      BLOCK: tl.constexpr):
-        # item f = j * total + c: chunk c of row j, the chunks of tensor 0's row first, then tensor 1's, ... (end_i:
-        # the chunks before tensor i + 1's); program p copies items p, p + programs, ...
-        for f in range(tl.program_id(0), items, tl.num_programs(0)):
-            j = (f // total).to(tl.int64)
-            c = f % total
-            e = tl.load(ids + j).to(tl.int64)
-            if e >= 0:  # a negative id: the row is left as it is (a device-made choice padded to the staging's rows)
-                if c < end0:
-                    _copy_chunk(s0, d0, e, j, c, w0, BLOCK)
-                elif c < end1:
-                    _copy_chunk(s1, d1, e, j, c - end0, w1, BLOCK)
-                elif c < end2:
-                    _copy_chunk(s2, d2, e, j, c - end1, w2, BLOCK)
-                else:
-                    _copy_chunk(s3, d3, e, j, c - end2, w3, BLOCK)
+        # axis 0: the chunks of tensor 0's row, then tensor 1's, ... (end_i: the chunks before tensor i + 1's)
+        pid = tl.program_id(0)
+        j = tl.program_id(1).to(tl.int64)
+        e = tl.load(ids + j).to(tl.int64)
+        if e >= 0:  # a negative id: the row is left as it is (a device-made choice padded to the staging's rows)
+            if pid < end0:
+                _copy_chunk(s0, d0, e, j, pid, w0, BLOCK)
+            elif pid < end1:
+                _copy_chunk(s1, d1, e, j, pid - end0, w1, BLOCK)
+            elif pid < end2:
+                _copy_chunk(s2, d2, e, j, pid - end1, w2, BLOCK)
+            else:
+                _copy_chunk(s3, d3, e, j, pid - end2, w3, BLOCK)
 
 
 def gather_rows(dsts: Sequence[Optional[torch.Tensor]], srcs: Sequence[Optional[torch.Tensor]],
-                ids: torch.Tensor, programs: Optional[int] = None) -> None:
+                ids: torch.Tensor) -> None:
     """dsts[i] [k, W_i] and srcs[i] [E_i, W_i] word tensors (None pairs skipped; up to 4 pairs), ids [k] int64 or
     int32 on the destinations' device: ``dsts[i][j] = srcs[i][ids[j]]`` for every pair, in one launch on the current
-    stream. Rows contiguous; each pair of one word dtype. Raises ValueError naming the argument otherwise.
-    ``programs``: at most this many programs, each copying every programs-th chunk (None: one a chunk), so that the
-    copy leaves SMs to kernels of other streams."""
+    stream. Rows contiguous; each pair of one word dtype. Raises ValueError naming the argument otherwise."""
     if len(dsts) != len(srcs) or not 1 <= len(dsts) <= MAX_TENSORS:
         raise ValueError(f"gather_rows: dsts and srcs must be sequences of one length in 1..{MAX_TENSORS}, got "
                          f"{len(dsts)} and {len(srcs)}")
@@ -159,8 +154,8 @@ def gather_rows(dsts: Sequence[Optional[torch.Tensor]], srcs: Sequence[Optional[
         pairs.append((src, dst))
     if not pairs or k == 0:
         return
-    if programs is not None and programs < 1:
-        raise ValueError(f"gather_rows: programs must be at least 1, got {programs}")
+    if k > 65535:
+        raise ValueError(f"gather_rows: at most 65535 rows (grid axis 1), got {k}")
     if triton is None:
         raise RuntimeError("gather_rows: Triton is not installed")
     if not kernel_runs_on(ids):
@@ -175,8 +170,4 @@ def gather_rows(dsts: Sequence[Optional[torch.Tensor]], srcs: Sequence[Optional[
     while len(ends) < MAX_TENSORS:  # unused slots: no chunks (any pointer of a used pair's type)
         args += [pairs[0][0], pairs[0][1], 1]
         ends.append(total)
-    items = total * k
-    if items >= 2**31:
-        raise ValueError(f"gather_rows: {items} chunks of {BLOCK} words, at most 2**31 - 1")
-    grid = items if programs is None else min(items, programs)
-    _gather_rows[(grid,)](ids, *args, *ends[:MAX_TENSORS - 1], total, items, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    _gather_rows[(total, k)](ids, *args, *ends[:MAX_TENSORS - 1], BLOCK=BLOCK, num_warps=NUM_WARPS)
