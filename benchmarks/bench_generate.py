@@ -28,6 +28,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Optional
@@ -441,6 +442,49 @@ PREFILL_VARIANTS = ("default", "sync-per-layer", "eager")
 _SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
+_HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+               "cudaMemcpyAsync")
+
+
+def layer_anatomy(events: list) -> Optional[dict]:
+    """What bounds an eager split prefill, from its profiled Chrome trace's ``traceEvents``: per MoE layer (from one
+    split's counts read to the host to the next: their device-to-pageable copies), in ms: ``period``; ``gpu_busy``
+    (its kernels and copies, as a union); ``to_copy`` (the GPU idle from the counts' read to the split's copy,
+    ``_gather_rows``, while the launching thread chooses, routes and submits); ``copy``; ``cpu_wait`` (the GPU's
+    wait kernel holding the stream for the CPU op); ``host_blocked`` (the launching thread's wait in the call that
+    reads the counts). Medians over the layers, ``layers`` their number, and ``bound``: the largest of the GPU's
+    own work (busy less the CPU op's wait), the CPU op (``cpu_wait``) and the launching thread (the GPU idle: period
+    less busy). None without two such reads (no host split: every expert resident, a captured prefill, the CPU)."""
+    import statistics
+
+    device = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e),
+                    key=lambda e: e["ts"])
+    marks = [e for e in device if e.get("name") == "Memcpy DtoH (Device -> Pageable)"]
+    waits = [e for e in events if e.get("cat") == "cuda_runtime" and e.get("name") in _HOST_WAITS and "dur" in e]
+    if len(marks) < 2:
+        return None
+    rows = []
+    for a, b in zip(marks, marks[1:]):
+        read = a["ts"] + a["dur"]
+        inside = [e for e in device if read <= e["ts"] < b["ts"]]
+        copies = [e for e in inside if e["name"] == "_gather_rows"]
+        rows.append({
+            "period": (b["ts"] - a["ts"]) / 1e3,
+            "gpu_busy": _busy_ms([(e["ts"], e["ts"] + e["dur"]) for e in [a, *inside]]),
+            "to_copy": (copies[0]["ts"] - read) / 1e3 if copies else 0.0,
+            "copy": sum(e["dur"] for e in copies) / 1e3,
+            "cpu_wait": sum(e["dur"] for e in inside if e["name"] == "_wait_kernel") / 1e3,
+            # the host call that returned once the counts were read: it spans the copy's end
+            "host_blocked": max((w["dur"] for w in waits if w["ts"] <= read <= w["ts"] + w["dur"]), default=0) / 1e3,
+        })
+    out = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    out["layers"] = len(rows)
+    shares = {"the GPU's work": out["gpu_busy"] - out["cpu_wait"], "the CPU op": out["cpu_wait"],
+              "the launching thread": out["period"] - out["gpu_busy"]}
+    out["bound"] = max(shares, key=shares.get)
+    return out
+
+
 def _busy_ms(intervals: list) -> float:
     """The union of [start, end) intervals (us), in ms."""
     total, end = 0.0, None
@@ -642,18 +686,30 @@ def prefill_profile(args) -> None:
                         launches = sum(k.count for k in prof.key_averages()
                                        if k.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
                                                     "cudaLaunchKernelExC"))
-                        if args.profile_trace and variant == args.prefill_variants[0] and P == min(args.prompts):
-                            import gzip
-
-                            path = f"{args.profile_trace}.{re.sub(r'[^A-Za-z0-9]+', '_', label)}.P{P}.json"
+                        anatomy = None
+                        with tempfile.TemporaryDirectory() as tmp:
+                            path = os.path.join(tmp, "trace.json")
                             prof.export_chrome_trace(path)
-                            with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as g:
-                                g.write(f.read())
-                            os.remove(path)
-                            print(f"[prefill {label}] trace: {path}.gz", flush=True)
+                            if device.type == "cuda":
+                                with open(path) as f:
+                                    anatomy = layer_anatomy(json.load(f)["traceEvents"])
+                            if (args.profile_trace and variant == args.prefill_variants[0]
+                                    and P == min(args.prompts)):
+                                import gzip
+
+                                dest = f"{args.profile_trace}.{re.sub(r'[^A-Za-z0-9]+', '_', label)}.P{P}.json.gz"
+                                with open(path, "rb") as f, gzip.open(dest, "wb") as g:
+                                    g.write(f.read())
+                                print(f"[prefill {label}] trace: {dest}", flush=True)
                         print(f"[prefill {label}] {variant:16s} P={P} profiled: wall {1e3 * wall:.1f} ms, GPU busy "
                               f"{_busy_ms(gpu):.1f} ms, {len(gpu)} GPU kernels/copies, {launches} launches, "
                               f"{syncs} synchronizing calls", flush=True)
+                        if anatomy is not None:
+                            print(f"[prefill {label}] {variant:16s} P={P} a layer (median of {anatomy['layers']}): "
+                                  f"{anatomy['period']:.2f} ms, GPU busy {anatomy['gpu_busy']:.2f}, GPU idle before "
+                                  f"the copy {anatomy['to_copy']:.2f}, copy {anatomy['copy']:.2f}, GPU waiting for "
+                                  f"the CPU op {anatomy['cpu_wait']:.2f}, launching thread waiting "
+                                  f"{anatomy['host_blocked']:.2f}: bound by {anatomy['bound']}", flush=True)
                         top = sorted(prof.key_averages(), key=lambda k: -k.device_time_total)[:8]
                         for k in top:
                             if k.device_time_total > 0:

@@ -84,6 +84,45 @@ def test_prefill_profile_times_each_variant_and_profiles_one_prefill(gguf, capsy
     assert any(e.get("name", "").startswith("aten::") for e in events)
 
 
+def _layer_events(t0: float, launch_wait: float, cpu_wait: float, host_blocked: float) -> tuple:
+    """One split layer of a trace (us): the counts' read (10), the launching thread's wait for it, the GPU idle
+    ``launch_wait``, the copy (1000), the grouped kernel (200), the wait kernel ``cpu_wait``, attention (300); the
+    next layer's read follows. Returns (events, the next read's time)."""
+    read = {"cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pageable)", "ts": t0, "dur": 10}
+    sync = {"cat": "cuda_runtime", "name": "cudaMemcpyAsync", "ts": t0 + 10 - host_blocked, "dur": host_blocked}
+    t = t0 + 10 + launch_wait
+    events = [read, sync]
+    for name, dur in (("_gather_rows", 1000), ("_gate_up_grouped", 200), ("_wait_kernel", cpu_wait),
+                      ("flash_fwd_kernel", 300)):
+        events.append({"cat": "kernel", "name": name, "ts": t, "dur": dur})
+        t += dur
+    events.append({"cat": "cpu_op", "name": "aten::linear", "ts": t0 + 50, "dur": 40})  # host ops: not the GPU's
+    return events, t
+
+
+def test_layer_anatomy_names_what_bounds_each_layer():
+    """Per layer from one counts read to the next: period, GPU busy, the GPU idle before the copy, the copy, the
+    GPU's wait for the CPU op, the launching thread's wait at the read; the bound is the largest of the GPU's own
+    work, the CPU op and the GPU's idle time (the launching thread). Medians over the layers; None without a split."""
+    for launch_wait, cpu_wait, host_blocked, bound in ((2000, 0, 30, "the launching thread"),
+                                                       (100, 3000, 800, "the CPU op"),
+                                                       (100, 0, 900, "the GPU's work")):
+        events, t = [], 0.0
+        for _ in range(4):
+            layer, t = _layer_events(t, launch_wait, cpu_wait, host_blocked)
+            events += layer
+        events.append({"cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pageable)", "ts": t, "dur": 10})
+        a = bench.layer_anatomy(events)
+        period = 10 + launch_wait + 1500 + cpu_wait
+        assert a["layers"] == 4 and a["bound"] == bound, a
+        assert a["period"] == pytest.approx(period / 1e3)
+        assert a["gpu_busy"] == pytest.approx((10 + 1500 + cpu_wait) / 1e3)
+        assert a["to_copy"] == pytest.approx(launch_wait / 1e3) and a["copy"] == pytest.approx(1.0)
+        assert a["cpu_wait"] == pytest.approx(cpu_wait / 1e3)
+        assert a["host_blocked"] == pytest.approx(host_blocked / 1e3)
+    assert bench.layer_anatomy(_layer_events(0.0, 100, 0, 10)[0]) is None  # one read: no layer between two
+
+
 def test_split_model_line_sums_predicted_against_measured():
     """The split's cost model against a prefill: sums of the predicted and measured seconds per side, per-call ratios
     (median/min/max) and the predicted CPU time's terms, by hand from three calls."""
