@@ -43,6 +43,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -348,13 +349,18 @@ class DeviceStaging:
         self.w13 = torch.empty(dequantized, two_i, h, dtype=dtype, device=device)
         self.w2 = torch.empty(dequantized, h, two_i // 2, dtype=dtype, device=device)
         self._views: dict = {}  # (k, a layer's layout) -> (views_in's views, their [k, W] word views): views_for
+        self._layouts: dict = {}  # id(layer) -> (a weak reference to it, its layout): views_for
 
     def views_for(self, layer: StreamedExperts, k: int, words: Sequence[Optional[torch.Tensor]]) -> tuple:
         """(``layer.views_in(self.packed, k)``, the same views as [k, W] words of ``words``' dtypes (the layer's
         ``gather_sources``)): made once per k and layout (the layers of a model share them), since a call's few
         microseconds of view ops add up over the layers of a launch-bound prefill."""
-        key = (k, tuple(None if t is None else (t.dtype, tuple(t.shape[1:]), w.dtype)
-                        for t, w in zip(layer.tensors, words)))
+        known = self._layouts.get(id(layer))
+        if known is None or known[0]() is not layer:  # a layer's layout is the same every call (its words too)
+            layout = tuple(None if t is None else (t.dtype, tuple(t.shape[1:]), w.dtype)
+                           for t, w in zip(layer.tensors, words))
+            known = self._layouts[id(layer)] = (weakref.ref(layer), layout)
+        key = (k, known[1])
         made = self._views.get(key)
         if made is None:
             views = layer.views_in(self.packed, k)
@@ -411,6 +417,7 @@ class RoutedExperts:
         # what the costs predicted, and the device part's time measured (``SplitCall.timed``)
         self.calls: Optional[list] = None
         self._cpu_call: Optional[tuple] = None  # (rows, experts) the latest choice left the CPU op (cpu_observer)
+        self._blocks_apply: dict = {}  # (dtype, device, on the kernels' device, tile) -> blocks_kernels_apply's answer
 
     # The counters below are read rarely (after a prefill, by the residents' swaps and the statistics); a call that
     # copies nothing records its counts on the device (``record``) and they are added here on the first read after,
@@ -598,7 +605,12 @@ class RoutedExperts:
             slots = route_for(topk_ids, chosen, self.num_experts)[0]
         blocks = triton_prefill.PackedBlocks(*views)
         tile = triton_prefill.tile_for(topk_ids.numel() / self.num_experts)
-        if self.blocks_kernels_apply(hidden, blocks, tile):  # int8 codes: read as copied, no dequantized copy
+        # the layer's formats and kernel are fixed: asked once per dtype, device (and whether Triton interprets) and tile
+        applies_key = (hidden.dtype, hidden.device, triton_prefill.on_kernel_device(hidden), tile)
+        applies = self._blocks_apply.get(applies_key)
+        if applies is None:
+            applies = self._blocks_apply[applies_key] = self.blocks_kernels_apply(hidden, blocks, tile)
+        if applies:  # int8 codes: read as copied, no dequantized copy
             return triton_prefill.triton_grouped_forward(hidden, slots, topk_weights, blocks, self.layer.activation,
                                                          tile)
         w13_out, w2_out = staging.dequantized_out(k, hidden.dtype)

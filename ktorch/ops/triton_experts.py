@@ -71,6 +71,19 @@ def triton_available() -> bool:
     return triton is not None
 
 
+# Host-side grid and block sizes in plain integers: recent Triton makes ``triton.cdiv`` and
+# ``triton.next_power_of_2`` constexpr functions whose host call costs ~11 us each (Triton 3.9 here), several a layer
+# on an eager prefill's launching thread, which bounds it (docs/prefill_streaming.md).
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for integers, b > 0."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
 def interpreting() -> bool:
     """Whether Triton runs kernels in its interpreter (Triton's own TRITON_INTERPRET=1): then they take CPU tensors."""
     if triton is None:

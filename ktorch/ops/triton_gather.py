@@ -35,7 +35,7 @@ from typing import Optional, Sequence
 
 import torch  # no "from __future__ import annotations": Triton reads the tl.constexpr annotations
 
-from ktorch.ops.triton_experts import interpreting, kernel_runs_on, triton, triton_available  # noqa: F401
+from ktorch.ops.triton_experts import cdiv, interpreting, kernel_runs_on, triton, triton_available  # noqa: F401
 
 MAX_TENSORS = 4  # w13, w13_scales, w2, w2_scales
 BLOCK = 2048  # words a program (16 KiB of int64 words): 8 words a thread at 8 warps, loads of 16 bytes
@@ -165,7 +165,7 @@ def gather_rows(dsts: Sequence[Optional[torch.Tensor]], srcs: Sequence[Optional[
     for src, dst in pairs:
         W = src.shape[1]
         args += [src, dst, W]
-        total += triton.cdiv(W, BLOCK)
+        total += cdiv(W, BLOCK)
         ends.append(total)
     while len(ends) < MAX_TENSORS:  # unused slots: no chunks (any pointer of a used pair's type)
         args += [pairs[0][0], pairs[0][1], 1]

@@ -23,7 +23,8 @@ there; ``generate``'s caches are sized for the whole generation). One program: m
 
 import torch  # no "from __future__ import annotations": Triton reads the tl.constexpr annotations
 
-from ktorch.ops.triton_experts import interpreting, kernel_runs_on, triton, triton_available  # noqa: F401
+from ktorch.ops.triton_experts import (interpreting, kernel_runs_on, next_power_of_2, triton,  # noqa: F401
+                                      triton_available)
 
 MAX_HEAD_DIM = 1024
 MAX_ROWS = 4096  # B * Hkv * S: one program copies them all (a decode step: Hkv rows)
@@ -110,5 +111,5 @@ def write_kv_rows(keys: torch.Tensor, values: torch.Tensor, key_states: torch.Te
         value_states = value_states.contiguous()
     rows = B * H * S
     _kv_write[(1,)](key_states, value_states, keys, values, cumulative_length, H, S, L, *key_states.stride()[:3],
-                    *value_states.stride()[:3], DK, DV, ROWS=rows, BLOCK_R=min(triton.next_power_of_2(rows), ROW_TILE),
-                    BLOCK_DK=triton.next_power_of_2(DK), BLOCK_DV=triton.next_power_of_2(DV), num_warps=4)
+                    *value_states.stride()[:3], DK, DV, ROWS=rows, BLOCK_R=min(next_power_of_2(rows), ROW_TILE),
+                    BLOCK_DK=next_power_of_2(DK), BLOCK_DV=next_power_of_2(DV), num_warps=4)

@@ -35,7 +35,8 @@ from typing import NamedTuple, Optional
 
 import torch  # no "from __future__ import annotations": Triton reads the tl.constexpr annotations
 
-from ktorch.ops.triton_experts import _ACT_CODES, on_kernel_device, row_format, triton, triton_available
+from ktorch.ops.triton_experts import (_ACT_CODES, next_power_of_2, on_kernel_device, row_format, triton,
+                                      triton_available)
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by the average (token, slot) rows an expert gets. Measured
 # (benchmarks/bench_resident_prefill.py --tiles, one Qwen3-30B-A3B layer, 128 int8 residents with a scale per 32,
@@ -296,7 +297,7 @@ def align_by_expert(slots: torch.Tensor, n: int, block_m: int) -> tuple:
     T, K = slots.shape
     R = T * K
     capacity = -(-(R + min(n, R) * (block_m - 1)) // block_m) * block_m
-    n_pad = max(triton.next_power_of_2(n + 1), ALIGN_MIN_PAD)  # one compiled variant for any n below it
+    n_pad = max(next_power_of_2(n + 1), ALIGN_MIN_PAD)  # one compiled variant for any n below it
     n_blocks = max(1, -(-R // ALIGN_ROWS))
     flat = slots.contiguous().view(-1)
     scratch = torch.empty(2, n_blocks, n_pad, dtype=torch.int32, device=slots.device)
@@ -374,10 +375,11 @@ def _shapes(rows) -> tuple:
     return tuple(rows.w13.shape)
 
 
-def _formats(rows, block_k: int) -> tuple:
-    """(w13's, w2's) ``_tile_mode`` (None where the kernels do not take it) for either layout."""
+def _formats(rows, block_k: int, floated: bool = False) -> tuple:
+    """(w13's, w2's) ``_tile_mode`` (None where the kernels do not take it) for either layout; ``floated``: packed
+    blocks' scales made float already (``_float_scales``)."""
     if isinstance(rows, PackedBlocks):
-        rows = _float_scales(rows)
+        rows = rows if floated else _float_scales(rows)
         return (_blocks_format(rows.w13, rows.w13_scales, rows.w13.shape[2] * 4, block_k),
                 _blocks_format(rows.w2, rows.w2_scales, rows.w2.shape[2] * 4, block_k))
     if rows.w13.dtype != torch.int8 or rows.w2.dtype != torch.int8:
@@ -470,7 +472,7 @@ def triton_grouped_forward(hidden: torch.Tensor, slots: torch.Tensor, topk_weigh
         raise ValueError(f"triton_grouped_forward: hidden [T, H={H}], slots/topk_weights [T, K]; got "
                          f"{tuple(hidden.shape)}, {tuple(slots.shape)}, {tuple(topk_weights.shape)}")
     bm, bn, bk, nw, ns = tile or tile_for(T * K / n)
-    f13, f2 = _formats(rows, bk)
+    f13, f2 = _formats(rows, bk, floated=packed)
     if f13 is None or f2 is None:
         raise ValueError(f"triton_grouped_forward: the scale groups of w13 and w2 must divide or be divided by "
                          f"block_k={bk} (int8 codes, float32{' or float16' if packed else ''} scales)")

@@ -32,7 +32,8 @@ from typing import Optional
 
 import torch  # no "from __future__ import annotations": Triton reads the tl.constexpr annotations
 
-from ktorch.ops.triton_experts import interpreting, kernel_runs_on, triton, triton_available  # noqa: F401
+from ktorch.ops.triton_experts import (interpreting, kernel_runs_on, next_power_of_2, triton,  # noqa: F401
+                                      triton_available)
 
 MAX_EXPERTS = 1024  # a row's logits sit in one program's registers (BLOCK_E = E rounded up to a power of two)
 MAX_TOP_K = 32  # K rounds of two reductions each; routers take 1 to 16
@@ -103,11 +104,11 @@ def _router_topk_op(logits: torch.Tensor, k: int, renormalize: bool, out_dtype: 
         return w, ids
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    block_e = triton.next_power_of_2(E)
+    block_e = next_power_of_2(E)
     # one warp holds up to 256 probabilities in 8 registers a thread, with no shared-memory round in the reductions
     num_warps = 1 if block_e <= 256 else (2 if block_e <= 512 else 4)
     _router_topk[(T,)](logits, w, ids, E, logits.stride(0), K=k, RENORM=bool(renormalize), BLOCK_E=block_e,
-                       BLOCK_K=triton.next_power_of_2(k), num_warps=num_warps)
+                       BLOCK_K=next_power_of_2(k), num_warps=num_warps)
     return w, ids
 
 

@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch  # no "from __future__ import annotations": Triton reads the tl.constexpr annotations
 
-from ktorch.ops.triton_experts import kernel_runs_on, triton  # noqa: F401
+from ktorch.ops.triton_experts import cdiv, kernel_runs_on, triton  # noqa: F401
 
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -182,7 +182,7 @@ def pair_expand(u: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, strides: tu
     if P == 0 or m == 0:
         return out
     block_m = min(128, _pow2_at_least(m))
-    _pair_expand[(triton.cdiv(P, 32), triton.cdiv(m, block_m))](u, ids, w, out, P, m, *strides, R=R, BLOCK_P=32,
+    _pair_expand[(cdiv(P, 32), cdiv(m, block_m))](u, ids, w, out, P, m, *strides, R=R, BLOCK_P=32,
                                                                 BLOCK_M=block_m, num_warps=4)
     return out
 
@@ -198,7 +198,7 @@ def pair_contract(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, strides: 
         return out
     rp = _pow2_at_least(r)
     block_m = max(16, min(64, 512 // rp))
-    _pair_contract[(triton.cdiv(P, 16),)](x, ids, w, out, P, m, rows, *strides, R=r, RP=rp, BLOCK_P=16,
+    _pair_contract[(cdiv(P, 16),)](x, ids, w, out, P, m, rows, *strides, R=r, RP=rp, BLOCK_P=16,
                                           BLOCK_M=block_m, num_warps=4)
     return out
 
@@ -217,7 +217,7 @@ def segment_outer(a: torch.Tensor, b: torch.Tensor, order: torch.Tensor, offs: t
         return out
     rp = _pow2_at_least(R)
     block_m = max(16, min(128, 1024 // rp))
-    _segment_outer[(E, triton.cdiv(m, block_m))](a, b, order, offs, out, m, rows, *strides, R=R, RP=rp,
+    _segment_outer[(E, cdiv(m, block_m))](a, b, order, offs, out, m, rows, *strides, R=R, RP=rp,
                                                  BLOCK_P=16, BLOCK_M=block_m, num_warps=4)
     return out
 
