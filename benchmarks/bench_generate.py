@@ -442,8 +442,7 @@ PREFILL_VARIANTS = ("default", "sync-per-layer", "eager")
 _SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
-_HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
-               "cudaMemcpyAsync")
+_HOST_WAITS = (*_SYNC_CALLS, "cudaMemcpyAsync")  # a pageable read's async copy waits too
 
 
 def layer_anatomy(events: list) -> Optional[dict]:
@@ -687,14 +686,15 @@ def prefill_profile(args) -> None:
                                        if k.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
                                                     "cudaLaunchKernelExC"))
                         anatomy = None
+                        keep = args.profile_trace and variant == args.prefill_variants[0] and P == min(args.prompts)
                         with tempfile.TemporaryDirectory() as tmp:
                             path = os.path.join(tmp, "trace.json")
-                            prof.export_chrome_trace(path)
+                            if device.type == "cuda" or keep:
+                                prof.export_chrome_trace(path)
                             if device.type == "cuda":
                                 with open(path) as f:
                                     anatomy = layer_anatomy(json.load(f)["traceEvents"])
-                            if (args.profile_trace and variant == args.prefill_variants[0]
-                                    and P == min(args.prompts)):
+                            if keep:
                                 import gzip
 
                                 dest = f"{args.profile_trace}.{re.sub(r'[^A-Za-z0-9]+', '_', label)}.P{P}.json.gz"

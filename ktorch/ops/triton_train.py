@@ -183,7 +183,7 @@ def pair_expand(u: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, strides: tu
         return out
     block_m = min(128, _pow2_at_least(m))
     _pair_expand[(cdiv(P, 32), cdiv(m, block_m))](u, ids, w, out, P, m, *strides, R=R, BLOCK_P=32,
-                                                                BLOCK_M=block_m, num_warps=4)
+                                                  BLOCK_M=block_m, num_warps=4)
     return out
 
 
@@ -199,7 +199,7 @@ def pair_contract(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, strides: 
     rp = _pow2_at_least(r)
     block_m = max(16, min(64, 512 // rp))
     _pair_contract[(cdiv(P, 16),)](x, ids, w, out, P, m, rows, *strides, R=r, RP=rp, BLOCK_P=16,
-                                          BLOCK_M=block_m, num_warps=4)
+                                   BLOCK_M=block_m, num_warps=4)
     return out
 
 
@@ -218,7 +218,7 @@ def segment_outer(a: torch.Tensor, b: torch.Tensor, order: torch.Tensor, offs: t
     rp = _pow2_at_least(R)
     block_m = max(16, min(128, 1024 // rp))
     _segment_outer[(E, cdiv(m, block_m))](a, b, order, offs, out, m, rows, *strides, R=R, RP=rp,
-                                                 BLOCK_P=16, BLOCK_M=block_m, num_warps=4)
+                                          BLOCK_P=16, BLOCK_M=block_m, num_warps=4)
     return out
 
 
