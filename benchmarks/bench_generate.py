@@ -367,19 +367,24 @@ def _breakdown_run(args, model, ids, first_run: bool, extra: str, prompt: int) -
 
     if not (args.breakdown_cprofile and first_run):
         return generate(model, ids, 1).timings.first_token_s
+    return _cprofiled(lambda: generate(model, ids, 1), args.breakdown_cprofile,
+                      f"[breakdown {extra or 'defaults'}] P={prompt} run 0 under cProfile").timings.first_token_s
+
+
+def _cprofiled(fn, n: int, title: str):
+    """Runs ``fn()`` under cProfile and prints its ``n`` largest Python functions by own and by cumulative time."""
     import cProfile
     import io
     import pstats
 
     prof = cProfile.Profile()
-    first = prof.runcall(generate, model, ids, 1).timings.first_token_s
+    result = prof.runcall(fn)
     text = io.StringIO()
     stats = pstats.Stats(prof, stream=text)
-    stats.sort_stats("tottime").print_stats(args.breakdown_cprofile)
-    stats.sort_stats("cumulative").print_stats(args.breakdown_cprofile)
-    print(f"[breakdown {extra or 'defaults'}] P={prompt} run 0 under cProfile:\n" + "\n".join(
-        line for line in text.getvalue().splitlines() if line.strip()), flush=True)
-    return first
+    stats.sort_stats("tottime").print_stats(n)
+    stats.sort_stats("cumulative").print_stats(n)
+    print(f"{title}:\n" + "\n".join(line for line in text.getvalue().splitlines() if line.strip()), flush=True)
+    return result
 
 
 def breakdown(args) -> None:
@@ -562,8 +567,17 @@ def prefill_profile(args) -> None:
     length's third prompt on). Variants:
     ``default`` (what generate runs); ``sync-per-layer`` (the split's
     counts copied to the host at every MoE layer, as before commit 66e74df, whatever the placement); ``eager`` (the
-    captured prefills set aside: what a length's first two prompts run, a one-shot generate's). (Lost to the launch
-    order kept, session 48, H200 host, 12 layers, warm ms at P=512/2048: the eager split's copy launched right
+    captured prefills set aside: what a length's first two prompts run, a one-shot generate's). (Lost to ``eager``
+    as it is, session 49, H200 host, 12 layers, warm ms at P=512/2048, skew 0, host memory / 6 GiB; deleted after: the
+    CPU op's inputs staged with each layer's counts read and the split's copy launched first after it, the chosen
+    and resident experts masked out of the staged ids on the worker: 97.8/133.0 and 66.0/92.8 against 89.3/105.8 and
+    62.7/82.6 (the GPU idle before the copy 0.91-1.20 ms a layer against 1.45-1.75, but the copy slower beside the
+    CPU op's reads, 4.18 against 3.62 ms, and the GPU then waiting for the CPU op, 1.02 against 0.00 ms); every
+    Triton kernel launched through its compiled kernel's launcher after the first call of a kind (a key of our own
+    in place of JITFunction.run's binding and cache key): 2-5 us less a launch (bench, Triton 3.6: 16.5 against
+    19.5 us a launch of the grouped sum, 30.9 against 36.0 of the route), ~16 launches a layer, within the noise on
+    the clock (skew 1.5, 4 rounds: 40.8/52.0 against 42.4/52.2 at 6 GiB, 41.4/56.8 against 40.9/56.0 in host
+    memory). Lost to the launch order kept, session 48, H200 host, 12 layers, warm ms at P=512/2048: the eager split's copy launched right
     after the choice on a side stream (before the route and the CPU op's submit): on every SM it held the CPU op's
     input copies back until it ended (call 2, skew 0 host memory 97.0/151.2 against 66.4/99.7); on half the SMs
     (call 3) it started 0.35 ms earlier but its launch delayed the CPU op's inputs, slower in all 8 cells (skew 1.5
@@ -717,6 +731,9 @@ def prefill_profile(args) -> None:
                         calls = sorted((k for k in prof.key_averages() if k.key.startswith("aten::")),
                                        key=lambda k: -k.count)[:12]  # where the launches come from
                         print("        most called ATen ops: " + ", ".join(f"{k.key[6:]} {k.count}" for k in calls))
+                        if args.prefill_cprofile:
+                            _cprofiled(lambda: prefill(P), args.prefill_cprofile,
+                                       f"[prefill {label}] {variant:16s} P={P} a warm prefill under cProfile")
         del model, decoder
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -815,6 +832,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="experiment: per --ktorch-args set, one process alternates --prefill-variants ROUNDS times over "
                    "the --prompts lengths (warm prefill times), then profiles one prefill of each: GPU busy time against "
                    "wall, kernels, launches and synchronizing calls (host-bound or GPU-bound)")
+    p.add_argument("--prefill-cprofile", type=int, default=0, metavar="N",
+                   help="--prefill-profile: then one warm prefill per variant and length under cProfile, its N "
+                   "largest Python functions by own and by cumulative time printed (the launching thread's time)")
     p.add_argument("--prefill-variants", nargs="+", default=["default", "sync-per-layer"], choices=PREFILL_VARIANTS,
                    help="--prefill-profile: the variants alternated")
     return p

@@ -466,7 +466,7 @@ def placement_args(text: str) -> list[str]:
       "file (skew=: the routers' Zipf bias, 0 near-uniform): bench_generate.py --breakdown N (the first prompts by "
       "part, the Triton kernels each compiles) and --prefill-profile R over variants= ('/' between names), one process "
       "per placement ('/' between generate option strings, '+' for their spaces); cprofile=N: the breakdown's first "
-      "prompts under cProfile, N functions", limit_s=540,
+      "prompts and one warm prefill per variant under cProfile, N functions", limit_s=540,
       min_s=200, params={"skew": "1.5", "layers": "12", "placements": "--deferred-experts+2+--gpu-memory+off/"
                          "--gpu-memory+6GiB", "prompts": "512,2048", "variants": "default", "rounds": "3",
                          "breakdown": "2", "cprofile": "0"}, carry=".whl (gguf)")
@@ -484,7 +484,8 @@ def step_prefill(r: Runner, p: dict) -> int:
         rc = r.sh(common + ["--breakdown", p["breakdown"], "--breakdown-cprofile", p["cprofile"], *prompts,
                             "--ktorch-args", *placements])
     if rc == 0 and int(p["rounds"]) > 0:
-        rc = r.sh(common + ["--prefill-profile", p["rounds"], *prompts, "--prefill-variants",
+        rc = r.sh(common + ["--prefill-profile", p["rounds"], "--prefill-cprofile", p["cprofile"], *prompts,
+                            "--prefill-variants",
                             *p["variants"].split("/"), "--profile-trace", str(OUT / f"ptrace-skew{p['skew']}"),
                             "--ktorch-args", *placements])
     return rc
