@@ -248,6 +248,12 @@ def test_probe_on_transformers_router_classes(module, name, form):
     with torch.no_grad():
         for p in router.parameters():
             p.normal_()
+        out = router(torch.randn(3, 32, device=DEVICE, dtype=torch.bfloat16))
+    if form is not None and not (isinstance(out, tuple) and len(out) == 3 and out[0].shape == (3, 16)
+                                 and out[2].dtype == torch.int64):
+        # another transformers' class of this name that does not return (logits, weights, ids) (GraniteMoeTopKRouter
+        # in 5.17 returns (ids, weights, logits)) is not the router the form describes: refused
+        form = None
     assert router_form(router) == form
 
 
