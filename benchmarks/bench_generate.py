@@ -578,7 +578,11 @@ def prefill_profile(args) -> None:
     19.5 us a launch of the grouped sum, 30.9 against 36.0 of the route), ~16 launches a layer, within the noise on
     the clock (skew 1.5, 4 rounds: 40.8/52.0 against 42.4/52.2 at 6 GiB, 41.4/56.8 against 40.9/56.0 in host
     memory); the split copying nothing (residents on the GPU, every other expert on the CPU op, no counts read a
-    layer), skew 1.5, 6 GiB: 155.2/524.7 against 52.5/54.4 (the residents held 99 of the 295 experts the prompt hit).
+    layer), skew 1.5, 6 GiB: 155.2/524.7 against 52.5/54.4 (the residents held 99 of the 295 experts the prompt hit);
+    the residents and the split's copies in one grouped pass (the kernels reading two sources, the residents' row
+    layout and the copies' packed blocks, bit for bit the one-source result; 8 fewer launches a layer), skew 1.5,
+    6 GiB, call 6: 50.1/59.3 against 50.6/60.7 with a pass each (the instance's copy 1.5 ms a layer, bound by the
+    GPU's work): within noise, so the simpler two passes stay.
     Lost to the launch order kept, session 48, H200 host, 12 layers, warm ms at P=512/2048: the eager split's copy launched right
     after the choice on a side stream (before the route and the CPU op's submit): on every SM it held the CPU op's
     input copies back until it ended (call 2, skew 0 host memory 97.0/151.2 against 66.4/99.7); on half the SMs
