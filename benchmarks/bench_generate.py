@@ -582,12 +582,12 @@ def prefill_profile(args) -> None:
     the residents and the split's copies in one grouped pass (the kernels reading two sources, the residents' row
     layout and the copies' packed blocks, bit for bit the one-source result; 8 fewer launches a layer), skew 1.5,
     6 GiB, call 6: 50.1/59.3 against 50.6/60.7 with a pass each (the instance's copy 1.5 ms a layer, bound by the
-    GPU's work): within noise, so the simpler two passes stay. Lost to the launch order kept, session 48, H200 host,
-    12 layers, warm ms at P=512/2048: the eager split's copy launched right after the choice on a side stream
-    (before the route and the CPU op's submit): on every SM it held the CPU op's input copies back until it ended
-    (call 2, skew 0 host memory 97.0/151.2 against 66.4/99.7); on half the SMs (call 3) it started 0.35 ms earlier but its launch delayed the CPU op's inputs, slower in all 8 cells (skew 1.5
-    host 40.9/64.5 against 40.4/59.5, 6GiB 43.4/57.5 against 41.3/53.6; skew 0 72.8/104.9 against 69.2/99.1,
-    63.4/92.5 against 57.3/87.6). Deleted after its
+    GPU's work): within noise, so the simpler two passes stay. Lost to the launch order kept, session 48, H200 host, 12
+    layers, warm ms at P=512/2048: the eager split's copy launched right after the choice on a side stream (before the
+    route and the CPU op's submit): on every SM it held the CPU op's input copies back until it ended (call 2, skew 0
+    host memory 97.0/151.2 against 66.4/99.7); on half the SMs (call 3) it started 0.35 ms earlier but its launch
+    delayed the CPU op's inputs, slower in all 8 cells (skew 1.5 host 40.9/64.5 against 40.4/59.5, 6GiB 43.4/57.5
+    against 41.3/53.6; skew 0 72.8/104.9 against 69.2/99.1, 63.4/92.5 against 57.3/87.6). Deleted after its
     run here, session 48 call 1, H200 host, 12 layers, warm ms eager / device split: the eager split made on the
     device as a captured one, no host sync a layer, with twice the launches (1361 against 653): skew 1.5 host memory
     P=512/2048 55.1/64.1 against 58.2/57.5, 6GiB 68.9/64.7 against 79.3/83.8; skew 0 host 73.0/97.7 against
