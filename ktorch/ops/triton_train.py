@@ -33,13 +33,9 @@ from typing import Optional
 
 import torch  # no "from __future__ import annotations": Triton reads the tl.constexpr annotations
 
-from ktorch.ops.triton_experts import cdiv, interpreting, kernel_runs_on, triton  # noqa: F401
+from ktorch.ops.triton_experts import cdiv, interpreting, kernel_runs_on, next_power_of_2, triton  # noqa: F401
 
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 if triton is not None:
@@ -187,7 +183,7 @@ def pair_expand(u: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, strides: tu
     out = torch.empty(P, m, dtype=u.dtype, device=u.device)
     if P == 0 or m == 0:
         return out
-    block_m = min(128, _pow2_at_least(m))
+    block_m = min(128, next_power_of_2(m))
     _pair_expand[(cdiv(P, 32), cdiv(m, block_m))](u, ids, w, out, P, m, *strides, R=R, BLOCK_P=32,
                                                   BLOCK_M=block_m, num_warps=4)
     return out
@@ -202,7 +198,7 @@ def pair_contract(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, strides: 
     out = torch.empty(P, r, dtype=x.dtype, device=x.device)
     if P == 0:
         return out
-    rp = _pow2_at_least(r)
+    rp = next_power_of_2(r)
     block_m = max(16, min(64, 512 // rp))
     _pair_contract[(cdiv(P, 16),)](x, ids, w, out, P, m, rows, *strides, R=r, RP=rp, BLOCK_P=16,
                                    BLOCK_M=block_m, num_warps=4)
@@ -221,7 +217,7 @@ def segment_outer(a: torch.Tensor, b: torch.Tensor, order: torch.Tensor, offs: t
     out = torch.empty_like(like, memory_format=torch.contiguous_format)
     if out.numel() == 0:
         return out
-    rp = _pow2_at_least(R)
+    rp = next_power_of_2(R)
     block_m = max(16, min(128, 1024 // rp))
     _segment_outer[(E, cdiv(m, block_m))](a, b, order, offs, out, m, rows, *strides, R=R, RP=rp,
                                           BLOCK_P=16, BLOCK_M=block_m, num_warps=4)
