@@ -136,17 +136,23 @@ def l3_bytes() -> int:
     return max(sizes)
 
 
-def read_bandwidth(nbytes: int = 2 << 30) -> float:
-    """Bytes/s of a parallel fp32 sum over a buffer far larger than the caches (best of 5)."""
-    x = torch.rand(nbytes // 4)
-    x.sum()
-    best = math.inf
-    for _ in range(5):
-        t0 = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t0)
-    del x
-    return nbytes / best
+class ReadBandwidth:
+    """Bytes/s of a parallel fp32 sum over a buffer far larger than the caches (best of ``tries``), measured again
+    whenever called: the device's read bandwidth moves by 10-20% from one second to the next (a bare read of the same
+    weights 82-120 GB/s between adjacent runs, session 50), so a decode row is put beside the bandwidth measured
+    next to it (``paired_rows``), not only the one measured at start."""
+
+    def __init__(self, nbytes: int = 2 << 30):
+        self.x = torch.rand(nbytes // 4)
+        self.x.sum()
+
+    def __call__(self, tries: int = 5) -> float:
+        best = math.inf
+        for _ in range(tries):
+            t0 = time.perf_counter()
+            self.x.sum()
+            best = min(best, time.perf_counter() - t0)
+        return self.x.numel() * 4 / best
 
 
 def weights_buffer(shape, dtype: torch.dtype, pages: str = "huge") -> torch.Tensor:
@@ -262,21 +268,42 @@ def expert_bytes(impl: str, H: int, I: int, group_size: int = 128) -> float:
     return 2 * n
 
 
-def time_calls(fn, layers, routings, min_calls: int, min_seconds: float) -> float:
-    fn(layers[0], *routings[0])  # warm-up: first-touch, allocator, thread pool
+def time_calls(fn, layers, routings, min_calls: int, min_seconds: float, first: int = 0) -> tuple[float, int]:
+    """The median seconds of calls ``first``, ``first`` + 1, ... of the cycle through the copies and routings (a
+    warm-up call first where ``first`` is 0), and the next call's index."""
+    if first == 0:
+        fn(layers[0], *routings[0])  # warm-up: first-touch, allocator, thread pool
+        first = 1  # (the warm-up's copy and routing are in cache)
     times = []
     start = time.perf_counter()
-    i = 0
-    while i < min_calls or time.perf_counter() - start < min_seconds:
+    i = first
+    while i - first < min_calls or time.perf_counter() - start < min_seconds:
         layer = layers[i % len(layers)]
         ids, w, x = routings[i % len(routings)]
         t0 = time.perf_counter()
         fn(layer, ids, w, x)
         times.append(time.perf_counter() - t0)
         i += 1
-        if i >= 10 * min_calls and time.perf_counter() - start > min_seconds:
+        if i - first >= 10 * min_calls and time.perf_counter() - start > min_seconds:
             break
-    return statistics.median(times)
+    return statistics.median(times), i
+
+
+PAIRED_MAX_T = 8  # rows of at most this many tokens (memory-bound: decode) are timed in rounds paired with the bandwidth
+PAIRED_ROUNDS = 5
+
+
+def paired_rows(fn, layers, routings, min_calls: int, min_seconds: float, read_bandwidth, nbytes: float):
+    """A decode row timed in ``PAIRED_ROUNDS`` rounds, each right after a read-bandwidth measurement (best of 3):
+    the median of the rounds' times, and the median of their ratios (bytes read / time) / (the bandwidth just
+    measured)."""
+    secs, ratios, at = [], [], 0
+    for _ in range(PAIRED_ROUNDS):
+        bw = read_bandwidth(3)
+        sec, at = time_calls(fn, layers, routings, min_calls, min_seconds / PAIRED_ROUNDS, at)
+        secs.append(sec)
+        ratios.append(nbytes / sec / bw)
+    return statistics.median(secs), statistics.median(ratios)
 
 
 def profile_phases(fn, layers, routings, calls: int = 5) -> dict[str, float]:
@@ -371,8 +398,13 @@ def main() -> None:
 
     budget = (args.memory_budget_gb or 0.7 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30) * 2**30
     l3 = l3_bytes()
+    read_bandwidth = ReadBandwidth()
     bw = read_bandwidth()
-    peak = {k: torch.ops.kt.dot_peak(k, 2_000_000) for k in ("bf16", "int8")}
+    try:
+        peak = {k: torch.ops.kt.dot_peak(k, 2_000_000) for k in ("bf16", "int8")}
+    except RuntimeError as err:  # no AVX-512 (the portable kernels): no dot-product peak to compare with
+        print(f"no dot-product peak: {err}")
+        peak = {"bf16": math.nan, "int8": math.nan}
     print(f"machine: {machine()}")
     print(f"L3 {l3 / 2**20:.0f} MiB; measured read bandwidth {bw / 1e9:.1f} GB/s; dot-product peak "
           f"bf16 {peak['bf16'] / 1e12:.2f} TFLOPS, int8 {peak['int8'] / 1e12:.2f} TOPS (all threads)")
@@ -414,19 +446,28 @@ def main() -> None:
                     for page, layers in layer_sets.items():
                         label = impl if walk is None else f"{impl}/{walk}"
                         label += "/4k" if page == "4k" else ""
+                        distinct = statistics.mean(len(torch.unique(r[0])) for r in routings)
+                        nbytes = distinct * expert_bytes(impl, H, I)
+                        paired = T <= PAIRED_MAX_T
                         try:
                             with variant_env(walk):
-                                sec = time_calls(fn, layers, routings, args.min_calls, args.min_seconds)
+                                if paired:
+                                    sec, paired_bw = paired_rows(fn, layers, routings, args.min_calls,
+                                                                 args.min_seconds, read_bandwidth, nbytes)
+                                else:
+                                    sec = time_calls(fn, layers, routings, args.min_calls, args.min_seconds)[0]
                         except (RuntimeError, NotImplementedError) as err:
                             print(f"{label} T={T}: failed: {str(err).splitlines()[0]}")
                             continue
-                        distinct = statistics.mean(len(torch.unique(r[0])) for r in routings)
                         flops = 6 * H * I * K * T
-                        gbs = distinct * expert_bytes(impl, H, I) / sec / 1e9
+                        gbs = nbytes / sec / 1e9
                         rows.append((shape, label, T, sec * 1e3, T / sec, flops / sec / 1e12, gbs,
-                                     100 * gbs * 1e9 / bw, 100 * flops / sec / peak[peak_kind]))
+                                     100 * gbs * 1e9 / bw, 100 * flops / sec / peak[peak_kind],
+                                     100 * paired_bw if paired else None))
                         print("{:<9} {:<12} T={:<5} {:9.3f} ms {:10.0f} tok/s {:7.3f} TFLOPS {:7.1f} GB/s "
-                              "({:5.1f}% BW, {:5.1f}% peak)".format(*rows[-1]), flush=True)
+                              "({:5.1f}% BW, {:5.1f}% peak)".format(*rows[-1][:9])
+                              + (f" paired: {rows[-1][9]:.1f}% of the bandwidth read beside it" if paired else ""),
+                              flush=True)
                         if args.profile and impl.startswith("ktorch"):
                             with variant_env(walk):
                                 phases = profile_phases(fn, layers, routings)
@@ -436,14 +477,15 @@ def main() -> None:
             gc.collect()
 
     print()
-    print("| shape | impl | T | ms | tok/s | eff. TFLOPS | GB/s | % read BW | % dot peak | vs eager |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| shape | impl | T | ms | tok/s | eff. TFLOPS | GB/s | % read BW | % paired BW | % dot peak | vs eager |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     eager = {(r[0], r[2]): r[3] for r in rows if r[1] == "eager"}
     for r in rows:
         ratio = eager.get((r[0], r[2]))
         vs = f"{ratio / r[3]:.2f}x" if ratio else "-"
+        paired = f"{r[9]:.0f}%" if r[9] is not None else "-"
         print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.3f} | {r[4]:.0f} | {r[5]:.3f} | {r[6]:.1f} | {r[7]:.0f}% | "
-              f"{r[8]:.0f}% | {vs} |")
+              f"{paired} | {r[8]:.0f}% | {vs} |")
 
 
 if __name__ == "__main__":
