@@ -14,8 +14,10 @@
 //   symmetric int4 with two-level scales (ktorch's int4: sub-scales <= 15): B = sub * (u - 8), one signed plane;
 //         acc = TDPBSSD over all of K (or a super-block);  C = s_x[m] * sum acc * super[n]
 // Signed int8 x signed int8 needs no unsigned offset, so a_gsum is not read here (only for the affine minimums).
-// Other grouped/affine int8 (GGUF Q8_0, Q6_K/Q5_K with float32 scales) and affine int4 with float32 scales go to the
-// AVX-512 kernel (gemm_amx).
+//   grouped int8 with float32 scales (GGUF Q8_0): the codes are the B tiles; per group g acc_g = TDPBSSD(A, B_g), then
+//         as int4 (calls of at least kMinRowsGroupedInt8 rows)
+// Other grouped/affine int8 (Q6_K/Q5_K with float32 scales) and affine int4 with float32 scales go to the AVX-512
+// kernel (gemm_amx).
 // The int8/int4 results equal the AVX-512 kernels' bit for bit (same integer sums, same fp32 operations in
 // the same order), except the two-level walks (their integer sums span super-blocks: within fp32 rounding); bf16
 // differs in fp32 rounding order only.
@@ -98,6 +100,9 @@ constexpr int kMaxWalkRows = 256;     // rows per tile walk (16 row groups); lar
 // Calls with fewer rows than this go to the AVX-512 kernel. Chosen from a device sweep of whole layers
 // (benchmarks/bench_vs_kt_kernel.py swept them; see docs/amx.md).
 constexpr int kMinRows[kNumFormats] = {2, 8, 16};  // bf16, int8, int4: measured, docs/amx.md
+// Grouped int8 (GGUF Q8_0, grouped_int8_walk): its group-wise walk lost 9% to the AVX-512 kernel in a Qwen3-30B-A3B
+// layer at T = 512 (about 32 rows an expert) and won 1.37x at T = 2048 (about 128): device, session 50, docs/amx.md.
+constexpr int kMinRowsGroupedInt8 = 64;
 // amx_min_rows_for_tests: a row count every format uses instead (0: every M through the tiles); -1: kMinRows.
 std::atomic<int> g_test_min_rows{-1};
 
@@ -421,34 +426,39 @@ inline void unpack_int4(const uint8_t* src, int lines, uint8_t* dst, __m512i tab
   }
 }
 
-// kDepth: k per step (64, or 32 for groups of 32). unpacked: RB buffers of K/4 tile rows x 64 bytes, filled
-// on the first pass of the column pair (blk.unpack: step t during step t - kUnpackAhead, so that the tile
-// loads of a step do not wait for the stores that unpacked it) and read by its later row pairs. acc: [32][32]
-// fp32. cbuf: a group's C sums [32][32] int32, scaled into acc (the group's epilogue) right after the group's tile
-// products. Every pass covers all of K (the walks never cut int4 into k chunks).
-template <int RA, int RB, int kDepth>
-void int4_block(const GemmArgs& a, const ARows& ar, const Block& blk, uint8_t* unpacked, uint8_t* cbuf,
-                float* acc) {
-  constexpr int64_t kPackedStep = kDepth / 8 * 64;    // packed bytes of one block per step
-  constexpr int64_t kUnpackedStep = kDepth / 4 * 64;  // one unpacked B tile
+// The group-wise walk: int4 (kInt8 false), and grouped int8 with a float32 scale per group (kInt8: GGUF Q8_0, whose
+// packed codes already are B tiles, read in place: nothing unpacked). kDepth: k per step (64, or 32 for groups of
+// 32). unpacked (int4): RB buffers of K/4 tile rows x 64 bytes, filled on the first pass of the column pair
+// (blk.unpack: step t during step t - kUnpackAhead, so that the tile loads of a step do not wait for the stores that
+// unpacked it) and read by its later row pairs. acc: [32][32] fp32. cbuf: a group's C sums [32][32] int32, scaled
+// into acc (the group's epilogue) right after the group's tile products. Every pass covers all of K (the walks never
+// cut these formats into k chunks).
+template <int RA, int RB, int kDepth, bool kInt8 = false>
+void grouped_block(const GemmArgs& a, const ARows& ar, const Block& blk, uint8_t* unpacked, uint8_t* cbuf,
+                   float* acc) {
+  constexpr int64_t kPackedStep = kDepth / (kInt8 ? 4 : 8) * 64;  // packed bytes of one block per step
+  constexpr int64_t kUnpackedStep = kDepth / 4 * 64;              // one B tile (int8: kPackedStep)
   const int64_t steps = a.K / kDepth, group_steps = a.group_size / kDepth;
   const uint8_t* packed0 = a.b + blk.b0 * a.b_block_stride;
   const uint8_t* packed1 = packed0 + a.b_block_stride;  // read only when RB > 1
   uint8_t* u0 = unpacked;
   uint8_t* u1 = unpacked + steps * kUnpackedStep;
+  const uint8_t* t0 = kInt8 ? packed0 : u0;  // the B tiles of the two blocks
+  const uint8_t* t1 = kInt8 ? packed1 : u1;
   const RowPair<RA> rp(a, ar, blk.g0);
   const uint8_t *a0 = rp.a0, *a1 = rp.a1;
   const int64_t sa0 = rp.sa0, sa1 = rp.sa1;
   const int rows = rp.rows;
   for (int r = 0; r < rows; ++r)
     for (int j = 0; j < RB; ++j) _mm512_store_ps(acc + r * 32 + 16 * j, _mm512_setzero_ps());
-  const __m512i table = int4_table(a);
+  const __m512i table = kInt8 ? _mm512_setzero_si512() : int4_table(a);
   const auto unpack_step = [&](int64_t t) {
     unpack_int4(packed0 + t * kPackedStep, kDepth / 8, u0 + t * kUnpackedStep, table);
     if constexpr (RB > 1) unpack_int4(packed1 + t * kPackedStep, kDepth / 8, u1 + t * kUnpackedStep, table);
   };
-  const int64_t ahead = blk.unpack ? kUnpackAhead : 0;
-  if (blk.unpack) {
+  const bool unpack = !kInt8 && blk.unpack;
+  const int64_t ahead = unpack ? kUnpackAhead : 0;
+  if (unpack) {
     for (int64_t t = 0; t < std::min(ahead, steps); ++t) unpack_step(t);
     KTAMX_COMPILER_BARRIER();
   }
@@ -469,12 +479,12 @@ void int4_block(const GemmArgs& a, const ARows& ar, const Block& blk, uint8_t* u
     zero_c<RA, RB>();
     for (int64_t s = g * group_steps; s < (g + 1) * group_steps; ++s) {
       prefetch_step<RB>(a, blk, s, packed0, packed1, kPackedStep);
-      if (blk.unpack && s + ahead < steps) {
+      if (unpack && s + ahead < steps) {
         unpack_step(s + ahead);
         KTAMX_COMPILER_BARRIER();
       }
-      tile_step<false, RA, RB>(a0 + s * kDepth, sa0, a1 + s * kDepth, sa1, u0 + s * kUnpackedStep,
-                               u1 + s * kUnpackedStep);
+      tile_step<false, RA, RB>(a0 + s * kDepth, sa0, a1 + s * kDepth, sa1, t0 + s * kUnpackedStep,
+                               t1 + s * kUnpackedStep);
       if (blk.side != nullptr) run_side(blk, s);
     }
     store_c<RA, RB>(cbuf);
@@ -648,7 +658,7 @@ inline void unpack_int4s_line(const uint8_t* src, __m512i sub16, __m512i sub8, u
   _mm512_store_si512(dst + 64, _mm512_sub_epi8(_mm512_mullo_epi16(hi, sub16), sub8));
 }
 
-// two_plane_block's counterpart for symmetric int4: a RA x RB block of C tiles (int4_block's shape and unpack
+// two_plane_block's counterpart for symmetric int4: a RA x RB block of C tiles (grouped_block's shape and unpack
 // schedule), epi_steps 64-deep steps between epilogues (all of K, or a super-block).
 template <int RA, int RB>
 void int4s_block(const GemmArgs& a, const ARows& ar, const Block& blk, uint8_t* unpacked, uint8_t* cbuf, float* acc,
@@ -724,6 +734,7 @@ struct Buffers {
   const float* gsumf;  // two-level affine int4: the activation group sums as floats, [M][G]
   int64_t epi_steps;   // two-level symmetric int4: 64-deep steps between epilogues (0: not that walk)
   bool k8;             // two-level int8 (GGUF Q6_K, Q5_K): two_plane_block
+  bool g8;             // grouped int8 with float32 scales (GGUF Q8_0): grouped_block, B tiles in place
 };
 
 // int4 whose two-level scales the AMX walk takes: affine (two_plane_block; other affine int4 goes to AVX-512,
@@ -744,6 +755,15 @@ inline bool two_level_int8_walk(const GemmArgs& a) {
   return a.b_sub != nullptr && a.b_super != nullptr && a.b_codes == nullptr && a.group_size % 16 == 0 &&
          a.super_size % 64 == 0 && a.super_size <= 256 && a.super_size % a.group_size == 0 &&
          a.K % a.super_size == 0 && (!affine(a) || a.super_size / a.group_size <= 8);
+}
+// Grouped int8 (GGUF Q8_0: signed codes, a float32 scale per 32; the driver expands a float16 one) walks the tiles
+// group by group as int4 does (grouped_block), its B tiles read in place (the packed codes are the tiles), each
+// group's int32 sums scaled into fp32 accumulators: the same integer sums and fp32 operations in the same order as
+// the AVX-512 kernel (bit for bit). Groups a multiple of 32 (32: 32-deep tiles); not affine (Q5_K's float32 form),
+// not groups of 16 (Q6_K's): those stay on the AVX-512 kernel.
+inline bool grouped_int8_walk(const GemmArgs& a) {
+  return !affine(a) && a.b_codes == nullptr && a.group_size > 0 && a.group_size < a.K && a.group_size % 32 == 0 &&
+         !two_level_int8_walk(a);
 }
 // Symmetric two-level: 64-deep steps between epilogues, all of K where each column's super-scale is the same along
 // K (and K small enough for int32 sums: 120 * 127 * K < 2^31) or a super-block; 0 where a sub-scale exceeds 15.
@@ -782,10 +802,13 @@ void run_block(const GemmArgs& a, const ARows& ar, const Block& blk, const Buffe
   if constexpr (F == WeightFormat::INT4) {
     if (buf.gsumf != nullptr) two_plane_block<false, RA, RB>(a, ar, blk, buf.btile, buf.cbuf, buf.acc, buf.gsumf);
     else if (buf.epi_steps > 0) int4s_block<RA, RB>(a, ar, blk, buf.btile, buf.cbuf, buf.acc, buf.epi_steps);
-    else if (a.group_size == 32) int4_block<RA, RB, 32>(a, ar, blk, buf.btile, buf.cbuf, buf.acc);
-    else int4_block<RA, RB, 64>(a, ar, blk, buf.btile, buf.cbuf, buf.acc);
+    else if (a.group_size == 32) grouped_block<RA, RB, 32>(a, ar, blk, buf.btile, buf.cbuf, buf.acc);
+    else grouped_block<RA, RB, 64>(a, ar, blk, buf.btile, buf.cbuf, buf.acc);
   } else if (F == WeightFormat::INT8 && buf.k8) {
     two_plane_block<true, RA, RB>(a, ar, blk, buf.btile, buf.cbuf, buf.acc, buf.gsumf);
+  } else if (F == WeightFormat::INT8 && buf.g8) {
+    if (a.group_size % 64 == 0) grouped_block<RA, RB, 64, true>(a, ar, blk, nullptr, buf.cbuf, buf.acc);
+    else grouped_block<RA, RB, 32, true>(a, ar, blk, nullptr, buf.cbuf, buf.acc);
   } else {
     dense_block<F, RA, RB>(a, ar, blk, buf.btile, buf.cbuf);
   }
@@ -801,10 +824,16 @@ template <WeightFormat F>
 void tile_walk(const GemmArgs& a, int64_t side_until) {
   const bool two_level = F == WeightFormat::INT4 && two_level_walk(a);
   const int64_t epi_steps = F == WeightFormat::INT4 ? int4s_epilogue_steps(a) : 0;
-  const int depth = F == WeightFormat::INT4 && a.group_size == 32 && !two_level && epi_steps == 0 ? 32 : 64;
+  const bool k8 = F == WeightFormat::INT8 && two_level_int8_walk(a);
+  const bool g8 = F == WeightFormat::INT8 && grouped_int8_walk(a);
+  const int depth = (F == WeightFormat::INT4 && a.group_size == 32 && !two_level && epi_steps == 0) ||
+                            (g8 && a.group_size % 64 != 0)
+                        ? 32
+                        : 64;
   load_tile_config(depth);
   const int64_t row_bytes = F == WeightFormat::BF16 ? 2 * a.K : a.K;
-  const ARows ar = gather_rows(a, row_bytes, F != WeightFormat::INT8 || a.K % 64 == 0);
+  // (a 32-deep walk's A tile loads end at K: in place for any K)
+  const ARows ar = gather_rows(a, row_bytes, F != WeightFormat::INT8 || a.K % 64 == 0 || depth == 32);
   Buffers buf;
   // [C sums 4 KB][int4's fp32 accumulators 4 KB]
   buf.cbuf = t_ctile.get(32 * 128 + 32 * 32 * sizeof(float));
@@ -812,8 +841,9 @@ void tile_walk(const GemmArgs& a, int64_t side_until) {
   buf.btile = nullptr;
   buf.gsumf = nullptr;
   buf.epi_steps = epi_steps;
-  buf.k8 = F == WeightFormat::INT8 && two_level_int8_walk(a);
-  const bool int8_tail = F == WeightFormat::INT8 && a.K % 64 != 0;
+  buf.k8 = k8;
+  buf.g8 = g8;
+  const bool int8_tail = F == WeightFormat::INT8 && !g8 && a.K % 64 != 0;
   if ((F == WeightFormat::INT4 && two_level) || buf.k8) {
     buf.btile = t_btile.get(static_cast<size_t>(2 * 32 * a.K));  // 2 blocks x 2 planes x K/4 rows x 64 B
     if (affine(a)) {
@@ -829,7 +859,7 @@ void tile_walk(const GemmArgs& a, int64_t side_until) {
   if (int8_tail) buf.btile = t_btile.get(2 * kTileBytes);
   const int groups = (a.M + 15) / 16, row_pairs = (groups + 1) / 2;
   // k steps of full B tiles
-  const int64_t steps = F == WeightFormat::BF16 ? a.K / 32 : F == WeightFormat::INT8 ? a.K / 64 : a.K / depth;
+  const int64_t steps = F == WeightFormat::BF16 ? a.K / 32 : F == WeightFormat::INT8 && !g8 ? a.K / 64 : a.K / depth;
   const int64_t bb = static_cast<int64_t>(block_bytes(F, a.K));
   const bool next_a = a.next_a != nullptr && a.next_a_bytes > 0;
   const int64_t a_passes = static_cast<int64_t>((a.nblocks + 1) / 2) * row_pairs;
@@ -898,10 +928,12 @@ void gemm_amx(const GemmArgs& a) {
   const int test_rows = g_test_min_rows.load(std::memory_order_relaxed);
   // the two-level int8 walk unpacks as int4's do: int4's row count (not measured on its own)
   const bool k8 = F == WeightFormat::INT8 && two_level_int8_walk(a);
-  const int min_rows = kMinRows[static_cast<int>(k8 ? WeightFormat::INT4 : F)];
+  const bool g8 = F == WeightFormat::INT8 && grouped_int8_walk(a);
+  const int min_rows = g8 ? kMinRowsGroupedInt8 : kMinRows[static_cast<int>(k8 ? WeightFormat::INT4 : F)];
   if (a.M < (test_rows >= 0 ? test_rows : min_rows)) return avx512_kernels().gemm[static_cast<int>(F)](a);
-  // Grouped and affine int8 (GGUF Q8_0, Q6_K/Q5_K with float32 scales) have no tile walk: their 16/32-deep groups
-  // would need per-group C tiles as int4 has; they run on the AVX-512 kernel at every M. So does affine int4 with
+  // Grouped int8 with float32 scales in groups of 32 or more (GGUF Q8_0) walks the tiles as int4 does, a group at a
+  // time (grouped_int8_walk). Affine int8 and groups of 16 (Q5_K/Q6_K with float32 scales) have no tile walk; they
+  // run on the AVX-512 kernel at every M. So does affine int4 with
   // float32 scales per group: its walk stored, converted and scaled 4 C tiles after every 32-deep group, and the
   // AVX-512 kernel beat it at every size measured (device, one Qwen3-30B-A3B layer, ms at T = 512 / 2048: Q4_K 15.9 /
   // 66.9 against the walk's 30.9 / 72.6; session 39). With two-level scales (b_sub) Q4_K walks two_plane_block: 14.57
@@ -909,7 +941,7 @@ void gemm_amx(const GemmArgs& a) {
   // ktorch-q4_k_2l / ktorch-q4_k), and so do Q6_K (sub * q as two byte planes: 16.49 / 39.90 against 23.62 / 86.92,
   // session 42) and Q5_K (17.98 / 43.28 against 19.36 / 69.88, session 43). Symmetric int4 keeps the walk (7.9 / 22.3
   // against 11.6 / 44.5), and so does MXFP4 (50.2 / 128.5 against 43.6 / 171.4: the walk wins the larger call).
-  if ((F == WeightFormat::INT8 && !k8 && (affine(a) || (a.group_size > 0 && a.group_size < a.K))) ||
+  if ((F == WeightFormat::INT8 && !k8 && !g8 && (affine(a) || (a.group_size > 0 && a.group_size < a.K))) ||
       (F == WeightFormat::INT4 && affine(a) && !two_level_walk(a)))
     return avx512_kernels().gemm[static_cast<int>(F)](a);
   constexpr int max_rows = kMaxWalkRows;

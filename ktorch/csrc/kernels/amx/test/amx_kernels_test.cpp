@@ -76,7 +76,7 @@ const char* name(WeightFormat f) { return f == WeightFormat::BF16 ? "bf16" : f =
 struct Problem {
   WeightFormat f;
   int M, nblocks, total_blocks;
-  int64_t K, group;  // group: int4 group size; K for int8
+  int64_t K, group;  // group: int4 group size; int8: K (per channel), or a scale per group (GGUF Q8_0)
   bool strided;
   bool coded = false;             // int4 with MXFP4's code table (GemmArgs::b_codes): w holds the codes' values
   bool affine = false;            // int4 u * s - m (GemmArgs::b_min, GGUF Q4_K): w holds u in [0, 15]
@@ -94,7 +94,7 @@ struct Problem {
   std::vector<const void*> rows;  // per call row
   std::vector<float> ascale;
   std::vector<int32_t> gsum;      // [M][G]
-  int64_t G() const { return f == WeightFormat::INT4 || sub_max > 0 ? K / group : 1; }
+  int64_t G() const { return f == WeightFormat::BF16 ? 1 : K / group; }
   int64_t N() const { return 16 * total_blocks; }
 };
 
@@ -109,7 +109,7 @@ Problem make_problem(WeightFormat f, int M, int64_t K, int nblocks, int64_t grou
   p.nblocks = nblocks;
   p.total_blocks = nblocks + 1;
   p.sub_max = sub_max;
-  p.group = f == WeightFormat::INT4 || sub_max > 0 ? group : K;
+  p.group = f == WeightFormat::INT4 || sub_max > 0 || (f == WeightFormat::INT8 && group > 0) ? group : K;
   p.strided = strided;
   const int64_t N = p.N(), G = p.G();
   p.w.resize(N * K);
@@ -474,7 +474,9 @@ int check_walks(const char* label) {
         check_case(WeightFormat::INT4, M, 256, nb, 64, strided, false, false, 63, true);  // subs > 15: group walk
         check_case(WeightFormat::INT8, M, 256, nb, 16, strided, false, false, 127);  // Q6_K at the file's size
         check_case(WeightFormat::INT8, M, 256, nb, 32, strided, false, true, 63);  // Q5_K at the file's size
-        cases += 11;
+        for (int64_t group : {32, 64, 128}) check_case(WeightFormat::INT8, M, 256, nb, group, strided);  // Q8_0's
+        check_case(WeightFormat::INT8, M, 96, nb, 32, strided);  // (K % 64 == 32: 32-deep steps to the end)
+        cases += 15;
       }
   // driver-sized reductions for each format (int8 with its 32-deep tail; int4 as the Qwen3 gate/up call at T=2048,
   // and Q4_K's down projection)
@@ -495,7 +497,9 @@ int check_walks(const char* label) {
   check_case(WeightFormat::INT8, 300, 512, 3, 32, false, false, false, 100);
   check_case(WeightFormat::INT8, 130, 768, 4, 32, true, false, true, 63);  // Q5_K: Qwen3's down projection
   check_case(WeightFormat::INT8, 70, 512, 2, 64, false, false, true, 255);  // every unsigned byte sub-scale
-  cases += 10;
+  check_case(WeightFormat::INT8, 130, 2048, 4, 32, true);  // Q8_0: Qwen3's gate/up and down projections
+  check_case(WeightFormat::INT8, 300, 768, 3, 32, false);
+  cases += 12;
   g_check_prefetch = g_full_next = false;
   std::printf("walk %-22s %d cases, %d failed\n", label, cases, failures - before);
   return cases;
@@ -508,12 +512,13 @@ void check_all() {
   amx_min_rows_for_tests(-1);
   for (int M : {1, 3, 4, 9}) {
     check_case(WeightFormat::INT8, M, 128, 2, 0, false);
+    check_case(WeightFormat::INT8, M, 128, 2, 32, true);
     check_case(WeightFormat::INT4, M, 128, 2, 64, true);
     check_case(WeightFormat::INT4, M, 128, 2, 32, false, true);
     check_case(WeightFormat::INT4, M, 128, 2, 32, true, false, true);
     check_case(WeightFormat::INT4, M, 256, 2, 32, false, false, true, 63);
     check_case(WeightFormat::INT4, M, 256, 2, 128, true, false, false, 15, true);
-    cases += 6;
+    cases += 7;
   }
   std::printf("%d cases, %d failed\n", cases, failures);
 }
