@@ -5,6 +5,7 @@ error."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -45,3 +46,33 @@ def test_timed_calls_meet_every_copy_with_every_routing(copies):
                      min_calls=calls, min_seconds=0.0)
     pairs = seen[1:calls + 1]  # (the first call warms up)
     assert len(set(pairs)) == calls
+
+
+def test_paired_rounds_continue_the_cycle_and_pair_each_round_with_its_bandwidth():
+    """A decode row's rounds (paired_rows) go on through the copies and routings where the last round stopped (one
+    warm-up call in all, so no round starts on the warm-up's cached pair), and each round's bytes over time is divided
+    by the bandwidth measured right before it: the median of those ratios."""
+    copies, routings = 3, [(r, None, None) for r in range(8)]
+    seen = []
+    bandwidths = iter([100.0, 50.0, 200.0, 100.0, 100.0])
+    measured = []
+
+    def read_bandwidth(tries):
+        measured.append(len(seen))  # (the calls made before this measurement)
+        return next(bandwidths)
+
+    def call(layer, ids, w, x):
+        seen.append((layer, ids))
+        time.sleep(0.004)  # every call about as long: the rounds' times agree
+
+    sec, ratio = bench.paired_rows(call, list(range(copies)), routings, min_calls=4, min_seconds=0.0,
+                                   read_bandwidth=read_bandwidth, nbytes=1.0)
+    assert len(measured) == bench.PAIRED_ROUNDS
+    assert seen[0] == (0, 0) and measured[0] == 0  # the warm-up runs after the first measurement, once
+    timed = seen[1:]
+    assert len(timed) == 4 * bench.PAIRED_ROUNDS and len(set(timed)) == len(timed)  # 20 calls, none repeated
+    assert timed == [(i % copies, i % len(routings)) for i in range(1, len(timed) + 1)]
+    assert measured[1:] == [1 + 4 * r for r in range(1, bench.PAIRED_ROUNDS)]  # between rounds
+    # every round takes about the same time t; the ratios are 1/(t*bw): the median is that of bw = 100
+    assert sec == pytest.approx(0.004, rel=0.5)
+    assert ratio == pytest.approx(1.0 / sec / 100.0, rel=0.2)
