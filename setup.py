@@ -18,6 +18,7 @@ OPT = ["-O3", "-std=c++17", "-fPIC", "-fno-math-errno"]
 
 ISA_FLAGS = {
     "portable": [],
+    "avx2": ["-mavx2", "-mfma"],
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni", "-mfma"],
     "amx": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni", "-mfma",
             "-mamx-tile", "-mamx-bf16", "-mamx-int8"],

@@ -566,9 +566,9 @@ def main() -> None:
 
     for name in args.ktorch_variants:
         level, _, rest = name.partition(":")
-        if level not in ("auto", "portable", "avx512", "amx") or (
+        if level not in ("auto", "portable", "avx2", "avx512", "amx") or (
                 rest and (level != "amx" or not rest.isdigit())):
-            ap.error(f"--ktorch-variants: unknown variant {name!r} (auto, portable, avx512, amx, amx:N)")
+            ap.error(f"--ktorch-variants: unknown variant {name!r} (auto, portable, avx2, avx512, amx, amx:N)")
     for line in machine_lines():
         print(line)
     cores = physical_cores()

@@ -29,7 +29,7 @@ def load_library() -> None:
 def cpu_features() -> dict:
     """What this CPU offers and which kernel level ``kt.fused_moe`` will run.
 
-    Returns a dict with the vendor, the ISA flags (avx512f, avx512_bf16, avx512_vnni, amx_bf16, amx_int8,
+    Returns a dict with the vendor, the ISA flags (avx2, fma, avx512f, avx512_bf16, avx512_vnni, amx_bf16, amx_int8,
     os_amx, ...), ``available`` (the kernel levels this machine can run) and ``kernel`` (the level a call
     runs at now: the best available unless ``KT_CPU_KERNEL`` / ``ktorch.config.set_cpu_kernel`` forces one).
     """

@@ -12,8 +12,8 @@ KT_NUM_THREADS     ``ktorch.set_num_threads(n)``       ktorch's CPU worker pool 
 KT_SPIN_US         ``set_spin_us(us)``                 how long idle pool workers spin before they park, in us
                                                        (2000; 0 parks them at once); applied when the pool is
                                                        built or resized (``ktorch.set_num_threads``)
-KT_CPU_KERNEL      ``set_cpu_kernel(level)``           the kernel level: auto, portable, avx512 or amx (auto: the
-                                                       best this CPU/OS can run; an unavailable one is an error)
+KT_CPU_KERNEL      ``set_cpu_kernel(level)``           the kernel level: auto, portable, avx2, avx512 or amx (auto:
+                                                       the best this CPU/OS can run; an unavailable one is an error)
 KT_HUGE_PAGES      ``set_huge_pages(on)``              packed expert weights advised onto transparent huge pages
                                                        (1; 0: ordinary 4 KiB pages)
 KT_PROFILE         ``set_profile(on)``                 each ``fused_moe`` call's phase times on stderr (0)
@@ -45,7 +45,7 @@ SETTINGS = _CPP_SETTINGS + _PY_SETTINGS
 
 _py_values: dict[str, str] = {}  # the Python-read settings' values set from Python
 
-CPU_KERNELS = ("auto", "portable", "avx512", "amx")
+CPU_KERNELS = ("auto", "portable", "avx2", "avx512", "amx")
 CUDA_SYNC_MODES = ("block", "spin", "yield", "auto", "keep")
 
 
@@ -87,7 +87,7 @@ def set_spin_us(us: Optional[int]) -> None:
 
 def set_cpu_kernel(level: Optional[str]) -> None:
     """``KT_CPU_KERNEL``: the kernel level every later call runs at: "auto" (the best available), "portable",
-    "avx512" or "amx" (an unavailable one is an error at the next call); None: the variable's, else auto."""
+    "avx2", "avx512" or "amx" (an unavailable one is an error at the next call); None: the variable's, else auto."""
     if level is not None and level not in CPU_KERNELS:
         raise ValueError(f"KT_CPU_KERNEL must be one of {', '.join(CPU_KERNELS)}; got {level!r}")
     _set("KT_CPU_KERNEL", level)

@@ -28,7 +28,7 @@ def _threads_per_xdist_worker() -> None:
 
 _threads_per_xdist_worker()
 
-KERNEL_LEVELS = ("portable", "avx512", "amx")
+KERNEL_LEVELS = ("portable", "avx2", "avx512", "amx")
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
@@ -41,6 +41,7 @@ def load_benchmark(name: str):
 
 # What each level needs from the CPU, in words for the skip reason.
 _LEVEL_NEEDS = {
+    "avx2": ("AVX2 and FMA", ("avx2", "fma", "os_avx")),
     "avx512": ("AVX-512 BF16/VNNI", ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "os_avx512")),
     "amx": ("AMX", ("amx_tile", "amx_bf16", "amx_int8", "os_amx")),
 }

@@ -52,7 +52,7 @@ def test_kernel_level_set_from_python_overrides_the_variable(monkeypatch):
     finally:
         config.set_cpu_kernel(None)
     assert torch.ops.kt.selected_kernel() == best and config.value("KT_CPU_KERNEL") == "auto"
-    with pytest.raises(ValueError, match="KT_CPU_KERNEL must be one of auto, portable, avx512, amx; got 'sse2'"):
+    with pytest.raises(ValueError, match="KT_CPU_KERNEL must be one of auto, portable, avx2, avx512, amx; got 'sse2'"):
         config.set_cpu_kernel("sse2")
     assert torch.ops.kt.selected_kernel() == best
 

@@ -217,11 +217,11 @@ def test_unpack_scales_on_another_device():
 
 def test_unknown_kernel_level(monkeypatch):
     monkeypatch.setenv("KT_CPU_KERNEL", "sse2")
-    with raises(r"KT_CPU_KERNEL must be one of auto, portable, avx512, amx; got 'sse2'"):
+    with raises(r"KT_CPU_KERNEL must be one of auto, portable, avx2, avx512, amx; got 'sse2'"):
         call()
 
 
-@pytest.mark.parametrize("level", ["avx512", "amx"])
+@pytest.mark.parametrize("level", ["avx2", "avx512", "amx"])
 def test_forcing_an_unavailable_kernel_level(level, monkeypatch):
     if kernel_skip_reason(level) is None:
         pytest.skip(f"{level} runs on this machine")
@@ -236,7 +236,7 @@ def test_kernel_level_set_from_python_is_checked_where_read():
     variable and is checked at the call, with the same message; clearing it goes back to the variable."""
     try:
         torch.ops.kt.set_option("KT_CPU_KERNEL", "sse2")
-        with raises(r"KT_CPU_KERNEL must be one of auto, portable, avx512, amx; got 'sse2'"):
+        with raises(r"KT_CPU_KERNEL must be one of auto, portable, avx2, avx512, amx; got 'sse2'"):
             call()
     finally:
         torch.ops.kt.set_option("KT_CPU_KERNEL", None)

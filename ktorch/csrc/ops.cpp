@@ -28,6 +28,7 @@ std::vector<std::string> cpu_info() {
   auto b = [](bool v) { return std::string(v ? "1" : "0"); };
   std::vector<std::string> out = {
       "vendor=" + f.vendor,
+      "avx2=" + b(f.avx2), "fma=" + b(f.fma), "os_avx=" + b(f.os_avx),
       "avx512f=" + b(f.avx512f), "avx512bw=" + b(f.avx512bw), "avx512vl=" + b(f.avx512vl),
       "avx512_bf16=" + b(f.avx512_bf16), "avx512_vnni=" + b(f.avx512_vnni), "os_avx512=" + b(f.os_avx512),
       "amx_tile=" + b(f.amx_tile), "amx_bf16=" + b(f.amx_bf16), "amx_int8=" + b(f.amx_int8), "os_amx=" + b(f.os_amx),

@@ -1,5 +1,5 @@
 // The contract between the fused-MoE driver (ktorch/csrc/moe/) and the ISA kernels
-// (ktorch/csrc/kernels/{portable,avx512,amx}/). Pure C++: no ATen, no intrinsics, so that each ISA
+// (ktorch/csrc/kernels/{portable,avx2,avx512,amx}/). Pure C++: no ATen, no intrinsics, so that each ISA
 // folder compiles on its own with its own -m flags and the driver picks a KernelSet at run time.
 //
 // Packed weight layouts (one expert; W is [N, K], N output channels, K reduction; N % 16 == 0):
@@ -65,7 +65,8 @@ struct SideWork {
 // C[m][16*b + c] = sum_k A[m][k] * W[16*b + c][k], for m < M and b < nblocks, in fp32.
 // A rows are gathered through pointers (tokens routed to one expert are not adjacent in the batch).
 //   bf16 weights: A rows are bf16 (uint16_t) of length K.
-//   int8/int4:    A rows are int8 of length K, row m dequantizes as a_scale[m] * A[m][k];
+//   int8/int4:    A rows are int8 of length K in [-127, 127] (QuantizeRowsFn's range; the AVX2 kernels' pair
+//                 products rely on it), row m dequantizes as a_scale[m] * A[m][k];
 //                 a_gsum[m * a_gsum_stride + g] = sum of A[m][k] over k in group g (the group size of
 //                 the weights, K for int8), used to undo the unsigned offset of the weights.
 // The result is fully dequantized (a_scale and the weight scales applied).
@@ -176,6 +177,7 @@ struct KernelSet {
 // Defined in the ISA folders; each returns nullptr-free tables. The amx table may fall back to avx512
 // entries for formats it does not cover.
 const KernelSet& portable_kernels();
+const KernelSet& avx2_kernels();
 const KernelSet& avx512_kernels();
 const KernelSet& amx_kernels();
 // Tests only (the kernel test binary, the op tests through kt::_amx_min_rows_for_tests): the AMX gemms send calls

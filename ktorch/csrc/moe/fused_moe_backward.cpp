@@ -1028,7 +1028,9 @@ void for_each_expert(const Call& c, const std::vector<Task>& tasks, ExpertTimes&
     if (need.slices) {
       d.whole = threads == 1 && at::get_num_threads() > 1;  // (on one thread, slices as each worker's)
       const kernels::KernelSet& ks = runtime::select_kernels();
-      if (c.ct == at::kBFloat16 && std::strcmp(ks.name, "portable") != 0) d.kernels = &ks;
+      // (levels with bf16 dot products: avx512 and amx; at portable and avx2 ATen's matmuls)
+      if (c.ct == at::kBFloat16 && std::strcmp(ks.name, "portable") != 0 && std::strcmp(ks.name, "avx2") != 0)
+        d.kernels = &ks;
       const int64_t es = static_cast<int64_t>(c10::elementSize(c.ct));
       const int64_t halves = c.gated ? 2 : 1;  // x W13^T's slices: gate rows and their up rows
       d.slice = at::empty({d.whole ? std::max(c.N13, c.I) * c.H

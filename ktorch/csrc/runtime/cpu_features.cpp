@@ -43,9 +43,12 @@ CpuFeatures detect() {
   if (max_leaf < 7) return f;
   __get_cpuid(1, &a, &b, &c, &d);
   const bool osxsave = (c >> 27) & 1;
+  f.fma = (c >> 12) & 1;
   unsigned long long xcr0 = osxsave ? xgetbv0() : 0;
+  f.os_avx = (xcr0 & 0x6) == 0x6;       // SSE, AVX (YMM)
   f.os_avx512 = (xcr0 & 0xe6) == 0xe6;  // SSE, AVX, opmask, ZMM_Hi256, Hi16_ZMM
   __cpuid_count(7, 0, a, b, c, d);
+  f.avx2 = (b >> 5) & 1;
   f.avx512f = (b >> 16) & 1;
   f.avx512bw = (b >> 30) & 1;
   f.avx512vl = (b >> 31) & 1;

@@ -9,7 +9,7 @@
 
 namespace kt::runtime {
 
-// "portable", "avx512" or "amx": the level a call runs at after KT_CPU_KERNEL is applied.
+// "portable", "avx2", "avx512" or "amx": the level a call runs at after KT_CPU_KERNEL is applied.
 std::string selected_kernel_level();
 const kernels::KernelSet& select_kernels();
 // The levels this machine can run, best last.
