@@ -59,19 +59,12 @@ def kernel_skip_reason(level: str) -> str | None:
     return f"{level}: the CPU has {what} but ktorch offers no {level} kernels yet (available: {available})"
 
 
-# Files whose code under test is the driver's, the same at every level where avx2 takes the portable entries (the
-# NUMA split, the GLU epilogues, the backward's ATen products): they run avx2's gemms nowhere the op tests
-# (test_ops_fused_moe, test_ops_kquant, test_ops_mxfp4) do not, so they skip it (CI's time: ~3 minutes).
-_DRIVER_FILES = {"test_numa_split.py", "test_ops_fused_moe_epilogue.py", "test_ops_fused_moe_backward.py"}
-
-
 @pytest.fixture(params=KERNEL_LEVELS)
 def kernel(request, monkeypatch) -> str:
-    """Runs the test with KT_CPU_KERNEL forced to each level; skips the levels this machine lacks."""
+    """Runs the test with KT_CPU_KERNEL forced to each level; skips the levels this machine lacks, and those the test's
+    module names in SKIP_KERNEL_LEVELS ({level: why})."""
     level = request.param
-    reason = kernel_skip_reason(level)
-    if reason is None and level == "avx2" and request.node.path.name in _DRIVER_FILES:
-        reason = "avx2: this file tests the driver, which avx2 shares with portable (its gemms: the op tests)"
+    reason = kernel_skip_reason(level) or getattr(request.module, "SKIP_KERNEL_LEVELS", {}).get(level)
     if reason is not None:
         pytest.skip(reason)
     monkeypatch.setenv("KT_CPU_KERNEL", level)

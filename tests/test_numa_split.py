@@ -30,6 +30,10 @@ import ktorch
 from ktorch.ops import NumaSplitExperts, numa_split_count
 from reference import fused_moe_reference
 
+# avx2 shares this file's code under test with portable (the driver; its gemms are checked by the op tests:
+# test_ops_fused_moe, test_ops_kquant, test_ops_mxfp4), so its cases skip that level (CI's time: ~3 minutes)
+SKIP_KERNEL_LEVELS = {"avx2": "avx2: this file tests the driver, which avx2 shares with portable (its gemms: the op tests)"}
+
 FORMATS = [("bf16", None), ("int8", None), ("int4", 32), ("int4", 64)]
 FORMAT_IDS = ["bf16", "int8", "int4g32", "int4g64"]
 
@@ -295,6 +299,7 @@ def test_a_failing_slice_releases_the_others():
 _ENV_SCRIPT = """
 import sys, torch, ktorch
 from ktorch.ops import NumaSplitExperts
+
 hidden, ids, weights, packed = torch.load(sys.argv[1], weights_only=False)
 out = ktorch.fused_moe(hidden, ids, weights, packed)
 cache = packed._numa_split_cache

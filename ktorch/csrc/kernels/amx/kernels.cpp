@@ -442,7 +442,7 @@ void grouped_block(const GemmArgs& a, const ARows& ar, const Block& blk, uint8_t
   const uint8_t* packed0 = a.b + blk.b0 * a.b_block_stride;
   const uint8_t* packed1 = packed0 + a.b_block_stride;  // read only when RB > 1
   uint8_t* u0 = unpacked;
-  uint8_t* u1 = unpacked + steps * kUnpackedStep;
+  uint8_t* u1 = kInt8 ? nullptr : unpacked + steps * kUnpackedStep;  // (int8: no buffer, unpacked is nullptr)
   const uint8_t* t0 = kInt8 ? packed0 : u0;  // the B tiles of the two blocks
   const uint8_t* t1 = kInt8 ? packed1 : u1;
   const RowPair<RA> rp(a, ar, blk.g0);

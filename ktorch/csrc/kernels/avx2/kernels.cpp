@@ -8,11 +8,12 @@
 // Then per group, in fp32: acc += (sum - offset * sum_g(x)) * s_w[g] (fused multiply-add), affine acc -= sum_g(x) *
 // min[g], and the activation scale last; so results equal the portable kernels' within fp32 rounding (the fused
 // multiply-add rounds once). bf16: fp32 products of the bf16 pairs, fused into fp32 accumulators.
-// Rows go in pairs (a single row alone), each pair walking a block's whole K; the other KernelSet entries are the
-// portable ones.
+// Rows go in pairs (row_pairs), each pair walking a block's whole K; the other KernelSet entries are the portable
+// ones.
 #include <immintrin.h>
 
 #include <cstring>
+#include <type_traits>
 
 #include "../kernels.h"
 
@@ -42,6 +43,16 @@ inline void group_scales(const GemmArgs& a, bool minimum, int64_t g, int64_t col
   const float* super = (minimum ? a.b_min_super : a.b_super) + super_of(a, g) * a.b_super_group_stride + col;
   s[0] = _mm256_mul_ps(_mm256_loadu_ps(super), _mm256_cvtepi32_ps(sub0));
   s[1] = _mm256_mul_ps(_mm256_loadu_ps(super + 8), _mm256_cvtepi32_ps(sub1));
+}
+
+// Each block's rows in pairs, a last odd row alone: rows(m0, b, std::integral_constant<int, R>{}) for R = 2, 1.
+template <typename Rows>
+void row_pairs(const GemmArgs& a, Rows rows) {
+  for (int b = 0; b < a.nblocks; ++b) {
+    int m = 0;
+    for (; m + 2 <= a.M; m += 2) rows(m, b, std::integral_constant<int, 2>{});
+    if (m < a.M) rows(m, b, std::integral_constant<int, 1>{});
+  }
 }
 
 enum class Codes { Int8, Int4, Int4Coded };
@@ -117,11 +128,7 @@ void grouped_rows(const GemmArgs& a, int m0, int b, int32_t offset, __m256i tabl
 
 template <Codes kCodes>
 void grouped_gemm(const GemmArgs& a, int32_t offset, __m256i table) {
-  for (int b = 0; b < a.nblocks; ++b) {
-    int m = 0;
-    for (; m + 2 <= a.M; m += 2) grouped_rows<kCodes, 2>(a, m, b, offset, table);
-    if (m < a.M) grouped_rows<kCodes, 1>(a, m, b, offset, table);
-  }
+  row_pairs(a, [&](int m, int b, auto r) { grouped_rows<kCodes, decltype(r)::value>(a, m, b, offset, table); });
 }
 
 // Per-channel int8: one sum over all of K, then (sum * s_w) * s_x, as the portable kernel orders it.
@@ -144,11 +151,7 @@ void channel_rows(const GemmArgs& a, int m0, int b) {
 
 void gemm_int8(const GemmArgs& a) {
   if (!affine(a) && (a.group_size == 0 || a.group_size == a.K)) {
-    for (int b = 0; b < a.nblocks; ++b) {
-      int m = 0;
-      for (; m + 2 <= a.M; m += 2) channel_rows<2>(a, m, b);
-      if (m < a.M) channel_rows<1>(a, m, b);
-    }
+    row_pairs(a, [&](int m, int b, auto r) { channel_rows<decltype(r)::value>(a, m, b); });
     return;
   }
   grouped_gemm<Codes::Int8>(a, 0, _mm256_setzero_si256());
@@ -200,11 +203,7 @@ void bf16_rows(const GemmArgs& a, int m0, int b) {
 }
 
 void gemm_bf16(const GemmArgs& a) {
-  for (int b = 0; b < a.nblocks; ++b) {
-    int m = 0;
-    for (; m + 2 <= a.M; m += 2) bf16_rows<2>(a, m, b);
-    if (m < a.M) bf16_rows<1>(a, m, b);
-  }
+  row_pairs(a, [&](int m, int b, auto r) { bf16_rows<decltype(r)::value>(a, m, b); });
 }
 
 }  // namespace
