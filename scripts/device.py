@@ -379,7 +379,8 @@ def pytest(r: Runner, files: list[str], env_extra: dict, workers: int, name: str
 
 @step("tests", "a test list: all, gpu (the GPU/compile files, in one process whatever workers says: their CUDA graph "
       "captures and compiles collide under xdist; ~15 min, so name files to fit a call), amx (the AMX kernel test "
-      "binary, then the op tests with KT_CPU_KERNEL=amx), forced (the suite with KT_CPU_KERNEL=amx KT_NUMA_SPLIT=2), or test files "
+      "binary, then the op tests with KT_CPU_KERNEL=amx), amx-emulated (the kernel test binary's emulated build "
+      "under ASan/UBSan, ~160 s), forced (the suite with KT_CPU_KERNEL=amx KT_NUMA_SPLIT=2), or test files "
       "joined by ','", limit_s=570, min_s=120, params={"list": "gpu", "workers": "4"}, carry=".whl (pytest-xdist)")
 def step_tests(r: Runner, p: dict) -> int:
     which, workers = p["list"], int(p["workers"])
@@ -389,13 +390,17 @@ def step_tests(r: Runner, p: dict) -> int:
         return pytest(r, GPU_TESTS, {}, 1, which)
     if which == "amx":
         rc = r.sh("bash ktorch/csrc/kernels/amx/test/run.sh native 2>&1 | tail -8", timeout=150, show=lambda l: True)
-        return pytest(r, AMX_OP_TESTS, {"KT_CPU_KERNEL": "amx"}, 1, which) or rc
+        # one worker took > 217 s for these 789 tests (session 51 call 1, cut at its summary)
+        return pytest(r, AMX_OP_TESTS, {"KT_CPU_KERNEL": "amx"}, workers, which) or rc
+    if which == "amx-emulated":  # the tile model under ASan/UBSan: 160 s on the device (session 51 call 3)
+        return r.sh("bash ktorch/csrc/kernels/amx/test/run.sh emulated 2>&1 | tail -8", timeout=400,
+                    show=lambda l: True)
     if which == "forced":
         return pytest(r, ["tests"], {"KT_CPU_KERNEL": "amx", "KT_NUMA_SPLIT": "2"}, workers, which)
     files = which.split(",")
     missing = [f for f in files if not (r.root / f).exists()]
     if missing:
-        raise StepError(f"no such test list or file: {', '.join(missing)} (lists: all, gpu, amx, forced)")
+        raise StepError(f"no such test list or file: {', '.join(missing)} (lists: all, gpu, amx, amx-emulated, forced)")
     return pytest(r, files, {}, workers if len(files) > 1 else 1, "files")
 
 
@@ -649,7 +654,8 @@ def step_vs_llamacpp(r: Runner, p: dict) -> int:
       "for their spaces) and prompt length, then llama-bench at its best settings per matching placement (llama=, "
       "'/'-joined: 'exps' = -ot exps=CPU, N = --n-cpu-moe N); same=N > 0: then N prompts of each length in one "
       "process per placement (bench_generate --same-process: the third on replays the captured prefill); "
-      "part=write|ktorch|llama|all",
+      "part=write|ktorch|llama|all. At the defaults it takes ~480 s (session 51: the file 54-65 s, four generate "
+      "processes 63-74 s each, llama-bench 88 s with exps and ~45 s with 14): run it alone after build, --budget 570",
       limit_s=560, min_s=100,
       params={"skew": "0", "layers": "48", "placements": "--deferred-experts+2+--gpu-memory+off/--gpu-memory+24GiB",
               "llama": "exps/14", "prompts": "512,2048", "same": "0", "part": "all"},
