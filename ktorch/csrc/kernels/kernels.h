@@ -119,7 +119,7 @@ struct GemmArgs {
   // Optional work to interleave (see SideWork); the AMX walks spread it over their k steps, others leave it.
   SideWork* side = nullptr;
   // Calls of a few rows (decode): each weight stream is prefetched this many 64-byte lines ahead of the one read
-  // (0: left to the hardware prefetchers). A hint; kernels other than AVX-512 ignore it.
+  // (0: left to the hardware prefetchers). A hint the AVX-512 and avx2 kernels follow; the others ignore it.
   int prefetch_ahead = 0;
 };
 // An affine format (a minimum per group), in either scale form.
