@@ -219,7 +219,8 @@ def test_log_names_are_plain(device):
     ("e2e", "bench_e2e"), ("e2e:layers=12:variants=ktorch", "bench_e2e"), ("deferral", "bench_deferral"),
     ("deferral:deferred=0,3:gpu=0", "bench_deferral"), ("vs-llamacpp", "bench_vs_llamacpp"),
     ("vs-llamacpp:Q4_0:deferred=3:stream=off:only=ktorch", "bench_vs_llamacpp"), ("prefill", "bench_generate"),
-    ("prefill:0:variants=default/sync-per-layer:placements=--gpu-memory+off", "bench_generate")])
+    ("prefill:0:variants=default/sync-per-layer:placements=--gpu-memory+off", "bench_generate"),
+    ("decode", "bench_generate"), ("decode:1.5:variants=default/sdpa+attention:deferred=0/2:gpu=off", "bench_generate")])
 def test_end_to_end_steps_run_their_benchmark_with_options_it_takes(device, tmp_path, monkeypatch, text, script):
     """The end-to-end steps' commands (captured, not run) parse with their benchmark's own parser: the steps name
     only options the scripts have (their ktorch side is `ktorch generate`, no harness variants)."""
@@ -247,6 +248,13 @@ def test_end_to_end_steps_run_their_benchmark_with_options_it_takes(device, tmp_
         assert breakdown.breakdown == 2 and profile.prefill_profile == 3 and breakdown.gguf == args.gguf
         assert profile.prefill_variants == params["variants"].split("/")
         assert profile.ktorch_args == breakdown.ktorch_args == [s.replace("+", " ") for s in params["placements"].split("/")]
+    if st.name == "decode":  # the file written (unless there), then one A/B process with its profiles
+        ab = load_benchmark(script).build_parser().parse_args(commands[-1][2:])
+        if len(commands) == 2:
+            assert args.write_layers == 12 and args.write_router_skew == float(params["skew"]) and args.skip_ktorch
+        assert ab.ab_compile == int(params["rounds"]) and ab.profile_steps == 10 and ab.gen == 64
+        assert ab.ab_variants == params["variants"].replace("+", " ").split("/")
+        assert ab.deferred == [int(d) for d in params["deferred"].split("/")] and ab.ab_gpu_memory == params["gpu"]
 
 
 @pytest.mark.parametrize("text", ["table", "table:1.5:same=3", "table:0:part=llama:llama=exps/14/0"])
