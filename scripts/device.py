@@ -496,12 +496,13 @@ def step_prefill(r: Runner, p: dict) -> int:
     return rc
 
 
-@step("decode", "the captured decode step's A/B and profile: a random 12-layer (layers=) Qwen3-30B-A3B-shaped Q8_0 file "
-      "(skew=), one process (bench_generate.py --ab-compile ROUNDS): the variants= ('/' between names: "
+@step("decode", "the captured decode step's A/B and profile: a random 12-layer (layers=) Qwen3-30B-A3B-shaped Q8_0 "
+      "file (skew=), one process (bench_generate.py --ab-compile ROUNDS): the variants= ('/' between names: "
       "bench_generate.py's AB_VARIANTS) taking turns per deferral (deferred=, '/'), then --profile-steps 10 of each "
       "profiled variant (kernels by time a step) and of the default after each longer prompt; gpu=: the model's GPU "
       "memory option (auto: every expert resident; off: the CPU op and its handoffs). ~150 s at the defaults "
-      "(session 51 call 5: the file 26 s, the A/B and profiles ~90 s); '+' for a space in a variant's name", limit_s=400, min_s=150,
+      "(session 51 call 5: the file 26 s, the A/B and profiles ~90 s); '+' for a space in a variant's name",
+      limit_s=400, min_s=150,
       params={"skew": "0", "layers": "12", "variants": "default", "rounds": "2", "deferred": "0", "gpu": "auto",
               "prompts": "512,2048"}, carry=".whl (gguf)")
 def step_decode(r: Runner, p: dict) -> int:
@@ -513,8 +514,9 @@ def step_decode(r: Runner, p: dict) -> int:
         rc = r.sh(common + ["--write-layers", p["layers"], "--write-seed", "11", "--write-router-skew", p["skew"],
                             "--skip-ktorch"], timeout=240)
     if rc == 0:
+        variants = p["variants"].replace("+", " ").split("/")
         rc = r.sh(common + ["--prompts", *p["prompts"].split(","), "--gen", "64", "--ab-compile", p["rounds"],
-                            "--ab-variants", *p["variants"].replace("+", " ").split("/"), "--deferred", *p["deferred"].split("/"),
+                            "--ab-variants", *variants, "--deferred", *p["deferred"].split("/"),
                             "--ab-gpu-memory", p["gpu"], "--profile-steps", "10"])
     return rc
 
