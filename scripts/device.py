@@ -467,6 +467,18 @@ def placement_args(text: str) -> list[str]:
     return [s.replace("+", " ") for s in text.split("/")]
 
 
+def small_file(r: Runner, p: dict) -> tuple[list[str], int]:
+    """The prefill and decode steps' file, a random Q8_0 /tmp/q8-<layers>l-skew<skew>.gguf, written (bench_generate.py's
+    seed) unless there: (bench_generate.py's command on it, the write's exit status)."""
+    gguf = f"/tmp/q8-{p['layers']}l-skew{p['skew']}.gguf"
+    common = [sys.executable, "benchmarks/bench_generate.py", "--gguf", gguf]
+    rc = 0
+    if not Path(gguf).exists():
+        rc = r.sh(common + ["--write-layers", p["layers"], "--write-router-skew", p["skew"], "--skip-ktorch"],
+                  timeout=240)
+    return common, rc
+
+
 @step("prefill", "the eager prefill as generate runs it, on a random 12-layer (layers=) Qwen3-30B-A3B-shaped Q8_0 "
       "file (skew=: the routers' Zipf bias, 0 near-uniform): bench_generate.py --breakdown N (the first prompts by "
       "part, the Triton kernels each compiles) and --prefill-profile R over variants= ('/' between names), one process "
@@ -477,14 +489,9 @@ def placement_args(text: str) -> list[str]:
                          "breakdown": "2", "cprofile": "0"}, carry=".whl (gguf)")
 def step_prefill(r: Runner, p: dict) -> int:
     r.busy_warning()
-    gguf = f"/tmp/q8-{p['layers']}l-skew{p['skew']}.gguf"
-    common = [sys.executable, "benchmarks/bench_generate.py", "--gguf", gguf]
+    common, rc = small_file(r, p)
     placements = placement_args(p["placements"])
     prompts = ["--prompts", *p["prompts"].split(","), "--prompt-kind", "random"]
-    rc = 0
-    if not Path(gguf).exists():
-        rc = r.sh(common + ["--write-layers", p["layers"], "--write-router-skew", p["skew"], "--skip-ktorch"],
-                  timeout=240)
     if rc == 0 and int(p["breakdown"]) > 0:
         rc = r.sh(common + ["--breakdown", p["breakdown"], "--breakdown-cprofile", p["cprofile"], *prompts,
                             "--ktorch-args", *placements])
@@ -507,12 +514,7 @@ def step_prefill(r: Runner, p: dict) -> int:
               "prompts": "512,2048"}, carry=".whl (gguf)")
 def step_decode(r: Runner, p: dict) -> int:
     r.busy_warning()
-    gguf = f"/tmp/q8-{p['layers']}l-skew{p['skew']}.gguf"
-    common = [sys.executable, "benchmarks/bench_generate.py", "--gguf", gguf]
-    rc = 0
-    if not Path(gguf).exists():
-        rc = r.sh(common + ["--write-layers", p["layers"], "--write-seed", "11", "--write-router-skew", p["skew"],
-                            "--skip-ktorch"], timeout=240)
+    common, rc = small_file(r, p)
     if rc == 0:
         variants = p["variants"].replace("+", " ").split("/")
         rc = r.sh(common + ["--prompts", *p["prompts"].split(","), "--gen", "64", "--ab-compile", p["rounds"],

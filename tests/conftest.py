@@ -59,6 +59,13 @@ def kernel_skip_reason(level: str) -> str | None:
     return f"{level}: the CPU has {what} but ktorch offers no {level} kernels yet (available: {available})"
 
 
+# What the driver-only test files (NUMA split, GLU epilogues, backward) set as SKIP_KERNEL_LEVELS: avx2 shares the
+# code they test with portable (the driver), and its gemms are checked by the op tests (test_ops_fused_moe,
+# test_ops_kquant, test_ops_mxfp4); skipping it there saves CI ~3 minutes.
+DRIVER_ONLY_SKIPS = {
+    "avx2": "avx2: this file tests the driver, which avx2 shares with portable (its gemms: the op tests)"}
+
+
 @pytest.fixture(params=KERNEL_LEVELS)
 def kernel(request, monkeypatch) -> str:
     """Runs the test with KT_CPU_KERNEL forced to each level; skips the levels this machine lacks, and those the test's

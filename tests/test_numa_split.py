@@ -28,11 +28,10 @@ from torch.library import opcheck
 
 import ktorch
 from ktorch.ops import NumaSplitExperts, numa_split_count
+from conftest import DRIVER_ONLY_SKIPS
 from reference import fused_moe_reference
 
-# avx2 shares this file's code under test with portable (the driver; its gemms are checked by the op tests:
-# test_ops_fused_moe, test_ops_kquant, test_ops_mxfp4), so its cases skip that level (CI's time: ~3 minutes)
-SKIP_KERNEL_LEVELS = {"avx2": "avx2: this file tests the driver, which avx2 shares with portable (its gemms: the op tests)"}
+SKIP_KERNEL_LEVELS = DRIVER_ONLY_SKIPS  # tests/conftest.py: avx2 runs this file's code as portable does
 
 FORMATS = [("bf16", None), ("int8", None), ("int4", 32), ("int4", 64)]
 FORMAT_IDS = ["bf16", "int8", "int4g32", "int4g64"]

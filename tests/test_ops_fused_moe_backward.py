@@ -14,11 +14,10 @@ import pytest
 import torch
 
 import ktorch
+from conftest import DRIVER_ONLY_SKIPS
 from reference import ACTIVATION_ALIASES, ACTIVATIONS, fused_moe_reference, relative_error
 
-# avx2 shares this file's code under test with portable (the driver; its gemms are checked by the op tests:
-# test_ops_fused_moe, test_ops_kquant, test_ops_mxfp4), so its cases skip that level (CI's time: ~3 minutes)
-SKIP_KERNEL_LEVELS = {"avx2": "avx2: this file tests the driver, which avx2 shares with portable (its gemms: the op tests)"}
+SKIP_KERNEL_LEVELS = DRIVER_ONLY_SKIPS  # tests/conftest.py: avx2 runs this file's code as portable does
 
 FORMATS = ("bf16", "int8", "int4")
 OP_ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "relu")

@@ -15,12 +15,11 @@ import torch
 from torch.library import opcheck
 
 import ktorch
+from conftest import DRIVER_ONLY_SKIPS
 from reference import fused_moe_reference, relative_error
 from test_ops_fused_moe import FORMAT_IDS, FORMATS, TOLERANCE, make_routing
 
-# avx2 shares this file's code under test with portable (the driver; its gemms are checked by the op tests:
-# test_ops_fused_moe, test_ops_kquant, test_ops_mxfp4), so its cases skip that level (CI's time: ~3 minutes)
-SKIP_KERNEL_LEVELS = {"avx2": "avx2: this file tests the driver, which avx2 shares with portable (its gemms: the op tests)"}
+SKIP_KERNEL_LEVELS = DRIVER_ONLY_SKIPS  # tests/conftest.py: avx2 runs this file's code as portable does
 
 # gated activations with parameters, at the values the models use (gpt-oss: alpha 1.702, limit 7; DeepSeek-V4:
 # limit 10; Inkling2: caps 4 and 25) and at small limits so that many values are clamped
