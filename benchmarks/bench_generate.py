@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import os
 import re
@@ -138,10 +137,10 @@ def run_generate(gguf: str, prompt_tokens: int, gen: int, extra: list[str], time
 
 
 AB_VARIANTS = ("default", "eager layers", "host-function handoff", "two host functions", "sdpa attention", "aten route",
-               "aten router", "aten kv write", "separate qkv", "linear router", "late sum")
+               "aten router", "aten kv write", "separate qkv", "linear router")
 # --profile-steps profiles the default's step and these where they are among --ab-variants
 PROFILED_VARIANTS = ("default", "host-function handoff", "aten router", "aten kv write", "separate qkv",
-                     "linear router", "late sum")
+                     "linear router")
 
 
 def ab_compile(args) -> None:
@@ -156,8 +155,7 @@ def ab_compile(args) -> None:
     StaticLayer.update (index_copy_) instead of the one-launch KV write; "separate qkv": the attention's three
     projections as three products instead of one over their fused weight; "linear router": the swapped routers'
     logits as the linear layer's product (cuBLAS, one row on two thread blocks) instead of the float32 reduction
-    Inductor compiles into one kernel (integrations/transformers_routers.py); "late sum", an experiment: the
-    residents' decode kernels sum their terms once after the loop, ``triton_rows_forward(late_sum=True)``); then a
+    Inductor compiles into one kernel (integrations/transformers_routers.py)); then a
     profile of --profile-steps replays
     of the default's graph and of those of PROFILED_VARIANTS among --ab-variants: GPU kernel time and kernel count
     per step (torch.profiler), the CPU experts' time per step (the native host tasks' timeline) and the step's wall
@@ -183,7 +181,6 @@ def ab_compile(args) -> None:
     routers_swapped, cache_swapped = transformers_routers.swapped, transformers_cache.swapped
     qkv_swapped = fused_qkv.swapped
     router_kernel_forward = transformers_routers._kernel_forward
-    rows_forward = triton_experts.triton_rows_forward
 
     def linear_router_forward(m, hidden, renormalize, cast, flatten, reduction=False):
         return router_kernel_forward(m, hidden, renormalize, cast, flatten)
@@ -210,9 +207,6 @@ def ab_compile(args) -> None:
         transformers_routers._kernel_forward = linear_router_forward if variant == "linear router" \
             else router_kernel_forward
         RUNTIME.gpu_handoff = variant not in ("host-function handoff", "two host functions")  # read at capture
-        # resident_rows looks it up in its module at each call: the residents' kernels sum their terms once
-        triton_experts.triton_rows_forward = functools.partial(rows_forward, late_sum=True) \
-            if variant == "late sum" else rows_forward
 
     for d in args.deferred:
         ktorch.set_deferred_experts(model, d)

@@ -176,9 +176,6 @@ def main(argv=None) -> None:
     p.add_argument("--repeat", type=int, default=12, help="layer calls per captured graph (a 12-layer step)")
     p.add_argument("--replays", type=int, default=50)
     p.add_argument("--profile", action="store_true")
-    p.add_argument("--late-sum", action="store_true",
-                   help="also each triton tile with its terms summed once after the loop "
-                        "(triton_rows_forward(late_sum=True), an experiment)")
     p.add_argument("--tiles", nargs="+", default=None,
                    help="more triton block_n/block_k/num_warps settings to compare with each format's TILES entry")
     args = p.parse_args(argv)
@@ -212,13 +209,12 @@ def main(argv=None) -> None:
             checks = {}  # label -> the call on ``slots`` (the reference's routing) where the timed calls use others
             if triton_available():
                 routings = call_routings(T, K, n, args.repeat, hidden.device)
-                # the experiment --late-sum: each program's terms summed once after its loop
-                for tile, late in [(t, late) for t in tiles for late in (False, True)[:1 + args.late_sum]]:
-                    pair, label = parse_tile(tile), f"triton {tile}" + (" late" if late else "")
-                    variants[label] = (lambda pair=pair, late=late, it=iter(range(1 << 60)): triton_rows_forward(
-                        hidden, routings[next(it) % len(routings)], weights, rows, "silu", pair, late))
-                    checks[label] = (lambda pair=pair, late=late: triton_rows_forward(hidden, slots, weights, rows,
-                                                                                      "silu", pair, late))
+                for tile in tiles:
+                    pair, label = parse_tile(tile), f"triton {tile}"
+                    variants[label] = (lambda pair=pair, it=iter(range(1 << 60)): triton_rows_forward(
+                        hidden, routings[next(it) % len(routings)], weights, rows, "silu", pair))
+                    checks[label] = (lambda pair=pair: triton_rows_forward(hidden, slots, weights, rows, "silu",
+                                                                           pair))
             if refs:
                 variants["bf16-gather"] = lambda: gpu_experts_forward(hidden, slots, weights, refs["w13"], refs["w2"],
                                                                       "silu", "gather")

@@ -190,18 +190,9 @@ if triton is not None:
         return out
 
     @triton.jit
-    def _tile_terms(q_rows, s_rows, row_mask, v_lo, v_hi, kb0, KB, G, GROUP: tl.constexpr, BITS: tl.constexpr,
-                    AFFINE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # [BLOCK_N, BLOCK_K] float32: _tile_dot's terms before its sum, a scale per element, for a caller that sums
-        # them once after the loop (LATE: no cross-lane reduction in each tile)
-        offs = kb0 + tl.arange(0, BLOCK_K)
-        p, xv, m = _tile_products(q_rows, row_mask, v_lo, v_hi, offs, KB, BITS, AFFINE)
-        return _scaled_terms(p, xv, m, s_rows, offs, G, GROUP, AFFINE)
-
-    @triton.jit
     def _gate_up(x_ptr, slots_ptr, q_ptr, s_ptr, h_ptr, n_slots, H, I, G, GROUP: tl.constexpr, MODE: tl.constexpr,
                  BITS: tl.constexpr, AFFINE: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, LATE: tl.constexpr = 0):
+                 BLOCK_K: tl.constexpr):
         row = tl.program_id(0)  # t * n_slots + k
         t = row // n_slots
         slot = tl.load(slots_ptr + row)
@@ -221,32 +212,19 @@ if triton is not None:
             SG = G
         gate_q = q_ptr + e * 2 * I * KB + offs_n.to(tl.int64) * KB
         gate_s = s_ptr + e * 2 * I * SG + offs_n.to(tl.int64) * SG
-        if LATE == 1:  # the terms summed over the row once, after the loop
-            terms_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-            terms_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-            for kb0 in range(0, KB, BLOCK_K):
-                v_lo, v_hi = _load_x(x_ptr + t * H, kb0, H, BITS, BLOCK_K)
-                terms_g += _tile_terms(gate_q, gate_s, row_mask, v_lo, v_hi, kb0, KB, G, GROUP, BITS, AFFINE,
-                                       BLOCK_N, BLOCK_K)
-                terms_u += _tile_terms(gate_q + I * KB, gate_s + I * SG, row_mask, v_lo, v_hi, kb0, KB, G, GROUP,
-                                       BITS, AFFINE, BLOCK_N, BLOCK_K)
-            acc_g = tl.sum(terms_g, axis=1)
-            acc_u = tl.sum(terms_u, axis=1)
-        else:
-            acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
-            acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for kb0 in range(0, KB, BLOCK_K):
-                v_lo, v_hi = _load_x(x_ptr + t * H, kb0, H, BITS, BLOCK_K)
-                acc_g += _tile_dot(gate_q, gate_s, row_mask, v_lo, v_hi, kb0, KB, G, GROUP, MODE, BITS, AFFINE,
-                                   BLOCK_N, BLOCK_K)
-                acc_u += _tile_dot(gate_q + I * KB, gate_s + I * SG, row_mask, v_lo, v_hi, kb0, KB, G, GROUP, MODE,
-                                   BITS, AFFINE, BLOCK_N, BLOCK_K)
+        acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for kb0 in range(0, KB, BLOCK_K):
+            v_lo, v_hi = _load_x(x_ptr + t * H, kb0, H, BITS, BLOCK_K)
+            acc_g += _tile_dot(gate_q, gate_s, row_mask, v_lo, v_hi, kb0, KB, G, GROUP, MODE, BITS, AFFINE,
+                               BLOCK_N, BLOCK_K)
+            acc_u += _tile_dot(gate_q + I * KB, gate_s + I * SG, row_mask, v_lo, v_hi, kb0, KB, G, GROUP, MODE,
+                               BITS, AFFINE, BLOCK_N, BLOCK_K)
         tl.store(h_ptr + row * I + offs_n, _act(acc_g, ACT) * acc_u, mask=mask_n)
 
     @triton.jit
     def _down(h_ptr, slots_ptr, w_ptr, q_ptr, s_ptr, y_ptr, H, I, G, GROUP: tl.constexpr, MODE: tl.constexpr,
-              BITS: tl.constexpr, AFFINE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              LATE: tl.constexpr = 0):
+              BITS: tl.constexpr, AFFINE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         row = tl.program_id(0)
         slot = tl.load(slots_ptr + row)
         e = tl.maximum(slot, 0).to(tl.int64)
@@ -263,22 +241,13 @@ if triton is not None:
             SG = G
         q_rows = q_ptr + e * H * KB + offs_n.to(tl.int64) * KB
         s_rows = s_ptr + e * H * SG + offs_n.to(tl.int64) * SG
-        if LATE == 1:
-            terms = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-            for kb0 in range(0, KB, BLOCK_K):
-                v_lo, v_hi = _load_x(h_ptr + row * I, kb0, I, BITS, BLOCK_K)
-                terms += _tile_terms(q_rows, s_rows, row_mask, v_lo, v_hi, kb0, KB, G, GROUP, BITS, AFFINE, BLOCK_N,
-                                     BLOCK_K)
-            acc = tl.sum(terms, axis=1)
-        else:
-            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for kb0 in range(0, KB, BLOCK_K):
-                v_lo, v_hi = _load_x(h_ptr + row * I, kb0, I, BITS, BLOCK_K)
-                acc += _tile_dot(q_rows, s_rows, row_mask, v_lo, v_hi, kb0, KB, G, GROUP, MODE, BITS, AFFINE,
-                                 BLOCK_N, BLOCK_K)
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for kb0 in range(0, KB, BLOCK_K):
+            v_lo, v_hi = _load_x(h_ptr + row * I, kb0, I, BITS, BLOCK_K)
+            acc += _tile_dot(q_rows, s_rows, row_mask, v_lo, v_hi, kb0, KB, G, GROUP, MODE, BITS, AFFINE,
+                             BLOCK_N, BLOCK_K)
         coef = tl.where(slot >= 0, tl.load(w_ptr + row).to(tl.float32), 0.0)
         tl.store(y_ptr + row * H + offs_n, acc * coef, mask=mask_n)
-
 
     @triton.jit(do_not_specialize=["n"])  # n = T * K: one compile for every prompt length
     def _route(ids_ptr, slot_of_ptr, slots_ptr, cpu_ids_ptr, hits_ptr, n, COUNT: tl.constexpr, BLOCK: tl.constexpr):
@@ -364,16 +333,13 @@ def _kernel_format(codes: torch.Tensor, scales: torch.Tensor, K: int, name: str)
 
 
 def triton_rows_forward(hidden: torch.Tensor, slots: torch.Tensor, topk_weights: torch.Tensor, rows,
-                        activation: str = "silu", tiles: Optional[tuple] = None,
-                        late_sum: bool = False) -> torch.Tensor:
+                        activation: str = "silu", tiles: Optional[tuple] = None) -> torch.Tensor:
     """hidden [T, H] (CUDA), slots [T, K] (-1: not resident), topk_weights [T, K], rows: ``RowExperts`` (int8 or
     4-bit codes with float32 scales, symmetric or affine, w13 and w2 each its own format) -> [T, H] in hidden's
     dtype. Shape-static and free of host syncs (CUDA-graph capturable). ``tiles``: ((block_n, block_k, num_warps,
     num_stages) of _gate_up, the same of _down) (powers of two; block_k in bytes of codes; num_stages None: Triton's
     default), each kernel's format's ``TILES`` entry unless a benchmark compares others
-    (benchmarks/bench_resident_decode.py --tiles). ``late_sum``, an experiment (bench_resident_decode --late-sum,
-    bench_generate --ab-variants "late sum"): each program keeps its tile's terms [block_n, block_k] over the loop
-    and sums them once at the end, instead of a cross-lane reduction in every tile."""
+    (benchmarks/bench_resident_decode.py --tiles)."""
     if not on_kernel_device(hidden):
         raise ValueError(f"triton_rows_forward: the Triton kernels run on CUDA tensors, hidden is on {hidden.device}")
     if not triton_available():
@@ -409,11 +375,11 @@ def triton_rows_forward(hidden: torch.Tensor, slots: torch.Tensor, topk_weights:
     stages = {} if ns is None else {"num_stages": ns}
     _gate_up[(T * K, -(-I // bn))](x, s, rows.w13, rows.w13_scales, h, K, H, I, G13, GROUP=g13,
                                    MODE=scales_mode(g13, bk), BITS=b13, AFFINE=int(a13),
-                                   ACT=_ACT_CODES[activation], BLOCK_N=bn, BLOCK_K=bk, LATE=int(late_sum),
+                                   ACT=_ACT_CODES[activation], BLOCK_N=bn, BLOCK_K=bk,
                                    num_warps=nw, **stages)
     stages = {} if ns2 is None else {"num_stages": ns2}
     _down[(T * K, -(-H // bn2))](h, s, w, rows.w2, rows.w2_scales, y, H, I, G2, GROUP=g2, MODE=scales_mode(g2, bk2),
-                                 BITS=b2, AFFINE=int(a2), BLOCK_N=bn2, BLOCK_K=bk2, LATE=int(late_sum),
+                                 BITS=b2, AFFINE=int(a2), BLOCK_N=bn2, BLOCK_K=bk2,
                                  num_warps=nw2, **stages)
     out = torch.empty(T, H, dtype=hidden.dtype, device=hidden.device)
     _sum_slots[(T, -(-H // 1024))](y, out, K, H, BLOCK=1024)
