@@ -99,6 +99,25 @@ def test_runner_skips_steps_it_has_no_time_for_and_says_so(device, tmp_path, mon
     assert "rc 3 small" in out and "ok tiny" in out
 
 
+def test_build_starts_with_less_time_left_where_a_matching_prebuilt_is_carried(device, tmp_path, monkeypatch, capsys):
+    """The build step needs its min_s (a compile) unless .device-out/prebuilt holds the extension of these sources
+    (an install), then PREBUILT_MIN_S: a 60 s budget installs ktorch instead of skipping the build."""
+    monkeypatch.setattr(device, "OUT", tmp_path / "out")
+    monkeypatch.setattr(device, "versions", lambda: ("2.11.0+cu130", "3.12"))
+    (tmp_path / "ktorch" / "csrc").mkdir(parents=True)
+    (tmp_path / "setup.py").write_text("setup()")
+    (tmp_path / "pyproject.toml").write_text("")
+    ran = []
+    build = device.Step("build", "", 300, 60, {}, lambda r, p: ran.append(r.limit) or 0, needs_build=False)
+    assert device.Runner(tmp_path, device.Budget(60)).run([(build, {})]) == 0
+    assert ran == [] and "SKIPPED build: 60 s left (10 s kept back), it needs at least 60 s" in capsys.readouterr().out
+    src = device.source_id(tmp_path, *device.versions())
+    (tmp_path / ".device-out" / "prebuilt" / src).mkdir(parents=True)
+    (tmp_path / ".device-out" / "prebuilt" / src / "_C.so").write_bytes(b"")
+    assert device.Runner(tmp_path, device.Budget(60)).run([(build, {})]) == 0
+    assert len(ran) == 1 and 45 <= ran[0] <= 50 and device.PREBUILT_MIN_S <= 50
+
+
 def test_runner_stops_after_a_failed_build(device, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(device, "OUT", tmp_path / "out")
     build = device.Step("build", "", 300, 60, {}, lambda r, p: 1, needs_build=False)
