@@ -141,18 +141,60 @@ def test_ktorch_has_no_import_cycle(lazy):
     assert not cycle, "import cycle: " + " -> ".join(cycle)
 
 
+# Run by one interpreter that imports torch (the first thing any ktorch import does: ktorch/__init__.py imports it)
+# and then forks a child per module, each importing that module alone, two at a time: a fresh interpreter per module
+# took ~160 s of the CI's 2 cores (torch imported 58 times), the forks a few seconds.
+_FORKED_IMPORTS = r"""
+import importlib, os, sys, time
+import torch  # noqa: F401  (before any fork: what a fresh interpreter's ktorch import does first)
+
+failures, running, todo = [], {}, list(sys.argv[1:])
+while todo or running:
+    while todo and len(running) < 2:
+        module = todo.pop(0)
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            try:
+                importlib.import_module(module)
+                code, msg = 0, ""
+            except BaseException as e:
+                code, msg = 1, f"{type(e).__name__}: {e}"
+            os.write(w, msg.encode()[:4000])
+            os._exit(code)
+        os.close(w)
+        running[pid] = (module, r, time.monotonic())
+    pid, status = os.waitpid(-1, 0)
+    module, r, _ = running.pop(pid)
+    msg = os.read(r, 4000).decode(errors="replace")
+    os.close(r)
+    if os.waitstatus_to_exitcode(status) != 0:
+        failures.append(f"{module}: {msg or os.waitstatus_to_exitcode(status)}")
+print("\n".join(failures))
+sys.exit(1 if failures else 0)
+"""
+
+
 def test_each_module_imports_alone_in_a_fresh_interpreter():
-    # one interpreter per module (a module imported after others could lean on what they loaded); run a few at
-    # once, each on one thread
+    # a module imported after others could lean on what they loaded: each is imported in a child of its own
     modules = sorted(ktorch_modules())
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "KT_NUM_THREADS": "1"}
-    failures = []
-    for start in range(0, len(modules), 4):
-        procs = [(m, subprocess.Popen([sys.executable, "-c", f"import {m}"], cwd=ROOT, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-                 for m in modules[start:start + 4]]
-        for module, proc in procs:
-            out, _ = proc.communicate(timeout=300)
-            if proc.returncode:
-                failures.append(f"{module}: {out.strip().splitlines()[-1] if out.strip() else proc.returncode}")
-    assert not failures, "\n".join(failures)
+    proc = subprocess.run([sys.executable, "-c", _FORKED_IMPORTS, *modules], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout.strip() or proc.stderr[-2000:]
+
+
+def test_the_forked_imports_catch_a_module_that_leans_on_another(tmp_path):
+    """The check itself: a module that uses a name only another module's import provides fails alone; the one that
+    provides it passes."""
+    pkg = tmp_path / "leaning"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "base.py").write_text("import sys\nsys.modules['leaning'].shared = 1\n")
+    (pkg / "user.py").write_text("import leaning\nvalue = leaning.shared + 1\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", _FORKED_IMPORTS, "leaning.base", "leaning.user"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and proc.stdout.strip().splitlines() == [
+        "leaning.user: AttributeError: module 'leaning' has no attribute 'shared'"]
