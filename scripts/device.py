@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import glob
 import hashlib
 import os
@@ -303,6 +304,7 @@ def source_id(root: Path, torch_version: str, python_version: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", f"{h.hexdigest()[:16]}-{torch_version}-py{python_version}")
 
 
+@functools.lru_cache(maxsize=None)  # one interpreter's torch and Python: asked by the build's check and the build
 def versions() -> tuple[str, str]:
     out = subprocess.run([sys.executable, "-c", "import sys, torch; print(torch.__version__, "
                           "'%d.%d' % sys.version_info[:2])"], capture_output=True, text=True, check=True).stdout

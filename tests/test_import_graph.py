@@ -145,7 +145,7 @@ def test_ktorch_has_no_import_cycle(lazy):
 # and then forks a child per module, each importing that module alone, two at a time: a fresh interpreter per module
 # took ~160 s of the CI's 2 cores (torch imported 58 times), the forks a few seconds.
 _FORKED_IMPORTS = r"""
-import importlib, os, sys, time
+import importlib, os, sys
 import torch  # noqa: F401  (before any fork: what a fresh interpreter's ktorch import does first)
 
 failures, running, todo = [], {}, list(sys.argv[1:])
@@ -164,9 +164,9 @@ while todo or running:
             os.write(w, msg.encode()[:4000])
             os._exit(code)
         os.close(w)
-        running[pid] = (module, r, time.monotonic())
+        running[pid] = (module, r)
     pid, status = os.waitpid(-1, 0)
-    module, r, _ = running.pop(pid)
+    module, r = running.pop(pid)
     msg = os.read(r, 4000).decode(errors="replace")
     os.close(r)
     if os.waitstatus_to_exitcode(status) != 0:
