@@ -577,6 +577,19 @@ def test_kernels_match_a_float64_reference(fmt, group_size, activation, T, K, H,
                        triton_experts.triton_rows_forward(hidden, slots, low.float(), rows, activation))
 
 
+def test_programmatic_dependent_launch_applies_to_capable_cuda_devices_only(monkeypatch):
+    """triton_experts.PDL (on by default): off, no launch option; on, none for CPU tensors (the interpreter's) either;
+    on a CUDA device, the kernel's constexpr and the launch attribute where its compute capability is 9 or more."""
+    monkeypatch.setattr(triton_experts, "PDL", False)
+    assert triton_experts.pdl_options(torch.zeros(1)) == {}
+    monkeypatch.setattr(triton_experts, "PDL", True)
+    assert triton_experts.pdl_options(torch.zeros(1)) == {}
+    if torch.cuda.is_available():
+        major = torch.cuda.get_device_capability()[0]
+        want = {"PDL": 1, "launch_pdl": True} if major >= 9 else {}
+        assert triton_experts.pdl_options(torch.zeros(1, device="cuda")) == want
+
+
 @needs_kernels
 @pytest.mark.parametrize("T,K,E,n,ids_dtype", [(1, 8, 128, 73, torch.int64), (5, 4, 16, 16, torch.int64),
                                                (16, 8, 128, 0, torch.int32), (70, 6, 64, 20, torch.int64)])
@@ -629,6 +642,45 @@ def test_cuda_kernels_at_the_qwen3_shape(fmt, group_size):
     weights = torch.rand(T, K, device="cuda")
     got = rows_experts_forward(hidden, slots, weights, rows)
     assert relative_error(got.cpu(), _reference(hidden, slots, weights, rows)) <= 4e-3
+
+
+@needs_cuda_triton
+def test_cuda_kernels_with_programmatic_dependent_launch_give_the_same_bits(monkeypatch):
+    """triton_experts.PDL on an sm_90+ GPU: the route and the residents' kernels, eagerly and replayed from a CUDA
+    graph (where the launches become programmatic edges), the same bits as without it."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability 9 or more")
+    torch.manual_seed(0)
+    n = 16
+    packed, _ = _experts("int8", 32, n=n, H=256, I=128)
+    rows = rows_from_packed(*(t.cuda() for t in packed))
+    hidden = torch.randn(4, 256, device="cuda").to(torch.bfloat16)
+    ids = torch.randint(0, 2 * n, (4, 8), device="cuda")
+    slot_of = torch.where(torch.arange(2 * n, device="cuda") < n, torch.arange(2 * n, device="cuda"), -1)
+    weights = torch.rand(4, 8, device="cuda")
+
+    def step():
+        slots, _ = triton_experts.triton_route(ids, slot_of)
+        return triton_experts.triton_rows_forward(hidden, slots, weights, rows)
+
+    monkeypatch.setattr(triton_experts, "PDL", False)
+    assert not triton_experts.pdl_options(hidden)
+    want = step()
+    monkeypatch.setattr(triton_experts, "PDL", True)
+    assert triton_experts.pdl_options(hidden)
+    assert torch.equal(step(), want)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
 
 
 @needs_cuda_triton

@@ -23,8 +23,8 @@ there; ``generate``'s caches are sized for the whole generation). One program: m
 
 import torch  # no "from __future__ import annotations": Triton reads the tl.constexpr annotations
 
-from ktorch.ops.triton_experts import (interpreting, kernel_runs_on, next_power_of_2, triton,  # noqa: F401
-                                      triton_available)
+from ktorch.ops.triton_experts import (interpreting, kernel_runs_on, next_power_of_2, pdl_options,  # noqa: F401
+                                      triton, triton_available)
 
 MAX_HEAD_DIM = 1024
 MAX_ROWS = 4096  # B * Hkv * S: one program copies them all (a decode step: Hkv rows)
@@ -36,9 +36,13 @@ if triton is not None:
 
     @triton.jit
     def _kv_write(k_new, v_new, keys, values, length_ptr, H, S, L, skb, skh, sks, svb, svh, svs, DK, DV,
-                  ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
+                  ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+                  PDL: tl.constexpr = 0):
         # ROWS = B * Hkv * S, a constexpr: the loop's bounds are constants (a decode step has one shape), which
         # Triton's interpreter also needs (it cannot iterate to a runtime bound under numpy 2)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         start = tl.load(length_ptr)
         ok = tl.arange(0, BLOCK_DK)
         ov = tl.arange(0, BLOCK_DV)
@@ -112,4 +116,5 @@ def write_kv_rows(keys: torch.Tensor, values: torch.Tensor, key_states: torch.Te
     rows = B * H * S
     _kv_write[(1,)](key_states, value_states, keys, values, cumulative_length, H, S, L, *key_states.stride()[:3],
                     *value_states.stride()[:3], DK, DV, ROWS=rows, BLOCK_R=min(next_power_of_2(rows), ROW_TILE),
-                    BLOCK_DK=next_power_of_2(DK), BLOCK_DV=next_power_of_2(DV), num_warps=4)
+                    BLOCK_DK=next_power_of_2(DK), BLOCK_DV=next_power_of_2(DV), num_warps=4,
+                    **pdl_options(keys))

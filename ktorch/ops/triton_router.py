@@ -32,8 +32,8 @@ from typing import Optional
 
 import torch  # no "from __future__ import annotations": Triton reads the tl.constexpr annotations
 
-from ktorch.ops.triton_experts import (interpreting, kernel_runs_on, next_power_of_2, triton,  # noqa: F401
-                                      triton_available)
+from ktorch.ops.triton_experts import (interpreting, kernel_runs_on, next_power_of_2, pdl_options,  # noqa: F401
+                                      triton, triton_available)
 
 MAX_EXPERTS = 1024  # a row's logits sit in one program's registers (BLOCK_E = E rounded up to a power of two)
 MAX_TOP_K = 32  # K rounds of two reductions each; routers take 1 to 16
@@ -44,7 +44,10 @@ if triton is not None:
 
     @triton.jit
     def _router_topk(logits_ptr, w_ptr, ids_ptr, E, stride_t, K: tl.constexpr, RENORM: tl.constexpr,
-                     BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0):
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         t = tl.program_id(0)
         offs = tl.arange(0, BLOCK_E)
         valid = offs < E
@@ -108,7 +111,7 @@ def _router_topk_op(logits: torch.Tensor, k: int, renormalize: bool, out_dtype: 
     # one warp holds up to 256 probabilities in 8 registers a thread, with no shared-memory round in the reductions
     num_warps = 1 if block_e <= 256 else (2 if block_e <= 512 else 4)
     _router_topk[(T,)](logits, w, ids, E, logits.stride(0), K=k, RENORM=bool(renormalize), BLOCK_E=block_e,
-                       BLOCK_K=next_power_of_2(k), num_warps=num_warps)
+                       BLOCK_K=next_power_of_2(k), num_warps=num_warps, **pdl_options(logits))
     return w, ids
 
 
