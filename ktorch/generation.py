@@ -393,7 +393,7 @@ class Decoder:
             self._prefill_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self._prefill_pool):
+            with capturing(graph, self.device, pool=self._prefill_pool):
                 g.logits, counted = self._prefill_forward(g, waits=False)
                 if counted:  # per counting layer its rows per expert and copied ids, written by each replay
                     g.counts = torch.stack([torch.stack([c, torch.full_like(c, -1) if chosen is None
@@ -512,9 +512,10 @@ class Decoder:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        if self.sampling.temperature > 0:
+        sampled = self.sampling.temperature > 0
+        if sampled:
             graph.register_generator_state(self.generator)  # replays draw new numbers from it
-        with torch.cuda.graph(graph):
+        with capturing(graph, self.device, generators=[self.generator] if sampled else []):
             self._step()  # recorded, not run: the state is still the one after the eager step
         self.graph = graph
 
@@ -523,6 +524,28 @@ class Decoder:
             self.graph.replay()
         else:
             self._step()
+
+
+@contextlib.contextmanager
+def capturing(graph: "torch.cuda.CUDAGraph", device: torch.device, generators: Sequence[torch.Generator] = (),
+              **kwargs):
+    """``torch.cuda.graph(graph, **kwargs)`` that leaves the process usable where the capture fails: PyTorch's ending
+    of a capture stops at a failed ``cudaStreamEndCapture`` (e.g. a host sync inside the capture invalidated it), so
+    the capture's stream stays the current one and the device's random generator, and each of ``generators``
+    registered with the graph, keep their capturing state, in which every later random draw on the device raises
+    ("Offset increment outside graph capture encountered unexpectedly": device, session 53, the next model's load after
+    a prefill capture had failed). Here a failure puts back the stream and gives each generator a fresh state at its
+    seed and offset (``clone_state``), then re-raises."""
+    stream = torch.cuda.current_stream(device)
+    try:
+        with torch.cuda.graph(graph, **kwargs):
+            yield
+    except BaseException:
+        torch.cuda.set_stream(stream)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        for g in (torch.cuda.default_generators[index], *generators):
+            g.graphsafe_set_state(g.clone_state())
+        raise
 
 
 _COMPILED_FORWARDS: dict = {}  # module class -> its forward compiled by Inductor (one per class, shapes guarded inside)

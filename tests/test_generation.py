@@ -445,6 +445,70 @@ def test_captured_sampling_is_seeded():
     assert a == b and a != c
 
 
+@needs_cuda
+def test_a_failed_capture_leaves_the_stream_and_the_random_generators_usable():
+    """ktorch.generation.capturing: a capture a host read invalidates raises, and after it the current stream is the
+    one before, draws from the device's generator and from a generator registered with the graph work (at the same
+    bits for the same seed), and a new capture with a random draw replays."""
+    from ktorch.generation import capturing
+
+    device = torch.device("cuda")
+    before = torch.cuda.current_stream()
+    mine = torch.Generator(device="cuda").manual_seed(5)
+    graph = torch.cuda.CUDAGraph()
+    graph.register_generator_state(mine)
+    x = torch.ones(4, device="cuda")
+    with pytest.raises(RuntimeError):
+        with capturing(graph, device, generators=[mine]):
+            torch.rand(4, device="cuda", generator=mine)
+            torch.randn(4, device="cuda")
+            (x * 2).sum().item()  # a host read: not allowed while capturing
+    assert torch.cuda.current_stream() == before
+    torch.manual_seed(0)
+    a = torch.randn(8, device="cuda")
+    torch.manual_seed(0)
+    assert torch.equal(a, torch.randn(8, device="cuda"))
+    mine.manual_seed(7)
+    b = torch.rand(8, device="cuda", generator=mine)
+    mine.manual_seed(7)
+    assert torch.equal(b, torch.rand(8, device="cuda", generator=mine))
+    again = torch.cuda.CUDAGraph()
+    with capturing(again, device):
+        y = torch.rand(1000, device="cuda") + x.sum()
+    again.replay()
+    first = y.clone()
+    again.replay()
+    torch.cuda.synchronize()
+    assert not torch.equal(first, y) and bool(((y >= 4) & (y < 5)).all())
+
+
+@needs_cuda
+def test_a_prefill_capture_that_fails_leaves_generation_working(monkeypatch):
+    """A model whose prefill cannot be captured (here: a host sync in the padded prefill while capturing) warns and
+    prefills eagerly; sampled generation on the GPU after it still draws (seeded) and greedy ids stay the eager ones."""
+    from ktorch import generation
+
+    model = _prepared("qwen3_moe", device="cuda")
+    ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(13))
+    eager = generate(model, ids, 8, cuda_graphs=False).ids
+    original = generation.Decoder._prefill_forward
+
+    def syncing(self, g, waits):
+        out = original(self, g, waits)
+        if torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()
+        return out
+
+    monkeypatch.setattr(generation.Decoder, "_prefill_forward", syncing)
+    with pytest.warns(UserWarning, match="could not be captured"):
+        for _ in range(generation.CAPTURE_AFTER):
+            assert generate(model, ids, 8).ids == eager
+    assert model.kt_prefill_capture_failed
+    assert generate(model, ids, 8).ids == eager
+    a = generate(model, ids, 12, temperature=1.1, seed=3).ids
+    assert a == generate(model, ids, 12, temperature=1.1, seed=3).ids
+
+
 def test_prefill_attention_skips_cudnn_and_restores():
     """The prefill's SDPA context leaves cuDNN attention out (its plans are built per new shape) and puts the
     process's backends back after, exceptions included; flash, memory-efficient and math stay on."""
