@@ -406,8 +406,9 @@ def test_cuda_captured_generate_with_the_kernels_gives_the_same_tokens(dtype, mo
                     reason="compiling for a GPU needs Triton, not its interpreter")
 def test_kernels_compile_for_hopper():
     """Both kernels (the router's and the KV write's: tests/test_triton_kv_write.py) compile to sm_90 code through
-    Triton's real compiler (no GPU needed), at the specializations a decode step launches: what the interpreter,
-    which runs the kernels here, does not check."""
+    Triton's real compiler (no GPU needed), at the specializations a decode step launches, with programmatic
+    dependent launch (PDL = 1: both griddepcontrol instructions in the PTX) and without: what the interpreter, which
+    runs the kernels here, does not check."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -418,17 +419,21 @@ def test_kernels_compile_for_hopper():
     target = GPUTarget("cuda", 90, 32)
     cases = [("bf16", "bf16", 8, 128, 1, True), ("bf16", "fp32", 8, 128, 1, False), ("fp32", "fp32", 16, 512, 2, True),
              ("fp16", "fp16", 32, 1024, 4, True)]
-    for dtype, out, K, block_e, warps, renorm in cases:
+    def ptx(fn, signature: dict, constexprs: dict, warps: int) -> str:
+        source = ASTSource(fn, signature={**signature, **{k: "constexpr" for k in constexprs}}, constexprs=constexprs)
+        compiled = triton.compile(source, target=target, options={"num_warps": warps})
+        assert compiled.asm["cubin"]
+        pdl = ("griddepcontrol.wait" in compiled.asm["ptx"], "griddepcontrol.launch_dependents" in compiled.asm["ptx"])
+        assert pdl == (bool(constexprs["PDL"]),) * 2, pdl
+        return compiled.asm["ptx"]
+
+    for i, (dtype, out, K, block_e, warps, renorm) in enumerate(cases):
         signature = {"logits_ptr": "*" + dtype, "w_ptr": "*" + out, "ids_ptr": "*i64", "E": "i32", "stride_t": "i32"}
-        constexprs = {"K": K, "RENORM": renorm, "BLOCK_E": block_e, "BLOCK_K": triton.next_power_of_2(K)}
-        source = ASTSource(_router_topk, signature={**signature, **{k: "constexpr" for k in constexprs}},
-                           constexprs=constexprs)
-        assert triton.compile(source, target=target, options={"num_warps": warps}).asm["cubin"]
+        constexprs = {"K": K, "RENORM": renorm, "BLOCK_E": block_e, "BLOCK_K": triton.next_power_of_2(K), "PDL": i % 2}
+        ptx(_router_topk, signature, constexprs, warps)
     signature = {name: "*bf16" for name in ("k_new", "v_new", "keys", "values")}
     signature.update({"length_ptr": "*i64", **{n: "i32" for n in ("H", "S", "L", "skb", "skh", "sks", "svb", "svh",
                                                                   "svs", "DK", "DV")}})
-    constexprs = {"ROWS": 4, "BLOCK_R": 4, "BLOCK_DK": 128, "BLOCK_DV": 128}
-    source = ASTSource(_kv_write, signature={**signature, **{k: "constexpr" for k in constexprs}},
-                       constexprs=constexprs)
-    compiled = triton.compile(source, target=target, options={"num_warps": 4})
-    assert "bar.sync" in compiled.asm["ptx"]  # the barrier before the counter moves
+    for pdl in (0, 1):
+        constexprs = {"ROWS": 4, "BLOCK_R": 4, "BLOCK_DK": 128, "BLOCK_DV": 128, "PDL": pdl}
+        assert "bar.sync" in ptx(_kv_write, signature, constexprs, 4)  # the barrier before the counter moves
