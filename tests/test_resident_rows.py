@@ -590,6 +590,40 @@ def test_programmatic_dependent_launch_applies_to_capable_cuda_devices_only(monk
         assert triton_experts.pdl_options(torch.zeros(1, device="cuda")) == want
 
 
+@pytest.mark.skipif(triton_experts.triton is None or triton_experts.interpreting(),
+                    reason="compiling for a GPU needs Triton, not its interpreter")
+def test_decode_kernels_compile_for_hopper_with_and_without_programmatic_dependent_launch():
+    """The residents' decode kernels (route, gate/up at int8 and Q4_K, down, slot sum) compile to sm_90 code through
+    Triton's real compiler (no GPU needed): with PDL = 1 the PTX holds both griddepcontrol instructions, with 0
+    neither (what the interpreter, which runs the kernels here, does not check)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    def ptx(fn, signature: dict, constexprs: dict) -> str:
+        source = ASTSource(fn, signature={**signature, **{k: "constexpr" for k in constexprs}}, constexprs=constexprs)
+        code = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+        assert ("griddepcontrol.wait" in code, "griddepcontrol.launch_dependents" in code) == (bool(constexprs["PDL"]),) * 2
+        return code
+
+    dims = {"H": "i32", "I": "i32", "G": "i32"}
+    for pdl in (0, 1):
+        ptx(triton_experts._route, {"ids_ptr": "*i64", "slot_of_ptr": "*i64", "slots_ptr": "*i64", "cpu_ids_ptr": "*i64",
+                                    "hits_ptr": "*i64", "n": "i32"},
+            {"COUNT": True, "BLOCK": triton_experts.ROUTE_BLOCK, "PDL": pdl})
+        for bits, affine, group in ((8, 0, 32), (4, 1, 32)):
+            bn, bk, _ = triton_experts.TILES[bits]
+            fmt = {"GROUP": group, "MODE": triton_experts.scales_mode(group, bk), "BITS": bits, "AFFINE": affine}
+            ptx(triton_experts._gate_up, {"x_ptr": "*bf16", "slots_ptr": "*i64", "q_ptr": "*i8" if bits == 8 else "*u8",
+                                          "s_ptr": "*fp32", "h_ptr": "*fp32", "n_slots": "i32", **dims},
+                {**fmt, "ACT": 0, "BLOCK_N": bn, "BLOCK_K": bk, "PDL": pdl})
+            ptx(triton_experts._down, {"h_ptr": "*fp32", "slots_ptr": "*i64", "w_ptr": "*fp32",
+                                       "q_ptr": "*i8" if bits == 8 else "*u8", "s_ptr": "*fp32", "y_ptr": "*fp32", **dims},
+                {**fmt, "BLOCK_N": bn, "BLOCK_K": bk, "PDL": pdl})
+        ptx(triton_experts._sum_slots, {"y_ptr": "*fp32", "out_ptr": "*bf16", "K": "i32", "H": "i32"},
+            {"BLOCK": 1024, "PDL": pdl})
+
+
 @needs_kernels
 @pytest.mark.parametrize("T,K,E,n,ids_dtype", [(1, 8, 128, 73, torch.int64), (5, 4, 16, 16, torch.int64),
                                                (16, 8, 128, 0, torch.int32), (70, 6, 64, 20, torch.int64)])
