@@ -330,3 +330,11 @@ def test_vs_llamacpp_settings(device):
     assert device.vs_llamacpp_settings("3", "auto") == ["", "--deferred-experts 3"]
     assert device.vs_llamacpp_settings("2", "512:0.4") == ["--stream-experts 512:0.4",
                                                            "--deferred-experts 2 --stream-experts 512:0.4"]
+
+
+def test_test_files_are_found_as_given_or_under_tests(device):
+    """The tests step's file list: a path as given, a bare name under tests/; an unknown name is a clear error."""
+    assert device.named_test_files(ROOT, "tests/test_generation.py,test_serve.py") == ["tests/test_generation.py",
+                                                                               "tests/test_serve.py"]
+    with pytest.raises(device.StepError, match="no such test list or file: test_nope.py"):
+        device.named_test_files(ROOT, "test_generation.py,test_nope.py")
