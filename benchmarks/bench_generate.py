@@ -355,13 +355,15 @@ def _log_triton_compiles():
 
 
 def _breakdown_run(args, model, ids, first_run: bool, extra: str, prompt: int) -> float:
-    """One ``generate`` of one new token; the first run of a length under cProfile with --breakdown-cprofile N (its
-    N largest functions by own and by cumulative time printed). Returns the time to the first token."""
+    """One ``generate`` of one new token without CUDA graphs (the eager prefill, whose parts the timer's hooks time:
+    they synchronize, which a prefill capture after a length's second prompt cannot take; session 53 saw it fail and
+    the next model's load raise); the first run of a length under cProfile with --breakdown-cprofile N (its N
+    largest functions by own and by cumulative time printed). Returns the time to the first token."""
     from ktorch.generation import generate
 
     if not (args.breakdown_cprofile and first_run):
-        return generate(model, ids, 1).timings.first_token_s
-    return _cprofiled(lambda: generate(model, ids, 1), args.breakdown_cprofile,
+        return generate(model, ids, 1, cuda_graphs=False).timings.first_token_s
+    return _cprofiled(lambda: generate(model, ids, 1, cuda_graphs=False), args.breakdown_cprofile,
                       f"[breakdown {extra or 'defaults'}] P={prompt} run 0 under cProfile").timings.first_token_s
 
 
