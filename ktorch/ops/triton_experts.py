@@ -128,6 +128,14 @@ def pdl_options(t: torch.Tensor) -> dict:
 if triton is not None:
 
     @triton.jit
+    def pdl_prologue(PDL: tl.constexpr):
+        """A PDL-launched kernel's first instructions (``pdl_options``): wait until its predecessor has completed and
+        its writes are visible, then let the next kernel be scheduled; nothing where ``PDL`` is 0."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
     def _act(g, ACT: tl.constexpr):
         if ACT == 0:
             out = g * tl.sigmoid(g)
@@ -214,9 +222,7 @@ if triton is not None:
     def _gate_up(x_ptr, slots_ptr, q_ptr, s_ptr, h_ptr, n_slots, H, I, G, GROUP: tl.constexpr, MODE: tl.constexpr,
                  BITS: tl.constexpr, AFFINE: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0):
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        pdl_prologue(PDL)
         row = tl.program_id(0)  # t * n_slots + k
         t = row // n_slots
         slot = tl.load(slots_ptr + row)
@@ -250,9 +256,7 @@ if triton is not None:
     def _down(h_ptr, slots_ptr, w_ptr, q_ptr, s_ptr, y_ptr, H, I, G, GROUP: tl.constexpr, MODE: tl.constexpr,
               BITS: tl.constexpr, AFFINE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               PDL: tl.constexpr = 0):
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        pdl_prologue(PDL)
         row = tl.program_id(0)
         slot = tl.load(slots_ptr + row)
         e = tl.maximum(slot, 0).to(tl.int64)
@@ -280,9 +284,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=["n"])  # n = T * K: one compile for every prompt length
     def _route(ids_ptr, slot_of_ptr, slots_ptr, cpu_ids_ptr, hits_ptr, n, COUNT: tl.constexpr, BLOCK: tl.constexpr,
                PDL: tl.constexpr = 0):
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        pdl_prologue(PDL)
         # one program over the n (token, slot) pairs: slots = slot_of[id] (-1 for id < 0 or an expert not held),
         # cpu_ids = id where the slot is not held, else -1; hits += routed pairs << 32 | held pairs
         total = tl.zeros([BLOCK], dtype=tl.int64)
@@ -302,9 +304,7 @@ if triton is not None:
     @triton.jit
     def _sum_slots(y_ptr, out_ptr, K, H, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
         # out[t] = sum_k y[t, k] in slot order, float32, rounded once to out's dtype
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        pdl_prologue(PDL)
         t = tl.program_id(0)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = offs < H

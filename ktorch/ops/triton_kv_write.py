@@ -34,15 +34,15 @@ ROW_TILE = 16  # rows a tile of the copy (decode with 4 to 16 key/value heads: o
 if triton is not None:
     import triton.language as tl
 
+    from ktorch.ops.triton_experts import pdl_prologue
+
     @triton.jit
     def _kv_write(k_new, v_new, keys, values, length_ptr, H, S, L, skb, skh, sks, svb, svh, svs, DK, DV,
                   ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                   PDL: tl.constexpr = 0):
         # ROWS = B * Hkv * S, a constexpr: the loop's bounds are constants (a decode step has one shape), which
         # Triton's interpreter also needs (it cannot iterate to a runtime bound under numpy 2)
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        pdl_prologue(PDL)
         start = tl.load(length_ptr)
         ok = tl.arange(0, BLOCK_DK)
         ov = tl.arange(0, BLOCK_DV)

@@ -42,12 +42,12 @@ MAX_TOP_K = 32  # K rounds of two reductions each; routers take 1 to 16
 if triton is not None:
     import triton.language as tl
 
+    from ktorch.ops.triton_experts import pdl_prologue
+
     @triton.jit
     def _router_topk(logits_ptr, w_ptr, ids_ptr, E, stride_t, K: tl.constexpr, RENORM: tl.constexpr,
                      BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0):
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        pdl_prologue(PDL)
         t = tl.program_id(0)
         offs = tl.arange(0, BLOCK_E)
         valid = offs < E
