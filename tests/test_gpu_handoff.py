@@ -193,12 +193,10 @@ def test_kernels_compile_for_the_gpu_with_system_memory_accesses():
     """The CUDA path, compiled for sm_90 here without a GPU (Triton's own compiler and ptxas): the wait polls with
     volatile loads and reads the global timer, the doorbell is written through to system memory and fenced at
     system scope, the error flag written through."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from sm90 import sm90_ptx
 
     def ptx(fn, signature, constexprs):
-        src = ASTSource(fn, signature={**signature, **{k: "constexpr" for k in constexprs}}, constexprs=constexprs)
-        return gpu_handoff.triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1}).asm["ptx"]
+        return sm90_ptx(fn, signature, constexprs, num_warps=1)
 
     pointers = {"counter_ptr": "*i64", "seq_ptr": "*i64", "words_ptr": "*i64"}
     ring = ptx(gpu_handoff._ring_kernel, pointers, {"FENCE": True})

@@ -596,14 +596,11 @@ def test_decode_kernels_compile_for_hopper_with_and_without_programmatic_depende
     """The residents' decode kernels (route, gate/up at int8 and Q4_K, down, slot sum) compile to sm_90 code through
     Triton's real compiler (no GPU needed): with PDL = 1 the PTX holds both griddepcontrol instructions, with 0
     neither (what the interpreter, which runs the kernels here, does not check)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from sm90 import pdl_instructions, sm90_ptx
 
     def ptx(fn, signature: dict, constexprs: dict) -> str:
-        source = ASTSource(fn, signature={**signature, **{k: "constexpr" for k in constexprs}}, constexprs=constexprs)
-        code = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
-        assert ("griddepcontrol.wait" in code, "griddepcontrol.launch_dependents" in code) == (bool(constexprs["PDL"]),) * 2
+        code = sm90_ptx(fn, signature, constexprs)
+        assert pdl_instructions(code) == (bool(constexprs["PDL"]),) * 2, pdl_instructions(code)
         return code
 
     dims = {"H": "i32", "I": "i32", "G": "i32"}

@@ -410,22 +410,18 @@ def test_kernels_compile_for_hopper():
     dependent launch (PDL = 1: both griddepcontrol instructions in the PTX) and without: what the interpreter, which
     runs the kernels here, does not check."""
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from sm90 import pdl_instructions, sm90_ptx
 
     from ktorch.ops.triton_kv_write import _kv_write
     from ktorch.ops.triton_router import _router_topk
 
-    target = GPUTarget("cuda", 90, 32)
     cases = [("bf16", "bf16", 8, 128, 1, True), ("bf16", "fp32", 8, 128, 1, False), ("fp32", "fp32", 16, 512, 2, True),
              ("fp16", "fp16", 32, 1024, 4, True)]
+
     def ptx(fn, signature: dict, constexprs: dict, warps: int) -> str:
-        source = ASTSource(fn, signature={**signature, **{k: "constexpr" for k in constexprs}}, constexprs=constexprs)
-        compiled = triton.compile(source, target=target, options={"num_warps": warps})
-        assert compiled.asm["cubin"]
-        pdl = ("griddepcontrol.wait" in compiled.asm["ptx"], "griddepcontrol.launch_dependents" in compiled.asm["ptx"])
-        assert pdl == (bool(constexprs["PDL"]),) * 2, pdl
-        return compiled.asm["ptx"]
+        code = sm90_ptx(fn, signature, constexprs, warps)
+        assert pdl_instructions(code) == (bool(constexprs["PDL"]),) * 2, pdl_instructions(code)
+        return code
 
     for i, (dtype, out, K, block_e, warps, renorm) in enumerate(cases):
         signature = {"logits_ptr": "*" + dtype, "w_ptr": "*" + out, "ids_ptr": "*i64", "E": "i32", "stride_t": "i32"}
