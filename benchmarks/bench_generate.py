@@ -137,10 +137,10 @@ def run_generate(gguf: str, prompt_tokens: int, gen: int, extra: list[str], time
 
 
 AB_VARIANTS = ("default", "eager layers", "host-function handoff", "two host functions", "sdpa attention", "aten route",
-               "aten router", "aten kv write", "separate qkv", "linear router")
+               "aten router", "aten kv write", "separate qkv", "linear router", "no inductor pdl")
 # --profile-steps profiles the default's step and these where they are among --ab-variants
 PROFILED_VARIANTS = ("default", "host-function handoff", "aten router", "aten kv write", "separate qkv",
-                     "linear router")
+                     "linear router", "no inductor pdl")
 
 
 def ab_compile(args) -> None:
@@ -155,7 +155,8 @@ def ab_compile(args) -> None:
     StaticLayer.update (index_copy_) instead of the one-launch KV write; "separate qkv": the attention's three
     projections as three products instead of one over their fused weight; "linear router": the swapped routers'
     logits as the linear layer's product (cuBLAS, one row on two thread blocks) instead of the float32 reduction
-    Inductor compiles into one kernel (integrations/transformers_routers.py)); then a
+    Inductor compiles into one kernel (integrations/transformers_routers.py); "no inductor pdl": the compiled layers'
+    kernels without programmatic dependent launch, generation.INDUCTOR_PDL, an experiment); then a
     profile of --profile-steps replays
     of the default's graph and of those of PROFILED_VARIANTS among --ab-variants: GPU kernel time and kernel count
     per step (torch.profiler), the CPU experts' time per step (the native host tasks' timeline) and the step's wall
@@ -207,6 +208,7 @@ def ab_compile(args) -> None:
         transformers_routers._kernel_forward = linear_router_forward if variant == "linear router" \
             else router_kernel_forward
         RUNTIME.gpu_handoff = variant not in ("host-function handoff", "two host functions")  # read at capture
+        generation.INDUCTOR_PDL = variant != "no inductor pdl"  # read at capture (a compile per setting)
 
     for d in args.deferred:
         ktorch.set_deferred_experts(model, d)

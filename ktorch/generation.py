@@ -548,19 +548,30 @@ def capturing(graph: "torch.cuda.CUDAGraph", device: torch.device, generators: S
         raise
 
 
-_COMPILED_FORWARDS: dict = {}  # module class -> its forward compiled by Inductor (one per class, shapes guarded inside)
+_COMPILED_FORWARDS: dict = {}  # (module class, INDUCTOR_PDL) -> its forward compiled by Inductor (shapes guarded inside)
 RECOMPILE_LIMIT = 256  # Dynamo's cache entries per code object while compiled_layers is open (see there)
 
 
+# An experiment (branch exp/inductor-pdl): the compiled layers' Triton kernels generated with programmatic dependent
+# launch (Inductor's triton.enable_pdl, where this torch has it; Inductor emits it on sm_90+ only), as ktorch's own
+# decode kernels launch (triton_experts.PDL). bench_generate's decode variant "no inductor pdl" turns it off.
+INDUCTOR_PDL = True
+
+
 def _compiled_forward(cls: type):
-    if cls not in _COMPILED_FORWARDS:
+    key = (cls, INDUCTOR_PDL)
+    if key not in _COMPILED_FORWARDS:
+        from torch._inductor import config as inductor_config
+
         from ktorch.passes import cse
 
         # the q/k/v projections' three products of one weight (fused_qkv.swapped, which compiled_layers opens)
         # become one: ktorch/passes/cse.py
-        _COMPILED_FORWARDS[cls] = torch.compile(cls.forward, dynamic=False,
-                                                options={"post_grad_custom_pre_pass": cse.PASS})
-    return _COMPILED_FORWARDS[cls]
+        options = {"post_grad_custom_pre_pass": cse.PASS}
+        if INDUCTOR_PDL and hasattr(inductor_config.triton, "enable_pdl"):
+            options["triton.enable_pdl"] = True
+        _COMPILED_FORWARDS[key] = torch.compile(cls.forward, dynamic=False, options=options)
+    return _COMPILED_FORWARDS[key]
 
 
 _PRELOAD: Optional[threading.Thread] = None

@@ -319,6 +319,30 @@ def _greedy_steps(model, ids, n, compiled: bool) -> list:
     return out
 
 
+def test_compiled_layers_ask_inductor_for_programmatic_dependent_launch(monkeypatch):
+    """generation.INDUCTOR_PDL (an experiment): the decode step's compiled layers with Inductor's triton.enable_pdl
+    (it emits it on sm_90+ GPUs only), one compile per setting."""
+    from torch._inductor import config as inductor_config
+
+    from ktorch import generation
+
+    if not hasattr(inductor_config.triton, "enable_pdl"):
+        pytest.skip("this torch's Inductor has no triton.enable_pdl")
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: seen.append(kwargs) or fn)
+    monkeypatch.setattr(generation, "_COMPILED_FORWARDS", {})
+
+    class Layer:
+        def forward(self):
+            return None
+
+    assert generation._compiled_forward(Layer) is generation._compiled_forward(Layer)
+    monkeypatch.setattr(generation, "INDUCTOR_PDL", False)
+    generation._compiled_forward(Layer)
+    assert len(seen) == 2 and seen[0]["options"]["triton.enable_pdl"] is True
+    assert "triton.enable_pdl" not in seen[1]["options"] and seen[1]["dynamic"] is False
+
+
 def test_compiled_layers_keep_compiling_past_dynamos_default_entries():
     """Many (class, shapes) compiled in one process: with transformers' layer and attention forwards wrapped in one
     decorator they share a code object and its cache entries, and past Dynamo's limit a frame runs eagerly (on the
