@@ -319,6 +319,27 @@ def _greedy_steps(model, ids, n, compiled: bool) -> list:
     return out
 
 
+def test_compiled_layers_ask_inductor_for_programmatic_dependent_launch(monkeypatch):
+    """The decode step's compiled layers ask Inductor for triton.enable_pdl (it emits it on sm_90+ GPUs only), one
+    compile per layer class."""
+    from torch._inductor import config as inductor_config
+
+    from ktorch import generation
+
+    if not hasattr(inductor_config.triton, "enable_pdl"):
+        pytest.skip("this torch's Inductor has no triton.enable_pdl")
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: seen.append(kwargs) or fn)
+    monkeypatch.setattr(generation, "_COMPILED_FORWARDS", {})
+
+    class Layer:
+        def forward(self):
+            return None
+
+    assert generation._compiled_forward(Layer) is generation._compiled_forward(Layer)
+    assert len(seen) == 1 and seen[0]["options"]["triton.enable_pdl"] is True and seen[0]["dynamic"] is False
+
+
 def test_compiled_layers_keep_compiling_past_dynamos_default_entries():
     """Many (class, shapes) compiled in one process: with transformers' layer and attention forwards wrapped in one
     decorator they share a code object and its cache entries, and past Dynamo's limit a frame runs eagerly (on the
