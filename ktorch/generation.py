@@ -330,6 +330,7 @@ class Decoder:
                      if sampling.repetition_penalty != 1.0 else None)
         self.generator = torch.Generator(device=device)
         self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self.captured_step_ran = False  # capture() ran its eager step (the step's token made) before recording
         self.swapped: dict = {}  # what the capture ran on ktorch's Triton kernels: routers, cache layers (counts)
         self.deferred = 0  # the deferral the capture was made with
         # the captured step's attention over the cache's filled blocks (ktorch/decode_attention.py), where it applies
@@ -493,6 +494,7 @@ class Decoder:
         Triton launch a layer (integrations/transformers_cache.py)."""
         from ktorch.integrations import transformers_cache, transformers_routers
 
+        self.captured_step_ran = False
         switch = decode_attention.switched(self.model) if self.attention is not None else contextlib.nullcontext()
         # looked up in their modules at each capture: the benchmark's A/B turns them off there
         with compiled_layers(self.model, self.cache), switch, transformers_routers.swapped(self.model) as routers, \
@@ -509,6 +511,7 @@ class Decoder:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             self._step()
+        self.captured_step_ran = True  # the next token is in self.token whatever the recording does
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
@@ -961,16 +964,22 @@ def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int = 64
         timings.resident_swaps, timings.resident_swap_s = swaps.swapped, swaps.seconds
 
     stepped = 0  # decode steps already run (the capture's eager one)
-    if decoder.cuda_graphs and decoder.graph is None:
+    if decoder.cuda_graphs and decoder.graph is None and not getattr(model, "kt_decode_capture_failed", None):
         if on_status:
             on_status("compiling the decoder layers and capturing the decode step as a CUDA graph (once per model "
                       "and cache size; the compiled code is cached on disk for the next run)...")
         t1 = time.perf_counter()
-        decoder.capture()
-        stepped = 1
+        try:
+            decoder.capture()
+        except Exception as e:  # what a compile or a capture cannot take in a model not tried: eager decode steps
+            RUNTIME.abandon_capture()
+            model.kt_decode_capture_failed = f"{type(e).__name__}: {str(e)[:300]}"
+            warnings.warn(f"ktorch: this model's decode step could not be compiled and captured as a CUDA graph "
+                          f"({model.kt_decode_capture_failed}); it decodes eagerly (slower)", stacklevel=3)
+        stepped = 1 if decoder.captured_step_ran else 0
         timings.warmup_s = time.perf_counter() - t1
-        timings.warmup_tokens = 1
-        if on_status:
+        timings.warmup_tokens = stepped
+        if on_status and decoder.graph is not None:
             on_status(f"decode step captured in {timings.warmup_s:.1f} s")
 
     # decode: step i + 1 is launched before step i's token is read (copied to pinned memory behind the step)

@@ -11,6 +11,7 @@ one graph per decode step, with and without deferral (the eager deferral on the 
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import pytest
 import torch
@@ -526,6 +527,47 @@ def test_a_prefill_capture_that_fails_leaves_generation_working(monkeypatch):
             assert generate(model, ids, 8).ids == eager
     assert model.kt_prefill_capture_failed
     assert generate(model, ids, 8).ids == eager
+    a = generate(model, ids, 12, temperature=1.1, seed=3).ids
+    assert a == generate(model, ids, 12, temperature=1.1, seed=3).ids
+
+
+@needs_cuda
+@pytest.mark.parametrize("where", ["recording", "compile"])
+def test_a_decode_step_that_cannot_be_captured_decodes_eagerly(where, monkeypatch):
+    """A model whose decode step cannot be captured (a host sync while recording) or compiled (an error in the
+    compiled layers' first call): generate warns once, decodes the same ids eagerly, and later calls do not try
+    again (the failure stays in place: a second try would raise or warn); the process's random draws still work
+    (seeded sampling after it)."""
+    from ktorch import generation
+
+    model = _prepared("qwen3_moe", device="cuda")
+    ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(17))
+    eager = generate(model, ids, 10, cuda_graphs=False).ids
+    model.kt_decoder = None
+    original = generation.Decoder._step
+
+    def syncing(self):  # a host read while recording
+        out = original(self)
+        if torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()
+        return out
+
+    @contextlib.contextmanager
+    def broken(model, cache, **kwargs):  # the compile fails before the capture's eager step
+        raise RuntimeError("a compile error")
+        yield
+
+    if where == "compile":
+        monkeypatch.setattr(generation, "compiled_layers", broken)
+    else:
+        monkeypatch.setattr(generation.Decoder, "_step", syncing)
+    with pytest.warns(UserWarning, match="decodes eagerly"):
+        first = generate(model, ids, 10)
+    assert model.kt_decode_capture_failed and model.kt_decoder.graph is None
+    assert first.ids == eager and first.timings.warmup_tokens == (0 if where == "compile" else 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert generate(model, ids, 10).ids == eager
     a = generate(model, ids, 12, temperature=1.1, seed=3).ids
     assert a == generate(model, ids, 12, temperature=1.1, seed=3).ids
 
