@@ -712,6 +712,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return pools[-1].nbytes
 
     model, tokenizer = _load_and_describe(args, warm_up=args.cuda_graphs == "off", reserve_for=serve_reserve)
+    if getattr(model, "kt_decoder", None) is not None:  # the warm-up's decoder, for generate's first prompt: the
+        import torch  # server runs its own steps and pool
+
+        model.kt_decoder = None
+        torch.cuda.empty_cache()
     if isinstance(tokenizer, TokenIdsTokenizer):
         print(f"[ktorch] {args.model} has no tokenizer: completions take token-id prompts (a string's UTF-8 bytes "
               "become ids) and return the new ids as text; chat is refused", file=sys.stderr, flush=True)

@@ -29,8 +29,11 @@ ends with a warm-up forward) runs one prefill of ``WARM_UP_TOKENS`` random ids t
 process's first prefill pays one-time costs that are not the prompt's (the first launches of cuBLAS, attention and
 the split's kernels, the CPU op's scratch faulted in, page-locked and device stagings and CUDA memory segments
 made), and they land in the load time instead of the first prompt's. It leaves no state behind (the split's
-counters and routing frequency, the residents' hit counters, the experts runtime's counters are put back; no
-decoder is kept), so the tokens are the same with and without it. On the CPU it does nothing.
+counters and routing frequency, the residents' hit counters, the experts runtime's counters are put back), so the
+tokens are the same with and without it, but for one thing kept for the first prompt: a decoder
+(``model.kt_decoder``) whose prefill of ``WARM_UP_TOKENS`` positions is captured as a CUDA graph, which a first
+prompt of up to that many tokens replays padded instead of prefilling eagerly (an eager prefill is bound by its
+launching thread). On the CPU it does nothing.
 """
 
 from __future__ import annotations
@@ -341,6 +344,15 @@ class Decoder:
         self._prefill_pool = None
         self.bucket_uses: collections.Counter = collections.Counter()  # generate's prompts per bucket not captured
 
+    def restep(self, sampling: Sampling, deferred: int) -> None:
+        """Another sampling and deferral for the decode step: the captured one is dropped (the next ``capture``
+        makes it anew); the cache and the captured prefills stay."""
+        self.sampling, self.deferred = sampling, deferred
+        self.seen = (torch.zeros(_vocab_size(self.model), dtype=torch.bool, device=self.device)
+                     if sampling.repetition_penalty != 1.0 else None)
+        self.graph = None
+        self.swapped = {}
+
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, **extra) -> torch.Tensor:
         cache = {_cache_argument(self.model): self.cache}
         out = self.model(input_ids=ids, cache_position=positions, position_ids=positions[None], use_cache=True,
@@ -351,6 +363,17 @@ class Decoder:
         """The tokens a captured prefill of ``prompt_len`` tokens runs (None where it would not fit the cache)."""
         tokens = _round_up(prompt_len, CACHE_BUCKET)
         return tokens if tokens <= self.max_len else None
+
+    def prefill_graph(self, prompt_len: int) -> Optional[PrefillGraph]:
+        """The kept prefill (``prefill_graphs``) a prompt of ``prompt_len`` tokens runs, padded: its own bucket's, else
+        the smallest longer one (the warm-up's, ``warm_up``), else None (an eager prefill). Padding costs the GPU its
+        dense work on the padded rows (no experts: they route nowhere) and no launches, where an eager prefill is
+        bound by its launching thread."""
+        bucket = self.prefill_bucket(prompt_len)
+        if bucket is None:
+            return None
+        fits = [tokens for tokens in self.prefill_graphs if tokens >= bucket]
+        return self.prefill_graphs[min(fits)] if fits else None
 
     def _prefill_context(self, waits: bool = True):
         """What an eager or captured prefill runs in on a GPU: an eager prefill is launch-bound, so one kernel a norm
@@ -444,7 +467,7 @@ class Decoder:
         if self.seen is not None:
             self.seen.zero_()
             self.seen[ids[0]] = True
-        g = self.prefill_graphs.get(self.prefill_bucket(P))
+        g = self.prefill_graph(P)
         if g is not None:
             g.ids[:, :P].copy_(ids)
             g.ids[:, P:].zero_()
@@ -732,12 +755,15 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 def _decoder_for(model: nn.Module, max_len: int, sampling: Sampling, cuda_graphs: bool) -> Decoder:
-    """The model's kept decoder if it fits (length, sampling, graphs, deferral), else a new one."""
+    """The model's kept decoder if it fits (length, graphs), else a new one; a kept one of another sampling or
+    deferral drops its captured decode step (they are part of it) and keeps its cache and captured prefills (which
+    give logits: deferral is off at prefill)."""
     device = _model_device(model)
     deferred = getattr(model, "kt_deferred_experts", 0)
     old: Optional[Decoder] = getattr(model, "kt_decoder", None)
-    if (old is not None and old.max_len >= max_len and old.sampling == sampling and old.deferred == deferred
-            and old.cuda_graphs == (cuda_graphs and device.type == "cuda")):
+    if old is not None and old.max_len >= max_len and old.cuda_graphs == (cuda_graphs and device.type == "cuda"):
+        if old.sampling != sampling or old.deferred != deferred:
+            old.restep(sampling, deferred)
         return old
     if old is not None:  # free its cache and graph before making the next
         model.kt_decoder = None
@@ -839,16 +865,45 @@ def warm_up(model: nn.Module, tokens: int = WARM_UP_TOKENS) -> float:
 
     ``ktorch.load`` ends with it on a GPU, and so does the command line's loading (after the placement options:
     the split's stagings and the residents are warmed too); after ``ktorch.prepare`` call it yourself. It runs as
-    ``generate``'s prefill does (the model's expert deferral off) and leaves nothing behind: no decoder is kept on
-    the model (``model.kt_decoder`` is as before: a static cache longer than needed would slow every later decode
-    step), the split's counters and routing frequency, the residents' hit counters and the experts runtime's
-    counters and timeline are put back, and the experts runtime's observers do not see its calls. What it keeps:
-    the split's costs learn from its CPU calls (``SplitCosts.observe_cpu``), so a first prompt splits with them."""
+    ``generate``'s prefill does (the model's expert deferral off): the split's counters and routing frequency, the
+    residents' hit counters and the experts runtime's counters and timeline are put back, and the experts runtime's
+    observers do not see its calls. What it keeps: the split's costs learn from its CPU calls
+    (``SplitCosts.observe_cpu``), so a first prompt splits with them; and, where the model keeps no decoder yet,
+    one whose prefill of ``tokens`` positions is captured (``_warm_up_capture``), for a first prompt to replay."""
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
         raise ValueError(f"warm_up: tokens must be an int >= 1, got {tokens!r}")
     if _model_device(model).type != "cuda":
         return 0.0
-    return _warm_up_prefill(model, tokens)
+    return _warm_up_prefill(model, tokens) + _warm_up_capture(model, tokens)
+
+
+@torch.inference_mode()
+def _warm_up_capture(model: nn.Module, tokens: int) -> float:
+    """Keeps a decoder on the model (``model.kt_decoder``, greedy, with CUDA graphs) whose cache holds the positions
+    the GPU budget reserves (``gpu_memory.KV_TOKENS``, within the model's context), with the prefill of ``tokens`` positions captured, so that a first prompt of
+    up to ``tokens`` tokens replays it padded (``Decoder.prefill_graph``) instead of prefilling eagerly; returns its
+    seconds. Not where the model keeps a decoder already, where its decode attention would read the whole cache
+    (``decode_attention.applies``: each decode step would read the longer cache), or where its prefill cannot be
+    captured (``captured_prefill_problem``: nothing is kept then)."""
+    t0 = time.perf_counter()
+    if getattr(model, "kt_decoder", None) is not None:
+        return 0.0
+    limit = _max_positions(model)
+    tokens = min(tokens, limit) if limit else tokens
+    device = _model_device(model)
+    if decode_attention.applies(model, device) is not None:
+        return 0.0
+    from ktorch.gpu_memory import KV_TOKENS  # the KV cache the GPU budget reserves
+
+    length = max(min(KV_TOKENS, limit) if limit else KV_TOKENS, tokens)
+    decoder = _decoder_for(model, length, Sampling(), cuda_graphs=True)
+    with _no_deferral(model, decoder.deferred):
+        decoder.capture_prefill(tokens)
+    if decoder.prefill_bucket(tokens) not in decoder.prefill_graphs:
+        model.kt_decoder = None
+        del decoder
+        torch.cuda.empty_cache()
+    return time.perf_counter() - t0
 
 
 @torch.inference_mode()

@@ -166,23 +166,31 @@ def test_decode_step_reads_no_value_on_the_host(family, deferred):
     assert mode.seen == []
 
 
-def test_the_kept_decoder_is_reused_only_when_it_fits():
+def test_the_kept_decoder_is_reused_where_it_fits_and_restepped_for_other_sampling():
+    """The kept decoder serves a call that fits its cache; another sampling or deferral drops its decode step (and
+    makes the repetition penalty's seen-token mask where one is asked) but keeps the decoder and its captured
+    prefills; the tokens are those of a model that never kept one; a longer call makes a longer cache."""
     model = _prepared("qwen3_moe")
+    fresh = _prepared("qwen3_moe")
     ids = torch.randint(0, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(8))
     generate(model, ids, 4)
     first = model.kt_decoder
-    generate(model, ids[:, :3], 6)
+    kept = first.prefill_graphs[256] = first.padded_prefill(256)  # as a capture leaves one
+    assert generate(model, ids[:, :3], 6).ids == generate(fresh, ids[:, :3], 6).ids
     assert model.kt_decoder is first  # same model, shorter or equal length, same sampling: reused
-    generate(model, ids, 4, temperature=0.5)
-    assert model.kt_decoder is not first  # sampling is part of the step
-    second = model.kt_decoder
+    sampled = dict(temperature=0.5, repetition_penalty=1.3, seed=2)
+    fresh.kt_decoder = None
+    assert generate(model, ids, 4, **sampled).ids == generate(fresh, ids, 4, **sampled).ids
+    assert model.kt_decoder is first and first.sampling.temperature == 0.5 and first.seen is not None
+    assert first.prefill_graphs[256] is kept and first.graph is None
     ktorch.set_deferred_experts(model, 1)
-    generate(model, ids, 4, temperature=0.5)
-    assert model.kt_decoder is not second  # so is deferral
-    third = model.kt_decoder
+    ktorch.set_deferred_experts(fresh, 1)
+    fresh.kt_decoder = None
+    assert generate(model, ids, 4).ids == generate(fresh, ids, 4).ids
+    assert model.kt_decoder is first and first.deferred == 1 and first.seen is None
     with pytest.warns(UserWarning, match="pass this model's context"):  # a cache past the tiny model's 256 positions
-        generate(model, ids, third.max_len, temperature=0.5)
-    assert model.kt_decoder is not third and model.kt_decoder.max_len > third.max_len  # a longer cache
+        generate(model, ids, first.max_len, temperature=0.5)
+    assert model.kt_decoder is not first and model.kt_decoder.max_len > first.max_len  # a longer cache
 
 
 def _recorded_prefills(monkeypatch) -> list:
@@ -674,6 +682,35 @@ def test_padded_prefill_gives_the_eager_tokens_and_gives_padding_no_experts(fami
         assert (full[P:] == -1).all() and torch.equal(full[:P], want)
 
 
+def test_a_prompt_runs_the_smallest_kept_prefill_that_holds_it():
+    """Decoder.prefill_graph: a prompt runs its own bucket's kept prefill, else the smallest longer one (the
+    warm-up's), padded (every row past the prompt given no experts), with the unpadded prefill's tokens; none
+    where no kept prefill holds it."""
+    from ktorch.generation import Decoder
+
+    model = _prepared("qwen3_moe", max_position_embeddings=1024)
+    P = 37
+    ids = torch.randint(0, model.config.vocab_size, (1, P), generator=torch.Generator().manual_seed(5))
+    eager = generate(model, ids, 6).ids
+    decoder = model.kt_decoder = Decoder(model, 1024, torch.device("cpu"), Sampling(), cuda_graphs=False)
+    assert decoder.prefill_graph(P) is None
+    decoder.prefill_graphs[768] = decoder.padded_prefill(768)
+    assert decoder.prefill_graph(P).tokens == 768 and decoder.prefill_graph(700).tokens == 768
+    assert decoder.prefill_graph(769) is None and decoder.prefill_graph(1025) is None
+    seen, hooks = _prefill_rows_seen(model)
+    try:
+        padded = generate(model, ids, 6)
+        rows = [t for t in seen if t.shape[0] == 768]
+        assert padded.ids == eager and rows and all((t[P:] == -1).all() for t in rows)
+        decoder.prefill_graphs[256] = decoder.padded_prefill(256)
+        seen.clear()
+        assert decoder.prefill_graph(P).tokens == 256 and generate(model, ids, 6).ids == eager
+        assert any(t.shape[0] == 256 for t in seen) and not any(t.shape[0] == 768 for t in seen)
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 def _placed(placement: str):
     """A tiny qwen3_moe model on the GPU (fp32 outside the experts, bf16 experts): every expert resident (the
     default budget), none (the CPU op alone), or 3 of 8 a layer (the rest on the CPU op, no split staging)."""
@@ -733,6 +770,27 @@ def test_captured_prefill_gives_the_eager_tokens_and_counts(placement, monkeypat
     assert captures[0] == 0 and captures[1] > 0 and captures[2] == 0 and list(model.kt_decoder.prefill_graphs) == [256]
     # decode: 6 replays after the capture's eager step, then 7 and 7 (the kept capture); the third's prefill
     assert len(replays) == (1 if counting else 6 + 7 + (1 + 7))
+
+
+@needs_cuda
+@pytest.mark.parametrize("placement", ["resident", "cpu", "part"])
+def test_the_warm_ups_captured_prefill_serves_a_first_prompt(placement, monkeypatch):
+    """ktorch.warm_up keeps a decoder with its prefill captured (the tiny model's 256 positions: one bucket of 256);
+    a first, shorter prompt replays it padded (no capture of its own, the same decoder) with the eager tokens."""
+    model = _placed(placement)
+    ids = torch.randint(0, model.config.vocab_size, (1, 150), generator=torch.Generator().manual_seed(21))
+    n = 1 if placement == "part" else 8  # resident swaps after an eager and a captured prefill may differ
+    eager = generate(model, ids, n, cuda_graphs=False).ids
+    model.kt_decoder = None
+    assert ktorch.warm_up(model) > 0
+    kept = model.kt_decoder
+    assert list(kept.prefill_graphs) == [256] and kept.prefill_graphs[256].graph is not None
+    replays = []
+    original = torch.cuda.CUDAGraph.replay
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda self: replays.append(1) or original(self))
+    got = generate(model, ids, n)
+    assert got.ids == eager and model.kt_decoder is kept and got.timings.prefill_capture_s == 0
+    assert len(replays) == (1 if n == 1 else 1 + 6)  # the prefill; the decode steps after the capture's eager one
 
 
 @needs_cuda

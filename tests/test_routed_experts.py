@@ -572,10 +572,11 @@ def test_cuda_split_prefill_matches_hf_eager_and_pins_every_expert():
 @pytest.mark.parametrize("costs", [COSTS, ALL_ON_CPU], ids=["split", "cpu_op"])
 def test_cuda_warm_up_leaves_the_first_prompt_nothing_to_allocate(costs, monkeypatch):
     """ktorch.warm_up on the GPU (what ktorch.load and the command line's loading end with): it runs (seconds > 0),
-    keeps no decoder, and the first prompt's prefill after it makes no new CUDA memory segment and no new page-locked
-    staging (the experts runtime's pools), with the tokens of a model without the warm-up, its kept decoder the size
-    of its own call. The control: without the warm-up, the same first prefill does allocate (both start with no
-    eager staging pool and no cached free CUDA memory, as a fresh process)."""
+    keeps a decoder of the reserved KV positions (within the model's 1024) with the warm-up's prefill captured, and
+    the first prompt replays it padded, making no new CUDA memory segment and no new page-locked staging (the experts
+    runtime's pools), with the token of a model without the warm-up. The control: without the warm-up, the same first
+    prefill does allocate (both start with no eager staging pool and no cached free CUDA memory, as a fresh
+    process)."""
     import ktorch.generation as generation
     from ktorch.compile.experts_runtime import RUNTIME
 
@@ -621,12 +622,16 @@ def test_cuda_warm_up_leaves_the_first_prompt_nothing_to_allocate(costs, monkeyp
     init = generation.Decoder.__init__
     monkeypatch.setattr(generation.Decoder, "__init__",
                         lambda self, model, max_len, *a, **k: (lengths.append(max_len), init(self, model, max_len, *a, **k))[1])
-    assert ktorch.warm_up(model) > 0 and getattr(model, "kt_decoder", None) is None and lengths == [1024]
+    assert ktorch.warm_up(model) > 0 and lengths == [1024, 1024]  # the throwaway eager one, the kept one
+    kept = model.kt_decoder
+    assert kept.max_len == 1024 and list(kept.prefill_graphs) == [1024] and kept.prefill_graphs[1024].graph
+    replays = []
+    original = torch.cuda.CUDAGraph.replay
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda self: replays.append(1) or original(self))
     seen.clear()
-    warm = ktorch.generate(model, ids, 4, cuda_graphs=False)
-    assert warm.ids == cold and len(seen) == 1
+    warm = ktorch.generate(model, ids, 1)
+    assert warm.ids == cold[:1] and len(seen) == 1 and replays == [1] and model.kt_decoder is kept
     assert seen[0][0] == seen[0][1], seen  # the first prompt's prefill: no new segment, no new pinned staging
-    assert model.kt_decoder.max_len == 256  # 204 tokens rounded up to CACHE_BUCKET, not the warm-up's 1024
 
 
 @needs_cuda
