@@ -39,6 +39,7 @@ RATES = re.compile(r"prefill: (\d+) tokens in ([\d.]+) s \(([\d.]+) tok/s\) \| d
 LOADED = re.compile(r"loaded in ([\d.]+) s")
 CAPTURE = re.compile(r"decode-step capture ([\d.]+) s")
 PREFILL_CAPTURE = re.compile(r"prefill capture ([\d.]+) s")
+PREFILL_REPLAYED = re.compile(r"prefill replayed the captured (\d+)-token graph")
 WARMUP_PREFILL = re.compile(r"loaded in [\d.]+ s \(prefill warm-up ([\d.]+) s\)")
 SPLIT = re.compile(r"prefill split: (\d+) layer calls, experts hit (\d+) \(per layer ([\d,]*)\), copied (\d+) "
                    r"\(([\d.]+) GB\), copied but unused (\d+), resident hit (\d+); rows on the GPU ([\d.]+)%")
@@ -67,6 +68,8 @@ def parse_generate_output(stderr: str) -> dict:
     m = PREFILL_CAPTURE.search(stderr)  # the prompt's bucket's prefill captured after the output (GPU)
     if m:
         out["prefill_capture_s"] = float(m[1])
+    m = PREFILL_REPLAYED.search(stderr)  # the prompt replayed a kept captured prefill, padded (else eager)
+    out["prefill_replayed"] = int(m[1]) if m else 0
     m = WARMUP_PREFILL.search(stderr)  # the load-time warm-up (GPU only; counted in load_s)
     if m:
         out["warmup_prefill_s"] = float(m[1])
@@ -897,7 +900,8 @@ def main(argv=None) -> None:
         warm = f" (prefill warm-up {r['warmup_prefill_s']:.2f} s)" if "warmup_prefill_s" in r else ""
         print(f"  [{r['args'] or 'defaults'}] P={r['prompt']} run {r['run']}: load {r.get('load_s', 0):.1f} s{warm}, "
               f"prefill capture {r.get('prefill_capture_s', 0):.2f} s, first token {r['first_token_s']:.2f} s "
-              f"({r['prefill_tok_s']:.0f} tok/s prefill), capture "
+              f"({r['prefill_tok_s']:.0f} tok/s prefill, "
+              f"{'replayed ' + str(r['prefill_replayed']) if r.get('prefill_replayed') else 'eager'}), capture "
               f"{r.get('capture_s', 0):.1f} s, decode {r['decode_tok_s']:.1f} tok/s, wall {r['wall_s']:.0f} s")
         if "experts_hit" in r:
             print(f"      split: experts hit per layer {r['hit_per_layer']}, copied {r['experts_copied']} experts "

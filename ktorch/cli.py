@@ -518,6 +518,8 @@ def timing_lines(timings, load_s: Optional[float] = None) -> str:
     if load_s is not None:
         parts.append(f"load {load_s:.1f} s")
     parts.append(f"first token {timings.first_token_s:.2f} s after loading")
+    if timings.prefill_replayed:
+        parts.append(f"prefill replayed the captured {timings.prefill_replayed}-token graph")
     if timings.prefill_capture_s:
         parts.append(f"prefill capture {timings.prefill_capture_s:.2f} s (after the output)")
     if timings.cuda_graphs:

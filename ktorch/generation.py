@@ -78,6 +78,7 @@ class Timings:
     resident_swaps: int = 0  # resident experts swapped after the prefill (ktorch.gpu_memory.begin_resident_swaps)
     resident_swap_s: float = 0.0  # the host's time starting them (on a GPU the copies run behind decode)
     prefill_capture_s: float = 0.0  # the prompt's bucket's prefill captured as a CUDA graph after the generation
+    prefill_replayed: int = 0  # the captured prefill the prompt replayed, padded (its tokens); 0: an eager prefill
 
     @property
     def prefill_tok_s(self) -> float:
@@ -334,6 +335,7 @@ class Decoder:
         self.generator = torch.Generator(device=device)
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.captured_step_ran = False  # capture() ran its eager step (the step's token made) before recording
+        self.replayed = 0  # the last prefill's replayed captured graph (its tokens), 0 where it ran eagerly
         self.swapped: dict = {}  # what the capture ran on ktorch's Triton kernels: routers, cache layers (counts)
         self.deferred = 0  # the deferral the capture was made with
         # the captured step's attention over the cache's filled blocks (ktorch/decode_attention.py), where it applies
@@ -468,6 +470,7 @@ class Decoder:
             self.seen.zero_()
             self.seen[ids[0]] = True
         g = self.prefill_graph(P)
+        self.replayed = g.tokens if g is not None and g.graph is not None else 0
         if g is not None:
             g.ids[:, :P].copy_(ids)
             g.ids[:, P:].zero_()
@@ -1004,6 +1007,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int = 64
         first_id = int(first.item())
         RUNTIME.check_handoff()  # a captured prefill's CPU experts call that timed out is an error, not a token
     timings.first_token_s = time.perf_counter() - t0
+    timings.prefill_replayed = decoder.replayed
     result.ids.append(first_id)
     if on_tokens:
         on_tokens([first_id])

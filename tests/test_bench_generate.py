@@ -39,6 +39,23 @@ def test_the_load_line_and_its_warm_up_parse_back(gguf, capsys, monkeypatch):
     r = bench.run_generate(gguf, 40, 3, ["--device", "cpu"], timeout_s=120)
     assert "error" not in r, r.get("error")
     assert r["prompt_tokens"] == 40 and r["first_token_s"] > 0 and r["load_s"] > 0 and "warmup_prefill_s" not in r
+    assert r["prefill_replayed"] == 0  # the CPU prefills eagerly
+
+
+def test_the_replayed_prefill_parses_back():
+    """generate's timing lines say when the prompt replayed a kept captured prefill (its tokens), and the benchmark
+    reads it back; an eager prefill (the CPU's, or a GPU's with nothing captured) says nothing and reads 0."""
+    from ktorch.cli import timing_lines
+    from ktorch.generation import Timings
+
+    replayed = Timings(prompt_tokens=512, new_tokens=64, first_token_s=0.054, warmup_s=2.5, decode_s=0.2,
+                       cuda_graphs=True, prefill_replayed=2048)
+    lines = timing_lines(replayed, load_s=57.4)
+    assert "prefill replayed the captured 2048-token graph" in lines
+    r = bench.parse_generate_output(lines)
+    assert r["prefill_replayed"] == 2048 and r["prompt_tokens"] == 512 and r["capture_s"] == 2.5
+    eager = timing_lines(Timings(prompt_tokens=40, new_tokens=3, first_token_s=0.1, decode_s=0.1), load_s=1.0)
+    assert "replayed" not in eager and bench.parse_generate_output(eager)["prefill_replayed"] == 0
 
 
 def test_breakdown_times_the_first_prefills_by_part(gguf, capsys):

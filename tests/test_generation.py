@@ -790,6 +790,7 @@ def test_the_warm_ups_captured_prefill_serves_a_first_prompt(placement, monkeypa
     monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda self: replays.append(1) or original(self))
     got = generate(model, ids, n)
     assert got.ids == eager and model.kt_decoder is kept and got.timings.prefill_capture_s == 0
+    assert got.timings.prefill_replayed == 256
     assert len(replays) == (1 if n == 1 else 1 + 6)  # the prefill; the decode steps after the capture's eager one
 
 
@@ -820,6 +821,7 @@ def test_captured_prefill_runs_the_split_on_the_device(cheap):
         result = generate(model, ids, 1)
         captured.append((result.ids, ktorch.prefill_split_stats(model, reset=True)))
     assert result.timings.prefill_capture_s == 0 and list(model.kt_decoder.prefill_graphs) == [256]  # replayed
+    assert result.timings.prefill_replayed == 256
     assert captured == eager
     copied = sum(stats["experts_copied"] for _, stats in eager)
     hit = sum(stats["experts_hit"] for _, stats in eager)
