@@ -76,9 +76,13 @@ def load(
             every expert in host memory), nothing on the CPU.
         warm_up: on a GPU, end with ``ktorch.warm_up(model)``: one prefill of ``ktorch.generation.WARM_UP_TOKENS``
             random ids through a throwaway cache, so that the first prompt runs at warm speed (a fresh process's
-            first prefill pays ~0.4 s of first kernel launches, stagings and page faults; docs/architecture.md).
-            It leaves no state behind; on the CPU it does nothing. False: leave it to the caller (the command line
-            calls it after its own placement options).
+            first prefill pays ~0.4 s of first kernel launches, stagings and page faults; docs/architecture.md),
+            then a decoder kept on the model with that prefill captured, which a first prompt of up to as many
+            tokens replays; on the CPU it does nothing. False: leave it to the caller (the command line calls it
+            after its own placement options).
+
+    On a GPU, Inductor's modules (the decode step's compile, after the first token) are imported on a background
+    thread while the weights load (``generation.preload_compiler``), not during the first prompt.
 
     The model is built on the meta device and filled layer by layer; each layer's experts are packed as they are
     read, so loading needs about one chunk of unpacked expert weights beyond the final model. Errors in the files
@@ -90,6 +94,14 @@ def load(
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = usable_device(device, "load")
+    if torch.device(device).type == "cuda":
+        from ktorch.generation import preload_compiler
+
+        # as the command line does. Without it generate starts the imports beside the first prompt: session 54 (12
+        # layers, ktorch.load then generate) saw a first 512-token prompt take 118-166 ms against 13.5 ms for the
+        # next, where the CLI's first prompt on 48 layers took 54 ms; the imports' GIL turns are the suspect, not
+        # yet measured apart
+        preload_compiler()
     source = open_checkpoint(path)
     if dtype is None and getattr(source, "default_dtype", None) is not None:
         dtype = source.default_dtype(device)

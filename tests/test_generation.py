@@ -222,6 +222,27 @@ def test_warm_up_does_nothing_on_the_cpu(monkeypatch):
             ktorch.warm_up(model, bad)
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_load_on_a_gpu_imports_the_compiler_before_reading_the_weights(device, monkeypatch):
+    """ktorch.load on a GPU starts the compiler's imports (preload_compiler) before it opens the checkpoint, as the
+    command line does, so that they run beside the load and not beside the first prompt; on the CPU it does not.
+    (The device check is stubbed: no GPU is needed to see the order.)"""
+    from ktorch import generation, loading, placement
+
+    order = []
+    monkeypatch.setattr(placement, "usable_device", lambda device, what: torch.device(device))
+    monkeypatch.setattr(generation, "preload_compiler", lambda: order.append("preload"))
+
+    def opened(path):
+        order.append("open")
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(loading, "open_checkpoint", opened)
+    with pytest.raises(RuntimeError, match="stop here"):
+        ktorch.load("unused", device=device)
+    assert order == (["preload", "open"] if device == "cuda" else ["open"])
+
+
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_p": 0.9, "repetition_penalty": 1.3}],
                          ids=["greedy", "sampled"])
 @pytest.mark.parametrize("deferred", [0, 1])
