@@ -355,8 +355,10 @@ def load_model(args: argparse.Namespace, warm_up: bool = True, reserve_for=None)
                     given.append(f"--gpu-memory {args.gpu_memory}")
                 raise CLIError(f"{' '.join(given) or '--stream-experts auto --gpu-memory auto (the defaults on a GPU)'}"
                                f": {e}") from None
-        if warm_up:  # the split's stagings and the residents exist now: warmed too
-            args.warm_up_s = ktorch.warm_up(model)
+        if warm_up:  # the split's stagings and the residents exist now: warmed too; its kept capture only where
+            # generate's CUDA graphs would replay it (serve's engine captures its own steps)
+            args.warm_up_s = ktorch.warm_up(model, capture=args.command in ("generate", "chat")
+                                            and not getattr(args, "no_compile", False))
         return model, (tokenizer if tokenizer is not None else TokenIdsTokenizer(model.config.vocab_size)), device
     if path.is_file():
         raise CLIError(f"--model {args.model}: --plain runs transformers checkpoint folders only")
@@ -714,11 +716,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return pools[-1].nbytes
 
     model, tokenizer = _load_and_describe(args, warm_up=args.cuda_graphs == "off", reserve_for=serve_reserve)
-    if getattr(model, "kt_decoder", None) is not None:  # the warm-up's decoder, for generate's first prompt: the
-        import torch  # server runs its own steps and pool
-
-        model.kt_decoder = None
-        torch.cuda.empty_cache()
     if isinstance(tokenizer, TokenIdsTokenizer):
         print(f"[ktorch] {args.model} has no tokenizer: completions take token-id prompts (a string's UTF-8 bytes "
               "become ids) and return the new ids as text; chat is refused", file=sys.stderr, flush=True)

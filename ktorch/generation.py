@@ -860,7 +860,7 @@ def _no_deferral(model: nn.Module, deferred: int):
             _set_deferral(model, deferred)
 
 
-def warm_up(model: nn.Module, tokens: int = WARM_UP_TOKENS) -> float:
+def warm_up(model: nn.Module, tokens: int = WARM_UP_TOKENS, capture: bool = True) -> float:
     """One prefill of ``tokens`` random ids (capped by the model's maximum positions) through a throwaway cache, so
     that the first prompt after loading runs at warm speed; returns its seconds (the device synchronized), 0.0 on
     the CPU, where it does nothing (the one-time costs it takes are the GPU's: a first prefill on the CPU measured
@@ -872,12 +872,14 @@ def warm_up(model: nn.Module, tokens: int = WARM_UP_TOKENS) -> float:
     residents' hit counters and the experts runtime's counters and timeline are put back, and the experts runtime's
     observers do not see its calls. What it keeps: the split's costs learn from its CPU calls
     (``SplitCosts.observe_cpu``), so a first prompt splits with them; and, where the model keeps no decoder yet,
-    one whose prefill of ``tokens`` positions is captured (``_warm_up_capture``), for a first prompt to replay."""
+    one whose prefill of ``tokens`` positions is captured (``_warm_up_capture``), for a first prompt to replay.
+    ``capture=False``: not that decoder, where no prompt would replay it (``generate(cuda_graphs=False)``, the
+    command line's ``--no-compile``; ``serve``, whose engine captures its own steps)."""
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
         raise ValueError(f"warm_up: tokens must be an int >= 1, got {tokens!r}")
     if _model_device(model).type != "cuda":
         return 0.0
-    return _warm_up_prefill(model, tokens) + _warm_up_capture(model, tokens)
+    return _warm_up_prefill(model, tokens) + (_warm_up_capture(model, tokens) if capture else 0.0)
 
 
 @torch.inference_mode()

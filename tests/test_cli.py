@@ -179,13 +179,16 @@ def test_loading_ends_with_the_warm_up(capsys, monkeypatch):
     """generate, chat and serve load through load_model, which ends with ktorch.warm_up (a no-op on the CPU; the CUDA
     tests time it: tests/test_routed_experts.py) after the placement options (here: the deferral is set when it
     runs), with ktorch.load told not to warm up itself; the loading line prints its seconds. --plain runs none, and
-    serve none unless --cuda-graphs off (its engine warms up itself before serving)."""
+    serve none unless --cuda-graphs off (its engine warms up itself before serving), and then without the kept
+    captured prefill (capture=False: the engine runs its own steps), which generate and chat ask for."""
     import ktorch
     import ktorch.serve
 
     calls, loads = [], []
     load = ktorch.load
-    monkeypatch.setattr(ktorch, "warm_up", lambda model: calls.append(model.kt_deferred_experts) or 1.25)
+    captures = []
+    monkeypatch.setattr(ktorch, "warm_up", lambda model, capture=True: calls.append(model.kt_deferred_experts)
+                        or captures.append(capture) or 1.25)
     monkeypatch.setattr(ktorch, "load", lambda *a, **k: loads.append(k.get("warm_up")) or load(*a, **k))
     monkeypatch.setattr(ktorch.serve, "run_server", lambda *a, **k: None)
     monkeypatch.setattr(sys, "stdin", io.StringIO("/exit\n"))
@@ -194,7 +197,7 @@ def test_loading_ends_with_the_warm_up(capsys, monkeypatch):
     err = capsys.readouterr().err
     assert calls == [1] and loads == [False]
     assert re.search(r"loaded in [\d.]+ s \(prefill warm-up 1\.25 s\)\n", err), err
-    assert main(["chat", *common]) == 0 and calls == [1, 1]
+    assert main(["chat", *common]) == 0 and calls == [1, 1] and captures == [True, True]
     assert "(prefill warm-up 1.25 s)" in capsys.readouterr().err
     assert main(["generate", "--model", "builtin", "--device", "cpu", "--prompt", "The", "--max-new-tokens", "2",
                  "--plain"]) == 0
@@ -206,6 +209,7 @@ def test_loading_ends_with_the_warm_up(capsys, monkeypatch):
     assert main(["serve", *common]) == 0 and calls == [1, 1]
     assert "prefill warm-up" not in capsys.readouterr().err
     assert main(["serve", *common, "--cuda-graphs", "off"]) == 0 and calls == [1, 1, 1]
+    assert captures == [True, True, False]
     assert "(prefill warm-up 1.25 s)" in capsys.readouterr().err
     monkeypatch.undo()  # the real one: nothing on the CPU, so nothing printed
     assert main(["generate", "--model", "builtin", "--device", "cpu", "--prompt", "The", "--max-new-tokens", "2"]) == 0

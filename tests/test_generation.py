@@ -803,6 +803,7 @@ def test_the_warm_ups_captured_prefill_serves_a_first_prompt(placement, monkeypa
     n = 1 if placement == "part" else 8  # resident swaps after an eager and a captured prefill may differ
     eager = generate(model, ids, n, cuda_graphs=False).ids
     model.kt_decoder = None
+    assert ktorch.warm_up(model, capture=False) > 0 and model.kt_decoder is None  # (serve's, --no-compile's)
     assert ktorch.warm_up(model) > 0
     kept = model.kt_decoder
     assert list(kept.prefill_graphs) == [256] and kept.prefill_graphs[256].graph is not None
