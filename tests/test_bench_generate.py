@@ -30,7 +30,7 @@ def test_the_load_line_and_its_warm_up_parse_back(gguf, capsys, monkeypatch):
     import ktorch
     from ktorch.cli import main
 
-    monkeypatch.setattr(ktorch, "warm_up", lambda model: 1.25)
+    monkeypatch.setattr(ktorch, "warm_up", lambda model, capture=True: 1.25)
     assert main(["generate", "--model", gguf, "--device", "cpu", "--prompt", bench.prompt_of(40),
                  "--max-new-tokens", "3"]) == 0
     r = bench.parse_generate_output(capsys.readouterr().err)
