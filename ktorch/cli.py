@@ -65,7 +65,8 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
         "--device",
         default="auto",
         help="where attention, routers, embeddings and the KV cache run: auto (cuda if a GPU is visible, else cpu), "
-        "cpu, cuda, cuda:N (default: auto). The routed experts always run on the CPU.",
+        "cpu, cuda, cuda:N (default: auto). The routed experts live in host memory, run by the CPU op; on a GPU "
+        "--gpu-memory keeps the most used of them on it too.",
     )
     m.add_argument(
         "--dtype",
@@ -117,15 +118,17 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
         "cache/activations reserve first (serve: its KV-cache pool), then the prefill split's staging, then resident "
         "experts (each layer's most routed-to, computed on the GPU at prefill and decode): auto (the free memory minus "
         "1 GiB), off (every expert in host memory, run by the CPU op), or a size such as 24GiB, 24GB or a byte count "
-        "(default: auto on a GPU, measured 3.6x the decode and 2.5x the 512-token prefill of off on a 48-layer "
-        "Qwen3-30B-A3B-shaped Q8_0 file that fits the GPU, benchmarks/RESULTS.md; ignored on the CPU)",
+        "(default: auto on a GPU, measured 7.2x the decode and 5.6x the first 512-token prompt's prefill of off with "
+        "--deferred-experts 2 on a 48-layer Qwen3-30B-A3B-shaped Q8_0 file that fits the GPU, benchmarks/RESULTS.md; "
+        "ignored on the CPU)",
     )
     m.add_argument(
         "--no-compile",
         action="store_true",
         help="GPU only: decode eagerly, one launch per kernel and a host sync per MoE layer, instead of replaying the "
-        "decode step as one captured CUDA graph (the default: the step is captured after the first token, in about "
-        "the time of one eager step; docs/architecture.md). For debugging and comparisons.",
+        "decode step as one captured CUDA graph (the default: compiled and captured after the first token, 2-3 s on "
+        "a 48-layer model, the compiled code cached on disk; the load's warm-up then also keeps a captured prefill "
+        "for the first prompt: docs/architecture.md). For debugging and comparisons.",
     )
     m.add_argument(
         "--plain",
@@ -164,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
         "as it is generated, then prefill tokens/s (prompt tokens / time to the first new token) and decode "
         "tokens/s (the remaining new tokens / their time) on stderr.",
     )
-    gen.add_argument("--prompt", required=True, help="the text to complete")
+    gen.add_argument("--prompt", required=True, help="the text to complete; - reads it from standard input (a long "
+                     "prompt, a file: --prompt - < FILE)")
     gen.add_argument("--chat-template", action="store_true",
                      help="wrap the prompt as a user message with the tokenizer's chat template")
     _add_model_arguments(gen)
@@ -583,6 +587,10 @@ def _load_and_describe(args: argparse.Namespace, warm_up: bool = True, reserve_f
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    if args.prompt == "-":  # read before loading: a prompt that is not there fails in a second, not after the load
+        args.prompt = sys.stdin.read()
+    if not args.prompt:
+        raise CLIError("--prompt is empty: give the text to complete (or - to read it from standard input)")
     model, tokenizer = _load_and_describe(args)
     if args.chat_template:
         input_ids = _chat_input_ids(tokenizer, [{"role": "user", "content": args.prompt}])

@@ -73,6 +73,22 @@ def test_generate_int8_experts_in_process(capsys):
     assert TIMING.search(captured.err) and "experts int8 on cpu" in captured.err
 
 
+def test_generate_reads_the_prompt_from_stdin(capsys, monkeypatch):
+    """--prompt - takes standard input as the prompt (the same greedy completion as the text given inline); an empty
+    prompt, inline or read, is refused before the model loads."""
+    args = ["generate", "--model", "builtin", "--max-new-tokens", "5"]
+    assert main([*args, "--prompt", "Once upon a time"]) == 0
+    inline = capsys.readouterr().out
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Once upon a time"))
+    assert main([*args, "--prompt", "-"]) == 0
+    assert capsys.readouterr().out == inline and inline.startswith("Once upon a time")
+    for prompt, stdin in (("-", ""), ("", "unused")):
+        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+        assert main([*args, "--prompt", prompt]) == 1
+        err = capsys.readouterr().err
+        assert "--prompt is empty" in err and "loaded" not in err and "Traceback" not in err
+
+
 def test_generate_plain_matches_prepared_bf16(capsys):
     """Greedy text of transformers' own experts and of kt.fused_moe (bf16) agree on a short completion."""
     args = ["generate", "--model", "builtin", "--prompt", "Python is", "--max-new-tokens", "6", "--dtype", "fp32"]
