@@ -478,7 +478,8 @@ def pack_quantized(codes: torch.Tensor, scales: torch.Tensor, mins: Optional[tor
         if codes.numel() and int(codes.max()) == 255:
             raise ValueError(f"pack_quantized: mxfp4 codes must be doubled E2M1 values {sorted(set(MXFP4_CODES))}, "
                              f"got others (e.g. 5, 7, 9, 10 or 11)")
-    elif codes.numel() and (int(codes.min()) < lo or int(codes.max()) > hi):
+    elif codes.numel() and not (bits == 8 and codes.dtype == torch.int8) and (int(codes.min()) < lo or
+                                                                              int(codes.max()) > hi):  # (int8: in range)
         raise ValueError(f"pack_quantized: {bits}-bit codes {'with' if mins is not None else 'without'} mins must lie "
                          f"in [{lo}, {hi}], got [{int(codes.min())}, {int(codes.max())}]")
 
