@@ -887,9 +887,10 @@ def _warm_up_capture(model: nn.Module, tokens: int) -> float:
     """Keeps a decoder on the model (``model.kt_decoder``, greedy, with CUDA graphs) whose cache holds the positions
     the GPU budget reserves (``gpu_memory.KV_TOKENS``, within the model's context), with the prefill of ``tokens``
     positions captured, so that a first prompt of up to ``tokens`` tokens replays it padded
-    (``Decoder.prefill_graph``) instead of prefilling eagerly; returns its seconds. Not where the model keeps a decoder already, where its decode attention would read the whole cache
-    (``decode_attention.applies``: each decode step would read the longer cache), or where its prefill cannot be
-    captured (``captured_prefill_problem``: nothing is kept then)."""
+    (``Decoder.prefill_graph``) instead of prefilling eagerly; returns its seconds. Not where the model keeps a
+    decoder already, where its decode attention would read the whole cache (``decode_attention.applies``: each decode
+    step would read the longer cache), or where its prefill cannot be captured (``captured_prefill_problem``: nothing
+    is kept then)."""
     t0 = time.perf_counter()
     if getattr(model, "kt_decoder", None) is not None:
         return 0.0

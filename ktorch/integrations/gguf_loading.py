@@ -538,11 +538,15 @@ class GGUFSource(CheckpointSource):
         (``pack_quantized`` copies out of it): a fresh one per chunk spent its time in first-touch page faults
         (a 2-layer Q8_0 file on the dev machine: torch.cat 1.19 s of a 9.0 s load)."""
         shape = (gate.shape[0], gate.shape[1] + up.shape[1], *gate.shape[2:])
-        numel = math.prod(shape)
+        return torch.cat([gate, up], dim=1, out=self._reused(key, math.prod(shape), gate.dtype).view(shape))
+
+    def _reused(self, key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """``numel`` elements of the buffer kept under ``key``, made anew only where it is too small or of another
+        dtype (``_scratch``, ``_joined``)."""
         buf = self._buffers.get(key)
-        if buf is None or buf.dtype != gate.dtype or buf.numel() < numel:
-            buf = self._buffers[key] = torch.empty(numel, dtype=gate.dtype)
-        return torch.cat([gate, up], dim=1, out=buf[:numel].view(shape))
+        if buf is None or buf.dtype != dtype or buf.numel() < numel:
+            buf = self._buffers[key] = torch.empty(numel, dtype=dtype)
+        return buf[:numel]
 
     def _scratch(self, proj: str, experts: int, t) -> Optional[torch.Tensor]:
         """A float32 buffer for ``experts`` experts of ``t`` decoded, reused from chunk to chunk and layer to layer
@@ -550,11 +554,7 @@ class GGUFSource(CheckpointSource):
         the types ``dequantize`` does not decode natively."""
         if t.tensor_type.name not in GGUF_NATIVE_BLOCK_SIZES:
             return None
-        numel = math.prod(decoded_shape((experts, *t.data.shape[1:]), t.tensor_type))
-        buf = self._buffers.get(proj)
-        if buf is None or buf.numel() < numel:
-            buf = self._buffers[proj] = torch.empty(numel, dtype=torch.float32)
-        return buf[:numel]
+        return self._reused(proj, math.prod(decoded_shape((experts, *t.data.shape[1:]), t.tensor_type)), torch.float32)
 
     def release(self) -> None:
         """Drops the file pages read so far from this process (they stay in the page cache)."""
