@@ -624,13 +624,16 @@ def test_cuda_warm_up_leaves_the_first_prompt_nothing_to_allocate(costs, monkeyp
                         lambda self, model, max_len, *a, **k: (lengths.append(max_len), init(self, model, max_len, *a, **k))[1])
     assert ktorch.warm_up(model) > 0 and lengths == [1024, 1024]  # the throwaway eager one, the kept one
     kept = model.kt_decoder
-    assert kept.max_len == 1024 and list(kept.prefill_graphs) == [1024] and kept.prefill_graphs[1024].graph
+    # WARM_UP_BUCKETS' 512 too, the longest kept last (evicted last)
+    assert kept.max_len == 1024 and list(kept.prefill_graphs) == [512, 1024]
+    assert all(g.graph is not None for g in kept.prefill_graphs.values())
     replays = []
     original = torch.cuda.CUDAGraph.replay
     monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda self: replays.append(1) or original(self))
     seen.clear()
     warm = ktorch.generate(model, ids, 1)
     assert warm.ids == cold[:1] and len(seen) == 1 and replays == [1] and model.kt_decoder is kept
+    assert warm.timings.prefill_replayed == 512  # the 200-token prompt: the smallest captured bucket holding it
     assert seen[0][0] == seen[0][1], seen  # the first prompt's prefill: no new segment, no new pinned staging
 
 
