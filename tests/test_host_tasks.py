@@ -170,6 +170,20 @@ def test_split_task_all_deferred_slots_skipped():
     assert torch.equal(staging.out_later, torch.zeros_like(staging.out_later))
 
 
+def test_split_task_rows_only_the_deferred_part_routes():
+    """Rows whose first part routes nothing and rows routed nowhere (padding): the call converts the activations of
+    the rows either part routes (fused_moe.cpp ``Shared::routed``), so the deferred part's rows are still computed:
+    each part bit for bit its own call."""
+    staging, task, packed = split_task(40, 2, T=37, K=4)
+    staging.topk_weights.copy_(torch.tensor([0.4, 0.3, 0.2, 0.1]).expand_as(staging.topk_weights))
+    staging.topk_ids[0::2, :2] = -1  # even rows: only the two deferred (lowest-weighted) slots route
+    staging.topk_ids[30:] = -1  # padding
+    task.run()
+    now, later = expected_split(staging, packed, 2)
+    assert torch.equal(staging.out, now) and torch.equal(staging.out_later, later)
+    assert later[0::2][:15].abs().sum() > 0 and (now[0::2] == 0).all() and (later[30:] == 0).all()
+
+
 def test_split_task_parts_sum_to_the_whole_call():
     staging, task, packed = split_task(22, 1, T=17, K=6)
     task.run()

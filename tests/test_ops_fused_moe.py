@@ -125,10 +125,15 @@ def routing_pattern(pattern: str, T: int, E: int, K: int) -> tuple[torch.Tensor,
         ids[1] = torch.tensor([-1, -2, -1, -(2**31)])[:K]
     elif pattern == "all_negative":
         ids = torch.full((T, K), -1)
+    elif pattern == "padded":  # a padded prefill or a split's CPU share: rows 40 on routed nowhere, and of the first
+        # 40 every third (the runs of routed rows the activations convert end inside a 16-row task)
+        unrouted = torch.arange(T) >= 40
+        unrouted[1:40:3] = True
+        ids = torch.where(unrouted[:, None], -1, ids)
     return ids, weights
 
 
-ROUTING_PATTERNS = ["uniform", "one_expert", "all_slots_one_expert", "repeated", "negative", "all_negative"]
+ROUTING_PATTERNS = ["uniform", "one_expert", "all_slots_one_expert", "repeated", "negative", "all_negative", "padded"]
 
 
 @pytest.mark.parametrize("pattern", ROUTING_PATTERNS)
