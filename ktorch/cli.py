@@ -331,8 +331,8 @@ def load_model(args: argparse.Namespace, warm_up: bool = True, reserve_for=None)
         try:
             model, tokenizer = ktorch.load(path, device=device, experts_dtype=args.experts_dtype,
                                            group_size=args.group_size, dtype=None if dtype == "auto" else dtype,
-                                           progress=sys.stderr.isatty(), gpu_memory="off",
-                                           warm_up=False)  # placement and warm-up: below
+                                           progress=sys.stderr.isatty(), stream_experts="off",
+                                           gpu_memory="off", warm_up=False)  # placement and warm-up: below
         except (CheckpointError, ValueError, OSError, ImportError) as e:  # ImportError: e.g. gguf not installed
             raise CLIError(f"--model {args.model}: {e}") from None
         top_k = getattr(model.config, "num_experts_per_tok", None)

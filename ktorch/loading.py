@@ -71,9 +71,11 @@ def load(
         tokenizer: also build the tokenizer (None when the checkpoint has none, e.g. a GGUF benchmark file with
             ``tokenizer.ggml.model = "none"``).
         stream_experts, gpu_memory: GPU only, as ``ktorch.prepare`` takes them (the routing-aware prefill split,
-            the GPU memory budget and its resident experts; docs/prefill_streaming.md); default None: no split, and
-            the budget ``"auto"`` on a CUDA device (resident experts fill the free memory minus a margin; "off":
-            every expert in host memory), nothing on the CPU.
+            the GPU memory budget and its resident experts; docs/prefill_streaming.md). Default None: as the command
+            line's defaults, on a CUDA device the split ``"auto"`` and the budget ``"auto"`` (resident experts fill
+            the free memory minus a margin; "off": every expert in host memory, the split still copying the
+            experts a long prompt uses); nothing on the CPU, or where the experts cannot run on the GPU (biases, no
+            gate, another activation: ``placement.default_stream_experts``). ``stream_experts="off"``: no split.
         warm_up: on a GPU, end with ``ktorch.warm_up(model)``: one prefill of ``ktorch.generation.WARM_UP_TOKENS``
             random ids through a throwaway cache, so that the first prompt runs at warm speed (a fresh process's
             first prefill pays ~0.4 s of first kernel launches, stagings and page faults; docs/architecture.md),
@@ -107,10 +109,15 @@ def load(
         dtype = source.default_dtype(device)
     model = build_model(source, device=device, dtype=dtype, experts_dtype=experts_dtype, group_size=group_size,
                         progress=progress)
-    if gpu_memory is None:
-        from ktorch.placement import default_gpu_memory, experts_modules
+    if stream_experts is None or gpu_memory is None:
+        from ktorch.placement import default_gpu_memory, default_stream_experts, experts_modules
 
-        gpu_memory = default_gpu_memory(experts_modules(model), device, stream_experts)
+        if stream_experts is None:
+            stream_experts = default_stream_experts(experts_modules(model), device)
+        if gpu_memory is None:
+            gpu_memory = default_gpu_memory(experts_modules(model), device, stream_experts)
+    if stream_experts == "off" and gpu_memory in (None, "off"):
+        stream_experts = gpu_memory = None  # nothing to place
     if stream_experts is not None or gpu_memory is not None:
         from ktorch.placement import set_stream_experts
 

@@ -190,6 +190,15 @@ def usable_device(device: Union[str, torch.device], who: str) -> torch.device:
     return device
 
 
+def default_stream_experts(modules: list, device: torch.device) -> Optional[str]:
+    """What an unset ``stream_experts`` means for ``ktorch.load`` (as for the command line, whose
+    ``--stream-experts`` is ``auto`` by default on a GPU): the routing-aware split, ``"auto"``, on a CUDA device
+    where the experts can run there (``device_experts_problem``), else None. ``prepare``'s default stays None (off)."""
+    if device.type != "cuda" or any(device_experts_problem(m) is not None for _, m in modules):
+        return None
+    return "auto"
+
+
 def default_gpu_memory(modules: list, device: torch.device, stream_experts=None, trainable: bool = False,
                        gpu_experts=None) -> Optional[str]:
     """What an unset ``gpu_memory`` means for ``prepare`` / ``ktorch.load`` / the command line: ``"auto"`` on a CUDA

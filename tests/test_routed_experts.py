@@ -766,6 +766,33 @@ def test_default_gpu_memory_is_auto_on_cuda_for_inference_only():
     assert default_gpu_memory(biased, cuda) is None
 
 
+def test_ktorch_loads_default_split_is_the_command_lines():
+    """What an unset stream_experts means for ktorch.load (placement.default_stream_experts): the routing-aware
+    split, "auto", on a CUDA device, as `ktorch generate`'s --stream-experts default; nothing on the CPU or for
+    experts the device kernels cannot run."""
+    from ktorch.placement import default_stream_experts, experts_modules
+    from test_integrations_families import tiny_family_model
+
+    modules = experts_modules(tiny_model("qwen3_moe"))
+    assert default_stream_experts(modules, torch.device("cuda")) == "auto"
+    assert default_stream_experts(modules, torch.device("cpu")) is None
+    assert default_stream_experts(experts_modules(tiny_family_model("gpt_oss")), torch.device("cuda")) is None
+
+
+@needs_cuda
+def test_cuda_ktorch_load_places_as_the_command_line_does():
+    """ktorch.load on a GPU with its defaults: the split (its costs measured) and the budget, as the command line's
+    defaults place them; stream_experts="off": the budget's residents only, no split."""
+    from ktorch.ops.routed_experts import SplitCosts
+
+    model, _ = ktorch.load("builtin", device="cuda", progress=False, tokenizer=False, warm_up=False)
+    assert model.kt_gpu_memory is not None and isinstance(model.kt_split_costs, SplitCosts)  # measured at load
+    assert all(getattr(m, "kt_routed", None) is not None for m in moe_experts_modules(model))
+    off, _ = ktorch.load("builtin", device="cuda", progress=False, tokenizer=False, warm_up=False,
+                         stream_experts="off")
+    assert off.kt_gpu_memory is not None and off.kt_split_costs is None  # residents, the layers only counting
+
+
 def test_gpu_memory_auto_needs_cuda_and_off_places_no_resident():
     """Unset on the CPU: nothing placed, as before. "auto" given where there is no CUDA device is a clear error
     (prepare, ktorch.load, set_stream_experts), never a silent no-op. "off" keeps every expert in host memory, with

@@ -41,7 +41,8 @@ def test_cuda_decode_steps_replay_graphs_and_equal_eager():
     experts it routed (the padding rows' -1 ids are not counted as experts)."""
     from ktorch.serve.engine import GRAPH_TOKEN_BUCKETS, step_bucket
 
-    model, _ = ktorch.load("builtin", device="cuda", dtype=torch.float32, progress=False, gpu_memory="off")
+    model, _ = ktorch.load("builtin", device="cuda", dtype=torch.float32, progress=False, stream_experts="off",
+                           gpu_memory="off")
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 4096) for _ in range(rng.randint(5, 40))] for _ in range(6)]
     eager, e_engine = _cuda_run(model, prompts, 12, cuda_graphs=False)
@@ -71,7 +72,8 @@ def test_cuda_decode_steps_replay_graphs_and_equal_eager():
 def test_cuda_shared_prefix_computes_only_the_suffix_under_graphs():
     """A prompt sharing a cached prefix computes only the suffix on the GPU too (its step is graphed), with the
     tokens of an uncached run."""
-    model, _ = ktorch.load("builtin", device="cuda", dtype=torch.float32, progress=False, gpu_memory="off")
+    model, _ = ktorch.load("builtin", device="cuda", dtype=torch.float32, progress=False, stream_experts="off",
+                           gpu_memory="off")
     rng = random.Random(6)
     prefix = [rng.randrange(3, 4096) for _ in range(20 * PAGE + 3)]
     second = prefix + [rng.randrange(3, 4096) for _ in range(7)]
@@ -105,7 +107,8 @@ def test_cuda_compiled_captures_compile_once_per_token_bucket():
 
     from ktorch.generation import decoder_layers
 
-    model, _ = ktorch.load("builtin", device="cuda", dtype=torch.float32, progress=False, gpu_memory="off")
+    model, _ = ktorch.load("builtin", device="cuda", dtype=torch.float32, progress=False, stream_experts="off",
+                           gpu_memory="off")
     rng = random.Random(8)
     prompts = [[rng.randrange(3, 4096) for _ in range(700)], [rng.randrange(3, 4096) for _ in range(9)]]
     eager, _ = _cuda_run(model, prompts, 10, cuda_graphs=False)
