@@ -28,8 +28,8 @@ for the older commit's build.
 llama.cpp (for vs-llamacpp): ``llamacpp:start`` starts its CUDA build (~5.5 min on 16 cores) detached (its own
 session, so it outlives the call while the machine stays warm; the next call must follow within 30 s) and returns
 at once; ``llamacpp`` waits for it (or builds, or restores binaries from .device-out/lcpp/) and returns the binaries
-in $OUT as lcpp_bin.tgz.* chunks (copy them to .device-out/lcpp/ to skip the build on a fresh machine). Measuring
-steps warn while the build runs: their timings are then not results.
+in $OUT as stripped lcpp_bin.txz.* chunks, once a machine (copy them to .device-out/lcpp/ to skip the build on a fresh
+machine). Measuring steps warn while the build runs: their timings are then not results.
 """
 
 from __future__ import annotations
@@ -603,6 +603,7 @@ def lcpp_restore(root: Path) -> None:
             subprocess.run(f"cat {' '.join(map(shlex.quote, chunks))} | tar {flag} - -C {LCPP_BUILD}", shell=True,
                            check=True)
             print("llama.cpp binaries restored from .device-out/lcpp/", flush=True)
+            (LCPP_BUILD / "exported").touch()  # nothing new to return
             return
 
 
@@ -653,11 +654,27 @@ def lcpp_start(root: Path, jobs: int) -> None:
       "returns; 'wait' (default) waits for it (starting it if need be), then returns the binaries in $OUT",
       limit_s=540, min_s=20, params={"mode": "wait", "jobs": "16"}, needs_build=False,
       carry=".peers/llama_cpp or .device-out/llama_cpp.tar; or .device-out/lcpp/ (binaries)")
+def lcpp_export() -> None:
+    """The binaries this machine built to $OUT as stripped, xz-compressed lcpp_bin.txz.* chunks (unstripped gzip,
+    245 MB of files, did not come back, session 55), once per machine: copied to .device-out/lcpp/ they are restored
+    on a fresh machine instead of building again."""
+    marker = LCPP_BUILD / "exported"
+    if marker.exists():
+        return
+    subprocess.run(f"rm -rf /tmp/lcpp_export && cp -a {LCPP_BUILD}/bin /tmp/lcpp_export && "
+                   "(strip --strip-unneeded /tmp/lcpp_export/* 2>/dev/null; true) && "
+                   f"tar -I 'xz -T0 -6' -cf - -C /tmp --transform s,^lcpp_export,bin, lcpp_export | "
+                   f"split -b 15M - {OUT}/lcpp_bin.txz.", shell=True, check=False)
+    marker.touch()
+    print("llama.cpp binaries in $OUT/lcpp_bin.txz.* (copy them to .device-out/lcpp/)", flush=True)
+
+
 def step_llamacpp(r: Runner, p: dict) -> int:
     lcpp_restore(r.root)
     bench = LCPP_BUILD / "bin" / "llama-bench"
     if bench.exists() and not lcpp_running():
         print(f"llama-bench: {bench} (already built)", flush=True)
+        lcpp_export()
         return 0
     if not lcpp_running():
         lcpp_start(r.root, int(p["jobs"]))
@@ -676,7 +693,7 @@ def step_llamacpp(r: Runner, p: dict) -> int:
         return 1
     print(f"llama-bench built, {int(time.time()) - int((LCPP_BUILD / 'build.started').read_text())} s since the "
           "first start", flush=True)
-    subprocess.run(f"tar czf - -C {LCPP_BUILD} bin | split -b 15M - {OUT}/lcpp_bin.tgz.", shell=True, check=False)
+    lcpp_export()
     return 0
 
 
