@@ -877,7 +877,8 @@ def warm_up(model: nn.Module, tokens: int = WARM_UP_TOKENS, capture: bool = True
     residents' hit counters and the experts runtime's counters and timeline are put back, and the experts runtime's
     observers do not see its calls. What it keeps: the split's costs learn from its CPU calls
     (``SplitCosts.observe_cpu``), so a first prompt splits with them; and, where the model keeps no decoder yet,
-    one whose prefill of ``tokens`` positions is captured (``_warm_up_capture``), for a first prompt to replay.
+    one whose prefills of ``tokens`` and ``WARM_UP_BUCKETS`` positions are captured (``_warm_up_capture``), for a
+    first prompt to replay.
     ``capture=False``: not that decoder, where no prompt would replay it (``generate(cuda_graphs=False)``, the
     command line's ``--no-compile``; ``serve``, whose engine captures its own steps)."""
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
