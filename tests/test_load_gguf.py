@@ -145,6 +145,32 @@ def test_mixed_types_load_exactly(wide_qwen3, types):
     assert packed.w2_scales.dtype == kscale.get(types["down"], torch.float32)
 
 
+def _packed_tensors(model) -> list:
+    return [(t if t is None else t.view(torch.uint8) if t.element_size() == 1 else t)
+            for m in moe_experts_modules(model) for t in (*packed_experts_of(m).tensors(), *packed_experts_of(m).biases())]
+
+
+@pytest.mark.parametrize("types", [{"gate": t, "up": t, "down": t} for t in ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")]
+                         + [{"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"}, {"gate": "Q4_K", "up": "Q6_K", "down": "Q5_K"}],
+                         ids=["Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q4_K_M", "gate_up_differ"])
+def test_experts_read_in_chunks_equal_one_read(wide_qwen3, types, monkeypatch):
+    """A layer's experts read a few at a time (file bytes read into reused buffers, the codes packed straight into
+    the layer's tensors from the second chunk on: gguf_loading._read_bytes, pack_quantized(out=)) give the packed
+    tensors of one read of every expert, bit for bit."""
+    import ktorch.integrations.checkpoint_loading as loading
+
+    model, folder = wide_qwen3
+    path = folder / f"chunks_{'_'.join(types.values())}.gguf"
+    write_gguf_from_model(model, path, experts_type=types["gate"], experts_types=types, other_type="F16")
+    whole = _packed_tensors(ktorch.load(path, device="cpu", progress=False, tokenizer=False)[0])
+    E, H = model.config.num_experts, model.config.hidden_size
+    monkeypatch.setattr(loading, "CHUNK_ELEMENTS", 3 * 3 * model.config.moe_intermediate_size * H)  # 3 a chunk
+    assert loading._chunk_size(E, model.config.moe_intermediate_size, H) == 3 < E
+    chunked = _packed_tensors(ktorch.load(path, device="cpu", progress=False, tokenizer=False)[0])
+    assert len(whole) == len(chunked) and all((a is None and b is None) or torch.equal(a, b)
+                                              for a, b in zip(whole, chunked))
+
+
 # ---------------------------------------------------------------- whole models
 
 

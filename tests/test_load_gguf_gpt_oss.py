@@ -203,6 +203,26 @@ def _with_scale(plan, tensor: str, scale: int):
     return edit(plan)
 
 
+def test_experts_read_in_chunks_equal_one_read(gpt_oss_file, monkeypatch):
+    """MXFP4 experts (their nibbles packed into the layer's float4 tensor from the second chunk on) and their biases
+    read a few experts at a time: the packed tensors of one read, bit for bit."""
+    import ktorch.integrations.checkpoint_loading as loading
+
+    model, path = gpt_oss_file
+
+    def packed():
+        loaded = ktorch.load(path, device="cpu", progress=False, tokenizer=False)[0]
+        return [t.view(torch.uint8) if t.element_size() == 1 else t for m in moe_experts_modules(loaded)
+                for t in (*packed_experts_of(m).tensors(), *packed_experts_of(m).biases()) if t is not None]
+
+    whole = packed()
+    E, I, H = model.config.num_local_experts, model.config.intermediate_size, model.config.hidden_size
+    monkeypatch.setattr(loading, "CHUNK_ELEMENTS", 3 * 3 * I * H)
+    assert loading._chunk_size(E, I, H) == 3 < E
+    chunked = packed()
+    assert len(whole) == len(chunked) and all(torch.equal(a, b) for a, b in zip(whole, chunked))
+
+
 def test_scale_at_the_limit_is_exact_past_it_an_error(tmp_path):
     name = "blk.1.ffn_up_exps.weight"
     path = _write(tmp_path, "edge.gguf", lambda plan: _with_scale(plan, name, MXFP4_MAX_SCALE))

@@ -74,8 +74,12 @@ class CheckpointSource(ABC):
         format of ``ktorch.ops.moe.FORMATS``)."""
 
     @abstractmethod
-    def read_experts(self, module_name: str, first: int, end: int, fmt: str, group_size: Optional[int]) -> PackedExperts:
-        """Experts ``first:end`` of ``module_name``, packed in ``fmt``."""
+    def read_experts(self, module_name: str, first: int, end: int, fmt: str, group_size: Optional[int],
+                     into: Optional[tuple] = None) -> PackedExperts:
+        """Experts ``first:end`` of ``module_name``, packed in ``fmt``. ``into``: the layer's packed tensors' rows
+        ``first:end`` (``PackedExperts.tensors()`` order, None where a layer has none), which a source may pack the
+        weights into directly (returning views of them: ``pack_experts_in_chunks`` then copies nothing); a source may
+        ignore it."""
 
     def read_expert_rows(self, name: str, first: int, end: int) -> torch.Tensor:
         """Experts ``first:end`` (rows of the first dimension) of the experts module's own parameter ``name`` as
@@ -157,13 +161,14 @@ def pack_experts_in_chunks(source: CheckpointSource, module_name: str, num_exper
     packed_format, packed_group = fmt, group_size
     for first in range(0, num_experts, chunk):
         end = min(num_experts, first + chunk)
-        part = source.read_experts(module_name, first, end, fmt, group_size)
+        into = None if out is None else tuple(None if t is None else t[first:end] for t in out[:4])
+        part = source.read_experts(module_name, first, end, fmt, group_size, into=into)
         tensors = (*part.tensors(), *part.biases())
         if out is None:
             out = [None if t is None else empty_weights((num_experts, *t.shape[1:]), t.dtype) for t in tensors]
             packed_format, packed_group = part.format, part.group_size
         for dst, src in zip(out, tensors):
-            if dst is not None:
+            if dst is not None and src.data_ptr() != dst[first:end].data_ptr():  # (packed in place: nothing to copy)
                 as_bytes(dst)[first:end].copy_(as_bytes(src))  # (MXFP4 nibbles copied as bytes)
         del part
     return PackedExperts(*out[:4], packed_format, packed_group, out[4], out[5])

@@ -263,7 +263,8 @@ class SafetensorsSource(CheckpointSource):
             return "mxfp4", None  # (read_experts keeps the blocks' codes)
         return ("bf16" if requested == "auto" else requested), None
 
-    def read_experts(self, module_name: str, first: int, end: int, fmt: str, group_size: Optional[int]) -> PackedExperts:
+    def read_experts(self, module_name: str, first: int, end: int, fmt: str, group_size: Optional[int],
+                     into: Optional[tuple] = None) -> PackedExperts:
         if fmt == "mxfp4":
             return self._mxfp4_experts(module_name, first, end)
         fused = f"{module_name}.gate_up_proj"

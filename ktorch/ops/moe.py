@@ -423,7 +423,8 @@ def _fused_moe_out_fake(hidden, topk_ids, topk_weights, w13, w13_scales, w2, w2_
 
 
 def pack_quantized(codes: torch.Tensor, scales: torch.Tensor, mins: Optional[torch.Tensor] = None, *, bits: int,
-                   gate_up: bool = False, mxfp4: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   gate_up: bool = False, mxfp4: bool = False, out: Optional[torch.Tensor] = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Places already-quantized weights (integer codes with a scale, and optionally a minimum, per group of input
     channels) in the op's int8 (``bits=8``) or int4 (``bits=4``) layout, without requantizing them: the weights the
     op computes with are ``codes * scale`` (``mins`` None) or ``codes * scale - min``, as the source stored them
@@ -441,6 +442,9 @@ def pack_quantized(codes: torch.Tensor, scales: torch.Tensor, mins: Optional[tor
             ``torch.float4_e2m1fn_x2`` tensor of the int4 layout, which marks them for the op: 0.5 bytes a weight
             where the int8 codes of the same blocks take 1, the same products (the op's output is that of the int8
             codes bit for bit).
+        out: where to pack the weights (the packed tensor's shape and dtype, contiguous; e.g. rows of a layer's
+            tensor, as the GGUF loader packs each chunk of experts in place); None: a new tensor. Used only where
+            it has exactly that shape and dtype.
 
     Returns:
         (packed int8 [E, N/16, K/4, 16, 4] or uint8 (mxfp4: float4_e2m1fn_x2) [E, N/16, K/8, 16, 4], scales
@@ -488,10 +492,14 @@ def pack_quantized(codes: torch.Tensor, scales: torch.Tensor, mins: Optional[tor
             return t
         return t.reshape(E, 2, N // 64, 32, t.shape[-1]).transpose(1, 2).reshape(E, N, t.shape[-1])
 
+    shape = (E, N // 16, K // (4 if bits == 8 else 8), 16, 4)
+    dtype = torch.int8 if bits == 8 else (MXFP4_DTYPE if mxfp4 else torch.uint8)
+    if out is not None and not (out.shape == shape and out.dtype == dtype and out.is_contiguous()):
+        out = None
     if bits == 8:
         # one copy of 4-byte words (a word: 4 consecutive input channels, the layout's innermost run), the gate/up
         # row interleave folded in: a copy of int8 elements through this 5-d permutation ran ~4x slower
-        packed = empty_weights((E, N // 16, K // 4, 16, 4), torch.int8)
+        packed = empty_weights(shape, torch.int8) if out is None else out
         c8 = codes.to(torch.int8)
         if not c8.is_contiguous() or c8.storage_offset() % 4:  # a word view needs 4-byte aligned rows
             c8 = c8.clone(memory_format=torch.contiguous_format)
@@ -506,7 +514,7 @@ def pack_quantized(codes: torch.Tensor, scales: torch.Tensor, mins: Optional[tor
         rows = packed_rows(codes)
         u = rows if mxfp4 else rows.to(torch.int16).add(8 if mins is None else 0).to(torch.uint8)  # (mxfp4: nibbles)
         t = u.reshape(E, N // 16, 16, K // 8, 2, 4).permute(0, 1, 3, 2, 4, 5)
-        packed = empty_weights((E, N // 16, K // 8, 16, 4), torch.uint8)
+        packed = empty_weights(shape, torch.uint8) if out is None else out.view(torch.uint8)
         torch.bitwise_or(t.select(4, 0), t.select(4, 1).bitwise_left_shift(4), out=packed)
         if mxfp4:
             packed = packed.view(MXFP4_DTYPE)
