@@ -132,6 +132,7 @@ def dequantize(data: np.ndarray, qtype, out: Optional[torch.Tensor] = None) -> t
 
 _READ_THREADS = 8
 _READ_PIECE = 16 << 20
+_READ_POOL: Optional[ThreadPoolExecutor] = None
 
 
 def _pread(fd: int, out: np.ndarray, offset: int) -> None:
@@ -151,8 +152,10 @@ def _pread(fd: int, out: np.ndarray, offset: int) -> None:
 
     starts = range(0, n, _READ_PIECE)
     if len(starts) > 1:
-        with ThreadPoolExecutor(max_workers=min(len(starts), _READ_THREADS)) as pool:
-            list(pool.map(read, starts))
+        global _READ_POOL
+        if _READ_POOL is None:  # one pool for the process: a load makes ~30 reads a layer
+            _READ_POOL = ThreadPoolExecutor(max_workers=_READ_THREADS, thread_name_prefix="ktorch-gguf-read")
+        list(_READ_POOL.map(read, starts))
     elif n:
         read(0)
 
