@@ -342,3 +342,33 @@ def test_pack_and_unpack_on_meta_give_the_real_shapes():
         real, meta = (real, meta) if isinstance(real, tuple) else ((real,), (meta,))
         for r, m in zip(real, meta):
             assert m.device.type == "meta" and m.shape == r.shape and m.dtype == r.dtype
+
+
+@pytest.mark.parametrize("bits,mins,mxfp4", [(8, False, False), (4, False, False), (4, True, False), (4, False, True)],
+                         ids=["int8", "int4", "int4_affine", "mxfp4"])
+@pytest.mark.parametrize("gate_up", [False, True])
+def test_pack_quantized_into_out_equals_a_new_tensor(bits, mins, mxfp4, gate_up):
+    """pack_quantized(out=): the packed codes written into the given tensor (rows of a layer's, as the GGUF loader
+    packs chunks in place), equal to a fresh pack; an out of another shape or dtype is not written (a new tensor)."""
+    from ktorch.ops.moe import pack_quantized
+    from ktorch.ops.packed_weights import MXFP4_CODES
+
+    gen = torch.Generator().manual_seed(7)
+    E, N, K, G = 3, 64, 96, 3
+    if mxfp4:
+        codes = torch.tensor(MXFP4_CODES)[torch.randint(0, 16, (E, N, K), generator=gen)]
+    else:
+        lo, hi = (-128, 128) if bits == 8 else ((0, 16) if mins else (-8, 8))
+        codes = torch.randint(lo, hi, (E, N, K), generator=gen)
+    scales = torch.rand(E, N, G, generator=gen) + 0.1
+    m = torch.rand(E, N, G, generator=gen) if mins else None
+    fresh, s = pack_quantized(codes, scales, m, bits=bits, gate_up=gate_up, mxfp4=mxfp4)
+    layer = torch.zeros((E + 2, *fresh.shape[1:]), dtype=fresh.dtype)  # the chunk's rows 1..E of a layer
+    got, s2 = pack_quantized(codes, scales, m, bits=bits, gate_up=gate_up, mxfp4=mxfp4, out=layer[1:E + 1])
+    assert got.data_ptr() == layer[1].data_ptr() and torch.equal(s2, s)
+    assert torch.equal(layer[1:E + 1].view(torch.uint8), fresh.view(torch.uint8))
+    assert not layer[0].view(torch.uint8).any() and not layer[E + 1].view(torch.uint8).any()
+    wrong = torch.zeros((E + 1, *fresh.shape[1:]), dtype=fresh.dtype)
+    other, _ = pack_quantized(codes, scales, m, bits=bits, gate_up=gate_up, mxfp4=mxfp4, out=wrong)
+    assert other.data_ptr() != wrong.data_ptr() and not wrong.view(torch.uint8).any()
+    assert torch.equal(other.view(torch.uint8), fresh.view(torch.uint8))
