@@ -662,7 +662,7 @@ def lcpp_export() -> None:
     if marker.exists():
         return
     subprocess.run(f"rm -rf /tmp/lcpp_export && cp -a {LCPP_BUILD}/bin /tmp/lcpp_export && "
-                   "(strip --strip-unneeded /tmp/lcpp_export/* 2>/dev/null; true) && "
+                   "(find /tmp/lcpp_export -type f -exec strip --strip-unneeded {} + 2>/dev/null; true) && "
                    f"tar -I 'xz -T0 -6' -cf - -C /tmp --transform s,^lcpp_export,bin, lcpp_export | "
                    f"split -b 15M - {OUT}/lcpp_bin.txz.", shell=True, check=False)
     marker.touch()
