@@ -388,8 +388,9 @@ def _cprofiled(fn, n: int, title: str):
 
 def breakdown(args) -> None:
     """Experiment (benchmark flag): where a process's first prefills spend their time. Per --ktorch-args set, one
-    process loads the model as ``ktorch generate`` does (ktorch.cli.load_model: the same defaults and options, the
-    load-time warm-up included unless --breakdown-cold), then runs --breakdown prefills of each --prompts length
+    process loads the model as ``ktorch generate --no-compile`` does on a GPU (ktorch.cli.load_model: the same
+    defaults and options, the load-time warm-up included unless --breakdown-cold, no captured prefill kept: these
+    runs prefill eagerly), then runs --breakdown prefills of each --prompts length
     (``ktorch.generate``, 1 new token): per part (PartTimer), the CPU op's own time (the experts runtime's timeline:
     kt.fused_moe on its worker, GPU models), the minor page faults and new CUDA memory segments, run by run. Run 0 is
     the first prompt of that length (after the warm-up: what a user's first prompt pays; with --breakdown-cold the
@@ -399,11 +400,13 @@ def breakdown(args) -> None:
 
     import torch
 
-    from ktorch.cli import build_parser, load_model
+    from ktorch.cli import build_parser, load_model, resolve_device
     from ktorch.compile.experts_runtime import RUNTIME
 
     for extra in args.ktorch_args:
         cli = build_parser().parse_args(["generate", "--model", args.gguf, "--prompt", "x", *shlex.split(extra)])
+        # its runs prefill eagerly: on a GPU the warm-up keeps no captured prefill they would drop (--no-compile's)
+        cli.no_compile = resolve_device(cli.device).type == "cuda"
         t0 = time.perf_counter()
         model, _, device = load_model(cli, warm_up=not args.breakdown_cold)
         print(f"[breakdown {extra or 'defaults'}] loaded in {time.perf_counter() - t0:.1f} s on {device} (prefill "
