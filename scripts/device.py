@@ -650,10 +650,6 @@ def lcpp_start(root: Path, jobs: int) -> None:
     print(f"llama.cpp build started, detached, {jobs} jobs (log {LCPP_BUILD}/build.log)", flush=True)
 
 
-@step("llamacpp", "llama.cpp's llama-bench with CUDA into /tmp/lcpp: 'start' starts the build detached and "
-      "returns; 'wait' (default) waits for it (starting it if need be), then returns the binaries in $OUT",
-      limit_s=540, min_s=20, params={"mode": "wait", "jobs": "16"}, needs_build=False,
-      carry=".peers/llama_cpp or .device-out/llama_cpp.tar; or .device-out/lcpp/ (binaries)")
 def lcpp_export() -> None:
     """The binaries this machine built to $OUT as stripped, xz-compressed lcpp_bin.txz.* chunks (unstripped gzip,
     245 MB of files, did not come back, session 55), once per machine: copied to .device-out/lcpp/ they are restored
@@ -669,6 +665,10 @@ def lcpp_export() -> None:
     print("llama.cpp binaries in $OUT/lcpp_bin.txz.* (copy them to .device-out/lcpp/)", flush=True)
 
 
+@step("llamacpp", "llama.cpp's llama-bench with CUDA into /tmp/lcpp: 'start' starts the build detached and "
+      "returns; 'wait' (default) waits for it (starting it if need be), then returns the binaries in $OUT",
+      limit_s=540, min_s=20, params={"mode": "wait", "jobs": "16"}, needs_build=False,
+      carry=".peers/llama_cpp or .device-out/llama_cpp.tar; or .device-out/lcpp/ (binaries)")
 def step_llamacpp(r: Runner, p: dict) -> int:
     lcpp_restore(r.root)
     bench = LCPP_BUILD / "bin" / "llama-bench"

@@ -39,6 +39,15 @@ def test_steps_take_a_bare_first_value_and_named_parameters(device):
             device.parse_step(bad)
 
 
+def test_every_step_runs_a_function_of_the_runner_and_its_parameters(device):
+    """Each registered step's function takes (runner, parameters): a helper written between a ``@step`` decorator
+    and its function (session 55's lcpp_export) would be registered in its place."""
+    import inspect
+
+    for name, st in device.STEPS.items():
+        assert list(inspect.signature(st.run).parameters) == ["r", "p"], (name, st.run.__name__)
+
+
 def test_build_is_inserted_before_the_first_step_that_needs_it(device):
     assert [n for n, _ in names(device.select_steps(["tests:gpu", "bench"]))] == ["build", "tests", "bench"]
     # the llama.cpp build starts first, so that it runs beside ktorch's build and tests
