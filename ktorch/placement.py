@@ -205,11 +205,9 @@ def default_gpu_memory(modules: list, device: torch.device, stream_experts=None,
     device for inference, else None (nothing placed): another device, ``trainable``, ``gpu_experts``, a fixed
     ``stream_experts`` table (kept for comparison, without residents), or experts the device kernels cannot run
     (``device_experts_problem``: biases, no gate, another activation), which then all stay on the CPU op."""
-    if device.type != "cuda" or trainable or gpu_experts is not None or isinstance(stream_experts, dict):
+    if trainable or gpu_experts is not None or isinstance(stream_experts, dict):
         return None
-    if any(device_experts_problem(m) is not None for _, m in modules):
-        return None
-    return "auto"
+    return default_stream_experts(modules, device)  # the same device and experts conditions
 
 
 def _prepare_for_training(model: nn.Module, gradient_checkpointing: bool) -> None:
