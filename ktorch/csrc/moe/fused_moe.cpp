@@ -896,6 +896,10 @@ class Part {
 
   int64_t pairs() const { return P_; }
   int64_t experts() const { return static_cast<int64_t>(active_.size()); }
+  // marks the tokens this part's pairs route (Shared::routed)
+  void mark_routed(std::vector<uint8_t>& routed) const {
+    for (int64_t p = 0; p < P_; ++p) routed[pair_token_[p]] = 1;
+  }
   // Stage groups (see the plan): 1, or one per down group. Gate/up tasks of stage group g: first_gate_up_task(g)
   // + [0, gate_up_tasks(g)); down tasks: down_task(g, [0, down_tasks(g))).
   int64_t stage_groups() const { return stage_groups_; }
@@ -1484,19 +1488,9 @@ void run_call(WeightFormat fmt, const at::Tensor& hidden_in, const at::Tensor& i
     s.row_scale = ws.take(Workspace::kRowScale, {T}, at::kFloat).data_ptr<float>();
     s.row_gsum = ws.take(Workspace::kRowGsum, {T, s.x_groups}, at::kInt).data_ptr<int32_t>();
     s.x_row_stride = s.x_row_bytes;
-    routed.assign(T, 0);
-    for (const at::Tensor* ids_any : {&ids_now, ids_later}) {
-      if (ids_any == nullptr) continue;
-      const at::Tensor ids = ids_any->to(at::kLong).contiguous();
-      const int64_t* p = ids.data_ptr<int64_t>();
-      const int64_t K = ids.size(1);
-      for (int64_t t = 0; t < T; ++t)
-        for (int64_t k = 0; k < K; ++k)
-          if (p[t * K + k] >= 0) {
-            routed[t] = 1;
-            break;
-          }
-    }
+    routed.assign(T, 0);  // from the parts' routing (step 1), not the ids again
+    now.mark_routed(routed);
+    if (later) later->mark_routed(routed);
     s.routed = routed.data();
   }
   // A task's rows are a_ld apart: one 64-byte line more than the row, so that the 16 rows an AMX tile load
