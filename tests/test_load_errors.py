@@ -211,3 +211,28 @@ def test_a_device_this_process_cannot_use_is_named_before_loading(good_gguf, mod
         past = torch.cuda.device_count()
         with pytest.raises(ValueError, match=rf"load: device 'cuda:{past}': this machine has {past} CUDA GPU"):
             ktorch.load(good_gguf, device=f"cuda:{past}")
+
+
+def test_a_file_shorter_than_a_read_is_an_eof_error_naming_the_bytes(tmp_path):
+    """gguf_loading._pread (the experts' parallel reads) where the file ends first (it shrank after being checked at
+    open): an EOFError naming where it ended, for one piece and for several."""
+    import os
+
+    import numpy as np
+
+    import ktorch.integrations.gguf_loading as gl
+
+    path = tmp_path / "short.bin"
+    path.write_bytes(bytes(range(10)))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        out = np.zeros(8, dtype=np.uint8)
+        gl._pread(fd, out, 2)
+        assert out.tolist() == list(range(2, 10))
+        with pytest.raises(EOFError, match="the file ends at byte 10, before 14"):
+            gl._pread(fd, np.zeros(8, dtype=np.uint8), 6)
+        big = np.zeros(gl._READ_PIECE + 4, dtype=np.uint8)  # two pieces, the pool's path
+        with pytest.raises(EOFError, match="the file ends at byte 10"):
+            gl._pread(fd, big, 0)
+    finally:
+        os.close(fd)
