@@ -34,6 +34,8 @@ from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from gpu_use import GpuUse  # noqa: E402
+
 RATES = re.compile(r"prefill: (\d+) tokens in ([\d.]+) s \(([\d.]+) tok/s\) \| decode: (\d+) tokens(?: in ([\d.]+) s "
                    r"\(([\d.]+) tok/s\))?")
 LOADED = re.compile(r"loaded in ([\d.]+) s")
@@ -127,11 +129,14 @@ def run_generate(gguf: str, prompt_tokens: int, gen: int, extra: list[str], time
     print("$ " + shown, flush=True)
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        with GpuUse() as use:  # what the card shows in use (nvidia-smi): the allocator's peak leaves out the context
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return {"command": shown, "error": f"timeout after {timeout_s:.0f} s"}
     wall = time.perf_counter() - t0
     result = {"command": shown, "wall_s": wall, **parse_generate_output(proc.stderr)}
+    if use.peak_gib is not None:
+        result["gpu_smi_peak_gib"] = use.peak_gib
     if proc.returncode != 0 or "decode_tok_s" not in result:
         result["error"] = f"exit {proc.returncode}: " + proc.stderr[-1500:]
     print("  " + json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in result.items()
@@ -892,8 +897,10 @@ def main(argv=None) -> None:
                                   args.llama_timeout)
         for name, r in sorted(best_per_test(records).items()):
             line = dict(kind="llama.cpp", test=name, tok_s=r["avg_ts"], setting=setting_label(r),
-                        n_cpu_moe=args.llama_n_cpu_moe)
-            print(f"llama.cpp best {name}: {r['avg_ts']:.1f} tok/s ({line['setting']})", flush=True)
+                        n_cpu_moe=args.llama_n_cpu_moe, gpu_smi_peak_gib=r.get("gpu_smi_peak_gib"))
+            used = (f", GPU in use (nvidia-smi) peak {line['gpu_smi_peak_gib']:.2f} GiB"
+                    if line["gpu_smi_peak_gib"] is not None else "")
+            print(f"llama.cpp best {name}: {r['avg_ts']:.1f} tok/s ({line['setting']}){used}", flush=True)
             emit(line)
     print("\nktorch generate (as printed):")
     for r in rows:
@@ -913,7 +920,8 @@ def main(argv=None) -> None:
         if "gpu_budget_gib" in r:
             rate = r.get("decode_resident_hit_rate")
             print(f"      GPU memory {r['gpu_used_gib']:.2f} of {r['gpu_budget_gib']:.2f} GiB planned, peak allocated "
-                  f"{r.get('gpu_peak_gib', float('nan')):.2f} GiB, "
+                  f"{r.get('gpu_peak_gib', float('nan')):.2f} GiB, in use (nvidia-smi) peak "
+                  f"{r.get('gpu_smi_peak_gib', float('nan')):.2f} GiB, "
                   f"{r['resident_per_layer']} resident experts per layer"
                   + (f", decode resident hit rate {100 * rate:.1f}%" if rate is not None else ""))
 

@@ -63,6 +63,10 @@ import time
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_use import GpuUse  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_LLAMA_BENCH = "/tmp/lcpp/bin/llama-bench"  # where scripts/device.py's llamacpp step builds it
 EXPERTS_TYPES = ("Q8_0", "Q4_0")
@@ -168,7 +172,7 @@ def run_llama_bench(commands: list[list[str]], log_path: Path, timeout_s: float)
     for cmd in commands:
         print("$ " + " ".join(cmd), flush=True)
         t0 = time.perf_counter()
-        with open(log_path, "a") as log:
+        with open(log_path, "a") as log, GpuUse() as use:
             log.write("$ " + " ".join(cmd) + "\n")
             log.flush()
             try:
@@ -178,8 +182,12 @@ def run_llama_bench(commands: list[list[str]], log_path: Path, timeout_s: float)
                 out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
                 rc = "timeout"
         found = parse_llama_bench(out)
+        if use.peak_gib is not None:
+            for r in found:  # the command's peak (every setting it swept): what the card showed in use
+                r["gpu_smi_peak_gib"] = use.peak_gib
         failed = f" (exit {rc}; see {log_path})" if rc else ""
-        print(f"  {len(found)} results in {time.perf_counter() - t0:.0f} s{failed}", flush=True)
+        used = f", GPU in use (nvidia-smi) peak {use.peak_gib:.2f} GiB" if use.peak_gib is not None else ""
+        print(f"  {len(found)} results in {time.perf_counter() - t0:.0f} s{used}{failed}", flush=True)
         records += found
     return records
 

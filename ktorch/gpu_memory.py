@@ -6,7 +6,8 @@
        weights of up to one layer's experts;
     4. resident experts: the rest, the same count n in every MoE layer, held packed as the CPU op holds them (int8:
        half a bf16 copy), plus one scratch of n dequantized experts that a long call's residents are dequantized
-       into; each layer keeps its most routed-to experts (counted at prefill). After each prefill
+       into, except where every call reads them in place (int8 rows under the Triton kernels:
+       ``residents_read_in_place``); each layer keeps its most routed-to experts (counted at prefill). After each prefill
        ``begin_resident_swaps`` swaps an expert in only where its count beats the resident it replaces by more
        than the hysteresis (``SWAP_HYSTERESIS`` of that count), the noise (``SWAP_SIGMAS`` standard deviations)
        and the copy's cost (``SWAP_HORIZON_TOKENS``), so repeated or one-off prompts do not churn the set; the
@@ -80,7 +81,7 @@ class GpuMemoryPlan:
     staging: int  # the routed split's staging (DeviceStaging.nbytes)
     staging_experts: int
     resident_per_layer: int
-    resident: int  # all layers' resident experts (packed) and one layer's dequantized scratch for them
+    resident: int  # all layers' resident experts (packed) and, where calls need it, one layer's dequantized scratch
     layers: int
     num_experts: int
 
@@ -164,12 +165,32 @@ def dequantized_bytes_per_expert(module: nn.Module, dtype: torch.dtype) -> int:
     return (two_i * h + h * (two_i // 2)) * torch.empty((), dtype=dtype).element_size()
 
 
+def residents_read_in_place(module: nn.Module, device: torch.device, dtype: torch.dtype, kernel: str = "auto") -> bool:
+    """Whether every call on ``module``'s residents on ``device`` reads their codes where they lie, so that they need
+    no dequantized scratch: int8 rows (``RowExperts``, ktorch/ops/resident_rows.py) with activations of ``dtype``
+    bf16/fp16 and ``kernel`` auto, which decode's Triton kernels and a prefill's grouped Triton GEMM
+    (``triton_prefill.triton_grouped_forward``) take at every tile (``TILES``). Decided on one expert's rows made on
+    the CPU, the same bytes the residents hold."""
+    from ktorch.ops import triton_prefill
+    from ktorch.ops.resident_rows import row_layout_applies
+
+    if kernel != "auto" or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if not row_layout_applies(module.kt_w13, module.kt_w13_scales, module.kt_w2, module.kt_w2_scales, device):
+        return False
+    one = _resident_tensors(module, torch.zeros(1, dtype=torch.int64), torch.device("cpu"), rows=True)
+    return all(None not in triton_prefill._formats(one, tile[2]) for _, tile in triton_prefill.TILES)
+
+
 def plan_gpu_memory(model: nn.Module, modules: list, budget: Optional[int], device: torch.device,
-                    dtype: torch.dtype, staging_bytes_for, reserve: Optional[int] = None) -> GpuMemoryPlan:
+                    dtype: torch.dtype, staging_bytes_for, reserve: Optional[int] = None,
+                    kernel: str = "auto") -> GpuMemoryPlan:
     """How ``budget`` bytes divide (see the module docstring). ``staging_bytes_for(n)``: the staging's bytes for n
     experts, or None when the prefill split is off. ``reserve``: the bytes kept for the KV cache and activations
     before the staging and the residents (default ``reserve_bytes``: generate's static cache; ``ktorch serve``: its
-    paged pool). Raises when the weights and the reserve alone exceed it."""
+    paged pool). The residents' dequantized scratch is counted only where a call can need it
+    (``residents_read_in_place``; ``kernel`` the device experts' kernel). Raises when the weights and the reserve
+    alone exceed it."""
     E = modules[0].kt_w13.shape[0]
     weights = device_bytes_held(model, device)
     if reserve is None:
@@ -193,8 +214,11 @@ def plan_gpu_memory(model: nn.Module, modules: list, budget: Optional[int], devi
         while staging_n and staging_bytes_for(staging_n) > left:  # alignment padding
             staging_n -= 1
         staging = staging_bytes_for(staging_n)
-    # n residents cost their packed bytes in every layer and, once, n dequantized experts (a long call's scratch)
-    per_resident = resident_bytes_per_expert(modules[0]) * len(modules) + dequantized_bytes_per_expert(modules[0], dtype)
+    # n residents cost their packed bytes in every layer and, once, n dequantized experts (a long call's scratch),
+    # unless every call reads them in place (int8 rows under the Triton kernels: the grouped GEMM at prefill)
+    scratch = 0 if residents_read_in_place(modules[0], device, dtype, kernel) else \
+        dequantized_bytes_per_expert(modules[0], dtype)
+    per_resident = resident_bytes_per_expert(modules[0]) * len(modules) + scratch
     n = min(E, (left - staging) // per_resident) if per_resident else 0
     return GpuMemoryPlan(budget, weights, reserve, staging, staging_n, n, n * per_resident, len(modules), E)
 

@@ -389,7 +389,8 @@ def _place_routed(model: nn.Module, named_modules: list, costs, gpu_memory, kern
     model.kt_split_costs = costs
     budget = budget_bytes(gpu_memory, model, device)  # None ("off"): a full staging, no residents
     staging_bytes = (lambda n: DeviceStaging.bytes_for(layers[0], n, dtype, device, kernel)) if costs is not None else None
-    plan = plan_gpu_memory(model, modules, budget, device, dtype, staging_bytes, reserve)
+    plan = plan_gpu_memory(model, modules, budget, device, dtype, staging_bytes, reserve,
+                           getattr(modules[0], "kt_gpu_kernel", "auto"))
     staging = DeviceStaging(layers[0], plan.staging_experts, device, dtype, kernel) if costs is not None else None
     counting = SplitCosts(1.0, 0.0, 0.0, 0.0)  # split off: the layers only count routing (capacity 0)
     for (name, m), layer in zip(named_modules, layers):

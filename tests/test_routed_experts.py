@@ -861,6 +861,38 @@ def test_a_larger_reserve_gives_fewer_residents():
         ktorch.set_stream_experts(model, "off", gpu_memory=budget, reserve=-1)
 
 
+def test_residents_read_in_place_need_no_scratch(monkeypatch):
+    """Int8 residents in the row layout, which decode's Triton kernels and a prefill's grouped GEMM read where they lie
+    (bf16 activations, kernel auto), need no dequantized scratch: the plan divides the budget by their packed bytes
+    alone, so the same budget holds more of them. 4-bit rows (dequantized at prefill), fp32 activations, a kernel
+    named, and the CPU (no row layout) keep the scratch. The CUDA check (row_layout_applies) stands in as true."""
+    from ktorch.gpu_memory import (dequantized_bytes_per_expert, plan_gpu_memory, resident_bytes_per_expert,
+                                   residents_read_in_place)
+    from ktorch.ops import resident_rows
+
+    torch.manual_seed(0)
+    int8 = ktorch.prepare(copy.deepcopy(tiny_model("qwen3_moe")), device="cpu", experts_dtype="int8")
+    int4 = ktorch.prepare(copy.deepcopy(tiny_model("qwen3_moe")), device="cpu", experts_dtype="int4", group_size=32)
+    m8, m4 = moe_experts_modules(int8)[0], moe_experts_modules(int4)[0]
+    cpu = torch.device("cpu")
+    assert not residents_read_in_place(m8, cpu, torch.bfloat16)  # no row layout off CUDA
+    monkeypatch.setattr(resident_rows, "row_layout_applies", lambda *a: True)
+    assert residents_read_in_place(m8, cpu, torch.bfloat16) and residents_read_in_place(m8, cpu, torch.float16)
+    assert not residents_read_in_place(m8, cpu, torch.float32)
+    assert not residents_read_in_place(m8, cpu, torch.bfloat16, kernel="grouped_mm")
+    assert not residents_read_in_place(m4, cpu, torch.bfloat16)
+    modules = moe_experts_modules(int8)
+    packed = resident_bytes_per_expert(modules[0]) * len(modules)
+    scratch = dequantized_bytes_per_expert(modules[0], torch.bfloat16)
+    floor = device_bytes_held(int8, cpu) + reserve_bytes(int8, torch.bfloat16)
+    budget = floor + 3 * (packed + scratch) + 3 * packed // 2
+    in_place = plan_gpu_memory(int8, modules, budget, cpu, torch.bfloat16, None)
+    assert in_place.resident_per_layer == min(8, 3 + (3 * packed // 2 + 3 * scratch) // packed) > 3
+    assert in_place.resident == in_place.resident_per_layer * packed and in_place.used <= budget
+    named = plan_gpu_memory(int8, modules, budget, cpu, torch.bfloat16, None, kernel="grouped_mm")
+    assert named.resident_per_layer == 3 and named.resident == 3 * (packed + scratch)
+
+
 @needs_cuda
 def test_cuda_prepare_and_load_default_to_resident_experts():
     """On a GPU, prepare and ktorch.load with no placement option hold resident experts within the free memory
