@@ -47,7 +47,8 @@ SPLIT = re.compile(r"prefill split: (\d+) layer calls, experts hit (\d+) \(per l
                    r"\(([\d.]+) GB\), copied but unused (\d+), resident hit (\d+); rows on the GPU ([\d.]+)%")
 GPU_MEMORY = re.compile(r"GPU memory: budget ([\d.]+) GiB .* resident experts [\d.]+ \((\d+) of \d+ per layer.*used "
                         r"([\d.]+) GiB")
-PEAK = re.compile(r"GPU memory measured: peak allocated ([\d.]+) GiB")
+PEAK = re.compile(r"GPU memory measured: peak allocated ([\d.]+) GiB(?:, peak reserved ([\d.]+), outside the allocator "
+                  r"now ([\d.]+))?")
 RESIDENT = re.compile(r"(\d+) swapped after prefill in ([\d.]+) s; decode resident hit rate (\d+)/(\d+)")
 
 
@@ -86,6 +87,8 @@ def parse_generate_output(stderr: str) -> dict:
     m = PEAK.search(stderr)
     if m:
         out["gpu_peak_gib"] = float(m[1])
+        if m[2]:
+            out.update(gpu_peak_reserved_gib=float(m[2]), gpu_outside_gib=float(m[3]))
     m = RESIDENT.search(stderr)
     if m:
         out.update(resident_swaps=int(m[1]), resident_swap_s=float(m[2]),

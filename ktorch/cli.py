@@ -546,8 +546,12 @@ def placement_lines(model, timings) -> list:
 
     device = model.get_input_embeddings().weight.device
     if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device) / (1 << 30)
-        lines.append(f"[ktorch] GPU memory measured: peak allocated {peak:.2f} GiB (budget {plan.budget / (1 << 30):.2f})")
+        from ktorch.gpu_memory import outside_allocator
+
+        g = 1 << 30
+        peak, reserved = torch.cuda.max_memory_allocated(device) / g, torch.cuda.max_memory_reserved(device) / g
+        lines.append(f"[ktorch] GPU memory measured: peak allocated {peak:.2f} GiB, peak reserved {reserved:.2f}, "
+                     f"outside the allocator now {outside_allocator(device) / g:.2f} (budget {plan.budget / g:.2f})")
     s = ktorch.prefill_split_stats(model)
     if s["passes"]:
         rows = max(s["rows"], 1)

@@ -40,10 +40,18 @@ import torch
 from torch import nn
 
 KV_TOKENS = 4096  # tokens of KV cache reserved (generate's static cache, rounded to 256 tokens)
-ACTIVATION_BYTES_PER_TOKEN_HIDDEN = 256  # prefill of PREFILL_TOKENS: hidden states, attention, the device experts'
-# T*K-row temporaries (gate/up, sorted rows): 1 GiB at 2048 tokens of H = 2048; generous, as running out is an error
+ACTIVATION_BYTES_PER_TOKEN_HIDDEN = 384  # prefill of PREFILL_TOKENS: hidden states, attention, the device experts'
+# T*K-row temporaries (gate/up, sorted rows), and the captured prefills' pool (ktorch.generation keeps the 2048- and
+# 512-token graphs, whose freed blocks stay reserved): 1.5 GiB at 2048 tokens of H = 2048 (256 until session 56: the
+# card then held ~0.6 GiB more than the plan outside the context)
 PREFILL_TOKENS = 2048
 FREE_MARGIN = 1 << 30  # left free by the default budget (CUDA context growth, allocator fragmentation)
+# The budget is the process's device memory as nvidia-smi shows it: the allocator's blocks and what lies outside them
+# (the CUDA context, loaded kernels), measured when the plan is made (``outside_allocator``) and counted up to this
+# cap (beyond it the device's other processes are the likelier holders; on a shared GPU the figure errs on the safe
+# side). Session 56, H200 host, the 48-layer Q8_0 file at 24GiB: the plan counted only allocator bytes and the card
+# showed 24.92-24.98 GiB in use (benchmarks/gpu_use.py) with 23.20 allocated at the peak.
+OUTSIDE_CAP = 2 << 30
 DECAY = 0.5  # routing frequencies are scaled by this after each update, so recent prompts weigh more
 # A resident swap (resident_swap_pairs) needs the incoming expert's routing count f_i to beat the outgoing one's f_o
 # by more than SWAP_HYSTERESIS * f_o + SWAP_SIGMAS * sqrt(f_i + f_o), and the copy to pay for itself within
@@ -84,17 +92,18 @@ class GpuMemoryPlan:
     resident: int  # all layers' resident experts (packed) and, where calls need it, one layer's dequantized scratch
     layers: int
     num_experts: int
+    outside: int = 0  # the process's device bytes outside the allocator when planned (CUDA context, kernels)
 
     @property
     def used(self) -> int:
-        return self.weights + self.reserve + self.staging + self.resident
+        return self.outside + self.weights + self.reserve + self.staging + self.resident
 
     def summary(self) -> str:
         g = 1 << 30
-        return (f"GPU memory: budget {self.budget / g:.2f} GiB = weights {self.weights / g:.2f} + KV/activations "
-                f"reserve {self.reserve / g:.2f} + prefill staging {self.staging / g:.2f} ({self.staging_experts} "
-                f"experts) + resident experts {self.resident / g:.2f} ({self.resident_per_layer} of "
-                f"{self.num_experts} per layer x {self.layers}); used {self.used / g:.2f} GiB")
+        return (f"GPU memory: budget {self.budget / g:.2f} GiB = CUDA context {self.outside / g:.2f} + weights "
+                f"{self.weights / g:.2f} + KV/activations reserve {self.reserve / g:.2f} + prefill staging "
+                f"{self.staging / g:.2f} ({self.staging_experts} experts) + resident experts {self.resident / g:.2f} "
+                f"({self.resident_per_layer} of {self.num_experts} per layer x {self.layers}); used {self.used / g:.2f} GiB")
 
 
 def device_bytes_held(model: nn.Module, device: torch.device) -> int:
@@ -115,6 +124,15 @@ def device_bytes_held(model: nn.Module, device: torch.device) -> int:
             seen.add(t.data_ptr())
             total += t.numel() * t.element_size()
     return total
+
+
+def outside_allocator(device: torch.device) -> int:
+    """The device bytes in use beyond the caching allocator's blocks (``memory_reserved``): the CUDA context and
+    loaded kernels of this process, and other processes' memory, counted up to ``OUTSIDE_CAP``; 0 off CUDA."""
+    if device.type != "cuda":
+        return 0
+    free, total = torch.cuda.mem_get_info(device)
+    return min(max(total - free - torch.cuda.memory_reserved(device), 0), OUTSIDE_CAP)
 
 
 def reserve_bytes(model: nn.Module, dtype: torch.dtype) -> int:
@@ -139,11 +157,12 @@ def budget_bytes(gpu_memory: Union[int, str, None], model: nn.Module, device: to
 
 
 def default_budget(model: nn.Module, device: torch.device) -> Optional[int]:
-    """Free device memory plus what the model holds, minus ``FREE_MARGIN``; None on the CPU (no budget)."""
+    """Free device memory plus what the process holds there (the model's allocated bytes and what lies outside the
+    allocator, ``outside_allocator``), minus ``FREE_MARGIN``; None on the CPU (no budget)."""
     if device.type != "cuda":
         return None
     free, _ = torch.cuda.mem_get_info(device)
-    return max(free + torch.cuda.memory_allocated(device) - FREE_MARGIN, 0)
+    return max(free + torch.cuda.memory_allocated(device) + outside_allocator(device) - FREE_MARGIN, 0)
 
 
 def resident_bytes_per_expert(module: nn.Module) -> int:
@@ -193,6 +212,7 @@ def plan_gpu_memory(model: nn.Module, modules: list, budget: Optional[int], devi
     alone exceed it."""
     E = modules[0].kt_w13.shape[0]
     weights = device_bytes_held(model, device)
+    outside = outside_allocator(device)
     if reserve is None:
         reserve = reserve_bytes(model, dtype)
     elif isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0:
@@ -200,13 +220,14 @@ def plan_gpu_memory(model: nn.Module, modules: list, budget: Optional[int], devi
     if budget is None:  # no budget (CPU stand-in): a full staging, no residents
         staging_n = E if staging_bytes_for is not None else 0
         staging = staging_bytes_for(staging_n) if staging_bytes_for is not None else 0
-        return GpuMemoryPlan(weights + reserve + staging, weights, reserve, staging, staging_n, 0, 0, len(modules), E)
-    left = budget - weights - reserve
+        return GpuMemoryPlan(outside + weights + reserve + staging, weights, reserve, staging, staging_n, 0, 0,
+                             len(modules), E, outside)
+    left = budget - outside - weights - reserve
     if left < 0:
         g = 1 << 30
-        raise ValueError(f"gpu_memory: the budget of {budget / g:.3f} GiB is less than the model's weights on "
-                         f"{device} ({weights / g:.3f} GiB) and the KV cache/activations reserve ({reserve / g:.3f} "
-                         "GiB); give a larger one (or a smaller KV cache)")
+        raise ValueError(f"gpu_memory: the budget of {budget / g:.3f} GiB is less than the model's weights on {device} "
+                         f"({weights / g:.3f} GiB), the KV cache/activations reserve ({reserve / g:.3f} GiB) and the "
+                         f"CUDA context ({outside / g:.3f} GiB); give a larger one (or a smaller KV cache)")
     staging_n, staging = 0, 0
     if staging_bytes_for is not None:
         per = staging_bytes_for(1)
@@ -220,7 +241,7 @@ def plan_gpu_memory(model: nn.Module, modules: list, budget: Optional[int], devi
         dequantized_bytes_per_expert(modules[0], dtype)
     per_resident = resident_bytes_per_expert(modules[0]) * len(modules) + scratch
     n = min(E, (left - staging) // per_resident) if per_resident else 0
-    return GpuMemoryPlan(budget, weights, reserve, staging, staging_n, n, n * per_resident, len(modules), E)
+    return GpuMemoryPlan(budget, weights, reserve, staging, staging_n, n, n * per_resident, len(modules), E, outside)
 
 
 # ---------------------------------------------------------------- resident experts

@@ -893,6 +893,26 @@ def test_residents_read_in_place_need_no_scratch(monkeypatch):
     assert named.resident_per_layer == 3 and named.resident == 3 * (packed + scratch)
 
 
+def test_the_budget_counts_what_lies_outside_the_allocator(monkeypatch):
+    """The budget is the process's device memory as the card shows it: the bytes outside the allocator when the plan
+    is made (the CUDA context, measured on a GPU: a CPU stand-in has none, so a stand-in figure here) come first and
+    take residents' room; a budget below them, the weights and the reserve is refused naming the context."""
+    from ktorch import gpu_memory
+
+    model = ktorch.prepare(copy.deepcopy(tiny_model("qwen3_moe")), device="cpu")
+    per = _per_resident(model)
+    budget = _floor(model) + 5 * per
+    ktorch.set_stream_experts(model, "off", gpu_memory=budget)
+    assert model.kt_gpu_memory.outside == 0 and model.kt_gpu_memory.resident_per_layer == 5
+    monkeypatch.setattr(gpu_memory, "outside_allocator", lambda device: 3 * per)
+    ktorch.set_stream_experts(model, "off", gpu_memory=budget)
+    plan = model.kt_gpu_memory
+    assert plan.outside == 3 * per and plan.used <= budget and "CUDA context" in plan.summary()
+    assert plan.resident_per_layer == 2
+    with pytest.raises(ValueError, match="reserve .* and the CUDA context"):
+        ktorch.set_stream_experts(model, "off", gpu_memory=_floor(model) + per)
+
+
 @needs_cuda
 def test_cuda_prepare_and_load_default_to_resident_experts():
     """On a GPU, prepare and ktorch.load with no placement option hold resident experts within the free memory

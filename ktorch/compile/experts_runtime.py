@@ -473,9 +473,10 @@ class ExpertsRuntime:
     def async_waits(self, device: torch.device):
         """While open, eager waits of CUDA calls do not block the launching thread: ``wait`` enqueues a GPU wait
         kernel (gpu_handoff.wait) on the call's done word and the result's copy behind it, so the host launches the
-        next layer's attention while the CPU experts run. On closing, the stream is synchronized and the scope's
-        worker tasks joined: a failed CPU call or a wait kernel that gave up raises there, before any result of the
-        scope is read. A no-op where the GPU handoff's kernels are unavailable."""
+        next layer's attention while the CPU experts run. On closing, where the scope submitted CPU calls, the stream
+        is synchronized and the scope's worker tasks joined: a failed CPU call or a wait kernel that gave up raises
+        there, before any result of the scope is read (a scope that submitted none, every expert on the device,
+        closes without a host sync). A no-op where the GPU handoff's kernels are unavailable."""
         device = torch.device(device)
         if device.type != "cuda":
             yield
@@ -500,6 +501,8 @@ class ExpertsRuntime:
         tasks, self._async_tasks = self._async_tasks, []
         for state in self._sites.values():
             state.async_pending.clear()  # calls submitted and never waited for (a forward stopped halfway)
+        if not tasks:  # no CPU call in the scope (every expert on the device): no wait kernel, nothing to check
+            return
         torch.cuda.current_stream(device).synchronize()
         failed = None
         for task in tasks:
