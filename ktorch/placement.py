@@ -72,7 +72,8 @@ def prepare(
     ``{512: 0.4}``) streams a fixed prefix of every layer's experts instead (ktorch/ops/streamed_experts.py; kept for
     comparison). Decode never streams. ``set_stream_experts`` changes it later.
 
-    ``gpu_memory`` is the budget ktorch.gpu_memory divides: the non-expert weights, a KV cache/activations reserve,
+    ``gpu_memory`` is the budget ktorch.gpu_memory divides, the process's device memory as nvidia-smi shows it: the
+    CUDA context (measured), the non-expert weights, a KV cache/activations reserve,
     the split's staging, and the rest as resident experts (packed; the same count per layer, the most routed-to at
     prefill, swapped between generate calls' prefill and decode when worth it); decode computes residents on the GPU.
     ``"auto"``: the free device memory minus a margin; bytes, or "24GiB", "24GB"; ``"off"``: no budget, every expert

@@ -742,12 +742,12 @@ def _placed(placement: str):
         return ktorch.prepare(model, device="cuda", experts_dtype="bf16")
     model = ktorch.prepare(model, device="cuda", experts_dtype="bf16", gpu_memory="off")
     if placement == "part":
-        from ktorch.gpu_memory import device_bytes_held, outside_allocator, reserve_bytes
+        from ktorch.gpu_memory import device_bytes_held, planned_outside, reserve_bytes
 
         m0 = next(m for m in model.modules() if getattr(m, "kt_w13", None) is not None)
         per_resident = (m0.kt_w13.shape[1] * 16 * m0.kt_w2.shape[1] * 16 * 3 // 2) * 4 * 2
         cuda = torch.device("cuda")
-        floor = outside_allocator(cuda) + device_bytes_held(model, cuda) + reserve_bytes(model, torch.float32)
+        floor = planned_outside(cuda) + device_bytes_held(model, cuda) + reserve_bytes(model, torch.float32)
         ktorch.set_stream_experts(model, "off", gpu_memory=floor + 3 * per_resident)
         assert all(len(m.kt_gpu_expert_ids) == 3 for m in model.modules() if getattr(m, "kt_w13", None) is not None)
     return model
