@@ -55,6 +55,7 @@ import subprocess
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
 
 import torch
 
@@ -364,11 +365,18 @@ def coprime_count(n: int, copies: int) -> int:
     return n
 
 
-def routings_for(T: int, E: int, K: int, H: int, n: int) -> list:
+def routings_for(T: int, E: int, K: int, H: int, n: int, cpu_experts: Optional[int] = None) -> list:
+    """``n`` random routings of T tokens (ids [T, K], weights, hidden [T, H] bf16). ``cpu_experts``: only the pairs of
+    that many experts (a random set per routing) keep their id, the others are -1, as a prefill split hands the CPU
+    op the few experts it leaves there (session 56, skewed routing at 24 GiB: ~1% of the rows)."""
     out = []
     for _ in range(n):
         logits = torch.randn(T, E)
         w, ids = torch.softmax(logits, -1).topk(K, dim=-1)
+        if cpu_experts is not None:
+            kept = torch.zeros(E, dtype=torch.bool)
+            kept[torch.randperm(E)[:cpu_experts]] = True
+            ids = torch.where(kept[ids], ids, -1)
         out.append((ids, (w / w.sum(-1, keepdim=True)).float(), torch.randn(T, H, dtype=torch.bfloat16)))
     return out
 
@@ -389,6 +397,9 @@ def main() -> None:
                     help="pages of the ktorch rows' packed weights: huge (what ktorch's pack ops give, the default) "
                          "and/or 4k; with both, each ktorch row is timed on both sets of layer copies, taking turns "
                          "(rows named e.g. ktorch-int8/4k)")
+    ap.add_argument("--cpu-experts", type=int, default=None, metavar="N",
+                    help="only N experts' pairs routed (a random N per routing, the other slots -1): the CPU op's "
+                    "share of a prefill split, few rows among T (default: every pair routed)")
     ap.add_argument("--memory-budget-gb", type=float, default=None,
                     help="skip an implementation whose layer copies would exceed this (default: 70%% of RAM)")
     args = ap.parse_args()
@@ -441,12 +452,13 @@ def main() -> None:
                 peak_kind = "bf16"
             walks = args.env_variants if args.env_variants and impl.startswith("ktorch") else [None]
             for T in args.tokens:
-                routings = routings_for(T, E, K, H, coprime_count(8, n_layers))
+                routings = routings_for(T, E, K, H, coprime_count(8, n_layers), args.cpu_experts)
                 for walk in walks:
                     for page, layers in layer_sets.items():
                         label = impl if walk is None else f"{impl}/{walk}"
                         label += "/4k" if page == "4k" else ""
-                        distinct = statistics.mean(len(torch.unique(r[0])) for r in routings)
+                        distinct = statistics.mean(len(torch.unique(r[0][r[0] >= 0])) for r in routings)
+                        routed = statistics.mean(int((r[0] >= 0).sum()) for r in routings)  # pairs
                         nbytes = distinct * expert_bytes(impl, H, I)
                         paired = T <= PAIRED_MAX_T
                         try:
@@ -459,7 +471,7 @@ def main() -> None:
                         except (RuntimeError, NotImplementedError) as err:
                             print(f"{label} T={T}: failed: {str(err).splitlines()[0]}")
                             continue
-                        flops = 6 * H * I * K * T
+                        flops = 6 * H * I * routed
                         gbs = nbytes / sec / 1e9
                         rows.append((shape, label, T, sec * 1e3, T / sec, flops / sec / 1e12, gbs,
                                      100 * gbs * 1e9 / bw, 100 * flops / sec / peak[peak_kind],

@@ -76,3 +76,17 @@ def test_paired_rounds_continue_the_cycle_and_pair_each_round_with_its_bandwidth
     # every round takes about the same time t; the ratios are 1/(t*bw): the median is that of bw = 100
     assert sec == pytest.approx(0.004, rel=0.5)
     assert ratio == pytest.approx(1.0 / sec / 100.0, rel=0.2)
+
+
+def test_cpu_experts_keeps_only_that_many_experts_pairs():
+    """--cpu-experts N: each routing keeps the pairs of N experts (the other slots -1, what a prefill split leaves the
+    CPU op), a random set per routing; without it every pair is routed."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    full = bench.routings_for(64, 16, 4, 32, 3)
+    assert all(bool((ids >= 0).all()) and ids.shape == (64, 4) for ids, _, _ in full)
+    sparse = bench.routings_for(64, 16, 4, 32, 5, cpu_experts=2)
+    kept = [set(ids[ids >= 0].tolist()) for ids, _, _ in sparse]
+    assert all(len(k) <= 2 for k in kept) and len({frozenset(k) for k in kept}) > 1
+    for ids, w, x in sparse:
+        assert bool((ids < 0).any()) and w.shape == ids.shape and x.shape == (64, 32)
