@@ -484,6 +484,26 @@ def test_opcheck_fused_moe(fmt, group_size):
 
 
 @pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)
+def test_a_few_routed_rows_among_many(kernel, fmt, group_size, seed):
+    """A split's CPU share: a few experts' pairs among many tokens (the final sums visit only routed tokens, the other
+    rows are zeroed whole by the column ranges' last tasks): written over a buffer of NaNs, every unrouted row is
+    exactly zero and the routed ones match the float64 reference; the same call through kt.fused_moe agrees bit for
+    bit."""
+    E, K, H, I, T = 16, 4, 128, 64, 600
+    packed = make_experts(E, H, I, fmt, group_size)
+    hidden = torch.randn(T, H).to(torch.bfloat16)
+    ids, weights = make_routing(T, E, K)
+    ids = torch.where((ids < 2) & (torch.rand(T, 1) < 0.3), ids, -1)  # two experts' pairs, ~12% of the rows
+    assert 0 < int((ids >= 0).any(dim=1).sum()) < T // 4
+    out = torch.full((T, H), float("nan"), dtype=torch.bfloat16)
+    torch.ops.kt.fused_moe_out(hidden, ids, weights, *packed.tensors(), "silu", None, None, out)
+    unrouted = (ids < 0).all(dim=1)
+    assert not out[unrouted].isnan().any() and (out[unrouted] == 0).all(), f"seed={seed}: unrouted rows not zero"
+    assert torch.equal(out, ktorch.fused_moe(hidden, ids, weights, packed))
+    check_against_reference(out, hidden, ids, weights, packed, "silu", seed, f"{kernel} {fmt} few routed rows")
+
+
+@pytest.mark.parametrize("fmt,group_size", FORMATS, ids=FORMAT_IDS)
 def test_fused_moe_out_writes_the_ops_result(fmt, group_size):
     """kt.fused_moe_out writes what kt.fused_moe returns, bit for bit, into a given buffer (every row: tokens with no
     routed slot too, over whatever the buffer held), for each format and dtype; opcheck; bad outputs are refused."""
