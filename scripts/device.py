@@ -443,14 +443,16 @@ def kernel_env(r: Runner, kernel: str) -> dict:
 
 
 @step("bench", "the op benchmark (benchmarks/bench_fused_moe.py: ktorch's formats vs transformers' eager and "
-      "grouped_mm), cold caches", limit_s=420, min_s=90,
+      "grouped_mm), cold caches; cpu_experts=N: only N experts' pairs routed (a prefill split's CPU share)",
+      limit_s=420, min_s=90,
       params={"shapes": "qwen3,deepseek", "tokens": "1,32,512,2048", "impls": "all", "kernel": "auto",
-              "seconds": "0.5"})
+              "seconds": "0.5", "cpu_experts": ""})
 def step_bench(r: Runner, p: dict) -> int:
     r.busy_warning()
     impls = [] if p["impls"] == "all" else ["--impls", *p["impls"].split(",")]
+    share = ["--cpu-experts", p["cpu_experts"]] if p["cpu_experts"] else []
     return r.sh([sys.executable, "benchmarks/bench_fused_moe.py", "--shapes", *p["shapes"].split(","), "--tokens",
-                 *p["tokens"].split(","), *impls, "--min-seconds", p["seconds"]], env=kernel_env(r, p["kernel"]),
+                 *p["tokens"].split(","), *impls, *share, "--min-seconds", p["seconds"]], env=kernel_env(r, p["kernel"]),
                 show=lambda line: line.startswith(("|", "machine", "L3", "skip")) or "failed" in line)
 
 

@@ -33,6 +33,7 @@ def test_steps_take_a_bare_first_value_and_named_parameters(device):
     st, params = device.parse_step("ab:qwen3:base=4bb12ca")
     assert params["shapes"] == "qwen3" and params["base"] == "4bb12ca" and params["rounds"] == "1"
     assert device.parse_step("bench")[1] == device.STEPS["bench"].params  # defaults
+    assert device.parse_step("bench:qwen3:cpu_experts=5")[1]["cpu_experts"] == "5"  # a split's CPU share
     for bad, message in [("tset", "unknown step"), ("tests:nope=1", "no parameter 'nope'"),
                          ("ab:base=x:qwen3", "bare value only comes first"), ("build:x", "bare value")]:
         with pytest.raises(SystemExit, match=message):
