@@ -516,9 +516,11 @@ def small_file(r: Runner, p: dict) -> tuple[list[str], int]:
       "file (skew=: the routers' Zipf bias, 0 near-uniform): bench_generate.py --breakdown N (the first prompts by "
       "part, the Triton kernels each compiles) and --prefill-profile R over variants= ('/' between names), one process "
       "per placement ('/' between generate option strings, '+' for their spaces); cprofile=N: the breakdown's first "
-      "prompts and one warm prefill per variant under cProfile, N functions", limit_s=540,
+      "prompts and one warm prefill per variant under cProfile, N functions. The budget placement's default, 9GiB, "
+      "holds ~55% of each of 12 layers' experts, as 24GiB does of 48 (6GiB did before the budget counted the CUDA "
+      "context and the captured prefills' pool, session 56; ~14% now)", limit_s=540,
       min_s=200, params={"skew": "1.5", "layers": "12", "placements": "--deferred-experts+2+--gpu-memory+off/"
-                         "--gpu-memory+6GiB", "prompts": "512,2048", "variants": "default", "rounds": "3",
+                         "--gpu-memory+9GiB", "prompts": "512,2048", "variants": "default", "rounds": "3",
                          "breakdown": "2", "cprofile": "0"}, carry=".whl (gguf)")
 def step_prefill(r: Runner, p: dict) -> int:
     r.busy_warning()
