@@ -117,7 +117,8 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
         help="GPU only: the GPU memory the process may use, as nvidia-smi shows it (ktorch/gpu_memory.py): the CUDA "
         "context, the non-expert weights and a KV cache/activations reserve first (serve: its KV-cache pool), then the "
         "prefill split's staging, then resident experts (each layer's most routed-to, computed on the GPU at prefill "
-        "and decode): auto (the free memory minus 512 MiB), off (every expert in host memory, run by the CPU op), or a size such as 24GiB, 24GB or a byte count "
+        "and decode): auto (the free memory minus 512 MiB), off (every expert in host memory, run by the CPU op), or "
+        "a size such as 24GiB, 24GB or a byte count "
         "(default: auto on a GPU, measured 7.2x the decode and 5.6x the first 512-token prompt's prefill of off with "
         "--deferred-experts 2 on a 48-layer Qwen3-30B-A3B-shaped Q8_0 file that fits the GPU, benchmarks/RESULTS.md; "
         "ignored on the CPU)",

@@ -894,12 +894,13 @@ class Part {
     // (a prefill split hands the CPU op a few of T rows: T=2048 with 147 pairs summed all 2048 rows per column
     // range, ~3 ms of a 27 ms call on the 2-core dev machine)
     tokens_.clear();
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t g = 0; g < groups_; ++g)
-        if (seen_[g * T + t] != 0) {
-          tokens_.push_back(t);
-          break;
-        }
+    if (!acc_is_out_)  // (the output as accumulator zeroes its unseen rows itself, in down())
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t g = 0; g < groups_; ++g)
+          if (seen_[g * T + t] != 0) {
+            tokens_.push_back(t);
+            break;
+          }
     range_done_.reset(new std::atomic<int>[fine_]);
     for (int64_t f = 0; f < fine_; ++f) range_done_[f].store(0, std::memory_order_relaxed);
   }
@@ -1200,12 +1201,11 @@ class Part {
       // (no other task writes them)
       const int64_t t0 = T * f / fine_, t1 = T * (f + 1) / fine_;
       auto* base = static_cast<char*>(out_.data_ptr());
-      int64_t a = t0;
-      for (auto it = std::lower_bound(tokens_.begin(), tokens_.end(), t0); a < t1; ++it) {
-        const int64_t b = it == tokens_.end() ? t1 : std::min(*it, t1);
+      auto next = std::lower_bound(tokens_.begin(), tokens_.end(), t0);  // the next routed token
+      for (int64_t a = t0; a < t1;) {
+        const int64_t b = next == tokens_.end() ? t1 : std::min(*next++, t1);
         if (b > a) std::memset(base + a * H * es, 0, static_cast<size_t>((b - a) * H * es));
         a = b + 1;
-        if (it == tokens_.end()) break;
       }
     }
     times.lap(worker, GemmTimes::kOther, t_mark);
