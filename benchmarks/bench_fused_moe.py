@@ -403,6 +403,8 @@ def main() -> None:
     ap.add_argument("--memory-budget-gb", type=float, default=None,
                     help="skip an implementation whose layer copies would exceed this (default: 70%% of RAM)")
     args = ap.parse_args()
+    if args.cpu_experts is not None and args.cpu_experts < 1:
+        ap.error(f"--cpu-experts must be at least 1 (the experts whose pairs stay routed), got {args.cpu_experts}")
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)

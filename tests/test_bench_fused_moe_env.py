@@ -90,3 +90,16 @@ def test_cpu_experts_keeps_only_that_many_experts_pairs():
     assert all(len(k) <= 2 for k in kept) and len({frozenset(k) for k in kept}) > 1
     for ids, w, x in sparse:
         assert bool((ids < 0).any()) and w.shape == ids.shape and x.shape == (64, 32)
+
+
+def test_cpu_experts_below_one_is_refused():
+    """--cpu-experts 0 or negative would route nothing (or, sliced, all but one expert): refused before any layer is
+    made, naming the option."""
+    import subprocess
+    import sys
+
+    bench_path = bench.__file__
+    for bad in ("0", "-3"):
+        proc = subprocess.run([sys.executable, bench_path, "--cpu-experts", bad, "--tokens", "1"], capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 2 and "--cpu-experts must be at least 1" in proc.stderr, proc.stderr[-500:]
