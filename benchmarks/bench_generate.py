@@ -715,7 +715,7 @@ def prefill_profile(args) -> None:
                                        if k.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
                                                     "cudaLaunchKernelExC"))
                         anatomy = None
-                        keep = args.profile_trace and variant == args.prefill_variants[0] and P == min(args.prompts)
+                        keep = args.profile_trace and variant == args.prefill_variants[0]
                         with tempfile.TemporaryDirectory() as tmp:
                             path = os.path.join(tmp, "trace.json")
                             if device.type == "cuda" or keep:
@@ -821,7 +821,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "prints decode tok/s and capture s of each, then --profile-steps replays profiled")
     p.add_argument("--profile-steps", type=int, default=0)
     p.add_argument("--profile-trace", default=None, help="--ab-compile: the profiled replays as a Chrome trace; "
-                   "--prefill-profile: the first variant's profiled prefill of the shortest prompt, per --ktorch-args set, "
+                   "--prefill-profile: the first variant's profiled prefill of each prompt length, per --ktorch-args set, "
                    "as PATH.<set>.P<n>.json.gz")
     p.add_argument("--ab-gpu-memory", default="auto", help="--ab-compile: the model's GPU memory option (off: every "
                    "expert on the CPU, the handoffs timed; auto, the default: every expert resident where it fits)")
