@@ -625,6 +625,7 @@ def prefill_profile(args) -> None:
 
     import ktorch
     from ktorch.cli import build_parser, load_model
+    from ktorch.compile.experts_runtime import RUNTIME
     from ktorch.generation import Sampling, _decoder_for, captured_prefill_problem
     from ktorch.ops.routed_experts import RoutedExperts
 
@@ -656,14 +657,17 @@ def prefill_profile(args) -> None:
                   f"no new captured prefill ({why})"), flush=True)
         times: dict = {}
         tokens: dict = {}  # (variant, P) -> the first tokens of its runs
+        native: dict = {}  # (variant, P) -> the native host tasks' CPU op calls of its latest run: [(start, end)] ns
 
         def prefill(P: int, variant: str = None) -> float:
             sync()
+            RUNTIME.take_native_timeline()
             t0 = time.perf_counter()
             token = int(decoder.prefill(prompts[P]).item())
             seconds = time.perf_counter() - t0
             if variant is not None:
                 tokens.setdefault((variant, P), set()).add(token)
+                native[(variant, P)] = [(s, e) for s, e, _ in RUNTIME.take_native_timeline()]
             return seconds
 
         costs = getattr(model, "kt_split_costs", None)
@@ -691,6 +695,11 @@ def prefill_profile(args) -> None:
                     print(f"[prefill {label}] {variant:16s} P={P}: first token {1e3 * warm:.1f} ms warm (median of "
                           f"{max(len(t) - 1, 1)}; {P / warm:.0f} tok/s), run 0 {1e3 * t[0]:.1f} ms; first tokens "
                           f"{sorted(tokens[(variant, P)])}", flush=True)
+                    calls = native.get((variant, P))
+                    if calls:  # a replayed prefill's CPU op calls (the GPU handoff's native tasks), the latest run
+                        ms = [(e - s) / 1e6 for s, e in calls]
+                        print(f"[prefill {label}] {variant:16s} P={P}: {len(ms)} CPU op calls (native tasks) "
+                              f"{sum(ms):.1f} ms, each " + " ".join(f"{m:.2f}" for m in ms), flush=True)
             for variant in args.prefill_variants:
                 with context(variant, decoder):
                     for P in args.prompts:
@@ -704,9 +713,12 @@ def prefill_profile(args) -> None:
                             wall = prefill(P)
                         if costs is not None:
                             split = ktorch.prefill_split_stats(model, reset=True)
+                            cpu_rows = split["rows"] - split["rows_copied"] - split["rows_resident"]
+                            cpu_experts = split["experts_hit"] - split["experts_copied"] - split["resident_hit"]
                             print(f"[prefill {label}] {variant:16s} P={P} split: {split['experts_copied']} experts "
                                   f"copied ({split['bytes_copied'] / 1e9:.2f} GB), {split['experts_hit']} hit, "
-                                  f"{split['resident_hit']} of them resident, {split['copied_unused']} copied unused",
+                                  f"{split['resident_hit']} of them resident, {split['copied_unused']} copied unused; "
+                                  f"the CPU op {cpu_rows} rows of {split['rows']} over {cpu_experts} experts",
                                   flush=True)
                         gpu = [(e.time_range.start, e.time_range.end) for e in prof.events()
                                if e.device_type == torch.autograd.DeviceType.CUDA]
