@@ -440,3 +440,50 @@ def test_cudagraph_trees_keep_no_handoff_memory_in_their_pool(monkeypatch):
     tasks = [s.host_functions for s in RUNTIME._sites[site].staging.values()]
     assert tasks and all(isinstance(t, _GpuHandoffTask) for t in tasks)
     RUNTIME.check_handoff()
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_captured_prefill_call_moves_only_its_routed_rows(dtype):
+    """A captured call of more than CAPTURED_STEP_ROWS rows (a captured prefill's, most of whose slots the split
+    sends elsewhere: ids -1): only the rows of tokens with a routed slot cross to the pinned input (the others stay
+    as the staging was made, zeros) and come back; every replay, with new values in the graph's inputs, gives the
+    CPU op's result on the whole input bit for bit (unrouted rows zero)."""
+    from ktorch.compile.experts_runtime import CAPTURED_STEP_ROWS
+
+    runtime = ExpertsRuntime()
+    (layer,) = _layers(runtime, 1)
+    site = runtime.new_site()
+    T, K = CAPTURED_STEP_ROWS + 45, 4
+    gen = torch.Generator().manual_seed(11)
+
+    def inputs():
+        ids = torch.randint(0, 8, (T, K), generator=gen)
+        ids[torch.rand(T, K, generator=gen) < 0.8] = -1
+        ids[:40] = -1  # a block of tokens with nothing here
+        return torch.randn(T, 256, generator=gen).to(dtype), ids, torch.rand(T, K, generator=gen)
+
+    static = [t.cuda() for t in inputs()]
+    w = runtime.layers[layer]
+
+    def want(hidden, ids, weights):
+        return torch.ops.kt.fused_moe(hidden, ids, weights, w.w13, w.w13_scales, w.w2, w.w2_scales, "silu")
+
+    with torch.inference_mode():
+        eager = runtime.wait(runtime.submit(*static, layer, site, join_now=True), static[0], layer, site)
+        assert torch.equal(eager.cpu(), want(*(t.cpu() for t in static)))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = runtime.wait(runtime.submit(*static, layer, site, join_now=True), static[0], layer, site)
+        (staging,) = runtime._sites[site].staging.values()
+        for i in range(3):
+            new = inputs()
+            for s, n in zip(static, new):
+                s.copy_(n)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out.cpu(), want(*new)), f"replay {i}"
+            routed = (new[1] >= 0).any(1)
+            assert torch.equal(staging.hidden[routed], new[0][routed])
+        assert (staging.hidden[:40] == 0).all()  # never routed: never copied
+    runtime.check_handoff()

@@ -15,7 +15,8 @@ import torch
 from ktorch.ops.packed_weights import MXFP4_DTYPE
 from ktorch.ops.routed_experts import DeviceStaging, _copy_expert_runs, gather_experts
 from ktorch.ops.streamed_experts import StreamedExperts
-from ktorch.ops.triton_gather import BLOCK, as_words, gather_rows, host_alias, interpreting, triton, word_dtype
+from ktorch.ops.triton_gather import (BLOCK, as_words, copy_routed_rows, gather_rows, host_alias, interpreting, triton,
+                                     word_dtype)
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -146,6 +147,45 @@ def test_kernel_equals_index_select(widths):
     for d, s in zip(marks, srcs):
         if s is not None:
             assert torch.equal(d[0], s[4]) and torch.equal(d[2], s[9]) and (d[1] == 7).all() and (d[3] == 7).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype,W,K", [(torch.int64, 512, 8), (torch.int16, 1500, 3), (torch.uint8, 7, 1)])
+def test_copy_routed_rows_moves_only_routed_tokens(dtype, W, K):
+    """A captured prefill's CPU call moves the rows of tokens with a slot routed to the CPU (any id >= 0): those
+    rows equal the source's; the others are left as they were (zero_others False: the call's pinned input) or zeroed
+    (True: its result brought back), whatever bytes they held (NaN patterns too); rows wider and narrower than a
+    program's block."""
+    gen = torch.Generator().manual_seed(5)
+    T = 37
+    ids = torch.randint(0, 16, (T, K), generator=gen)
+    ids[torch.rand(T, K, generator=gen) < 0.7] = -1  # most slots elsewhere (resident, copied)
+    ids[[0, 5, 6]] = -1  # tokens with nothing on the CPU
+    ids[9] = torch.arange(K)  # every slot on it
+    live = (ids >= 0).any(1)
+    assert 0 < int(live.sum()) < T
+    src = _random((T, W), dtype, gen)
+    before = _random((T, W), dtype, gen)
+    ids = ids.to(torch.int32).to(KERNEL_DEVICE)
+    for zero in (False, True):
+        dst = before.clone().to(KERNEL_DEVICE)
+        copy_routed_rows(dst, src.to(KERNEL_DEVICE), ids, zero_others=zero)
+        dst = dst.cpu()
+        assert torch.equal(dst[live], src[live])
+        assert torch.equal(dst[~live], torch.zeros_like(before[~live]) if zero else before[~live])
+
+
+def test_copy_routed_rows_checks_its_arguments():
+    ids = torch.zeros(4, 2, dtype=torch.int64)
+    a = torch.zeros(4, 8, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"topk_ids must be a \[T, K\] int32 or int64"):
+        copy_routed_rows(a, a.clone(), ids.float(), False)
+    with pytest.raises(ValueError, match=r"dst must be a contiguous \[T=4, W\]"):
+        copy_routed_rows(torch.zeros(3, 8, dtype=torch.int32), a, ids, False)
+    with pytest.raises(ValueError, match=r"src must be a contiguous \[T=4, W\]"):
+        copy_routed_rows(a, torch.zeros(8, 4, dtype=torch.int32).t(), ids, False)
+    with pytest.raises(ValueError, match="dst and src must match"):
+        copy_routed_rows(a, torch.zeros(4, 8, dtype=torch.int64), ids, False)
 
 
 def test_gather_rows_checks_its_arguments():

@@ -60,6 +60,9 @@ from ktorch.ops.deferred_slots import is_deferred_count, split_topk_slots
 ASYNC_SLOTS = 4096  # call numbers of asynchronous eager waits in flight (a ring of pinned int64)
 ASYNC_LIMIT_NS = 300_000_000_000  # an eager wait kernel's bound: 300 s (a very long prefill layer on the CPU)
 CAPTURED_STEP_ROWS = 256  # a captured call of more rows (a captured prefill's) waits as long as an eager one
+# a CUDA call of more rows moves only the rows of tokens routed to it, each way (_Staging.fill_routed): a prefill's,
+# whose split leaves the CPU ~12% of the rows (skewed routing, T = 2048: 0.5 ms a layer of whole-tensor copies)
+ROUTED_ROWS_MIN = 256
 
 
 def _next_async_call(state: "_Site") -> int:
@@ -169,8 +172,13 @@ class _Staging:
     reallocated or shared); an eager call's is a slice of the site's grow-only ``_StagingPool``."""
 
     def __init__(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor,
-                 deferred: Optional[torch.Tensor] = None, out_later: Optional[torch.Tensor] = None):
+                 deferred: Optional[torch.Tensor] = None, out_later: Optional[torch.Tensor] = None,
+                 whole: Optional[dict] = None, aliases: Optional[dict] = None):
         self.hidden, self.topk_ids, self.topk_weights, self.out = hidden, topk_ids, topk_weights, out
+        # ``alias_rows``: the whole buffers hidden and out are the first rows of (an eager call's pool; None: these
+        # are), and their device aliases made so far (shared with the pool's other calls)
+        self._whole = whole
+        self._aliases = {} if aliases is None else aliases
         self.host_functions: Optional[tuple] = None  # (start, join[, join_later]), made on first capture
         # split stagings (submit_experts_split): the deferred slots' result, and d (one int64 read at each run:
         # RUNTIME's count for n_deferred="runtime", else the site's own)
@@ -181,8 +189,9 @@ class _Staging:
 
     @classmethod
     def like(cls, hidden, topk_ids, topk_weights, deferred: Optional[torch.Tensor] = None) -> "_Staging":
-        """New pinned buffers of exactly these shapes (a captured call's)."""
-        return cls(_host_like(hidden.shape, hidden.dtype), _host_like(topk_ids.shape, topk_ids.dtype),
+        """New pinned buffers of exactly these shapes (a captured call's). The input's rows start zeroed: a
+        compact fill (``fill_routed``) writes only the rows the call routes."""
+        return cls(_host_like(hidden.shape, hidden.dtype).zero_(), _host_like(topk_ids.shape, topk_ids.dtype),
                    _host_like(topk_weights.shape, topk_weights.dtype), _host_like(hidden.shape, hidden.dtype),
                    deferred, _host_like(hidden.shape, hidden.dtype) if deferred is not None else None)
 
@@ -190,6 +199,46 @@ class _Staging:
         self.hidden.copy_(hidden, non_blocking=True)
         self.topk_ids.copy_(topk_ids, non_blocking=True)
         self.topk_weights.copy_(topk_weights, non_blocking=True)
+
+    def fill_routed(self, hidden, topk_ids, topk_weights) -> Optional[torch.Tensor]:
+        """``fill`` where only the hidden rows of tokens with a slot routed here (an id >= 0) cross the bus, written
+        by the device into the pinned input in place (``triton_gather.copy_routed_rows``); the op reads no other
+        row. Returns a private copy of the ids on the device, for the wait to bring back the same rows (the
+        caller's may be reused or changed before it: an Inductor graph plans its buffers without the wait), or
+        None, with nothing done, where that cannot run (not CUDA, no Triton, a buffer the device cannot alias)."""
+        if topk_ids.dim() != 2 or not topk_ids.is_contiguous() or topk_ids.shape[0] != hidden.shape[0]:
+            return None
+        moved = self.alias_rows("hidden", hidden)
+        if moved is None:
+            return None
+        from ktorch.ops.triton_gather import copy_routed_rows
+
+        self.topk_ids.copy_(topk_ids, non_blocking=True)
+        self.topk_weights.copy_(topk_weights, non_blocking=True)
+        copy_routed_rows(moved[0], moved[1], topk_ids, zero_others=False)
+        return topk_ids.clone()
+
+    def alias_rows(self, which: str, rows: torch.Tensor) -> Optional[tuple]:
+        """(this staging's pinned ``which`` ("hidden" or "out") aliased on ``rows``' device, ``rows``) as [T, W]
+        word tensors of one dtype, for ``copy_routed_rows`` either way; None where the device cannot read and write
+        it in place, the kernel cannot run there, or ``rows`` is not a contiguous tensor of its shape and dtype
+        (then the caller copies whole tensors). An alias is made once per buffer, word and device: its making asks
+        the driver about the pointer, tens of microseconds on an eager prefill's launching thread."""
+        from ktorch.ops.triton_gather import as_words, host_alias, kernel_runs_on, word_dtype
+
+        host = getattr(self, which)
+        if (not rows.is_cuda or not kernel_runs_on(rows) or rows.dim() != 2 or not rows.is_contiguous()
+                or host.shape != rows.shape or host.dtype != rows.dtype):
+            return None
+        whole = host if self._whole is None else self._whole[which]
+        dtype = word_dtype(host.element_size() * host.shape[1], whole.data_ptr(), rows.data_ptr())
+        key = (which, dtype, rows.device)
+        if key not in self._aliases:
+            self._aliases[key] = host_alias(whole, dtype, rows.device)
+        alias = self._aliases[key]
+        if alias is None:
+            return None
+        return alias[:host.shape[0]], as_words(rows, dtype)
 
     def run_into_out(self, layer: ExpertsLayer) -> None:
         layer.run(self.hidden, self.topk_ids, self.topk_weights, out=self.out)
@@ -255,22 +304,27 @@ class _StagingPool:
         self.buffers: Optional[tuple] = None  # hidden, topk_ids, topk_weights, out, out_later (or None)
         self.allocations = 0  # times the buffers were (re)made, for tests
         self.busy = False  # the runtime's shared pool: a call between its submit and its wait holds it
+        self._aliases: dict = {}  # the buffers' device aliases (_Staging.alias_rows), made again with them
 
     def staging(self, hidden, topk_ids, topk_weights, deferred: Optional[torch.Tensor] = None) -> _Staging:
         T = hidden.shape[0]
         if T > self.rows:
             rows = max(self.MIN_ROWS, 1 << (T - 1).bit_length())
-            self.buffers = (_host_like((rows, *hidden.shape[1:]), hidden.dtype),
+            # the input's rows start zeroed: a call that moves only its routed rows (_Staging.fill_routed) leaves
+            # the others as they are, and the op reads none of them
+            self.buffers = (_host_like((rows, *hidden.shape[1:]), hidden.dtype).zero_(),
                             _host_like((rows, *topk_ids.shape[1:]), topk_ids.dtype),
                             _host_like((rows, *topk_weights.shape[1:]), topk_weights.dtype),
                             _host_like((rows, *hidden.shape[1:]), hidden.dtype),
                             _host_like((rows, *hidden.shape[1:]), hidden.dtype) if self.split else None)
             self.rows = rows
             self.allocations += 1
+            self._aliases = {}  # a new dict: calls in flight keep the old buffers' (and the buffers) alive
         h, ids, w, out, later = (None if b is None else b[:T] for b in self.buffers)
         if deferred is not None and later is None:
             raise RuntimeError("experts runtime: a split call needs a split staging pool")
-        return _Staging(h, ids, w, out, deferred, later)
+        return _Staging(h, ids, w, out, deferred, later, whole={"hidden": self.buffers[0], "out": self.buffers[3]},
+                        aliases=self._aliases)
 
 
 def _pool_key(hidden, topk_ids, topk_weights, split: bool) -> tuple:
@@ -283,6 +337,8 @@ class _Site:
         self.staging: dict = {}  # shape key -> _Staging of a captured call
         self.pools: dict = {}  # (dtypes, row shapes, split) -> _StagingPool of eager calls
         self.held_pools: collections.deque = collections.deque()  # the shared pool (or None) per pending eager call
+        # per pending eager CUDA call: the device ids whose routed rows alone crossed (_Staging.fill_routed), or None
+        self.routed_pending: collections.deque = collections.deque()
         self.static_deferred: dict = {}  # d -> the int64 holding it, for split submits with a fixed d
         # asynchronous eager waits (ExpertsRuntime.async_waits): this site's calls are numbered 1, 2, ...; the
         # worker writes a call's number into words[1] (pinned) once its result is in its buffer, and the wait's GPU
@@ -586,10 +642,19 @@ class ExpertsRuntime:
             state.held_pools.append(shared)
             if later_state is not None:
                 later_state.held_pools.append(None)  # one entry per pending call at that site too
-        staging.fill(hidden, topk_ids, topk_weights)
+        # a prefill's call (many rows, most of them routed elsewhere by the split): only its routed rows cross
+        routed = None
+        if later_state is None and hidden.shape[0] > ROUTED_ROWS_MIN:
+            routed = staging.fill_routed(hidden, topk_ids, topk_weights)
+        if routed is None:
+            staging.fill(hidden, topk_ids, topk_weights)
+        if not capturing:
+            state.routed_pending.append(None if routed is None else (routed, staging))
+            if later_state is not None:
+                later_state.routed_pending.append(None)
         if capturing:
             self.stats["captured_submits"] += 1
-            functions = self._host_functions(state, staging, weights, later_state, join_now, hidden.device)
+            functions = self._host_functions(state, staging, weights, later_state, join_now, hidden.device, routed)
             if isinstance(functions, _GpuHandoffTask):
                 functions.ring()
             elif not join_now:
@@ -646,7 +711,8 @@ class ExpertsRuntime:
         out = torch.empty_like(hidden, memory_format=torch.contiguous_format)
         if torch.cuda.is_current_stream_capturing():
             # the staging this capture's submit at this site used, that submit's number, its join and result
-            staging, number, join, result = state.captured_pending.popleft()
+            staging, number, join, result, routed_ids = state.captured_pending.popleft()
+            routed = None if routed_ids is None else (routed_ids, staging)
             handoff = isinstance(staging.host_functions, _GpuHandoffTask)
             if join == 0 and not handoff:  # joined by the submit's own host function (join_now)
                 self.stats["implied_joins"] += 1
@@ -661,6 +727,7 @@ class ExpertsRuntime:
                 kind = type(staging.host_functions)
                 self._joined_through[kind] = max(self._joined_through.get(kind, 0), number)
         elif state.async_pending and self._async_active(hidden.device):
+            routed = state.routed_pending.popleft()
             # the stream waits for the call, not this thread: the worker's later calls start after their own input
             # copies, which the stream makes after this wait and the result's copy below, so a shared staging can be
             # handed on at once
@@ -679,17 +746,26 @@ class ExpertsRuntime:
             gpu_handoff.wait(self._async_seq[slot:slot + 1], state.words, 1, self._async_error, ASYNC_LIMIT_NS)
         else:
             self.stats["host_waits"] += 1
+            routed = state.routed_pending.popleft()
             try:
                 result = state.pending.popleft().join()
             finally:
                 shared = state.held_pools.popleft()
                 if shared is not None:
                     shared.busy = False  # the copy of the result queued below precedes any later fill on the stream
+        if routed is not None:  # only the routed rows come back (the op wrote the others as zeros)
+            moved = routed[1].alias_rows("out", out) if result is routed[1].out else None
+            if moved is not None:
+                from ktorch.ops.triton_gather import copy_routed_rows
+
+                copy_routed_rows(moved[1], moved[0], routed[0], zero_others=True)
+                return out
         out.copy_(result, non_blocking=True)
         return out
 
     def _host_functions(self, state: _Site, staging: _Staging, weights: ExpertsLayer,
-                        later_state: Optional[_Site] = None, join_now: bool = False, device=None):
+                        later_state: Optional[_Site] = None, join_now: bool = False, device=None,
+                        routed_ids: Optional[torch.Tensor] = None):
         """The staging's start/join host functions: C ones (runtime/host_tasks.cpp, no GIL on CUDA's callback
         thread), or Python ones where test observers (``observers``) must see each call. The C ones decode 1.58x
         faster (H100 host, 12 Qwen3-30B-A3B layers, int8: 137.6 against 87.3 tok/s; benchmarks/RESULTS.md)."""
@@ -737,9 +813,12 @@ class ExpertsRuntime:
         handoff = isinstance(staging.host_functions, _GpuHandoffTask)  # no host function: every wait launches one
         if join_now and isinstance(staging.host_functions, _NativeHostFunctions):
             self._joined_through[_NativeHostFunctions] = max(self._joined_through.get(_NativeHostFunctions, 0), number)
-        state.captured_pending.append((staging, number, 0 if join_now and not handoff else 1, staging.out))
+        # routed_ids: the call's device ids where only its routed rows crossed (``_Staging.fill_routed``): the wait
+        # brings back only those rows of the result
+        state.captured_pending.append((staging, number, 0 if join_now and not handoff else 1, staging.out,
+                                       routed_ids))
         if later_state is not None:
-            later_state.captured_pending.append((staging, number, 2, staging.out_later))
+            later_state.captured_pending.append((staging, number, 2, staging.out_later, None))
         return staging.host_functions
 
     def join_implied(self, staging: _Staging, number: int) -> bool:
