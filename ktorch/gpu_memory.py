@@ -210,7 +210,7 @@ def residents_read_in_place(module: nn.Module, device: torch.device, dtype: torc
     if not row_layout_applies(module.kt_w13, module.kt_w13_scales, module.kt_w2, module.kt_w2_scales, device):
         return False
     one = _resident_tensors(module, torch.zeros(1, dtype=torch.int64), torch.device("cpu"), rows=True)
-    return all(None not in triton_prefill._formats(one, tile[2]) for _, tile in triton_prefill.TILES)
+    return triton_prefill.every_tile_takes(one)
 
 
 def plan_gpu_memory(model: nn.Module, modules: list, budget: Optional[int], device: torch.device,

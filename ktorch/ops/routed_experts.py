@@ -330,7 +330,7 @@ def reads_blocks(layer: StreamedExperts, dtype: torch.dtype, device, kernel: str
                                                                                             torch.float16):
         return False
     one = triton_prefill.PackedBlocks(*(None if t is None else t[:1] for t in layer.tensors))
-    return all(None not in triton_prefill._formats(one, tile[2]) for _, tile in triton_prefill.TILES)
+    return triton_prefill.every_tile_takes(one)
 
 
 class DeviceStaging:

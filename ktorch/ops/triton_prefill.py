@@ -416,6 +416,13 @@ def warm_tiles(rows, activation: str, dtype: torch.dtype) -> int:
     return launched
 
 
+def every_tile_takes(rows) -> bool:
+    """Whether the grouped kernels read ``rows``' codes (``RowExperts`` or ``PackedBlocks``) as they lie at every tile
+    (``TILES``): int8 codes whose scale groups each tile's block_k takes. The format half of ``grouped_applies``,
+    asked of weights before any activation exists (the GPU budget's residents, the split's staging)."""
+    return all(None not in _formats(rows, tile[2]) for _, tile in TILES)
+
+
 def grouped_applies(hidden: torch.Tensor, rows, tile: Optional[tuple] = None) -> bool:
     """Whether ``triton_grouped_forward`` takes this call: CUDA (or Triton's interpreter on CPU tensors), bf16 or
     fp16 activations, int8 codes for w13 and w2 in a group the tile takes."""
