@@ -766,6 +766,76 @@ def prefill_profile(args) -> None:
             torch.cuda.empty_cache()
 
 
+def cold_start(args) -> None:
+    """Experiment (benchmark flag): the start-up issue 31 bounds (warm-up at most 15 s in a fresh process, 5 s on the
+    second run). ``--cold-start N`` fresh ``ktorch generate`` processes as typed (``run_generate``: the first of
+    --prompts, --gen new tokens, per --ktorch-args set), Triton's and Inductor's disk caches in a new empty folder for
+    the first (what a fresh machine has, whatever this one has cached) and kept for the next ones (second runs): each
+    one's load, warm-up prefill, decode capture and first token as it printed them. Then the first process once more
+    from empty caches with its compiles listed (``--cold-start-child``: the same command in this interpreter, every
+    Triton specialization ktorch's kernels compile with its seconds, and Dynamo/Inductor's ``compile_times``)."""
+    import tempfile
+
+    prompt = args.prompts[0]
+    for extra in args.ktorch_args:
+        with tempfile.TemporaryDirectory(prefix="kt-cold-") as caches:
+            env = {"TRITON_CACHE_DIR": os.path.join(caches, "triton"),
+                   "TORCHINDUCTOR_CACHE_DIR": os.path.join(caches, "inductor")}
+            saved = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)  # run_generate's processes inherit them
+            try:
+                for run in range(args.cold_start):
+                    r = run_generate(args.gguf, prompt, args.gen, shlex.split(extra), args.timeout, args.prompt_kind)
+                    print(f"[cold start {extra or 'defaults'}] process {run} ({'empty caches' if run == 0 else 'caches of the ones before'}): "
+                          f"load {r.get('load_s', float('nan')):.1f} s (warm-up prefill and its captures "
+                          f"{r.get('warmup_prefill_s', float('nan')):.2f} s), decode capture "
+                          f"{r.get('capture_s', float('nan')):.2f} s, first token {r.get('first_token_s', float('nan')):.3f} s"
+                          + (f"; error {r['error'][:300]}" if "error" in r else ""), flush=True)
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+        with tempfile.TemporaryDirectory(prefix="kt-cold-") as caches:
+            env = dict(os.environ, TRITON_CACHE_DIR=os.path.join(caches, "triton"),
+                       TORCHINDUCTOR_CACHE_DIR=os.path.join(caches, "inductor"))
+            cmd = [sys.executable, os.path.abspath(__file__), "--gguf", args.gguf, "--cold-start-child",
+                   "--prompts", str(prompt), "--gen", str(args.gen), "--prompt-kind", args.prompt_kind,
+                   "--ktorch-args", extra]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
+            lines = [ln for ln in proc.stdout.splitlines() + proc.stderr.splitlines() if ln.startswith("[compiles")
+                     or ln.startswith("    ")]
+            print("\n".join(lines) if lines else f"[cold start] the compile listing failed (exit {proc.returncode}): "
+                  + proc.stderr[-1500:], flush=True)
+
+
+def cold_start_child(args) -> None:
+    """``--cold-start``'s listing: ``ktorch generate`` (the command line's own function) in this process, its Triton
+    compiles and Dynamo/Inductor's compile times printed after it."""
+    from ktorch import cli
+
+    extra = args.ktorch_args[0] if args.ktorch_args else ""
+    cli_args = cli.build_parser().parse_args(["generate", "--model", args.gguf, "--prompt",
+                                              prompt_of(args.prompts[0], args.prompt_kind), "--max-new-tokens",
+                                              str(args.gen), *shlex.split(extra)])
+    t0 = time.perf_counter()
+    with _log_triton_compiles() as compiled:
+        cli.cmd_generate(cli_args)
+    wall = time.perf_counter() - t0
+    seconds = [(float(line.split(" in ")[1].split(" s,")[0]), line) for line in compiled]
+    seconds.sort(key=lambda x: -x[0])
+    print(f"[compiles {extra or 'defaults'}] generate {wall:.1f} s; ktorch's Triton kernels: {len(seconds)} "
+          f"specializations compiled or loaded, {sum(s for s, _ in seconds):.2f} s, the largest:", flush=True)
+    for _, line in seconds[:20]:
+        print(f"    {line[:200]}", flush=True)
+    from torch._dynamo.utils import compile_times
+
+    print(f"[compiles {extra or 'defaults'}] Dynamo/Inductor compile_times (s):", flush=True)
+    for line in str(compile_times(repr="str", aggregate=True)).splitlines():
+        print(f"    {line[:200]}", flush=True)
+
+
 def same_process(args) -> None:
     """--same-process N: per --ktorch-args set, one process loads the file as ``ktorch generate`` does (the command
     line's own loader and options) and generates from N different random prompts of each --prompts length through
@@ -855,6 +925,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--same-process", type=int, default=0, metavar="N",
                    help="N prompts of each length in one process through the command line's generation call "
                    "(the first eager, the third on replaying the captured prefill): prefill and decode per prompt")
+    p.add_argument("--cold-start", type=int, default=0, metavar="N",
+                   help="experiment: N fresh ktorch generate processes per --ktorch-args set (the first of --prompts), "
+                   "Triton's and Inductor's caches empty for the first and kept for the next; then the first again "
+                   "with its compiles listed (issue 31's start-up)")
+    p.add_argument("--cold-start-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--prefill-profile", type=int, default=0, metavar="ROUNDS",
                    help="experiment: per --ktorch-args set, one process alternates --prefill-variants ROUNDS times over "
                    "the --prompts lengths (warm prefill times), then profiles one prefill of each: GPU busy time against "
@@ -873,6 +948,10 @@ def main(argv=None) -> None:
         return prefill_profile(args)
     if args.same_process:
         return same_process(args)
+    if args.cold_start_child:
+        return cold_start_child(args)
+    if args.cold_start:
+        return cold_start(args)
     if args.ab_compile:
         return ab_compile(args)
 

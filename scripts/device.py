@@ -727,6 +727,30 @@ def step_vs_llamacpp(r: Runner, p: dict) -> int:
     return rc
 
 
+@step("coldstart", "issue 31's start-up: bench_generate.py --cold-start RUNS on the table's random 48-layer Q8_0 file "
+      "(layers=, skew=; written first unless there, the disk holds one): fresh `ktorch generate` processes per "
+      "placement (placements=, '/' between option strings, '+' for their spaces; empty: the defaults), Triton's and "
+      "Inductor's caches empty for the first (a fresh machine's, whatever this one cached) and kept for the next "
+      "(second runs): load, warm-up prefill, decode capture, first token; then the first again with ktorch's Triton "
+      "compiles and Dynamo/Inductor's compile_times listed. ~70 s a 48-layer process, the file ~60 s",
+      limit_s=560, min_s=200, params={"runs": "2", "placements": "", "prompt": "512", "gen": "16", "skew": "0",
+                                      "layers": "48"}, carry=".whl (gguf)")
+def step_coldstart(r: Runner, p: dict) -> int:
+    gguf = TABLE_DIR / f"q8-{p['layers']}l-skew{p['skew']}.gguf"
+    common = [sys.executable, "benchmarks/bench_generate.py", "--gguf", str(gguf)]
+    rc = 0
+    if not gguf.exists():
+        for other in glob.glob(str(TABLE_DIR / f"q8-{p['layers']}l-skew*.gguf")):
+            os.unlink(other)
+        rc = r.sh(common + ["--write-layers", p["layers"], "--write-seed", "11", "--write-router-skew", p["skew"],
+                            "--skip-ktorch"], timeout=300)
+    r.busy_warning()
+    if rc == 0:
+        rc = r.sh(common + ["--cold-start", p["runs"], "--prompts", p["prompt"], "--gen", p["gen"], "--prompt-kind",
+                            "random", "--ktorch-args", *placement_args(p["placements"])])
+    return rc
+
+
 @step("table", "RESULTS section 2's end-to-end table: a random 48-layer (layers=) Qwen3-30B-A3B-shaped Q8_0 file "
       "(seed 11, skew= the routers' Zipf bias, 0 near-uniform; other such files in /tmp are deleted first: the disk "
       "holds one), fresh `ktorch generate` processes per placement (placements=, '/' between option strings, '+' "

@@ -242,3 +242,58 @@ def test_same_process_generates_each_prompt_through_the_command_lines_call(gguf,
     assert all(int(rate) > 0 for _, _, rate, _ in lines)
     assert [s.shape[1] for s in seen] == [20, 20, 20, 33, 33, 33]
     assert len({tuple(s[0].tolist()) for s in seen}) == 6
+
+
+def test_cold_start_runs_fresh_processes_from_empty_caches_then_lists_the_compiles(gguf, capsys, monkeypatch):
+    """--cold-start N: N generate processes with Triton's and Inductor's caches in one new folder, empty for the
+    first and kept for the next, the caller's environment put back after; then the first again from other empty
+    caches, whose listing (the child, in process: the command line's generate, its compiles) is printed."""
+    import os
+    import subprocess
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/the/callers/triton")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    seen = []
+
+    def fake_run_generate(path, prompt, gen, extra, timeout_s, prompt_kind):
+        triton, inductor = os.environ["TRITON_CACHE_DIR"], os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        seen.append((triton, inductor, os.path.exists(triton) and bool(os.listdir(triton))))
+        os.makedirs(triton, exist_ok=True)
+        open(os.path.join(triton, "kernel"), "w").close()  # what a process leaves in the cache
+        return {"load_s": 30.0, "warmup_prefill_s": 2.5, "capture_s": 9.0 if not seen[:-1] else 2.0,
+                "first_token_s": 0.1}
+
+    children = []
+    real_run = subprocess.run
+
+    def fake_subprocess_run(cmd, **kw):
+        if "--cold-start-child" not in cmd:
+            return real_run(cmd, **kw)
+        children.append((cmd, kw["env"]))
+        return subprocess.CompletedProcess(cmd, 0, stdout="[compiles defaults] generate 40.0 s\n    _gather_rows in "
+                                           "0.5 s\nnoise\n", stderr="")
+
+    monkeypatch.setattr(bench, "run_generate", fake_run_generate)
+    monkeypatch.setattr(bench.subprocess, "run", fake_subprocess_run)
+    bench.main(["--gguf", gguf, "--cold-start", "3", "--prompts", "64", "--gen", "2"])
+    out = capsys.readouterr().out
+    assert len(seen) == 3 and len({(t, i) for t, i, _ in seen}) == 1  # one folder for the three
+    assert [had for _, _, had in seen] == [False, True, True]  # empty for the first, kept after
+    assert os.environ["TRITON_CACHE_DIR"] == "/the/callers/triton" and "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    assert "process 0 (empty caches): load 30.0 s (warm-up prefill and its captures 2.50 s), decode capture 9.00" in out
+    assert "process 2 (caches of the ones before)" in out and "decode capture 2.00" in out
+    (cmd, env), = children
+    assert env["TRITON_CACHE_DIR"] != seen[0][0] and "--prompts" in cmd and cmd[cmd.index("--prompts") + 1] == "64"
+    assert "    _gather_rows in 0.5 s" in out and "noise" not in out
+
+
+def test_cold_start_child_runs_the_command_lines_generate_and_lists_compiles(gguf, capsys):
+    """The child: ``ktorch generate``'s own function in process (its output as generate prints it), then the
+    compile listing (none on the CPU: ktorch's Triton kernels and Inductor compile for the GPU's paths)."""
+    bench.main(["--gguf", gguf, "--cold-start-child", "--prompts", "40", "--gen", "3", "--ktorch-args",
+                "--device cpu"])
+    captured = capsys.readouterr()
+    r = bench.parse_generate_output(captured.err)
+    assert r["prompt_tokens"] == 40 and r["decode_tokens"] >= 1
+    assert "[compiles --device cpu] generate" in captured.out and "0 specializations" in captured.out
+    assert "Dynamo/Inductor compile_times" in captured.out

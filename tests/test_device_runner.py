@@ -348,3 +348,38 @@ def test_test_files_are_found_as_given_or_under_tests(device):
                                                                                "tests/test_serve.py"]
     with pytest.raises(device.StepError, match="no such test list or file: test_nope.py"):
         device.named_test_files(ROOT, "test_generation.py,test_nope.py")
+
+
+@pytest.mark.parametrize("text,there", [("coldstart", False), ("coldstart:runs=3:placements=/--gpu-memory+24GiB", True)])
+def test_coldstart_step_writes_the_table_file_once_then_runs_cold_start(device, tmp_path, monkeypatch, text, there):
+    """The coldstart step (issue 31's start-up): the table's file written unless there (other skews' deleted first),
+    then one bench_generate --cold-start RUNS over the placements, random prompts of the given length; every command
+    parses with bench_generate's own parser."""
+    from conftest import load_benchmark
+
+    parser = load_benchmark("bench_generate").build_parser()
+    monkeypatch.setattr(device, "OUT", tmp_path)
+    monkeypatch.setattr(device, "TABLE_DIR", tmp_path)
+    st, params = device.parse_step(text)
+    gguf = tmp_path / "q8-48l-skew0.gguf"
+    other = tmp_path / "q8-48l-skew1.5.gguf"
+    other.touch()
+    if there:
+        gguf.touch()
+    commands = []
+
+    def sh(cmd, **kw):
+        commands.append(parser.parse_args(cmd[2:]))
+        if commands[-1].write_layers:
+            open(commands[-1].gguf, "w").close()
+        return 0
+
+    runner = device.Runner(ROOT, device.Budget(570))
+    monkeypatch.setattr(runner, "sh", sh)
+    monkeypatch.setattr(runner, "busy_warning", lambda: None)
+    assert st.run(runner, params) == 0
+    *write, cold = commands
+    assert [w.write_layers for w in write] == ([] if there else [48]) and other.exists() == there
+    assert cold.cold_start == int(params["runs"]) and cold.prompts == [512] and cold.gen == 16
+    assert cold.ktorch_args == [s.replace("+", " ") for s in params["placements"].split("/")]
+    assert cold.prompt_kind == "random" and all(c.gguf == str(gguf) for c in commands)
