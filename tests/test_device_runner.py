@@ -286,6 +286,24 @@ def test_end_to_end_steps_run_their_benchmark_with_options_it_takes(device, tmp_
         assert ab.deferred == [int(d) for d in params["deferred"].split("/")] and ab.ab_gpu_memory == params["gpu"]
 
 
+def _run_recorded(device, monkeypatch, parser, st, params) -> list:
+    """Runs a step with its commands recorded, not run: each parsed by ``parser`` (bench_generate's), a file it
+    writes (--write-layers) made empty; returns them."""
+    commands = []
+
+    def sh(cmd, **kw):
+        commands.append(parser.parse_args(cmd[2:]))
+        if commands[-1].write_layers:
+            open(commands[-1].gguf, "w").close()
+        return 0
+
+    runner = device.Runner(ROOT, device.Budget(570))
+    monkeypatch.setattr(runner, "sh", sh)
+    monkeypatch.setattr(runner, "busy_warning", lambda: None)
+    assert st.run(runner, params) == 0
+    return commands
+
+
 @pytest.mark.parametrize("text", ["table", "table:1.5:same=3", "table:0:part=llama:llama=exps/14/0"])
 def test_table_step_writes_once_then_runs_generate_llama_bench_and_the_same_process_prompts(device, tmp_path,
                                                                                             monkeypatch, text):
@@ -306,18 +324,7 @@ def test_table_step_writes_once_then_runs_generate_llama_bench_and_the_same_proc
     other.touch()
     if params["part"] != "all":
         (tmp_path / f"q8-48l-skew{params['skew']}.gguf").touch()
-    commands = []
-
-    def sh(cmd, **kw):
-        commands.append(parser.parse_args(cmd[2:]))
-        if commands[-1].write_layers:
-            open(commands[-1].gguf, "w").close()
-        return 0
-
-    runner = device.Runner(ROOT, device.Budget(570))
-    monkeypatch.setattr(runner, "sh", sh)
-    monkeypatch.setattr(runner, "busy_warning", lambda: None)
-    assert st.run(runner, params) == 0
+    commands = _run_recorded(device, monkeypatch, parser, st, params)
     placements = [s.replace("+", " ") for s in params["placements"].split("/")]
     llama = params["llama"].split("/")
     if params["part"] == "all":
@@ -366,18 +373,7 @@ def test_coldstart_step_writes_the_table_file_once_then_runs_cold_start(device, 
     other.touch()
     if there:
         gguf.touch()
-    commands = []
-
-    def sh(cmd, **kw):
-        commands.append(parser.parse_args(cmd[2:]))
-        if commands[-1].write_layers:
-            open(commands[-1].gguf, "w").close()
-        return 0
-
-    runner = device.Runner(ROOT, device.Budget(570))
-    monkeypatch.setattr(runner, "sh", sh)
-    monkeypatch.setattr(runner, "busy_warning", lambda: None)
-    assert st.run(runner, params) == 0
+    commands = _run_recorded(device, monkeypatch, parser, st, params)
     *write, cold = commands
     assert [w.write_layers for w in write] == ([] if there else [48]) and other.exists() == there
     assert cold.cold_start == int(params["runs"]) and cold.prompts == [512] and cold.gen == 16
