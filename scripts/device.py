@@ -727,6 +727,17 @@ def step_vs_llamacpp(r: Runner, p: dict) -> int:
     return rc
 
 
+def write_table_file(r: Runner, p: dict, gguf: Path, common: list) -> int:
+    """The table's random file (layers=, skew=, seed 11) written by ``common`` (bench_generate.py on ``gguf``) unless
+    there, the other skews' files deleted first (the disk holds one); the write's exit status (0 when there)."""
+    if gguf.exists():
+        return 0
+    for other in glob.glob(str(TABLE_DIR / f"q8-{p['layers']}l-skew*.gguf")):
+        os.unlink(other)
+    return r.sh(common + ["--write-layers", p["layers"], "--write-seed", "11", "--write-router-skew", p["skew"],
+                          "--skip-ktorch"], timeout=300)
+
+
 @step("coldstart", "issue 31's start-up: bench_generate.py --cold-start RUNS on the table's random 48-layer Q8_0 file "
       "(layers=, skew=; written first unless there, the disk holds one): fresh `ktorch generate` processes per "
       "placement (placements=, '/' between option strings, '+' for their spaces; empty: the defaults), Triton's and "
@@ -738,12 +749,7 @@ def step_vs_llamacpp(r: Runner, p: dict) -> int:
 def step_coldstart(r: Runner, p: dict) -> int:
     gguf = TABLE_DIR / f"q8-{p['layers']}l-skew{p['skew']}.gguf"
     common = [sys.executable, "benchmarks/bench_generate.py", "--gguf", str(gguf)]
-    rc = 0
-    if not gguf.exists():
-        for other in glob.glob(str(TABLE_DIR / f"q8-{p['layers']}l-skew*.gguf")):
-            os.unlink(other)
-        rc = r.sh(common + ["--write-layers", p["layers"], "--write-seed", "11", "--write-router-skew", p["skew"],
-                            "--skip-ktorch"], timeout=300)
+    rc = write_table_file(r, p, gguf, common)
     r.busy_warning()
     if rc == 0:
         rc = r.sh(common + ["--cold-start", p["runs"], "--prompts", p["prompt"], "--gen", p["gen"], "--prompt-kind",
@@ -767,12 +773,7 @@ def step_table(r: Runner, p: dict) -> int:
     gguf = TABLE_DIR / f"q8-{p['layers']}l-skew{p['skew']}.gguf"
     common = [sys.executable, "benchmarks/bench_generate.py", "--gguf", str(gguf), "--json", str(OUT / "table.jsonl")]
     prompts = ["--prompts", *p["prompts"].split(",")]
-    rc = 0
-    if not gguf.exists() and p["part"] in ("write", "all"):
-        for other in glob.glob(str(TABLE_DIR / f"q8-{p['layers']}l-skew*.gguf")):
-            os.unlink(other)
-        rc = r.sh(common + ["--write-layers", p["layers"], "--write-seed", "11", "--write-router-skew", p["skew"],
-                            "--skip-ktorch"], timeout=300)
+    rc = write_table_file(r, p, gguf, common) if p["part"] in ("write", "all") else 0
     if not gguf.exists():
         raise StepError(f"no {gguf}: run the step with part=write (or all) first")
     r.busy_warning()
