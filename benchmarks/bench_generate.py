@@ -341,8 +341,9 @@ class PartTimer:
 
 @contextlib.contextmanager
 def _log_triton_compiles():
-    """Yields a list that gets one line per Triton kernel specialization compiled (or loaded from Triton's disk
-    cache) inside the context: the kernel's name, the seconds it took and its specialization key."""
+    """Yields a list that gets one (seconds, line) per Triton kernel specialization compiled (or loaded from Triton's
+    disk cache) inside the context: the seconds it took, and a line of the kernel's name, those seconds and its
+    specialization key."""
     lines: list = []
     try:
         from triton.runtime.jit import JITFunction
@@ -356,7 +357,8 @@ def _log_triton_compiles():
         try:
             return original(self, key, *rest, **kwargs)
         finally:
-            lines.append(f"{self.__name__} in {time.perf_counter() - t0:.3f} s, key {str(key)[:400]}")
+            seconds = time.perf_counter() - t0
+            lines.append((seconds, f"{self.__name__} in {seconds:.3f} s, key {str(key)[:400]}"))
 
     JITFunction._do_compile = logged
     try:
@@ -430,7 +432,7 @@ def breakdown(args) -> None:
                 segments = torch.cuda.memory_stats(device)["segment.all.allocated"] if device.type == "cuda" else 0
                 with _log_triton_compiles() as compiled:
                     first = _breakdown_run(args, model, ids, not runs, extra, prompt)
-                for line in compiled:
+                for _, line in compiled:
                     print(f"[breakdown {extra or 'defaults'}] P={prompt} run {len(runs)} compiled {line}", flush=True)
                 parts = dict(timer.totals)
                 parts["CPU op (kt.fused_moe on the worker)"] = sum(e - s for s, e, _ in RUNTIME.timeline) / 1e9
@@ -775,15 +777,16 @@ def cold_start(args) -> None:
     from empty caches with its compiles listed (``--cold-start-child``: the same command in this interpreter, every
     Triton specialization ktorch's kernels compile with its seconds, and Dynamo/Inductor's ``compile_times``)."""
     import tempfile
+    from unittest import mock
+
+    def caches_in(folder: str) -> dict:
+        return {"TRITON_CACHE_DIR": os.path.join(folder, "triton"),
+                "TORCHINDUCTOR_CACHE_DIR": os.path.join(folder, "inductor")}
 
     prompt = args.prompts[0]
     for extra in args.ktorch_args:
         with tempfile.TemporaryDirectory(prefix="kt-cold-") as caches:
-            env = {"TRITON_CACHE_DIR": os.path.join(caches, "triton"),
-                   "TORCHINDUCTOR_CACHE_DIR": os.path.join(caches, "inductor")}
-            saved = {k: os.environ.get(k) for k in env}
-            os.environ.update(env)  # run_generate's processes inherit them
-            try:
+            with mock.patch.dict(os.environ, caches_in(caches)):  # run_generate's processes inherit them
                 for run in range(args.cold_start):
                     r = run_generate(args.gguf, prompt, args.gen, shlex.split(extra), args.timeout, args.prompt_kind)
                     print(f"[cold start {extra or 'defaults'}] process {run} ({'empty caches' if run == 0 else 'caches of the ones before'}): "
@@ -791,15 +794,8 @@ def cold_start(args) -> None:
                           f"{r.get('warmup_prefill_s', float('nan')):.2f} s), decode capture "
                           f"{r.get('capture_s', float('nan')):.2f} s, first token {r.get('first_token_s', float('nan')):.3f} s"
                           + (f"; error {r['error'][:300]}" if "error" in r else ""), flush=True)
-            finally:
-                for k, v in saved.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
         with tempfile.TemporaryDirectory(prefix="kt-cold-") as caches:
-            env = dict(os.environ, TRITON_CACHE_DIR=os.path.join(caches, "triton"),
-                       TORCHINDUCTOR_CACHE_DIR=os.path.join(caches, "inductor"))
+            env = dict(os.environ, **caches_in(caches))
             cmd = [sys.executable, os.path.abspath(__file__), "--gguf", args.gguf, "--cold-start-child",
                    "--prompts", str(prompt), "--gen", str(args.gen), "--prompt-kind", args.prompt_kind,
                    "--ktorch-args", extra]
@@ -823,8 +819,7 @@ def cold_start_child(args) -> None:
     with _log_triton_compiles() as compiled:
         cli.cmd_generate(cli_args)
     wall = time.perf_counter() - t0
-    seconds = [(float(line.split(" in ")[1].split(" s,")[0]), line) for line in compiled]
-    seconds.sort(key=lambda x: -x[0])
+    seconds = sorted(compiled, key=lambda x: -x[0])
     print(f"[compiles {extra or 'defaults'}] generate {wall:.1f} s; ktorch's Triton kernels: {len(seconds)} "
           f"specializations compiled or loaded, {sum(s for s, _ in seconds):.2f} s, the largest:", flush=True)
     for _, line in seconds[:20]:
