@@ -178,7 +178,7 @@ def copy_routed_rows(dst: torch.Tensor, src: torch.Tensor, topk_ids: torch.Tenso
     if T == 0 or W == 0:
         return
     block = min(1024, 1 << (W - 1).bit_length())
-    kp = max(1, 1 << (K - 1).bit_length()) if K else 1
+    kp = 1 << (K - 1).bit_length() if K else 1  # the slots padded to a power of two
     fence = not interpreting()  # dst may be host memory: its rows ordered before a doorbell a later kernel rings
     _copy_routed_rows[(T, cdiv(W, block))](src, dst, topk_ids, W, K, ZERO=bool(zero_others), FENCE=fence, KP=kp,
                                            BLOCK=block, num_warps=4)
