@@ -1017,13 +1017,18 @@ def _install_law(monkeypatch, fixed, row, expert, calls=None):
 def test_calibration_recovers_a_known_cpu_law(law, monkeypatch):
     """With the CPU op replaced by one whose time follows fixed + row_s * rows + expert_s * experts, the
     calibration's fit gives the law's coefficients back within 10%, whichever term dominates; its runs are at
-    ``tokens``, with every expert used and with a quarter of them."""
+    ``tokens``, with every expert used and with a quarter of them, and in the split's sparse calls (SPARSE_CALLS:
+    a few experts with a few rows each, the rest of the rows unrouted)."""
+    from ktorch.ops.routed_experts import SPARSE_CALLS
+
     calls: list = []
     _install_law(monkeypatch, *law, calls=calls)
     layers = [_layer("int8", None, E=16, H=256, I=128, seed=s)[1] for s in range(2)]
     costs = calibrate_split_costs(layers, 256, 4, torch.device("cpu"), tokens=(64, 256), repeats=2)
-    assert {rows for rows, _ in calls} == {64 * 4, 256 * 4}
-    assert {experts for _, experts in calls} == {16, 4}
+    dense = {(64 * 4, 16), (256 * 4, 16), (64 * 4, 4), (256 * 4, 4)}
+    sparse = set(calls) - dense
+    assert dense <= set(calls) and {e for _, e in sparse} == {min(used, 16) for used, _ in SPARSE_CALLS}
+    assert all(0 < r <= e * max(per for _, per in SPARSE_CALLS) for r, e in sparse)
     assert costs.cpu_fixed_s == pytest.approx(law[0], rel=0.1)
     assert costs.cpu_row_s == pytest.approx(law[1], rel=0.1)
     assert costs.cpu_expert_s == pytest.approx(law[2], rel=0.1)

@@ -61,6 +61,9 @@ MIN_TOKENS = 64  # below this a call never splits (the CPU op alone; the host sy
 PENDING_LIMIT = 64
 # the split's CPU law learns from its own calls (SplitCosts.refit_cpu): the latest this many calls are fitted, every
 # this many new ones, the set-up's calibration points weighted this much beside them
+# the calibration's CPU points beside its dense ones: (experts, rows an expert) calls like the split's own (session 57,
+# H200 host: a fit of dense points alone put 1.1-2.1 ms on each call where a sparse call of ~1 expert took 0.1-0.4 ms)
+SPARSE_CALLS = ((1, 4), (4, 16), (8, 48))
 OBSERVED_CALLS = 256
 REFIT_EVERY = 12
 CALIBRATION_WEIGHT = 0.05
@@ -708,13 +711,16 @@ def calibrate_split_costs(layers: Sequence[StreamedExperts], hidden_size: int, t
     """Measures the split's costs on ``layers`` (packed experts of one shape; a CUDA ``device`` needs them
     page-locked) and returns them.
 
-    CPU: the op at each of ``tokens`` with every expert used and with a quarter of them (random ids), fitted to
+    CPU: the op at each of ``tokens`` with every expert used and with a quarter of them (random ids), and in calls
+    like the split's own (``SPARSE_CALLS``: a few experts with a few rows each, the other rows unrouted), fitted to
     fixed + row_s * rows + expert_s * experts by least squares clamped at 0, each point the mean of ``repeats`` runs;
     each run reads another layer's weights than the run before it (cold weights, as in a prefill, where each
     layer's experts were last read a whole forward ago). The split's copies (``gather_experts`` of a few experts
     spread over the layer: on CUDA the zero-copy gather from page-locked memory) run on a side stream meanwhile
-    (they share the DRAM) and give the H2D rate. Device: the dequantization of a few experts and a grouped GEMM over
-    many rows. About ``2 * repeats * sum(tokens) * 2`` tokens of CPU work."""
+    (they share the DRAM) and give the H2D rate. Device (CUDA events: the device's time, not the launching
+    thread's, which put 146-165 ns on a row where a captured prefill's grouped kernels took ~50, session 57): the
+    dequantization of a few experts and a grouped GEMM over many rows, less their gather timed alone. About
+    ``2 * repeats * sum(tokens) * 2`` tokens of dense CPU work and a few small calls."""
     device = torch.device(device)
     first = layers[0]
     E = first.num_experts
@@ -754,11 +760,22 @@ def calibrate_split_costs(layers: Sequence[StreamedExperts], hidden_size: int, t
         copies(2)
         side.synchronize()
     points, copied_s, copied_bytes = [], 0.0, 0
-    for used in (E, max(top_k, E // 4)):
+    shapes = [(used, None) for used in (E, max(top_k, E // 4))]
+    # the split's own CPU calls: a few tail experts with a few rows each among T mostly unrouted rows
+    shapes += [(min(used, E), per) for used, per in SPARSE_CALLS]
+    for used, per in shapes:
         for T in tokens:
             x = torch.randn(T, hidden_size, dtype=torch.bfloat16, generator=gen)
             pick = torch.randperm(E, generator=gen)[:used]
-            ids = torch.stack([pick[torch.randperm(used, generator=gen)[:top_k]] for _ in range(T)]).to(torch.int32)
+            if per is None:  # every row routed, over ``used`` experts
+                ids = torch.stack([pick[torch.randperm(used, generator=gen)[:top_k]]
+                                   for _ in range(T)]).to(torch.int32)
+            else:  # ``per`` rows an expert, each expert in its own slot of distinct tokens
+                ids = torch.full((T, top_k), -1, dtype=torch.int32)
+                for i, e in enumerate(pick.tolist()):
+                    slot = ids[:, i % top_k]
+                    free = torch.nonzero(slot < 0).flatten()
+                    slot[free[torch.randperm(free.numel(), generator=gen)[:min(per, T)]]] = e
             weights = torch.full((T, top_k), 1.0 / top_k)
             alone = run_cpu(x, ids, weights)  # also the warm-up
             if cuda:
@@ -771,7 +788,7 @@ def calibrate_split_costs(layers: Sequence[StreamedExperts], hidden_size: int, t
             else:
                 seconds = run_cpu(x, ids, weights)
             rows = int((ids >= 0).sum())
-            points.append((1.0, rows, ids.unique().numel(), seconds))
+            points.append((1.0, rows, ids[ids >= 0].unique().numel(), seconds))
     if not cuda:
         copied_s, copied_bytes = copies(4), 4 * copy_bytes
     fixed, row_s, expert_s = _fit(points, 3)
@@ -783,14 +800,18 @@ def calibrate_split_costs(layers: Sequence[StreamedExperts], hidden_size: int, t
     routed = RoutedExperts(first, SplitCosts(1.0, 0, 0, 0), staging)
     chosen = torch.arange(probe)
 
-    def device_seconds(fn) -> float:
+    def device_seconds(fn) -> float:  # the device's time (CUDA events), not the launching thread's
         fn()
         if cuda:
             torch.cuda.synchronize(device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
         start = time.perf_counter()
         fn()
-        if cuda:
-            torch.cuda.synchronize(device)
         return time.perf_counter() - start
 
     views = first.views_in(staging.packed, probe)
@@ -800,8 +821,9 @@ def calibrate_split_costs(layers: Sequence[StreamedExperts], hidden_size: int, t
         dequant_s = device_seconds(lambda: (
             dequantize_packed(views[0], views[1], True, torch.bfloat16, out=w13_out),
             dequantize_packed(views[2], views[3], False, torch.bfloat16, out=w2_out)))
+    chosen_on_device = _to_device(chosen, device)
+    gather_s = device_seconds(lambda: gather_experts(first, staging, chosen, chosen_on_device))  # alone
     total_s = device_seconds(lambda: routed.device_part(hidden, ids, weights, chosen))
-    copy_s_device = probe * first.bytes_per_expert() / (copied_bytes / copied_s)
-    row_device_s = max(total_s - dequant_s - copy_s_device, 0.0) / (T * top_k)
+    row_device_s = max(total_s - dequant_s - gather_s, 0.0) / (T * top_k)
     return SplitCosts(copied_bytes / copied_s, fixed, row_s, expert_s, row_device_s, dequant_s / probe,
                       calibration=tuple((rows, experts, seconds) for _, rows, experts, seconds in points))
