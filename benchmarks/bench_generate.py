@@ -20,6 +20,7 @@ Optionally writes the file first (--write-layers N: a random Qwen3-30B-A3B-shape
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import os
@@ -455,7 +456,7 @@ def breakdown(args) -> None:
             torch.cuda.empty_cache()
 
 
-PREFILL_VARIANTS = ("default", "sync-per-layer", "eager")
+PREFILL_VARIANTS = ("default", "sync-per-layer", "eager", "refitted-law")
 _SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
@@ -579,7 +580,10 @@ def prefill_profile(args) -> None:
     length's third prompt on). Variants:
     ``default`` (what generate runs); ``sync-per-layer`` (the split's
     counts copied to the host at every MoE layer, as before commit 66e74df, whatever the placement); ``eager`` (the
-    captured prefills set aside: what a length's first two prompts run, a one-shot generate's). (Lost to ``eager``
+    captured prefills set aside: what a length's first two prompts run, a one-shot generate's); ``refitted-law``
+    (prefills captured after the default's, their split choosing with the CPU law as refitted to the eager calls
+    observed until then, ``SplitCosts`` as they stand, instead of the calibration's, ``SplitCosts.calibrated``).
+    (Lost to ``eager``
     as it is, session 49, H200 host, 12 layers, warm ms at P=512/2048, skew 0, host memory / 6 GiB; deleted after: the
     CPU op's inputs staged with each layer's counts read and the split's copy launched first after it, the chosen
     and resident experts masked out of the staged ids on the worker: 97.8/133.0 and 66.0/92.8 against 89.3/105.8 and
@@ -621,6 +625,7 @@ def prefill_profile(args) -> None:
     prefill checks its cost model (``split_model_prefill``: the CPU op's and the device part's time per layer call,
     predicted by the calibrated SplitCosts against measured)."""
     import statistics
+    from unittest import mock
 
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -629,7 +634,7 @@ def prefill_profile(args) -> None:
     from ktorch.cli import build_parser, load_model
     from ktorch.compile.experts_runtime import RUNTIME
     from ktorch.generation import Sampling, _decoder_for, captured_prefill_problem
-    from ktorch.ops.routed_experts import RoutedExperts
+    from ktorch.ops.routed_experts import RoutedExperts, SplitCosts
 
     def context(variant, decoder):
         stack = contextlib.ExitStack()
@@ -637,10 +642,20 @@ def prefill_profile(args) -> None:
             original = RoutedExperts.copies_possible
             RoutedExperts.copies_possible = lambda self, ids: True
             stack.callback(setattr, RoutedExperts, "copies_possible", original)
-        if variant == "eager":  # a prompt length's first prompts, as a one-shot generate
-            graphs, decoder.prefill_graphs = decoder.prefill_graphs, {}
+        if variant in ("eager", "refitted-law"):  # no graphs (a prompt length's first prompts), or the variant's
+            graphs, decoder.prefill_graphs = decoder.prefill_graphs, variant_graphs.get(variant, {})
             stack.callback(setattr, decoder, "prefill_graphs", graphs)
         return stack
+
+    def capture(decoder, label):
+        for P in args.prompts:  # as generate does after a length's second prompt (where the prefill is capturable)
+            with torch.inference_mode():
+                seconds = decoder.capture_prefill(P)
+            why = captured_prefill_problem(decoder.model, decoder.cache, decoder.device) or (
+                "its bucket's graph is kept" if decoder.prefill_bucket(P) in decoder.prefill_graphs else
+                "refused: the captured prefills' pinned buffers are at their limit")
+            print(f"[prefill {label}] P={P}: " + (f"prefill captured in {seconds:.2f} s" if seconds else
+                  f"no new captured prefill ({why})"), flush=True)
 
     for extra in args.ktorch_args:
         cli = build_parser().parse_args(["generate", "--model", args.gguf, "--prompt", "x", *shlex.split(extra)])
@@ -649,14 +664,13 @@ def prefill_profile(args) -> None:
         sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
         decoder = _decoder_for(model, max(args.prompts) + 1, Sampling(), cuda_graphs=True)
         prompts = {P: prompt_ids(P, args.prompt_kind).to(device) for P in args.prompts}
-        for P in args.prompts:  # as generate does after a length's second prompt (where the prefill is capturable)
-            with torch.inference_mode():
-                seconds = decoder.capture_prefill(P)
-            why = captured_prefill_problem(model, decoder.cache, device) or (
-                "its bucket's graph is kept" if decoder.prefill_bucket(P) in decoder.prefill_graphs else
-                "refused: the captured prefills' pinned buffers are at their limit")
-            print(f"[prefill {label}] P={P}: " + (f"prefill captured in {seconds:.2f} s" if seconds else
-                  f"no new captured prefill ({why})"), flush=True)
+        variant_graphs: dict = {}
+        capture(decoder, label)
+        if "refitted-law" in args.prefill_variants:  # its own graphs, captured with the costs as they stand
+            default_graphs, decoder.prefill_graphs = decoder.prefill_graphs, collections.OrderedDict()
+            with mock.patch.object(SplitCosts, "calibrated", lambda self: self):
+                capture(decoder, label + " refitted-law")
+            variant_graphs["refitted-law"], decoder.prefill_graphs = decoder.prefill_graphs, default_graphs
         times: dict = {}
         tokens: dict = {}  # (variant, P) -> the first tokens of its runs
         native: dict = {}  # (variant, P) -> the native host tasks' CPU op calls of its latest run: [(start, end)] ns
@@ -681,6 +695,11 @@ def prefill_profile(args) -> None:
                       f"{1e6 * costs.cpu_expert_s:.0f} us an expert ({costs.refits} refits), device "
                       f"{1e9 * costs.device_row_s:.1f} ns a row + {1e6 * costs.device_expert_s:.0f} us an expert",
                       flush=True)
+                law = costs.calibrated()  # what captured prefills choose with
+                print(f"[prefill {label}] the calibration's CPU law (captured prefills'): {1e3 * law.cpu_fixed_s:.2f} "
+                      f"ms + {1e9 * law.cpu_row_s:.0f} ns a row + {1e6 * law.cpu_expert_s:.0f} us an expert; its "
+                      "points (rows, experts, ms): " + " ".join(f"({r:.0f}, {e:.0f}, {1e3 * t:.3f})"
+                                                                for r, e, t in costs.calibration), flush=True)
 
         print_costs("before")
         with torch.inference_mode():

@@ -1088,6 +1088,64 @@ def test_costs_given_by_hand_do_not_learn_and_no_coefficient_goes_negative():
     assert costs.cpu_expert_s == 0 and costs.cpu_fixed_s > 0 and costs.cpu_row_s > 0
 
 
+def test_the_cpu_law_fits_relative_errors_so_small_calls_count():
+    """``fit_cpu_law`` fits each point's error relative to its seconds: points of the law fixed + row + expert
+    (0.1 ms, 1.5 us, 40 us) with 3% noise, tenths of a millisecond (a split's sparse calls) beside tens of
+    milliseconds (dense calls), give every point back within 10%, the sparse ones included (an absolute fit let
+    them be off by their own size), and the coefficients within 15%; a coefficient that comes out negative is
+    dropped."""
+    from ktorch.ops.routed_experts import fit_cpu_law
+
+    def law(r, e):
+        return 1e-4 + 1.5e-6 * r + 4e-5 * e
+
+    rng = np.random.default_rng(1)
+    shapes = [(4, 1), (16, 4), (48, 8), (64, 4), (384, 8)] + [(r, e) for r in (2048, 8192) for e in (32, 128)]
+    points = [(r, e, law(r, e) * (1 + 0.03 * rng.standard_normal())) for r, e in shapes]
+    fixed, row, expert = fit_cpu_law(points)
+    for r, e, _ in points:
+        assert fixed + row * r + expert * e == pytest.approx(law(r, e), rel=0.1)
+    assert (fixed, row, expert) == pytest.approx((1e-4, 1.5e-6, 4e-5), rel=0.15)
+    falling = [(r, e, 1e-3 + 2e-6 * r - 5e-5 * e) for r, e in [(50 + 10 * i, 1 + i % 8) for i in range(24)]]
+    fixed, row, expert = fit_cpu_law(falling)
+    assert expert == 0 and fixed > 0 and row > 0
+
+
+def test_captured_prefills_choose_with_the_calibrations_cpu_law(monkeypatch):
+    """``SplitCosts.calibrated`` is the law of the set-up's points alone, whatever the refits to observed (eager)
+    calls made of the costs; a captured split chooses with it (its CPU calls run on native tasks, as the
+    calibration times the op). Costs given by hand are their own calibrated costs."""
+    from ktorch.ops import routed_experts
+    from ktorch.ops.routed_experts import REFIT_EVERY, RoutedExperts, fit_cpu_law
+
+    costs = _calibrated(1e-3, 1e-6, 1e-5)
+    for r in range(2 * REFIT_EVERY):
+        costs.observe_cpu(50 + 10 * r, 1 + r % 8, 5e-3 + 1e-6 * r)
+    assert costs.refit_cpu()
+    law = costs.calibrated()
+    assert (law.cpu_fixed_s, law.cpu_row_s, law.cpu_expert_s) == pytest.approx(fit_cpu_law(costs.calibration))
+    assert law.cpu_fixed_s == pytest.approx(1e-3, rel=1e-6) and costs.cpu_fixed_s > 4e-3
+    assert (law.h2d_bytes_per_s, law.device_row_s, law.calibration) == (costs.h2d_bytes_per_s, costs.device_row_s,
+                                                                        costs.calibration)
+    assert COSTS.calibrated() is COSTS
+
+    seen = []
+
+    class Chosen(Exception):
+        pass
+
+    def choose(counts, costs_given, *args, **kwargs):
+        seen.append(costs_given)
+        raise Chosen
+
+    monkeypatch.setattr(routed_experts, "choose_on_device", choose)
+    routed = RoutedExperts(_layer("int8", None)[1], costs, None)
+    ids = torch.zeros(8, 2, dtype=torch.int64)
+    with pytest.raises(Chosen):
+        routed.captured_split(torch.zeros(8, 128), ids, torch.ones(8, 2), torch.ones(8, dtype=torch.int64), None)
+    assert seen[0].cpu_fixed_s == law.cpu_fixed_s and seen[0].cpu_row_s == law.cpu_row_s
+
+
 def test_split_model_reports_each_cpu_call_to_its_costs():
     """A prefill of the split model (CPU stand-in): each layer call that leaves the CPU op experts reports that
     call's rows and experts, as the choice counted them, and a positive time; shorter calls (no split) report

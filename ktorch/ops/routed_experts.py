@@ -15,7 +15,8 @@ Experts the batch does not use move nowhere. The choice balances the two process
                                                                                          expert's weights, cold)
     device time  = copied experts * (bytes / H2D bandwidth + dequantization) + device_row_s * rows on the device
 
-The CPU law is then refitted to the split's own calls as they run (``SplitCosts.refit_cpu``, docs/prefill_streaming.md).
+The CPU law is then refitted to the split's own eager calls as they run (``SplitCosts.refit_cpu``,
+docs/prefill_streaming.md); a captured prefill's choice keeps the calibration's (``SplitCosts.calibrated``).
 Copied experts are taken most-hit first (the most rows per byte copied); ``choose_device_experts`` picks the
 count that minimises max(CPU time, device time). A near-uniform 512-token batch on a 128-expert layer hits every
 expert about as often, so roughly a share of them is copied, as before; a skewed one (routing that concentrates)
@@ -44,6 +45,7 @@ import collections
 import threading
 import time
 import weakref
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -120,31 +122,30 @@ class SplitCosts:
             self._new += 1
 
     def refit_cpu(self) -> bool:
-        """Refits the CPU law (fixed, row, expert) where ``REFIT_EVERY`` calls were observed since the last fit:
-        least squares over the observed calls (the latest ``OBSERVED_CALLS``) and the calibration points, these
-        weighted ``CALIBRATION_WEIGHT``; a coefficient that comes out negative is dropped (0) and the rest refitted.
-        Returns whether it refitted."""
+        """Refits the CPU law (fixed, row, expert) where ``REFIT_EVERY`` calls were observed since the last fit
+        (``fit_cpu_law``): the observed calls (the latest ``OBSERVED_CALLS``) and the calibration points, these
+        weighted ``CALIBRATION_WEIGHT``. Returns whether it refitted."""
         with self._lock:
             if self._new < REFIT_EVERY:
                 return False
             self._new = 0
             observed = list(self._observed)
-        points = np.array(observed + [tuple(p) for p in self.calibration], dtype=np.float64)
-        weight = np.ones(len(points))
-        weight[len(observed):] = CALIBRATION_WEIGHT
-        features = np.column_stack([np.ones(len(points)), points[:, 0], points[:, 1]]) * weight[:, None]
-        seconds = points[:, 2] * weight
-        kept = [0, 1, 2]
-        coef = np.zeros(3)
-        while kept:
-            solution = np.linalg.lstsq(features[:, kept], seconds, rcond=None)[0]
-            if (solution >= 0).all():
-                coef[kept] = solution
-                break
-            kept = [c for c, v in zip(kept, solution) if v >= 0]
-        self.cpu_fixed_s, self.cpu_row_s, self.cpu_expert_s = (float(c) for c in coef)
+        weights = [1.0] * len(observed) + [CALIBRATION_WEIGHT] * len(self.calibration)
+        self.cpu_fixed_s, self.cpu_row_s, self.cpu_expert_s = fit_cpu_law(observed + list(self.calibration), weights)
         self.refits += 1
         return True
+
+    def calibrated(self) -> "SplitCosts":
+        """These costs with the CPU law of the set-up's calibration alone (``fit_cpu_law`` of its points): what a
+        captured prefill's choice uses. Its CPU calls run on native tasks (ktorch/compile/experts_runtime.py), as
+        the calibration times the op, while the calls observed (``observe_cpu``) are eager ones, each with the
+        worker's Python and GIL turns on top; and those are the warm-up's prefill of one length, whose calls of one
+        shape cannot separate the law's fixed, row and expert costs (session 57: a fixed 1.1-2.1 ms a call where a
+        captured call of ~1 expert took 0.1-0.4). Costs given by hand are returned as they are."""
+        if not self.calibration:
+            return self
+        law = fit_cpu_law(self.calibration)
+        return dataclasses.replace(self, cpu_fixed_s=law[0], cpu_row_s=law[1], cpu_expert_s=law[2])
 
     def cpu_seconds(self, rows, experts):
         """The CPU op's predicted time for ``rows`` rows over ``experts`` experts (numbers or numpy arrays); 0 where
@@ -563,7 +564,8 @@ class RoutedExperts:
         already. Returns (ids for the CPU op [T, K], a callable computing the copied experts' part [T, H], the chosen
         ids [E] padded with -1, for the counters). Where ``captured_split_problem`` is None only."""
         capacity = min(self.capacity, self.num_experts)
-        slot_of, chosen, _ = choose_on_device(counts, self.costs, self.bytes_per_expert, capacity, resident)
+        slot_of, chosen, _ = choose_on_device(counts, self.costs.calibrated(), self.bytes_per_expert, capacity,
+                                              resident)
         slots, cpu_ids = route_by_slots(topk_ids, slot_of)
         layer, staging = self.layer, self.staging
 
@@ -698,12 +700,26 @@ def _cpu_op(layer: StreamedExperts, x: torch.Tensor, ids: torch.Tensor, weights:
     torch.ops.kt.fused_moe(x, ids, weights, *layer.tensors, layer.activation)
 
 
-def _fit(points: list, columns: int) -> list:
-    """Least squares, non-negative by clamping: points [(features..., seconds)] -> coefficients."""
-    a = torch.tensor([p[:columns] for p in points], dtype=torch.float64)
-    y = torch.tensor([p[columns] for p in points], dtype=torch.float64)
-    coef = torch.linalg.lstsq(a, y[:, None]).solution.flatten()
-    return [max(float(c), 0.0) for c in coef]
+def fit_cpu_law(points: Sequence, weights: Optional[Sequence[float]] = None) -> tuple:
+    """(fixed, row_s, expert_s) of the CPU law fixed + row_s * rows + expert_s * experts, fitted to ``points``
+    [(rows, experts, seconds)] by least squares of the relative error (each residual over its point's seconds,
+    times its weight: calls of tenths of a millisecond count as much as dense ones of tens, which an absolute fit
+    let pass with errors of their own size); a coefficient that comes out negative is dropped (0) and the others
+    refitted."""
+    p = np.asarray(points, dtype=np.float64).reshape(-1, 3)
+    w = np.ones(len(p)) if weights is None else np.asarray(weights, dtype=np.float64)
+    w = w / np.maximum(p[:, 2], 1e-12)
+    features = np.column_stack([np.ones(len(p)), p[:, 0], p[:, 1]]) * w[:, None]
+    seconds = p[:, 2] * w
+    kept = [0, 1, 2]
+    coef = np.zeros(3)
+    while kept:
+        solution = np.linalg.lstsq(features[:, kept], seconds, rcond=None)[0]
+        if (solution >= 0).all():
+            coef[kept] = solution
+            break
+        kept = [c for c, v in zip(kept, solution) if v >= 0]
+    return tuple(float(c) for c in coef)
 
 
 def calibrate_split_costs(layers: Sequence[StreamedExperts], hidden_size: int, top_k: int, device: torch.device,
@@ -713,7 +729,7 @@ def calibrate_split_costs(layers: Sequence[StreamedExperts], hidden_size: int, t
 
     CPU: the op at each of ``tokens`` with every expert used and with a quarter of them (random ids), and in calls
     like the split's own (``SPARSE_CALLS``: a few experts with a few rows each, the other rows unrouted), fitted to
-    fixed + row_s * rows + expert_s * experts by least squares clamped at 0, each point the mean of ``repeats`` runs;
+    fixed + row_s * rows + expert_s * experts (``fit_cpu_law``), each point the mean of ``repeats`` runs;
     each run reads another layer's weights than the run before it (cold weights, as in a prefill, where each
     layer's experts were last read a whole forward ago). The split's copies (``gather_experts`` of a few experts
     spread over the layer: on CUDA the zero-copy gather from page-locked memory) run on a side stream meanwhile
@@ -788,10 +804,10 @@ def calibrate_split_costs(layers: Sequence[StreamedExperts], hidden_size: int, t
             else:
                 seconds = run_cpu(x, ids, weights)
             rows = int((ids >= 0).sum())
-            points.append((1.0, rows, ids[ids >= 0].unique().numel(), seconds))
+            points.append((rows, ids[ids >= 0].unique().numel(), seconds))
     if not cuda:
         copied_s, copied_bytes = copies(4), 4 * copy_bytes
-    fixed, row_s, expert_s = _fit(points, 3)
+    fixed, row_s, expert_s = fit_cpu_law(points)
     # device: dequantize ``probe`` experts, then a grouped GEMM of T*K rows over them
     T = max(tokens)
     hidden = torch.randn(T, hidden_size, dtype=torch.bfloat16, device=device)
@@ -826,4 +842,4 @@ def calibrate_split_costs(layers: Sequence[StreamedExperts], hidden_size: int, t
     total_s = device_seconds(lambda: routed.device_part(hidden, ids, weights, chosen))
     row_device_s = max(total_s - dequant_s - gather_s, 0.0) / (T * top_k)
     return SplitCosts(copied_bytes / copied_s, fixed, row_s, expert_s, row_device_s, dequant_s / probe,
-                      calibration=tuple((rows, experts, seconds) for _, rows, experts, seconds in points))
+                      calibration=tuple(points))
