@@ -456,7 +456,7 @@ def breakdown(args) -> None:
             torch.cuda.empty_cache()
 
 
-PREFILL_VARIANTS = ("default", "sync-per-layer", "eager", "refitted-law")
+PREFILL_VARIANTS = ("default", "sync-per-layer", "eager", "refitted-law", "one-stream-split")
 _SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
@@ -582,7 +582,9 @@ def prefill_profile(args) -> None:
     counts copied to the host at every MoE layer, as before commit 66e74df, whatever the placement); ``eager`` (the
     captured prefills set aside: what a length's first two prompts run, a one-shot generate's); ``refitted-law``
     (prefills captured after the default's, their split choosing with the CPU law as refitted to the eager calls
-    observed until then, ``SplitCosts`` as they stand, instead of the calibration's, ``SplitCosts.calibrated``).
+    observed until then, ``SplitCosts`` as they stand, instead of the calibration's, ``SplitCosts.calibrated``);
+    ``one-stream-split`` (prefills captured with a split layer's copied and resident experts' parts one after the
+    other on one stream, not ``transformers_experts.beside`` each other).
     (Lost to ``eager``
     as it is, session 49, H200 host, 12 layers, warm ms at P=512/2048, skew 0, host memory / 6 GiB; deleted after: the
     CPU op's inputs staged with each layer's counts read and the split's copy launched first after it, the chosen
@@ -634,6 +636,7 @@ def prefill_profile(args) -> None:
     from ktorch.cli import build_parser, load_model
     from ktorch.compile.experts_runtime import RUNTIME
     from ktorch.generation import Sampling, _decoder_for, captured_prefill_problem
+    from ktorch.integrations import transformers_experts
     from ktorch.ops.routed_experts import RoutedExperts, SplitCosts
 
     def context(variant, decoder):
@@ -642,10 +645,16 @@ def prefill_profile(args) -> None:
             original = RoutedExperts.copies_possible
             RoutedExperts.copies_possible = lambda self, ids: True
             stack.callback(setattr, RoutedExperts, "copies_possible", original)
-        if variant in ("eager", "refitted-law"):  # no graphs (a prompt length's first prompts), or the variant's
+        if variant == "eager" or variant in own_graphs:  # no graphs (a length's first prompts), or the variant's
             graphs, decoder.prefill_graphs = decoder.prefill_graphs, variant_graphs.get(variant, {})
             stack.callback(setattr, decoder, "prefill_graphs", graphs)
         return stack
+
+    own_graphs = {  # variants replaying prefills captured with their own code
+        "refitted-law": lambda: mock.patch.object(SplitCosts, "calibrated", lambda self: self),
+        "one-stream-split": lambda: mock.patch.object(transformers_experts, "beside",
+                                                      lambda first, second, device: first() + second()),
+    }
 
     def capture(decoder, label):
         for P in args.prompts:  # as generate does after a length's second prompt (where the prefill is capturable)
@@ -666,11 +675,12 @@ def prefill_profile(args) -> None:
         prompts = {P: prompt_ids(P, args.prompt_kind).to(device) for P in args.prompts}
         variant_graphs: dict = {}
         capture(decoder, label)
-        if "refitted-law" in args.prefill_variants:  # its own graphs, captured with the costs as they stand
-            default_graphs, decoder.prefill_graphs = decoder.prefill_graphs, collections.OrderedDict()
-            with mock.patch.object(SplitCosts, "calibrated", lambda self: self):
-                capture(decoder, label + " refitted-law")
-            variant_graphs["refitted-law"], decoder.prefill_graphs = decoder.prefill_graphs, default_graphs
+        for variant, patch in own_graphs.items():  # their own graphs, captured with the variant's code
+            if variant in args.prefill_variants:
+                default_graphs, decoder.prefill_graphs = decoder.prefill_graphs, collections.OrderedDict()
+                with patch():
+                    capture(decoder, f"{label} {variant}")
+                variant_graphs[variant], decoder.prefill_graphs = decoder.prefill_graphs, default_graphs
         times: dict = {}
         tokens: dict = {}  # (variant, P) -> the first tokens of its runs
         native: dict = {}  # (variant, P) -> the native host tasks' CPU op calls of its latest run: [(start, end)] ns

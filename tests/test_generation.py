@@ -818,19 +818,35 @@ def test_the_warm_ups_captured_prefill_serves_a_first_prompt(placement, monkeypa
 
 
 @needs_cuda
-@pytest.mark.parametrize("cheap", ["copies", "cpu"])
+@pytest.mark.parametrize("cheap", ["copies", "cpu", "copies-and-residents"])
 def test_captured_prefill_runs_the_split_on_the_device(cheap):
     """With the routing-aware split (int8 experts, bf16: the grouped kernels read the copied blocks), generate's
     captured prefill makes the split's choice, copies and grouped products on the device: the eager split's first
-    token, and its counters (experts hit and copied, rows copied: the same choice from the same counts)."""
+    token, and its counters (experts hit and copied, rows copied: the same choice from the same counts). With a few
+    resident experts a layer too, the copied and resident parts run beside each other (two streams,
+    ``transformers_experts.beside``)."""
     from ktorch.ops.routed_experts import SplitCosts
 
-    costs = (SplitCosts(h2d_bytes_per_s=1e15, cpu_fixed_s=1.0, cpu_row_s=1.0, cpu_expert_s=1.0) if cheap == "copies"
-             else SplitCosts(h2d_bytes_per_s=2e8, cpu_fixed_s=1e-4, cpu_row_s=1e-6, cpu_expert_s=1e-5))
+    costs = (SplitCosts(h2d_bytes_per_s=2e8, cpu_fixed_s=1e-4, cpu_row_s=1e-6, cpu_expert_s=1e-5) if cheap == "cpu"
+             else SplitCosts(h2d_bytes_per_s=1e15, cpu_fixed_s=1.0, cpu_row_s=1.0, cpu_expert_s=1.0))
     torch.manual_seed(0)
     model = ktorch.prepare(tiny_model("qwen3_moe", dtype=torch.bfloat16), device="cuda", experts_dtype="int8",
                            stream_experts=costs, gpu_memory="off")
     model.generation_config.eos_token_id = None
+    layers = [m for m in model.modules() if getattr(m, "kt_routed", None) is not None]
+    if cheap == "copies-and-residents":  # a budget that holds a few experts a layer
+        from ktorch.gpu_memory import device_bytes_held, planned_outside, reserve_bytes
+
+        cuda = torch.device("cuda")
+        floor = planned_outside(cuda) + device_bytes_held(model, cuda) + reserve_bytes(model, torch.bfloat16)
+        E, step = layers[0].kt_w13.shape[0], len(layers) * layers[0].kt_routed.bytes_per_expert
+        for extra in range(step, 8 * E * step, step // 2):
+            ktorch.set_stream_experts(model, costs, gpu_memory=floor + extra)
+            layers = [m for m in model.modules() if getattr(m, "kt_routed", None) is not None]
+            held = [len(m.kt_gpu_expert_ids or ()) for m in layers]
+            if min(held) >= 2:
+                break
+        assert 2 <= min(held) and max(held) < E // 2, held
     for m in model.modules():
         if getattr(m, "kt_routed", None) is not None:
             m.kt_routed.min_tokens = 8
@@ -848,7 +864,11 @@ def test_captured_prefill_runs_the_split_on_the_device(cheap):
     assert captured == eager
     copied = sum(stats["experts_copied"] for _, stats in eager)
     hit = sum(stats["experts_hit"] for _, stats in eager)
-    assert (copied == hit > 0) if cheap == "copies" else copied < hit
+    resident = sum(stats["resident_hit"] for _, stats in eager)
+    if cheap == "copies-and-residents":
+        assert 0 < copied and 0 < resident and copied + resident == hit
+    else:
+        assert (copied == hit > 0) if cheap == "copies" else copied < hit
 
 
 def test_captured_prefills_pinned_buffers_are_bounded(monkeypatch):
