@@ -456,7 +456,7 @@ def breakdown(args) -> None:
             torch.cuda.empty_cache()
 
 
-PREFILL_VARIANTS = ("default", "sync-per-layer", "eager", "refitted-law", "one-stream-split")
+PREFILL_VARIANTS = ("default", "sync-per-layer", "eager", "refitted-law")
 _SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
@@ -582,9 +582,10 @@ def prefill_profile(args) -> None:
     counts copied to the host at every MoE layer, as before commit 66e74df, whatever the placement); ``eager`` (the
     captured prefills set aside: what a length's first two prompts run, a one-shot generate's); ``refitted-law``
     (prefills captured after the default's, their split choosing with the CPU law as refitted to the eager calls
-    observed until then, ``SplitCosts`` as they stand, instead of the calibration's, ``SplitCosts.calibrated``);
-    ``one-stream-split`` (prefills captured with a split layer's copied and resident experts' parts one after the
-    other on one stream, not ``transformers_experts.beside`` each other).
+    observed until then, ``SplitCosts`` as they stand, instead of the calibration's, ``SplitCosts.calibrated``).
+    (Lost to one stream, session 58 call 3, H200 host, 12 layers, 9 GiB, warm ms at P=512/2048: a split layer's
+    resident experts' part on a high-priority side stream beside the copied experts' gather and kernels, skew 1.5
+    16.7/31.6 against 16.8/32.0, skew 0 27.9/47.2 against 28.6/47.4: within noise, deleted.)
     (Lost to ``eager``
     as it is, session 49, H200 host, 12 layers, warm ms at P=512/2048, skew 0, host memory / 6 GiB; deleted after: the
     CPU op's inputs staged with each layer's counts read and the split's copy launched first after it, the chosen
@@ -636,7 +637,6 @@ def prefill_profile(args) -> None:
     from ktorch.cli import build_parser, load_model
     from ktorch.compile.experts_runtime import RUNTIME
     from ktorch.generation import Sampling, _decoder_for, captured_prefill_problem
-    from ktorch.integrations import transformers_experts
     from ktorch.ops.routed_experts import RoutedExperts, SplitCosts
 
     def context(variant, decoder):
@@ -652,8 +652,6 @@ def prefill_profile(args) -> None:
 
     own_graphs = {  # variants replaying prefills captured with their own code
         "refitted-law": lambda: mock.patch.object(SplitCosts, "calibrated", lambda self: self),
-        "one-stream-split": lambda: mock.patch.object(transformers_experts, "beside",
-                                                      lambda first, second, device: first() + second()),
     }
 
     def capture(decoder, label):

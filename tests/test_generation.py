@@ -823,8 +823,7 @@ def test_captured_prefill_runs_the_split_on_the_device(cheap):
     """With the routing-aware split (int8 experts, bf16: the grouped kernels read the copied blocks), generate's
     captured prefill makes the split's choice, copies and grouped products on the device: the eager split's first
     token, and its counters (experts hit and copied, rows copied: the same choice from the same counts). With a few
-    resident experts a layer too, the copied and resident parts run beside each other (two streams,
-    ``transformers_experts.beside``)."""
+    resident experts a layer too: the copied and the resident experts' parts both on the device."""
     from ktorch.ops.routed_experts import SplitCosts
 
     costs = (SplitCosts(h2d_bytes_per_s=2e8, cpu_fixed_s=1e-4, cpu_row_s=1e-6, cpu_expert_s=1e-5) if cheap == "cpu"

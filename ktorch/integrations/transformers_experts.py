@@ -593,36 +593,10 @@ def _captured_split(self: nn.Module, hidden_states, top_k_index, top_k_weights, 
                                                                  resident)
 
     def work() -> torch.Tensor:
-        if gpu_work is None:
-            return copied_work()
-        return beside(copied_work, gpu_work, hidden_states.device)
+        out = copied_work()
+        return out if gpu_work is None else out + gpu_work()
 
     return cpu_ids, work, chosen
-
-
-_SIDE_STREAMS: dict = {}  # device -> the high-priority stream ``beside`` runs its second part on
-
-
-def beside(first: Callable[[], torch.Tensor], second: Callable[[], torch.Tensor],
-           device: torch.device) -> torch.Tensor:
-    """``first() + second()`` with ``second`` on a high-priority side stream while ``first`` runs on the current one
-    (forked from it and joined back: inside a CUDA graph capture too). In a split layer ``first`` is the copied
-    experts' part, whose gather reads host memory through PCIe with many small thread blocks, and ``second`` the
-    resident experts' grouped kernels: on one stream the resident part waited for the whole gather; with its
-    priority its blocks go first and the gather's fill the SMs around them. The same operations and the same sum
-    as one stream (bit for bit)."""
-    current = torch.cuda.current_stream(device)
-    side = _SIDE_STREAMS.get(device)
-    if side is None:
-        side = _SIDE_STREAMS[device] = torch.cuda.Stream(device, priority=-1)  # lower: higher priority
-    side.wait_stream(current)
-    out = first()
-    with torch.cuda.stream(side):
-        other = second()
-    # the side's tensors are freed after the sum is queued on the current stream, and every later use of the side
-    # stream waits for the current one first (the fork above): no block of theirs is reused before the sum reads it
-    current.wait_stream(side)
-    return out + other
 
 
 def attach_streamed_experts(module: nn.Module, plan, kernel: str = "auto", pin: Optional[bool] = None) -> None:
