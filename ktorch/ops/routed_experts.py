@@ -42,10 +42,10 @@ each side, resident experts hit.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 import time
 import weakref
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -61,11 +61,11 @@ MIN_TOKENS = 64  # below this a call never splits (the CPU op alone; the host sy
 # calls whose counts wait on the device before they are read anyway: bounds the device memory they hold (a block of
 # the caching allocator each, ~1.5 KB for 128 experts: 64 x 48 layers ~ 5 MB) at one host sync per 64 prefills
 PENDING_LIMIT = 64
-# the split's CPU law learns from its own calls (SplitCosts.refit_cpu): the latest this many calls are fitted, every
-# this many new ones, the set-up's calibration points weighted this much beside them
 # the calibration's CPU points beside its dense ones: (experts, rows an expert) calls like the split's own (session 57,
 # H200 host: a fit of dense points alone put 1.1-2.1 ms on each call where a sparse call of ~1 expert took 0.1-0.4 ms)
 SPARSE_CALLS = ((1, 4), (4, 16), (8, 48))
+# the split's CPU law learns from its own calls (SplitCosts.refit_cpu): the latest this many calls are fitted, every
+# this many new ones, the set-up's calibration points weighted this much beside them
 OBSERVED_CALLS = 256
 REFIT_EVERY = 12
 CALIBRATION_WEIGHT = 0.05
