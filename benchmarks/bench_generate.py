@@ -816,10 +816,12 @@ def cold_start(args) -> None:
             with mock.patch.dict(os.environ, caches_in(caches)):  # run_generate's processes inherit them
                 for run in range(args.cold_start):
                     r = run_generate(args.gguf, prompt, args.gen, shlex.split(extra), args.timeout, args.prompt_kind)
-                    print(f"[cold start {extra or 'defaults'}] process {run} ({'empty caches' if run == 0 else 'caches of the ones before'}): "
+                    caches_then = "empty caches" if run == 0 else "caches of the ones before"
+                    print(f"[cold start {extra or 'defaults'}] process {run} ({caches_then}): "
                           f"load {r.get('load_s', float('nan')):.1f} s (warm-up prefill and its captures "
                           f"{r.get('warmup_prefill_s', float('nan')):.2f} s), decode capture "
-                          f"{r.get('capture_s', float('nan')):.2f} s, first token {r.get('first_token_s', float('nan')):.3f} s"
+                          f"{r.get('capture_s', float('nan')):.2f} s, first token "
+                          f"{r.get('first_token_s', float('nan')):.3f} s"
                           + (f"; error {r['error'][:300]}" if "error" in r else ""), flush=True)
         with tempfile.TemporaryDirectory(prefix="kt-cold-") as caches:
             env = dict(os.environ, **caches_in(caches))
@@ -925,8 +927,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "prints decode tok/s and capture s of each, then --profile-steps replays profiled")
     p.add_argument("--profile-steps", type=int, default=0)
     p.add_argument("--profile-trace", default=None, help="--ab-compile: the profiled replays as a Chrome trace; "
-                   "--prefill-profile: the first variant's profiled prefill of each prompt length, per --ktorch-args set, "
-                   "as PATH.<set>.P<n>.json.gz")
+                   "--prefill-profile: the first variant's profiled prefill of each prompt length, per --ktorch-args "
+                   "set, as PATH.<set>.P<n>.json.gz")
     p.add_argument("--ab-gpu-memory", default="auto", help="--ab-compile: the model's GPU memory option (off: every "
                    "expert on the CPU, the handoffs timed; auto, the default: every expert resident where it fits)")
     p.add_argument("--deferred", type=int, nargs="+", default=[0, 3])

@@ -840,8 +840,7 @@ def test_captured_prefill_runs_the_split_on_the_device(cheap):
         floor = planned_outside(cuda) + device_bytes_held(model, cuda) + reserve_bytes(model, torch.bfloat16)
         E, step = layers[0].kt_w13.shape[0], len(layers) * layers[0].kt_routed.bytes_per_expert
         for extra in range(step, 8 * E * step, step // 2):
-            ktorch.set_stream_experts(model, costs, gpu_memory=floor + extra)
-            layers = [m for m in model.modules() if getattr(m, "kt_routed", None) is not None]
+            ktorch.set_stream_experts(model, costs, gpu_memory=floor + extra)  # the same modules, placed again
             held = [len(m.kt_gpu_expert_ids or ()) for m in layers]
             if min(held) >= 2:
                 break
