@@ -606,21 +606,13 @@ def preload_compiler() -> None:
     """Imports Inductor's compiler modules on a daemon thread (once per process), so that the decode step's capture
     does not pay them (about a second) after the first token: the CLI calls it before loading the model,
     ``generate`` before its prefill. The imports take the GIL in short turns; loading and prefill spend their time
-    in ops that release it. Then it starts Inductor's pool of compile workers and asks it once whether it is ready
-    (``AsyncCompile.use_process_pool``): Inductor starts the pool at its first compile, the capture's, and while
-    the pool is not ready it compiles each Triton kernel in the process, one after the other (session 58, a fresh
-    machine: ``async_compile.precompile`` 3.8 of Inductor's 5.7 s in a 12.0 s decode capture); started here, the
-    workers import torch beside the load."""
+    in ops that release it."""
     global _PRELOAD
     if _PRELOAD is None:
         def work():
             try:
                 import torch._inductor.compile_fx  # noqa: F401
                 import torch._inductor.codecache  # noqa: F401
-                from torch._inductor.async_compile import AsyncCompile, maybe_warm_pool
-
-                maybe_warm_pool()  # as Inductor's backend does at its first compile (a no-op where it would be)
-                AsyncCompile.use_process_pool()  # submits the readiness probe: the workers start now
             except Exception:  # the capture imports them again and reports what fails
                 pass
 

@@ -243,25 +243,6 @@ def test_load_on_a_gpu_imports_the_compiler_before_reading_the_weights(device, m
     assert order == (["preload", "open"] if device == "cuda" else ["open"])
 
 
-def test_preload_compiler_starts_inductors_compile_workers(monkeypatch):
-    """preload_compiler's thread (once per process) imports Inductor, then starts its pool of compile workers and
-    submits the readiness probe, as Inductor does only at its first compile; a second call starts nothing. (The pool
-    is stubbed: no workers are started here.)"""
-    from torch._inductor import async_compile
-
-    from ktorch import generation
-
-    calls = []
-    monkeypatch.setattr(async_compile, "maybe_warm_pool", lambda: calls.append("warm"))
-    monkeypatch.setattr(async_compile.AsyncCompile, "use_process_pool", classmethod(lambda cls: calls.append("probe")))
-    monkeypatch.setattr(generation, "_PRELOAD", None)
-    generation.preload_compiler()
-    first = generation._PRELOAD
-    first.join(timeout=60)
-    generation.preload_compiler()
-    assert generation._PRELOAD is first and calls == ["warm", "probe"]
-
-
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_p": 0.9, "repetition_penalty": 1.3}],
                          ids=["greedy", "sampled"])
 @pytest.mark.parametrize("deferred", [0, 1])
