@@ -876,7 +876,8 @@ def warm_up(model: nn.Module, tokens: int = WARM_UP_TOKENS, capture: bool = True
     ``generate``'s prefill does (the model's expert deferral off): the split's counters and routing frequency, the
     residents' hit counters and the experts runtime's counters and timeline are put back, and the experts runtime's
     observers do not see its calls. What it keeps: the split's costs learn from its CPU calls
-    (``SplitCosts.observe_cpu``), so a first prompt splits with them; and, where the model keeps no decoder yet,
+    (``SplitCosts.observe_cpu``), so a first prompt splits with them; its routing picks the first residents where the
+    GPU budget placed them without a profile (``_unseeded_residents``); and, where the model keeps no decoder yet,
     one whose prefills of ``tokens`` and ``WARM_UP_BUCKETS`` positions are captured (``_warm_up_capture``), for a
     first prompt to replay.
     ``capture=False``: not that decoder, where no prompt would replay it (``generate(cuda_graphs=False)``, the
@@ -934,21 +935,50 @@ def _warm_up_prefill(model: nn.Module, tokens: int) -> float:
     device = _model_device(model)
     decoder = Decoder(model, tokens, device, Sampling(), cuda_graphs=False)  # not model.kt_decoder: thrown away
     ids = torch.randint(0, _vocab_size(model), (1, tokens), generator=torch.Generator().manual_seed(WARM_UP_SEED))
+    _warm_resident_tiles(model)  # first: the prefill's own tile is among them
+    unseeded = _unseeded_residents(model)
     with _unseen_prefill(model), _no_deferral(model, getattr(model, "kt_deferred_experts", 0)):
         int(decoder.prefill(ids.to(device)).item())  # the host read waits for the device, as a prompt's does
-        _warm_resident_tiles(model)
+        routing = {m: m.kt_routed.frequency.clone() for m in unseeded}  # its rows per expert (none counted before)
+    if routing:
+        from ktorch.gpu_memory import seed_resident_experts
+
+        seed_resident_experts(model, routing)
     return time.perf_counter() - t0
 
 
+def _unseeded_residents(model: nn.Module) -> list:
+    """The experts modules whose residents the warm-up's routing picks: residents placed by the GPU budget without an
+    expert profile (``kt_residents_profiled``: each layer's first experts), before any prompt counted routing. A
+    model's expert popularity shows in its routers whatever the tokens (their biases; session 58: skewed routers'
+    first 512-token prompt hit 57% of its experts among 73 first residents of 128, the share of arbitrary ones, and
+    99% after the swaps its prefill made), so random ids pick better first residents than ids 0, 1, 2, ...; prompts'
+    routing swaps them from then on (``begin_resident_swaps``)."""
+    from ktorch.placement import experts_modules
+
+    return [m for _, m in experts_modules(model)
+            if getattr(m, "kt_gpu_expert_ids", None) and getattr(m, "kt_routed", None) is not None
+            and not getattr(m, "kt_residents_profiled", False) and float(m.kt_routed.frequency.sum()) == 0]
+
+
+TILE_COMPILE_THREADS = 16  # the warm-up's tile launches run in at most this many threads at once
+
+
 def _warm_resident_tiles(model: nn.Module) -> int:
-    """The grouped prefill kernels' other tiles on the residents' formats and on the split's copied experts (packed
-    blocks in the staging: ``routed_experts.reads_blocks``) (``triton_prefill.warm_tiles``: the warm-up prefill
-    compiles the tile of its own length only), once per distinct format; returns the launches."""
+    """The grouped prefill kernels at every tile on the residents' formats and on the split's copied experts (packed
+    blocks in the staging: ``routed_experts.reads_blocks``), once per distinct format (``triton_prefill
+    .tile_launches``: a prefill compiles the tile of its own length only); returns the launches. They run side by
+    side in threads, before the warm-up's prefill: Triton's compile releases the GIL (dev machine, session 58: four
+    compiles of one kernel 1.15 s one after another, 0.64 s in two threads), and a fresh machine spent 4.5 s of a
+    5.8 s warm-up prefill compiling 12 grouped-kernel specializations and 1.1 s on three alignment scans, one at a
+    time (session 58 call 1)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from ktorch.ops.resident_rows import RowExperts
     from ktorch.ops.routed_experts import reads_blocks
-    from ktorch.ops.triton_prefill import PackedBlocks, warm_tiles
+    from ktorch.ops.triton_prefill import PackedBlocks, tile_launches
 
-    seen, launched = set(), 0
+    seen, launches = set(), []
     dtype = model.get_input_embeddings().weight.dtype  # the activations' dtype
     for m in model.modules():
         activation = getattr(m, "kt_activation", "silu")
@@ -964,8 +994,21 @@ def _warm_resident_tiles(model: nn.Module) -> int:
             key = (type(rows), tuple(None if t is None else (t.dtype, tuple(t.shape[1:])) for t in rows), activation)
             if key not in seen:
                 seen.add(key)
-                launched += warm_tiles(rows, activation, dtype)
-    return launched
+                launches += [(rows.w13.device, launch) for launch in tile_launches(rows, activation, dtype)]
+    if not launches:
+        return 0
+
+    def run(job) -> None:  # a thread of its own: inference mode and the device are per thread
+        device, launch = job
+        with torch.inference_mode(), torch.cuda.device(device):
+            launch()
+
+    workers = min(len(launches), TILE_COMPILE_THREADS)
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kt-tiles") as pool:
+        list(pool.map(run, launches))  # re-raises a launch's error here
+    for device in {device for device, _ in launches}:
+        torch.cuda.synchronize(device)
+    return len(launches)
 
 
 @torch.inference_mode()

@@ -7,7 +7,9 @@
     4. resident experts: the rest, the same count n in every MoE layer, held packed as the CPU op holds them (int8:
        half a bf16 copy), plus one scratch of n dequantized experts that a long call's residents are dequantized
        into, except where every call reads them in place (int8 rows under the Triton kernels:
-       ``residents_read_in_place``); each layer keeps its most routed-to experts (counted at prefill). After each prefill
+       ``residents_read_in_place``); each layer keeps its most routed-to experts (counted at prefill; the first ones
+       from an expert profile where given, else from the load-time warm-up's routing, ``seed_resident_experts``,
+       by the swap rule below). After each prefill
        ``begin_resident_swaps`` swaps an expert in only where its count beats the resident it replaces by more
        than the hysteresis (``SWAP_HYSTERESIS`` of that count), the noise (``SWAP_SIGMAS`` standard deviations)
        and the copy's cost (``SWAP_HORIZON_TOKENS``), so repeated or one-off prompts do not churn the set; the
@@ -372,9 +374,9 @@ def resident_swap_pairs(frequency: torch.Tensor, resident: list, min_rows: float
     return pairs
 
 
-def _copy_rows(model: nn.Module, module: nn.Module) -> float:
-    """Routing rows (in the units of ``kt_routed.frequency``) an incoming expert must gain over the outgoing one for
-    the copy to pay for itself: the copy takes bytes / h2d seconds; each decode token routed to the expert off the
+def _copy_rows(model: nn.Module, module: nn.Module, counts: Optional[torch.Tensor] = None) -> float:
+    """Routing rows (in the units of ``kt_routed.frequency``, or of ``counts``) an incoming expert must gain over the
+    outgoing one for the copy to pay for itself: the copy takes bytes / h2d seconds; each decode token routed to the expert off the
     device costs the CPU op about cpu_expert_s + cpu_row_s; over ``SWAP_HORIZON_TOKENS`` decode tokens, a gain of g
     rows among the R counted (R / top_k tokens) saves g top_k / R x horizon such misses. 0 without measured costs
     (``model.kt_split_costs`` None: the split off)."""
@@ -384,7 +386,7 @@ def _copy_rows(model: nn.Module, module: nn.Module) -> float:
         return 0.0
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     top_k = getattr(config, "num_experts_per_tok", None) or 8
-    counted = float(module.kt_routed.frequency.sum())
+    counted = float((module.kt_routed.frequency if counts is None else counts).sum())
     copy_s = resident_bytes_per_expert(module) / costs.h2d_bytes_per_s
     return copy_s * counted / (top_k * SWAP_HORIZON_TOKENS * miss_s)
 
@@ -557,6 +559,23 @@ def begin_resident_swaps(model: nn.Module) -> ResidentSwaps:
     swaps._event_device = device
     swaps.seconds = time.perf_counter() - start
     return swaps
+
+
+def seed_resident_experts(model: nn.Module, routing: dict) -> int:
+    """The first residents from a prefill's routing (the load-time warm-up's): for each module in ``routing`` {module:
+    rows per expert [E]}, the pairs ``resident_swap_pairs`` finds worth a copy by those counts swapped now
+    (``swap_resident_experts``, in stream order), the module's own counters left as they are (its routing
+    frequency sees prompts only); returns the experts swapped."""
+    swapped = 0
+    for m, counts in routing.items():
+        ids = getattr(m, "kt_gpu_expert_ids", None)
+        if not ids or float(counts.sum()) <= 0:
+            continue
+        pairs = resident_swap_pairs(counts, ids, _copy_rows(model, m, counts))
+        if pairs:
+            swap_resident_experts(m, [i for i, _ in pairs], [o for _, o in pairs])
+            swapped += len(pairs)
+    return swapped
 
 
 def update_resident_experts(model: nn.Module) -> dict:

@@ -401,6 +401,7 @@ def _place_routed(model: nn.Module, named_modules: list, costs, gpu_memory, kern
             if expert_profile is not None and name in expert_profile.counts:
                 initial = expert_profile.hottest(name, plan.resident_per_layer)
             place_resident_experts(m, plan.resident_per_layer, device, initial=initial)
+            m.kt_residents_profiled = initial is not None  # else the warm-up's routing picks them (generation.py)
     model.kt_gpu_memory = plan
 
 

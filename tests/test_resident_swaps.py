@@ -190,3 +190,53 @@ def test_copy_runs_selects_the_experts_in_order():
     for ids in ([0], [3, 4, 5], [7, 2, 3, 4, 11, 0, 1], list(range(12)), [5, 4, 3]):
         out = gpu_memory._copy_runs(source, ids, torch.empty(len(ids), 3, 5))
         assert torch.equal(out, source.index_select(0, torch.tensor(ids)))
+
+
+def test_the_warm_ups_routing_picks_the_first_residents():
+    """The load-time warm-up's prefill (run here on the CPU) swaps residents placed without a profile toward its own
+    routing, by the swap rule, before any prompt: here the two least-routed experts of that routing start resident
+    and the residents after are what ``resident_swap_pairs`` makes of the warm-up's counts (measured on a copy of the
+    model), while the routing frequency stays empty (it counts prompts). Residents from a profile
+    (``kt_residents_profiled``) and a model whose prompts counted routing are left as they are. The logits after
+    equal those of a model whose residents were placed there from the start."""
+    import ktorch.generation as generation
+
+    model = _model(2)
+    probe = copy.deepcopy(model)
+    tokens = min(generation.WARM_UP_TOKENS, model.config.max_position_embeddings)
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens),
+                        generator=torch.Generator().manual_seed(generation.WARM_UP_SEED))
+    with torch.no_grad():
+        probe(ids)  # the warm-up's ids counted by the split
+    routing = [m.kt_routed.frequency.clone() for m in moe_experts_modules(probe)]
+    want = []
+    for m, counts in zip(moe_experts_modules(model), routing):
+        coldest = torch.argsort(counts, stable=True)[:2].tolist()
+        gpu_memory.drop_resident_experts(m)
+        place_resident_experts(m, 2, torch.device("cpu"), initial=torch.tensor(coldest))
+        pairs = dict((o, i) for i, o in resident_swap_pairs(counts, coldest, gpu_memory._copy_rows(model, m, counts)))
+        want.append(sorted(pairs.get(e, e) for e in coldest))
+    profiled, counted = copy.deepcopy(model), copy.deepcopy(model)
+    for m in moe_experts_modules(profiled):
+        m.kt_residents_profiled = True
+    for m in moe_experts_modules(counted):
+        m.kt_routed.frequency[0] = 1.0
+    before = [sorted(m.kt_gpu_expert_ids) for m in moe_experts_modules(model)]
+    assert sum(len(set(a) ^ set(b)) for a, b in zip(before, want)) > 0  # the rule swaps something here
+
+    assert generation._warm_up_prefill(model, generation.WARM_UP_TOKENS) > 0
+    assert [sorted(m.kt_gpu_expert_ids) for m in moe_experts_modules(model)] == want
+    _check_consistent(model, 2)
+    assert all(float(m.kt_routed.frequency.sum()) == 0 for m in moe_experts_modules(model))
+    for other in (profiled, counted):
+        generation._warm_up_prefill(other, generation.WARM_UP_TOKENS)
+        assert [sorted(m.kt_gpu_expert_ids) for m in moe_experts_modules(other)] == before
+
+    fresh = copy.deepcopy(model)
+    for m in moe_experts_modules(fresh):
+        order = torch.tensor(m.kt_gpu_expert_ids)
+        gpu_memory.drop_resident_experts(m)
+        place_resident_experts(m, 2, torch.device("cpu"), initial=order)
+    prompt = torch.randint(0, 256, (1, 5))
+    with torch.no_grad():
+        assert torch.equal(model(prompt).logits, fresh(prompt).logits)

@@ -304,6 +304,38 @@ def test_cuda_warm_tiles_leave_nothing_to_compile_for_any_prompt_length(group_si
 
 
 @needs_cuda_triton
+def test_cuda_the_warm_ups_threads_warm_every_tile_of_every_format():
+    """``generation._warm_resident_tiles`` (the load-time warm-up's, before its prefill) runs the tile launches of
+    each distinct format in threads: one per tile and format, and after them prompts of any length on either format
+    compile nothing more and give what the unthreaded kernels give."""
+    from torch import nn
+
+    from ktorch import generation
+
+    torch.manual_seed(3)
+    n, K, H, I = 16, 8, 256, 128
+    packed, _ = _experts("int8", 32, n=n, H=H, I=I)
+    packed = tuple(t.cuda() for t in packed)
+    model = nn.Module()
+    model.emb = nn.Embedding(4, 8, dtype=torch.bfloat16)
+    model.get_input_embeddings = lambda: model.emb
+    for name, rows in (("rows", rows_from_packed(*packed)), ("blocks", PackedBlocks(*packed))):
+        holder = nn.Module()
+        holder.kt_gpu_packed, holder.kt_activation = rows, "silu"
+        model.add_module(name, holder)
+    assert generation._warm_resident_tiles(model) == 2 * len(triton_prefill.TILES)
+    compiled = _compiled_kernels()
+    for T in (33, 200, 511, 1):
+        hidden = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+        slots = torch.stack([torch.randperm(n)[:K] for _ in range(T)]).cuda()
+        weights = torch.rand(T, K, device="cuda")
+        got = triton_grouped_forward(hidden, slots, weights, model.rows.kt_gpu_packed)
+        assert relative_error(got.cpu(), _reference(hidden, slots, weights, model.rows.kt_gpu_packed)) <= 4e-3, T
+        assert torch.equal(triton_grouped_forward(hidden, slots, weights, model.blocks.kt_gpu_packed), got)
+    assert _compiled_kernels() == compiled
+
+
+@needs_cuda_triton
 def test_cuda_warm_tiles_on_one_packed_expert_cover_any_count_of_copied_experts():
     """The split's copied experts (packed blocks, 1..E a layer and call): ``warm_tiles`` on one expert's blocks (the
     load-time warm-up's, generation._warm_resident_tiles) leaves nothing to compile for any expert count and prompt

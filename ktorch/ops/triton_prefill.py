@@ -402,18 +402,30 @@ def warm_tiles(rows, activation: str, dtype: torch.dtype) -> int:
     compiles one tile and a user's first prompt of another size compiled the next one (0.86 s at 512 tokens after a
     2048-token warm-up, H200 host, session 33). Returns the tiles launched (0 where the grouped kernels do not take
     these residents, or without Triton or a GPU)."""
+    launches = tile_launches(rows, activation, dtype)
+    for launch in launches:
+        launch()
+    return len(launches)
+
+
+def tile_launches(rows, activation: str, dtype: torch.dtype) -> list:
+    """``warm_tiles``' launches, not run: a callable per ``TILES`` entry the grouped kernels take on these rows, each
+    launching them once on one token's row (its own zero inputs). The load-time warm-up runs those of every format
+    side by side (generation._warm_resident_tiles: Triton's compile releases the GIL)."""
     if not triton_available() or dtype not in (torch.bfloat16, torch.float16):
-        return 0
+        return []
     n, two_i, H = _shapes(rows)
     hidden = torch.zeros(1, H, dtype=dtype, device=rows.w13.device)
-    slots = torch.zeros(1, 1, dtype=torch.int32, device=hidden.device)
-    weights = torch.zeros(1, 1, dtype=torch.float32, device=hidden.device)
-    launched = 0
+    launches = []
     for _, tile in TILES:
         if grouped_applies(hidden, rows, tile):
-            triton_grouped_forward(hidden, slots, weights, rows, activation, tile=tile)
-            launched += 1
-    return launched
+            def launch(tile=tile):
+                x = torch.zeros(1, H, dtype=dtype, device=rows.w13.device)
+                slots = torch.zeros(1, 1, dtype=torch.int32, device=x.device)
+                weights = torch.zeros(1, 1, dtype=torch.float32, device=x.device)
+                triton_grouped_forward(x, slots, weights, rows, activation, tile=tile)
+            launches.append(launch)
+    return launches
 
 
 def every_tile_takes(rows) -> bool:
