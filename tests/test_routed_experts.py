@@ -522,7 +522,8 @@ def test_warm_up_prefill_leaves_the_split_counters_and_the_residents():
     does (one split call per layer) and leaves the split counters, routing frequency, resident experts and resident
     hit counts as they were, so generate's tokens, counters, frequency, residents (swapped after its prefill from
     that frequency) and decode hit counts are those of a model without the warm-up. ktorch.warm_up itself does
-    nothing on the CPU."""
+    nothing on the CPU. (Residents from a profile: the warm-up's routing picks unprofiled ones,
+    test_resident_swaps.py::test_the_warm_ups_routing_picks_the_first_residents.)"""
     import ktorch.generation as generation
 
     prompt = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(2))
@@ -530,6 +531,8 @@ def test_warm_up_prefill_leaves_the_split_counters_and_the_residents():
     def model_():
         _, model = _split_model(COSTS)
         _split_with_residents(model, _floor(model), 1)
+        for m in moe_experts_modules(model):
+            m.kt_residents_profiled = True  # as placement marks residents chosen from an expert profile
         return model
 
     cold = model_()
