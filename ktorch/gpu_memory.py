@@ -376,8 +376,8 @@ def resident_swap_pairs(frequency: torch.Tensor, resident: list, min_rows: float
 
 def _copy_rows(model: nn.Module, module: nn.Module, counts: Optional[torch.Tensor] = None) -> float:
     """Routing rows (in the units of ``kt_routed.frequency``, or of ``counts``) an incoming expert must gain over the
-    outgoing one for the copy to pay for itself: the copy takes bytes / h2d seconds; each decode token routed to the expert off the
-    device costs the CPU op about cpu_expert_s + cpu_row_s; over ``SWAP_HORIZON_TOKENS`` decode tokens, a gain of g
+    outgoing one for the copy to pay for itself: the copy takes bytes / h2d seconds; each decode token routed to the
+    expert off the device costs the CPU op about cpu_expert_s + cpu_row_s; over ``SWAP_HORIZON_TOKENS`` decode tokens, a gain of g
     rows among the R counted (R / top_k tokens) saves g top_k / R x horizon such misses. 0 without measured costs
     (``model.kt_split_costs`` None: the split off)."""
     costs = getattr(model, "kt_split_costs", None)

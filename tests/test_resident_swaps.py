@@ -164,6 +164,19 @@ def test_the_copy_cost_in_rows(monkeypatch):
     assert update_resident_experts(model)["swapped"] == 2
 
 
+def _assert_logits_as_if_placed_there(model, n: int) -> None:
+    """``model``'s logits equal those of a copy whose ``n`` residents a layer were placed where ``model``'s are now
+    from the start (swaps leave the model as a placement would)."""
+    fresh = copy.deepcopy(model)
+    for m in moe_experts_modules(fresh):
+        order = torch.tensor(m.kt_gpu_expert_ids)
+        gpu_memory.drop_resident_experts(m)
+        place_resident_experts(m, n, torch.device("cpu"), initial=order)
+    ids = torch.randint(0, 256, (1, 5))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, fresh(ids).logits)
+
+
 def test_begin_on_the_cpu_finishes_at_once_and_generate_decodes_with_the_swapped_set():
     """On the CPU stand-in the swaps are done when begin_resident_swaps returns; generate's decode uses the new
     residents, with the logits of a model whose residents were placed there from the start."""
@@ -173,14 +186,7 @@ def test_begin_on_the_cpu_finishes_at_once_and_generate_decodes_with_the_swapped
     swaps = begin_resident_swaps(model)
     assert swaps.swapped == 4 and not swaps.pending and swaps.poll()
     _check_consistent(model, 2)
-    fresh = copy.deepcopy(model)
-    for m in moe_experts_modules(fresh):
-        order = torch.tensor(m.kt_gpu_expert_ids)
-        gpu_memory.drop_resident_experts(m)
-        place_resident_experts(m, 2, torch.device("cpu"), initial=order)
-    ids = torch.randint(0, 256, (1, 5))
-    with torch.no_grad():
-        assert torch.equal(model(ids).logits, fresh(ids).logits)
+    _assert_logits_as_if_placed_there(model, 2)
 
 
 def test_copy_runs_selects_the_experts_in_order():
@@ -231,12 +237,4 @@ def test_the_warm_ups_routing_picks_the_first_residents():
     for other in (profiled, counted):
         generation._warm_up_prefill(other, generation.WARM_UP_TOKENS)
         assert [sorted(m.kt_gpu_expert_ids) for m in moe_experts_modules(other)] == before
-
-    fresh = copy.deepcopy(model)
-    for m in moe_experts_modules(fresh):
-        order = torch.tensor(m.kt_gpu_expert_ids)
-        gpu_memory.drop_resident_experts(m)
-        place_resident_experts(m, 2, torch.device("cpu"), initial=order)
-    prompt = torch.randint(0, 256, (1, 5))
-    with torch.no_grad():
-        assert torch.equal(model(prompt).logits, fresh(prompt).logits)
+    _assert_logits_as_if_placed_there(model, 2)

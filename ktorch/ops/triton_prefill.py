@@ -31,6 +31,7 @@ Limits: CUDA tensors (or CPU tensors under Triton's interpreter, TRITON_INTERPRE
 activations; a group that neither divides nor is divided by a BLOCK_K of 16..128 (a power of two), is refused.
 """
 
+import functools
 from typing import NamedTuple, Optional
 
 import torch  # no "from __future__ import annotations": Triton reads the tl.constexpr annotations
@@ -410,22 +411,16 @@ def warm_tiles(rows, activation: str, dtype: torch.dtype) -> int:
 
 def tile_launches(rows, activation: str, dtype: torch.dtype) -> list:
     """``warm_tiles``' launches, not run: a callable per ``TILES`` entry the grouped kernels take on these rows, each
-    launching them once on one token's row (its own zero inputs). The load-time warm-up runs those of every format
-    side by side (generation._warm_resident_tiles: Triton's compile releases the GIL)."""
+    launching them once on one token's row of zeros (inputs the launches only read, shared). The load-time warm-up
+    runs those of every format side by side (generation._warm_resident_tiles: Triton's compile releases the GIL)."""
     if not triton_available() or dtype not in (torch.bfloat16, torch.float16):
         return []
     n, two_i, H = _shapes(rows)
     hidden = torch.zeros(1, H, dtype=dtype, device=rows.w13.device)
-    launches = []
-    for _, tile in TILES:
-        if grouped_applies(hidden, rows, tile):
-            def launch(tile=tile):
-                x = torch.zeros(1, H, dtype=dtype, device=rows.w13.device)
-                slots = torch.zeros(1, 1, dtype=torch.int32, device=x.device)
-                weights = torch.zeros(1, 1, dtype=torch.float32, device=x.device)
-                triton_grouped_forward(x, slots, weights, rows, activation, tile=tile)
-            launches.append(launch)
-    return launches
+    slots = torch.zeros(1, 1, dtype=torch.int32, device=hidden.device)
+    weights = torch.zeros(1, 1, dtype=torch.float32, device=hidden.device)
+    return [functools.partial(triton_grouped_forward, hidden, slots, weights, rows, activation, tile=tile)
+            for _, tile in TILES if grouped_applies(hidden, rows, tile)]
 
 
 def every_tile_takes(rows) -> bool:
